@@ -1,0 +1,340 @@
+"""Per-sequence block tables on top of the block pool: prefix hits, decode, fork with copy-on-write.
+
+``allocate`` walks the prompt's full blocks through the cache and stops at the first miss, but never
+serves the last prompt token from the cache (its logits are needed), so at most ``n - 1`` tokens
+hit, rounded down to whole blocks. Every full block, from the prompt or filled during decode, is
+registered in the cache the moment it is full. ``fork`` shares all blocks, including a partial tail;
+the first write into a shared partial block copies it (copy-on-write) and reports ``(src, dst)`` so an
+engine can copy the K/V tensors. ``free`` releases tail first, so the ends of chains are evicted
+before their shared heads. Every public method either succeeds or raises with the state unchanged.
+
+References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``,
+``free``) and ``vllm/v1/core/single_type_kv_cache_manager.py`` (``cache_blocks``); vLLM v0
+``vllm/core/block/cpu_gpu_block_allocator.py`` (copy-on-write); nano-vllm
+``nanovllm/engine/block_manager.py`` (``can_allocate``, ``allocate``, ``may_append``, ``deallocate``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kvlab.block_pool import Block, BlockPool, NoFreeBlocksError, check
+from kvlab.hashing import BlockHash, ExtraKeys, HashFn, first_block_extra_keys, hash_block
+from kvlab.metrics import PrefixCacheMetrics
+
+__all__ = ["AppendResult", "BlockManager", "DuplicateSequenceError", "NoFreeBlocksError",
+           "SeqBlocks", "UnknownSequenceError"]
+
+
+class UnknownSequenceError(LookupError):
+    """Raised for a sequence id the manager does not hold (never allocated, or already freed)."""
+
+
+class DuplicateSequenceError(ValueError):
+    """Raised when allocating or forking into a sequence id that is already live."""
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """A live sequence: its tokens, its block table and the hashes of its full blocks."""
+
+    seq_id: Hashable
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)  # logical block i -> physical block id
+    block_hashes: list[BlockHash] = field(default_factory=list)  # one per full block
+    extra_keys: ExtraKeys = ()  # first block's: model fingerprint, salt
+    salt: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class AppendResult:
+    """What one decode write did: a newly taken block, and a copy-on-write ``(src, dst)`` pair."""
+
+    new_block: int | None = None
+    cow: tuple[int, int] | None = None
+
+
+class BlockManager:
+    """Block tables for many sequences sharing one pool, with prefix caching and copy-on-write."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        model_fingerprint: str = "",
+        hash_fn: HashFn = hash_block,
+        enable_caching: bool = True,
+        cow: bool = True,
+        trace: bool = False,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size, trace=trace)  # validates both sizes
+        self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.hash_fn = hash_fn
+        self.enable_caching = enable_caching
+        self.cow = cow  # False = the article's "writable shared block" bug, kept for teaching
+        self.seqs: dict[Hashable, SeqBlocks] = {}
+        self.metrics = PrefixCacheMetrics()
+
+    # --- queries ----------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (empty or cached-but-evictable)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a live sequence."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def _seq(self, seq_id: Hashable) -> SeqBlocks:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never allocated, or already freed)") from None
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """Physical block ids of a sequence, in logical order."""
+        return list(self._seq(seq_id).block_table)
+
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        """Prompt tokens this sequence took from the cache at ``allocate``."""
+        return self._seq(seq_id).num_cached_tokens
+
+    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
+        """Physical slot (block_id * block_size + offset) of each position in ``[start, end)``."""
+        seq, bs = self._seq(seq_id), self.block_size
+        end = len(seq.token_ids) if end is None else end
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def read_tokens(self, seq_id: Hashable) -> list[int | None]:
+        """What the sequence reads back through its block table (None for an empty slot)."""
+        seq, bs, blocks = self._seq(seq_id), self.block_size, self.pool.blocks
+        out = []
+        for p in range(len(seq.token_ids)):
+            slots = blocks[seq.block_table[p // bs]].token_ids
+            out.append(slots[p % bs] if p % bs < len(slots) else None)
+        return out
+
+    def wasted_slots(self) -> int:
+        """Empty slots in blocks that are in use (the partial tail blocks)."""
+        return sum(self.block_size - len(b.token_ids) for b in self.pool.blocks if b.ref_count > 0)
+
+    def stats(self) -> dict:
+        """Metrics plus the pool's state: usage, free and cached blocks, evictions, wasted slots."""
+        return {
+            **self.metrics.as_dict(),
+            "usage": self.usage,
+            "num_free_blocks": self.num_free_blocks,
+            "num_cached_blocks": sum(len(v) for v in self.pool.cached.values()),
+            "evictions": self.pool.num_evictions,
+            "wasted_slots": self.wasted_slots(),
+        }
+
+    # --- prefix lookup ------------------------------------------------------------------------------
+    def _check_prompt(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
+        tokens = list(token_ids)
+        if not tokens:
+            raise ValueError("a prompt needs at least one token")
+        if any(type(t) is not int for t in tokens):
+            raise TypeError("token ids must be ints")
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError(f"salt must be a str or None, got {type(salt).__name__}")
+        return tokens
+
+    def _hash_full_blocks(self, tokens: list[int], keys: ExtraKeys, limit: int) -> list[BlockHash]:
+        bs, out, parent = self.block_size, [], None
+        for i in range(limit):
+            parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs], keys if i == 0 else ())
+            out.append(parent)
+        self.metrics.hashed_blocks += limit
+        self.metrics.hashed_tokens += limit * bs
+        return out
+
+    def _longest_hit(self, tokens: list[int], hashes: list[BlockHash], keys: ExtraKeys) -> list[Block]:
+        """Cached blocks of the longest prefix, capped so the last prompt token is recomputed."""
+        bs, hits, parent_serial = self.block_size, [], 0
+        for i in range((len(tokens) - 1) // bs):
+            block = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs], parent_serial, keys if i == 0 else ())
+            if block is None:
+                break
+            hits.append(block)
+            parent_serial = block.serial
+        return hits
+
+    def _blocks_needed(self, n_tokens: int, hits: list[Block]) -> int:
+        # new blocks + cached hits that currently sit in the free list (reviving them uses a free slot)
+        return -(-n_tokens // self.block_size) - len(hits) + sum(b.ref_count == 0 for b in hits)
+
+    def can_allocate(self, token_ids: Sequence[int], salt: str | None = None) -> bool:
+        """Whether ``allocate`` would find enough free blocks (counts cache hits; changes nothing)."""
+        tokens = self._check_prompt(token_ids, salt)
+        keys = first_block_extra_keys(self.model_fingerprint, salt)
+        hits: list[Block] = []
+        if self.enable_caching:
+            saved = self.metrics.hashed_blocks, self.metrics.hashed_tokens
+            hashes = self._hash_full_blocks(tokens, keys, (len(tokens) - 1) // self.block_size)
+            self.metrics.hashed_blocks, self.metrics.hashed_tokens = saved
+            hits = self._longest_hit(tokens, hashes, keys)
+        return self._blocks_needed(len(tokens), hits) <= self.num_free_blocks
+
+    # --- mutations ----------------------------------------------------------------------------------
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """Give a new sequence its blocks, reusing the longest cached prefix; return cached tokens."""
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+        tokens = self._check_prompt(token_ids, salt)
+        bs, n, pool = self.block_size, len(tokens), self.pool
+        keys = first_block_extra_keys(self.model_fingerprint, salt)
+        hashes: list[BlockHash] = []
+        hits: list[Block] = []
+        if self.enable_caching:
+            saved = self.metrics.hashed_blocks, self.metrics.hashed_tokens
+            hashes = self._hash_full_blocks(tokens, keys, n // bs)
+            hits = self._longest_hit(tokens, hashes, keys)
+            needed = self._blocks_needed(n, hits)
+            if needed > pool.num_free_blocks:
+                self.metrics.hashed_blocks, self.metrics.hashed_tokens = saved  # unchanged state
+        else:
+            needed = self._blocks_needed(n, hits)
+        if needed > pool.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"sequence {seq_id!r} needs {needed} free blocks, {pool.num_free_blocks} of "
+                f"{pool.num_blocks} are free")
+
+        misses = self._classify_misses(n, hashes, len(hits))  # before this request fills the cache
+        pool.tick()
+        seq = SeqBlocks(seq_id, tokens, extra_keys=keys, salt=salt, num_cached_tokens=len(hits) * bs)
+        for block in hits:
+            pool.hit(block, seq_id)
+            seq.block_table.append(block.block_id)
+        parent_serial = hits[-1].serial if hits else 0
+        for i in range(len(hits), -(-n // bs)):
+            block = pool.take(seq_id)
+            block.token_ids = tokens[i * bs : (i + 1) * bs]
+            seq.block_table.append(block.block_id)
+            if self.enable_caching and i < n // bs:
+                pool.register(block, hashes[i], hashes[i - 1] if i else None, parent_serial,
+                              keys if i == 0 else (), seq_id)
+                parent_serial = block.serial
+        seq.block_hashes = hashes
+        self.seqs[seq_id] = seq
+        self.metrics.blocks_hit += len(hits)
+        self.metrics.blocks_taken += len(seq.block_table) - len(hits)
+        self.metrics.record_lookup(salt, n, seq.num_cached_tokens, misses)
+        return seq.num_cached_tokens
+
+    def _classify_misses(self, n: int, hashes: list[BlockHash], n_hits: int) -> dict[str, int]:
+        bs, pool = self.block_size, self.pool
+        eligible = (n - 1) // bs  # full blocks that may hit; the rest is "short"
+        misses = {"short": n - eligible * bs, "no_prefix": 0, "evicted": 0}
+        for i in range(n_hits, eligible):
+            # evicted before, or still cached but cut off from its chain because its parent was evicted
+            seen = i < len(hashes) and (hashes[i] in pool.evicted_hashes or hashes[i] in pool.cached)
+            misses["evicted" if seen else "no_prefix"] += bs
+        return misses
+
+    def can_append(self, seq_id: Hashable) -> bool:
+        """Whether the next ``append`` has the free block it may need."""
+        seq = self._seq(seq_id)
+        if len(seq.token_ids) % self.block_size == 0:
+            return self.num_free_blocks > 0
+        last = self.pool.blocks[seq.block_table[-1]]
+        return not (self.cow and last.ref_count > 1) or self.num_free_blocks > 0
+
+    def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
+        """Write one decoded token: take a block if the last is full, copy it first if it is shared."""
+        seq = self._seq(seq_id)
+        if type(token_id) is not int:
+            raise TypeError("token ids must be ints")
+        if not self.can_append(seq_id):
+            raise NoFreeBlocksError(f"sequence {seq_id!r} needs a block and none is free")
+        pool, bs = self.pool, self.block_size
+        pool.tick()
+        pos = len(seq.token_ids)
+        offset = pos % bs
+        new_block = cow = None
+        if offset == 0:
+            block = pool.take(seq_id)
+            seq.block_table.append(block.block_id)
+            new_block = block.block_id
+        else:
+            block = pool.blocks[seq.block_table[-1]]
+            if block.ref_count > 1 and self.cow:
+                block, shared = self._copy_on_write(seq, block), block
+                cow = (shared.block_id, block.block_id)
+        if offset < len(block.token_ids):
+            block.token_ids[offset] = token_id  # only reachable with cow=False: overwrites a shared slot
+        else:
+            block.token_ids.append(token_id)
+        seq.token_ids.append(token_id)
+        if offset == bs - 1 and self.enable_caching and block.block_hash is None:
+            self._register_decoded(seq, block)
+        return AppendResult(new_block, cow)
+
+    def _copy_on_write(self, seq: SeqBlocks, shared: Block) -> Block:
+        """Move ``seq`` off a shared partial block onto a private copy of it."""
+        copy = self.pool.take(seq.seq_id)
+        copy.token_ids = shared.token_ids[: len(seq.token_ids) % self.block_size]
+        seq.block_table[-1] = copy.block_id
+        self.pool.release(shared, seq.seq_id)
+        self.metrics.cow_copies += 1
+        return copy
+
+    def _register_decoded(self, seq: SeqBlocks, block: Block) -> None:
+        i = len(seq.block_table) - 1
+        parent = seq.block_hashes[-1] if i else None
+        keys = seq.extra_keys if i == 0 else ()
+        h = self.hash_fn(parent, block.token_ids, keys)
+        self.metrics.hashed_blocks += 1
+        self.metrics.hashed_tokens += self.block_size
+        parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
+        self.pool.register(block, h, parent, parent_serial, keys, seq.seq_id)
+        seq.block_hashes.append(h)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start ``child_id`` as a copy of ``parent_id`` that shares every block (no copying yet)."""
+        parent = self._seq(parent_id)
+        if child_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {child_id!r} is already allocated")
+        self.pool.tick()
+        for block_id in parent.block_table:
+            self.pool.share(self.pool.blocks[block_id], child_id)
+        self.seqs[child_id] = SeqBlocks(
+            child_id, list(parent.token_ids), list(parent.block_table), list(parent.block_hashes),
+            parent.extra_keys, parent.salt, parent.num_cached_tokens)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a finished sequence's blocks, tail first, so chain tails are evicted first."""
+        seq = self._seq(seq_id)
+        self.pool.tick()
+        for block_id in reversed(seq.block_table):
+            self.pool.release(self.pool.blocks[block_id], seq_id)
+        del self.seqs[seq_id]
+
+    # --- invariants -------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` unless every ref count, table, cache entry and slot is consistent."""
+        self.pool.check_invariants(self.hash_fn)
+        refs = Counter(b for seq in self.seqs.values() for b in seq.block_table)
+        for block in self.pool.blocks:
+            check(block.ref_count == refs[block.block_id],
+                  f"block {block.block_id}: ref count {block.ref_count} but {refs[block.block_id]} "
+                  f"block-table references (leak or double free)")
+        bs = self.block_size
+        for seq in self.seqs.values():
+            n = len(seq.token_ids)
+            check(len(seq.block_table) == -(-n // bs),
+                  f"sequence {seq.seq_id!r}: {len(seq.block_table)} blocks for {n} tokens")
+            check(self.read_tokens(seq.seq_id) == seq.token_ids,
+                  f"sequence {seq.seq_id!r} reads other tokens than it wrote (a shared block was written)")
+            if self.enable_caching:
+                check(len(seq.block_hashes) == n // bs, f"sequence {seq.seq_id!r}: wrong number of block hashes")
+                for i in range(n // bs):
+                    block = self.pool.blocks[seq.block_table[i]]
+                    check(block.block_hash == seq.block_hashes[i],
+                          f"sequence {seq.seq_id!r}: full block {i} is not cached under its hash")

@@ -1,0 +1,243 @@
+"""The physical KV-cache blocks: ref counts, an LRU free list, lazy eviction, and a per-block trace.
+
+A block is taken from the head of the free list and comes back to its tail when its ref count drops
+to 0. A full block keeps its hash while it sits in the free list, so a later request can revive it
+with a cache hit (``hit``); only when the block is taken for new data is its hash dropped (lazy
+eviction). The free list is therefore also the LRU eviction order, and it never holds a block that
+someone still references: LRU can only evict blocks with ref count 0.
+
+The cache maps a hash to the blocks registered under it. A lookup accepts a block only if its token
+ids, its extra keys and its parent block (by ``serial``, a number given to each distinct cached
+content) match, so a hash collision can never hand out another prefix's K/V.
+
+References: vLLM ``vllm/v1/core/block_pool.py`` (``BlockPool``, ``get_new_blocks``, ``touch``,
+``free_blocks``) and ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``);
+nano-vllm ``nanovllm/engine/block_manager.py`` (``Block``, ``free_block_ids``, ``hash_to_block_id``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kvlab.hashing import BlockHash, ExtraKeys
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when a block is needed and every block is referenced."""
+
+
+class InvariantError(AssertionError):
+    """Raised by ``check_invariants`` when the block bookkeeping is inconsistent."""
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise ``InvariantError(message)`` unless ``condition`` holds (kept under ``python -O``)."""
+    if not condition:
+        raise InvariantError(message)
+
+
+@dataclass(slots=True)
+class Block:
+    """One physical block: ``block_size`` slots of K/V, represented here by the token ids written."""
+
+    block_id: int
+    ref_count: int = 0
+    token_ids: list[int] = field(default_factory=list)  # slot i holds token_ids[i]
+    block_hash: BlockHash | None = None  # set while the block is registered in the cache
+    parent_hash: BlockHash | None = None
+    extra_keys: ExtraKeys = ()
+    serial: int = 0  # names this exact content (prefix included); 0 = not cached
+    parent_serial: int = 0  # serial of the block before it; 0 for a first block
+    created_at: int = 0  # pool clock when last taken from the free list
+    last_access: int = 0  # pool clock of the last take, hit, share or release
+
+    def reset(self) -> None:
+        """Forget the contents and the hash (the block is about to hold new data)."""
+        self.token_ids = []
+        self.block_hash = self.parent_hash = None
+        self.extra_keys = ()
+        self.serial = self.parent_serial = 0
+
+
+@dataclass(slots=True, frozen=True)
+class TraceEvent:
+    """One change in a block's life, for debugging ref-count leaks."""
+
+    t: int
+    block_id: int
+    event: str  # take | hit | share | release | evict | register
+    ref_count: int  # after the event
+    owner: Hashable  # the sequence that caused it
+
+
+class BlockPool:
+    """``num_blocks`` blocks, a free list in LRU order, and the hash -> block cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, trace: bool = False) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next victim
+        self.cached: dict[BlockHash, list[Block]] = {}
+        self.evicted_hashes: set[BlockHash] = set()  # for classifying misses; grows with distinct hashes
+        self.trace: list[TraceEvent] | None = [] if trace else None
+        self.clock = 0
+        self.num_evictions = 0
+        self._next_serial = 1
+
+    @property
+    def num_blocks(self) -> int:
+        """Total number of physical blocks."""
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (empty or cached-but-evictable)."""
+        return len(self.free)
+
+    def tick(self) -> int:
+        """Advance the logical clock (one tick per manager operation) and return it."""
+        self.clock += 1
+        return self.clock
+
+    def _record(self, block: Block, event: str, owner: Hashable) -> None:
+        block.last_access = self.clock
+        if self.trace is not None:
+            self.trace.append(TraceEvent(self.clock, block.block_id, event, block.ref_count, owner))
+
+    # --- taking and returning blocks -------------------------------------------------------------
+    def take(self, owner: Hashable = None) -> Block:
+        """Take the least recently used free block, evicting its cached contents, with ref count 1."""
+        if not self.free:
+            raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
+        block = self.blocks[self.free.popitem(last=False)[0]]
+        if block.block_hash is not None:
+            self._uncache(block)
+            self.evicted_hashes.add(block.block_hash)
+            self.num_evictions += 1
+            self._record(block, "evict", owner)
+        block.reset()
+        block.ref_count = 1
+        block.created_at = self.clock
+        self._record(block, "take", owner)
+        return block
+
+    def hit(self, block: Block, owner: Hashable = None) -> None:
+        """Reference a cached block found by ``lookup``; a free one leaves the free list."""
+        if block.ref_count == 0:
+            del self.free[block.block_id]
+        block.ref_count += 1
+        self._record(block, "hit", owner)
+
+    def share(self, block: Block, owner: Hashable = None) -> None:
+        """Add a reference to a block that is already in use (fork)."""
+        if block.ref_count <= 0:
+            raise ValueError(f"block {block.block_id} is not in use; cannot share it")
+        block.ref_count += 1
+        self._record(block, "share", owner)
+
+    def release(self, block: Block, owner: Hashable = None) -> None:
+        """Drop one reference; at 0 the block joins the tail of the free list (still cached)."""
+        if block.ref_count <= 0:
+            raise ValueError(f"block {block.block_id} has ref count {block.ref_count}; double free?")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block.block_id] = None
+        self._record(block, "release", owner)
+
+    def next_victim(self) -> int | None:
+        """The block id that the next ``take`` would reuse (None when nothing is free)."""
+        return next(iter(self.free), None)
+
+    # --- the prefix cache ----------------------------------------------------------------------
+    def lookup(
+        self, block_hash: BlockHash, token_ids: Sequence[int], parent_serial: int, extra_keys: ExtraKeys = ()
+    ) -> Block | None:
+        """A cached block with this hash *and* these tokens, parent and extra keys, else None."""
+        for block in self.cached.get(block_hash, ()):
+            if (
+                block.parent_serial == parent_serial
+                and block.token_ids == token_ids
+                and block.extra_keys == extra_keys
+            ):
+                return block
+        return None
+
+    def register(
+        self,
+        block: Block,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None,
+        parent_serial: int,
+        extra_keys: ExtraKeys = (),
+        owner: Hashable = None,
+    ) -> None:
+        """Put a full block in the cache under ``block_hash`` so later requests can hit it."""
+        if len(block.token_ids) != self.block_size or block.block_hash is not None:
+            raise ValueError(f"block {block.block_id} is not a full, uncached block")
+        twin = self.lookup(block_hash, block.token_ids, parent_serial, extra_keys)
+        if twin is None:
+            block.serial, self._next_serial = self._next_serial, self._next_serial + 1
+        else:  # same content computed twice: one serial, so children of either twin match
+            block.serial = twin.serial
+        block.block_hash, block.parent_hash = block_hash, parent_hash
+        block.parent_serial, block.extra_keys = parent_serial, extra_keys
+        self.cached.setdefault(block_hash, []).append(block)
+        self.evicted_hashes.discard(block_hash)
+        self._record(block, "register", owner)
+
+    def _uncache(self, block: Block) -> None:
+        bucket = self.cached[block.block_hash]
+        bucket.remove(block)
+        if not bucket:
+            del self.cached[block.block_hash]
+
+    # --- debugging -----------------------------------------------------------------------------
+    def history(self, block_id: int) -> list[TraceEvent]:
+        """Every traced event of one block, oldest first (needs ``trace=True``)."""
+        if self.trace is None:
+            raise RuntimeError("tracing is off: create the pool with trace=True")
+        return [e for e in self.trace if e.block_id == block_id]
+
+    def block_report(self) -> list[dict]:
+        """One row per block: ref count, created, last access, cached, free; the article's debug marks."""
+        return [
+            {
+                "block_id": b.block_id,
+                "ref_count": b.ref_count,
+                "created_at": b.created_at,
+                "last_access": b.last_access,
+                "idle_for": self.clock - b.last_access,
+                "cached": b.block_hash is not None,
+                "free": b.block_id in self.free,
+                "tokens": len(b.token_ids),
+            }
+            for b in self.blocks
+        ]
+
+    def check_invariants(self, hash_fn=None) -> None:
+        """Free list == blocks with ref 0; cache entries consistent (recomputed with ``hash_fn``)."""
+        check(len(self.free) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks,
+              "blocks not conserved: free + in use != num_blocks")
+        for b in self.blocks:
+            check(b.ref_count >= 0, f"block {b.block_id} has negative ref count {b.ref_count}")
+            check((b.ref_count == 0) == (b.block_id in self.free),
+                  f"block {b.block_id}: ref count {b.ref_count} but free={b.block_id in self.free}")
+            check(len(b.token_ids) <= self.block_size, f"block {b.block_id} overfull")
+        n_cached = 0
+        for h, bucket in self.cached.items():
+            check(len(bucket) > 0, "empty cache bucket")
+            for b in bucket:
+                n_cached += 1
+                check(b.block_hash == h, f"block {b.block_id} cached under a hash it does not carry")
+                check(len(b.token_ids) == self.block_size, f"cached block {b.block_id} is not full")
+                check(b.serial > 0, f"cached block {b.block_id} has no serial")
+                if hash_fn is not None:
+                    check(hash_fn(b.parent_hash, b.token_ids, b.extra_keys) == h,
+                          f"cached block {b.block_id}: tokens do not match its hash")
+        check(n_cached == sum(b.block_hash is not None for b in self.blocks),
+              "a block carries a hash but is not in the cache")

@@ -1,0 +1,75 @@
+"""Chained hashes of full KV-cache blocks: the key under which a block of K/V can be shared.
+
+A block's hash covers its parent's hash, its own token ids and some extra keys, so two blocks hash
+alike only if everything before them matched too. The first block's extra keys carry the model
+fingerprint and, when given, a tenant salt: different models or tenants never share a block.
+Only *full* blocks get a hash; a partial tail block is never shared through the cache.
+
+sha256 is the default because collisions of Python's ``hash()`` can be crafted on purpose (vLLM
+advisory GHSA-rm76-4mrf-v9r8; vLLM's default is sha256 since v0.10.2). kvlab's pool goes one step
+further than vLLM and checks each hit's token ids and parent block, so even a collision can cost a
+hit but never serve wrong K/V (see ``block_pool.BlockPool.lookup``).
+
+References: vLLM ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``, ``NONE_HASH``,
+``generate_block_hash_extra_keys``); nano-vllm ``nanovllm/engine/block_manager.py``
+(``compute_hash``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
+
+BlockHash = bytes
+ExtraKeys = tuple
+HashFn = Callable[[BlockHash | None, Sequence[int], ExtraKeys], BlockHash]
+
+# The parent hash of every first block; a fixed seed keeps hashes reproducible across runs.
+NONE_HASH: BlockHash = hashlib.sha256(b"kvlab-root").digest()
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> BlockHash:
+    """sha256 over the parent hash, the block's token ids (int64) and its extra keys."""
+    h = hashlib.sha256(NONE_HASH if parent is None else parent)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def builtin_hash(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> BlockHash:
+    """Python's ``hash()`` of a tuple, 8 bytes: fast, but collisions can be crafted (benchmarks only)."""
+    return hash((parent, tuple(token_ids), extra_keys)).to_bytes(8, "little", signed=True)
+
+
+def first_block_extra_keys(model_fingerprint: str = "", salt: str | None = None) -> ExtraKeys:
+    """Extra keys of a sequence's first block: the model fingerprint and the tenant salt, if any."""
+    keys: tuple = ()
+    if model_fingerprint:
+        keys += (("model", model_fingerprint),)
+    if salt is not None:
+        keys += (("salt", salt),)
+    return keys
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: ExtraKeys = (),
+    hash_fn: HashFn = hash_block,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``; the partial tail gets none."""
+    hashes: list[BlockHash] = []
+    for i in range(len(token_ids) // block_size):
+        keys = extra_keys if i == 0 and parent is None else ()
+        parent = hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size], keys)
+        hashes.append(parent)
+    return hashes
+
+
+def model_fingerprint(name: str, **config: object) -> str:
+    """A short, stable fingerprint of a model: its name and the config values that change its K/V."""
+    text = repr((name, sorted(config.items())))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,94 @@
+"""Prefix-cache metrics counted in tokens, with every miss given a reason.
+
+vLLM reports prefix-cache queries and hits in tokens (``PrefixCacheStats``) and a hit rate; a 0 % hit
+rate then looks the same whether the prompts were too short to fill a block, shared nothing, or were
+evicted before they came back. Here each missed token gets one of three reasons:
+
+- ``short``: not inside a cacheable full block: a prompt shorter than one block, the partial tail
+  block, or the block holding the last prompt token (always recomputed, its logits are needed);
+- ``no_prefix``: a full block whose content was never cached (nothing shared it);
+- ``evicted``: a full block whose hash was cached before but was evicted by LRU.
+
+References: vLLM ``vllm/v1/metrics/stats.py`` (``PrefixCacheStats``) and
+``vllm/v1/core/kv_cache_manager.py`` (``make_prefix_cache_stats``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+MISS_REASONS = ("short", "no_prefix", "evicted")
+
+
+@dataclass(slots=True)
+class CacheCounts:
+    """Queries and hits in tokens, and misses by reason, for one tenant or in total."""
+
+    requests: int = 0
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens served from the cache
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / query tokens (0.0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    def add(self, queries: int, hits: int, misses: dict[str, int]) -> None:
+        """Count one request's lookup."""
+        self.requests += 1
+        self.queries += queries
+        self.hits += hits
+        for reason, n in misses.items():
+            self.misses[reason] += n
+
+
+@dataclass(slots=True)
+class PrefixCacheMetrics:
+    """Everything the block manager counts: lookups, hash work, allocation, copy-on-write."""
+
+    total: CacheCounts = field(default_factory=CacheCounts)
+    by_tenant: dict[Hashable, CacheCounts] = field(default_factory=dict)  # key: the salt (None = no salt)
+    hashed_blocks: int = 0  # hash function calls
+    hashed_tokens: int = 0  # tokens fed to the hash function
+    blocks_taken: int = 0  # blocks taken from the free list (new data)
+    blocks_hit: int = 0  # blocks served by the cache
+    cow_copies: int = 0
+
+    def record_lookup(self, tenant: Hashable, queries: int, hits: int, misses: dict[str, int]) -> None:
+        """Count one request's prefix lookup, in total and for its tenant."""
+        if queries != hits + sum(misses.values()):
+            raise ValueError("every queried token must be a hit or a miss with a reason")
+        self.total.add(queries, hits, misses)
+        self.by_tenant.setdefault(tenant, CacheCounts()).add(queries, hits, misses)
+
+    @property
+    def hit_rate(self) -> float:
+        """Overall hit rate in tokens."""
+        return self.total.hit_rate
+
+    def as_dict(self) -> dict:
+        """A flat dict (for JSON and DataFrames)."""
+        t = self.total
+        out = {
+            "requests": t.requests,
+            "query_tokens": t.queries,
+            "hit_tokens": t.hits,
+            "hit_rate": t.hit_rate,
+            **{f"miss_{r}": n for r, n in t.misses.items()},
+            "hashed_blocks": self.hashed_blocks,
+            "hashed_tokens": self.hashed_tokens,
+            "blocks_taken": self.blocks_taken,
+            "blocks_hit": self.blocks_hit,
+            "cow_copies": self.cow_copies,
+        }
+        return out
+
+    def tenant_table(self) -> list[dict]:
+        """One row per tenant: requests, query and hit tokens, hit rate, misses by reason."""
+        return [
+            {"tenant": k, "requests": c.requests, "query_tokens": c.queries, "hit_tokens": c.hits,
+             "hit_rate": c.hit_rate, **{f"miss_{r}": n for r, n in c.misses.items()}}
+            for k, c in self.by_tenant.items()
+        ]
