@@ -1,0 +1,81 @@
+"""Chained block hashes: prefix-stable, sensitive to every token before them, keyed by model and salt."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.hashing import (
+    NONE_HASH,
+    builtin_hash,
+    first_block_extra_keys,
+    hash_block,
+    hash_token_blocks,
+    model_fingerprint,
+)
+
+tokens = st.lists(st.integers(min_value=0, max_value=2**40), max_size=40)
+
+
+def test_only_full_blocks_are_hashed():
+    assert len(hash_token_blocks(list(range(15)), 4)) == 3
+    assert len(hash_token_blocks(list(range(16)), 4)) == 4
+    assert hash_token_blocks([1, 2, 3], 4) == []
+
+
+def test_first_hash_chains_from_none_hash():
+    assert hash_token_blocks([1, 2], 2) == [hash_block(None, [1, 2])]
+    assert hash_block(None, [1, 2]) == hash_block(NONE_HASH, [1, 2])
+    assert len(hash_block(None, [1, 2])) == 32  # sha256
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens, tokens)
+def test_hashes_of_a_prefix_are_a_prefix_of_the_hashes(a, b):
+    full = hash_token_blocks(a + b, 4)
+    assert hash_token_blocks(a, 4) == full[: len(a) // 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens.filter(lambda t: len(t) >= 8), st.data())
+def test_changing_one_token_changes_its_block_and_all_later_blocks(t, data):
+    i = data.draw(st.integers(0, len(t) - 1))
+    changed = list(t)
+    changed[i] += 1
+    h1, h2 = hash_token_blocks(t, 4), hash_token_blocks(changed, 4)
+    k = i // 4
+    assert h1[:k] == h2[:k]
+    assert all(x != y for x, y in zip(h1[k:], h2[k:]))
+
+
+def test_extra_keys_only_enter_the_first_block_but_change_the_whole_chain():
+    t = list(range(12))
+    plain = hash_token_blocks(t, 4)
+    salted = hash_token_blocks(t, 4, first_block_extra_keys(salt="tenant-a"))
+    other_model = hash_token_blocks(t, 4, first_block_extra_keys("model-b"))
+    assert all(x != y for x, y in zip(plain, salted))
+    assert all(x != y for x, y in zip(plain, other_model))
+    assert all(x != y for x, y in zip(salted, hash_token_blocks(t, 4, first_block_extra_keys(salt="tenant-b"))))
+
+
+def test_extra_keys_are_ordered_and_optional():
+    assert first_block_extra_keys() == ()
+    assert first_block_extra_keys("fp", "s") == (("model", "fp"), ("salt", "s"))
+    assert first_block_extra_keys("", "s") == (("salt", "s"),)
+
+
+def test_model_fingerprint_is_stable_and_config_sensitive():
+    a = model_fingerprint("qwen", layers=2, heads=4)
+    assert a == model_fingerprint("qwen", heads=4, layers=2)
+    assert a != model_fingerprint("qwen", layers=3, heads=4)
+    assert a != model_fingerprint("llama", layers=2, heads=4)
+
+
+def test_builtin_hash_is_8_bytes_and_chained():
+    h = builtin_hash(None, [1, 2, 3])
+    assert len(h) == 8
+    assert builtin_hash(h, [4]) != builtin_hash(None, [4])
+
+
+@pytest.mark.parametrize("fn", [hash_block, builtin_hash])
+def test_hash_fn_is_deterministic(fn):
+    assert fn(None, [5, 6], (("salt", "x"),)) == fn(None, (5, 6), (("salt", "x"),))
