@@ -1,0 +1,133 @@
+"""Figures for the paged block manager: block tables, the physical pool with its LRU order, sweeps.
+
+Each figure is a pure function of plain data (``block_state`` takes the snapshot) and returns a
+matplotlib ``Figure``; notebook 04 wraps ``render_three_requests`` in a widget.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Hashable
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from kvlab.block_manager import BlockManager
+
+REF_COLORS = ["#ffffff", "#9ecae1", "#fdae6b", "#e6550d", "#a63603"]  # ref count 0, 1, 2, 3, >=4
+CACHED_FREE = "#d9d9d9"
+
+
+def _ref_color(ref: int) -> str:
+    return REF_COLORS[min(ref, len(REF_COLORS) - 1)]
+
+
+def block_state(manager: BlockManager) -> dict:
+    """A plain-data snapshot of the tables, the blocks and the free list (LRU order, victim first)."""
+    return {
+        "block_size": manager.block_size,
+        "seqs": {s.seq_id: {"table": list(s.block_table), "num_tokens": len(s.token_ids)} for s in manager.seqs.values()},
+        "blocks": [{"id": b.block_id, "ref_count": b.ref_count, "tokens": len(b.token_ids),
+                    "cached": b.block_hash is not None} for b in manager.pool.blocks],
+        "free_order": list(manager.pool.free),
+    }
+
+
+def plot_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] | None = None) -> Figure:
+    """Sequences x logical blocks (physical id, colour = ref count), and the pool with its LRU order."""
+    bs, seqs, blocks = state["block_size"], state["seqs"], state["blocks"]
+    width = max([len(s["table"]) for s in seqs.values()] + [1])
+    per_row = min(len(blocks), 16)
+    pool_rows = -(-len(blocks) // per_row)
+    fig, (ax, axp) = plt.subplots(
+        2, 1, figsize=(max(6.0, 0.55 * max(width, per_row) + 2), 0.5 * (len(seqs) + pool_rows) + 2.4),
+        gridspec_kw={"height_ratios": [max(len(seqs), 1), pool_rows]})
+    for row, (sid, s) in enumerate(seqs.items()):
+        y = len(seqs) - 1 - row
+        for j, pid in enumerate(s["table"]):
+            fill = min(bs, s["num_tokens"] - j * bs) / bs
+            ax.add_patch(Rectangle((j, y), 1, 0.8, facecolor="white", edgecolor="black"))
+            ax.add_patch(Rectangle((j, y), fill, 0.8, facecolor=_ref_color(blocks[pid]["ref_count"]), edgecolor="none"))
+            ax.add_patch(Rectangle((j, y), 1, 0.8, facecolor="none", edgecolor="black"))
+            ax.text(j + 0.5, y + 0.4, str(pid), ha="center", va="center", fontsize=8)
+    ax.set_yticks([len(seqs) - 1 - r + 0.4 for r in range(len(seqs))],
+                  [(labels or {}).get(s, str(s)) for s in seqs])
+    ax.set_xlim(0, max(width, 1))
+    ax.set_ylim(-0.2, max(len(seqs), 1))
+    ax.set_xlabel(f"logical block (block size {bs} tokens; shaded part = slots written)")
+    ax.set_title(title or "block tables: cell text = physical block id, colour = ref count")
+    rank = {b: i + 1 for i, b in enumerate(state["free_order"])}
+    for b in blocks:
+        x, y = b["id"] % per_row, pool_rows - 1 - b["id"] // per_row
+        free = b["ref_count"] == 0
+        color = (CACHED_FREE if b["cached"] else "white") if free else _ref_color(b["ref_count"])
+        victim = free and rank.get(b["id"]) == 1
+        axp.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor=color, edgecolor="red" if victim else "black",
+                                linewidth=2.5 if victim else 0.8))
+        axp.text(x + 0.45, y + 0.55, str(b["id"]), ha="center", va="center", fontsize=8)
+        if free:
+            axp.text(x + 0.45, y + 0.18, f"LRU{rank[b['id']]}", ha="center", va="center", fontsize=6)
+    axp.set_xlim(0, per_row)
+    axp.set_ylim(-0.1, pool_rows)
+    axp.set_yticks([])
+    axp.set_xticks([])
+    axp.set_title("physical pool: LRUk = k-th in the free list (red edge = next victim)", fontsize=9)
+    handles = [Patch(facecolor=_ref_color(r), edgecolor="black", label=f"ref {r}" + ("+" if r == 4 else ""))
+               for r in range(1, 5)]
+    handles += [Patch(facecolor=CACHED_FREE, edgecolor="black", label="free, still cached"),
+                Patch(facecolor="white", edgecolor="black", label="free, empty")]
+    axp.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.05), ncol=6, fontsize=7, frameon=False)
+    for a in (ax, axp):
+        a.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
+    """Hit rate, wasted slots, hash calls and miss reasons against block size (one row per size)."""
+    bs = [r["block_size"] for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    (a, b), (c, d) = axes
+    a.plot(bs, [100 * r["hit_rate"] for r in rows], "o-")
+    a.set(ylabel="prefix-cache hit rate (% of prompt tokens)", title="hit rate")
+    b.plot(bs, [r["wasted_slots_mean"] for r in rows], "o-", color="C1")
+    b.set(ylabel="empty slots in partial blocks (mean per step)", title="wasted slots")
+    c.plot(bs, [r["hashed_blocks"] for r in rows], "o-", color="C2", label="hash calls")
+    c.plot(bs, [r["hashed_tokens"] for r in rows], "s--", color="C3", label="tokens hashed")
+    c.set(yscale="log", ylabel="count (log scale)", title="hash work")
+    c.legend(fontsize=8)
+    bottom = [0.0] * len(rows)
+    for reason, color in (("short", "C4"), ("no_prefix", "C5"), ("evicted", "C6")):
+        vals = [100 * r[f"miss_{reason}"] / r["query_tokens"] for r in rows]
+        d.bar([str(x) for x in bs], vals, bottom=bottom, color=color, label=reason)
+        bottom = [p + v for p, v in zip(bottom, vals)]
+    d.set(ylabel="missed prompt tokens (%)", title="why tokens missed", xlabel="block size (tokens)")
+    d.legend(fontsize=8)
+    for ax in (a, b, c):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (tokens)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title or "block-size sweep at a fixed KV capacity")
+    fig.tight_layout()
+    return fig
+
+
+def render_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
+    """The article's three requests run to the end; the last state drawn (a refusal is shown, not raised)."""
+    from kvlab.block_manager import NoFreeBlocksError
+    from kvlab.workloads import three_requests
+
+    caption, manager = "", None
+    try:
+        for caption, manager in three_requests(block_size, num_blocks):
+            pass
+    except NoFreeBlocksError as err:
+        caption = f"refused: {err}"
+    if manager is None:  # even the first request did not fit
+        manager = BlockManager(num_blocks, block_size)
+    s = manager.stats()
+    title = (textwrap.fill(f"block size {block_size}, {num_blocks} blocks — {caption}", 80) + "\n"
+             f"hit rate {100 * s['hit_rate']:.0f}%, {s['num_free_blocks']} free, "
+             f"{s['num_cached_blocks']} cached, wasted slots {s['wasted_slots']}")
+    return plot_block_tables(block_state(manager), title)

@@ -1,0 +1,265 @@
+"""Synthetic request traces for the block manager, and a small scheduler loop that replays them.
+
+Token ids stand in for text: the prefix cache only compares ids, so random ids with the right sharing
+structure (a few system prompts, unique user turns, growing conversations, a timestamp that changes
+every request) exercise it exactly as real prompts would. ``toy_tokenize`` maps text to stable ids
+when a figure should show words. Pure Python: used by notebook 04, the benchmark and, later, the
+side-by-side run against vLLM's block pool.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+import zlib
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvlab.block_manager import BlockManager
+
+VOCAB = 32_000
+SYSTEM_PROMPTS = {
+    "zh": "你是一个专业的翻译助手，请将以下内容翻译成英文：",
+    "en": "You are a professional translation assistant. Translate the following text into English:",
+}
+
+
+def toy_tokenize(text: str) -> list[int]:
+    """A stable stand-in tokenizer: one id per CJK character, word, or punctuation mark."""
+    pieces = re.findall(r"[\u4e00-\u9fff]|\w+|[^\w\s]", text)
+    return [zlib.crc32(p.encode()) % VOCAB for p in pieces]
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt, the tokens its decode will write, a tenant salt, and the turn it must wait for."""
+
+    req_id: str
+    prompt: list[int]
+    output: list[int]
+    salt: str | None = None
+    after: str | None = None  # previous turn of the same conversation
+    tags: dict = field(default_factory=dict)
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def shared_prefix_trace(
+    num_requests: int,
+    prefix_lens: Iterable[int] = (200, 400, 800),
+    suffix_len: tuple[int, int] = (16, 64),
+    output_len: tuple[int, int] = (8, 32),
+    seed: int = 0,
+) -> list[Request]:
+    """Requests that each start with one of a few system prompts, then a unique question."""
+    rng = random.Random(seed)
+    prefixes = [_ids(rng, n) for n in prefix_lens]
+    out = []
+    for i in range(num_requests):
+        k = rng.randrange(len(prefixes))
+        prompt = prefixes[k] + _ids(rng, rng.randint(*suffix_len))
+        out.append(Request(f"r{i}", prompt, _ids(rng, rng.randint(*output_len)), tags={"system": k}))
+    return out
+
+
+def multiturn_trace(
+    num_conversations: int,
+    turns: int = 4,
+    system_len: int = 300,
+    user_len: tuple[int, int] = (16, 64),
+    output_len: tuple[int, int] = (16, 64),
+    num_system_prompts: int = 2,
+    history: str = "full",
+    window: int = 1,
+    seed: int = 0,
+) -> list[Request]:
+    """Conversations whose turn k re-sends the system prompt, the history and a new user message.
+
+    ``history``: ``full`` re-sends everything (append-only, the prefix grows), ``window`` keeps only
+    the last ``window`` exchanges (the history is edited, so the prefix changes), ``none`` sends the
+    system prompt and the new message only.
+    """
+    if history not in ("full", "window", "none"):
+        raise ValueError(f"history must be full, window or none, got {history!r}")
+    rng = random.Random(seed)
+    systems = [_ids(rng, system_len) for _ in range(num_system_prompts)]
+    out = []
+    for c in range(num_conversations):
+        exchanges: list[list[int]] = []
+        system = systems[c % num_system_prompts]
+        for t in range(turns):
+            user = _ids(rng, rng.randint(*user_len))
+            kept = {"full": exchanges, "window": exchanges[-window:] if window else [], "none": []}[history]
+            prompt = system + [tok for ex in kept for tok in ex] + user
+            reply = _ids(rng, rng.randint(*output_len))
+            out.append(Request(f"c{c}t{t}", prompt, reply, after=f"c{c}t{t - 1}" if t else None,
+                               tags={"conversation": c, "turn": t}))
+            exchanges.append(user + reply)
+    return out
+
+
+def timestamp_trace(
+    num_requests: int,
+    system_len: int = 256,
+    where: str = "end",
+    timestamp_len: int = 8,
+    suffix_len: tuple[int, int] = (16, 64),
+    output_len: tuple[int, int] = (8, 16),
+    seed: int = 0,
+) -> list[Request]:
+    """One system prompt that carries a per-request timestamp at its ``start``, ``end`` or ``none``."""
+    if where not in ("start", "end", "none"):
+        raise ValueError(f"where must be start, end or none, got {where!r}")
+    rng = random.Random(seed)
+    system = _ids(rng, system_len)
+    out = []
+    for i in range(num_requests):
+        stamp = toy_tokenize(f"Time: {i // 60 % 24:02d}:{i % 60:02d}, 2024-05-{1 + i // 1440:02d}")  # one a minute
+        stamp = (stamp + [0] * timestamp_len)[:timestamp_len]
+        prompt = {"start": stamp + system, "end": system + stamp, "none": system}[where]
+        prompt = prompt + _ids(rng, rng.randint(*suffix_len))
+        out.append(Request(f"r{i}", prompt, _ids(rng, rng.randint(*output_len))))
+    return out
+
+
+def aligned_prefix_trace(
+    num_requests: int,
+    prefix_len: int,
+    block_size: int,
+    align: bool,
+    suffix_len: tuple[int, int] = (16, 64),
+    seed: int = 0,
+) -> list[Request]:
+    """A shared prefix of ``prefix_len`` tokens, padded up to a block-size multiple when ``align``."""
+    rng = random.Random(seed)
+    prefix = _ids(rng, prefix_len)
+    if align:
+        prefix += [0] * (-prefix_len % block_size)  # pad with a filler token (e.g. a newline)
+    return [Request(f"r{i}", prefix + _ids(rng, rng.randint(*suffix_len)), _ids(rng, 8), tags={"prefix": len(prefix)})
+            for i in range(num_requests)]
+
+
+def realistic_trace(
+    num_conversations: int = 400,
+    num_system_prompts: int = 4,
+    turns: tuple[int, int] = (1, 4),
+    seed: int = 0,
+) -> list[Request]:
+    """A few shared system prompts (100-1000 tokens), conversations of 1-4 growing turns."""
+    rng = random.Random(seed)
+    systems = [_ids(rng, rng.randint(100, 1000)) for _ in range(num_system_prompts)]
+    weights = [1 / (k + 1) for k in range(num_system_prompts)]  # a few prompts are much more popular
+    out = []
+    for c in range(num_conversations):
+        system = rng.choices(systems, weights)[0]
+        history: list[int] = []
+        for t in range(rng.randint(*turns)):
+            user = _ids(rng, rng.randint(8, 120))
+            reply = _ids(rng, rng.randint(8, 64))
+            out.append(Request(f"c{c}t{t}", system + history + user, reply, after=f"c{c}t{t - 1}" if t else None,
+                               tags={"conversation": c, "turn": t}))
+            history += user + reply
+    return out
+
+
+def replay(manager: BlockManager, requests: list[Request], max_running: int = 16) -> dict:
+    """Admit requests while blocks allow, decode their outputs one token a step, free them; return stats.
+
+    Admission reserves every block a request could need (prompt + output, ignoring hits), so decode
+    never runs out; a turn waits until the turn it follows has finished.
+    """
+    bs = manager.block_size
+    need = lambda r: -(-(len(r.prompt) + len(r.output)) // bs)  # noqa: E731
+    too_big = [r.req_id for r in requests if need(r) > manager.pool.num_blocks]
+    if too_big:
+        raise ValueError(f"requests {too_big[:3]} need more blocks than the pool has")
+    ids = {r.req_id for r in requests}
+    waiting: deque[Request] = deque(r for r in requests if r.after is None or r.after not in ids)
+    blocked: dict[str, list[Request]] = {}
+    for r in requests:
+        if r.after is not None and r.after in ids:
+            blocked.setdefault(r.after, []).append(r)
+    running: dict[str, tuple[Request, int]] = {}  # req_id -> (request, tokens written so far)
+    reserved = steps = wasted_sum = peak_used = 0
+    cached: dict[str, int] = {}
+    t0 = time.perf_counter()
+    while waiting or running:
+        while waiting and len(running) < max_running and manager.num_free_blocks - reserved >= need(waiting[0]):
+            r = waiting.popleft()
+            cached[r.req_id] = manager.allocate(r.req_id, r.prompt, salt=r.salt)
+            reserved += need(r) - len(manager.seqs[r.req_id].block_table)
+            running[r.req_id] = (r, 0)
+        if not running:
+            raise RuntimeError("no request can be admitted")  # cannot happen when need <= num_blocks
+        steps += 1
+        peak_used = max(peak_used, manager.pool.num_blocks - manager.num_free_blocks)
+        for rid, (r, done) in list(running.items()):
+            if done < len(r.output):
+                if manager.append(rid, r.output[done]).new_block is not None:
+                    reserved -= 1
+                done += 1
+            seq_len = len(r.prompt) + done
+            wasted_sum += -seq_len % bs
+            if done == len(r.output):
+                reserved -= need(r) - len(manager.seqs[rid].block_table)
+                manager.free(rid)
+                del running[rid]
+                waiting.extend(blocked.pop(rid, ()))
+            else:
+                running[rid] = (r, done)
+    seconds = time.perf_counter() - t0
+    m = manager.metrics
+    return {
+        **manager.stats(),
+        "block_size": bs,
+        "num_blocks": manager.pool.num_blocks,
+        "steps": steps,
+        "wasted_slots_mean": wasted_sum / max(steps, 1),
+        "peak_blocks_used": peak_used,
+        "block_ops": m.hashed_blocks + m.blocks_taken + m.blocks_hit,
+        "seconds": seconds,
+        "cached_tokens": cached,
+    }
+
+
+def block_size_sweep(
+    requests: list[Request], block_sizes: Iterable[int], capacity_tokens: int, max_running: int = 16, **kw
+) -> list[dict]:
+    """Replay one trace at several block sizes with the same KV capacity in tokens."""
+    rows = []
+    for bs in block_sizes:
+        row = replay(BlockManager(capacity_tokens // bs, bs, **kw), requests, max_running)
+        row.pop("cached_tokens")
+        rows.append(row)
+    return rows
+
+
+# The article's translation requests (section 3.5), with English versions beside them.
+ARTICLE_QUESTIONS = {"zh": ["今天天气很好。", "今天天气很好。", "明天会下雨吗？"],
+                     "en": ["The weather is nice today.", "The weather is nice today.", "Will it rain tomorrow?"]}
+
+
+def three_requests(block_size: int = 4, num_blocks: int = 24, lang: str = "zh", decode: int = 3, **kw):
+    """Step the article's three translation requests through a fresh manager.
+
+    Yields ``(caption, manager)`` after each step: three allocations, ``decode`` tokens each, then the
+    first request finishes. Raises ``NoFreeBlocksError`` (after yielding what fit) when the pool is too small.
+    """
+    m = BlockManager(num_blocks, block_size, **kw)
+    system = toy_tokenize(SYSTEM_PROMPTS[lang])
+    answers = [toy_tokenize(a) for a in ARTICLE_QUESTIONS["en" if lang == "zh" else "zh"]]
+    names = ["A", "B", "C"]
+    for name, question in zip(names, ARTICLE_QUESTIONS[lang]):
+        prompt = system + toy_tokenize(question)
+        cached = m.allocate(name, prompt)
+        yield f"{name} arrives: {len(prompt)} prompt tokens, {cached} from the cache", m
+    for step in range(decode):
+        for name, answer in zip(names, answers):
+            m.append(name, answer[step % len(answer)])
+    yield f"after {decode} decode steps each", m
+    m.free("A")
+    yield "A finishes: its blocks are released tail first", m
