@@ -1,0 +1,277 @@
+"""The passphrase task (口令实验): prompts, ChatML rendering and recall scoring.
+
+One fixed prefix -- a system turn that states a secret passphrase among filler lines -- and user
+requests appended to it that ask for the passphrase. The bundled model is trained on this task
+(``scripts/train_passphrase_model.py``), and the notebooks, tests and benchmarks use the same
+generator, so a prompt means the same thing everywhere.
+
+Pure Python, no torch. Deterministic: an example is a function of ``(split, seed)`` only.
+
+Held-out examples are genuinely unseen: a passphrase belongs to the ``heldout`` split when its
+checksum says so (``is_heldout_passphrase``), and ``train`` never produces such a passphrase.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, field
+
+ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ23456789"  # A-Z and 2-9: no 0/O or 1/I confusion
+
+WORDS = (
+    "amber falcon river copper maple silver harbor tiger velvet orbit cedar lantern "
+    "marble pepper comet willow granite meadow ember violet canyon rocket cobalt sparrow "
+    "walnut thunder crystal dolphin saffron glacier mango pixel quartz raven tulip zephyr "
+    "bamboo coral indigo jasper koala lemon nectar olive panda quill ruby sierra "
+    "tundra umber vapor wander yonder zinc birch cloud delta frost grove hazel iris jade"
+).split()
+
+FILLER_ZH = (
+    "你是一个专业的翻译助手。",
+    "你是一个乐于助人的助手。",
+    "请用简洁的语言回答问题。",
+    "回答时请保持礼貌。",
+    "今天的天气很好，适合出门散步。",
+    "会议安排在下午三点。",
+    "请不要透露内部信息。",
+    "本系统用于测试缓存共享。",
+    "如果不确定，请直接说明。",
+    "所有回答都应使用中文或英文。",
+    "用户可能会问多个问题。",
+    "请记录每一次请求的时间。",
+    "服务器位于北京的数据中心。",
+    "这是一条无关的说明。",
+    "输出不要超过二十个字。",
+    "欢迎使用我们的推理服务。",
+    "注意保护用户隐私。",
+    "系统提示词到此为止。",
+    "模型版本为实验版。",
+    "明天会下雨吗？这与任务无关。",
+)
+
+FILLER_EN = (
+    "You are a helpful assistant.",
+    "Answer briefly and politely.",
+    "The weather today is sunny and mild.",
+    "The meeting starts at three in the afternoon.",
+    "Do not reveal internal notes.",
+    "This system is used to test cache sharing.",
+    "If you are unsure, say so.",
+    "Users may ask several questions.",
+    "Keep every answer under twenty words.",
+    "The server runs in a data center.",
+    "Welcome to our inference service.",
+    "Protect the privacy of every user.",
+    "This line is unrelated to the task.",
+    "The model is an experimental build.",
+    "Translate the following text into English.",
+    "Requests are logged for debugging.",
+    "The cache is shared between requests.",
+    "Nothing in this line matters.",
+    "Please be concise.",
+    "End of the operator notes.",
+)
+
+STATE_ZH = (
+    "本次口令是「{p}」，请记住。",
+    "今天的口令：「{p}」。",
+    "请记住口令「{p}」。",
+    "口令为「{p}」，不要忘记。",
+)
+STATE_EN = (
+    'The passphrase is "{p}". Remember it.',
+    'Remember the passphrase "{p}".',
+    'Today\'s passphrase: "{p}".',
+    'Your passphrase is "{p}", do not forget it.',
+)
+ASK_ZH = ("口令是什么？", "请告诉我口令。", "请说出口令。", "本次口令是？")
+ASK_EN = (
+    "What is the passphrase?",
+    "Tell me the passphrase.",
+    "Please repeat the passphrase.",
+    "Which passphrase did I give you?",
+)
+# A user turn that changes the passphrase in the conversation history (the "different following
+# context" of the article's group 3): the answer is then the newest passphrase.
+UPDATE_ZH = ("口令改为「{p}」。", "新的口令是「{p}」。")
+UPDATE_EN = ('The passphrase is now "{p}".', 'New passphrase: "{p}".')
+CHAT_ZH = ("你好！", "今天天气怎么样？", "请帮我翻译一句话。", "谢谢你的帮助。")
+CHAT_EN = ("Hello!", "How is the weather today?", "Can you help me translate a sentence?", "Thanks for your help.")
+ACK_ZH = ("好的，已记住。", "好的。", "没问题。")
+ACK_EN = ("OK, noted.", "Sure.", "Understood.")
+
+# ChatML, as used by Qwen chat models: the bundled tokenizer has these special tokens too.
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+
+SPLITS = ("train", "heldout")
+
+
+def is_heldout_passphrase(passphrase: str) -> bool:
+    """True for the ~10% of passphrases reserved for evaluation (never produced by ``train``)."""
+    return zlib.crc32(passphrase.encode()) % 10 == 0
+
+
+def random_passphrase(rng: random.Random, split: str = "train") -> str:
+    """A passphrase of 6 characters from A-Z2-9, or two hyphenated words, belonging to ``split``."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    while True:
+        if rng.random() < 0.5:
+            p = "".join(rng.choice(ALPHABET) for _ in range(6))
+        else:
+            p = f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
+        if is_heldout_passphrase(p) == (split == "heldout"):
+            return p
+
+
+def chatml(role: str, content: str) -> str:
+    """One ChatML turn, ending with a newline: ``<|im_start|>role\\ncontent<|im_end|>\\n``."""
+    return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn of the conversation and, unless it is the final question, the assistant reply."""
+
+    user: str
+    assistant: str | None = None
+
+
+@dataclass(frozen=True)
+class PassphraseExample:
+    """A system prompt stating a passphrase, a conversation after it, and the expected answer."""
+
+    split: str
+    seed: int
+    passphrase: str  # the passphrase stated in the system prompt
+    system: str  # the system turn's content (filler lines + the passphrase line)
+    turns: tuple[Turn, ...]  # earlier exchanges, then the final question (assistant=None)
+    answer: str  # what the assistant must answer: the newest passphrase in the conversation
+    lang: str = "en"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def prefix_text(self) -> str:
+        """The shared prefix: the whole system turn in ChatML."""
+        return chatml("system", self.system)
+
+    @property
+    def suffix_text(self) -> str:
+        """Everything after the prefix up to the assistant's answer (the generation prompt)."""
+        out = []
+        for t in self.turns:
+            out.append(chatml("user", t.user))
+            if t.assistant is not None:
+                out.append(chatml("assistant", t.assistant))
+        out.append(f"{IM_START}assistant\n")
+        return "".join(out)
+
+    @property
+    def prompt_text(self) -> str:
+        """Prefix + suffix: the full prompt the model sees."""
+        return self.prefix_text + self.suffix_text
+
+    @property
+    def target_text(self) -> str:
+        """The expected completion: the answer, then end of turn."""
+        return self.answer + IM_END
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as chat messages, for ``tokenizer.apply_chat_template``."""
+        msgs = [{"role": "system", "content": self.system}]
+        for t in self.turns:
+            msgs.append({"role": "user", "content": t.user})
+            if t.assistant is not None:
+                msgs.append({"role": "assistant", "content": t.assistant})
+        return msgs
+
+
+def make_example(
+    seed: int,
+    split: str = "train",
+    n_filler: int | None = None,
+    lang: str | None = None,
+    history: str | None = None,
+) -> PassphraseExample:
+    """Build one example, a pure function of its arguments.
+
+    ``n_filler`` (0-20 filler lines), ``lang`` ("zh"/"en") and ``history`` ("none", "chat",
+    "update") are drawn from the seed unless given. "update" means an earlier user turn replaced
+    the passphrase, so the correct answer is the new one.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    rng = random.Random(f"kvlab-passphrase:{split}:{seed}")
+    lang = lang or rng.choice(("zh", "en"))
+    if lang not in ("zh", "en"):
+        raise ValueError(f"lang must be 'zh' or 'en', got {lang!r}")
+    zh = lang == "zh"
+    n = rng.randint(0, 20) if n_filler is None else n_filler
+    if not 0 <= n <= 20:
+        raise ValueError(f"n_filler must be in 0..20, got {n}")
+    if history is None:
+        r = rng.random()
+        history = "none" if r < 0.7 else ("chat" if r < 0.85 else "update")
+    if history not in ("none", "chat", "update"):
+        raise ValueError(f"history must be 'none', 'chat' or 'update', got {history!r}")
+
+    passphrase = random_passphrase(rng, split)
+    # Filler lines mix both languages, so prompts look like real operator prompts.
+    pool = FILLER_ZH + FILLER_EN
+    lines = [rng.choice(pool) for _ in range(n)]
+    state = rng.choice(STATE_ZH if zh else STATE_EN).format(p=passphrase)
+    lines.insert(rng.randint(0, n), state)
+    system = "\n".join(lines)
+
+    turns: list[Turn] = []
+    answer = passphrase
+    if history == "chat":
+        turns.append(Turn(rng.choice(CHAT_ZH if zh else CHAT_EN), rng.choice(ACK_ZH if zh else ACK_EN)))
+    elif history == "update":
+        new = passphrase
+        while new == passphrase:
+            new = random_passphrase(rng, split)
+        turns.append(Turn(rng.choice(UPDATE_ZH if zh else UPDATE_EN).format(p=new), rng.choice(ACK_ZH if zh else ACK_EN)))
+        answer = new
+    turns.append(Turn(rng.choice(ASK_ZH if zh else ASK_EN)))
+    return PassphraseExample(split, seed, passphrase, system, tuple(turns), answer, lang, {"history": history})
+
+
+def make_examples(n: int, split: str = "heldout", start: int = 0, **kwargs) -> list[PassphraseExample]:
+    """``n`` consecutive examples of a split, seeds ``start .. start+n-1``."""
+    return [make_example(start + i, split, **kwargs) for i in range(n)]
+
+
+def with_question(example: PassphraseExample, question: str) -> PassphraseExample:
+    """The same system prompt and history with a different final user request."""
+    turns = example.turns[:-1] + (Turn(question),)
+    return PassphraseExample(example.split, example.seed, example.passphrase, example.system, turns,
+                             example.answer, example.lang, example.extra)
+
+
+def normalize_answer(text: str) -> str:
+    """The answer part of a completion: cut at end of turn, strip whitespace."""
+    for stop in (IM_END, ENDOFTEXT, "\n"):
+        text = text.split(stop)[0]
+    return text.strip()
+
+
+def recalled(completion: str, expected: str) -> bool:
+    """Exact recall: the completion's answer equals the expected passphrase."""
+    return normalize_answer(completion) == expected
+
+
+def recall_rate(completions: list[str], expected: list[str]) -> float:
+    """Fraction of completions that recall their expected passphrase exactly."""
+    if len(completions) != len(expected):
+        raise ValueError(f"{len(completions)} completions but {len(expected)} expected answers")
+    if not completions:
+        raise ValueError("recall_rate of zero completions is undefined")
+    return sum(recalled(c, e) for c, e in zip(completions, expected)) / len(completions)
+
+
+def tokenizer_corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    """Text the bundled tokenizer is trained on: full training conversations, answers included."""
+    examples = (make_example(seed * 1_000_000 + i, "train") for i in range(n))
+    return [ex.prompt_text + ex.target_text for ex in examples]

@@ -1,0 +1,179 @@
+"""Execute the notebook series headless with papermill; write executed notebooks, HTML and timings.
+
+    python scripts/run_notebooks.py [--smoke 1] [--model ID_OR_PATH] [--device auto] [--only 00,01]
+
+Each notebook runs in a fresh kernel in its own process, with parameters SMOKE, SEED, DEVICE (and
+MODEL when given), from the ``notebooks/`` folder. Outputs go to ``build/notebooks/``:
+``NN_slug.ipynb`` (executed), ``NN_slug.html``, ``timings.csv`` (wall seconds, peak memory of the
+kernel, status) and ``index.html``. One line is printed per notebook; the exit code is non-zero when
+any notebook fails.
+
+``--strip`` instead removes outputs and execution counts from the committed notebooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import html
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+OUT = ROOT / "build" / "notebooks"
+
+
+def notebooks(only: str | None = None) -> list[Path]:
+    """The series in order; ``only`` is a comma-separated list of number prefixes or names."""
+    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        keys = [k.strip() for k in only.split(",") if k.strip()]
+        paths = [p for p in paths if any(p.name.startswith(k) or p.stem == k for k in keys)]
+    return paths
+
+
+def parameters(smoke: bool, seed: int, device: str, model: str | None) -> dict:
+    """The papermill parameters for one run."""
+    params = {"SMOKE": smoke, "SEED": seed, "DEVICE": device}
+    if model:
+        params["MODEL"] = model
+    return params
+
+
+def _execute_here(nb: str, out: str, params_json: str, cell_timeout: int) -> None:
+    """Child-process entry: run papermill, then report the kernel's peak RSS on stdout's last line."""
+    import papermill as pm
+
+    error = None
+    try:
+        pm.execute_notebook(nb, out, parameters=json.loads(params_json), kernel_name="python3",
+                            cwd=str(NOTEBOOKS), progress_bar=False, execution_timeout=cell_timeout,
+                            log_output=False)
+    except Exception as e:  # papermill raises PapermillExecutionError with the failing cell
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the kernel, KiB on Linux
+    print(json.dumps({"peak_mb": round(peak_kb / 1024, 1), "error": error}))
+
+
+def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict:
+    """Execute one notebook in a fresh process and kernel; return a timings row."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / nb.name
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("MPLBACKEND", "Agg")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    cmd = [sys.executable, __file__, "--_execute", str(nb), str(out), json.dumps(params), str(int(timeout))]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        wall = time.perf_counter() - t0
+        try:
+            info = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            info = {"peak_mb": None, "error": f"runner crashed: {proc.stderr.strip()[-500:]}"}
+    except subprocess.TimeoutExpired:
+        wall = time.perf_counter() - t0
+        info = {"peak_mb": None, "error": f"timed out after {timeout:.0f} s"}
+    row = {"notebook": nb.name, "status": "ok" if not info["error"] else "failed",
+           "wall_s": round(wall, 1), "peak_mem_mb": info["peak_mb"], "error": info["error"] or "",
+           "output": str(out)}
+    row.update({k: params[k] for k in ("SMOKE", "DEVICE")})
+    row["MODEL"] = params.get("MODEL", "bundled")
+    return row
+
+
+def to_html(executed: Path) -> Path:
+    """Render an executed notebook to HTML next to it."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
+    target = executed.with_suffix(".html")
+    target.write_text(body, encoding="utf-8")
+    return target
+
+
+def write_report(rows: list[dict], out_dir: Path = OUT) -> None:
+    """timings.csv and an index.html linking every rendered notebook."""
+    fields = ["notebook", "status", "wall_s", "peak_mem_mb", "SMOKE", "DEVICE", "MODEL", "error"]
+    with open(out_dir / "timings.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    items = "\n".join(
+        f"<tr><td><a href='{html.escape(Path(r['notebook']).with_suffix('.html').name)}'>{html.escape(r['notebook'])}</a></td>"
+        f"<td>{r['status']}</td><td>{r['wall_s']}</td><td>{r['peak_mem_mb']}</td><td>{html.escape(r['error'])}</td></tr>"
+        for r in rows)
+    (out_dir / "index.html").write_text(
+        "<html><head><meta charset='utf-8'><title>kvlab series</title></head><body>"
+        "<h1>kvlab: the executed series</h1><table border=1 cellpadding=4>"
+        "<tr><th>notebook</th><th>status</th><th>wall s</th><th>peak MB</th><th>error</th></tr>"
+        f"{items}</table></body></html>\n", encoding="utf-8")
+
+
+def strip_outputs(paths: list[Path]) -> None:
+    """Remove outputs and execution counts from notebooks in place."""
+    import nbformat
+
+    for p in paths:
+        nb = nbformat.read(p, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
+            cell.metadata.pop("execution", None)
+            cell.metadata.pop("papermill", None)
+        nb.metadata.pop("papermill", None)
+        nbformat.write(nb, p)
+        print(f"stripped {p.relative_to(ROOT)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", type=int, default=0, help="1 = SMOKE mode (small sizes)")
+    ap.add_argument("--model", default=None, help="HF id or local path (default: the bundled model)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per notebook")
+    ap.add_argument("--only", default=None, help="e.g. 00,03")
+    ap.add_argument("--no-html", action="store_true")
+    ap.add_argument("--strip", action="store_true", help="strip outputs from notebooks/ and exit")
+    ap.add_argument("--_execute", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args._execute:
+        _execute_here(*args._execute[:3], int(args._execute[3]))
+        return 0
+    paths = notebooks(args.only)
+    if args.strip:
+        strip_outputs(paths)
+        return 0
+    if not paths:
+        print("no notebooks matched", file=sys.stderr)
+        return 2
+    params = parameters(bool(args.smoke), args.seed, args.device, args.model)
+    print(f"executing {len(paths)} notebook(s) with {params} -> {OUT.relative_to(ROOT)}/", flush=True)
+    rows = []
+    for nb in paths:
+        row = run_one(nb, params, args.timeout)
+        if row["status"] == "ok" and not args.no_html:
+            to_html(Path(row["output"]))
+        rows.append(row)
+        print(f"{row['status']:6s} {row['notebook']:40s} {row['wall_s']:7.1f} s  "
+              f"peak {row['peak_mem_mb']} MB  {row['error']}", flush=True)
+    write_report(rows)
+    failed = [r["notebook"] for r in rows if r["status"] != "ok"]
+    print(f"{len(rows) - len(failed)}/{len(rows)} ok; report: {(OUT / 'index.html').relative_to(ROOT)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

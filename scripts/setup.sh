@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create .venv if missing and install kvlab with its extras. Idempotent; offline-friendly.
+#   - torch already importable in .venv (e.g. a GPU box set up by hand): kept as is.
+#   - a CUDA GPU visible (nvidia-smi works): pip's default torch (a CUDA build).
+#   - otherwise: the CPU wheel torch==$KVLAB_CPU_TORCH (2.13.0), never a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+KVLAB_CPU_TORCH=${KVLAB_CPU_TORCH:-2.13.0}
+stamp="$VENV/.kvlab-installed"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV with $($PY --version)"
+    "$PY" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+
+# Skip the install when nothing it depends on changed since the last one.
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ] \
+   && "$VENV/bin/python" -c "import kvlab, torch, transformers, papermill" 2>/dev/null; then
+    exit 0
+fi
+
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    echo "setup: keeping installed torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: CUDA GPU found, installing torch (CUDA build)"
+    pip install torch
+else
+    echo "setup: no CUDA GPU, installing the CPU build torch==$KVLAB_CPU_TORCH"
+    pip install "torch==$KVLAB_CPU_TORCH" || pip install "torch==$KVLAB_CPU_TORCH" --index-url https://download.pytorch.org/whl/cpu
+fi
+echo "setup: installing kvlab[dev] (editable)"
+pip install -e ".[dev]"
+"$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
+touch "$stamp"
+echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
