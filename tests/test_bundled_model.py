@@ -1,0 +1,13 @@
+"""The committed model must actually do the task the series relies on (a fast, small sample)."""
+
+from kvlab import passphrase as P
+from kvlab.evaluation import evaluate
+
+
+def test_recall_on_heldout_sample_and_swapped_prefix(bundled):
+    model, tok = bundled
+    report = evaluate(model, tok, P.make_examples(40, "heldout", start=5000))
+    assert report.recall >= 0.9, report
+    assert report.n_swapped >= 20
+    assert report.swapped_recall <= 0.1, report
+    assert report.swapped_answers_other >= 0.8, report

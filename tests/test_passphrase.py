@@ -1,0 +1,64 @@
+import pytest
+
+from kvlab import passphrase as P
+
+
+def test_examples_are_a_pure_function_of_split_and_seed():
+    a = P.make_examples(20, "train", start=7)
+    b = P.make_examples(20, "train", start=7)
+    assert a == b
+    assert [x.prompt_text for x in a] != [x.prompt_text for x in P.make_examples(20, "train", start=8)]
+
+
+def test_heldout_passphrases_never_appear_in_training():
+    train = {ex.answer for ex in P.make_examples(3000, "train")} | {ex.passphrase for ex in P.make_examples(3000, "train")}
+    held = {ex.passphrase for ex in P.make_examples(300, "heldout")}
+    assert held and not (train & held)
+    assert all(P.is_heldout_passphrase(p) for p in held)
+    assert not any(P.is_heldout_passphrase(p) for p in train)
+
+
+def test_passphrase_formats():
+    for ex in P.make_examples(200, "train"):
+        p = ex.passphrase
+        if "-" in p:
+            w1, w2 = p.split("-")
+            assert w1 in P.WORDS and w2 in P.WORDS
+        else:
+            assert len(p) == 6 and set(p) <= set(P.ALPHABET)
+        assert p in ex.system
+
+
+def test_prompt_structure_is_chatml_with_the_prefix_first():
+    ex = P.make_example(3, "heldout", n_filler=5, lang="zh", history="none")
+    assert ex.prompt_text == ex.prefix_text + ex.suffix_text
+    assert ex.prefix_text.startswith("<|im_start|>system\n") and ex.prefix_text.endswith("<|im_end|>\n")
+    assert ex.suffix_text.endswith("<|im_start|>assistant\n")
+    assert ex.system.count("\n") == 5  # five filler lines + the passphrase line
+    assert ex.target_text == ex.passphrase + "<|im_end|>"
+
+
+def test_update_history_changes_the_answer():
+    ex = P.make_example(11, "train", history="update")
+    assert ex.answer != ex.passphrase and ex.answer in ex.suffix_text
+    assert P.make_example(11, "train", history="chat").answer == P.make_example(11, "train", history="chat").passphrase
+
+
+def test_filler_counts_cover_0_to_20():
+    counts = {ex.system.count("\n") for ex in P.make_examples(400, "train")}
+    assert min(counts) == 0 and max(counts) == 20
+
+
+def test_recall_scoring():
+    assert P.recalled("K7QX2M<|im_end|>", "K7QX2M")
+    assert P.recalled(" amber-falcon\nmore", "amber-falcon")
+    assert not P.recalled("K7QX2N", "K7QX2M")
+    assert P.recall_rate(["A", "B"], ["A", "C"]) == 0.5
+    with pytest.raises(ValueError):
+        P.recall_rate(["A"], [])
+
+
+@pytest.mark.parametrize("kwargs", [{"split": "test"}, {"n_filler": 21}, {"lang": "fr"}, {"history": "x"}])
+def test_bad_arguments_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        P.make_example(0, **kwargs)
