@@ -75,7 +75,7 @@ def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], li
     ideal = replay(BlockManager(4096, 16), base)["hit_tokens"]
     system = base[0].prompt[:256]
     built = []
-    for b, s in zip(base, stamped):
+    for b, s in zip(base, stamped, strict=True):
         stamp, question = s.prompt[:8], b.prompt[256:]
         ok, prompt = _attempt(build, list(system), list(stamp), list(question))
         if not ok:

@@ -278,7 +278,7 @@ class BlockManager:
 
     def _copy_on_write(self, seq: SeqBlocks, shared: Block) -> Block:
         """Move ``seq`` off a shared partial block onto a private copy of it."""
-        copy = self.pool.take(seq.seq_id)
+        copy = self.pool.take(seq.seq_id, event="cow-copy")
         copy.token_ids = shared.token_ids[: len(seq.token_ids) % self.block_size]
         seq.block_table[-1] = copy.block_id
         self.pool.release(shared, seq.seq_id)

@@ -67,7 +67,7 @@ class TraceEvent:
 
     t: int
     block_id: int
-    event: str  # take | hit | share | release | evict | register
+    event: str  # take | cow-copy | hit | share | release | evict | register
     ref_count: int  # after the event
     owner: Hashable  # the sequence that caused it
 
@@ -110,7 +110,7 @@ class BlockPool:
             self.trace.append(TraceEvent(self.clock, block.block_id, event, block.ref_count, owner))
 
     # --- taking and returning blocks -------------------------------------------------------------
-    def take(self, owner: Hashable = None) -> Block:
+    def take(self, owner: Hashable = None, event: str = "take") -> Block:
         """Take the least recently used free block, evicting its cached contents, with ref count 1."""
         if not self.free:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
@@ -123,7 +123,7 @@ class BlockPool:
         block.reset()
         block.ref_count = 1
         block.created_at = self.clock
-        self._record(block, "take", owner)
+        self._record(block, event, owner)
         return block
 
     def hit(self, block: Block, owner: Hashable = None) -> None:

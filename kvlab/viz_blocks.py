@@ -43,7 +43,7 @@ def plot_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] 
     fig, (ax, axp) = plt.subplots(
         2, 1, figsize=(max(6.0, 0.55 * max(width, per_row) + 2), 0.5 * (len(seqs) + pool_rows) + 2.4),
         gridspec_kw={"height_ratios": [max(len(seqs), 1), pool_rows]})
-    for row, (sid, s) in enumerate(seqs.items()):
+    for row, s in enumerate(seqs.values()):
         y = len(seqs) - 1 - row
         for j, pid in enumerate(s["table"]):
             fill = min(bs, s["num_tokens"] - j * bs) / bs
@@ -101,7 +101,7 @@ def plot_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
     for reason, color in (("short", "C4"), ("no_prefix", "C5"), ("evicted", "C6")):
         vals = [100 * r[f"miss_{reason}"] / r["query_tokens"] for r in rows]
         d.bar([str(x) for x in bs], vals, bottom=bottom, color=color, label=reason)
-        bottom = [p + v for p, v in zip(bottom, vals)]
+        bottom = [p + v for p, v in zip(bottom, vals, strict=True)]
     d.set(ylabel="missed prompt tokens (%)", title="why tokens missed", xlabel="block size (tokens)")
     d.legend(fontsize=8)
     for ax in (a, b, c):
@@ -120,8 +120,8 @@ def render_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
 
     caption, manager = "", None
     try:
-        for caption, manager in three_requests(block_size, num_blocks):
-            pass
+        for step in three_requests(block_size, num_blocks):
+            caption, manager = step
     except NoFreeBlocksError as err:
         caption = f"refused: {err}"
     if manager is None:  # even the first request did not fit

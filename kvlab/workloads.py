@@ -253,12 +253,12 @@ def three_requests(block_size: int = 4, num_blocks: int = 24, lang: str = "zh", 
     system = toy_tokenize(SYSTEM_PROMPTS[lang])
     answers = [toy_tokenize(a) for a in ARTICLE_QUESTIONS["en" if lang == "zh" else "zh"]]
     names = ["A", "B", "C"]
-    for name, question in zip(names, ARTICLE_QUESTIONS[lang]):
+    for name, question in zip(names, ARTICLE_QUESTIONS[lang], strict=True):
         prompt = system + toy_tokenize(question)
         cached = m.allocate(name, prompt)
         yield f"{name} arrives: {len(prompt)} prompt tokens, {cached} from the cache", m
     for step in range(decode):
-        for name, answer in zip(names, answers):
+        for name, answer in zip(names, answers, strict=True):
             m.append(name, answer[step % len(answer)])
     yield f"after {decode} decode steps each", m
     m.free("A")

@@ -44,7 +44,7 @@ def test_changing_one_token_changes_its_block_and_all_later_blocks(t, data):
     h1, h2 = hash_token_blocks(t, 4), hash_token_blocks(changed, 4)
     k = i // 4
     assert h1[:k] == h2[:k]
-    assert all(x != y for x, y in zip(h1[k:], h2[k:]))
+    assert all(x != y for x, y in zip(h1[k:], h2[k:], strict=True))
 
 
 def test_extra_keys_only_enter_the_first_block_but_change_the_whole_chain():
@@ -52,9 +52,10 @@ def test_extra_keys_only_enter_the_first_block_but_change_the_whole_chain():
     plain = hash_token_blocks(t, 4)
     salted = hash_token_blocks(t, 4, first_block_extra_keys(salt="tenant-a"))
     other_model = hash_token_blocks(t, 4, first_block_extra_keys("model-b"))
-    assert all(x != y for x, y in zip(plain, salted))
-    assert all(x != y for x, y in zip(plain, other_model))
-    assert all(x != y for x, y in zip(salted, hash_token_blocks(t, 4, first_block_extra_keys(salt="tenant-b"))))
+    assert all(x != y for x, y in zip(plain, salted, strict=True))
+    assert all(x != y for x, y in zip(plain, other_model, strict=True))
+    other_salt = hash_token_blocks(t, 4, first_block_extra_keys(salt="tenant-b"))
+    assert all(x != y for x, y in zip(salted, other_salt, strict=True))
 
 
 def test_extra_keys_are_ordered_and_optional():
