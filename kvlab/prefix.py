@@ -11,11 +11,18 @@ omitted". Here the loop is finished:
 
 ``continue_from_cache`` is the unchecked core. The notebooks call it directly to run the *mistakes*
 (another request's prefix, wrong positions) so the wrong outputs are measured, not asserted.
+``get_prefix_cache`` / ``generate_with_prefix_cache`` are the article's two functions with the loop
+written the naive way: they write into the shared cache (the pollution that notebook 02 shows).
+
+Also here: ``compare_with_hf`` (token and logit equality with ``model.generate``), ``time_prefill``
+(prefill with vs without the cached prefix), the tokenization checks ``check_prefix_tokens``,
+``boundary_merge_cases`` and ``common_prefix_ids``, and the checkers of notebook 02's exercises.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -26,10 +33,16 @@ from kvlab.models import model_fingerprint
 
 
 def _fingerprint(model: Any, tokenizer: Any) -> str:
-    """Fingerprint memoised on the model object (hashing weights on every call would be slow)."""
+    """Fingerprint memoised on the model object (hashing weights on every call would be slow).
+
+    The memo key changes whenever a parameter is written in place (torch bumps ``_version``),
+    moved or cast (new storage), or the tokenizer grows, so a stale fingerprint is never reused.
+    """
     memo = model.__dict__.setdefault("_kvlab_fingerprints", {})
-    key = id(tokenizer)
+    key = (id(tokenizer), len(tokenizer),
+           tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters()))
     if key not in memo:
+        memo.clear()
         memo[key] = model_fingerprint(model, tokenizer)
     return memo[key]
 
@@ -45,6 +58,11 @@ def model_device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
     """The device and floating dtype of a model's parameters."""
     p = next(model.parameters())
     return p.device, p.dtype
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of all K and V tensors in a transformers cache (every layer)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 class PrefixMismatchError(ValueError):
@@ -91,19 +109,21 @@ class PrefixCache:
 
     def nbytes(self) -> int:
         """Bytes of K and V held by the cache."""
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        return cache_nbytes(self.cache)
 
     def check_compatible(self, model: Any, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
         """Raise ``PrefixMismatchError`` unless this cache can serve ``prompt_ids`` on this model."""
+        device, dtype = model_device_dtype(model)
+        k = self.cache.layers[0].keys  # (1, kv_heads, seq, head_dim)
+        if k.device != device or k.dtype != dtype:
+            raise PrefixMismatchError(
+                f"the prefix cache's K/V are {k.device}/{k.dtype} but the model is on {device}/{dtype}; "
+                "build the PrefixCache after moving the model (`.to(...)`), not before")
         fp = _fingerprint(model, tokenizer)
         if fp != self.fingerprint:
             raise PrefixMismatchError(
                 f"this prefix cache was built by another model or tokenizer (fingerprint {self.fingerprint}, "
                 f"this model/tokenizer is {fp}); build a new PrefixCache with this model")
-        device, dtype = model_device_dtype(model)
-        if device != self.device or dtype != self.dtype:
-            raise PrefixMismatchError(
-                f"prefix cache is on {self.device}/{self.dtype} but the model is on {device}/{dtype}")
         if self.seq_length() != len(self.token_ids):
             raise PrefixMismatchError(
                 f"the cache holds {self.seq_length()} tokens but its prefix has {len(self.token_ids)}: "
@@ -249,7 +269,7 @@ def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_cac
         cache, n_cached = prefix_cache.fork().cache, len(prefix_cache)
         if n_cached == len(prompt_ids):  # keep one token to compute: its logits start the answer
             n_cached -= 1
-            cache.crop(n_cached)
+            cache.crop(-1)  # transformers 5.x: a negative count removes that many tokens
     gen, prefill, total, kept = continue_from_cache(
         model, cache, prompt_ids[n_cached:], n_cached, max_new_tokens=max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), do_sample=do_sample, temperature=temperature, top_p=top_p,
@@ -273,3 +293,300 @@ def hf_generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], max_new
                          eos_token_id=sorted(eos_ids(model, tokenizer)), pad_token_id=tokenizer.pad_token_id,
                          **kwargs)
     return out[0, ids.shape[1]:].tolist()
+
+
+@torch.no_grad()
+def hf_generate_with_logits(model: Any, tokenizer: Any, prompt: str | Sequence[int], max_new_tokens: int = 32,
+                            **sampling: Any) -> tuple[list[int], list[torch.Tensor]]:
+    """``hf_generate`` that also returns the raw (vocab,) logits of every step, before any warper."""
+    device, _ = model_device_dtype(model)
+    ids = torch.tensor([encode(tokenizer, prompt)], device=device)  # (1, T)
+    do_sample = sampling.pop("do_sample", False)
+    seed = sampling.pop("seed", None)
+    if do_sample:
+        torch.manual_seed(0 if seed is None else seed)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         eos_token_id=sorted(eos_ids(model, tokenizer)), pad_token_id=tokenizer.pad_token_id,
+                         do_sample=do_sample, return_dict_in_generate=True, output_logits=True, **sampling)
+    return out.sequences[0, ids.shape[1]:].tolist(), [step[0].float().cpu() for step in out.logits]
+
+
+def compare_with_hf(model: Any, tokenizer: Any, prompts: Sequence[str | Sequence[int]],
+                    prefixes: Sequence[str | Sequence[int] | PrefixCache], max_new_tokens: int = 16,
+                    **sampling: Any) -> list[dict[str, Any]]:
+    """Run each prompt through ``generate`` with its prefix cache and through HF ``generate``; compare.
+
+    One row per prompt: cached tokens, whether the generated ids are identical, and the max abs
+    difference between the two loops' logits over the steps both produced.
+    """
+    rows = []
+    built: dict[Any, PrefixCache] = {}
+    for prompt, prefix in zip(prompts, prefixes, strict=True):
+        if not isinstance(prefix, PrefixCache):
+            key = prefix if isinstance(prefix, str) else tuple(prefix)
+            if key not in built:
+                built[key] = PrefixCache.build(model, tokenizer, prefix)
+            prefix = built[key]
+        ours = generate(model, tokenizer, prompt, prefix, max_new_tokens=max_new_tokens, keep_logits=True,
+                        **sampling)
+        ref_ids, ref_logits = hf_generate_with_logits(model, tokenizer, prompt, max_new_tokens, **sampling)
+        steps = min(len(ours.step_logits), len(ref_logits))
+        diff = max((float((a - b).abs().max()) for a, b in zip(ours.step_logits[:steps], ref_logits[:steps])),
+                   default=0.0)
+        rows.append({"prompt_tokens": len(ours.prompt_ids), "cached_tokens": ours.num_cached_tokens,
+                     "identical": ours.token_ids == ref_ids, "new_tokens": len(ours.token_ids),
+                     "max_abs_logit_diff": diff, "ours": ours.text,
+                     "hf": tokenizer.decode(ref_ids, skip_special_tokens=True)})
+    return rows
+
+
+# ----------------------------------------------------------------------------- the article's code, finished naively
+
+@torch.no_grad()
+def get_prefix_cache(model: Any, tokenizer: Any, prefix: str) -> tuple[Any, int]:
+    """The article's ``get_prefix_cache``: one forward pass over the prefix; returns (cache, prefix_len)."""
+    inputs = tokenizer(prefix, return_tensors="pt").to(model.device)  # add_special_tokens left at its default
+    outputs = model(**inputs, use_cache=True)
+    return outputs.cache, inputs.input_ids.shape[1]
+
+
+@torch.no_grad()
+def generate_with_prefix_cache(model: Any, tokenizer: Any, prefix_cache: Any, prefix_len: int, suffix: str,
+                               max_new_tokens: int = 20) -> list[int]:
+    """The article's ``generate_with_prefix_cache`` with its elided loop written the obvious way.
+
+    Greedy; positions are left to transformers (it counts the tokens already in the cache). It
+    writes into ``prefix_cache``: the mistake notebook 02 runs on purpose (cache pollution).
+    """
+    suffix_ids = tokenizer(suffix, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
+    out = model(input_ids=suffix_ids, cache=prefix_cache, use_cache=True)
+    stop = eos_ids(model, tokenizer)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(out.logits[0, -1].argmax())
+        generated.append(tok)
+        if tok in stop:
+            break
+        out = model(input_ids=torch.tensor([[tok]], device=model.device), cache=prefix_cache, use_cache=True)
+    return generated
+
+
+# ----------------------------------------------------------------------------- tokenization pitfalls
+
+@dataclass
+class TokenCheck:
+    """Is the prefix's own tokenization a prefix of the full text's tokenization? Where does it break?"""
+
+    ok: bool
+    prefix_ids: list[int]
+    full_ids: list[int]
+    first_diff: int | None  # first token index where they differ (None when ok)
+    prefix_around: list[str]  # decoded tokens around first_diff, prefix tokenized alone
+    full_around: list[str]  # the same positions, full text tokenized
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"ok: the prefix's {len(self.prefix_ids)} tokens are the first tokens of the full text"
+        return (f"mismatch at token {self.first_diff} of {len(self.prefix_ids)}: "
+                f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
+
+
+def _pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token as the text it stands for (bytes that are not whole characters shown as escapes)."""
+    pieces = []
+    for t in ids:
+        text = tokenizer.decode([t])
+        pieces.append(text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(t))
+    return pieces
+
+
+def check_prefix_tokens(tokenizer: Any, prefix: str | Sequence[int], full: str | Sequence[int],
+                        context: int = 2) -> TokenCheck:
+    """Report whether ``prefix`` tokenized alone is a token prefix of ``full``, and the first difference."""
+    p, f = encode(tokenizer, prefix), encode(tokenizer, full)
+    first = next((i for i, (a, b) in enumerate(zip(p, f)) if a != b), None)
+    if first is None and len(p) > len(f):
+        first = len(f)
+    if first is None:
+        return TokenCheck(True, p, f, None, [], [])
+    lo = max(0, first - context)
+    return TokenCheck(False, p, f, first, _pieces(tokenizer, p[lo:first + context + 1]),
+                      _pieces(tokenizer, f[lo:first + context + 1]))
+
+
+def boundary_merge_cases(tokenizer: Any, texts: Sequence[str], limit: int = 10, stride: int = 1
+                         ) -> list[tuple[str, str, TokenCheck]]:
+    """Cut points in ``texts`` where the prefix tokenized alone is *not* a prefix of the whole text's tokens.
+
+    Returns up to ``limit`` triples ``(prefix, suffix, check)`` with distinct merged pieces: real
+    cases where BPE merges characters across the boundary of a text split.
+    """
+    cases, seen = [], set()
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    for text in texts:
+        full_ids = encode(tokenizer, text)
+        inside = {i for s in specials for start in _find_all(text, s) for i in range(start + 1, start + len(s))}
+        for cut in range(1, len(text), stride):
+            if cut in inside:  # cutting a special token in half is not a tokenization subtlety
+                continue
+            check = check_prefix_tokens(tokenizer, text[:cut], full_ids)
+            if not check.ok:
+                key = tuple(check.full_around)
+                if key not in seen:
+                    seen.add(key)
+                    cases.append((text[:cut], text[cut:], check))
+                    if len(cases) >= limit:
+                        return cases
+    return cases
+
+
+def _find_all(text: str, sub: str) -> list[int]:
+    out, i = [], text.find(sub)
+    while i != -1:
+        out.append(i)
+        i = text.find(sub, i + 1)
+    return out
+
+
+def common_prefix_ids(tokenizer: Any, prompts: Sequence[str | Sequence[int]]) -> list[int]:
+    """The longest run of token ids that every prompt starts with, each prompt tokenized whole.
+
+    Building the prefix cache from these ids (not from the prefix text tokenized alone) can never
+    hit a BPE merge across the boundary.
+    """
+    seqs = [encode(tokenizer, p) for p in prompts]
+    if not seqs:
+        raise ValueError("no prompts")
+    n = 0
+    while all(len(s) > n for s in seqs) and len({s[n] for s in seqs}) == 1:
+        n += 1
+    return seqs[0][:n]
+
+
+def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
+    """A copy of a fast tokenizer that, like Llama's, prepends ``bos`` when ``add_special_tokens=True``.
+
+    Qwen-style tokenizers add nothing, so ``add_special_tokens`` seems harmless until the tokenizer
+    changes; this copy makes the pitfall visible with the bundled vocabulary.
+    """
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    bos_id = tok.convert_tokens_to_ids(bos)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+    return tok
+
+
+# ----------------------------------------------------------------------------- time saved
+
+@torch.no_grad()
+def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5
+                 ) -> dict[str, float]:
+    """Median seconds to the first token's logits: full prefill vs suffix-only on a cached prefix.
+
+    Runs are interleaved (full, cached, full, ...) so a busy machine slows both alike. ``ideal`` is
+    the uncached share of the tokens; ``max_abs_logit_diff`` checks both paths agree.
+    """
+    from transformers import DynamicCache
+
+    device, _ = model_device_dtype(model)
+    prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
+    all_ids = torch.tensor([prefix_ids + suffix_ids], device=device)  # (1, P+S)
+    suf = torch.tensor([suffix_ids], device=device)  # (1, S)
+    pos = torch.arange(len(prefix_ids), len(prefix_ids) + len(suffix_ids), device=device)[None]  # (1, S)
+    prefix_cache = model(input_ids=torch.tensor([prefix_ids], device=device), use_cache=True).cache
+
+    def full() -> torch.Tensor:
+        return model(input_ids=all_ids, cache=DynamicCache(config=model.config), use_cache=True,
+                     logits_to_keep=1).logits[0, -1]
+
+    def cached(cache: Any) -> torch.Tensor:
+        return model(input_ids=suf, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+    full(), cached(copy.deepcopy(prefix_cache))  # warm-up
+    t_full, t_cached, diff = [], [], 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a = full()
+        _sync(device)
+        t_full.append(time.perf_counter() - t0)
+        fork = copy.deepcopy(prefix_cache)  # not timed: a paged cache would share, not copy
+        t0 = time.perf_counter()
+        b = cached(fork)
+        _sync(device)
+        t_cached.append(time.perf_counter() - t0)
+        diff = max(diff, float((a.float() - b.float()).abs().max()))
+    f, c = statistics.median(t_full), statistics.median(t_cached)
+    return {"prefix_tokens": len(prefix_ids), "suffix_tokens": len(suffix_ids), "full_s": f, "cached_s": c,
+            "ratio": c / f, "ideal": len(suffix_ids) / (len(prefix_ids) + len(suffix_ids)),
+            "max_abs_logit_diff": diff}
+
+
+# ----------------------------------------------------------------------------- exercise checkers
+
+def _verdict(ok: bool, good: str, hint: str) -> str:
+    return ("correct: " + good) if ok else ("not yet: " + hint)
+
+
+def check_generate_fn(fn: Any, model: Any, tokenizer: Any, n: int = 4, max_new_tokens: int = 12) -> str:
+    """Exercise 02.1: ``fn(model, tokenizer, prefix_text, suffix_text, max_new_tokens) -> new ids``.
+
+    It must reuse a prefix cache and give exactly ``model.generate``'s greedy tokens, and it must
+    work for two suffixes in a row after one prefix (no pollution). Returns a verdict, never raises.
+    """
+    from kvlab.passphrase import make_examples, with_question
+
+    if fn is None:
+        return "no answer yet: define my_generate and pass it in"
+    for ex in make_examples(n, "heldout", start=100):
+        for e in (ex, with_question(ex, "Tell me the passphrase.")):
+            want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
+            try:
+                got = list(fn(model, tokenizer, e.prefix_text, e.suffix_text, max_new_tokens))
+            except Exception as err:  # the learner's code may fail in any way
+                return f"not yet: your function raised {type(err).__name__}: {err}"
+            if got != want:
+                return (f"not yet: on example {e.seed} you generated {got[:8]}... but model.generate gives "
+                        f"{want[:8]}...; check the positions and that the prefix cache is not written into")
+    return _verdict(True, f"{2 * n} prompts identical to model.generate", "")
+
+
+def check_boundary_case(tokenizer: Any, prefix: str | None, suffix: str | None) -> str:
+    """Exercise 02.2: a split of a text where BPE merges across the boundary."""
+    if prefix is None or suffix is None:
+        return "no answer yet"
+    check = check_prefix_tokens(tokenizer, prefix, prefix + suffix)
+    return _verdict(not check.ok, str(check),
+                    "this split tokenizes the same alone and inside the full text; try a cut inside a "
+                    "word, or just before letters that follow punctuation")
+
+
+def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> str:
+    """Exercise 02.3: ``fn(model, tokenizer, cache, prefix_len, suffixes, max_new_tokens) -> list of id lists``.
+
+    One cache object serves several suffixes one after another, cropped back after each request
+    (no fork). Every answer must equal the isolated ``model.generate`` answer.
+    """
+    from kvlab.passphrase import make_example, with_question
+
+    if fn is None:
+        return "no answer yet: define my_serial_reuse and pass it in"
+    ex = make_example(7, "heldout", history="none")
+    questions = ["What is the passphrase?", "Tell me the passphrase.", "请说出口令。"][:n]
+    examples = [with_question(ex, q) for q in questions]
+    prefix_ids = encode(tokenizer, ex.prefix_text)
+    cache = PrefixCache.build(model, tokenizer, prefix_ids).cache
+    try:
+        got = fn(model, tokenizer, cache, len(prefix_ids), [e.suffix_text for e in examples], max_new_tokens)
+    except Exception as err:  # the learner's code may fail in any way
+        return f"not yet: your function raised {type(err).__name__}: {err}"
+    for e, g in zip(examples, got, strict=False):
+        want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
+        if list(g) != want:
+            return (f"not yet: for {e.turns[-1].user!r} you generated {list(g)[:8]} but model.generate gives "
+                    f"{want[:8]}; did you crop the cache back to the prefix after each request?")
+    if int(cache.get_seq_length()) != len(prefix_ids):
+        return f"not yet: the answers match but the cache holds {cache.get_seq_length()} tokens, not {len(prefix_ids)}"
+    return _verdict(len(got) == len(examples), f"{len(examples)} requests identical, cache back to "
+                    f"{len(prefix_ids)} tokens", "return one list of ids per suffix")

@@ -1,0 +1,368 @@
+"""Causal self-attention from scratch, with the smallest possible KV cache.
+
+The lesson of notebook 01 in code:
+
+* ``attention`` is softmax(Q K^T / sqrt(d)) V with a causal mask, nothing else.
+* ``SelfAttention`` projects x to Q, K, V with any number of query heads and of key/value heads
+  (multi-head when they are equal, grouped-query attention when there are fewer KV heads).
+* ``KVCache`` keeps K and V per layer and appends one step at a time. Q is never stored: a
+  decode step only needs the *new* token's query (see ``last_row_ignores_past_queries``).
+* ``TinyDecoder`` stacks a few such layers so that "cached decode == recompute" is checked through
+  several layers, as in a real model.
+* ``decode_step_cost`` times one decode step with and without the cache; ``decode_step_flops``
+  counts the same work.
+
+No position encoding here on purpose (notebook 03 is about RoPE): causality alone orders tokens.
+``random_model`` builds a random-initialised Hugging Face model of a public model's shape from the
+config JSON shipped in ``data/configs`` (for timing, where compute must dominate Python overhead).
+
+References: Vaswani et al. 2017 (attention); Ainslie et al. 2023 (GQA); nanoGPT's ``model.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+# ----------------------------------------------------------------------------- attention itself
+
+def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean (q_len, k_len) mask, True where query i may look at key j.
+
+    The queries are the *last* ``q_len`` of ``k_len`` positions (a decode step has q_len=1 and sees
+    every cached key), so query i sits at absolute position ``k_len - q_len + i``.
+    """
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (q_len, 1)
+    k_pos = torch.arange(k_len, device=device)[None, :]  # (1, k_len)
+    return k_pos <= q_pos
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention; returns ``(output, weights)``.
+
+    q: (batch, heads, q_len, head_dim); k, v: (batch, heads, k_len, head_dim).
+    output: (batch, heads, q_len, head_dim); weights: (batch, heads, q_len, k_len).
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    if causal:
+        mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device)  # (Tq, Tk)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1)  # (B, H, Tq, Tk), each row sums to 1
+    return weights @ v, weights  # (B, H, Tq, D)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Grouped-query attention: let ``n_rep`` query heads share each KV head.
+
+    (batch, kv_heads, seq, head_dim) -> (batch, kv_heads * n_rep, seq, head_dim); query head h
+    reads KV head ``h // n_rep``, the convention of Llama, Qwen2 and transformers.
+    """
+    if n_rep == 1:
+        return x
+    b, kvh, t, d = x.shape
+    return x[:, :, None].expand(b, kvh, n_rep, t, d).reshape(b, kvh * n_rep, t, d)
+
+
+def last_row_ignores_past_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
+    """Perturb past Q, then past K and V, and report how much the last position's output moves.
+
+    The last row depends on Q only through its own query, but on every earlier K and V: that is
+    why a decode step keeps K and V of the past and throws Q away. Shapes as in ``attention``.
+    """
+    base, _ = attention(q, k, v)
+    noise = lambda t: t + torch.randn_like(t)  # noqa: E731
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    q2[..., :-1, :] = noise(q[..., :-1, :])
+    k2[..., :-1, :] = noise(k[..., :-1, :])
+    v2[..., :-1, :] = noise(v[..., :-1, :])
+    last = lambda out: out[..., -1, :]  # noqa: E731
+    return {
+        "past Q changed": float((last(attention(q2, k, v)[0]) - last(base)).abs().max()),
+        "past K changed": float((last(attention(q, k2, v)[0]) - last(base)).abs().max()),
+        "past V changed": float((last(attention(q, k, v2)[0]) - last(base)).abs().max()),
+    }
+
+
+# ----------------------------------------------------------------------------- a minimal KV cache
+
+@dataclass
+class KVCache:
+    """Per-layer K and V, appended along the sequence axis; nothing else (no Q, no positions)."""
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)  # per layer (B, kv_heads, seq, D)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new K, V of ``layer`` after the old ones; return all K, V of that layer."""
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)  # (B, kv_heads, seq+new, D)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
+        return self.keys[layer], self.values[layer]
+
+    def seq_len(self) -> int:
+        """Tokens cached (the same in every layer)."""
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-2]
+
+    def crop(self, n: int) -> None:
+        """Keep only the first ``n`` tokens of every layer."""
+        self.keys = [k[..., :n, :] for k in self.keys]
+        self.values = [v[..., :n, :] for v in self.values]
+
+    def nbytes(self) -> int:
+        """Bytes held by all K and V tensors."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+
+# ----------------------------------------------------------------------------- layers and a tiny model
+
+class SelfAttention(nn.Module):
+    """Causal self-attention with ``n_heads`` query heads and ``n_kv_heads`` key/value heads."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None):
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = head_dim or d_model // n_heads
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, heads, self.head_dim).transpose(1, 2)  # (B, heads, T, D)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        """x: (batch, new_tokens, d_model) -> (batch, new_tokens, d_model); appends K, V to ``cache``."""
+        q = self._split(self.q_proj(x), self.n_heads)  # (B, H, T_new, D)
+        k = self._split(self.k_proj(x), self.n_kv_heads)  # (B, KVH, T_new, D)
+        v = self._split(self.v_proj(x), self.n_kv_heads)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)  # (B, KVH, T_past + T_new, D)
+        n_rep = self.n_heads // self.n_kv_heads
+        out, _ = attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))  # (B, H, T_new, D)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class TinyDecoder(nn.Module):
+    """Embedding -> n x (pre-norm attention + MLP, residuals) -> logits. No position encoding."""
+
+    def __init__(self, vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
+                 n_kv_heads: int | None = None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.norms1 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
+        self.attns = nn.ModuleList(SelfAttention(d_model, n_heads, n_kv_heads) for _ in range(n_layers))
+        self.norms2 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+            for _ in range(n_layers))
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """ids: (batch, new_tokens) -> logits (batch, new_tokens, vocab)."""
+        x = self.embed(ids)  # (B, T, d_model)
+        for i, (n1, attn, n2, mlp) in enumerate(zip(self.norms1, self.attns, self.norms2, self.mlps)):
+            x = x + attn(n1(x), cache, layer=i)
+            x = x + mlp(n2(x))
+        return self.head(x)
+
+
+@torch.no_grad()
+def decode_logits(model: TinyDecoder, ids: torch.Tensor, use_cache: bool) -> torch.Tensor:
+    """Logits of every position computed one step at a time, with the KV cache or by recomputation.
+
+    ids: (batch, T) -> (batch, T, vocab). Without the cache, step t runs the whole prefix 0..t again.
+    """
+    steps = []
+    cache = KVCache() if use_cache else None
+    for t in range(ids.shape[1]):
+        if use_cache:
+            steps.append(model(ids[:, t:t + 1], cache)[:, -1])  # one new token; K, V of the rest cached
+        else:
+            steps.append(model(ids[:, : t + 1])[:, -1])  # everything again
+    return torch.stack(steps, dim=1)
+
+
+@torch.no_grad()
+def cached_vs_recompute(n_heads: int, n_kv_heads: int, d_model: int = 32, n_layers: int = 2, seq: int = 12,
+                        batch: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> float:
+    """Max abs difference between cached decoding and full recomputation on a random TinyDecoder."""
+    torch.manual_seed(seed)
+    model = TinyDecoder(64, d_model, n_layers, n_heads, n_kv_heads).to(device, dtype).eval()
+    ids = torch.randint(0, 64, (batch, seq), device=device)
+    full = model(ids)  # (B, T, vocab): one causal pass over everything, the reference
+    cached = decode_logits(model, ids, use_cache=True)
+    recomputed = decode_logits(model, ids, use_cache=False)
+    return float(max((cached - full).abs().max(), (recomputed - full).abs().max()))
+
+
+# ----------------------------------------------------------------------------- cost of one decode step
+
+def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None,
+                      use_cache: bool = True) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one attention layer's decode step at context length ``n``.
+
+    With the cache the step projects 1 token and compares 1 query with n keys; without it the step
+    projects all n tokens again and fills the whole n x n score matrix (what ``attention`` computes).
+    """
+    head_dim = head_dim or d_model // n_heads
+    proj_per_token = 2 * d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)  # Q, O and K, V
+    tokens = 1 if use_cache else n
+    # scores (QK^T) and weighted sum (AV): 2 * 2 * heads * head_dim per (query, key) pair
+    return tokens * proj_per_token + 4 * n_heads * head_dim * tokens * n
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, n_kv_heads: int = 2,
+                     repeats: int = 5, seed: int = 0, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> list[dict[str, float]]:
+    """Median seconds of one decode step of one attention layer, with and without the KV cache.
+
+    Defaults are one layer of Qwen2.5-0.5B (896 wide, 14 query heads, 2 KV heads). Returns one row
+    per length: ``n``, ``cached_s``, ``recompute_s`` and the FLOPs of each.
+    """
+    torch.manual_seed(seed)
+    layer = SelfAttention(d_model, n_heads, n_kv_heads).to(device, dtype).eval()
+    rows = []
+    for n in lengths:
+        x = torch.randn(1, n, d_model, device=device, dtype=dtype)  # (1, n, d_model)
+        cache = KVCache()
+        layer(x[:, :-1], cache)  # K, V of the first n-1 tokens
+
+        def cached_step():
+            layer(x[:, -1:], cache)  # 1 new token against n-1 cached ones
+            cache.crop(n - 1)  # undo the append so every repeat measures the same step
+
+        def recompute_step():
+            layer(x)  # all n tokens again
+
+        layer(x)  # warm-up
+        rows.append({
+            "n": n,
+            "cached_s": _median_seconds(cached_step, repeats),
+            "recompute_s": _median_seconds(recompute_step, repeats),
+            "cached_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=True),
+            "recompute_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=False),
+        })
+    return rows
+
+
+# ----------------------------------------------------------------------------- realistic-shape models
+
+def random_model(config_name: str, num_layers: int | None = None, hidden_size: int | None = None,
+                 intermediate_size: int | None = None, vocab_size: int | None = None, seed: int = 0,
+                 device: str | torch.device = "auto", dtype: str | torch.dtype = "float32") -> Any:
+    """A random-initialised HF causal LM with the shape of a public config in ``data/configs``.
+
+    Shrinking options keep the KV shape (kv heads, head dim) unless told otherwise: a smaller
+    ``hidden_size`` pins ``head_dim`` to the original value. Use ``num_layers`` to make it cheaper,
+    ``vocab_size`` to drop the (large) embedding table when the logits do not matter.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvlab.models import kv_shape, load_public_config, resolve_device, resolve_dtype
+
+    raw = dict(load_public_config(config_name))
+    shape = kv_shape(raw)
+    for key in ("_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype"):
+        raw.pop(key, None)
+    if num_layers is not None:
+        raw["num_hidden_layers"] = num_layers
+    if hidden_size is not None:
+        raw["hidden_size"] = hidden_size
+        raw["head_dim"] = shape["head_dim"]
+    if intermediate_size is not None:
+        raw["intermediate_size"] = intermediate_size
+    if vocab_size is not None:
+        raw["vocab_size"] = vocab_size
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            raw.pop(key, None)
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
+    return model.to(resolve_device(device)).eval()
+
+
+# ----------------------------------------------------------------------------- exercise checkers
+
+def _verdict(ok: bool, good: str, hint: str) -> str:
+    return ("correct: " + good) if ok else ("not yet: " + hint)
+
+
+def check_gqa_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> str:
+    """Exercise 01.1: ``fn(q, k, v)`` with fewer KV heads than query heads, causal, without ``repeat_kv``.
+
+    q: (B, H, T, D); k, v: (B, KVH, T, D) -> (B, H, T, D). Returns a verdict, never raises.
+    """
+    if fn is None:
+        return "no answer yet: define my_gqa_attention and pass it in"
+    torch.manual_seed(1)
+    q = torch.randn(2, 6, 5, 8)
+    k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    want, _ = attention(q, repeat_kv(k, 3), repeat_kv(v, 3))
+    try:
+        got = fn(q, k, v)
+    except Exception as e:  # the learner's code may fail in any way
+        return f"not yet: your function raised {type(e).__name__}: {e}"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return f"not yet: expected a tensor of shape {tuple(want.shape)}, got {getattr(got, 'shape', type(got))}"
+    diff = float((got - want).abs().max())
+    return _verdict(diff <= 1e-5, f"max abs difference {diff:.1e}",
+                    f"max abs difference {diff:.3g}; query head h reads KV head h // (H // KVH), and mind the mask")
+
+
+def check_kv_bytes(config_name: str, dtype: str, answer: int | None) -> str:
+    """Exercise 01.2: KV-cache bytes per token of a shipped public config, computed by hand."""
+    from kvlab.models import kv_bytes_per_token, load_public_config
+
+    if answer is None:
+        return "no answer yet"
+    want = kv_bytes_per_token(load_public_config(config_name), dtype)
+    return _verdict(int(answer) == want, f"{want:,} bytes per token",
+                    f"{int(answer):,} is off by a factor {want / max(int(answer), 1):.3g}: "
+                    "2 x layers x kv_heads x head_dim x bytes per element")
+
+
+def max_context_tokens(config: Any, dtype: str, budget_gib: float, batch: int = 1) -> int:
+    """How many tokens of context per sequence fit in ``budget_gib`` of KV cache for ``batch`` sequences."""
+    from kvlab.models import kv_bytes_per_token
+
+    return int(budget_gib * 2**30 // (kv_bytes_per_token(config, dtype) * batch))
+
+
+def check_max_context(config_name: str, dtype: str, budget_gib: float, batch: int, answer: int | None) -> str:
+    """Exercise 01.3: the longest context that fits a KV budget (within 1%)."""
+    from kvlab.models import load_public_config
+
+    if answer is None:
+        return "no answer yet"
+    want = max_context_tokens(load_public_config(config_name), dtype, budget_gib, batch)
+    return _verdict(abs(int(answer) - want) <= 0.01 * want, f"about {want:,} tokens per sequence",
+                    f"{int(answer):,} vs about {want:,}: divide the budget by (bytes per token x batch)")
