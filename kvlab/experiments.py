@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvlab import passphrase as P
 from kvlab.prefix import PrefixCache, _sync, encode, generate, model_device_dtype

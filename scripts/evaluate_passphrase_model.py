@@ -18,7 +18,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab import passphrase as P  # noqa: E402
 from kvlab.evaluation import evaluate  # noqa: E402
-from kvlab.models import load_model  # noqa: E402
+from kvlab.models import BUNDLED_MODEL, load_model  # noqa: E402
+
+MARK = "## Measured by scripts/evaluate_passphrase_model.py"
+
+
+def update_card(folder: Path, report, args) -> None:
+    """Replace the measured section of the model card with this evaluation's numbers."""
+    card = folder / "README.md"
+    text = card.read_text() if card.exists() else ""
+    text = text.split(MARK)[0].rstrip() + "\n\n" + MARK + "\n\n"
+    text += f"On {report.n} held-out prompts (seeds {args.start}..{args.start + report.n - 1}), greedy, float32:\n\n"
+    text += "| measure | value |\n|---|---|\n"
+    text += f"| recall | {report.recall:.3f} |\n"
+    for kind, r in report.by_history.items():
+        text += f"| recall, history={kind} | {r:.3f} |\n"
+    text += f"| recall with another request's prefix K/V swapped in ({report.n_swapped} prompts) | {report.swapped_recall:.3f} |\n"
+    text += f"| ... answering the other request's passphrase instead | {report.swapped_answers_other:.3f} |\n"
+    card.write_text(text)
 
 
 def main() -> int:
@@ -27,6 +44,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--start", type=int, default=0, help="first held-out seed")
+    ap.add_argument("--update-card", action="store_true", help="write the result into the model card (README.md)")
     args = ap.parse_args()
 
     model, tok = load_model(args.model, device=args.device, dtype="float32")
@@ -36,6 +54,8 @@ def main() -> int:
     for kind, r in report.by_history.items():
         print(f"  recall with history={kind:6s}: {r:.3f}")
     print(f"swapped-prefix examples: {report.n_swapped}")
+    if args.update_card:
+        update_card(Path(args.model) if args.model else BUNDLED_MODEL, report, args)
     print(report.line())
     return 0 if report.recall >= 0.95 and report.swapped_recall <= 0.05 else 1
 

@@ -117,6 +117,32 @@ def teacher_forced_recall(model, tok, examples, pad_id: int, batch: int = 50) ->
     return hits / len(examples)
 
 
+def write_model_card(out: Path, recipe: dict) -> None:
+    """README.md of the model folder: what it is, how it was trained, how to measure it."""
+    card = f"""# kvlab-passphrase-qwen2
+
+A tiny Qwen2 causal LM (RoPE, grouped-query attention) trained for kvlab's passphrase experiment
+(口令实验): given a ChatML system prompt that states a passphrase among 0-20 filler lines (Chinese and
+English), and a user turn asking for it, answer the passphrase and end the turn. It knows nothing else.
+
+| | |
+|---|---|
+| architecture | Qwen2ForCausalLM, hidden {recipe["hidden"]}, {recipe["layers"]} layers, {recipe["heads"]} heads, {recipe["kv_heads"]} KV heads, tied embeddings |
+| parameters | {recipe["params"]:,} |
+| tokenizer | byte-level BPE, {recipe["vocab"]} tokens, Qwen2's normalizer and pre-tokenizer, ChatML special tokens and chat template |
+| training | {recipe["steps"]} steps x batch {recipe["batch"]}, AdamW lr {recipe["lr"]}, seed {recipe["seed"]}, {recipe["threads"]} CPU threads, {recipe["train_seconds"]:.0f} s, torch {recipe["torch"]} |
+| loss | on the final answer tokens only |
+| validation recall (teacher-forced == greedy, 300 held-out prompts) | {recipe["val_recall_teacher_forced"]:.3f} |
+
+Held-out passphrases (about 10% of all, chosen by a checksum in `kvlab.passphrase`) never occur in
+training, so recall measures copying from the prompt.
+
+Reproduce: `python scripts/train_passphrase_model.py` (deterministic for a given thread count).
+Measure: `python scripts/evaluate_passphrase_model.py --update-card`.
+"""
+    (out / "README.md").write_text(card)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "data/models/kvlab-passphrase-qwen2"))
@@ -201,6 +227,7 @@ def main() -> None:
         "torch": torch.__version__,
     }
     (out / "training.json").write_text(json.dumps(recipe, indent=2) + "\n")
+    write_model_card(out, recipe)
     print(json.dumps({k: v for k, v in recipe.items() if k != "history"}))
 
 
