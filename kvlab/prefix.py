@@ -365,7 +365,7 @@ def generate_with_prefix_cache(model: Any, tokenizer: Any, prefix_cache: Any, pr
     for _ in range(max_new_tokens):
         tok = int(out.logits[0, -1].argmax())
         generated.append(tok)
-        if tok in stop:
+        if tok in stop or len(generated) == max_new_tokens:
             break
         out = model(input_ids=torch.tensor([[tok]], device=model.device), cache=prefix_cache, use_cache=True)
     return generated
@@ -422,7 +422,8 @@ def boundary_merge_cases(tokenizer: Any, texts: Sequence[str], limit: int = 10, 
     cases where BPE merges characters across the boundary of a text split.
     """
     cases, seen = [], set()
-    specials = [t for t in tokenizer.all_special_tokens if t]
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {t.content for t in added.values()} | set(tokenizer.all_special_tokens)
     for text in texts:
         full_ids = encode(tokenizer, text)
         inside = {i for s in specials for start in _find_all(text, s) for i in range(start + 1, start + len(s))}

@@ -1,0 +1,176 @@
+"""From-scratch attention: equals PyTorch's, cached decode equals recomputation, GQA as in transformers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab import attention as A
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors on a shared 2-core machine run faster (and steadier) on one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_attention_equals_torch_sdpa_full_and_decode():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 16) for _ in range(3))
+    out, w = A.attention(q, k, v)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
+    assert torch.allclose(w.sum(-1), torch.ones(2, 3, 7))
+    # a decode step: one query at the last position sees every key (is_causal=False, no mask needed)
+    out1, _ = A.attention(q[:, :, -1:], k, v)
+    assert torch.allclose(out1, F.scaled_dot_product_attention(q[:, :, -1:], k, v), atol=1e-6)
+    assert torch.allclose(out1, out[:, :, -1:], atol=1e-6)
+
+
+def test_causal_mask_places_queries_at_the_end():
+    m = A.causal_mask(2, 5)
+    assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    assert torch.equal(A.causal_mask(4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 9), st.integers(1, 8))
+def test_weights_are_causal_distributions(b, h, t, d):
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    _, w = A.attention(q, k, v)
+    assert torch.allclose(w.sum(-1), torch.ones(b, h, t), atol=1e-5)
+    assert float(w.triu(diagonal=1).abs().max()) == 0.0  # no weight on the future
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(1, 1), (4, 4), (4, 2), (8, 1)],
+                         ids=["single-head", "multi-head", "GQA-2-groups", "MQA"])
+def test_cached_decode_equals_recompute(n_heads, n_kv_heads):
+    assert A.cached_vs_recompute(n_heads, n_kv_heads, d_model=32, n_layers=2, seq=12) <= 1e-5
+
+
+def test_cached_decode_is_not_trivially_equal():
+    """The equality test can fail: dropping the cache between steps changes the logits."""
+    torch.manual_seed(0)
+    model = A.TinyDecoder(64, 32, 2, 4, 2).eval()
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        full = model(ids)
+        amnesiac = torch.stack([model(ids[:, t:t + 1], A.KVCache())[:, -1] for t in range(8)], dim=1)
+    assert float((amnesiac - full).abs().max()) > 1e-2
+
+
+def test_repeat_kv_matches_transformers():
+    from transformers.models.llama.modeling_llama import repeat_kv as hf_repeat_kv
+
+    x = torch.randn(2, 3, 5, 4)
+    assert torch.equal(A.repeat_kv(x, 4), hf_repeat_kv(x, 4))
+    assert A.repeat_kv(x, 1) is x
+
+
+def test_gqa_layer_equals_multi_head_with_duplicated_kv_weights():
+    """A GQA layer is a multi-head layer whose K/V projections repeat per group."""
+    torch.manual_seed(0)
+    gqa = A.SelfAttention(32, n_heads=4, n_kv_heads=2)
+    mha = A.SelfAttention(32, n_heads=4, n_kv_heads=4)
+    hd = gqa.head_dim
+    with torch.no_grad():
+        mha.q_proj.weight.copy_(gqa.q_proj.weight)
+        mha.o_proj.weight.copy_(gqa.o_proj.weight)
+        for proj in ("k_proj", "v_proj"):
+            w = getattr(gqa, proj).weight.view(2, hd, 32)  # (kv_heads, head_dim, d_model)
+            getattr(mha, proj).weight.copy_(w.repeat_interleave(2, dim=0).reshape(4 * hd, 32))
+        x = torch.randn(2, 6, 32)
+        assert torch.allclose(gqa(x), mha(x), atol=1e-6)
+
+
+def test_gqa_rejects_uneven_groups():
+    with pytest.raises(ValueError, match="multiple"):
+        A.SelfAttention(32, n_heads=4, n_kv_heads=3)
+
+
+def test_last_row_ignores_past_queries_but_not_past_keys_values():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    d = A.last_row_ignores_past_queries(q, k, v)
+    assert d["past Q changed"] == 0.0
+    assert d["past K changed"] > 1e-3 and d["past V changed"] > 1e-3
+
+
+def test_kv_cache_appends_crops_and_counts_bytes():
+    c = A.KVCache()
+    k = torch.zeros(1, 2, 3, 4)
+    c.append(0, k, k)
+    c.append(1, k, k)
+    c.append(0, k[:, :, :1], k[:, :, :1])
+    assert c.keys[0].shape == (1, 2, 4, 4) and c.seq_len() == 4
+    assert c.nbytes() == (4 + 4 + 3 + 3) * 2 * 4 * 4
+    c.crop(2)
+    assert c.seq_len() == 2 and c.keys[1].shape[-2] == 2
+
+
+def test_decode_flops_linear_with_cache_quadratic_without():
+    f = lambda n, cache: A.decode_step_flops(n, 64, 4, 2, use_cache=cache)  # noqa: E731
+    # with the cache: constant + linear; second differences vanish
+    assert f(300, True) - 2 * f(200, True) + f(100, True) == 0
+    # without: the n x n score matrix makes the second difference positive and constant
+    d2 = f(300, False) - 2 * f(200, False) + f(100, False)
+    assert d2 > 0 and d2 == f(400, False) - 2 * f(300, False) + f(200, False)
+    # hand count at n=1 with the cache: projections 2*64*16*(2*4+2*2) + attention 4*4*16
+    assert f(1, True) == 2 * 64 * 16 * 12 + 4 * 4 * 16
+
+
+def test_decode_step_cost_rows():
+    rows = A.decode_step_cost([4, 8], d_model=32, n_heads=4, n_kv_heads=2, repeats=1)
+    assert [r["n"] for r in rows] == [4, 8]
+    assert all(r["cached_s"] > 0 and r["recompute_flops"] > r["cached_flops"] for r in rows)
+
+
+def _my_gqa(q, k, v):
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    qg = q.view(b, kvh, h // kvh, t, d)  # query heads grouped by the KV head they read
+    s = qg @ k[:, :, None].transpose(-2, -1) / d**0.5  # (B, KVH, G, T, T)
+    s = s.masked_fill(~A.causal_mask(t, t), float("-inf"))
+    return (s.softmax(-1) @ v[:, :, None]).reshape(b, h, t, d)
+
+
+def test_check_gqa_attention():
+    assert A.check_gqa_attention(None).startswith("no answer")
+    assert A.check_gqa_attention(_my_gqa).startswith("correct")
+    no_mask = lambda q, k, v: A.attention(q, A.repeat_kv(k, 3), A.repeat_kv(v, 3), causal=False)[0]  # noqa: E731
+    assert A.check_gqa_attention(no_mask).startswith("not yet")
+    wrong_grouping = lambda q, k, v: A.attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1))[0]  # noqa: E731
+    assert A.check_gqa_attention(wrong_grouping).startswith("not yet")
+    assert "raised" in A.check_gqa_attention(lambda q, k, v: 1 / 0)
+
+
+def test_check_kv_bytes_and_max_context():
+    assert A.check_kv_bytes("Qwen2.5-0.5B-Instruct", "bfloat16", None).startswith("no answer")
+    assert A.check_kv_bytes("Qwen2.5-0.5B-Instruct", "bfloat16", 2 * 24 * 2 * 64 * 2).startswith("correct")
+    assert A.check_kv_bytes("Qwen2.5-0.5B-Instruct", "bfloat16", 2 * 24 * 14 * 64 * 2).startswith("not yet")
+    want = 24 * 2**30 // (2 * 32 * 32 * 128 * 2)  # Qwen1.5-7B-Chat fp16: 0.5 MiB per token
+    assert A.max_context_tokens({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096},
+                                "float16", 24) == want
+    assert A.check_max_context("Qwen1.5-7B-Chat", "float16", 24, 1, want).startswith("correct")
+    assert A.check_max_context("Qwen1.5-7B-Chat", "float16", 24, 1, want // 2).startswith("not yet")
+
+
+def test_viz_figures_are_figures():
+    from matplotlib.figure import Figure
+
+    from kvlab import viz
+
+    rows = A.decode_step_cost([4, 8], d_model=32, n_heads=4, n_kv_heads=2, repeats=1)
+    _, w = A.attention(*(torch.randn(1, 1, 4, 8) for _ in range(3)))
+    figs = [viz.step_cost_figure(rows), viz.attention_weights_figure(w[0, 0], list("abcd")),
+            viz.kv_memory_figure({"a": 1024, "b": 4096}, 2048, (1, 4), budget_gib=1.0),
+            viz.prefill_ratio_figure([{"setting": "x", "ratio": 0.2, "ideal": 0.1}]),
+            viz.token_boundary_figure(["a", "b"], ["a", "bc"], 1)]
+    assert all(isinstance(f, Figure) for f in figs)
+    import matplotlib.pyplot as plt
+
+    for f in figs:
+        plt.close(f)

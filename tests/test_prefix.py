@@ -1,0 +1,355 @@
+"""Manual prefix reuse: token-identical to model.generate, refuses what it cannot serve, never polluted.
+
+Runs on the bundled passphrase model. Where it is missing (a checkout before it was trained), a
+random 2-layer Qwen2 with a byte-level BPE tokenizer trained here on the passphrase corpus stands in,
+so every test still runs and can fail.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from kvlab import passphrase as P
+from kvlab.models import BUNDLED_MODEL, load_model
+from kvlab.prefix import (
+    PrefixCache,
+    PrefixMismatchError,
+    boundary_merge_cases,
+    cache_nbytes,
+    check_boundary_case,
+    check_crop_reuse,
+    check_generate_fn,
+    check_prefix_tokens,
+    common_prefix_ids,
+    compare_with_hf,
+    continue_from_cache,
+    encode,
+    eos_ids,
+    generate,
+    generate_with_prefix_cache,
+    get_prefix_cache,
+    hf_generate,
+    time_prefill,
+    with_bos_tokenizer,
+)
+
+TRANSLATE_ZH = "你是一个专业的翻译助手，请将以下内容翻译成英文："
+SUFFIXES_ZH = ["今天天气很好。", "今天天气很好。", "明天会下雨吗？"]
+TRANSLATE_EN = "You are a professional translation assistant. Translate the following text into Chinese: "
+SUFFIXES_EN = ["The weather is nice today.", "The weather is nice today.", "Will it rain tomorrow?"]
+
+
+def _stand_in_model():
+    """A random Qwen2 and a byte-level BPE tokenizer with ChatML specials, trained on passphrase text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=[P.ENDOFTEXT, P.IM_START, P.IM_END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(P.tokenizer_corpus(300), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=P.IM_END, pad_token=P.ENDOFTEXT)
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                         "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                         "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=2, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = [2, 0]
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """(model, tokenizer): the bundled model in float32 on CPU, else the stand-in."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is faster on a shared machine
+    if (BUNDLED_MODEL / "config.json").exists():
+        yield load_model(device="cpu", dtype="float32")
+    else:
+        yield _stand_in_model()
+    torch.set_num_threads(old)
+
+
+def _all_equal(rows):
+    return [i for i, r in enumerate(rows) if not r["identical"]]
+
+
+# ----------------------------------------------------------------------------- equality with model.generate
+
+def test_greedy_identical_to_hf_generate_on_60_passphrase_prompts(lm):
+    model, tok = lm
+    examples = P.make_examples(60, "heldout")
+    rows = compare_with_hf(model, tok, [e.prompt_text for e in examples], [e.prefix_text for e in examples],
+                           max_new_tokens=12)
+    assert _all_equal(rows) == []
+    assert all(r["cached_tokens"] == len(encode(tok, e.prefix_text)) for r, e in zip(rows, examples))
+    assert max(r["max_abs_logit_diff"] for r in rows) <= 1e-4
+
+
+def test_greedy_identical_on_the_article_translation_example(lm):
+    model, tok = lm
+    for prefix, suffixes in ((TRANSLATE_ZH, SUFFIXES_ZH), (TRANSLATE_EN, SUFFIXES_EN)):
+        ids = common_prefix_ids(tok, [prefix + s for s in suffixes])
+        rows = compare_with_hf(model, tok, [prefix + s for s in suffixes], [ids] * len(suffixes), max_new_tokens=10)
+        assert _all_equal(rows) == []
+        assert rows[0]["ours"] == rows[1]["ours"]  # identical requests, identical answers
+
+
+def test_seeded_sampling_identical_to_hf_generate(lm):
+    model, tok = lm
+    examples = P.make_examples(10, "heldout", start=200)
+    for seed in (0, 1):
+        rows = compare_with_hf(model, tok, [e.prompt_text for e in examples], [e.prefix_text for e in examples],
+                               max_new_tokens=10, do_sample=True, temperature=1.3, top_p=0.95, top_k=40, seed=seed)
+        assert _all_equal(rows) == []
+
+
+def test_sampling_really_samples(lm):
+    """Guard for the test above: at a high temperature, seeds must disagree somewhere."""
+    model, tok = lm
+    ex = P.make_example(3, "heldout")
+    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    outs = {tuple(generate(model, tok, ex.prompt_text, pc, max_new_tokens=8, do_sample=True, temperature=3.0,
+                           seed=s).token_ids) for s in range(6)}
+    assert len(outs) > 1
+
+
+def test_prompt_that_is_the_prefix_recomputes_its_last_token(lm):
+    model, tok = lm
+    ex = P.make_example(5, "heldout")
+    pc = PrefixCache.build(model, tok, ex.prompt_text)
+    res = generate(model, tok, ex.prompt_text, pc, max_new_tokens=10)
+    assert res.num_cached_tokens == len(pc) - 1
+    assert res.token_ids == hf_generate(model, tok, ex.prompt_text, max_new_tokens=10)
+    assert pc.seq_length() == len(pc)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def test_refuses_ids_that_are_not_a_prefix(lm):
+    model, tok = lm
+    a, b = P.make_example(1, "heldout"), P.make_example(2, "heldout")
+    assert a.prefix_text != b.prefix_text
+    pc = PrefixCache.build(model, tok, a.prefix_text)
+    with pytest.raises(PrefixMismatchError, match="not a prefix of the prompt"):
+        generate(model, tok, b.prompt_text, pc)
+    with pytest.raises(PrefixMismatchError, match="not a prefix"):  # a prompt shorter than the prefix
+        generate(model, tok, a.prefix_text[:20], pc)
+
+
+def test_refuses_another_models_cache(lm):
+    model, tok = lm
+    ex = P.make_example(1, "heldout")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.parameters()).add_(1e-3)
+    pc = PrefixCache.build(other, tok, ex.prefix_text)
+    with pytest.raises(PrefixMismatchError, match="another model or tokenizer"):
+        generate(model, tok, ex.prompt_text, pc)
+
+
+def test_refuses_after_the_weights_change_in_place(lm):
+    model, tok = lm
+    ex = P.make_example(1, "heldout")
+    m = copy.deepcopy(model)
+    pc = PrefixCache.build(m, tok, ex.prefix_text)
+    generate(m, tok, ex.prompt_text, pc, max_new_tokens=2)  # fine, and memoises the fingerprint
+    with torch.no_grad():
+        m.lm_head.weight.mul_(1.01)  # e.g. a training step on the same model object
+    with pytest.raises(PrefixMismatchError, match="another model"):
+        generate(m, tok, ex.prompt_text, pc, max_new_tokens=2)
+
+
+def test_refuses_another_tokenizer(lm):
+    model, tok = lm
+    ex = P.make_example(1, "heldout")
+    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    tok2 = copy.deepcopy(tok)
+    tok2.add_tokens(["<|tenant_a|>"])
+    with pytest.raises(PrefixMismatchError, match="another model or tokenizer"):
+        generate(model, tok2, ex.prompt_text, pc)
+
+
+def test_refuses_a_cache_of_another_dtype_or_device(lm):
+    model, tok = lm
+    ex = P.make_example(1, "heldout")
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    pc = PrefixCache.build(half, tok, ex.prefix_text)
+    with pytest.raises(PrefixMismatchError, match="bfloat16"):
+        generate(model, tok, ex.prompt_text, pc)
+    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    for layer in pc.cache.layers:  # K/V left behind on another device
+        layer.keys, layer.values = layer.keys.to("meta"), layer.values.to("meta")
+    with pytest.raises(PrefixMismatchError, match="meta"):
+        generate(model, tok, ex.prompt_text, pc)
+
+
+def test_refuses_a_polluted_cache(lm):
+    model, tok = lm
+    ex = P.make_example(1, "heldout")
+    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    continue_from_cache(model, pc.cache, encode(tok, ex.suffix_text), len(pc), max_new_tokens=2)
+    with pytest.raises(PrefixMismatchError, match="polluted"):
+        generate(model, tok, ex.prompt_text, pc)
+
+
+# ----------------------------------------------------------------------------- fork and pollution
+
+def test_fork_is_independent(lm):
+    model, tok = lm
+    ex = P.make_example(4, "heldout")
+    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    before = [layer.keys.clone() for layer in pc.cache.layers]
+    fork = pc.fork()
+    continue_from_cache(model, fork.cache, encode(tok, ex.suffix_text), len(pc), max_new_tokens=4)
+    assert fork.seq_length() > len(pc) == pc.seq_length()
+    assert all(torch.equal(b, layer.keys) for b, layer in zip(before, pc.cache.layers))
+    for _ in range(2):  # generate works on a fork: the shared cache stays as it was
+        generate(model, tok, ex.prompt_text, pc, max_new_tokens=4)
+        assert pc.seq_length() == len(pc)
+    assert pc.nbytes() == cache_nbytes(pc.cache) > 0
+
+
+def test_article_code_pollutes_the_shared_cache(lm):
+    """Reproduce the bug: the article's two functions, one cache object, two requests."""
+    model, tok = lm
+    ex = P.make_example(9, "heldout", history="update")
+    other = P.with_question(P.make_example(9, "heldout", history="none"), "What is the passphrase?")
+    assert other.prefix_text == ex.prefix_text
+    cache, plen = get_prefix_cache(model, tok, ex.prefix_text)
+    first = generate_with_prefix_cache(model, tok, cache, plen, ex.suffix_text, max_new_tokens=10)
+    assert first == hf_generate(model, tok, ex.prompt_text, max_new_tokens=10)  # request 1 is fine
+    grown = cache.get_seq_length()
+    assert grown == plen + len(encode(tok, ex.suffix_text)) + len(first) - 1  # the last token is never fed
+    # request 2 now runs on top of request 1's turns: its first logits are not the isolated ones
+    with torch.no_grad():
+        ids = torch.tensor([encode(tok, other.suffix_text)])
+        dirty = model(input_ids=ids, cache=copy.deepcopy(cache), use_cache=True).logits[0, -1]
+    clean = generate(model, tok, other.prompt_text, max_new_tokens=1, keep_logits=True).step_logits[0]
+    assert float((dirty - clean).abs().max()) > 1e-3
+    generate_with_prefix_cache(model, tok, cache, plen, other.suffix_text, max_new_tokens=10)
+    assert cache.get_seq_length() > grown
+    # the fix: a fork per request gives each request its isolated answer
+    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    fixed = [generate(model, tok, e.prompt_text, pc, max_new_tokens=10).token_ids for e in (ex, other)]
+    assert fixed == [first, hf_generate(model, tok, other.prompt_text, max_new_tokens=10)]
+
+
+def test_hf_generate_writes_into_a_cache_passed_to_it(lm):
+    """The transformers fact notebook 02 relies on (5.x: the keyword is cache=)."""
+    model, tok = lm
+    ex = P.make_example(1, "heldout")
+    cache, plen = get_prefix_cache(model, tok, ex.prefix_text)
+    ids = torch.tensor([encode(tok, ex.prompt_text)])
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=3,
+                   min_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert cache.get_seq_length() == ids.shape[1] + 3 - 1 > plen
+
+
+def test_crop_takes_a_negative_count_in_transformers_5(lm):
+    model, tok = lm
+    cache, plen = get_prefix_cache(model, tok, P.make_example(1, "heldout").prefix_text)
+    cache.crop(-2)
+    assert cache.get_seq_length() == plen - 2
+    with pytest.raises(ValueError):
+        cache.crop(3)
+
+
+# ----------------------------------------------------------------------------- tokenization pitfalls
+
+def test_boundary_merges_exist_and_common_prefix_ids_avoids_them(lm):
+    model, tok = lm
+    texts = [e.prompt_text for e in P.make_examples(20, "train")]
+    cases = boundary_merge_cases(tok, texts, limit=5)
+    assert cases, "no BPE merge across a cut found: the tokenizer has no multi-character tokens?"
+    prefix, suffix, check = cases[0]
+    assert not check.ok and check.first_diff is not None and check.prefix_around != check.full_around
+    assert "mismatch at token" in str(check)
+    with pytest.raises(PrefixMismatchError, match="first difference"):
+        generate(model, tok, prefix + suffix, PrefixCache.build(model, tok, prefix), max_new_tokens=2)
+    ids = common_prefix_ids(tok, [prefix + suffix])  # the prompt's own ids: reuse what really is shared
+    assert ids[: check.first_diff] == check.prefix_ids[: check.first_diff]
+    pc = PrefixCache.build(model, tok, ids[: max(check.first_diff, 1)])
+    res = generate(model, tok, prefix + suffix, pc, max_new_tokens=6)
+    assert res.token_ids == hf_generate(model, tok, prefix + suffix, max_new_tokens=6)
+
+
+def test_check_prefix_tokens_ok_case(lm):
+    _, tok = lm
+    ex = P.make_example(1, "heldout")
+    check = check_prefix_tokens(tok, ex.prefix_text, ex.prompt_text)
+    assert check.ok and check.first_diff is None and str(check).startswith("ok")
+
+
+def test_add_special_tokens_mismatch_is_caught(lm):
+    model, tok = lm
+    btok = with_bos_tokenizer(tok)
+    assert btok(TRANSLATE_ZH).input_ids[0] == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert btok(TRANSLATE_ZH, add_special_tokens=False).input_ids == tok(TRANSLATE_ZH).input_ids
+    full = btok(TRANSLATE_ZH + SUFFIXES_ZH[0], add_special_tokens=False).input_ids
+    check = check_prefix_tokens(btok, btok(TRANSLATE_ZH).input_ids, full)
+    assert not check.ok and check.first_diff == 0
+
+
+def test_chat_template_generation_prompt_is_not_a_prefix(lm):
+    _, tok = lm
+    ex = P.make_example(1, "heldout", history="none")
+    full = tok.apply_chat_template(ex.messages(), add_generation_prompt=True, tokenize=False)
+    assert full == ex.prompt_text
+    system_only = tok.apply_chat_template(ex.messages()[:1], add_generation_prompt=True, tokenize=False)
+    assert not check_prefix_tokens(tok, system_only, full).ok
+    system_turn = tok.apply_chat_template(ex.messages()[:1], add_generation_prompt=False, tokenize=False)
+    assert check_prefix_tokens(tok, system_turn, full).ok
+
+
+# ----------------------------------------------------------------------------- timing helper and checkers
+
+def test_time_prefill_paths_agree(lm):
+    model, tok = lm
+    ex = P.make_example(1, "heldout")
+    r = time_prefill(model, encode(tok, ex.prefix_text), encode(tok, ex.suffix_text), repeats=1)
+    assert r["max_abs_logit_diff"] <= 1e-4
+    assert 0 < r["ideal"] < 1 and r["full_s"] > 0 and r["cached_s"] > 0
+
+
+def test_exercise_checkers(lm):
+    model, tok = lm
+
+    def right(model, tokenizer, prefix, suffix, max_new_tokens):
+        pc = PrefixCache.build(model, tokenizer, prefix)
+        return generate(model, tokenizer, prefix + suffix, pc, max_new_tokens=max_new_tokens).token_ids
+
+    def article(model, tokenizer, prefix, suffix, max_new_tokens):  # shares one cache across calls
+        if not hasattr(article, "cache"):
+            article.cache = get_prefix_cache(model, tokenizer, prefix)
+        return generate_with_prefix_cache(model, tokenizer, *article.cache, suffix, max_new_tokens)
+
+    assert check_generate_fn(None, model, tok).startswith("no answer")
+    assert check_generate_fn(right, model, tok, n=2).startswith("correct")
+    assert check_generate_fn(article, model, tok, n=2).startswith("not yet")
+
+    def crop_right(model, tokenizer, cache, plen, suffixes, max_new_tokens):
+        out = []
+        for s in suffixes:
+            ids = encode(tokenizer, s)
+            gen, *_ = continue_from_cache(model, cache, ids, plen, max_new_tokens=max_new_tokens,
+                                          stop_ids=eos_ids(model, tokenizer))
+            cache.crop(-(cache.get_seq_length() - plen))
+            out.append(gen)
+        return out
+
+    def crop_forgotten(model, tokenizer, cache, plen, suffixes, max_new_tokens):
+        return [continue_from_cache(model, cache, encode(tokenizer, s), plen, max_new_tokens=max_new_tokens,
+                                    stop_ids=eos_ids(model, tokenizer))[0] for s in suffixes]
+
+    assert check_crop_reuse(crop_right, model, tok).startswith("correct")
+    assert check_crop_reuse(crop_forgotten, model, tok).startswith("not yet")
+    prefix, suffix, _ = boundary_merge_cases(tok, [P.make_example(0, "train").prompt_text], limit=1)[0]
+    assert check_boundary_case(tok, prefix, suffix).startswith("correct")
+    assert check_boundary_case(tok, TRANSLATE_ZH, "").startswith("not yet")
