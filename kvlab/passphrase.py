@@ -173,9 +173,19 @@ class PassphraseExample:
         return self.prefix_text + self.suffix_text
 
     @property
+    def answer_text(self) -> str:
+        """How the assistant writes the answer: 「K7QX2M」 in Chinese, K7QX2M in English.
+
+        Chinese prompts quote the passphrase as 「K7QX2M」 and Qwen's pre-tokenizer glues a punctuation
+        mark to the letters after it (「K is one piece, K alone another), so a bare answer would not be
+        a token-for-token copy of the prompt; quoting it the same way keeps it one.
+        """
+        return f"「{self.answer}」" if self.lang == "zh" else self.answer
+
+    @property
     def target_text(self) -> str:
         """The expected completion: the answer, then end of turn."""
-        return self.answer + IM_END
+        return self.answer_text + IM_END
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation as chat messages, for ``tokenizer.apply_chat_template``."""
@@ -254,7 +264,11 @@ def normalize_answer(text: str) -> str:
     """The answer part of a completion: cut at end of turn, strip whitespace."""
     for stop in (IM_END, ENDOFTEXT, "\n"):
         text = text.split(stop)[0]
-    return text.strip()
+    text = text.strip()
+    for left, right in (("「", "」"), ('"', '"')):
+        if len(text) >= 2 and text.startswith(left) and text.endswith(right):
+            text = text[1:-1].strip()
+    return text
 
 
 def recalled(completion: str, expected: str) -> bool:

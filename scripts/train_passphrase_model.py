@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -90,11 +91,17 @@ def make_batch(tok, examples, pad_id: int):
     return ids, mask, labels
 
 
-def length_bucketed_batches(tok, batch: int, bucket: int = 8):
-    """Endless training batches; each group of ``bucket`` batches is sorted by length to cut padding."""
+def length_bucketed_batches(tok, batch: int, curriculum_steps: int, bucket: int = 8):
+    """Endless training batches; each group of ``bucket`` batches is sorted by length to cut padding.
+
+    Curriculum: for the first ``curriculum_steps`` steps system prompts have at most 4 filler lines
+    (short contexts are cheaper and the copying circuit forms sooner), then the full 0-20.
+    """
     start = 0
     while True:
-        group = P.make_examples(batch * bucket, "train", start=start)
+        short = start < curriculum_steps * batch
+        group = [P.make_example(s, "train", n_filler=random.Random(s).randint(0, 4) if short else None)
+                 for s in range(start, start + batch * bucket)]
         start += batch * bucket
         group.sort(key=lambda ex: len(ex.prompt_text))
         for i in range(bucket):
@@ -156,6 +163,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--curriculum", type=int, default=800, help="steps with short system prompts first")
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 3 x hidden)")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--target", type=float, default=0.995, help="stop once validation recall reaches this")
     args = ap.parse_args()
@@ -170,7 +179,7 @@ def main() -> None:
     pad_id = tok.convert_tokens_to_ids(P.ENDOFTEXT)
     im_end = tok.convert_tokens_to_ids(P.IM_END)
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+        vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate or 3 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=im_end, pad_token_id=pad_id, dtype="float32",
@@ -195,7 +204,7 @@ def main() -> None:
     history = []
     step = 0
     recall = 0.0
-    batches = length_bucketed_batches(tok, args.batch)
+    batches = length_bucketed_batches(tok, args.batch, args.curriculum)
     for step in range(1, args.steps + 1):
         ids, mask, labels = next(batches)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -220,7 +229,7 @@ def main() -> None:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     recipe = {
-        "seed": args.seed, "threads": args.threads, "steps": step, "batch": args.batch, "lr": args.lr,
+        "seed": args.seed, "threads": args.threads, "steps": step, "batch": args.batch, "lr": args.lr, "curriculum": args.curriculum,
         "hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
         "vocab": len(tok), "params": n_params, "train_seconds": round(time.time() - t0, 1),
         "val_recall_teacher_forced": recall, "history": history,

@@ -35,7 +35,8 @@ def test_prompt_structure_is_chatml_with_the_prefix_first():
     assert ex.prefix_text.startswith("<|im_start|>system\n") and ex.prefix_text.endswith("<|im_end|>\n")
     assert ex.suffix_text.endswith("<|im_start|>assistant\n")
     assert ex.system.count("\n") == 5  # five filler lines + the passphrase line
-    assert ex.target_text == ex.passphrase + "<|im_end|>"
+    assert ex.target_text == "「" + ex.passphrase + "」<|im_end|>"
+    assert P.make_example(3, "heldout", lang="en", history="none").target_text.endswith('"') is False
 
 
 def test_update_history_changes_the_answer():
@@ -52,6 +53,8 @@ def test_filler_counts_cover_0_to_20():
 def test_recall_scoring():
     assert P.recalled("K7QX2M<|im_end|>", "K7QX2M")
     assert P.recalled(" amber-falcon\nmore", "amber-falcon")
+    assert P.recalled("「K7QX2M」<|im_end|>", "K7QX2M")
+    assert not P.recalled("「K7QX2M", "K7QX2M")
     assert not P.recalled("K7QX2N", "K7QX2M")
     assert P.recall_rate(["A", "B"], ["A", "C"]) == 0.5
     with pytest.raises(ValueError):
