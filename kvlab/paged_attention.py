@@ -1,0 +1,162 @@
+"""Paged attention for any Hugging Face decoder, through transformers' ``AttentionInterface``.
+
+An engine step packs the new tokens of every scheduled sequence into one row (``input_ids`` of shape
+``(1, T)``, ``position_ids`` giving each token its own position), so the model runs once per step.
+transformers computes q, k, v and applies RoPE as usual, then calls the function registered here
+under the name ``"kvlab_paged"`` for each layer. It
+
+1. writes the new keys and values into the paged store through the step's slot mapping, then
+2. for each sequence, reads its cached + new K/V back through its block table and attends with a
+   causal mask *offset by the cached length*: query at position p sees keys at positions <= p
+   (and > p - window for sliding-window layers). Grouped-query attention repeats each KV head for
+   its group of query heads.
+
+Writing before reading is what makes a prefill after cached tokens and a decode step the same
+operation. Sequences are grouped (decodes together, prefills together) and padded within a group;
+the attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask, so it
+runs on any device. The step's metadata travels as the forward keyword ``kvlab_batch``, which
+transformers passes down to the attention function untouched.
+
+``paged_attention(model)`` switches a model to this function for the duration of a ``with`` block; outside
+it the model keeps its own implementation, so ``model.generate`` still works on the same object.
+Because ``"kvlab_paged"`` has no entry in transformers' mask interface, the model builds no mask of its
+own (a packed batch would make that mask ``T x T``).
+
+References: transformers ``docs/source/en/attention_interface.md``; vLLM
+``vllm/attention/backends/torch_sdpa.py``; nano-vllm ``nanovllm/layers/attention.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.kv_store import PagedKVStore
+
+__all__ = ["ATTN_NAME", "AttnGroup", "PagedBatch", "build_batch", "paged_attention", "paged_attention_forward",
+           "register"]
+
+ATTN_NAME = "kvlab_paged"
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    """Sequences attended together, padded to the longest query and the longest block table."""
+
+    query_index: torch.Tensor  # (B, Qmax) index of each query token in the packed row (padding -> 0)
+    query_valid: torch.Tensor  # (B, Qmax) bool
+    query_pos: torch.Tensor  # (B, Qmax) absolute position of each query token
+    block_tables: torch.Tensor  # (B, max_blocks) physical block ids (padding -> 0)
+    mask: torch.Tensor  # (B, 1, Qmax, Kmax) bool, True = may attend (causal, within the context)
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """Everything the attention function needs for one packed forward."""
+
+    store: PagedKVStore
+    slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
+    groups: list[AttnGroup]
+    num_tokens: int
+
+
+def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence[int]], offsets: Sequence[int],
+           block_size: int, device: torch.device) -> AttnGroup:
+    b, q_max = len(starts), max(e - s for s, e in zip(starts, ends))
+    m = max(len(t) for t in tables)
+    q_idx = torch.zeros(b, q_max, dtype=torch.long)
+    q_pos = torch.zeros(b, q_max, dtype=torch.long)
+    valid = torch.zeros(b, q_max, dtype=torch.bool)
+    bt = torch.zeros(b, m, dtype=torch.long)
+    ctx = torch.tensor(list(ends), dtype=torch.long)  # context length of each sequence after this step
+    for i, (s, e, table, off) in enumerate(zip(starts, ends, tables, offsets)):
+        n = e - s
+        q_idx[i, :n] = torch.arange(off, off + n)
+        q_pos[i, :n] = torch.arange(s, e)
+        valid[i, :n] = True
+        bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.long)
+    k_pos = torch.arange(m * block_size)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
+    # (B, Qmax, Kmax): padded query rows see key 0 only, which keeps their softmax finite
+    return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device),
+                     mask[:, None].to(device))
+
+
+def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
+    """Metadata of one packed step from ``(start, end, block_table)`` per sequence, in packing order.
+
+    Sequence i contributes the tokens at positions ``[start, end)``; its K/V for positions ``< start``
+    must already be in the store under ``block_table``.
+    """
+    bs, slots, offsets, off = store.block_size, [], [], 0
+    for start, end, table in seqs:
+        if not 0 <= start < end or -(-end // bs) > len(table):
+            raise ValueError(f"bad span [{start}, {end}) for a block table of {len(table)} blocks")
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        offsets.append(off)
+        off += end - start
+    groups = []
+    for want_decode in (True, False):  # decodes (one query each) together, prefills together
+        idx = [i for i, (s, e, _) in enumerate(seqs) if (e - s == 1) == want_decode]
+        if idx:
+            groups.append(_group([seqs[i][0] for i in idx], [seqs[i][1] for i in idx], [seqs[i][2] for i in idx],
+                                 [offsets[i] for i in idx], bs, store.device))
+    return PagedBatch(store, torch.tensor(slots, dtype=torch.long, device=store.device), groups, off)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            kvlab_batch: PagedBatch | None = None, sliding_window: int | None = None,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's pages."""
+    # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
+    if kvlab_batch is None:
+        raise RuntimeError(f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
+                           "kvlab.engine.Engine, or inside `paged_attention(model)` with a PagedBatch)")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported by kvlab's paged attention")
+    batch, layer = kvlab_batch, module.layer_idx
+    if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
+        raise ValueError(f"expected a packed (1, heads, {batch.num_tokens}, D) query, got {tuple(query.shape)}")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    batch.store.write(layer, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, kv_heads, D)
+    q_all = query[0].transpose(0, 1)  # (T, heads, D)
+    out = torch.empty_like(q_all)  # (T, heads, D)
+    for g in batch.groups:
+        k, v = batch.store.gather(layer, g.block_tables)  # (B, Kmax, kv_heads, D)
+        k = k.to(query.dtype).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)  # (B, heads, Kmax, D)
+        v = v.to(query.dtype).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+        q = q_all[g.query_index].transpose(1, 2)  # (B, heads, Qmax, D)
+        mask = g.mask
+        if sliding_window is not None:
+            k_pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (k_pos[None, None, None, :] > g.query_pos[:, None, :, None] - sliding_window)
+            mask[..., 0] |= ~mask.any(-1)  # keep padded rows finite
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # (B, heads, Qmax, D)
+        out[g.query_index[g.query_valid]] = o.transpose(1, 2)[g.query_valid]
+    return out.unsqueeze(0), None  # (1, T, heads, D)
+
+
+def register() -> None:
+    """Register the function with transformers under ``ATTN_NAME`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+
+
+@contextlib.contextmanager
+def paged_attention(model: Any) -> Iterator[Any]:
+    """Within the block, ``model`` attends with kvlab's paged attention; its own choice is restored after."""
+    register()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation_internal = ATTN_NAME
+    try:
+        yield model
+    finally:
+        config._attn_implementation_internal = previous

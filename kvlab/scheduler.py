@@ -1,0 +1,145 @@
+"""Continuous batching over the block manager: which sequences run in the next step (pure Python).
+
+Every step first gives each running sequence one decode token (oldest first). When a decode needs
+a block and none is free, the youngest running sequence is preempted: its blocks are freed (its full
+blocks stay in the prefix cache) and it goes back to the front of the waiting queue, to be prefilled
+again from its tokens later (recompute, as vLLM). Then, if nothing was preempted, waiting sequences
+are admitted first-come first-served while the token budget, ``max_num_seqs`` and free blocks allow;
+so prefills and decodes share one step. A prompt is prefilled whole (no chunking): a prompt longer
+than the token budget runs in a step of its own. A request that could never fit the pool, even
+alone, is refused by ``check_fits`` before it is queued.
+
+References: vLLM ``vllm/v1/core/sched/scheduler.py`` (``schedule``, ``_preempt_request``), nano-vllm
+``nanovllm/engine/scheduler.py``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvlab.block_manager import BlockManager
+from kvlab.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence in a step: its tokens at positions ``[start, end)`` are computed."""
+
+    seq: Sequence
+    start: int
+    end: int
+    is_prefill: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs, and the block copies (copy-on-write) to do before it."""
+
+    items: list[ScheduledSeq] = field(default_factory=list)
+    cow_pairs: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return sum(it.end - it.start for it in self.items)
+
+
+class Scheduler:
+    """Waiting and running queues; one ``schedule()`` per engine step."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
+            raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
+                             f"(got {max_num_seqs}, {max_num_batched_tokens})")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.num_preemptions = 0
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``ValueError`` if a request could not run even alone in an empty pool."""
+        bm = self.block_manager
+        # K/V is written for every token but the last generated one
+        need = -(-(num_prompt_tokens + max_tokens - 1) // bm.block_size)
+        if need > bm.pool.num_blocks:
+            raise ValueError(
+                f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens, block size "
+                f"{bm.block_size}) but the pool has {bm.pool.num_blocks}: it can never run")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of the waiting queue."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's decodes and prefills; preempt the youngest when blocks run out."""
+        bm, out = self.block_manager, SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:  # 1. one decode token for each running sequence
+            seq = self.running[i]
+            while not bm.can_append(seq.seq_id):
+                victim = self.running.pop()  # the youngest
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                result = bm.append(seq.seq_id, seq.last_token)
+                if result.cow is not None:
+                    out.cow_pairs.append(result.cow)
+                out.items.append(ScheduledSeq(seq, seq.num_tokens - 1, seq.num_tokens, False))
+                budget -= 1
+                i += 1
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:  # 2. admit
+            seq = self.waiting[0]
+            n = seq.num_tokens
+            if n > budget and out.items:  # too long for what is left; a long prompt runs alone
+                break
+            if not bm.can_allocate(seq.token_ids, seq.salt):
+                break
+            cached = bm.allocate(seq.seq_id, seq.token_ids, seq.salt)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.items.append(ScheduledSeq(seq, cached, n, True))
+            budget -= n - cached
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run ``child`` as a copy of the running ``parent`` that shares all its blocks."""
+        if parent.status is not SequenceStatus.RUNNING or not parent.output_ids:
+            raise ValueError("only a running sequence that has generated a token can be forked")
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the queues for good and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq.seq_id)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
