@@ -230,11 +230,30 @@ def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, head_
     return tokens * proj_per_token + 4 * n_heads * head_dim * tokens * n
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+def quadratic_crossover(d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None) -> float:
+    """Context length at which recomputation's n x n attention costs as much as its n projections.
+
+    Below it a no-cache decode step grows roughly linearly with n; above it, quadratically.
+    """
+    head_dim = head_dim or d_model // n_heads
+    proj_per_token = 2 * d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)
+    return proj_per_token / (4 * n_heads * head_dim)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -249,6 +268,7 @@ def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, 
     per length: ``n``, ``cached_s``, ``recompute_s`` and the FLOPs of each.
     """
     torch.manual_seed(seed)
+    device = torch.device(device)
     layer = SelfAttention(d_model, n_heads, n_kv_heads).to(device, dtype).eval()
     rows = []
     for n in lengths:
@@ -266,8 +286,8 @@ def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, 
         layer(x)  # warm-up
         rows.append({
             "n": n,
-            "cached_s": _median_seconds(cached_step, repeats),
-            "recompute_s": _median_seconds(recompute_step, repeats),
+            "cached_s": _median_seconds(cached_step, repeats, device),
+            "recompute_s": _median_seconds(recompute_step, repeats, device),
             "cached_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=True),
             "recompute_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=False),
         })

@@ -371,6 +371,47 @@ def generate_with_prefix_cache(model: Any, tokenizer: Any, prefix_cache: Any, pr
     return generated
 
 
+@torch.no_grad()
+def stepwise_logits(model: Any, ids: Sequence[int], use_cache: bool = True) -> torch.Tensor:
+    """(T, vocab) logits of an HF model fed one token at a time: with its cache, or forgetting it each step."""
+    from transformers import DynamicCache
+
+    device, _ = model_device_dtype(model)
+    cache = DynamicCache(config=model.config)
+    rows = []
+    for t, tok in enumerate(ids):
+        step_cache = cache if use_cache else DynamicCache(config=model.config)  # a fresh one = no memory
+        out = model(input_ids=torch.tensor([[tok]], device=device), position_ids=torch.tensor([[t]], device=device),
+                    cache=step_cache, use_cache=True)
+        rows.append(out.logits[0, -1].float())
+    return torch.stack(rows)
+
+
+def pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max_new_tokens: int = 16
+                    ) -> list[dict[str, Any]]:
+    """Run request A (the passphrase was changed in its history) then request B on one shared cache.
+
+    B asks for the system prompt's passphrase. Per pair: B's answer isolated, B's answer after A
+    polluted the shared cache (the article's code), and the cache length at each stage.
+    """
+    from kvlab.passphrase import make_example, normalize_answer, with_question
+
+    rows = []
+    for seed in range(start, start + n):
+        a = make_example(seed, "heldout", history="update")
+        b = with_question(make_example(seed, "heldout", history="none"), "What is the passphrase?")
+        cache, plen = get_prefix_cache(model, tokenizer, a.prefix_text)
+        a_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, a.suffix_text, max_new_tokens)
+        after_a = int(cache.get_seq_length())
+        b_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, b.suffix_text, max_new_tokens)
+        isolated = hf_generate(model, tokenizer, b.prompt_text, max_new_tokens)
+        dec = lambda ids: normalize_answer(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
+        rows.append({"seed": seed, "prefix_tokens": plen, "cache_after_A": after_a,
+                     "cache_after_B": int(cache.get_seq_length()), "A_answer": dec(a_ids), "A_expected": a.answer,
+                     "B_expected": b.answer, "B_isolated": dec(isolated), "B_polluted": dec(b_ids)})
+    return rows
+
+
 # ----------------------------------------------------------------------------- tokenization pitfalls
 
 @dataclass

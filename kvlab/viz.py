@@ -15,6 +15,29 @@ import numpy as np
 from matplotlib.figure import Figure
 
 GIB = 2**30
+CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei",
+             "SimHei", "Microsoft YaHei", "PingFang SC", "Heiti SC", "Arial Unicode MS")
+
+
+def _find_cjk_font() -> str | None:
+    """The first installed font that can draw Chinese, added as a fallback after the default font."""
+    from matplotlib import font_manager, rcParams
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    found = next((name for name in CJK_FONTS if name in installed), None)
+    if found and found not in rcParams["font.sans-serif"]:
+        rcParams["font.sans-serif"] = [rcParams["font.sans-serif"][0], found, *rcParams["font.sans-serif"][1:]]
+    return found
+
+
+CJK_FONT = _find_cjk_font()
+
+
+def label(text: str) -> str:
+    """Text safe to draw: CJK characters become ``\\uXXXX`` escapes when no CJK font is installed."""
+    if CJK_FONT:
+        return text
+    return "".join(c if ord(c) < 0x2E80 else f"\\u{ord(c):04x}" for c in text)
 
 
 def attention_weights_figure(weights: Any, labels: Sequence[str] | None = None,
@@ -26,8 +49,8 @@ def attention_weights_figure(weights: Any, labels: Sequence[str] | None = None,
     ax.set_xlabel("key position (what is attended to)")
     ax.set_ylabel("query position (who attends)")
     if labels is not None:
-        ax.set_xticks(range(w.shape[1]), labels[-w.shape[1]:], rotation=90, fontsize=7)
-        ax.set_yticks(range(w.shape[0]), labels[-w.shape[0]:], fontsize=7)
+        ax.set_xticks(range(w.shape[1]), [label(t) for t in labels[-w.shape[1]:]], rotation=90, fontsize=7)
+        ax.set_yticks(range(w.shape[0]), [label(t) for t in labels[-w.shape[0]:]], fontsize=7)
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="weight")
     fig.tight_layout()
@@ -117,7 +140,7 @@ def token_boundary_figure(prefix_pieces: Sequence[str], full_pieces: Sequence[st
             bad = first_diff is not None and i >= first_diff
             ax.add_patch(plt.Rectangle((i, y - 0.35), 0.95, 0.7, facecolor="#fcbba1" if bad else "#c6dbef",
                                        edgecolor="gray"))
-            ax.text(i + 0.475, y, repr(piece)[1:-1][:8], ha="center", va="center", fontsize=7)
+            ax.text(i + 0.475, y, label(repr(piece)[1:-1])[:8], ha="center", va="center", fontsize=7)
     ax.set_xlim(-3, max(len(prefix_pieces), len(full_pieces)) + 0.5)
     ax.set_ylim(-0.6, 1.6)
     ax.axis("off")
