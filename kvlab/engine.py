@@ -42,6 +42,11 @@ from kvlab.sequence import SequenceStatus
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "UnknownRequestError"]
 
 
+def _config_eos(model: Any) -> set[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+
+
 class UnknownRequestError(LookupError):
     """Raised for a request id the engine does not hold."""
 
@@ -78,11 +83,12 @@ class Engine:
         self.store = PagedKVStore.for_model(model, num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
-        self.eos_ids = eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
         self.requests: dict[Hashable, Seq] = {}  # unfinished requests by id
         self._ids = itertools.count()
         self._rng = random.Random(seed)  # seeds of requests that give none
         self.num_steps = 0
+        self.num_mixed_steps = 0  # steps that ran prefills and decodes together
         self.peak_kv_bytes = 0
 
     # --- requests ---------------------------------------------------------------------------------------
@@ -95,6 +101,8 @@ class Engine:
         sampling.validate()
         if salt is not None and not isinstance(salt, str):
             raise TypeError(f"salt must be a str or None, got {type(salt).__name__}")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise TypeError("this engine has no tokenizer: pass token ids")
         ids = encode(self.tokenizer, prompt)
         if not ids:
             raise ValueError("the prompt is empty: a request needs at least one token")
@@ -152,6 +160,10 @@ class Engine:
         except KeyError:
             raise UnknownRequestError(f"unknown request id {request_id!r} (never added, or already finished)") from None
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of generated ids (special tokens dropped); empty without a tokenizer."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
         return self.scheduler.has_unfinished()
@@ -177,6 +189,7 @@ class Engine:
                 self._finish(seq, reason, now)
                 finished.append(self._output(seq))
         self.num_steps += 1
+        self.num_mixed_steps += len({it.is_prefill for it in sched.items}) == 2
         if self.debug:
             self.check_invariants()
         return finished
@@ -218,7 +231,7 @@ class Engine:
         done = seq.status is SequenceStatus.FINISHED
         return RequestOutput(
             seq.request_id, list(seq.prompt_ids), list(seq.output_ids),
-            self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), done, seq.finish_reason,
+            self.decode(seq.output_ids), done, seq.finish_reason,
             seq.num_cached_tokens or 0, seq.num_preemptions,
             None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             None if seq.finish_time is None else seq.finish_time - seq.arrival_time, error)
@@ -266,6 +279,7 @@ class Engine:
         return {**self.block_manager.stats(), "kv_bytes_in_use": self.kv_bytes_in_use,
                 "peak_kv_bytes": self.peak_kv_bytes, "kv_bytes_total": self.store.nbytes,
                 "num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
+                "num_mixed_steps": self.num_mixed_steps,
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running)}
 
     def check_invariants(self) -> None:
