@@ -18,9 +18,9 @@ Figures are pure functions of the returned DataFrames. Exercise checkers are at 
 
 from __future__ import annotations
 
-import copy
 import random
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -117,6 +117,35 @@ def _score(tokenizer: Any, reference: list[int], gen: list[int], expected: str) 
 
 
 # ----------------------------------------------------------------------------- experiments 1 and 2
+
+@torch.no_grad()
+def last_logits_gap(model: Any, tokenizer: Any, prefix: str, suffix: str, suffix_start: int | None = None) -> float:
+    """Max |logit difference| at the last token: full prompt vs cached prefix + suffix at ``suffix_start`` (None = len(prefix))."""
+    device, _ = model_device_dtype(model)
+    ids = encode(tokenizer, prefix + suffix)
+    n = len(encode(tokenizer, prefix))
+    start = n if suffix_start is None else suffix_start
+    full = model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1).logits[0, -1]  # (vocab,)
+    cache = PrefixCache.build(model, tokenizer, ids[:n]).cache
+    pos = torch.arange(start, start + len(ids) - n, device=device)[None]
+    part = model(input_ids=torch.tensor([ids[n:]], device=device), position_ids=pos, cache=cache,
+                 logits_to_keep=1).logits[0, -1]
+    return float((full - part).abs().max())
+
+
+@torch.no_grad()
+def answer_with_starts(model: Any, tokenizer: Any, example: P.PassphraseExample, prefix_start: int,
+                       suffix_start: int, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
+    """The answer when the prefix's K/V are computed at ``prefix_start`` .. and the suffix is prefilled at ``suffix_start`` .."""
+    device, _ = model_device_dtype(model)
+    ids, n = prompt_ids(tokenizer, example)
+    pos = torch.arange(prefix_start, prefix_start + n, device=device)[None]  # (1, P)
+    cache = model(input_ids=torch.tensor([ids[:n]], device=device), position_ids=pos, use_cache=True,
+                  logits_to_keep=1).cache
+    gen, *_ = continue_from_cache(model, cache, ids[n:], suffix_start, max_new_tokens=max_new_tokens,
+                                  stop_ids=eos_ids(model, tokenizer))
+    return P.normalize_answer(tokenizer.decode(gen, skip_special_tokens=True))
+
 
 SWEEP_KINDS = ("prefix shifted, suffix at len(prefix)", "everything shifted", "suffix restarts at 0")
 
@@ -256,7 +285,7 @@ def overlap_caches(model: Any, pair: dict) -> dict:
     return {"treatments": treatments, "delta": delta, "span": (hb, hb + len(pair["segment"]))}
 
 
-def layer_errors(caches: dict) -> "Any":
+def layer_errors(caches: dict) -> Any:
     """Per-layer relative error of the segment's K and V against B's own, for each treatment (a DataFrame)."""
     import pandas as pd
 
@@ -448,6 +477,20 @@ def run_left_padding(model: Any, tokenizer: Any, seeds: Sequence[int], split: st
 
 
 # ----------------------------------------------------------------------------- summaries and figures
+
+def sweep_mean(sweep: Any, kind: str, shift: int, metric: str = "recalled") -> float:
+    """Mean of ``metric`` over the sweep's rows of one kind and shift."""
+    d = sweep[(sweep["kind"] == kind) & (sweep["shift"] == shift)]
+    if d.empty:
+        raise KeyError(f"no rows for kind {kind!r} and shift {shift}")
+    return float(d[metric].mean())
+
+
+def mean_layer_error(errors: Any, treatment: str, tensor: str, layer: int) -> float:
+    """Mean relative error of one treatment, tensor ("K"/"V") and layer in a ``layer_errors`` table."""
+    d = errors[(errors["treatment"] == treatment) & (errors["tensor"] == tensor) & (errors["layer"] == layer)]
+    return float(d["relative error"].mean())
+
 
 def summarize(df: Any, by: str | list[str]) -> Any:
     """Mean identical / agreement / recall per group, with the number of requests."""
