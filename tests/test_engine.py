@@ -1,0 +1,224 @@
+"""The paged engine against transformers' ``generate``: token-identical under batching, caching, preemption.
+
+The passphrase workload is 200 prompts (40 system prompts x 5 questions, shuffled) submitted at once;
+greedy float32 outputs must equal ``kvlab.prefix.hf_generate`` token for token with prefix caching on
+and off and in a pool so small that sequences are preempted and recomputed. The same holds on
+random-initialised tiny models of four architectures. ``debug=True`` runs ``check_invariants()``
+after every step; after the last request, no block may be referenced.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+from kvlab import passphrase as P
+from kvlab.engine import Engine, SamplingParams, UnknownRequestError
+from kvlab.models import BUNDLED_MODEL, load_model
+from kvlab.prefix import encode, hf_generate
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest single-threaded (and do not fight other jobs for cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """The bundled model (or ``KVLAB_TEST_MODEL``), float32 on CPU."""
+    path = os.environ.get("KVLAB_TEST_MODEL") or (BUNDLED_MODEL if (BUNDLED_MODEL / "config.json").exists() else None)
+    if path is None:
+        pytest.skip("the bundled model is not there yet")
+    return load_model(path, device="cpu", dtype="float32")
+
+
+def passphrase_prompts(n_examples=40, per_example=5, seed=0):
+    """Prompts that share system prompts (prefix hits) but differ in the final question, shuffled."""
+    prompts = []
+    for ex in P.make_examples(n_examples, "heldout"):
+        asks = (P.ASK_ZH if ex.lang == "zh" else P.ASK_EN) + (P.CHAT_ZH if ex.lang == "zh" else P.CHAT_EN)
+        prompts += [P.with_question(ex, q).prompt_text for q in asks[:per_example]]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def workload(lm):
+    """(prompt ids, HF generate's greedy ids) for the 200-prompt workload."""
+    model, tok = lm
+    ids = [encode(tok, p) for p in passphrase_prompts()]
+    return ids, [hf_generate(model, tok, p, max_new_tokens=MAX_NEW) for p in ids]
+
+
+def _drained(engine):
+    bm = engine.block_manager
+    return not bm.seqs and bm.num_free_blocks == bm.pool.num_blocks and engine.kv_bytes_in_use == 0
+
+
+@pytest.mark.parametrize("caching, num_blocks, max_num_seqs", [
+    (True, 1024, 48),  # plenty of room: many prefix hits
+    (False, 1024, 48),
+    (True, 40, 32),  # 640 slots for up to 32 sequences: preemption and recompute
+    (False, 40, 32),
+])
+def test_greedy_identical_to_hf_generate(lm, workload, caching, num_blocks, max_num_seqs):
+    model, tok = lm
+    ids, ref = workload
+    engine = Engine(model, tok, num_blocks=num_blocks, block_size=16, enable_prefix_caching=caching,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, debug=True)
+    outs = engine.generate(ids, SamplingParams(max_tokens=MAX_NEW))
+    mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.output_ids != r]
+    assert not mismatches, f"{len(mismatches)} of {len(ids)} differ from HF generate, e.g. #{mismatches[0]}"
+    stats = engine.stats()
+    assert all(o.finished and o.finish_reason in ("stop", "length") for o in outs)
+    assert stats["num_mixed_steps"] > 0  # prefills and decodes really shared steps
+    assert (stats["hit_rate"] > (0.3 if num_blocks > 40 else 0)) if caching else (stats["hit_tokens"] == 0)
+    assert (engine.num_preemptions > 0) == (num_blocks == 40)
+    assert _drained(engine) and 0 < engine.peak_kv_bytes <= engine.store.nbytes
+    assert all(o.ttft is not None and o.latency >= o.ttft >= 0 for o in outs)
+    if caching:
+        assert sum(o.num_cached_tokens for o in outs) > 0
+
+
+def test_shared_prefix_uses_fewer_kv_bytes(lm):
+    model, tok = lm
+    ex = P.make_example(3, "heldout", n_filler=20)
+    prompts = [P.with_question(ex, q).prompt_text for q in P.ASK_EN + P.ASK_ZH]
+    peaks, texts = {}, {}
+    for caching in (True, False):
+        engine = Engine(model, tok, num_blocks=256, block_size=16, enable_prefix_caching=caching)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=4))
+        peaks[caching], texts[caching] = engine.peak_kv_bytes, [o.output_ids for o in outs]
+        assert _drained(engine)
+    assert texts[True] == texts[False]
+    assert peaks[True] < peaks[False]
+
+
+def test_seeded_sampling_matches_hf_and_ignores_batching(lm):
+    model, tok = lm
+    prompts = passphrase_prompts(4, 2, seed=1)
+    sps = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i) for i in range(len(prompts))]
+    engine = Engine(model, tok, num_blocks=256, block_size=16, debug=True)
+    batched = engine.generate(prompts + prompts[:3], sps + [SamplingParams(max_tokens=8)] * 3)  # with greedy ones
+    for p, sp, out in zip(prompts, sps, batched):
+        alone = Engine(model, tok, num_blocks=256, block_size=16).generate([p], sp)[0]
+        assert out.output_ids == alone.output_ids
+        assert out.output_ids == hf_generate(model, tok, p, max_new_tokens=8, do_sample=True, temperature=0.9,
+                                             top_p=0.95, top_k=40, seed=sp.seed)
+
+
+def test_fork_copies_kv_on_write(lm):
+    """A forked request shares its partial tail block; the first write copies the block's K/V."""
+    model, tok = lm
+    prompt = passphrase_prompts(1, 1)[0]
+    ref = hf_generate(model, tok, prompt, max_new_tokens=MAX_NEW)
+    engine = Engine(model, tok, num_blocks=64, block_size=16, debug=True)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    engine.step()
+    engine.step()
+    n_kv = engine.block_manager.seqs[engine.requests[rid].seq_id].token_ids
+    assert len(n_kv) % 16 != 0, "pick a prompt whose tail block is partial"
+    child = engine.fork(rid, "child")
+    copies = []
+    real_copy = engine.store.copy_blocks
+    engine.store.copy_blocks = lambda pairs: (copies.extend(pairs), real_copy(pairs))
+    engine.step()
+    assert len(copies) == 1 and engine.block_manager.metrics.cow_copies == 1
+    src, dst = copies[0]
+    filled = len(n_kv) % 16
+    assert torch.equal(engine.store.k[:, dst, :filled], engine.store.k[:, src, :filled])
+    assert torch.equal(engine.store.v[:, dst, :filled], engine.store.v[:, src, :filled])
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o.output_ids for o in engine.step()})
+    n = len(ref)  # HF stops at end of turn; the forked pair ran on with ignore_eos
+    assert outs[rid][:n] == ref and outs[child][:n] == ref
+    assert _drained(engine)
+
+
+def test_bad_requests_fail_alone(lm):
+    model, tok = lm
+    good = passphrase_prompts(2, 2)
+    engine = Engine(model, tok, num_blocks=32, block_size=16, debug=True)  # 512 slots
+    too_long_for_model = [5] * model.config.max_position_embeddings
+    outs = engine.generate([good[0], "", too_long_for_model, good[1], [5] * 600, [10 ** 9]] + good[2:],
+                           SamplingParams(max_tokens=MAX_NEW))
+    errors = [o.error for o in outs]
+    assert [o.finish_reason == "error" for o in outs] == [False, True, True, False, True, True, False, False]
+    assert "empty" in errors[1] and "positions" in errors[2] and "never run" in errors[4] and "[0," in errors[5]
+    for p, o in zip(good, [outs[0], outs[3], outs[6], outs[7]]):
+        assert o.output_ids == hf_generate(model, tok, p, max_new_tokens=MAX_NEW)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(TypeError):
+        engine.add_request(good[0], {"temperature": 2.0})
+    with pytest.raises(UnknownRequestError, match="nope"):
+        engine.abort("nope")
+    assert _drained(engine)
+
+
+def test_abort_frees_blocks_and_others_finish(lm):
+    model, tok = lm
+    prompts = passphrase_prompts(2, 2)
+    engine = Engine(model, tok, num_blocks=128, block_size=16, debug=True)
+    rids = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW)) for p in prompts]
+    engine.step()
+    aborted = engine.abort(rids[1])
+    assert aborted.finish_reason == "abort" and len(aborted.output_ids) == 1
+    with pytest.raises(UnknownRequestError):
+        engine.abort(rids[1])
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step()})
+    assert set(done) == {rids[0], rids[2], rids[3]}
+    assert done[rids[2]].output_ids == hf_generate(model, tok, prompts[2], max_new_tokens=MAX_NEW)
+    assert _drained(engine)
+
+
+# --- random-initialised tiny models of several architectures -----------------------------------------
+
+def _tiny(arch):
+    import transformers as T
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  vocab_size=256, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None, initializer_range=0.1)
+    cfg = {
+        "qwen2": lambda: T.Qwen2Config(num_key_value_heads=2, **common),
+        "llama": lambda: T.LlamaConfig(num_key_value_heads=1, **common),
+        "qwen3": lambda: T.Qwen3Config(num_key_value_heads=2, head_dim=32, **common),
+        "mistral": lambda: T.MistralConfig(num_key_value_heads=2, sliding_window=24, **common),
+    }[arch]()
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral"])
+def test_random_architectures_identical_to_hf(arch):
+    model = _tiny(arch)
+    rng = random.Random(1)
+    shared = [rng.randrange(256) for _ in range(40)]
+    prompts = [shared[: rng.choice([0, 17, 40])] + [rng.randrange(256) for _ in range(rng.randint(1, 30))]
+               for _ in range(24)]
+    with torch.no_grad():
+        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    for caching in (True, False):
+        engine = Engine(model, None, num_blocks=14, block_size=8, enable_prefix_caching=caching, max_num_seqs=8,
+                        max_num_batched_tokens=256, debug=True)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
+        assert [o.output_ids for o in outs] == ref
+        assert engine.num_preemptions > 0 and _drained(engine)
