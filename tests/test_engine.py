@@ -101,6 +101,21 @@ def test_shared_prefix_uses_fewer_kv_bytes(lm):
     assert peaks[True] < peaks[False]
 
 
+def test_salt_reaches_the_block_manager(lm):
+    """Same prompt, other salt: no prefix hit; same salt: hit (notebook 07 builds tenants on this)."""
+    model, tok = lm
+    prompt = passphrase_prompts(1, 1)[0]
+    engine = Engine(model, tok, kv_cache_bytes=2 ** 20, block_size=16, debug=True)
+    sp = SamplingParams(max_tokens=4)
+    first = engine.generate([prompt], sp, salts=["tenant-a"])[0]
+    other, same = engine.generate([prompt, prompt], sp, salts=["tenant-b", "tenant-a"])
+    assert first.num_cached_tokens == other.num_cached_tokens == 0 < same.num_cached_tokens
+    assert first.output_ids == other.output_ids == same.output_ids
+    by_tenant = engine.block_manager.metrics.by_tenant
+    assert by_tenant["tenant-b"].hits == 0 and by_tenant["tenant-a"].hits == same.num_cached_tokens
+    assert engine.store.nbytes <= 2 ** 20
+
+
 def test_seeded_sampling_matches_hf_and_ignores_batching(lm):
     model, tok = lm
     prompts = passphrase_prompts(4, 2, seed=1)
@@ -174,6 +189,8 @@ def test_abort_frees_blocks_and_others_finish(lm):
     engine = Engine(model, tok, num_blocks=128, block_size=16, debug=True)
     rids = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW)) for p in prompts]
     engine.step()
+    with pytest.raises(ValueError, match="empty"):  # a bad request mid-run is refused; the others go on
+        engine.add_request([], SamplingParams(max_tokens=MAX_NEW))
     aborted = engine.abort(rids[1])
     assert aborted.finish_reason == "abort" and len(aborted.output_ids) == 1
     with pytest.raises(UnknownRequestError):
