@@ -36,7 +36,7 @@ class PagedKVStore:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @classmethod
-    def for_model(cls, model: Any, num_blocks: int, block_size: int) -> "PagedKVStore":
+    def for_model(cls, model: Any, num_blocks: int, block_size: int) -> PagedKVStore:
         """A store shaped for ``model``'s config, on its device and in its dtype."""
         s = kv_shape(model.config)
         p = next(model.parameters())

@@ -57,7 +57,7 @@ def test_packed_mixed_batch_matches_reference(window):
         want = _reference(q, k, v, range(cached, cached + new), window)
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
     # every new token's K/V is now in the store at its slot
-    for (cached, ctx, table), (_, k, v) in zip(seqs, full):
+    for (_, ctx, table), (_, k, v) in zip(seqs, full):
         rk, rv = store.read(0, table, ctx)
         assert torch.equal(rk, k) and torch.equal(rv, v)
 
