@@ -432,7 +432,7 @@ class TokenCheck:
                 f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
 
 
-def _pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """Each token as the text it stands for (bytes that are not whole characters shown as escapes)."""
     pieces = []
     for t in ids:
@@ -451,8 +451,8 @@ def check_prefix_tokens(tokenizer: Any, prefix: str | Sequence[int], full: str |
     if first is None:
         return TokenCheck(True, p, f, None, [], [])
     lo = max(0, first - context)
-    return TokenCheck(False, p, f, first, _pieces(tokenizer, p[lo:first + context + 1]),
-                      _pieces(tokenizer, f[lo:first + context + 1]))
+    return TokenCheck(False, p, f, first, token_pieces(tokenizer, p[lo:first + context + 1]),
+                      token_pieces(tokenizer, f[lo:first + context + 1]))
 
 
 def boundary_merge_cases(tokenizer: Any, texts: Sequence[str], limit: int = 10, stride: int = 1

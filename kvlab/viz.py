@@ -13,6 +13,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 GIB = 2**30
 CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei",
@@ -76,6 +77,8 @@ def step_cost_figure(rows: Sequence[Mapping[str, float]], title: str = "one deco
     ax2.set_ylabel("FLOPs per step")
     ax2.set_title("counted")
     for ax in (ax1, ax2):
+        ax.set_xticks(n, [f"{int(v)}" for v in n])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
@@ -89,7 +92,7 @@ def kv_memory_figure(per_token_bytes: Mapping[str, int], context: int, batch_siz
 
     ``per_token_bytes`` maps a model name to ``kv_bytes_per_token(config, dtype)``.
     """
-    x = np.linspace(0, context, 200)
+    x = np.linspace(context / 200, context, 200)  # from > 0: the y axis is logarithmic
     fig, ax = plt.subplots(figsize=(8, 4.2))
     styles = ["-", "--", ":", "-."]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -133,9 +136,9 @@ def token_boundary_figure(prefix_pieces: Sequence[str], full_pieces: Sequence[st
                           title: str = "") -> Figure:
     """Two rows of token boxes: the prefix tokenized alone and the full text; the first difference in red."""
     fig, ax = plt.subplots(figsize=(10, 1.8))
-    for row, (label, pieces) in enumerate((("prefix alone", prefix_pieces), ("full text", full_pieces))):
+    for row, (row_name, pieces) in enumerate((("prefix alone", prefix_pieces), ("full text", full_pieces))):
         y = 1 - row
-        ax.text(-0.2, y, label, ha="right", va="center", fontsize=9)
+        ax.text(-0.2, y, row_name, ha="right", va="center", fontsize=9)
         for i, piece in enumerate(pieces):
             bad = first_diff is not None and i >= first_diff
             ax.add_patch(plt.Rectangle((i, y - 0.35), 0.95, 0.7, facecolor="#fcbba1" if bad else "#c6dbef",
