@@ -622,8 +622,12 @@ def check_positions_from_mask(fn: Callable[[torch.Tensor], torch.Tensor]) -> boo
     return _say(True, "")
 
 
-def check_exact_layers(answer: Sequence[int], errors: Any, tol: float = 1e-4) -> bool:
-    """Exercise checker: which layers' keys are exact after re-rotation (per ``layer_errors`` output)?"""
+def check_exact_layers(answer: Sequence[int], errors: Any, tol: float = 2e-2) -> bool:
+    """Exercise checker: which layers' keys are exact after re-rotation (per ``layer_errors`` output)?
+
+    "Exact" means a relative error below ``tol``: float rounding in float32 (~1e-6) and in 16-bit
+    dtypes (~1e-2) passes, a key that encodes another context (~1e-1 and more) does not.
+    """
     d = errors[(errors["treatment"] == "A's K/V re-rotated") & (errors["tensor"] == "K")]
     worst = d.groupby("layer")["relative error"].max()
     expected = sorted(int(i) for i in worst.index if worst[i] < tol)
