@@ -172,8 +172,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward, sample one token per scheduled sequence; return what finished."""
         sched = self.scheduler.schedule()
-        if not sched.items:
-            return []
+        finished = self._run(sched) if sched.items else []  # empty only when a lone sequence preempted itself
+        if self.debug:
+            self.check_invariants()
+        return finished
+
+    def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
         self.store.copy_blocks(sched.cow_pairs)
         logits = self._forward(sched)  # (num_scheduled, vocab)
@@ -190,8 +194,6 @@ class Engine:
                 finished.append(self._output(seq))
         self.num_steps += 1
         self.num_mixed_steps += len({it.is_prefill for it in sched.items}) == 2
-        if self.debug:
-            self.check_invariants()
         return finished
 
     @torch.no_grad()
@@ -227,14 +229,14 @@ class Engine:
         seq.finish_time = time.perf_counter() if now is None else now
         del self.requests[seq.request_id]
 
-    def _output(self, seq: Seq, error: str | None = None) -> RequestOutput:
+    def _output(self, seq: Seq) -> RequestOutput:
         done = seq.status is SequenceStatus.FINISHED
         return RequestOutput(
             seq.request_id, list(seq.prompt_ids), list(seq.output_ids),
             self.decode(seq.output_ids), done, seq.finish_reason,
             seq.num_cached_tokens or 0, seq.num_preemptions,
             None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            None if seq.finish_time is None else seq.finish_time - seq.arrival_time, error)
+            None if seq.finish_time is None else seq.finish_time - seq.arrival_time)
 
     # --- run to completion --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
