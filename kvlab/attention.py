@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
-
 
 # ----------------------------------------------------------------------------- attention itself
 
@@ -276,11 +276,11 @@ def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, 
         cache = KVCache()
         layer(x[:, :-1], cache)  # K, V of the first n-1 tokens
 
-        def cached_step():
+        def cached_step(x=x, cache=cache, n=n):
             layer(x[:, -1:], cache)  # 1 new token against n-1 cached ones
             cache.crop(n - 1)  # undo the append so every repeat measures the same step
 
-        def recompute_step():
+        def recompute_step(x=x):
             layer(x)  # all n tokens again
 
         layer(x)  # warm-up

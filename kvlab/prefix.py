@@ -24,8 +24,9 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ class PrefixCache:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, model: Any, tokenizer: Any, prefix: str | Sequence[int]) -> "PrefixCache":
+    def build(cls, model: Any, tokenizer: Any, prefix: str | Sequence[int]) -> PrefixCache:
         """Run the prefix through the model once and keep its K/V."""
         ids = encode(tokenizer, prefix)
         if not ids:
@@ -97,7 +98,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def fork(self) -> "PrefixCache":
+    def fork(self) -> PrefixCache:
         """An independent copy: writing into the fork never changes this cache."""
         with torch.no_grad():
             return PrefixCache(self.token_ids, copy.deepcopy(self.cache), self.fingerprint,
