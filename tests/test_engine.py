@@ -132,14 +132,14 @@ def test_seeded_sampling_matches_hf_and_ignores_batching(lm):
 def test_fork_copies_kv_on_write(lm):
     """A forked request shares its partial tail block; the first write copies the block's K/V."""
     model, tok = lm
-    prompt = passphrase_prompts(1, 1)[0]
+    # after two steps the blocks hold the prompt + 1 token: pick a prompt that leaves the tail block partial
+    prompt = next(p for p in passphrase_prompts(2, 2) if (len(encode(tok, p)) + 1) % 16)
     ref = hf_generate(model, tok, prompt, max_new_tokens=MAX_NEW)
     engine = Engine(model, tok, num_blocks=64, block_size=16, debug=True)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     engine.step()
     engine.step()
-    n_kv = engine.block_manager.seqs[engine.requests[rid].seq_id].token_ids
-    assert len(n_kv) % 16 != 0, "pick a prompt whose tail block is partial"
+    kv_tokens = engine.block_manager.seqs[engine.requests[rid].seq_id].token_ids
     child = engine.fork(rid, "child")
     copies = []
     real_copy = engine.store.copy_blocks
@@ -147,7 +147,7 @@ def test_fork_copies_kv_on_write(lm):
     engine.step()
     assert len(copies) == 1 and engine.block_manager.metrics.cow_copies == 1
     src, dst = copies[0]
-    filled = len(n_kv) % 16
+    filled = len(kv_tokens) % 16
     assert torch.equal(engine.store.k[:, dst, :filled], engine.store.k[:, src, :filled])
     assert torch.equal(engine.store.v[:, dst, :filled], engine.store.v[:, src, :filled])
     outs = {}
@@ -239,3 +239,11 @@ def test_random_architectures_identical_to_hf(arch):
         outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
         assert [o.output_ids for o in outs] == ref
         assert engine.num_preemptions > 0 and _drained(engine)
+
+
+def test_bfloat16_store_follows_the_model():
+    model = _tiny("llama").to(torch.bfloat16)
+    engine = Engine(model, None, num_blocks=16, block_size=8, debug=True)
+    assert engine.store.k.dtype == torch.bfloat16
+    outs = engine.generate([[1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9]], SamplingParams(max_tokens=5))
+    assert [len(o.output_ids) for o in outs] == [5, 5] and _drained(engine)
