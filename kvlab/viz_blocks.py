@@ -92,7 +92,7 @@ def plot_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
     a.plot(bs, [100 * r["hit_rate"] for r in rows], "o-")
     a.set(ylabel="prefix-cache hit rate (% of prompt tokens)", title="hit rate")
     b.plot(bs, [r["wasted_slots_mean"] for r in rows], "o-", color="C1")
-    b.set(ylabel="empty slots in partial blocks (mean per step)", title="wasted slots")
+    b.set(ylabel="empty slots (mean per step)", title="wasted slots in partial blocks")
     c.plot(bs, [r["hashed_blocks"] for r in rows], "o-", color="C2", label="hash calls")
     c.plot(bs, [r["hashed_tokens"] for r in rows], "s--", color="C3", label="tokens hashed")
     c.set(yscale="log", ylabel="count (log scale)", title="hash work")
