@@ -29,7 +29,8 @@ def test_committed_clean_with_parameters_cell(nb):
     src = "".join(tagged[0]["source"])
     from papermill.translators import PythonTranslator
 
-    parsed = {p.name for p in PythonTranslator.inspect(tagged[0])}  # what papermill can override
+    cell = {"source": "".join(tagged[0]["source"])}
+    parsed = {p.name for p in PythonTranslator.inspect(cell)}  # what papermill can override
     missing = [name for name in REQUIRED if name not in parsed]
     assert not missing, f"{nb.name}: papermill finds no {missing} in the parameters cell (a comment with '=' or ';'?)"
 
