@@ -2,9 +2,11 @@
 
 The package is layered (each layer imports only the ones above it):
 
-1. pure Python, no torch: ``hashing``, ``block_pool``, ``block_manager``, ``metrics``, ``passphrase``
-2. torch on any device: ``models``, ``attention``, ``rope``, ``prefix``
-3. experiments and teaching helpers: ``experiments``, ``viz``
+1. pure Python, no torch: ``hashing``, ``block_pool``, ``block_manager``, ``metrics``, ``scheduler``,
+   ``sequence``, ``workloads``, ``passphrase``
+2. torch on any device: ``models``, ``attention``, ``rope``, ``prefix``, ``kv_store``, ``paged_attention``
+3. the engine: ``engine``, ``sampling``
+4. experiments and teaching helpers: ``experiments``, ``evaluation``, ``viz``, ...
 
 ``import kvlab`` stays torch-free; the torch-backed names below load on first use.
 """
@@ -17,6 +19,11 @@ _LAZY = {
     "kv_bytes_per_token": "kvlab.models",
     "seed_everything": "kvlab.models",
     "BUNDLED_MODEL": "kvlab.models",
+    "model_fingerprint": "kvlab.models",
+    "PrefixCache": "kvlab.prefix",
+    "random_model": "kvlab.attention",
+    "Engine": "kvlab.engine",
+    "SamplingParams": "kvlab.sampling",
 }
 
 
