@@ -8,6 +8,12 @@ the first write into a shared partial block copies it (copy-on-write) and report
 engine can copy the K/V tensors. ``free`` releases tail first, so the ends of chains are evicted
 before their shared heads. Every public method either succeeds or raises with the state unchanged.
 
+Tenants: a ``salt`` enters the hash of block ``public_tokens // block_size`` (block 0 by default, as
+vLLM's ``cache_salt``), so a tenant's blocks from there on are its own while the blocks of an operator's
+public prefix before it stay shared (a block straddling the boundary is private). Each cached block
+remembers the tenant that registered it; a hit on another tenant's block is counted as a *public*
+hit when it lies inside the public prefix and as a *cross-tenant* hit otherwise (0 under salting).
+
 References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``,
 ``free``) and ``vllm/v1/core/single_type_kv_cache_manager.py`` (``cache_blocks``); vLLM v0
 ``vllm/core/block/cpu_gpu_block_allocator.py`` (copy-on-write); nano-vllm
@@ -21,7 +27,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.block_pool import Block, BlockPool, NoFreeBlocksError, check
-from kvlab.hashing import BlockHash, ExtraKeys, HashFn, first_block_extra_keys, hash_block
+from kvlab.hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block
 from kvlab.metrics import PrefixCacheMetrics
 
 __all__ = ["AppendResult", "BlockManager", "DuplicateSequenceError", "NoFreeBlocksError",
@@ -47,6 +53,8 @@ class SeqBlocks:
     extra_keys: ExtraKeys = ()  # first block's: model fingerprint, salt
     salt: str | None = None
     num_cached_tokens: int = 0
+    salt_block: int = 0  # the block whose hash takes the salt: the first past the public prefix
+    tenant: Hashable = None  # who this sequence serves (metrics, cross-tenant accounting)
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,6 +87,7 @@ class BlockManager:
         self.cow = cow  # False = the article's "writable shared block" bug, kept for teaching
         self.seqs: dict[Hashable, SeqBlocks] = {}
         self.metrics = PrefixCacheMetrics()
+        self.registered_by: dict[int, Hashable] = {}  # cached block id -> tenant whose sequence registered it
 
     # --- queries ----------------------------------------------------------------------------------
     @property
@@ -136,7 +145,7 @@ class BlockManager:
         }
 
     # --- prefix lookup ------------------------------------------------------------------------------
-    def _check_prompt(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
+    def _check_prompt(self, token_ids: Sequence[int], salt: str | None, public_tokens: int = 0) -> list[int]:
         tokens = list(token_ids)
         if not tokens:
             raise ValueError("a prompt needs at least one token")
@@ -144,22 +153,28 @@ class BlockManager:
             raise TypeError("token ids must be ints")
         if salt is not None and not isinstance(salt, str):
             raise TypeError(f"salt must be a str or None, got {type(salt).__name__}")
+        if type(public_tokens) is not int or not 0 <= public_tokens <= len(tokens):
+            raise ValueError(f"public_tokens must be an int in [0, {len(tokens)}], got {public_tokens!r}")
         return tokens
 
-    def _hash_full_blocks(self, tokens: list[int], keys: ExtraKeys, limit: int) -> list[BlockHash]:
+    def _keys(self, i: int, salt: str | None, salt_block: int) -> ExtraKeys:
+        return block_extra_keys(i, self.model_fingerprint, salt, salt_block)
+
+    def _hash_full_blocks(self, tokens: list[int], salt: str | None, salt_block: int, limit: int) -> list[BlockHash]:
         bs, out, parent = self.block_size, [], None
         for i in range(limit):
-            parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs], keys if i == 0 else ())
+            parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs], self._keys(i, salt, salt_block))
             out.append(parent)
         self.metrics.hashed_blocks += limit
         self.metrics.hashed_tokens += limit * bs
         return out
 
-    def _longest_hit(self, tokens: list[int], hashes: list[BlockHash], keys: ExtraKeys) -> list[Block]:
+    def _longest_hit(self, tokens: list[int], hashes: list[BlockHash], salt: str | None, salt_block: int) -> list[Block]:
         """Cached blocks of the longest prefix, capped so the last prompt token is recomputed."""
         bs, hits, parent_serial = self.block_size, [], 0
         for i in range((len(tokens) - 1) // bs):
-            block = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs], parent_serial, keys if i == 0 else ())
+            block = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs], parent_serial,
+                                     self._keys(i, salt, salt_block))
             if block is None:
                 break
             hits.append(block)
@@ -170,32 +185,38 @@ class BlockManager:
         # new blocks + cached hits that currently sit in the free list (reviving them uses a free slot)
         return -(-n_tokens // self.block_size) - len(hits) + sum(b.ref_count == 0 for b in hits)
 
-    def can_allocate(self, token_ids: Sequence[int], salt: str | None = None) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], salt: str | None = None, public_tokens: int = 0) -> bool:
         """Whether ``allocate`` would find enough free blocks (counts cache hits; changes nothing)."""
-        tokens = self._check_prompt(token_ids, salt)
-        keys = first_block_extra_keys(self.model_fingerprint, salt)
+        tokens = self._check_prompt(token_ids, salt, public_tokens)
+        salt_block = public_tokens // self.block_size
         hits: list[Block] = []
         if self.enable_caching:
             saved = self.metrics.hashed_blocks, self.metrics.hashed_tokens
-            hashes = self._hash_full_blocks(tokens, keys, (len(tokens) - 1) // self.block_size)
+            hashes = self._hash_full_blocks(tokens, salt, salt_block, (len(tokens) - 1) // self.block_size)
             self.metrics.hashed_blocks, self.metrics.hashed_tokens = saved
-            hits = self._longest_hit(tokens, hashes, keys)
+            hits = self._longest_hit(tokens, hashes, salt, salt_block)
         return self._blocks_needed(len(tokens), hits) <= self.num_free_blocks
 
     # --- mutations ----------------------------------------------------------------------------------
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], salt: str | None = None) -> int:
-        """Give a new sequence its blocks, reusing the longest cached prefix; return cached tokens."""
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], salt: str | None = None,
+                 public_tokens: int = 0, tenant: Hashable = None) -> int:
+        """Give a new sequence its blocks, reusing the longest cached prefix; return cached tokens.
+
+        ``salt`` enters the hash of block ``public_tokens // block_size``; ``tenant`` (default: the
+        salt) labels the sequence in per-tenant metrics and in the cross-tenant hit count.
+        """
         if seq_id in self.seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
-        tokens = self._check_prompt(token_ids, salt)
+        tokens = self._check_prompt(token_ids, salt, public_tokens)
         bs, n, pool = self.block_size, len(tokens), self.pool
-        keys = first_block_extra_keys(self.model_fingerprint, salt)
+        tenant = salt if tenant is None else tenant
+        salt_block = public_tokens // bs
         hashes: list[BlockHash] = []
         hits: list[Block] = []
         if self.enable_caching:
             saved = self.metrics.hashed_blocks, self.metrics.hashed_tokens
-            hashes = self._hash_full_blocks(tokens, keys, n // bs)
-            hits = self._longest_hit(tokens, hashes, keys)
+            hashes = self._hash_full_blocks(tokens, salt, salt_block, n // bs)
+            hits = self._longest_hit(tokens, hashes, salt, salt_block)
             needed = self._blocks_needed(n, hits)
             if needed > pool.num_free_blocks:
                 self.metrics.hashed_blocks, self.metrics.hashed_tokens = saved  # unchanged state
@@ -208,24 +229,32 @@ class BlockManager:
 
         misses = self._classify_misses(n, hashes, len(hits))  # before this request fills the cache
         pool.tick()
-        seq = SeqBlocks(seq_id, tokens, extra_keys=keys, salt=salt, num_cached_tokens=len(hits) * bs)
-        for block in hits:
+        seq = SeqBlocks(seq_id, tokens, extra_keys=self._keys(0, salt, salt_block), salt=salt,
+                        num_cached_tokens=len(hits) * bs, salt_block=salt_block, tenant=tenant)
+        for i, block in enumerate(hits):
             pool.hit(block, seq_id)
             seq.block_table.append(block.block_id)
+            if self.registered_by.get(block.block_id, tenant) != tenant:  # served another tenant's block
+                if i < salt_block:
+                    self.metrics.public_hits += 1
+                else:
+                    self.metrics.cross_tenant_hits += 1
         parent_serial = hits[-1].serial if hits else 0
         for i in range(len(hits), -(-n // bs)):
             block = pool.take(seq_id)
+            self.registered_by.pop(block.block_id, None)  # taking a block evicts what it cached
             block.token_ids = tokens[i * bs : (i + 1) * bs]
             seq.block_table.append(block.block_id)
             if self.enable_caching and i < n // bs:
                 pool.register(block, hashes[i], hashes[i - 1] if i else None, parent_serial,
-                              keys if i == 0 else (), seq_id)
+                              self._keys(i, salt, salt_block), seq_id)
+                self.registered_by[block.block_id] = tenant
                 parent_serial = block.serial
         seq.block_hashes = hashes
         self.seqs[seq_id] = seq
         self.metrics.blocks_hit += len(hits)
         self.metrics.blocks_taken += len(seq.block_table) - len(hits)
-        self.metrics.record_lookup(salt, n, seq.num_cached_tokens, misses)
+        self.metrics.record_lookup(tenant, n, seq.num_cached_tokens, misses)
         return seq.num_cached_tokens
 
     def _classify_misses(self, n: int, hashes: list[BlockHash], n_hits: int) -> dict[str, int]:
@@ -260,6 +289,7 @@ class BlockManager:
         new_block = cow = None
         if offset == 0:
             block = pool.take(seq_id)
+            self.registered_by.pop(block.block_id, None)
             seq.block_table.append(block.block_id)
             new_block = block.block_id
         else:
@@ -279,6 +309,7 @@ class BlockManager:
     def _copy_on_write(self, seq: SeqBlocks, shared: Block) -> Block:
         """Move ``seq`` off a shared partial block onto a private copy of it."""
         copy = self.pool.take(seq.seq_id, event="cow-copy")
+        self.registered_by.pop(copy.block_id, None)
         copy.token_ids = shared.token_ids[: len(seq.token_ids) % self.block_size]
         seq.block_table[-1] = copy.block_id
         self.pool.release(shared, seq.seq_id)
@@ -288,12 +319,13 @@ class BlockManager:
     def _register_decoded(self, seq: SeqBlocks, block: Block) -> None:
         i = len(seq.block_table) - 1
         parent = seq.block_hashes[-1] if i else None
-        keys = seq.extra_keys if i == 0 else ()
+        keys = self._keys(i, seq.salt, seq.salt_block)
         h = self.hash_fn(parent, block.token_ids, keys)
         self.metrics.hashed_blocks += 1
         self.metrics.hashed_tokens += self.block_size
         parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
         self.pool.register(block, h, parent, parent_serial, keys, seq.seq_id)
+        self.registered_by[block.block_id] = seq.tenant
         seq.block_hashes.append(h)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -306,7 +338,7 @@ class BlockManager:
             self.pool.share(self.pool.blocks[block_id], child_id)
         self.seqs[child_id] = SeqBlocks(
             child_id, list(parent.token_ids), list(parent.block_table), list(parent.block_hashes),
-            parent.extra_keys, parent.salt, parent.num_cached_tokens)
+            parent.extra_keys, parent.salt, parent.num_cached_tokens, parent.salt_block, parent.tenant)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a finished sequence's blocks, tail first, so chain tails are evicted first."""
@@ -325,6 +357,9 @@ class BlockManager:
             check(block.ref_count == refs[block.block_id],
                   f"block {block.block_id}: ref count {block.ref_count} but {refs[block.block_id]} "
                   f"block-table references (leak or double free)")
+        for block in self.pool.blocks:
+            check(block.block_hash is None or block.block_id in self.registered_by,
+                  f"cached block {block.block_id} has no registering tenant")
         bs = self.block_size
         for seq in self.seqs.values():
             n = len(seq.token_ids)

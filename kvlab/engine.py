@@ -9,6 +9,13 @@ pairs are copied in the K/V store, the new tokens of all scheduled sequences run
 one token is sampled per sequence from its last position's logits. Greedy is argmax; sampling uses a
 per-request generator seeded from the request's seed, so outputs do not depend on batching.
 
+Tenants: ``add_request(..., tenant="acme")``. Under ``isolation="tenant"`` or ``"public-prefix"`` the
+engine derives the tenant's cache salt from the tenant id and its server ``secret`` (HMAC-SHA256,
+``kvlab.tenants``); a request cannot choose or forge a salt. ``"public-prefix"`` shares the whole blocks
+of prefixes the operator registered with ``add_public_prefix`` across tenants and salts the rest.
+The raw ``unsafe_salt=`` keyword bypasses the derivation (tests and teaching only: whoever can set
+it can join another tenant's cache).
+
 A request with bad input (empty prompt, too long for the model or the pool, a sampling parameter out
 of range, an unknown id to abort) raises a clear error for that request only; nothing is queued and the
 other requests keep running. ``generate`` turns such an error into a finished output with
@@ -36,6 +43,7 @@ from kvlab.paged_attention import build_batch, paged_attention
 from kvlab.prefix import encode, eos_ids, model_device_dtype, sample_next
 from kvlab.sampling import SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerOutput
+from kvlab.tenants import check_policy, new_secret, public_prefix_length, tenant_salt
 from kvlab.sequence import Sequence as Seq
 from kvlab.sequence import SequenceStatus
 
@@ -73,7 +81,8 @@ class Engine:
 
     def __init__(self, model: Any, tokenizer: Any, *, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0) -> None:
+                 max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0,
+                 isolation: str = "shared", secret: bytes | None = None) -> None:
         if num_blocks is None:
             num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
         self.model, self.tokenizer, self.debug = model, tokenizer, debug
@@ -90,17 +99,38 @@ class Engine:
         self.num_steps = 0
         self.num_mixed_steps = 0  # steps that ran prefills and decodes together
         self.peak_kv_bytes = 0
+        self.isolation = check_policy(isolation)  # "shared", "tenant" or "public-prefix"
+        self._secret = new_secret() if secret is None else bytes(secret)  # server-side only
+        self.public_prefixes: list[tuple[int, ...]] = []  # token ids; used under "public-prefix"
 
     # --- requests ---------------------------------------------------------------------------------------
+    def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
+        """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
+        ids = tuple(encode(self.tokenizer, prefix))
+        if not ids:
+            raise ValueError("a public prefix needs at least one token")
+        if ids not in self.public_prefixes:
+            self.public_prefixes.append(ids)
+        return len(ids)
+
+    def salt_for(self, tenant: str | None) -> str | None:
+        """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
+        return None if self.isolation == "shared" else tenant_salt(self._secret, tenant)
+
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
-                    request_id: Hashable | None = None, salt: str | None = None) -> Hashable:
-        """Queue one request (text or token ids); return its id. Bad input raises, queueing nothing."""
+                    request_id: Hashable | None = None, tenant: str | None = None, *,
+                    unsafe_salt: str | None = None) -> Hashable:
+        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing."""
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         sampling.validate()
-        if salt is not None and not isinstance(salt, str):
-            raise TypeError(f"salt must be a str or None, got {type(salt).__name__}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
+        if unsafe_salt is not None and not isinstance(unsafe_salt, str):
+            raise TypeError(f"unsafe_salt must be a str or None, got {type(unsafe_salt).__name__}")
+        if unsafe_salt is not None and tenant is not None:
+            raise ValueError("give a tenant (the engine derives its salt) or an unsafe_salt, not both")
         if isinstance(prompt, str) and self.tokenizer is None:
             raise TypeError("this engine has no tokenizer: pass token ids")
         ids = encode(self.tokenizer, prompt)
@@ -117,7 +147,11 @@ class Engine:
         request_id = seq_id if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        salt = unsafe_salt if unsafe_salt is not None else self.salt_for(tenant)
         seq = Seq(seq_id, request_id, ids, sampling, salt, arrival_time=time.perf_counter())
+        seq.tenant = tenant
+        if self.isolation == "public-prefix":
+            seq.public_tokens = public_prefix_length(ids, self.public_prefixes)
         seq.generator = self._make_generator(sampling)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -149,6 +183,7 @@ class Engine:
         child = Seq(seq_id, child_id, list(parent.prompt_ids), sampling, parent.salt, parent.arrival_time,
                     list(parent.output_ids), num_cached_tokens=parent.num_cached_tokens,
                     first_token_time=parent.first_token_time)
+        child.tenant, child.public_tokens = parent.tenant, parent.public_tokens
         child.generator = self._make_generator(sampling)
         self.scheduler.fork(parent, child)  # raises unless the parent is running
         self.requests[child_id] = child
@@ -240,21 +275,23 @@ class Engine:
 
     # --- run to completion --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
+                 tenants: Sequence[str | None] | None = None, *,
+                 unsafe_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Submit all prompts at once, step until they finish; outputs in prompt order.
 
         A prompt that is refused (bad input) gets an output with ``finish_reason="error"``; the rest run.
         """
         n = len(prompts)
         samplings = list(sampling) if isinstance(sampling, Sequence) else [sampling] * n
-        salts = [None] * n if salts is None else list(salts)
-        if len(samplings) != n or len(salts) != n:
-            raise ValueError("give one sampling and one salt per prompt (or one for all)")
+        tenants = [None] * n if tenants is None else list(tenants)
+        salts = [None] * n if unsafe_salts is None else list(unsafe_salts)
+        if len(samplings) != n or len(tenants) != n or len(salts) != n:
+            raise ValueError("give one sampling, tenant and salt per prompt (or one sampling for all)")
         results: dict[int, RequestOutput] = {}
         ids: dict[Hashable, int] = {}
-        for i, (prompt, sp, salt) in enumerate(zip(prompts, samplings, salts)):
+        for i, (prompt, sp, tenant, salt) in enumerate(zip(prompts, samplings, tenants, salts)):
             try:
-                ids[self.add_request(prompt, sp, salt=salt)] = i
+                ids[self.add_request(prompt, sp, tenant=tenant, unsafe_salt=salt)] = i
             except (ValueError, TypeError) as e:
                 prompt_ids = list(prompt) if not isinstance(prompt, str) else []
                 results[i] = RequestOutput(None, prompt_ids, [], "", True, "error", 0, error=str(e))

@@ -3,6 +3,9 @@
 A block's hash covers its parent's hash, its own token ids and some extra keys, so two blocks hash
 alike only if everything before them matched too. The first block's extra keys carry the model
 fingerprint and, when given, a tenant salt: different models or tenants never share a block.
+Under a *public-prefix* policy the salt enters later instead: in the first block that extends past the
+operator's public prefix (``block_extra_keys(..., salt_block=public_tokens // block_size)``), so the
+public blocks are shared by every tenant and, because hashes chain, nothing after them is.
 Only *full* blocks get a hash; a partial tail block is never shared through the cache.
 
 sha256 is the default because collisions of Python's ``hash()`` can be crafted on purpose (vLLM
@@ -49,6 +52,17 @@ def first_block_extra_keys(model_fingerprint: str = "", salt: str | None = None)
     if model_fingerprint:
         keys += (("model", model_fingerprint),)
     if salt is not None:
+        keys += (("salt", salt),)
+    return keys
+
+
+def block_extra_keys(index: int, model_fingerprint: str = "", salt: str | None = None,
+                     salt_block: int = 0) -> ExtraKeys:
+    """Extra keys of block ``index``: the fingerprint on block 0, the salt on block ``salt_block``."""
+    keys: tuple = ()
+    if index == 0 and model_fingerprint:
+        keys += (("model", model_fingerprint),)
+    if salt is not None and index == salt_block:
         keys += (("salt", salt),)
     return keys
 

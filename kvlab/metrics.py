@@ -9,6 +9,10 @@ evicted before they came back. Here each missed token gets one of three reasons:
 - ``no_prefix``: a full block whose content was never cached (nothing shared it);
 - ``evicted``: a full block whose hash was cached before but was evicted by LRU.
 
+Across tenants it counts blocks, not tokens: a hit on a block that another tenant's request
+registered is a ``public_hit`` inside an operator's public prefix and a ``cross_tenant_hit`` anywhere
+else -- the number that must stay 0 when tenants are salted.
+
 References: vLLM ``vllm/v1/metrics/stats.py`` (``PrefixCacheStats``) and
 ``vllm/v1/core/kv_cache_manager.py`` (``make_prefix_cache_stats``).
 """
@@ -55,6 +59,8 @@ class PrefixCacheMetrics:
     blocks_taken: int = 0  # blocks taken from the free list (new data)
     blocks_hit: int = 0  # blocks served by the cache
     cow_copies: int = 0
+    public_hits: int = 0  # blocks of a public prefix registered by one tenant and served to another
+    cross_tenant_hits: int = 0  # any other block registered by one tenant and served to another
 
     def record_lookup(self, tenant: Hashable, queries: int, hits: int, misses: dict[str, int]) -> None:
         """Count one request's prefix lookup, in total and for its tenant."""
@@ -82,6 +88,8 @@ class PrefixCacheMetrics:
             "blocks_taken": self.blocks_taken,
             "blocks_hit": self.blocks_hit,
             "cow_copies": self.cow_copies,
+            "public_hits": self.public_hits,
+            "cross_tenant_hits": self.cross_tenant_hits,
         }
         return out
 

@@ -107,9 +107,9 @@ class Scheduler:
             n = seq.num_tokens
             if n > budget and out.items:  # too long for what is left; a long prompt runs alone
                 break
-            if not bm.can_allocate(seq.token_ids, seq.salt):
+            if not bm.can_allocate(seq.token_ids, seq.salt, seq.public_tokens):
                 break
-            cached = bm.allocate(seq.seq_id, seq.token_ids, seq.salt)
+            cached = bm.allocate(seq.seq_id, seq.token_ids, seq.salt, seq.public_tokens, seq.tenant)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             self.waiting.popleft()

@@ -45,6 +45,8 @@ class Sequence:
     finish_time: float | None = None
     finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort"
     generator: object = None  # the engine's per-request random generator (torch), if sampling
+    tenant: object = None  # who sent it (per-tenant metrics); the salt is derived from it by the engine
+    public_tokens: int = 0  # leading tokens of an operator's public prefix (shared across tenants)
 
     @property
     def token_ids(self) -> list[int]:

@@ -107,8 +107,8 @@ def test_salt_reaches_the_block_manager(lm):
     prompt = passphrase_prompts(1, 1)[0]
     engine = Engine(model, tok, kv_cache_bytes=2 ** 20, block_size=16, debug=True)
     sp = SamplingParams(max_tokens=4)
-    first = engine.generate([prompt], sp, salts=["tenant-a"])[0]
-    other, same = engine.generate([prompt, prompt], sp, salts=["tenant-b", "tenant-a"])
+    first = engine.generate([prompt], sp, unsafe_salts=["tenant-a"])[0]
+    other, same = engine.generate([prompt, prompt], sp, unsafe_salts=["tenant-b", "tenant-a"])
     assert first.num_cached_tokens == other.num_cached_tokens == 0 < same.num_cached_tokens
     assert first.output_ids == other.output_ids == same.output_ids
     by_tenant = engine.block_manager.metrics.by_tenant
