@@ -1,0 +1,168 @@
+"""Named token-id workloads shared by notebooks 05-07, the tests and the benchmarks (no torch).
+
+* ``seed_groups(tokenizer)``: the article's three test groups (its section 3.1) as passphrase prompts.
+
+  - group 1, *identical prefix*: one system prompt, several different questions after it;
+  - group 2, *overlapping text, different start*: request B's text is a suffix of donor A's: A has an
+    extra turn before the system turn, so the shared text starts at position 0 in B but later in A;
+  - group 3, *identical prefix, different following context* (multi-turn): the same system prompt,
+    then A's history changes the passphrase (``history="update"``) and B's does not.
+
+  Each group is a ``Workload``: token-id prompts in submission order and one metadata dict per prompt
+  (``group``, ``seed``, ``role`` "served" or "donor", ``expected`` answer, ...). The wrong ways to
+  share (kvlab.table36) need a little more: group 2's served prompts name their ``donor``; group 3's
+  carry ``beyond_prompt``, B's question appended to A's cached conversation.
+
+* ``sys512(vocab_size)``: the article's headline experiment (section 3.5): 16 requests sharing a
+  512-token prefix, each with a 32-token unique suffix and 32 new tokens. Random ids, seeded.
+
+Prompts are lists of ints, so the same workload runs through kvlab's engine, transformers and vLLM.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab import passphrase as P
+
+__all__ = ["GROUP_CONDITIONS", "Workload", "ideal_prefill_fraction", "seed_groups", "sys512"]
+
+# The article's wording of each group's condition (its table 3.6, first two columns).
+GROUP_CONDITIONS = {
+    1: ("identical prefix", "完全相同"),
+    2: ("overlapping text, different start", "部分重叠"),
+    3: ("identical prefix, different following context", "相同但上下文不同"),
+}
+
+
+@dataclass
+class Workload:
+    """Token-id prompts, submitted in this order, with one metadata dict per prompt."""
+
+    name: str
+    prompts: list[list[int]]
+    max_tokens: int  # new tokens per request
+    meta: list[dict[str, Any]] = field(default_factory=list)
+    shared_prefix_tokens: int = 0  # tokens that every prompt of one prefix shares (0 when it varies)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def served(self) -> list[int]:
+        """Indices of the prompts that are scored (donors only fill the cache)."""
+        return [i for i, m in enumerate(self.meta) if m.get("role", "served") == "served"]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of all requests together."""
+        return sum(map(len, self.prompts))
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _questions(lang: str) -> tuple[str, ...]:
+    return P.ASK_ZH if lang == "zh" else P.ASK_EN
+
+
+def _aligned_preamble(tokenizer: Any, seed: int, block_size: int, split: str) -> list[int]:
+    """Ids of an extra system turn of filler lines whose length is a multiple of ``block_size``."""
+    rng = random.Random(f"kvlab-group2:{split}:{seed}")
+    pool = P.FILLER_ZH + P.FILLER_EN
+    for _ in range(500):
+        lines = [rng.choice(pool) for _ in range(rng.randint(1, 6))]
+        ids = _encode(tokenizer, P.chatml("system", "\n".join(lines)))
+        if len(ids) % block_size == 0:
+            return ids
+    raise RuntimeError(f"no block-aligned preamble found for seed {seed}; try another block size")
+
+
+def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int = 0, questions: int = 3,
+                block_size: int = 16, max_tokens: int = 12) -> dict[int, Workload]:
+    """The article's three groups as passphrase workloads: ``{1: Workload, 2: ..., 3: ...}``.
+
+    ``n`` system prompts (seeds ``start ..``) per group; group 1 asks ``questions`` different questions
+    of each. Group 2's donor preamble is a whole number of blocks long, so a cache keyed on block
+    content alone (the bug kvlab.table36 runs) lines B's blocks up with A's.
+    """
+    groups: dict[int, Workload] = {}
+    # group 1: one system prompt, several questions; the first questions of every prompt come first
+    prompts, meta = [], []
+    for q in range(questions):
+        for seed in range(start, start + n):
+            ex = P.make_example(seed, split, history="none")
+            asked = P.with_question(ex, _questions(ex.lang)[(seed + q) % 4])
+            prompts.append(_encode(tokenizer, asked.prompt_text))
+            meta.append({"group": 1, "seed": seed, "role": "served", "expected": ex.answer, "lang": ex.lang,
+                         "question": q, "prefix_tokens": len(_encode(tokenizer, ex.prefix_text))})
+    groups[1] = Workload("seed-groups/1", prompts, max_tokens, meta)
+
+    # group 2: donor A = [extra system turn] + B's whole text; served B starts where A's overlap starts
+    prompts, meta = [], []
+    donors = {}
+    for seed in range(start, start + n):
+        ex = P.make_example(seed, split, history="none")
+        b = _encode(tokenizer, ex.prompt_text)
+        pre = _aligned_preamble(tokenizer, seed, block_size, split)
+        a = pre + b
+        assert _encode(tokenizer, tokenizer.decode(pre) + ex.prompt_text) == a, "A must tokenize as pre + B"
+        donors[seed] = len(prompts)
+        prompts.append(a)
+        meta.append({"group": 2, "seed": seed, "role": "donor", "expected": ex.answer, "lang": ex.lang,
+                     "offset": len(pre)})
+    for seed in range(start, start + n):
+        ex = P.make_example(seed, split, history="none")
+        prompts.append(_encode(tokenizer, ex.prompt_text))
+        meta.append({"group": 2, "seed": seed, "role": "served", "expected": ex.answer, "lang": ex.lang,
+                     "donor": donors[seed], "offset": meta[donors[seed]]["offset"]})
+    groups[2] = Workload("seed-groups/2", prompts, max_tokens, meta)
+
+    # group 3: A's history updates the passphrase, B's does not; same system prompt
+    prompts, meta = [], []
+    for seed in range(start, start + n):
+        lang = "zh" if seed % 2 else "en"
+        a = P.make_example(seed, split, lang=lang, history="update")
+        b = P.make_example(seed, split, lang=lang, history="chat" if seed % 3 == 0 else "none")
+        assert a.system == b.system and a.answer != b.answer
+        history_a = "".join(P.chatml("user", t.user) + P.chatml("assistant", t.assistant) for t in a.turns[:-1])
+        question_b = P.chatml("user", b.turns[-1].user) + P.IM_START + "assistant\n"
+        beyond = _encode(tokenizer, a.prefix_text + history_a) + _encode(tokenizer, question_b)
+        prefix = len(_encode(tokenizer, a.prefix_text))
+        prompts.append(_encode(tokenizer, a.prompt_text))
+        meta.append({"group": 3, "seed": seed, "role": "donor", "expected": a.answer, "lang": lang,
+                     "history": "update", "prefix_tokens": prefix})
+        prompts.append(_encode(tokenizer, b.prompt_text))
+        meta.append({"group": 3, "seed": seed, "role": "served", "expected": b.answer, "lang": lang,
+                     "history": b.extra["history"], "prefix_tokens": prefix, "beyond_prompt": beyond,
+                     "other_answer": a.answer})
+    groups[3] = Workload("seed-groups/3", prompts, max_tokens, meta)
+    return groups
+
+
+def sys512(vocab_size: int, num_requests: int = 16, prefix_tokens: int = 512, suffix_tokens: int = 32,
+           max_tokens: int = 32, seed: int = 0) -> Workload:
+    """``num_requests`` random-id prompts sharing a ``prefix_tokens`` prefix, each with its own suffix."""
+    if min(num_requests, suffix_tokens, max_tokens) < 1 or prefix_tokens < 0:
+        raise ValueError("need num_requests, suffix_tokens, max_tokens >= 1 and prefix_tokens >= 0")
+    rng = random.Random(f"kvlab-sys512:{seed}")
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_tokens)]
+    prompts = [prefix + [rng.randrange(vocab_size) for _ in range(suffix_tokens)] for _ in range(num_requests)]
+    meta = [{"request": i, "role": "served"} for i in range(num_requests)]
+    name = f"sys{prefix_tokens}" + ("" if (num_requests, suffix_tokens, max_tokens) == (16, 32, 32)
+                                     else f"x{num_requests}/s{suffix_tokens}/n{max_tokens}")
+    return Workload(name, prompts, max_tokens, meta, prefix_tokens)
+
+
+def ideal_prefill_fraction(workload: Workload, block_size: int = 16) -> float:
+    """Uncached prompt tokens / all prompt tokens when the shared prefix is computed once (whole blocks only).
+
+    The first request computes everything; each later one reuses the prefix's full blocks, capped so its
+    last prompt token is computed (as kvlab's and vLLM's block managers do).
+    """
+    total = workload.prompt_tokens
+    p = workload.shared_prefix_tokens
+    hits = [min(p // block_size, (len(ids) - 1) // block_size) * block_size for ids in workload.prompts[1:]]
+    return (total - sum(hits)) / total

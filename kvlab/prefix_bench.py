@@ -1,0 +1,384 @@
+"""The headline experiment (workload ``sys512``): kvlab's engine against transformers, shared vs isolated.
+
+Systems, each run shared (prefix reused) and isolated, all on one model in one process:
+
+* ``kvlab``: the paged engine, prefix caching on / off, every request submitted at once;
+* ``HF generate_batch``: transformers' paged continuous batching, ``allow_block_sharing`` on / off; it
+  registers a block for sharing only after the forward that computed it, so requests that arrive
+  together share nothing; a second variant caps each step at one prompt so later requests can hit;
+* ``HF manual reuse``: kvlab.prefix's loop on a transformers ``DynamicCache``: the prefix's K/V computed
+  once and copied per request (shared) or every prompt from scratch (isolated), one request at a time;
+* ``HF generate``: ``model.generate`` (isolated only), one request at a time and as one batch.
+
+TTFT of a request is measured from the moment the workload is handed to the system: for the systems
+that take all requests at once it includes waiting for the batch's prefills; for the one-at-a-time
+systems it is the request's own time to first token (queueing behind earlier requests excluded).
+Throughput is generated tokens per wall second of the whole workload. Repetitions are interleaved
+(one of each system, then again) and the median is kept, so a busy machine slows all alike.
+
+The ideal TTFT ratio is ``named_workloads.ideal_prefill_fraction``: uncached prompt tokens over all.
+The ideal KV bytes count whole blocks: the prefix's full blocks once, everything else per request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvlab.engine import Engine, SamplingParams
+from kvlab.named_workloads import Workload, ideal_prefill_fraction, sys512
+from kvlab.prefix import _sync, continue_from_cache, model_device_dtype
+
+__all__ = ["SYSTEMS", "fig_sweep", "fig_sys512", "goals", "kv_ideal_bytes", "measure_sys512", "ratios",
+           "realistic_model", "run_generate_batch", "run_hf_generate", "run_hf_manual", "run_kvlab", "sweep"]
+
+
+def realistic_model(config_name: str = "Qwen2.5-0.5B-Instruct", num_layers: int | None = None, seed: int = 0,
+                    device: str | torch.device = "auto", dtype: str | torch.dtype = "float32") -> Any:
+    """A random-initialised model of a public config's shape that never stops early (no eos)."""
+    from kvlab.attention import random_model
+
+    model = random_model(config_name, num_layers=num_layers, seed=seed, device=device, dtype=dtype)
+    model.generation_config.eos_token_id = None  # every request generates exactly max_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _result(system: str, mode: str, ttfts: Sequence[float], wall: float, outputs: list[list[int]],
+            **extra: Any) -> dict[str, Any]:
+    tokens = sum(map(len, outputs))
+    return {"system": system, "mode": mode, "ttft_s": statistics.mean(ttfts), "ttft_max_s": max(ttfts),
+            "wall_s": wall, "tokens": tokens, "throughput": tokens / wall, "outputs": outputs, **extra}
+
+
+# ----------------------------------------------------------------------------- the systems
+
+def run_kvlab(model: Any, workload: Workload, caching: bool, block_size: int = 16) -> dict[str, Any]:
+    """kvlab's engine: all requests at once, prefix caching on (shared) or off (isolated)."""
+    n = workload.max_tokens
+    num_blocks = sum(-(-(len(p) + n) // block_size) for p in workload.prompts) + 4
+    engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
+                    max_num_seqs=max(len(workload), 1), max_num_batched_tokens=max(2048, workload.prompt_tokens))
+    device, _ = model_device_dtype(model)
+    t0 = time.perf_counter()
+    outs = engine.generate(workload.prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    _sync(device)
+    wall = time.perf_counter() - t0
+    return _result("kvlab", "shared" if caching else "isolated", [o.ttft for o in outs], wall,
+                   [o.output_ids for o in outs], peak_kv_bytes=engine.peak_kv_bytes,
+                   cached_tokens=sum(o.num_cached_tokens for o in outs), bytes_per_block=engine.store.bytes_per_block)
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def run_hf_generate(model: Any, workload: Workload, batched: bool) -> dict[str, Any]:
+    """``model.generate`` greedy, isolated: one request at a time, or all as one batch (equal lengths: no pads)."""
+    device, _ = model_device_dtype(model)
+    n = workload.max_tokens
+    groups = [workload.prompts] if batched else [[p] for p in workload.prompts]
+    if batched and len({len(p) for p in workload.prompts}) != 1:
+        raise ValueError("the batched run needs prompts of one length (no padding)")
+    ttfts, outputs = [], []
+    t0 = time.perf_counter()
+    for group in groups:
+        ids = torch.tensor(group, device=device)  # (B, T)
+        clock = _FirstTokenClock()
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, streamer=clock, pad_token_id=0)
+        ttfts += [clock.first - start] * len(group)
+        outputs += out[:, ids.shape[1]:].tolist()
+    _sync(device)
+    return _result("HF generate (batch)" if batched else "HF generate (one by one)", "isolated", ttfts,
+                   time.perf_counter() - t0, outputs)
+
+
+@torch.no_grad()
+def run_hf_manual(model: Any, workload: Workload, shared: bool) -> dict[str, Any]:
+    """kvlab.prefix's loop on a DynamicCache, one request at a time: prefix K/V computed once and copied, or not."""
+    from transformers import DynamicCache
+
+    device, _ = model_device_dtype(model)
+    p, n = workload.shared_prefix_tokens, workload.max_tokens
+    ttfts, outputs = [], []
+    t0 = time.perf_counter()
+    prefix_cache, build = None, 0.0
+    if shared:
+        prefix_cache = model(input_ids=torch.tensor([workload.prompts[0][:p]], device=device), use_cache=True,
+                             logits_to_keep=1).cache
+        _sync(device)
+        build = time.perf_counter() - t0
+    for i, prompt in enumerate(workload.prompts):
+        start = time.perf_counter()
+        if shared:
+            cache, skip = copy.deepcopy(prefix_cache), p  # a request never writes into the shared cache
+        else:
+            cache, skip = DynamicCache(config=model.config), 0
+        copied = time.perf_counter() - start
+        gen, prefill, _, _ = continue_from_cache(model, cache, prompt[skip:], skip, max_new_tokens=n)
+        ttfts.append(copied + prefill + (build if i == 0 else 0.0))
+        outputs.append(gen)
+    return _result("HF manual reuse", "shared" if shared else "isolated", ttfts, time.perf_counter() - t0, outputs)
+
+
+@contextlib.contextmanager
+def _count_prefix_matches() -> Iterator[list[int]]:
+    """Record the tokens transformers' continuous-batching cache finds already cached, per request."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    found: list[int] = []
+    original = cb_cache.PagedAttentionCache.search_prefix_match
+
+    def counting(self: Any, request_id: str, prompt_ids: list[int]) -> int:
+        matched = original(self, request_id, prompt_ids)
+        found.append(matched)
+        return matched
+
+    cb_cache.PagedAttentionCache.search_prefix_match = counting
+    try:
+        yield found
+    finally:
+        cb_cache.PagedAttentionCache.search_prefix_match = original
+
+
+@torch.no_grad()
+def run_generate_batch(model: Any, workload: Workload, sharing: bool, block_size: int = 16,
+                       max_batch_tokens: int | None = None) -> dict[str, Any]:
+    """transformers' ``generate_batch`` (paged continuous batching), block sharing on or off.
+
+    Returns ``{"error": ...}`` instead of raising when it cannot run here.
+    """
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    n = workload.max_tokens
+    num_blocks = sum(-(-(len(p) + n) // block_size) for p in workload.prompts) + 4
+    gen_config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb_config = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, allow_block_sharing=sharing,
+                                         max_batch_tokens=max_batch_tokens)
+    name = "HF generate_batch" + ("" if max_batch_tokens is None else " (one prefill per step)")
+    try:
+        with _count_prefix_matches() as found:
+            t0 = time.perf_counter()
+            out = model.generate_batch(workload.prompts, generation_config=gen_config,
+                                       continuous_batching_config=cb_config, record_timestamps=True,
+                                       warmup=False, progress_bar=False)
+            wall = time.perf_counter() - t0
+        results = list(out.values())
+        if len(results) != len(workload) or any(not r.timestamps for r in results):
+            raise RuntimeError(f"generate_batch returned {len(results)} of {len(workload)} results")
+    except Exception as e:  # report why, do not hide it
+        return {"system": name, "mode": "shared" if sharing else "isolated", "error": f"{type(e).__name__}: {e}"}
+    return _result(name, "shared" if sharing else "isolated", [r.timestamps[0] - r.created_time for r in results],
+                   wall, [list(r.generated_tokens) for r in results], cached_tokens=sum(found))
+
+
+# ----------------------------------------------------------------------------- one measurement
+
+def _one(workload: Workload) -> int:
+    """A step budget that fits one prompt plus a decode token for every request: prefills run one by one."""
+    return max(map(len, workload.prompts)) + len(workload)
+
+
+SYSTEMS: dict[str, Callable[[Any, Workload], dict[str, Any]]] = {
+    "kvlab/shared": lambda m, w: run_kvlab(m, w, True),
+    "kvlab/isolated": lambda m, w: run_kvlab(m, w, False),
+    "HF generate_batch/shared": lambda m, w: run_generate_batch(m, w, True),
+    "HF generate_batch/isolated": lambda m, w: run_generate_batch(m, w, False),
+    "HF generate_batch (one prefill per step)/shared": lambda m, w: run_generate_batch(m, w, True, max_batch_tokens=_one(w)),
+    "HF generate_batch (one prefill per step)/isolated": lambda m, w: run_generate_batch(m, w, False,
+                                                                                           max_batch_tokens=_one(w)),
+    "HF manual reuse/shared": lambda m, w: run_hf_manual(m, w, True),
+    "HF manual reuse/isolated": lambda m, w: run_hf_manual(m, w, False),
+    "HF generate (batch)/isolated": lambda m, w: run_hf_generate(m, w, True),
+    "HF generate (one by one)/isolated": lambda m, w: run_hf_generate(m, w, False),
+}
+
+
+def kv_ideal_bytes(workload: Workload, bytes_per_block: int, block_size: int = 16) -> dict[str, int]:
+    """Block-granular KV bytes at the peak: every request's blocks, the prefix's full blocks once when shared."""
+    n = workload.max_tokens
+    per_request = [-(-(len(p) + n - 1) // block_size) for p in workload.prompts]  # K/V of all but the last token
+    hits = [min(workload.shared_prefix_tokens // block_size, (len(p) - 1) // block_size) for p in workload.prompts[1:]]
+    return {"isolated": sum(per_request) * bytes_per_block, "shared": (sum(per_request) - sum(hits)) * bytes_per_block}
+
+
+def measure_sys512(model: Any, workload: Workload, repeats: int = 3, systems: Sequence[str] | None = None,
+                   progress: bool = False):
+    """Run every system ``repeats`` times (interleaved, after one warm-up each); medians per system and mode.
+
+    Returns ``(table, detail)``: a DataFrame (TTFT, wall, throughput, KV bytes, cached tokens, agreement
+    with HF generate's tokens) and the raw results of the last repetition by system key.
+    """
+    import pandas as pd
+
+    keys = list(SYSTEMS) if systems is None else list(systems)
+    runs: dict[str, list[dict]] = {k: [] for k in keys}
+    for k in keys:  # warm-up
+        SYSTEMS[k](model, workload)
+    reps = range(repeats)
+    if progress:
+        from tqdm.auto import tqdm
+
+        reps = tqdm(reps, desc=f"{workload.name} repetitions")
+    for _ in reps:
+        for k in keys:
+            runs[k].append(SYSTEMS[k](model, workload))
+    reference = next((r[-1]["outputs"] for k, r in runs.items() if k.startswith("HF generate (one")), None)
+    rows, detail = [], {}
+    for k in keys:
+        last = runs[k][-1]
+        detail[k] = last
+        if "error" in last:
+            rows.append({"system": last["system"], "mode": last["mode"], "error": last["error"]})
+            continue
+        med = lambda f, rs=runs[k]: statistics.median(r[f] for r in rs)  # noqa: E731
+        agree = float("nan")
+        if reference is not None:
+            pairs = [(a, b) for a, b in zip(reference, last["outputs"])]
+            agree = sum(x == y for a, b in pairs for x, y in zip(a, b)) / sum(len(a) for a, _ in pairs)
+        rows.append({"system": last["system"], "mode": last["mode"], "TTFT (ms)": med("ttft_s") * 1e3,
+                     "wall (s)": med("wall_s"), "throughput (tok/s)": med("throughput"),
+                     "peak KV (MiB)": last.get("peak_kv_bytes", float("nan")) / 2 ** 20,
+                     "cached tokens": last.get("cached_tokens", float("nan")),
+                     "token agreement with HF generate": agree, "error": ""})
+    return pd.DataFrame(rows), detail
+
+
+def ratios(table: Any, workload: Workload, block_size: int = 16):
+    """Per system: TTFT shared/isolated beside the ideal, and throughput shared/isolated."""
+    import pandas as pd
+
+    ideal = ideal_prefill_fraction(workload, block_size)
+    rows = []
+    for system in table["system"].unique():
+        d = table[(table.system == system) & (table["error"] == "")].set_index("mode")
+        if {"shared", "isolated"} <= set(d.index):
+            r = d.loc["shared", "TTFT (ms)"] / d.loc["isolated", "TTFT (ms)"]
+            rows.append({"system": system, "TTFT shared/isolated": r, "ideal": ideal, "x ideal": r / ideal,
+                         "throughput shared/isolated": d.loc["shared", "throughput (tok/s)"]
+                         / d.loc["isolated", "throughput (tok/s)"]})
+    return pd.DataFrame(rows)
+
+
+def goals(table: Any, ratio_table: Any, workload: Workload, bytes_per_block: int, block_size: int = 16):
+    """The issue's goals, each with the measured value and whether it is met."""
+    import pandas as pd
+
+    t = table.set_index(["system", "mode"])
+    r = ratio_table.set_index("system")
+    ours = r.loc["kvlab"]
+    peers = r.drop(index="kvlab")
+    ideal_kv = kv_ideal_bytes(workload, bytes_per_block, block_size)
+    rows = [
+        {"goal": "TTFT shared/isolated within 1.5x of the ideal", "measured": f"{ours['TTFT shared/isolated']:.3f} "
+         f"= {ours['x ideal']:.2f}x the ideal {ours['ideal']:.3f}", "met": bool(ours["x ideal"] <= 1.5)},
+        {"goal": "TTFT ratio no worse than any peer's", "measured": ", ".join(
+            f"{s}: {v:.3f}" for s, v in peers["TTFT shared/isolated"].items()) or "no peer ran",
+         "met": bool((ours["TTFT shared/isolated"] <= peers["TTFT shared/isolated"]).all())},
+        {"goal": "throughput with / without prefix caching >= 2", "measured": f"{ours['throughput shared/isolated']:.2f}",
+         "met": bool(ours["throughput shared/isolated"] >= 2)},
+    ]
+    gb = ("HF generate_batch", "shared")
+    if gb in t.index and t.loc[gb, "error"] == "":
+        rel = t.loc[("kvlab", "shared"), "throughput (tok/s)"] / t.loc[gb, "throughput (tok/s)"]
+        rows.append({"goal": "kvlab throughput / HF generate_batch >= 1.0 (both shared)", "measured": f"{rel:.2f}",
+                     "met": bool(rel >= 1.0)})
+    for mode in ("shared", "isolated"):
+        got = t.loc[("kvlab", mode), "peak KV (MiB)"] * 2 ** 20
+        rows.append({"goal": f"KV bytes {mode} equal to the block-granular ideal",
+                     "measured": f"{got / 2 ** 20:.2f} MiB vs ideal {ideal_kv[mode] / 2 ** 20:.2f} MiB",
+                     "met": bool(abs(got - ideal_kv[mode]) < 1)})
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------- sweep and figures
+
+def sweep(model: Any, vocab_size: int, prefix_lens: Sequence[int], request_counts: Sequence[int],
+          suffix_tokens: int = 32, max_tokens: int = 32, block_size: int = 16, progress: bool = False):
+    """kvlab shared vs isolated over a grid of prefix lengths and request counts (one run each)."""
+    import pandas as pd
+
+    grid = [(p, r) for p in prefix_lens for r in request_counts]
+    if progress:
+        from tqdm.auto import tqdm
+
+        grid = tqdm(grid, desc="prefix x requests")
+    rows = []
+    for p, r in grid:
+        wl = sys512(vocab_size, num_requests=r, prefix_tokens=p, suffix_tokens=suffix_tokens, max_tokens=max_tokens)
+        sh, iso = run_kvlab(model, wl, True, block_size), run_kvlab(model, wl, False, block_size)
+        rows.append({"prefix tokens": p, "requests": r, "TTFT shared (ms)": sh["ttft_s"] * 1e3,
+                     "TTFT isolated (ms)": iso["ttft_s"] * 1e3, "TTFT ratio": sh["ttft_s"] / iso["ttft_s"],
+                     "ideal": ideal_prefill_fraction(wl, block_size),
+                     "throughput ratio": sh["throughput"] / iso["throughput"],
+                     "KV shared (MiB)": sh["peak_kv_bytes"] / 2 ** 20, "KV isolated (MiB)": iso["peak_kv_bytes"] / 2 ** 20})
+    return pd.DataFrame(rows)
+
+
+def fig_sys512(table: Any, title: str = "sys512"):
+    """Three panels: mean TTFT, throughput and peak KV bytes per system, shared beside isolated."""
+    import matplotlib.pyplot as plt
+
+    ok = table[table["error"] == ""]
+    systems = list(dict.fromkeys(ok["system"]))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, col, label in ((axes[0], "TTFT (ms)", "mean TTFT (ms)"), (axes[1], "throughput (tok/s)", "generated tokens / s")):
+        for j, mode in enumerate(("isolated", "shared")):
+            vals = [ok[(ok.system == s) & (ok["mode"] == mode)][col] for s in systems]
+            ax.bar([i + (j - 0.5) * 0.38 for i in range(len(systems))], [v.iloc[0] if len(v) else 0 for v in vals],
+                   0.38, label=mode, color=("tab:gray", "tab:blue")[j])
+        ax.set_xticks(range(len(systems)), [s.replace(" (", "\n(") for s in systems], fontsize=8, rotation=20)
+        ax.set_ylabel(label)
+        ax.legend()
+    kv = ok[ok.system == "kvlab"].set_index("mode")["peak KV (MiB)"]
+    axes[2].bar(["kvlab isolated", "kvlab shared"], [kv.get("isolated", 0), kv.get("shared", 0)],
+                color=["tab:gray", "tab:blue"])
+    axes[2].set_ylabel("peak KV bytes (MiB)")
+    axes[0].set_title("time to first token")
+    axes[1].set_title("throughput")
+    axes[2].set_title("KV cache in use at the peak")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def fig_sweep(sweep_table: Any, prefix_tokens: int, num_requests: int):
+    """TTFT ratio vs prefix length (at ``num_requests``) and KV bytes vs requests (at ``prefix_tokens``)."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    d = sweep_table[sweep_table.requests == num_requests].sort_values("prefix tokens")
+    a.plot(d["prefix tokens"], d["TTFT ratio"], "o-", label="measured shared/isolated")
+    a.plot(d["prefix tokens"], d["ideal"], "k--", label="ideal (uncached tokens / all)")
+    a.axvline(prefix_tokens, color="tab:red", alpha=0.4)
+    a.set(xlabel="shared prefix (tokens)", ylabel="TTFT ratio", title=f"{num_requests} requests", ylim=(0, 1.1))
+    a.legend()
+    d = sweep_table[sweep_table["prefix tokens"] == prefix_tokens].sort_values("requests")
+    b.plot(d["requests"], d["KV isolated (MiB)"], "o-", color="tab:gray", label="isolated")
+    b.plot(d["requests"], d["KV shared (MiB)"], "o-", color="tab:blue", label="shared")
+    b.axvline(num_requests, color="tab:red", alpha=0.4)
+    b.set(xlabel="requests", ylabel="peak KV (MiB)", title=f"{prefix_tokens}-token prefix")
+    b.legend()
+    fig.tight_layout()
+    return fig

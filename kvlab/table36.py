@@ -1,0 +1,308 @@
+"""The article's table 3.6, measured: isolated, shared (correct) and shared (wrong) for its three groups.
+
+Every row runs the group's workload (``kvlab.named_workloads.seed_groups``) through kvlab's paged
+engine (``kvlab.engine.Engine``), all requests submitted at once:
+
+* **isolated**: prefix caching off, every request computes its whole prompt;
+* **shared (correct)**: prefix caching on: whole blocks whose chained hash (all tokens before them, the
+  model) matches are reused, read-only;
+* **shared (wrong)**: the engine with one actual bug, a different one per group:
+
+  1. ``PositionRestartEngine``: the cached prefix is reused, but the positions of the uncached tokens
+     are counted from 0 instead of from the cached length (the article's section 3.4 warning);
+  2. ``content_keyed_engine``: a block's cache key is its own token ids only (no parent hash, no
+     position), so B's blocks hit the same text that donor A computed at a later start;
+  3. ``beyond_prefix``: B is served on top of A's cached conversation (the cache keyed on the system
+     prompt and handed A's history along with it), i.e. B's question appended to A's context.
+
+Scores (per served request, against its isolated output): token agreement, identical, passphrase
+recall; timing: TTFT and latency (arrival to first / last token), peak KV bytes of the engine.
+The article's own figures are kept in ``ARTICLE_TABLE_36`` as *its claims*, never as our numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import statistics
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvlab import passphrase as P
+from kvlab.block_manager import BlockManager
+from kvlab.block_pool import Block, BlockPool
+from kvlab.engine import Engine, SamplingParams
+from kvlab.named_workloads import GROUP_CONDITIONS, Workload
+from kvlab.paged_attention import build_batch, paged_attention
+from kvlab.position_experiments import token_agreement
+
+__all__ = ["ARTICLE_TABLE_36", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
+           "check_bug_for_group", "check_kv_ratio", "compare_with_article", "content_hash", "content_keyed_engine", "evidence", "fig_table36",
+           "make_engine", "run_mode", "table_36"]
+
+# The article's table 3.6 as it prints it: (group, policy, TTFT ms, total ms, GPU memory GB, output consistent).
+# Its claims, on Qwen1.5-7B-Chat and a GPU; kept only to print beside our measurements.
+ARTICLE_TABLE_36 = (
+    (1, "isolated", 320, 580, 14.2, True),
+    (1, "shared (correct)", 185, 410, 13.8, True),
+    (2, "isolated", 315, 575, 14.2, True),
+    (2, "shared (wrong)", 190, 420, 13.9, False),
+    (3, "isolated", 318, 590, 14.3, True),
+    (3, "shared (wrong)", 188, 415, 13.8, False),
+)
+
+WRONG_MODES = {
+    1: "positions restart after the cached prefix",
+    2: "cache key = a block's own tokens (another start's K/V)",
+    3: "shared beyond the prefix (A's conversation K/V)",
+}
+
+
+def article_table():
+    """The article's table 3.6 as a DataFrame (its claims, typed from the article, not measured here)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"group": g, "mode": m, "condition": GROUP_CONDITIONS[g][0], "article (zh)": GROUP_CONDITIONS[g][1],
+                          "TTFT (ms)": t, "total (ms)": tot, "memory (GB)": mem, "consistent": ok}
+                         for g, m, t, tot, mem, ok in ARTICLE_TABLE_36])
+
+
+# ----------------------------------------------------------------------------- bug 1: positions restart
+
+class PositionRestartEngine(Engine):
+    """The engine with one line changed: positions count only the tokens computed, not the cached ones.
+
+    A request that hits the prefix cache prefills its uncached tokens at positions 0, 1, ... (as when
+    a loop passes only the new tokens and lets the model number them from 0); a request without a hit
+    is unaffected.
+    """
+
+    @torch.no_grad()
+    def _forward(self, sched: Any) -> torch.Tensor:
+        bm, ids, pos = self.block_manager, [], []
+        for it in sched.items:
+            ids.extend(it.seq.token_ids[it.start:it.end])
+            skipped = it.seq.num_cached_tokens or 0
+            pos.extend(range(it.start - skipped, it.end - skipped))  # the bug: should be range(it.start, it.end)
+        batch = build_batch(self.store, [(it.start, it.end, bm.block_table(it.seq.seq_id)) for it in sched.items])
+        last = torch.tensor(list(itertools.accumulate(it.end - it.start for it in sched.items)), device=self.device) - 1
+        with paged_attention(self.model):
+            out = self.model(input_ids=torch.tensor([ids], device=self.device),  # (1, T)
+                             position_ids=torch.tensor([pos], device=self.device),  # (1, T)
+                             use_cache=False, logits_to_keep=last, kvlab_batch=batch)
+        return out.logits[0]  # (num_scheduled, vocab)
+
+
+# ----------------------------------------------------------------------------- bug 2: content-only keys
+
+def content_hash(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
+    """The bug's block key: sha256 of the block's own token ids (parent, position and model ignored)."""
+    return hashlib.sha256(array("q", token_ids).tobytes()).digest()
+
+
+class ContentKeyedPool(BlockPool):
+    """A pool whose lookup trusts equal token ids alone (no parent check): the same text anywhere hits."""
+
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent_serial: int, *args: Any,
+               **kwargs: Any) -> Block | None:
+        """A cached block with this hash and these tokens, wherever and after whatever it was computed."""
+        return next((b for b in self.cached.get(block_hash, ()) if b.token_ids == list(token_ids)), None)
+
+
+def content_keyed_engine(model: Any, tokenizer: Any, num_blocks: int, block_size: int = 16, **kwargs: Any) -> Engine:
+    """An engine whose prefix cache is keyed on each block's tokens only (no chain, no position)."""
+    engine = Engine(model, tokenizer, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True,
+                    **kwargs)
+    bm = BlockManager(num_blocks, block_size, hash_fn=content_hash)
+    bm.pool = ContentKeyedPool(num_blocks, block_size)
+    engine.block_manager = engine.scheduler.block_manager = bm
+    return engine
+
+
+# ----------------------------------------------------------------------------- running one mode
+
+def _num_blocks(workload: Workload, block_size: int) -> int:
+    return sum(-(-(len(p) + workload.max_tokens) // block_size) for p in workload.prompts) + 8
+
+
+def make_engine(model: Any, tokenizer: Any, group: int, mode: str, num_blocks: int, block_size: int = 16,
+                **kwargs: Any) -> Engine:
+    """The engine of one row: "isolated", "shared (correct)" or "shared (wrong)" (the group's bug)."""
+    kw = dict(num_blocks=num_blocks, block_size=block_size, **kwargs)
+    if mode == "isolated":
+        return Engine(model, tokenizer, enable_prefix_caching=False, **kw)
+    if mode == "shared (correct)" or (mode == "shared (wrong)" and group == 3):
+        return Engine(model, tokenizer, enable_prefix_caching=True, **kw)
+    if mode == "shared (wrong)" and group == 1:
+        return PositionRestartEngine(model, tokenizer, enable_prefix_caching=True, **kw)
+    if mode == "shared (wrong)" and group == 2:
+        return content_keyed_engine(model, tokenizer, **kw)
+    raise ValueError(f"unknown mode {mode!r} for group {group}")
+
+
+def _prompts(workload: Workload, group: int, mode: str) -> list[list[int]]:
+    if group == 3 and mode == "shared (wrong)":  # B's question on top of A's conversation
+        return [m.get("beyond_prompt", p) for p, m in zip(workload.prompts, workload.meta)]
+    return workload.prompts
+
+
+def run_mode(model: Any, tokenizer: Any, workload: Workload, group: int, mode: str, block_size: int = 16,
+             max_num_batched_tokens: int = 4096) -> dict[str, Any]:
+    """Run one row once: the engine's outputs (prompt order), peak KV bytes and the engine's stats."""
+    engine = make_engine(model, tokenizer, group, mode, _num_blocks(workload, block_size), block_size,
+                         max_num_batched_tokens=max_num_batched_tokens)
+    outs = engine.generate(_prompts(workload, group, mode), SamplingParams(max_tokens=workload.max_tokens))
+    bad = [o.error for o in outs if o.finish_reason == "error"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    return {"outputs": outs, "peak_kv_bytes": engine.peak_kv_bytes, "stats": engine.stats()}
+
+
+def _score_rows(workload: Workload, reference: list[Any], run: dict[str, Any]) -> dict[str, float]:
+    served = workload.served()
+    outs = run["outputs"]
+    agree = [token_agreement(reference[i].output_ids, outs[i].output_ids) for i in served]
+    same = [reference[i].output_ids == outs[i].output_ids for i in served]
+    recall = [P.recalled(outs[i].text, workload.meta[i]["expected"]) for i in served]
+    other = [P.recalled(outs[i].text, workload.meta[i]["other_answer"]) for i in served
+             if "other_answer" in workload.meta[i]]
+    return {"token agreement": statistics.mean(agree), "identical": statistics.mean(same),
+            "recall": statistics.mean(recall), "answered A's passphrase": statistics.mean(other) if other else float("nan"),
+            "cached tokens": statistics.mean(outs[i].num_cached_tokens for i in served)}
+
+
+def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: int = 3, block_size: int = 16,
+             progress: bool = False):
+    """The table: per group, isolated / shared (correct) / shared (wrong); medians of ``repeats`` runs.
+
+    Returns ``(table, runs)``: a DataFrame with one row per (group, mode), and the first run of each
+    row (outputs and stats) keyed by ``(group, mode)``.
+    """
+    import pandas as pd
+
+    rows, runs = [], {}
+    first = next(iter(groups.values()))
+    run_mode(model, tokenizer, first, 1, "isolated", block_size)  # warm-up, not timed
+    todo = [(g, m) for g in groups for m in ("isolated", "shared (correct)", "shared (wrong)")]
+    if progress:
+        from tqdm.auto import tqdm
+
+        todo = tqdm(todo, desc="table 3.6")
+    for group, mode in todo:
+        wl = groups[group]
+        reps = [run_mode(model, tokenizer, wl, group, mode, block_size) for _ in range(repeats)]
+        runs[(group, mode)] = reps[0]
+        served = wl.served()
+        ttft = statistics.median(statistics.mean(r["outputs"][i].ttft for i in served) for r in reps)
+        latency = statistics.median(statistics.mean(r["outputs"][i].latency for i in served) for r in reps)
+        reference = runs[(group, "isolated")]["outputs"]
+        rows.append({"group": group, "condition": GROUP_CONDITIONS[group][0], "mode": mode,
+                     "bug": WRONG_MODES[group] if mode == "shared (wrong)" else "",
+                     "requests": len(served), "TTFT (ms)": ttft * 1e3, "total latency (ms)": latency * 1e3,
+                     "peak KV (KiB)": reps[0]["peak_kv_bytes"] / 1024,
+                     **_score_rows(wl, reference, reps[0])})
+    return pd.DataFrame(rows), runs
+
+
+def compare_with_article(table: Any):
+    """Per group: shared/isolated ratios of TTFT, latency and memory, ours beside the article's claims."""
+    import pandas as pd
+
+    art = {(g, m): (t, tot, mem, ok) for g, m, t, tot, mem, ok in ARTICLE_TABLE_36}
+    rows = []
+    for group in sorted(table["group"].unique()):
+        d = table[table.group == group].set_index("mode")
+        iso = d.loc["isolated"]
+        for mode in ("shared (correct)", "shared (wrong)"):
+            ours = d.loc[mode]
+            a_iso, a = art.get((group, "isolated")), art.get((group, mode))
+            rows.append({
+                "group": group, "mode": mode,
+                "TTFT ratio, ours": ours["TTFT (ms)"] / iso["TTFT (ms)"],
+                "TTFT ratio, article": a[0] / a_iso[0] if a else float("nan"),
+                "latency ratio, ours": ours["total latency (ms)"] / iso["total latency (ms)"],
+                "latency ratio, article": a[1] / a_iso[1] if a else float("nan"),
+                "KV ratio, ours": ours["peak KV (KiB)"] / iso["peak KV (KiB)"],
+                "memory ratio, article": a[2] / a_iso[2] if a else float("nan"),
+                "identical, ours": ours["identical"],
+                "consistent, article": a[3] if a else None,
+            })
+    return pd.DataFrame(rows)
+
+
+def fig_table36(table: Any):
+    """Two panels per row of the table: mean TTFT (bars) and token agreement / recall (markers)."""
+    import matplotlib.pyplot as plt
+
+    labels = [f"g{g} {m}" for g, m in zip(table["group"], table["mode"])]
+    colors = {"isolated": "tab:gray", "shared (correct)": "tab:blue", "shared (wrong)": "tab:red"}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2))
+    a.bar(range(len(table)), table["TTFT (ms)"], color=[colors[m] for m in table["mode"]])
+    a.set_xticks(range(len(table)), labels, rotation=60, ha="right", fontsize=8)
+    a.set(ylabel="mean TTFT (ms)", title="time to first token (all requests submitted at once)")
+    b.plot(range(len(table)), table["token agreement"], "o", label="token agreement with isolated")
+    b.plot(range(len(table)), table["recall"], "s", mfc="none", label="passphrase recall")
+    b.set_xticks(range(len(table)), labels, rotation=60, ha="right", fontsize=8)
+    b.set(ylim=(-0.05, 1.05), ylabel="fraction", title="output consistency")
+    b.legend(loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def evidence(table: Any) -> dict[int, str]:
+    """Decision-table evidence (row index -> text) from a measured table 3.6."""
+    d = table.set_index(["group", "mode"])
+
+    def row(g: int, m: str) -> str:
+        r = d.loc[(g, m)]
+        return f"{r['identical']:.0%} identical, recall {r['recall']:.0%}, TTFT x{r['TTFT (ms)'] / d.loc[(g, 'isolated'), 'TTFT (ms)']:.2f}"
+
+    return {
+        0: f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
+        1: f"nb05 group 2: chained keys share nothing ({d.loc[(2, 'shared (correct)'), 'cached tokens']:.0f} tokens); "
+           f"content-only keys: {row(2, 'shared (wrong)')}",
+        3: f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
+        4: f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, "
+           f"answered A's passphrase {d.loc[(3, 'shared (wrong)'), 'answered A' + chr(39) + 's passphrase']:.0%}",
+        6: f"nb05 group 2 served with another start's K/V: {row(2, 'shared (wrong)')}",
+    }
+
+
+# ----------------------------------------------------------------------------- exercise checkers
+
+def _say(ok: bool, good: str, hint: str) -> bool:
+    print(("correct: " + good) if ok else ("not yet: " + hint))
+    return ok
+
+
+def check_bug_for_group(answer: dict[int, str] | None) -> bool:
+    """Exercise 05.1: which decision-table row does each group's bug break? ``{group: row index}``.
+
+    Rows as in ``kvlab.experiments.DECISION_ROWS`` (index from 0).
+    """
+    want = {1: {3}, 2: {1, 6}, 3: {4}}
+    if not answer:
+        return _say(False, "", "give a dict {group: decision-table row index}")
+    got = {int(k): int(v) for k, v in answer.items()}
+    wrong = [g for g in want if got.get(g) not in want[g]]
+    return _say(not wrong, "each bug breaks the row its group tests",
+                f"group(s) {wrong}: re-read which condition the bug violates (row texts: kvlab.experiments.DECISION_ROWS)")
+
+
+def check_kv_ratio(answer: float | None, num_requests: int, prefix_tokens: int, private_tokens: int,
+                   block_size: int = 16) -> bool:
+    """Exercise 05.2: the block-granular shared/isolated KV ratio for ``num_requests`` sharing a prefix.
+
+    ``private_tokens`` per request (suffix + new tokens whose K/V is stored); full prefix blocks are
+    stored once, everything else (partial prefix block included) per request.
+    """
+    if answer is None:
+        return _say(False, "", "compute (shared blocks + private blocks) / isolated blocks")
+    full = prefix_tokens // block_size
+    per_request = -(-(prefix_tokens + private_tokens) // block_size)
+    want = (full + num_requests * (per_request - full)) / (num_requests * per_request)
+    return _say(abs(float(answer) - want) < 1e-3, f"{want:.4f}",
+                f"not {float(answer):.4f}: count blocks, not tokens (a partial block is a whole block)")
