@@ -43,9 +43,9 @@ from kvlab.paged_attention import build_batch, paged_attention
 from kvlab.prefix import encode, eos_ids, model_device_dtype, sample_next
 from kvlab.sampling import SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerOutput
-from kvlab.tenants import check_policy, new_secret, public_prefix_length, tenant_salt
 from kvlab.sequence import Sequence as Seq
 from kvlab.sequence import SequenceStatus
+from kvlab.tenants import check_policy, new_secret, public_prefix_length, tenant_salt
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "UnknownRequestError"]
 

@@ -321,7 +321,9 @@ class StressReport:
     hit_rate: float
     policy: str
     seconds: float
+    num_blocks: int = 0  # the pool's size: small, so blocks are evicted and sequences preempted
     mismatched: list[int] = field(default_factory=list)
+    tenant_table: list[dict] = field(default_factory=list)  # per-tenant requests, hits, misses by reason
 
     @property
     def ok(self) -> bool:
@@ -354,7 +356,8 @@ def stress_test(model: Any, tokenizer: Any, n_requests: int, policy: str = "publ
     st, bm = run["stats"], engine.block_manager
     leaked = sum(b.ref_count > 0 for b in bm.pool.blocks) + len(bm.seqs)
     return StressReport(len(requests), len(mismatched), st["cross_tenant_hits"], leaked, st["public_hits"],
-                        st["evictions"], st["num_preemptions"], st["hit_rate"], policy, run["seconds"], mismatched)
+                        st["evictions"], st["num_preemptions"], st["hit_rate"], policy, run["seconds"], num_blocks, mismatched,
+                        bm.metrics.tenant_table())
 
 
 # --- figures ---------------------------------------------------------------------------------------------
