@@ -1,0 +1,171 @@
+"""Named workloads and the table 3.6 modes: shapes, shared (correct) == isolated, every wrong mode disagrees.
+
+Correctness runs on the bundled model (``KVLAB_TEST_MODEL`` overrides it); the claim that each wrong
+mode changes answers is only asserted on the trained bundled model, where answers mean something.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kvlab import named_workloads as W
+from kvlab import table36 as T
+from kvlab.models import BUNDLED_MODEL, load_model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model_path():
+    if os.environ.get("KVLAB_TEST_MODEL"):
+        return os.environ["KVLAB_TEST_MODEL"]
+    return BUNDLED_MODEL if (BUNDLED_MODEL / "config.json").exists() else None
+
+
+@pytest.fixture(scope="module")
+def lm():
+    path = _model_path()
+    if path is None:
+        pytest.skip("the bundled model is not there yet")
+    return load_model(path, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def groups(lm):
+    return W.seed_groups(lm[1], n=6, block_size=BLOCK)
+
+
+# --- workloads -------------------------------------------------------------------------------------
+
+def test_sys512_shape():
+    wl = W.sys512(1000)
+    assert len(wl) == 16 and wl.max_tokens == 32 and wl.shared_prefix_tokens == 512 and wl.name == "sys512"
+    assert all(len(p) == 544 and p[:512] == wl.prompts[0][:512] and all(0 <= t < 1000 for t in p) for p in wl.prompts)
+    assert len({tuple(p[512:]) for p in wl.prompts}) == 16  # unique suffixes
+    assert W.sys512(1000).prompts == wl.prompts and W.sys512(1000, seed=1).prompts != wl.prompts
+    small = W.sys512(50, num_requests=3, prefix_tokens=40, suffix_tokens=5, max_tokens=2)
+    assert len(small) == 3 and all(len(p) == 45 for p in small.prompts) and small.name != "sys512"
+    # the first request computes 45 tokens, the others reuse 2 full blocks of 16 and compute 13
+    assert W.ideal_prefill_fraction(small, 16) == pytest.approx((45 + 2 * 13) / 135)
+    with pytest.raises(ValueError):
+        W.sys512(100, num_requests=0)
+
+
+def test_seed_groups_shapes(lm, groups):
+    tok = lm[1]
+    assert set(groups) == {1, 2, 3}
+    g1, g2, g3 = groups[1], groups[2], groups[3]
+    assert len(g1) == 18 and g1.served() == list(range(18))
+    for i, m in enumerate(g1.meta):  # same system prompt tokens, different questions
+        twin = next(j for j, n in enumerate(g1.meta) if n["seed"] == m["seed"] and j != i)
+        assert g1.prompts[i][:m["prefix_tokens"]] == g1.prompts[twin][:m["prefix_tokens"]]
+        assert g1.prompts[i] != g1.prompts[twin]
+    for b in g2.served():  # B's text is A's after a block-aligned extra turn
+        a, off = g2.meta[b]["donor"], g2.meta[b]["offset"]
+        assert g2.meta[a]["role"] == "donor" and off % BLOCK == 0 and off > 0
+        assert g2.prompts[a][off:] == g2.prompts[b] and g2.prompts[a][:off] != g2.prompts[b][:off]
+    assert len(g3.served()) == 6
+    for b in g3.served():
+        m = g3.meta[b]
+        assert m["history"] in ("none", "chat") and m["other_answer"] != m["expected"]
+        assert m["beyond_prompt"][:m["prefix_tokens"]] == g3.prompts[b][:m["prefix_tokens"]]
+        assert tok.decode(m["beyond_prompt"]).endswith(tok.decode(g3.prompts[b]).split("<|im_start|>user")[-1])
+
+
+def test_content_hash_ignores_parent_and_position():
+    assert T.content_hash(None, [1, 2, 3]) == T.content_hash(b"x" * 32, [1, 2, 3], ("model", "m"))
+    assert T.content_hash(None, [1, 2, 3]) != T.content_hash(None, [1, 2, 4])
+
+
+# --- the modes on the model ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def measured(lm, groups):
+    model, tok = lm
+    return T.table_36(model, tok, groups, repeats=1, block_size=BLOCK)
+
+
+def test_shared_correct_is_identical_to_isolated(measured, groups):
+    table, runs = measured
+    for g in groups:
+        iso = runs[(g, "isolated")]["outputs"]
+        ok = runs[(g, "shared (correct)")]["outputs"]
+        assert [o.output_ids for o in ok] == [o.output_ids for o in iso], f"group {g}"
+    d = table.set_index(["group", "mode"])
+    assert d.loc[(1, "shared (correct)"), "cached tokens"] > 0 and d.loc[(3, "shared (correct)"), "cached tokens"] > 0
+    assert d.loc[(2, "shared (correct)"), "cached tokens"] == 0  # a different start: nothing to share correctly
+    for g in (1, 3):
+        assert d.loc[(g, "shared (correct)"), "peak KV (KiB)"] < d.loc[(g, "isolated"), "peak KV (KiB)"]
+
+
+def test_wrong_modes_really_share(measured):
+    table, runs = measured
+    d = table.set_index(["group", "mode"])
+    for g in (1, 2, 3):
+        assert d.loc[(g, "shared (wrong)"), "cached tokens"] > 0, f"group {g}'s bug never hit the cache"
+    assert d.loc[(2, "shared (wrong)"), "peak KV (KiB)"] < d.loc[(2, "isolated"), "peak KV (KiB)"]
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists() or bool(os.environ.get("KVLAB_TEST_MODEL")),
+                    reason="only the trained bundled model answers meaningfully")
+def test_each_wrong_mode_changes_answers(measured):
+    table, _ = measured
+    d = table.set_index(["group", "mode"])
+    for g in (1, 2, 3):
+        assert d.loc[(g, "isolated"), "recall"] >= 0.5, f"the bundled model should recall in group {g}"
+        assert d.loc[(g, "shared (wrong)"), "identical"] < 1.0, f"group {g}'s bug changed nothing"
+    assert d.loc[(3, "shared (wrong)"), "answered A's passphrase"] > 0
+
+
+def test_evidence_and_comparison(measured):
+    table, _ = measured
+    ev = T.evidence(table)
+    assert set(ev) == {0, 1, 3, 4, 6} and all(s.startswith("nb05") for s in ev.values())
+    cmp = T.compare_with_article(table)
+    assert len(cmp) == 6 and cmp["TTFT ratio, ours"].notna().all()
+    assert list(T.article_table()["TTFT (ms)"]) == [320, 185, 315, 190, 318, 188]
+
+
+def test_checkers(capsys):
+    assert T.check_bug_for_group({1: 3, 2: 6, 3: 4}) and T.check_bug_for_group({1: 3, 2: 1, 3: 4})
+    assert not T.check_bug_for_group({1: 0, 2: 6, 3: 4}) and not T.check_bug_for_group(None)
+    full, per = 512 // 16, -(-(512 + 63) // 16)
+    assert T.check_kv_ratio((full + 16 * (per - full)) / (16 * per), 16, 512, 63)
+    assert not T.check_kv_ratio(0.5, 16, 512, 63) and not T.check_kv_ratio(None, 16, 512, 63)
+
+
+# --- the benchmark core on a tiny random model ---------------------------------------------------------
+
+def test_bench_core_on_a_tiny_model():
+    import transformers
+
+    from kvlab import prefix_bench as B
+
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    wl = W.sys512(256, num_requests=3, prefix_tokens=48, suffix_tokens=8, max_tokens=4)
+    keys = ["kvlab/shared", "kvlab/isolated", "HF manual reuse/shared", "HF manual reuse/isolated",
+            "HF generate (one by one)/isolated", "HF generate_batch/shared"]
+    table, detail = B.measure_sys512(model, wl, repeats=1, systems=keys)
+    ok = table[table["error"] == ""]
+    assert (ok["token agreement with HF generate"] == 1.0).all(), table
+    kv = B.kv_ideal_bytes(wl, detail["kvlab/shared"]["bytes_per_block"])
+    t = table.set_index(["system", "mode"])
+    assert t.loc[("kvlab", "shared"), "peak KV (MiB)"] * 2 ** 20 == kv["shared"]
+    assert t.loc[("kvlab", "isolated"), "peak KV (MiB)"] * 2 ** 20 == kv["isolated"]
+    assert t.loc[("kvlab", "shared"), "cached tokens"] == 2 * 48
+    r = B.ratios(table, wl)
+    assert set(r.system) == {"kvlab", "HF manual reuse"} and (r["ideal"] == W.ideal_prefill_fraction(wl)).all()
+    goals = B.goals(table, r, wl, detail["kvlab/shared"]["bytes_per_block"])
+    assert len(goals) == 6 and goals["met"].dtype == bool  # generate_batch ran: its throughput goal is in
