@@ -1,0 +1,265 @@
+"""Run one job in the vLLM interpreter and write its result as JSON (started by ``kvlab.vllm_bridge``).
+
+    <vllm-venv>/bin/python _vllm_worker.py JOB.json RESULT.json
+
+Standalone on purpose: it imports only the standard library and vLLM, because it runs in vLLM's own
+venv where kvlab is not installed. Jobs (``job["kind"]``):
+
+- ``info``: vLLM's version.
+- ``generate``: the prompts (token ids) through ``vllm.LLM`` with prefix caching at ``block_size``:
+  generated ids, ``num_cached_tokens`` per request, the prefix-cache counters (``vllm:prefix_cache_queries``
+  / ``vllm:prefix_cache_hits``, tokens) and timings: start-up, the first run (``cold``), a second run
+  after ``reset_prefix_cache()`` (``warm``), a third without reset (``warm_cached``); optionally TTFT of
+  prompt pairs (the first with an empty cache, the second sharing its prefix).
+- ``source``: the source text of a vLLM function (for showing it in a notebook).
+- ``block_pool``: replay a block-manager trace on vLLM's own ``KVCacheManager`` (``vllm.v1.core``),
+  the same loop as ``kvlab.workloads.replay``: seconds, hit tokens, cached tokens per request.
+
+vLLM starts an engine process, so everything runs under ``if __name__ == "__main__":``. Errors are
+written to RESULT.json as ``{"error": ..., "traceback": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+
+def _counters(llm) -> dict:
+    """Prefix-cache counters (tokens) from ``llm.get_metrics()``; empty if stats are off."""
+    out = {}
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - metrics are optional extras
+        return out
+    names = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
+    for m in metrics:
+        if m.name in names:
+            out[names[m.name]] = out.get(names[m.name], 0) + int(getattr(m, "value", 0))
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def _run_prompts(llm, prompts, sp, arrival):
+    """Generate; ``sequential`` submits one request at a time, ``batch`` all at once."""
+    from vllm.inputs import TokensPrompt
+
+    reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    t0 = time.perf_counter()
+    if arrival == "batch":
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+    else:
+        outs = [llm.generate([r], sp, use_tqdm=False)[0] for r in reqs]
+    seconds = time.perf_counter() - t0
+    return outs, seconds
+
+
+def generate(job: dict) -> dict:
+    """The ``generate`` job (see the module docstring)."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], tokenizer=job.get("tokenizer") or job["model"], dtype=job.get("dtype", "float32"),
+              block_size=job["block_size"], enable_prefix_caching=True, enforce_eager=job.get("enforce_eager", True),
+              disable_log_stats=False, seed=job.get("seed", 0), max_model_len=job.get("max_model_len"),
+              max_num_seqs=job.get("max_num_seqs", 16), skip_tokenizer_init=job.get("skip_tokenizer_init", False),
+              **job.get("llm_kwargs", {}))
+    startup = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=job.get("ignore_eos", False),
+                        stop_token_ids=job.get("stop_token_ids") or None, detokenize=False)
+    prompts, arrival = job["prompts"], job.get("arrival", "sequential")
+    before = _counters(llm)
+    outs, cold = _run_prompts(llm, prompts, sp, arrival)
+    counters = _delta(_counters(llm), before)
+    result = {
+        "vllm_version": __import__("vllm").__version__,
+        "output_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+        "prefix_cache": counters,
+        "timings": {"startup_s": startup, "cold_s": cold},
+    }
+    if job.get("repeat", True):
+        llm.reset_prefix_cache()
+        _, warm = _run_prompts(llm, prompts, sp, arrival)
+        before = _counters(llm)
+        again, warm_cached = _run_prompts(llm, prompts, sp, arrival)
+        result["timings"].update(warm_s=warm, warm_cached_s=warm_cached)
+        result["warm_cached"] = {"num_cached_tokens": [int(o.num_cached_tokens or 0) for o in again],
+                                 "prefix_cache": _delta(_counters(llm), before),
+                                 "output_ids_equal": [list(o.outputs[0].token_ids) for o in again] == result["output_ids"]}
+    if job.get("ttft_pairs"):
+        result["ttft"] = ttft(llm, job["ttft_pairs"], job.get("ttft_repeats", 3))
+    return result
+
+
+def ttft(llm, pairs, repeats: int) -> dict:
+    """Time to first token (one-token requests, wall time): ``a`` on an empty cache, then ``b`` after it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    run = lambda ids: llm.generate([TokensPrompt(prompt_token_ids=list(ids))], one, use_tqdm=False)[0]  # noqa: E731
+    run(pairs[0][0])  # warm-up: the first request after start-up pays one-off costs
+    full, cached, hits = [], [], []
+    for _ in range(repeats):
+        for a, b in pairs:
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            run(a)
+            t1 = time.perf_counter()
+            out = run(b)
+            t2 = time.perf_counter()
+            full.append(t1 - t0)
+            cached.append(t2 - t1)
+            hits.append(int(out.num_cached_tokens or 0))
+    return {"uncached_s": statistics.median(full), "cached_s": statistics.median(cached),
+            "uncached_all": full, "cached_all": cached, "num_cached_tokens": hits}
+
+
+# ----------------------------------------------------------------------------- block pool microbenchmark
+
+def _kv_cache_manager(num_blocks: int, block_size: int):
+    """vLLM's KVCacheManager for one full-attention group (no tensors are made: shapes do not matter).
+
+    vLLM keeps block 0 as its "null block", so it gets one block more than kvlab for the same capacity.
+    """
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    return KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=block_size,
+                          hash_block_size=block_size, enable_caching=True)
+
+
+def _request(req_id: str, prompt: list[int], max_tokens: int, hasher):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=max_tokens),
+                   pooling_params=None, arrival_time=0.0, block_hasher=hasher)
+
+
+def block_pool_replay(trace: list[dict], num_blocks: int, block_size: int, max_running: int) -> dict:
+    """``kvlab.workloads.replay`` on vLLM's KVCacheManager: admit, decode one token a step, free."""
+    from collections import deque
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")  # vLLM's default prefix_caching_hash_algo
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(block_size, hash_fn)
+    manager = _kv_cache_manager(num_blocks, block_size)
+    need = lambda r: -(-(len(r["prompt"]) + len(r["output"])) // block_size)  # noqa: E731
+    ids = {r["req_id"] for r in trace}
+    waiting = deque(r for r in trace if r.get("after") is None or r["after"] not in ids)
+    blocked: dict[str, list[dict]] = {}
+    for r in trace:
+        if r.get("after") is not None and r["after"] in ids:
+            blocked.setdefault(r["after"], []).append(r)
+    running: dict[str, list] = {}  # req_id -> [trace row, vllm Request, tokens written]
+    cached, reserved, steps, queries, hits, table_blocks = {}, 0, 0, 0, 0, 0
+    pool = manager.block_pool
+    t0 = time.perf_counter()
+    while waiting or running:
+        while waiting and len(running) < max_running and pool.get_num_free_blocks() - reserved >= need(waiting[0]):
+            r = waiting.popleft()
+            req = _request(r["req_id"], r["prompt"], max(1, len(r["output"])), hasher)
+            blocks, n_hit, _ = manager.get_computed_blocks(req)
+            n = len(r["prompt"])
+            got = manager.allocate_slots(req, n - n_hit, n_hit, blocks)
+            if got is None:
+                raise RuntimeError(f"vLLM refused {r['req_id']}: pool too small")
+            req.num_computed_tokens = n
+            cached[r["req_id"]] = n_hit
+            queries += n
+            hits += n_hit
+            held = -(-n // block_size)
+            reserved += need(r) - held
+            running[r["req_id"]] = [r, req, 0, held]
+        steps += 1
+        for rid, state in list(running.items()):
+            r, req, done, held = state
+            if done < len(r["output"]):
+                req.append_output_token_ids(r["output"][done])
+                if manager.allocate_slots(req, 1) is None:
+                    raise RuntimeError("no block for a decode step")
+                req.num_computed_tokens += 1
+                now = -(-req.num_tokens // block_size)
+                reserved -= now - held
+                state[3] = now
+                done += 1
+                state[2] = done
+            if done == len(r["output"]):
+                reserved -= need(r) - state[3]
+                table_blocks += state[3]
+                manager.free(req)
+                del running[rid]
+                waiting.extend(blocked.pop(rid, ()))
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "steps": steps, "query_tokens": queries, "hit_tokens": hits,
+            "hit_rate": hits / queries if queries else 0.0, "table_blocks": table_blocks, "cached_tokens": cached,
+            "num_free_blocks": pool.get_num_free_blocks()}
+
+
+def block_pool(job: dict) -> dict:
+    """The ``block_pool`` job: ``reps`` replays on fresh managers, median seconds."""
+    import vllm
+
+    runs = [block_pool_replay(job["trace"], job["num_blocks"], job["block_size"], job.get("max_running", 16))
+            for _ in range(job.get("reps", 3))]
+    last = runs[-1]
+    last["seconds_all"] = [r["seconds"] for r in runs]
+    last["seconds"] = statistics.median(last["seconds_all"])
+    last["vllm_version"] = vllm.__version__
+    return last
+
+
+def source(module: str, qualname: str) -> str:
+    """The source text of a function or class in vLLM, e.g. ``vllm.v1.core.block_pool`` ``BlockPool.free_blocks``."""
+    import importlib
+    import inspect
+
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return inspect.getsource(obj)
+
+
+def main(job_path: str, result_path: str) -> None:
+    with open(job_path) as f:
+        job = json.load(f)
+    try:
+        kind = job.get("kind", "generate")
+        if kind == "info":
+            import vllm
+
+            result = {"vllm_version": vllm.__version__, "python": sys.version.split()[0]}
+        elif kind == "generate":
+            result = generate(job)
+        elif kind == "block_pool":
+            result = block_pool(job)
+        elif kind == "source":
+            result = {"source": source(job["module"], job["qualname"])}
+        else:
+            raise ValueError(f"unknown job kind {kind!r}")
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the caller as JSON
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,137 @@
+"""kvlab.vllm_bridge: the error path and the JSON parsing always run; the real vLLM comparison runs
+when the vLLM venv exists (``make vllm-env``) and is skipped with the reason otherwise."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab import vllm_bridge as vb
+
+# --- always: no vLLM needed ----------------------------------------------------------------------
+
+
+def test_missing_env_gives_a_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLAB_VLLM_VENV", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("KVLAB_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("KVLAB_SKIP_VLLM", raising=False)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(vb.VllmNotFoundError) as e:
+        vb.run_vllm(tmp_path, [[1, 2, 3]])
+    assert "make vllm-env" in str(e.value) and "nowhere" in str(e.value)
+    status = vb.vllm_status()
+    assert not status.available and "make vllm-env" in status.message
+
+
+def test_interpreter_without_vllm_is_reported_as_missing(tmp_path):
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.symlink_to(sys.executable)  # kvlab's interpreter: no vllm module there
+    with pytest.raises(vb.VllmNotFoundError, match="no `vllm` module.*make vllm-env"):
+        vb.run_worker({"kind": "info"}, python=fake, timeout=120)
+    assert not vb.vllm_status(fake).available
+
+
+def test_worker_errors_come_back_as_messages(tmp_path):
+    # the worker itself runs in any interpreter; an unknown job kind is reported, not a traceback
+    with pytest.raises(vb.VllmWorkerError, match="unknown job kind"):
+        vb.run_worker({"kind": "nonsense"}, python=sys.executable, timeout=120)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("not json", "no valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"error": "ValueError: block_size must be a multiple of 32", "traceback": "Traceback ...\nValueError: x"}),
+     "vLLM failed: ValueError: block_size must be a multiple of 32"),
+])
+def test_parse_result_errors(text, match):
+    with pytest.raises(vb.VllmWorkerError, match=match):
+        vb.parse_result(text, log="INFO engine started\nsomething broke")
+
+
+def test_parse_result_ok():
+    payload = {"output_ids": [[5, 6]], "num_cached_tokens": [32], "prefix_cache": {"queries": 70, "hits": 32},
+               "timings": {"startup_s": 1.0, "cold_s": 0.1}}
+    res = vb.parse_result(json.dumps(payload))
+    assert res == payload and vb.hit_rate(res) == pytest.approx(32 / 70)
+
+
+def test_bad_arguments_fail_before_starting_anything(tmp_path):
+    with pytest.raises(ValueError, match="arrival"):
+        vb.run_vllm(tmp_path, [[1]], arrival="later")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        vb.run_vllm(tmp_path, [[1]], block_size=12)
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        vb.run_vllm(tmp_path, [[1]], python=sys.executable)
+
+
+def test_compare_rows_and_first_difference():
+    k = {"output_ids": [[1, 2, 3], [4]], "num_cached_tokens": [0, 32]}
+    v = {"output_ids": [[1, 2, 3], [5]], "num_cached_tokens": [0, 32]}
+    rows = vb.compare_runs([[0] * 40, [0] * 40], k, v, hf=[[1, 2, 3], [4]])
+    assert [r["kvlab_eq_vllm"] for r in rows] == [True, False]
+    assert all(r["cached_equal"] for r in rows) and rows[1]["kvlab_eq_hf"] and not rows[1]["vllm_eq_hf"]
+    assert vb.first_difference([1, 2, 3], [1, 2, 4]) == 2
+    assert vb.first_difference([1, 2], [1, 2, 3]) == 2
+    assert vb.first_difference([1, 2], [1, 2]) is None
+
+
+def test_kvlab_side_of_the_block_pool_bench_runs_alone():
+    from kvlab.workloads import shared_prefix_trace
+
+    trace = shared_prefix_trace(12, prefix_lens=(64, 96), suffix_len=(4, 20), output_len=(2, 8), seed=1)
+    res = vb.bench_block_pools(trace, num_blocks=64, block_size=32, reps=1, vllm=False)
+    assert res["vllm"] is None and res["kvlab"]["blocks_per_s"] > 0 and 0 < res["kvlab"]["hit_rate"] < 1
+
+
+def test_feature_table_names_both_sides():
+    table = vb.feature_table()
+    assert list(table.columns) == ["feature", "vLLM", "kvlab"]
+    assert (table["vLLM"] == "no").any() and (table["kvlab"] == "no").any()
+
+
+# --- with real vLLM (skipped without the venv) -----------------------------------------------------
+
+STATUS = vb.vllm_status()
+needs_vllm = pytest.mark.skipif(not STATUS.available, reason="vLLM is optional (~3.5 GB, `make vllm-env` creates it): "
+                                + STATUS.message.splitlines()[0])
+
+
+@needs_vllm
+def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
+    """A small shared-prefix workload: identical greedy tokens, cached-token counts and hit rate."""
+    from kvlab import passphrase as P
+    from kvlab.models import BUNDLED_MODEL
+    from kvlab.prefix import eos_ids, hf_generate
+
+    model, tok = bundled
+    base = P.make_example(7, "heldout", n_filler=12, lang="en", history="none")
+    prompts = [tok(P.with_question(base, q).prompt_text, add_special_tokens=False)["input_ids"]
+               for q in P.ASK_EN[:3]]
+    prompts.append(tok(P.make_example(8, "heldout", n_filler=6).prompt_text, add_special_tokens=False)["input_ids"])
+    stop = sorted(eos_ids(model, tok))
+    ours = vb.run_kvlab(model, tok, prompts, block_size=32, max_tokens=12, stop_token_ids=stop, repeat=False)
+    theirs = vb.run_vllm(BUNDLED_MODEL, prompts, block_size=32, max_tokens=12, stop_token_ids=stop, repeat=False)
+    hf = [hf_generate(model, tok, p, max_new_tokens=12) for p in prompts]
+    assert theirs["output_ids"] == ours["output_ids"] == hf
+    assert theirs["num_cached_tokens"] == ours["num_cached_tokens"]
+    assert ours["num_cached_tokens"][1] > 0  # the shared system prompt really was served from the cache
+    assert theirs["prefix_cache"] == ours["prefix_cache"]
+
+
+@needs_vllm
+def test_vllm_block_pool_replays_the_same_trace():
+    from kvlab.workloads import shared_prefix_trace
+
+    trace = shared_prefix_trace(16, prefix_lens=(64, 160), suffix_len=(4, 40), output_len=(2, 40), seed=2)
+    res = vb.bench_block_pools(trace, num_blocks=96, block_size=32, reps=1)
+    assert res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
+    assert res["vllm"]["blocks_per_s"] > 0
+
+
+def test_worker_file_is_standalone():
+    """The worker runs where kvlab is not installed: it must not import kvlab."""
+    text = Path(vb.WORKER).read_text()
+    assert "import kvlab" not in text and "from kvlab" not in text
+    assert 'if __name__ == "__main__":' in text
