@@ -1,0 +1,109 @@
+"""Benchmark the paged engine on workload sys512 against transformers, and write build/bench/bench.json.
+
+    .venv/bin/python scripts/bench.py            # 16 x (512 + 32) tokens, 32 new, Qwen2.5-0.5B shape
+    .venv/bin/python scripts/bench.py --smoke    # a quick pass with small sizes
+    .venv/bin/python scripts/bench.py --device cuda --dtype bfloat16 --layers 24
+
+One run measures, with repetitions interleaved and medians kept (``kvlab.prefix_bench``):
+
+* TTFT shared / isolated for kvlab, beside the ideal (uncached tokens / all tokens) and beside the same
+  ratio for HF manual reuse and HF ``generate_batch`` (block sharing on / off);
+* throughput with / without prefix caching, and kvlab's throughput relative to ``generate_batch``;
+* KV bytes shared vs isolated vs the block-granular ideal.
+
+It prints a table and the issue's goals (met or not, with the measured value), and writes everything to
+JSON. A model of realistic shape is random-initialised (no download); on a CPU the default keeps 4 of
+its 24 layers so one run takes minutes, on a GPU all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvlab import prefix_bench as B  # noqa: E402
+from kvlab.models import resolve_device  # noqa: E402
+from kvlab.named_workloads import ideal_prefill_fraction, sys512  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="small sizes, one repetition (a quick check)")
+    ap.add_argument("--config", default="Qwen2.5-0.5B-Instruct", help="shipped config in data/configs")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the model (default: all on a GPU, 4 on a CPU)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prefix", type=int, default=512)
+    ap.add_argument("--suffix", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "bench.json"))
+    args = ap.parse_args(argv)
+
+    device = resolve_device(args.device)
+    if args.smoke:
+        args.requests, args.prefix, args.suffix, args.new_tokens, args.repeats = 4, 128, 16, 4, 1
+        args.layers = args.layers or 1
+        args.threads = args.threads or 1
+    if args.layers is None:
+        args.layers = None if device.type == "cuda" else 4
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    t0 = time.perf_counter()
+    model = B.realistic_model(args.config, num_layers=args.layers, device=device, dtype=args.dtype)
+    wl = sys512(model.config.vocab_size, num_requests=args.requests, prefix_tokens=args.prefix,
+                suffix_tokens=args.suffix, max_tokens=args.new_tokens)
+    print(f"{wl.name}: {len(wl)} requests x ({args.prefix} + {args.suffix}) tokens, {args.new_tokens} new; "
+          f"{args.config} shape, {model.config.num_hidden_layers} layers, {args.dtype} on {device}, "
+          f"torch threads {torch.get_num_threads()}, {args.repeats} repetitions (median)", flush=True)
+    table, detail = B.measure_sys512(model, wl, repeats=args.repeats)
+    ratio_table = B.ratios(table, wl)
+    bpb = detail["kvlab/shared"]["bytes_per_block"]
+    goal_table = B.goals(table, ratio_table, wl, bpb)
+
+    import pandas as pd
+
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.4g}".format):
+        print("\n" + table.drop(columns=["error"]).to_string(index=False))
+        for _, row in table[table["error"] != ""].iterrows():
+            print(f"  {row.system} ({row['mode']}) failed: {row.error}")
+        print("\n" + ratio_table.to_string(index=False))
+        print("\n" + goal_table.to_string(index=False))
+    ideal = B.kv_ideal_bytes(wl, bpb)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "workload": {"name": wl.name, "requests": len(wl), "prefix_tokens": args.prefix, "suffix_tokens": args.suffix,
+                     "new_tokens": args.new_tokens, "ideal_ttft_ratio": ideal_prefill_fraction(wl)},
+        "model": {"config": args.config, "layers": model.config.num_hidden_layers, "dtype": args.dtype,
+                  "device": str(device)},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "platform": platform.platform(),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+        "repeats": args.repeats,
+        "systems": json.loads(table.to_json(orient="records")),
+        "ratios": json.loads(ratio_table.to_json(orient="records")),
+        "kv_ideal_bytes": ideal,
+        "goals": json.loads(goal_table.to_json(orient="records")),
+        "seconds": time.perf_counter() - t0,
+    }
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out} ({report['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
