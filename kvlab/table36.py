@@ -40,7 +40,7 @@ from kvlab.paged_attention import build_batch, paged_attention
 from kvlab.position_experiments import token_agreement
 
 __all__ = ["ARTICLE_TABLE_36", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
-           "check_bug_for_group", "check_kv_ratio", "compare_with_article", "content_hash", "content_keyed_engine", "evidence", "fig_table36",
+           "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "content_hash", "content_keyed_engine", "evidence", "fig_table36",
            "make_engine", "run_mode", "table_36"]
 
 # The article's table 3.6 as it prints it: (group, policy, TTFT ms, total ms, GPU memory GB, output consistent).
@@ -290,6 +290,25 @@ def check_bug_for_group(answer: dict[int, str] | None) -> bool:
     wrong = [g for g in want if got.get(g) not in want[g]]
     return _say(not wrong, "each bug breaks the row its group tests",
                 f"group(s) {wrong}: re-read which condition the bug violates (row texts: kvlab.experiments.DECISION_ROWS)")
+
+
+def check_position_fix(engine_cls: type | None, model: Any, tokenizer: Any, workload: Workload,
+                       block_size: int = 16) -> bool:
+    """Exercise 05.3: an ``Engine`` subclass that keeps the prefix cache on and numbers positions right."""
+    if engine_cls is None:
+        return _say(False, "", "define a subclass of T.PositionRestartEngine whose _forward uses the right positions")
+    kw = dict(num_blocks=_num_blocks(workload, block_size), block_size=block_size)
+    sp = SamplingParams(max_tokens=workload.max_tokens)
+    reference = Engine(model, tokenizer, enable_prefix_caching=False, **kw).generate(workload.prompts, sp)
+    try:
+        outs = engine_cls(model, tokenizer, enable_prefix_caching=True, **kw).generate(workload.prompts, sp)
+    except Exception as err:  # the learner's code may fail in any way
+        return _say(False, "", f"your engine raised {type(err).__name__}: {err}")
+    same = sum(a.output_ids == b.output_ids for a, b in zip(outs, reference))
+    cached = sum(o.num_cached_tokens for o in outs)
+    return _say(same == len(outs) and cached > 0, f"{same}/{len(outs)} identical with {cached} cached tokens",
+                f"{same}/{len(outs)} requests identical to isolated, {cached} cached tokens: "
+                "positions must continue after the cached tokens, and the cache must stay on")
 
 
 def check_kv_ratio(answer: float | None, num_requests: int, prefix_tokens: int, private_tokens: int,

@@ -169,3 +169,27 @@ def test_bench_core_on_a_tiny_model():
     assert set(r.system) == {"kvlab", "HF manual reuse"} and (r["ideal"] == W.ideal_prefill_fraction(wl)).all()
     goals = B.goals(table, r, wl, detail["kvlab/shared"]["bytes_per_block"])
     assert len(goals) == 6 and goals["met"].dtype == bool  # generate_batch ran: its throughput goal is in
+
+
+def test_position_bug_is_one_line_off_the_engine():
+    """The buggy engine's _forward is the engine's own with only the position line changed."""
+    import inspect
+
+    from kvlab.engine import Engine
+
+    def code(fn):  # the body, comments dropped
+        return [ln.split("#")[0].strip() for ln in inspect.getsource(fn).splitlines()[2:]]
+
+    ours, theirs = code(T.PositionRestartEngine._forward), code(Engine._forward)
+    assert [ln for ln in ours if "skipped" not in ln] == [ln for ln in theirs if "pos.extend" not in ln]
+
+
+def test_position_fix_checker(lm, groups, capsys):
+    model, tok = lm
+
+    class Fixed(T.PositionRestartEngine):
+        def _forward(self, sched):
+            return T.Engine._forward(self, sched)
+
+    assert T.check_position_fix(Fixed, model, tok, groups[1])
+    assert not T.check_position_fix(None, model, tok, groups[1])
