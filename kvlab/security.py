@@ -360,8 +360,8 @@ def stress_test(model: Any, tokenizer: Any, n_requests: int, policy: str = "publ
                         bm.metrics.tenant_table())
 
 
-# --- figures ---------------------------------------------------------------------------------------------
-def ttft_histogram_figure(probes_by_policy: dict[str, Sequence[Probe]], bins: int = 20):
+# --- figures (pure: data in, matplotlib Figure out) -----------------------------------------------------
+def ttft_histogram_figure(probes_by_policy: dict[str, Sequence[Probe]], bins: int = 20) -> Any:
     """One panel per policy: TTFT histograms (ms) of right guesses (hits if shared) and wrong guesses."""
     import matplotlib.pyplot as plt
 
@@ -381,7 +381,7 @@ def ttft_histogram_figure(probes_by_policy: dict[str, Sequence[Probe]], bins: in
     return fig
 
 
-def roc_figure(probes_by_policy: dict[str, Sequence[Probe]]):
+def roc_figure(probes_by_policy: dict[str, Sequence[Probe]]) -> Any:
     """ROC curves of the "faster means hit" detector, one line per policy."""
     import matplotlib.pyplot as plt
 
