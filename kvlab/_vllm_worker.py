@@ -11,7 +11,7 @@ venv where kvlab is not installed. Jobs (``job["kind"]``):
   / ``vllm:prefix_cache_hits``, tokens) and timings: start-up, the first run (``cold``), a second run
   after ``reset_prefix_cache()`` (``warm``), a third without reset (``warm_cached``); optionally TTFT of
   prompt pairs (the first with an empty cache, the second sharing its prefix).
-- ``source``: the source text of a vLLM function (for showing it in a notebook).
+- ``many``: a list of jobs, run one after the other in this one process.
 - ``block_pool``: replay a block-manager trace on vLLM's own ``KVCacheManager`` (``vllm.v1.core``),
   the same loop as ``kvlab.workloads.replay``: seconds, hit tokens, cached tokens per request.
 
@@ -226,39 +226,33 @@ def block_pool(job: dict) -> dict:
     return last
 
 
-def source(module: str, qualname: str) -> str:
-    """The source text of a function or class in vLLM, e.g. ``vllm.v1.core.block_pool`` ``BlockPool.free_blocks``."""
-    import importlib
-    import inspect
+def run(job: dict) -> dict:
+    """One job by its ``kind``; ``many`` runs a list of jobs in this one process."""
+    kind = job.get("kind", "generate")
+    if kind == "many":
+        return {"results": [run(j) for j in job["jobs"]]}
+    if kind == "info":
+        import vllm
 
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return inspect.getsource(obj)
+        return {"vllm_version": vllm.__version__, "python": sys.version.split()[0]}
+    if kind == "generate":
+        return generate(job)
+    if kind == "block_pool":
+        return block_pool(job)
+    raise ValueError(f"unknown job kind {kind!r}")
 
 
 def main(job_path: str, result_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     try:
-        kind = job.get("kind", "generate")
-        if kind == "info":
-            import vllm
-
-            result = {"vllm_version": vllm.__version__, "python": sys.version.split()[0]}
-        elif kind == "generate":
-            result = generate(job)
-        elif kind == "block_pool":
-            result = block_pool(job)
-        elif kind == "source":
-            result = {"source": source(job["module"], job["qualname"])}
-        else:
-            raise ValueError(f"unknown job kind {kind!r}")
+        result = run(job)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller as JSON
         result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     with open(result_path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(result_path + ".tmp", result_path)
+
 
 
 if __name__ == "__main__":

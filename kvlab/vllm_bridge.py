@@ -188,8 +188,24 @@ def run_vllm(model_path: str | os.PathLike, prompt_token_ids: Sequence[Sequence[
 
 
 def vllm_source(module: str, qualname: str, python: str | os.PathLike | None = None) -> str:
-    """Source text of a function or class in the vLLM venv (``inspect.getsource`` over there)."""
-    return run_worker({"kind": "source", "module": module, "qualname": qualname}, python=python, timeout=300)["source"]
+    """Source text of a function or class in the vLLM venv, read from its file (vLLM is not imported)."""
+    import ast
+
+    path = vllm_python(python)
+    purelib = subprocess.run([str(path), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+    file = Path(purelib, *module.split(".")).with_suffix(".py")
+    if not file.exists():
+        file = Path(purelib, *module.split("."), "__init__.py")
+    text = file.read_text()
+    body: list[ast.stmt] = ast.parse(text).body
+    node = None
+    for part in qualname.split("."):
+        node = next((n for n in body if getattr(n, "name", None) == part), None)
+        if node is None:
+            raise LookupError(f"{qualname} not found in {file}")
+        body = getattr(node, "body", [])
+    return ast.get_source_segment(text, node, padded=True)
 
 
 def model_folder(model: Any, tokenizer: Any = None, source: str | os.PathLike | None = None,
@@ -349,37 +365,44 @@ def unhashed_blocks_first() -> Iterator[None]:
         BlockPool.release = release
 
 
-def bench_block_pools(requests: Sequence[Any], num_blocks: int, block_size: int = 32, max_running: int = 16,
-                      reps: int = 3, vllm: bool = True, free_order: str = "kvlab",
-                      python: str | os.PathLike | None = None) -> dict:
-    """Replay one trace on kvlab's block manager and on vLLM's KVCacheManager; blocks per second each.
-
-    Blocks per second = the blocks of every request's final block table / the replay's median seconds,
-    the same numerator on both sides. ``free_order="vllm"`` runs kvlab's side under
-    ``unhashed_blocks_first()``. Returns ``{"kvlab": {...}, "vllm": {...} or None, ...}``.
-    """
+def _kvlab_replay(requests: Sequence[Any], num_blocks: int, block_size: int, max_running: int, reps: int) -> dict:
     from kvlab.block_manager import BlockManager
     from kvlab.workloads import replay
 
+    runs = [replay(BlockManager(num_blocks, block_size), list(requests), max_running) for _ in range(reps)]
+    last = runs[-1]
+    keep = ("hit_rate", "query_tokens", "hit_tokens", "evictions", "cached_tokens")
+    return {"seconds": statistics.median(r["seconds"] for r in runs), **{k: last[k] for k in keep}}
+
+
+def bench_block_pools(requests: Sequence[Any], pools: dict[str, int], block_size: int = 32, max_running: int = 16,
+                      reps: int = 3, vllm: bool = True, free_order: str = "kvlab",
+                      python: str | os.PathLike | None = None) -> dict[str, dict]:
+    """Replay one trace on kvlab's block manager and on vLLM's KVCacheManager, per pool size; blocks/s each.
+
+    ``pools`` maps a name to a number of blocks. Blocks per second = the blocks of every request's final
+    block table / the replay's median seconds, the same numerator on both sides. ``free_order="vllm"``
+    runs kvlab's side under ``unhashed_blocks_first()``. All vLLM replays run in one worker process.
+    Returns ``{name: {"kvlab": {...}, "vllm": {...} or None, "num_blocks": ...}}``.
+    """
     if free_order not in ("kvlab", "vllm"):
         raise ValueError(f"free_order must be 'kvlab' or 'vllm', got {free_order!r}")
     table_blocks = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
+    out: dict[str, dict] = {}
     with unhashed_blocks_first() if free_order == "vllm" else contextlib.nullcontext():
-        runs = [replay(BlockManager(num_blocks, block_size), list(requests), max_running) for _ in range(reps)]
-    last = runs[-1]
-    seconds = statistics.median(r["seconds"] for r in runs)
-    out: dict[str, Any] = {"kvlab": {"seconds": seconds, "blocks_per_s": table_blocks / seconds,
-                                     "hit_rate": last["hit_rate"], "query_tokens": last["query_tokens"],
-                                     "hit_tokens": last["hit_tokens"], "evictions": last["evictions"],
-                                     "cached_tokens": last["cached_tokens"], "table_blocks": table_blocks},
-                           "vllm": None, "num_requests": len(requests), "num_blocks": num_blocks,
-                           "block_size": block_size, "free_order": free_order}
+        for name, num_blocks in pools.items():
+            k = _kvlab_replay(requests, num_blocks, block_size, max_running, reps)
+            k.update(blocks_per_s=table_blocks / k["seconds"], table_blocks=table_blocks)
+            out[name] = {"kvlab": k, "vllm": None, "num_blocks": num_blocks, "block_size": block_size,
+                         "num_requests": len(requests), "free_order": free_order}
     if vllm:
-        job = {"kind": "block_pool", "trace": trace_to_json(requests), "num_blocks": num_blocks,
-               "block_size": block_size, "max_running": max_running, "reps": reps}
-        res = run_worker(job, python=python)
-        res["blocks_per_s"] = res["table_blocks"] / res["seconds"]
-        out["vllm"] = res
+        trace = trace_to_json(requests)
+        jobs = [{"kind": "block_pool", "trace": trace, "num_blocks": n, "block_size": block_size,
+                 "max_running": max_running, "reps": reps} for n in pools.values()]
+        results = run_worker({"kind": "many", "jobs": jobs}, python=python)["results"]
+        for name, res in zip(pools, results):
+            res["blocks_per_s"] = res["table_blocks"] / res["seconds"]
+            out[name]["vllm"] = res
     return out
 
 
@@ -415,3 +438,83 @@ def feature_table():
     import pandas as pd
 
     return pd.DataFrame(FEATURES, columns=["feature", "vLLM", "kvlab"])
+
+
+# ----------------------------------------------------------------------------- tables for notebook 06
+
+def ttft_rows(results: dict[str, dict | None], prompt_tokens: int) -> list[dict]:
+    """One row per side with a ``ttft`` result: TTFT without and with the cached prefix, ratio, ideal."""
+    rows = []
+    for side, res in results.items():
+        if res is None or "ttft" not in res:
+            continue
+        t = res["ttft"]
+        cached = t["num_cached_tokens"][-1]
+        rows.append({"side": side, "prompt tokens": prompt_tokens, "cached tokens": cached,
+                     "TTFT uncached (ms)": 1e3 * t["uncached_s"], "TTFT cached (ms)": 1e3 * t["cached_s"],
+                     "ratio cached/uncached": t["cached_s"] / t["uncached_s"],
+                     "ideal ratio": (prompt_tokens - cached) / prompt_tokens})
+    return rows
+
+
+def logit_margins(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[float]]:
+    """Per prompt, per greedy step of HF ``generate``: top-1 minus top-2 logit (how close the argmax was)."""
+    from kvlab.prefix import hf_generate_with_logits
+
+    out = []
+    for p in prompts:
+        _, logits = hf_generate_with_logits(model, tokenizer, list(p), max_tokens)
+        out.append([float(v[0] - v[1]) for v in (step.topk(2).values for step in logits)])
+    return out
+
+
+def first_step_noise(model_a: Any, model_b: Any, prompts: Sequence[Sequence[int]]) -> list[float]:
+    """Per prompt: max |logit difference| of the first generated position between two copies of a model."""
+    import torch
+
+    from kvlab.prefix import model_device_dtype
+
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            la, lb = (m(input_ids=torch.tensor([list(p)], device=model_device_dtype(m)[0]), logits_to_keep=1).logits[0, -1]
+                      for m in (model_a, model_b))
+            out.append(float((la.float().cpu() - lb.float().cpu()).abs().max()))
+    return out
+
+
+def divergence_rows(reference: Sequence[Sequence[int]], runs: dict[str, Sequence[Sequence[int]] | None],
+                    margins: Sequence[Sequence[float]] | None = None) -> list[dict]:
+    """Per request and side: where its tokens first leave the reference, and the reference's margin there."""
+    rows = []
+    for side, outs in runs.items():
+        if outs is None:
+            continue
+        for i, (ref, out) in enumerate(zip(reference, outs)):
+            d = first_difference(ref, out)
+            margin = margins[i][d] if margins is not None and d is not None and d < len(margins[i]) else None
+            rows.append({"side": side, "request": i, "identical": d is None, "first difference at": d,
+                         "fp32 margin there": margin})
+    return rows
+
+
+# ----------------------------------------------------------------------------- exercise checkers
+
+def _say(ok: bool, good: str, hint: str) -> bool:
+    print(("correct: " + good) if ok else ("not yet: " + hint))
+    return ok
+
+
+def check_cached_tokens(answer: int | None, prompt_tokens: int, shared_tokens: int, block_size: int = 32) -> bool:
+    """Exercise: the ``num_cached_tokens`` both engines report for a prompt sharing ``shared_tokens`` with a cached one."""
+    expected = min(shared_tokens, prompt_tokens - 1) // block_size * block_size
+    return _say(answer == expected, f"{expected}: whole blocks of the shared part, never the last prompt token",
+                "count only whole blocks of the shared tokens, and the last prompt token is always recomputed")
+
+
+def check_ttft_ideal(answer: float | None, prompt_tokens: int, cached_tokens: int, tol: float = 0.01) -> bool:
+    """Exercise: the ideal TTFT ratio cached/uncached when prefill cost is proportional to computed tokens."""
+    expected = (prompt_tokens - cached_tokens) / prompt_tokens
+    ok = answer is not None and abs(answer - expected) <= tol
+    return _say(ok, f"{expected:.3f}: the share of prompt tokens still computed",
+                "divide the tokens that still need a forward pass by all prompt tokens")

@@ -81,8 +81,14 @@ def test_kvlab_side_of_the_block_pool_bench_runs_alone():
     from kvlab.workloads import shared_prefix_trace
 
     trace = shared_prefix_trace(12, prefix_lens=(64, 96), suffix_len=(4, 20), output_len=(2, 8), seed=1)
-    res = vb.bench_block_pools(trace, num_blocks=64, block_size=32, reps=1, vllm=False)
+    res = vb.bench_block_pools(trace, {"small": 64}, block_size=32, reps=1, vllm=False)["small"]
     assert res["vllm"] is None and res["kvlab"]["blocks_per_s"] > 0 and 0 < res["kvlab"]["hit_rate"] < 1
+    # kvlab with vLLM's free order: still a valid replay, and the pool's own code is restored after it
+    from kvlab.block_pool import BlockPool
+
+    release = BlockPool.release
+    again = vb.bench_block_pools(trace, {"small": 64}, block_size=32, reps=1, vllm=False, free_order="vllm")["small"]
+    assert BlockPool.release is release and again["kvlab"]["query_tokens"] == res["kvlab"]["query_tokens"]
 
 
 def test_feature_table_names_both_sides():
@@ -122,12 +128,23 @@ def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
 
 @needs_vllm
 def test_vllm_block_pool_replays_the_same_trace():
-    from kvlab.workloads import shared_prefix_trace
+    from kvlab.workloads import realistic_trace, shared_prefix_trace
 
     trace = shared_prefix_trace(16, prefix_lens=(64, 160), suffix_len=(4, 40), output_len=(2, 40), seed=2)
-    res = vb.bench_block_pools(trace, num_blocks=96, block_size=32, reps=1)
+    res = vb.bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1)["ample"]
     assert res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
     assert res["vllm"]["blocks_per_s"] > 0
+    # under eviction the two agree once kvlab reuses never-hittable tail blocks first, as vLLM does
+    trace = realistic_trace(30, seed=1)
+    res = vb.bench_block_pools(trace, {"tight": 120}, block_size=32, reps=1, free_order="vllm")["tight"]
+    assert res["kvlab"]["evictions"] > 0 and res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
+
+
+def test_vllm_source_is_read_from_the_venv():
+    if not STATUS.available:
+        pytest.skip(STATUS.message.splitlines()[0])
+    src = vb.vllm_source("vllm.v1.core.block_pool", "BlockPool.free_blocks")
+    assert src.lstrip().startswith("def free_blocks")
 
 
 def test_worker_file_is_standalone():
