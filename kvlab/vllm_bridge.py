@@ -518,3 +518,14 @@ def check_ttft_ideal(answer: float | None, prompt_tokens: int, cached_tokens: in
     ok = answer is not None and abs(answer - expected) <= tol
     return _say(ok, f"{expected:.3f}: the share of prompt tokens still computed",
                 "divide the tokens that still need a forward pass by all prompt tokens")
+
+
+def check_batch_counts(answer: bool | None, model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
+                       sequential: dict, block_size: int = 32, max_tokens: int = 4) -> bool:
+    """Exercise: do all-at-once arrivals get the same ``num_cached_tokens`` as one-at-a-time ones? (runs kvlab)"""
+    batch = run_kvlab(model, tokenizer, prompts, block_size, max_tokens, arrival="batch", repeat=False)
+    same = batch["num_cached_tokens"] == list(sequential["num_cached_tokens"])
+    why = ("a block is registered under its hash when it is allocated, before its K/V is computed; a request in "
+           "the same step may use it because each layer writes every new token's K/V before attention reads them"
+           if same else "requests in one step did not see each other's blocks here")
+    return _say(answer is same, f"{same}: {why}", f"run it: batch counts {batch['num_cached_tokens']}")

@@ -91,6 +91,18 @@ def test_kvlab_side_of_the_block_pool_bench_runs_alone():
     assert BlockPool.release is release and again["kvlab"]["query_tokens"] == res["kvlab"]["query_tokens"]
 
 
+def test_tables_and_checkers():
+    res = {"ttft": {"uncached_s": 0.2, "cached_s": 0.05, "num_cached_tokens": [128, 128]}}
+    (row,) = vb.ttft_rows({"kvlab": res, "vLLM": None}, prompt_tokens=160)
+    assert row["ratio cached/uncached"] == pytest.approx(0.25) and row["ideal ratio"] == pytest.approx(32 / 160)
+    rows = vb.divergence_rows([[1, 2, 3], [4, 5]], {"a": [[1, 2, 3], [4, 6]], "b": None}, margins=[[5, 5, 5], [3, 0.01]])
+    assert [r["first difference at"] for r in rows] == [None, 1] and rows[1]["fp32 margin there"] == 0.01
+    assert vb.check_cached_tokens(192, prompt_tokens=250, shared_tokens=200, block_size=32)
+    assert not vb.check_cached_tokens(200, prompt_tokens=250, shared_tokens=200, block_size=32)
+    assert vb.check_cached_tokens(224, prompt_tokens=250, shared_tokens=250, block_size=32)  # last token recomputed
+    assert vb.check_ttft_ideal(0.2, 160, 128) and not vb.check_ttft_ideal(None, 160, 128)
+
+
 def test_feature_table_names_both_sides():
     table = vb.feature_table()
     assert list(table.columns) == ["feature", "vLLM", "kvlab"]
