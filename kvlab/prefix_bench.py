@@ -35,7 +35,7 @@ from kvlab.engine import Engine, SamplingParams
 from kvlab.named_workloads import Workload, ideal_prefill_fraction, sys512
 from kvlab.prefix import _sync, continue_from_cache, model_device_dtype
 
-__all__ = ["SYSTEMS", "fig_sweep", "fig_sys512", "goals", "kv_ideal_bytes", "measure_sys512", "ratios",
+__all__ = ["SYSTEMS", "fig_sweep", "fig_sys512", "goals", "kv_ideal_bytes", "measure_sys512", "prefill_padding", "ratios",
            "realistic_model", "run_generate_batch", "run_hf_generate", "run_hf_manual", "run_kvlab", "sweep"]
 
 
@@ -311,6 +311,21 @@ def goals(table: Any, ratio_table: Any, workload: Workload, bytes_per_block: int
                      "measured": f"{got / 2 ** 20:.2f} MiB vs ideal {ideal_kv[mode] / 2 ** 20:.2f} MiB",
                      "met": bool(abs(got - ideal_kv[mode]) < 1)})
     return pd.DataFrame(rows)
+
+
+def prefill_padding(workload: Workload, block_size: int = 16) -> dict[str, dict[str, int]]:
+    """Query rows of the one-step prefill, real and as attended when all prefills form one padded group.
+
+    kvlab's paged attention pads every prefill of a step to the longest query: with a shared prefix the
+    first request's whole prompt sets the width, so the later requests' short suffixes are padded to it.
+    """
+    n = len(workload)
+    longest = max(map(len, workload.prompts))
+    hits = [0] + [min(workload.shared_prefix_tokens // block_size, (len(p) - 1) // block_size) * block_size
+                  for p in workload.prompts[1:]]
+    real_shared = sum(len(p) - h for p, h in zip(workload.prompts, hits))
+    return {"shared": {"real query rows": real_shared, "padded query rows": n * longest},
+            "isolated": {"real query rows": workload.prompt_tokens, "padded query rows": n * longest}}
 
 
 # ----------------------------------------------------------------------------- sweep and figures
