@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab import passphrase as P
-from kvlab.prefix import PrefixCache, _sync, encode, generate, model_device_dtype
+from kvlab.prefix import PrefixCache, generate
 
 # The article's section 2.4 decision framework: (condition, shareable?, isolate?) as it states them.
 # Each notebook adds evidence (what it measured) next to the rows it tests.
@@ -51,48 +51,6 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> 
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-@dataclass
-class PrefillTiming:
-    """Prefill with and without a cached prefix, for one prompt."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    full_seconds: float  # prefill of the whole prompt
-    cached_seconds: float  # prefill of the uncached tail only, on a fork of the prefix cache
-    ratio: float  # cached / full, measured
-    ideal: float  # uncached tokens / all tokens: the share of prefill compute left (ignoring attention's growth)
-
-
-def time_prefill(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_cache: PrefixCache,
-                 repeats: int = 5) -> PrefillTiming:
-    """Median prefill time of ``prompt`` from scratch vs on top of ``prefix_cache`` (fork included)."""
-    import torch
-
-    ids = encode(tokenizer, prompt)
-    prefix_cache.check_compatible(model, tokenizer, ids)
-    device, _ = model_device_dtype(model)
-    n = len(prefix_cache)
-    if n >= len(ids):
-        raise ValueError("the prompt must be longer than the cached prefix")
-    full_ids = torch.tensor([ids], device=device)
-    tail = torch.tensor([ids[n:]], device=device)
-    tail_pos = torch.arange(n, len(ids), device=device)[None]
-
-    @torch.no_grad()
-    def full():
-        model(input_ids=full_ids, use_cache=True, logits_to_keep=1)
-        _sync(device)
-
-    @torch.no_grad()
-    def cached():
-        cache = prefix_cache.fork().cache  # a request never writes into the shared cache
-        model(input_ids=tail, position_ids=tail_pos, cache=cache, use_cache=True, logits_to_keep=1)
-        _sync(device)
-
-    tf, tc = median_seconds(full, repeats), median_seconds(cached, repeats)
-    return PrefillTiming(len(ids), n, tf, tc, tc / tf, (len(ids) - n) / len(ids))
 
 
 @dataclass
