@@ -12,7 +12,7 @@ under the name ``"kvlab_paged"`` for each layer. It
    its group of query heads.
 
 Writing before reading is what makes a prefill after cached tokens and a decode step the same
-operation. Sequences are grouped (decodes together, prefills together) and padded within a group;
+operation. Sequences are grouped by query length (``group_by_query_length``) and padded within a group;
 the attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask, so it
 runs on any device. The step's metadata travels as the forward keyword ``kvlab_batch``, which
 transformers passes down to the attention function untouched.
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from kvlab.kv_store import PagedKVStore
 
-__all__ = ["ATTN_NAME", "AttnGroup", "PagedBatch", "build_batch", "paged_attention", "paged_attention_forward",
-           "register"]
+__all__ = ["ATTN_NAME", "AttnGroup", "PagedBatch", "build_batch", "group_by_query_length", "paged_attention",
+           "paged_attention_forward", "register"]
 
 ATTN_NAME = "kvlab_paged"
 
@@ -100,13 +100,31 @@ def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         offsets.append(off)
         off += end - start
-    groups = []
-    for want_decode in (True, False):  # decodes (one query each) together, prefills together
-        idx = [i for i, (s, e, _) in enumerate(seqs) if (e - s == 1) == want_decode]
-        if idx:
-            groups.append(_group([seqs[i][0] for i in idx], [seqs[i][1] for i in idx], [seqs[i][2] for i in idx],
-                                 [offsets[i] for i in idx], bs, store.device))
+    groups = [_group([seqs[i][0] for i in idx], [seqs[i][1] for i in idx], [seqs[i][2] for i in idx],
+                     [offsets[i] for i in idx], bs, store.device)
+              for idx in group_by_query_length([e - s for s, e, _ in seqs])]
     return PagedBatch(store, torch.tensor(slots, dtype=torch.long, device=store.device), groups, off)
+
+
+def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> list[list[int]]:
+    """Split sequences into groups whose padded query rows stay within ``max_padding`` x the real rows.
+
+    Padding every prefill of a step to the longest one wastes attention work: a 544-token prefill
+    beside fifteen 32-token suffixes would make every suffix attend 544 padded query rows. Sorting
+    by length and cutting greedily keeps each group's ``longest x count <= max_padding x sum``.
+    Decodes (length 1) always land together.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= max_padding * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -102,3 +102,18 @@ def test_hf_model_runs_on_paged_cache_in_two_chunks():
     assert model.config._attn_implementation != ATTN_NAME  # restored after the block
     again = model(input_ids=ids).logits[0]
     assert torch.equal(again, want)
+
+
+def test_grouping_bounds_padding_and_keeps_every_sequence_once():
+    from kvlab.paged_attention import group_by_query_length
+
+    lengths = [544] + [32] * 15 + [1] * 7 + [40, 33, 200]
+    groups = group_by_query_length(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert longest * len(g) <= 1.5 * sum(lengths[i] for i in g) or len(g) == 1
+    home = next(g for g in groups if 0 in g)
+    assert not set(home) & set(range(1, 16)), "the long uncached prefill pads the short suffixes"
+    assert group_by_query_length([1] * 9) == [list(range(9))]  # decodes together
+    assert group_by_query_length([544] + [32] * 15, max_padding=100.0) == [list(range(16))]  # the old behaviour
