@@ -147,23 +147,26 @@ def answer_with_starts(model: Any, tokenizer: Any, example: P.PassphraseExample,
     return P.normalize_answer(tokenizer.decode(gen, skip_special_tokens=True))
 
 
-SWEEP_KINDS = ("prefix shifted, suffix at len(prefix)", "everything shifted", "suffix restarts at 0")
+SWEEP_KINDS = ("prefix shifted, suffix at len(prefix)", "suffix after a gap", "everything shifted",
+               "suffix restarts at 0")
 
 
 def variant_starts(kind: str, shift: int, prefix_len: int) -> tuple[int, int]:
     """(first position of the prefix, first position of the suffix) for one kind of the sweep."""
     if kind == SWEEP_KINDS[0]:
-        return shift, prefix_len  # every suffix-to-prefix distance is off by `shift`
+        return shift, prefix_len  # every suffix-to-prefix distance is `shift` too short
     if kind == SWEEP_KINDS[1]:
-        return shift, prefix_len + shift  # all distances kept
+        return 0, prefix_len + shift  # every suffix-to-prefix distance is `shift` too long
     if kind == SWEEP_KINDS[2]:
+        return shift, prefix_len + shift  # all distances kept
+    if kind == SWEEP_KINDS[3]:
         return 0, 0  # the suffix sits on top of the prefix's first positions
     raise ValueError(f"unknown kind {kind!r}; one of {SWEEP_KINDS}")
 
 
 def position_variants(shifts: Sequence[int]) -> list[tuple[str, int]]:
-    """Rows of the sweep: (kind, shift) for both shifted kinds and every shift, then the restart."""
-    return [(k, s) for k in SWEEP_KINDS[:2] for s in shifts] + [(SWEEP_KINDS[2], 0)]
+    """Rows of the sweep: (kind, shift) for the three shifted kinds and every shift, then the restart."""
+    return [(k, s) for k in SWEEP_KINDS[:3] for s in shifts] + [(SWEEP_KINDS[3], 0)]
 
 
 @torch.no_grad()
@@ -172,7 +175,8 @@ def run_position_sweep(model: Any, tokenizer: Any, examples: Sequence[P.Passphra
     """Experiments 1 and 2: serve each example with its prefix K/V computed at shifted positions.
 
     Kinds: "prefix shifted, suffix at len(prefix)" (prefix at s .. s+P-1, suffix at P ..: every
-    distance between them is off by s), "everything shifted" (suffix at P+s ..: distances kept),
+    distance between them is s too short), "suffix after a gap" (prefix at 0 .., suffix at P+s ..:
+    s too long), "everything shifted" (prefix at s .., suffix at P+s ..: distances kept),
     "suffix restarts at 0" (prefix at 0 .., suffix at 0 ..). All variants of one example run as one
     batch. Returns a DataFrame, one row per (example, variant).
     """
@@ -440,11 +444,12 @@ PADDING_WAYS = (
 
 @torch.no_grad()
 def run_left_padding(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "heldout", size: int = 4,
-                     max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False):
+                     extra_pads: int = 0, max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False):
     """Experiment 5: a batch of requests on one cached prefix, suffixes left-padded to one length.
 
     Layout of each row: [prefix K/V (cached once)] [pads] [suffix]. Four ways: with or without the
-    padding mask, positions from the mask or counted over the pads. One row per (request, way).
+    padding mask, positions from the mask or counted over the pads. ``extra_pads`` pads every row
+    further, as when the batch also holds a request that much longer. One row per (request, way).
     """
     import pandas as pd
 
@@ -457,7 +462,7 @@ def run_left_padding(model: Any, tokenizer: Any, seeds: Sequence[int], split: st
         prefix = PrefixCache.build(model, tokenizer, reqs[0].prefix_text)
         n = len(prefix)
         suffixes = [encode(tokenizer, r.suffix_text) for r in reqs]
-        width = max(map(len, suffixes))
+        width = max(map(len, suffixes)) + extra_pads
         ids = torch.tensor([[pad] * (width - len(s)) + s for s in suffixes], device=device)  # (B, width)
         mask = torch.tensor([[1] * n + [0] * (width - len(s)) + [1] * len(s) for s in suffixes], device=device)
         refs = [isolated(model, tokenizer, encode(tokenizer, r.prompt_text), max_new_tokens) for r in reqs]
@@ -471,7 +476,8 @@ def run_left_padding(model: Any, tokenizer: Any, seeds: Sequence[int], split: st
                 pos = (n + torch.arange(width, device=device))[None].expand(len(reqs), -1)
             gens = greedy_rows(model, cache, ids, pos, stop, max_new_tokens, attention_mask=mask if use_mask else None)
             for r, s, ref, gen in zip(reqs, suffixes, refs, gens):
-                rows.append({"seed": seed, "way": way, "pads": width - len(s), "history": r.extra["history"],
+                rows.append({"seed": seed, "extra pads": extra_pads, "way": way, "pads": width - len(s),
+                             "history": r.extra["history"],
                              **_score(tokenizer, ref, gen, r.answer)})
     return pd.DataFrame(rows)
 
@@ -505,20 +511,20 @@ def fig_shift_sweep(sweep: Any):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
-    restart = sweep[sweep["kind"] == "suffix restarts at 0"]
+    restart = sweep[sweep["kind"] == SWEEP_KINDS[3]]
     for ax, metric, label in ((axes[0], "agreement", "token agreement with isolated"),
                               (axes[1], "recalled", "passphrase recall")):
-        for kind, style in (("prefix shifted, suffix at len(prefix)", "o-"), ("everything shifted", "s--")):
+        for kind, style in zip(SWEEP_KINDS[:3], ("o-", "^-", "s--")):
             d = sweep[sweep["kind"] == kind].groupby("shift")[metric].mean()
             ax.plot([max(s, 0.5) for s in d.index], d.values, style, label=kind)
         ax.axhline(restart[metric].mean(), color="grey", ls=":", label="suffix restarts at 0")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("shift s of the prefix's positions (tokens; 0 drawn at 0.5)")
+        ax.set_xlabel("position error s (tokens; 0 drawn at 0.5)")
         ax.set_ylabel(label)
         ax.set_ylim(-0.03, 1.03)
         ax.set_title(label)
     axes[0].legend(fontsize=8, loc="lower left")
-    fig.suptitle("Prefix K/V computed at positions s, s+1, ...")
+    fig.suptitle("A cached prefix and its suffix at wrong distances (s) or all moved by s")
     fig.tight_layout()
     return fig
 
@@ -575,7 +581,8 @@ def fig_outcomes(summary: Any, title: str):
     y = range(len(summary))
     ax.barh([i + 0.2 for i in y], summary["identical"], height=0.4, label="token-identical to isolated")
     ax.barh([i - 0.2 for i in y], summary["recalled"], height=0.4, label="recall")
-    ax.set_yticks(list(y), [str(i) for i in summary.index])
+    labels = [" | ".join(map(str, i)) if isinstance(i, tuple) else str(i) for i in summary.index]
+    ax.set_yticks(list(y), labels)
     ax.invert_yaxis()
     ax.set(xlim=(0, 1.02), xlabel="fraction of requests", title=title)
     ax.legend(fontsize=8, loc="lower right")

@@ -105,13 +105,22 @@ def test_positions_from_mask_and_its_checker(capsys):
 def test_position_sweep(lm):
     model, tok = lm
     exs = P.make_examples(4, "heldout", start=500, history="none")
-    df = X.run_position_sweep(model, tok, exs, shifts=[0, 3])
-    assert len(df) == 4 * 5
+    df = X.run_position_sweep(model, tok, exs, shifts=[0, 1024])
+    assert len(df) == 4 * 7
     at0 = df[df["shift"] == 0]
-    assert at0[at0["kind"] != "suffix restarts at 0"]["identical"].all()  # shift 0 is the isolated run
-    restart = df[df["kind"] == "suffix restarts at 0"]
-    assert not restart["identical"].all(), "restarting the suffix at position 0 should change some outputs"
+    assert at0[at0["kind"] != X.SWEEP_KINDS[3]]["identical"].all()  # shift 0 is the isolated run
+    assert df[df["kind"] == X.SWEEP_KINDS[2]]["identical"].all()  # everything shifted: distances kept
+    far = df[(df["shift"] == 1024) & df["kind"].isin(X.SWEEP_KINDS[:2])]
+    assert not far["identical"].all(), "distances 1024 positions off should change some answers"
+    restart = df[df["kind"] == X.SWEEP_KINDS[3]]
     assert (restart["suffix start"] == 0).all()
+
+
+def test_restarting_positions_at_0_changes_the_logits(lm):
+    model, tok = lm
+    ex = P.make_example(3, "heldout", n_filler=2)
+    assert X.last_logits_gap(model, tok, ex.prefix_text, ex.suffix_text) < 1e-3
+    assert X.last_logits_gap(model, tok, ex.prefix_text, ex.suffix_text, suffix_start=0) > 0.1
 
 
 def test_uniform_shift_keys_rerotate_back_exactly(lm):
@@ -156,7 +165,7 @@ def test_group3_prefix_sharing_is_exact_and_wrong_ways_are_run(lm):
 
 def test_left_padding_right_way_matches_isolated(lm):
     model, tok = lm
-    df = X.run_left_padding(model, tok, seeds=[0], size=4)
+    df = X.run_left_padding(model, tok, seeds=[0], size=4, extra_pads=64)
     right = df[df["way"] == X.PADDING_WAYS[0][0]]
     assert right["identical"].all()
-    assert (df["pads"] > 0).any() and len(df) == 4 * len(X.PADDING_WAYS)
+    assert (df["pads"] >= 64).all() and len(df) == 4 * len(X.PADDING_WAYS)
