@@ -10,6 +10,15 @@ from kvlab import position_experiments as X
 from kvlab import rope
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread than on two contended ones; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def lm(request):
     """The bundled model (or KVLAB_TEST_MODEL, e.g. a checkpoint still being trained)."""
