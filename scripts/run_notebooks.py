@@ -67,7 +67,6 @@ def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict
     out = out_dir / nb.name
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.setdefault("MPLBACKEND", "Agg")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
