@@ -26,7 +26,6 @@ def test_committed_clean_with_parameters_cell(nb):
     assert not outputs, f"{nb.name}: cells {outputs} have committed outputs; run `make clean-notebooks`"
     tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert len(tagged) == 1, f"{nb.name}: needs exactly one cell tagged 'parameters'"
-    src = "".join(tagged[0]["source"])
     from papermill.translators import PythonTranslator
 
     cell = {"source": "".join(tagged[0]["source"])}
