@@ -314,18 +314,23 @@ def goals(table: Any, ratio_table: Any, workload: Workload, bytes_per_block: int
 
 
 def prefill_padding(workload: Workload, block_size: int = 16) -> dict[str, dict[str, int]]:
-    """Query rows of the one-step prefill, real and as attended when all prefills form one padded group.
+    """Query rows of the one-step prefill: real, and as attended after kvlab's grouping and padding.
 
-    kvlab's paged attention pads every prefill of a step to the longest query: with a shared prefix the
-    first request's whole prompt sets the width, so the later requests' short suffixes are padded to it.
+    kvlab's paged attention groups a step's prefills by query length (``group_by_query_length``) and
+    pads within a group, so this says how much attention work the padding adds, shared and isolated.
     """
-    n = len(workload)
-    longest = max(map(len, workload.prompts))
+    from kvlab.paged_attention import group_by_query_length
+
     hits = [0] + [min(workload.shared_prefix_tokens // block_size, (len(p) - 1) // block_size) * block_size
                   for p in workload.prompts[1:]]
-    real_shared = sum(len(p) - h for p, h in zip(workload.prompts, hits))
-    return {"shared": {"real query rows": real_shared, "padded query rows": n * longest},
-            "isolated": {"real query rows": workload.prompt_tokens, "padded query rows": n * longest}}
+
+    def rows(queries: list[int]) -> dict[str, int]:
+        groups = group_by_query_length(queries)
+        return {"real query rows": sum(queries),
+                "padded query rows": sum(max(queries[i] for i in g) * len(g) for g in groups)}
+
+    return {"shared": rows([len(p) - h for p, h in zip(workload.prompts, hits)]),
+            "isolated": rows([len(p) for p in workload.prompts])}
 
 
 # ----------------------------------------------------------------------------- sweep and figures
