@@ -1,4 +1,4 @@
-"""Shared fixtures: the bundled model is loaded once per test session (it is small)."""
+"""Shared fixtures: one torch thread, and the bundled model loaded once per test session."""
 
 import os
 
@@ -8,9 +8,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The test models are tiny: one thread is fastest, and steady when other jobs share the cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def bundled():
-    """(model, tokenizer) of the bundled passphrase model, float32 on CPU."""
+    """(model, tokenizer): the committed bundled model, float32 on CPU (``KVLAB_TEST_MODEL`` overrides)."""
     from kvlab.models import load_model
 
-    return load_model(device="cpu", dtype="float32")
+    return load_model(os.environ.get("KVLAB_TEST_MODEL"), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def lm(bundled):
+    """Alias of ``bundled`` used by the engine, rope, table-3.6 and security tests."""
+    return bundled

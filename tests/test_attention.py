@@ -9,15 +9,6 @@ from hypothesis import strategies as st
 from kvlab import attention as A
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors on a shared 2-core machine run faster (and steadier) on one thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def test_attention_equals_torch_sdpa_full_and_decode():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 7, 16) for _ in range(3))

@@ -7,7 +7,6 @@ random-initialised tiny models of four architectures. ``debug=True`` runs ``chec
 after every step; after the last request, no block may be referenced.
 """
 
-import os
 import random
 
 import pytest
@@ -15,28 +14,13 @@ import torch
 
 from kvlab import passphrase as P
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
-from kvlab.models import BUNDLED_MODEL, load_model
 from kvlab.prefix import encode, hf_generate
 
 MAX_NEW = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest single-threaded (and do not fight other jobs for cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def lm():
-    """The bundled model (or ``KVLAB_TEST_MODEL``), float32 on CPU."""
-    path = os.environ.get("KVLAB_TEST_MODEL") or (BUNDLED_MODEL if (BUNDLED_MODEL / "config.json").exists() else None)
-    if path is None:
-        pytest.skip("the bundled model is not there yet")
-    return load_model(path, device="cpu", dtype="float32")
 
 
 def passphrase_prompts(n_examples=40, per_example=5, seed=0):

@@ -10,12 +10,6 @@ from kvlab.prefix import cache_nbytes
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def test_the_configs_the_notebooks_need_are_shipped():

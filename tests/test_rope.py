@@ -1,6 +1,5 @@
 """kvlab.rope against transformers' RoPE, re-rotation, and notebook 03's experiment functions."""
 
-import os
 
 import pytest
 import torch
@@ -8,26 +7,6 @@ import torch
 from kvlab import passphrase as P
 from kvlab import position_experiments as X
 from kvlab import rope
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread than on two contended ones; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def lm(request):
-    """The bundled model (or KVLAB_TEST_MODEL, e.g. a checkpoint still being trained)."""
-    path = os.environ.get("KVLAB_TEST_MODEL")
-    if path:
-        from kvlab.models import load_model
-
-        return load_model(path, device="cpu", dtype="float32")
-    return request.getfixturevalue("bundled")
 
 
 def tiny_qwen2(theta=10000.0, head_dim=16, layers=2):

@@ -8,7 +8,6 @@ cached-token counts that cause them, and the statistics on synthetic samples.
 import hashlib
 import hmac
 import inspect
-import os
 import random
 
 import pytest
@@ -18,27 +17,13 @@ from kvlab import security as S
 from kvlab.block_manager import BlockManager
 from kvlab.engine import Engine, SamplingParams
 from kvlab.hashing import block_extra_keys, first_block_extra_keys
-from kvlab.models import BUNDLED_MODEL, load_model
 from kvlab.tenants import public_prefix_length, tenant_salt
 
 BS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def lm():
-    """The bundled model (or ``KVLAB_TEST_MODEL``), float32 on CPU."""
-    path = os.environ.get("KVLAB_TEST_MODEL") or (BUNDLED_MODEL if (BUNDLED_MODEL / "config.json").exists() else None)
-    if path is None:
-        pytest.skip("the bundled model is not there yet")
-    return load_model(path, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -11,31 +11,15 @@ import torch
 
 from kvlab import named_workloads as W
 from kvlab import table36 as T
-from kvlab.models import BUNDLED_MODEL, load_model
+from kvlab.models import BUNDLED_MODEL
 
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
-def _model_path():
-    if os.environ.get("KVLAB_TEST_MODEL"):
-        return os.environ["KVLAB_TEST_MODEL"]
-    return BUNDLED_MODEL if (BUNDLED_MODEL / "config.json").exists() else None
 
 
-@pytest.fixture(scope="module")
-def lm():
-    path = _model_path()
-    if path is None:
-        pytest.skip("the bundled model is not there yet")
-    return load_model(path, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
