@@ -1,34 +1,38 @@
 """kvlab: when may LLM requests share the KV cache of a common prefix, and when must they be isolated?
 
-The package is layered (each layer imports only the ones above it):
+The package is layered; each layer imports only the ones above it:
 
-1. pure Python, no torch: ``hashing``, ``block_pool``, ``block_manager``, ``metrics``, ``scheduler``,
-   ``sequence``, ``workloads``, ``passphrase``
-2. torch on any device: ``models``, ``attention``, ``rope``, ``prefix``, ``kv_store``, ``paged_attention``
-3. the engine: ``engine``, ``sampling``
-4. experiments and teaching helpers: ``experiments``, ``evaluation``, ``viz``, ...
+- ``kvlab.cache``   pure Python, no torch, relative imports only: hashing, block pool, block manager,
+                    metrics. Copy the folder alone and it works.
+- ``kvlab.engine``  torch on any device: models, sequence, sampling, scheduler, paged K/V store, paged
+                    attention, the engine, tenants, and ``reference`` (HF ``generate``, the oracle).
+                    Copy ``cache/`` + ``engine/`` together and they run any supported HF decoder.
+- ``kvlab.prefix``  manual prefix reuse on HF models (``PrefixCache`` + a complete generation loop).
+- ``kvlab.vllm``    the bridge to real vLLM in its own venv.
+- ``kvlab.lessons`` one module per notebook: experiments, figures, exercise checkers.
 
 ``import kvlab`` stays torch-free; the torch-backed names below load on first use.
 """
 
+from kvlab.cache import BlockManager, BlockPool, NoFreeBlocksError
+
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_model": "kvlab.models",
-    "resolve_device": "kvlab.models",
-    "kv_bytes_per_token": "kvlab.models",
-    "seed_everything": "kvlab.models",
-    "BUNDLED_MODEL": "kvlab.models",
-    "model_fingerprint": "kvlab.models",
+    "load_model": "kvlab.engine.models",
+    "seed_everything": "kvlab.engine.models",
+    "resolve_device": "kvlab.engine.models",
+    "BUNDLED_MODEL": "kvlab.engine.models",
+    "Engine": "kvlab.engine.engine",
+    "RequestOutput": "kvlab.engine.engine",
+    "SamplingParams": "kvlab.engine.sampling",
     "PrefixCache": "kvlab.prefix",
-    "random_model": "kvlab.attention",
-    "Engine": "kvlab.engine",
-    "SamplingParams": "kvlab.sampling",
+    "generate": "kvlab.prefix",
 }
 
 
 def __getattr__(name: str):
-    """Import torch-backed helpers lazily so the pure-Python core never pulls in torch."""
+    """Import torch-backed names lazily so the pure-Python core never pulls in torch."""
     if name in _LAZY:
         import importlib
 
@@ -36,4 +40,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
 
 
-__all__ = list(_LAZY)
+__all__ = ["BlockManager", "BlockPool", "NoFreeBlocksError", *_LAZY]

@@ -22,7 +22,6 @@ Also here: ``compare_with_hf`` (token and logit equality with ``model.generate``
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,9 @@ from typing import Any
 
 import torch
 
-from kvlab.models import model_fingerprint
+from kvlab.engine.models import encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
+from kvlab.engine.reference import hf_generate_with_logits
+from kvlab.engine.sampling import sample_next
 
 
 def _fingerprint(model: Any, tokenizer: Any) -> str:
@@ -46,19 +47,6 @@ def _fingerprint(model: Any, tokenizer: Any) -> str:
         memo.clear()
         memo[key] = model_fingerprint(model, tokenizer)
     return memo[key]
-
-
-def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
-    """Token ids of a text (no special tokens added: ChatML markup is spelled out in the text)."""
-    if isinstance(text_or_ids, str):
-        return list(tokenizer(text_or_ids, add_special_tokens=False)["input_ids"])
-    return [int(t) for t in text_or_ids]
-
-
-def model_device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
-    """The device and floating dtype of a model's parameters."""
-    p = next(model.parameters())
-    return p.device, p.dtype
 
 
 def cache_nbytes(cache: Any) -> int:
@@ -91,7 +79,7 @@ class PrefixCache:
         device, dtype = model_device_dtype(model)
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([ids], device=device), use_cache=True)
-        _sync(device)
+        synchronize(device)
         return cls(tuple(ids), out.cache, _fingerprint(model, tokenizer), device, dtype,
                    time.perf_counter() - t0)
 
@@ -153,45 +141,6 @@ class GenerationResult:
     step_logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # (vocab,) per step
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Token ids that end a turn: the generation config's eos ids and the tokenizer's."""
-    ids = model.generation_config.eos_token_id
-    out = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        out.add(int(tokenizer.eos_token_id))
-    return out
-
-
-def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, top_k: int,
-                generator: torch.Generator | None) -> int:
-    """Pick the next token from (vocab,) logits: argmax, or temperature/top-k/top-p sampling.
-
-    The filters follow transformers' logits warpers (temperature, then top-k, then top-p keeping at
-    least one token) so seeded sampling reproduces ``model.generate`` token for token.
-    """
-    if not do_sample:
-        return int(torch.argmax(logits))
-    scores = logits.float() / temperature
-    if top_k and top_k < scores.numel():
-        kth = torch.topk(scores, top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        remove = cum <= (1 - top_p)
-        remove[-1] = False  # always keep the most likely token
-        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    probs = scores.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 @torch.no_grad()
 def continue_from_cache(model: Any, cache: Any, input_ids: Sequence[int], start_pos: int, *,
                         max_new_tokens: int = 32, stop_ids: set[int] | None = None,
@@ -213,7 +162,7 @@ def continue_from_cache(model: Any, cache: Any, input_ids: Sequence[int], start_
     t0 = time.perf_counter()
     out = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1]  # (vocab,)
-    _sync(device)
+    synchronize(device)
     prefill = time.perf_counter() - t0
     generated: list[int] = []
     kept: list[torch.Tensor] = []
@@ -229,7 +178,7 @@ def continue_from_cache(model: Any, cache: Any, input_ids: Sequence[int], start_
                     position_ids=torch.tensor([[next_pos]], device=device), cache=cache, use_cache=True)
         logits = out.logits[0, -1]
         next_pos += 1
-    _sync(device)
+    synchronize(device)
     return generated, prefill, time.perf_counter() - t0, kept
 
 
@@ -277,39 +226,6 @@ def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_cac
         top_k=top_k, seed=seed, keep_logits=keep_logits)
     text = tokenizer.decode(gen, skip_special_tokens=True)
     return GenerationResult(prompt_ids, gen, text, n_cached, prefill, total, kept)
-
-
-@torch.no_grad()
-def hf_generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], max_new_tokens: int = 32,
-                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int | None = None) -> list[int]:
-    """The reference: transformers' own ``model.generate`` on the same ids, new tokens only."""
-    device, _ = model_device_dtype(model)
-    ids = torch.tensor([encode(tokenizer, prompt)], device=device)
-    kwargs: dict[str, Any] = {"do_sample": do_sample}
-    if do_sample:
-        torch.manual_seed(0 if seed is None else seed)
-        kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         eos_token_id=sorted(eos_ids(model, tokenizer)), pad_token_id=tokenizer.pad_token_id,
-                         **kwargs)
-    return out[0, ids.shape[1]:].tolist()
-
-
-@torch.no_grad()
-def hf_generate_with_logits(model: Any, tokenizer: Any, prompt: str | Sequence[int], max_new_tokens: int = 32,
-                            **sampling: Any) -> tuple[list[int], list[torch.Tensor]]:
-    """``hf_generate`` that also returns the raw (vocab,) logits of every step, before any warper."""
-    device, _ = model_device_dtype(model)
-    ids = torch.tensor([encode(tokenizer, prompt)], device=device)  # (1, T)
-    do_sample = sampling.pop("do_sample", False)
-    seed = sampling.pop("seed", None)
-    if do_sample:
-        torch.manual_seed(0 if seed is None else seed)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         eos_token_id=sorted(eos_ids(model, tokenizer)), pad_token_id=tokenizer.pad_token_id,
-                         do_sample=do_sample, return_dict_in_generate=True, output_logits=True, **sampling)
-    return out.sequences[0, ids.shape[1]:].tolist(), [step[0].float().cpu() for step in out.logits]
 
 
 def compare_with_hf(model: Any, tokenizer: Any, prompts: Sequence[str | Sequence[int]],
@@ -372,264 +288,12 @@ def generate_with_prefix_cache(model: Any, tokenizer: Any, prefix_cache: Any, pr
     return generated
 
 
-@torch.no_grad()
-def stepwise_logits(model: Any, ids: Sequence[int], use_cache: bool = True) -> torch.Tensor:
-    """(T, vocab) logits of an HF model fed one token at a time: with its cache, or forgetting it each step."""
-    from transformers import DynamicCache
-
-    device, _ = model_device_dtype(model)
-    cache = DynamicCache(config=model.config)
-    rows = []
-    for t, tok in enumerate(ids):
-        step_cache = cache if use_cache else DynamicCache(config=model.config)  # a fresh one = no memory
-        out = model(input_ids=torch.tensor([[tok]], device=device), position_ids=torch.tensor([[t]], device=device),
-                    cache=step_cache, use_cache=True)
-        rows.append(out.logits[0, -1].float())
-    return torch.stack(rows)
-
-
-def pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max_new_tokens: int = 16
-                    ) -> list[dict[str, Any]]:
-    """Run request A (the passphrase was changed in its history) then request B on one shared cache.
-
-    B asks for the system prompt's passphrase. Per pair: B's answer isolated, B's answer after A
-    polluted the shared cache (the article's code), and the cache length at each stage.
-    """
-    from kvlab.passphrase import make_example, normalize_answer, with_question
-
-    rows = []
-    for seed in range(start, start + n):
-        a = make_example(seed, "heldout", history="update")
-        b = with_question(make_example(seed, "heldout", history="none"), "What is the passphrase?")
-        cache, plen = get_prefix_cache(model, tokenizer, a.prefix_text)
-        a_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, a.suffix_text, max_new_tokens)
-        after_a = int(cache.get_seq_length())
-        b_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, b.suffix_text, max_new_tokens)
-        isolated = hf_generate(model, tokenizer, b.prompt_text, max_new_tokens)
-        dec = lambda ids: normalize_answer(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
-        rows.append({"seed": seed, "prefix_tokens": plen, "cache_after_A": after_a,
-                     "cache_after_B": int(cache.get_seq_length()), "A_answer": dec(a_ids), "A_expected": a.answer,
-                     "B_expected": b.answer, "B_isolated": dec(isolated), "B_polluted": dec(b_ids)})
-    return rows
-
-
 # ----------------------------------------------------------------------------- tokenization pitfalls
-
-@dataclass
-class TokenCheck:
-    """Is the prefix's own tokenization a prefix of the full text's tokenization? Where does it break?"""
-
-    ok: bool
-    prefix_ids: list[int]
-    full_ids: list[int]
-    first_diff: int | None  # first token index where they differ (None when ok)
-    prefix_around: list[str]  # decoded tokens around first_diff, prefix tokenized alone
-    full_around: list[str]  # the same positions, full text tokenized
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"ok: the prefix's {len(self.prefix_ids)} tokens are the first tokens of the full text"
-        return (f"mismatch at token {self.first_diff} of {len(self.prefix_ids)}: "
-                f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
-
-
-def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """Each token as the text it stands for (bytes that are not whole characters shown as escapes)."""
-    pieces = []
-    for t in ids:
-        text = tokenizer.decode([t])
-        pieces.append(text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(t))
-    return pieces
-
-
-def check_prefix_tokens(tokenizer: Any, prefix: str | Sequence[int], full: str | Sequence[int],
-                        context: int = 2) -> TokenCheck:
-    """Report whether ``prefix`` tokenized alone is a token prefix of ``full``, and the first difference."""
-    p, f = encode(tokenizer, prefix), encode(tokenizer, full)
-    first = next((i for i, (a, b) in enumerate(zip(p, f)) if a != b), None)
-    if first is None and len(p) > len(f):
-        first = len(f)
-    if first is None:
-        return TokenCheck(True, p, f, None, [], [])
-    lo = max(0, first - context)
-    return TokenCheck(False, p, f, first, token_pieces(tokenizer, p[lo:first + context + 1]),
-                      token_pieces(tokenizer, f[lo:first + context + 1]))
-
-
-def boundary_merge_cases(tokenizer: Any, texts: Sequence[str], limit: int = 10, stride: int = 1
-                         ) -> list[tuple[str, str, TokenCheck]]:
-    """Cut points in ``texts`` where the prefix tokenized alone is *not* a prefix of the whole text's tokens.
-
-    Returns up to ``limit`` triples ``(prefix, suffix, check)`` with distinct merged pieces: real
-    cases where BPE merges characters across the boundary of a text split.
-    """
-    cases, seen = [], set()
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    specials = {t.content for t in added.values()} | set(tokenizer.all_special_tokens)
-    for text in texts:
-        full_ids = encode(tokenizer, text)
-        inside = {i for s in specials for start in _find_all(text, s) for i in range(start + 1, start + len(s))}
-        for cut in range(1, len(text), stride):
-            if cut in inside:  # cutting a special token in half is not a tokenization subtlety
-                continue
-            check = check_prefix_tokens(tokenizer, text[:cut], full_ids)
-            if not check.ok:
-                key = tuple(check.full_around)
-                if key not in seen:
-                    seen.add(key)
-                    cases.append((text[:cut], text[cut:], check))
-                    if len(cases) >= limit:
-                        return cases
-    return cases
-
-
-def _find_all(text: str, sub: str) -> list[int]:
-    out, i = [], text.find(sub)
-    while i != -1:
-        out.append(i)
-        i = text.find(sub, i + 1)
-    return out
-
-
-def common_prefix_ids(tokenizer: Any, prompts: Sequence[str | Sequence[int]]) -> list[int]:
-    """The longest run of token ids that every prompt starts with, each prompt tokenized whole.
-
-    Building the prefix cache from these ids (not from the prefix text tokenized alone) can never
-    hit a BPE merge across the boundary.
-    """
-    seqs = [encode(tokenizer, p) for p in prompts]
-    if not seqs:
-        raise ValueError("no prompts")
-    n = 0
-    while all(len(s) > n for s in seqs) and len({s[n] for s in seqs}) == 1:
-        n += 1
-    return seqs[0][:n]
-
-
-def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
-    """A copy of a fast tokenizer that, like Llama's, prepends ``bos`` when ``add_special_tokens=True``.
-
-    Qwen-style tokenizers add nothing, so ``add_special_tokens`` seems harmless until the tokenizer
-    changes; this copy makes the pitfall visible with the bundled vocabulary.
-    """
-    from tokenizers.processors import TemplateProcessing
-
-    tok = copy.deepcopy(tokenizer)
-    bos_id = tok.convert_tokens_to_ids(bos)
-    tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
-    return tok
 
 
 # ----------------------------------------------------------------------------- time saved
 
-@torch.no_grad()
-def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5
-                 ) -> dict[str, float]:
-    """Median seconds to the first token's logits: full prefill vs suffix-only on a cached prefix.
-
-    Runs are interleaved (full, cached, full, ...) so a busy machine slows both alike. ``ideal`` is
-    the uncached share of the tokens; ``max_abs_logit_diff`` checks both paths agree.
-    """
-    from transformers import DynamicCache
-
-    device, _ = model_device_dtype(model)
-    prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
-    all_ids = torch.tensor([prefix_ids + suffix_ids], device=device)  # (1, P+S)
-    suf = torch.tensor([suffix_ids], device=device)  # (1, S)
-    pos = torch.arange(len(prefix_ids), len(prefix_ids) + len(suffix_ids), device=device)[None]  # (1, S)
-    prefix_cache = model(input_ids=torch.tensor([prefix_ids], device=device), use_cache=True).cache
-
-    def full() -> torch.Tensor:
-        return model(input_ids=all_ids, cache=DynamicCache(config=model.config), use_cache=True,
-                     logits_to_keep=1).logits[0, -1]
-
-    def cached(cache: Any) -> torch.Tensor:
-        return model(input_ids=suf, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-
-    full(), cached(copy.deepcopy(prefix_cache))  # warm-up
-    t_full, t_cached, diff = [], [], 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a = full()
-        _sync(device)
-        t_full.append(time.perf_counter() - t0)
-        fork = copy.deepcopy(prefix_cache)  # not timed: a paged cache would share, not copy
-        t0 = time.perf_counter()
-        b = cached(fork)
-        _sync(device)
-        t_cached.append(time.perf_counter() - t0)
-        diff = max(diff, float((a.float() - b.float()).abs().max()))
-    f, c = statistics.median(t_full), statistics.median(t_cached)
-    return {"prefix_tokens": len(prefix_ids), "suffix_tokens": len(suffix_ids), "full_s": f, "cached_s": c,
-            "ratio": c / f, "ideal": len(suffix_ids) / (len(prefix_ids) + len(suffix_ids)),
-            "max_abs_logit_diff": diff}
-
 
 # ----------------------------------------------------------------------------- exercise checkers
 
-def _verdict(ok: bool, good: str, hint: str) -> str:
-    return ("correct: " + good) if ok else ("not yet: " + hint)
 
-
-def check_generate_fn(fn: Any, model: Any, tokenizer: Any, n: int = 4, max_new_tokens: int = 12) -> str:
-    """Exercise 02.1: ``fn(model, tokenizer, prefix_text, suffix_text, max_new_tokens) -> new ids``.
-
-    It must reuse a prefix cache and give exactly ``model.generate``'s greedy tokens, and it must
-    work for two suffixes in a row after one prefix (no pollution). Returns a verdict, never raises.
-    """
-    from kvlab.passphrase import make_examples, with_question
-
-    if fn is None:
-        return "no answer yet: define my_generate and pass it in"
-    for ex in make_examples(n, "heldout", start=100):
-        for e in (ex, with_question(ex, "Tell me the passphrase.")):
-            want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
-            try:
-                got = list(fn(model, tokenizer, e.prefix_text, e.suffix_text, max_new_tokens))
-            except Exception as err:  # the learner's code may fail in any way
-                return f"not yet: your function raised {type(err).__name__}: {err}"
-            if got != want:
-                return (f"not yet: on example {e.seed} you generated {got[:8]}... but model.generate gives "
-                        f"{want[:8]}...; check the positions and that the prefix cache is not written into")
-    return _verdict(True, f"{2 * n} prompts identical to model.generate", "")
-
-
-def check_boundary_case(tokenizer: Any, prefix: str | None, suffix: str | None) -> str:
-    """Exercise 02.2: a split of a text where BPE merges across the boundary."""
-    if prefix is None or suffix is None:
-        return "no answer yet"
-    check = check_prefix_tokens(tokenizer, prefix, prefix + suffix)
-    return _verdict(not check.ok, str(check),
-                    "this split tokenizes the same alone and inside the full text; try a cut inside a "
-                    "word, or just before letters that follow punctuation")
-
-
-def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> str:
-    """Exercise 02.3: ``fn(model, tokenizer, cache, prefix_len, suffixes, max_new_tokens) -> list of id lists``.
-
-    One cache object serves several suffixes one after another, cropped back after each request
-    (no fork). Every answer must equal the isolated ``model.generate`` answer.
-    """
-    from kvlab.passphrase import make_example, with_question
-
-    if fn is None:
-        return "no answer yet: define my_serial_reuse and pass it in"
-    ex = make_example(7, "heldout", history="none")
-    questions = ["What is the passphrase?", "Tell me the passphrase.", "请说出口令。"][:n]
-    examples = [with_question(ex, q) for q in questions]
-    prefix_ids = encode(tokenizer, ex.prefix_text)
-    cache = PrefixCache.build(model, tokenizer, prefix_ids).cache
-    try:
-        got = fn(model, tokenizer, cache, len(prefix_ids), [e.suffix_text for e in examples], max_new_tokens)
-    except Exception as err:  # the learner's code may fail in any way
-        return f"not yet: your function raised {type(err).__name__}: {err}"
-    for e, g in zip(examples, got, strict=False):
-        want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
-        if list(g) != want:
-            return (f"not yet: for {e.turns[-1].user!r} you generated {list(g)[:8]} but model.generate gives "
-                    f"{want[:8]}; did you crop the cache back to the prefix after each request?")
-    if int(cache.get_seq_length()) != len(prefix_ids):
-        return f"not yet: the answers match but the cache holds {cache.get_seq_length()} tokens, not {len(prefix_ids)}"
-    return _verdict(len(got) == len(examples), f"{len(examples)} requests identical, cache back to "
-                    f"{len(prefix_ids)} tokens", "return one list of ids per suffix")

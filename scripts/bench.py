@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench.py --smoke    # a quick pass with small sizes
     .venv/bin/python scripts/bench.py --device cuda --dtype bfloat16 --layers 24
 
-One run measures, with repetitions interleaved and medians kept (``kvlab.prefix_bench``):
+One run measures, with repetitions interleaved and medians kept (``kvlab.lessons.bench``):
 
 * TTFT shared / isolated for kvlab, beside the ideal (uncached tokens / all tokens) and beside the same
   ratio for HF manual reuse and HF ``generate_batch`` (block sharing on / off);
@@ -30,9 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab import prefix_bench as B  # noqa: E402
-from kvlab.models import resolve_device  # noqa: E402
-from kvlab.named_workloads import ideal_prefill_fraction, sys512  # noqa: E402
+from kvlab.engine.models import random_model, resolve_device  # noqa: E402
+from kvlab.lessons import bench as B  # noqa: E402
+from kvlab.lessons.workloads import ideal_prefill_fraction, sys512  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    model = B.realistic_model(args.config, num_layers=args.layers, device=device, dtype=args.dtype)
+    model = random_model(args.config, num_layers=args.layers, stop_at_eos=False, device=device, dtype=args.dtype)
     wl = sys512(model.config.vocab_size, num_requests=args.requests, prefix_tokens=args.prefix,
                 suffix_tokens=args.suffix, max_tokens=args.new_tokens)
     print(f"{wl.name}: {len(wl)} requests x ({args.prefix} + {args.suffix}) tokens, {args.new_tokens} new; "

@@ -1,6 +1,6 @@
 """Benchmark the pure-Python block manager on a realistic trace; print blocks/s, write JSON.
 
-The trace (``kvlab.workloads.realistic_trace``): a few shared system prompts of 100-1000 tokens,
+The trace (``kvlab.lessons.traces.realistic_trace``): a few shared system prompts of 100-1000 tokens,
 conversations of 1-4 growing turns, decode writes every output token, and a pool small enough to
 evict. Block operations = full blocks hashed (looked up or registered) + blocks taken + blocks hit.
 Ratios (sha256 vs Python's hash, caching off) come from the same run; the median of --reps is kept.
@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlab.block_manager import BlockManager  # noqa: E402
-from kvlab.hashing import builtin_hash, hash_block  # noqa: E402
-from kvlab.workloads import realistic_trace, replay  # noqa: E402
+from kvlab.cache.block_manager import BlockManager  # noqa: E402
+from kvlab.cache.hashing import builtin_hash, hash_block  # noqa: E402
+from kvlab.lessons.traces import realistic_trace, replay  # noqa: E402
 
 
 def run(requests, num_blocks, block_size, max_running, reps, **kw) -> dict:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlab import passphrase as P  # noqa: E402
-from kvlab.evaluation import evaluate  # noqa: E402
-from kvlab.models import BUNDLED_MODEL, load_model  # noqa: E402
+from kvlab.engine.models import BUNDLED_MODEL, load_model  # noqa: E402
+from kvlab.lessons import passphrase as P  # noqa: E402
+from kvlab.lessons.nb00_passphrase import evaluate  # noqa: E402
 
 MARK = "## Measured by scripts/evaluate_passphrase_model.py"
 

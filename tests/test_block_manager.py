@@ -5,14 +5,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab.block_manager import (
-    BlockManager,
-    DuplicateSequenceError,
-    NoFreeBlocksError,
-    UnknownSequenceError,
-)
-from kvlab.block_pool import InvariantError
-from kvlab.hashing import hash_block
+from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, NoFreeBlocksError, UnknownSequenceError
+from kvlab.cache.block_pool import InvariantError
+from kvlab.cache.hashing import hash_block
 
 SYS = list(range(100, 112))  # a 12-token "system prompt"
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvlab.block_pool import BlockPool, InvariantError, NoFreeBlocksError
-from kvlab.hashing import hash_block
+from kvlab.cache.block_pool import BlockPool, InvariantError, NoFreeBlocksError
+from kvlab.cache.hashing import hash_block
 
 
 def full(pool, owner, tokens, parent=None, parent_serial=0):

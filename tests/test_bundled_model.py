@@ -1,7 +1,7 @@
 """The committed model must actually do the task the series relies on (a fast, small sample)."""
 
-from kvlab import passphrase as P
-from kvlab.evaluation import evaluate
+from kvlab.lessons import passphrase as P
+from kvlab.lessons.nb00_passphrase import evaluate
 
 
 def test_recall_on_heldout_sample_and_swapped_prefix(bundled):

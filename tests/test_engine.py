@@ -1,7 +1,7 @@
 """The paged engine against transformers' ``generate``: token-identical under batching, caching, preemption.
 
 The passphrase workload is 200 prompts (40 system prompts x 5 questions, shuffled) submitted at once;
-greedy float32 outputs must equal ``kvlab.prefix.hf_generate`` token for token with prefix caching on
+greedy float32 outputs must equal ``kvlab.engine.reference.hf_generate`` token for token with prefix caching on
 and off and in a pool so small that sequences are preempted and recomputed. The same holds on
 random-initialised tiny models of four architectures. ``debug=True`` runs ``check_invariants()``
 after every step; after the last request, no block may be referenced.
@@ -12,9 +12,10 @@ import random
 import pytest
 import torch
 
-from kvlab import passphrase as P
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
-from kvlab.prefix import encode, hf_generate
+from kvlab.engine.models import encode
+from kvlab.engine.reference import hf_generate
+from kvlab.lessons import passphrase as P
 
 MAX_NEW = 10
 

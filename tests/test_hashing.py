@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.hashing import (
+from kvlab.cache.hashing import (
     NONE_HASH,
     builtin_hash,
     first_block_extra_keys,

@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from kvlab.attention import random_model
-from kvlab.models import BUNDLED_MODEL, CONFIGS_DIR, kv_bytes_per_token, kv_shape, load_model, load_public_config
+from kvlab.engine.models import (
+    BUNDLED_MODEL,
+    CONFIGS_DIR,
+    kv_bytes_per_token,
+    kv_shape,
+    load_model,
+    load_public_config,
+    random_model,
+)
 from kvlab.prefix import cache_nbytes
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlab.kv_store import PagedKVStore
+from kvlab.engine.kv_store import PagedKVStore
 
 
 def _store(**kw):
@@ -61,7 +61,7 @@ def test_sizes_and_dtype():
 def test_for_model_matches_config():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from kvlab.models import kv_bytes_per_token
+    from kvlab.engine.models import kv_bytes_per_token
 
     cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64)

@@ -1,8 +1,15 @@
 import pytest
 import torch
 
-from kvlab import passphrase as P
-from kvlab.models import BUNDLED_MODEL, kv_bytes_per_token, load_model, model_fingerprint, resolve_device, resolve_dtype
+from kvlab.engine.models import (
+    BUNDLED_MODEL,
+    kv_bytes_per_token,
+    load_model,
+    model_fingerprint,
+    resolve_device,
+    resolve_dtype,
+)
+from kvlab.lessons import passphrase as P
 
 
 def test_default_loads_the_bundled_model_offline(bundled):

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvlab.kv_store import PagedKVStore
-from kvlab.paged_attention import ATTN_NAME, build_batch, paged_attention, paged_attention_forward
+from kvlab.engine.kv_store import PagedKVStore
+from kvlab.engine.paged_attention import ATTN_NAME, build_batch, paged_attention, paged_attention_forward
 
 BS, KVH, H, D = 4, 2, 4, 8
 
@@ -105,7 +105,7 @@ def test_hf_model_runs_on_paged_cache_in_two_chunks():
 
 
 def test_grouping_bounds_padding_and_keeps_every_sequence_once():
-    from kvlab.paged_attention import group_by_query_length
+    from kvlab.engine.paged_attention import group_by_query_length
 
     lengths = [544] + [32] * 15 + [1] * 7 + [40, 33, 200]
     groups = group_by_query_length(lengths)

@@ -1,6 +1,6 @@
 import pytest
 
-from kvlab import passphrase as P
+from kvlab.lessons import passphrase as P
 
 
 def test_examples_are_a_pure_function_of_split_and_seed():

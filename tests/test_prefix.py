@@ -10,28 +10,28 @@ import copy
 import pytest
 import torch
 
-from kvlab import passphrase as P
-from kvlab.models import BUNDLED_MODEL, load_model
-from kvlab.prefix import (
-    PrefixCache,
-    PrefixMismatchError,
+from kvlab.engine.models import BUNDLED_MODEL, encode, eos_ids, load_model
+from kvlab.engine.reference import hf_generate
+from kvlab.lessons import passphrase as P
+from kvlab.lessons.common import time_prefill
+from kvlab.lessons.nb02_prefix import (
     boundary_merge_cases,
-    cache_nbytes,
     check_boundary_case,
     check_crop_reuse,
     check_generate_fn,
     check_prefix_tokens,
     common_prefix_ids,
+    with_bos_tokenizer,
+)
+from kvlab.prefix import (
+    PrefixCache,
+    PrefixMismatchError,
+    cache_nbytes,
     compare_with_hf,
     continue_from_cache,
-    encode,
-    eos_ids,
     generate,
     generate_with_prefix_cache,
     get_prefix_cache,
-    hf_generate,
-    time_prefill,
-    with_bos_tokenizer,
 )
 
 TRANSLATE_ZH = "你是一个专业的翻译助手，请将以下内容翻译成英文："

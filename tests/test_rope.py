@@ -1,12 +1,12 @@
-"""kvlab.rope against transformers' RoPE, re-rotation, and notebook 03's experiment functions."""
+"""kvlab.lessons.rope against transformers' RoPE, re-rotation, and notebook 03's experiment functions."""
 
 
 import pytest
 import torch
 
-from kvlab import passphrase as P
-from kvlab import position_experiments as X
-from kvlab import rope
+from kvlab.lessons import nb03_position as X
+from kvlab.lessons import passphrase as P
+from kvlab.lessons import rope
 
 
 def tiny_qwen2(theta=10000.0, head_dim=16, layers=2):

@@ -13,11 +13,11 @@ import random
 import pytest
 import torch
 
-from kvlab import security as S
-from kvlab.block_manager import BlockManager
+from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.hashing import block_extra_keys, first_block_extra_keys
 from kvlab.engine import Engine, SamplingParams
-from kvlab.hashing import block_extra_keys, first_block_extra_keys
-from kvlab.tenants import public_prefix_length, tenant_salt
+from kvlab.engine.tenants import public_prefix_length, tenant_salt
+from kvlab.lessons import nb07_security as S
 
 BS = 16
 

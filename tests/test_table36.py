@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from kvlab import named_workloads as W
-from kvlab import table36 as T
-from kvlab.models import BUNDLED_MODEL
+from kvlab.engine.models import BUNDLED_MODEL
+from kvlab.lessons import nb05_table36 as T
+from kvlab.lessons import workloads as W
 
 BLOCK = 16
 
@@ -132,7 +132,7 @@ def test_checkers(capsys):
 def test_bench_core_on_a_tiny_model():
     import transformers
 
-    from kvlab import prefix_bench as B
+    from kvlab.lessons import bench as B
 
     cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)

@@ -1,4 +1,4 @@
-"""kvlab.vllm_bridge: the error path and the JSON parsing always run; the real vLLM comparison runs
+"""kvlab.vllm.bridge: the error path and the JSON parsing always run; the real vLLM comparison runs
 when the vLLM venv exists (``make vllm-env``) and is skipped with the reason otherwise."""
 
 import json
@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import vllm_bridge as vb
+from kvlab.lessons.nb06_vllm import (
+    bench_block_pools,
+    check_cached_tokens,
+    check_ttft_ideal,
+    compare_runs,
+    divergence_rows,
+    feature_table,
+    first_difference,
+    hit_rate,
+    ttft_rows,
+)
+from kvlab.vllm import bridge as vb
 
 # --- always: no vLLM needed ----------------------------------------------------------------------
 
@@ -54,7 +65,7 @@ def test_parse_result_ok():
     payload = {"output_ids": [[5, 6]], "num_cached_tokens": [32], "prefix_cache": {"queries": 70, "hits": 32},
                "timings": {"startup_s": 1.0, "cold_s": 0.1}}
     res = vb.parse_result(json.dumps(payload))
-    assert res == payload and vb.hit_rate(res) == pytest.approx(32 / 70)
+    assert res == payload and hit_rate(res) == pytest.approx(32 / 70)
 
 
 def test_bad_arguments_fail_before_starting_anything(tmp_path):
@@ -69,42 +80,42 @@ def test_bad_arguments_fail_before_starting_anything(tmp_path):
 def test_compare_rows_and_first_difference():
     k = {"output_ids": [[1, 2, 3], [4]], "num_cached_tokens": [0, 32]}
     v = {"output_ids": [[1, 2, 3], [5]], "num_cached_tokens": [0, 32]}
-    rows = vb.compare_runs([[0] * 40, [0] * 40], k, v, hf=[[1, 2, 3], [4]])
+    rows = compare_runs([[0] * 40, [0] * 40], k, v, hf=[[1, 2, 3], [4]])
     assert [r["kvlab_eq_vllm"] for r in rows] == [True, False]
     assert all(r["cached_equal"] for r in rows) and rows[1]["kvlab_eq_hf"] and not rows[1]["vllm_eq_hf"]
-    assert vb.first_difference([1, 2, 3], [1, 2, 4]) == 2
-    assert vb.first_difference([1, 2], [1, 2, 3]) == 2
-    assert vb.first_difference([1, 2], [1, 2]) is None
+    assert first_difference([1, 2, 3], [1, 2, 4]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([1, 2], [1, 2]) is None
 
 
 def test_kvlab_side_of_the_block_pool_bench_runs_alone():
-    from kvlab.workloads import shared_prefix_trace
+    from kvlab.lessons.traces import shared_prefix_trace
 
     trace = shared_prefix_trace(12, prefix_lens=(64, 96), suffix_len=(4, 20), output_len=(2, 8), seed=1)
-    res = vb.bench_block_pools(trace, {"small": 64}, block_size=32, reps=1, vllm=False)["small"]
+    res = bench_block_pools(trace, {"small": 64}, block_size=32, reps=1, vllm=False)["small"]
     assert res["vllm"] is None and res["kvlab"]["blocks_per_s"] > 0 and 0 < res["kvlab"]["hit_rate"] < 1
     # kvlab with vLLM's free order: still a valid replay, and the pool's own code is restored after it
-    from kvlab.block_pool import BlockPool
+    from kvlab.cache.block_pool import BlockPool
 
     release = BlockPool.release
-    again = vb.bench_block_pools(trace, {"small": 64}, block_size=32, reps=1, vllm=False, free_order="vllm")["small"]
+    again = bench_block_pools(trace, {"small": 64}, block_size=32, reps=1, vllm=False, free_order="vllm")["small"]
     assert BlockPool.release is release and again["kvlab"]["query_tokens"] == res["kvlab"]["query_tokens"]
 
 
 def test_tables_and_checkers():
     res = {"ttft": {"uncached_s": 0.2, "cached_s": 0.05, "num_cached_tokens": [128, 128]}}
-    (row,) = vb.ttft_rows({"kvlab": res, "vLLM": None}, prompt_tokens=160)
+    (row,) = ttft_rows({"kvlab": res, "vLLM": None}, prompt_tokens=160)
     assert row["ratio cached/uncached"] == pytest.approx(0.25) and row["ideal ratio"] == pytest.approx(32 / 160)
-    rows = vb.divergence_rows([[1, 2, 3], [4, 5]], {"a": [[1, 2, 3], [4, 6]], "b": None}, margins=[[5, 5, 5], [3, 0.01]])
+    rows = divergence_rows([[1, 2, 3], [4, 5]], {"a": [[1, 2, 3], [4, 6]], "b": None}, margins=[[5, 5, 5], [3, 0.01]])
     assert [r["first difference at"] for r in rows] == [None, 1] and rows[1]["fp32 margin there"] == 0.01
-    assert vb.check_cached_tokens(192, prompt_tokens=250, shared_tokens=200, block_size=32)
-    assert not vb.check_cached_tokens(200, prompt_tokens=250, shared_tokens=200, block_size=32)
-    assert vb.check_cached_tokens(224, prompt_tokens=250, shared_tokens=250, block_size=32)  # last token recomputed
-    assert vb.check_ttft_ideal(0.2, 160, 128) and not vb.check_ttft_ideal(None, 160, 128)
+    assert check_cached_tokens(192, prompt_tokens=250, shared_tokens=200, block_size=32)
+    assert not check_cached_tokens(200, prompt_tokens=250, shared_tokens=200, block_size=32)
+    assert check_cached_tokens(224, prompt_tokens=250, shared_tokens=250, block_size=32)  # last token recomputed
+    assert check_ttft_ideal(0.2, 160, 128) and not check_ttft_ideal(None, 160, 128)
 
 
 def test_feature_table_names_both_sides():
-    table = vb.feature_table()
+    table = feature_table()
     assert list(table.columns) == ["feature", "vLLM", "kvlab"]
     assert (table["vLLM"] == "no").any() and (table["kvlab"] == "no").any()
 
@@ -119,9 +130,9 @@ needs_vllm = pytest.mark.skipif(not STATUS.available, reason="vLLM is optional (
 @needs_vllm
 def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
     """A small shared-prefix workload: identical greedy tokens, cached-token counts and hit rate."""
-    from kvlab import passphrase as P
-    from kvlab.models import BUNDLED_MODEL
-    from kvlab.prefix import eos_ids, hf_generate
+    from kvlab.engine.models import BUNDLED_MODEL, eos_ids
+    from kvlab.engine.reference import hf_generate
+    from kvlab.lessons import passphrase as P
 
     model, tok = bundled
     base = P.make_example(7, "heldout", n_filler=12, lang="en", history="none")
@@ -140,15 +151,15 @@ def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
 
 @needs_vllm
 def test_vllm_block_pool_replays_the_same_trace():
-    from kvlab.workloads import realistic_trace, shared_prefix_trace
+    from kvlab.lessons.traces import realistic_trace, shared_prefix_trace
 
     trace = shared_prefix_trace(16, prefix_lens=(64, 160), suffix_len=(4, 40), output_len=(2, 40), seed=2)
-    res = vb.bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1)["ample"]
+    res = bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1)["ample"]
     assert res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
     assert res["vllm"]["blocks_per_s"] > 0
     # under eviction the two agree once kvlab reuses never-hittable tail blocks first, as vLLM does
     trace = realistic_trace(30, seed=1)
-    res = vb.bench_block_pools(trace, {"tight": 120}, block_size=32, reps=1, free_order="vllm")["tight"]
+    res = bench_block_pools(trace, {"tight": 120}, block_size=32, reps=1, free_order="vllm")["tight"]
     assert res["kvlab"]["evictions"] > 0 and res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
 
 

@@ -8,8 +8,10 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from kvlab import block_exercises, viz_blocks, workloads  # noqa: E402
-from kvlab.block_manager import BlockManager  # noqa: E402
+from kvlab.cache.block_manager import BlockManager  # noqa: E402
+from kvlab.lessons import nb04_blocks as block_exercises  # noqa: E402
+from kvlab.lessons import nb04_blocks as viz_blocks
+from kvlab.lessons import traces as workloads
 
 
 def test_replay_frees_everything_and_counts_every_token():

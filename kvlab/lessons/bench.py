@@ -32,22 +32,12 @@ from typing import Any
 import torch
 
 from kvlab.engine import Engine, SamplingParams
-from kvlab.named_workloads import Workload, ideal_prefill_fraction, sys512
-from kvlab.prefix import _sync, continue_from_cache, model_device_dtype
+from kvlab.engine.models import model_device_dtype, synchronize
+from kvlab.lessons.workloads import Workload, ideal_prefill_fraction, sys512
+from kvlab.prefix import continue_from_cache
 
 __all__ = ["SYSTEMS", "fig_sweep", "fig_sys512", "goals", "kv_ideal_bytes", "measure_sys512", "prefill_padding", "ratios",
-           "realistic_model", "run_generate_batch", "run_hf_generate", "run_hf_manual", "run_kvlab", "sweep"]
-
-
-def realistic_model(config_name: str = "Qwen2.5-0.5B-Instruct", num_layers: int | None = None, seed: int = 0,
-                    device: str | torch.device = "auto", dtype: str | torch.dtype = "float32") -> Any:
-    """A random-initialised model of a public config's shape that never stops early (no eos)."""
-    from kvlab.attention import random_model
-
-    model = random_model(config_name, num_layers=num_layers, seed=seed, device=device, dtype=dtype)
-    model.generation_config.eos_token_id = None  # every request generates exactly max_tokens
-    model.generation_config.pad_token_id = 0
-    return model
+           "run_generate_batch", "run_hf_generate", "run_hf_manual", "run_kvlab", "sweep"]
 
 
 def _result(system: str, mode: str, ttfts: Sequence[float], wall: float, outputs: list[list[int]],
@@ -68,7 +58,7 @@ def run_kvlab(model: Any, workload: Workload, caching: bool, block_size: int = 1
     device, _ = model_device_dtype(model)
     t0 = time.perf_counter()
     outs = engine.generate(workload.prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-    _sync(device)
+    synchronize(device)
     wall = time.perf_counter() - t0
     return _result("kvlab", "shared" if caching else "isolated", [o.ttft for o in outs], wall,
                    [o.output_ids for o in outs], peak_kv_bytes=engine.peak_kv_bytes,
@@ -108,7 +98,7 @@ def run_hf_generate(model: Any, workload: Workload, batched: bool) -> dict[str, 
                              do_sample=False, streamer=clock, pad_token_id=0)
         ttfts += [clock.first - start] * len(group)
         outputs += out[:, ids.shape[1]:].tolist()
-    _sync(device)
+    synchronize(device)
     return _result("HF generate (batch)" if batched else "HF generate (one by one)", "isolated", ttfts,
                    time.perf_counter() - t0, outputs)
 
@@ -126,7 +116,7 @@ def run_hf_manual(model: Any, workload: Workload, shared: bool) -> dict[str, Any
     if shared:
         prefix_cache = model(input_ids=torch.tensor([workload.prompts[0][:p]], device=device), use_cache=True,
                              logits_to_keep=1).cache
-        _sync(device)
+        synchronize(device)
         build = time.perf_counter() - t0
     for i, prompt in enumerate(workload.prompts):
         start = time.perf_counter()
@@ -319,7 +309,7 @@ def prefill_padding(workload: Workload, block_size: int = 16) -> dict[str, dict[
     kvlab's paged attention groups a step's prefills by query length (``group_by_query_length``) and
     pads within a group, so this says how much attention work the padding adds, shared and isolated.
     """
-    from kvlab.paged_attention import group_by_query_length
+    from kvlab.engine.paged_attention import group_by_query_length
 
     hits = [0] + [min(workload.shared_prefix_tokens // block_size, (len(p) - 1) // block_size) * block_size
                   for p in workload.prompts[1:]]

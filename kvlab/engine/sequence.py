@@ -14,7 +14,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from kvlab.sampling import SamplingParams
+from .sampling import SamplingParams
 
 __all__ = ["Sequence", "SequenceStatus"]
 

@@ -7,7 +7,7 @@ the *isolated* one (the same prompt computed from scratch, ``kvlab.prefix.genera
    continues at ``len(prefix)`` (a wrong offset), against shifting *every* position by ``s``.
 2. the same function's "restart" row: the suffix restarts at position 0 after the cached prefix.
 3. ``run_overlap`` / ``layer_errors``: the article's group 2, a middle segment whose K/V come from a
-   request that started differently, used as is and with its keys re-rotated (``kvlab.rope.rerotate``).
+   request that started differently, used as is and with its keys re-rotated (``kvlab.lessons.rope.rerotate``).
 4. ``run_group3``: the article's group 3, one system prompt followed by different conversations;
    sharing the prefix only, sharing beyond it, and sharing a cache that a request wrote into.
 5. ``run_left_padding``: a batch of requests on one cached prefix, suffixes left-padded; positions
@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from kvlab import passphrase as P
-from kvlab import rope
-from kvlab.prefix import PrefixCache, continue_from_cache, encode, eos_ids, generate, model_device_dtype
+from kvlab.engine.models import encode, eos_ids, model_device_dtype
+from kvlab.lessons import passphrase as P
+from kvlab.lessons import rope
+from kvlab.prefix import PrefixCache, continue_from_cache, generate
 
 MAX_NEW_TOKENS = 12  # a passphrase is at most ~10 tokens of this tokenizer, then <|im_end|>
 

@@ -26,9 +26,9 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvlab.block_pool import Block, BlockPool, NoFreeBlocksError, check
-from kvlab.hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block
-from kvlab.metrics import PrefixCacheMetrics
+from .block_pool import Block, BlockPool, NoFreeBlocksError, check
+from .hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block
+from .metrics import PrefixCacheMetrics
 
 __all__ = ["AppendResult", "BlockManager", "DuplicateSequenceError", "NoFreeBlocksError",
            "SeqBlocks", "UnknownSequenceError"]

@@ -1,6 +1,6 @@
 """The article's table 3.6, measured: isolated, shared (correct) and shared (wrong) for its three groups.
 
-Every row runs the group's workload (``kvlab.named_workloads.seed_groups``) through kvlab's paged
+Every row runs the group's workload (``kvlab.lessons.workloads.seed_groups``) through kvlab's paged
 engine (``kvlab.engine.Engine``), all requests submitted at once:
 
 * **isolated**: prefix caching off, every request computes its whole prompt;
@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from kvlab import passphrase as P
-from kvlab.block_manager import BlockManager
-from kvlab.block_pool import Block, BlockPool
+from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.block_pool import Block, BlockPool
 from kvlab.engine import Engine, SamplingParams
-from kvlab.named_workloads import GROUP_CONDITIONS, Workload
-from kvlab.paged_attention import build_batch, paged_attention
-from kvlab.position_experiments import token_agreement
+from kvlab.engine.paged_attention import build_batch, paged_attention
+from kvlab.lessons import passphrase as P
+from kvlab.lessons.nb03_position import token_agreement
+from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
 
 __all__ = ["ARTICLE_TABLE_36", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
            "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "content_hash", "content_keyed_engine", "evidence", "fig_table36",
@@ -281,7 +281,7 @@ def _say(ok: bool, good: str, hint: str) -> bool:
 def check_bug_for_group(answer: dict[int, str] | None) -> bool:
     """Exercise 05.1: which decision-table row does each group's bug break? ``{group: row index}``.
 
-    Rows as in ``kvlab.experiments.DECISION_ROWS`` (index from 0).
+    Rows as in ``kvlab.lessons.common.DECISION_ROWS`` (index from 0).
     """
     want = {1: {3}, 2: {1, 6}, 3: {4}}
     if not answer:
@@ -289,7 +289,7 @@ def check_bug_for_group(answer: dict[int, str] | None) -> bool:
     got = {int(k): int(v) for k, v in answer.items()}
     wrong = [g for g in want if got.get(g) not in want[g]]
     return _say(not wrong, "each bug breaks the row its group tests",
-                f"group(s) {wrong}: re-read which condition the bug violates (row texts: kvlab.experiments.DECISION_ROWS)")
+                f"group(s) {wrong}: re-read which condition the bug violates (row texts: kvlab.lessons.common.DECISION_ROWS)")
 
 
 def check_position_fix(engine_cls: type | None, model: Any, tokenizer: Any, workload: Workload,

@@ -10,7 +10,7 @@
 
   Each group is a ``Workload``: token-id prompts in submission order and one metadata dict per prompt
   (``group``, ``seed``, ``role`` "served" or "donor", ``expected`` answer, ...). The wrong ways to
-  share (kvlab.table36) need a little more: group 2's served prompts name their ``donor``; group 3's
+  share (kvlab.lessons.nb05_table36) need a little more: group 2's served prompts name their ``donor``; group 3's
   carry ``beyond_prompt``, B's question appended to A's cached conversation.
 
 * ``sys512(vocab_size)``: the article's headline experiment (section 3.5): 16 requests sharing a
@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab import passphrase as P
+from kvlab.lessons import passphrase as P
 
 __all__ = ["GROUP_CONDITIONS", "Workload", "ideal_prefill_fraction", "seed_groups", "sys512"]
 
@@ -86,7 +86,7 @@ def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int =
 
     ``n`` system prompts (seeds ``start ..``) per group; group 1 asks ``questions`` different questions
     of each. Group 2's donor preamble is a whole number of blocks long, so a cache keyed on block
-    content alone (the bug kvlab.table36 runs) lines B's blocks up with A's.
+    content alone (the bug kvlab.lessons.nb05_table36 runs) lines B's blocks up with A's.
     """
     groups: dict[int, Workload] = {}
     # group 1: one system prompt, several questions; the first questions of every prompt come first

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvlab.block_manager import BlockManager
+from kvlab.cache.block_manager import BlockManager
 
 VOCAB = 32_000
 SYSTEM_PROMPTS = {

@@ -11,12 +11,13 @@ import hashlib
 import json
 import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_MODEL = ROOT / "data" / "models" / "kvlab-passphrase-qwen2"
 CONFIGS_DIR = ROOT / "data" / "configs"
 
@@ -177,3 +178,71 @@ def load_public_config(name: str) -> dict:
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
         raise FileNotFoundError(f"no shipped config {name!r}; known: {known}")
     return json.loads(path.read_text())
+
+
+def random_model(config_name: str, num_layers: int | None = None, hidden_size: int | None = None,
+                 intermediate_size: int | None = None, vocab_size: int | None = None, seed: int = 0,
+                 device: str | torch.device = "auto", dtype: str | torch.dtype = "float32",
+                 stop_at_eos: bool = True) -> Any:
+    """A random-initialised HF causal LM with the shape of a public config in ``data/configs``.
+
+    Shrinking options keep the KV shape (kv heads, head dim) unless told otherwise: a smaller
+    ``hidden_size`` pins ``head_dim`` to the original value. Use ``num_layers`` to make it cheaper,
+    ``vocab_size`` to drop the (large) embedding table when the logits do not matter.
+    ``stop_at_eos=False`` clears the eos id so every request generates exactly ``max_tokens``
+    (what benchmarks want).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = dict(load_public_config(config_name))
+    shape = kv_shape(raw)
+    for key in ("_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype"):
+        raw.pop(key, None)
+    if num_layers is not None:
+        raw["num_hidden_layers"] = num_layers
+    if hidden_size is not None:
+        raw["hidden_size"] = hidden_size
+        raw["head_dim"] = shape["head_dim"]
+    if intermediate_size is not None:
+        raw["intermediate_size"] = intermediate_size
+    if vocab_size is not None:
+        raw["vocab_size"] = vocab_size
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            raw.pop(key, None)
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
+    if not stop_at_eos:
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+    return model.to(resolve_device(device)).eval()
+
+
+
+def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
+    """Token ids of a text (no special tokens added: ChatML markup is spelled out in the text)."""
+    if isinstance(text_or_ids, str):
+        return list(tokenizer(text_or_ids, add_special_tokens=False)["input_ids"])
+    return [int(t) for t in text_or_ids]
+
+
+def model_device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
+    """The device and floating dtype of a model's parameters."""
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Token ids that end a turn: the generation config's eos ids and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    out = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        out.add(int(tokenizer.eos_token_id))
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

@@ -11,7 +11,7 @@ per-request generator seeded from the request's seed, so outputs do not depend o
 
 Tenants: ``add_request(..., tenant="acme")``. Under ``isolation="tenant"`` or ``"public-prefix"`` the
 engine derives the tenant's cache salt from the tenant id and its server ``secret`` (HMAC-SHA256,
-``kvlab.tenants``); a request cannot choose or forge a salt. ``"public-prefix"`` shares the whole blocks
+``kvlab.engine.tenants``); a request cannot choose or forge a salt. ``"public-prefix"`` shares the whole blocks
 of prefixes the operator registered with ``add_public_prefix`` across tenants and salts the rest.
 The raw ``unsafe_salt=`` keyword bypasses the derivation (tests and teaching only: whoever can set
 it can join another tenant's cache).
@@ -35,17 +35,16 @@ from typing import Any
 
 import torch
 
-from kvlab.block_manager import BlockManager
-from kvlab.block_pool import check
-from kvlab.kv_store import PagedKVStore
-from kvlab.models import model_fingerprint
-from kvlab.paged_attention import build_batch, paged_attention
-from kvlab.prefix import encode, eos_ids, model_device_dtype, sample_next
-from kvlab.sampling import SamplingParams
-from kvlab.scheduler import Scheduler, SchedulerOutput
-from kvlab.sequence import Sequence as Seq
-from kvlab.sequence import SequenceStatus
-from kvlab.tenants import check_policy, new_secret, public_prefix_length, tenant_salt
+from ..cache.block_manager import BlockManager
+from ..cache.block_pool import check
+from .kv_store import PagedKVStore
+from .models import encode, eos_ids, model_device_dtype, model_fingerprint
+from .paged_attention import build_batch, paged_attention
+from .sampling import SamplingParams, sample_next
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence as Seq
+from .sequence import SequenceStatus
+from .tenants import check_policy, new_secret, public_prefix_length, tenant_salt
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "UnknownRequestError"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvlab.models import kv_shape
+from .models import kv_shape
 
 __all__ = ["PagedKVStore"]
 

@@ -24,12 +24,19 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import matplotlib.pyplot as plt
+import numpy as np
 import torch
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 from torch import nn
+
+from kvlab.engine.models import model_device_dtype
+from kvlab.lessons.common import GIB, label
 
 # ----------------------------------------------------------------------------- attention itself
 
@@ -240,7 +247,7 @@ def quadratic_crossover(d_model: int, n_heads: int, n_kv_heads: int, head_dim: i
     return proj_per_token / (4 * n_heads * head_dim)
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -250,10 +257,10 @@ def _sync(device: torch.device) -> None:
 def _median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -296,39 +303,6 @@ def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, 
 
 # ----------------------------------------------------------------------------- realistic-shape models
 
-def random_model(config_name: str, num_layers: int | None = None, hidden_size: int | None = None,
-                 intermediate_size: int | None = None, vocab_size: int | None = None, seed: int = 0,
-                 device: str | torch.device = "auto", dtype: str | torch.dtype = "float32") -> Any:
-    """A random-initialised HF causal LM with the shape of a public config in ``data/configs``.
-
-    Shrinking options keep the KV shape (kv heads, head dim) unless told otherwise: a smaller
-    ``hidden_size`` pins ``head_dim`` to the original value. Use ``num_layers`` to make it cheaper,
-    ``vocab_size`` to drop the (large) embedding table when the logits do not matter.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvlab.models import kv_shape, load_public_config, resolve_device, resolve_dtype
-
-    raw = dict(load_public_config(config_name))
-    shape = kv_shape(raw)
-    for key in ("_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype"):
-        raw.pop(key, None)
-    if num_layers is not None:
-        raw["num_hidden_layers"] = num_layers
-    if hidden_size is not None:
-        raw["hidden_size"] = hidden_size
-        raw["head_dim"] = shape["head_dim"]
-    if intermediate_size is not None:
-        raw["intermediate_size"] = intermediate_size
-    if vocab_size is not None:
-        raw["vocab_size"] = vocab_size
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            raw.pop(key, None)
-    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
-    return model.to(resolve_device(device)).eval()
-
 
 # ----------------------------------------------------------------------------- exercise checkers
 
@@ -360,7 +334,7 @@ def check_gqa_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
 
 def check_kv_bytes(config_name: str, dtype: str, answer: int | None) -> str:
     """Exercise 01.2: KV-cache bytes per token of a shipped public config, computed by hand."""
-    from kvlab.models import kv_bytes_per_token, load_public_config
+    from kvlab.engine.models import kv_bytes_per_token, load_public_config
 
     if answer is None:
         return "no answer yet"
@@ -372,17 +346,105 @@ def check_kv_bytes(config_name: str, dtype: str, answer: int | None) -> str:
 
 def max_context_tokens(config: Any, dtype: str, budget_gib: float, batch: int = 1) -> int:
     """How many tokens of context per sequence fit in ``budget_gib`` of KV cache for ``batch`` sequences."""
-    from kvlab.models import kv_bytes_per_token
+    from kvlab.engine.models import kv_bytes_per_token
 
     return int(budget_gib * 2**30 // (kv_bytes_per_token(config, dtype) * batch))
 
 
 def check_max_context(config_name: str, dtype: str, budget_gib: float, batch: int, answer: int | None) -> str:
     """Exercise 01.3: the longest context that fits a KV budget (within 1%)."""
-    from kvlab.models import load_public_config
+    from kvlab.engine.models import load_public_config
 
     if answer is None:
         return "no answer yet"
     want = max_context_tokens(load_public_config(config_name), dtype, budget_gib, batch)
     return _verdict(abs(int(answer) - want) <= 0.01 * want, f"about {want:,} tokens per sequence",
                     f"{int(answer):,} vs about {want:,}: divide the budget by (bytes per token x batch)")
+
+
+@torch.no_grad()
+def stepwise_logits(model: Any, ids: Sequence[int], use_cache: bool = True) -> torch.Tensor:
+    """(T, vocab) logits of an HF model fed one token at a time: with its cache, or forgetting it each step."""
+    from transformers import DynamicCache
+
+    device, _ = model_device_dtype(model)
+    cache = DynamicCache(config=model.config)
+    rows = []
+    for t, tok in enumerate(ids):
+        step_cache = cache if use_cache else DynamicCache(config=model.config)  # a fresh one = no memory
+        out = model(input_ids=torch.tensor([[tok]], device=device), position_ids=torch.tensor([[t]], device=device),
+                    cache=step_cache, use_cache=True)
+        rows.append(out.logits[0, -1].float())
+    return torch.stack(rows)
+
+
+def attention_weights_figure(weights: Any, labels: Sequence[str] | None = None,
+                             title: str = "causal attention weights") -> Figure:
+    """Heatmap of one head's (q_len, k_len) attention weights; masked (future) cells are 0."""
+    w = np.asarray(weights, dtype=float)
+    fig, ax = plt.subplots(figsize=(4.2, 3.6))
+    im = ax.imshow(w, cmap="viridis", vmin=0, vmax=max(float(w.max()), 1e-9))
+    ax.set_xlabel("key position (what is attended to)")
+    ax.set_ylabel("query position (who attends)")
+    if labels is not None:
+        ax.set_xticks(range(w.shape[1]), [label(t) for t in labels[-w.shape[1]:]], rotation=90, fontsize=7)
+        ax.set_yticks(range(w.shape[0]), [label(t) for t in labels[-w.shape[0]:]], fontsize=7)
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="weight")
+    fig.tight_layout()
+    return fig
+
+
+def step_cost_figure(rows: Sequence[Mapping[str, float]], title: str = "one decode step of one attention layer"
+                     ) -> Figure:
+    """Measured ms (left) and counted FLOPs (right) of a decode step vs context length, cached or not."""
+    n = np.array([r["n"] for r in rows], dtype=float)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.loglog(n, [1e3 * r["recompute_s"] for r in rows], "o-", label="no cache: recompute all n tokens")
+    ax1.loglog(n, [1e3 * r["cached_s"] for r in rows], "s-", label="KV cache: 1 new token")
+    ax1.set_xlabel("context length n (tokens)")
+    ax1.set_ylabel("time per step (ms, median)")
+    ax1.set_title("measured")
+    ax2.loglog(n, [r["recompute_flops"] for r in rows], "o-", label="no cache")
+    ax2.loglog(n, [r["cached_flops"] for r in rows], "s-", label="KV cache")
+    ref = rows[-1]["recompute_flops"] * (n / n[-1]) ** 2
+    ax2.loglog(n, ref, ":", color="gray", label="slope 2 (n²)")
+    ax2.loglog(n, rows[-1]["cached_flops"] * (n / n[-1]), "--", color="gray", label="slope 1 (n)")
+    ax2.set_xlabel("context length n (tokens)")
+    ax2.set_ylabel("FLOPs per step")
+    ax2.set_title("counted")
+    for ax in (ax1, ax2):
+        ax.set_xticks(n, [f"{int(v)}" for v in n])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def kv_memory_figure(per_token_bytes: Mapping[str, int], context: int, batch_sizes: Sequence[int] = (1, 8, 32),
+                     budget_gib: float | None = None, title: str = "") -> Figure:
+    """KV-cache GiB vs context length (up to ``context``) for each model, one line style per batch size.
+
+    ``per_token_bytes`` maps a model name to ``kv_bytes_per_token(config, dtype)``.
+    """
+    x = np.linspace(context / 200, context, 200)  # from > 0: the y axis is logarithmic
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    styles = ["-", "--", ":", "-."]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, bpt) in enumerate(per_token_bytes.items()):
+        for j, b in enumerate(batch_sizes):
+            ax.plot(x, x * bpt * b / GIB, styles[j % len(styles)], color=colors[i % len(colors)],
+                    label=f"{name}, batch {b}")
+    if budget_gib is not None:
+        ax.axhline(budget_gib, color="black", lw=1)
+        ax.annotate(f"{budget_gib:g} GiB", (0, budget_gib), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("context length (tokens per sequence)")
+    ax.set_ylabel("KV cache (GiB)")
+    ax.set_yscale("log")
+    ax.set_title(title or f"KV cache size at up to {context:,} tokens")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig

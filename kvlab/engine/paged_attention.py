@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvlab.kv_store import PagedKVStore
+from .kv_store import PagedKVStore
 
 __all__ = ["ATTN_NAME", "AttnGroup", "PagedBatch", "build_batch", "group_by_query_length", "paged_attention",
            "paged_attention_forward", "register"]

@@ -1,17 +1,71 @@
-"""Score a model on the passphrase task: greedy recall, and recall when a wrong prefix K/V is swapped in.
+"""The passphrase experiment's building blocks: the decision table, timing, and first shares.
 
-The swapped case is the series' central mistake in its plainest form: request B is served with the
-cached K/V of request A's system prompt (as a cache keyed on the wrong thing would do). A model
-that answers from its context then recalls A's passphrase, not B's.
+Notebook 00 uses these to show, on a real model, that sharing an identical prefix's K/V gives the
+same tokens as recomputing it (and saves prefill work), and that serving a request with another
+request's prefix K/V gives the other request's passphrase. Later notebooks fill the decision table
+with more evidence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab import passphrase as P
-from kvlab.prefix import PrefixCache, continue_from_cache, encode, eos_ids, generate
+from kvlab.engine.models import encode, eos_ids
+from kvlab.lessons import passphrase as P
+from kvlab.prefix import PrefixCache, continue_from_cache, generate
+
+# The article's section 2.4 decision framework: (condition, shareable?, isolate?) as it states them.
+# Each notebook adds evidence (what it measured) next to the rows it tests.
+
+
+@dataclass
+class ShareOutcome:
+    """One request answered with a recomputed prefix and with the shared prefix K/V."""
+
+    question: str
+    isolated: list[int]
+    shared: list[int]
+    text: str
+    expected: str
+
+    @property
+    def identical(self) -> bool:
+        return self.isolated == self.shared
+
+    @property
+    def recalled(self) -> bool:
+        return P.recalled(self.text, self.expected)
+
+
+def share_one_prefix(model: Any, tokenizer: Any, example: P.PassphraseExample, questions: Sequence[str],
+                     max_new_tokens: int = 16) -> tuple[PrefixCache, list[ShareOutcome]]:
+    """Compute ``example``'s prefix K/V once; answer each question with it and without it."""
+    cache = PrefixCache.build(model, tokenizer, example.prefix_text)
+    out = []
+    for q in questions:
+        ex = P.with_question(example, q)
+        iso = generate(model, tokenizer, ex.prompt_text, max_new_tokens=max_new_tokens)
+        sh = generate(model, tokenizer, ex.prompt_text, prefix_cache=cache, max_new_tokens=max_new_tokens)
+        out.append(ShareOutcome(q, iso.token_ids, sh.token_ids, sh.text, ex.answer))
+    return cache, out
+
+
+def check_ideal_fraction(answer: float, prompt_tokens: int, cached_tokens: int) -> bool:
+    """Exercise checker: the share of prefill tokens still computed when ``cached_tokens`` are reused."""
+    expected = (prompt_tokens - cached_tokens) / prompt_tokens
+    ok = abs(float(answer) - expected) < 1e-6
+    print("correct" if ok else f"not quite: {prompt_tokens - cached_tokens} of {prompt_tokens} tokens are still computed")
+    return ok
+
+
+def check_reusable(answer: bool, prefix_ids: Sequence[int], prompt_ids: Sequence[int]) -> bool:
+    """Exercise checker: may a cache of ``prefix_ids`` serve ``prompt_ids`` (same model)?"""
+    expected = len(prefix_ids) <= len(prompt_ids) and list(prompt_ids[: len(prefix_ids)]) == list(prefix_ids)
+    ok = bool(answer) == expected
+    print("correct" if ok else ("not quite: the ids " + ("do" if expected else "do not") + " start with the prefix ids"))
+    return ok
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Sampling parameters of one request, checked on construction (pure Python, no torch).
 
 ``temperature == 0`` means greedy (argmax), as in vLLM; ``temperature > 0`` samples with the
-temperature, top-k and top-p filters of transformers' logits warpers (``kvlab.prefix.sample_next``)
+temperature, top-k and top-p filters of transformers' logits warpers (``sample_next`` below)
 from a generator seeded by ``seed``, so a request's tokens do not depend on what it was batched with.
 """
 
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SamplingParams"]
+import torch
+
+__all__ = ["SamplingParams", "sample_next"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,3 +48,26 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
         if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+
+def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, top_k: int,
+                generator: torch.Generator | None) -> int:
+    """Pick the next token from (vocab,) logits: argmax, or temperature/top-k/top-p sampling.
+
+    The filters follow transformers' logits warpers (temperature, then top-k, then top-p keeping at
+    least one token) so seeded sampling reproduces ``model.generate`` token for token.
+    """
+    if not do_sample:
+        return int(torch.argmax(logits))
+    scores = logits.float() / temperature
+    if top_k and top_k < scores.numel():
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        remove = cum <= (1 - top_p)
+        remove[-1] = False  # always keep the most likely token
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    probs = scores.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvlab.hashing import BlockHash, ExtraKeys
+from .hashing import BlockHash, ExtraKeys
 
 
 class NoFreeBlocksError(RuntimeError):

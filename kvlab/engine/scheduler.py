@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvlab.block_manager import BlockManager
-from kvlab.sequence import Sequence, SequenceStatus
+from ..cache.block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 

@@ -1,6 +1,6 @@
-"""Run one job in the vLLM interpreter and write its result as JSON (started by ``kvlab.vllm_bridge``).
+"""Run one job in the vLLM interpreter and write its result as JSON (started by ``kvlab.vllm.bridge``).
 
-    <vllm-venv>/bin/python _vllm_worker.py JOB.json RESULT.json
+    <vllm-venv>/bin/python worker.py JOB.json RESULT.json
 
 Standalone on purpose: it imports only the standard library and vLLM, because it runs in vLLM's own
 venv where kvlab is not installed. Jobs (``job["kind"]``):
@@ -13,7 +13,7 @@ venv where kvlab is not installed. Jobs (``job["kind"]``):
   prompt pairs (the first with an empty cache, the second sharing its prefix).
 - ``many``: a list of jobs, run one after the other in this one process.
 - ``block_pool``: replay a block-manager trace on vLLM's own ``KVCacheManager`` (``vllm.v1.core``),
-  the same loop as ``kvlab.workloads.replay``: seconds, hit tokens, cached tokens per request.
+  the same loop as ``kvlab.lessons.traces.replay``: seconds, hit tokens, cached tokens per request.
 
 vLLM starts an engine process, so everything runs under ``if __name__ == "__main__":``. Errors are
 written to RESULT.json as ``{"error": ..., "traceback": ...}``.
@@ -151,7 +151,7 @@ def _request(req_id: str, prompt: list[int], max_tokens: int, hasher):
 
 
 def block_pool_replay(trace: list[dict], num_blocks: int, block_size: int, max_running: int) -> dict:
-    """``kvlab.workloads.replay`` on vLLM's KVCacheManager: admit, decode one token a step, free."""
+    """``kvlab.lessons.traces.replay`` on vLLM's KVCacheManager: admit, decode one token a step, free."""
     from collections import deque
 
     from vllm.utils.hashing import get_hash_fn_by_name

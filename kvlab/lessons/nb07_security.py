@@ -7,11 +7,11 @@ what the defence costs, and a concurrency stress test.
   Mann-Whitney statistic, written out) and by the two-sample Kolmogorov-Smirnov test, the test Gu et
   al. (ICML 2025, "Auditing Prompt Caching in Language Model APIs") used to detect cache sharing.
 - **The cost.** Salting gives up every cross-tenant hit: each tenant prefills the operator's system
-  prompt again and holds its own copy of its K/V. The public-prefix policy (``kvlab.tenants``) keeps
+  prompt again and holds its own copy of its K/V. The public-prefix policy (``kvlab.engine.tenants``) keeps
   those blocks shared and salts only what follows.
 - **The stress test.** Many tenants, overlapping prompts, random lengths, arrivals over time and a pool
   small enough to evict and preempt; every output must equal the same request generated alone by
-  transformers' ``model.generate`` (``kvlab.prefix.hf_generate``: no paging, no block manager, no
+  transformers' ``model.generate`` (``kvlab.engine.reference.hf_generate``: no paging, no block manager, no
   scheduler, no batching: an independent reference), with 0 cross-tenant hits and 0 leaked blocks.
 
 References: InputSnatch (arXiv 2411.18191); "The Early Bird Catches the Leak" (arXiv 2409.20002);
@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab import passphrase as P
 from kvlab.engine import Engine, SamplingParams
-from kvlab.prefix import encode, hf_generate
-from kvlab.tenants import POLICIES, salted_block
+from kvlab.engine.models import encode
+from kvlab.engine.reference import hf_generate
+from kvlab.engine.tenants import POLICIES, salted_block
+from kvlab.lessons import passphrase as P
 
 __all__ = [
     "StressReport", "StressRequest", "attack_summary", "isolation_cost", "ks_test", "roc_auc", "roc_curve",

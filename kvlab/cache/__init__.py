@@ -1,0 +1,17 @@
+"""The prefix cache's bookkeeping in pure Python (no torch; relative imports only, so it copies alone).
+
+- ``hashing``: chained full-block hashes with extra keys (model fingerprint, tenant salt)
+- ``block_pool``: blocks, reference counts, the LRU free list, lazy eviction
+- ``block_manager``: block tables, prefix hits (vLLM's rules), append, fork + copy-on-write, metrics
+- ``metrics``: hit-rate counters
+
+Copy this folder under any name and ``from mykv import BlockManager`` works with a bare Python.
+"""
+
+from .block_manager import BlockManager
+from .block_pool import Block, BlockPool, InvariantError, NoFreeBlocksError
+from .hashing import hash_block, hash_token_blocks
+from .metrics import PrefixCacheMetrics
+
+__all__ = ["Block", "BlockManager", "BlockPool", "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics",
+           "hash_block", "hash_token_blocks"]

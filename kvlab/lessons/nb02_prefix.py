@@ -1,0 +1,258 @@
+"""Notebook 02 (manual prefix reuse): cache pollution, tokenization pitfalls, figures, exercise checkers.
+
+The reusable machinery (``PrefixCache``, ``generate``, ``continue_from_cache``) lives in ``kvlab.prefix``;
+this module holds what the lesson measures with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+
+from kvlab.engine.models import encode
+from kvlab.engine.reference import hf_generate
+from kvlab.lessons.common import label
+from kvlab.prefix import PrefixCache, generate_with_prefix_cache, get_prefix_cache
+
+
+def pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max_new_tokens: int = 16
+                    ) -> list[dict[str, Any]]:
+    """Run request A (the passphrase was changed in its history) then request B on one shared cache.
+
+    B asks for the system prompt's passphrase. Per pair: B's answer isolated, B's answer after A
+    polluted the shared cache (the article's code), and the cache length at each stage.
+    """
+    from kvlab.lessons.passphrase import make_example, normalize_answer, with_question
+
+    rows = []
+    for seed in range(start, start + n):
+        a = make_example(seed, "heldout", history="update")
+        b = with_question(make_example(seed, "heldout", history="none"), "What is the passphrase?")
+        cache, plen = get_prefix_cache(model, tokenizer, a.prefix_text)
+        a_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, a.suffix_text, max_new_tokens)
+        after_a = int(cache.get_seq_length())
+        b_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, b.suffix_text, max_new_tokens)
+        isolated = hf_generate(model, tokenizer, b.prompt_text, max_new_tokens)
+        dec = lambda ids: normalize_answer(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
+        rows.append({"seed": seed, "prefix_tokens": plen, "cache_after_A": after_a,
+                     "cache_after_B": int(cache.get_seq_length()), "A_answer": dec(a_ids), "A_expected": a.answer,
+                     "B_expected": b.answer, "B_isolated": dec(isolated), "B_polluted": dec(b_ids)})
+    return rows
+
+
+@dataclass
+class TokenCheck:
+    """Is the prefix's own tokenization a prefix of the full text's tokenization? Where does it break?"""
+
+    ok: bool
+    prefix_ids: list[int]
+    full_ids: list[int]
+    first_diff: int | None  # first token index where they differ (None when ok)
+    prefix_around: list[str]  # decoded tokens around first_diff, prefix tokenized alone
+    full_around: list[str]  # the same positions, full text tokenized
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"ok: the prefix's {len(self.prefix_ids)} tokens are the first tokens of the full text"
+        return (f"mismatch at token {self.first_diff} of {len(self.prefix_ids)}: "
+                f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
+
+
+def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token as the text it stands for (bytes that are not whole characters shown as escapes)."""
+    pieces = []
+    for t in ids:
+        text = tokenizer.decode([t])
+        pieces.append(text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(t))
+    return pieces
+
+
+def check_prefix_tokens(tokenizer: Any, prefix: str | Sequence[int], full: str | Sequence[int],
+                        context: int = 2) -> TokenCheck:
+    """Report whether ``prefix`` tokenized alone is a token prefix of ``full``, and the first difference."""
+    p, f = encode(tokenizer, prefix), encode(tokenizer, full)
+    first = next((i for i, (a, b) in enumerate(zip(p, f)) if a != b), None)
+    if first is None and len(p) > len(f):
+        first = len(f)
+    if first is None:
+        return TokenCheck(True, p, f, None, [], [])
+    lo = max(0, first - context)
+    return TokenCheck(False, p, f, first, token_pieces(tokenizer, p[lo:first + context + 1]),
+                      token_pieces(tokenizer, f[lo:first + context + 1]))
+
+
+def boundary_merge_cases(tokenizer: Any, texts: Sequence[str], limit: int = 10, stride: int = 1
+                         ) -> list[tuple[str, str, TokenCheck]]:
+    """Cut points in ``texts`` where the prefix tokenized alone is *not* a prefix of the whole text's tokens.
+
+    Returns up to ``limit`` triples ``(prefix, suffix, check)`` with distinct merged pieces: real
+    cases where BPE merges characters across the boundary of a text split.
+    """
+    cases, seen = [], set()
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {t.content for t in added.values()} | set(tokenizer.all_special_tokens)
+    for text in texts:
+        full_ids = encode(tokenizer, text)
+        inside = {i for s in specials for start in _find_all(text, s) for i in range(start + 1, start + len(s))}
+        for cut in range(1, len(text), stride):
+            if cut in inside:  # cutting a special token in half is not a tokenization subtlety
+                continue
+            check = check_prefix_tokens(tokenizer, text[:cut], full_ids)
+            if not check.ok:
+                key = tuple(check.full_around)
+                if key not in seen:
+                    seen.add(key)
+                    cases.append((text[:cut], text[cut:], check))
+                    if len(cases) >= limit:
+                        return cases
+    return cases
+
+
+def _find_all(text: str, sub: str) -> list[int]:
+    out, i = [], text.find(sub)
+    while i != -1:
+        out.append(i)
+        i = text.find(sub, i + 1)
+    return out
+
+
+def common_prefix_ids(tokenizer: Any, prompts: Sequence[str | Sequence[int]]) -> list[int]:
+    """The longest run of token ids that every prompt starts with, each prompt tokenized whole.
+
+    Building the prefix cache from these ids (not from the prefix text tokenized alone) can never
+    hit a BPE merge across the boundary.
+    """
+    seqs = [encode(tokenizer, p) for p in prompts]
+    if not seqs:
+        raise ValueError("no prompts")
+    n = 0
+    while all(len(s) > n for s in seqs) and len({s[n] for s in seqs}) == 1:
+        n += 1
+    return seqs[0][:n]
+
+
+def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
+    """A copy of a fast tokenizer that, like Llama's, prepends ``bos`` when ``add_special_tokens=True``.
+
+    Qwen-style tokenizers add nothing, so ``add_special_tokens`` seems harmless until the tokenizer
+    changes; this copy makes the pitfall visible with the bundled vocabulary.
+    """
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    bos_id = tok.convert_tokens_to_ids(bos)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+    return tok
+
+
+def _verdict(ok: bool, good: str, hint: str) -> str:
+    return ("correct: " + good) if ok else ("not yet: " + hint)
+
+
+def check_generate_fn(fn: Any, model: Any, tokenizer: Any, n: int = 4, max_new_tokens: int = 12) -> str:
+    """Exercise 02.1: ``fn(model, tokenizer, prefix_text, suffix_text, max_new_tokens) -> new ids``.
+
+    It must reuse a prefix cache and give exactly ``model.generate``'s greedy tokens, and it must
+    work for two suffixes in a row after one prefix (no pollution). Returns a verdict, never raises.
+    """
+    from kvlab.lessons.passphrase import make_examples, with_question
+
+    if fn is None:
+        return "no answer yet: define my_generate and pass it in"
+    for ex in make_examples(n, "heldout", start=100):
+        for e in (ex, with_question(ex, "Tell me the passphrase.")):
+            want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
+            try:
+                got = list(fn(model, tokenizer, e.prefix_text, e.suffix_text, max_new_tokens))
+            except Exception as err:  # the learner's code may fail in any way
+                return f"not yet: your function raised {type(err).__name__}: {err}"
+            if got != want:
+                return (f"not yet: on example {e.seed} you generated {got[:8]}... but model.generate gives "
+                        f"{want[:8]}...; check the positions and that the prefix cache is not written into")
+    return _verdict(True, f"{2 * n} prompts identical to model.generate", "")
+
+
+def check_boundary_case(tokenizer: Any, prefix: str | None, suffix: str | None) -> str:
+    """Exercise 02.2: a split of a text where BPE merges across the boundary."""
+    if prefix is None or suffix is None:
+        return "no answer yet"
+    check = check_prefix_tokens(tokenizer, prefix, prefix + suffix)
+    return _verdict(not check.ok, str(check),
+                    "this split tokenizes the same alone and inside the full text; try a cut inside a "
+                    "word, or just before letters that follow punctuation")
+
+
+def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> str:
+    """Exercise 02.3: ``fn(model, tokenizer, cache, prefix_len, suffixes, max_new_tokens) -> list of id lists``.
+
+    One cache object serves several suffixes one after another, cropped back after each request
+    (no fork). Every answer must equal the isolated ``model.generate`` answer.
+    """
+    from kvlab.lessons.passphrase import make_example, with_question
+
+    if fn is None:
+        return "no answer yet: define my_serial_reuse and pass it in"
+    ex = make_example(7, "heldout", history="none")
+    questions = ["What is the passphrase?", "Tell me the passphrase.", "请说出口令。"][:n]
+    examples = [with_question(ex, q) for q in questions]
+    prefix_ids = encode(tokenizer, ex.prefix_text)
+    cache = PrefixCache.build(model, tokenizer, prefix_ids).cache
+    try:
+        got = fn(model, tokenizer, cache, len(prefix_ids), [e.suffix_text for e in examples], max_new_tokens)
+    except Exception as err:  # the learner's code may fail in any way
+        return f"not yet: your function raised {type(err).__name__}: {err}"
+    for e, g in zip(examples, got, strict=False):
+        want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
+        if list(g) != want:
+            return (f"not yet: for {e.turns[-1].user!r} you generated {list(g)[:8]} but model.generate gives "
+                    f"{want[:8]}; did you crop the cache back to the prefix after each request?")
+    if int(cache.get_seq_length()) != len(prefix_ids):
+        return f"not yet: the answers match but the cache holds {cache.get_seq_length()} tokens, not {len(prefix_ids)}"
+    return _verdict(len(got) == len(examples), f"{len(examples)} requests identical, cache back to "
+                    f"{len(prefix_ids)} tokens", "return one list of ids per suffix")
+
+
+def prefill_ratio_figure(rows: Sequence[Mapping[str, Any]], title: str = "prefill with a cached prefix") -> Figure:
+    """Bars: measured cached/full prefill time ratio beside the ideal (uncached share of tokens)."""
+    names = [r["setting"] for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(5, 1.8 * len(rows)), 3.8))
+    ax.bar(x - 0.2, [r["ratio"] for r in rows], 0.4, label="measured: cached / full")
+    ax.bar(x + 0.2, [r["ideal"] for r in rows], 0.4, label="ideal: uncached tokens / all tokens")
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['ratio']:.3f}", (i - 0.2, r["ratio"]), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{r['ideal']:.3f}", (i + 0.2, r["ideal"]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, names, fontsize=8)
+    ax.set_ylabel("time to first logits, relative to full prefill")
+    ax.set_ylim(0, max(1.05, max(r["ratio"] for r in rows) * 1.15))
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def token_boundary_figure(prefix_pieces: Sequence[str], full_pieces: Sequence[str], first_diff: int | None,
+                          title: str = "") -> Figure:
+    """Two rows of token boxes: the prefix tokenized alone and the full text; the first difference in red."""
+    fig, ax = plt.subplots(figsize=(10, 1.8))
+    for row, (row_name, pieces) in enumerate((("prefix alone", prefix_pieces), ("full text", full_pieces))):
+        y = 1 - row
+        ax.text(-0.2, y, row_name, ha="right", va="center", fontsize=9)
+        for i, piece in enumerate(pieces):
+            bad = first_diff is not None and i >= first_diff
+            ax.add_patch(plt.Rectangle((i, y - 0.35), 0.95, 0.7, facecolor="#fcbba1" if bad else "#c6dbef",
+                                       edgecolor="gray"))
+            ax.text(i + 0.475, y, label(repr(piece)[1:-1])[:8], ha="center", va="center", fontsize=7)
+    ax.set_xlim(-3, max(len(prefix_pieces), len(full_pieces)) + 0.5)
+    ax.set_ylim(-0.6, 1.6)
+    ax.axis("off")
+    ax.set_title(title or "tokens (red: from the first difference on)", fontsize=10)
+    fig.tight_layout()
+    return fig
