@@ -8,8 +8,8 @@ under the name ``"kvlab_paged"`` for each layer. It
 1. writes the new keys and values into the paged store through the step's slot mapping, then
 2. for each sequence, reads its cached + new K/V back through its block table and attends with a
    causal mask *offset by the cached length*: query at position p sees keys at positions <= p
-   (and > p - window for sliding-window layers). Grouped-query attention repeats each KV head for
-   its group of query heads.
+   (and > p - window for sliding-window layers). Grouped-query attention never copies K/V: the query
+   heads that share a KV head are stacked as extra query rows of that head.
 
 Writing before reading is what makes a prefill after cached tokens and a decode step the same
 operation. Sequences are grouped by query length (``group_by_query_length``) and padded within a group;
@@ -145,18 +145,25 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     batch.store.write(layer, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, kv_heads, D)
     q_all = query[0].transpose(0, 1)  # (T, heads, D)
     out = torch.empty_like(q_all)  # (T, heads, D)
+    group = heads // kv_heads  # query heads per KV head (grouped-query attention)
     for g in batch.groups:
         k, v = batch.store.gather(layer, g.block_tables)  # (B, Kmax, kv_heads, D)
-        k = k.to(query.dtype).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)  # (B, heads, Kmax, D)
-        v = v.to(query.dtype).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-        q = q_all[g.query_index].transpose(1, 2)  # (B, heads, Qmax, D)
-        mask = g.mask
+        k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)  # (B, kv_heads, Kmax, D)
+        q = q_all[g.query_index]  # (B, Qmax, heads, D)
+        b, q_len, _, d = q.shape
+        # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
+        # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
+        q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
+        mask = g.mask  # (B, 1, Qmax, Kmax)
         if sliding_window is not None:
             k_pos = torch.arange(mask.shape[-1], device=mask.device)
             mask = mask & (k_pos[None, None, None, :] > g.query_pos[:, None, :, None] - sliding_window)
             mask[..., 0] |= ~mask.any(-1)  # keep padded rows finite
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # (B, heads, Qmax, D)
-        out[g.query_index[g.query_valid]] = o.transpose(1, 2)[g.query_valid]
+        if group > 1:
+            mask = mask.unsqueeze(2).expand(b, 1, group, q_len, mask.shape[-1]).reshape(b, 1, group * q_len, -1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # (B, kv_heads, group * Qmax, D)
+        o = o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
+        out[g.query_index[g.query_valid]] = o[g.query_valid]
     return out.unsqueeze(0), None  # (1, T, heads, D)
 
 
