@@ -18,8 +18,6 @@ import torch
 from kvlab import smollm2 as S
 
 HAVE_PACKAGE = importlib.util.find_spec(S.MODULE) is not None
-needs_package = pytest.mark.skipif(
-    not HAVE_PACKAGE, reason=f"the registry package {S.PACKAGE} is not installed: {S.INSTALL_HINT}")
 
 MAX_NEW = 16  # enough for the passphrase and 2+3 answers to end at <|im_end|>
 PASSPHRASE = "K7QX2M"
@@ -93,6 +91,28 @@ def test_stale_or_incomplete_folder_is_rebuilt(fake, damage):
         (folder / "model.safetensors").unlink()
     S.ensure_smollm2(verbose=False)
     assert len(calls) == 2 and S._is_current(folder, S._source_info(fake[0]))
+
+
+def test_concurrent_callers_convert_once(fake, monkeypatch):
+    """A second process (here a thread) waits on the lock, then finds the folder current."""
+    import threading
+    import time
+
+    _, calls = fake
+    slow_convert = S.convert
+
+    def slow(src, out, source=None):
+        time.sleep(0.3)
+        return slow_convert(src, out, source)
+
+    monkeypatch.setattr(S, "convert", slow)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(S.ensure_smollm2(verbose=False))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [S.model_dir()] * 2 and len(calls) == 1
 
 
 def test_interrupted_conversion_leaves_nothing_that_loads(fake, monkeypatch):
