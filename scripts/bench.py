@@ -83,6 +83,27 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + goal_table.to_string(index=False))
     ideal = B.kv_ideal_bytes(wl, bpb)
 
+    print("\nengine speed (isolated prefill of every prompt in one step; decode steps of all sequences after it):",
+          flush=True)
+    speed = B.engine_speed(model, wl, repeats=args.repeats, steps=4 if args.smoke else 8)
+    for key, value in speed.items():
+        print(f"  {key:32s} {value:10.3f}")
+    hf_batch = table[(table.system == "HF generate (batch)") & (table["error"] == "")]
+    iso = table[(table.system == "kvlab") & (table["mode"] == "isolated")]
+    speed_goals = [
+        {"goal": "prefill efficiency >= 0.85 of the F.linear peak", "measured": f"{speed['prefill efficiency']:.2f}",
+         "met": bool(speed["prefill efficiency"] >= 0.85)},
+        {"goal": "decode step <= 1.0x HF generate's static-batch step", "measured": f"{speed['decode kvlab / HF']:.2f}x",
+         "met": bool(speed["decode kvlab / HF"] <= 1.0)},
+    ]
+    if len(hf_batch) and len(iso):
+        rel = float(iso["throughput (tok/s)"].iloc[0] / hf_batch["throughput (tok/s)"].iloc[0])
+        speed_goals.append({"goal": "kvlab isolated throughput >= HF generate (one batch)", "measured": f"{rel:.2f}x",
+                            "met": bool(rel >= 1.0)})
+    speed_goals = pd.DataFrame(speed_goals)
+    with pd.option_context("display.width", 200, "display.max_colwidth", 80):
+        print("\n" + speed_goals.to_string(index=False))
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
@@ -98,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": json.loads(ratio_table.to_json(orient="records")),
         "kv_ideal_bytes": ideal,
         "goals": json.loads(goal_table.to_json(orient="records")),
+        "engine_speed": speed,
+        "speed_goals": json.loads(speed_goals.to_json(orient="records")),
         "seconds": time.perf_counter() - t0,
     }
     out.write_text(json.dumps(report, indent=2))

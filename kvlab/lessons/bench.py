@@ -36,7 +36,7 @@ from kvlab.engine.models import model_device_dtype, synchronize
 from kvlab.lessons.workloads import Workload, ideal_prefill_fraction, sys512
 from kvlab.prefix import continue_from_cache
 
-__all__ = ["SYSTEMS", "fig_sweep", "fig_sys512", "goals", "kv_ideal_bytes", "measure_sys512", "prefill_padding", "ratios",
+__all__ = ["SYSTEMS", "engine_speed", "fig_sweep", "fig_sys512", "goals", "kv_ideal_bytes", "measure_sys512", "prefill_padding", "ratios",
            "run_generate_batch", "run_hf_generate", "run_hf_manual", "run_kvlab", "sweep"]
 
 
@@ -393,3 +393,135 @@ def fig_sweep(sweep_table: Any, prefix_tokens: int, num_requests: int):
     b.legend()
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- engine speed against the machine
+
+def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.no_grad()
+def linear_peak_flops(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
+                      tokens: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of ``torch.nn.functional.linear`` on the model's own large shapes (the best of a few): the machine's peak here."""
+    best = 0.0
+    for n_in, n_out in ((hidden, intermediate), (intermediate, hidden), (hidden, hidden)):
+        x = torch.randn(tokens, n_in, device=device, dtype=dtype)
+        w = torch.randn(n_out, n_in, device=device, dtype=dtype)
+        s = _best_seconds(lambda x=x, w=w: torch.nn.functional.linear(x, w), device, repeats)
+        best = max(best, 2 * tokens * n_in * n_out / s)
+    return best
+
+
+@torch.no_grad()
+def memory_bandwidth(device: torch.device, nbytes: int = 256 * 2 ** 20, repeats: int = 3) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, repeats)
+
+
+def _linear_params(model: Any) -> tuple[int, int]:
+    """Weights of the decoder's linear layers (the blocks), and of the LM head."""
+    head = model.get_output_embeddings().weight
+    body = sum(m.weight.numel() for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and m.weight is not head)
+    return body, head.numel()
+
+
+def prefill_flops(model: Any, prompt_lengths: Sequence[int], cached: Sequence[int] | None = None) -> float:
+    """Model FLOPs of prefilling prompts (matmuls of every layer for the computed tokens, causal attention, one LM-head row each)."""
+    from kvlab.engine.models import kv_shape
+
+    body, head = _linear_params(model)
+    cfg = model.config
+    heads, layers = cfg.num_attention_heads, cfg.num_hidden_layers
+    head_dim = kv_shape(cfg)["head_dim"]
+    cached = [0] * len(prompt_lengths) if cached is None else list(cached)
+    total = 0.0
+    for n, c in zip(prompt_lengths, cached):
+        new = n - c
+        attended = sum(range(c + 1, n + 1))  # query at position p attends p + 1 keys
+        total += 2 * body * new + 2 * head + layers * heads * 4 * head_dim * attended  # QK^T and PV: 2 x 2 x D each
+    return total
+
+
+@torch.no_grad()
+def hf_decode_step(model: Any, workload: Workload, steps: int = 8) -> float:
+    """Median seconds of one decode step of transformers' own static batch (``DynamicCache``, SDPA) on the workload's prompts."""
+    device, _ = model_device_dtype(model)
+    ids = torch.tensor(workload.prompts, device=device)  # (B, T): equal lengths, no padding
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    cache, tok, n, times = out.cache, out.logits[:, -1].argmax(-1, keepdim=True), ids.shape[1], []
+    for i in range(steps):
+        pos = torch.full_like(tok, n + i)
+        t0 = time.perf_counter()
+        out = model(input_ids=tok, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def kvlab_steps(model: Any, workload: Workload, caching: bool, steps: int = 8, block_size: int = 16) -> dict[str, float]:
+    """One prefill step of all prompts (seconds) and the median decode step after it, in kvlab's engine."""
+    device, _ = model_device_dtype(model)
+    num_blocks = sum(-(-(len(p) + steps + 2) // block_size) for p in workload.prompts) + 4
+    engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
+                    max_num_seqs=len(workload), max_num_batched_tokens=max(2048, workload.prompt_tokens))
+    for p in workload.prompts:
+        engine.add_request(p, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    t0 = time.perf_counter()
+    engine.step()  # every prompt in one step (the budget holds them all)
+    synchronize(device)
+    prefill = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return {"prefill_s": prefill, "decode_step_s": statistics.median(times),
+            "cached_tokens": sum(s.num_cached_tokens or 0 for s in engine.scheduler.running)}
+
+
+def engine_speed(model: Any, workload: Workload, repeats: int = 3, steps: int = 8) -> dict[str, float]:
+    """kvlab's prefill and decode against the machine's peaks and against HF's own decode step, in one run.
+
+    - prefill efficiency: model FLOPs of the isolated prefill / its time, over the peak FLOP/s of
+      ``F.linear`` on the model's shapes measured now on the same threads;
+    - decode step: kvlab's median step over 16 running sequences vs transformers' static-batch step on the
+      same prompts, and vs the weight-bytes bound (bytes of weights a step must read / copy bandwidth).
+    Repetitions are interleaved; medians kept.
+    """
+    device, dtype = model_device_dtype(model)
+    cfg = model.config
+    peaks, bandwidths, iso, hf = [], [], [], []
+    for _ in range(repeats):  # the machine's peaks are measured between the runs, so they see the same load
+        peaks.append(linear_peak_flops(cfg.hidden_size, cfg.intermediate_size, device, dtype))
+        bandwidths.append(memory_bandwidth(device))
+        iso.append(kvlab_steps(model, workload, caching=False, steps=steps))
+        hf.append(hf_decode_step(model, workload, steps=steps))
+    peak, bandwidth = max(peaks), max(bandwidths)
+    prefill_s = statistics.median(r["prefill_s"] for r in iso)
+    decode_s = statistics.median(r["decode_step_s"] for r in iso)
+    hf_s = statistics.median(hf)
+    flops = prefill_flops(model, [len(p) for p in workload.prompts])
+    body, head = _linear_params(model)
+    weight_bytes = (body + head) * torch.empty((), dtype=dtype).element_size()
+    return {"linear peak (GFLOP/s)": peak / 1e9, "prefill (GFLOP/s)": flops / prefill_s / 1e9,
+            "prefill efficiency": flops / prefill_s / peak, "prefill (s)": prefill_s,
+            "decode step kvlab (ms)": 1e3 * decode_s, "decode step HF generate (ms)": 1e3 * hf_s,
+            "decode kvlab / HF": decode_s / hf_s, "copy bandwidth (GB/s)": bandwidth / 1e9,
+            "weight-bytes bound (ms)": 1e3 * weight_bytes / (bandwidth / 2),
+            "decode / weight-bytes bound": decode_s / (weight_bytes / (bandwidth / 2))}
