@@ -25,12 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab.engine.models import random_model, resolve_device  # noqa: E402
+from kvlab.engine.models import load_model, random_model, resolve_device  # noqa: E402
 from kvlab.lessons import bench as B  # noqa: E402
 from kvlab.lessons.workloads import ideal_prefill_fraction, sys512  # noqa: E402
 
@@ -38,7 +39,9 @@ from kvlab.lessons.workloads import ideal_prefill_fraction, sys512  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="small sizes, one repetition (a quick check)")
-    ap.add_argument("--config", default="Qwen2.5-0.5B-Instruct", help="shipped config in data/configs")
+    ap.add_argument("--config", default="Qwen2.5-0.5B-Instruct", help="shipped config in data/configs (random weights)")
+    ap.add_argument("--model", default=None, help="real weights instead: 'smollm2' or a local HF folder (all its layers)")
+    ap.add_argument("--vllm", action="store_true", help="also run real vLLM (its venv, `make vllm-env`) on the workload")
     ap.add_argument("--layers", type=int, default=None, help="layers of the model (default: all on a GPU, 4 on a CPU)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32")
@@ -62,18 +65,35 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    model = random_model(args.config, num_layers=args.layers, stop_at_eos=False, device=device, dtype=args.dtype)
+    if args.model:
+        model, _ = load_model(args.model, device=device, dtype=args.dtype)
+        model.generation_config.eos_token_id = None  # every request generates exactly --new-tokens
+        model.generation_config.pad_token_id = 0
+        args.config = args.model
+    else:
+        model = random_model(args.config, num_layers=args.layers, stop_at_eos=False, device=device, dtype=args.dtype)
     wl = sys512(model.config.vocab_size, num_requests=args.requests, prefix_tokens=args.prefix,
                 suffix_tokens=args.suffix, max_tokens=args.new_tokens)
     print(f"{wl.name}: {len(wl)} requests x ({args.prefix} + {args.suffix}) tokens, {args.new_tokens} new; "
           f"{args.config} shape, {model.config.num_hidden_layers} layers, {args.dtype} on {device}, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} repetitions (median)", flush=True)
     table, detail = B.measure_sys512(model, wl, repeats=args.repeats)
+    vllm = None
+    if args.vllm:
+        from kvlab.vllm import bridge
+
+        print("vLLM: every prompt at once, prefix caching on and off, in its own venv ...", flush=True)
+        try:
+            folder = bridge.model_folder(model, source=args.model)
+            vllm = bridge.run_vllm_workload(folder, wl.prompts, args.new_tokens, block_size=32, repeats=args.repeats,
+                                            dtype=args.dtype)
+            table = pd.concat([table, pd.DataFrame(B.vllm_rows(vllm, detail.get("HF generate (one by one)/isolated", {}).get("outputs")))], ignore_index=True)
+        except Exception as e:  # say why, keep kvlab's side
+            print(f"  vLLM did not run: {type(e).__name__}: {e}")
+    table["error"] = table["error"].fillna("")
     ratio_table = B.ratios(table, wl)
     bpb = detail["kvlab/shared"]["bytes_per_block"]
     goal_table = B.goals(table, ratio_table, wl, bpb)
-
-    import pandas as pd
 
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.4g}".format):
         print("\n" + table.drop(columns=["error"]).to_string(index=False))
@@ -120,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_ideal_bytes": ideal,
         "goals": json.loads(goal_table.to_json(orient="records")),
         "engine_speed": speed,
+        "vllm": vllm,
         "speed_goals": json.loads(speed_goals.to_json(orient="records")),
         "seconds": time.perf_counter() - t0,
     }

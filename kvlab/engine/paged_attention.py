@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +53,23 @@ class AttnGroup:
     query_pos: torch.Tensor  # (B, Qmax) absolute position of each query token
     block_tables: torch.Tensor  # (B, max_blocks) physical block ids (padding -> 0)
     mask: torch.Tensor  # (B, 1, Qmax, Kmax) bool, True = may attend (causal, within the context)
+    dense: bool = False  # no padding and packed in order: the group is the whole step, (B * Qmax) rows
+    masks: dict = field(default_factory=dict)  # (group, window) -> the mask as attended; built once per step
+
+    def attn_mask(self, group: int, sliding_window: int | None) -> torch.Tensor:
+        """(B, 1, group * Qmax, Kmax): the mask for GQA's stacked query rows (and a window), computed once per step."""
+        key = (group, sliding_window)
+        if key not in self.masks:
+            mask = self.mask
+            if sliding_window is not None:
+                k_pos = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (k_pos[None, None, None, :] > self.query_pos[:, None, :, None] - sliding_window)
+                mask[..., 0] |= ~mask.any(-1)  # keep padded rows finite
+            if group > 1:
+                b, _, q_len, k_len = mask.shape
+                mask = mask.unsqueeze(2).expand(b, 1, group, q_len, k_len).reshape(b, 1, group * q_len, k_len)
+            self.masks[key] = mask
+        return self.masks[key]
 
 
 @dataclass(slots=True)
@@ -83,8 +100,9 @@ def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence
     k_pos = torch.arange(m * block_size)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
     # (B, Qmax, Kmax): padded query rows see key 0 only, which keeps their softmax finite
+    dense = bool(valid.all()) and offsets[0] == 0 and all(o == i * q_max for i, o in enumerate(offsets))
     return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device),
-                     mask[:, None].to(device))
+                     mask[:, None].to(device), dense)
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
@@ -144,25 +162,22 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     heads, kv_heads = query.shape[1], key.shape[1]
     batch.store.write(layer, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, kv_heads, D)
     q_all = query[0].transpose(0, 1)  # (T, heads, D)
-    out = torch.empty_like(q_all)  # (T, heads, D)
     group = heads // kv_heads  # query heads per KV head (grouped-query attention)
+    whole = len(batch.groups) == 1 and batch.groups[0].dense  # e.g. a decode-only step: no gather, no scatter
+    out = None if whole else torch.empty_like(q_all)  # (T, heads, D)
     for g in batch.groups:
         k, v = batch.store.gather(layer, g.block_tables)  # (B, Kmax, kv_heads, D)
         k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)  # (B, kv_heads, Kmax, D)
-        q = q_all[g.query_index]  # (B, Qmax, heads, D)
-        b, q_len, _, d = q.shape
+        b, q_len = g.query_index.shape
+        d = q_all.shape[-1]
+        q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]  # (B, Qmax, heads, D)
         # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
         # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
         q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
-        mask = g.mask  # (B, 1, Qmax, Kmax)
-        if sliding_window is not None:
-            k_pos = torch.arange(mask.shape[-1], device=mask.device)
-            mask = mask & (k_pos[None, None, None, :] > g.query_pos[:, None, :, None] - sliding_window)
-            mask[..., 0] |= ~mask.any(-1)  # keep padded rows finite
-        if group > 1:
-            mask = mask.unsqueeze(2).expand(b, 1, group, q_len, mask.shape[-1]).reshape(b, 1, group * q_len, -1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # (B, kv_heads, group * Qmax, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask(group, sliding_window), scale=scaling)
         o = o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
+        if whole:
+            return o.reshape(1, b * q_len, heads, d), None  # (1, T, heads, D)
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     return out.unsqueeze(0), None  # (1, T, heads, D)
 

@@ -256,6 +256,26 @@ def measure_sys512(model: Any, workload: Workload, repeats: int = 3, systems: Se
     return pd.DataFrame(rows), detail
 
 
+def vllm_rows(result: dict, reference: Sequence[Sequence[int]] | None = None) -> list[dict]:
+    """Rows for ``measure_sys512``'s table from ``kvlab.vllm.bridge.run_vllm_workload`` (medians of its repetitions).
+
+    ``reference``: HF generate's tokens per request, for the agreement column.
+    """
+    rows = []
+    for mode, r in result["modes"].items():
+        tokens = sum(map(len, r["output_ids"]))
+        wall = statistics.median(r["wall_s"])
+        agree = float("nan")
+        if reference is not None:
+            pairs = list(zip(reference, r["output_ids"]))
+            agree = sum(x == y for a, b in pairs for x, y in zip(a, b)) / sum(len(a) for a, _ in pairs)
+        rows.append({"system": "vLLM", "mode": mode, "TTFT (ms)": 1e3 * statistics.median(r["ttft_s"]),
+                     "wall (s)": wall, "throughput (tok/s)": tokens / wall, "peak KV (MiB)": float("nan"),
+                     "cached tokens": sum(r["num_cached_tokens"]), "token agreement with HF generate": agree,
+                     "error": ""})
+    return rows
+
+
 def ratios(table: Any, workload: Workload, block_size: int = 16):
     """Per system: TTFT shared/isolated beside the ideal, and throughput shared/isolated."""
     import pandas as pd

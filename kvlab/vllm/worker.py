@@ -12,6 +12,7 @@ venv where kvlab is not installed. Jobs (``job["kind"]``):
   after ``reset_prefix_cache()`` (``warm``), a third without reset (``warm_cached``); optionally TTFT of
   prompt pairs (the first with an empty cache, the second sharing its prefix).
 - ``many``: a list of jobs, run one after the other in this one process.
+- ``workload``: all prompts at once, several times, prefix caching on and off: wall seconds, TTFT.
 - ``block_pool``: replay a block-manager trace on vLLM's own ``KVCacheManager`` (``vllm.v1.core``),
   the same loop as ``kvlab.lessons.traces.replay``: seconds, hit tokens, cached tokens per request.
 
@@ -98,6 +99,47 @@ def generate(job: dict) -> dict:
     if job.get("ttft_pairs"):
         result["ttft"] = ttft(llm, job["ttft_pairs"], job.get("ttft_repeats", 3))
     return result
+
+
+def workload(job: dict) -> dict:
+    """The ``workload`` job: all prompts at once, ``repeats`` times, prefix caching on and/or off.
+
+    Per mode (a fresh ``LLM`` each): wall seconds and mean time to first token (vLLM's own
+    ``first_token_latency``) of every repetition, the prefix cache reset before each, and the tokens and
+    cached-token counts of the last one.
+    """
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
+    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    out = {"vllm_version": __import__("vllm").__version__, "modes": {}}
+    for caching in job.get("caching", [True, False]):
+        t0 = time.perf_counter()
+        llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job["block_size"],
+                  enable_prefix_caching=caching, enforce_eager=True, disable_log_stats=False, seed=0,
+                  max_model_len=job.get("max_model_len"), max_num_seqs=max(len(reqs), 1),
+                  max_num_batched_tokens=job.get("max_num_batched_tokens"), skip_tokenizer_init=True,
+                  **job.get("llm_kwargs", {}))
+        startup = time.perf_counter() - t0
+        llm.generate(reqs[:1], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False), use_tqdm=False)
+        walls, ttfts = [], []
+        for _ in range(job.get("repeats", 3)):
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            outs = llm.generate(reqs, sp, use_tqdm=False)
+            walls.append(time.perf_counter() - t0)
+            lat = [o.metrics.first_token_latency for o in outs if getattr(o, "metrics", None) is not None]
+            ttfts.append(statistics.mean(lat) if lat else float("nan"))
+        out["modes"]["shared" if caching else "isolated"] = {
+            "startup_s": startup, "wall_s": walls, "ttft_s": ttfts,
+            "output_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs]}
+        del llm
+        import gc
+
+        gc.collect()
+    return out
 
 
 def ttft(llm, pairs, repeats: int) -> dict:
@@ -239,6 +281,8 @@ def run(job: dict) -> dict:
         return generate(job)
     if kind == "block_pool":
         return block_pool(job)
+    if kind == "workload":
+        return workload(job)
     raise ValueError(f"unknown job kind {kind!r}")
 
 
