@@ -174,11 +174,17 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
     """Pick the next token from (vocab,) logits: argmax, or temperature/top-k/top-p sampling.
 
     The filters follow transformers' logits warpers (temperature, then top-k, then top-p keeping at
-    least one token) so seeded sampling reproduces ``model.generate`` token for token.
+    least one token) so seeded sampling reproduces ``model.generate`` token for token. A temperature
+    so small that ``logits / temperature`` overflows (about 1e-38 and below in float32) would make
+    every probability NaN; then the maximum is subtracted first, in float64, which gives the limit
+    as the temperature goes to 0: the most likely tokens keep all the probability.
     """
     if not do_sample:
         return int(torch.argmax(logits))
     scores = logits.float() / temperature
+    if bool(scores.isnan().any() or scores.isposinf().any()):  # overflowed: sample the t -> 0 limit stably
+        shifted = logits.double() - logits.double().max()
+        scores = (shifted / temperature).float()  # 0 at the maximum, -inf (or very negative) elsewhere
     if top_k and top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
