@@ -123,11 +123,18 @@ def load_model(model: str | os.PathLike | None = None, device: str | torch.devic
     return lm, tok
 
 
-def model_fingerprint(model: Any, tokenizer: Any | None = None) -> str:
-    """A short id of the weights' identity and the tokenizer's vocabulary.
+def model_fingerprint(model: Any, tokenizer: Any | None = None, *, every_weight: bool = True) -> str:
+    """A short id of the weights and the tokenizer's vocabulary.
 
     Two caches may only be mixed when their fingerprints are equal. It hashes the config, the
-    parameter names/shapes/dtypes, a sample of the weight values, and the tokenizer's vocabulary.
+    parameter names/shapes/dtypes, **every byte of every parameter** (sha256), and the tokenizer's
+    vocabulary and chat template, so changing any single weight (in place, through ``.data``, or in a
+    copy) changes it. Cost, measured on one CPU core: about 6 ms for the bundled model (2.9 MB of
+    weights; 4 ms with ``every_weight=False``); sha256 runs at about 1 GB/s here, so roughly 1 s per
+    GB of weights (a GPU model is copied to the CPU parameter by parameter).
+
+    ``every_weight=False`` hashes 64 sampled values per parameter instead: cheap, but blind to most
+    single-weight changes; enough to tell different models apart, as the engine does for its own blocks.
     """
     h = hashlib.sha256()
     h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
@@ -135,7 +142,10 @@ def model_fingerprint(model: Any, tokenizer: Any | None = None) -> str:
         for name, p in model.named_parameters():
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
             flat = p.detach().reshape(-1)
-            h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
+            if every_weight:
+                h.update(flat.contiguous().view(torch.uint8).cpu().numpy())  # the raw bytes, any dtype
+            else:
+                h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
     if tokenizer is not None:
         vocab = tokenizer.get_vocab()
         h.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
