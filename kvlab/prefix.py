@@ -46,10 +46,35 @@ def _fingerprint(model: Any, tokenizer: Any) -> str:
 
 
 def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
-    """Token ids of a text (no special tokens added: ChatML markup is spelled out in the text)."""
+    """Token ids of a text (no special tokens added: ChatML markup is spelled out in the text).
+
+    Ids pass through as Python ints when they are a sequence (list, tuple, range, 1-D numpy array or
+    torch tensor) of real integers: Python or numpy ints, never bools, floats, strings or bytes. Anything
+    else (bytes, a dict, a set, floats such as 1.7, digit strings such as "5") raises ``TypeError``
+    instead of being coerced into other tokens.
+    """
     if isinstance(text_or_ids, str):
+        if tokenizer is None:
+            raise TypeError("a text prompt needs a tokenizer: pass token ids")
         return list(tokenizer(text_or_ids, add_special_tokens=False)["input_ids"])
-    return [int(t) for t in text_or_ids]
+    import numpy as np
+
+    if isinstance(text_or_ids, (np.ndarray, torch.Tensor)):
+        if isinstance(text_or_ids, torch.Tensor):
+            integer = not (text_or_ids.is_floating_point() or text_or_ids.is_complex() or text_or_ids.dtype == torch.bool)
+        else:
+            integer = bool(np.issubdtype(text_or_ids.dtype, np.integer))
+        if text_or_ids.ndim != 1 or not integer:
+            raise TypeError(f"token ids must be a 1-D array of integers, got {text_or_ids.ndim}-D {text_or_ids.dtype}")
+        return [int(t) for t in text_or_ids.tolist()]
+    if not isinstance(text_or_ids, Sequence) or isinstance(text_or_ids, (bytes, bytearray)):
+        raise TypeError(f"a prompt must be a str or a sequence of int token ids, got {type(text_or_ids).__name__}")
+    ids = []
+    for t in text_or_ids:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"token ids must be ints, got {type(t).__name__} {t!r}")
+        ids.append(int(t))
+    return ids
 
 
 def model_device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
