@@ -34,6 +34,9 @@ __all__ = ["AppendResult", "BlockManager", "DuplicateSequenceError", "NoFreeBloc
            "SeqBlocks", "UnknownSequenceError"]
 
 
+MAX_TOKEN_ID = 2 ** 63  # token ids are hashed as int64: every id must be in [0, MAX_TOKEN_ID)
+
+
 class UnknownSequenceError(LookupError):
     """Raised for a sequence id the manager does not hold (never allocated, or already freed)."""
 
@@ -118,6 +121,8 @@ class BlockManager:
         """Physical slot (block_id * block_size + offset) of each position in ``[start, end)``."""
         seq, bs = self._seq(seq_id), self.block_size
         end = len(seq.token_ids) if end is None else end
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= len(seq.token_ids):
+            raise ValueError(f"positions [{start!r}, {end!r}) are not within the sequence's {len(seq.token_ids)} tokens")
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def read_tokens(self, seq_id: Hashable) -> list[int | None]:
@@ -151,6 +156,8 @@ class BlockManager:
             raise ValueError("a prompt needs at least one token")
         if any(type(t) is not int for t in tokens):
             raise TypeError("token ids must be ints")
+        if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
         if salt is not None and not isinstance(salt, str):
             raise TypeError(f"salt must be a str or None, got {type(salt).__name__}")
         if type(public_tokens) is not int or not 0 <= public_tokens <= len(tokens):
@@ -210,6 +217,10 @@ class BlockManager:
         tokens = self._check_prompt(token_ids, salt, public_tokens)
         bs, n, pool = self.block_size, len(tokens), self.pool
         tenant = salt if tenant is None else tenant
+        try:
+            hash(tenant)  # a key of the per-tenant metrics: checked before anything changes
+        except TypeError:
+            raise TypeError(f"tenant must be hashable, got {type(tenant).__name__}") from None
         salt_block = public_tokens // bs
         hashes: list[BlockHash] = []
         hits: list[Block] = []
@@ -280,12 +291,19 @@ class BlockManager:
         seq = self._seq(seq_id)
         if type(token_id) is not int:
             raise TypeError("token ids must be ints")
+        if not 0 <= token_id < MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
         if not self.can_append(seq_id):
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs a block and none is free")
         pool, bs = self.pool, self.block_size
-        pool.tick()
         pos = len(seq.token_ids)
         offset = pos % bs
+        full_hash = None
+        if offset == bs - 1 and self.enable_caching:  # this token fills its block: hash it before changing anything
+            i = pos // bs
+            content = ([] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]) + [token_id]
+            full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, content, self._keys(i, seq.salt, seq.salt_block))
+        pool.tick()
         new_block = cow = None
         if offset == 0:
             block = pool.take(seq_id)
@@ -303,7 +321,7 @@ class BlockManager:
             block.token_ids.append(token_id)
         seq.token_ids.append(token_id)
         if offset == bs - 1 and self.enable_caching and block.block_hash is None:
-            self._register_decoded(seq, block)
+            self._register_decoded(seq, block, full_hash)
         return AppendResult(new_block, cow)
 
     def _copy_on_write(self, seq: SeqBlocks, shared: Block) -> Block:
@@ -316,11 +334,10 @@ class BlockManager:
         self.metrics.cow_copies += 1
         return copy
 
-    def _register_decoded(self, seq: SeqBlocks, block: Block) -> None:
+    def _register_decoded(self, seq: SeqBlocks, block: Block, h: BlockHash) -> None:
         i = len(seq.block_table) - 1
         parent = seq.block_hashes[-1] if i else None
-        keys = self._keys(i, seq.salt, seq.salt_block)
-        h = self.hash_fn(parent, block.token_ids, keys)
+        keys = self._keys(i, seq.salt, seq.salt_block)  # h: hash_fn(parent, block.token_ids, keys), computed by append
         self.metrics.hashed_blocks += 1
         self.metrics.hashed_tokens += self.block_size
         parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
@@ -340,10 +357,29 @@ class BlockManager:
             child_id, list(parent.token_ids), list(parent.block_table), list(parent.block_hashes),
             parent.extra_keys, parent.salt, parent.num_cached_tokens, parent.salt_block, parent.tenant)
 
-    def free(self, seq_id: Hashable) -> None:
-        """Release a finished sequence's blocks, tail first, so chain tails are evicted first."""
+    def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
+        """Release a finished sequence's blocks, tail first, so chain tails are evicted first.
+
+        ``uncache_from``: the K/V of the positions from there on was never computed (an engine step
+        failed). The blocks holding them leave the prefix cache too, so no request can ever hit them;
+        none of them may still be shared with another sequence (free that one first).
+        """
         seq = self._seq(seq_id)
+        doomed = []
+        if uncache_from is not None:
+            if type(uncache_from) is not int or not 0 <= uncache_from <= len(seq.token_ids):
+                raise ValueError(f"uncache_from must be an int in [0, {len(seq.token_ids)}], got {uncache_from!r}")
+            for block_id in seq.block_table[uncache_from // self.block_size:]:
+                block = self.pool.blocks[block_id]
+                if block.block_hash is not None:
+                    if block.ref_count > 1:
+                        raise ValueError(f"block {block_id} (positions from {uncache_from} on) is still used by "
+                                         "another sequence: free that sequence first")
+                    doomed.append(block)
         self.pool.tick()
+        for block in doomed:
+            self.pool.uncache(block, seq_id)
+            self.registered_by.pop(block.block_id, None)
         for block_id in reversed(seq.block_table):
             self.pool.release(self.pool.blocks[block_id], seq_id)
         del self.seqs[seq_id]

@@ -67,7 +67,7 @@ class TraceEvent:
 
     t: int
     block_id: int
-    event: str  # take | cow-copy | hit | share | release | evict | register
+    event: str  # take | cow-copy | hit | share | release | evict | register | uncache
     ref_count: int  # after the event
     owner: Hashable  # the sequence that caused it
 
@@ -126,8 +126,16 @@ class BlockPool:
         self._record(block, event, owner)
         return block
 
+    def _check_own(self, block: Block) -> None:
+        if not (isinstance(block, Block) and 0 <= block.block_id < len(self.blocks)
+                and self.blocks[block.block_id] is block):
+            raise ValueError(f"{block!r} is not a block of this pool")
+
     def hit(self, block: Block, owner: Hashable = None) -> None:
         """Reference a cached block found by ``lookup``; a free one leaves the free list."""
+        self._check_own(block)
+        if block.block_hash is None:
+            raise ValueError(f"block {block.block_id} is not cached; only a cached block can be hit")
         if block.ref_count == 0:
             del self.free[block.block_id]
         block.ref_count += 1
@@ -135,6 +143,7 @@ class BlockPool:
 
     def share(self, block: Block, owner: Hashable = None) -> None:
         """Add a reference to a block that is already in use (fork)."""
+        self._check_own(block)
         if block.ref_count <= 0:
             raise ValueError(f"block {block.block_id} is not in use; cannot share it")
         block.ref_count += 1
@@ -142,6 +151,7 @@ class BlockPool:
 
     def release(self, block: Block, owner: Hashable = None) -> None:
         """Drop one reference; at 0 the block joins the tail of the free list (still cached)."""
+        self._check_own(block)
         if block.ref_count <= 0:
             raise ValueError(f"block {block.block_id} has ref count {block.ref_count}; double free?")
         block.ref_count -= 1
@@ -177,6 +187,7 @@ class BlockPool:
         owner: Hashable = None,
     ) -> None:
         """Put a full block in the cache under ``block_hash`` so later requests can hit it."""
+        self._check_own(block)
         if len(block.token_ids) != self.block_size or block.block_hash is not None:
             raise ValueError(f"block {block.block_id} is not a full, uncached block")
         twin = self.lookup(block_hash, block.token_ids, parent_serial, extra_keys)
@@ -189,6 +200,22 @@ class BlockPool:
         self.cached.setdefault(block_hash, []).append(block)
         self.evicted_hashes.discard(block_hash)
         self._record(block, "register", owner)
+
+    def uncache(self, block: Block, owner: Hashable = None) -> None:
+        """Take a block out of the cache now, keeping its tokens and references (its K/V was never computed).
+
+        The engine calls this (through ``BlockManager.free(..., uncache_from=...)``) for the blocks of a
+        step that failed, so no later request can hit K/V that was never written. The hash is not
+        remembered as evicted: the content was never really cached.
+        """
+        self._check_own(block)
+        if block.block_hash is None:
+            raise ValueError(f"block {block.block_id} is not cached")
+        self._uncache(block)
+        block.block_hash = block.parent_hash = None
+        block.extra_keys = ()
+        block.serial = block.parent_serial = 0
+        self._record(block, "uncache", owner)
 
     def _uncache(self, block: Block) -> None:
         bucket = self.cached[block.block_hash]

@@ -16,18 +16,36 @@ of prefixes the operator registered with ``add_public_prefix`` across tenants an
 The raw ``unsafe_salt=`` keyword bypasses the derivation (tests and teaching only: whoever can set
 it can join another tenant's cache).
 
-A request with bad input (empty prompt, too long for the model or the pool, a sampling parameter out
-of range, an unknown id to abort) raises a clear error for that request only; nothing is queued and the
-other requests keep running. ``generate`` turns such an error into a finished output with
-``finish_reason="error"``.
+A request with bad input (empty prompt, a prompt that is neither text nor a sequence of int token ids
+in ``[0, vocab)``, too long for the model or the pool, a sampling parameter out of range, an unknown id
+to abort) raises a clear error for that request only; nothing is queued and the other requests keep
+running. ``generate`` turns such an error into a finished output with ``finish_reason="error"``.
+
+A request that fails *inside* a step (its forward or its sampling raises, or its logits are NaN) does
+not take the step down: it finishes with ``finish_reason="error"`` and the message in ``error``, its
+blocks are freed, and the blocks whose K/V the failed forward never wrote leave the prefix cache. When
+the packed forward raises, the step's requests are run one at a time to find the culprit; a request
+that read the failed request's blocks in the same step is prefilled again in a later step. Every other
+request produces exactly the tokens it would have produced alone.
+
+Threads: ``add_request``, ``abort``, ``fork`` and ``step`` (and ``generate``, one step at a time) hold
+one re-entrant lock, so a second thread may add or abort requests while a loop in another thread calls
+``step()``: its call waits until the running step ends. Automatic request ids skip every id in use, so
+they never collide with ids chosen by the caller. ``abort``/``fork`` take the ``tenant`` the request was
+added with and refuse another tenant's request as unknown. The server ``secret`` must be ``bytes`` or
+``str`` of at least 16 bytes; without one each engine draws a random secret. The engine checks at
+construction that its paged attention runs for every layer of the model, and refuses (``NotImplementedError``)
+architectures it cannot serve.
 
 Reference: nano-vllm ``nanovllm/engine/llm_engine.py`` and ``model_runner.py``; vLLM ``LLMEngine``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
+import threading
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -39,12 +57,12 @@ from ..cache.block_manager import BlockManager
 from ..cache.block_pool import check
 from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
-from .paged_attention import build_batch, paged_attention
+from .paged_attention import MissingBatchError, build_batch, paged_attention
 from .sampling import SamplingParams, sample_next
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence as Seq
 from .sequence import SequenceStatus
-from .tenants import check_policy, new_secret, public_prefix_length, tenant_salt
+from .tenants import check_policy, check_secret, public_prefix_length, tenant_salt
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "UnknownRequestError"]
 
@@ -55,7 +73,20 @@ def _config_eos(model: Any) -> set[int]:
 
 
 class UnknownRequestError(LookupError):
-    """Raised for a request id the engine does not hold."""
+    """Raised for a request id the engine does not hold (or that belongs to another tenant)."""
+
+
+def _locked(method):
+    """Run ``method`` holding the engine's lock (re-entrant: ``generate`` calls ``add_request`` and ``step``)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass(slots=True)
@@ -81,12 +112,14 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, *, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0,
-                 isolation: str = "shared", secret: bytes | None = None) -> None:
+                 isolation: str = "shared", secret: bytes | str | None = None) -> None:
+        secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
         if num_blocks is None:
             num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
         self.model, self.tokenizer, self.debug = model, tokenizer, debug
         self.device, self.dtype = model_device_dtype(model)
-        self.block_manager = BlockManager(num_blocks, block_size, model_fingerprint=model_fingerprint(model, tokenizer),
+        self.block_manager = BlockManager(num_blocks, block_size,
+                                          model_fingerprint=model_fingerprint(model, tokenizer, every_weight=False),
                                           enable_caching=enable_prefix_caching)
         self.store = PagedKVStore.for_model(model, num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
@@ -99,10 +132,54 @@ class Engine:
         self.num_mixed_steps = 0  # steps that ran prefills and decodes together
         self.peak_kv_bytes = 0
         self.isolation = check_policy(isolation)  # "shared", "tenant" or "public-prefix"
-        self._secret = new_secret() if secret is None else bytes(secret)  # server-side only
+        self._secret = secret  # server-side only
         self.public_prefixes: list[tuple[int, ...]] = []  # token ids; used under "public-prefix"
+        self._lock = threading.RLock()  # add_request / abort / fork / step from several threads
+        self._pending: list[RequestOutput] = []  # finished during a generate() that did not own them
+        self._held: set[int] = set()  # seq ids whose outputs a running generate() collects itself
+        self._check_architecture()
+
+    @torch.no_grad()
+    def _check_architecture(self) -> None:
+        """Run one token through the model with the paged attention; refuse a model it does not fully serve.
+
+        The paged attention must run exactly once for every layer. A model whose attention bypasses
+        transformers' ``AttentionInterface`` (Bloom: ALiBi in its own code) never calls it, and would
+        silently attend over an empty store; others fail inside transformers (Falcon, MPT), drop the
+        ``kvlab_batch`` keyword on the way down (StableLM), or need what the paged attention does not
+        do (attention logit soft-capping). Each is refused here, before any request, with
+        ``NotImplementedError`` naming the architecture and the reason.
+        """
+        name = getattr(self.model.config, "model_type", None) or type(self.model).__name__
+        batch = build_batch(self.store, [(0, 1, [0])])
+        zero = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        try:
+            with paged_attention(self.model):
+                self.model(input_ids=zero, position_ids=zero, use_cache=False,
+                           logits_to_keep=torch.zeros(1, dtype=torch.long, device=self.device), kvlab_batch=batch)
+        except MissingBatchError as e:
+            raise NotImplementedError(
+                f"kvlab's paged attention cannot run {name!r}: its layers do not pass the forward keyword "
+                "kvlab_batch down to the attention function") from e
+        except NotImplementedError as e:
+            raise NotImplementedError(f"kvlab's paged attention cannot run {name!r}: {e}") from e
+        except Exception as e:
+            raise NotImplementedError(
+                f"kvlab's paged attention cannot run {name!r}: its forward failed under the paged attention "
+                f"({_describe(e)})") from e
+        finally:
+            self.store.k[:, 0].zero_()
+            self.store.v[:, 0].zero_()
+        if sorted(batch.layers_run) != list(range(self.store.num_layers)):
+            missing = sorted(set(range(self.store.num_layers)) - set(batch.layers_run))
+            raise NotImplementedError(
+                f"kvlab's paged attention cannot run {name!r}: it never ran for layers {missing} of "
+                f"{self.store.num_layers} (calls: {batch.layers_run}); the model's attention does not go through "
+                "transformers' AttentionInterface (e.g. ALiBi or custom attention code), so its K/V would never "
+                "reach the paged store and the outputs would be wrong")
 
     # --- requests ---------------------------------------------------------------------------------------
+    @_locked
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
         ids = tuple(encode(self.tokenizer, prefix))
@@ -116,10 +193,14 @@ class Engine:
         """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
         return None if self.isolation == "shared" else tenant_salt(self._secret, tenant)
 
+    @_locked
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     request_id: Hashable | None = None, tenant: str | None = None, *,
                     unsafe_salt: str | None = None) -> Hashable:
-        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing."""
+        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing.
+
+        ``request_id=None`` gives an automatic id: an int that no live request uses.
+        """
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -132,7 +213,7 @@ class Engine:
             raise ValueError("give a tenant (the engine derives its salt) or an unsafe_salt, not both")
         if isinstance(prompt, str) and self.tokenizer is None:
             raise TypeError("this engine has no tokenizer: pass token ids")
-        ids = encode(self.tokenizer, prompt)
+        ids = encode(self.tokenizer, prompt)  # text, or real int ids: floats, bools, bytes, dicts... raise
         if not ids:
             raise ValueError("the prompt is empty: a request needs at least one token")
         vocab = self.model.config.vocab_size
@@ -142,11 +223,8 @@ class Engine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                              f"model's {self.max_model_len} positions")
         self.scheduler.check_fits(len(ids), sampling.max_tokens)
-        seq_id = next(self._ids)
-        request_id = seq_id if request_id is None else request_id
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         salt = unsafe_salt if unsafe_salt is not None else self.salt_for(tenant)
+        seq_id, request_id = self._new_ids(request_id)
         seq = Seq(seq_id, request_id, ids, sampling, salt, arrival_time=time.perf_counter())
         seq.tenant = tenant
         if self.isolation == "public-prefix":
@@ -156,6 +234,17 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    def _new_ids(self, request_id: Hashable | None) -> tuple[int, Hashable]:
+        """A fresh internal sequence id, and ``request_id`` or, for None, an automatic id no live request uses."""
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq_id = next(self._ids)
+        if request_id is None:
+            request_id = seq_id
+            while request_id in self.requests:  # a caller chose this number: never collide with it
+                request_id = next(self._ids)
+        return seq_id, request_id
+
     def _make_generator(self, sampling: SamplingParams) -> torch.Generator | None:
         if sampling.greedy:
             return None
@@ -163,61 +252,87 @@ class Engine:
         gen.manual_seed(sampling.seed if sampling.seed is not None else self._rng.getrandbits(63))
         return gen
 
-    def abort(self, request_id: Hashable) -> RequestOutput:
-        """Stop an unfinished request now and free its blocks."""
-        seq = self._get(request_id)
+    @_locked
+    def abort(self, request_id: Hashable, *, tenant: str | None = None) -> RequestOutput:
+        """Stop an unfinished request of ``tenant`` (the one it was added with) now and free its blocks."""
+        seq = self._get(request_id, tenant)
         self._finish(seq, "abort")
         return self._output(seq)
 
+    @_locked
     def fork(self, request_id: Hashable, child_id: Hashable | None = None,
-             sampling: SamplingParams | None = None) -> Hashable:
-        """Continue a running request as two: the child shares every block (copy-on-write on its first write)."""
-        parent = self._get(request_id)
+             sampling: SamplingParams | None = None, *, tenant: str | None = None) -> Hashable:
+        """Continue a running request of ``tenant`` as two: the child shares every block (copy-on-write on its
+        first write). A refused fork changes nothing, not even the engine's random generator."""
+        parent = self._get(request_id, tenant)
         sampling = parent.sampling if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         sampling.validate()
-        seq_id = next(self._ids)
-        child_id = seq_id if child_id is None else child_id
-        if child_id in self.requests:
-            raise ValueError(f"request id {child_id!r} is already in use")
+        if parent.status is not SequenceStatus.RUNNING or not parent.output_ids:
+            raise ValueError("only a running sequence that has generated a token can be forked")
+        seq_id, child_id = self._new_ids(child_id)
         child = Seq(seq_id, child_id, list(parent.prompt_ids), sampling, parent.salt, parent.arrival_time,
                     list(parent.output_ids), num_cached_tokens=parent.num_cached_tokens,
                     first_token_time=parent.first_token_time)
         child.tenant, child.public_tokens = parent.tenant, parent.public_tokens
-        child.generator = self._make_generator(sampling)
-        self.scheduler.fork(parent, child)  # raises unless the parent is running
+        child.generator = self._make_generator(sampling)  # after every check: a refused fork draws nothing
+        self.scheduler.fork(parent, child)
         self.requests[child_id] = child
         return child_id
 
-    def _get(self, request_id: Hashable) -> Seq:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise UnknownRequestError(f"unknown request id {request_id!r} (never added, or already finished)") from None
+    def _get(self, request_id: Hashable, tenant: str | None = None) -> Seq:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.tenant != tenant:  # another tenant's request looks like an unknown one
+            who = "" if tenant is None else f" of tenant {tenant!r}"
+            raise UnknownRequestError(f"unknown request id {request_id!r}{who} (never added, already finished, "
+                                      "or added with another tenant)")
+        return seq
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of generated ids (special tokens dropped); empty without a tokenizer."""
         return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    @_locked
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.scheduler.has_unfinished()
+        """Whether any request is waiting or running, or a finished output waits to be returned by ``step()``."""
+        return bool(self._pending) or self.scheduler.has_unfinished()
 
     # --- one step ---------------------------------------------------------------------------------------
+    @_locked
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one packed forward, sample one token per scheduled sequence; return what finished."""
+        """Schedule, run one packed forward, sample one token per scheduled sequence; return what finished.
+
+        Also returned: outputs of requests that finished during an earlier ``generate()`` call that did
+        not own them (requests added with ``add_request``), so no output is ever lost.
+        """
         sched = self.scheduler.schedule()
         finished = self._run(sched) if sched.items else []  # empty only when a lone sequence preempted itself
         if self.debug:
             self.check_invariants()
-        return finished
+        outputs, self._pending = self._pending, []
+        return outputs + [self._output(seq) for seq in finished if seq.seq_id not in self._held]
 
-    def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
+    def _run(self, sched: SchedulerOutput) -> list[Seq]:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
         self.store.copy_blocks(sched.cow_pairs)
-        logits = self._forward(sched)  # (num_scheduled, vocab)
-        tokens = self._sample(sched, logits)
+        tokens, errors, untrusted = self._compute(sched)
         now, finished = time.perf_counter(), []
+        for i in reversed(range(len(sched.items))):  # latest first: a block leaves the cache once nobody holds it
+            seq, start = sched.items[i].seq, sched.items[i].start
+            uncache_from = start if i in untrusted else None  # K/V of [start, end) was never (reliably) written
+            if i in errors:
+                seq.error = errors[i]
+                self._finish(seq, "error", now, uncache_from)
+                finished.append(seq)
+            elif i in untrusted:  # it read blocks a failed request never wrote: prefill it again later
+                self.scheduler.requeue(seq, uncache_from)
+                if not seq.output_ids:
+                    seq.num_cached_tokens = None  # counted at its next admission instead
+        finished.reverse()
         for item, token in zip(sched.items, tokens):
+            if token is None:
+                continue
             seq = item.seq
             seq.output_ids.append(token)
             if seq.first_token_time is None:
@@ -225,7 +340,7 @@ class Engine:
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason, now)
-                finished.append(self._output(seq))
+                finished.append(seq)
         self.num_steps += 1
         self.num_mixed_steps += len({it.is_prefill for it in sched.items}) == 2
         return finished
@@ -244,13 +359,60 @@ class Engine:
                              use_cache=False, logits_to_keep=last, kvlab_batch=batch)
         return out.logits[0]  # (num_scheduled, vocab): each sequence's last position
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[int]:
-        tokens = logits.argmax(-1).tolist()  # greedy for all; sampled rows are replaced below
-        for i, it in enumerate(sched.items):
+    def _compute(self, sched: SchedulerOutput) -> tuple[list[int | None], dict[int, str], set[int]]:
+        """One token per scheduled item, without letting one request's failure reach the others.
+
+        Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` is None where item i did not get a token;
+        ``errors[i]`` is why item i failed; ``untrusted`` holds the items whose K/V of this step must never
+        be read: those that failed in their forward (or gave NaN logits) and those that read such K/V in
+        this step (prefix hits on blocks a failed request registered at its admission). When the packed
+        forward raises, or gives NaN logits for some item (a NaN key or value reaches other sequences of
+        the step too: a masked slot still multiplies its value by 0, and 0 * NaN is NaN), each item is
+        run alone, in order, to find the culprits. An item is checked for such a dependency before it is
+        sampled, so its random generator only advances for a kept token. The blocks of untrusted items
+        are zeroed before anyone can reuse them.
+        """
+        items, bm = sched.items, self.block_manager
+        bs = bm.block_size
+        tables = [bm.block_table(it.seq.seq_id) for it in items]
+        tokens: list[int | None] = [None] * len(items)
+        errors: dict[int, str] = {}
+        untrusted: set[int] = set()
+        bad: set[int] = set()  # blocks whose K/V this step did not reliably write
+        try:
+            logits = self._forward(sched)  # (num_scheduled, vocab)
+            greedy, nan = logits.argmax(-1).tolist(), logits.isnan().any(-1).tolist()
+            if any(nan) and len(items) > 1:
+                logits = None
+        except Exception:
+            logits = None  # find the culprits: each item alone
+        for i, it in enumerate(items):
+            if bad and any(b in bad for b in tables[i][: it.start // bs]):
+                untrusted.add(i)
+                bad.update(tables[i][it.start // bs:])
+                continue
+            try:
+                if logits is not None:
+                    row, top, is_nan = logits[i], greedy[i], nan[i]
+                else:
+                    row = self._forward(SchedulerOutput(items=[it]))[0]
+                    top, is_nan = int(row.argmax()), bool(row.isnan().any())
+                if is_nan:
+                    raise FloatingPointError("the model's logits for this request are NaN")
+            except Exception as e:
+                errors[i] = _describe(e)
+                untrusted.add(i)
+                bad.update(tables[i][it.start // bs:])
+                continue
             sp = it.seq.sampling
-            if not sp.greedy:
-                tokens[i] = sample_next(logits[i], True, sp.temperature, sp.top_p, sp.top_k, it.seq.generator)
-        return tokens
+            try:
+                tokens[i] = top if sp.greedy else sample_next(row, True, sp.temperature, sp.top_p, sp.top_k,
+                                                              it.seq.generator)
+            except Exception as e:  # its K/V is fine: only the sampling failed
+                errors[i] = _describe(e)
+        if bad:  # never read again, not even as a masked or padding slot
+            self.store.clear_blocks(sorted(bad))
+        return tokens, errors, untrusted
 
     def _stop_reason(self, seq: Seq, token: int) -> str | None:
         sp = seq.sampling
@@ -258,8 +420,8 @@ class Engine:
             return "stop"
         return "length" if len(seq.output_ids) >= sp.max_tokens else None
 
-    def _finish(self, seq: Seq, reason: str, now: float | None = None) -> None:
-        self.scheduler.finish(seq, reason)
+    def _finish(self, seq: Seq, reason: str, now: float | None = None, uncache_from: int | None = None) -> None:
+        self.scheduler.finish(seq, reason, uncache_from)
         seq.finish_time = time.perf_counter() if now is None else now
         del self.requests[seq.request_id]
 
@@ -270,7 +432,7 @@ class Engine:
             self.decode(seq.output_ids), done, seq.finish_reason,
             seq.num_cached_tokens or 0, seq.num_preemptions,
             None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            None if seq.finish_time is None else seq.finish_time - seq.arrival_time)
+            None if seq.finish_time is None else seq.finish_time - seq.arrival_time, seq.error)
 
     # --- run to completion --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -279,6 +441,9 @@ class Engine:
         """Submit all prompts at once, step until they finish; outputs in prompt order.
 
         A prompt that is refused (bad input) gets an output with ``finish_reason="error"``; the rest run.
+        Requests added earlier with ``add_request`` (or by another thread meanwhile) run in the same steps;
+        the outputs of those that finish during this call are kept, and the next ``step()`` returns them.
+        This call returns once its own requests are done.
         """
         n = len(prompts)
         samplings = list(sampling) if isinstance(sampling, Sequence) else [sampling] * n
@@ -287,17 +452,31 @@ class Engine:
         if len(samplings) != n or len(tenants) != n or len(salts) != n:
             raise ValueError("give one sampling, tenant and salt per prompt (or one sampling for all)")
         results: dict[int, RequestOutput] = {}
-        ids: dict[Hashable, int] = {}
-        for i, (prompt, sp, tenant, salt) in enumerate(zip(prompts, samplings, tenants, salts)):
-            try:
-                ids[self.add_request(prompt, sp, tenant=tenant, unsafe_salt=salt)] = i
-            except (ValueError, TypeError) as e:
-                prompt_ids = list(prompt) if not isinstance(prompt, str) else []
-                results[i] = RequestOutput(None, prompt_ids, [], "", True, "error", 0, error=str(e))
-        while self.has_unfinished():
-            for out in self.step():
-                if out.request_id in ids:
-                    results[ids[out.request_id]] = out
+        own: dict[int, Seq] = {}
+        try:
+            for i, (prompt, sp, tenant, salt) in enumerate(zip(prompts, samplings, tenants, salts)):
+                try:
+                    with self._lock:  # held from the add to the claim: no other step() can return its output
+                        seq = self.requests[self.add_request(prompt, sp, tenant=tenant, unsafe_salt=salt)]
+                        self._held.add(seq.seq_id)
+                    own[i] = seq
+                except (ValueError, TypeError) as e:
+                    clean = isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)
+                    results[i] = RequestOutput(None, list(prompt) if clean else [], [], "", True, "error", 0,
+                                               error=str(e))
+            while True:
+                with self._lock:
+                    if all(seq.is_finished for seq in own.values()):
+                        break
+                    self._pending = self.step()  # others' outputs (and earlier pending ones): for the next step()
+        except BaseException:
+            with self._lock:  # this call returns nothing: hand what finished to the next step() instead
+                self._pending.extend(self._output(seq) for seq in own.values() if seq.is_finished)
+            raise
+        finally:
+            with self._lock:
+                self._held.difference_update(seq.seq_id for seq in own.values())
+        results.update({i: self._output(seq) for i, seq in own.items()})
         return [results[i] for i in range(n)]
 
     # --- metrics and invariants -------------------------------------------------------------------
@@ -312,6 +491,7 @@ class Engine:
         """Sequences preempted (and later recomputed) so far."""
         return self.scheduler.num_preemptions
 
+    @_locked
     def stats(self) -> dict:
         """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps, block-manager stats."""
         return {**self.block_manager.stats(), "kv_bytes_in_use": self.kv_bytes_in_use,
@@ -320,6 +500,7 @@ class Engine:
                 "num_mixed_steps": self.num_mixed_steps,
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running)}
 
+    @_locked
     def check_invariants(self) -> None:
         """Raise unless the block manager and the queues agree: every live sequence holds its tokens' blocks."""
         bm, sched = self.block_manager, self.scheduler

@@ -86,6 +86,14 @@ class PagedKVStore:
         keys, values = self.gather(layer, table)
         return keys[0, :length], values[0, :length]
 
+    def clear_blocks(self, block_ids: Sequence[int]) -> None:
+        """Zero whole blocks in every layer (K/V a failed step wrote, possibly NaN, must not be read back)."""
+        if not block_ids:
+            return
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self.k[:, idx] = 0
+        self.v[:, idx] = 0
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared partial block)."""
         if not pairs:

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from .kv_store import PagedKVStore
 
-__all__ = ["ATTN_NAME", "AttnGroup", "PagedBatch", "build_batch", "group_by_query_length", "paged_attention",
-           "paged_attention_forward", "register"]
+__all__ = ["ATTN_NAME", "AttnGroup", "MissingBatchError", "PagedBatch", "build_batch", "group_by_query_length",
+           "paged_attention", "paged_attention_forward", "register"]
 
 ATTN_NAME = "kvlab_paged"
 
@@ -80,6 +80,11 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
     groups: list[AttnGroup]
     num_tokens: int
+    layers_run: list[int] = field(default_factory=list)  # layer index of each call, in order (the engine checks it)
+
+
+class MissingBatchError(RuntimeError):
+    """The paged attention was called without its ``kvlab_batch`` keyword."""
 
 
 def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence[int]], offsets: Sequence[int],
@@ -152,11 +157,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's pages."""
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
     if kvlab_batch is None:
-        raise RuntimeError(f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
+        raise MissingBatchError(f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
                            "kvlab.engine.Engine, or inside `paged_attention(model)` with a PagedBatch)")
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by kvlab's paged attention")
     batch, layer = kvlab_batch, module.layer_idx
+    batch.layers_run.append(layer)
     if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
         raise ValueError(f"expected a packed (1, heads, {batch.num_tokens}, D) query, got {tuple(query.shape)}")
     heads, kv_heads = query.shape[1], key.shape[1]

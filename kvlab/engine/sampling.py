@@ -3,6 +3,9 @@
 ``temperature == 0`` means greedy (argmax), as in vLLM; ``temperature > 0`` samples with the
 temperature, top-k and top-p filters of transformers' logits warpers (``sample_next`` below)
 from a generator seeded by ``seed``, so a request's tokens do not depend on what it was batched with.
+Every accepted value is numerically safe: a temperature so small that ``logits / temperature``
+overflows (around 1e-38 and below) samples from the limit of the distribution as the temperature goes
+to 0, i.e. among the most likely tokens (``sample_next`` subtracts the maximum first).
 """
 
 from __future__ import annotations
@@ -38,14 +41,15 @@ class SamplingParams:
         """Raise ``ValueError`` naming the first parameter that is out of range."""
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if type(self.top_k) is not int or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
-            raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
 
@@ -55,11 +59,17 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
     """Pick the next token from (vocab,) logits: argmax, or temperature/top-k/top-p sampling.
 
     The filters follow transformers' logits warpers (temperature, then top-k, then top-p keeping at
-    least one token) so seeded sampling reproduces ``model.generate`` token for token.
+    least one token) so seeded sampling reproduces ``model.generate`` token for token. A temperature
+    so small that ``logits / temperature`` overflows (about 1e-38 and below in float32) would make
+    every probability NaN; then the maximum is subtracted first, in float64, which gives the limit
+    as the temperature goes to 0: the most likely tokens keep all the probability.
     """
     if not do_sample:
         return int(torch.argmax(logits))
     scores = logits.float() / temperature
+    if bool(scores.isnan().any() or scores.isposinf().any()):  # overflowed: sample the t -> 0 limit stably
+        shifted = logits.double() - logits.double().max()
+        scores = (shifted / temperature).float()  # 0 at the maximum, -inf (or very negative) elsewhere
     if top_k and top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -134,11 +134,25 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a sequence out of the queues for good and free its blocks."""
+    def requeue(self, seq: Sequence, uncache_from: int | None = None) -> None:
+        """Send a running sequence back to the front of the waiting queue, to be prefilled again.
+
+        For a sequence whose step did not complete through no fault of its own (it read K/V that a
+        failed request never wrote): its blocks are freed, those from ``uncache_from`` on leave the
+        prefix cache (``BlockManager.free``). Not counted as a preemption.
+        """
+        if seq.status is not SequenceStatus.RUNNING:
+            raise ValueError("only a running sequence can be requeued")
+        self.block_manager.free(seq.seq_id, uncache_from)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, uncache_from: int | None = None) -> None:
+        """Take a sequence out of the queues for good and free its blocks (see ``requeue`` for ``uncache_from``)."""
         if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.free(seq.seq_id, uncache_from)
             self.running.remove(seq)
-            self.block_manager.free(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED

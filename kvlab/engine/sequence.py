@@ -43,7 +43,8 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort"
+    finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
+    error: str | None = None  # why a request finished with "error"
     generator: object = None  # the engine's per-request random generator (torch), if sampling
     tenant: object = None  # who sent it (per-tenant metrics); the salt is derived from it by the engine
     public_tokens: int = 0  # leading tokens of an operator's public prefix (shared across tenants)

@@ -26,7 +26,8 @@ import secrets
 from collections.abc import Sequence
 
 POLICIES = ("shared", "tenant", "public-prefix")
-DEFAULT_TENANT = ""  # the tenant of a request that names none
+DEFAULT_TENANT = ""  # kept for compatibility: no longer the scope of a request that names no tenant
+MIN_SECRET_BYTES = 16
 
 
 def new_secret() -> bytes:
@@ -34,11 +35,33 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+def check_secret(secret: bytes | bytearray | str | None) -> bytes:
+    """The server secret as bytes: ``None`` gives a fresh random one; else ``bytes``/``str`` of >= 16 bytes.
+
+    A ``str`` counts by its UTF-8 bytes. Anything else (an int such as ``32`` that ``bytes()`` would turn
+    into zeros, a float, a list) raises ``TypeError``; a shorter secret raises ``ValueError``.
+    """
+    if secret is None:
+        return new_secret()
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"the server secret must be bytes or str (or None for a random one), got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the server secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+    return bytes(secret)
+
+
 def tenant_salt(secret: bytes, tenant: str | None) -> str:
-    """The cache salt of ``tenant``: HMAC-SHA256 of its id under the server secret, in hex."""
-    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
-        raise ValueError("the server secret must be at least 16 bytes")
-    tenant = DEFAULT_TENANT if tenant is None else tenant
+    """The cache salt of ``tenant``: HMAC-SHA256 of its id under the server secret, in hex.
+
+    ``None`` (a request that names no tenant) is a scope of its own: its message can never equal a
+    tenant id's, so no tenant id, not even ``""``, shares its salt.
+    """
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the server secret must be at least {MIN_SECRET_BYTES} bytes")
+    if tenant is None:
+        return hmac.new(bytes(secret), b"kvlab-no-tenant", hashlib.sha256).hexdigest()
     if not isinstance(tenant, str):
         raise TypeError(f"a tenant id must be a str or None, got {type(tenant).__name__}")
     return hmac.new(bytes(secret), b"kvlab-tenant\x00" + tenant.encode(), hashlib.sha256).hexdigest()
