@@ -157,24 +157,29 @@ def test_bench_core_on_a_tiny_model():
 
 
 def test_position_bug_is_one_line_off_the_engine():
-    """The buggy engine's _forward is the engine's own with only the position line changed."""
+    """The buggy engine overrides only Engine._positions, and its body differs from the engine's in the return line."""
     import inspect
 
     from kvlab.engine import Engine
 
-    def code(fn):  # the body, comments dropped
-        return [ln.split("#")[0].strip() for ln in inspect.getsource(fn).splitlines()[2:]]
+    own = {k for k in vars(T.PositionRestartEngine) if not k.startswith("__")}
+    assert own == {"_positions"}, own
 
-    ours, theirs = code(T.PositionRestartEngine._forward), code(Engine._forward)
-    assert [ln for ln in ours if "skipped" not in ln] == [ln for ln in theirs if "pos.extend" not in ln]
+    def code(fn):  # the body, docstring and comments dropped
+        lines = [ln.split("#")[0].strip() for ln in inspect.getsource(fn).splitlines()[1:]]
+        return [ln for ln in lines if ln and not ln.startswith(('"""', "A subclass", "to run", "kvlab"))]
+
+    ours, theirs = code(T.PositionRestartEngine._positions), code(Engine._positions)
+    assert ours[-1].startswith("return range(") and theirs[-1] == "return range(item.start, item.end)"
+    assert ours[-1] != theirs[-1]
 
 
 def test_position_fix_checker(lm, groups, capsys):
     model, tok = lm
 
     class Fixed(T.PositionRestartEngine):
-        def _forward(self, sched):
-            return T.Engine._forward(self, sched)
+        def _positions(self, item):
+            return range(item.start, item.end)
 
     assert T.check_position_fix(Fixed, model, tok, groups[1])
     assert not T.check_position_fix(None, model, tok, groups[1])

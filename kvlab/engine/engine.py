@@ -59,7 +59,7 @@ from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
 from .paged_attention import MissingBatchError, build_batch, paged_attention
 from .sampling import SamplingParams, sample_next
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence as Seq
 from .sequence import SequenceStatus
 from .tenants import check_policy, check_secret, public_prefix_length, tenant_salt
@@ -346,11 +346,19 @@ class Engine:
         return finished
 
     @torch.no_grad()
+    def _positions(self, item: ScheduledSeq) -> range:
+        """Positions of the tokens ``item`` computes this step: where they sit in their sequence.
+
+        A subclass that changes this changes what RoPE sees; ``kvlab.lessons.nb05_table36`` overrides it
+        to run the "positions restart after the cache" bug.
+        """
+        return range(item.start, item.end)
+
     def _forward(self, sched: SchedulerOutput) -> torch.Tensor:
         bm, ids, pos = self.block_manager, [], []
         for it in sched.items:
             ids.extend(it.seq.token_ids[it.start:it.end])
-            pos.extend(range(it.start, it.end))
+            pos.extend(self._positions(it))
         batch = build_batch(self.store, [(it.start, it.end, bm.block_table(it.seq.seq_id)) for it in sched.items])
         last = torch.tensor(list(itertools.accumulate(it.end - it.start for it in sched.items)), device=self.device) - 1
         with paged_attention(self.model):

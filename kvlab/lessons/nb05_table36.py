@@ -23,18 +23,14 @@ The article's own figures are kept in ``ARTICLE_TABLE_36`` as *its claims*, neve
 from __future__ import annotations
 
 import hashlib
-import itertools
 import statistics
 from array import array
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.block_pool import Block, BlockPool
 from kvlab.engine import Engine, SamplingParams
-from kvlab.engine.paged_attention import build_batch, paged_attention
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.nb03_position import token_agreement
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
@@ -80,20 +76,9 @@ class PositionRestartEngine(Engine):
     is unaffected.
     """
 
-    @torch.no_grad()
-    def _forward(self, sched: Any) -> torch.Tensor:
-        bm, ids, pos = self.block_manager, [], []
-        for it in sched.items:
-            ids.extend(it.seq.token_ids[it.start:it.end])
-            skipped = it.seq.num_cached_tokens or 0
-            pos.extend(range(it.start - skipped, it.end - skipped))  # the bug: should be range(it.start, it.end)
-        batch = build_batch(self.store, [(it.start, it.end, bm.block_table(it.seq.seq_id)) for it in sched.items])
-        last = torch.tensor(list(itertools.accumulate(it.end - it.start for it in sched.items)), device=self.device) - 1
-        with paged_attention(self.model):
-            out = self.model(input_ids=torch.tensor([ids], device=self.device),  # (1, T)
-                             position_ids=torch.tensor([pos], device=self.device),  # (1, T)
-                             use_cache=False, logits_to_keep=last, kvlab_batch=batch)
-        return out.logits[0]  # (num_scheduled, vocab)
+    def _positions(self, item: Any) -> range:
+        skipped = item.seq.num_cached_tokens or 0
+        return range(item.start - skipped, item.end - skipped)  # the bug: Engine._positions is range(start, end)
 
 
 # ----------------------------------------------------------------------------- bug 2: content-only keys
@@ -296,7 +281,7 @@ def check_position_fix(engine_cls: type | None, model: Any, tokenizer: Any, work
                        block_size: int = 16) -> bool:
     """Exercise 05.3: an ``Engine`` subclass that keeps the prefix cache on and numbers positions right."""
     if engine_cls is None:
-        return _say(False, "", "define a subclass of T.PositionRestartEngine whose _forward uses the right positions")
+        return _say(False, "", "define a subclass of T.PositionRestartEngine whose _positions numbers the computed tokens right")
     kw = dict(num_blocks=_num_blocks(workload, block_size), block_size=block_size)
     sp = SamplingParams(max_tokens=workload.max_tokens)
     reference = Engine(model, tokenizer, enable_prefix_caching=False, **kw).generate(workload.prompts, sp)
