@@ -5,7 +5,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, NoFreeBlocksError, UnknownSequenceError
+from kvlab.cache.block_manager import (
+    BlockManager,
+    DuplicateSequenceError,
+    NoFreeBlocksError,
+    TenantScope,
+    UnknownSequenceError,
+)
 from kvlab.cache.block_pool import InvariantError
 from kvlab.cache.hashing import hash_block
 
@@ -139,10 +145,10 @@ def test_miss_reasons_short_no_prefix_evicted():
 # --- isolation: salts, model fingerprints, hash collisions ------------------------------------------
 def test_salts_isolate_tenants_and_are_counted_per_tenant():
     m = BlockManager(32, 4)
-    assert m.allocate("a1", SYS + [1], salt="tenant-a") == 0
-    assert m.allocate("b1", SYS + [1], salt="tenant-b") == 0
+    assert m.allocate("a1", SYS + [1], TenantScope(salt="tenant-a")) == 0
+    assert m.allocate("b1", SYS + [1], TenantScope(salt="tenant-b")) == 0
     assert m.allocate("n1", SYS + [1]) == 0
-    assert m.allocate("a2", SYS + [2], salt="tenant-a") == 12
+    assert m.allocate("a2", SYS + [2], TenantScope(salt="tenant-a")) == 12
     assert not set(m.block_table("a1")) & set(m.block_table("b1"))
     counts = m.metrics.by_tenant
     assert (counts["tenant-a"].requests, counts["tenant-a"].hits) == (2, 12)
@@ -232,7 +238,7 @@ def test_block_size_must_be_a_positive_int(bad):
 
 def _busy_manager():
     m = BlockManager(6, 4, trace=True)
-    m.allocate("a", SYS + [1], salt="t")  # 4 blocks
+    m.allocate("a", SYS + [1], TenantScope(salt="t"))  # 4 blocks
     m.fork("a", "b")
     return m
 
@@ -247,7 +253,7 @@ def _busy_manager():
         (lambda m: m.allocate("a", [1]), DuplicateSequenceError, "already allocated"),
         (lambda m: m.allocate("z", []), ValueError, "at least one token"),
         (lambda m: m.allocate("z", [1, "2"]), TypeError, "ints"),
-        (lambda m: m.allocate("z", [1], salt=3), TypeError, "salt"),
+        (lambda m: m.allocate("z", [1], TenantScope(salt=3)), TypeError, "salt"),
         (lambda m: m.append("a", 1.0), TypeError, "ints"),
         (lambda m: m.allocate("z", list(range(200, 220))), NoFreeBlocksError, "needs 5 free blocks, 2 of 6"),
         (lambda m: m.allocate("z", list(range(10**6))), NoFreeBlocksError, "free blocks"),
@@ -287,11 +293,11 @@ def test_can_allocate_counts_hits_and_changes_nothing():
     m = BlockManager(4, 4)
     m.allocate("a", SYS + [1])  # all 4 blocks
     before = snapshot(m)
-    assert m.can_allocate(SYS + [2]) is False  # 3 hits in use, 1 new block needed, 0 free
+    assert not m.can_allocate(SYS + [2])  # 3 hits in use, 1 new block needed, 0 free
     assert snapshot(m) == before
     m.free("a")
-    assert m.can_allocate(SYS + [2]) is True
-    assert m.can_allocate(list(range(17))) is False  # 5 blocks > pool
+    assert m.can_allocate(SYS + [2])
+    assert not m.can_allocate(list(range(17)))  # 5 blocks > pool
 
 
 def test_check_invariants_finds_a_planted_leak():
@@ -328,7 +334,7 @@ def test_random_interleavings_keep_every_invariant_and_leak_nothing(hash_fn, ops
         try:
             if o[0] == "alloc":
                 prompt = PREFIXES[o[1]] + o[2] or [0]
-                cached = m.allocate(next_id, prompt, salt=[None, "x", "y"][o[3]])
+                cached = m.allocate(next_id, prompt, TenantScope(salt=[None, "x", "y"][o[3]]))
                 assert cached % 3 == 0 and cached <= len(prompt) - 1
                 model[next_id] = list(prompt)
                 next_id += 1
@@ -363,3 +369,22 @@ def test_property_run_covered_at_least_2000_operations():
     if not OPS_SEEN:
         pytest.skip("property test not run in this session")
     assert len(OPS_SEEN) >= 2000
+
+
+def test_allocate_reuses_the_plan_of_can_allocate_and_hashes_once():
+    calls = []
+
+    def counting(parent, tokens, extra=()):
+        calls.append(tuple(tokens))
+        return hash_block(parent, tokens, extra)
+
+    m = BlockManager(16, 4, hash_fn=counting)
+    prompt = list(range(13))  # three full blocks and one token
+    plan = m.can_allocate(prompt)
+    assert plan and len(calls) == 3 and plan.blocks_needed == 4
+    assert m.allocate("a", prompt, plan=plan) == 0 and len(calls) == 3  # the plan's hashes were reused
+    stale = m.can_allocate(prompt)
+    m.allocate("b", list(range(100, 105)))  # the pool changes: the plan is stale
+    n = len(calls)
+    assert m.allocate("c", prompt, plan=stale) == 12 and len(calls) > n  # recomputed, and it hits a's blocks
+    m.check_invariants()

@@ -32,13 +32,50 @@ def test_fresh_pool_hands_out_blocks_in_id_order_and_runs_out():
 
 
 def test_released_blocks_are_reused_least_recently_released_first():
-    pool = BlockPool(4, 2)
+    pool = BlockPool(4, 2, free_order="lru")
     blocks = [pool.take("s") for _ in range(4)]
     for i in (2, 0, 3, 1):
         pool.release(blocks[i], "s")
     assert list(pool.free) == [2, 0, 3, 1]
     assert pool.next_victim() == 2
     assert [pool.take("t").block_id for _ in range(4)] == [2, 0, 3, 1]
+
+
+def test_vllm_free_order_reuses_unhashed_blocks_before_evicting_cached_ones():
+    """vLLM's order (the default): a freed block with no hash goes to the head, a cached one to the tail."""
+    pool = BlockPool(4, 2)
+    blocks = [pool.take("s") for _ in range(4)]
+    for i, b in enumerate(blocks[:3]):  # three full, cached blocks; block 3 stays a partial tail
+        b.token_ids = [i, i]
+        pool.register(b, bytes([i]), None, 0)
+    for i in (1, 3, 0):  # release: a cached block, the partial tail, a cached block
+        pool.release(blocks[i], "s")
+    assert list(pool.free) == [3, 1, 0]  # the tail first, then the cached blocks in release order
+    assert pool.take("t").block_id == 3 and len(pool.cached) == 3  # reused without evicting anything
+    lru = BlockPool(4, 2, free_order="lru")
+    bl = [lru.take("s") for _ in range(4)]
+    for i, b in enumerate(bl[:3]):
+        b.token_ids = [i, i]
+        lru.register(b, bytes([i]), None, 0)
+    for i in (1, 3, 0):
+        lru.release(bl[i], "s")
+    assert list(lru.free) == [1, 3, 0] and lru.take("t").block_id == 1 and len(lru.cached) == 2  # evicts block 1
+    with pytest.raises(ValueError, match="free_order"):
+        BlockPool(4, 2, free_order="fifo")
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
+    from kvlab.cache import BlockManager
+
+    m = BlockManager(8, 4)
+    m.allocate("a", list(range(10)))
+    assert m.reset_prefix_cache() is False and m.stats()["num_cached_blocks"] == 2  # refused: nothing changed
+    m.free("a")
+    order = list(m.pool.free)
+    assert m.reset_prefix_cache() is True
+    assert m.stats()["num_cached_blocks"] == 0 and list(m.pool.free) == order  # hashes gone, free list kept
+    assert m.allocate("b", list(range(10))) == 0  # nothing to hit any more
+    m.check_invariants()
 
 
 def test_cached_block_survives_release_until_reused_then_is_evicted():

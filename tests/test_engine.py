@@ -20,10 +20,6 @@ from kvlab.lessons import passphrase as P
 MAX_NEW = 10
 
 
-
-
-
-
 def passphrase_prompts(n_examples=40, per_example=5, seed=0):
     """Prompts that share system prompts (prefix hits) but differ in the final question, shuffled."""
     prompts = []
@@ -232,3 +228,20 @@ def test_bfloat16_store_follows_the_model():
     assert engine.store.k.dtype == torch.bfloat16
     outs = engine.generate([[1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9]], SamplingParams(max_tokens=5))
     assert [len(o.output_ids) for o in outs] == [5, 5] and _drained(engine)
+
+
+def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
+    """Blocks are hittable from admission, before their K/V is computed; a request that hits them in the
+    same step must still read the right K/V (the step writes before it reads). Breaking either half
+    (registering after compute, or reading before writing) makes this fail."""
+    model, tok = lm
+    ex = P.make_example(3, "heldout")
+    prompts = [P.with_question(ex, q).prompt_text for q in (P.ASK_EN + P.ASK_ZH)[:3]]
+    engine = Engine(model, tok, num_blocks=64, block_size=4, debug=True)
+    steps_before = engine.num_steps
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
+    first_step = [o.num_cached_tokens for o in outs]
+    assert first_step[0] == 0 and all(c > 0 for c in first_step[1:]), first_step  # hits within step 1
+    assert engine.num_steps - steps_before <= MAX_NEW  # all three were prefilled together in one step
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == hf_generate(model, tok, prompt, MAX_NEW)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvlab.engine.engine as engine_module
-from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, UnknownSequenceError
+from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, TenantScope, UnknownSequenceError
 from kvlab.cache.block_pool import BlockPool, NoFreeBlocksError
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
 from kvlab.engine.models import encode
@@ -362,7 +362,7 @@ def _busy(hash_fn=None):
     from kvlab.cache.hashing import hash_block
 
     m = BlockManager(8, 4, model_fingerprint="fp", hash_fn=hash_fn or hash_block, trace=True)
-    m.allocate("a", [1, 2, 3, 4, 5, 6], salt="s", tenant="t")
+    m.allocate("a", [1, 2, 3, 4, 5, 6], TenantScope(salt="s", tenant="t"))
     m.append("a", 7)
     m.fork("a", "b")
     return m
@@ -383,12 +383,12 @@ BAD_CALLS = [
     (lambda m: m.append("a", True), TypeError),
     (lambda m: m.append(["a"], 1), TypeError),
     (lambda m: m.append("nope", 1), UnknownSequenceError),
-    (lambda m: m.allocate("z", [1, 2, 3], tenant=["acme"]), TypeError),
+    (lambda m: m.allocate("z", [1, 2, 3], TenantScope(tenant=["acme"])), TypeError),
     (lambda m: m.allocate("z", [1, 2, 3, 4, 5, 2 ** 70]), ValueError),
     (lambda m: m.allocate("z", [1, -2]), ValueError),
     (lambda m: m.allocate("z", [1, True]), TypeError),
-    (lambda m: m.allocate("z", [1, 2], public_tokens=True), ValueError),
-    (lambda m: m.allocate("z", [1, 2], salt=b"s"), TypeError),
+    (lambda m: m.allocate("z", [1, 2], TenantScope(public_tokens=True)), ValueError),
+    (lambda m: m.allocate("z", [1, 2], TenantScope(salt=b"s")), TypeError),
     (lambda m: m.allocate(["z"], [1, 2]), TypeError),
     (lambda m: m.allocate("a", [1, 2]), DuplicateSequenceError),
     (lambda m: m.allocate("z", list(range(40))), NoFreeBlocksError),
@@ -414,7 +414,7 @@ def test_block_manager_refusals_leave_the_state_unchanged(call, error):
 
 def test_a_failing_hash_function_leaves_the_state_unchanged():
     m = BlockManager(8, 4, hash_fn=_raises_on_13, trace=True)
-    m.allocate("y", [9, 9, 9], tenant="t")
+    m.allocate("y", [9, 9, 9], TenantScope(tenant="t"))
     before = full_state(m)
     with pytest.raises(RuntimeError, match="hash backend"):
         m.append("y", 13)  # fills y's first block, whose hash cannot be computed

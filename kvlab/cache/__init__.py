@@ -8,10 +8,10 @@
 Copy this folder under any name and ``from mykv import BlockManager`` works with a bare Python.
 """
 
-from .block_manager import BlockManager
+from .block_manager import NO_SCOPE, AllocationPlan, BlockManager, TenantScope, cdiv
 from .block_pool import Block, BlockPool, InvariantError, NoFreeBlocksError
 from .hashing import hash_block, hash_token_blocks
 from .metrics import PrefixCacheMetrics
 
-__all__ = ["Block", "BlockManager", "BlockPool", "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics",
+__all__ = ["NO_SCOPE", "AllocationPlan", "Block", "BlockManager", "TenantScope", "cdiv", "BlockPool", "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics",
            "hash_block", "hash_token_blocks"]

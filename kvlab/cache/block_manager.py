@@ -30,8 +30,8 @@ from .block_pool import Block, BlockPool, NoFreeBlocksError, check
 from .hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block
 from .metrics import PrefixCacheMetrics
 
-__all__ = ["AppendResult", "BlockManager", "DuplicateSequenceError", "NoFreeBlocksError",
-           "SeqBlocks", "UnknownSequenceError"]
+__all__ = ["NO_SCOPE", "AllocationPlan", "AppendResult", "BlockManager", "DuplicateSequenceError",
+           "NoFreeBlocksError", "SeqBlocks", "TenantScope", "UnknownSequenceError", "cdiv"]
 
 
 MAX_TOKEN_ID = 2 ** 63  # token ids are hashed as int64: every id must be in [0, MAX_TOKEN_ID)
@@ -60,6 +60,59 @@ class SeqBlocks:
     tenant: Hashable = None  # who this sequence serves (metrics, cross-tenant accounting)
 
 
+def cdiv(n: int, d: int) -> int:
+    """Ceiling division: the blocks of ``d`` slots needed for ``n`` tokens."""
+    return -(-n // d)
+
+
+@dataclass(slots=True, frozen=True)
+class TenantScope:
+    """Whose cached blocks a sequence may share: its salt, the public prefix before it, and its label.
+
+    ``salt`` enters the hash of block ``public_tokens // block_size`` (block 0 by default, like vLLM's
+    ``cache_salt``): from there on a tenant's blocks are its own, the whole blocks of an operator's public
+    prefix before it stay shared. ``tenant`` labels the sequence in per-tenant metrics (default: the salt).
+    """
+
+    salt: str | None = None
+    public_tokens: int = 0
+    tenant: Hashable = None
+
+    def __post_init__(self) -> None:
+        if self.salt is not None and not isinstance(self.salt, str):
+            raise TypeError(f"salt must be a str or None, got {type(self.salt).__name__}")
+        if type(self.public_tokens) is not int or self.public_tokens < 0:
+            raise ValueError(f"public_tokens must be an int >= 0, got {self.public_tokens!r}")
+        try:
+            hash(self.tenant)  # a key of the per-tenant metrics
+        except TypeError:
+            raise TypeError(f"tenant must be hashable, got {type(self.tenant).__name__}") from None
+
+    @property
+    def label(self) -> Hashable:
+        """The name metrics use: the tenant, or the salt when no tenant is given."""
+        return self.salt if self.tenant is None else self.tenant
+
+
+NO_SCOPE = TenantScope()  # no salt, no public prefix: every request may hit every cached block
+
+
+@dataclass(slots=True, frozen=True)
+class AllocationPlan:
+    """What ``allocate`` would do for one prompt: its hashes, the blocks it would hit, the blocks it needs."""
+
+    tokens: tuple[int, ...]
+    scope: TenantScope
+    hashes: tuple[BlockHash, ...]  # one per full block of the prompt
+    hits: tuple[Block, ...]  # cached blocks of the longest prefix (capped at n - 1 tokens)
+    blocks_needed: int  # free blocks allocation takes (new ones + hits revived from the free list)
+    num_free_blocks: int
+    clock: int  # the pool's clock when planned: the plan is stale once anything changed
+
+    def __bool__(self) -> bool:
+        return self.blocks_needed <= self.num_free_blocks
+
+
 @dataclass(slots=True, frozen=True)
 class AppendResult:
     """What one decode write did: a newly taken block, and a copy-on-write ``(src, dst)`` pair."""
@@ -81,8 +134,9 @@ class BlockManager:
         enable_caching: bool = True,
         cow: bool = True,
         trace: bool = False,
+        free_order: str = "vllm",
     ) -> None:
-        self.pool = BlockPool(num_blocks, block_size, trace=trace)  # validates both sizes
+        self.pool = BlockPool(num_blocks, block_size, trace=trace, free_order=free_order)  # validates the sizes
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
         self.hash_fn = hash_fn
@@ -150,7 +204,9 @@ class BlockManager:
         }
 
     # --- prefix lookup ------------------------------------------------------------------------------
-    def _check_prompt(self, token_ids: Sequence[int], salt: str | None, public_tokens: int = 0) -> list[int]:
+    def _check_prompt(self, token_ids: Sequence[int], scope: TenantScope) -> list[int]:
+        if not isinstance(scope, TenantScope):
+            raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
         tokens = list(token_ids)
         if not tokens:
             raise ValueError("a prompt needs at least one token")
@@ -158,10 +214,8 @@ class BlockManager:
             raise TypeError("token ids must be ints")
         if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
             raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
-        if salt is not None and not isinstance(salt, str):
-            raise TypeError(f"salt must be a str or None, got {type(salt).__name__}")
-        if type(public_tokens) is not int or not 0 <= public_tokens <= len(tokens):
-            raise ValueError(f"public_tokens must be an int in [0, {len(tokens)}], got {public_tokens!r}")
+        if not 0 <= scope.public_tokens <= len(tokens):
+            raise ValueError(f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}")
         return tokens
 
     def _keys(self, i: int, salt: str | None, salt_block: int) -> ExtraKeys:
@@ -172,8 +226,6 @@ class BlockManager:
         for i in range(limit):
             parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs], self._keys(i, salt, salt_block))
             out.append(parent)
-        self.metrics.hashed_blocks += limit
-        self.metrics.hashed_tokens += limit * bs
         return out
 
     def _longest_hit(self, tokens: list[int], hashes: list[BlockHash], salt: str | None, salt_block: int) -> list[Block]:
@@ -188,55 +240,46 @@ class BlockManager:
             parent_serial = block.serial
         return hits
 
-    def _blocks_needed(self, n_tokens: int, hits: list[Block]) -> int:
-        # new blocks + cached hits that currently sit in the free list (reviving them uses a free slot)
-        return -(-n_tokens // self.block_size) - len(hits) + sum(b.ref_count == 0 for b in hits)
+    def can_allocate(self, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE) -> AllocationPlan:
+        """What ``allocate`` would do, changing nothing: a plan that is truthy when enough blocks are free.
 
-    def can_allocate(self, token_ids: Sequence[int], salt: str | None = None, public_tokens: int = 0) -> bool:
-        """Whether ``allocate`` would find enough free blocks (counts cache hits; changes nothing)."""
-        tokens = self._check_prompt(token_ids, salt, public_tokens)
-        salt_block = public_tokens // self.block_size
-        hits: list[Block] = []
-        if self.enable_caching:
-            saved = self.metrics.hashed_blocks, self.metrics.hashed_tokens
-            hashes = self._hash_full_blocks(tokens, salt, salt_block, (len(tokens) - 1) // self.block_size)
-            self.metrics.hashed_blocks, self.metrics.hashed_tokens = saved
-            hits = self._longest_hit(tokens, hashes, salt, salt_block)
-        return self._blocks_needed(len(tokens), hits) <= self.num_free_blocks
-
-    # --- mutations ----------------------------------------------------------------------------------
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], salt: str | None = None,
-                 public_tokens: int = 0, tenant: Hashable = None) -> int:
-        """Give a new sequence its blocks, reusing the longest cached prefix; return cached tokens.
-
-        ``salt`` enters the hash of block ``public_tokens // block_size``; ``tenant`` (default: the
-        salt) labels the sequence in per-tenant metrics and in the cross-tenant hit count.
+        The plan holds the prompt's full-block hashes and the cached blocks it would hit; pass it to
+        ``allocate(..., plan=plan)`` so the prompt is not hashed twice (it is used only while the pool is
+        exactly as it was when planned).
         """
-        if seq_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
-        tokens = self._check_prompt(token_ids, salt, public_tokens)
-        bs, n, pool = self.block_size, len(tokens), self.pool
-        tenant = salt if tenant is None else tenant
-        try:
-            hash(tenant)  # a key of the per-tenant metrics: checked before anything changes
-        except TypeError:
-            raise TypeError(f"tenant must be hashable, got {type(tenant).__name__}") from None
-        salt_block = public_tokens // bs
+        tokens = self._check_prompt(token_ids, scope)
+        bs, n = self.block_size, len(tokens)
+        salt_block = scope.public_tokens // bs
         hashes: list[BlockHash] = []
         hits: list[Block] = []
         if self.enable_caching:
-            saved = self.metrics.hashed_blocks, self.metrics.hashed_tokens
-            hashes = self._hash_full_blocks(tokens, salt, salt_block, n // bs)
-            hits = self._longest_hit(tokens, hashes, salt, salt_block)
-            needed = self._blocks_needed(n, hits)
-            if needed > pool.num_free_blocks:
-                self.metrics.hashed_blocks, self.metrics.hashed_tokens = saved  # unchanged state
-        else:
-            needed = self._blocks_needed(n, hits)
-        if needed > pool.num_free_blocks:
+            hashes = self._hash_full_blocks(tokens, scope.salt, salt_block, n // bs)
+            hits = self._longest_hit(tokens, hashes, scope.salt, salt_block)
+        # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
+        needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
+        return AllocationPlan(tuple(tokens), scope, tuple(hashes), tuple(hits), needed, self.num_free_blocks,
+                              self.pool.clock)
+
+    # --- mutations ----------------------------------------------------------------------------------
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
+                 plan: AllocationPlan | None = None) -> int:
+        """Give a new sequence its blocks, reusing the longest cached prefix; return cached tokens.
+
+        ``scope.salt`` enters the hash of block ``scope.public_tokens // block_size``; ``scope.label``
+        names the sequence in per-tenant metrics and in the cross-tenant hit count. ``plan``: what
+        ``can_allocate`` returned for the same prompt and scope (reused if nothing changed since).
+        """
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+        if plan is None or plan.clock != self.pool.clock or plan.scope != scope or plan.tokens != tuple(token_ids):
+            plan = self.can_allocate(token_ids, scope)
+        if not plan:
             raise NoFreeBlocksError(
-                f"sequence {seq_id!r} needs {needed} free blocks, {pool.num_free_blocks} of "
-                f"{pool.num_blocks} are free")
+                f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, {self.pool.num_free_blocks} of "
+                f"{self.pool.num_blocks} are free")
+        tokens, hashes, hits = list(plan.tokens), list(plan.hashes), plan.hits
+        bs, n, pool = self.block_size, len(tokens), self.pool
+        salt, tenant, salt_block = scope.salt, scope.label, scope.public_tokens // bs
 
         misses = self._classify_misses(n, hashes, len(hits))  # before this request fills the cache
         pool.tick()
@@ -251,18 +294,24 @@ class BlockManager:
                 else:
                     self.metrics.cross_tenant_hits += 1
         parent_serial = hits[-1].serial if hits else 0
-        for i in range(len(hits), -(-n // bs)):
+        for i in range(len(hits), cdiv(n, bs)):
             block = pool.take(seq_id)
             self.registered_by.pop(block.block_id, None)  # taking a block evicts what it cached
             block.token_ids = tokens[i * bs : (i + 1) * bs]
             seq.block_table.append(block.block_id)
             if self.enable_caching and i < n // bs:
+                # Register before compute: the block is hittable now, before the engine has written its
+                # K/V. That is correct because an engine step writes every new token's K/V before any
+                # sequence reads (kvlab.engine.paged_attention), so a request that hits this block in the
+                # same step reads what this one writes (tests/test_engine.py checks it).
                 pool.register(block, hashes[i], hashes[i - 1] if i else None, parent_serial,
                               self._keys(i, salt, salt_block), seq_id)
                 self.registered_by[block.block_id] = tenant
                 parent_serial = block.serial
         seq.block_hashes = hashes
         self.seqs[seq_id] = seq
+        self.metrics.hashed_blocks += len(hashes)
+        self.metrics.hashed_tokens += len(hashes) * bs
         self.metrics.blocks_hit += len(hits)
         self.metrics.blocks_taken += len(seq.block_table) - len(hits)
         self.metrics.record_lookup(tenant, n, seq.num_cached_tokens, misses)
@@ -345,6 +394,13 @@ class BlockManager:
         self.registered_by[block.block_id] = seq.tenant
         seq.block_hashes.append(h)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False, while a sequence holds blocks."""
+        if self.seqs or not self.pool.reset():
+            return False
+        self.registered_by.clear()
+        return True
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` that shares every block (no copying yet)."""
         parent = self._seq(parent_id)
@@ -399,7 +455,7 @@ class BlockManager:
         bs = self.block_size
         for seq in self.seqs.values():
             n = len(seq.token_ids)
-            check(len(seq.block_table) == -(-n // bs),
+            check(len(seq.block_table) == cdiv(n, bs),
                   f"sequence {seq.seq_id!r}: {len(seq.block_table)} blocks for {n} tokens")
             check(self.read_tokens(seq.seq_id) == seq.token_ids,
                   f"sequence {seq.seq_id!r} reads other tokens than it wrote (a shared block was written)")

@@ -1,7 +1,7 @@
 """The physical KV-cache blocks: ref counts, an LRU free list, lazy eviction, and a per-block trace.
 
 A block is taken from the head of the free list and comes back to its tail when its ref count drops
-to 0. A full block keeps its hash while it sits in the free list, so a later request can revive it
+to 0 (a block that carries no hash, which can never be hit, goes back to the head: vLLM's order). A full block keeps its hash while it sits in the free list, so a later request can revive it
 with a cache hit (``hit``); only when the block is taken for new data is its hash dropped (lazy
 eviction). The free list is therefore also the LRU eviction order, and it never holds a block that
 someone still references: LRU can only evict blocks with ref count 0.
@@ -22,6 +22,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .hashing import BlockHash, ExtraKeys
+
+FREE_ORDERS = ("vllm", "lru")
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -75,10 +77,13 @@ class TraceEvent:
 class BlockPool:
     """``num_blocks`` blocks, a free list in LRU order, and the hash -> block cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, trace: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, trace: bool = False, free_order: str = "vllm") -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if free_order not in FREE_ORDERS:
+            raise ValueError(f"free_order must be one of {FREE_ORDERS}, got {free_order!r}")
+        self.free_order = free_order
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next victim
@@ -150,13 +155,20 @@ class BlockPool:
         self._record(block, "share", owner)
 
     def release(self, block: Block, owner: Hashable = None) -> None:
-        """Drop one reference; at 0 the block joins the tail of the free list (still cached)."""
+        """Drop one reference; at 0 the block joins the free list: a cached block at the tail (evicted last).
+
+        With ``free_order="vllm"`` (the default, as vLLM's ``BlockPool.free_blocks``) a block that carries
+        no hash (a partial tail, which no request can ever hit) goes to the *head* instead, so it is reused
+        before any cached block is evicted; ``"lru"`` puts every block at the tail.
+        """
         self._check_own(block)
         if block.ref_count <= 0:
             raise ValueError(f"block {block.block_id} has ref count {block.ref_count}; double free?")
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free[block.block_id] = None
+            self.free[block.block_id] = None  # the tail: evicted last
+            if block.block_hash is None and self.free_order == "vllm":
+                self.free.move_to_end(block.block_id, last=False)  # can never be hit: reuse it first
         self._record(block, "release", owner)
 
     def next_victim(self) -> int | None:
@@ -216,6 +228,17 @@ class BlockPool:
         block.extra_keys = ()
         block.serial = block.parent_serial = 0
         self._record(block, "uncache", owner)
+
+    def reset(self) -> bool:
+        """Drop every cached hash, keeping the free list's order; refused (False) while any block is in use."""
+        if any(b.ref_count for b in self.blocks):
+            return False
+        self.clock += 1
+        for block in self.blocks:
+            block.reset()
+        self.cached.clear()
+        self.evicted_hashes.clear()
+        return True
 
     def _uncache(self, block: Block) -> None:
         bucket = self.cached[block.block_hash]

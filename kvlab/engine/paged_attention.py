@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..cache.block_manager import cdiv
 from .kv_store import PagedKVStore
 
 __all__ = ["ATTN_NAME", "AttnGroup", "MissingBatchError", "PagedBatch", "build_batch", "group_by_query_length",
@@ -118,7 +119,7 @@ def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int
     """
     bs, slots, offsets, off = store.block_size, [], [], 0
     for start, end, table in seqs:
-        if not 0 <= start < end or -(-end // bs) > len(table):
+        if not 0 <= start < end or cdiv(end, bs) > len(table):
             raise ValueError(f"bad span [{start}, {end}) for a block table of {len(table)} blocks")
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         offsets.append(off)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache.block_manager import BlockManager
+from ..cache.block_manager import BlockManager, TenantScope, cdiv
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -71,7 +71,7 @@ class Scheduler:
         """Raise ``ValueError`` if a request could not run even alone in an empty pool."""
         bm = self.block_manager
         # K/V is written for every token but the last generated one
-        need = -(-(num_prompt_tokens + max_tokens - 1) // bm.block_size)
+        need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)
         if need > bm.pool.num_blocks:
             raise ValueError(
                 f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens, block size "
@@ -107,9 +107,11 @@ class Scheduler:
             n = seq.num_tokens
             if n > budget and out.items:  # too long for what is left; a long prompt runs alone
                 break
-            if not bm.can_allocate(seq.token_ids, seq.salt, seq.public_tokens):
+            scope = TenantScope(seq.salt, seq.public_tokens, seq.tenant)
+            plan = bm.can_allocate(seq.token_ids, scope)
+            if not plan:
                 break
-            cached = bm.allocate(seq.seq_id, seq.token_ids, seq.salt, seq.public_tokens, seq.tenant)
+            cached = bm.allocate(seq.seq_id, seq.token_ids, scope, plan=plan)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             self.waiting.popleft()

@@ -6,10 +6,9 @@ with kvlab's and holds the notebook's tables and checkers.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvlab.vllm.bridge import run_kvlab, run_worker
@@ -56,59 +55,38 @@ def trace_to_json(requests: Sequence[Any]) -> list[dict]:
             for r in requests]
 
 
-@contextlib.contextmanager
-def unhashed_blocks_first() -> Iterator[None]:
-    """Within the block, kvlab's pool frees like vLLM's: a block with no hash goes to the *head* of the free list.
-
-    vLLM's ``BlockPool.free_blocks`` reuses blocks that can never be hit (partial tail blocks) first and
-    keeps cached full blocks in LRU order behind them; kvlab's pool puts every freed block at the tail.
-    """
-    from kvlab.cache.block_pool import BlockPool
-
-    release = BlockPool.release
-
-    def release_unhashed_first(self, block, owner=None):
-        release(self, block, owner)
-        if block.ref_count == 0 and block.block_hash is None:
-            self.free.move_to_end(block.block_id, last=False)
-
-    BlockPool.release = release_unhashed_first
-    try:
-        yield
-    finally:
-        BlockPool.release = release
-
-
-def _kvlab_replay(requests: Sequence[Any], num_blocks: int, block_size: int, max_running: int, reps: int) -> dict:
+def _kvlab_replay(requests: Sequence[Any], num_blocks: int, block_size: int, max_running: int, reps: int,
+                  free_order: str = "vllm") -> dict:
     from kvlab.cache.block_manager import BlockManager
     from kvlab.lessons.traces import replay
 
-    runs = [replay(BlockManager(num_blocks, block_size), list(requests), max_running) for _ in range(reps)]
+    runs = [replay(BlockManager(num_blocks, block_size, free_order=free_order), list(requests), max_running)
+            for _ in range(reps)]
     last = runs[-1]
     keep = ("hit_rate", "query_tokens", "hit_tokens", "evictions", "cached_tokens")
     return {"seconds": statistics.median(r["seconds"] for r in runs), **{k: last[k] for k in keep}}
 
 
 def bench_block_pools(requests: Sequence[Any], pools: dict[str, int], block_size: int = 32, max_running: int = 16,
-                      reps: int = 3, vllm: bool = True, free_order: str = "kvlab",
+                      reps: int = 3, vllm: bool = True, free_order: str = "vllm",
                       python: str | os.PathLike | None = None) -> dict[str, dict]:
     """Replay one trace on kvlab's block manager and on vLLM's KVCacheManager, per pool size; blocks/s each.
 
     ``pools`` maps a name to a number of blocks. Blocks per second = the blocks of every request's final
-    block table / the replay's median seconds, the same numerator on both sides. ``free_order="vllm"``
-    runs kvlab's side under ``unhashed_blocks_first()``. All vLLM replays run in one worker process.
+    block table / the replay's median seconds, the same numerator on both sides. ``free_order`` is kvlab's
+    ``BlockPool`` option: ``"vllm"`` (its default, vLLM's order) or ``"lru"``. All vLLM replays run in one
+    worker process.
     Returns ``{name: {"kvlab": {...}, "vllm": {...} or None, "num_blocks": ...}}``.
     """
-    if free_order not in ("kvlab", "vllm"):
-        raise ValueError(f"free_order must be 'kvlab' or 'vllm', got {free_order!r}")
+    if free_order not in ("vllm", "lru"):
+        raise ValueError(f"free_order must be 'vllm' or 'lru', got {free_order!r}")
     table_blocks = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
     out: dict[str, dict] = {}
-    with unhashed_blocks_first() if free_order == "vllm" else contextlib.nullcontext():
-        for name, num_blocks in pools.items():
-            k = _kvlab_replay(requests, num_blocks, block_size, max_running, reps)
-            k.update(blocks_per_s=table_blocks / k["seconds"], table_blocks=table_blocks)
-            out[name] = {"kvlab": k, "vllm": None, "num_blocks": num_blocks, "block_size": block_size,
-                         "num_requests": len(requests), "free_order": free_order}
+    for name, num_blocks in pools.items():
+        k = _kvlab_replay(requests, num_blocks, block_size, max_running, reps, free_order)
+        k.update(blocks_per_s=table_blocks / k["seconds"], table_blocks=table_blocks)
+        out[name] = {"kvlab": k, "vllm": None, "num_blocks": num_blocks, "block_size": block_size,
+                     "num_requests": len(requests), "free_order": free_order}
     if vllm:
         trace = trace_to_json(requests)
         jobs = [{"kind": "block_pool", "trace": trace, "num_blocks": n, "block_size": block_size,

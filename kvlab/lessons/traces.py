@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.block_manager import BlockManager, TenantScope
 
 VOCAB = 32_000
 SYSTEM_PROMPTS = {
@@ -190,7 +190,7 @@ def replay(manager: BlockManager, requests: list[Request], max_running: int = 16
     while waiting or running:
         while waiting and len(running) < max_running and manager.num_free_blocks - reserved >= need(waiting[0]):
             r = waiting.popleft()
-            cached[r.req_id] = manager.allocate(r.req_id, r.prompt, salt=r.salt)
+            cached[r.req_id] = manager.allocate(r.req_id, r.prompt, TenantScope(salt=r.salt))
             reserved += need(r) - len(manager.seqs[r.req_id].block_table)
             running[r.req_id] = (r, 0)
         if not running:

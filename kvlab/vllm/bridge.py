@@ -256,12 +256,13 @@ def run_kvlab(model: Any, tokenizer: Any, prompt_token_ids: Sequence[Sequence[in
               ignore_eos: bool = False, ttft_pairs: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
               ttft_repeats: int = 3, num_blocks: int | None = None, repeat: bool = True) -> dict:
     """``run_vllm``'s counterpart on kvlab's paged engine (prefix caching on); the same result keys."""
+    from kvlab.cache import cdiv
     from kvlab.engine import Engine
     from kvlab.engine.sampling import SamplingParams
 
     prompts = [[int(t) for t in p] for p in prompt_token_ids]
     if num_blocks is None:  # room for every request's blocks at once, so nothing is evicted
-        num_blocks = sum(-(-(len(p) + max_tokens) // block_size) for p in prompts) + 8
+        num_blocks = sum(cdiv(len(p) + max_tokens, block_size) for p in prompts) + 8
     new = lambda: Engine(model, tokenizer, num_blocks=num_blocks, block_size=block_size,  # noqa: E731
                          enable_prefix_caching=True, max_num_seqs=16, max_num_batched_tokens=8192)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=tuple(stop_token_ids or ()))
@@ -298,11 +299,12 @@ def run_kvlab(model: Any, tokenizer: Any, prompt_token_ids: Sequence[Sequence[in
 def kvlab_ttft(model: Any, tokenizer: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], block_size: int = 32,
                repeats: int = 3) -> dict:
     """kvlab's TTFT (one-token requests, wall time): ``a`` on an empty cache, then ``b`` after it."""
+    from kvlab.cache import cdiv
     from kvlab.engine import Engine
     from kvlab.engine.sampling import SamplingParams
 
     one = SamplingParams(max_tokens=1, ignore_eos=True)
-    blocks = 2 * max(-(-(len(x) + 1) // block_size) for pair in pairs for x in pair) + 8
+    blocks = 2 * max(cdiv(len(x) + 1, block_size) for pair in pairs for x in pair) + 8
     new = lambda: Engine(model, tokenizer, num_blocks=blocks, block_size=block_size,  # noqa: E731
                          max_num_seqs=4, max_num_batched_tokens=8192)
     new().generate([list(pairs[0][0])], one)  # warm-up, as on the vLLM side
