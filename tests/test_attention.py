@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.lessons import nb01_attention as A
-from kvlab.lessons.nb01_attention import attention_weights_figure, kv_memory_figure, step_cost_figure
-from kvlab.lessons.nb02_prefix import prefill_ratio_figure, token_boundary_figure
+from kvlab.lessons.nb01_attention import fig_attention_weights, fig_kv_memory, fig_step_cost
+from kvlab.lessons.nb02_prefix import fig_prefill_ratio, fig_token_boundary
 
 
 def test_attention_equals_torch_sdpa_full_and_decode():
@@ -157,10 +157,10 @@ def test_viz_figures_are_figures():
 
     rows = A.decode_step_cost([4, 8], d_model=32, n_heads=4, n_kv_heads=2, repeats=1)
     _, w = A.attention(*(torch.randn(1, 1, 4, 8) for _ in range(3)))
-    figs = [step_cost_figure(rows), attention_weights_figure(w[0, 0], list("abcd")),
-            kv_memory_figure({"a": 1024, "b": 4096}, 2048, (1, 4), budget_gib=1.0),
-            prefill_ratio_figure([{"setting": "x", "ratio": 0.2, "ideal": 0.1}]),
-            token_boundary_figure(["a", "b"], ["a", "bc"], 1)]
+    figs = [fig_step_cost(rows), fig_attention_weights(w[0, 0], list("abcd")),
+            fig_kv_memory({"a": 1024, "b": 4096}, 2048, (1, 4), budget_gib=1.0),
+            fig_prefill_ratio([{"setting": "x", "ratio": 0.2, "ideal": 0.1}]),
+            fig_token_boundary(["a", "b"], ["a", "bc"], 1)]
     assert all(isinstance(f, Figure) for f in figs)
     import matplotlib.pyplot as plt
 

@@ -116,3 +116,16 @@ def test_decision_rows_are_named_and_keep_the_article_text():
         decision_table({1: "a row index is not a name"})
     assert all(set(rows) <= set(ROW_NAMES) for rows in T.BUG_ROWS.values())
 
+
+def test_every_lesson_figure_is_named_fig():
+    import inspect
+
+    from kvlab.lessons import bench as B
+
+    for module in (E, A, R, X, L, T, V, S, B):
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if fn.__module__ != module.__name__:
+                continue
+            returns = inspect.signature(fn).return_annotation
+            draws = "plt.subplots" in inspect.getsource(fn) or "Figure" in str(returns)
+            assert name.startswith("fig_") == draws, f"{module.__name__}.{name}: figure functions are named fig_*"

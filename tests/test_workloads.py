@@ -53,10 +53,10 @@ def test_figures_render():
     m = BlockManager(12, 4)
     m.allocate("a", list(range(10)))
     m.allocate("b", list(range(9)))
-    assert viz_blocks.plot_block_tables(viz_blocks.block_state(m)).axes
-    assert viz_blocks.render_three_requests(4, 6).axes  # too small: drawn as a refusal, not raised
+    assert viz_blocks.fig_block_tables(viz_blocks.block_state(m)).axes
+    assert viz_blocks.fig_three_requests(4, 6).axes  # too small: drawn as a refusal, not raised
     rows = workloads.block_size_sweep(workloads.realistic_trace(3), [4, 16], 8192)
-    assert viz_blocks.plot_block_size_sweep(rows).axes
+    assert viz_blocks.fig_block_size_sweep(rows).axes
 
 
 def test_exercise_checkers_accept_right_and_reject_wrong_answers():

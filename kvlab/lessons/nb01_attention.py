@@ -381,8 +381,8 @@ def stepwise_logits(model: Any, ids: Sequence[int], use_cache: bool = True) -> t
     return torch.stack(rows)
 
 
-def attention_weights_figure(weights: Any, labels: Sequence[str] | None = None,
-                             title: str = "causal attention weights") -> Figure:
+def fig_attention_weights(weights: Any, labels: Sequence[str] | None = None,
+                          title: str = "causal attention weights") -> Figure:
     """Heatmap of one head's (q_len, k_len) attention weights; masked (future) cells are 0."""
     w = np.asarray(weights, dtype=float)
     fig, ax = plt.subplots(figsize=(4.2, 3.6))
@@ -398,8 +398,8 @@ def attention_weights_figure(weights: Any, labels: Sequence[str] | None = None,
     return fig
 
 
-def step_cost_figure(rows: Sequence[Mapping[str, float]], title: str = "one decode step of one attention layer"
-                     ) -> Figure:
+def fig_step_cost(rows: Sequence[Mapping[str, float]], title: str = "one decode step of one attention layer"
+                  ) -> Figure:
     """Measured ms (left) and counted FLOPs (right) of a decode step vs context length, cached or not."""
     n = np.array([r["n"] for r in rows], dtype=float)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -426,8 +426,8 @@ def step_cost_figure(rows: Sequence[Mapping[str, float]], title: str = "one deco
     return fig
 
 
-def kv_memory_figure(per_token_bytes: Mapping[str, int], context: int, batch_sizes: Sequence[int] = (1, 8, 32),
-                     budget_gib: float | None = None, title: str = "") -> Figure:
+def fig_kv_memory(per_token_bytes: Mapping[str, int], context: int, batch_sizes: Sequence[int] = (1, 8, 32),
+                  budget_gib: float | None = None, title: str = "") -> Figure:
     """KV-cache GiB vs context length (up to ``context``) for each model, one line style per batch size.
 
     ``per_token_bytes`` maps a model name to ``kv_bytes_per_token(config, dtype)``.

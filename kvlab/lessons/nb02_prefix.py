@@ -227,7 +227,7 @@ def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_to
                    f"{len(prefix_ids)} tokens", "return one list of ids per suffix")
 
 
-def prefill_ratio_figure(rows: Sequence[Mapping[str, Any]], title: str = "prefill with a cached prefix") -> Figure:
+def fig_prefill_ratio(rows: Sequence[Mapping[str, Any]], title: str = "prefill with a cached prefix") -> Figure:
     """Bars: measured cached/full prefill time ratio beside the ideal (uncached share of tokens)."""
     names = [r["setting"] for r in rows]
     x = np.arange(len(rows))
@@ -246,8 +246,8 @@ def prefill_ratio_figure(rows: Sequence[Mapping[str, Any]], title: str = "prefil
     return fig
 
 
-def token_boundary_figure(prefix_pieces: Sequence[str], full_pieces: Sequence[str], first_diff: int | None,
-                          title: str = "") -> Figure:
+def fig_token_boundary(prefix_pieces: Sequence[str], full_pieces: Sequence[str], first_diff: int | None,
+                       title: str = "") -> Figure:
     """Two rows of token boxes: the prefix tokenized alone and the full text; the first difference in red."""
     fig, ax = plt.subplots(figsize=(10, 1.8))
     for row, (row_name, pieces) in enumerate((("prefix alone", prefix_pieces), ("full text", full_pieces))):

@@ -1,4 +1,4 @@
-"""Notebook 04 (the paged block manager): exercise checkers and the block figures.
+"""Notebook 04 (the paged block manager): exercise checkers and the block figures (``fig_*``).
 
 A checker runs the reader's function against the real manager and returns a ``Verdict`` (shown as
 "correct: ..." or "not yet: ..."); it never raises, and an exercise still left as ``raise
@@ -115,7 +115,7 @@ def block_state(manager: BlockManager) -> dict:
     }
 
 
-def plot_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] | None = None) -> Figure:
+def fig_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] | None = None) -> Figure:
     """Sequences x logical blocks (physical id, colour = ref count), and the pool with its LRU order."""
     bs, seqs, blocks = state["block_size"], state["seqs"], state["blocks"]
     width = max([len(s["table"]) for s in seqs.values()] + [1])
@@ -165,7 +165,7 @@ def plot_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] 
     return fig
 
 
-def plot_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
+def fig_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
     """Hit rate, wasted slots, hash calls and miss reasons against block size (one row per size)."""
     bs = [r["block_size"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
@@ -194,7 +194,7 @@ def plot_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
     return fig
 
 
-def render_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
+def fig_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
     """The article's three requests run to the end; the last state drawn (a refusal is shown, not raised)."""
     from kvlab.cache.block_manager import NoFreeBlocksError
     from kvlab.lessons.traces import three_requests
@@ -211,4 +211,4 @@ def render_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
     title = (textwrap.fill(f"block size {block_size}, {num_blocks} blocks — {caption}", 80) + "\n"
              f"hit rate {100 * s['hit_rate']:.0f}%, {s['num_free_blocks']} free, "
              f"{s['num_cached_blocks']} cached, wasted slots {s['wasted_slots']}")
-    return plot_block_tables(block_state(manager), title)
+    return fig_block_tables(block_state(manager), title)

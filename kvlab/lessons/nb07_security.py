@@ -35,8 +35,8 @@ from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, ve
 
 __all__ = [
     "StressReport", "StressRequest", "attack_summary", "check_auc_fn", "check_prefill_tokens", "check_salt_split",
-    "isolation_cost", "ks_test", "roc_auc", "roc_curve", "run_attack", "run_stress", "stress_test", "stress_workload",
-    "timing_probe",
+    "fig_roc", "fig_ttft_histogram", "isolation_cost", "ks_test", "roc_auc", "roc_curve", "run_attack", "run_stress",
+    "stress_test", "stress_workload", "timing_probe",
 ]
 
 
@@ -364,7 +364,7 @@ def stress_test(model: Any, tokenizer: Any, n_requests: int, policy: str = "publ
 
 
 # --- figures (pure: data in, matplotlib Figure out) -----------------------------------------------------
-def ttft_histogram_figure(probes_by_policy: dict[str, Sequence[Probe]], bins: int = 20) -> Any:
+def fig_ttft_histogram(probes_by_policy: dict[str, Sequence[Probe]], bins: int = 20) -> Any:
     """One panel per policy: TTFT histograms (ms) of right guesses (hits if shared) and wrong guesses."""
     import matplotlib.pyplot as plt
 
@@ -384,7 +384,7 @@ def ttft_histogram_figure(probes_by_policy: dict[str, Sequence[Probe]], bins: in
     return fig
 
 
-def roc_figure(probes_by_policy: dict[str, Sequence[Probe]]) -> Any:
+def fig_roc(probes_by_policy: dict[str, Sequence[Probe]]) -> Any:
     """ROC curves of the "faster means hit" detector, one line per policy."""
     import matplotlib.pyplot as plt
 
