@@ -12,6 +12,7 @@ import torch
 from kvlab.engine.models import BUNDLED_MODEL
 from kvlab.lessons import nb05_table36 as T
 from kvlab.lessons import workloads as W
+from kvlab.lessons.common import decision_table
 
 BLOCK = 16
 
@@ -113,15 +114,20 @@ def test_each_wrong_mode_changes_answers(measured):
 def test_evidence_and_comparison(measured):
     table, _ = measured
     ev = T.evidence(table)
-    assert set(ev) == {0, 1, 3, 4, 6} and all(s.startswith("nb05") for s in ev.values())
+    assert set(ev) == {"identical-prefix", "same-start", "positions-agree", "independent-context",
+                       "overlap-different-start"} and all(s.startswith("nb05") for s in ev.values())
+    assert list(decision_table(ev).loc[list(ev), "evidence (measured here)"]) == list(ev.values())
     cmp = T.compare_with_article(table)
     assert len(cmp) == 6 and cmp["TTFT ratio, ours"].notna().all()
     assert list(T.article_table()["TTFT (ms)"]) == [320, 185, 315, 190, 318, 188]
 
 
-def test_checkers(capsys):
-    assert T.check_bug_for_group({1: 3, 2: 6, 3: 4}) and T.check_bug_for_group({1: 3, 2: 1, 3: 4})
-    assert not T.check_bug_for_group({1: 0, 2: 6, 3: 4}) and not T.check_bug_for_group(None)
+def test_checkers():
+    assert T.check_bug_for_group({1: "positions-agree", 2: "overlap-different-start", 3: "independent-context"})
+    assert T.check_bug_for_group({1: "positions-agree", 2: "same-start", 3: "independent-context"})
+    assert not T.check_bug_for_group({1: "identical-prefix", 2: "same-start", 3: "independent-context"})
+    assert not T.check_bug_for_group(None)
+    assert "not a row name" in str(T.check_bug_for_group({1: 3, 2: 6, 3: 4}))  # positions are not names
     full, per = 512 // 16, -(-(512 + 63) // 16)
     assert T.check_kv_ratio((full + 16 * (per - full)) / (16 * per), 16, 512, 63)
     assert not T.check_kv_ratio(0.5, 16, 512, 63) and not T.check_kv_ratio(None, 16, 512, 63)
@@ -174,7 +180,7 @@ def test_position_bug_is_one_line_off_the_engine():
     assert ours[-1] != theirs[-1]
 
 
-def test_position_fix_checker(lm, groups, capsys):
+def test_position_fix_checker(lm, groups):
     model, tok = lm
 
     class Fixed(T.PositionRestartEngine):

@@ -16,7 +16,7 @@ systems it is the request's own time to first token (queueing behind earlier req
 Throughput is generated tokens per wall second of the whole workload. Repetitions are interleaved
 (one of each system, then again) and the median is kept, so a busy machine slows all alike.
 
-The ideal TTFT ratio is ``named_workloads.ideal_prefill_fraction``: uncached prompt tokens over all.
+The ideal TTFT ratio is ``kvlab.lessons.workloads.ideal_prefill_fraction``: uncached prompt tokens over all.
 The ideal KV bytes count whole blocks: the prefix's full blocks once, everything else per request.
 """
 

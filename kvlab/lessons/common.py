@@ -1,19 +1,129 @@
-"""Helpers every lesson uses: the article's decision table, timing, CJK-safe labels."""
+"""Helpers every lesson uses: exercise verdicts, the article's decision table, timing, CJK-safe labels.
+
+Torch-free at import (``time_prefill`` imports it when called), so a pure-Python lesson such as
+notebook 04's can use ``verdict`` and ``decision_table`` without loading torch.
+"""
 
 from __future__ import annotations
 
 import copy
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-import torch
-
-from kvlab.engine.models import model_device_dtype, synchronize
+# ----------------------------------------------------------------------------- exercise verdicts
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class Verdict:
+    """What an exercise checker says: ``ok`` and one line of text.
+
+    Truthy when correct, so tests can ``assert check(...)``; shown as its message, so a checker call as
+    the last line of a notebook cell displays "correct: ..." or "not yet: ...", and ``print`` works.
+    A "not yet" message gives a hint, never the expected answer.
+    """
+
+    ok: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return self.message
+
+
+def verdict(ok: bool, good: str = "", hint: str = "") -> Verdict:
+    """``Verdict(True, "correct: <good>")`` or ``Verdict(False, "not yet: <hint>")``."""
+    if ok:
+        return Verdict(True, "correct" + (f": {good}" if good else ""))
+    return Verdict(False, "not yet" + (f": {hint}" if hint else ""))
+
+
+def unanswered(hint: str) -> Verdict:
+    """The verdict on an exercise left blank (``None`` or ``raise NotImplementedError``): a hint, no answer."""
+    return verdict(False, hint=f"no answer yet. Hint: {hint}")
+
+
+def call_answer(fn: Callable[..., Any] | None, *args: Any, hint: str, name: str = "your function"
+                ) -> tuple[Any, Verdict | None]:
+    """Call the reader's function: ``(result, None)``, or ``(None, a "not yet" Verdict)`` when it is missing
+    (``None``), still ``raise NotImplementedError``, or raises anything else. A checker never raises.
+
+    Test the second item with ``is not None``: a "not yet" Verdict is falsy.
+    """
+    if fn is None:
+        return None, unanswered(hint)
+    try:
+        return fn(*args), None
+    except NotImplementedError:
+        return None, unanswered(hint)
+    except Exception as err:  # the reader's code may fail in any way
+        return None, verdict(False, hint=f"{name} raised {type(err).__name__}: {err}")
+
+
+def as_number(answer: Any, kind: type = float) -> Any:
+    """``answer`` as ``kind`` (float or int), or None when it is not a number."""
+    try:
+        return kind(answer)
+    except (TypeError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- the decision table
+
+
+class DecisionRow(NamedTuple):
+    """One row of the article's decision table (its section 2.4), named so evidence can refer to it."""
+
+    name: str  # a short, stable key: evidence dicts and exercise answers use it
+    condition: str  # the article's condition, in English
+    zh: str  # the article's own words
+    share: str  # the article: may requests share cached K/V under this condition?
+    isolate: str  # the article: must they be isolated?
+
+
+DECISION_ROWS: tuple[DecisionRow, ...] = (
+    DecisionRow("identical-prefix", "prefix token sequences are identical", "前缀token序列完全一致", "yes", "no"),
+    DecisionRow("same-start", "the prefix starts at the same position", "前缀起始位置相同", "yes", "no"),
+    DecisionRow("no-writes-to-shared", "later generation does not modify shared blocks", "后续生成不修改共享块",
+                "yes", "no"),
+    DecisionRow("positions-agree", "position encodings agree", "位置编码一致", "yes", "no"),
+    DecisionRow("independent-context", "later contexts of the requests are independent", "不同请求的后续上下文独立",
+                "yes", "no"),
+    DecisionRow("shared-may-be-written", "shared blocks may be written", "共享块可能被写入", "no", "yes"),
+    DecisionRow("overlap-different-start", "prefixes overlap partly but start differently", "前缀有部分重叠但起始不同",
+                "no", "yes"),
+    DecisionRow("full-isolation", "requests must be fully isolated", "需要保证请求间完全隔离", "no", "yes"),
+)
+
+ROW_NAMES: tuple[str, ...] = tuple(r.name for r in DECISION_ROWS)
+
+
+def decision_table(evidence: Mapping[str, str] | None = None):
+    """The article's decision table as a DataFrame indexed by row name, with an ``evidence`` column.
+
+    ``evidence`` maps a row name (``ROW_NAMES``) to what a notebook measured; an unknown name raises.
+    """
+    import pandas as pd
+
+    evidence = dict(evidence or {})
+    unknown = sorted(set(evidence) - set(ROW_NAMES))
+    if unknown:
+        raise KeyError(f"no decision-table row named {unknown}; the rows are {list(ROW_NAMES)}")
+    rows = [{"row": r.name, "condition": r.condition, "article (zh)": r.zh, "share?": r.share, "isolate?": r.isolate,
+             "evidence (measured here)": evidence.get(r.name, "")} for r in DECISION_ROWS]
+    return pd.DataFrame(rows).set_index("row")
+
+
+# ----------------------------------------------------------------------------- timing
+
+
 def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5
                  ) -> dict[str, float]:
     """Median seconds to the first token's logits: full prefill vs suffix-only on a cached prefix.
@@ -21,7 +131,17 @@ def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int
     Runs are interleaved (full, cached, full, ...) so a busy machine slows both alike. ``ideal`` is
     the uncached share of the tokens; ``max_abs_logit_diff`` checks both paths agree.
     """
+    import torch
+
+    with torch.no_grad():
+        return _time_prefill(model, prefix_ids, suffix_ids, repeats)
+
+
+def _time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int) -> dict[str, float]:
+    import torch
     from transformers import DynamicCache
+
+    from kvlab.engine.models import model_device_dtype, synchronize
 
     device, _ = model_device_dtype(model)
     prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
@@ -54,16 +174,6 @@ def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int
     return {"prefix_tokens": len(prefix_ids), "suffix_tokens": len(suffix_ids), "full_s": f, "cached_s": c,
             "ratio": c / f, "ideal": len(suffix_ids) / (len(prefix_ids) + len(suffix_ids)),
             "max_abs_logit_diff": diff}
-
-
-def decision_table(evidence: dict[int, str] | None = None):
-    """The article's decision table as a DataFrame, with an ``evidence`` column (row index -> text)."""
-    import pandas as pd
-
-    evidence = evidence or {}
-    rows = [{"condition": en, "article (zh)": zh, "share?": s, "isolate?": i, "evidence (measured here)": evidence.get(k, "")}
-            for k, (en, zh, s, i) in enumerate(DECISION_ROWS)]
-    return pd.DataFrame(rows)
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
@@ -104,15 +214,3 @@ def label(text: str) -> str:
     if CJK_FONT:
         return text
     return "".join(c if ord(c) < 0x2E80 else f"\\u{ord(c):04x}" for c in text)
-
-
-DECISION_ROWS: tuple[tuple[str, str, str, str], ...] = (
-    ("prefix token sequences are identical", "前缀token序列完全一致", "yes", "no"),
-    ("the prefix starts at the same position", "前缀起始位置相同", "yes", "no"),
-    ("later generation does not modify shared blocks", "后续生成不修改共享块", "yes", "no"),
-    ("position encodings agree", "位置编码一致", "yes", "no"),
-    ("later contexts of the requests are independent", "不同请求的后续上下文独立", "yes", "no"),
-    ("shared blocks may be written", "共享块可能被写入", "no", "yes"),
-    ("prefixes overlap partly but start differently", "前缀有部分重叠但起始不同", "no", "yes"),
-    ("requests must be fully isolated", "需要保证请求间完全隔离", "no", "yes"),
-)

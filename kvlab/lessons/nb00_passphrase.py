@@ -1,9 +1,9 @@
-"""The passphrase experiment's building blocks: the decision table, timing, and first shares.
+"""Notebook 00 (the passphrase experiment): first shares, the swapped-prefix mistake, recall, exercise checkers.
 
 Notebook 00 uses these to show, on a real model, that sharing an identical prefix's K/V gives the
 same tokens as recomputing it (and saves prefill work), and that serving a request with another
-request's prefix K/V gives the other request's passphrase. Later notebooks fill the decision table
-with more evidence.
+request's prefix K/V gives the other request's passphrase. The decision table it starts (and later
+notebooks fill with more evidence) and ``time_prefill`` live in ``kvlab.lessons.common``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from typing import Any
 
 from kvlab.engine.models import encode, eos_ids
 from kvlab.lessons import passphrase as P
+from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
 from kvlab.prefix import PrefixCache, continue_from_cache, generate
-
-# The article's section 2.4 decision framework: (condition, shareable?, isolate?) as it states them.
-# Each notebook adds evidence (what it measured) next to the rows it tests.
 
 
 @dataclass
@@ -52,20 +50,26 @@ def share_one_prefix(model: Any, tokenizer: Any, example: P.PassphraseExample, q
     return cache, out
 
 
-def check_ideal_fraction(answer: float, prompt_tokens: int, cached_tokens: int) -> bool:
-    """Exercise checker: the share of prefill tokens still computed when ``cached_tokens`` are reused."""
+def check_ideal_fraction(answer: float | None, prompt_tokens: int, cached_tokens: int) -> Verdict:
+    """Exercise 00.1: the share of prefill tokens still computed when ``cached_tokens`` are reused."""
+    hint = "count the prompt tokens that still go through the model (the uncached ones) and divide by all of them"
+    if answer is None:
+        return unanswered(hint)
+    value = as_number(answer)
+    if value is None:
+        return verdict(False, hint=f"give a number (a fraction between 0 and 1), not {answer!r}")
     expected = (prompt_tokens - cached_tokens) / prompt_tokens
-    ok = abs(float(answer) - expected) < 1e-6
-    print("correct" if ok else f"not quite: {prompt_tokens - cached_tokens} of {prompt_tokens} tokens are still computed")
-    return ok
+    return verdict(abs(value - expected) < 1e-6, f"{expected:.4f} of the prompt is still prefilled", hint)
 
 
-def check_reusable(answer: bool, prefix_ids: Sequence[int], prompt_ids: Sequence[int]) -> bool:
-    """Exercise checker: may a cache of ``prefix_ids`` serve ``prompt_ids`` (same model)?"""
+def check_reusable(answer: bool | None, prefix_ids: Sequence[int], prompt_ids: Sequence[int]) -> Verdict:
+    """Exercise 00.2: may a cache of ``prefix_ids`` serve ``prompt_ids`` (same model)? Answer True or False."""
+    hint = "a cache serves a prompt only if the prompt's first len(prefix_ids) ids are the prefix ids, in order"
+    if answer is None:
+        return unanswered(hint)
     expected = len(prefix_ids) <= len(prompt_ids) and list(prompt_ids[: len(prefix_ids)]) == list(prefix_ids)
-    ok = bool(answer) == expected
-    print("correct" if ok else ("not quite: the ids " + ("do" if expected else "do not") + " start with the prefix ids"))
-    return ok
+    why = "the prompt's ids start with the prefix ids" if expected else "the prompt's ids do not start with the prefix ids"
+    return verdict(bool(answer) == expected, why, hint)
 
 
 @dataclass

@@ -36,7 +36,7 @@ from matplotlib.ticker import NullFormatter
 from torch import nn
 
 from kvlab.engine.models import model_device_dtype
-from kvlab.lessons.common import GIB, label
+from kvlab.lessons.common import GIB, Verdict, as_number, call_answer, label, unanswered, verdict
 
 # ----------------------------------------------------------------------------- attention itself
 
@@ -306,42 +306,41 @@ def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, 
 
 # ----------------------------------------------------------------------------- exercise checkers
 
-def _verdict(ok: bool, good: str, hint: str) -> str:
-    return ("correct: " + good) if ok else ("not yet: " + hint)
-
-
-def check_gqa_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> str:
+def check_gqa_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> Verdict:
     """Exercise 01.1: ``fn(q, k, v)`` with fewer KV heads than query heads, causal, without ``repeat_kv``.
 
-    q: (B, H, T, D); k, v: (B, KVH, T, D) -> (B, H, T, D). Returns a verdict, never raises.
+    q: (B, H, T, D); k, v: (B, KVH, T, D) -> (B, H, T, D). Returns a Verdict, never raises.
     """
-    if fn is None:
-        return "no answer yet: define my_gqa_attention and pass it in"
+    hint = "query head h reads KV head h // (H // KVH); group the query heads, and mind the causal mask"
     torch.manual_seed(1)
     q = torch.randn(2, 6, 5, 8)
     k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     want, _ = attention(q, repeat_kv(k, 3), repeat_kv(v, 3))
-    try:
-        got = fn(q, k, v)
-    except Exception as e:  # the learner's code may fail in any way
-        return f"not yet: your function raised {type(e).__name__}: {e}"
+    got, failed = call_answer(fn, q, k, v, hint="define my_gqa_attention(q, k, v) and pass it in; " + hint,
+                              name="my_gqa_attention")
+    if failed is not None:
+        return failed
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        return f"not yet: expected a tensor of shape {tuple(want.shape)}, got {getattr(got, 'shape', type(got))}"
+        return verdict(False, hint=f"expected a tensor of shape {tuple(want.shape)}, got "
+                                   f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
     diff = float((got - want).abs().max())
-    return _verdict(diff <= 1e-5, f"max abs difference {diff:.1e}",
-                    f"max abs difference {diff:.3g}; query head h reads KV head h // (H // KVH), and mind the mask")
+    return verdict(diff <= 1e-5, f"max abs difference {diff:.1e}", f"max abs difference {diff:.3g}; {hint}")
 
 
-def check_kv_bytes(config_name: str, dtype: str, answer: int | None) -> str:
+def check_kv_bytes(config_name: str, dtype: str, answer: int | None) -> Verdict:
     """Exercise 01.2: KV-cache bytes per token of a shipped public config, computed by hand."""
     from kvlab.engine.models import kv_bytes_per_token, load_public_config
 
+    hint = ("2 (K and V) x layers x kv_heads (the KV heads, not the query heads) x head_dim x bytes per element, "
+            "all read from the config")
     if answer is None:
-        return "no answer yet"
+        return unanswered(hint)
+    value = as_number(answer, int)
+    if value is None:
+        return verdict(False, hint=f"give a whole number of bytes, not {answer!r}")
     want = kv_bytes_per_token(load_public_config(config_name), dtype)
-    return _verdict(int(answer) == want, f"{want:,} bytes per token",
-                    f"{int(answer):,} is off by a factor {want / max(int(answer), 1):.3g}: "
-                    "2 x layers x kv_heads x head_dim x bytes per element")
+    return verdict(value == want, f"{want:,} bytes per token",
+                   f"{value:,} is too {'small' if value < want else 'large'}: {hint}")
 
 
 def max_context_tokens(config: Any, dtype: str, budget_gib: float, batch: int = 1) -> int:
@@ -351,15 +350,19 @@ def max_context_tokens(config: Any, dtype: str, budget_gib: float, batch: int = 
     return int(budget_gib * 2**30 // (kv_bytes_per_token(config, dtype) * batch))
 
 
-def check_max_context(config_name: str, dtype: str, budget_gib: float, batch: int, answer: int | None) -> str:
+def check_max_context(config_name: str, dtype: str, budget_gib: float, batch: int, answer: int | None) -> Verdict:
     """Exercise 01.3: the longest context that fits a KV budget (within 1%)."""
     from kvlab.engine.models import load_public_config
 
+    hint = "divide the budget in bytes (1 GiB = 2**30 bytes) by (KV bytes per token x batch)"
     if answer is None:
-        return "no answer yet"
+        return unanswered(hint)
+    value = as_number(answer, int)
+    if value is None:
+        return verdict(False, hint=f"give a whole number of tokens, not {answer!r}")
     want = max_context_tokens(load_public_config(config_name), dtype, budget_gib, batch)
-    return _verdict(abs(int(answer) - want) <= 0.01 * want, f"about {want:,} tokens per sequence",
-                    f"{int(answer):,} vs about {want:,}: divide the budget by (bytes per token x batch)")
+    return verdict(abs(value - want) <= 0.01 * want, f"about {want:,} tokens per sequence",
+                   f"{value:,} tokens is too {'few' if value < want else 'many'}: {hint}")
 
 
 @torch.no_grad()
@@ -378,8 +381,8 @@ def stepwise_logits(model: Any, ids: Sequence[int], use_cache: bool = True) -> t
     return torch.stack(rows)
 
 
-def attention_weights_figure(weights: Any, labels: Sequence[str] | None = None,
-                             title: str = "causal attention weights") -> Figure:
+def fig_attention_weights(weights: Any, labels: Sequence[str] | None = None,
+                          title: str = "causal attention weights") -> Figure:
     """Heatmap of one head's (q_len, k_len) attention weights; masked (future) cells are 0."""
     w = np.asarray(weights, dtype=float)
     fig, ax = plt.subplots(figsize=(4.2, 3.6))
@@ -395,8 +398,8 @@ def attention_weights_figure(weights: Any, labels: Sequence[str] | None = None,
     return fig
 
 
-def step_cost_figure(rows: Sequence[Mapping[str, float]], title: str = "one decode step of one attention layer"
-                     ) -> Figure:
+def fig_step_cost(rows: Sequence[Mapping[str, float]], title: str = "one decode step of one attention layer"
+                  ) -> Figure:
     """Measured ms (left) and counted FLOPs (right) of a decode step vs context length, cached or not."""
     n = np.array([r["n"] for r in rows], dtype=float)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -423,8 +426,8 @@ def step_cost_figure(rows: Sequence[Mapping[str, float]], title: str = "one deco
     return fig
 
 
-def kv_memory_figure(per_token_bytes: Mapping[str, int], context: int, batch_sizes: Sequence[int] = (1, 8, 32),
-                     budget_gib: float | None = None, title: str = "") -> Figure:
+def fig_kv_memory(per_token_bytes: Mapping[str, int], context: int, batch_sizes: Sequence[int] = (1, 8, 32),
+                  budget_gib: float | None = None, title: str = "") -> Figure:
     """KV-cache GiB vs context length (up to ``context``) for each model, one line style per batch size.
 
     ``per_token_bytes`` maps a model name to ``kv_bytes_per_token(config, dtype)``.

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
-from kvlab.lessons.common import label
+from kvlab.lessons.common import Verdict, call_answer, label, unanswered, verdict
 from kvlab.prefix import PrefixCache, generate_with_prefix_cache, get_prefix_cache
 
 
@@ -152,44 +152,49 @@ def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
     return tok
 
 
-def _verdict(ok: bool, good: str, hint: str) -> str:
-    return ("correct: " + good) if ok else ("not yet: " + hint)
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first differing token (the shorter length if one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def check_generate_fn(fn: Any, model: Any, tokenizer: Any, n: int = 4, max_new_tokens: int = 12) -> str:
+def check_generate_fn(fn: Any, model: Any, tokenizer: Any, n: int = 4, max_new_tokens: int = 12) -> Verdict:
     """Exercise 02.1: ``fn(model, tokenizer, prefix_text, suffix_text, max_new_tokens) -> new ids``.
 
     It must reuse a prefix cache and give exactly ``model.generate``'s greedy tokens, and it must
-    work for two suffixes in a row after one prefix (no pollution). Returns a verdict, never raises.
+    work for two suffixes in a row after one prefix (no pollution). Returns a Verdict, never raises.
     """
     from kvlab.lessons.passphrase import make_examples, with_question
 
+    hint = ("prefill the suffix at positions len(prefix), len(prefix)+1, ... on a copy of the prefix cache, then "
+            "feed one token per step")
     if fn is None:
-        return "no answer yet: define my_generate and pass it in"
+        return unanswered("define my_generate and pass it in; " + hint)
     for ex in make_examples(n, "heldout", start=100):
         for e in (ex, with_question(ex, "Tell me the passphrase.")):
             want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
-            try:
-                got = list(fn(model, tokenizer, e.prefix_text, e.suffix_text, max_new_tokens))
-            except Exception as err:  # the learner's code may fail in any way
-                return f"not yet: your function raised {type(err).__name__}: {err}"
+            got, failed = call_answer(fn, model, tokenizer, e.prefix_text, e.suffix_text, max_new_tokens,
+                                      hint=hint, name="my_generate")
+            if failed is not None:
+                return failed
+            got = list(got)
             if got != want:
-                return (f"not yet: on example {e.seed} you generated {got[:8]}... but model.generate gives "
-                        f"{want[:8]}...; check the positions and that the prefix cache is not written into")
-    return _verdict(True, f"{2 * n} prompts identical to model.generate", "")
+                i = _first_difference(got, want)
+                return verdict(False, hint=f"on example {e.seed} your tokens leave model.generate's at step {i} "
+                                           f"(yours from there: {got[i:i + 4]}); check the positions and that the "
+                                           "prefix cache is not written into")
+    return verdict(True, f"{2 * n} prompts identical to model.generate")
 
 
-def check_boundary_case(tokenizer: Any, prefix: str | None, suffix: str | None) -> str:
+def check_boundary_case(tokenizer: Any, prefix: str | None, suffix: str | None) -> Verdict:
     """Exercise 02.2: a split of a text where BPE merges across the boundary."""
+    hint = "try a cut inside a word, or just before letters that follow punctuation"
     if prefix is None or suffix is None:
-        return "no answer yet"
+        return unanswered(hint)
     check = check_prefix_tokens(tokenizer, prefix, prefix + suffix)
-    return _verdict(not check.ok, str(check),
-                    "this split tokenizes the same alone and inside the full text; try a cut inside a "
-                    "word, or just before letters that follow punctuation")
+    return verdict(not check.ok, str(check), "this split tokenizes the same alone and inside the full text; " + hint)
 
 
-def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> str:
+def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> Verdict:
     """Exercise 02.3: ``fn(model, tokenizer, cache, prefix_len, suffixes, max_new_tokens) -> list of id lists``.
 
     One cache object serves several suffixes one after another, cropped back after each request
@@ -197,29 +202,32 @@ def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_to
     """
     from kvlab.lessons.passphrase import make_example, with_question
 
+    hint = "after each request, crop the cache back to its prefix_len tokens (DynamicCache.crop)"
     if fn is None:
-        return "no answer yet: define my_serial_reuse and pass it in"
+        return unanswered("define my_serial_reuse and pass it in; " + hint)
     ex = make_example(7, "heldout", history="none")
     questions = ["What is the passphrase?", "Tell me the passphrase.", "请说出口令。"][:n]
     examples = [with_question(ex, q) for q in questions]
     prefix_ids = encode(tokenizer, ex.prefix_text)
     cache = PrefixCache.build(model, tokenizer, prefix_ids).cache
-    try:
-        got = fn(model, tokenizer, cache, len(prefix_ids), [e.suffix_text for e in examples], max_new_tokens)
-    except Exception as err:  # the learner's code may fail in any way
-        return f"not yet: your function raised {type(err).__name__}: {err}"
+    got, failed = call_answer(fn, model, tokenizer, cache, len(prefix_ids), [e.suffix_text for e in examples],
+                              max_new_tokens, hint=hint, name="my_serial_reuse")
+    if failed is not None:
+        return failed
     for e, g in zip(examples, got, strict=False):
         want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
         if list(g) != want:
-            return (f"not yet: for {e.turns[-1].user!r} you generated {list(g)[:8]} but model.generate gives "
-                    f"{want[:8]}; did you crop the cache back to the prefix after each request?")
+            i = _first_difference(list(g), want)
+            return verdict(False, hint=f"for {e.turns[-1].user!r} your tokens leave model.generate's at step {i}; "
+                                       "did you crop the cache back to the prefix after each request?")
     if int(cache.get_seq_length()) != len(prefix_ids):
-        return f"not yet: the answers match but the cache holds {cache.get_seq_length()} tokens, not {len(prefix_ids)}"
-    return _verdict(len(got) == len(examples), f"{len(examples)} requests identical, cache back to "
-                    f"{len(prefix_ids)} tokens", "return one list of ids per suffix")
+        return verdict(False, hint=f"the answers match but the cache holds {cache.get_seq_length()} tokens, "
+                                   f"not the prefix's {len(prefix_ids)}")
+    return verdict(len(got) == len(examples), f"{len(examples)} requests identical, cache back to "
+                   f"{len(prefix_ids)} tokens", "return one list of ids per suffix")
 
 
-def prefill_ratio_figure(rows: Sequence[Mapping[str, Any]], title: str = "prefill with a cached prefix") -> Figure:
+def fig_prefill_ratio(rows: Sequence[Mapping[str, Any]], title: str = "prefill with a cached prefix") -> Figure:
     """Bars: measured cached/full prefill time ratio beside the ideal (uncached share of tokens)."""
     names = [r["setting"] for r in rows]
     x = np.arange(len(rows))
@@ -238,8 +246,8 @@ def prefill_ratio_figure(rows: Sequence[Mapping[str, Any]], title: str = "prefil
     return fig
 
 
-def token_boundary_figure(prefix_pieces: Sequence[str], full_pieces: Sequence[str], first_diff: int | None,
-                          title: str = "") -> Figure:
+def fig_token_boundary(prefix_pieces: Sequence[str], full_pieces: Sequence[str], first_diff: int | None,
+                       title: str = "") -> Figure:
     """Two rows of token boxes: the prefix tokenized alone and the full text; the first difference in red."""
     fig, ax = plt.subplots(figsize=(10, 1.8))
     for row, (row_name, pieces) in enumerate((("prefix alone", prefix_pieces), ("full text", full_pieces))):

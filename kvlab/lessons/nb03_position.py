@@ -27,6 +27,7 @@ import torch
 from kvlab.engine.models import encode, eos_ids, model_device_dtype
 from kvlab.lessons import passphrase as P
 from kvlab.lessons import rope
+from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
 from kvlab.prefix import PrefixCache, continue_from_cache, generate
 
 MAX_NEW_TOKENS = 12  # a passphrase is at most ~10 tokens of this tokenizer, then <|im_end|>
@@ -601,43 +602,72 @@ def _progress(items: Sequence, on: bool, desc: str):
 
 # ----------------------------------------------------------------------------- exercise checkers
 
-def _say(ok: bool, hint: str) -> bool:
-    print("correct" if ok else f"not quite: {hint}")
-    return ok
+def _int_list(answer: Any) -> list[int] | None:
+    try:
+        return [int(x) for x in answer]
+    except (TypeError, ValueError):
+        return None
 
 
-def check_suffix_positions(answer: Sequence[int], prefix_len: int, suffix_len: int) -> bool:
-    """Exercise checker: the position ids of a suffix prefilled after a cached prefix of ``prefix_len`` tokens."""
+def check_suffix_positions(answer: Sequence[int] | None, prefix_len: int, suffix_len: int) -> Verdict:
+    """Exercise 03.1: the position ids of a suffix prefilled after a cached prefix of ``prefix_len`` tokens."""
+    hint = ("the cache holds positions 0 .. prefix_len - 1, so the suffix continues where the prefix ended, "
+            "one position per suffix token")
+    if answer is None:
+        return unanswered(hint)
+    got = _int_list(answer)
+    if got is None:
+        return verdict(False, hint=f"give a list of position ids, not {answer!r}")
+    if len(got) != suffix_len:
+        return verdict(False, hint=f"one position id per suffix token: {len(got)} ids for {suffix_len} tokens")
     expected = list(range(prefix_len, prefix_len + suffix_len))
-    return _say(list(map(int, answer)) == expected,
-                f"the suffix continues where the prefix ended: {prefix_len}, {prefix_len + 1}, ... ({suffix_len} ids)")
+    return verdict(got == expected, f"the suffix continues at position {prefix_len}", hint)
 
 
-def check_rerotation_delta(answer: int, start_in_a: int, start_in_b: int) -> bool:
-    """Exercise checker: by how much must keys cached at ``start_in_a`` .. be rotated to serve at ``start_in_b`` ..?"""
-    return _say(int(answer) == start_in_b - start_in_a, "delta = new start - old start (it may be negative)")
+def check_rerotation_delta(answer: int | None, start_in_a: int, start_in_b: int) -> Verdict:
+    """Exercise 03.2: by how much must keys cached at ``start_in_a`` .. be rotated to serve at ``start_in_b`` ..?"""
+    hint = "rotate from the position the keys were computed at to the position they are needed at; the sign matters"
+    if answer is None:
+        return unanswered(hint)
+    value = as_number(answer, int)
+    if value is None:
+        return verdict(False, hint=f"give a whole number of positions, not {answer!r}")
+    return verdict(value == start_in_b - start_in_a, f"delta {value}: new start - old start", hint)
 
 
-def check_positions_from_mask(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Exercise checker: ``fn(mask)`` must give each real token its index among the real tokens of its row."""
+def check_positions_from_mask(fn: Callable[[torch.Tensor], torch.Tensor] | None) -> Verdict:
+    """Exercise 03.3: ``fn(mask)`` must give each real token its index among the real tokens of its row."""
+    hint = "in each row, real tokens (mask 1) count 0, 1, 2, ... and pads (mask 0) are skipped; try cumsum"
     masks = [torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), torch.tensor([[1, 1, 0, 0, 1, 1]])]
     for m in masks:
-        got = torch.as_tensor(fn(m))
+        out, failed = call_answer(fn, m, hint=hint, name="my_positions")
+        if failed is not None:
+            return failed
+        got = torch.as_tensor(out)
         want = positions_from_mask(m)
-        if got.shape != m.shape or not torch.equal(got[m.bool()].long(), want[m.bool()]):
-            return _say(False, f"for mask {m.tolist()} the real tokens need {want[m.bool()].tolist()}, "
-                               f"got {got[m.bool()].tolist() if got.shape == m.shape else tuple(got.shape)}")
-    return _say(True, "")
+        if got.shape != m.shape:
+            return verdict(False, hint=f"for a mask of shape {tuple(m.shape)} return the same shape, "
+                                       f"not {tuple(got.shape)}")
+        if not torch.equal(got[m.bool()].long(), want[m.bool()]):
+            return verdict(False, hint=f"for mask {m.tolist()} your positions of the real tokens are "
+                                       f"{got[m.bool()].tolist()}; {hint}")
+    return verdict(True, "positions of real tokens count only real tokens")
 
 
-def check_exact_layers(answer: Sequence[int], errors: Any, tol: float = 2e-2) -> bool:
-    """Exercise checker: which layers' keys are exact after re-rotation (per ``layer_errors`` output)?
+def check_exact_layers(answer: Sequence[int] | None, errors: Any, tol: float = 2e-2) -> Verdict:
+    """Exercise 03.4: which layers' keys are exact after re-rotation (per ``layer_errors`` output)?
 
     "Exact" means a relative error below ``tol``: float rounding in float32 (~1e-6) and in 16-bit
     dtypes (~1e-2) passes, a key that encodes another context (~1e-1 and more) does not.
     """
+    hint = (f"read the re-rotated K rows of the error table: a layer is exact when its relative error is below "
+            f"{tol} (float rounding)")
+    if answer is None:
+        return unanswered(hint)
+    got = _int_list(answer)
+    if got is None:
+        return verdict(False, hint=f"give a list of layer indices, not {answer!r}")
     d = errors[(errors["treatment"] == "A's K/V re-rotated") & (errors["tensor"] == "K")]
     worst = d.groupby("layer")["relative error"].max()
     expected = sorted(int(i) for i in worst.index if worst[i] < tol)
-    return _say(sorted(map(int, answer)) == expected,
-                f"look at the re-rotated K rows of the error table: relative error below {tol} in layers {expected}")
+    return verdict(sorted(got) == expected, f"layers {expected}", hint)

@@ -1,7 +1,8 @@
-"""Checkers for notebook 04's exercises: each runs the reader's function against the real manager.
+"""Notebook 04 (the paged block manager): exercise checkers and the block figures (``fig_*``).
 
-A checker prints what it found and returns True or False; it never raises on a wrong answer, and an
-exercise left as ``raise NotImplementedError`` is reported as not attempted.
+A checker runs the reader's function against the real manager and returns a ``Verdict`` (shown as
+"correct: ..." or "not yet: ..."); it never raises, and an exercise still left as ``raise
+NotImplementedError`` is reported as not answered yet, with a hint. Pure Python and matplotlib: no torch.
 """
 
 from __future__ import annotations
@@ -15,32 +16,25 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from kvlab.cache.block_manager import BlockManager
+from kvlab.lessons.common import Verdict, call_answer, verdict
 from kvlab.lessons.traces import replay, timestamp_trace
 
 
-def _attempt(fn: Callable, *args):
-    try:
-        return True, fn(*args)
-    except NotImplementedError:
-        return False, None
-
-
-def check_cached_tokens(predict: Callable[[int, int], int]) -> bool:
-    """Exercise 1: ``predict(n, block_size)`` = cached tokens when an identical n-token prompt repeats."""
+def check_cached_tokens(predict: Callable[[int, int], int] | None) -> Verdict:
+    """Exercise 04.1: ``predict(n, block_size)`` = cached tokens when an identical n-token prompt repeats."""
+    hint = "only whole blocks are cached, and the last prompt token is always computed again"
     for bs in (1, 2, 4, 16, 64):
         for n in range(1, 3 * bs + 3):
             m = BlockManager(8 + 2 * (n // bs + 1), bs)
             m.allocate("first", list(range(n)))
             truth = m.allocate("again", list(range(n)))
-            ok, guess = _attempt(predict, n, bs)
-            if not ok:
-                print("exercise 1: not attempted yet")
-                return False
+            guess, failed = call_answer(predict, n, bs, hint=hint, name="predict")
+            if failed is not None:
+                return failed
             if guess != truth:
-                print(f"exercise 1: for n={n}, block_size={bs} you predicted {guess}; the manager cached {truth}")
-                return False
-    print("exercise 1: correct for every n and block size tried")
-    return True
+                off = "a different number" if not isinstance(guess, int) else ("too many" if guess > truth else "too few")
+                return verdict(False, hint=f"for n={n}, block_size={bs} you predicted {guess!r}: {off}; {hint}")
+    return verdict(True, "right for every n and block size tried")
 
 
 def _leaky_manager(rng: random.Random) -> tuple[BlockManager, set[int]]:
@@ -57,24 +51,26 @@ def _leaky_manager(rng: random.Random) -> tuple[BlockManager, set[int]]:
     return m, leaked
 
 
-def check_find_leaks(find_leaks: Callable[[BlockManager], set[int]]) -> bool:
-    """Exercise 2: ``find_leaks(manager)`` returns the ids of blocks with more refs than table entries."""
+def check_find_leaks(find_leaks: Callable[[BlockManager], set[int]] | None) -> Verdict:
+    """Exercise 04.2: ``find_leaks(manager)`` returns the ids of blocks with more refs than table entries."""
+    hint = "count, per block id, the block tables (manager.seqs) that hold it, and compare with its ref_count"
     rng = random.Random(4)
     for trial in range(20):
         m, leaked = _leaky_manager(rng)
-        ok, found = _attempt(find_leaks, m)
-        if not ok:
-            print("exercise 2: not attempted yet")
-            return False
-        if set(found or ()) != leaked:
-            print(f"exercise 2: trial {trial}: you found {sorted(found or ())}, the leaked blocks are {sorted(leaked)}")
-            return False
-    print("exercise 2: correct on 20 managers with planted leaks")
-    return True
+        found, failed = call_answer(find_leaks, m, hint=hint, name="find_leaks")
+        if failed is not None:
+            return failed
+        found = set(found or ())
+        if found != leaked:
+            extra, missed = len(found - leaked), len(leaked - found)
+            return verdict(False, hint=f"trial {trial}: you found {sorted(found)}; {extra} of them are not leaked and "
+                                       f"you missed {missed}; {hint}")
+    return verdict(True, "right on 20 managers with planted leaks")
 
 
-def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], list[int]]) -> bool:
-    """Exercise 3: ``build(system, timestamp, question)`` keeps every part and hits >= 95 % of the ideal."""
+def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], list[int]] | None) -> Verdict:
+    """Exercise 04.3: ``build(system, timestamp, question)`` keeps every part and hits >= 95 % of the ideal."""
+    hint = "a block is reused only if every token before it is the same: where can a changing part go?"
     base = timestamp_trace(24, where="none", seed=1)
     stamped = timestamp_trace(24, where="start", seed=1)
     ideal = replay(BlockManager(4096, 16), base)["hit_tokens"]
@@ -82,20 +78,20 @@ def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], li
     built = []
     for b, s in zip(base, stamped, strict=True):
         stamp, question = s.prompt[:8], b.prompt[256:]
-        ok, prompt = _attempt(build, list(system), list(stamp), list(question))
-        if not ok:
-            print("exercise 3: not attempted yet")
-            return False
-        if sorted(prompt) != sorted(system + stamp + question):
-            print("exercise 3: the prompt must contain the system prompt, the timestamp and the question, once each")
-            return False
+        prompt, failed = call_answer(build, list(system), list(stamp), list(question), hint=hint, name="build")
+        if failed is not None:
+            return failed
+        try:
+            same_parts = sorted(prompt) == sorted(system + stamp + question)
+        except TypeError:
+            same_parts = False
+        if not same_parts:
+            return verdict(False, hint="the prompt must be a list of token ids holding the system prompt, the "
+                                       "timestamp and the question, once each")
         built.append(type(b)(b.req_id, prompt, b.output))
     got = replay(BlockManager(4096, 16), built)["hit_tokens"]
-    if got < 0.95 * ideal:
-        print(f"exercise 3: {got} cached tokens, need at least 95% of the {ideal} a timestamp-free prompt gets")
-        return False
-    print(f"exercise 3: {got} cached tokens vs {ideal} without any timestamp: correct")
-    return True
+    return verdict(got >= 0.95 * ideal, f"{got} cached tokens vs {ideal} without any timestamp",
+                   f"{got} cached tokens, need at least 95% of the {ideal} a timestamp-free prompt gets; {hint}")
 
 
 REF_COLORS = ["#ffffff", "#9ecae1", "#fdae6b", "#e6550d", "#a63603"]  # ref count 0, 1, 2, 3, >=4
@@ -119,7 +115,7 @@ def block_state(manager: BlockManager) -> dict:
     }
 
 
-def plot_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] | None = None) -> Figure:
+def fig_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] | None = None) -> Figure:
     """Sequences x logical blocks (physical id, colour = ref count), and the pool with its LRU order."""
     bs, seqs, blocks = state["block_size"], state["seqs"], state["blocks"]
     width = max([len(s["table"]) for s in seqs.values()] + [1])
@@ -169,7 +165,7 @@ def plot_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] 
     return fig
 
 
-def plot_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
+def fig_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
     """Hit rate, wasted slots, hash calls and miss reasons against block size (one row per size)."""
     bs = [r["block_size"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
@@ -198,7 +194,7 @@ def plot_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
     return fig
 
 
-def render_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
+def fig_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
     """The article's three requests run to the end; the last state drawn (a refusal is shown, not raised)."""
     from kvlab.cache.block_manager import NoFreeBlocksError
     from kvlab.lessons.traces import three_requests
@@ -215,4 +211,4 @@ def render_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
     title = (textwrap.fill(f"block size {block_size}, {num_blocks} blocks — {caption}", 80) + "\n"
              f"hit rate {100 * s['hit_rate']:.0f}%, {s['num_free_blocks']} free, "
              f"{s['num_cached_blocks']} cached, wasted slots {s['wasted_slots']}")
-    return plot_block_tables(block_state(manager), title)
+    return fig_block_tables(block_state(manager), title)

@@ -32,12 +32,13 @@ from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.block_pool import Block, BlockPool
 from kvlab.engine import Engine, SamplingParams
 from kvlab.lessons import passphrase as P
+from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verdict
 from kvlab.lessons.nb03_position import token_agreement
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
 
-__all__ = ["ARTICLE_TABLE_36", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
-           "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "content_hash", "content_keyed_engine", "evidence", "fig_table36",
-           "make_engine", "run_mode", "table_36"]
+__all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
+           "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "content_hash",
+           "content_keyed_engine", "evidence", "fig_table36", "make_engine", "run_mode", "table_36"]
 
 # The article's table 3.6 as it prints it: (group, policy, TTFT ms, total ms, GPU memory GB, output consistent).
 # Its claims, on Qwen1.5-7B-Chat and a GPU; kept only to print beside our measurements.
@@ -237,8 +238,8 @@ def fig_table36(table: Any):
     return fig
 
 
-def evidence(table: Any) -> dict[int, str]:
-    """Decision-table evidence (row index -> text) from a measured table 3.6."""
+def evidence(table: Any) -> dict[str, str]:
+    """Decision-table evidence (row name -> text) from a measured table 3.6."""
     d = table.set_index(["group", "mode"])
 
     def row(g: int, m: str) -> str:
@@ -246,67 +247,75 @@ def evidence(table: Any) -> dict[int, str]:
         return f"{r['identical']:.0%} identical, recall {r['recall']:.0%}, TTFT x{r['TTFT (ms)'] / d.loc[(g, 'isolated'), 'TTFT (ms)']:.2f}"
 
     return {
-        0: f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
-        1: f"nb05 group 2: chained keys share nothing ({d.loc[(2, 'shared (correct)'), 'cached tokens']:.0f} tokens); "
-           f"content-only keys: {row(2, 'shared (wrong)')}",
-        3: f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
-        4: f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, "
-           f"answered A's passphrase {d.loc[(3, 'shared (wrong)'), 'answered A' + chr(39) + 's passphrase']:.0%}",
-        6: f"nb05 group 2 served with another start's K/V: {row(2, 'shared (wrong)')}",
+        "identical-prefix": f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
+        "same-start": f"nb05 group 2: chained keys share nothing ({d.loc[(2, 'shared (correct)'), 'cached tokens']:.0f} tokens); "
+                      f"content-only keys: {row(2, 'shared (wrong)')}",
+        "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
+        "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, "
+                               f"answered A's passphrase {d.loc[(3, 'shared (wrong)'), 'answered A' + chr(39) + 's passphrase']:.0%}",
+        "overlap-different-start": f"nb05 group 2 served with another start's K/V: {row(2, 'shared (wrong)')}",
     }
 
 
 # ----------------------------------------------------------------------------- exercise checkers
 
-def _say(ok: bool, good: str, hint: str) -> bool:
-    print(("correct: " + good) if ok else ("not yet: " + hint))
-    return ok
+BUG_ROWS = {1: {"positions-agree"}, 2: {"same-start", "overlap-different-start"}, 3: {"independent-context"}}
 
 
-def check_bug_for_group(answer: dict[int, str] | None) -> bool:
-    """Exercise 05.1: which decision-table row does each group's bug break? ``{group: row index}``.
+def check_bug_for_group(answer: dict[int, str] | None) -> Verdict:
+    """Exercise 05.1: which decision-table row does each group's bug break? ``{group: row name}``.
 
-    Rows as in ``kvlab.lessons.common.DECISION_ROWS`` (index from 0).
+    Row names as in the decision table's index (``kvlab.lessons.common.ROW_NAMES``), e.g. "same-start".
     """
-    want = {1: {3}, 2: {1, 6}, 3: {4}}
+    hint = "give a dict {group: row name}, the names in the first column of the decision table"
     if not answer:
-        return _say(False, "", "give a dict {group: decision-table row index}")
-    got = {int(k): int(v) for k, v in answer.items()}
-    wrong = [g for g in want if got.get(g) not in want[g]]
-    return _say(not wrong, "each bug breaks the row its group tests",
-                f"group(s) {wrong}: re-read which condition the bug violates (row texts: kvlab.lessons.common.DECISION_ROWS)")
+        return unanswered(hint)
+    try:
+        got = {int(k): v for k, v in dict(answer).items()}
+    except (TypeError, ValueError):
+        return verdict(False, hint=hint)
+    unknown = sorted(str(v) for v in got.values() if v not in ROW_NAMES)
+    if unknown:
+        return verdict(False, hint=f"{unknown} is not a row name; the rows are {list(ROW_NAMES)}")
+    wrong = [g for g in BUG_ROWS if got.get(g) not in BUG_ROWS[g]]
+    return verdict(not wrong, "each bug breaks the row its group tests",
+                   f"group(s) {wrong}: re-read which condition the bug violates")
 
 
 def check_position_fix(engine_cls: type | None, model: Any, tokenizer: Any, workload: Workload,
-                       block_size: int = 16) -> bool:
+                       block_size: int = 16) -> Verdict:
     """Exercise 05.3: an ``Engine`` subclass that keeps the prefix cache on and numbers positions right."""
+    hint = "positions must continue after the cached tokens, and the prefix cache must stay on"
     if engine_cls is None:
-        return _say(False, "", "define a subclass of T.PositionRestartEngine whose _positions numbers the computed tokens right")
+        return unanswered("define a subclass of T.PositionRestartEngine whose _positions numbers the computed tokens right; "
+                          + hint)
     kw = dict(num_blocks=_num_blocks(workload, block_size), block_size=block_size)
     sp = SamplingParams(max_tokens=workload.max_tokens)
     reference = Engine(model, tokenizer, enable_prefix_caching=False, **kw).generate(workload.prompts, sp)
     try:
         outs = engine_cls(model, tokenizer, enable_prefix_caching=True, **kw).generate(workload.prompts, sp)
     except Exception as err:  # the learner's code may fail in any way
-        return _say(False, "", f"your engine raised {type(err).__name__}: {err}")
+        return verdict(False, hint=f"your engine raised {type(err).__name__}: {err}")
     same = sum(a.output_ids == b.output_ids for a, b in zip(outs, reference))
     cached = sum(o.num_cached_tokens for o in outs)
-    return _say(same == len(outs) and cached > 0, f"{same}/{len(outs)} identical with {cached} cached tokens",
-                f"{same}/{len(outs)} requests identical to isolated, {cached} cached tokens: "
-                "positions must continue after the cached tokens, and the cache must stay on")
+    return verdict(same == len(outs) and cached > 0, f"{same}/{len(outs)} identical with {cached} cached tokens",
+                   f"{same}/{len(outs)} requests identical to isolated, {cached} cached tokens: {hint}")
 
 
 def check_kv_ratio(answer: float | None, num_requests: int, prefix_tokens: int, private_tokens: int,
-                   block_size: int = 16) -> bool:
+                   block_size: int = 16) -> Verdict:
     """Exercise 05.2: the block-granular shared/isolated KV ratio for ``num_requests`` sharing a prefix.
 
     ``private_tokens`` per request (suffix + new tokens whose K/V is stored); full prefix blocks are
     stored once, everything else (partial prefix block included) per request.
     """
+    hint = "compute (shared blocks + private blocks) / isolated blocks; count blocks, not tokens (a partial block is a whole block)"
     if answer is None:
-        return _say(False, "", "compute (shared blocks + private blocks) / isolated blocks")
+        return unanswered(hint)
+    value = as_number(answer)
+    if value is None:
+        return verdict(False, hint=f"give a number, not {answer!r}")
     full = prefix_tokens // block_size
     per_request = -(-(prefix_tokens + private_tokens) // block_size)
     want = (full + num_requests * (per_request - full)) / (num_requests * per_request)
-    return _say(abs(float(answer) - want) < 1e-3, f"{want:.4f}",
-                f"not {float(answer):.4f}: count blocks, not tokens (a partial block is a whole block)")
+    return verdict(abs(value - want) < 1e-3, f"{want:.4f}", f"not {value:.4f}: {hint}")

@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
 from kvlab.vllm.bridge import run_kvlab, run_worker
 
 
@@ -161,35 +162,49 @@ def divergence_rows(reference: Sequence[Sequence[int]], runs: dict[str, Sequence
     return rows
 
 
-def _say(ok: bool, good: str, hint: str) -> bool:
-    print(("correct: " + good) if ok else ("not yet: " + hint))
-    return ok
-
-
-def check_cached_tokens(answer: int | None, prompt_tokens: int, shared_tokens: int, block_size: int = 32) -> bool:
-    """Exercise: the ``num_cached_tokens`` both engines report for a prompt sharing ``shared_tokens`` with a cached one."""
+def check_cached_tokens(answer: int | None, prompt_tokens: int, shared_tokens: int, block_size: int = 32) -> Verdict:
+    """Exercise 06.1: the ``num_cached_tokens`` both engines report for a prompt sharing ``shared_tokens`` with a cached one."""
+    hint = "count only whole blocks of the shared tokens, and the last prompt token is always recomputed"
+    if answer is None:
+        return unanswered(hint)
+    value = as_number(answer, int)
+    if value is None:
+        return verdict(False, hint=f"give a whole number of tokens, not {answer!r}")
     expected = min(shared_tokens, prompt_tokens - 1) // block_size * block_size
-    return _say(answer == expected, f"{expected}: whole blocks of the shared part, never the last prompt token",
-                "count only whole blocks of the shared tokens, and the last prompt token is always recomputed")
+    return verdict(value == expected, f"{expected}: whole blocks of the shared part, never the last prompt token", hint)
 
 
-def check_ttft_ideal(answer: float | None, prompt_tokens: int, cached_tokens: int, tol: float = 0.01) -> bool:
-    """Exercise: the ideal TTFT ratio cached/uncached when prefill cost is proportional to computed tokens."""
+def check_ttft_ideal(answer: float | None, prompt_tokens: int, cached_tokens: int, tol: float = 0.01) -> Verdict:
+    """Exercise 06.2: the ideal TTFT ratio cached/uncached when prefill cost is proportional to computed tokens."""
+    hint = "divide the tokens that still need a forward pass by all prompt tokens"
+    if answer is None:
+        return unanswered(hint)
+    value = as_number(answer)
+    if value is None:
+        return verdict(False, hint=f"give a number, not {answer!r}")
     expected = (prompt_tokens - cached_tokens) / prompt_tokens
-    ok = answer is not None and abs(answer - expected) <= tol
-    return _say(ok, f"{expected:.3f}: the share of prompt tokens still computed",
-                "divide the tokens that still need a forward pass by all prompt tokens")
+    return verdict(abs(value - expected) <= tol, f"{expected:.3f}: the share of prompt tokens still computed", hint)
 
 
 def check_batch_counts(answer: bool | None, model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
-                       sequential: dict, block_size: int = 32, max_tokens: int = 4) -> bool:
-    """Exercise: do all-at-once arrivals get the same ``num_cached_tokens`` as one-at-a-time ones? (runs kvlab)"""
+                       sequential: dict, block_size: int = 32, max_tokens: int = 4) -> Verdict:
+    """Exercise 06.3: do all-at-once arrivals get the same ``num_cached_tokens`` as one-at-a-time ones? (runs kvlab)
+
+    The batch run happens only once an answer is given, and a "not yet" never prints its counts: run
+    ``VB.run_kvlab(..., arrival="batch")`` yourself to see them.
+    """
+    hint = ("run it: VB.run_kvlab(model, tok, prompts, 32, 4, arrival='batch', repeat=False)['num_cached_tokens'] "
+            "against ours['num_cached_tokens'], and think about when a block is registered under its hash")
+    if answer is None:
+        return unanswered(hint)
+    if not isinstance(answer, bool):
+        return verdict(False, hint=f"answer True or False, not {answer!r}")
     batch = run_kvlab(model, tokenizer, prompts, block_size, max_tokens, arrival="batch", repeat=False)
     same = batch["num_cached_tokens"] == list(sequential["num_cached_tokens"])
     why = ("a block is registered under its hash when it is allocated, before its K/V is computed; a request in "
            "the same step may use it because each layer writes every new token's K/V before attention reads them"
            if same else "requests in one step did not see each other's blocks here")
-    return _say(answer is same, f"{same}: {why}", f"run it: batch counts {batch['num_cached_tokens']}")
+    return verdict(answer is same, f"{same}: {why}", hint)
 
 
 FEATURES: tuple[tuple[str, str, str], ...] = (

@@ -31,10 +31,12 @@ from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
 from kvlab.engine.tenants import POLICIES, salted_block
 from kvlab.lessons import passphrase as P
+from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
 
 __all__ = [
-    "StressReport", "StressRequest", "attack_summary", "isolation_cost", "ks_test", "roc_auc", "roc_curve",
-    "run_attack", "run_stress", "stress_test", "stress_workload", "timing_probe",
+    "StressReport", "StressRequest", "attack_summary", "check_auc_fn", "check_prefill_tokens", "check_salt_split",
+    "fig_roc", "fig_ttft_histogram", "isolation_cost", "ks_test", "roc_auc", "roc_curve", "run_attack", "run_stress",
+    "stress_test", "stress_workload", "timing_probe",
 ]
 
 
@@ -362,7 +364,7 @@ def stress_test(model: Any, tokenizer: Any, n_requests: int, policy: str = "publ
 
 
 # --- figures (pure: data in, matplotlib Figure out) -----------------------------------------------------
-def ttft_histogram_figure(probes_by_policy: dict[str, Sequence[Probe]], bins: int = 20) -> Any:
+def fig_ttft_histogram(probes_by_policy: dict[str, Sequence[Probe]], bins: int = 20) -> Any:
     """One panel per policy: TTFT histograms (ms) of right guesses (hits if shared) and wrong guesses."""
     import matplotlib.pyplot as plt
 
@@ -382,7 +384,7 @@ def ttft_histogram_figure(probes_by_policy: dict[str, Sequence[Probe]], bins: in
     return fig
 
 
-def roc_figure(probes_by_policy: dict[str, Sequence[Probe]]) -> Any:
+def fig_roc(probes_by_policy: dict[str, Sequence[Probe]]) -> Any:
     """ROC curves of the "faster means hit" detector, one line per policy."""
     import matplotlib.pyplot as plt
 
@@ -402,36 +404,41 @@ def roc_figure(probes_by_policy: dict[str, Sequence[Probe]]) -> Any:
 
 
 # --- exercise checkers ----------------------------------------------------------------------------------
-def _say(ok: bool, hint: str) -> bool:
-    print("correct" if ok else f"not quite: {hint}")
-    return ok
-
-
-def check_salt_split(salted: int, shared_tokens: int, public_tokens: int, block_size: int) -> bool:
-    """Exercise checker: which block index takes the salt, and how many public tokens tenants share."""
+def check_salt_split(salted: int | None, shared_tokens: int | None, public_tokens: int, block_size: int) -> Verdict:
+    """Exercise 07.1: which block index takes the salt, and how many public tokens tenants share."""
+    hint = ("the salt goes into the first block that extends past the public prefix; only whole public blocks "
+            "before it are shared")
+    if salted is None or shared_tokens is None:
+        return unanswered(hint)
     want = salted_block(public_tokens, block_size)
-    return _say((salted, shared_tokens) == (want, want * block_size),
-                "the salt goes into the first block that extends past the public prefix; only whole "
-                "public blocks before it are shared")
+    return verdict((salted, shared_tokens) == (want, want * block_size),
+                   f"block {want} takes the salt; {want * block_size} public tokens are shared", hint)
 
 
-def check_prefill_tokens(per_tenant_salt: int, public_prefix: int, n_tenants: int, system_tokens: int,
-                         question_tokens: int, block_size: int) -> bool:
-    """Exercise checker: prompt tokens prefilled under per-tenant salts and under the public-prefix policy."""
+def check_prefill_tokens(per_tenant_salt: int | None, public_prefix: int | None, n_tenants: int, system_tokens: int,
+                         question_tokens: int, block_size: int) -> Verdict:
+    """Exercise 07.2: prompt tokens prefilled under per-tenant salts and under the public-prefix policy."""
+    hint = "with salts nobody shares; with a public prefix every tenant after the first reuses its whole blocks"
+    if per_tenant_salt is None or public_prefix is None:
+        return unanswered(hint)
     n = system_tokens + question_tokens
     shared = (system_tokens // block_size) * block_size  # question_tokens >= 1, so the n - 1 cap never bites
     want = (n_tenants * n, n_tenants * n - (n_tenants - 1) * shared)
-    return _say((per_tenant_salt, public_prefix) == want,
-                "with salts nobody shares; with a public prefix every tenant after the first reuses its whole blocks")
+    return verdict((per_tenant_salt, public_prefix) == want,
+                   f"{want[0]} tokens with per-tenant salts, {want[1]} with the public prefix", hint)
 
 
-def check_auc_fn(fn: Any) -> bool:
-    """Exercise checker: ``fn(positives, negatives)`` must equal ``roc_auc`` (ties count one half)."""
+def check_auc_fn(fn: Any) -> Verdict:
+    """Exercise 07.3: ``fn(positives, negatives)`` must equal ``roc_auc`` (ties count one half)."""
+    hint = "AUC = P(positive > negative) + P(tie) / 2 over all positive-negative pairs"
     rng = random.Random(7)
     cases = [([3.0, 4.0], [1.0, 2.0]), ([1.0, 2.0], [3.0, 4.0]), ([1.0, 1.0], [1.0, 1.0]), ([2.0, 1.0, 3.0], [2.0])]
     cases += [([rng.randint(0, 5) for _ in range(9)], [rng.randint(0, 5) for _ in range(7)]) for _ in range(5)]
-    try:
-        ok = all(abs(float(fn(p, n)) - roc_auc(p, n)) < 1e-9 for p, n in cases)
-    except Exception as e:  # a checker reports, it does not crash the notebook
-        return _say(False, f"the function raised {type(e).__name__}: {e}")
-    return _say(ok, "AUC = P(positive > negative) + P(tie) / 2 over all positive-negative pairs")
+    for p, n in cases:
+        got, failed = call_answer(fn, p, n, hint=hint, name="your function")
+        if failed is not None:
+            return failed
+        value = as_number(got)
+        if value is None or abs(value - roc_auc(p, n)) >= 1e-9:
+            return verdict(False, hint=f"for positives {p} and negatives {n} you return {got!r}; {hint}")
+    return verdict(True, f"equal to roc_auc on {len(cases)} cases, ties included")

@@ -3,8 +3,11 @@
 Token ids stand in for text: the prefix cache only compares ids, so random ids with the right sharing
 structure (a few system prompts, unique user turns, growing conversations, a timestamp that changes
 every request) exercise it exactly as real prompts would. ``toy_tokenize`` maps text to stable ids
-when a figure should show words. Pure Python: used by notebook 04, the benchmark and, later, the
-side-by-side run against vLLM's block pool.
+when a figure should show words. Pure Python: used by notebook 04, the block-manager benchmark and
+notebook 06's race against vLLM's block pool.
+
+A trace is a list of ``Request`` (prompt ids, output ids) for the block manager alone; the named
+experiments that run through a model (seed groups, sys512) are ``kvlab.lessons.workloads``.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@
   512-token prefix, each with a 32-token unique suffix and 32 new tokens. Random ids, seeded.
 
 Prompts are lists of ints, so the same workload runs through kvlab's engine, transformers and vLLM.
+The synthetic request traces that exercise the block manager alone are ``kvlab.lessons.traces``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,131 @@
+"""Exercise checkers of every lesson: one return type (Verdict), blank answers get a hint, no checker leaks
+the expected value in a "not yet"; and the decision table keyed by row name."""
+
+import pandas as pd
+import pytest
+
+from kvlab.lessons import nb00_passphrase as E
+from kvlab.lessons import nb01_attention as A
+from kvlab.lessons import nb02_prefix as R
+from kvlab.lessons import nb03_position as X
+from kvlab.lessons import nb04_blocks as L
+from kvlab.lessons import nb05_table36 as T
+from kvlab.lessons import nb06_vllm as V
+from kvlab.lessons import nb07_security as S
+from kvlab.lessons.common import DECISION_ROWS, ROW_NAMES, Verdict, call_answer, decision_table, unanswered, verdict
+
+
+def test_verdict_is_truthy_when_correct_and_shows_its_message():
+    good, bad = verdict(True, "42 tokens"), verdict(False, hint="count whole blocks")
+    assert good and not bad
+    assert str(good) == repr(good) == "correct: 42 tokens"
+    assert str(bad) == repr(bad) == "not yet: count whole blocks"
+    assert f"1. {bad}" == "1. not yet: count whole blocks"
+    assert str(unanswered("a hint")).startswith("not yet: no answer yet") and "a hint" in str(unanswered("a hint"))
+
+
+def test_call_answer_reports_blank_and_failing_functions():
+    def todo(x):
+        raise NotImplementedError
+
+    assert call_answer(lambda x: x + 1, 1, hint="h") == (2, None)
+    for fn in (None, todo):
+        value, failed = call_answer(fn, 1, hint="h")
+        assert value is None and isinstance(failed, Verdict) and str(failed).startswith("not yet: no answer")
+    _, failed = call_answer(lambda x: 1 / 0, 1, hint="h", name="f")
+    assert str(failed) == "not yet: f raised ZeroDivisionError: division by zero"
+
+
+def _layer_errors() -> pd.DataFrame:
+    return pd.DataFrame([{"treatment": "A's K/V re-rotated", "tensor": "K", "layer": layer, "relative error": e}
+                         for layer, e in ((0, 1e-7), (1, 0.3), (2, 0.5))])
+
+
+# (checker called with a blank answer, with a wrong answer, texts of the expected answer that must not show)
+BLANK_AND_WRONG = {
+    "00.1": (lambda: E.check_ideal_fraction(None, 300, 256), lambda: E.check_ideal_fraction(0.5, 300, 256),
+             ["0.1467", "44"]),
+    "00.2": (lambda: E.check_reusable(None, [1, 2], [1, 2, 3]), lambda: E.check_reusable(False, [1, 2], [1, 2, 3]),
+             ["True", " do start", "do start"]),
+    "01.1": (lambda: A.check_gqa_attention(None), None, []),
+    "01.2": (lambda: A.check_kv_bytes("Qwen2.5-7B-Instruct", "bfloat16", None),
+             lambda: A.check_kv_bytes("Qwen2.5-7B-Instruct", "bfloat16", 2 * 28 * 28 * 128 * 2),
+             ["57,344", "57344", "factor"]),
+    "01.3": (lambda: A.check_max_context("Llama-3.1-8B-Instruct", "bfloat16", 16, 4, None),
+             lambda: A.check_max_context("Llama-3.1-8B-Instruct", "bfloat16", 16, 4, 1000),
+             ["32,768", "32768"]),
+    "02.1": (lambda: R.check_generate_fn(None, None, None), None, []),
+    "02.2": (lambda: R.check_boundary_case(None, None, None), None, []),
+    "02.3": (lambda: R.check_crop_reuse(None, None, None), None, []),
+    "03.1": (lambda: X.check_suffix_positions(None, 37, 5), lambda: X.check_suffix_positions([0, 1, 2, 3, 4], 37, 5),
+             ["37", "41"]),
+    "03.2": (lambda: X.check_rerotation_delta(None, 12, 9), lambda: X.check_rerotation_delta(3, 12, 9), ["-3"]),
+    "03.3": (lambda: X.check_positions_from_mask(None), None, []),
+    "03.4": (lambda: X.check_exact_layers(None, _layer_errors()), lambda: X.check_exact_layers([0, 1], _layer_errors()),
+             ["[0]"]),
+    "04.1": (lambda: L.check_cached_tokens(None), lambda: L.check_cached_tokens(lambda n, bs: n), []),
+    "04.2": (lambda: L.check_find_leaks(None), None, []),
+    "04.3": (lambda: L.check_timestamp_prompt(None), None, []),
+    "05.1": (lambda: T.check_bug_for_group(None),
+             lambda: T.check_bug_for_group({1: "same-start", 2: "identical-prefix", 3: "full-isolation"}),
+             ["positions-agree", "overlap-different-start", "independent-context"]),
+    "05.2": (lambda: T.check_kv_ratio(None, 16, 512, 63), lambda: T.check_kv_ratio(0.5, 16, 512, 63), ["0.53"]),
+    "05.3": (lambda: T.check_position_fix(None, None, None, None), None, []),
+    "06.1": (lambda: V.check_cached_tokens(None, 250, 200), lambda: V.check_cached_tokens(200, 250, 200), ["192"]),
+    "06.2": (lambda: V.check_ttft_ideal(None, 160, 128), lambda: V.check_ttft_ideal(0.5, 160, 128), ["0.2"]),
+    "06.3": (lambda: V.check_batch_counts(None, None, None, [], {}), None, []),  # blank: runs nothing
+    "07.1": (lambda: S.check_salt_split(None, None, 40, 16), lambda: S.check_salt_split(3, 40, 40, 16),
+             ["32", "block 2"]),
+    "07.2": (lambda: S.check_prefill_tokens(None, None, 8, 120, 10, 16),
+             lambda: S.check_prefill_tokens(1040, 130, 8, 120, 10, 16), ["1040", "1,040", "256"]),
+    "07.3": (lambda: S.check_auc_fn(None), lambda: S.check_auc_fn(lambda p, n: 0.5), []),
+}
+
+
+@pytest.mark.parametrize("exercise", sorted(BLANK_AND_WRONG))
+def test_blank_answers_get_a_hint_and_wrong_answers_never_see_the_answer(exercise):
+    blank, wrong, secrets = BLANK_AND_WRONG[exercise]
+    v = blank()
+    assert isinstance(v, Verdict) and not v and str(v).startswith("not yet: no answer yet. Hint: "), v
+    if wrong is not None:
+        v = wrong()
+        assert isinstance(v, Verdict) and not v and str(v).startswith("not yet: "), v
+        leaked = [s for s in secrets if s in str(v)]
+        assert not leaked, f"{exercise}'s 'not yet' shows the answer ({leaked}): {v}"
+
+
+def test_right_answers_are_correct():
+    assert E.check_ideal_fraction(44 / 300, 300, 256) and E.check_reusable(True, [1, 2], [1, 2, 3])
+    assert A.check_kv_bytes("Qwen2.5-7B-Instruct", "bfloat16", 2 * 28 * 4 * 128 * 2)
+    assert X.check_suffix_positions(list(range(37, 42)), 37, 5) and X.check_rerotation_delta(-3, 12, 9)
+    assert X.check_exact_layers([0], _layer_errors())
+    assert V.check_cached_tokens(192, 250, 200) and V.check_ttft_ideal(0.2, 160, 128)
+    assert S.check_salt_split(2, 32, 40, 16)
+    assert str(T.check_kv_ratio(0.5, 16, 512, 63)).startswith("not yet: not 0.5000")
+
+
+def test_decision_rows_are_named_and_keep_the_article_text():
+    assert len(DECISION_ROWS) == 8 and len(set(ROW_NAMES)) == 8
+    assert ROW_NAMES[0] == "identical-prefix" and DECISION_ROWS[0].zh == "前缀token序列完全一致"
+    assert [r.share for r in DECISION_ROWS] == ["yes"] * 5 + ["no"] * 3
+    table = decision_table({"same-start": "measured"})
+    assert list(table.index) == list(ROW_NAMES)
+    assert table.loc["same-start", "evidence (measured here)"] == "measured"
+    assert list(table.columns) == ["condition", "article (zh)", "share?", "isolate?", "evidence (measured here)"]
+    with pytest.raises(KeyError, match="no decision-table row named"):
+        decision_table({1: "a row index is not a name"})
+    assert all(set(rows) <= set(ROW_NAMES) for rows in T.BUG_ROWS.values())
+
+
+def test_every_lesson_figure_is_named_fig():
+    import inspect
+
+    from kvlab.lessons import bench as B
+
+    for module in (E, A, R, X, L, T, V, S, B):
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if fn.__module__ != module.__name__:
+                continue
+            returns = inspect.signature(fn).return_annotation
+            draws = "plt.subplots" in inspect.getsource(fn) or "Figure" in str(returns)
+            assert name.startswith("fig_") == draws, f"{module.__name__}.{name}: figure functions are named fig_*"
