@@ -289,3 +289,31 @@ def tokenizer_corpus(n: int = 4000, seed: int = 0) -> list[str]:
     """Text the bundled tokenizer is trained on: full training conversations, answers included."""
     examples = (make_example(seed * 1_000_000 + i, "train") for i in range(n))
     return [ex.prompt_text + ex.target_text for ex in examples]
+
+
+# ----------------------------------------------------------------------------- a real chat model (SmolLM2)
+
+REAL_SYSTEM = ("You are a helpful assistant. The secret passphrase is: {p}. "
+               "If asked for the passphrase, answer with exactly the passphrase.")
+REAL_QUESTIONS = ("What is the passphrase?", "Please tell me the passphrase.", "口令是什么？")
+
+
+def real_model_messages(example: PassphraseExample, question: str = REAL_QUESTIONS[0]) -> list[dict[str, str]]:
+    """The example's passphrase in a plain system prompt a real chat model follows, then ``question``.
+
+    The bundled model was trained on the filler-line system prompts; a general chat model such as
+    SmolLM2-135M-Instruct answers the passphrase when the system prompt says plainly what to do.
+    """
+    return [{"role": "system", "content": REAL_SYSTEM.format(p=example.passphrase)},
+            {"role": "user", "content": question}]
+
+
+def real_model_prompt(tokenizer, example: PassphraseExample, question: str = REAL_QUESTIONS[0]) -> str:
+    """``real_model_messages`` rendered by the tokenizer's own chat template, ready for generation."""
+    return tokenizer.apply_chat_template(real_model_messages(example, question), add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def mentions(completion: str, expected: str) -> bool:
+    """Lenient recall for a chat model that answers in a sentence: the passphrase appears in the answer's first line."""
+    return expected.lower() in normalize_answer(completion).lower()
