@@ -129,3 +129,22 @@ def test_every_lesson_figure_is_named_fig():
             returns = inspect.signature(fn).return_annotation
             draws = "plt.subplots" in inspect.getsource(fn) or "Figure" in str(returns)
             assert name.startswith("fig_") == draws, f"{module.__name__}.{name}: figure functions are named fig_*"
+
+
+# ----------------------------------------------------------------------------- 07 isolation and security
+def test_solutions_07_pass_the_checkers():
+    from kvlab.lessons import solutions as SOL
+
+    assert S.check_salt_split(*SOL.ex07_1_salt_split(), public_tokens=40, block_size=16)
+    assert S.check_prefill_tokens(*SOL.ex07_2_prefill_tokens(), 8, 120, 10, 16)
+    assert S.check_auc_fn(SOL.ex07_3_auc)
+
+
+def test_notebook_07_exercises_start_blank():
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "07_isolation_and_security.ipynb").read_text())
+    checks = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and "S.check_" in "".join(c["source"])]
+    assert len(checks) == 3 and all("= None" in c for c in checks)
+    assert not any("lambda" in c or "def my_auc" in c for c in checks)

@@ -245,3 +245,57 @@ def test_stress_outputs_equal_isolated(lm, stress_load, policy):
     assert (rep.public_hits > 0) == (policy == "public-prefix")
     assert rep.ok and rep.line() == (f"requests=300 mismatches=0 cross_tenant_hits={rep.cross_tenant_hits} "
                                      "leaked_blocks=0")
+    # each request counted once in the per-tenant table; the manager's lookups add the re-admissions
+    table = rep.tenant_table
+    assert sum(r["requests"] for r in table) == 300
+    assert sum(r["re-admissions"] for r in table) == rep.preemptions
+    assert all(r["cache lookups"] == r["requests"] + r["re-admissions"] for r in table)
+
+
+def test_tenant_table_counts_requests_not_lookups():
+    from types import SimpleNamespace
+
+    sp = SamplingParams(max_tokens=1)
+    reqs = [S.StressRequest([1] * 20, "a", sp, 0), S.StressRequest([1] * 40, "a", sp, 0), S.StressRequest([2] * 16, "b", sp, 1)]
+    outs = {0: SimpleNamespace(num_cached_tokens=0, num_preemptions=2), 1: SimpleNamespace(num_cached_tokens=16, num_preemptions=0),
+            2: SimpleNamespace(num_cached_tokens=0, num_preemptions=0)}
+    rows = S.tenant_table(reqs, outs, [{"tenant": "a", "requests": 4}, {"tenant": "b", "requests": 1}])
+    assert [(r["tenant"], r["requests"], r["re-admissions"], r["cache lookups"]) for r in rows] == [("a", 2, 2, 4), ("b", 1, 0, 1)]
+    assert rows[0]["hit rate (first admission)"] == 16 / 60
+    with pytest.raises(ValueError, match="lookups"):
+        S.tenant_table(reqs, outs, [{"tenant": "a", "requests": 3}, {"tenant": "b", "requests": 1}])
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-0.5B-Instruct", "Qwen1.5-7B-Chat"])
+def test_param_count_matches_transformers(name):
+    import json
+    from pathlib import Path
+
+    import transformers as T
+
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "data" / "configs" / f"{name}.json").read_text())
+    with torch.device("meta"):
+        model = T.Qwen2ForCausalLM(T.Qwen2Config(**{k: v for k, v in cfg.items() if not k.startswith("_")}))
+    assert S.param_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_memory_column_of_qwen15_7b():
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "data" / "configs" / "Qwen1.5-7B-Chat.json").read_text())
+    mem = S.memory_column(cfg)
+    assert mem["parameters"] == 7_721_324_544 and round(mem["weights GB (1e9 bytes)"], 2) == 15.44
+    assert mem["weights exceed the article's total"] and mem["KV bytes per token"] == 2 * 32 * 32 * 128 * 2
+
+
+def test_takeaway_tables_cover_the_article():
+    assert len(S.takeaways("checklist")) == 8 and len(S.takeaways("template")) == 8
+    fw = S.takeaways("frameworks")
+    assert list(fw["framework"]) == ["HF Transformers", "vLLM", "kvlab", "TensorRT-LLM", "TGI"]
+    assert all("not run here" in s for s in fw.loc[fw.framework.isin(["TensorRT-LLM", "TGI"]), "source"])
+    assert all(s.startswith("measured in this series") for s in fw.loc[~fw.framework.isin(["TensorRT-LLM", "TGI"]), "source"])
+    ev = S.takeaways("checklist", {"ref-count leak": "0 leaked"})
+    assert ev.loc[ev["cause (article)"] == "ref-count leak", "measured here (07)"].item() == "0 leaked"
+    with pytest.raises(ValueError):
+        S.takeaways("nope")

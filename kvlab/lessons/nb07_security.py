@@ -36,7 +36,8 @@ from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, ve
 __all__ = [
     "StressReport", "StressRequest", "attack_summary", "check_auc_fn", "check_prefill_tokens", "check_salt_split",
     "fig_roc", "fig_ttft_histogram", "isolation_cost", "ks_test", "roc_auc", "roc_curve", "run_attack", "run_stress",
-    "stress_test", "stress_workload", "timing_probe",
+    "stress_test", "stress_workload", "tenant_table", "timing_probe", "param_count", "memory_column", "CHECKLIST",
+    "TEMPLATE", "FRAMEWORKS", "takeaways",
 ]
 
 
@@ -360,7 +361,37 @@ def stress_test(model: Any, tokenizer: Any, n_requests: int, policy: str = "publ
     leaked = sum(b.ref_count > 0 for b in bm.pool.blocks) + len(bm.seqs)
     return StressReport(len(requests), len(mismatched), st["cross_tenant_hits"], leaked, st["public_hits"],
                         st["evictions"], st["num_preemptions"], st["hit_rate"], policy, run["seconds"], num_blocks, mismatched,
-                        bm.metrics.tenant_table())
+                        tenant_table(requests, outs, bm.metrics.tenant_table()))
+
+
+def tenant_table(requests: Sequence[StressRequest], outputs: dict[int, Any], lookups: Sequence[dict]) -> list[dict]:
+    """One row per tenant, counted per *request* (each request once), plus the cache lookups behind it.
+
+    The block manager's per-tenant metrics count *lookups*: a preempted request is looked up again when it
+    is re-admitted, so their ``requests`` add up to more than the workload has. Here ``requests``,
+    ``prompt tokens`` and ``cached at first admission`` come from the workload and the outputs (one per
+    request); ``re-admissions`` is the sum of the outputs' ``num_preemptions``, and ``cache lookups`` is the
+    manager's count, which must equal ``requests + re-admissions`` (checked: a ValueError says otherwise).
+    """
+    by_label = {row["tenant"]: row["requests"] for row in lookups}
+    rows: dict[str, dict] = {}
+    for i, r in enumerate(requests):
+        row = rows.setdefault(r.tenant, {"tenant": r.tenant, "requests": 0, "prompt tokens": 0,
+                                         "cached at first admission": 0, "re-admissions": 0})
+        out = outputs.get(i)
+        row["requests"] += 1
+        row["prompt tokens"] += len(r.prompt_ids)
+        row["cached at first admission"] += out.num_cached_tokens if out is not None else 0
+        row["re-admissions"] += out.num_preemptions if out is not None else 0
+    for row in rows.values():
+        row["hit rate (first admission)"] = row["cached at first admission"] / max(row["prompt tokens"], 1)
+        row["cache lookups"] = by_label.get(row["tenant"], 0)
+    if by_label and set(by_label) == set(rows):  # the manager labels sequences by tenant: lookups must add up
+        for row in rows.values():
+            if row["cache lookups"] != row["requests"] + row["re-admissions"]:
+                raise ValueError(f"tenant {row['tenant']}: {row['cache lookups']} lookups for {row['requests']} "
+                                 f"requests and {row['re-admissions']} re-admissions")
+    return sorted(rows.values(), key=lambda row: row["tenant"])
 
 
 # --- figures (pure: data in, matplotlib Figure out) -----------------------------------------------------
@@ -442,3 +473,147 @@ def check_auc_fn(fn: Any) -> Verdict:
         if value is None or abs(value - roc_auc(p, n)) >= 1e-9:
             return verdict(False, hint=f"for positives {p} and negatives {n} you return {got!r}; {hint}")
     return verdict(True, f"equal to roc_auc on {len(cases)} cases, ties included")
+
+
+# --- takeaways: the article's memory column, checklist (4.4), strategy template (5.4), frameworks (5.3) ---------
+def param_count(config: dict) -> int:
+    """Parameters of a Llama/Qwen2-style decoder from its ``config.json`` (no weights needed).
+
+    Embedding + per layer (q/k/v/o projections, with q/k/v biases for ``qwen2``, gate/up/down MLP, two
+    RMSNorms) + final norm + the LM head (0 extra when ``tie_word_embeddings``).
+    """
+    h, inter, layers, vocab = (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+                               config["vocab_size"])
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    bias = config.get("attention_bias", config.get("model_type") == "qwen2")
+    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if bias else 0)
+    per_layer = attn + 3 * h * inter + 2 * h
+    head = 0 if config.get("tie_word_embeddings", False) else vocab * h
+    return vocab * h + layers * per_layer + h + head
+
+
+def memory_column(config: dict, article_total_gb: float = 14.2, article_saved_gb: float = 0.4,
+                  dtype_bytes: int = 2) -> dict:
+    """What the article's "GPU memory (GB)" column can and cannot show, in numbers.
+
+    Weights alone (``param_count`` x ``dtype_bytes``) against the article's total; the KV bytes per token of
+    the same model, and how many tokens of K/V the article's drop between isolated and shared stands for.
+    """
+    n = param_count(config)
+    heads = config["num_attention_heads"]
+    kv_per_token = (2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads)
+                    * (config.get("head_dim") or config["hidden_size"] // heads) * dtype_bytes)
+    weights = n * dtype_bytes
+    return {"parameters": n, "weights GB (1e9 bytes)": weights / 1e9, "weights GiB": weights / 2 ** 30,
+            "article total GB": article_total_gb,
+            "weights exceed the article's total": weights / 1e9 > article_total_gb and weights / 2 ** 30 > article_total_gb,
+            "KV bytes per token": kv_per_token,
+            "tokens of K/V in the article's drop": article_saved_gb * 1e9 / kv_per_token}
+
+
+# The article's 4.4 checklist: (symptom, cause, check, fix), in its words, then where the series measured it.
+CHECKLIST = [
+    ("outputs differ", "prefix not exactly identical", "compare tokenizer output", "make the prefix token ids identical",
+     "02 §6 (tokenization: the same text tokenized in pieces vs whole); 05 §1–3 (group 1, identical prefix: shared vs isolated outputs)",
+     "compare token ids, never strings; fix the chat template and add_special_tokens; let the engine hash tokens"),
+    ("outputs differ", "position encoding wrong", "print the position range", "fix the start position",
+     "03 §2–3 and §5 (shifted prefix, suffix restarting at 0: identical-output fraction and per-layer key error); "
+     "07 §5 repeats a small version",
+     "reuse K/V only at the positions it was computed at; a paged engine with full-block hashes does this by construction"),
+    ("outputs differ", "cache block written", "check writes", "copy-on-write or read-only sharing",
+     "04 §6 (copy-on-write on fork); 07 §5 runs the mistake (cow=False) live",
+     "share only full, immutable blocks; copy before writing a block whose ref count is above 1"),
+    ("memory rises instead of falling", "ref-count leak", "inspect block ref counts", "fix the ref-counting",
+     "04 §4 (a leak found with the trace); 07 §4 counts leaked blocks after every stress run",
+     "after draining, assert no block has a ref count > 0; watch free blocks, not GPU memory (the pool is pre-allocated)"),
+    ("low hit rate", "dynamic content in the prefix", "check how the prefix is built", "move dynamic parts out",
+     "04 §3.3 (a timestamp at the start vs the end of the system prompt); 08 (optional: why is my hit rate low)",
+     "keep the first tokens static; put time, user id, request id after the shared part"),
+    ("low hit rate", "prefix length not aligned", "check the prefix token count", "align to a multiple of the block size",
+     "04 §3.1–3.2 (block-size sweep, aligned vs unaligned prefix); 04b (optional: radix tree vs blocks)",
+     "at most block_size − 1 tokens of a prefix are lost to the partial block; measure before padding prompts"),
+    ("high time to first token", "sharing not in effect", "look at the hit-rate metric", "make sure prefix sharing is on",
+     "05 §3–4 and 06 §2.2–3 (cached tokens, hit rate and TTFT with and without a cached prefix)",
+     "export cached tokens per request and the hit rate in tokens, with the reason of every miss"),
+    ("small throughput gain", "concurrency too low", "—", "raise concurrency",
+     "05 §5 (prefix length and request count)",
+     "measure the gain at your real prefix length and concurrency; sharing saves prefill, not decode"),
+]
+
+# The article's 5.4 strategy template, item by item.
+TEMPLATE = [
+    ("keep the system prompt fixed: it is the body of the shared prefix",
+     "04 §2, 05 §4 (16 requests sharing a 512-token prefix), 07 §3 (the operator prompt under three policies)",
+     "version the system prompt; changing one token early changes every later block's hash"),
+    ("align the prefix length to a multiple of 16 tokens",
+     "04 §3.1–3.2 (the loss is under one block per request)",
+     "block size is an engine setting (vLLM 16 by default, TensorRT-LLM configurable); align only if the measured loss matters"),
+    ("put dynamic content (time, user id) in the suffix",
+     "04 §3.3 (timestamp at the start vs the end)",
+     "keep per-user data after the shared part; it then also stays out of other tenants' reach (07 §1)"),
+    ("multi-turn: share only the system prompt, not the history",
+     "04 §3.4 (multi-turn conversations); 07 §4 (identical history turns across tenants stay correct when shared)",
+     "sharing a conversation's own history is correct and saves prefill; across tenants, isolate with salts (07 §2)"),
+    ("turn on copy-on-write so shared blocks are read-only",
+     "04 §6; 07 §5 (the cow=False mistake, live)",
+     "paged engines (vLLM, TensorRT-LLM, kvlab) share only full blocks; the risk is in hand-written caches (02 §5)"),
+    ("monitor hit rate and GPU memory, with alert thresholds",
+     "05, 06 §2.2 (hit rate in tokens); 07 §4 (per-tenant table)",
+     "alert on hit rate per tenant and on free blocks; GPU memory is flat under a pre-allocated pool"),
+    ("re-check prefix consistency after every model or tokenizer update",
+     "02 §6; 06 §1 (one list of token ids fed to every engine)",
+     "the engine's block hash includes a model fingerprint in kvlab; in any engine, re-run a token-identity test"),
+    ("(not in the article) decide who may share with whom",
+     "07 §2–3 (timing attack with and without salts; the cost of isolation)",
+     "salt per tenant from a server secret; share only a declared public prefix"),
+]
+
+# The article's 5.3 framework table, its claims, and where each claim was checked.
+FRAMEWORKS = [
+    {"framework": "HF Transformers", "source": "measured in this series (02, 03)",
+     "article: prefix sharing / blocks / copy-on-write / positions": "manual / none / implement yourself / handle yourself",
+     "what we found": "manual: pass a copy of past_key_values (02 §2–3); generate extends the cache object in place, "
+                      "so reusing it unchanged pollutes the next request (02 §5); positions follow the cache length (03)"},
+    {"framework": "vLLM", "source": "measured in this series (06)",
+     "article: prefix sharing / blocks / copy-on-write / positions": "automatic / 16-token blocks / yes / automatic",
+     "what we found": "automatic, hash-chained full blocks of 16 tokens; cached tokens, hit rate and outputs compared "
+                      "with kvlab on one list of token ids (06 §2); only full blocks are shared, so a shared block is "
+                      "never written (its design doc; 06 does not test writes)"},
+    {"framework": "kvlab", "source": "measured in this series (04, 05, 07)",
+     "article: prefix sharing / blocks / copy-on-write / positions": "—",
+     "what we found": "automatic, hash-chained full blocks, block size a parameter (04 §3.1); copy-on-write on fork "
+                      "(04 §6, 07 §5); cached K/V keep their positions (03); per-tenant salts and a public prefix (07)"},
+    {"framework": "TensorRT-LLM", "source": "from the project's documentation, not run here",
+     "article: prefix sharing / blocks / copy-on-write / positions": "automatic / configurable / yes / automatic",
+     "what we found": "KV cache reuse across requests (KvCacheConfig.enable_block_reuse) through a radix search "
+                      "structure over blocks; tokens_per_block configurable, a power of two; a partially matched "
+                      "block is copied (copy_on_partial_reuse). Docs: nvidia.github.io/TensorRT-LLM, features/kvcache"},
+    {"framework": "TGI", "source": "from the project's documentation and source, not run here",
+     "article: prefix sharing / blocks / copy-on-write / positions": "automatic / block level / yes / automatic",
+     "what we found": "prefix caching in v3 (keeps a conversation's prefix, docs 'TGI v3 overview'); with the "
+                      "flashinfer attention backend, which prefix caching requires, the block size is 1 token "
+                      "(server/text_generation_server/models/globals.py)"},
+]
+
+
+def takeaways(kind: str, evidence07: dict[str, str] | None = None) -> Any:
+    """The article's checklist (``kind="checklist"``), template (``"template"``) or framework table (``"frameworks"``)
+    as a DataFrame; ``evidence07`` maps a row's first column to a string computed in notebook 07."""
+    import pandas as pd
+
+    ev = evidence07 or {}
+    if kind == "checklist":
+        rows = [{"symptom": s, "cause (article)": c, "check (article)": k, "fix (article)": f,
+                 "measured in this series": m, "measured here (07)": ev.get(c, ""), "in your deployment": d}
+                for s, c, k, f, m, d in CHECKLIST]
+    elif kind == "template":
+        rows = [{"template item (article 5.4)": t, "measured in this series": m, "measured here (07)": ev.get(t, ""),
+                 "in your deployment": d} for t, m, d in TEMPLATE]
+    elif kind == "frameworks":
+        rows = [dict(r) for r in FRAMEWORKS]
+    else:
+        raise ValueError(f"kind must be 'checklist', 'template' or 'frameworks', got {kind!r}")
+    return pd.DataFrame(rows)
