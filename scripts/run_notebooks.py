@@ -46,6 +46,21 @@ def parameters(smoke: bool, seed: int, device: str, model: str | None) -> dict:
     return params
 
 
+def _sign(path: str) -> None:
+    """Trust the executed notebook in this user's Jupyter, so JupyterLab renders its stored widget state.
+
+    An untrusted notebook shows its sliders as plain text; a copy handed to another machine needs
+    ``jupyter trust`` there (docs/workshop.md).
+    """
+    try:
+        import nbformat
+        from nbformat.sign import NotebookNotary
+
+        NotebookNotary().sign(nbformat.read(path, as_version=4))
+    except Exception as e:  # never fail a run over the trust database
+        print(f"note: could not sign {path}: {e}", file=sys.stderr)
+
+
 def _execute_here(nb: str, out: str, params_json: str, cell_timeout: int) -> None:
     """Child-process entry: run papermill, then report the kernel's peak RSS on stdout's last line."""
     import papermill as pm
@@ -57,6 +72,7 @@ def _execute_here(nb: str, out: str, params_json: str, cell_timeout: int) -> Non
                             log_output=False)
     except Exception as e:  # papermill raises PapermillExecutionError with the failing cell
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    _sign(out)
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the kernel, KiB on Linux
     print(json.dumps({"peak_mb": round(peak_kb / 1024, 1), "error": error}))
 
