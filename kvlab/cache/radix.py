@@ -369,7 +369,7 @@ class RadixCache:
         tokens = list(token_ids)
         if not tokens:
             raise ValueError(f"{what} needs at least one token")
-        if any(type(t) is not int for t in tokens):
+        if any(type(t) is not int for t in tokens):  # the block manager's check, so lookups time alike
             raise TypeError("token ids must be ints")
         if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
             raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
