@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--systems", nargs="*", default=None, metavar="KEY",
+                    help=f"a subset of the systems (default: all): {', '.join(B.SYSTEMS)}")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "bench.json"))
     args = ap.parse_args(argv)
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{wl.name}: {len(wl)} requests x ({args.prefix} + {args.suffix}) tokens, {args.new_tokens} new; "
           f"{args.config} shape, {model.config.num_hidden_layers} layers, {args.dtype} on {device}, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} repetitions (median)", flush=True)
-    table, detail = B.measure_sys512(model, wl, repeats=args.repeats)
+    table, detail = B.measure_sys512(model, wl, repeats=args.repeats, systems=args.systems)
     vllm = None
     if args.vllm:
         from kvlab.vllm import bridge

@@ -235,7 +235,8 @@ def measure_sys512(model: Any, workload: Workload, repeats: int = 3, systems: Se
     for _ in reps:
         for k in keys:
             runs[k].append(SYSTEMS[k](model, workload))
-    reference = next((r[-1]["outputs"] for k, r in runs.items() if k.startswith("HF generate (one")), None)
+    reference = next((r[-1]["outputs"] for k, r in sorted(runs.items(), key=lambda kv: "one" not in kv[0])
+                      if k.startswith("HF generate (")), None)  # HF generate's tokens: one by one, else batched
     rows, detail = [], {}
     for k in keys:
         last = runs[k][-1]
