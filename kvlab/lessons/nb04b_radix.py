@@ -263,7 +263,7 @@ def engine_ttft(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], ca
         runs.append(outs)
     ttfts = [statistics.median(run[i].ttft for run in runs) for i in range(len(prompts))]
     outs = runs[-1]
-    return {"cache": cache if cache != "radix" else f"radix page {page_size}", "ttft": ttfts,
+    return {"cache": f"radix page {page_size}" if cache == "radix" else f"blocks {block_size}", "ttft": ttfts,
             "cached": [o.num_cached_tokens for o in outs], "outputs": [o.output_ids for o in outs],
             "stats": engine.stats()}
 
@@ -275,7 +275,7 @@ def _grouped(ax, rows: list[dict], value: Callable[[dict], float], caches: list[
     for k, c in enumerate(caches):
         xs = [i + (k - (len(caches) - 1) / 2) * width for i in range(len(workloads))]
         ax.bar(xs, [value(by[(w, c)]) for w in workloads], width, label=c, color=f"C{k}")
-    ax.set_xticks(range(len(workloads)), workloads, rotation=15, ha="right")
+    ax.set_xticks(range(len(workloads)), workloads, rotation=25, ha="right")
     ax.grid(axis="y", alpha=0.3)
     ax.spines[["top", "right"]].set_visible(False)
 
