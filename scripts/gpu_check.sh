@@ -47,7 +47,7 @@ import papermill as pm
 dtype, smoke, out = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
 os.makedirs(out, exist_ok=True)
 bad = 0
-for nb in sorted(glob.glob("notebooks/[0-9][0-9]_*.ipynb")):
+for nb in sorted(glob.glob("notebooks/[0-9][0-9]*_*.ipynb")):
     t0 = time.time()
     try:
         pm.execute_notebook(nb, os.path.join(out, os.path.basename(nb)), cwd="notebooks", kernel_name="python3",

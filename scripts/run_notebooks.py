@@ -31,7 +31,7 @@ OUT = ROOT / "build" / "notebooks"
 
 def notebooks(only: str | None = None) -> list[Path]:
     """The series in order; ``only`` is a comma-separated list of number prefixes or names."""
-    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"))  # 04b sorts after 04
     if only:
         keys = [k.strip() for k in only.split(",") if k.strip()]
         paths = [p for p in paths if any(p.name.startswith(k) or p.stem == k for k in keys)]

@@ -3,6 +3,9 @@
     engine = Engine(model, tokenizer, num_blocks=256, block_size=16, enable_prefix_caching=True)
     outs = engine.generate(prompts, SamplingParams(max_tokens=16))   # or add_request(...) + step()
 
+``cache="radix"`` runs the same engine on SGLang's radix tree instead of vLLM's hash blocks, in pages of
+``page_size`` slots (1 by default: token granular; ``kvlab.engine.radix_adapter``).
+
 One ``step()``: the scheduler picks decodes and prefills (preempting when blocks run out), copy-on-write
 pairs are copied in the K/V store, the new tokens of all scheduled sequences run through the model in
 **one** packed forward (paged attention reads each sequence's cached K/V through its block table), and
@@ -53,11 +56,11 @@ from typing import Any
 
 import torch
 
-from ..cache.block_manager import BlockManager
 from ..cache.block_pool import check
 from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
 from .paged_attention import MissingBatchError, build_batch, paged_attention
+from .radix_adapter import make_prefix_cache
 from .sampling import SamplingParams, sample_next
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence as Seq
@@ -112,16 +115,18 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, *, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0,
-                 isolation: str = "shared", secret: bytes | str | None = None) -> None:
+                 isolation: str = "shared", secret: bytes | str | None = None, cache: str = "blocks",
+                 page_size: int = 1) -> None:
         secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
         if num_blocks is None:
             num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
         self.model, self.tokenizer, self.debug = model, tokenizer, debug
         self.device, self.dtype = model_device_dtype(model)
-        self.block_manager = BlockManager(num_blocks, block_size,
-                                          model_fingerprint=model_fingerprint(model, tokenizer, every_weight=False),
-                                          enable_caching=enable_prefix_caching)
-        self.store = PagedKVStore.for_model(model, num_blocks, block_size)
+        # cache="radix": SGLang's radix tree on the same slots, in pages of page_size (kvlab.engine.radix_adapter)
+        self.block_manager = make_prefix_cache(cache, num_blocks, block_size, page_size, isolation,
+                                               model_fingerprint(model, tokenizer, every_weight=False),
+                                               enable_prefix_caching)
+        self.store = PagedKVStore.for_model(model, self.block_manager.pool.num_blocks, self.block_manager.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
