@@ -148,3 +148,27 @@ def test_notebook_07_exercises_start_blank():
     checks = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and "S.check_" in "".join(c["source"])]
     assert len(checks) == 3 and all("= None" in c for c in checks)
     assert not any("lambda" in c or "def my_auc" in c for c in checks)
+
+
+# ----------------------------------------------------------------------------- 03 and 04: worked solutions
+
+
+def test_nb03_solutions_pass_their_checkers():
+    import torch
+
+    from kvlab.lessons import solutions as so
+
+    assert X.check_suffix_positions(so.ex03_1_suffix_positions(37, 5), 37, 5)
+    assert X.check_rerotation_delta(so.ex03_2_rerotation_delta(12, 9), 12, 9)
+    assert X.check_positions_from_mask(so.ex03_3_positions_from_mask)
+    assert X.check_exact_layers(so.ex03_4_exact_layers(_layer_errors()), _layer_errors())
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert torch.equal(so.ex03_3_positions_from_mask(mask), X.positions_from_mask(mask))
+
+
+def test_nb04_solutions_pass_their_checkers():
+    from kvlab.lessons import solutions as so
+
+    assert L.check_cached_tokens(so.ex04_1_predict)
+    assert L.check_find_leaks(so.ex04_2_find_leaks)
+    assert L.check_timestamp_prompt(so.ex04_3_build)

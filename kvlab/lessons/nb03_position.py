@@ -112,10 +112,12 @@ def greedy_rows(model: Any, cache: Any, input_ids: torch.Tensor, positions: torc
     return [trim_at_stop(r, stop_ids) for r in rows]
 
 
-def _score(tokenizer: Any, reference: list[int], gen: list[int], expected: str) -> dict:
+def _score(tokenizer: Any, reference: list[int], gen: list[int], expected: str,
+           recall: Callable[[str, str], bool] = P.recalled) -> dict:
     text = tokenizer.decode(gen, skip_special_tokens=True)
     return {"identical": gen == reference, "agreement": token_agreement(reference, gen),
-            "recalled": P.recalled(text, expected), "answer": P.normalize_answer(text)}
+            "recalled": recall(text, expected), "answer": P.normalize_answer(text),
+            "isolated recalled": recall(tokenizer.decode(reference, skip_special_tokens=True), expected)}
 
 
 # ----------------------------------------------------------------------------- experiments 1 and 2
@@ -173,7 +175,9 @@ def position_variants(shifts: Sequence[int]) -> list[tuple[str, int]]:
 
 @torch.no_grad()
 def run_position_sweep(model: Any, tokenizer: Any, examples: Sequence[P.PassphraseExample], shifts: Sequence[int],
-                       max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False):
+                       max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False,
+                       prompt: Callable[[Any, P.PassphraseExample], tuple[list[int], int]] = None,
+                       recall: Callable[[str, str], bool] = P.recalled):
     """Experiments 1 and 2: serve each example with its prefix K/V computed at shifted positions.
 
     Kinds: "prefix shifted, suffix at len(prefix)" (prefix at s .. s+P-1, suffix at P ..: every
@@ -181,15 +185,20 @@ def run_position_sweep(model: Any, tokenizer: Any, examples: Sequence[P.Passphra
     s too long), "everything shifted" (prefix at s .., suffix at P+s ..: distances kept),
     "suffix restarts at 0" (prefix at 0 .., suffix at 0 ..). All variants of one example run as one
     batch. Returns a DataFrame, one row per (example, variant).
+
+    ``prompt(tokenizer, example) -> (ids, prefix_len)`` builds the prompt (default ``prompt_ids``, the
+    bundled model's ChatML; ``real_prompt_ids`` for a chat model's own template) and ``recall(text,
+    expected)`` scores an answer (default exact ``P.recalled``; ``P.mentions`` for a chat model).
     """
     import pandas as pd
 
     device, _ = model_device_dtype(model)
     stop = eos_ids(model, tokenizer)
     variants = position_variants(shifts)
+    prompt = prompt or prompt_ids
     rows = []
     for ex in _progress(examples, progress, "shift sweep"):
-        ids, n = prompt_ids(tokenizer, ex)
+        ids, n = prompt(tokenizer, ex)
         reference = isolated(model, tokenizer, ids, max_new_tokens)
         pre = torch.tensor([ids[:n]] * len(variants), device=device)  # (R, P)
         suf = torch.tensor([ids[n:]] * len(variants), device=device)  # (R, T)
@@ -202,7 +211,7 @@ def run_position_sweep(model: Any, tokenizer: Any, examples: Sequence[P.Passphra
         gens = greedy_rows(model, cache, suf, suf_pos, stop, max_new_tokens)
         for (kind, s), st, gen in zip(variants, suf_start.tolist(), gens):
             rows.append({"seed": ex.seed, "lang": ex.lang, "kind": kind, "shift": s, "prefix tokens": n,
-                         "suffix start": st, **_score(tokenizer, reference, gen, ex.answer)})
+                         "suffix start": st, **_score(tokenizer, reference, gen, ex.answer, recall)})
     return pd.DataFrame(rows)
 
 
@@ -309,19 +318,22 @@ def layer_errors(caches: dict) -> Any:
 
 @torch.no_grad()
 def run_overlap(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "heldout",
-                max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False):
+                max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False,
+                pair: Callable[[Any, int, str], dict] = None, recall: Callable[[str, str], bool] = P.recalled):
     """Experiment 3: serve request B with the segment K/V recomputed, taken from A as is, and re-rotated.
 
     Returns ``(outcomes, errors)``: one row per (pair, treatment) scored against B's isolated answer,
-    and the per-layer K/V errors of every pair.
+    and the per-layer K/V errors of every pair. ``pair(tokenizer, seed, split)`` builds the two
+    requests (default ``overlap_pair``; ``real_overlap_pair`` for a chat model), ``recall`` scores.
     """
+    make_pair = pair or overlap_pair
     import pandas as pd
 
     device, _ = model_device_dtype(model)
     stop = eos_ids(model, tokenizer)
     rows, errs = [], []
     for seed in _progress(seeds, progress, "group 2 pairs"):
-        pair = overlap_pair(tokenizer, seed, split)
+        pair = make_pair(tokenizer, seed, split)
         caches = overlap_caches(model, pair)
         b_ids = pair["head_b"] + pair["segment"] + pair["tail"]
         reference = isolated(model, tokenizer, b_ids, max_new_tokens)
@@ -335,7 +347,7 @@ def run_overlap(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "
         gens = greedy_rows(model, cache_from_layers(model, layers), tail, pos, stop, max_new_tokens)
         for name, gen in zip(names, gens):
             rows.append({"seed": seed, "delta": caches["delta"], "treatment": name,
-                         **_score(tokenizer, reference, gen, pair["example"].answer)})
+                         **_score(tokenizer, reference, gen, pair["example"].answer, recall)})
         e = layer_errors(caches)
         e.insert(0, "seed", seed)
         errs.append(e)
@@ -484,6 +496,80 @@ def run_left_padding(model: Any, tokenizer: Any, seeds: Sequence[int], split: st
     return pd.DataFrame(rows)
 
 
+# ----------------------------------------------------------------------------- a real chat model (SmolLM2)
+
+REAL_MAX_NEW_TOKENS = 20  # "The passphrase is: X5DUXP." and the end of turn fit
+
+
+def real_prompt_ids(tokenizer: Any, example: P.PassphraseExample,
+                    question: str = P.REAL_QUESTIONS[0]) -> tuple[list[int], int]:
+    """A chat model's prompt (``P.real_model_prompt``: its own chat template) and the length of its system turn.
+
+    The prefix is the system turn up to and including its end-of-turn line, as a serving system would
+    cache it for every user question after it.
+    """
+    text = P.real_model_prompt(tokenizer, example, question)
+    cut = text.index(P.IM_END) + len(P.IM_END)
+    if text[cut:cut + 1] == "\n":
+        cut += 1
+    ids, prefix = encode(tokenizer, text), encode(tokenizer, text[:cut])
+    if ids[:len(prefix)] != prefix:
+        raise ValueError("the system turn does not tokenize to a prefix of the prompt")
+    return ids, len(prefix)
+
+
+def real_overlap_pair(tokenizer: Any, seed: int, split: str = "heldout", question: str = P.REAL_QUESTIONS[0],
+                      preamble_lines: tuple[int, int] = (1, 4)) -> dict:
+    """The article's group 2 in a chat model's template: one plain system text after two different preambles.
+
+    Same keys as ``overlap_pair``: ``head_a``/``head_b`` (template header + English preamble sentences),
+    ``segment`` (``P.REAL_SYSTEM`` with the passphrase), ``tail`` (end of system turn, the question,
+    the assistant header), ``example``.
+    """
+    ex = P.make_example(seed, split, history="none")
+    text = P.real_model_prompt(tokenizer, ex, question)
+    content = P.REAL_SYSTEM.format(p=ex.passphrase)
+    at = text.index(content)
+    rng = random.Random(f"kvlab-real-overlap:{split}:{seed}")
+    pre_a = [rng.choice(P.FILLER_EN) for _ in range(preamble_lines[0])]
+    pre_b = [rng.choice(P.FILLER_EN) for _ in range(preamble_lines[1])]
+    parts = {
+        "head_a": encode(tokenizer, text[:at] + " ".join(pre_a) + " "),
+        "head_b": encode(tokenizer, text[:at] + " ".join(pre_b) + " "),
+        "segment": encode(tokenizer, content),
+        "tail": encode(tokenizer, text[at + len(content):]),
+    }
+    return {**parts, "example": ex}
+
+
+def bug_rows(sweep: Any, overlap: Any, shifts: Sequence[int]) -> Any:
+    """One row per position bug (and the references) from a model's sweep and group-2 outcomes.
+
+    Columns: requests, identical (token-identical to isolated), agreement, recall. The first row is the
+    isolated run itself (recall only), the second the cached prefix at the right positions.
+    """
+    import pandas as pd
+
+    def row(name, d):
+        return {"case": name, "requests": len(d), "identical": d["identical"].mean(),
+                "agreement": d["agreement"].mean(), "recall": d["recalled"].mean()}
+
+    def kind(k, s):
+        return sweep[(sweep["kind"] == k) & (sweep["shift"] == s)]
+
+    first = kind(SWEEP_KINDS[0], 0)
+    rows = [{"case": "isolated (no cache): the reference", "requests": len(first), "identical": 1.0,
+             "agreement": 1.0, "recall": first["isolated recalled"].mean()},
+            row("cached prefix, right positions", first)]
+    rows += [row(f"shifted offset: prefix at +{s}, suffix at len(prefix)", kind(SWEEP_KINDS[0], s)) for s in shifts]
+    rows += [row(f"control: everything shifted by {max(shifts)}", kind(SWEEP_KINDS[2], max(shifts)))]
+    rows += [row("restarted positions: suffix at 0", sweep[sweep["kind"] == SWEEP_KINDS[3]])]
+    for t, name in (("A's K/V as is", "overlap segment from A, as is"),
+                    ("A's K/V re-rotated", "overlap segment from A, re-rotated by Δ")):
+        rows.append(row(name, overlap[overlap["treatment"] == t]))
+    return pd.DataFrame(rows).set_index("case")
+
+
 # ----------------------------------------------------------------------------- summaries and figures
 
 def sweep_mean(sweep: Any, kind: str, shift: int, metric: str = "recalled") -> float:
@@ -579,15 +665,16 @@ def fig_outcomes(summary: Any, title: str):
     """Horizontal bars of token-identical and recall fractions per way (a Figure)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.55 * len(summary)))
+    fig, ax = plt.subplots(figsize=(8, 1.8 + 0.6 * len(summary)))
     y = range(len(summary))
     ax.barh([i + 0.2 for i in y], summary["identical"], height=0.4, label="token-identical to isolated")
     ax.barh([i - 0.2 for i in y], summary["recalled"], height=0.4, label="recall")
     labels = [" | ".join(map(str, i)) if isinstance(i, tuple) else str(i) for i in summary.index]
     ax.set_yticks(list(y), labels)
     ax.invert_yaxis()
-    ax.set(xlim=(0, 1.02), xlabel="fraction of requests", title=title)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set(xlim=(0, 1.02), xlabel="fraction of requests")
+    ax.set_title(title, pad=26)
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)  # above the bars
     fig.tight_layout()
     return fig
 

@@ -14,7 +14,46 @@ from __future__ import annotations
 
 # ----------------------------------------------------------------------------- 03 position encoding
 
+def ex03_1_suffix_positions(prefix_len: int, suffix_len: int) -> list[int]:
+    """03.1: the suffix continues where the cached prefix (positions 0 .. prefix_len - 1) ended."""
+    return list(range(prefix_len, prefix_len + suffix_len))
+
+
+def ex03_2_rerotation_delta(start_in_a: int, start_in_b: int) -> int:
+    """03.2: rotate from the position the keys were computed at to the one they are needed at."""
+    return start_in_b - start_in_a
+
+
+def ex03_3_positions_from_mask(mask):
+    """03.3: each real token's index among the real tokens of its row; pads get 0."""
+    m = mask.long()
+    return (m.cumsum(-1) - 1).clamp(min=0) * m
+
+
+def ex03_4_exact_layers(errors, tol: float = 2e-2) -> list[int]:
+    """03.4: the layers whose re-rotated keys match the recomputed ones up to float rounding."""
+    d = errors[(errors["treatment"] == "A's K/V re-rotated") & (errors["tensor"] == "K")]
+    worst = d.groupby("layer")["relative error"].max()
+    return sorted(int(layer) for layer, e in worst.items() if e < tol)
+
 # ----------------------------------------------------------------------------- 04 the paged block manager
+
+def ex04_1_predict(n: int, block_size: int) -> int:
+    """04.1: whole blocks of the first n - 1 tokens (the last prompt token is always computed)."""
+    return (n - 1) // block_size * block_size
+
+
+def ex04_2_find_leaks(manager) -> set[int]:
+    """04.2: blocks whose ref count exceeds the number of block-table entries that point at them."""
+    from collections import Counter
+
+    held = Counter(b for seq in manager.seqs.values() for b in seq.block_table)
+    return {b.block_id for b in manager.pool.blocks if b.ref_count > held[b.block_id]}
+
+
+def ex04_3_build(system: list[int], timestamp: list[int], question: list[int]) -> list[int]:
+    """04.3: the changing part goes last, so every block before it can still be shared."""
+    return system + question + timestamp
 
 # ----------------------------------------------------------------------------- 05 shared vs isolated
 

@@ -241,6 +241,25 @@ def block_size_sweep(
     return rows
 
 
+def free_order_comparison(
+    requests: list[Request], pool_blocks: Iterable[int], block_size: int = 16, max_running: int = 4
+) -> list[dict]:
+    """Replay one trace on pools of several sizes under both free orders of ``BlockPool``.
+
+    ``"vllm"`` (the default): a freed block without a hash (a partial tail, never hittable) goes to the
+    *front* of the free list, so it is reused before any cached block is evicted; ``"lru"``: every freed
+    block goes to the back. One row per (pool size, order): hit rate, hit tokens, evictions.
+    """
+    rows = []
+    for n in pool_blocks:
+        for order in ("vllm", "lru"):
+            r = replay(BlockManager(n, block_size, free_order=order), requests, max_running)
+            rows.append({"pool blocks": n, "free order": order, "hit rate": r["hit_rate"],
+                         "hit tokens": r["hit_tokens"], "evictions": r["evictions"],
+                         "miss_evicted": r["miss_evicted"]})
+    return rows
+
+
 # The article's translation requests (section 3.5), with English versions beside them.
 ARTICLE_QUESTIONS = {"zh": ["今天天气很好。", "今天天气很好。", "明天会下雨吗？"],
                      "en": ["The weather is nice today.", "The weather is nice today.", "Will it rain tomorrow?"]}
