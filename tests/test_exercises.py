@@ -129,3 +129,24 @@ def test_every_lesson_figure_is_named_fig():
             returns = inspect.signature(fn).return_annotation
             draws = "plt.subplots" in inspect.getsource(fn) or "Figure" in str(returns)
             assert name.startswith("fig_") == draws, f"{module.__name__}.{name}: figure functions are named fig_*"
+
+
+# --- notebooks 05 and 06: the solutions pass their checkers ------------------------------------------------------
+
+def test_solutions_05_06_pass_their_checkers(lm):
+    from kvlab.lessons import solutions as SOL
+    from kvlab.lessons import workloads as W
+
+    model, tok = lm
+    assert T.check_bug_for_group(SOL.ex05_1_bug_rows())
+    assert T.check_kv_ratio(SOL.ex05_2_kv_ratio(16, 512, 63), 16, 512, 63)
+    group1 = W.seed_groups(tok, n=2, block_size=16, max_tokens=4)[1]
+    assert T.check_position_fix(SOL.ex05_3_position_fix(), model, tok, group1)
+    assert V.check_cached_tokens(SOL.ex06_1_cached_tokens(250, 200, 32), 250, 200, 32)
+    assert V.check_ttft_ideal(SOL.ex06_2_ttft_ideal(160, 128), 160, 128)
+    from kvlab.vllm.bridge import run_kvlab
+
+    prompts = group1.prompts
+    ours = run_kvlab(model, tok, prompts, 32, 4, repeat=False)
+    assert V.check_batch_counts(SOL.ex06_3_batch_counts(), model, tok, prompts, ours)
+    assert not V.check_batch_counts(not SOL.ex06_3_batch_counts(), model, tok, prompts, ours)
