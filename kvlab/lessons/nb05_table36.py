@@ -351,6 +351,13 @@ def pick_model(model: Any, smoke: bool) -> Any:
 
 def is_real_chat_model(tokenizer: Any) -> bool:
     """True for a general chat model with its own chat template (SmolLM2), False for the bundled passphrase model."""
+    from pathlib import Path
+
+    from kvlab.engine.models import BUNDLED_MODEL
+
+    name = getattr(tokenizer, "name_or_path", "") or ""
+    if name and Path(name).expanduser().resolve() == BUNDLED_MODEL.resolve():
+        return False  # the bundled model speaks ChatML too, but only its training prompts
     return bool(getattr(tokenizer, "chat_template", None)) and "im_start" in str(tokenizer.chat_template)
 
 
