@@ -346,3 +346,17 @@ def kvlab_vs_vllm_sentences(cmp: Any) -> list[str]:
                    f"(kvlab {thr:.2f}x, {'higher' if thr > 1 else 'lower'}); TTFT kvlab {r['kvlab TTFT (ms)']:.0f} ms vs "
                    f"vLLM {r['vLLM TTFT (ms)']:.0f} ms (kvlab {ttft:.2f}x, {'shorter' if ttft < 1 else 'longer'})")
     return out
+
+
+def vllm_found(python: Any = None) -> tuple[bool, str]:
+    """Whether a vLLM interpreter is there, WITHOUT importing vLLM (``bridge.vllm_status`` starts a worker to
+    import it, tens of seconds); the notebook's one worker then says whether vLLM really runs."""
+    from kvlab.vllm.bridge import VllmNotFoundError, vllm_python
+
+    if os.environ.get("KVLAB_SKIP_VLLM") == "1":
+        return False, "vLLM skipped: KVLAB_SKIP_VLLM=1 is set (unset it to use the vLLM venv)"
+    try:
+        path = vllm_python(python)
+    except VllmNotFoundError as e:
+        return False, str(e)
+    return True, f"a vLLM interpreter is at {path} (vLLM itself is imported once, by the worker in section 2)"
