@@ -373,7 +373,7 @@ def _turns(system: str, *turns: tuple[str, str], question: str) -> str:
 
 
 def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int = 16, max_tokens: int = 16,
-                split: str = "heldout", start: int = 0) -> dict[int, Workload]:
+                split: str = "heldout", start: int = 0, translations: int = 2) -> dict[int, Workload]:
     """The article's three groups in real text for a ChatML chat model (SmolLM2), as token-id workloads.
 
     Group 1: ``n`` passphrase system prompts (``passphrase.REAL_SYSTEM``), ``questions`` different questions
@@ -393,7 +393,7 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
             meta.append({"group": 1, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
                          "question": question, "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
     for lang, (system, texts) in TRANSLATION.items():
-        for text in texts:
+        for text in texts[:translations]:
             prompts.append(_ids(tokenizer, _turns(system, question=text)))
             meta.append({"group": 1, "seed": lang, "role": "served", "lenient": True, "question": text,
                          "kind": "translation", "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
@@ -433,12 +433,13 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
     return groups
 
 
-def groups_for(tokenizer: Any, n: int, block_size: int = 16, max_tokens: int = 12) -> dict[int, Workload]:
+def groups_for(tokenizer: Any, n: int, block_size: int = 16, max_tokens: int = 12, translations: int = 2
+               ) -> dict[int, Workload]:
     """``real_groups`` for a chat model with a ChatML template, else the bundled model's ``seed_groups``."""
     from kvlab.lessons.workloads import seed_groups
 
     if is_real_chat_model(tokenizer):
-        return real_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens)
+        return real_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, translations=translations)
     return seed_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens)
 
 
