@@ -455,7 +455,8 @@ def answers_table(groups: dict[int, Workload], runs: dict, tokenizer: Any, per_g
             picks += [i for i in served if wl.meta[i].get("kind") == "translation"]
         for i in dict.fromkeys(picks):
             m = wl.meta[i]
-            rows.append({"group": g, "request": m.get("question", "")[:40] if g == 1 else f"seed {m['seed']}",
+            q = m.get("question")
+            rows.append({"group": g, "request": q[:40] if g == 1 and isinstance(q, str) else f"seed {m['seed']}",
                          "expected": m.get("expected", "(translation)"),
                          **{mode: runs[(g, mode)]["outputs"][i].text.strip().split("\n")[0][:70]
                             for mode in ("isolated", "shared (correct)", "shared (wrong)")},
