@@ -172,3 +172,24 @@ def test_nb04_solutions_pass_their_checkers():
     assert L.check_cached_tokens(so.ex04_1_predict)
     assert L.check_find_leaks(so.ex04_2_find_leaks)
     assert L.check_timestamp_prompt(so.ex04_3_build)
+
+
+# --- notebooks 05 and 06: the solutions pass their checkers ------------------------------------------------------
+
+def test_solutions_05_06_pass_their_checkers(lm):
+    from kvlab.lessons import solutions as SOL
+    from kvlab.lessons import workloads as W
+
+    model, tok = lm
+    assert T.check_bug_for_group(SOL.ex05_1_bug_rows())
+    assert T.check_kv_ratio(SOL.ex05_2_kv_ratio(16, 512, 63), 16, 512, 63)
+    group1 = W.seed_groups(tok, n=2, block_size=16, max_tokens=4)[1]
+    assert T.check_position_fix(SOL.ex05_3_position_fix(), model, tok, group1)
+    assert V.check_cached_tokens(SOL.ex06_1_cached_tokens(250, 200, 32), 250, 200, 32)
+    assert V.check_ttft_ideal(SOL.ex06_2_ttft_ideal(160, 128), 160, 128)
+    from kvlab.vllm.bridge import run_kvlab
+
+    prompts = group1.prompts
+    ours = run_kvlab(model, tok, prompts, 32, 4, repeat=False)
+    assert V.check_batch_counts(SOL.ex06_3_batch_counts(), model, tok, prompts, ours)
+    assert not V.check_batch_counts(not SOL.ex06_3_batch_counts(), model, tok, prompts, ours)

@@ -189,3 +189,55 @@ def test_position_fix_checker(lm, groups):
 
     assert T.check_position_fix(Fixed, model, tok, groups[1])
     assert not T.check_position_fix(None, model, tok, groups[1])
+
+
+# --- notebook 05's opened engine, real-text groups, recorded benchmark ------------------------------------------
+
+def test_traced_step_shows_block_tables_slots_and_hits(lm, groups):
+    model, tok = lm
+    g1 = groups[1]
+    first, same = g1.prompts[0], g1.prompts[6]  # question 0 and question 1 of the same system prompt
+    steps = T.trace_three_requests(model, tok, [same, g1.prompts[1], g1.prompts[2]], first, block_size=BLOCK)
+    prefill, decode = steps[0], steps[1]
+    assert [r["kind"] for r in prefill["rows"]] == ["prefill"] * 3 and [r["kind"] for r in decode["rows"]] == ["decode"] * 3
+    hit = prefill["rows"][0]
+    shared = g1.meta[0]["prefix_tokens"] // BLOCK
+    assert len(hit["hit blocks"]) >= min(shared, 1) and hit["cached tokens"] == len(hit["hit blocks"]) * BLOCK
+    assert hit["query rows"] == len(same) - hit["cached tokens"] and hit["positions"] == (hit["cached tokens"], len(same))
+    # the slot mapping puts each new token at block_table[pos // B] * B + pos % B
+    s, e = hit["positions"]
+    assert prefill["slot_mapping"][: e - s] == [hit["block table"][p // BLOCK] * BLOCK + p % BLOCK for p in range(s, e)]
+    assert len(prefill["slot_mapping"]) == sum(r["query rows"] for r in prefill["rows"])
+    text = T.format_step(prefill, BLOCK)
+    assert "prefix-cache hits" in text and "slot mapping" in text
+    assert T._runs([3, 4, 5, 9]) == "3..5, 9"
+
+
+def test_pick_model_and_bench_record(tmp_path):
+    import json
+
+    assert T.pick_model("auto", True) is None and T.pick_model("auto", False) == "smollm2"
+    assert T.pick_model("x", True) == "x"
+    path = tmp_path / "bench.json"
+    assert T.latest_bench("smollm2", path) is None
+    path.write_text(json.dumps({"model": {"config": "smollm2"}, "workload": {"prefix_tokens": 512},
+                                "systems": [{"system": "kvlab", "mode": "shared", "error": None}], "ratios": []}))
+    report = T.latest_bench("smollm2", path)
+    assert report and T.latest_bench(None, path) is None
+    table, _ = T.bench_tables(report)
+    assert table["error"].tolist() == [""]
+
+
+def test_real_groups_on_a_chatml_tokenizer(lm):
+    """real_groups builds the three groups from ChatML text; the bundled tokenizer speaks ChatML too."""
+    tok = lm[1]
+    g = T.real_groups(tok, n=2, questions=2, block_size=BLOCK)
+    g1, g2, g3 = g[1], g[2], g[3]
+    assert len(g1) == 2 * 2 + 4 and sum(m.get("kind") == "translation" for m in g1.meta) == 4
+    for b in g2.served():
+        a, off = g2.meta[b]["donor"], g2.meta[b]["offset"]
+        assert off % BLOCK == 0 and g2.prompts[a][off:] == g2.prompts[b]
+    for b in g3.served():
+        m = g3.meta[b]
+        assert m["other_answer"] != m["expected"] and m["beyond_prompt"] != g3.prompts[b]
+        assert g3.prompts[b][: m["prefix_tokens"]] == m["beyond_prompt"][: m["prefix_tokens"]]

@@ -38,7 +38,9 @@ from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
 
 __all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
            "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "content_hash",
-           "content_keyed_engine", "evidence", "fig_table36", "make_engine", "run_mode", "table_36"]
+           "content_keyed_engine", "evidence", "fig_table36", "make_engine", "run_mode", "table_36",
+           "TRANSLATION", "TracingEngine", "answers_table", "bench_tables", "format_step", "groups_for",
+           "is_real_chat_model", "latest_bench", "pick_model", "real_groups", "trace_three_requests"]
 
 # The article's table 3.6 as it prints it: (group, policy, TTFT ms, total ms, GPU memory GB, output consistent).
 # Its claims, on Qwen1.5-7B-Chat and a GPU; kept only to print beside our measurements.
@@ -147,16 +149,22 @@ def run_mode(model: Any, tokenizer: Any, workload: Workload, group: int, mode: s
     return {"outputs": outs, "peak_kv_bytes": engine.peak_kv_bytes, "stats": engine.stats()}
 
 
+def _recalled(meta: dict[str, Any], text: str, key: str = "expected") -> bool:
+    return (P.mentions if meta.get("lenient") else P.recalled)(text, meta[key])
+
+
 def _score_rows(workload: Workload, reference: list[Any], run: dict[str, Any]) -> dict[str, float]:
     served = workload.served()
     outs = run["outputs"]
     agree = [token_agreement(reference[i].output_ids, outs[i].output_ids) for i in served]
     same = [reference[i].output_ids == outs[i].output_ids for i in served]
-    recall = [P.recalled(outs[i].text, workload.meta[i]["expected"]) for i in served]
-    other = [P.recalled(outs[i].text, workload.meta[i]["other_answer"]) for i in served
+    asked = [i for i in served if "expected" in workload.meta[i]]  # translations have no expected answer
+    recall = [_recalled(workload.meta[i], outs[i].text) for i in asked]
+    other = [_recalled(workload.meta[i], outs[i].text, "other_answer") for i in served
              if "other_answer" in workload.meta[i]]
     return {"token agreement": statistics.mean(agree), "identical": statistics.mean(same),
-            "recall": statistics.mean(recall), "answered A's passphrase": statistics.mean(other) if other else float("nan"),
+            "recall": statistics.mean(recall) if recall else float("nan"),
+            "answered A's passphrase": statistics.mean(other) if other else float("nan"),
             "cached tokens": statistics.mean(outs[i].num_cached_tokens for i in served)}
 
 
@@ -171,7 +179,8 @@ def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: i
 
     rows, runs = [], {}
     first = next(iter(groups.values()))
-    run_mode(model, tokenizer, first, 1, "isolated", block_size)  # warm-up, not timed
+    warm = Workload(first.name, first.prompts[:2], 2, first.meta[:2])
+    run_mode(model, tokenizer, warm, 1, "isolated", block_size)  # warm-up (first-call costs), not timed
     todo = [(g, m) for g in groups for m in ("isolated", "shared (correct)", "shared (wrong)")]
     if progress:
         from tqdm.auto import tqdm
@@ -319,3 +328,238 @@ def check_kv_ratio(answer: float | None, num_requests: int, prefix_tokens: int, 
     per_request = -(-(prefix_tokens + private_tokens) // block_size)
     want = (full + num_requests * (per_request - full)) / (num_requests * per_request)
     return verdict(abs(value - want) < 1e-3, f"{want:.4f}", f"not {value:.4f}: {hint}")
+
+
+# ----------------------------------------------------------------------------- the real chat model (SmolLM2)
+
+# The article's translation example (its 2.2 and 3.3-3.5): one prefix, several texts to translate.
+TRANSLATION = {
+    "zh": ("你是一个专业的翻译助手，请将以下内容翻译成英文。", ("今天天气很好。", "明天会下雨吗？")),
+    # the same request in English; a 135M model does not translate into Chinese, so the target is French
+    "en": ("You are a professional translation assistant. Please translate the following into French.",
+           ("The weather is nice today.", "Will it rain tomorrow?")),
+}
+UPDATE_TURN = ("From now on the passphrase is {p}.", "Understood. The passphrase is now {p}.")
+
+
+def pick_model(model: Any, smoke: bool) -> Any:
+    """The notebook's ``MODEL="auto"``: SmolLM2 on a full run, the bundled tiny model (None) under SMOKE."""
+    if model == "auto":
+        return None if smoke else "smollm2"
+    return model
+
+
+def is_real_chat_model(tokenizer: Any) -> bool:
+    """True for a general chat model with its own chat template (SmolLM2), False for the bundled passphrase model."""
+    from pathlib import Path
+
+    from kvlab.engine.models import BUNDLED_MODEL
+
+    name = getattr(tokenizer, "name_or_path", "") or ""
+    if name and Path(name).expanduser().resolve() == BUNDLED_MODEL.resolve():
+        return False  # the bundled model speaks ChatML too, but only its training prompts
+    return bool(getattr(tokenizer, "chat_template", None)) and "im_start" in str(tokenizer.chat_template)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _turns(system: str, *turns: tuple[str, str], question: str) -> str:
+    text = P.chatml("system", system)
+    for user, assistant in turns:
+        text += P.chatml("user", user) + P.chatml("assistant", assistant)
+    return text + P.chatml("user", question) + P.IM_START + "assistant\n"
+
+
+def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int = 16, max_tokens: int = 16,
+                split: str = "heldout", start: int = 0, translations: int = 2) -> dict[int, Workload]:
+    """The article's three groups in real text for a ChatML chat model (SmolLM2), as token-id workloads.
+
+    Group 1: ``n`` passphrase system prompts (``passphrase.REAL_SYSTEM``), ``questions`` different questions
+    each, plus the article's translation prefix in Chinese and in English with two texts each. Group 2: B's
+    passphrase prompt, and donor A = a block-aligned extra system turn + B's whole text. Group 3: the same
+    system prompt; A's history changes the passphrase, B asks without that history. Answers are scored with
+    ``passphrase.mentions`` (a chat model answers in a sentence); translations have no expected answer.
+    """
+    groups: dict[int, Workload] = {}
+    prompts, meta = [], []
+    examples = [P.make_example(seed, split, history="none") for seed in range(start, start + n)]
+    for q in range(questions):
+        for seed, ex in zip(range(start, start + n), examples):
+            question = P.REAL_QUESTIONS[(seed + q) % len(P.REAL_QUESTIONS)]
+            system = P.REAL_SYSTEM.format(p=ex.passphrase)
+            prompts.append(_ids(tokenizer, _turns(system, question=question)))
+            meta.append({"group": 1, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
+                         "question": question, "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
+    for lang, (system, texts) in TRANSLATION.items():
+        for text in texts[:translations]:
+            prompts.append(_ids(tokenizer, _turns(system, question=text)))
+            meta.append({"group": 1, "seed": lang, "role": "served", "lenient": True, "question": text,
+                         "kind": "translation", "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
+    groups[1] = Workload("real-groups/1", prompts, max_tokens, meta)
+
+    prompts, meta, donors = [], [], {}
+    from kvlab.lessons.workloads import _aligned_preamble
+
+    for seed, ex in zip(range(start, start + n), examples):
+        b = _ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0]))
+        pre = _aligned_preamble(tokenizer, seed, block_size, split)
+        donors[seed] = len(prompts)
+        prompts.append(pre + b)
+        meta.append({"group": 2, "seed": seed, "role": "donor", "expected": ex.answer, "lenient": True,
+                     "offset": len(pre)})
+    for seed, ex in zip(range(start, start + n), examples):
+        prompts.append(_ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0])))
+        meta.append({"group": 2, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
+                     "donor": donors[seed], "offset": meta[donors[seed]]["offset"]})
+    groups[2] = Workload("real-groups/2", prompts, max_tokens, meta)
+
+    prompts, meta = [], []
+    for seed, ex in zip(range(start, start + n), examples):
+        new = P.make_example(seed + 10_000, split, history="none").passphrase
+        system = P.REAL_SYSTEM.format(p=ex.passphrase)
+        update = tuple(t.format(p=new) for t in UPDATE_TURN)
+        question = P.REAL_QUESTIONS[0]
+        a_history = P.chatml("system", system) + P.chatml("user", update[0]) + P.chatml("assistant", update[1])
+        beyond = _ids(tokenizer, a_history) + _ids(tokenizer, P.chatml("user", question) + P.IM_START + "assistant\n")
+        prompts.append(_ids(tokenizer, _turns(system, update, question=question)))
+        meta.append({"group": 3, "seed": seed, "role": "donor", "expected": new, "lenient": True,
+                     "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
+        prompts.append(_ids(tokenizer, _turns(system, question=question)))
+        meta.append({"group": 3, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
+                     "prefix_tokens": meta[-1]["prefix_tokens"], "beyond_prompt": beyond, "other_answer": new})
+    groups[3] = Workload("real-groups/3", prompts, max_tokens, meta)
+    return groups
+
+
+def groups_for(tokenizer: Any, n: int, block_size: int = 16, max_tokens: int = 12, translations: int = 2
+               ) -> dict[int, Workload]:
+    """``real_groups`` for a chat model with a ChatML template, else the bundled model's ``seed_groups``."""
+    from kvlab.lessons.workloads import seed_groups
+
+    if is_real_chat_model(tokenizer):
+        return real_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, translations=translations)
+    return seed_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens)
+
+
+def answers_table(groups: dict[int, Workload], runs: dict, tokenizer: Any, per_group: int = 3):
+    """Real answers side by side: per group, a few served requests isolated / shared (correct) / shared (wrong)."""
+    import pandas as pd
+
+    rows = []
+    for g, wl in groups.items():
+        served = wl.served()
+        picks = served[:per_group]
+        if g == 1:  # show the translations too
+            picks += [i for i in served if wl.meta[i].get("kind") == "translation"]
+        for i in dict.fromkeys(picks):
+            m = wl.meta[i]
+            q = m.get("question")
+            rows.append({"group": g, "request": q[:40] if g == 1 and isinstance(q, str) else f"seed {m['seed']}",
+                         "expected": m.get("expected", "(translation)"),
+                         **{mode: runs[(g, mode)]["outputs"][i].text.strip().split("\n")[0][:70]
+                            for mode in ("isolated", "shared (correct)", "shared (wrong)")},
+                         "A's passphrase": m.get("other_answer", "")})
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------- the engine, opened: one traced step
+
+class TracingEngine(Engine):
+    """The engine unchanged, plus a record of what every step sends to the model (for printing)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trace: list[dict[str, Any]] = []
+
+    def _forward(self, sched: Any) -> Any:
+        from kvlab.engine.paged_attention import build_batch
+
+        bm, bs = self.block_manager, self.block_manager.block_size
+        spans = [(it.start, it.end, bm.block_table(it.seq.seq_id)) for it in sched.items]
+        batch = build_batch(self.store, spans)
+        rows = []
+        for it, (s, e, table) in zip(sched.items, spans):
+            cached = (it.seq.num_cached_tokens or 0) if it.is_prefill else 0
+            rows.append({"request": it.seq.request_id, "kind": "prefill" if it.is_prefill else "decode",
+                         "positions": (s, e), "query rows": e - s, "block table": list(table),
+                         "hit blocks": list(table[: cached // bs]), "cached tokens": cached})
+        self.trace.append({"step": self.num_steps, "rows": rows, "slot_mapping": batch.slot_mapping.tolist(),
+                           "attention groups": [g.query_index.shape for g in batch.groups]})
+        return super()._forward(sched)
+
+
+def _runs(values: Sequence[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3..5, 9"``: contiguous runs of a slot mapping."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(f"{values[i]}..{values[j]}" if j > i else f"{values[i]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def trace_three_requests(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], first: Sequence[int],
+                         block_size: int = 16, max_tokens: int = 2) -> list[dict[str, Any]]:
+    """Serve ``first`` alone (it fills the prefix cache), then ``prompts`` (three) at once; return their steps.
+
+    The trace of the second ``generate``: its first step is the three prefills (with their prefix-cache
+    hits), the next ones are decodes.
+    """
+    blocks = sum(-(-(len(p) + max_tokens) // block_size) for p in [first, *prompts]) + 4
+    engine = TracingEngine(model, tokenizer, num_blocks=blocks, block_size=block_size, enable_prefix_caching=True)
+    engine.generate([list(first)], SamplingParams(max_tokens=max_tokens))
+    engine.trace.clear()
+    engine.generate([list(p) for p in prompts], SamplingParams(max_tokens=max_tokens))
+    return engine.trace
+
+
+def format_step(step: dict[str, Any], block_size: int = 16) -> str:
+    """One traced step as text: per request its positions, block table, hit blocks; then the slot mapping."""
+    lines = [f"step {step['step']}: {sum(r['query rows'] for r in step['rows'])} query rows in one packed forward"]
+    off = 0
+    for r in step["rows"]:
+        s, e = r["positions"]
+        slots = step["slot_mapping"][off:off + r["query rows"]]
+        off += r["query rows"]
+        lines.append(f"  request {r['request']!s:>3} {r['kind']:7s} positions {s}..{e - 1} ({r['query rows']} query rows), "
+                     f"block table {r['block table']}")
+        if r["kind"] == "prefill":
+            lines.append(f"      prefix-cache hits: blocks {r['hit blocks']} ({r['cached tokens']} tokens, not computed)")
+        lines.append(f"      slot mapping (block x {block_size} + offset) of its new K/V: {_runs(slots)}")
+    lines.append(f"  attention groups (sequences x padded query rows): {[tuple(s) for s in step['attention groups']]}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the recorded benchmark
+
+def latest_bench(model_name: Any, path: Any = None) -> dict | None:
+    """``build/bench/bench.json`` (written by ``scripts/bench.py``) if it was run on ``model_name`` at full size, else None."""
+    import json
+    from pathlib import Path
+
+    path = Path(path) if path is not None else Path(__file__).resolve().parents[2] / "build" / "bench" / "bench.json"
+    if not path.exists():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    want = str(model_name or "bundled").lower()
+    got = str(report.get("model", {}).get("config", "")).lower()
+    if got != want or report.get("workload", {}).get("prefix_tokens") != 512:
+        return None
+    report["path"] = str(path)
+    return report
+
+
+def bench_tables(report: dict):
+    """The recorded benchmark's system table and ratio table as DataFrames (``error`` filled with "")."""
+    import pandas as pd
+
+    table = pd.DataFrame(report["systems"])
+    table["error"] = table.get("error", pd.Series([""] * len(table))).fillna("")
+    return table, pd.DataFrame(report["ratios"])

