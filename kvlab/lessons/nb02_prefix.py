@@ -64,12 +64,40 @@ class TokenCheck:
                 f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: the character a token string uses -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _byte_decoder()
+
+
 def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """Each token as the text it stands for (bytes that are not whole characters shown as escapes)."""
+    """Each token as the text it stands for, for display: a newline as "\\n"; a token that holds only part
+    of a character's bytes (CJK text in byte-level BPE) as its whole characters with "…" where a character
+    is cut, or as its bytes in hex ("<e4 bb>") when it holds no whole character -- never mojibake."""
     pieces = []
     for t in ids:
         text = tokenizer.decode([t])
-        pieces.append(text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(t))
+        if "\ufffd" in text:
+            raw = tokenizer.convert_ids_to_tokens(t)
+            if all(ch in _BYTES for ch in raw):
+                data = bytes(_BYTES[ch] for ch in raw)
+                whole = data.decode("utf-8", errors="ignore")  # the whole characters inside the token
+                lead = len(data) - len(data.lstrip(bytes(range(0x80, 0xC0))))  # continuation bytes of the last char
+                cut_end = lead + len(whole.encode()) < len(data)  # a character's first bytes at the end
+                text = ("…" * bool(lead) + whole + "…" * cut_end) if whole else "<" + " ".join(f"{b:02x}" for b in data) + ">"
+            else:
+                text = "<?>"
+        pieces.append(text.replace("\n", "\\n"))
     return pieces
 
 
