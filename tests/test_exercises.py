@@ -151,7 +151,7 @@ def test_solutions_02_pass_their_checkers_on_the_bundled_model():
 
     model, tok = kvlab.load_model(device="cpu")
     assert R.check_generate_fn(SOL.solution_02_1, model, tok, n=2)
-    assert R.check_boundary_case(tok, *SOL.solution_02_2())
+    assert R.check_boundary_case(tok, *SOL.solution_02_2(tok))
     assert R.check_crop_reuse(SOL.solution_02_3, model, tok)
 
 

@@ -251,3 +251,53 @@ def looks_translated(name: str, answer: str) -> bool:
     if name.endswith("to Chinese"):
         return "天气" in first  # "the weather", in the answer's first line
     return not any("\u4e00" <= ch <= "\u9fff" for ch in first) and "weather" in first.lower()
+
+
+RECORD = "build/bench/nb00_real_recall.json"  # written by ``python -m kvlab.lessons.nb00_passphrase``
+
+
+def record_real_recall(n: int = 100, seed: int = 0, model_name: str = "smollm2", path: str = RECORD,
+                       threads: int | None = None) -> dict[str, Any]:
+    """Run ``real_recall`` on ``n`` held-out passphrases (the notebook's seeds) and write the summary as JSON."""
+    import json
+    import platform
+    import time
+    from pathlib import Path
+
+    import torch
+
+    import kvlab
+
+    if threads:
+        torch.set_num_threads(threads)
+    model, tok = kvlab.load_model(model_name, device="cpu")
+    t0 = time.perf_counter()
+    rr = real_recall(model, tok, P.make_examples(n, "heldout", start=5000 + seed), P.REAL_QUESTIONS)
+    out = {"model": model_name, "n": n, "seed": seed, "summary": rr.summary(), "rows": rr.rows,
+           "seconds": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
+           "machine": platform.machine(), "recorded": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1, ensure_ascii=False))
+    return out
+
+
+def load_real_recall(path: str = RECORD, n_min: int = 100, seed: int = 0) -> dict[str, Any] | None:
+    """The recorded run of ``record_real_recall`` if one with >= ``n_min`` passphrases and this seed exists."""
+    import json
+    from pathlib import Path
+
+    for base in (Path(path), Path("..") / path):  # notebooks run from notebooks/
+        if base.exists():
+            data = json.loads(base.read_text())
+            if data.get("n", 0) >= n_min and data.get("seed") == seed:
+                return data
+    return None
+
+
+if __name__ == "__main__":  # python -m kvlab.lessons.nb00_passphrase [N] [SEED]
+    import sys
+
+    result = record_real_recall(*(int(a) for a in sys.argv[1:3]), threads=2)
+    for row in result["summary"]:
+        print(row)
+    print(f"{result['seconds']:.1f} s -> {RECORD}")

@@ -40,8 +40,8 @@ def solution_01_2(config_name: str = "Qwen2.5-7B-Instruct", bytes_per_element: i
     from kvlab.engine.models import load_public_config
 
     cfg = load_public_config(config_name)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * bytes_per_element
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]  # a config.json dict
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * bytes_per_element
 
 
 def solution_01_3(config_name: str = "Llama-3.1-8B-Instruct", budget_gib: float = 16, batch: int = 4) -> int:
@@ -79,9 +79,14 @@ def solution_02_1(model, tokenizer, prefix_text: str, suffix_text: str, max_new_
     return new
 
 
-def solution_02_2() -> tuple[str, str]:
-    """02.2: a cut inside a word: the prefix's last piece merges with the suffix's first letters."""
-    return "The passph", "rase is amber-falcon."
+def solution_02_2(tokenizer, text: str = "Please repeat the passphrase.") -> tuple[str, str]:
+    """02.2: try each cut of a text; the first where the prefix's tokens are not the full text's first tokens."""
+    from kvlab.lessons.nb02_prefix import check_prefix_tokens
+
+    for cut in range(1, len(text)):
+        if not check_prefix_tokens(tokenizer, text[:cut], text).ok:
+            return text[:cut], text[cut:]
+    raise ValueError(f"no cut of {text!r} merges across the boundary")
 
 
 def solution_02_3(model, tokenizer, cache, prefix_len: int, suffixes, max_new_tokens: int) -> list[list[int]]:
@@ -93,7 +98,9 @@ def solution_02_3(model, tokenizer, cache, prefix_len: int, suffixes, max_new_to
     for s in suffixes:
         gen, *_ = continue_from_cache(model, cache, encode(tokenizer, s), prefix_len,
                                       max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer))
-        cache.crop(prefix_len)  # drop the request's tokens: the cache holds the prefix again
+        extra = int(cache.get_seq_length()) - prefix_len
+        if extra:
+            cache.crop(-extra)  # drop the request's tokens: the cache holds the prefix again
         out.append(gen)
     return out
 
