@@ -193,3 +193,42 @@ def test_solutions_05_06_pass_their_checkers(lm):
     ours = run_kvlab(model, tok, prompts, 32, 4, repeat=False)
     assert V.check_batch_counts(SOL.ex06_3_batch_counts(), model, tok, prompts, ours)
     assert not V.check_batch_counts(not SOL.ex06_3_batch_counts(), model, tok, prompts, ours)
+
+
+# ----------------------------------------------------------------------------- 00-02: worked solutions pass
+
+def test_solutions_00_to_02_pass_their_checkers():
+    from kvlab.lessons import solutions as SOL
+
+    assert E.check_ideal_fraction(SOL.solution_00_1(300, 256), 300, 256)
+    assert E.check_reusable(SOL.solution_00_2([1, 2], [1, 2, 3]), [1, 2], [1, 2, 3])
+    assert E.check_reusable(SOL.solution_00_2([1, 2], [1, 3, 3]), [1, 2], [1, 3, 3])
+    assert A.check_gqa_attention(SOL.solution_01_1)
+    assert A.check_kv_bytes("Qwen2.5-7B-Instruct", "bfloat16", SOL.solution_01_2("Qwen2.5-7B-Instruct", 2))
+    assert A.check_max_context("Llama-3.1-8B-Instruct", "bfloat16", 16, 4,
+                               SOL.solution_01_3("Llama-3.1-8B-Instruct", 16, 4))
+
+
+def test_solutions_02_pass_their_checkers_on_the_bundled_model():
+    import kvlab
+    from kvlab.lessons import solutions as SOL
+
+    model, tok = kvlab.load_model(device="cpu")
+    assert R.check_generate_fn(SOL.solution_02_1, model, tok, n=2)
+    assert R.check_boundary_case(tok, *SOL.solution_02_2(tok))
+    assert R.check_crop_reuse(SOL.solution_02_3, model, tok)
+
+
+def test_notebooks_00_to_02_start_every_exercise_blank():
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "notebooks"
+    for name in ("00_passphrase_experiment", "01_qkv_and_kv_cache", "02_manual_prefix_reuse"):
+        cells = json.loads((root / f"{name}.ipynb").read_text())["cells"]
+        checks = [''.join(c["source"]) for c in cells if c["cell_type"] == "code" and "check_" in ''.join(c["source"])]
+        assert checks, name
+        for src in checks:
+            for line in src.splitlines():
+                if line.lstrip().startswith(("my_", "your_")) and "=" in line and "==" not in line:
+                    assert line.split("=", 1)[1].split("#")[0].strip() in ("None", "None, None"), (name, line)

@@ -54,7 +54,8 @@ def test_recall_scoring():
     assert P.recalled("K7QX2M<|im_end|>", "K7QX2M")
     assert P.recalled(" amber-falcon\nmore", "amber-falcon")
     assert P.recalled("「K7QX2M」<|im_end|>", "K7QX2M")
-    assert not P.recalled("「K7QX2M", "K7QX2M")
+    assert P.recalled("「K7QX2M", "K7QX2M")  # an unclosed bracket does not hide the answer
+    assert not P.recalled("「K7QX2MA", "K7QX2M") and not P.recalled("K7QX2M is it", "K7QX2M")
     assert not P.recalled("K7QX2N", "K7QX2M")
     assert P.recall_rate(["A", "B"], ["A", "C"]) == 0.5
     with pytest.raises(ValueError):
@@ -65,3 +66,19 @@ def test_recall_scoring():
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ValueError):
         P.make_example(0, **kwargs)
+
+
+@pytest.mark.parametrize("completion", ["「K7QX2M", "K7QX2M」", "「K7QX2M」。<|im_end|>", '"K7QX2M".', "“K7QX2M”",
+                                        "  K7QX2M!\nmore", "『K7QX2M』", "(K7QX2M)", "【K7QX2M】<|endoftext|>",
+                                        "K7QX2M。", "'K7QX2M'"])
+def test_recall_ignores_surrounding_quotes_brackets_and_punctuation(completion):
+    assert P.normalize_answer(completion) == "K7QX2M"
+    assert P.recalled(completion, "K7QX2M")
+    assert P.recalled(completion.replace("K7QX2M", "amber-falcon"), "amber-falcon")
+
+
+def test_recall_is_not_fooled_by_a_longer_or_different_answer():
+    for completion in ("K7QX2MX", "「K7QX2", "XK7QX2M", "amber-falconry", "K7QX2M K7QX2M"):
+        assert not P.recalled(completion, "K7QX2M") and not P.recalled(completion, "amber-falcon")
+    assert P.mentions("The passphrase is: X5DUXP.", "X5DUXP") and not P.recalled("The passphrase is: X5DUXP.", "X5DUXP")
+    assert not P.mentions("The passphrase is: X5DUXQ.", "X5DUXP")

@@ -129,3 +129,175 @@ def evaluate(model: Any, tokenizer: Any, examples: list[P.PassphraseExample], ma
     n = len(examples)
     return RecallReport(n, hits / n, n_sw, sw_own / max(1, n_sw), sw_other / max(1, n_sw),
                         {k: sum(v) / len(v) for k, v in sorted(by_hist.items())})
+
+
+# ----------------------------------------------------------------------------- the real chat model (SmolLM2)
+
+def system_turn(tokenizer: Any, example: P.PassphraseExample) -> str:
+    """The system turn of ``P.real_model_prompt`` alone, rendered by the chat template (the shared prefix)."""
+    return tokenizer.apply_chat_template(P.real_model_messages(example)[:1], tokenize=False)
+
+
+def real_share_demo(model: Any, tokenizer: Any, example: P.PassphraseExample, donor: P.PassphraseExample,
+                    questions: Sequence[str], max_new_tokens: int = 24) -> list[dict[str, Any]]:
+    """One system prompt, several questions: isolated, with its own prefix K/V shared, and with ``donor``'s.
+
+    Isolated and shared use ``kvlab.prefix.generate`` (the shared run forks a ``PrefixCache`` of the
+    system turn); the wrong share runs the question's tokens on top of a fork of the donor's system-turn
+    K/V (``continue_from_cache``): what a cache keyed on the wrong thing would serve.
+    """
+    own = PrefixCache.build(model, tokenizer, system_turn(tokenizer, example))
+    other = PrefixCache.build(model, tokenizer, system_turn(tokenizer, donor))
+    stops = eos_ids(model, tokenizer)
+    rows = []
+    for q in questions:
+        prompt_ids = encode(tokenizer, P.real_model_prompt(tokenizer, example, q))
+        iso = generate(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens)
+        sh = generate(model, tokenizer, prompt_ids, prefix_cache=own, max_new_tokens=max_new_tokens)
+        suffix = prompt_ids[len(own):]
+        wrong, *_ = continue_from_cache(model, other.fork().cache, suffix, len(other),
+                                        max_new_tokens=max_new_tokens, stop_ids=stops)
+        rows.append({"question": q, "isolated": iso.text.strip(), "shared prefix": sh.text.strip(),
+                     "cached tokens": sh.num_cached_tokens, "identical tokens": iso.token_ids == sh.token_ids,
+                     "another request's prefix": tokenizer.decode(wrong, skip_special_tokens=True).strip()})
+    return rows
+
+
+@dataclass
+class RealRecall:
+    """SmolLM2's recall on held-out passphrases, through kvlab's Engine (see ``real_recall``)."""
+
+    rows: list[dict[str, Any]]  # one per request
+    seconds: dict[str, float]  # wall time of each pass
+    passes: tuple[str, ...] = ("isolated", "shared", "swapped")
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per pass: requests, mean cached prompt tokens, recall of its own / the donor's passphrase."""
+        n = len(self.rows)
+        out = []
+        for p in self.passes:
+            out.append({"pass": p, "requests": n,
+                        "mean cached prompt tokens": sum(r[f"{p} cached"] for r in self.rows) / n,
+                        "own passphrase in the answer": sum(r[f"{p} own"] for r in self.rows) / n,
+                        "donor passphrase in the answer": sum(r[f"{p} donor"] for r in self.rows) / n,
+                        "tokens identical to isolated": sum(r[f"{p} identical"] for r in self.rows) / n,
+                        "seconds": self.seconds[p]})
+        return out
+
+
+def real_recall(model: Any, tokenizer: Any, examples: Sequence[P.PassphraseExample], questions: Sequence[str],
+                max_tokens: int = 24, block_size: int = 16) -> RealRecall:
+    """Three passes of one prefix-caching Engine over the same requests (request i asks questions[i % len]).
+
+    1. *isolated*: every request for the first time -- nothing of its system prompt is in the cache yet
+       (its ``num_cached_tokens`` is reported, so a hit would show);
+    2. *shared*: the same requests again -- each one's system-prompt blocks now come from the cache;
+    3. *swapped*: request i's own user turn after request (i+1)'s system turn -- its prefix blocks are
+       the donor's cached K/V, what a cache keyed on the question instead of the full prefix would serve.
+    Recall is ``P.mentions`` (the passphrase appears in the answer's first line).
+    """
+    import time
+
+    from kvlab.engine import Engine, SamplingParams
+
+    if len(examples) < 2:
+        raise ValueError("need at least two examples (each one's prefix is swapped with the next's)")
+    n = len(examples)
+    ids = [encode(tokenizer, P.real_model_prompt(tokenizer, e, questions[i % len(questions)]))
+           for i, e in enumerate(examples)]
+    sys_ids = [encode(tokenizer, system_turn(tokenizer, e)) for e in examples]
+    for i, s in zip(ids, sys_ids):
+        if i[: len(s)] != s:
+            raise ValueError("the system turn does not tokenize as a prefix of the prompt")
+    donors = [(i + 1) % n for i in range(n)]
+    swapped = [sys_ids[d] + ids[i][len(sys_ids[i]):] for i, d in enumerate(donors)]
+    engine = Engine(model, tokenizer, block_size=block_size, enable_prefix_caching=True,
+                    num_blocks=max(64, 3 * n * (len(ids[0]) + max_tokens) // block_size + 8))
+    sp = SamplingParams(max_tokens=max_tokens)
+    outs, seconds = {}, {}
+    for name, prompts in (("isolated", ids), ("shared", ids), ("swapped", swapped)):
+        t0 = time.perf_counter()
+        outs[name] = engine.generate(prompts, sp)
+        seconds[name] = time.perf_counter() - t0
+    rows = []
+    for i, (e, d) in enumerate(zip(examples, donors)):
+        row = {"passphrase": e.passphrase, "donor": examples[d].passphrase,
+               "question": questions[i % len(questions)]}
+        for name in ("isolated", "shared", "swapped"):
+            o = outs[name][i]
+            row.update({name: o.text.strip(), f"{name} cached": o.num_cached_tokens,
+                        f"{name} own": P.mentions(o.text, e.passphrase),
+                        f"{name} donor": P.mentions(o.text, examples[d].passphrase),
+                        f"{name} identical": o.output_ids == outs["isolated"][i].output_ids})
+        rows.append(row)
+    return RealRecall(rows, seconds)
+
+
+def translation_prompts(tokenizer: Any) -> dict[str, str]:
+    """The article's translation example (its 2.2 / 3.3) as chat prompts: its Chinese wording and an English one."""
+    pairs = {"article (zh)": ("你是一个专业的翻译助手，请将以下内容翻译成英文：", "今天天气很好。"),
+             "English version": ("You are a professional translation assistant. Translate the following text "
+                                 "into English.", "今天天气很好。"),
+             "English, to Chinese": ("You are a professional translation assistant. Translate the following text "
+                                     "into Chinese.", "The weather is nice today.")}
+    return {name: tokenizer.apply_chat_template([{"role": "system", "content": s}, {"role": "user", "content": u}],
+                                                add_generation_prompt=True, tokenize=False)
+            for name, (s, u) in pairs.items()}
+
+
+def looks_translated(name: str, answer: str) -> bool:
+    """A rough, printed test: did the answer switch language the way the prompt asked?"""
+    first = answer.strip().split("\n")[0]
+    if name.endswith("to Chinese"):
+        return "天气" in first  # "the weather", in the answer's first line
+    return not any("\u4e00" <= ch <= "\u9fff" for ch in first) and "weather" in first.lower()
+
+
+RECORD = "build/bench/nb00_real_recall.json"  # written by ``python -m kvlab.lessons.nb00_passphrase``
+
+
+def record_real_recall(n: int = 100, seed: int = 0, model_name: str = "smollm2", path: str = RECORD,
+                       threads: int | None = None) -> dict[str, Any]:
+    """Run ``real_recall`` on ``n`` held-out passphrases (the notebook's seeds) and write the summary as JSON."""
+    import json
+    import platform
+    import time
+    from pathlib import Path
+
+    import torch
+
+    import kvlab
+
+    if threads:
+        torch.set_num_threads(threads)
+    model, tok = kvlab.load_model(model_name, device="cpu")
+    t0 = time.perf_counter()
+    rr = real_recall(model, tok, P.make_examples(n, "heldout", start=5000 + seed), P.REAL_QUESTIONS)
+    out = {"model": model_name, "n": n, "seed": seed, "summary": rr.summary(), "rows": rr.rows,
+           "seconds": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
+           "machine": platform.machine(), "recorded": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1, ensure_ascii=False))
+    return out
+
+
+def load_real_recall(path: str = RECORD, n_min: int = 100, seed: int = 0) -> dict[str, Any] | None:
+    """The recorded run of ``record_real_recall`` if one with >= ``n_min`` passphrases and this seed exists."""
+    import json
+    from pathlib import Path
+
+    for base in (Path(path), Path("..") / path):  # notebooks run from notebooks/
+        if base.exists():
+            data = json.loads(base.read_text())
+            if data.get("n", 0) >= n_min and data.get("seed") == seed:
+                return data
+    return None
+
+
+if __name__ == "__main__":  # python -m kvlab.lessons.nb00_passphrase [N] [SEED]
+    import sys
+
+    result = record_real_recall(*(int(a) for a in sys.argv[1:3]), threads=2)
+    for row in result["summary"]:
+        print(row)
+    print(f"{result['seconds']:.1f} s -> {RECORD}")

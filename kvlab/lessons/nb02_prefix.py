@@ -64,12 +64,40 @@ class TokenCheck:
                 f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: the character a token string uses -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _byte_decoder()
+
+
 def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """Each token as the text it stands for (bytes that are not whole characters shown as escapes)."""
+    """Each token as the text it stands for, for display: a newline as "\\n"; a token that holds only part
+    of a character's bytes (CJK text in byte-level BPE) as its whole characters with "…" where a character
+    is cut, or as its bytes in hex ("<e4 bb>") when it holds no whole character -- never mojibake."""
     pieces = []
     for t in ids:
         text = tokenizer.decode([t])
-        pieces.append(text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(t))
+        if "\ufffd" in text:
+            raw = tokenizer.convert_ids_to_tokens(t)
+            if all(ch in _BYTES for ch in raw):
+                data = bytes(_BYTES[ch] for ch in raw)
+                whole = data.decode("utf-8", errors="ignore")  # the whole characters inside the token
+                lead = len(data) - len(data.lstrip(bytes(range(0x80, 0xC0))))  # continuation bytes of the last char
+                cut_end = lead + len(whole.encode()) < len(data)  # a character's first bytes at the end
+                text = ("…" * bool(lead) + whole + "…" * cut_end) if whole else "<" + " ".join(f"{b:02x}" for b in data) + ">"
+            else:
+                text = "<?>"
+        pieces.append(text.replace("\n", "\\n"))
     return pieces
 
 
@@ -264,3 +292,49 @@ def fig_token_boundary(prefix_pieces: Sequence[str], full_pieces: Sequence[str],
     ax.set_title(title or "tokens (red: from the first difference on)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- the real chat model (SmolLM2)
+
+def real_prompts(tokenizer: Any, n: int, start: int = 0) -> tuple[list[str], list[str], list[str]]:
+    """``n`` held-out passphrase prompts for a chat model: (full prompts, their system turns, passphrases)."""
+    from kvlab.lessons import passphrase as P
+
+    examples = P.make_examples(n, "heldout", start=start)
+    prompts = [P.real_model_prompt(tokenizer, e, P.REAL_QUESTIONS[i % len(P.REAL_QUESTIONS)])
+               for i, e in enumerate(examples)]
+    systems = [tokenizer.apply_chat_template(P.real_model_messages(e)[:1], tokenize=False) for e in examples]
+    return prompts, systems, [e.passphrase for e in examples]
+
+
+def real_pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max_new_tokens: int = 16
+                         ) -> list[dict[str, Any]]:
+    """The article's code on a chat model: request A changes the passphrase, then B runs on the same cache.
+
+    A's user turn says 'The passphrase is now "<new>". What is the passphrase?'; B asks "What is the
+    passphrase?" of the system prompt. Both go through ``generate_with_prefix_cache`` on ONE cache object
+    (the article's code), and B also alone through ``model.generate`` (isolated).
+    """
+    from kvlab.lessons import passphrase as P
+
+    rows = []
+    for seed in range(start, start + n):
+        a = P.make_example(seed, "heldout", history="update")
+        new = a.answer
+        system = tokenizer.apply_chat_template(P.real_model_messages(a)[:1], tokenize=False)
+        full_a = P.real_model_prompt(tokenizer, a, f'The passphrase is now "{new}". What is the passphrase?')
+        full_b = P.real_model_prompt(tokenizer, a, "What is the passphrase?")
+        cache, plen = get_prefix_cache(model, tokenizer, system)
+        a_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, full_a[len(system):], max_new_tokens)
+        after_a = int(cache.get_seq_length())
+        b_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, full_b[len(system):], max_new_tokens)
+        isolated = hf_generate(model, tokenizer, full_b, max_new_tokens)
+        dec = lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
+        rows.append({"system passphrase": a.passphrase, "A's new passphrase": new, "A answered": dec(a_ids),
+                     "B isolated": dec(isolated), "B on A's cache": dec(b_ids),
+                     "B changed": b_ids != isolated, "prefix tokens": plen, "cache after A": after_a,
+                     "cache after B": int(cache.get_seq_length()),
+                     "B isolated recalls": P.mentions(dec(isolated), a.passphrase),
+                     "B polluted recalls": P.mentions(dec(b_ids), a.passphrase),
+                     "B polluted gives new": P.mentions(dec(b_ids), new)})
+    return rows

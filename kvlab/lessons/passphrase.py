@@ -260,15 +260,20 @@ def with_question(example: PassphraseExample, question: str) -> PassphraseExampl
                              example.answer, example.lang, example.extra)
 
 
+# Quotes, brackets and punctuation a model may put around an answer (or leave half-open: 「K7QX2M).
+# None of them occurs inside a passphrase (A-Z, 2-9, lower-case words and one hyphen).
+ANSWER_WRAPPERS = " \t\r\n\"'`“”‘’「」『』《》〈〉【】〔〕[](){}（）<>.,;:!?。，、；：！？…·*_~"
+
+
 def normalize_answer(text: str) -> str:
-    """The answer part of a completion: cut at end of turn, strip whitespace."""
+    """The answer part of a completion: cut at end of turn or line, strip spaces, quotes, brackets, punctuation.
+
+    Each wrapper character is stripped on its own, so an unclosed bracket (「K7QX2M), a closing one
+    without its opening, or a full stop after the answer do not hide a correct passphrase.
+    """
     for stop in (IM_END, ENDOFTEXT, "\n"):
         text = text.split(stop)[0]
-    text = text.strip()
-    for left, right in (("「", "」"), ('"', '"')):
-        if len(text) >= 2 and text.startswith(left) and text.endswith(right):
-            text = text[1:-1].strip()
-    return text
+    return text.strip(ANSWER_WRAPPERS)
 
 
 def recalled(completion: str, expected: str) -> bool:
