@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -35,10 +34,11 @@ def make(requests: int, unique: bool, seed: int = 0) -> list[dict]:
         words = " ".join(SENTENCES).split()
         return [{"prompt": f"Request {i}: " + " ".join(rng.choice(words) for _ in range(330)), "user": f"u{i % 500}"}
                 for i in range(requests)]
-    per_conv = 3.0  # mean turns per conversation with turns=(1, 5)
-    convs = int(requests / per_conv)
+    convs = int(requests / 2.9) + 20  # about 3 turns per conversation with turns=(1, 5); cut to size below
     log, _ = make_log(support_conversations=int(convs * 0.7), coding_conversations=convs - int(convs * 0.7),
-                      users=max(120, convs // 4), seed=seed)
+                      users=max(120, convs // 4), doc_sentences=2, seed=seed)
+    if len(log) < requests:
+        raise RuntimeError(f"the generator made {len(log)} requests, fewer than {requests}")
     return log[:requests]
 
 

@@ -195,9 +195,8 @@ def record_segments(rec: Record) -> list[tuple[str, int, str]]:
 
 def _tail_insert(prompt: str, text: str) -> str:
     """Put ``text`` at the end of a plain prompt, before a trailing chat-markup tail if there is one."""
-    m = None
-    for m in re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt):
-        pass
+    marks = list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))
+    m = marks[-1] if marks else None
     if m is not None and len(prompt) - m.start() <= 64:
         return prompt[: m.start()] + text + "\n" + prompt[m.start():]
     return prompt.rstrip("\n") + "\n\n" + text + ("\n" if prompt.endswith("\n") else "")
@@ -222,7 +221,7 @@ def with_contents(rec: Record, contents: list[str], prepend_user: str = "") -> R
         parsed = parse_chatml(rec.prompt)
         if parsed:
             text = rec.prompt
-            for (role, s, e), c in reversed(list(zip(parsed, contents))):
+            for (_, s, e), c in reversed(list(zip(parsed, contents))):
                 text = text[:s] + c + text[e:]
         else:
             text = contents[0]
@@ -319,7 +318,17 @@ def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sampl
     cand = [i for i in range(n) if div.partner[i] >= 0
             and div.position[i] < min(len(prep.tokens[i]), len(prep.tokens[div.partner[i]])) - 1]
     rng = random.Random(seed)
-    chosen = sorted(rng.sample(cand, sample)) if len(cand) > sample else cand
+    if len(cand) > sample:
+        # every divergence position once (its earliest request: rare positions are where rare culprits are),
+        # then a uniform sample of the rest
+        first_at: dict[int, int] = {}
+        for i in cand:
+            first_at.setdefault(div.position[i], i)
+        rare = sorted(first_at.values(), key=lambda i: div.position[i])[: sample // 2]
+        rest = sorted(set(cand) - set(rare))
+        chosen = sorted(set(rare) | set(rng.sample(rest, min(len(rest), sample - len(rare)))))
+    else:
+        chosen = cand
     text_ids = sorted({j for i in chosen for j in (i, div.partner[i]) if prep.texts[j] is not None})
     offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
     mismatched = 0
@@ -399,10 +408,16 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
         ea, eb = max(ea, ca), max(eb, cb)
         da, db = TA[ca:ea], TB[cb:eb]
         f = Finding("slot", i, p, _token_at(endsA, ca), run=run)
+        if out and out[-1].kind == "slot" and sa is not None and out[-1].role == sa.role and out[-1].index == sa.index \
+                and out[-1].text_a and TA.find(out[-1].text_a, sa.start) <= ca < TA.find(out[-1].text_a, sa.start) + len(out[-1].text_a):
+            pa, pb = pa + a + run, pb + b + run  # the same line again (its value had a common piece): one finding
+            continue
         if re.sub(r"\s+", "", da) == re.sub(r"\s+", "", db):
             f.kind, f.text_a, f.text_b = "whitespace", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
             f.role, f.index = (sa.role, sa.index) if sa else (None, None)
         elif sa is None or sb is None or (sa.role, sa.index) != (sb.role, sb.index):
+            if max(len(da), len(db)) > 40:
+                break  # content on one side, markup on the other: different messages, not a template difference
             f.kind, f.text_a, f.text_b = "template", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
         else:
             _describe_slot(f, TA, TB, sa, sb, ca, ea, cb, eb, endsA)
@@ -758,7 +773,7 @@ def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, 
             kind, f"{what} ({label}) in {_where(role, index)}: {_shorten(name, 40)!s}", position,
             f"{_where(role, index)}, line {_line_no(prep, pat)}",
             [f"{len(values)} requests carry this line; {len(set(values))} distinct values ({scope})",
-             f"examples: " + "; ".join(repr(v) for v in list(dict.fromkeys(values))[:3]),
+             "examples: " + "; ".join(repr(v) for v in list(dict.fromkeys(values))[:3]),
              f"found by diffing {len(fs)} request pairs that share the template; value starts at token ~{position}"],
             f"move the line {_shorten(name, 40)!r}... out of {_where(role, index)} to the start of the last user message",
             len(values), fix=lambda recs, pat=pat: move_fields(recs, [pat]),
@@ -832,7 +847,33 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
     return out
 
 
-def simple_culprits(prep: Prepared, findings: list[Finding]) -> list[Culprit]:
+def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) -> list[tuple[int, str, str]]:
+    """Plain prompts that parse as ChatML but differ from the template's rendering of the same messages.
+
+    Returns (token position of the first difference, the prompt around it, the template around it).
+    """
+    if enc is None:
+        return []
+    out = []
+    for rec, ts in zip(prep.records, prep.tokens):
+        if rec.kind != "prompt" or len(out) >= limit:
+            continue
+        conv = rerender_chatml([rec])[0]
+        if conv.kind != "messages":
+            continue
+        try:
+            text = enc.render(conv)
+        except Exception:
+            continue
+        if text == rec.prompt:
+            continue
+        c = lcp(text, rec.prompt)
+        tok = enc.encode([rec.prompt[:c]])[0]
+        out.append((lcp(tok, ts), rec.prompt[max(0, c - 20):c + 20], text[max(0, c - 20):c + 20]))
+    return out
+
+
+def simple_culprits(prep: Prepared, findings: list[Finding], enc: PromptEncoder | None = None) -> list[Culprit]:
     """Whitespace, template and tools-order culprits from the findings (and the tools fields)."""
     out = []
     ws = [f for f in findings if f.kind == "whitespace"]
@@ -847,20 +888,27 @@ def simple_culprits(prep: Prepared, findings: list[Finding]) -> list[Culprit]:
             "normalise whitespace in every message (CRLF, trailing spaces, runs of blank lines, outer whitespace)",
             affected, fix=normalize_records, examples=[(ex.text_a, ex.text_b)]))
     tp = [f for f in findings if f.kind == "template"]
-    if tp:
-        ex = tp[0]
+    hand = hand_rendered(prep, enc)
+    if tp or hand:
+        ex = (hand[0][1], hand[0][2]) if hand else (tp[0].text_a, tp[0].text_b)
         kinds = Counter(r.kind for r in prep.records)
         chatml_prompts = sum(1 for r in prep.records if r.kind == "prompt" and parse_chatml(r.prompt))
         fix = rerender_chatml if chatml_prompts else None
+        positions = [f.token_pos for f in tp] + [pos for pos, _, _ in hand]
+        ev = []
+        if hand:
+            ev.append(f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for the "
+                      "same messages")
+        if tp:
+            ev.append(f"{len(tp)} diffed pairs differ outside any message's content")
+        ev += [f"the prompt: {ex[0]!r}", f"the template: {ex[1]!r}" if hand else f"the earlier prompt: {ex[1]!r}",
+               f"record kinds in the log: {dict(kinds)}"]
         out.append(Culprit(
             "template", "the chat markup differs between requests (hand-rendered prompts or another template)",
-            int(statistics.median(f.token_pos for f in tp)), "chat-template markup",
-            [f"{len(tp)} diffed pairs differ outside any message's content",
-             f"request: {ex.text_a!r}", f"partner: {ex.text_b!r}",
-             f"record kinds in the log: {dict(kinds)}"],
+            int(statistics.median(positions)), "chat-template markup", ev,
             "render every request through the model's one chat template"
             + (f" ({chatml_prompts} hand-rendered ChatML prompts become chat records)" if fix else ""),
-            chatml_prompts, fix=fix, examples=[(ex.text_a, ex.text_b)]))
+            chatml_prompts, fix=fix, examples=[ex]))
     with_tools = [r for r in prep.records if r.tools]
     if with_tools:
         orders: dict[frozenset, set] = defaultdict(set)

@@ -151,7 +151,7 @@ class Chainer:
                 parent[idx] = inv + offset
                 chain[idx, j] = parent[idx]
             offset += len(uniq)
-        return [row[:k].tolist() for row, k in zip(chain, lengths.tolist())]
+        return [row[:k] for row, k in zip(chain.tolist(), lengths.tolist())]
 
 
 def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None,

@@ -90,8 +90,8 @@ def format_summary(d: Diagnosis) -> str:
             out.append(f"     log with this fix: {c.fixed_log}")
     weak = [c for c in d.culprits if c.no_effect]
     if weak:
-        out.append(f"  candidates checked and dropped (fixing them changes less than {100 * d.min_effect:.1f} % of the "
-                   "prompt tokens, unbounded cache):")
+        out.append(f"  candidates checked and dropped (fixing them saves less than {100 * d.min_effect:.1f} % of the "
+                   "prompt tokens' prefill, unbounded cache):")
         for c in weak:
             out.append(f"     - {c.title}: {pct(c.before['unbounded']['hit_rate'])} -> "
                        f"{pct(c.chained['unbounded']['hit_rate'])}")
@@ -225,9 +225,9 @@ def fig_fixes(d: Diagnosis):
 
 def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
     """summary.json, figures, fixed logs and report.html under ``out_dir``; return the paths."""
-    from .core import fixed_logs
-
     import time
+
+    from .core import fixed_logs
 
     t = time.perf_counter()
     out = Path(out_dir)

@@ -7,7 +7,7 @@ Two apps share one server:
   tenant's company profile, and three knowledge-base documents retrieved for the conversation's topic,
   in the order the retriever happened to return them. Conversations keep their full history. A mobile
   client builds the same system prompt with other whitespace, and a legacy batch job sends
-  hand-rendered ChatML prompts (``{"prompt": ...}``) that differ from the template in one newline.
+  hand-rendered ChatML prompts (``{"prompt": ...}``) that differ from the template in one space.
 - **coding**: an IDE assistant. Each system prompt starts with a fresh request id (a UUID); the client
   sends its tools in a different order every time; the conversation keeps only the last two
   exchanges (a sliding window), so the history is rebuilt on every turn.
@@ -142,14 +142,20 @@ def _doc(rng: random.Random, tenant: str, topic: str, k: int, sentences: int) ->
     return f"[Document {tenant[:2].upper()}-{topic[:3]}-{k + 1}] {title}\n{body}"
 
 
-def support_system(tenant: str, now: dt.datetime, user: dict, docs: list[str], mobile: bool) -> str:
+def platform_rules(n: int = 8) -> str:
+    """The platform's rules (the same for every tenant), the first ``n`` of them."""
+    lines = PLATFORM_RULES.split("\n")
+    return "\n".join(lines[: 2 + n])
+
+
+def support_system(tenant: str, now: dt.datetime, user: dict, docs: list[str], mobile: bool, rules: int = 8) -> str:
     """The help desk's system prompt, built the way the app builds it (volatile lines first)."""
     name, what, policy, hours = TENANTS[tenant]
     sep = "\n\n\n" if mobile else "\n\n"  # the mobile client's template leaves an extra blank line
     company = f"Company: {name}{' ' if mobile else ''}\n{name} {what}.\n{policy}\n{hours}"
     return (f"Current time: {now:%Y-%m-%d %H:%M:%S} UTC\n"
             f"Customer: {user['name']} (account {user['id']}, {user['tier']} tier)\n\n"
-            f"{PLATFORM_RULES}{sep}{company}{sep}# Knowledge base\n\n" + "\n\n".join(docs))
+            f"{platform_rules(rules)}{sep}{company}{sep}# Knowledge base\n\n" + "\n\n".join(docs))
 
 
 def coding_system(request_id: str) -> str:
@@ -166,8 +172,13 @@ def tool_specs() -> list[dict]:
 def make_log(support_conversations: int = 300, coding_conversations: int = 120, turns: tuple[int, int] = (1, 5),
              users: int = 120, tenants: tuple[str, ...] = ("acme", "globex", "initech", "umbrella"),
              docs_per_request: int = 3, doc_sentences: int = 3, mobile_share: float = 0.25,
-             legacy_share: float = 0.05, seed: int = 0, start: dt.datetime | None = None) -> tuple[list[dict], Truth]:
-    """Requests of both apps interleaved in arrival order (JSON-able dicts), and what was planted."""
+             legacy_share: float = 0.05, seed: int = 0, start: dt.datetime | None = None, rules: int = 8,
+             tools: int = 6) -> tuple[list[dict], Truth]:
+    """Requests of both apps interleaved in arrival order (JSON-able dicts), and what was planted.
+
+    ``rules``, ``doc_sentences`` and ``tools`` set the prompt sizes (fewer = shorter prompts, e.g. for a
+    model with a 1,024-token context).
+    """
     rng = random.Random(seed)
     start = start or dt.datetime(2024, 5, 3, 8, 0, 0)
     people = []
@@ -191,14 +202,14 @@ def make_log(support_conversations: int = 300, coding_conversations: int = 120, 
             docs_k = [_doc(rng, tenant, topic, j, doc_sentences) for j in range(docs_per_request)]
             rng.shuffle(docs_k)  # the retriever's order changes with every query
             now = start + dt.timedelta(seconds=t)
-            system = support_system(tenant, now, user, docs_k, user["mobile"])
+            system = support_system(tenant, now, user, docs_k, user["mobile"], rules)
             q = (rng.choice(QUESTIONS[topic]) if k == 0 else rng.choice(FOLLOWUPS)).format(item=item, order=f"A{rng.randrange(10**6):06d}")
             msgs.append({"role": "user", "content": q})
             meta = {"user": user["id"], "tenant": tenant, "session": f"s{c}", "app": "support",
                     "timestamp": now.isoformat(timespec="seconds")}
             if legacy:
-                prompt = (f"<|im_start|>system\n{system}<|im_end|><|im_start|>user\n{q}<|im_end|>\n"
-                          "<|im_start|>assistant\n")  # hand-rendered: one newline missing after <|im_end|>
+                prompt = (f"<|im_start|>system \n{system}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+                          "<|im_start|>assistant\n")  # hand-rendered: a stray space after the role
                 events.append((t, order, {"prompt": prompt, **meta, "client": "legacy-batch"}))
             else:
                 events.append((t, order, {"messages": [{"role": "system", "content": system}] + [dict(m) for m in msgs],
@@ -214,14 +225,14 @@ def make_log(support_conversations: int = 300, coding_conversations: int = 120, 
         exchanges: list[list[dict]] = []
         for k in range(rng.randint(*turns)):
             q = (rng.choice(CODE_ASKS) if k == 0 else rng.choice(CODE_FOLLOWUPS)).format(f=f)
-            tools = tool_specs()
-            rng.shuffle(tools)  # built from an unordered registry: a different order every request
+            tool_list = tool_specs()[:tools]
+            rng.shuffle(tool_list)  # built from an unordered registry: a different order every request
             kept = [m for ex in exchanges[-truth.coding_window:] for m in ex]  # sliding window of 2 exchanges
             rid = str(uuid.UUID(int=rng.getrandbits(128), version=4))
             now = start + dt.timedelta(seconds=t)
             events.append((t, order, {"messages": [{"role": "system", "content": coding_system(rid)}, *kept,
                                                    {"role": "user", "content": q}],
-                                      "tools": tools, "user": dev, "tenant": "devtools", "session": f"c{c}",
+                                      "tools": tool_list, "user": dev, "tenant": "devtools", "session": f"c{c}",
                                       "app": "coding", "timestamp": now.isoformat(timespec="seconds")}))
             order += 1
             reply = rng.choice(CODE_REPLIES).format(f=f, extra=rng.choice(["", "Want me to apply it?", "Shall I run the tests?"]))

@@ -252,10 +252,10 @@ class PromptEncoder:
         if self.segmented and self._checked:
             split = [self._pieces(t) for t in texts]
             todo = sorted({p for ps in split for p in ps if p not in self.added and p not in self._offset_cache})
-            for p, (ids_, off) in zip(todo, self._whole_offsets(todo)):
+            for p, (_, off) in zip(todo, self._whole_offsets(todo)):
                 self._offset_cache[p] = off
             out = []
-            for t, ps in zip(texts, split):
+            for ps in split:
                 offs, pos = [], 0
                 for p in ps:
                     if p in self.added:
