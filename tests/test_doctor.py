@@ -260,3 +260,21 @@ def test_cli_end_to_end(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvlab.doctor", str(tmp_path / "missing.jsonl")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+def test_doctor_imports_no_lesson_code_and_token_logs_need_no_torch():
+    code = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith(('kvlab.lessons', 'torch', 'transformers')):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+import kvlab.doctor, kvlab.doctor.__main__
+from kvlab.doctor import diagnose
+d = diagnose([{"token_ids": [1, 2, 3] * 10 + [i]} for i in range(20)], block_sizes=(4,))
+print(round(d.row()["unbounded_hit_rate"], 3), sorted(m for m in sys.modules if m.startswith(("kvlab.lessons", "torch"))))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-1] == "[]" and float(res.stdout.split()[0]) > 0.8

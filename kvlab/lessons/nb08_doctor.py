@@ -197,8 +197,9 @@ def template_54(d: Diagnosis, other_tokenizer: tuple[str, float, float] | None =
     multi = (f"on the fixed log, sharing only the system prompt: {pct(so['hit_rate_system_only'])}; sharing the "
              f"(append-only) history too: {pct(so['hit_rate_history_shared'])}" if so else "no system prompts in the log")
     fixed_system = gain(("template", "whitespace", "order", "tools-order"))
-    other = ("re-tokenized with " + other_tokenizer[0] + f": the fixed log's hit rate is {pct(other_tokenizer[2])} there, "
-             f"{pct(other_tokenizer[1])} here (block size {d.block_size}, unbounded)") if other_tokenizer else \
+    other = (f"the same fixed log tokenized for {other_tokenizer[0]}: {pct(other_tokenizer[2])} "
+             f"({pct(other_tokenizer[1])} with {d.model}; block size {d.block_size}, unbounded): the numbers belong "
+             "to one tokenizer and template, so the doctor runs again after every update") if other_tokenizer else \
         "no second tokenizer available here to compare"
     measured = [
         f"as logged {pct(base)}; every fix in order: {pct(final)}. Fixes that made the system part stable: {fixed_system}",
