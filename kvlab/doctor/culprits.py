@@ -130,7 +130,8 @@ def _trim_suffix(s: str, values: list[str]) -> str:
 
 def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
     """The line holding chars [s, e) of ``text`` (the sentence(s), inside a line longer than LONG_LINE)."""
-    e = max(e, s + 1)
+    s = max(0, min(s, len(text)))
+    e = min(max(e, s + 1), max(len(text), s + 1))
     ls = text.rfind("\n", 0, s) + 1
     le = text.find("\n", e - 1 if e > s else s)
     le = len(text) if le < 0 else le
@@ -142,8 +143,8 @@ def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
     line = text[ls:le]
     starts = [0] + [m.end() for m in re.finditer(r"[.!?]\s+", line)]
     ends = [m.start() + 1 for m in re.finditer(r"[.!?](\s+|$)", line)] + [len(line)]
-    ss = max(x for x in starts if ls + x <= s)
-    ee = min(x for x in ends if ls + x >= e)
+    ss = max((x for x in starts if ls + x <= s), default=0)
+    ee = min((x for x in ends if ls + x >= e), default=len(line))
     return ls + ss, ls + ee, "sentence"
 
 
@@ -420,19 +421,46 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
                 break  # content on one side, markup on the other: different messages, not a template difference
             f.kind, f.text_a, f.text_b = "template", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
         else:
-            _describe_slot(f, TA, TB, sa, sb, ca, ea, cb, eb, endsA)
+            out.extend(_describe_slot(f, TA, TB, sa, sb, ca, ea, cb, eb, endsA))
+            pa, pb = pa + a + run, pb + b + run
+            continue
         out.append(f)
         pa, pb = pa + a + run, pb + b + run
     return out
 
 
 def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: int, ea: int, cb: int, eb: int,
-                   endsA: list[int]) -> None:
-    """Fill in a slot's line, key, value and anchor."""
+                   endsA: list[int]) -> list[Finding]:
+    """A slot's line(s), key, value and anchor: one finding per line that differs.
+
+    A coarse tokenizer may need more than one line to line up again (" UTC⏎Customer: " is too short a
+    run); then the slot covers several lines, and lines that differ in both requests become one
+    finding each.
+    """
     conA, conB = TA[sa.start:sa.end], TB[sb.start:sb.end]
     us, ue, level = unit_bounds(conA, ca - sa.start, ea - sa.start)
     vs, ve, _ = unit_bounds(conB, cb - sb.start, eb - sb.start)
     ua, ub = conA[us:ue], conB[vs:ve]
+    la, lb = ua.split("\n"), ub.split("\n")
+    if level == "line" and len(la) == len(lb) > 1:
+        out, off = [], 0
+        for x, y in zip(la, lb):
+            if x != y:
+                g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
+                prev_a = conA[:us + off].rstrip("\n").rsplit("\n", 1)[-1] if us + off else ""
+                prev_b = conB[:vs + off].rstrip("\n").rsplit("\n", 1)[-1] if vs + off else ""
+                _describe_line(g, sa, x, y, us + off, prev_a, prev_b, "line", endsA)
+                out.append(g)
+            off += len(x) + 1
+        return out
+    prev_a = conA[:us].rstrip("\n").rsplit("\n", 1)[-1] if us else ""
+    prev_b = conB[:vs].rstrip("\n").rsplit("\n", 1)[-1] if vs else ""
+    _describe_line(f, sa, ua, ub, us, prev_a, prev_b, level, endsA)
+    return [f]
+
+
+def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: str, prev_b: str, level: str,
+                   endsA: list[int]) -> None:
     key = stable_key(ua[:lcp(ua, ub)], ua)
     suffix = stable_suffix(ua[len(key):], ub[len(key):]) if len(key) < min(len(ua), len(ub)) else ""
     f.role, f.index, f.level = sa.role, sa.index, level
@@ -442,13 +470,10 @@ def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: i
     f.token_pos = _token_at(endsA, sa.start + us + len(key))
     if len(key.strip()) >= 3:
         f.key, f.anchor = key, "prefix"
-    else:  # the line is all value: anchor it on the line before, if both requests have the same one
-        prev_a = conA[:us].rstrip("\n").rsplit("\n", 1)[-1] if us else ""
-        prev_b = conB[:vs].rstrip("\n").rsplit("\n", 1)[-1] if vs else ""
-        if prev_a and prev_a == prev_b and level == "line":
-            f.key, f.anchor = prev_a, "after"
-        else:
-            f.key, f.anchor = "", "none"
+    elif prev_a and prev_a == prev_b and level == "line":  # the line is all value: anchor it on the line before
+        f.key, f.anchor = prev_a, "after"
+    else:
+        f.key, f.anchor = "", "none"
 
 
 def _tool_names(rec: Record) -> tuple[str, ...]:
