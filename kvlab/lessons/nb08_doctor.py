@@ -128,14 +128,17 @@ def before_after(c: Culprit, d: Diagnosis, i: int, chars: int = 260) -> tuple[st
 
 
 def engine_ttft(model: Any, tok: Any, prompts: dict[str, list[list[int]]], block_size: int = 16,
-                num_blocks: int = 4096, repeats: int = 1) -> pd.DataFrame:
+                num_blocks: int | None = None, repeats: int = 1) -> pd.DataFrame:
     """Each variant's prompts, one at a time, through a fresh paged engine with prefix caching.
 
     Per variant: the engine's hit rate and the doctor's replay of the same prompts (they must agree), and
-    the time to first token (median and total over the requests).
+    the time to first token (median and total over the requests). ``num_blocks`` defaults to room for
+    every prompt of a variant (no eviction, like the doctor's unbounded replay).
     """
     from kvlab.engine import Engine, SamplingParams
 
+    if num_blocks is None:
+        num_blocks = max(sum(-(-(len(p) + 1) // block_size) for p in ps) for ps in prompts.values()) + 4
     rows = []
     warm = Engine(model, tok, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
     warm.generate([next(iter(prompts.values()))[0]], SamplingParams(max_tokens=1))  # warm-up, not counted
