@@ -1,0 +1,84 @@
+"""``python -m kvlab.doctor LOG [options]``: why is my prefix-cache hit rate low?
+
+Examples:
+    python -m kvlab.doctor requests.jsonl --out doctor_report/
+    python -m kvlab.doctor requests.jsonl --model smollm2 --block-size 16 32 64 --capacity-blocks 8192
+    python -m kvlab.doctor requests.jsonl --kv-gib 20 --kv-config Qwen2.5-7B-Instruct --tenant-field tenant
+    python -m kvlab.doctor requests.jsonl --vllm-metrics metrics.txt   # curl http://server:8000/metrics > metrics.txt
+
+LOG is JSONL, one request a line: {"messages": [...], "user": ..., "timestamp": ..., "tenant": ..., "session": ...},
+{"prompt": "..."} or {"token_ids": [...]}. Malformed lines are reported with their line number and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options."""
+    ap = argparse.ArgumentParser(prog="python -m kvlab.doctor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("log", help="JSONL request log")
+    ap.add_argument("--model", default=None,
+                    help="tokenizer and chat template: 'smollm2', a local Hugging Face folder or a cached hub id "
+                         "(default: the bundled kvlab-passphrase-qwen2)")
+    ap.add_argument("--block-size", type=int, nargs="+", default=[16, 32, 64], metavar="N",
+                    help="KV block sizes to replay (the first one is used for the culprits); default 16 32 64")
+    cap = ap.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-blocks", type=int, default=None, metavar="N",
+                     help="a finite cache of N blocks of the first block size (the same KV memory for the others)")
+    cap.add_argument("--kv-gib", type=float, default=None, metavar="G",
+                     help="a finite cache of G GiB of K/V, sized with a model config (--kv-config, else --model)")
+    ap.add_argument("--kv-config", default=None,
+                    help="the served model's config for --kv-gib: a folder, a config.json, or a shipped name "
+                         "(e.g. Qwen2.5-7B-Instruct)")
+    ap.add_argument("--kv-dtype", default="bfloat16", help="K/V dtype for --kv-gib (default bfloat16)")
+    ap.add_argument("--tenant-field", default=None, metavar="FIELD",
+                    help="the request field naming the tenant: requests are replayed with per-tenant cache salts")
+    ap.add_argument("--vllm-metrics", default=None, metavar="FILE",
+                    help="a Prometheus text dump of vLLM's /metrics, shown beside the replayed numbers")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests running at once in the replay (their blocks cannot be evicted); default 1")
+    ap.add_argument("--out", default=None, metavar="DIR", help="write report.html, PNG figures, summary.json and fixed logs here")
+    ap.add_argument("--sample", type=int, default=400, help="request pairs diffed to find the culprits (default 400)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--alone", action="store_true", help="also measure each fix alone on the log as logged")
+    ap.add_argument("--no-fixed-logs", action="store_true", help="do not write the rewritten logs")
+    ap.add_argument("--quiet", action="store_true", help="print only where the report went")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the doctor; exit 0 when the log could be read (even with malformed lines), 2 otherwise."""
+    args = build_parser().parse_args(argv)
+    if not Path(args.log).is_file():
+        print(f"kvlab doctor: no such file: {args.log}", file=sys.stderr)
+        return 2
+    if any(b < 1 for b in args.block_size):
+        print("kvlab doctor: block sizes must be positive", file=sys.stderr)
+        return 2
+    from .core import diagnose
+    from .report import write_report
+
+    try:
+        d = diagnose(args.log, args.model, block_sizes=tuple(args.block_size), capacity_blocks=args.capacity_blocks,
+                     kv_gib=args.kv_gib, kv_config=args.kv_config, kv_dtype=args.kv_dtype,
+                     tenant_field=args.tenant_field, vllm_metrics=args.vllm_metrics, sample=args.sample,
+                     seed=args.seed, concurrency=args.concurrency, alone=args.alone)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"kvlab doctor: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        paths = write_report(d, args.out, fixed=not args.no_fixed_logs)
+    if not args.quiet:
+        print(d.summary())
+    if args.out:
+        print(f"report: {paths['report.html']}  (summary.json, figures and fixed logs beside it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Where prompts stop matching: for each request, the longest prefix it shares with any earlier one.
+
+The longest common prefix of a string with a set of strings is reached at one of its two neighbours
+in sorted order, so keeping the earlier prompts in a sorted list (token strs, see
+``kvlab.doctor.tokenize``) gives each request's divergence position and the earlier request it
+matched longest (its *partner*) with two comparisons. With block size 1 and no eviction, a prefix cache
+would serve exactly ``min(divergence, n - 1)`` tokens: the token-level ceiling of the log.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def lcp(a: str, b: str) -> int:
+    """Length of the common prefix of two strs (binary search on slices: C-speed compares)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(slots=True)
+class Divergence:
+    """Per request: the divergence position (tokens) and the partner (-1 when nothing came before)."""
+
+    position: list[int]
+    partner: list[int]
+    lengths: list[int]
+
+    def ceiling_hit_tokens(self) -> int:
+        """Hits of a token-granular cache with unlimited room: sum of min(divergence, n - 1)."""
+        return sum(min(d, n - 1) for d, n in zip(self.position, self.lengths))
+
+    def histogram(self) -> Counter:
+        """Divergence position -> number of requests (requests that repeat an earlier prompt whole excluded)."""
+        return Counter(d for d, n in zip(self.position, self.lengths) if d < n)
+
+    def top_points(self, k: int = 5, min_position: int = 1) -> list[tuple[int, int]]:
+        """The ``k`` most common divergence positions (>= ``min_position``) with their counts."""
+        h = self.histogram()
+        return [(p, c) for p, c in sorted(h.items(), key=lambda pc: (-pc[1], pc[0])) if p >= min_position][:k]
+
+
+def divergence(prompts: Sequence[str]) -> Divergence:
+    """Divergence position and partner of every prompt against all earlier ones, in log order."""
+    keys: list[str] = []
+    owner: list[int] = []
+    pos, partner = [], []
+    for i, s in enumerate(prompts):
+        j = bisect_left(keys, s)
+        best, who = 0, -1
+        if j < len(keys):
+            best, who = lcp(s, keys[j]), owner[j]
+        if j > 0:
+            l2 = lcp(s, keys[j - 1])
+            if l2 > best or who == -1:
+                best, who = l2, owner[j - 1]
+        pos.append(best)
+        partner.append(who)
+        keys.insert(j, s)
+        owner.insert(j, i)
+    return Divergence(pos, partner, [len(p) for p in prompts])

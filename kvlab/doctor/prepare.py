@@ -1,0 +1,262 @@
+"""Turn records into what the analysis needs: rendered text, token strs, and where each message sits.
+
+A record's *segments* are the pieces of text its sender controls: the messages' contents (for a chat
+record), the messages of a hand-rendered ChatML prompt (parsed back), or the whole prompt. Everything
+between segments is chat-template markup. ``Prepared`` keeps, per request, the rendered text, the
+token str, the segments' character spans in the text and the length in tokens of its system part.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from .divergence import lcp
+from .logio import BadLine, Record
+from .tokenize import PromptEncoder, tokstr
+
+CHATML_MSG = re.compile(r"<\|im_start\|>[ \t]*(\w+)[ \t]*\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|\Z)", re.S)
+SYSTEM_ROLES = ("system", "developer")
+
+
+@dataclass(slots=True, frozen=True)
+class Segment:
+    """One sender-controlled piece of a prompt: role, index, and its character span in the text."""
+
+    role: str
+    index: int | None  # index in record.messages (None: a message the doctor added, e.g. tools)
+    start: int
+    end: int
+    tools_from: int | None = None  # where the doctor's tools block starts inside it (chars in the text)
+
+
+def parse_chatml(text: str) -> list[tuple[str, int, int]]:
+    """(role, start, end) of each message content of a ChatML text; [] if it is not ChatML."""
+    out = [(m.group(1).lower(), m.start(2), m.end(2)) for m in CHATML_MSG.finditer(text)]
+    # the generation prompt "<|im_start|>assistant\n" at the end parses as an empty assistant message: drop it
+    if out and out[-1][0] == "assistant" and out[-1][1] == out[-1][2] == len(text):
+        out.pop()
+    return out
+
+
+def layout(rec: Record, text: str | None, enc: PromptEncoder | None) -> list[Segment]:
+    """The segments of a record in its rendered text."""
+    if rec.kind == "token_ids" or text is None:
+        return []
+    if rec.kind == "prompt":
+        parsed = parse_chatml(text)
+        if parsed:
+            return [Segment(role, i, s, e) for i, (role, s, e) in enumerate(parsed)]
+        return [Segment("prompt", 0, 0, len(text))]
+    eff = enc.effective_messages(rec) if enc is not None else rec.messages
+    injected = len(eff) - len(rec.messages)  # 1 when the doctor added a system message for the tools
+    segs, cursor = [], 0
+    for j, m in enumerate(eff):
+        content = m["content"]
+        pos = text.find(content, cursor) if content else -1
+        if pos < 0:
+            continue  # the template changed the content (stripped it, ...): treat it as markup
+        idx = j - injected if j >= injected else None
+        tools_from = None
+        if rec.tools and enc is not None and not enc.renders_tools and j == 0 and idx is not None:
+            tools_from = pos + len(rec.messages[0]["content"])
+        elif idx is None:
+            tools_from = pos
+        segs.append(Segment(m["role"], idx, pos, pos + len(content), tools_from))
+        cursor = pos + len(content)
+    return segs
+
+
+@dataclass
+class Prepared:
+    """Rendered, tokenized requests (in log order) and the lines that could not be used."""
+
+    records: list[Record]
+    texts: list[str | None]
+    tokens: list[str]
+    segments: list[list[Segment]]
+    sys_tokens: list[int]
+    bad: list[BadLine] = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+    padded: bool = False  # tokens were changed after tokenizing (alignment padding): write them as token ids
+    sys_chars: list[int] = field(default_factory=list)  # characters of the rendered text in the system part
+
+    @property
+    def lengths(self) -> list[int]:
+        """Prompt length of each request in tokens."""
+        return [len(t) for t in self.tokens]
+
+
+def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None,
+            light: bool = False) -> Prepared:
+    """Render (chat template), tokenize (batched, cached pieces) and lay out every record.
+
+    A record the chat template cannot render becomes a BadLine (reported, not silently dropped).
+    With ``base``, records that are the very objects ``base`` holds are reused as they are (a fix
+    returns the records it leaves unchanged), and a record a fix rewrote from one of them (same
+    messages and roles, other contents) is *spliced*: its new contents replace the old ones in the
+    old rendered text, which is what a template that copies contents verbatim renders (checked
+    against real renders on the first ``SPLICE_CHECKS`` records; it falls back to rendering).
+    ``light`` is accepted for compatibility (the layout is always computed).
+    """
+    t0 = time.perf_counter()
+    if base is not None:
+        known = {id(r): k for k, r in enumerate(base.records)}
+        fresh = [r for r in records if id(r) not in known]
+        new = _prepare(fresh, enc, base, known) if fresh else Prepared([], [], [], [], [], [])
+        got = {id(r): k for k, r in enumerate(new.records)}
+        out = Prepared([], [], [], [], [], list(new.bad), dict(new.seconds))
+        for r in records:
+            src, k = (base, known[id(r)]) if id(r) in known else (new, got.get(id(r)))
+            if k is None:
+                continue  # became a bad line
+            out.records.append(r)
+            out.texts.append(src.texts[k])
+            out.tokens.append(src.tokens[k])
+            out.segments.append(src.segments[k])
+            out.sys_tokens.append(src.sys_tokens[k])
+            out.sys_chars.append(src.sys_chars[k])
+        out.seconds["total"] = time.perf_counter() - t0
+        return out
+    return _prepare(records, enc, None, {})
+
+
+SPLICE_CHECKS = 16
+
+
+def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[str, list[Segment], int] | None:
+    """The rendered text of ``rec`` from its origin's text, when only message contents changed."""
+    r0 = base.records[k]
+    if rec.kind != "messages" or r0.kind != "messages" or len(rec.messages) != len(r0.messages):
+        return None
+    if any(a["role"] != b["role"] for a, b in zip(rec.messages, r0.messages)):
+        return None
+    if rec.tools is not r0.tools and rec.tools != r0.tools:
+        return None
+    segs0 = base.segments[k]
+    by_index = {s.index: s for s in segs0 if s.index is not None}
+    if len(by_index) != len(rec.messages) or base.texts[k] is None:
+        return None
+    text0 = base.texts[k]
+    parts, segs, cursor, delta, sys_chars = [], [], 0, 0, base.sys_chars[k]
+    for seg in sorted(segs0, key=lambda s: s.start):
+        if seg.index is None:  # a message the doctor added (tools): unchanged
+            parts.append(text0[cursor:seg.end])
+            segs.append(Segment(seg.role, None, seg.start + delta, seg.end + delta,
+                                None if seg.tools_from is None else seg.tools_from + delta))
+            cursor = seg.end
+            continue
+        content = rec.messages[seg.index]["content"]
+        tools_tail = text0[seg.tools_from:seg.end] if seg.tools_from is not None else ""
+        parts.append(text0[cursor:seg.start])
+        start = seg.start + delta
+        parts.append(content + tools_tail)
+        end = start + len(content) + len(tools_tail)
+        new_delta = end - seg.end
+        if sys_chars and seg.end <= base.sys_chars[k]:
+            sys_chars = base.sys_chars[k] + new_delta
+        segs.append(Segment(seg.role, seg.index, start, end, start + len(content) if seg.tools_from is not None else None))
+        delta = new_delta
+        cursor = seg.end
+    parts.append(text0[cursor:])
+    return "".join(parts), segs, sys_chars
+
+
+def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None, known: dict) -> Prepared:
+    t0 = time.perf_counter()
+    kept, texts, segments, sys_chars, bad = [], [], [], [], []
+    heads: dict[tuple, str | None] = {}
+    for rec in records:
+        if rec.kind == "token_ids":
+            kept.append(rec)
+            texts.append(None)
+            segments.append([])
+            sys_chars.append(0)
+            continue
+        if enc is None:
+            bad.append(BadLine(rec.line, "a text record needs a tokenizer (--model)", ""))
+            continue
+        spliced = None
+        if base is not None and enc.splice_ok and rec.origin is not None and id(rec.origin) in known:
+            spliced = _splice(rec, base, known[id(rec.origin)], enc)
+            if spliced is not None and enc.splice_checked < SPLICE_CHECKS:
+                try:
+                    ok = enc.render(rec) == spliced[0]
+                except Exception:
+                    ok = False
+                enc.splice_checked += 1
+                if not ok:
+                    enc.splice_ok = False
+                    enc.notes.append("the chat template does not copy message contents verbatim: "
+                                     "rewritten logs are rendered in full (slower)")
+                    spliced = None
+        if spliced is not None:
+            text, segs, sc = spliced
+        else:
+            try:
+                text = enc.render(rec)
+            except Exception as e:  # jinja raises TemplateError and friends for a conversation it refuses
+                bad.append(BadLine(rec.line, f"the chat template cannot render it ({type(e).__name__}: {e})", ""))
+                continue
+            segs = layout(rec, text, enc)
+            sc = _system_chars(rec, text, enc, heads)
+        kept.append(rec)
+        texts.append(text)
+        segments.append(segs)
+        sys_chars.append(sc)
+    t1 = time.perf_counter()
+    tokens: list[str] = [""] * len(kept)
+    text_idx = [i for i, t in enumerate(texts) if t is not None]
+    if text_idx:
+        enc_out = enc.encode([texts[i] for i in text_idx], [kept[i].kind == "prompt" for i in text_idx])
+        for i, s in zip(text_idx, enc_out):
+            tokens[i] = s
+    for i, rec in enumerate(kept):
+        if rec.kind == "token_ids":
+            tokens[i] = tokstr(rec.token_ids)
+    t2 = time.perf_counter()
+    sys_tokens = [0] * len(kept)
+    with_head = [i for i, c in enumerate(sys_chars) if c]
+    if with_head and enc is not None:
+        head_texts = [texts[i][:sys_chars[i]] for i in with_head]
+        head_toks = enc.encode(head_texts, [kept[i].kind == "prompt" for i in with_head])
+        for i, h in zip(with_head, head_toks):
+            # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
+            sys_tokens[i] = lcp(h, tokens[i])
+    out = Prepared([], [], [], [], [], [], bad)
+    for r, t, s, seg, st, sc in zip(kept, texts, tokens, segments, sys_tokens, sys_chars):
+        if not s:  # a record whose prompt tokenizes to nothing cannot be replayed
+            out.bad.append(BadLine(r.line, "the prompt has no tokens", ""))
+            continue
+        out.records.append(r)
+        out.texts.append(t)
+        out.tokens.append(s)
+        out.segments.append(seg)
+        out.sys_tokens.append(st)
+        out.sys_chars.append(sc)
+    out.bad.sort(key=lambda b: b.line)
+    out.seconds = {"render": t1 - t0, "tokenize": t2 - t1, "system part": time.perf_counter() - t2}
+    return out
+
+
+def _system_chars(rec: Record, text: str, enc: PromptEncoder, memo: dict) -> int:
+    """Characters of the rendered text that hold the system part (its leading system message + markup); 0 if none."""
+    if rec.kind == "messages":
+        eff = enc.effective_messages(rec)
+        if not eff or eff[0]["role"] not in SYSTEM_ROLES:
+            return 0
+        key = (eff[0]["role"], eff[0]["content"], id(rec.tools) if enc.renders_tools else None)
+        if key not in memo:
+            try:
+                memo[key] = enc.render(rec, add_generation_prompt=False, messages=eff[:1])
+            except Exception:
+                memo[key] = None
+        head = memo[key]
+    else:  # a ChatML prompt: up to and including the system message's end marker
+        parsed = parse_chatml(text)
+        if not parsed or parsed[0][0] not in SYSTEM_ROLES:
+            return 0
+        end = text.find("<|im_end|>", parsed[0][2])
+        head = text[: end + len("<|im_end|>")] if end >= 0 else None
+    return len(head) if head and text.startswith(head) else 0

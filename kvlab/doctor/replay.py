@@ -1,0 +1,373 @@
+"""Replay a log through a prefix cache with vLLM's rules and count hits, fast and exactly.
+
+vLLM's rules, as ``kvlab.cache.BlockManager`` implements them: a prompt is cut into blocks of
+``block_size`` tokens; each *full* block is keyed by its tokens and everything before it (chained
+hashes); a request reuses the longest run of cached blocks from its start, but never its last token
+(its logits are needed: at most ``n - 1`` tokens hit, rounded down to whole blocks); every full block is
+cached once computed; a finite cache evicts least-recently-used blocks that no running request holds,
+and a finished request releases its blocks tail first.
+
+``replay`` runs those rules on integer block ids instead of token lists: ``block_chains`` interns each
+(parent id, block tokens[, salt]) once, so a hash chain becomes a list of ints, and the LRU pool is a
+lean copy of ``kvlab.cache.BlockPool``'s bookkeeping. ``replay_block_manager`` feeds the same log to
+``kvlab.cache.BlockManager`` itself; the doctor runs both on a prefix of every log (``spot_check``) and
+the tests compare them on logs built to stress eviction, duplicates and salts: the counts are equal.
+
+Requests are replayed in log order, ``concurrency`` at a time (1 = each finishes before the next
+arrives); a request that needs more blocks than the cache has is counted as all-miss, as ``too_big``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvlab.cache import BlockManager
+
+
+@dataclass(slots=True)
+class HitStats:
+    """One replay's counters, in tokens, like vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``."""
+
+    block_size: int
+    capacity_blocks: int | None  # None = unbounded
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+    too_big: int = 0
+    seconds: float = 0.0
+    per_request: list[int] = field(default_factory=list, repr=False)  # hit tokens of each request
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / query tokens (0.0 for an empty log)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens prefilled (the cost the cache did not save)."""
+        return self.query_tokens - self.hit_tokens
+
+    def as_dict(self) -> dict:
+        """A flat dict (JSON, DataFrames)."""
+        return {"block_size": self.block_size, "capacity_blocks": self.capacity_blocks, "requests": self.requests,
+                "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
+                "computed_tokens": self.computed_tokens, "too_big": self.too_big, "seconds": self.seconds}
+
+
+def salt_blocks(public_tokens: Sequence[int] | None, n: int, block_size: int) -> list[int]:
+    """The block whose key takes each request's salt: the first one past its public prefix."""
+    if public_tokens is None:
+        return [0] * n
+    return [p // block_size for p in public_tokens]
+
+
+class Chainer:
+    """Chain ids of full blocks: equal ids <=> equal tokens, equal prefix, equal salt key.
+
+    What vLLM's chained block hashes decide, without hash collisions. Each block's content is interned
+    once per distinct token str (``dict.setdefault`` driven by ``map``: the loop runs in C); then the
+    chain ids are computed one block position at a time over all prompts with numpy: at position j
+    the pair (chain id at j-1, content id at j) is numbered with ``np.unique``. Ids are consistent
+    within one ``chains`` call, i.e. within one replay.
+    """
+
+    def __init__(self, block_size: int, keep_calls: int = 3) -> None:
+        self.block_size = block_size
+        self.content: dict = {}
+        self.counter = itertools.count()
+        self.pinned: dict[str, list[int]] = {}  # content ids of the first call's prompts (the log as logged)
+        self.recent: deque[dict[str, list[int]]] = deque(maxlen=keep_calls)
+
+    def contents(self, s: str) -> list[int]:
+        """Content ids of one prompt's full blocks."""
+        bs = self.block_size
+        end = len(s) // bs * bs
+        blocks = map(s.__getitem__, map(slice, range(0, end, bs), range(bs, end + bs, bs)))
+        return list(map(self.content.setdefault, blocks, self.counter))
+
+    def _all_contents(self, prompts: Sequence[str]) -> list[list[int]]:
+        now: dict[str, list[int]] = {}
+        out = []
+        for p in prompts:
+            got = now.get(p) or self.pinned.get(p)
+            if got is None:
+                for old in self.recent:
+                    got = old.get(p)
+                    if got is not None:
+                        break
+                else:
+                    got = self.contents(p)
+            now[p] = got
+            out.append(got)
+        if not self.pinned:
+            self.pinned = now
+        else:
+            self.recent.append(now)
+        return out
+
+    def chains(self, prompts: Sequence[str], salts: Sequence[str | None] | None = None,
+               public_tokens: Sequence[int] | None = None) -> list[list[int]]:
+        """Chain ids of every prompt's full blocks (salt in the key of block ``public_tokens // block_size``)."""
+        import numpy as np
+
+        cont = self._all_contents(prompts)
+        n = len(cont)
+        if not n:
+            return []
+        depth = max(map(len, cont))
+        if not depth:
+            return [[] for _ in cont]
+        arr = np.full((n, depth), -1, dtype=np.int64)
+        for i, c in enumerate(cont):
+            if c:
+                arr[i, :len(c)] = c
+        if salts is not None:
+            sb = salt_blocks(public_tokens, n, self.block_size)
+            salt_ids: dict = {}
+            base = next(self.counter) + 1  # above every content id
+            for i, (salt, b) in enumerate(zip(salts, sb)):
+                if salt is not None and b < len(cont[i]):
+                    arr[i, b] = base + salt_ids.setdefault((cont[i][b], salt), len(salt_ids))
+        lengths = np.fromiter(map(len, cont), dtype=np.int64, count=n)
+        chain = np.empty((n, depth), dtype=np.int64)
+        parent = np.full(n, -1, dtype=np.int64)
+        offset = 0
+        width = int(arr.max()) + 2
+        for j in range(depth):
+            alive = lengths > j
+            if alive.all():
+                key = (parent + 1) * width + arr[:, j]
+                uniq, inv = np.unique(key, return_inverse=True)
+                chain[:, j] = parent = inv + offset
+            else:
+                idx = np.nonzero(alive)[0]
+                key = (parent[idx] + 1) * width + arr[idx, j]
+                uniq, inv = np.unique(key, return_inverse=True)
+                parent = np.full(n, -1, dtype=np.int64)
+                parent[idx] = inv + offset
+                chain[idx, j] = parent[idx]
+            offset += len(uniq)
+        return [row[:k] for row, k in zip(chain.tolist(), lengths.tolist())]
+
+
+def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None,
+                 public_tokens: Sequence[int] | None = None) -> list[list[int]]:
+    """Each prompt's full blocks as chain ids (a fresh ``Chainer``)."""
+    return Chainer(block_size).chains(prompts, salts, public_tokens)
+
+
+def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int,
+           capacity_blocks: int | None = None, concurrency: int = 1) -> HitStats:
+    """Replay chains (from ``block_chains``) through an unbounded or an LRU cache of ``capacity_blocks``."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    t0 = time.perf_counter()
+    bs = block_size
+    per: list[int] = []
+    too_big = 0
+    if capacity_blocks is None:
+        seen: set[int] = set()
+        for ch, n in zip(chains, lengths):
+            cap, k = (n - 1) // bs, 0
+            while k < cap and ch[k] in seen:
+                k += 1
+            per.append(k * bs)
+            seen.update(ch)
+    else:
+        per, too_big = _replay_lru(chains, lengths, bs, capacity_blocks, concurrency)
+    return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big,
+                    time.perf_counter() - t0, per)
+
+
+def _replay_lru(chains, lengths, bs: int, num_blocks: int, concurrency: int) -> tuple[list[int], int]:
+    """The LRU pool: a free list in eviction order, ref counts, cached chain id -> blocks (oldest first)."""
+    if num_blocks < 1:
+        raise ValueError("capacity_blocks must be >= 1")
+    if concurrency == 1:
+        return _replay_lru_one(chains, lengths, bs, num_blocks)
+    free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+    key = [-1] * num_blocks  # chain id a block is cached under, -1 = none
+    ref = [0] * num_blocks
+    cached: dict[int, list[int]] = {}
+    live: deque[list[int]] = deque()
+    per, too_big = [], 0
+
+    def release(table: list[int]) -> None:
+        for b in reversed(table):  # tail first: the ends of chains are evicted before their heads
+            ref[b] -= 1
+            if ref[b] == 0:
+                free[b] = None
+
+    for ch, n in zip(chains, lengths):
+        nblk = -(-n // bs)
+        if nblk > num_blocks:
+            per.append(0)
+            too_big += 1
+            continue
+        hits = []
+        for k in range((n - 1) // bs):
+            blocks = cached.get(ch[k])
+            if blocks is None:
+                break
+            hits.append(blocks[0])
+        while live and nblk - len(hits) + sum(ref[b] == 0 for b in hits) > len(free):
+            release(live.popleft())  # the request waits for the oldest running one to finish
+        for b in hits:
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+        nh = len(hits)
+        table = hits
+        for k in range(nh, nblk):
+            b = free.popitem(last=False)[0]
+            old = key[b]
+            if old != -1:  # lazy eviction: the block's cached contents are dropped now
+                lst = cached[old]
+                lst.remove(b)
+                if not lst:
+                    del cached[old]
+                key[b] = -1
+            ref[b] = 1
+            if k < n // bs:
+                key[b] = ch[k]
+                cached.setdefault(ch[k], []).append(b)
+            table.append(b)
+        per.append(nh * bs)
+        live.append(table)
+        while len(live) >= concurrency:
+            release(live.popleft())
+    return per, too_big
+
+
+def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int], int]:
+    """``_replay_lru`` for one request at a time: every block is free again before the next request.
+
+    No ref counts are needed, and each request is a few bulk operations in C: find the hits
+    (``map`` over the chain), revive them, take the new blocks from the head of the free list, drop
+    what they cached, register the new full blocks, put everything back at the tail, last block first.
+    ``first`` holds the oldest block cached under a chain id and ``twins`` later copies (a full last
+    block that the n-1 rule kept from hitting is computed again), the order ``BlockPool.lookup`` scans.
+    """
+    free = dict.fromkeys(range(num_blocks))  # insertion order = LRU order (plain dicts pop and append fast)
+    key: dict[int, object] = {}  # block -> chain id it caches (None or absent: nothing)
+    first: dict = {}
+    twins: dict = {}
+    get, pop, update, keyget = first.get, free.pop, free.update, key.get
+    per, too_big = [], 0
+    for ch, n in zip(chains, lengths):
+        nblk = -(-n // bs)
+        if nblk > num_blocks:
+            per.append(0)
+            too_big += 1
+            continue
+        cap = (n - 1) // bs
+        found = list(map(get, ch[:cap]))
+        try:
+            nh = found.index(None)
+            del found[nh:]
+        except ValueError:
+            nh = cap
+        deque(map(pop, found), 0)  # revived: out of the free list, back at its tail below
+        victims = list(itertools.islice(free, nblk - nh))  # least recently used first
+        deque(map(pop, victims), 0)
+        olds = [o for o in map(keyget, victims) if o is not None]
+        if olds:
+            if twins and not twins.keys().isdisjoint(olds):
+                for b in victims:
+                    _forget(b, keyget(b), first, twins)
+            else:
+                deque(map(first.pop, olds), 0)
+        new_ids = ch[nh:n // bs]
+        if new_ids and not first.keys().isdisjoint(new_ids):  # a twin: cached, but the n-1 rule kept it from hitting
+            for b, c in zip(victims, new_ids):
+                if c in first:
+                    twins.setdefault(c, []).append(b)
+                else:
+                    first[c] = b
+        else:
+            first.update(zip(new_ids, victims))
+        key.update(zip(victims, new_ids))
+        if len(victims) > len(new_ids):
+            key.update(dict.fromkeys(victims[len(new_ids):]))  # the partial tail block caches nothing
+        per.append(nh * bs)
+        found += victims
+        found.reverse()  # released tail first
+        update(dict.fromkeys(found))
+    return per, too_big
+
+
+def _forget(b: int, old, first: dict, twins: dict) -> None:
+    """Drop block ``b``'s entry under chain id ``old`` (first or twin)."""
+    if old is None:
+        return
+    if first.get(old) == b:
+        tw = twins.get(old)
+        if tw:
+            first[old] = tw.pop(0)
+            if not tw:
+                del twins[old]
+        else:
+            del first[old]
+    else:
+        twins[old].remove(b)
+        if not twins[old]:
+            del twins[old]
+
+
+def replay_tokens(prompts: Sequence[str], block_size: int, capacity_blocks: int | None = None,
+                  salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
+                  concurrency: int = 1) -> HitStats:
+    """Chains + replay in one call, on token strs."""
+    t0 = time.perf_counter()
+    chains = block_chains(prompts, block_size, salts, public_tokens)
+    st = replay(chains, [len(p) for p in prompts], block_size, capacity_blocks, concurrency)
+    st.seconds = time.perf_counter() - t0
+    return st
+
+
+def replay_block_manager(prompts: Sequence[str], block_size: int, capacity_blocks: int | None = None,
+                         salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
+                         concurrency: int = 1, check: bool = True) -> HitStats:
+    """The same replay through ``kvlab.cache.BlockManager`` (slow, the reference); ``check``: its invariants after."""
+    t0 = time.perf_counter()
+    bs = block_size
+    toks = [[ord(c) for c in p] for p in prompts]
+    nb = capacity_blocks if capacity_blocks is not None else sum(-(-len(t) // bs) for t in toks) + 1
+    bm = BlockManager(nb, bs)
+    live: deque[int] = deque()
+    per, too_big = [], 0
+    for i, t in enumerate(toks):
+        salt = salts[i] if salts is not None else None
+        pub = public_tokens[i] if public_tokens is not None else 0
+        if -(-len(t) // bs) > nb:
+            per.append(0)
+            too_big += 1
+            continue
+        while live and not bm.can_allocate(t, salt, pub):
+            bm.free(live.popleft())
+        per.append(bm.allocate(i, t, salt=salt, public_tokens=pub))
+        live.append(i)
+        while len(live) >= concurrency:
+            bm.free(live.popleft())
+    if check:
+        bm.check_invariants()
+    return HitStats(bs, capacity_blocks, len(per), sum(map(len, toks)), sum(per), too_big,
+                    time.perf_counter() - t0, per)
+
+
+def spot_check(prompts: Sequence[str], block_size: int, capacity_blocks: int | None, limit: int = 100,
+               salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
+               concurrency: int = 1) -> dict:
+    """Replay the first ``limit`` requests both ways; return both hit counts and whether they agree."""
+    head = list(prompts[:limit])
+    s = list(salts[:limit]) if salts is not None else None
+    p = list(public_tokens[:limit]) if public_tokens is not None else None
+    fast = replay_tokens(head, block_size, capacity_blocks, s, p, concurrency)
+    ref = replay_block_manager(head, block_size, capacity_blocks, s, p, concurrency, check=False)
+    return {"requests": len(head), "block_size": block_size, "capacity_blocks": capacity_blocks,
+            "fast_hit_tokens": fast.hit_tokens, "block_manager_hit_tokens": ref.hit_tokens,
+            "equal": fast.per_request == ref.per_request, "block_manager_seconds": ref.seconds}

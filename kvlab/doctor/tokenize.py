@@ -1,0 +1,288 @@
+"""Render records with the model's chat template and tokenize them fast; token ids live in ``str``s.
+
+Token-id sequences are stored as Python strings, one code point per token (``chr(id)``): slicing,
+comparing, hashing, ``startswith`` and sorting then run in C, which is what makes a 10,000-request
+replay and the divergence search cheap. ``ids(s)`` turns one back into a list of ints.
+
+The tokenizer is the usual cost. ``PromptEncoder`` splits every rendered prompt at the tokenizer's
+added tokens (``<|im_start|>``, ``<|im_end|>``, ...), which is where a Hugging Face tokenizer splits
+them too, tokenizes each distinct piece once, in one batch, and joins the pieces' ids. Chat logs repeat
+the same system prompts, documents and history turns, so most pieces are seen before. The first batch
+is checked against tokenizing whole prompts; if the two ever differ (a tokenizer whose normalizer looks
+across the added tokens), the encoder falls back to whole prompts and says so in ``notes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .logio import Record
+
+LINE_SPLIT = re.compile(r"(?<=\n)(?=\S)")  # after a run of newlines, before a non-space character
+CHATML = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+
+
+def tokstr(ids: Sequence[int]) -> str:
+    """Token ids -> the str that holds them (one code point per token)."""
+    return "".join(map(chr, ids))
+
+
+def ids(s: str) -> list[int]:
+    """The str of ``tokstr`` -> token ids."""
+    return [ord(c) for c in s]
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    """The folder (or hub id) of ``model``: None = the bundled model, "smollm2", a local folder or an id."""
+    if model is None:
+        from kvlab.engine.models import BUNDLED_MODEL
+
+        return str(BUNDLED_MODEL)
+    from kvlab.engine.smollm2 import ensure_smollm2, is_alias
+
+    if is_alias(model):
+        return str(ensure_smollm2(verbose=False))
+    path = Path(os.fspath(model)).expanduser()
+    if path.exists():
+        if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        return str(path)
+    return os.fspath(model)
+
+
+def model_config(model: str | os.PathLike | None) -> dict:
+    """The config.json of ``model`` (for KV bytes per token)."""
+    path = Path(resolve_model_path(model)) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json at {path}")
+    return json.loads(path.read_text())
+
+
+class PromptEncoder:
+    """Chat template + tokenizer of one model, with a cache of tokenized pieces."""
+
+    def __init__(self, model: str | os.PathLike | None = None, tokenizer: Any = None) -> None:
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            path = resolve_model_path(model)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=Path(path).exists())
+        self.tok = tokenizer
+        self.name = str(model) if model is not None else "bundled (kvlab-passphrase-qwen2)"
+        self.notes: list[str] = []
+        template = getattr(tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default") or next(iter(template.values()))
+        self.template = template
+        if not template:
+            self.notes.append("the tokenizer has no chat template: messages are rendered as ChatML")
+        self.renders_tools = bool(template) and "tools" in template
+        added = {}
+        for tid, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
+            content = getattr(tok, "content", str(tok))
+            if content:
+                added[content] = int(tid)
+        self.added = added
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")") if added else None
+        self.specials_re = self._split
+        self.cache: dict[str, str] = {}
+        self.segmented = True  # split at added tokens (checked on the first batch)
+        self.lines = True  # also split after newline runs (checked on the first batch)
+        self._checked = False
+        self._compiled = None  # the jinja template, called directly (checked against apply_chat_template)
+        self._render_checked = 0
+        self._tools_memo: dict[int, tuple[list, str]] = {}
+        self.splice_ok = True  # rewritten records are spliced into their origin's text (checked, see prepare)
+        self.splice_checked = 0
+        self._offset_cache: dict[str, list[tuple[int, int]]] = {}
+        pre = tokenizer("", add_special_tokens=True)["input_ids"]
+        self.prompt_prefix = tokstr(pre)  # what add_special_tokens=True puts around a plain prompt (e.g. BOS)
+        self.pieces_total = 0  # pieces looked up
+        self.pieces_tokenized = 0  # pieces sent to the tokenizer (the rest came from the cache)
+        self.chars_tokenized = 0
+
+    # --- rendering ----------------------------------------------------------------------------------
+    def tools_block(self, tools: list[dict]) -> str:
+        """How the doctor shows tools to a template that has no tools section: one JSON object a line."""
+        got = self._tools_memo.get(id(tools))
+        if got is not None and got[0] is tools:
+            return got[1]
+        text = "\n\n# Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools)
+        self._tools_memo[id(tools)] = (tools, text)  # keeps the list alive, so its id is not reused
+        return text
+
+    def effective_messages(self, rec: Record) -> list[dict]:
+        """The messages as the template sees them (tools appended to the system message if the template ignores them)."""
+        msgs = rec.messages or []
+        if rec.tools and not self.renders_tools:
+            msgs = [dict(m) for m in msgs]
+            if msgs and msgs[0]["role"] in ("system", "developer"):
+                msgs[0]["content"] = msgs[0]["content"] + self.tools_block(rec.tools)
+            else:
+                msgs.insert(0, {"role": "system", "content": self.tools_block(rec.tools).lstrip()})
+        return msgs
+
+    def render(self, rec: Record, add_generation_prompt: bool = True, messages: list[dict] | None = None) -> str:
+        """A record's prompt text: the chat template applied to its messages, or its plain prompt."""
+        if rec.kind == "prompt":
+            return rec.prompt or ""
+        if rec.kind != "messages":
+            raise ValueError("token-id records have no text")
+        msgs = self.effective_messages(rec) if messages is None else messages
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+        if rec.tools and self.renders_tools:
+            kwargs["tools"] = rec.tools
+        if not self.template:
+            kwargs["chat_template"] = CHATML
+        if self._compiled is not None and self._render_checked >= 16:
+            return self._fast_render(msgs, kwargs)
+        text = self.tok.apply_chat_template(msgs, **kwargs)
+        if self._render_checked < 16 and self._compiled is not False:
+            self._check_render(msgs, kwargs, text)
+        return text
+
+    def _fast_render(self, msgs: list[dict], kwargs: dict) -> str:
+        extra = {k: v for k, v in kwargs.items() if k not in ("tokenize", "chat_template")}
+        return self._compiled.render(messages=msgs, **extra, **self.tok.special_tokens_map)
+
+    def _check_render(self, msgs: list[dict], kwargs: dict, text: str) -> None:
+        """Call the compiled template directly once 16 renders agree with apply_chat_template (4x faster)."""
+        try:
+            if self._compiled is None:
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+
+                self._compiled = _compile_jinja_template(kwargs.get("chat_template") or self.template)
+            ok = self._fast_render(msgs, kwargs) == text
+        except Exception:
+            ok = False
+        if ok:
+            self._render_checked += 1
+        else:
+            self._compiled = False
+
+    # --- tokenizing ---------------------------------------------------------------------------------
+    def _batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:
+            fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+            return [e.ids for e in fast(texts, add_special_tokens=False)]
+        return list(self.tok(texts, add_special_tokens=False)["input_ids"])
+
+    def _pieces(self, text: str) -> list[str]:
+        parts = [p for p in self._split.split(text) if p] if self._split is not None else [text]
+        if not self.lines:
+            return parts
+        out = []
+        for p in parts:
+            if p in self.added or "\n" not in p:
+                out.append(p)
+            else:
+                out.extend(x for x in LINE_SPLIT.split(p) if x)
+        return out
+
+    def encode(self, texts: Sequence[str], plain_prompt: Sequence[bool] | None = None) -> list[str]:
+        """Token strs of rendered prompts (no special tokens added; a plain prompt gets the tokenizer's BOS/EOS)."""
+        texts = list(texts)
+        plain = list(plain_prompt) if plain_prompt is not None else [False] * len(texts)
+        if not self._checked and texts:
+            step = max(1, len(texts) // 48)
+            self._check(texts[::step][:48])
+        if not self.segmented:
+            todo = sorted({t for t in texts if t not in self.cache})
+            self.chars_tokenized += sum(map(len, todo))
+            for t, i in zip(todo, self._batch(todo)):
+                self.cache[t] = tokstr(i)
+            self.pieces_total += len(texts)
+            self.pieces_tokenized += len(todo)
+            out = [self.cache[t] for t in texts]
+        else:
+            # two levels: the parts between added tokens (a whole message often repeats as is), then the
+            # lines of a part not seen before
+            added, cache = self.added, self.cache
+            split = [[p for p in self._split.split(t) if p] if self._split is not None else [t] for t in texts]
+            new_parts = {p for ps in split for p in ps if p not in added and p not in cache}
+            if new_parts:
+                lines_of = {p: ([x for x in LINE_SPLIT.split(p) if x] if self.lines and "\n" in p else [p])
+                            for p in new_parts}
+                todo = sorted({x for ls in lines_of.values() for x in ls if x not in cache})
+                self.chars_tokenized += sum(map(len, todo))
+                self.pieces_tokenized += len(todo)
+                for x, i in zip(todo, self._batch(todo)):
+                    cache[x] = tokstr(i)
+                for p, ls in lines_of.items():
+                    cache[p] = "".join(cache[x] for x in ls)
+            self.pieces_total += sum(map(len, split))
+            out = ["".join(chr(added[p]) if p in added else cache[p] for p in ps) for ps in split]
+        if self.prompt_prefix:
+            out = [self.prompt_prefix + s if pl else s for s, pl in zip(out, plain)]
+        return out
+
+    def _check(self, sample: list[str]) -> None:
+        """Compare piece-wise tokenization with whole-prompt tokenization on a sample; fall back if they differ.
+
+        First pieces cut at added tokens and after newline runs; then at added tokens only; then none.
+        """
+        self._checked = True
+        whole = [tokstr(i) for i in self._batch(sample)]
+        if self.encode(sample) == whole:
+            return
+        self.lines = False
+        self.cache.clear()
+        if self.encode(sample) == whole:
+            self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens (slower)")
+            return
+        self.segmented = False
+        self.cache.clear()
+        self.notes.append("piece-wise tokenization differs from whole prompts for this tokenizer: "
+                          "every prompt is tokenized whole (slower)")
+
+    def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[str, list[tuple[int, int]]]]:
+        """Token strs and character offsets of texts (for mapping token positions to text).
+
+        Piece-wise like ``encode`` (pieces cached), whole texts when piece-wise tokenization is off.
+        """
+        texts = list(texts)
+        if self.segmented and self._checked:
+            split = [self._pieces(t) for t in texts]
+            todo = sorted({p for ps in split for p in ps if p not in self.added and p not in self._offset_cache})
+            for p, (_, off) in zip(todo, self._whole_offsets(todo)):
+                self._offset_cache[p] = off
+            out = []
+            for ps in split:
+                offs, pos = [], 0
+                for p in ps:
+                    if p in self.added:
+                        offs.append((pos, pos + len(p)))
+                    else:
+                        offs.extend((pos + a, pos + b) for a, b in self._offset_cache[p])
+                    pos += len(p)
+                out.append(("".join(chr(self.added[p]) if p in self.added else self.cache.get(p) or tokstr(
+                    self._batch([p])[0]) for p in ps), offs))
+            return out
+        return self._whole_offsets(texts)
+
+    def _whole_offsets(self, texts: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
+        if not texts:
+            return []
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:
+            encs = backend.encode_batch(list(texts), add_special_tokens=False)
+            return [(tokstr(e.ids), list(e.offsets)) for e in encs]
+        out = self.tok(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+        return [(tokstr(i), [tuple(o) for o in off]) for i, off in zip(out["input_ids"], out["offset_mapping"])]
+
+    def decode(self, s: str) -> str:
+        """Text of a token str."""
+        return self.tok.decode(ids(s), skip_special_tokens=False)
+
+    def token_id(self, text: str) -> int:
+        """The id of a text that is one token (e.g. a newline); the first token otherwise."""
+        i = self.tok(text, add_special_tokens=False)["input_ids"]
+        return int(i[0])
