@@ -72,7 +72,7 @@ def direct_hits(enc: PromptEncoder, path: Path, block_size: int, capacity: int |
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
     nb = capacity or sum(-(-len(p) // block_size) for p in prompts)
-    bm = BlockManager(nb, block_size)
+    bm = BlockManager(nb, block_size, free_order="lru")  # as the doctor's fast replay
     hits = 0
     for i, p in enumerate(prompts):
         hits += bm.allocate(i, p)

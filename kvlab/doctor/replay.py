@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlab.cache import BlockManager
+from kvlab.cache import BlockManager, TenantScope
 
 
 @dataclass(slots=True)
@@ -337,7 +337,7 @@ def replay_block_manager(prompts: Sequence[str], block_size: int, capacity_block
     bs = block_size
     toks = [[ord(c) for c in p] for p in prompts]
     nb = capacity_blocks if capacity_blocks is not None else sum(-(-len(t) // bs) for t in toks) + 1
-    bm = BlockManager(nb, bs)
+    bm = BlockManager(nb, bs, free_order="lru")  # the fast replay frees every block to the LRU tail
     live: deque[int] = deque()
     per, too_big = [], 0
     for i, t in enumerate(toks):
@@ -347,9 +347,9 @@ def replay_block_manager(prompts: Sequence[str], block_size: int, capacity_block
             per.append(0)
             too_big += 1
             continue
-        while live and not bm.can_allocate(t, salt, pub):
+        while live and not bm.can_allocate(t, TenantScope(salt, pub)):
             bm.free(live.popleft())
-        per.append(bm.allocate(i, t, salt=salt, public_tokens=pub))
+        per.append(bm.allocate(i, t, TenantScope(salt, pub)))
         live.append(i)
         while len(live) >= concurrency:
             bm.free(live.popleft())
