@@ -354,7 +354,7 @@ class Engine:
     def _positions(self, item: ScheduledSeq) -> range:
         """Positions of the tokens ``item`` computes this step: where they sit in their sequence.
 
-        A subclass that changes this changes what RoPE sees; ``kvlab.lessons.nb05_table36`` overrides it
+        A subclass that changes this changes what RoPE sees; notebook 05's ``PositionRestartEngine`` overrides it
         to run the "positions restart after the cache" bug.
         """
         return range(item.start, item.end)
