@@ -44,6 +44,7 @@ MIN_RUN = 8  # tokens that must match again after a slot
 WINDOW = 160  # tokens searched for the re-alignment (a slot's value is shorter than this)
 MAX_STEPS = 8  # slots followed per pair
 LONG_LINE = 240  # a longer line is split into sentences
+MAX_FIELD_CHARS = 300  # a field's values are short (times, ids, names); longer ones are content
 
 TIMESTAMP_RE = re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}(:\d{2})?|\b\d{1,2}/\d{1,2}/\d{2,4}\b|"
                           r"\b(Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day\b|\b(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\b \d", re.I)
@@ -784,6 +785,8 @@ def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, 
                     break
         if len(set(values)) < 2:
             continue
+        if statistics.median(map(len, values)) > MAX_FIELD_CHARS:
+            continue  # that long is the request's content, not a field in it
         if tenants is not None and _constant_share(values, owners)[0] >= 0.9:
             continue  # one value per tenant: the tenant's own content
         kind, scope = _scope(values, users, sessions)

@@ -87,6 +87,12 @@ class Prepared:
         """Prompt length of each request in tokens."""
         return [len(t) for t in self.tokens]
 
+    def subset(self, idx: list[int]) -> Prepared:
+        """The requests at ``idx`` (in that order), sharing this one's objects."""
+        return Prepared([self.records[i] for i in idx], [self.texts[i] for i in idx], [self.tokens[i] for i in idx],
+                        [self.segments[i] for i in idx], [self.sys_tokens[i] for i in idx], [], {},
+                        self.padded, [self.sys_chars[i] for i in idx])
+
 
 def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None,
             light: bool = False) -> Prepared:

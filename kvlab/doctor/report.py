@@ -93,8 +93,11 @@ def format_summary(d: Diagnosis) -> str:
         out.append(f"  candidates checked and dropped (fixing them saves less than {100 * d.min_effect:.1f} % of the "
                    "prompt tokens' prefill, unbounded cache):")
         for c in weak:
-            out.append(f"     - {c.title}: {pct(c.before['unbounded']['hit_rate'])} -> "
-                       f"{pct(c.chained['unbounded']['hit_rate'])}")
+            if c.chained is None:
+                out.append(f"     - {c.title}: {c.details.get('quick look', 'not measured')}")
+            else:
+                out.append(f"     - {c.title}: {pct(c.before['unbounded']['hit_rate'])} -> "
+                           f"{pct(c.chained['unbounded']['hit_rate'])}")
     info = [c for c in d.culprits if not c.measurable]
     if info:
         out.append("  evidence only (no automatic rewrite):")
