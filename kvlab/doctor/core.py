@@ -273,6 +273,10 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
             chains = block_chains(prep.tokens, bs, tenants)
             c = replay(chains, lengths, bs, caps[bs], concurrency)
             row["capacity_hit_rate"], row["capacity_hit_tokens"], row["too_big"] = c.hit_rate, c.hit_tokens, c.too_big
+            if bs == block_sizes[0]:  # the culprits' baseline: the same replay
+                u = replay(chains, lengths, bs, None)
+                meters[bs]._last = ((id(prep.tokens), None), prep.tokens, chains,
+                                    {"unbounded": _stats(u), "capacity": _stats(c)})
         if tenants is not None:
             un = sum(x // bs * bs for x in shared)
             row["unsalted_hit_rate"], row["unsalted_hit_tokens"] = un / queries if queries else 0.0, un

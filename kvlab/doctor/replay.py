@@ -19,7 +19,9 @@ arrives); a request that needs more blocks than the cache has is counted as all-
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -230,6 +232,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int
     first: dict = {}
     twins: dict = {}
     get, pop, update, keyget = first.get, free.pop, free.update, key.get
+    not_none = functools.partial(operator.is_not, None)
     per, too_big = [], 0
     for ch, n in zip(chains, lengths):
         nblk = -(-n // bs)
@@ -247,7 +250,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int
         deque(map(pop, found), 0)  # revived: out of the free list, back at its tail below
         victims = list(itertools.islice(free, nblk - nh))  # least recently used first
         deque(map(pop, victims), 0)
-        olds = [o for o in map(keyget, victims) if o is not None]
+        olds = list(filter(not_none, map(keyget, victims)))
         if olds:
             if twins and not twins.keys().isdisjoint(olds):
                 for b in victims:
