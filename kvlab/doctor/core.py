@@ -352,6 +352,9 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
             if last[key]["computed_tokens"] - res[key]["computed_tokens"] >= effect:
                 res = meter(new, policy=new_policy) if c.policy is None else res
                 c.chained, c.before, c.no_effect = res, last, False
+                if new is not cur:  # what the fixed log holds: the log after this fix and the ones before it
+                    c.details["state"] = new.tokens if new.padded else new.records
+                    c.details["state_padded"] = new.padded
                 cur, policy, last = new, new_policy, res
                 kept.append(c)
                 group.remove(c)
@@ -397,7 +400,7 @@ def _flat(res: dict) -> dict:
 def _apply_and_measure(c: Culprit, prep: Prepared, enc, meter: _Meter) -> dict | None:
     """One fix applied to the original log, measured."""
     if c.fix is not None:
-        return meter(prepare(c.fix(prep.records), enc, base=prep, light=True))
+        return meter(prepare(c.fix(prep.records), enc, base=prep))
     if c.token_fix is not None:
         return meter(c.token_fix(prep))
     if c.policy is not None:
@@ -431,18 +434,23 @@ def _chain_step(c: Culprit, prep: Prepared, policy: str | None, enc, meter: _Met
 
 
 def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
-    """Write, per culprit, the original log with that fix applied; and the log with every fix; return paths."""
+    """Write, per culprit, the log after its fix and the fixes before it (what its numbers measure); return paths.
+
+    ``all_fixes.jsonl`` is the last of them. A padded log (alignment) is written as token ids.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for n, c in enumerate(d.kept, 1):
         name = f"{n:02d}_{c.kind}.jsonl"
-        if c.fix is not None:
-            paths[c.title] = write_log(c.fix(d.prep.records), out_dir / name)
-        elif c.token_fix is not None:
-            paths[c.title] = _write_tokens(c.token_fix(d.prep), out_dir / name)
+        state = c.details.get("state")
+        if state is None:
+            continue  # a replay policy (the public prefix): the log itself does not change
+        if c.details.get("state_padded"):
+            paths[c.title] = write_log(({"token_ids": ids(s), **r.meta} for s, r in zip(state, d.prep.records)),
+                                       out_dir / name)
         else:
-            continue
+            paths[c.title] = write_log(state, out_dir / name)
         c.fixed_log = str(paths[c.title])
     if d.final is not None:
         paths["all fixes"] = (_write_tokens(d.final, out_dir / "all_fixes.jsonl") if d.final.padded

@@ -94,8 +94,7 @@ class Prepared:
                         self.padded, [self.sys_chars[i] for i in idx])
 
 
-def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None,
-            light: bool = False) -> Prepared:
+def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None) -> Prepared:
     """Render (chat template), tokenize (batched, cached pieces) and lay out every record.
 
     A record the chat template cannot render becomes a BadLine (reported, not silently dropped).
@@ -104,7 +103,6 @@ def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | N
     messages and roles, other contents) is *spliced*: its new contents replace the old ones in the
     old rendered text, which is what a template that copies contents verbatim renders (checked
     against real renders on the first ``SPLICE_CHECKS`` records; it falls back to rendering).
-    ``light`` is accepted for compatibility (the layout is always computed).
     """
     t0 = time.perf_counter()
     if base is not None:
