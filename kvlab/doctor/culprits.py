@@ -1112,7 +1112,7 @@ def alignment_culprit(prep: Prepared, div: Divergence, block_size: int, pad: int
     frac = lost / max(sum(lens), 1)
     return Culprit(
         "alignment", f"shared prefixes end inside a {block_size}-token block" + (
-            f"; {short} requests share less than one block" if short else ""),
+            f"; {short} request{'s share' if short != 1 else ' shares'} less than one block" if short else ""),
         int(statistics.median(len(b) for b in bounds)) if bounds else None, "block boundaries",
         [f"{lost} prompt tokens ({frac:.2%} of all) match an earlier prompt but sit in a block that is not full "
          f"of shared tokens, so they are recomputed",
