@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import time
@@ -63,13 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB on Linux
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-3000:])
         return 1
     summary = json.loads((report / "summary.json").read_text())
     lens = summary["prompt_tokens"]
     result = {"requests": summary["requests"], "prompt_tokens_mean": lens["mean"], "prompt_tokens_total": lens["total"],
-              "unique": args.unique, "wall_seconds": round(wall, 2), "cpus": os.cpu_count(),
+              "unique": args.unique, "wall_seconds": round(wall, 2), "peak_memory_mb": round(peak_mb),
+              "cpus": os.cpu_count(), "load_average_1min_after": round(os.getloadavg()[0], 2),
               "phases": {k: round(v, 2) for k, v in summary["timings"].items()},
               "tokenizer_pieces": summary.get("tokenizer", {}),
               "hit_rate_as_logged": summary["baseline"].get("capacity", summary["baseline"]["unbounded"])["hit_rate"],

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.cache import BlockManager
-from kvlab.doctor import diagnose, read_log, write_report
+from kvlab.doctor import diagnose, read_log, write_log, write_report
 from kvlab.doctor.divergence import divergence, lcp
 from kvlab.doctor.replay import replay_block_manager, replay_tokens
 from kvlab.doctor.tokenize import PromptEncoder, tokstr
@@ -106,8 +106,15 @@ def test_planted_culprits_named_at_their_position(enc, tmp_path):
     for c in d.kept:
         for cap in (None, 60):
             hits, queries = direct_hits(enc, Path(c.fixed_log), 16, cap)
-            got = c.alone["capacity" if cap else "unbounded"]
+            got = c.chained["capacity" if cap else "unbounded"]
             assert (hits, queries) == (got["hit_tokens"], got["query_tokens"]), c.title
+    # and each fix alone, applied to the log as logged, replays to its "alone" numbers
+    for c in d.kept:
+        path = tmp_path / "alone.jsonl"
+        if c.fix is not None:
+            write_log(c.fix(d.prep.records), path)
+            hits, queries = direct_hits(enc, path, 16, 60)
+            assert (hits, queries) == (c.alone["capacity"]["hit_tokens"], c.alone["capacity"]["query_tokens"]), c.title
     hits, _ = direct_hits(enc, tmp_path / "fixed" / "all_fixes.jsonl", 16, 60)
     assert hits == round(d.chain[-1]["capacity_hit_rate"] * d.chain[-1]["capacity_query_tokens"])
     # the as-logged numbers too

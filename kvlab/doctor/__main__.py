@@ -1,4 +1,4 @@
-"""``python -m kvlab.doctor LOG [options]``: why is my prefix-cache hit rate low?
+"""python -m kvlab.doctor LOG [options]: why is my prefix-cache hit rate low?
 
 Examples:
     python -m kvlab.doctor requests.jsonl --out doctor_report/

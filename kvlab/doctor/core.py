@@ -30,10 +30,12 @@ from .culprits import (
 from .divergence import Divergence, divergence
 from .logio import BadLine, read_log, write_log
 from .prepare import Prepared, prepare
-from .replay import Chainer, HitStats, replay, replay_tokens, spot_check
+from .replay import HitStats, block_chains, replay, replay_tokens, spot_check, unbounded_hits
 from .tokenize import PromptEncoder, ids, model_config
 from .vllm_metrics import read_metrics
 
+FIELD_KINDS = ("volatile", "per-user", "per-session")  # noisy candidates: a quick look on a few windows first
+QUICK_MIN, QUICK_WINDOWS, QUICK_SIZE = 3000, 4, 400  # logs above QUICK_MIN requests: 4 windows of 400
 SECOND_LOOK = ("template", "whitespace", "order", "tools-order", "alignment", "tenant-salt")  # can hide behind later ones
 KIND_ORDER = {"template": 0, "volatile": 1, "per-session": 1, "per-user": 1, "whitespace": 1, "order": 1,
               "tools-order": 1, "multi-turn": 2, "alignment": 3, "tenant-salt": 4}
@@ -118,7 +120,6 @@ class _Meter:
 
     def __init__(self, bs: int, capacity: int | None, concurrency: int, tenant_field: str | None):
         self.bs, self.capacity, self.concurrency, self.tenant_field = bs, capacity, concurrency, tenant_field
-        self.chainer = Chainer(bs)
         self._last: tuple | None = None  # (key, tokens, chains, result) of the last call
 
     def salts(self, prep: Prepared) -> list[str | None] | None:
@@ -130,10 +131,18 @@ class _Meter:
         key = (id(prep.tokens), policy)
         if self._last is not None and self._last[0] == key and self._last[1] is prep.tokens:
             chains, out = self._last[2], dict(self._last[3])  # the same log measured just before (unbounded first)
+        elif policy is None and not (self.capacity is not None and capacity):
+            # unbounded only: the divergence positions give the hits, no block ids needed
+            t0 = time.perf_counter()
+            per = unbounded_hits(prep.tokens, self.bs, self.salts(prep))
+            lengths = prep.lengths
+            st = HitStats(self.bs, None, len(per), sum(lengths), sum(per), 0, time.perf_counter() - t0, per)
+            self._last = None
+            return {"unbounded": _stats(st)}
         else:
             salts = self.salts(prep)
             public = public_prefixes(prep, salts) if policy == "public-prefix" and salts else None
-            chains = self.chainer.chains(prep.tokens, salts, public)
+            chains = block_chains(prep.tokens, self.bs, salts, public)
             out = {"unbounded": _stats(replay(chains, prep.lengths, self.bs, None))}
         if self.capacity is not None and capacity and "capacity" not in out:
             out["capacity"] = _stats(replay(chains, prep.lengths, self.bs, self.capacity, self.concurrency))
@@ -254,18 +263,23 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
     queries = sum(lengths)
     table = []
     meters = {bs: _Meter(bs, caps[bs], concurrency, tenant_field) for bs in block_sizes}
+    salted_div = None if tenants is None else unbounded_hits(prep.tokens, 1, tenants)  # per request: min(d, n-1)
+    shared = [min(d, n - 1) for d, n in zip(div.position, lengths)]
     for bs in block_sizes:
-        chainer = meters[bs].chainer
-        chains = chainer.chains(prep.tokens, tenants)
         row = {"block_size": bs, "capacity_blocks": caps[bs], "requests": len(lengths), "query_tokens": queries}
-        u = replay(chains, lengths, bs, None)
-        row["unbounded_hit_rate"], row["unbounded_hit_tokens"] = u.hit_rate, u.hit_tokens
+        u = sum(x // bs * bs for x in (salted_div if tenants is not None else shared))  # unbounded: from divergence
+        row["unbounded_hit_rate"], row["unbounded_hit_tokens"] = u / queries if queries else 0.0, u
         if caps[bs] is not None:
+            chains = block_chains(prep.tokens, bs, tenants)
             c = replay(chains, lengths, bs, caps[bs], concurrency)
             row["capacity_hit_rate"], row["capacity_hit_tokens"], row["too_big"] = c.hit_rate, c.hit_tokens, c.too_big
+            if bs == block_sizes[0]:  # the culprits' baseline: the same replay
+                u = replay(chains, lengths, bs, None)
+                meters[bs]._last = ((id(prep.tokens), None), prep.tokens, chains,
+                                    {"unbounded": _stats(u), "capacity": _stats(c)})
         if tenants is not None:
-            un = replay(chainer.chains(prep.tokens), lengths, bs, None)
-            row["unsalted_hit_rate"], row["unsalted_hit_tokens"] = un.hit_rate, un.hit_tokens
+            un = sum(x // bs * bs for x in shared)
+            row["unsalted_hit_rate"], row["unsalted_hit_tokens"] = un / queries if queries else 0.0, un
         row["short_requests"] = sum(1 for d, n in zip(div.position, lengths) if 0 < min(d, n - 1) < bs)
         table.append(row)
     ceiling_tokens = div.ceiling_hit_tokens()
@@ -320,9 +334,16 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
     # In prompt order most differences are only hidden by one before them, fixed first; a fix that
     # changed nothing gets a second look once all the others are in (a difference after it hid it).
     groups = [[c for c in order if c.fix is not None], [c for c in order if c.fix is None]]  # rewrites, then tokens/policy
+    n = len(prep.records)
+    windows = [] if n <= QUICK_MIN else sorted({i for w in range(QUICK_WINDOWS)
+                                                for i in range(w * n // QUICK_WINDOWS, w * n // QUICK_WINDOWS + QUICK_SIZE)})
     for group, attempt in ((g, a) for g in groups for a in (1, 2)):
         for c in list(group):
             if attempt == 2 and c.kind not in SECOND_LOOK:
+                continue
+            if windows and c.kind in FIELD_KINDS and not _quick_look(c, cur, windows, policy, enc, meter, min_effect / 2):
+                c.chained, c.before, c.no_effect = None, {"unbounded": last["unbounded"]}, True
+                c.details["quick look"] = f"no effect on {len(windows)} requests in {QUICK_WINDOWS} windows of the log"
                 continue
             new, res, new_policy = _chain_step(c, cur, policy, enc, meter,
                                                capacity=c.policy is not None)  # unbounded only: cheap
@@ -331,6 +352,9 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
             if last[key]["computed_tokens"] - res[key]["computed_tokens"] >= effect:
                 res = meter(new, policy=new_policy) if c.policy is None else res
                 c.chained, c.before, c.no_effect = res, last, False
+                if new is not cur:  # what the fixed log holds: the log after this fix and the ones before it
+                    c.details["state"] = new.tokens if new.padded else new.records
+                    c.details["state_padded"] = new.padded
                 cur, policy, last = new, new_policy, res
                 kept.append(c)
                 group.remove(c)
@@ -376,12 +400,22 @@ def _flat(res: dict) -> dict:
 def _apply_and_measure(c: Culprit, prep: Prepared, enc, meter: _Meter) -> dict | None:
     """One fix applied to the original log, measured."""
     if c.fix is not None:
-        return meter(prepare(c.fix(prep.records), enc, base=prep, light=True))
+        return meter(prepare(c.fix(prep.records), enc, base=prep))
     if c.token_fix is not None:
         return meter(c.token_fix(prep))
     if c.policy is not None:
         return meter(prep, policy=c.policy)
     return None
+
+
+def _quick_look(c: Culprit, prep: Prepared, idx: list[int], policy: str | None, enc, meter: _Meter,
+                share: float) -> bool:
+    """Whether a field fix saves at least ``share`` of the prefill in a few windows of the log (cheap pre-check)."""
+    sub = prep.subset(idx)
+    quick = _Meter(meter.bs, None, 1, meter.tenant_field)
+    before = quick(sub, policy=policy, capacity=False)["unbounded"]
+    _, after, _ = _chain_step(c, sub, policy, enc, quick)
+    return before["computed_tokens"] - after["unbounded"]["computed_tokens"] >= share * before["query_tokens"]
 
 
 def _chain_step(c: Culprit, prep: Prepared, policy: str | None, enc, meter: _Meter, capacity: bool = False):
@@ -400,18 +434,23 @@ def _chain_step(c: Culprit, prep: Prepared, policy: str | None, enc, meter: _Met
 
 
 def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
-    """Write, per culprit, the original log with that fix applied; and the log with every fix; return paths."""
+    """Write, per culprit, the log after its fix and the fixes before it (what its numbers measure); return paths.
+
+    ``all_fixes.jsonl`` is the last of them. A padded log (alignment) is written as token ids.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for n, c in enumerate(d.kept, 1):
         name = f"{n:02d}_{c.kind}.jsonl"
-        if c.fix is not None:
-            paths[c.title] = write_log(c.fix(d.prep.records), out_dir / name)
-        elif c.token_fix is not None:
-            paths[c.title] = _write_tokens(c.token_fix(d.prep), out_dir / name)
+        state = c.details.get("state")
+        if state is None:
+            continue  # a replay policy (the public prefix): the log itself does not change
+        if c.details.get("state_padded"):
+            paths[c.title] = write_log(({"token_ids": ids(s), **r.meta} for s, r in zip(state, d.prep.records)),
+                                       out_dir / name)
         else:
-            continue
+            paths[c.title] = write_log(state, out_dir / name)
         c.fixed_log = str(paths[c.title])
     if d.final is not None:
         paths["all fixes"] = (_write_tokens(d.final, out_dir / "all_fixes.jsonl") if d.final.padded

@@ -44,6 +44,7 @@ MIN_RUN = 8  # tokens that must match again after a slot
 WINDOW = 160  # tokens searched for the re-alignment (a slot's value is shorter than this)
 MAX_STEPS = 8  # slots followed per pair
 LONG_LINE = 240  # a longer line is split into sentences
+MAX_FIELD_CHARS = 300  # a field's values are short (times, ids, names); longer ones are content
 
 TIMESTAMP_RE = re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}(:\d{2})?|\b\d{1,2}/\d{1,2}/\d{2,4}\b|"
                           r"\b(Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day\b|\b(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\b \d", re.I)
@@ -784,6 +785,8 @@ def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, 
                     break
         if len(set(values)) < 2:
             continue
+        if statistics.median(map(len, values)) > MAX_FIELD_CHARS:
+            continue  # that long is the request's content, not a field in it
         if tenants is not None and _constant_share(values, owners)[0] >= 0.9:
             continue  # one value per tenant: the tenant's own content
         kind, scope = _scope(values, users, sessions)
@@ -1109,7 +1112,7 @@ def alignment_culprit(prep: Prepared, div: Divergence, block_size: int, pad: int
     frac = lost / max(sum(lens), 1)
     return Culprit(
         "alignment", f"shared prefixes end inside a {block_size}-token block" + (
-            f"; {short} requests share less than one block" if short else ""),
+            f"; {short} request{'s share' if short != 1 else ' shares'} less than one block" if short else ""),
         int(statistics.median(len(b) for b in bounds)) if bounds else None, "block boundaries",
         [f"{lost} prompt tokens ({frac:.2%} of all) match an earlier prompt but sit in a block that is not full "
          f"of shared tokens, so they are recomputed",

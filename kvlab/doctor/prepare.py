@@ -87,9 +87,14 @@ class Prepared:
         """Prompt length of each request in tokens."""
         return [len(t) for t in self.tokens]
 
+    def subset(self, idx: list[int]) -> Prepared:
+        """The requests at ``idx`` (in that order), sharing this one's objects."""
+        return Prepared([self.records[i] for i in idx], [self.texts[i] for i in idx], [self.tokens[i] for i in idx],
+                        [self.segments[i] for i in idx], [self.sys_tokens[i] for i in idx], [], {},
+                        self.padded, [self.sys_chars[i] for i in idx])
 
-def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None,
-            light: bool = False) -> Prepared:
+
+def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None) -> Prepared:
     """Render (chat template), tokenize (batched, cached pieces) and lay out every record.
 
     A record the chat template cannot render becomes a BadLine (reported, not silently dropped).
@@ -98,7 +103,6 @@ def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | N
     messages and roles, other contents) is *spliced*: its new contents replace the old ones in the
     old rendered text, which is what a template that copies contents verbatim renders (checked
     against real renders on the first ``SPLICE_CHECKS`` records; it falls back to rendering).
-    ``light`` is accepted for compatibility (the layout is always computed).
     """
     t0 = time.perf_counter()
     if base is not None:

@@ -7,9 +7,9 @@ hashes); a request reuses the longest run of cached blocks from its start, but n
 cached once computed; a finite cache evicts least-recently-used blocks that no running request holds,
 and a finished request releases its blocks tail first.
 
-``replay`` runs those rules on integer block ids instead of token lists: ``block_chains`` interns each
-(parent id, block tokens[, salt]) once, so a hash chain becomes a list of ints, and the LRU pool is a
-lean copy of ``kvlab.cache.BlockPool``'s bookkeeping. ``replay_block_manager`` feeds the same log to
+``replay`` runs those rules on integer block ids instead of token lists: ``block_chains`` numbers each
+prefix of whole blocks (with its salt) from the prompts' sorted order, so a hash chain becomes a list of
+ints, and the LRU pool is a lean copy of ``kvlab.cache.BlockPool``'s bookkeeping. ``replay_block_manager`` feeds the same log to
 ``kvlab.cache.BlockManager`` itself; the doctor runs both on a prefix of every log (``spot_check``) and
 the tests compare them on logs built to stress eviction, duplicates and salts: the counts are equal.
 
@@ -19,7 +19,9 @@ arrives); a request that needs more blocks than the cache has is counted as all-
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -65,99 +67,51 @@ def salt_blocks(public_tokens: Sequence[int] | None, n: int, block_size: int) ->
     return [p // block_size for p in public_tokens]
 
 
-class Chainer:
-    """Chain ids of full blocks: equal ids <=> equal tokens, equal prefix, equal salt key.
-
-    What vLLM's chained block hashes decide, without hash collisions. Each block's content is interned
-    once per distinct token str (``dict.setdefault`` driven by ``map``: the loop runs in C); then the
-    chain ids are computed one block position at a time over all prompts with numpy: at position j
-    the pair (chain id at j-1, content id at j) is numbered with ``np.unique``. Ids are consistent
-    within one ``chains`` call, i.e. within one replay.
-    """
-
-    def __init__(self, block_size: int, keep_calls: int = 3) -> None:
-        self.block_size = block_size
-        self.content: dict = {}
-        self.counter = itertools.count()
-        self.pinned: dict[str, list[int]] = {}  # content ids of the first call's prompts (the log as logged)
-        self.recent: deque[dict[str, list[int]]] = deque(maxlen=keep_calls)
-
-    def contents(self, s: str) -> list[int]:
-        """Content ids of one prompt's full blocks."""
-        bs = self.block_size
-        end = len(s) // bs * bs
-        blocks = map(s.__getitem__, map(slice, range(0, end, bs), range(bs, end + bs, bs)))
-        return list(map(self.content.setdefault, blocks, self.counter))
-
-    def _all_contents(self, prompts: Sequence[str]) -> list[list[int]]:
-        now: dict[str, list[int]] = {}
-        out = []
-        for p in prompts:
-            got = now.get(p) or self.pinned.get(p)
-            if got is None:
-                for old in self.recent:
-                    got = old.get(p)
-                    if got is not None:
-                        break
-                else:
-                    got = self.contents(p)
-            now[p] = got
-            out.append(got)
-        if not self.pinned:
-            self.pinned = now
-        else:
-            self.recent.append(now)
-        return out
-
-    def chains(self, prompts: Sequence[str], salts: Sequence[str | None] | None = None,
-               public_tokens: Sequence[int] | None = None) -> list[list[int]]:
-        """Chain ids of every prompt's full blocks (salt in the key of block ``public_tokens // block_size``)."""
-        import numpy as np
-
-        cont = self._all_contents(prompts)
-        n = len(cont)
-        if not n:
-            return []
-        depth = max(map(len, cont))
-        if not depth:
-            return [[] for _ in cont]
-        arr = np.full((n, depth), -1, dtype=np.int64)
-        for i, c in enumerate(cont):
-            if c:
-                arr[i, :len(c)] = c
-        if salts is not None:
-            sb = salt_blocks(public_tokens, n, self.block_size)
-            salt_ids: dict = {}
-            base = next(self.counter) + 1  # above every content id
-            for i, (salt, b) in enumerate(zip(salts, sb)):
-                if salt is not None and b < len(cont[i]):
-                    arr[i, b] = base + salt_ids.setdefault((cont[i][b], salt), len(salt_ids))
-        lengths = np.fromiter(map(len, cont), dtype=np.int64, count=n)
-        chain = np.empty((n, depth), dtype=np.int64)
-        parent = np.full(n, -1, dtype=np.int64)
-        offset = 0
-        width = int(arr.max()) + 2
-        for j in range(depth):
-            alive = lengths > j
-            if alive.all():
-                key = (parent + 1) * width + arr[:, j]
-                uniq, inv = np.unique(key, return_inverse=True)
-                chain[:, j] = parent = inv + offset
-            else:
-                idx = np.nonzero(alive)[0]
-                key = (parent[idx] + 1) * width + arr[idx, j]
-                uniq, inv = np.unique(key, return_inverse=True)
-                parent = np.full(n, -1, dtype=np.int64)
-                parent[idx] = inv + offset
-                chain[idx, j] = parent[idx]
-            offset += len(uniq)
-        return [row[:k] for row, k in zip(chain.tolist(), lengths.tolist())]
-
-
 def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None,
                  public_tokens: Sequence[int] | None = None) -> list[list[int]]:
-    """Each prompt's full blocks as chain ids (a fresh ``Chainer``)."""
-    return Chainer(block_size).chains(prompts, salts, public_tokens)
+    """Each prompt's full blocks as chain ids: equal ids <=> equal tokens, equal prefix, equal salt key.
+
+    What vLLM's chained block hashes decide, without hashing and without collisions. Sort the prompts;
+    prompts that share their first t tokens form a run of neighbours in sorted order, bounded where the
+    common prefix of two neighbours is shorter than t. So the chain id of block j (t = (j + 1) * block_size)
+    is the sorted position where its run starts: one ``np.maximum.accumulate`` per block position over
+    all prompts. A salt splits a run by (salt, salted block), from the salted block on.
+    """
+    import numpy as np
+
+    from .divergence import lcp
+
+    n, bs = len(prompts), block_size
+    if not n:
+        return []
+    order = sorted(range(n), key=prompts.__getitem__)
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    adj = np.zeros(n, dtype=np.int64)  # common prefix with the previous prompt in sorted order
+    for k in range(1, n):
+        adj[k] = lcp(prompts[order[k - 1]], prompts[order[k]])
+    blocks = [len(p) // bs for p in prompts]
+    depth = max(blocks)
+    if not depth:
+        return [[] for _ in prompts]
+    ar = np.arange(n, dtype=np.int64)
+    if salts is not None:
+        sb = salt_blocks(public_tokens, n, bs)
+        gid: dict = {}
+        code_of = np.array([0 if salts[i] is None else 1 + gid.setdefault((salts[i], sb[i]), len(gid))
+                            for i in order], dtype=np.int64)  # by sorted position
+        sb_sorted = np.array([sb[i] for i in order], dtype=np.int64)
+        groups = len(gid) + 1
+    else:
+        groups = 1
+    ids = np.empty((depth, n), dtype=np.int64)  # [block, sorted position]
+    for j in range(depth):
+        run = np.maximum.accumulate(np.where(adj < (j + 1) * bs, ar, 0))
+        if salts is not None:
+            run = run * groups + np.where(sb_sorted <= j, code_of, 0)
+        ids[j] = run + j * n * groups
+    rows = ids.T[pos].tolist()  # back to log order
+    return [row[:b] for row, b in zip(rows, blocks)]
 
 
 def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int,
@@ -181,6 +135,27 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
         per, too_big = _replay_lru(chains, lengths, bs, capacity_blocks, concurrency)
     return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big,
                     time.perf_counter() - t0, per)
+
+
+def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None) -> list[int]:
+    """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block ids).
+
+    Without eviction a request hits exactly the whole blocks of the longest prefix it shares with an
+    earlier request of the same salt, capped by the n-1 rule: ``min(d, n - 1) // block_size * block_size``.
+    (The public-prefix policy salts a later block; it goes through ``replay``.)
+    """
+    from .divergence import divergence
+
+    bs = block_size
+    groups: dict = {}
+    for i in range(len(prompts)):
+        groups.setdefault(salts[i] if salts is not None else None, []).append(i)
+    out = [0] * len(prompts)
+    for idx in groups.values():
+        d = divergence([prompts[i] for i in idx])
+        for i, pos, n in zip(idx, d.position, d.lengths):
+            out[i] = min(pos, n - 1) // bs * bs
+    return out
 
 
 def _replay_lru(chains, lengths, bs: int, num_blocks: int, concurrency: int) -> tuple[list[int], int]:
@@ -257,6 +232,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int
     first: dict = {}
     twins: dict = {}
     get, pop, update, keyget = first.get, free.pop, free.update, key.get
+    not_none = functools.partial(operator.is_not, None)
     per, too_big = [], 0
     for ch, n in zip(chains, lengths):
         nblk = -(-n // bs)
@@ -274,7 +250,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int
         deque(map(pop, found), 0)  # revived: out of the free list, back at its tail below
         victims = list(itertools.islice(free, nblk - nh))  # least recently used first
         deque(map(pop, victims), 0)
-        olds = [o for o in map(keyget, victims) if o is not None]
+        olds = list(filter(not_none, map(keyget, victims)))
         if olds:
             if twins and not twins.keys().isdisjoint(olds):
                 for b in victims:

@@ -87,14 +87,17 @@ def format_summary(d: Diagnosis) -> str:
         if c.alone:
             out.append(f"     this fix alone on the log as logged: {pct(base)} -> {pct(c.alone[cap_key]['hit_rate'])}")
         if c.fixed_log:
-            out.append(f"     log with this fix: {c.fixed_log}")
+            out.append(f"     the log with this fix and the ones above: {c.fixed_log}")
     weak = [c for c in d.culprits if c.no_effect]
     if weak:
         out.append(f"  candidates checked and dropped (fixing them saves less than {100 * d.min_effect:.1f} % of the "
                    "prompt tokens' prefill, unbounded cache):")
         for c in weak:
-            out.append(f"     - {c.title}: {pct(c.before['unbounded']['hit_rate'])} -> "
-                       f"{pct(c.chained['unbounded']['hit_rate'])}")
+            if c.chained is None:
+                out.append(f"     - {c.title}: {c.details.get('quick look', 'not measured')}")
+            else:
+                out.append(f"     - {c.title}: {pct(c.before['unbounded']['hit_rate'])} -> "
+                           f"{pct(c.chained['unbounded']['hit_rate'])}")
     info = [c for c in d.culprits if not c.measurable]
     if info:
         out.append("  evidence only (no automatic rewrite):")
@@ -286,7 +289,7 @@ def to_html(d: Diagnosis, figs: dict[str, Path]) -> str:
                      "<th class=l>this request goes on</th><th class=l>the earlier prompt went on</th></tr>")
         for p in d.top_points:
             parts.append(f"<tr><td>{p['position']}</td><td>{p['requests']}</td><td class=l><code>{e(_esc(p['before']))}</code></td>"
-                         f"<td class=l class=diff><code>{e(_esc(p['after_request']))}</code></td>"
+                         f"<td class='l diff'><code>{e(_esc(p['after_request']))}</code></td>"
                          f"<td class=l><code>{e(_esc(p['after_partner']))}</code></td></tr>")
         parts.append("</table>")
         cap_key = "capacity" if d.baseline.get("capacity") else "unbounded"
@@ -294,7 +297,7 @@ def to_html(d: Diagnosis, figs: dict[str, Path]) -> str:
         parts.append(f"<h2>Culprits</h2><p>Measured at block size {d.block_size}, "
                      f"{'the given capacity' if cap_key == 'capacity' else 'an unbounded cache'}; as logged: "
                      f"<b>{pct(base['hit_rate'])}</b>, {base['computed_tokens']} prompt tokens prefilled.</p>")
-        for n, c in enumerate(d.culprits, 1):
+        for n, c in enumerate(d.kept, 1):
             parts.append(f"<h3>{n}. {e(c.title)}</h3><p>{e(c.where)}"
                          + (f", token ~{c.position}" if c.position is not None else "") + f"; {c.affected} requests</p><ul>")
             parts += [f"<li>{e(x)}</li>" for x in c.evidence]
@@ -302,14 +305,28 @@ def to_html(d: Diagnosis, figs: dict[str, Path]) -> str:
             for a, b in c.examples[:1]:
                 parts.append(f"<pre>request: {e(a)}</pre><pre>earlier: {e(b)}</pre>")
             parts.append(f"<p><b>Fix:</b> {e(c.fix_text)}</p>")
-            if c.alone:
-                a = c.alone[cap_key]
-                parts.append(f"<p>Measured, this fix alone: {pct(base['hit_rate'])} &rarr; <b>{pct(a['hit_rate'])}</b>, "
-                             f"prefill tokens {base['computed_tokens']} &rarr; {a['computed_tokens']}"
-                             + (f"; after the fixes listed before it too: {pct(c.chained[cap_key]['hit_rate'])}" if c.chained else "")
-                             + "</p>")
+            b, a = c.before[cap_key], c.chained[cap_key]
+            parts.append(f"<p>Measured after the fixes listed before it: {pct(b['hit_rate'])} &rarr; "
+                         f"<b>{pct(a['hit_rate'])}</b> ({100 * (a['hit_rate'] - b['hit_rate']):+.1f} points), prefill "
+                         f"tokens {b['computed_tokens']} &rarr; {a['computed_tokens']}"
+                         + (f"; this fix alone on the log as logged: {pct(c.alone[cap_key]['hit_rate'])}" if c.alone else "")
+                         + "</p>")
             if c.fixed_log:
-                parts.append(f"<p>Log with this fix: <code>{e(c.fixed_log)}</code></p>")
+                parts.append(f"<p>The log with this fix and the ones above it: <code>{e(c.fixed_log)}</code></p>")
+        weak = [c for c in d.culprits if c.no_effect]
+        if weak:
+            parts.append(f"<h3>Candidates checked and dropped</h3><p>Fixing them saves less than {100 * d.min_effect:.1f} % "
+                         "of the prompt tokens' prefill (unbounded cache).</p><ul>")
+            for c in weak:
+                got = (c.details.get("quick look", "not measured") if c.chained is None else
+                       f"{pct(c.before['unbounded']['hit_rate'])} &rarr; {pct(c.chained['unbounded']['hit_rate'])}")
+                parts.append(f"<li>{e(c.title)}: {got}</li>")
+            parts.append("</ul>")
+        info = [c for c in d.culprits if not c.measurable]
+        if info:
+            parts.append("<h3>Evidence only (no automatic rewrite)</h3><ul>")
+            parts += [f"<li>{e(c.title)}: {e('; '.join(c.evidence[:3]))}</li>" for c in info]
+            parts.append("</ul>")
         if len(d.chain) > 1:
             parts.append("<h2>All fixes, one after the other</h2>")
             if "fixes" in figs:

@@ -84,7 +84,8 @@ def culprit_table(d: Diagnosis) -> pd.DataFrame:
 def dropped_table(d: Diagnosis) -> pd.DataFrame:
     """Candidates the doctor measured and dropped: their fix did not change the replay enough."""
     return pd.DataFrame([{"candidate": c.title[:90], "hit rate before (unbounded)": c.before["unbounded"]["hit_rate"],
-                          "with its fix": c.chained["unbounded"]["hit_rate"]} for c in d.culprits if c.no_effect])
+                          "with its fix": c.chained["unbounded"]["hit_rate"] if c.chained else None}
+                         for c in d.culprits if c.no_effect])
 
 
 def sentence(c: Culprit, cap_key: str) -> str:
