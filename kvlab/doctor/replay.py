@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlab.cache import BlockManager, TenantScope
+from kvlab.cache import BlockManager, TenantScope, cdiv
 
 
 @dataclass(slots=True)
@@ -178,7 +178,7 @@ def _replay_lru(chains, lengths, bs: int, num_blocks: int, concurrency: int) -> 
                 free[b] = None
 
     for ch, n in zip(chains, lengths):
-        nblk = -(-n // bs)
+        nblk = cdiv(n, bs)
         if nblk > num_blocks:
             per.append(0)
             too_big += 1
@@ -235,7 +235,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int
     not_none = functools.partial(operator.is_not, None)
     per, too_big = [], 0
     for ch, n in zip(chains, lengths):
-        nblk = -(-n // bs)
+        nblk = cdiv(n, bs)
         if nblk > num_blocks:
             per.append(0)
             too_big += 1
@@ -312,14 +312,14 @@ def replay_block_manager(prompts: Sequence[str], block_size: int, capacity_block
     t0 = time.perf_counter()
     bs = block_size
     toks = [[ord(c) for c in p] for p in prompts]
-    nb = capacity_blocks if capacity_blocks is not None else sum(-(-len(t) // bs) for t in toks) + 1
+    nb = capacity_blocks if capacity_blocks is not None else sum(cdiv(len(t), bs) for t in toks) + 1
     bm = BlockManager(nb, bs, free_order="lru")  # the fast replay frees every block to the LRU tail
     live: deque[int] = deque()
     per, too_big = [], 0
     for i, t in enumerate(toks):
         salt = salts[i] if salts is not None else None
         pub = public_tokens[i] if public_tokens is not None else 0
-        if -(-len(t) // bs) > nb:
+        if cdiv(len(t), bs) > nb:
             per.append(0)
             too_big += 1
             continue

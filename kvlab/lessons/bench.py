@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvlab.cache import cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import model_device_dtype, synchronize
 from kvlab.lessons.workloads import Workload, ideal_prefill_fraction, sys512
@@ -52,7 +53,7 @@ def _result(system: str, mode: str, ttfts: Sequence[float], wall: float, outputs
 def run_kvlab(model: Any, workload: Workload, caching: bool, block_size: int = 16) -> dict[str, Any]:
     """kvlab's engine: all requests at once, prefix caching on (shared) or off (isolated)."""
     n = workload.max_tokens
-    num_blocks = sum(-(-(len(p) + n) // block_size) for p in workload.prompts) + 4
+    num_blocks = sum(cdiv(len(p) + n, block_size) for p in workload.prompts) + 4
     engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
                     max_num_seqs=max(len(workload), 1), max_num_batched_tokens=max(2048, workload.prompt_tokens))
     device, _ = model_device_dtype(model)
@@ -162,7 +163,7 @@ def run_generate_batch(model: Any, workload: Workload, sharing: bool, block_size
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     n = workload.max_tokens
-    num_blocks = sum(-(-(len(p) + n) // block_size) for p in workload.prompts) + 4
+    num_blocks = sum(cdiv(len(p) + n, block_size) for p in workload.prompts) + 4
     gen_config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb_config = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, allow_block_sharing=sharing,
                                          max_batch_tokens=max_batch_tokens)
@@ -208,7 +209,7 @@ SYSTEMS: dict[str, Callable[[Any, Workload], dict[str, Any]]] = {
 def kv_ideal_bytes(workload: Workload, bytes_per_block: int, block_size: int = 16) -> dict[str, int]:
     """Block-granular KV bytes at the peak: every request's blocks, the prefix's full blocks once when shared."""
     n = workload.max_tokens
-    per_request = [-(-(len(p) + n - 1) // block_size) for p in workload.prompts]  # K/V of all but the last token
+    per_request = [cdiv(len(p) + n - 1, block_size) for p in workload.prompts]  # K/V of all but the last token
     hits = [min(workload.shared_prefix_tokens // block_size, (len(p) - 1) // block_size) for p in workload.prompts[1:]]
     return {"isolated": sum(per_request) * bytes_per_block, "shared": (sum(per_request) - sum(hits)) * bytes_per_block}
 
@@ -505,7 +506,7 @@ def hf_decode_step(model: Any, workload: Workload, steps: int = 8) -> float:
 def kvlab_steps(model: Any, workload: Workload, caching: bool, steps: int = 8, block_size: int = 16) -> dict[str, float]:
     """One prefill step of all prompts (seconds) and the median decode step after it, in kvlab's engine."""
     device, _ = model_device_dtype(model)
-    num_blocks = sum(-(-(len(p) + steps + 2) // block_size) for p in workload.prompts) + 4
+    num_blocks = sum(cdiv(len(p) + steps + 2, block_size) for p in workload.prompts) + 4
     engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
                     max_num_seqs=len(workload), max_num_batched_tokens=max(2048, workload.prompt_tokens))
     for p in workload.prompts:

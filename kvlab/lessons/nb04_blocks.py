@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.lessons.common import Verdict, call_answer, verdict
 from kvlab.lessons.traces import replay, timestamp_trace
@@ -120,7 +121,7 @@ def fig_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] |
     bs, seqs, blocks = state["block_size"], state["seqs"], state["blocks"]
     width = max([len(s["table"]) for s in seqs.values()] + [1])
     per_row = min(len(blocks), 16)
-    pool_rows = -(-len(blocks) // per_row)
+    pool_rows = cdiv(len(blocks), per_row)
     fig, (ax, axp) = plt.subplots(
         2, 1, figsize=(max(6.0, 0.55 * max(width, per_row) + 2), 0.5 * (len(seqs) + pool_rows) + 2.4),
         gridspec_kw={"height_ratios": [max(len(seqs), 1), pool_rows]})

@@ -19,6 +19,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager, TenantScope
 from kvlab.cache.radix import RadixCache
 from kvlab.lessons.common import Verdict, call_answer, verdict
@@ -132,7 +133,7 @@ def short_prefix_trace(num_requests: int, seed: int = 0) -> list[Request]:
 
 # --- the comparison -------------------------------------------------------------------------------------------
 def _round_up(n: int, m: int = 32) -> int:
-    return -(-n // m) * m
+    return cdiv(n, m) * m
 
 
 def _lookup_us(caches: dict[str, RadixCache | BlockManager], requests: Sequence[Request], repeats: int

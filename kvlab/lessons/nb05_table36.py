@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.block_pool import Block, BlockPool
 from kvlab.engine import Engine, SamplingParams
@@ -113,7 +114,7 @@ def content_keyed_engine(model: Any, tokenizer: Any, num_blocks: int, block_size
 # ----------------------------------------------------------------------------- running one mode
 
 def _num_blocks(workload: Workload, block_size: int) -> int:
-    return sum(-(-(len(p) + workload.max_tokens) // block_size) for p in workload.prompts) + 8
+    return sum(cdiv(len(p) + workload.max_tokens, block_size) for p in workload.prompts) + 8
 
 
 def make_engine(model: Any, tokenizer: Any, group: int, mode: str, num_blocks: int, block_size: int = 16,
@@ -325,7 +326,7 @@ def check_kv_ratio(answer: float | None, num_requests: int, prefix_tokens: int, 
     if value is None:
         return verdict(False, hint=f"give a number, not {answer!r}")
     full = prefix_tokens // block_size
-    per_request = -(-(prefix_tokens + private_tokens) // block_size)
+    per_request = cdiv(prefix_tokens + private_tokens, block_size)
     want = (full + num_requests * (per_request - full)) / (num_requests * per_request)
     return verdict(abs(value - want) < 1e-3, f"{want:.4f}", f"not {value:.4f}: {hint}")
 
@@ -509,7 +510,7 @@ def trace_three_requests(model: Any, tokenizer: Any, prompts: Sequence[Sequence[
     The trace of the second ``generate``: its first step is the three prefills (with their prefix-cache
     hits), the next ones are decodes.
     """
-    blocks = sum(-(-(len(p) + max_tokens) // block_size) for p in [first, *prompts]) + 4
+    blocks = sum(cdiv(len(p) + max_tokens, block_size) for p in [first, *prompts]) + 4
     engine = TracingEngine(model, tokenizer, num_blocks=blocks, block_size=block_size, enable_prefix_caching=True)
     engine.generate([list(first)], SamplingParams(max_tokens=max_tokens))
     engine.trace.clear()

@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from kvlab.cache import cdiv
 from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
 from kvlab.vllm.bridge import run_kvlab, run_worker
 
@@ -81,7 +82,7 @@ def bench_block_pools(requests: Sequence[Any], pools: dict[str, int], block_size
     """
     if free_order not in ("vllm", "lru"):
         raise ValueError(f"free_order must be 'vllm' or 'lru', got {free_order!r}")
-    table_blocks = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
+    table_blocks = sum(cdiv(len(r.prompt) + len(r.output), block_size) for r in requests)
     out: dict[str, dict] = {}
     for name, num_blocks in pools.items():
         k = _kvlab_replay(requests, num_blocks, block_size, max_running, reps, free_order)

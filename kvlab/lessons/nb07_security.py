@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.cache import cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
@@ -195,7 +196,7 @@ def isolation_cost(model: Any, tokenizer: Any, n_tenants: int, per_tenant: int =
             user = P.chatml("user", f"Request {j} of tenant {t}. {q}") + f"{P.IM_START}assistant\n"
             prompts.append(system_ids + encode(tokenizer, user))
             tenants.append(f"tenant-{t}")
-    need = sum(-(-(len(p) + 2) // block_size) for p in prompts) + 8
+    need = sum(cdiv(len(p) + 2, block_size) for p in prompts) + 8
     rows = []
     for policy in policies:
         engine = Engine(model, tokenizer, num_blocks=need, block_size=block_size, isolation=policy,

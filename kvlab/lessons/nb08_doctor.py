@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvlab.cache import cdiv
 from kvlab.doctor import Diagnosis
 from kvlab.doctor.culprits import Culprit, record_segments
 from kvlab.doctor.logio import read_log
@@ -139,7 +140,7 @@ def engine_ttft(model: Any, tok: Any, prompts: dict[str, list[list[int]]], block
     from kvlab.engine import Engine, SamplingParams
 
     if num_blocks is None:
-        num_blocks = max(sum(-(-(len(p) + 1) // block_size) for p in ps) for ps in prompts.values()) + 4
+        num_blocks = max(sum(cdiv(len(p) + 1, block_size) for p in ps) for ps in prompts.values()) + 4
     rows = []
     warm = Engine(model, tok, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
     warm.generate([next(iter(prompts.values()))[0]], SamplingParams(max_tokens=1))  # warm-up, not counted

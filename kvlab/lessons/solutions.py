@@ -6,6 +6,8 @@ starts blank there). One block per notebook, in notebook order.
 
 from __future__ import annotations
 
+from kvlab.cache import cdiv
+
 # ----------------------------------------------------------------------------- 00 the passphrase experiment
 
 def solution_00_1(prompt_tokens: int = 300, cached_tokens: int = 256) -> float:
@@ -159,7 +161,7 @@ def ex05_2_kv_ratio(num_requests: int = 16, prefix_tokens: int = 512, private_to
                     block_size: int = 16) -> float:
     """05.2: block-granular shared / isolated KV bytes: the prefix's full blocks once, every other block per request."""
     full = prefix_tokens // block_size
-    per_request = -(-(prefix_tokens + private_tokens) // block_size)
+    per_request = cdiv(prefix_tokens + private_tokens, block_size)
     return (full + num_requests * (per_request - full)) / (num_requests * per_request)
 
 

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager, TenantScope
 
 VOCAB = 32_000
@@ -176,7 +177,7 @@ def replay(manager: BlockManager, requests: list[Request], max_running: int = 16
     never runs out; a turn waits until the turn it follows has finished.
     """
     bs = manager.block_size
-    need = lambda r: -(-(len(r.prompt) + len(r.output)) // bs)  # noqa: E731
+    need = lambda r: cdiv(len(r.prompt) + len(r.output), bs)  # noqa: E731
     too_big = [r.req_id for r in requests if need(r) > manager.pool.num_blocks]
     if too_big:
         raise ValueError(f"requests {too_big[:3]} need more blocks than the pool has")
