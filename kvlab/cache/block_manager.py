@@ -65,6 +65,28 @@ def cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
+def check_token_ids(token_ids: Sequence[int], what: str = "a prompt") -> list[int]:
+    """``token_ids`` as a list, or a clear error: at least one token, plain ints in [0, MAX_TOKEN_ID)."""
+    tokens = list(token_ids)
+    if not tokens:
+        raise ValueError(f"{what} needs at least one token")
+    if any(type(t) is not int for t in tokens):
+        raise TypeError("token ids must be ints")
+    if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
+        raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
+    return tokens
+
+
+def check_prompt(token_ids: Sequence[int], scope: TenantScope) -> list[int]:
+    """The prompt checks every cache runs before it looks anything up (block manager and radix cache alike)."""
+    if not isinstance(scope, TenantScope):
+        raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
+    tokens = check_token_ids(token_ids)
+    if not 0 <= scope.public_tokens <= len(tokens):
+        raise ValueError(f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}")
+    return tokens
+
+
 @dataclass(slots=True, frozen=True)
 class TenantScope:
     """Whose cached blocks a sequence may share: its salt, the public prefix before it, and its label.
@@ -205,18 +227,7 @@ class BlockManager:
 
     # --- prefix lookup ------------------------------------------------------------------------------
     def _check_prompt(self, token_ids: Sequence[int], scope: TenantScope) -> list[int]:
-        if not isinstance(scope, TenantScope):
-            raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
-        tokens = list(token_ids)
-        if not tokens:
-            raise ValueError("a prompt needs at least one token")
-        if any(type(t) is not int for t in tokens):
-            raise TypeError("token ids must be ints")
-        if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
-        if not 0 <= scope.public_tokens <= len(tokens):
-            raise ValueError(f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}")
-        return tokens
+        return check_prompt(token_ids, scope)
 
     def _keys(self, i: int, salt: str | None, salt_block: int) -> ExtraKeys:
         return block_extra_keys(i, self.model_fingerprint, salt, salt_block)

@@ -50,6 +50,8 @@ from .block_manager import (
     TenantScope,
     UnknownSequenceError,
     cdiv,
+    check_prompt,
+    check_token_ids,
 )
 from .block_pool import NoFreeBlocksError, check
 from .metrics import PrefixCacheMetrics
@@ -366,14 +368,7 @@ class RadixCache:
         return 0 if root is None else self._walk(root, tokens, limit, split=False, touch=False, account=False)[0]
 
     def _check_tokens(self, token_ids: Sequence[int], what: str = "a prompt") -> list[int]:
-        tokens = list(token_ids)
-        if not tokens:
-            raise ValueError(f"{what} needs at least one token")
-        if any(type(t) is not int for t in tokens):  # the block manager's check, so lookups time alike
-            raise TypeError("token ids must be ints")
-        if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
-        return tokens
+        return check_token_ids(token_ids, what)  # the block manager's check, so lookups time alike
 
     def _check_salt(self, salt: str | None) -> None:
         if salt is not None and not isinstance(salt, str):
@@ -523,11 +518,7 @@ class RadixCache:
         }
 
     def _check_prompt(self, token_ids: Sequence[int], scope: TenantScope) -> list[int]:
-        if not isinstance(scope, TenantScope):
-            raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
-        tokens = self._check_tokens(token_ids)
-        if scope.public_tokens > len(tokens):
-            raise ValueError(f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}")
+        tokens = check_prompt(token_ids, scope)
         if scope.salt is not None and scope.public_tokens:
             raise ValueError("the radix cache keeps each salt in its own tree: a public prefix cannot be shared "
                              "across salts (the block manager can)")
