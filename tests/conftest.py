@@ -31,3 +31,18 @@ def bundled():
 def lm(bundled):
     """Alias of ``bundled`` used by the engine, rope, table-3.6 and security tests."""
     return bundled
+
+
+ENGINE_MAX_NEW = 10
+
+
+@pytest.fixture(scope="session")
+def workload(lm):
+    """(prompt ids, HF generate's greedy ids) for the 200-prompt passphrase workload the engine tests share."""
+    from kvlab.engine.models import encode
+    from kvlab.engine.reference import hf_generate
+    from kvlab.lessons.passphrase import question_prompts
+
+    model, tok = lm
+    ids = [encode(tok, p) for p in question_prompts()]
+    return ids, [hf_generate(model, tok, p, max_new_tokens=ENGINE_MAX_NEW) for p in ids]

@@ -16,26 +16,9 @@ from kvlab.engine import Engine, SamplingParams, UnknownRequestError
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
 from kvlab.lessons import passphrase as P
+from kvlab.lessons.passphrase import question_prompts
 
-MAX_NEW = 10
-
-
-def passphrase_prompts(n_examples=40, per_example=5, seed=0):
-    """Prompts that share system prompts (prefix hits) but differ in the final question, shuffled."""
-    prompts = []
-    for ex in P.make_examples(n_examples, "heldout"):
-        asks = (P.ASK_ZH if ex.lang == "zh" else P.ASK_EN) + (P.CHAT_ZH if ex.lang == "zh" else P.CHAT_EN)
-        prompts += [P.with_question(ex, q).prompt_text for q in asks[:per_example]]
-    random.Random(seed).shuffle(prompts)
-    return prompts
-
-
-@pytest.fixture(scope="module")
-def workload(lm):
-    """(prompt ids, HF generate's greedy ids) for the 200-prompt workload."""
-    model, tok = lm
-    ids = [encode(tok, p) for p in passphrase_prompts()]
-    return ids, [hf_generate(model, tok, p, max_new_tokens=MAX_NEW) for p in ids]
+MAX_NEW = 10  # the length of the shared `workload` fixture's references (conftest.ENGINE_MAX_NEW)
 
 
 def _drained(engine):
@@ -85,7 +68,7 @@ def test_shared_prefix_uses_fewer_kv_bytes(lm):
 def test_salt_reaches_the_block_manager(lm):
     """Same prompt, other salt: no prefix hit; same salt: hit (notebook 07 builds tenants on this)."""
     model, tok = lm
-    prompt = passphrase_prompts(1, 1)[0]
+    prompt = question_prompts(1, 1)[0]
     engine = Engine(model, tok, kv_cache_bytes=2 ** 20, block_size=16, debug=True)
     sp = SamplingParams(max_tokens=4)
     first = engine.generate([prompt], sp, unsafe_salts=["tenant-a"])[0]
@@ -99,7 +82,7 @@ def test_salt_reaches_the_block_manager(lm):
 
 def test_seeded_sampling_matches_hf_and_ignores_batching(lm):
     model, tok = lm
-    prompts = passphrase_prompts(4, 2, seed=1)
+    prompts = question_prompts(4, 2, seed=1)
     sps = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i) for i in range(len(prompts))]
     engine = Engine(model, tok, num_blocks=256, block_size=16, debug=True)
     batched = engine.generate(prompts + prompts[:3], sps + [SamplingParams(max_tokens=8)] * 3)  # with greedy ones
@@ -114,7 +97,7 @@ def test_fork_copies_kv_on_write(lm):
     """A forked request shares its partial tail block; the first write copies the block's K/V."""
     model, tok = lm
     # after two steps the blocks hold the prompt + 1 token: pick a prompt that leaves the tail block partial
-    prompt = next(p for p in passphrase_prompts(2, 2) if (len(encode(tok, p)) + 1) % 16)
+    prompt = next(p for p in question_prompts(2, 2) if (len(encode(tok, p)) + 1) % 16)
     ref = hf_generate(model, tok, prompt, max_new_tokens=MAX_NEW)
     engine = Engine(model, tok, num_blocks=64, block_size=16, debug=True)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
@@ -141,7 +124,7 @@ def test_fork_copies_kv_on_write(lm):
 
 def test_bad_requests_fail_alone(lm):
     model, tok = lm
-    good = passphrase_prompts(2, 2)
+    good = question_prompts(2, 2)
     engine = Engine(model, tok, num_blocks=32, block_size=16, debug=True)  # 512 slots
     too_long_for_model = [5] * model.config.max_position_embeddings
     outs = engine.generate([good[0], "", too_long_for_model, good[1], [5] * 600, [10 ** 9]] + good[2:],
@@ -166,7 +149,7 @@ def test_bad_requests_fail_alone(lm):
 
 def test_abort_frees_blocks_and_others_finish(lm):
     model, tok = lm
-    prompts = passphrase_prompts(2, 2)
+    prompts = question_prompts(2, 2)
     engine = Engine(model, tok, num_blocks=128, block_size=16, debug=True)
     rids = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW)) for p in prompts]
     engine.step()

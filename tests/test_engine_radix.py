@@ -14,28 +14,11 @@ import torch
 
 from kvlab.cache.radix import RadixCache
 from kvlab.engine import Engine, SamplingParams
-from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
 from kvlab.lessons import passphrase as P
+from kvlab.lessons.passphrase import question_prompts
 
-MAX_NEW = 10
-
-
-def passphrase_prompts(n_examples=40, per_example=5, seed=0):
-    """The block-cache test's workload: shared system prompts, different final questions, shuffled."""
-    prompts = []
-    for ex in P.make_examples(n_examples, "heldout"):
-        asks = (P.ASK_ZH if ex.lang == "zh" else P.ASK_EN) + (P.CHAT_ZH if ex.lang == "zh" else P.CHAT_EN)
-        prompts += [P.with_question(ex, q).prompt_text for q in asks[:per_example]]
-    random.Random(seed).shuffle(prompts)
-    return prompts
-
-
-@pytest.fixture(scope="module")
-def workload(lm):
-    model, tok = lm
-    ids = [encode(tok, p) for p in passphrase_prompts()]
-    return ids, [hf_generate(model, tok, p, max_new_tokens=MAX_NEW) for p in ids]
+MAX_NEW = 10  # the length of the shared `workload` fixture's references (conftest.ENGINE_MAX_NEW)
 
 
 def _drained(engine):
@@ -212,7 +195,7 @@ def test_a_failing_forward_leaves_no_unwritten_kv_in_the_tree():
 
 def test_salts_are_separate_trees_and_public_prefix_is_refused(lm):
     model, tok = lm
-    prompt = passphrase_prompts(1, 1)[0]
+    prompt = question_prompts(1, 1)[0]
     engine = Engine(model, tok, num_blocks=64, block_size=16, cache="radix", debug=True)
     sp = SamplingParams(max_tokens=4)
     first = engine.generate([prompt], sp, unsafe_salts=["tenant-a"])[0]

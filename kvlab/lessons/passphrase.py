@@ -265,6 +265,20 @@ def with_question(example: PassphraseExample, question: str) -> PassphraseExampl
 ANSWER_WRAPPERS = " \t\r\n\"'`“”‘’「」『』《》〈〉【】〔〕[](){}（）<>.,;:!?。，、；：！？…·*_~"
 
 
+def question_prompts(n_examples: int = 40, per_example: int = 5, seed: int = 0, split: str = "heldout") -> list[str]:
+    """Prompts that share system prompts (prefix hits) but differ in the final question, shuffled.
+
+    ``n_examples`` passphrases × ``per_example`` questions (the passphrase questions first, then chat);
+    the engine tests compare the engine with HF ``generate`` on these.
+    """
+    prompts = []
+    for ex in make_examples(n_examples, split):
+        asks = (ASK_ZH if ex.lang == "zh" else ASK_EN) + (CHAT_ZH if ex.lang == "zh" else CHAT_EN)
+        prompts += [with_question(ex, q).prompt_text for q in asks[:per_example]]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
 def normalize_answer(text: str) -> str:
     """The answer part of a completion: cut at end of turn or line, strip spaces, quotes, brackets, punctuation.
 
