@@ -388,3 +388,16 @@ def test_allocate_reuses_the_plan_of_can_allocate_and_hashes_once():
     n = len(calls)
     assert m.allocate("c", prompt, plan=stale) == 12 and len(calls) > n  # recomputed, and it hits a's blocks
     m.check_invariants()
+
+
+def test_a_preempted_requests_lookup_is_counted_apart():
+    """As vLLM's PrefixCacheStats: ``requests`` and the hit rate count first lookups only."""
+    bm = BlockManager(8, 4)
+    bm.allocate("a", list(range(10)))
+    bm.free("a")
+    bm.allocate("a", list(range(10)), preempted=True)  # re-admitted after a preemption: 8 tokens hit
+    m = bm.metrics
+    assert (m.total.requests, m.total.queries, m.total.hits) == (1, 10, 0)
+    assert (m.preempted.requests, m.preempted.queries, m.preempted.hits) == (1, 10, 8)
+    assert bm.stats()["preempted_hit_tokens"] == 8 and bm.stats()["hit_rate"] == 0.0
+    assert [row["requests"] for row in m.tenant_table()] == [1]

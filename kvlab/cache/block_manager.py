@@ -273,12 +273,13 @@ class BlockManager:
 
     # --- mutations ----------------------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
-                 plan: AllocationPlan | None = None) -> int:
+                 plan: AllocationPlan | None = None, preempted: bool = False) -> int:
         """Give a new sequence its blocks, reusing the longest cached prefix; return cached tokens.
 
         ``scope.salt`` enters the hash of block ``scope.public_tokens // block_size``; ``scope.label``
         names the sequence in per-tenant metrics and in the cross-tenant hit count. ``plan``: what
         ``can_allocate`` returned for the same prompt and scope (reused if nothing changed since).
+        ``preempted``: the sequence was preempted before (its lookup is counted apart, as vLLM does).
         """
         if seq_id in self.seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
@@ -325,7 +326,7 @@ class BlockManager:
         self.metrics.hashed_tokens += len(hashes) * bs
         self.metrics.blocks_hit += len(hits)
         self.metrics.blocks_taken += len(seq.block_table) - len(hits)
-        self.metrics.record_lookup(tenant, n, seq.num_cached_tokens, misses)
+        self.metrics.record_lookup(tenant, n, seq.num_cached_tokens, misses, preempted)
         return seq.num_cached_tokens
 
     def _classify_misses(self, n: int, hashes: list[BlockHash], n_hits: int) -> dict[str, int]:

@@ -52,7 +52,8 @@ class CacheCounts:
 class PrefixCacheMetrics:
     """Everything the block manager counts: lookups, hash work, allocation, copy-on-write."""
 
-    total: CacheCounts = field(default_factory=CacheCounts)
+    total: CacheCounts = field(default_factory=CacheCounts)  # first lookups only, as vLLM's PrefixCacheStats
+    preempted: CacheCounts = field(default_factory=CacheCounts)  # lookups again after a preemption
     by_tenant: dict[Hashable, CacheCounts] = field(default_factory=dict)  # key: the salt (None = no salt)
     hashed_blocks: int = 0  # hash function calls
     hashed_tokens: int = 0  # tokens fed to the hash function
@@ -62,10 +63,18 @@ class PrefixCacheMetrics:
     public_hits: int = 0  # blocks of a public prefix registered by one tenant and served to another
     cross_tenant_hits: int = 0  # any other block registered by one tenant and served to another
 
-    def record_lookup(self, tenant: Hashable, queries: int, hits: int, misses: dict[str, int]) -> None:
-        """Count one request's prefix lookup, in total and for its tenant."""
+    def record_lookup(self, tenant: Hashable, queries: int, hits: int, misses: dict[str, int],
+                      preempted: bool = False) -> None:
+        """Count one request's prefix lookup, in total and for its tenant.
+
+        ``preempted``: the request was preempted and is looked up again. As in vLLM, such lookups are
+        counted apart (``preempted``), so ``requests`` counts requests and the hit rate counts first lookups.
+        """
         if queries != hits + sum(misses.values()):
             raise ValueError("every queried token must be a hit or a miss with a reason")
+        if preempted:
+            self.preempted.add(queries, hits, misses)
+            return
         self.total.add(queries, hits, misses)
         self.by_tenant.setdefault(tenant, CacheCounts()).add(queries, hits, misses)
 
@@ -83,6 +92,9 @@ class PrefixCacheMetrics:
             "hit_tokens": t.hits,
             "hit_rate": t.hit_rate,
             **{f"miss_{r}": n for r, n in t.misses.items()},
+            "preempted_requests": self.preempted.requests,
+            "preempted_query_tokens": self.preempted.queries,
+            "preempted_hit_tokens": self.preempted.hits,
             "hashed_blocks": self.hashed_blocks,
             "hashed_tokens": self.hashed_tokens,
             "blocks_taken": self.blocks_taken,

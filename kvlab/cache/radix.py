@@ -537,7 +537,7 @@ class RadixCache:
         return RadixPlan(tuple(tokens), scope, m, cdiv(n, size) - m // size, available, self.clock)
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
-                 plan: RadixPlan | None = None) -> int:
+                 plan: RadixPlan | None = None, preempted: bool = False) -> int:
         """Give a new sequence its pages, reusing the longest cached prefix (< n tokens); return cached tokens."""
         if seq_id in self.seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
@@ -567,7 +567,7 @@ class RadixCache:
         self.seqs[seq_id] = seq
         self.metrics.blocks_hit += len(hits)
         self.metrics.blocks_taken += len(new)
-        self.metrics.record_lookup(tenant, n, m, misses)
+        self.metrics.record_lookup(tenant, n, m, misses, preempted)
         return m
 
     def _adopt(self, seq: RadixSeq, length: int) -> tuple[int, list[int]]:

@@ -111,7 +111,7 @@ class Scheduler:
             plan = bm.can_allocate(seq.token_ids, scope)
             if not plan:
                 break
-            cached = bm.allocate(seq.seq_id, seq.token_ids, scope, plan=plan)
+            cached = bm.allocate(seq.seq_id, seq.token_ids, scope, plan=plan, preempted=seq.num_preemptions > 0)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             self.waiting.popleft()

@@ -329,6 +329,7 @@ class StressReport:
     num_blocks: int = 0  # the pool's size: small, so blocks are evicted and sequences preempted
     mismatched: list[int] = field(default_factory=list)
     tenant_table: list[dict] = field(default_factory=list)  # per-tenant requests, hits, misses by reason
+    preempted_lookups: int = 0  # the block manager's lookups of re-admitted (preempted) requests
 
     @property
     def ok(self) -> bool:
@@ -362,17 +363,16 @@ def stress_test(model: Any, tokenizer: Any, n_requests: int, policy: str = "publ
     leaked = sum(b.ref_count > 0 for b in bm.pool.blocks) + len(bm.seqs)
     return StressReport(len(requests), len(mismatched), st["cross_tenant_hits"], leaked, st["public_hits"],
                         st["evictions"], st["num_preemptions"], st["hit_rate"], policy, run["seconds"], num_blocks, mismatched,
-                        tenant_table(requests, outs, bm.metrics.tenant_table()))
+                        tenant_table(requests, outs, bm.metrics.tenant_table()), bm.metrics.preempted.requests)
 
 
 def tenant_table(requests: Sequence[StressRequest], outputs: dict[int, Any], lookups: Sequence[dict]) -> list[dict]:
-    """One row per tenant, counted per *request* (each request once), plus the cache lookups behind it.
+    """One row per tenant, counted per *request* (each request once).
 
-    The block manager's per-tenant metrics count *lookups*: a preempted request is looked up again when it
-    is re-admitted, so their ``requests`` add up to more than the workload has. Here ``requests``,
-    ``prompt tokens`` and ``cached at first admission`` come from the workload and the outputs (one per
-    request); ``re-admissions`` is the sum of the outputs' ``num_preemptions``, and ``cache lookups`` is the
-    manager's count, which must equal ``requests + re-admissions`` (checked: a ValueError says otherwise).
+    ``requests``, ``prompt tokens`` and ``cached at first admission`` come from the workload and the outputs;
+    ``re-admissions`` is the sum of the outputs' ``num_preemptions``. The block manager counts a preempted
+    request's later lookups apart (as vLLM does), so its per-tenant ``requests`` must equal the workload's:
+    checked, a ValueError says otherwise.
     """
     by_label = {row["tenant"]: row["requests"] for row in lookups}
     rows: dict[str, dict] = {}
@@ -386,12 +386,11 @@ def tenant_table(requests: Sequence[StressRequest], outputs: dict[int, Any], loo
         row["re-admissions"] += out.num_preemptions if out is not None else 0
     for row in rows.values():
         row["hit rate (first admission)"] = row["cached at first admission"] / max(row["prompt tokens"], 1)
-        row["cache lookups"] = by_label.get(row["tenant"], 0)
-    if by_label and set(by_label) == set(rows):  # the manager labels sequences by tenant: lookups must add up
+    if by_label and set(by_label) == set(rows):  # the manager labels sequences by tenant: counts must agree
         for row in rows.values():
-            if row["cache lookups"] != row["requests"] + row["re-admissions"]:
-                raise ValueError(f"tenant {row['tenant']}: {row['cache lookups']} lookups for {row['requests']} "
-                                 f"requests and {row['re-admissions']} re-admissions")
+            if by_label[row["tenant"]] != row["requests"]:
+                raise ValueError(f"tenant {row['tenant']}: the block manager counted {by_label[row['tenant']]} "
+                                 f"requests, the workload has {row['requests']}")
     return sorted(rows.values(), key=lambda row: row["tenant"])
 
 
