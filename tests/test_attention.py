@@ -166,3 +166,18 @@ def test_viz_figures_are_figures():
 
     for f in figs:
         plt.close(f)
+
+
+def test_slope_report_compares_measured_and_counted_growth():
+    import numpy as np
+    import pandas as pd
+
+    from kvlab.lessons import nb01_attention as A
+
+    n = np.array([64, 128, 256, 512, 1024, 2048])
+    cost = pd.DataFrame({"n": n, "recompute_flops": n * 1.0, "recompute_s": n ** 2 * 1e-9,  # quadratic vs linear count
+                         "cached_flops": n * 1.0, "cached_s": n * 1e-6})
+    lines = A.slope_report(cost, 512)
+    assert any("no cache: time slope 2.00, counted-FLOP slope 1.00 -> the time grows FASTER" in s for s in lines)
+    assert all("with cache" not in s or "as the FLOP count says" in s for s in lines)
+    assert len(lines) == 6

@@ -306,6 +306,37 @@ def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, 
 
 # ----------------------------------------------------------------------------- exercise checkers
 
+def slope_report(cost: Any, crossover: float, tolerance: float = 0.3) -> list[str]:
+    """Measured vs counted growth of a decode step, per range of n: log-log slopes and a verdict for each.
+
+    ``cost`` is ``decode_step_cost``'s table (a DataFrame with n, recompute_s/_flops, cached_s/_flops).
+    A slope is d log(y) / d log(n): 1 is linear, 2 quadratic.
+    """
+    lines = []
+
+    def slope(col: str, mask: Any) -> float:
+        return float(np.polyfit(np.log(cost.n[mask]), np.log(cost[col][mask]), 1)[0])
+
+    for part, mask in (("n <= crossover", cost.n <= crossover), ("n >= crossover", cost.n >= crossover)):
+        if mask.sum() < 2:
+            lines.append(f"{part}: fewer than two measured lengths, no slope")
+            continue
+        lines.append(f"{part} (n = {', '.join(str(n) for n in cost.n[mask])}):")
+        for name, col in (("no cache", "recompute"), ("with cache", "cached")):
+            ms, cs = slope(f"{col}_s", mask), slope(f"{col}_flops", mask)
+            head = f"   {name}: time slope {ms:.2f}, counted-FLOP slope {cs:.2f} -> "
+            if abs(ms - cs) <= tolerance:
+                lines.append(head + "the time grows as the FLOP count says")
+            elif ms > cs:
+                lines.append(head + "the time grows FASTER than the counted FLOPs; the count leaves out memory traffic "
+                             + ("(the n x n score matrix, its mask and softmax)" if col == "recompute"
+                                else "(reading the n cached keys and values each step)"))
+            else:
+                lines.append(head + "the time grows SLOWER than the counted FLOPs: fixed per-call costs still weigh "
+                             "at these lengths")
+    return lines
+
+
 def check_gqa_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> Verdict:
     """Exercise 01.1: ``fn(q, k, v)`` with fewer KV heads than query heads, causal, without ``repeat_kv``.
 
