@@ -72,7 +72,7 @@ def direct_hits(enc: PromptEncoder, path: Path, block_size: int, capacity: int |
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
     nb = capacity or sum(-(-len(p) // block_size) for p in prompts)
-    bm = BlockManager(nb, block_size, free_order="lru")  # as the doctor's fast replay
+    bm = BlockManager(nb, block_size)  # vLLM's free order, as the doctor's replay
     hits = 0
     for i, p in enumerate(prompts):
         hits += bm.allocate(i, p)
@@ -180,7 +180,8 @@ def test_token_id_log_with_a_planted_span():
     assert d.chain[-1]["unbounded_hit_rate"] > 0.6 > d.chain[0]["unbounded_hit_rate"]
 
 
-def test_fast_replay_equals_block_manager():
+@pytest.mark.parametrize("free_order", ["vllm", "lru"])
+def test_fast_replay_equals_block_manager(free_order):
     rng = random.Random(11)
     for trial in range(120):
         bs = rng.choice([1, 2, 4, 8])
@@ -197,8 +198,8 @@ def test_fast_replay_equals_block_manager():
         conc = rng.choice([1, 1, 2, 3])
         salts = [rng.choice([None, "a", "b"]) for _ in prompts] if rng.random() < 0.5 else None
         pub = [rng.randrange(0, len(p) + 1) for p in prompts] if salts and rng.random() < 0.5 else None
-        fast = replay_tokens(prompts, bs, cap, salts, pub, conc)
-        ref = replay_block_manager(prompts, bs, cap, salts, pub, conc)
+        fast = replay_tokens(prompts, bs, cap, salts, pub, conc, free_order)
+        ref = replay_block_manager(prompts, bs, cap, salts, pub, conc, free_order=free_order)
         assert (fast.per_request, fast.too_big) == (ref.per_request, ref.too_big), trial
 
 

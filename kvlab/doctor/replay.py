@@ -5,7 +5,9 @@ vLLM's rules, as ``kvlab.cache.BlockManager`` implements them: a prompt is cut i
 hashes); a request reuses the longest run of cached blocks from its start, but never its last token
 (its logits are needed: at most ``n - 1`` tokens hit, rounded down to whole blocks); every full block is
 cached once computed; a finite cache evicts least-recently-used blocks that no running request holds,
-and a finished request releases its blocks tail first.
+and a finished request releases its blocks tail first, a block that caches nothing (a partial tail) to
+the head of the free list, where it is reused before any cached block is evicted (vLLM's order;
+``free_order="lru"`` puts it at the tail like the rest).
 
 ``replay`` runs those rules on integer block ids instead of token lists: ``block_chains`` numbers each
 prefix of whole blocks (with its salt) from the prompts' sorted order, so a hash chain becomes a list of
@@ -115,10 +117,16 @@ def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | 
 
 
 def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int,
-           capacity_blocks: int | None = None, concurrency: int = 1) -> HitStats:
-    """Replay chains (from ``block_chains``) through an unbounded or an LRU cache of ``capacity_blocks``."""
+           capacity_blocks: int | None = None, concurrency: int = 1, free_order: str = "vllm") -> HitStats:
+    """Replay chains (from ``block_chains``) through an unbounded or an LRU cache of ``capacity_blocks``.
+
+    ``free_order`` as ``kvlab.cache.BlockPool``'s: "vllm" (a freed block that caches nothing is reused
+    before any cached block is evicted) or "lru" (every freed block joins the tail).
+    """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    if free_order not in ("vllm", "lru"):
+        raise ValueError(f"free_order must be 'vllm' or 'lru', got {free_order!r}")
     t0 = time.perf_counter()
     bs = block_size
     per: list[int] = []
@@ -132,7 +140,7 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
             per.append(k * bs)
             seen.update(ch)
     else:
-        per, too_big = _replay_lru(chains, lengths, bs, capacity_blocks, concurrency)
+        per, too_big = _replay_lru(chains, lengths, bs, capacity_blocks, concurrency, free_order == "vllm")
     return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big,
                     time.perf_counter() - t0, per)
 
@@ -158,12 +166,13 @@ def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str 
     return out
 
 
-def _replay_lru(chains, lengths, bs: int, num_blocks: int, concurrency: int) -> tuple[list[int], int]:
+def _replay_lru(chains, lengths, bs: int, num_blocks: int, concurrency: int, vllm_order: bool = True
+                ) -> tuple[list[int], int]:
     """The LRU pool: a free list in eviction order, ref counts, cached chain id -> blocks (oldest first)."""
     if num_blocks < 1:
         raise ValueError("capacity_blocks must be >= 1")
     if concurrency == 1:
-        return _replay_lru_one(chains, lengths, bs, num_blocks)
+        return _replay_lru_one(chains, lengths, bs, num_blocks, vllm_order)
     free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
     key = [-1] * num_blocks  # chain id a block is cached under, -1 = none
     ref = [0] * num_blocks
@@ -176,6 +185,8 @@ def _replay_lru(chains, lengths, bs: int, num_blocks: int, concurrency: int) -> 
             ref[b] -= 1
             if ref[b] == 0:
                 free[b] = None
+                if vllm_order and key[b] == -1:
+                    free.move_to_end(b, last=False)  # caches nothing: reused first
 
     for ch, n in zip(chains, lengths):
         nblk = cdiv(n, bs)
@@ -218,12 +229,14 @@ def _replay_lru(chains, lengths, bs: int, num_blocks: int, concurrency: int) -> 
     return per, too_big
 
 
-def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int], int]:
+def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool = True) -> tuple[list[int], int]:
     """``_replay_lru`` for one request at a time: every block is free again before the next request.
 
     No ref counts are needed, and each request is a few bulk operations in C: find the hits
     (``map`` over the chain), revive them, take the new blocks from the head of the free list, drop
     what they cached, register the new full blocks, put everything back at the tail, last block first.
+    In vLLM's order a block that caches nothing (a partial tail) goes to ``spare`` instead, the head of
+    the free list: the next request takes it before any cached block.
     ``first`` holds the oldest block cached under a chain id and ``twins`` later copies (a full last
     block that the n-1 rule kept from hitting is computed again), the order ``BlockPool.lookup`` scans.
     """
@@ -233,6 +246,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int
     twins: dict = {}
     get, pop, update, keyget = first.get, free.pop, free.update, key.get
     not_none = functools.partial(operator.is_not, None)
+    spare: list[int] = []  # free blocks that cache nothing, at the head of the free list (vLLM's order)
     per, too_big = [], 0
     for ch, n in zip(chains, lengths):
         nblk = cdiv(n, bs)
@@ -248,8 +262,12 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int
         except ValueError:
             nh = cap
         deque(map(pop, found), 0)  # revived: out of the free list, back at its tail below
-        victims = list(itertools.islice(free, nblk - nh))  # least recently used first
-        deque(map(pop, victims), 0)
+        k = min(nblk - nh, len(spare))
+        victims = spare[len(spare) - k:][::-1]  # the head of the free list first
+        del spare[len(spare) - k:]
+        lru = list(itertools.islice(free, nblk - nh - k))  # then the least recently used
+        deque(map(pop, lru), 0)
+        victims += lru
         olds = list(filter(not_none, map(keyget, victims)))
         if olds:
             if twins and not twins.keys().isdisjoint(olds):
@@ -270,6 +288,9 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int) -> tuple[list[int
         if len(victims) > len(new_ids):
             key.update(dict.fromkeys(victims[len(new_ids):]))  # the partial tail block caches nothing
         per.append(nh * bs)
+        if vllm_order and len(victims) > len(new_ids):
+            spare += victims[len(new_ids):]  # the partial tail: to the head of the free list
+            del victims[len(new_ids):]
         found += victims
         found.reverse()  # released tail first
         update(dict.fromkeys(found))
@@ -296,24 +317,24 @@ def _forget(b: int, old, first: dict, twins: dict) -> None:
 
 def replay_tokens(prompts: Sequence[str], block_size: int, capacity_blocks: int | None = None,
                   salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
-                  concurrency: int = 1) -> HitStats:
+                  concurrency: int = 1, free_order: str = "vllm") -> HitStats:
     """Chains + replay in one call, on token strs."""
     t0 = time.perf_counter()
     chains = block_chains(prompts, block_size, salts, public_tokens)
-    st = replay(chains, [len(p) for p in prompts], block_size, capacity_blocks, concurrency)
+    st = replay(chains, [len(p) for p in prompts], block_size, capacity_blocks, concurrency, free_order)
     st.seconds = time.perf_counter() - t0
     return st
 
 
 def replay_block_manager(prompts: Sequence[str], block_size: int, capacity_blocks: int | None = None,
                          salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
-                         concurrency: int = 1, check: bool = True) -> HitStats:
+                         concurrency: int = 1, check: bool = True, free_order: str = "vllm") -> HitStats:
     """The same replay through ``kvlab.cache.BlockManager`` (slow, the reference); ``check``: its invariants after."""
     t0 = time.perf_counter()
     bs = block_size
     toks = [[ord(c) for c in p] for p in prompts]
     nb = capacity_blocks if capacity_blocks is not None else sum(cdiv(len(t), bs) for t in toks) + 1
-    bm = BlockManager(nb, bs, free_order="lru")  # the fast replay frees every block to the LRU tail
+    bm = BlockManager(nb, bs, free_order=free_order)
     live: deque[int] = deque()
     per, too_big = [], 0
     for i, t in enumerate(toks):
@@ -337,13 +358,13 @@ def replay_block_manager(prompts: Sequence[str], block_size: int, capacity_block
 
 def spot_check(prompts: Sequence[str], block_size: int, capacity_blocks: int | None, limit: int = 100,
                salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
-               concurrency: int = 1) -> dict:
+               concurrency: int = 1, free_order: str = "vllm") -> dict:
     """Replay the first ``limit`` requests both ways; return both hit counts and whether they agree."""
     head = list(prompts[:limit])
     s = list(salts[:limit]) if salts is not None else None
     p = list(public_tokens[:limit]) if public_tokens is not None else None
-    fast = replay_tokens(head, block_size, capacity_blocks, s, p, concurrency)
-    ref = replay_block_manager(head, block_size, capacity_blocks, s, p, concurrency, check=False)
+    fast = replay_tokens(head, block_size, capacity_blocks, s, p, concurrency, free_order)
+    ref = replay_block_manager(head, block_size, capacity_blocks, s, p, concurrency, check=False, free_order=free_order)
     return {"requests": len(head), "block_size": block_size, "capacity_blocks": capacity_blocks,
             "fast_hit_tokens": fast.hit_tokens, "block_manager_hit_tokens": ref.hit_tokens,
             "equal": fast.per_request == ref.per_request, "block_manager_seconds": ref.seconds}
