@@ -4,6 +4,7 @@ SMOKE   ?= 0
 MODEL   ?=
 DEVICE  ?= auto
 TIMEOUT ?= 1800
+OUT     ?=
 
 .PHONY: setup run test lab bench lint clean-notebooks clean vllm-env vllm
 
@@ -11,8 +12,9 @@ setup:
 	@bash scripts/setup.sh
 
 ## run: execute every notebook headless (papermill) -> build/notebooks/*.ipynb, *.html, timings.csv
+## (OUT=build/notebooks-smollm2 keeps a run on another MODEL beside the default one)
 run: setup
-	$(PY) scripts/run_notebooks.py --smoke $(SMOKE) --device $(DEVICE) --timeout $(TIMEOUT) $(if $(MODEL),--model $(MODEL))
+	$(PY) scripts/run_notebooks.py --smoke $(SMOKE) --device $(DEVICE) --timeout $(TIMEOUT) $(if $(MODEL),--model $(MODEL)) $(if $(OUT),--out $(OUT))
 
 ## test: the test suite, exactly what CI runs. It also creates (or reuses) the vLLM venv outside the
 ## repository so the kvlab-vs-vLLM comparison runs; KVLAB_SKIP_VLLM=1 skips that part. If the vLLM

@@ -5,7 +5,7 @@
 Each notebook runs in a fresh kernel in its own process, with parameters SMOKE, SEED, DEVICE (and
 MODEL when given), from the ``notebooks/`` folder. Outputs go to ``build/notebooks/``:
 ``NN_slug.ipynb`` (executed), ``NN_slug.html``, ``timings.csv`` (wall seconds, peak memory of the
-kernel, status) and ``index.html``. One line is printed per notebook; the exit code is non-zero when
+kernel, status) and ``index.html``; ``--out DIR`` writes them elsewhere (e.g. a run on another model). One line is printed per notebook; the exit code is non-zero when
 any notebook fails.
 
 ``--strip`` instead removes outputs and execution counts from the committed notebooks.
@@ -75,6 +75,11 @@ def _execute_here(nb: str, out: str, params_json: str, cell_timeout: int) -> Non
     _sign(out)
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the kernel, KiB on Linux
     print(json.dumps({"peak_mb": round(peak_kb / 1024, 1), "error": error}))
+
+
+def _show(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict:
@@ -160,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per notebook")
     ap.add_argument("--only", default=None, help="e.g. 00,03")
+    ap.add_argument("--out", default=None, help="output folder (default: build/notebooks)")
     ap.add_argument("--no-html", action="store_true")
     ap.add_argument("--strip", action="store_true", help="strip outputs from notebooks/ and exit")
     ap.add_argument("--_execute", nargs=4, help=argparse.SUPPRESS)
@@ -176,18 +182,19 @@ def main(argv: list[str] | None = None) -> int:
         print("no notebooks matched", file=sys.stderr)
         return 2
     params = parameters(bool(args.smoke), args.seed, args.device, args.model)
-    print(f"executing {len(paths)} notebook(s) with {params} -> {OUT.relative_to(ROOT)}/", flush=True)
+    out_dir = Path(args.out).resolve() if args.out else OUT
+    print(f"executing {len(paths)} notebook(s) with {params} -> {_show(out_dir)}/", flush=True)
     rows = []
     for nb in paths:
-        row = run_one(nb, params, args.timeout)
+        row = run_one(nb, params, args.timeout, out_dir)
         if row["status"] == "ok" and not args.no_html:
             to_html(Path(row["output"]))
         rows.append(row)
         print(f"{row['status']:6s} {row['notebook']:40s} {row['wall_s']:7.1f} s  "
               f"peak {row['peak_mem_mb']} MB  {row['error']}", flush=True)
-    write_report(rows)
+    write_report(rows, out_dir)
     failed = [r["notebook"] for r in rows if r["status"] != "ok"]
-    print(f"{len(rows) - len(failed)}/{len(rows)} ok; report: {(OUT / 'index.html').relative_to(ROOT)}")
+    print(f"{len(rows) - len(failed)}/{len(rows)} ok; report: {_show(out_dir / 'index.html')}")
     return 1 if failed else 0
 
 
