@@ -230,3 +230,13 @@ def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
     assert engine.num_steps - steps_before <= MAX_NEW  # all three were prefilled together in one step
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == hf_generate(model, tok, prompt, MAX_NEW)
+
+
+def test_steps_build_no_autograd_graph(lm):
+    """The forward runs under no_grad: otherwise every step's graph chains through the K/V store (written in
+    place) and keeps all earlier steps' activations alive -- memory grows without bound, steps slow down."""
+    model, tok = lm
+    engine = Engine(model, tok, num_blocks=64, block_size=16)
+    engine.generate(question_prompts(2, 2), SamplingParams(max_tokens=4))
+    assert not engine.store.k.requires_grad and engine.store.k.grad_fn is None
+    assert not engine.store.v.requires_grad and engine.store.v.grad_fn is None

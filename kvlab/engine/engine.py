@@ -350,7 +350,6 @@ class Engine:
         self.num_mixed_steps += len({it.is_prefill for it in sched.items}) == 2
         return finished
 
-    @torch.no_grad()
     def _positions(self, item: ScheduledSeq) -> range:
         """Positions of the tokens ``item`` computes this step: where they sit in their sequence.
 
@@ -359,6 +358,7 @@ class Engine:
         """
         return range(item.start, item.end)
 
+    @torch.no_grad()  # no autograd graph: it would chain every step through the K/V store and keep it all alive
     def _forward(self, sched: SchedulerOutput) -> torch.Tensor:
         bm, ids, pos = self.block_manager, [], []
         for it in sched.items:
