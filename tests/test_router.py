@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvlab.cache import BlockManager
 from kvlab.cache.kv_events import EventBatch
-from kvlab.cluster.router import HashRing, KVIndex, PrefixTree, RouteRequest, Router
+from kvlab.cluster.router import HashRing, KVIndex, PrefixTree, Router, RouteRequest
 
 BS = 4
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .router import RouteRequest, Router
+from .router import Router, RouteRequest
 from .sim import CostModel
 from .workloads import FleetWorkload
 
@@ -85,16 +85,20 @@ class FleetResult:
 
 def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, clock: str = "model",
               cost: CostModel | None = None, replies: dict | None = None, fail: tuple | None = None,
-              **router_kwargs: Any) -> FleetResult:
+              fresh: bool = True, **router_kwargs: Any) -> FleetResult:
     """Drive ``workload`` through a ``Router(policy)`` onto ``handles`` (``LocalHandle`` / ``RayHandle``).
 
     ``replies``: request id -> reply tokens a model-free replica should "generate" (default: the
     session's scripted replies); pass a real run's ``FleetResult.replies`` to replay it exactly.
+    ``fresh``: restart every replica empty first (so runs on the same actors do not share a warm cache).
     """
     if clock not in ("model", "measured"):
         raise ValueError(f"clock must be 'model' or 'measured', got {clock!r}")
     cost = cost or CostModel()
     n = len(handles)
+    if fresh:
+        for h in handles:
+            h.call("fail")
     info = handles[0].call("info")
     router = Router(policy, list(range(n)), info["block_size"], model_fingerprint=info["model_fingerprint"],
                     **router_kwargs)
@@ -189,6 +193,7 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
                             "cached_tokens": fin["num_cached_tokens"], "preemptions": fin["num_preemptions"]})
             if req["turn"] + 1 < s.num_turns:
                 heapq.heappush(arrivals, (now + s.think, next(order), "turn", (req["s_idx"], req["turn"] + 1, now + s.think)))
+    flush(math.inf)  # the last steps' events and completions reach the router too
     stats = [handles[r].call("stats") for r in range(n)]
     records.sort(key=lambda x: (x["arrival"], x["request_id"]))
     return FleetResult(policy, n, records, steps, outputs, router, stats, fail)

@@ -17,12 +17,15 @@ sim-vs-Ray check relies on this). ``EngineReplica`` wraps a real ``Engine``. ``r
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineReplica", "LocalHandle", "RayHandle", "SimReplica", "StepResult", "ray_available", "ray_replicas"]
+__all__ = ["EngineReplica", "LocalHandle", "RayHandle", "SimReplica", "StepResult", "ray_available", "ray_replicas",
+           "start_ray"]
 
 
 @dataclass
@@ -128,6 +131,10 @@ class SimReplica:
         self._start()
         return lost
 
+    def cached_hashes(self) -> set:
+        """The block hashes this replica's pool caches now (for checks; the router never calls it)."""
+        return set(self.block_manager.pool.cached)
+
     def stats(self) -> dict:
         """Block-manager stats plus preemptions."""
         return {**self.block_manager.stats(), "num_preemptions": self.scheduler.num_preemptions}
@@ -194,6 +201,10 @@ class EngineReplica:
         self._start()
         return lost
 
+    def cached_hashes(self) -> set:
+        """The block hashes this replica's pool caches now (for checks; the router never calls it)."""
+        return set(self.engine.block_manager.pool.cached)
+
     def stats(self) -> dict:
         """The engine's stats."""
         return self.engine.stats()
@@ -230,6 +241,29 @@ def ray_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def start_ray(num_cpus: int | None = 2, address: str | None = None, **kwargs: Any) -> None:
+    """``ray.init`` for kvlab: a local instance (``num_cpus``, no dashboard) or an existing cluster (``address``).
+
+    Locally, the workers get this checkout on ``PYTHONPATH`` (so a worktree's kvlab is the one they import),
+    the raylet and its agents get two minutes to register (a loaded laptop can take that long), and Ray's memory monitor is
+    off unless set (our actors are tiny; on a box shared with other jobs it would kill them for others' memory).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address is not None:
+        ray.init(address=address, **kwargs)
+        return
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")  # the metrics agent, slow on a busy box
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env}, **kwargs)
 
 
 def ray_replicas(n: int, **engine_kwargs: Any) -> list[RayHandle]:

@@ -22,8 +22,8 @@ __all__ = ["CostModel", "agree", "simulate"]
 class CostModel:
     """Seconds of one replica step from what it computed."""
 
-    base: float = 2e-3  # per step (scheduling, launch, sampling)
-    per_prefill_token: float = 2e-5
+    base: float = 5e-3  # per step (scheduling, launch, sampling)
+    per_prefill_token: float = 5e-5
     per_decode: float = 2e-4  # per sequence decoding one token
 
     def seconds(self, prefill_tokens: int, decodes: int) -> float:
