@@ -196,4 +196,5 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
     flush(math.inf)  # the last steps' events and completions reach the router too
     stats = [handles[r].call("stats") for r in range(n)]
     records.sort(key=lambda x: (x["arrival"], x["request_id"]))
-    return FleetResult(policy, n, records, steps, outputs, router, stats, fail)
+    name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+    return FleetResult(name, n, records, steps, outputs, router, stats, fail)

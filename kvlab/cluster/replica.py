@@ -263,7 +263,15 @@ def start_ray(num_cpus: int | None = 2, address: str | None = None, **kwargs: An
     root = str(Path(__file__).resolve().parents[2])
     env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env}, **kwargs)
+    for attempt in range(2):  # on a box busy with other jobs the metrics agent can miss its start-up deadline
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+                     **kwargs)
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
 
 
 def ray_replicas(n: int, **engine_kwargs: Any) -> list[RayHandle]:

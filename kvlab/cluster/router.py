@@ -37,7 +37,7 @@ import bisect
 import hashlib
 import itertools
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ..cache.hashing import BlockHash, prompt_block_hashes
@@ -212,11 +212,11 @@ class PrefixTree:
 class Router:
     """Routes requests to replicas by ``policy``; its cache view comes only from ``apply_events``."""
 
-    def __init__(self, policy: str, replicas: Sequence[int], block_size: int, *, model_fingerprint: str = "",
+    def __init__(self, policy: str | Callable, replicas: Sequence[int], block_size: int, *, model_fingerprint: str = "",
                  weight: float = 1.0, prefix_threshold: float = 0.5, balance_abs: int = 8,
                  balance_rel: float = 1.5, vnodes: int = 64) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if not callable(policy) and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES} or a function (router, request) -> replica, got {policy!r}")
         if not replicas:
             raise ValueError("a router needs at least one replica")
         self.policy, self.block_size, self.model_fingerprint = policy, block_size, model_fingerprint
@@ -283,6 +283,11 @@ class Router:
     def choose(self, req: RouteRequest) -> int:
         """The replica ``policy`` picks for ``req`` (changes nothing but the round-robin counter)."""
         p = self.policy
+        if callable(p):  # your own: (router, request) -> a replica id
+            r = p(self, req)
+            if r not in self.replicas:
+                raise ValueError(f"the policy chose {r!r}, not a replica of the fleet {self.replicas}")
+            return r
         if p == "round_robin":
             return self.replicas[next(self._rr) % len(self.replicas)]
         if p == "least_loaded":
