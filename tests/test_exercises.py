@@ -236,6 +236,7 @@ def test_notebooks_00_to_02_start_every_exercise_blank():
 
 def test_nb09_policy_exercise():
     from kvlab.lessons import nb09_routing as R
+    from kvlab.lessons import solutions as SOL
 
     assert R.check_policy(SOL.ex09_1_policy)
     assert not R.check_policy(None)

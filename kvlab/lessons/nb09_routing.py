@@ -71,6 +71,27 @@ def events_table(batches: Sequence) -> pd.DataFrame:
 
 
 # --- 2 · the index drawn -----------------------------------------------------------------------------------
+def _layout(children: dict, max_roots: int) -> dict:
+    """(depth, row) of every node of a forest given as parent -> children (None = the roots): leaves in rows."""
+    pos: dict = {}
+    row = 0
+
+    def place(h, depth):
+        nonlocal row
+        kids = sorted(children.get(h, []))
+        if not kids:
+            pos[h] = (depth, row)
+            row += 1
+            return
+        for k in kids:
+            place(k, depth + 1)
+        pos[h] = (depth, sum(pos[k][1] for k in kids) / len(kids))
+
+    for root in sorted(children.get(None, []))[:max_roots]:
+        place(root, 0)
+    return pos
+
+
 def fig_index(result: FleetResult, max_blocks: int = 400):
     """Each replica's cached blocks as the index knows them: trees by parent link, coloured by tenant prefix."""
     import matplotlib.pyplot as plt
@@ -83,20 +104,7 @@ def fig_index(result: FleetResult, max_blocks: int = 400):
         children: dict = {}
         for h in held:
             children.setdefault(index.parent.get(h) if index.parent.get(h) in held else None, []).append(h)
-        pos, row = {}, [0]
-
-        def place(h, depth):
-            kids = sorted(children.get(h, []))
-            if not kids:
-                pos[h] = (depth, row[0])
-                row[0] += 1
-                return
-            for k in kids:
-                place(k, depth + 1)
-            pos[h] = (depth, sum(pos[k][1] for k in kids) / len(kids))
-
-        for root in sorted(children.get(None, []))[:max_blocks]:
-            place(root, 0)
+        pos = _layout(children, max_blocks)
         for h, (x, y) in pos.items():
             p = index.parent.get(h)
             if p in pos:
