@@ -323,9 +323,9 @@ def failure_sentences(df: pd.DataFrame, at: float, rejoin_after: float | None, w
         worst = after.hit_rate.min()
         tail = d[d.t >= at + (rejoin_after or 2.0) + window]
         rec = (tail.hit_rate * tail.requests).sum() / tail.requests.sum() if len(tail) and tail.requests.sum() else math.nan
-        dip = worst < b
+        dip = worst < b - 0.01  # a dip: at least a point below the level before
         out.append(f"{p}: {pct(b)} before the failure, {pct(worst)} in the worst window after it "
-                   f"({'a dip' if dip else 'no dip'}), {pct(rec)} once it has rejoined"
+                   f"({'a dip' if dip else 'no dip of a point or more'}), {pct(rec)} once it has rejoined"
                    + ("" if math.isnan(rec) else (" (recovered to at least the level before)" if rec >= b else
                                                   " (not back to the level before)")) + ".")
     return out
