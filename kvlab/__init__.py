@@ -9,6 +9,7 @@ The package is layered; each layer imports only the ones above it:
                     Copy ``cache/`` + ``engine/`` together and they run any supported HF decoder.
 - ``kvlab.prefix``  manual prefix reuse on HF models (``PrefixCache`` + a complete generation loop).
 - ``kvlab.vllm``    the bridge to real vLLM in its own venv.
+- ``kvlab.cluster`` engine replicas (Ray actors or model-free), a KV-event-fed router, a fleet driver.
 - ``kvlab.lessons`` one module per notebook: experiments, figures, exercise checkers.
 
 ``import kvlab`` stays torch-free; the torch-backed names below load on first use.

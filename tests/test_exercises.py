@@ -232,3 +232,12 @@ def test_notebooks_00_to_02_start_every_exercise_blank():
             for line in src.splitlines():
                 if line.lstrip().startswith(("my_", "your_")) and "=" in line and "==" not in line:
                     assert line.split("=", 1)[1].split("#")[0].strip() in ("None", "None, None"), (name, line)
+
+
+def test_nb09_policy_exercise():
+    from kvlab.lessons import nb09_routing as R
+    from kvlab.lessons import solutions as SOL
+
+    assert R.check_policy(SOL.ex09_1_policy)
+    assert not R.check_policy(None)
+    assert not R.check_policy(lambda router, request: router.replicas[0])  # all on one replica: imbalance 4

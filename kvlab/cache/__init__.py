@@ -4,14 +4,17 @@
 - ``block_pool``: blocks, reference counts, the LRU free list, lazy eviction
 - ``block_manager``: block tables, prefix hits (vLLM's rules), append, fork + copy-on-write, metrics
 - ``metrics``: hit-rate counters
+- ``kv_events``: ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in vLLM's schema (``enable_kv_events=True``)
 
 Copy this folder under any name and ``from mykv import BlockManager`` works with a bare Python.
 """
 
 from .block_manager import NO_SCOPE, AllocationPlan, BlockManager, TenantScope, cdiv
 from .block_pool import Block, BlockPool, InvariantError, NoFreeBlocksError
-from .hashing import hash_block, hash_token_blocks
+from .hashing import hash_block, hash_token_blocks, prompt_block_hashes
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from .metrics import PrefixCacheMetrics
 
-__all__ = ["NO_SCOPE", "AllocationPlan", "Block", "BlockManager", "TenantScope", "cdiv", "BlockPool", "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics",
-           "hash_block", "hash_token_blocks"]
+__all__ = ["NO_SCOPE", "AllBlocksCleared", "AllocationPlan", "Block", "BlockManager", "BlockRemoved", "BlockStored",
+           "EventBatch", "TenantScope", "cdiv", "BlockPool", "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics",
+           "hash_block", "hash_token_blocks", "prompt_block_hashes"]

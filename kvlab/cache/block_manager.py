@@ -27,7 +27,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError, check
-from .hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block
+from .hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block, prompt_block_hashes
+from .kv_events import BlockStored, KVCacheEvent
 from .metrics import PrefixCacheMetrics
 
 __all__ = ["NO_SCOPE", "AllocationPlan", "AppendResult", "BlockManager", "DuplicateSequenceError",
@@ -157,8 +158,10 @@ class BlockManager:
         cow: bool = True,
         trace: bool = False,
         free_order: str = "vllm",
+        enable_kv_events: bool = False,
     ) -> None:
-        self.pool = BlockPool(num_blocks, block_size, trace=trace, free_order=free_order)  # validates the sizes
+        self.pool = BlockPool(num_blocks, block_size, trace=trace, free_order=free_order,
+                              enable_kv_events=enable_kv_events)  # validates the sizes
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
         self.hash_fn = hash_fn
@@ -233,11 +236,8 @@ class BlockManager:
         return block_extra_keys(i, self.model_fingerprint, salt, salt_block)
 
     def _hash_full_blocks(self, tokens: list[int], salt: str | None, salt_block: int, limit: int) -> list[BlockHash]:
-        bs, out, parent = self.block_size, [], None
-        for i in range(limit):
-            parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs], self._keys(i, salt, salt_block))
-            out.append(parent)
-        return out
+        return prompt_block_hashes(tokens[: limit * self.block_size], self.block_size, self.model_fingerprint, salt,
+                                   salt_block, self.hash_fn)
 
     def _longest_hit(self, tokens: list[int], hashes: list[BlockHash], salt: str | None, salt_block: int) -> list[Block]:
         """Cached blocks of the longest prefix, capped so the last prompt token is recomputed."""
@@ -320,6 +320,10 @@ class BlockManager:
                               self._keys(i, salt, salt_block), seq_id)
                 self.registered_by[block.block_id] = tenant
                 parent_serial = block.serial
+        if self.enable_caching and len(hits) < n // bs:  # one event for the blocks this call cached (vLLM's order)
+            first = len(hits)
+            pool._emit(BlockStored(tuple(hashes[first : n // bs]), hashes[first - 1] if first else None,
+                                   tuple(tokens[first * bs : (n // bs) * bs]), bs))
         seq.block_hashes = hashes
         self.seqs[seq_id] = seq
         self.metrics.hashed_blocks += len(hashes)
@@ -405,6 +409,11 @@ class BlockManager:
         self.pool.register(block, h, parent, parent_serial, keys, seq.seq_id)
         self.registered_by[block.block_id] = seq.tenant
         seq.block_hashes.append(h)
+        self.pool._emit(BlockStored((h,), parent, tuple(block.token_ids), self.block_size))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events queued since the last call (needs ``enable_kv_events=True``; vLLM's ``take_events``)."""
+        return self.pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False, while a sequence holds blocks."""

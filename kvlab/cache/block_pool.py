@@ -22,6 +22,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .hashing import BlockHash, ExtraKeys
+from .kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 FREE_ORDERS = ("vllm", "lru")
 
@@ -77,7 +78,8 @@ class TraceEvent:
 class BlockPool:
     """``num_blocks`` blocks, a free list in LRU order, and the hash -> block cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, trace: bool = False, free_order: str = "vllm") -> None:
+    def __init__(self, num_blocks: int, block_size: int, trace: bool = False, free_order: str = "vllm",
+                 enable_kv_events: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -93,6 +95,10 @@ class BlockPool:
         self.clock = 0
         self.num_evictions = 0
         self._next_serial = 1
+        # KV events (vLLM's schema, kvlab.cache.kv_events): the pool queues removals and clears, the block
+        # manager queues stores (it knows which blocks one call caches together)
+        self.enable_kv_events = enable_kv_events
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +128,7 @@ class BlockPool:
         block = self.blocks[self.free.popitem(last=False)[0]]
         if block.block_hash is not None:
             self._uncache(block)
+            self._emit(BlockRemoved((block.block_hash,)))
             self.evicted_hashes.add(block.block_hash)
             self.num_evictions += 1
             self._record(block, "evict", owner)
@@ -224,6 +231,7 @@ class BlockPool:
         if block.block_hash is None:
             raise ValueError(f"block {block.block_id} is not cached")
         self._uncache(block)
+        self._emit(BlockRemoved((block.block_hash,)))
         block.block_hash = block.parent_hash = None
         block.extra_keys = ()
         block.serial = block.parent_serial = 0
@@ -238,7 +246,18 @@ class BlockPool:
             block.reset()
         self.cached.clear()
         self.evicted_hashes.clear()
+        self._emit(AllBlocksCleared())
         return True
+
+    # --- KV events ----------------------------------------------------------------------------------
+    def _emit(self, event: KVCacheEvent) -> None:
+        if self.enable_kv_events:
+            self.kv_event_queue.append(event)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The queued KV events, oldest first, and an empty queue (vLLM's ``BlockPool.take_events``)."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def _uncache(self, block: Block) -> None:
         bucket = self.cached[block.block_hash]

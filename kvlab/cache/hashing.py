@@ -67,6 +67,24 @@ def block_extra_keys(index: int, model_fingerprint: str = "", salt: str | None =
     return keys
 
 
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    model_fingerprint: str = "",
+    salt: str | None = None,
+    salt_block: int = 0,
+    hash_fn: HashFn = hash_block,
+) -> list[BlockHash]:
+    """The hashes a ``BlockManager`` gives a prompt's full blocks (a router computes them the same way)."""
+    hashes: list[BlockHash] = []
+    parent = None
+    for i in range(len(token_ids) // block_size):
+        keys = block_extra_keys(i, model_fingerprint, salt, salt_block)
+        parent = hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size], keys)
+        hashes.append(parent)
+    return hashes
+
+
 def hash_token_blocks(
     token_ids: Sequence[int],
     block_size: int,

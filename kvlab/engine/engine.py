@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from ..cache.block_pool import check
+from ..cache.kv_events import EventBatch
 from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
 from .paged_attention import MissingBatchError, build_batch, paged_attention
@@ -116,7 +117,7 @@ class Engine:
                  block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0,
                  isolation: str = "shared", secret: bytes | str | None = None, cache: str = "blocks",
-                 page_size: int = 1) -> None:
+                 page_size: int = 1, enable_kv_events: bool = False) -> None:
         secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
         if num_blocks is None:
             num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
@@ -125,7 +126,7 @@ class Engine:
         # cache="radix": SGLang's radix tree on the same slots, in pages of page_size (kvlab.engine.radix_adapter)
         self.block_manager = make_prefix_cache(cache, num_blocks, block_size, page_size, isolation,
                                                model_fingerprint(model, tokenizer, every_weight=False),
-                                               enable_prefix_caching)
+                                               enable_prefix_caching, enable_kv_events)
         self.store = PagedKVStore.for_model(model, self.block_manager.pool.num_blocks, self.block_manager.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
@@ -142,6 +143,9 @@ class Engine:
         self._lock = threading.RLock()  # add_request / abort / fork / step from several threads
         self._pending: list[RequestOutput] = []  # finished during a generate() that did not own them
         self._held: set[int] = set()  # seq ids whose outputs a running generate() collects itself
+        self.enable_kv_events = enable_kv_events
+        self._kv_batches: list[EventBatch] = []  # one per step that changed the cache (enable_kv_events=True)
+        self._kv_seq = 0  # sequence number of the next batch
         self._check_architecture()
 
     @torch.no_grad()
@@ -315,8 +319,36 @@ class Engine:
         finished = self._run(sched) if sched.items else []  # empty only when a lone sequence preempted itself
         if self.debug:
             self.check_invariants()
+        self._batch_kv_events()
         outputs, self._pending = self._pending, []
         return outputs + [self._output(seq) for seq in finished if seq.seq_id not in self._held]
+
+    def _batch_kv_events(self) -> None:
+        """Wrap the KV events queued since the last batch in one ``EventBatch`` with the next sequence number."""
+        if self.enable_kv_events:
+            events = self.block_manager.take_events()
+            if events:
+                self._kv_batches.append(EventBatch(time.time(), tuple(events), self._kv_seq))
+                self._kv_seq += 1
+
+    @_locked
+    def take_kv_events(self) -> list[EventBatch]:
+        """The KV-event batches (one per step that changed the prefix cache) since the last call, oldest first.
+
+        Needs ``Engine(..., enable_kv_events=True)``. Events from outside a step (an abort, ``reset_prefix_cache``)
+        go into a batch of their own. A router consumes these (``kvlab.cluster.router``), as Dynamo's or
+        Ray Serve's routers consume vLLM's ``KVEventBatch`` stream.
+        """
+        self._batch_kv_events()
+        batches, self._kv_batches = self._kv_batches, []
+        return batches
+
+    @_locked
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (refused, False, while a request holds blocks); emits ``AllBlocksCleared``."""
+        if not hasattr(self.block_manager, "reset_prefix_cache"):
+            raise NotImplementedError("reset_prefix_cache needs cache='blocks'")
+        return self.block_manager.reset_prefix_cache()
 
     def _run(self, sched: SchedulerOutput) -> list[Seq]:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)

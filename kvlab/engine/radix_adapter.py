@@ -21,12 +21,16 @@ CACHES = ("blocks", "radix")
 
 
 def make_prefix_cache(cache: str, num_blocks: int, block_size: int, page_size: int, isolation: str,
-                      model_fingerprint: str = "", enable_caching: bool = True) -> BlockManager | RadixCache:
+                      model_fingerprint: str = "", enable_caching: bool = True,
+                      enable_kv_events: bool = False) -> BlockManager | RadixCache:
     """The engine's prefix cache: ``BlockManager(num_blocks, block_size)`` or a radix tree of the same slots."""
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     if cache == "blocks":
-        return BlockManager(num_blocks, block_size, model_fingerprint=model_fingerprint, enable_caching=enable_caching)
+        return BlockManager(num_blocks, block_size, model_fingerprint=model_fingerprint, enable_caching=enable_caching,
+                            enable_kv_events=enable_kv_events)
+    if enable_kv_events:
+        raise ValueError("KV events (vLLM's schema) describe hash blocks: use cache='blocks' with enable_kv_events=True")
     if type(page_size) is not int or page_size <= 0:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     if isolation == "public-prefix":

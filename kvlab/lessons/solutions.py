@@ -213,3 +213,9 @@ def ex07_3_auc(positives, negatives) -> float:
     """07.3: ROC AUC over all positive-negative pairs, a win counting 1 and a tie one half."""
     pairs = [(p > n) + 0.5 * (p == n) for p in positives for n in negatives]
     return sum(pairs) / len(pairs)
+
+
+def ex09_1_policy(router, request):
+    """Notebook 09: the replica with the largest cached overlap minus its active blocks, ties to the lowest id."""
+    hashes = router.hashes(request)
+    return max(router.replicas, key=lambda r: (router.index.overlap(r, hashes) - router.active_blocks(r), -r))

@@ -13,6 +13,9 @@ venv where kvlab is not installed. Jobs (``job["kind"]``):
   prompt pairs (the first with an empty cache, the second sharing its prefix).
 - ``many``: a list of jobs, run one after the other in this one process.
 - ``workload``: all prompts at once, several times, prefix caching on and off: wall seconds, TTFT.
+- ``kv_events``: replay block-manager operations (``alloc`` a prompt, ``append`` a decoded token, ``free``,
+  ``reset``) on vLLM's own ``KVCacheManager`` with ``enable_kv_cache_events=True`` and return, after each
+  operation, the events ``take_events()`` gave (the scheduler publishes exactly these, batched per step).
 - ``block_pool``: replay a block-manager trace on vLLM's own ``KVCacheManager`` (``vllm.v1.core``),
   the same loop as ``kvlab.lessons.traces.replay``: seconds, hit tokens, cached tokens per request.
 
@@ -168,7 +171,7 @@ def ttft(llm, pairs, repeats: int) -> dict:
 
 # ----------------------------------------------------------------------------- block pool microbenchmark
 
-def _kv_cache_manager(num_blocks: int, block_size: int):
+def _kv_cache_manager(num_blocks: int, block_size: int, **kwargs):
     """vLLM's KVCacheManager for one full-attention group (no tensors are made: shapes do not matter).
 
     vLLM keeps block 0 as its "null block", so it gets one block more than kvlab for the same capacity.
@@ -181,7 +184,7 @@ def _kv_cache_manager(num_blocks: int, block_size: int):
     config = KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     return KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=block_size,
-                          hash_block_size=block_size, enable_caching=True)
+                          hash_block_size=block_size, enable_caching=True, **kwargs)
 
 
 def _request(req_id: str, prompt: list[int], max_tokens: int, hasher):
@@ -255,6 +258,60 @@ def block_pool_replay(trace: list[dict], num_blocks: int, block_size: int, max_r
             "num_free_blocks": pool.get_num_free_blocks()}
 
 
+def _event_json(event) -> dict:
+    """A vLLM KV event as JSON: its kind, hashes as hex (bytes) or str (int), tokens, block size."""
+    def h(x):
+        return None if x is None else (x.hex() if isinstance(x, (bytes, bytearray)) else str(x))
+
+    kind = type(event).__name__
+    out = {"kind": kind}
+    if kind in ("BlockStored", "BlockRemoved"):
+        out["block_hashes"] = [h(x) for x in event.block_hashes]
+    if kind == "BlockStored":
+        out.update(parent_block_hash=h(event.parent_block_hash), token_ids=list(event.token_ids),
+                   block_size=event.block_size)
+    return out
+
+
+def kv_events(job: dict) -> dict:
+    """The ``kv_events`` job: operations on vLLM's KVCacheManager with KV events on; the events after each."""
+    import vllm
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    bs = job["block_size"]
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(bs, hash_fn)
+    manager = _kv_cache_manager(job["num_blocks"], bs, enable_kv_cache_events=True)
+    reqs, out = {}, []
+    for op in job["ops"]:
+        kind = op["op"]
+        if kind == "alloc":
+            req = _request(op["id"], list(op["prompt"]), 1 << 10, hasher)
+            blocks, n_hit, _ = manager.get_computed_blocks(req)
+            n = len(op["prompt"])
+            if manager.allocate_slots(req, n - n_hit, n_hit, blocks) is None:
+                raise RuntimeError(f"vLLM refused {op['id']}: pool too small")
+            req.num_computed_tokens = n
+            reqs[op["id"]] = req
+        elif kind == "append":
+            req = reqs[op["id"]]
+            req.append_output_token_ids(op["token"])
+            if manager.allocate_slots(req, 1) is None:
+                raise RuntimeError("no block for a decode step")
+            req.num_computed_tokens += 1
+        elif kind == "free":
+            manager.free(reqs.pop(op["id"]))
+        elif kind == "reset":
+            if not manager.reset_prefix_cache():
+                raise RuntimeError("reset_prefix_cache refused")
+        else:
+            raise ValueError(f"unknown op {kind!r}")
+        out.append([_event_json(e) for e in (manager.take_events() or [])])
+    return {"events": out, "vllm_version": vllm.__version__}
+
+
 def block_pool(job: dict) -> dict:
     """The ``block_pool`` job: ``reps`` replays on fresh managers, median seconds."""
     import vllm
@@ -281,6 +338,8 @@ def run(job: dict) -> dict:
         return generate(job)
     if kind == "block_pool":
         return block_pool(job)
+    if kind == "kv_events":
+        return kv_events(job)
     if kind == "workload":
         return workload(job)
     raise ValueError(f"unknown job kind {kind!r}")

@@ -1,0 +1,23 @@
+"""Beyond one replica: engine replicas (Ray actors or model-free), a KV-event-fed router, a fleet driver.
+
+- ``router``: ``KVIndex`` (built only from replicas' KV events), ``Router`` with the policies round_robin,
+  least_loaded, session_affinity, prefix_tree (SGLang-style) and kv_aware (Dynamo's cost)
+- ``replica``: ``EngineReplica`` (a kvlab ``Engine``; ``ray_replicas`` runs them as Ray actors) and
+  ``SimReplica`` (the real scheduler and block manager, no model)
+- ``driver``: ``run_fleet``: Poisson arrivals through the router, per-request TTFT, cached tokens, replica
+- ``sim``: ``simulate`` (model-free sweeps), ``CostModel``, ``agree`` (sim vs Ray on one workload)
+- ``workloads``: multi-tenant multi-turn ``chat``; ``from_prompts`` (e.g. sys512)
+
+Ray is optional (``pip install kvlab[cluster]``): nothing here imports it until a Ray replica is started.
+"""
+
+from .driver import FleetResult, percentile, run_fleet
+from .replica import EngineReplica, LocalHandle, RayHandle, SimReplica, ray_available, ray_replicas, start_ray
+from .router import POLICIES, HashRing, KVIndex, PrefixTree, Router, RouteRequest
+from .sim import CostModel, agree, simulate
+from .workloads import FleetWorkload, Session, chat, from_prompts
+
+__all__ = ["POLICIES", "CostModel", "EngineReplica", "FleetResult", "FleetWorkload", "HashRing", "KVIndex",
+           "LocalHandle", "PrefixTree", "RayHandle", "RouteRequest", "Router", "Session", "SimReplica", "agree",
+           "chat", "from_prompts", "percentile", "ray_available", "ray_replicas", "run_fleet", "simulate",
+           "start_ray"]

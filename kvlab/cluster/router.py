@@ -1,0 +1,316 @@
+"""A cache-aware router for a fleet of engine replicas, fed only by their KV events.
+
+``KVIndex`` is the router's picture of the fleet's caches: which replica holds which block hash (with
+the parent links), built *only* from the ``EventBatch`` stream each replica publishes
+(``kvlab.cache.kv_events``), never by looking into a replica. Stores and removals are counted per
+hash, because a replica may cache the same hash twice; a replica that restarts is dropped whole.
+
+``Router.route`` picks a replica for a request by one of these policies:
+
+- ``round_robin``: replicas in turn; blind to the cache and to load.
+- ``least_loaded``: the replica with the fewest requests in flight (as the router counts them).
+- ``session_affinity``: a consistent hash ring of the session id (64 virtual nodes per replica), so a
+  conversation sticks to one replica and removing a replica moves only its own sessions.
+- ``prefix_tree``: SGLang's cache-aware router: an approximate prefix tree, built router-side from the
+  prompts it routed (it never hears about evictions). If the best replica matches more than
+  ``prefix_threshold`` of the prompt, go there; otherwise to the replica with the smallest tree (the
+  least cached, as far as the router knows), which spreads new prefixes over the fleet. When the fleet is
+  out of balance (max - min in flight > ``balance_abs`` and max > ``balance_rel`` x min) it routes by
+  load alone.
+- ``kv_aware``: NVIDIA Dynamo's KV router cost: ``weight x blocks to prefill + active blocks`` per
+  replica, lowest wins. Blocks to prefill = the prompt's blocks minus the longest prefix the index says
+  the replica holds; active blocks = the blocks of the requests in flight there. ``weight`` trades hit
+  rate (large) against balance (small).
+
+The router hashes a prompt exactly as a replica's block manager does (``kvlab.cache.hashing.
+prompt_block_hashes``: same block size, model fingerprint and salt), so its hashes meet the replicas'.
+Ties break towards the lower replica id, so a run is deterministic.
+
+References: NVIDIA Dynamo ``lib/llm/src/kv_router`` (indexer, scheduler cost ``overlap_score_weight``);
+Ray Serve LLM ``PrefixCacheAffinityRouter`` / KV-aware routing; SGLang ``sgl-router`` (cache-aware policy:
+``cache_threshold``, ``balance_abs_threshold``, ``balance_rel_threshold``); vLLM production-stack router.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from ..cache.hashing import BlockHash, prompt_block_hashes
+from ..cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+__all__ = ["POLICIES", "HashRing", "KVIndex", "PrefixTree", "RouteRequest", "Router"]
+
+POLICIES = ("round_robin", "least_loaded", "session_affinity", "prefix_tree", "kv_aware")
+
+
+@dataclass(slots=True, frozen=True)
+class RouteRequest:
+    """What the router sees of a request: its id, prompt token ids, session, new tokens, salt."""
+
+    request_id: Hashable
+    token_ids: tuple[int, ...]
+    session: Hashable = None
+    max_tokens: int = 16
+    salt: str | None = None
+
+
+class KVIndex:
+    """Replica -> cached block hashes (with counts), learnt only from KV events."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, Counter] = {}  # replica -> hash -> times stored minus times removed
+        self.parent: dict[BlockHash, BlockHash | None] = {}  # hash -> parent hash, while some replica holds it
+        self._holders: Counter = Counter()  # hash -> replicas x copies holding it (to prune ``parent``)
+        self.last_seq: dict[int, int] = {}
+        self.gaps = 0  # batches that arrived with a sequence number out of order (a lost batch)
+        self.num_events = 0
+
+    def apply(self, replica: int, batch: EventBatch) -> None:
+        """Apply one replica's event batch, in order."""
+        if replica in self.last_seq and batch.seq != self.last_seq[replica] + 1:
+            self.gaps += 1
+        self.last_seq[replica] = batch.seq
+        held = self.blocks.setdefault(replica, Counter())
+        for ev in batch.events:
+            self.num_events += 1
+            if isinstance(ev, BlockStored):
+                parent = ev.parent_block_hash
+                for h in ev.block_hashes:
+                    held[h] += 1
+                    self._holders[h] += 1
+                    self.parent[h] = parent
+                    parent = h
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    if held[h] > 0:
+                        self._drop(held, h, 1)
+            elif isinstance(ev, AllBlocksCleared):
+                self.drop_replica(replica, forget_seq=False)
+                held = self.blocks.setdefault(replica, Counter())
+
+    def _drop(self, held: Counter, h: BlockHash, n: int) -> None:
+        held[h] -= n
+        if held[h] <= 0:
+            del held[h]
+        self._holders[h] -= n
+        if self._holders[h] <= 0:
+            del self._holders[h]
+            self.parent.pop(h, None)
+
+    def drop_replica(self, replica: int, forget_seq: bool = True) -> None:
+        """Forget everything a replica held (it restarted or left the fleet)."""
+        held = self.blocks.pop(replica, Counter())
+        for h, n in list(held.items()):
+            self._drop(held, h, n)
+        if forget_seq:
+            self.last_seq.pop(replica, None)
+
+    def hashes(self, replica: int) -> set[BlockHash]:
+        """The block hashes the index says ``replica`` caches."""
+        return set(self.blocks.get(replica, ()))
+
+    def overlap(self, replica: int, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of ``hashes`` the replica holds (a prefix hit stops at the first miss)."""
+        held = self.blocks.get(replica, {})
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def num_blocks(self, replica: int) -> int:
+        """Distinct hashes held by ``replica``."""
+        return len(self.blocks.get(replica, ()))
+
+
+class HashRing:
+    """Consistent hashing of keys onto replicas, ``vnodes`` points per replica."""
+
+    def __init__(self, replicas: Sequence[int] = (), vnodes: int = 64) -> None:
+        self.vnodes = vnodes
+        self._points: list[tuple[int, int]] = []
+        for r in replicas:
+            self.add(r)
+
+    @staticmethod
+    def _h(text: str) -> int:
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+    def add(self, replica: int) -> None:
+        """Put ``vnodes`` points of ``replica`` on the ring."""
+        for v in range(self.vnodes):
+            bisect.insort(self._points, (self._h(f"replica-{replica}-{v}"), replica))
+
+    def remove(self, replica: int) -> None:
+        """Take a replica's points off the ring (only its keys move)."""
+        self._points = [p for p in self._points if p[1] != replica]
+
+    def get(self, key: Hashable) -> int:
+        """The replica owning ``key``: the first point clockwise from the key's hash."""
+        if not self._points:
+            raise LookupError("the ring is empty")
+        i = bisect.bisect(self._points, (self._h(repr(key)), -1))
+        return self._points[i % len(self._points)][1]
+
+
+@dataclass
+class _Node:
+    children: dict = field(default_factory=dict)
+    replicas: set = field(default_factory=set)
+
+
+class PrefixTree:
+    """SGLang-style approximate tree of routed prompts, in chunks of ``chunk`` tokens, tagged by replica."""
+
+    def __init__(self, chunk: int = 16) -> None:
+        self.chunk = chunk
+        self.root = _Node()
+        self.size: Counter = Counter()  # replica -> chunks inserted for it (SGLang's tree size per worker)
+
+    def _chunks(self, tokens: Sequence[int]):
+        c = self.chunk
+        for i in range(len(tokens) // c):
+            yield tuple(tokens[i * c : (i + 1) * c])
+
+    def insert(self, tokens: Sequence[int], replica: int) -> None:
+        """Record that ``replica`` got this prompt (it will cache it, as far as the router knows)."""
+        node = self.root
+        for key in self._chunks(tokens):
+            node = node.children.setdefault(key, _Node())
+            if replica not in node.replicas:
+                node.replicas.add(replica)
+                self.size[replica] += 1
+
+    def match(self, tokens: Sequence[int]) -> dict[int, int]:
+        """Replica -> matched prefix tokens of ``tokens``, as the tree remembers it."""
+        node, depth, best = self.root, 0, {}
+        for key in self._chunks(tokens):
+            node = node.children.get(key)
+            if node is None:
+                break
+            depth += self.chunk
+            for r in node.replicas:
+                best[r] = depth
+        return best
+
+    def remove_replica(self, replica: int) -> None:
+        """Forget a replica everywhere in the tree."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            node.replicas.discard(replica)
+            stack.extend(node.children.values())
+        self.size.pop(replica, None)
+
+
+class Router:
+    """Routes requests to replicas by ``policy``; its cache view comes only from ``apply_events``."""
+
+    def __init__(self, policy: str | Callable, replicas: Sequence[int], block_size: int, *, model_fingerprint: str = "",
+                 weight: float = 1.0, prefix_threshold: float = 0.5, balance_abs: int = 8,
+                 balance_rel: float = 1.5, vnodes: int = 64) -> None:
+        if not callable(policy) and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES} or a function (router, request) -> replica, got {policy!r}")
+        if not replicas:
+            raise ValueError("a router needs at least one replica")
+        self.policy, self.block_size, self.model_fingerprint = policy, block_size, model_fingerprint
+        self.weight, self.prefix_threshold = weight, prefix_threshold
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.replicas: list[int] = sorted(replicas)
+        self.index = KVIndex()
+        self.ring = HashRing(self.replicas, vnodes)
+        self.tree = PrefixTree(block_size)
+        self.inflight: dict[int, dict[Hashable, int]] = {r: {} for r in self.replicas}  # replica -> rid -> blocks
+        self._rr = itertools.count()
+        self.last_overlap: dict[int, int] = {}  # per replica, for the last routed request (kv_aware)
+
+    # --- fleet membership and feedback -----------------------------------------------------------------
+    def add_replica(self, replica: int) -> None:
+        """A replica joins (or rejoins, with an empty cache)."""
+        if replica not in self.replicas:
+            self.replicas = sorted([*self.replicas, replica])
+            self.ring.add(replica)
+            self.inflight[replica] = {}
+
+    def remove_replica(self, replica: int) -> None:
+        """A replica left (failed): drop its index entries, its ring points, its tree tags, its load."""
+        self.replicas = [r for r in self.replicas if r != replica]
+        self.ring.remove(replica)
+        self.tree.remove_replica(replica)
+        self.index.drop_replica(replica)
+        self.inflight.pop(replica, None)
+
+    def apply_events(self, replica: int, batch: EventBatch) -> None:
+        """Feed one KV-event batch from ``replica`` into the index (ignored from a replica not in the fleet)."""
+        if replica in self.inflight:
+            self.index.apply(replica, batch)
+
+    def finish(self, replica: int, request_id: Hashable) -> None:
+        """A request finished on ``replica``: its load leaves the router's count."""
+        self.inflight.get(replica, {}).pop(request_id, None)
+
+    # --- routing -----------------------------------------------------------------------------------------
+    def load(self, replica: int) -> int:
+        """Requests in flight on ``replica``, as the router counts them."""
+        return len(self.inflight[replica])
+
+    def active_blocks(self, replica: int) -> int:
+        """Blocks of the requests in flight on ``replica`` (prompt + new tokens), Dynamo's load term."""
+        return sum(self.inflight[replica].values())
+
+    def hashes(self, req: RouteRequest) -> list[BlockHash]:
+        """The prompt's full-block hashes that a replica could hit (capped at n - 1 tokens, as it is)."""
+        n = len(req.token_ids)
+        usable = (n - 1) // self.block_size * self.block_size
+        return prompt_block_hashes(req.token_ids[:usable], self.block_size, self.model_fingerprint, req.salt)
+
+    def costs(self, req: RouteRequest) -> dict[int, float]:
+        """kv_aware's cost of each replica: weight x blocks to prefill + active blocks."""
+        hashes = self.hashes(req)
+        total = -(-len(req.token_ids) // self.block_size)
+        self.last_overlap = {r: self.index.overlap(r, hashes) for r in self.replicas}
+        return {r: self.weight * (total - self.last_overlap[r]) + self.active_blocks(r) for r in self.replicas}
+
+    def _least_loaded(self) -> int:
+        return min(self.replicas, key=lambda r: (self.load(r), r))
+
+    def choose(self, req: RouteRequest) -> int:
+        """The replica ``policy`` picks for ``req`` (changes nothing but the round-robin counter)."""
+        p = self.policy
+        if callable(p):  # your own: (router, request) -> a replica id
+            r = p(self, req)
+            if r not in self.replicas:
+                raise ValueError(f"the policy chose {r!r}, not a replica of the fleet {self.replicas}")
+            return r
+        if p == "round_robin":
+            return self.replicas[next(self._rr) % len(self.replicas)]
+        if p == "least_loaded":
+            return self._least_loaded()
+        if p == "session_affinity":
+            return self.ring.get(req.request_id if req.session is None else req.session)
+        if p == "prefix_tree":
+            loads = [self.load(r) for r in self.replicas]
+            if max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(loads):
+                return self._least_loaded()
+            match = self.tree.match(req.token_ids)
+            if match:
+                best = min(match, key=lambda r: (-match[r], self.load(r), r))
+                if match[best] > self.prefix_threshold * len(req.token_ids):
+                    return best
+            return min(self.replicas, key=lambda r: (self.tree.size[r], self.load(r), r))  # smallest tree
+        costs = self.costs(req)
+        return min(self.replicas, key=lambda r: (costs[r], self.active_blocks(r), r))
+
+    def route(self, req: RouteRequest) -> int:
+        """Pick a replica and count the request as in flight there."""
+        r = self.choose(req)
+        self.inflight[r][req.request_id] = -(-(len(req.token_ids) + req.max_tokens) // self.block_size)
+        if self.policy == "prefix_tree":
+            self.tree.insert(req.token_ids, r)
+        return r

@@ -1,0 +1,84 @@
+"""Routing benchmark: replica counts x policies on the chat and sys512 workloads -> build/bench/routing.json.
+
+    python scripts/routing_bench.py                  # model-free simulation (seconds)
+    python scripts/routing_bench.py --ray            # + real kvlab engines as Ray actors (measured step times)
+    python scripts/routing_bench.py --smoke          # small sizes
+
+Per (workload, replicas, policy): fleet hit rate, TTFT p50/p99 (modelled clock in the simulation, measured
+step times on Ray), load imbalance (max/mean requests per replica), preemptions. Also the kv_aware weight
+sweep on 4 replicas, and (with --ray) whether the simulation reproduces the Ray run's routing and hits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvlab.cluster import POLICIES, agree, ray_available, ray_replicas, run_fleet, simulate, start_ray  # noqa: E402
+from kvlab.lessons import nb09_routing as L  # noqa: E402
+
+
+def table(rows: list[dict]) -> str:
+    """A plain-text table of the summary rows."""
+    head = f"{'workload':<12}{'n':>3} {'policy':<17}{'hit':>7}{'p50 ms':>9}{'p99 ms':>9}{'imb':>6}{'pre':>5}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['workload']:<12}{r['replicas']:>3} {r['policy']:<17}{100 * r['hit_rate']:>6.1f}%"
+                     f"{1000 * r['ttft_p50']:>9.2f}{1000 * r['ttft_p99']:>9.2f}{r['imbalance']:>6.2f}{r['preemptions']:>5}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ray", action="store_true", help="also run real engines as Ray actors")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--num-blocks", type=int, default=96, help="KV blocks of 16 tokens per replica")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "routing.json"))
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    workloads = [L.chat_workload(args.smoke, args.seed), L.sys512_workload(seed=args.seed)]
+    rows = []
+    for wl in workloads:
+        rows += L.sweep(wl, (1, 2, 4), POLICIES, num_blocks=args.num_blocks).to_dict("records")
+    weights = L.weight_sweep(workloads[0], 4, (0, 0.25, 1, 4, 16), num_blocks=args.num_blocks).to_dict("records")
+    print(table(rows))
+    out = {"mode": "simulation", "num_blocks": args.num_blocks, "smoke": args.smoke, "seed": args.seed,
+           "rows": rows, "weight_sweep": weights, "python": platform.python_version()}
+    if args.ray:
+        if not ray_available():
+            out["ray"] = {"error": "Ray is not installed (pip install -e .[cluster])"}
+        else:
+            t1 = time.perf_counter()
+            start_ray(num_cpus=2)
+            wl = L.chat_workload(True, args.seed)
+            ray_rows = []
+            for n in (1, 2) if args.smoke else (1, 2, 4):
+                handles = ray_replicas(n, num_blocks=args.num_blocks)
+                for p in POLICIES:
+                    ray_rows.append({**run_fleet(wl, handles, p, clock="measured").summary(), "workload": wl.name})
+                real = run_fleet(wl, handles, "kv_aware", clock="model")
+                check = agree(real, simulate(wl, n, "kv_aware", num_blocks=args.num_blocks, replies=real.replies))
+                ray_rows.append({"replicas": n, "agreement": check})
+                import ray
+
+                for h in handles:
+                    ray.kill(h.actor)
+            print(table([r for r in ray_rows if "policy" in r]))
+            out["ray"] = {"rows": ray_rows, "seconds": time.perf_counter() - t1}
+    out["seconds"] = time.perf_counter() - t0
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {path} in {out['seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
