@@ -45,8 +45,10 @@ Reference: nano-vllm ``nanovllm/engine/llm_engine.py`` and ``model_runner.py``; 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import os
 import random
 import threading
 import time
@@ -86,6 +88,30 @@ def _locked(method):
         with self._lock:
             return method(self, *args, **kwargs)
     return wrapper
+
+
+def _head_as_w_xt(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``head(x)`` computed as ``(W @ x.T).T``: the same product, about 2x faster than ``F.linear`` for a few rows on this CPU's MKL."""
+    # x (..., hidden); weight (vocab, hidden)
+    rows = x.reshape(-1, x.shape[-1])  # (N, hidden)
+    out = (head.weight @ rows.T).T  # (N, vocab)
+    if head.bias is not None:
+        out = out + head.bias
+    return out.contiguous().view(*x.shape[:-1], out.shape[-1])  # (..., vocab)
+
+
+@contextlib.contextmanager
+def _fast_head(model: Any) -> Any:
+    """Within the block, a plain ``nn.Linear`` LM head runs as ``W @ x.T``; the model's own post-processing of its logits still runs."""
+    head = model.get_output_embeddings()
+    if os.environ.get("KVLAB_HEAD") == "linear" or type(head) is not torch.nn.Linear or "forward" in vars(head):
+        yield
+        return
+    head.forward = functools.partial(_head_as_w_xt, head)
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def _describe(e: BaseException) -> str:
@@ -366,7 +392,7 @@ class Engine:
             pos.extend(self._positions(it))
         batch = build_batch(self.store, [(it.start, it.end, bm.block_table(it.seq.seq_id)) for it in sched.items])
         last = torch.tensor(list(itertools.accumulate(it.end - it.start for it in sched.items)), device=self.device) - 1
-        with paged_attention(self.model):
+        with paged_attention(self.model), _fast_head(self.model):
             out = self.model(input_ids=torch.tensor([ids], device=self.device),  # (1, T)
                              position_ids=torch.tensor([pos], device=self.device),  # (1, T)
                              use_cache=False, logits_to_keep=last, kvlab_batch=batch)
