@@ -43,6 +43,7 @@ __all__ = ["ATTN_NAME", "AttnGroup", "MissingBatchError", "PagedBatch", "build_b
            "paged_attention", "paged_attention_forward", "register"]
 
 ATTN_NAME = "kvlab_paged"
+_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class AttnGroup:
     block_tables: torch.Tensor  # (B, max_blocks) physical block ids (padding -> 0)
     mask: torch.Tensor  # (B, 1, Qmax, Kmax) bool, True = may attend (causal, within the context)
     dense: bool = False  # no padding and packed in order: the group is the whole step, (B * Qmax) rows
+    fresh: bool = False  # every sequence starts at position 0: its keys are this step's, attention is plain causal
     masks: dict = field(default_factory=dict)  # (group, window) -> the mask as attended; built once per step
 
     def attn_mask(self, group: int, sliding_window: int | None) -> torch.Tensor:
@@ -108,7 +110,7 @@ def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence
     # (B, Qmax, Kmax): padded query rows see key 0 only, which keeps their softmax finite
     dense = bool(valid.all()) and offsets[0] == 0 and all(o == i * q_max for i, o in enumerate(offsets))
     return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device),
-                     mask[:, None].to(device), dense)
+                     mask[:, None].to(device), dense, all(s == 0 for s in starts))
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
@@ -173,20 +175,47 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     whole = len(batch.groups) == 1 and batch.groups[0].dense  # e.g. a decode-only step: no gather, no scatter
     out = None if whole else torch.empty_like(q_all)  # (T, heads, D)
     for g in batch.groups:
-        k, v = batch.store.gather(layer, g.block_tables)  # (B, Kmax, kv_heads, D)
-        k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)  # (B, kv_heads, Kmax, D)
         b, q_len = g.query_index.shape
         d = q_all.shape[-1]
         q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]  # (B, Qmax, heads, D)
-        # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
-        # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
-        q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask(group, sliding_window), scale=scaling)
-        o = o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
+        if g.fresh and (sliding_window is None or sliding_window >= q_len):
+            # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
+            # (a padded query row is past every real one, so causality alone keeps real rows exact)
+            o = _causal_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), g, whole, scaling)
+        else:
+            o = _paged_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
         if whole:
             return o.reshape(1, b * q_len, heads, d), None  # (1, T, heads, D)
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     return out.unsqueeze(0), None  # (1, T, heads, D)
+
+
+def _causal_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: AttnGroup, whole: bool,
+                      scaling: float | None) -> torch.Tensor:
+    """SDPA with ``is_causal`` over the group's new keys: ``q`` (B, Qmax, heads, D), ``key``/``value`` (T, kv_heads, D)."""
+    b, q_len, heads, d = q.shape
+    k = key.reshape(b, q_len, -1, d) if whole else key[g.query_index]  # (B, Qmax, kv_heads, D)
+    v = value.reshape(b, q_len, -1, d) if whole else value[g.query_index]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads or kv_heads, Qmax, D)
+    if k.shape[1] != heads and not _SDPA_GQA:  # torch < 2.5: no enable_gqa
+        k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // k.shape[1], 1)
+    gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, **gqa)  # (B, heads, Qmax, D)
+    return o.transpose(1, 2)  # (B, Qmax, heads, D)
+
+
+def _paged_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
+                           sliding_window: int | None, scaling: float | None) -> torch.Tensor:
+    """Attend ``q`` (B, Qmax, heads, D) over each sequence's cached + new K/V, read through its block table."""
+    b, q_len, heads, d = q.shape
+    k, v = store.gather(layer, g.block_tables)  # (B, Kmax, kv_heads, D)
+    k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)  # (B, kv_heads, Kmax, D)
+    kv_heads = k.shape[1]
+    # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
+    # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
+    q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask(group, sliding_window), scale=scaling)
+    return o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
 
 
 def register() -> None:
