@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
 import random
 import threading
 import time
@@ -104,7 +103,7 @@ def _head_as_w_xt(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _fast_head(model: Any) -> Any:
     """Within the block, a plain ``nn.Linear`` LM head runs as ``W @ x.T``; the model's own post-processing of its logits still runs."""
     head = model.get_output_embeddings()
-    if os.environ.get("KVLAB_HEAD") == "linear" or type(head) is not torch.nn.Linear or "forward" in vars(head):
+    if type(head) is not torch.nn.Linear or "forward" in vars(head):  # a subclass (LoRA, quantised) or already swapped
         yield
         return
     head.forward = functools.partial(_head_as_w_xt, head)
@@ -420,7 +419,8 @@ class Engine:
         bad: set[int] = set()  # blocks whose K/V this step did not reliably write
         try:
             logits = self._forward(sched)  # (num_scheduled, vocab)
-            greedy, nan = logits.argmax(-1).tolist(), logits.isnan().any(-1).tolist()
+            top = logits.argmax(-1)  # (num_scheduled,): argmax treats NaN as the largest, so a row with NaN points at one
+            greedy, nan = top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()
             if any(nan) and len(items) > 1:
                 logits = None
         except Exception:

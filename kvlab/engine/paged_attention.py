@@ -54,14 +54,25 @@ class AttnGroup:
     query_valid: torch.Tensor  # (B, Qmax) bool
     query_pos: torch.Tensor  # (B, Qmax) absolute position of each query token
     block_tables: torch.Tensor  # (B, max_blocks) physical block ids (padding -> 0)
-    mask: torch.Tensor  # (B, 1, Qmax, Kmax) bool, True = may attend (causal, within the context)
+    context: torch.Tensor  # (B,) context length of each sequence after this step
+    block_size: int
     dense: bool = False  # no padding and packed in order: the group is the whole step, (B * Qmax) rows
     fresh: bool = False  # every sequence starts at position 0: its keys are this step's, attention is plain causal
-    masks: dict = field(default_factory=dict)  # (group, window) -> the mask as attended; built once per step
+    masks: dict = field(default_factory=dict)  # (group, window, dtype) -> the mask as attended; built once per step
 
-    def attn_mask(self, group: int, sliding_window: int | None) -> torch.Tensor:
-        """(B, 1, group * Qmax, Kmax): the mask for GQA's stacked query rows (and a window), computed once per step."""
-        key = (group, sliding_window)
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, Qmax, Kmax) bool, True = may attend: causal, within the context; a padded row sees key 0 only."""
+        k_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_pos.device)
+        return ((k_pos[None, None, :] <= self.query_pos[:, :, None])
+                & (k_pos[None, None, :] < self.context[:, None, None]))[:, None]
+
+    def attn_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, group * Qmax, Kmax) additive mask (0 or -inf) for GQA's stacked query rows (and a window), once per step.
+
+        SDPA would turn a boolean mask into this same float mask at every call, i.e. in every layer.
+        """
+        key = (group, sliding_window, dtype)
         if key not in self.masks:
             mask = self.mask
             if sliding_window is not None:
@@ -71,7 +82,7 @@ class AttnGroup:
             if group > 1:
                 b, _, q_len, k_len = mask.shape
                 mask = mask.unsqueeze(2).expand(b, 1, group, q_len, k_len).reshape(b, 1, group * q_len, k_len)
-            self.masks[key] = mask
+            self.masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return self.masks[key]
 
 
@@ -98,19 +109,16 @@ def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence
     q_pos = torch.zeros(b, q_max, dtype=torch.long)
     valid = torch.zeros(b, q_max, dtype=torch.bool)
     bt = torch.zeros(b, m, dtype=torch.long)
-    ctx = torch.tensor(list(ends), dtype=torch.long)  # context length of each sequence after this step
     for i, (s, e, table, off) in enumerate(zip(starts, ends, tables, offsets)):
         n = e - s
         q_idx[i, :n] = torch.arange(off, off + n)
         q_pos[i, :n] = torch.arange(s, e)
         valid[i, :n] = True
         bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.long)
-    k_pos = torch.arange(m * block_size)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
-    # (B, Qmax, Kmax): padded query rows see key 0 only, which keeps their softmax finite
+    ctx = torch.tensor(list(ends), dtype=torch.long)  # context length of each sequence after this step
     dense = bool(valid.all()) and offsets[0] == 0 and all(o == i * q_max for i, o in enumerate(offsets))
-    return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device),
-                     mask[:, None].to(device), dense, all(s == 0 for s in starts))
+    return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device), ctx.to(device),
+                     block_size, dense, all(s == 0 for s in starts))
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
@@ -214,7 +222,8 @@ def _paged_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: 
     # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
     # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
     q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask(group, sliding_window), scale=scaling)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask(group, sliding_window, q.dtype),
+                                       scale=scaling)
     return o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
 
 
