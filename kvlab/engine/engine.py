@@ -9,8 +9,10 @@
 One ``step()``: the scheduler picks decodes and prefills (preempting when blocks run out), copy-on-write
 pairs are copied in the K/V store, the new tokens of all scheduled sequences run through the model in
 **one** packed forward (paged attention reads each sequence's cached K/V through its block table), and
-one token is sampled per sequence from its last position's logits. Greedy is argmax; sampling uses a
-per-request generator seeded from the request's seed, so outputs do not depend on batching.
+one token is sampled per sequence from its last position's logits (only those positions reach the LM
+head, which the step computes as ``W @ x.T``: the same product as ``F.linear``, faster for a few rows on
+CPU BLAS). Greedy is argmax; sampling uses a per-request generator seeded from the request's seed, so
+outputs do not depend on batching.
 
 Tenants: ``add_request(..., tenant="acme")``. Under ``isolation="tenant"`` or ``"public-prefix"`` the
 engine derives the tenant's cache salt from the tenant id and its server ``secret`` (HMAC-SHA256,

@@ -13,9 +13,13 @@ under the name ``"kvlab_paged"`` for each layer. It
 
 Writing before reading is what makes a prefill after cached tokens and a decode step the same
 operation. Sequences are grouped by query length (``group_by_query_length``) and padded within a group;
-the attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask, so it
-runs on any device. The step's metadata travels as the forward keyword ``kvlab_batch``, which
-transformers passes down to the attention function untouched.
+the attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with an additive mask built
+once per step (not per layer), so it runs on any device. A group in which no sequence has anything
+cached (an isolated prefill) skips step 2's read: its keys are exactly this step's new K/V, so it
+attends them directly with SDPA's ``is_causal`` (GQA through ``enable_gqa``), without a mask. A step
+that is one dense group (a decode-only step) needs no gather of its queries nor scatter of the outputs.
+The step's metadata travels as the forward keyword ``kvlab_batch``, which transformers passes down to
+the attention function untouched.
 
 ``paged_attention(model)`` switches a model to this function for the duration of a ``with`` block; outside
 it the model keeps its own implementation, so ``model.generate`` still works on the same object.
