@@ -117,3 +117,29 @@ def test_grouping_bounds_padding_and_keeps_every_sequence_once():
     assert not set(home) & set(range(1, 16)), "the long uncached prefill pads the short suffixes"
     assert group_by_query_length([1] * 9) == [list(range(9))]  # decodes together
     assert group_by_query_length([544] + [32] * 15, max_padding=100.0) == [list(range(16))]  # the old behaviour
+
+
+@pytest.mark.parametrize("window", [None, 5, 64])
+@pytest.mark.parametrize("lengths", [[7, 5, 6], [4, 4, 4], [1]])
+def test_prefills_with_nothing_cached_match_the_reference(lengths, window):
+    """Groups with nothing cached (padded, dense, or one token) take the causal path: same result as the paged read."""
+    torch.manual_seed(1)
+    store = PagedKVStore(1, num_blocks=16, block_size=BS, kv_heads=KVH, head_dim=D)
+    free = torch.randperm(16).tolist()
+    seqs = [(0, n, [free.pop() for _ in range(-(-n // BS))]) for n in lengths]
+    qs = [torch.randn(n, H, D) for n in lengths]
+    ks, vs = [torch.randn(n, KVH, D) for n in lengths], [torch.randn(n, KVH, D) for n in lengths]
+    query = torch.cat(qs).transpose(0, 1)[None]  # (1, H, T, D)
+    key, value = torch.cat(ks).transpose(0, 1)[None], torch.cat(vs).transpose(0, 1)[None]  # (1, KVH, T, D)
+    outs = []
+    for fresh in (True, False):  # the causal path, then the paged read with its mask
+        batch = build_batch(store, seqs)
+        assert all(g.fresh for g in batch.groups)
+        for g in batch.groups:
+            g.fresh = fresh
+        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None,
+                                         scaling=D ** -0.5, kvlab_batch=batch, sliding_window=window)
+        outs.append(out[0])
+        for g, q, k, v, n in zip(out[0].split(lengths), qs, ks, vs, lengths):
+            torch.testing.assert_close(g, _reference(q, k, v, range(n), window), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

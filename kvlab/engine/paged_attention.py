@@ -13,9 +13,13 @@ under the name ``"kvlab_paged"`` for each layer. It
 
 Writing before reading is what makes a prefill after cached tokens and a decode step the same
 operation. Sequences are grouped by query length (``group_by_query_length``) and padded within a group;
-the attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask, so it
-runs on any device. The step's metadata travels as the forward keyword ``kvlab_batch``, which
-transformers passes down to the attention function untouched.
+the attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with an additive mask built
+once per step (not per layer), so it runs on any device. A group in which no sequence has anything
+cached (an isolated prefill) skips step 2's read: its keys are exactly this step's new K/V, so it
+attends them directly with SDPA's ``is_causal`` (GQA through ``enable_gqa``), without a mask. A step
+that is one dense group (a decode-only step) needs no gather of its queries nor scatter of the outputs.
+The step's metadata travels as the forward keyword ``kvlab_batch``, which transformers passes down to
+the attention function untouched.
 
 ``paged_attention(model)`` switches a model to this function for the duration of a ``with`` block; outside
 it the model keeps its own implementation, so ``model.generate`` still works on the same object.
@@ -43,6 +47,7 @@ __all__ = ["ATTN_NAME", "AttnGroup", "MissingBatchError", "PagedBatch", "build_b
            "paged_attention", "paged_attention_forward", "register"]
 
 ATTN_NAME = "kvlab_paged"
+_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
 
 
 @dataclass(slots=True)
@@ -53,13 +58,25 @@ class AttnGroup:
     query_valid: torch.Tensor  # (B, Qmax) bool
     query_pos: torch.Tensor  # (B, Qmax) absolute position of each query token
     block_tables: torch.Tensor  # (B, max_blocks) physical block ids (padding -> 0)
-    mask: torch.Tensor  # (B, 1, Qmax, Kmax) bool, True = may attend (causal, within the context)
+    context: torch.Tensor  # (B,) context length of each sequence after this step
+    block_size: int
     dense: bool = False  # no padding and packed in order: the group is the whole step, (B * Qmax) rows
-    masks: dict = field(default_factory=dict)  # (group, window) -> the mask as attended; built once per step
+    fresh: bool = False  # every sequence starts at position 0: its keys are this step's, attention is plain causal
+    masks: dict = field(default_factory=dict)  # (group, window, dtype) -> the mask as attended; built once per step
 
-    def attn_mask(self, group: int, sliding_window: int | None) -> torch.Tensor:
-        """(B, 1, group * Qmax, Kmax): the mask for GQA's stacked query rows (and a window), computed once per step."""
-        key = (group, sliding_window)
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, Qmax, Kmax) bool, True = may attend: causal, within the context; a padded row sees key 0 only."""
+        k_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_pos.device)
+        return ((k_pos[None, None, :] <= self.query_pos[:, :, None])
+                & (k_pos[None, None, :] < self.context[:, None, None]))[:, None]
+
+    def attn_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, group * Qmax, Kmax) additive mask (0 or -inf) for GQA's stacked query rows (and a window), once per step.
+
+        SDPA would turn a boolean mask into this same float mask at every call, i.e. in every layer.
+        """
+        key = (group, sliding_window, dtype)
         if key not in self.masks:
             mask = self.mask
             if sliding_window is not None:
@@ -69,7 +86,7 @@ class AttnGroup:
             if group > 1:
                 b, _, q_len, k_len = mask.shape
                 mask = mask.unsqueeze(2).expand(b, 1, group, q_len, k_len).reshape(b, 1, group * q_len, k_len)
-            self.masks[key] = mask
+            self.masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return self.masks[key]
 
 
@@ -96,19 +113,16 @@ def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence
     q_pos = torch.zeros(b, q_max, dtype=torch.long)
     valid = torch.zeros(b, q_max, dtype=torch.bool)
     bt = torch.zeros(b, m, dtype=torch.long)
-    ctx = torch.tensor(list(ends), dtype=torch.long)  # context length of each sequence after this step
     for i, (s, e, table, off) in enumerate(zip(starts, ends, tables, offsets)):
         n = e - s
         q_idx[i, :n] = torch.arange(off, off + n)
         q_pos[i, :n] = torch.arange(s, e)
         valid[i, :n] = True
         bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.long)
-    k_pos = torch.arange(m * block_size)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
-    # (B, Qmax, Kmax): padded query rows see key 0 only, which keeps their softmax finite
+    ctx = torch.tensor(list(ends), dtype=torch.long)  # context length of each sequence after this step
     dense = bool(valid.all()) and offsets[0] == 0 and all(o == i * q_max for i, o in enumerate(offsets))
-    return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device),
-                     mask[:, None].to(device), dense)
+    return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device), ctx.to(device),
+                     block_size, dense, all(s == 0 for s in starts))
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
@@ -173,20 +187,48 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     whole = len(batch.groups) == 1 and batch.groups[0].dense  # e.g. a decode-only step: no gather, no scatter
     out = None if whole else torch.empty_like(q_all)  # (T, heads, D)
     for g in batch.groups:
-        k, v = batch.store.gather(layer, g.block_tables)  # (B, Kmax, kv_heads, D)
-        k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)  # (B, kv_heads, Kmax, D)
         b, q_len = g.query_index.shape
         d = q_all.shape[-1]
         q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]  # (B, Qmax, heads, D)
-        # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
-        # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
-        q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask(group, sliding_window), scale=scaling)
-        o = o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
+        if g.fresh and (sliding_window is None or sliding_window >= q_len):
+            # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
+            # (a padded query row is past every real one, so causality alone keeps real rows exact)
+            o = _causal_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), g, whole, scaling)
+        else:
+            o = _paged_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
         if whole:
             return o.reshape(1, b * q_len, heads, d), None  # (1, T, heads, D)
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     return out.unsqueeze(0), None  # (1, T, heads, D)
+
+
+def _causal_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: AttnGroup, whole: bool,
+                      scaling: float | None) -> torch.Tensor:
+    """SDPA with ``is_causal`` over the group's new keys: ``q`` (B, Qmax, heads, D), ``key``/``value`` (T, kv_heads, D)."""
+    b, q_len, heads, d = q.shape
+    k = key.reshape(b, q_len, -1, d) if whole else key[g.query_index]  # (B, Qmax, kv_heads, D)
+    v = value.reshape(b, q_len, -1, d) if whole else value[g.query_index]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads or kv_heads, Qmax, D)
+    if k.shape[1] != heads and not _SDPA_GQA:  # torch < 2.5: no enable_gqa
+        k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // k.shape[1], 1)
+    gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, **gqa)  # (B, heads, Qmax, D)
+    return o.transpose(1, 2)  # (B, Qmax, heads, D)
+
+
+def _paged_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
+                           sliding_window: int | None, scaling: float | None) -> torch.Tensor:
+    """Attend ``q`` (B, Qmax, heads, D) over each sequence's cached + new K/V, read through its block table."""
+    b, q_len, heads, d = q.shape
+    k, v = store.gather(layer, g.block_tables)  # (B, Kmax, kv_heads, D)
+    k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)  # (B, kv_heads, Kmax, D)
+    kv_heads = k.shape[1]
+    # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
+    # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
+    q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask(group, sliding_window, q.dtype),
+                                       scale=scaling)
+    return o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
 
 
 def register() -> None:
