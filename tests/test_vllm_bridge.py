@@ -15,8 +15,11 @@ from kvlab.lessons.nb06_vllm import (
     divergence_rows,
     feature_table,
     first_difference,
+    generate_job,
     hit_rate,
+    run_many,
     ttft_rows,
+    workload_job,
 )
 from kvlab.vllm import bridge as vb
 
@@ -138,12 +141,19 @@ def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
     prompts.append(tok(P.make_example(8, "heldout", n_filler=6).prompt_text, add_special_tokens=False)["input_ids"])
     stop = sorted(eos_ids(model, tok))
     ours = vb.run_kvlab(model, tok, prompts, block_size=32, max_tokens=12, stop_token_ids=stop, repeat=False)
-    theirs = vb.run_vllm(BUNDLED_MODEL, prompts, block_size=32, max_tokens=12, stop_token_ids=stop, repeat=False)
+    # one worker, two jobs: the workload job takes the generate job's engine settings, so it reuses its engine
+    gen = generate_job(BUNDLED_MODEL, prompts, 32, 12, stop_token_ids=stop, repeat=False)
+    theirs, wl = run_many([gen, workload_job(BUNDLED_MODEL, prompts[:3], 4, 32, like=gen)])
     hf = [hf_generate(model, tok, p, max_new_tokens=12) for p in prompts]
     assert theirs["output_ids"] == ours["output_ids"] == hf
     assert theirs["num_cached_tokens"] == ours["num_cached_tokens"]
     assert ours["num_cached_tokens"][1] > 0  # the shared system prompt really was served from the cache
     assert theirs["prefix_cache"] == ours["prefix_cache"]
+    shared, isolated = wl["modes"]["shared"], wl["modes"]["isolated"]
+    assert shared["reused_engine"] and isolated["reused_engine"] and wl["isolation"] == "salt"
+    assert max(shared["num_cached_tokens"]) > 0  # all at once: the later requests hit the first one's blocks
+    assert isolated["num_cached_tokens"] == [0, 0, 0]  # a cache_salt per request: no request hits another's
+    assert isolated["output_ids"] == shared["output_ids"] == [h[:4] for h in hf[:3]]
 
 
 @needs_vllm

@@ -254,15 +254,27 @@ def generate_job(model_path: Any, prompts: Sequence[Sequence[int]], block_size: 
 
 
 def workload_job(model_path: Any, prompts: Sequence[Sequence[int]], max_tokens: int, block_size: int = 32,
-                 repeats: int = 1, dtype: str = "float32") -> dict:
-    """The worker's ``workload`` job (``bridge.run_vllm_workload``): all prompts at once, caching on and off."""
+                 repeats: int = 1, dtype: str = "float32", like: dict | None = None) -> dict:
+    """The worker's ``workload`` job (``bridge.run_vllm_workload``): all prompts at once, shared and isolated.
+
+    With ``like`` (a ``generate_job``), the job takes that job's engine settings and isolates requests
+    by ``cache_salt``, so the worker runs it on the engine the ``generate`` job started (one vLLM
+    start-up for both); without, it sizes its own engine and runs the isolated mode with caching off.
+    """
     from pathlib import Path
 
     prompts = [[int(t) for t in p] for p in prompts]
-    return {"kind": "workload", "model": str(Path(model_path).expanduser().resolve()), "prompts": prompts,
-            "max_tokens": max_tokens, "block_size": block_size, "repeats": repeats, "caching": [True, False],
-            "dtype": dtype, "max_model_len": max(map(len, prompts)) + max_tokens,
-            "max_num_batched_tokens": max(2048, sum(map(len, prompts)))}
+    job = {"kind": "workload", "model": str(Path(model_path).expanduser().resolve()), "prompts": prompts,
+           "max_tokens": max_tokens, "block_size": block_size, "repeats": repeats, "caching": [True, False],
+           "dtype": dtype, "max_model_len": max(map(len, prompts)) + max_tokens,
+           "max_num_batched_tokens": max(2048, sum(map(len, prompts)))}
+    if like is not None:
+        engine_keys = ("model", "tokenizer", "dtype", "block_size", "enforce_eager", "seed", "max_model_len",
+                       "max_num_seqs", "max_num_batched_tokens", "skip_tokenizer_init", "llm_kwargs")
+        job.update({k: like.get(k) for k in engine_keys if k in like}, isolation="salt")
+        job["max_num_batched_tokens"] = like.get("max_num_batched_tokens")
+        job["max_num_seqs"] = like.get("max_num_seqs", 16)
+    return job
 
 
 def block_pool_jobs(requests: Sequence[Any], pools: dict[str, int], block_size: int = 32, max_running: int = 16,

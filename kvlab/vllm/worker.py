@@ -12,7 +12,11 @@ venv where kvlab is not installed. Jobs (``job["kind"]``):
   after ``reset_prefix_cache()`` (``warm``), a third without reset (``warm_cached``); optionally TTFT of
   prompt pairs (the first with an empty cache, the second sharing its prefix).
 - ``many``: a list of jobs, run one after the other in this one process.
-- ``workload``: all prompts at once, several times, prefix caching on and off: wall seconds, TTFT.
+- ``workload``: all prompts at once, several times, prefix caching on and off (or isolated by a
+  per-request ``cache_salt`` on the same engine): wall seconds, TTFT.
+
+Within one ``many`` job, a job whose engine settings equal the previous job's reuses its ``LLM`` (prefix
+cache reset) rather than starting another: on a CPU, vLLM's start-up is the largest cost.
 - ``kv_events``: replay block-manager operations (``alloc`` a prompt, ``append`` a decoded token, ``free``,
   ``reset``) on vLLM's own ``KVCacheManager`` with ``enable_kv_cache_events=True`` and return, after each
   operation, the events ``take_events()`` gave (the scheduler publishes exactly these, batched per step).
@@ -65,17 +69,48 @@ def _run_prompts(llm, prompts, sp, arrival):
     return outs, seconds
 
 
+# One engine kept across the jobs of a ``many`` job: a job whose engine settings equal the previous
+# job's reuses it (prefix cache reset first) instead of paying vLLM's start-up again.
+_ENGINE: list = [None, None]  # [settings key, LLM]
+
+
+def _llm_kwargs(job: dict, caching: bool = True) -> dict:
+    """``vllm.LLM``'s arguments for a ``generate`` or ``workload`` job."""
+    return dict(model=job["model"], tokenizer=job.get("tokenizer") or job["model"], dtype=job.get("dtype", "float32"),
+                block_size=job["block_size"], enable_prefix_caching=caching, enforce_eager=job.get("enforce_eager", True),
+                disable_log_stats=False, seed=job.get("seed", 0), max_model_len=job.get("max_model_len"),
+                max_num_seqs=job.get("max_num_seqs", 16), max_num_batched_tokens=job.get("max_num_batched_tokens"),
+                skip_tokenizer_init=job.get("skip_tokenizer_init", False), **job.get("llm_kwargs", {}))
+
+
+def _llm(kwargs: dict):
+    """(LLM, start-up seconds, reused): the kept engine when ``kwargs`` equal its settings, else a new one."""
+    from vllm import LLM
+
+    key = json.dumps(kwargs, sort_keys=True)
+    if _ENGINE[0] == key:
+        _ENGINE[1].reset_prefix_cache()
+        return _ENGINE[1], 0.0, True
+    _drop_engine()
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    _ENGINE[:] = [key, llm]
+    return llm, time.perf_counter() - t0, False
+
+
+def _drop_engine() -> None:
+    if _ENGINE[1] is not None:
+        _ENGINE[:] = [None, None]
+        import gc
+
+        gc.collect()
+
+
 def generate(job: dict) -> dict:
     """The ``generate`` job (see the module docstring)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    t0 = time.perf_counter()
-    llm = LLM(model=job["model"], tokenizer=job.get("tokenizer") or job["model"], dtype=job.get("dtype", "float32"),
-              block_size=job["block_size"], enable_prefix_caching=True, enforce_eager=job.get("enforce_eager", True),
-              disable_log_stats=False, seed=job.get("seed", 0), max_model_len=job.get("max_model_len"),
-              max_num_seqs=job.get("max_num_seqs", 16), skip_tokenizer_init=job.get("skip_tokenizer_init", False),
-              **job.get("llm_kwargs", {}))
-    startup = time.perf_counter() - t0
+    llm, startup, reused = _llm(_llm_kwargs(job))
     sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=job.get("ignore_eos", False),
                         stop_token_ids=job.get("stop_token_ids") or None, detokenize=False)
     prompts, arrival = job["prompts"], job.get("arrival", "sequential")
@@ -88,7 +123,7 @@ def generate(job: dict) -> dict:
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "finish_reasons": [o.outputs[0].finish_reason for o in outs],
         "prefix_cache": counters,
-        "timings": {"startup_s": startup, "cold_s": cold},
+        "timings": {"startup_s": startup, "cold_s": cold, "reused_engine": reused},
     }
     if job.get("repeat", True):
         llm.reset_prefix_cache()
@@ -107,27 +142,30 @@ def generate(job: dict) -> dict:
 def workload(job: dict) -> dict:
     """The ``workload`` job: all prompts at once, ``repeats`` times, prefix caching on and/or off.
 
-    Per mode (a fresh ``LLM`` each): wall seconds and mean time to first token (vLLM's own
-    ``first_token_latency``) of every repetition, the prefix cache reset before each, and the tokens and
-    cached-token counts of the last one.
+    Per mode: wall seconds and mean time to first token (vLLM's own ``first_token_latency``) of every
+    repetition, the prefix cache reset before each, and the tokens and cached-token counts of the last
+    one. ``isolation``: ``"caching_off"`` (default) runs the isolated mode on a second engine with
+    prefix caching off; ``"salt"`` runs it on the same engine with a distinct ``cache_salt`` per request,
+    so no request can hit another's blocks (vLLM's per-tenant isolation), one engine start instead of two.
     """
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
+    prompts = [list(p) for p in job["prompts"]]
     sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
-    out = {"vllm_version": __import__("vllm").__version__, "modes": {}}
+    salt = job.get("isolation", "caching_off") == "salt"
+    out = {"vllm_version": __import__("vllm").__version__, "modes": {}, "isolation": "salt" if salt else "caching_off"}
     for caching in job.get("caching", [True, False]):
-        t0 = time.perf_counter()
-        llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job["block_size"],
-                  enable_prefix_caching=caching, enforce_eager=True, disable_log_stats=False, seed=0,
-                  max_model_len=job.get("max_model_len"), max_num_seqs=max(len(reqs), 1),
-                  max_num_batched_tokens=job.get("max_num_batched_tokens"), skip_tokenizer_init=True,
-                  **job.get("llm_kwargs", {}))
-        startup = time.perf_counter() - t0
-        llm.generate(reqs[:1], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False), use_tqdm=False)
+        llm, startup, reused = _llm(_llm_kwargs({"max_num_seqs": max(len(prompts), 1), "skip_tokenizer_init": True, **job},
+                                                  caching or salt))
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0])],
+                     SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False), use_tqdm=False)
         walls, ttfts = [], []
-        for _ in range(job.get("repeats", 3)):
+        for rep in range(job.get("repeats", 3)):
+            if caching or not salt:
+                reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+            else:
+                reqs = [TokensPrompt(prompt_token_ids=p, cache_salt=f"isolated-{rep}-{i}") for i, p in enumerate(prompts)]
             llm.reset_prefix_cache()
             t0 = time.perf_counter()
             outs = llm.generate(reqs, sp, use_tqdm=False)
@@ -135,13 +173,9 @@ def workload(job: dict) -> dict:
             lat = [o.metrics.first_token_latency for o in outs if getattr(o, "metrics", None) is not None]
             ttfts.append(statistics.mean(lat) if lat else float("nan"))
         out["modes"]["shared" if caching else "isolated"] = {
-            "startup_s": startup, "wall_s": walls, "ttft_s": ttfts,
+            "startup_s": startup, "reused_engine": reused, "wall_s": walls, "ttft_s": ttfts,
             "output_ids": [list(o.outputs[0].token_ids) for o in outs],
             "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs]}
-        del llm
-        import gc
-
-        gc.collect()
     return out
 
 
