@@ -241,14 +241,14 @@ RECORD = "build/vllm/nb06_last.json"  # the last comparison with vLLM, relative 
 def generate_job(model_path: Any, prompts: Sequence[Sequence[int]], block_size: int, max_tokens: int, *,
                  dtype: str = "float32", stop_token_ids: Sequence[int] = (), ttft_pairs: Sequence[tuple] = (),
                  ttft_repeats: int = 3, repeat: bool = True, ignore_eos: bool = False,
-                 skip_tokenizer_init: bool = False, max_model_len: int | None = None) -> dict:
+                 skip_tokenizer_init: bool = False, max_model_len: int | None = None, warm: bool = True) -> dict:
     """The worker's ``generate`` job (what ``bridge.run_vllm`` sends), to batch several in one process."""
     from pathlib import Path
 
     return {"kind": "generate", "model": str(Path(model_path).expanduser().resolve()),
             "prompts": [[int(t) for t in p] for p in prompts], "block_size": block_size, "max_tokens": max_tokens,
             "dtype": dtype, "arrival": "sequential", "ignore_eos": ignore_eos,
-            "stop_token_ids": [int(t) for t in stop_token_ids], "repeat": repeat, "max_model_len": max_model_len,
+            "stop_token_ids": [int(t) for t in stop_token_ids], "repeat": repeat, "warm": warm, "max_model_len": max_model_len,
             "skip_tokenizer_init": skip_tokenizer_init, "llm_kwargs": {},
             "ttft_pairs": [[list(map(int, a)), list(map(int, b))] for a, b in ttft_pairs], "ttft_repeats": ttft_repeats}
 
