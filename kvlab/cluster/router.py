@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from ..cache.block_manager import cdiv
 from ..cache.hashing import BlockHash, prompt_block_hashes
 from ..cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -273,7 +274,7 @@ class Router:
     def costs(self, req: RouteRequest) -> dict[int, float]:
         """kv_aware's cost of each replica: weight x blocks to prefill + active blocks."""
         hashes = self.hashes(req)
-        total = -(-len(req.token_ids) // self.block_size)
+        total = cdiv(len(req.token_ids), self.block_size)
         self.last_overlap = {r: self.index.overlap(r, hashes) for r in self.replicas}
         return {r: self.weight * (total - self.last_overlap[r]) + self.active_blocks(r) for r in self.replicas}
 
@@ -310,7 +311,7 @@ class Router:
     def route(self, req: RouteRequest) -> int:
         """Pick a replica and count the request as in flight there."""
         r = self.choose(req)
-        self.inflight[r][req.request_id] = -(-(len(req.token_ids) + req.max_tokens) // self.block_size)
+        self.inflight[r][req.request_id] = cdiv(len(req.token_ids) + req.max_tokens, self.block_size)
         if self.policy == "prefix_tree":
             self.tree.insert(req.token_ids, r)
         return r
