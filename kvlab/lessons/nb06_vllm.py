@@ -268,12 +268,13 @@ def workload_job(model_path: Any, prompts: Sequence[Sequence[int]], max_tokens: 
            "max_tokens": max_tokens, "block_size": block_size, "repeats": repeats, "caching": [True, False],
            "dtype": dtype, "max_model_len": max(map(len, prompts)) + max_tokens,
            "max_num_batched_tokens": max(2048, sum(map(len, prompts)))}
-    if like is not None:
+    if like is not None:  # exactly the generate job's engine settings; the worker's defaults for the rest
         engine_keys = ("model", "tokenizer", "dtype", "block_size", "enforce_eager", "seed", "max_model_len",
                        "max_num_seqs", "max_num_batched_tokens", "skip_tokenizer_init", "llm_kwargs")
-        job.update({k: like.get(k) for k in engine_keys if k in like}, isolation="salt")
-        job["max_num_batched_tokens"] = like.get("max_num_batched_tokens")
-        job["max_num_seqs"] = like.get("max_num_seqs", 16)
+        for k in engine_keys:
+            job.pop(k, None)
+        job.update({k: like[k] for k in engine_keys if k in like}, isolation="salt")
+        job.setdefault("max_num_seqs", 16)  # the generate job's default (a workload job sizes it to its prompts)
     return job
 
 

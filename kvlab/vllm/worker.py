@@ -9,19 +9,19 @@ venv where kvlab is not installed. Jobs (``job["kind"]``):
 - ``generate``: the prompts (token ids) through ``vllm.LLM`` with prefix caching at ``block_size``:
   generated ids, ``num_cached_tokens`` per request, the prefix-cache counters (``vllm:prefix_cache_queries``
   / ``vllm:prefix_cache_hits``, tokens) and timings: start-up, the first run (``cold``), a second run
-  after ``reset_prefix_cache()`` (``warm``, unless ``warm`` is false), a third without reset (``warm_cached``); optionally TTFT of
-  prompt pairs (the first with an empty cache, the second sharing its prefix).
+  after ``reset_prefix_cache()`` (``warm``, unless ``warm`` is false), a third without reset
+  (``warm_cached``); optionally TTFT of prompt pairs (the first with an empty cache, the second sharing its prefix).
 - ``many``: a list of jobs, run one after the other in this one process.
 - ``workload``: all prompts at once, several times, prefix caching on and off (or isolated by a
   per-request ``cache_salt`` on the same engine): wall seconds, TTFT.
-
-Within one ``many`` job, a job whose engine settings equal the previous job's reuses its ``LLM`` (prefix
-cache reset) rather than starting another: on a CPU, vLLM's start-up is the largest cost.
 - ``kv_events``: replay block-manager operations (``alloc`` a prompt, ``append`` a decoded token, ``free``,
   ``reset``) on vLLM's own ``KVCacheManager`` with ``enable_kv_cache_events=True`` and return, after each
   operation, the events ``take_events()`` gave (the scheduler publishes exactly these, batched per step).
 - ``block_pool``: replay a block-manager trace on vLLM's own ``KVCacheManager`` (``vllm.v1.core``),
   the same loop as ``kvlab.lessons.traces.replay``: seconds, hit tokens, cached tokens per request.
+
+Within one ``many`` job, a job whose engine settings equal the previous job's reuses its ``LLM`` (prefix
+cache reset) rather than starting another: on a CPU, vLLM's start-up is the largest cost.
 
 vLLM starts an engine process, so everything runs under ``if __name__ == "__main__":``. Errors are
 written to RESULT.json as ``{"error": ..., "traceback": ...}``.
