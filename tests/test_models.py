@@ -83,3 +83,14 @@ def test_kv_bytes_per_token_of_the_bundled_model(bundled):
     c = model.config
     assert kv_bytes_per_token(c, "float32") == 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
     assert kv_bytes_per_token(c, "bfloat16") * 2 == kv_bytes_per_token(c, "float32")
+
+
+def test_quick_sizes_for_large_models_on_cpu(bundled):
+    from kvlab.lessons.common import quick_note, quick_sizes
+
+    model, _ = bundled
+    assert not quick_sizes(model) and quick_note(model) == "full sizes"
+    assert quick_sizes(model, smoke=True)
+    big = torch.nn.Linear(4000, 3000)  # 12M parameters, above the threshold
+    assert quick_sizes(big) and quick_note(big).startswith("12M parameters on a CPU")
+    assert not quick_sizes(torch.nn.Linear(100, 100))

@@ -121,6 +121,38 @@ def decision_table(evidence: Mapping[str, str] | None = None):
     return pd.DataFrame(rows).set_index("row")
 
 
+# ----------------------------------------------------------------------------- sizes
+
+QUICK_PARAMETERS = 10_000_000  # above this many parameters on a CPU, a notebook's sweeps use their small sizes
+
+
+def quick_sizes(model: Any, smoke: bool = False) -> bool:
+    """Whether a notebook should use its small (SMOKE) sizes for its sweeps.
+
+    True in SMOKE mode, and for a model much larger than the bundled 0.7M-parameter one (more than
+    ``QUICK_PARAMETERS``) running on a CPU: a sweep sized for the bundled model takes many minutes on
+    SmolLM2's 135M parameters and 30 layers (notebook 03's took 12 min on 2 cores). On a GPU, or with
+    the bundled model, the full sizes stay.
+    """
+    if smoke:
+        return True
+    first = next(model.parameters(), None)
+    if first is None or first.device.type != "cpu":
+        return False
+    return sum(p.numel() for p in model.parameters()) > QUICK_PARAMETERS
+
+
+def quick_note(model: Any, smoke: bool = False) -> str:
+    """One line for a notebook's set-up cell saying which sizes ``quick_sizes`` picked and why."""
+    if smoke:
+        return "SMOKE: small sizes everywhere"
+    if quick_sizes(model):
+        n = sum(p.numel() for p in model.parameters())
+        return (f"{n / 1e6:.0f}M parameters on a CPU: the sweeps use their small sizes "
+                "(set SMOKE=False and run on a GPU for the full ones)")
+    return "full sizes"
+
+
 # ----------------------------------------------------------------------------- timing
 
 
