@@ -180,7 +180,7 @@ def _time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[in
     all_ids = torch.tensor([prefix_ids + suffix_ids], device=device)  # (1, P+S)
     suf = torch.tensor([suffix_ids], device=device)  # (1, S)
     pos = torch.arange(len(prefix_ids), len(prefix_ids) + len(suffix_ids), device=device)[None]  # (1, S)
-    prefix_cache = model(input_ids=torch.tensor([prefix_ids], device=device), use_cache=True).cache
+    prefix_cache = model(input_ids=torch.tensor([prefix_ids], device=device), use_cache=True, logits_to_keep=1).cache
 
     def full() -> torch.Tensor:
         return model(input_ids=all_ids, cache=DynamicCache(config=model.config), use_cache=True,
