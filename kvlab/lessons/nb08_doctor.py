@@ -186,8 +186,12 @@ def template_54(d: Diagnosis, other_tokenizer: tuple[str, float, float] | None =
         cs = [c for c in d.kept if c.kind in kinds]
         if not cs:
             return "no such culprit kept in this log"
-        return "; ".join(f"{KIND_NAMES[c.kind]}: {pct(c.before[k]['hit_rate'])} -> {pct(c.chained[k]['hit_rate'])}"
-                         for c in cs)
+        return "; ".join(f"{label(c)}: {pct(c.before[k]['hit_rate'])} -> {pct(c.chained[k]['hit_rate'])}" for c in cs)
+
+    def label(c) -> str:  # a field culprit is named by its line, e.g. 'Current time:'
+        if c.kind in ("volatile", "per-user", "per-session") and ": " in c.title:
+            return f"{KIND_NAMES[c.kind]} '{c.title.rsplit(': ', 1)[-1].strip()}'"
+        return KIND_NAMES[c.kind]
 
     al = d.culprit("alignment")
     if al is not None and al.chained is not None:
