@@ -149,7 +149,7 @@ def quick_note(model: Any, smoke: bool = False) -> str:
     if quick_sizes(model):
         n = sum(p.numel() for p in model.parameters())
         return (f"{n / 1e6:.0f}M parameters on a CPU: the sweeps use their small sizes "
-                "(set SMOKE=False and run on a GPU for the full ones)")
+                "(on a GPU the full sizes run)")
     return "full sizes"
 
 
