@@ -182,3 +182,18 @@ def test_worker_file_is_standalone():
     text = Path(vb.WORKER).read_text()
     assert "import kvlab" not in text and "from kvlab" not in text
     assert 'if __name__ == "__main__":' in text
+
+
+def test_comparison_words_call_close_numbers_a_tie():
+    import pandas as pd
+
+    from kvlab.lessons.common import ratio_word
+    from kvlab.lessons.nb06_vllm import kvlab_vs_vllm_sentences
+
+    assert ratio_word(1.04, "higher", "lower").startswith("about the same")
+    assert ratio_word(0.96, "higher", "lower").startswith("about the same")
+    assert ratio_word(1.2, "higher", "lower") == "higher" and ratio_word(0.8, "higher", "lower") == "lower"
+    cmp = pd.DataFrame([{"mode": "shared", "kvlab tok/s": 20.9, "vLLM tok/s": 22.3, "throughput kvlab / vLLM": 20.9 / 22.3,
+                         "kvlab TTFT (ms)": 391.0, "vLLM TTFT (ms)": 405.0, "TTFT kvlab / vLLM": 391 / 405}])
+    (line,) = kvlab_vs_vllm_sentences(cmp)
+    assert "0.94x, lower" in line and "0.97x, about the same" in line

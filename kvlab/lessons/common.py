@@ -155,6 +155,17 @@ def quick_note(model: Any, smoke: bool = False) -> str:
 
 # ----------------------------------------------------------------------------- timing
 
+TIE = 0.05  # two measurements within 5 % of each other (one run, a shared CPU) are called "about the same"
+
+
+def ratio_word(ratio: float, above: str, below: str, tie: float = TIE) -> str:
+    """``above`` / ``below`` for a ratio away from 1, "about the same" within ``tie`` of it (either way)."""
+    if abs(ratio - 1) <= tie:
+        return f"about the same, within {tie:.0%}"
+    return above if ratio > 1 else below
+
+
+
 
 def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5
                  ) -> dict[str, float]:

