@@ -91,7 +91,8 @@ def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-    cell_timeout = int(min(timeout, 300))  # one stuck cell must not eat the whole budget
+    # one stuck cell must not eat the whole budget; 600 s: notebook 09's Ray fleet on SmolLM2 takes ~300 s on 2 cores
+    cell_timeout = int(min(timeout, 600))
     cmd = [sys.executable, __file__, "--_execute", str(nb), str(out), json.dumps(params), str(cell_timeout)]
     t0 = time.perf_counter()
     try:
