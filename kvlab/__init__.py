@@ -11,13 +11,16 @@ The package is layered; each layer imports only the ones above it:
 - ``kvlab.vllm``    the bridge to real vLLM in its own venv.
 - ``kvlab.cluster`` engine replicas (Ray actors or model-free), a KV-event-fed router, a fleet driver.
 - ``kvlab.lessons`` one module per notebook: experiments, figures, exercise checkers.
+- ``kvlab.cli``     the ``kvlab`` command (``kvlab doctor``, ``kvlab serve``, ``kvlab --version``).
+
+The bundled model and the public configs ship inside the package, in ``kvlab/data``.
 
 ``import kvlab`` stays torch-free; the torch-backed names below load on first use.
 """
 
 from kvlab.cache import BlockManager, BlockPool, NoFreeBlocksError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it (dynamic version)
 
 _LAZY = {
     "load_model": "kvlab.engine.models",

