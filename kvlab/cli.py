@@ -53,7 +53,7 @@ def missing_message(command: str, err: ModuleNotFoundError | None) -> str:
 
 
 def run_command(command: str, args: list[str]) -> int:
-    """Run ``python -m kvlab.<command> args...`` in this interpreter; 0 when it returns without exiting."""
+    """Run ``python -m kvlab.<command> args...`` in this interpreter; return its exit status."""
     module = COMMANDS[command][0]
     try:
         spec = importlib.util.find_spec(module)
@@ -74,6 +74,10 @@ def run_command(command: str, args: list[str]) -> int:
             raise
         print(missing_message(command, e), file=sys.stderr)
         return 2
+    except SystemExit as e:  # the module's own sys.exit(main()): hand its status back
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        raise
     finally:
         sys.argv = saved
     return 0
