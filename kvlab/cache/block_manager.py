@@ -277,7 +277,8 @@ class BlockManager:
         """Whether ``plan`` (this manager's) still describes the pool: same clock, free count and cached hits."""
         return (plan.clock == self.pool.clock and plan.num_free_blocks == self.num_free_blocks
                 and plan.scope == scope and plan.tokens == tuple(token_ids)
-                and all(self.pool.blocks[b.block_id] is b and b.block_hash == h for b, h in zip(plan.hits, plan.hashes)))
+                and all(self.pool.blocks[b.block_id] is b and b.block_hash == h
+                        for b, h in zip(plan.hits, plan.hashes)))
 
     # --- mutations ----------------------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,

@@ -166,7 +166,7 @@ class KVIndex:
         return set(self.blocks.get(replica, ()))
 
     def overlap(self, replica: int, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of ``hashes`` the replica holds (a prefix hit stops at the first miss; 0 if stale)."""
+        """How many leading blocks of ``hashes`` the replica holds (stops at the first miss; 0 while stale)."""
         if replica in self.stale:
             return 0
         held = self.blocks.get(replica, {})
