@@ -31,7 +31,7 @@ def test_index_matches_replicas_after_a_run():
     res = run_fleet(wl, handles, "least_loaded")
     for r, h in enumerate(handles):
         assert res.router.index.hashes(r) == h.call("cached_hashes")
-    assert res.router.index.gaps == 0
+    assert res.router.index.gaps == res.router.index.duplicates == 0 and not res.router.index.stale
 
 
 def test_small_pool_preempts():

@@ -18,7 +18,8 @@ keeping their arrival time); it rejoins empty ``rejoin_after`` seconds later (ne
 A replica whose call raises (a crashed actor, a bug) is treated as failed for the rest of the run: it
 leaves the router, its requests in flight are reported in ``FleetResult.failed`` with the error (not
 routed again: the request being added may be what made it raise), and later turns of their sessions
-never arrive. The healthy replicas' records are kept; ``FleetResult.errors`` names each raiser.
+never arrive. The healthy replicas' records are kept; ``FleetResult.errors`` names each raiser. A
+request that arrives (or is routed again) while no replica is in the fleet is failed the same way.
 """
 
 from __future__ import annotations
