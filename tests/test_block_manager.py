@@ -401,3 +401,36 @@ def test_a_preempted_requests_lookup_is_counted_apart():
     assert (m.preempted.requests, m.preempted.queries, m.preempted.hits) == (1, 10, 8)
     assert bm.stats()["preempted_hit_tokens"] == 8 and bm.stats()["hit_rate"] == 0.0
     assert [row["requests"] for row in m.tenant_table()] == [1]
+
+
+def test_a_plan_of_another_manager_is_refused_before_anything_changes():
+    """Two managers at the same clock: the other's plan counts its free blocks and uses its fingerprint."""
+    prompt = list(range(13))  # four blocks
+    big, small = BlockManager(16, 4), BlockManager(2, 4)
+    plan = big.can_allocate(prompt)
+    assert plan and plan.clock == small.pool.clock
+    before = snapshot(small)
+    with pytest.raises(ValueError, match="not made by this manager"):
+        small.allocate("x", prompt, plan=plan)  # it would take both blocks, then fail: a leak
+    assert snapshot(small) == before
+    small.check_invariants()
+    other = BlockManager(16, 4, model_fingerprint="another model")
+    with pytest.raises(ValueError, match="not made by this manager"):
+        other.allocate("x", prompt, plan=plan)  # it would cache blocks under the first model's hashes
+    assert other.seqs == {} and other.pool.cached == {}
+    other.check_invariants()
+
+
+def test_a_plan_made_before_the_pool_changed_is_planned_again():
+    """Blocks taken from the pool directly (no manager clock tick): the plan's free count is stale."""
+    m = BlockManager(4, 4)
+    prompt = list(range(13))
+    plan = m.can_allocate(prompt)
+    assert plan
+    intruder = m.pool.take("intruder")
+    with pytest.raises(NoFreeBlocksError):
+        m.allocate("x", prompt, plan=plan)
+    assert m.num_free_blocks == 3 and m.seqs == {}  # nothing taken by the refused allocation
+    m.pool.release(intruder, "intruder")
+    assert m.allocate("x", prompt, plan=m.can_allocate(prompt)) == 0
+    m.check_invariants()

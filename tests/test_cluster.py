@@ -31,7 +31,7 @@ def test_index_matches_replicas_after_a_run():
     res = run_fleet(wl, handles, "least_loaded")
     for r, h in enumerate(handles):
         assert res.router.index.hashes(r) == h.call("cached_hashes")
-    assert res.router.index.gaps == 0
+    assert res.router.index.gaps == res.router.index.duplicates == 0 and not res.router.index.stale
 
 
 def test_small_pool_preempts():
@@ -47,6 +47,38 @@ def test_replica_failure_loses_its_cache_and_recovers():
     assert len(res.records) == wl.num_requests  # requests in flight on the failed replica were routed again
     assert res.router.replicas == [0, 1]  # rejoined
     assert any(r["replica"] == 0 for r in res.records if r["arrival"] > 2.5)
+
+
+
+class _Crashes(SimReplica):
+    """A replica whose ``step`` raises from its ``n``-th call on (a crashed actor)."""
+
+    def __init__(self, n, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.n, self.calls = n, 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise RuntimeError("replica died")
+        return super().step()
+
+
+def test_a_replica_that_raises_keeps_the_healthy_replicas_records():
+    wl = chat(**SMALL)
+    healthy = run_fleet(wl, [LocalHandle(SimReplica(24, 16)) for _ in range(2)], "round_robin")
+    res = run_fleet(wl, [LocalHandle(SimReplica(24, 16)), LocalHandle(_Crashes(6, 24, 16))], "round_robin")
+    assert res.failed and set(res.errors) == {1} and "replica died" in res.errors[1]
+    assert all(f["replica"] == 1 and "replica died" in f["error"] for f in res.failed)
+    assert res.records and res.router.replicas == [0] and res.stats[1] == {"error": res.errors[1]}
+    done = {r["request_id"] for r in res.records}
+    lost = {f["request_id"] for f in res.failed}
+    assert not done & lost and done | lost <= {r["request_id"] for r in healthy.records}
+    for s in wl.sessions:  # each session: turns served in order, then at most one failed turn, then nothing
+        turns = sorted(int(k.split("/t")[1]) for k in done | lost if k.startswith(s.session_id + "/"))
+        assert turns == list(range(len(turns)))
+        assert all(f"{s.session_id}/t{t}" in done for t in turns[:-1])
+    assert res.summary()["failed"] == len(res.failed) and res.summary()["requests"] == len(res.records)
 
 
 # --- real engines as Ray actors (module-scoped: Ray starts once) ---------------------------------------

@@ -429,3 +429,32 @@ def test_sequences_agree_with_brute_force_and_keep_invariants(page_size, num_pag
         c.free(sid)
     c.check_invariants()
     assert c.num_free_blocks == c.num_pages and c.protected_size() == 0
+
+
+def test_a_plan_of_another_cache_is_refused_and_leaves_no_locked_path():
+    big, small = RadixCache(64, 1), RadixCache(4, 1)
+    small.insert([1, 2, 3])  # a path the refused allocation would lock
+    big.insert([9])  # the same clock
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    plan = big.can_allocate(prompt)
+    assert plan and plan.clock == small.clock and not small.can_allocate(prompt)
+    before = snapshot(small)
+    with pytest.raises(ValueError, match="not made by this cache"):
+        small.allocate("x", prompt, plan=plan)
+    assert snapshot(small) == before and small.protected_size() == 0
+    small.check_invariants()
+    assert small.evict(3) == 3  # the path is still evictable
+
+
+def test_evict_advances_the_clock_so_older_plans_are_stale():
+    c = RadixCache(8, 1)
+    c.insert([1, 2, 3, 4])
+    c.insert([5, 6])
+    c.match_prefix([1, 2, 3, 4])  # the more recent: [5, 6] goes first
+    plan = c.can_allocate([1, 2, 3, 4, 9])
+    t = c.clock
+    assert c.evict(2) == 2
+    assert c.clock == t + 1 and plan.clock != c.clock
+    assert c.evict(0) == 0 and c.clock == t + 2  # a mutation call like the others, even when nothing goes
+    assert c.allocate("x", [1, 2, 3, 4, 9], plan=plan) == 4
+    c.check_invariants()

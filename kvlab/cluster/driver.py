@@ -14,6 +14,12 @@ or its measured wall seconds on the replica (``clock="measured"``). Events happe
 TTFT = end of the step that produced the first token - arrival. A replica failure (``fail=(time,
 replica, rejoin_after)``) drops the replica's cache and its requests in flight (they are routed again,
 keeping their arrival time); it rejoins empty ``rejoin_after`` seconds later (never when None).
+
+A replica whose call raises (a crashed actor, a bug) is treated as failed for the rest of the run: it
+leaves the router, its requests in flight are reported in ``FleetResult.failed`` with the error (not
+routed again: the request being added may be what made it raise), and later turns of their sessions
+never arrive. The healthy replicas' records are kept; ``FleetResult.errors`` names each raiser. A
+request that arrives (or is routed again) while no replica is in the fleet is failed the same way.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class FleetResult:
     router: Router
     stats: list[dict] = field(default_factory=list)  # each replica's stats at the end
     fail: tuple | None = None
+    failed: list[dict] = field(default_factory=list)  # requests lost with a replica that raised
+    errors: dict[int, str] = field(default_factory=dict)  # replica -> the error it raised
 
     def summary(self) -> dict:
         """Fleet hit rate, TTFT p50/p99 (s), load imbalance (max/mean requests per replica), preemptions."""
@@ -68,7 +76,7 @@ class FleetResult:
                 "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
                 "imbalance": max(counts) / statistics.mean(counts) if recs else math.nan,
                 "preemptions": sum(r["preemptions"] for r in recs),
-                "makespan": max((r["finish"] for r in recs), default=0.0)}
+                "makespan": max((r["finish"] for r in recs), default=0.0), "failed": len(self.failed)}
 
     def hit_rate_over_time(self, window: float) -> list[tuple[float, float, int]]:
         """(window start, hit rate of the requests arriving in it, requests) for consecutive windows."""
@@ -114,6 +122,24 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
     inflight: list[dict] = [{} for _ in range(n)]  # replica -> request id -> request dict
     got: dict[str, list[list[int]]] = {s.session_id: [] for s in workload.sessions}
     records, steps, outputs = [], [], {}
+    failed: list[dict] = []
+    errors: dict[int, str] = {}
+
+    def crash(r: int, t: float, err: Exception) -> None:
+        """Replica ``r`` raised: out of the fleet for good, its requests in flight reported as failed."""
+        errors[r] = f"{type(err).__name__}: {err}"
+        live.discard(r)
+        router.remove_replica(r)
+        pending[:] = [p for p in pending if p[2] != r]
+        heapq.heapify(pending)
+        for req in inflight[r].values():
+            lose(req, t, f"replica {r} raised {errors[r]}")
+        inflight[r] = {}
+
+    def lose(req: dict, t: float, why: str) -> None:
+        failed.append({"request_id": req["request_id"], "session": req["session"], "tenant": req["tenant"],
+                       "turn": req["turn"], "replica": req.get("replica"), "arrival": req["arrival"],
+                       "failed_at": t, "error": why})
 
     def flush(t: float) -> None:
         while pending and pending[0][0] <= t:
@@ -124,6 +150,9 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
                 router.finish(r, payload)
 
     def submit(req: dict, t: float) -> None:
+        if not router.replicas:
+            lose(req, t, "no replica left in the fleet")
+            return
         rr = RouteRequest(req["request_id"], tuple(req["prompt"]), req["session"], req["max_tokens"])
         r = router.route(rr)
         req["replica"] = r
@@ -135,7 +164,10 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
             reply = replies[req["request_id"]]
         else:
             reply = workload.sessions[req["s_idx"]].scripted_replies[req["turn"]]
-        handles[r].call("add", req["request_id"], req["prompt"], req["max_tokens"], list(reply))
+        try:
+            handles[r].call("add", req["request_id"], req["prompt"], req["max_tokens"], list(reply))
+        except Exception as err:  # noqa: BLE001 - any error of a replica is that replica's failure
+            crash(r, t, err)
 
     while arrivals or any(inflight[r] for r in live):
         busy = [r for r in live if inflight[r]]
@@ -152,7 +184,13 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
                 submit(req, t)
             elif kind == "fail":
                 r = payload
-                lost = handles[r].call("fail")
+                if r in errors:  # it raised before: already out for good
+                    continue
+                try:
+                    lost = handles[r].call("fail")
+                except Exception as err:  # noqa: BLE001
+                    crash(r, t, err)
+                    continue
                 router.remove_replica(r)
                 live.discard(r)
                 pending[:] = [p for p in pending if p[2] != r]
@@ -166,12 +204,18 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
                     heapq.heappush(arrivals, (t + fail[2], next(order), "rejoin", r))
             else:  # rejoin, empty
                 r = payload
+                if r in errors:
+                    continue
                 live.add(r)
                 clocks[r] = t
                 router.add_replica(r)
             continue
         r = r_next
-        res = handles[r].call("step")
+        try:
+            res = handles[r].call("step")
+        except Exception as err:  # noqa: BLE001
+            crash(r, clocks[r], err)
+            continue
         steps.append((r, res.prefill_tokens, res.decodes, res.seconds))
         clocks[r] += cost.seconds(res.prefill_tokens, res.decodes) if clock == "model" else res.seconds
         now = clocks[r]
@@ -194,7 +238,8 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
             if req["turn"] + 1 < s.num_turns:
                 heapq.heappush(arrivals, (now + s.think, next(order), "turn", (req["s_idx"], req["turn"] + 1, now + s.think)))
     flush(math.inf)  # the last steps' events and completions reach the router too
-    stats = [handles[r].call("stats") for r in range(n)]
+    stats = [{"error": errors[r]} if r in errors else handles[r].call("stats") for r in range(n)]
     records.sort(key=lambda x: (x["arrival"], x["request_id"]))
+    failed.sort(key=lambda x: (x["arrival"], x["request_id"]))
     name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
-    return FleetResult(name, n, records, steps, outputs, router, stats, fail)
+    return FleetResult(name, n, records, steps, outputs, router, stats, fail, failed, errors)

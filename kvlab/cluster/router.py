@@ -3,7 +3,9 @@
 ``KVIndex`` is the router's picture of the fleet's caches: which replica holds which block hash (with
 the parent links), built *only* from the ``EventBatch`` stream each replica publishes
 (``kvlab.cache.kv_events``), never by looking into a replica. Stores and removals are counted per
-hash, because a replica may cache the same hash twice; a replica that restarts is dropped whole.
+hash, because a replica may cache the same hash twice. The batches' sequence numbers guard the index:
+a duplicate is dropped; after a lost batch or a restart the replica's part is cleared and the replica is
+*stale* (routed as if it cached nothing) until its stream resets its cache or a snapshot resyncs it.
 
 ``Router.route`` picks a replica for a request by one of these policies:
 
@@ -37,7 +39,7 @@ import bisect
 import hashlib
 import itertools
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
@@ -61,20 +63,46 @@ class RouteRequest:
 
 
 class KVIndex:
-    """Replica -> cached block hashes (with counts), learnt only from KV events."""
+    """Replica -> cached block hashes (with counts), learnt only from KV events.
+
+    Each replica numbers its batches 0, 1, 2, ... A batch with a number it already sent (or older) is a
+    duplicate and is dropped. A gap (a lost batch) or a restart (a batch numbered 0 again; a re-sent
+    first batch looks the same and is handled the same way, which is safe) makes the index unsure of that
+    replica: its part is cleared (``AllBlocksCleared`` semantics) and it is marked ``stale``. A stale
+    replica's overlap is 0, so no policy routes on what its index says. The index keeps filling from its
+    later events, and the replica leaves ``stale`` at the first point from which the index is exact
+    again: an ``AllBlocksCleared`` in a batch newer than any seen (its cache was reset), or a full
+    snapshot fed with ``resync`` (what the replica caches after batch ``seq``). The index learns of a
+    restart from the restarted replica's first batch; if that batch is lost, its next ones look like
+    duplicates (no epoch in ``EventBatch`` tells them apart), so a fleet that restarts a replica should
+    also call ``Router.remove_replica`` / ``add_replica``, as ``run_fleet`` does.
+    """
 
     def __init__(self) -> None:
         self.blocks: dict[int, Counter] = {}  # replica -> hash -> times stored minus times removed
         self.parent: dict[BlockHash, BlockHash | None] = {}  # hash -> parent hash, while some replica holds it
         self._holders: Counter = Counter()  # hash -> replicas x copies holding it (to prune ``parent``)
         self.last_seq: dict[int, int] = {}
-        self.gaps = 0  # batches that arrived with a sequence number out of order (a lost batch)
+        self.stale: set[int] = set()  # replicas whose index is unsure: routed as if they cached nothing
+        self.gaps = 0  # batches that arrived after a lost one (a jump in the sequence numbers)
+        self.restarts = 0  # batches numbered 0 from a replica that had sent batches before
+        self.duplicates = 0  # batches dropped: their number was already seen (or older)
         self.num_events = 0
 
     def apply(self, replica: int, batch: EventBatch) -> None:
-        """Apply one replica's event batch, in order."""
-        if replica in self.last_seq and batch.seq != self.last_seq[replica] + 1:
-            self.gaps += 1
+        """Apply one replica's event batch: in order; a duplicate is dropped, a gap or restart marks it stale."""
+        last = self.last_seq.get(replica)
+        restart = last is not None and batch.seq == 0
+        if last is not None:
+            if 0 < batch.seq <= last:
+                self.duplicates += 1
+                return
+            if restart:
+                self.restarts += 1
+                self._mark_stale(replica)
+            elif batch.seq > last + 1:
+                self.gaps += 1
+                self._mark_stale(replica)
         self.last_seq[replica] = batch.seq
         held = self.blocks.setdefault(replica, Counter())
         for ev in batch.events:
@@ -90,9 +118,30 @@ class KVIndex:
                 for h in ev.block_hashes:
                     if held[h] > 0:
                         self._drop(held, h, 1)
-            elif isinstance(ev, AllBlocksCleared):
+            elif isinstance(ev, AllBlocksCleared):  # the replica's cache is empty now: exact from here on
                 self.drop_replica(replica, forget_seq=False)
                 held = self.blocks.setdefault(replica, Counter())
+        if restart:  # a batch 0 may be an old one sent again: even its reset does not make the index sure
+            self.stale.add(replica)
+
+    def _mark_stale(self, replica: int) -> None:
+        self.drop_replica(replica, forget_seq=False)
+        self.stale.add(replica)
+
+    def resync(self, replica: int, hashes: Mapping[BlockHash, int] | Iterable[BlockHash], seq: int) -> None:
+        """Replace a replica's part with a full snapshot (hash -> copies, or hashes) taken after its batch ``seq``."""
+        if type(seq) is not int or seq < 0:
+            raise ValueError(f"seq must be an int >= 0, got {seq!r}")
+        counts = Counter(hashes) if not isinstance(hashes, Mapping) else Counter(dict(hashes))
+        if any(type(n) is not int or n <= 0 for n in counts.values()):
+            raise ValueError("a snapshot's copy counts must be ints > 0")
+        self.drop_replica(replica)
+        held = self.blocks[replica] = Counter()
+        for h, n in counts.items():
+            held[h] += n
+            self._holders[h] += n
+            self.parent.setdefault(h, None)  # a snapshot has no parent links
+        self.last_seq[replica] = seq
 
     def _drop(self, held: Counter, h: BlockHash, n: int) -> None:
         held[h] -= n
@@ -104,19 +153,22 @@ class KVIndex:
             self.parent.pop(h, None)
 
     def drop_replica(self, replica: int, forget_seq: bool = True) -> None:
-        """Forget everything a replica held (it restarted or left the fleet)."""
+        """Forget everything a replica held (it restarted or left the fleet); it is no longer stale."""
         held = self.blocks.pop(replica, Counter())
         for h, n in list(held.items()):
             self._drop(held, h, n)
+        self.stale.discard(replica)
         if forget_seq:
             self.last_seq.pop(replica, None)
 
     def hashes(self, replica: int) -> set[BlockHash]:
-        """The block hashes the index says ``replica`` caches."""
+        """The block hashes the index says ``replica`` caches (while stale: only those stored since)."""
         return set(self.blocks.get(replica, ()))
 
     def overlap(self, replica: int, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of ``hashes`` the replica holds (a prefix hit stops at the first miss)."""
+        """How many leading blocks of ``hashes`` the replica holds (stops at the first miss; 0 while stale)."""
+        if replica in self.stale:
+            return 0
         held = self.blocks.get(replica, {})
         n = 0
         for h in hashes:
@@ -251,6 +303,11 @@ class Router:
         """Feed one KV-event batch from ``replica`` into the index (ignored from a replica not in the fleet)."""
         if replica in self.inflight:
             self.index.apply(replica, batch)
+
+    def resync(self, replica: int, hashes: Mapping[BlockHash, int] | Iterable[BlockHash], seq: int) -> None:
+        """A replica's full snapshot (what it caches after its batch ``seq``) replaces its part of the index."""
+        if replica in self.inflight:
+            self.index.resync(replica, hashes, seq)
 
     def finish(self, replica: int, request_id: Hashable) -> None:
         """A request finished on ``replica``: its load leaves the router's count."""

