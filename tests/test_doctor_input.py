@@ -141,3 +141,13 @@ def test_exit_codes_are_in_the_help(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "exit status:" in text and "1  nothing to replay" in text and "2  bad arguments" in text
+
+
+def test_dicts_given_to_read_log_are_held_to_the_same_rules():
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    records, bad = read_log([{"token_ids": [1, 2]}, {"token_ids": [1], "x": deep}, {"prompt": "a", "ts": float("nan")},
+                             {"prompt": "a\ud800"}, {"prompt": "a", "when": object()}])
+    assert len(records) == 1 and [b.line for b in bad] == [2, 3, 4, 5]
+    assert "nested deeper" in bad[0].error and "not JSON" in bad[1].error and "surrogate" in bad[2].error

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
+from itertools import accumulate
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,10 @@ MAX_DEPTH = 64  # JSON nesting a line may have (tools' JSON schemas nest about 1
 IDENTITY_FIELDS = ("user", "session")  # read as who sent a request: a string, a number or null
 SCALARS = (str, int, float, bool, type(None))
 SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone surrogate: not text, cannot be written as UTF-8
-MAY_HAVE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")  # in a JSON line: escaped or as is
 BOM = b"\xef\xbb\xbf"
+JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 @dataclass(slots=True)
@@ -124,6 +127,28 @@ def check_value(obj: Any) -> None:
             raise ValueError(f"a value is {type(v).__name__}, not JSON")
 
 
+def json_depth(text: str) -> int:
+    """How deep a valid JSON text nests (its brackets outside strings, counted in C)."""
+    brackets = NOT_BRACKET.sub("", JSON_STRING.sub("", text))
+    return max(accumulate(map(BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
+def _check(text: str, obj: Any) -> None:
+    """``check_value`` for the value ``obj`` of the JSON ``text``, fast where the text shows it is fine."""
+    if text.count("[") + text.count("{") > MAX_DEPTH and json_depth(text) > MAX_DEPTH:
+        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+    if "\\u" in text or not _utf8_ok(text):  # a surrogate escaped, or one as is (only a str or a dict has that)
+        check_value(obj)
+
+
+def _utf8_ok(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _short(v: Any) -> str:
     """repr of a value, cut to 40 characters."""
     r = repr(v) if not isinstance(v, int) or abs(v) < 10**40 else f"<an int of {v.bit_length()} bits>"
@@ -198,6 +223,9 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
+DECODER = json.JSONDecoder(parse_constant=_no_constant)  # strict JSON: NaN and Infinity are refused
+
+
 def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
     """One line of a log (bytes or text) -> a Record, a BadLine saying what is wrong, or None when blank."""
     if isinstance(raw, bytes):
@@ -210,7 +238,7 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
     if not text:
         return None
     try:
-        obj = json.loads(text, parse_constant=_no_constant)
+        obj = DECODER.decode(text)
     except json.JSONDecodeError as e:
         return BadLine(line, f"invalid JSON ({e.msg} at column {e.colno})", text[:80])
     except RecursionError:
@@ -218,8 +246,7 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
     except ValueError as e:  # a number over the int-conversion limit, NaN/Infinity
         return BadLine(line, f"unreadable JSON ({str(e).split(';')[0]})", text[:80])
     try:
-        if text.count("[") + text.count("{") > MAX_DEPTH or MAY_HAVE_SURROGATE.search(text):
-            check_value(obj)  # only where a line could nest that deep or hold a surrogate (fast path)
+        _check(text, obj)
         return parse_line(obj, line)
     except ValueError as e:
         return BadLine(line, str(e), text[:80])
@@ -250,8 +277,16 @@ def read_log(source: str | Path | Iterable[dict | str | bytes]) -> tuple[list[Re
             if isinstance(item, (str, bytes)):
                 items.extend(iter_lines([item], n))
                 continue
+            try:  # a dict is held to what a JSON line may hold
+                text = json.dumps(item, ensure_ascii=False, allow_nan=False)
+            except RecursionError:
+                items.append(BadLine(n, f"JSON nested deeper than {MAX_DEPTH} levels", _preview(item)))
+                continue
+            except (TypeError, ValueError) as e:
+                items.append(BadLine(n, f"not JSON ({e})", _preview(item)))
+                continue
             try:
-                check_value(item)
+                _check(text, item)
                 items.append(parse_line(item, n))
             except ValueError as e:
                 items.append(BadLine(n, str(e), _preview(item)))
