@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
