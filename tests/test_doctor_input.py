@@ -151,3 +151,12 @@ def test_dicts_given_to_read_log_are_held_to_the_same_rules():
                              {"prompt": "a\ud800"}, {"prompt": "a", "when": object()}])
     assert len(records) == 1 and [b.line for b in bad] == [2, 3, 4, 5]
     assert "nested deeper" in bad[0].error and "not JSON" in bad[1].error and "surrogate" in bad[2].error
+
+
+def test_a_report_of_an_earlier_kvlab_without_manifest_is_replaced(tmp_path):
+    out = tmp_path / "report"
+    (out / "fixed").mkdir(parents=True)
+    (out / "summary.json").write_text(json.dumps({"source": "x", "model": "m", "malformed": [], "table": []}))
+    (out / "fixed" / "01_volatile.jsonl").write_text(GOOD + "\n")
+    assert main([write(tmp_path / "log.jsonl", [GOOD]), "--block-size", "4", "--out", str(out), "--quiet"]) == 0
+    assert not (out / "fixed" / "01_volatile.jsonl").exists() and (out / MANIFEST).exists()

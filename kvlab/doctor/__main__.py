@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a Prometheus text dump of vLLM's /metrics, shown beside the replayed numbers")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests running at once in the replay (their blocks cannot be evicted); default 1")
-    ap.add_argument("--out", default=None, metavar="DIR", help="write report.html, PNG figures, summary.json and fixed logs here")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="write report.html, PNG figures, summary.json and fixed logs into this folder: a new or "
+                         "empty one, or the doctor's own earlier report (its files are replaced; see above)")
     ap.add_argument("--sample", type=int, default=400, help="request pairs diffed to find the culprits (default 400)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--alone", action="store_true", help="also measure each fix alone on the log as logged")
@@ -87,6 +89,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--kv-gib must be a positive number"
     if args.concurrency < 1 or args.sample < 0:
         return "--concurrency must be at least 1 and --sample at least 0"
+    if args.out is not None and not args.out.strip():
+        return "--out needs a folder name"
     try:
         check_model(args.model)
         if args.out is not None:
@@ -114,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     except (OSError, ValueError, KeyError) as e:
         return _fail(f"{type(e).__name__}: {e}")
-    if args.out:
+    if args.out is not None:
         try:
             paths = write_report(d, args.out, fixed=not args.no_fixed_logs)
         except (OSError, ValueError) as e:
             return _fail(f"cannot write the report to {args.out}: {e}")
     if not args.quiet:
         print(d.summary())
-    if args.out:
+    if args.out is not None:
         print(f"report: {paths['report.html']}  (summary.json, figures and fixed logs beside it)")
     if not d.requests:
         print(f"kvlab doctor: nothing to replay: {nothing_why(d)}", file=sys.stderr)
