@@ -32,6 +32,8 @@ MAX_DEPTH = 64  # JSON nesting a line may have (tools' JSON schemas nest about 1
 IDENTITY_FIELDS = ("user", "session")  # read as who sent a request: a string, a number or null
 SCALARS = (str, int, float, bool, type(None))
 SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone surrogate: not text, cannot be written as UTF-8
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a JSON text spells one (or half of an emoji's pair)
+JSON_SPACE = " \t\r\n"  # a line of only these is blank (not a request)
 BOM = b"\xef\xbb\xbf"
 JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 NOT_BRACKET = re.compile(r"[^\[\]{}]+")
@@ -137,7 +139,7 @@ def _check(text: str, obj: Any) -> None:
     """``check_value`` for the value ``obj`` of the JSON ``text``, fast where the text shows it is fine."""
     if text.count("[") + text.count("{") > MAX_DEPTH and json_depth(text) > MAX_DEPTH:
         raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
-    if "\\u" in text or not _utf8_ok(text):  # a surrogate escaped, or one as is (only a str or a dict has that)
+    if ("\\u" in text and SURROGATE_ESCAPE.search(text)) or not _utf8_ok(text):  # escaped, or as is (str, dict)
         check_value(obj)
 
 
@@ -234,7 +236,7 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
         except UnicodeDecodeError as e:  # never replaced: two prompts that differ there would replay as one
             return BadLine(line, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1})",
                            raw[:80].decode("utf-8", "backslashreplace"))
-    text = raw.strip()
+    text = raw.strip(JSON_SPACE)
     if not text:
         return None
     try:
