@@ -7,14 +7,27 @@ Examples:
     python -m kvlab.doctor requests.jsonl --vllm-metrics metrics.txt   # curl http://server:8000/metrics > metrics.txt
 
 LOG is JSONL, one request a line: {"messages": [...], "user": ..., "timestamp": ..., "tenant": ..., "session": ...},
-{"prompt": "..."} or {"token_ids": [...]}. Malformed lines are reported with their line number and skipped.
+{"prompt": "..."} or {"token_ids": [...]}. Malformed lines (not UTF-8, not strict JSON, nested too deep, a
+wrong shape, ...) are listed with their line number (lines end at \\n only) and skipped.
+
+--out DIR must be a new or empty folder, or one the doctor wrote before: it deletes the files it listed in
+DIR/kvlab_doctor_manifest.json and writes the new report; a file, a folder of other files, or a folder
+that holds an input (the log, --vllm-metrics, ...) is refused before the analysis. It never writes over a file.
+
+exit status:
+  0  the report was made (at least one request replayed; malformed lines skipped and listed)
+  1  nothing to replay: the log is empty or every line is malformed (the summary lists them; --out still written)
+  2  bad arguments: a missing log, --model path or --out refused, an invalid number, an unreadable input
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
+
+EXIT_OK, EXIT_NOTHING, EXIT_USAGE = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a Prometheus text dump of vLLM's /metrics, shown beside the replayed numbers")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests running at once in the replay (their blocks cannot be evicted); default 1")
-    ap.add_argument("--out", default=None, metavar="DIR", help="write report.html, PNG figures, summary.json and fixed logs here")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="write report.html, PNG figures, summary.json and fixed logs into this folder: a new or "
+                         "empty one, or the doctor's own earlier report (its files are replaced; see above)")
     ap.add_argument("--sample", type=int, default=400, help="request pairs diffed to find the culprits (default 400)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--alone", action="store_true", help="also measure each fix alone on the log as logged")
@@ -51,33 +66,71 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the doctor; exit 0 when the log could be read (even with malformed lines), 2 otherwise."""
-    args = build_parser().parse_args(argv)
+def _fail(msg: str) -> int:
+    print(f"kvlab doctor: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments (checked before any work), or None."""
+    from .core import input_paths
+    from .outdir import OutDirError, check_out_dir
+    from .tokenize import check_model
+
     if not Path(args.log).is_file():
-        print(f"kvlab doctor: no such file: {args.log}", file=sys.stderr)
-        return 2
+        return f"no such file: {args.log}"
+    if args.vllm_metrics is not None and not Path(args.vllm_metrics).is_file():
+        return f"--vllm-metrics: no such file: {args.vllm_metrics}"
     if any(b < 1 for b in args.block_size):
-        print("kvlab doctor: block sizes must be positive", file=sys.stderr)
-        return 2
+        return "block sizes must be positive"
+    if args.capacity_blocks is not None and args.capacity_blocks < 1:
+        return "--capacity-blocks must be at least 1"
+    if args.kv_gib is not None and not (math.isfinite(args.kv_gib) and args.kv_gib > 0):
+        return "--kv-gib must be a positive number"
+    if args.concurrency < 1 or args.sample < 0:
+        return "--concurrency must be at least 1 and --sample at least 0"
+    if args.out is not None and not args.out.strip():
+        return "--out needs a folder name"
+    try:
+        check_model(args.model)
+        if args.out is not None:
+            check_out_dir(args.out, input_paths(args.log, args.model, args.kv_config, args.vllm_metrics))
+    except (FileNotFoundError, OutDirError) as e:
+        return str(e)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the doctor; exit 0 with a report, 1 when nothing could be replayed, 2 on bad arguments (see --help)."""
+    args = build_parser().parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        return _fail(problem)
     from .core import diagnose
-    from .report import write_report
+    from .report import nothing_why, write_report
 
     try:
         d = diagnose(args.log, args.model, block_sizes=tuple(args.block_size), capacity_blocks=args.capacity_blocks,
                      kv_gib=args.kv_gib, kv_config=args.kv_config, kv_dtype=args.kv_dtype,
                      tenant_field=args.tenant_field, vllm_metrics=args.vllm_metrics, sample=args.sample,
                      seed=args.seed, concurrency=args.concurrency, alone=args.alone)
+    except FileNotFoundError as e:
+        return _fail(str(e))
     except (OSError, ValueError, KeyError) as e:
-        print(f"kvlab doctor: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if args.out:
-        paths = write_report(d, args.out, fixed=not args.no_fixed_logs)
+        return _fail(f"{type(e).__name__}: {e}")
+    if args.out is not None:
+        try:
+            paths = write_report(d, args.out, fixed=not args.no_fixed_logs)
+        except (OSError, ValueError) as e:
+            return _fail(f"cannot write the report to {args.out}: {e}")
     if not args.quiet:
         print(d.summary())
-    if args.out:
+    if args.out is not None:
         print(f"report: {paths['report.html']}  (summary.json, figures and fixed logs beside it)")
-    return 0
+    if not d.requests:
+        print(f"kvlab doctor: nothing to replay: {nothing_why(d)}", file=sys.stderr)
+        return EXIT_NOTHING
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class Diagnosis:
     enc: PromptEncoder | None = field(default=None, repr=False)
 
     min_effect: float = 0.002
+    inputs: list[str] = field(default_factory=list)  # the files read (a report is never written where they are)
 
     @property
     def cap_key(self) -> str:
@@ -385,7 +386,13 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
     return Diagnosis(str(log) if isinstance(log, (str, Path)) else f"<{len(records) + len(bad)} records>",
                      enc.name if enc is not None else "none (token ids)", block_sizes, caps, lines, bad, prep,
                      tenants, tenant_field, div, table, ceiling, top, findings, scan, culprits, baseline, chain,
-                     final_top, system_only, vllm, checks, timings, notes, cur, enc, min_effect)
+                     final_top, system_only, vllm, checks, timings, notes, cur, enc, min_effect,
+                     input_paths(log, model, kv_config, vllm_metrics))
+
+
+def input_paths(*given: object) -> list[str]:
+    """Those of ``given`` that are files or folders here (the inputs a report must never be written over)."""
+    return [str(p) for p in given if isinstance(p, (str, Path)) and Path(p).expanduser().exists()]
 
 
 def _flat(res: dict) -> dict:
@@ -436,7 +443,8 @@ def _chain_step(c: Culprit, prep: Prepared, policy: str | None, enc, meter: _Met
 def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
     """Write, per culprit, the log after its fix and the fixes before it (what its numbers measure); return paths.
 
-    ``all_fixes.jsonl`` is the last of them. A padded log (alignment) is written as token ids.
+    ``all_fixes.jsonl`` is the last of them. A padded log (alignment) is written as token ids. Every file is
+    created new (FileExistsError if it is there: ``write_report`` clears the earlier run's files first).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -448,9 +456,9 @@ def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
             continue  # a replay policy (the public prefix): the log itself does not change
         if c.details.get("state_padded"):
             paths[c.title] = write_log(({"token_ids": ids(s), **r.meta} for s, r in zip(state, d.prep.records)),
-                                       out_dir / name)
+                                       out_dir / name, exclusive=True)
         else:
-            paths[c.title] = write_log(state, out_dir / name)
+            paths[c.title] = write_log(state, out_dir / name, exclusive=True)
         c.fixed_log = str(paths[c.title])
     if d.final is not None:
         paths["all fixes"] = (_write_tokens(d.final, out_dir / "all_fixes.jsonl") if d.final.padded
@@ -459,7 +467,7 @@ def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
 
 
 def _write_tokens(prep: Prepared, path: Path) -> Path:
-    return write_log(({"token_ids": ids(s), **r.meta} for s, r in zip(prep.tokens, prep.records)), path)
+    return write_log(({"token_ids": ids(s), **r.meta} for s, r in zip(prep.tokens, prep.records)), path, exclusive=True)
 
 
 def median_or_none(xs: list[int]) -> int | None:

@@ -20,6 +20,13 @@ def _esc(s: str) -> str:
     return s.replace("\n", "⏎")
 
 
+def nothing_why(d: Diagnosis) -> str:
+    """Why a log gave no request to replay, in words."""
+    if not d.lines:
+        return "the log has no requests (it is empty or blank)"
+    return f"every one of its {d.lines} non-blank lines is malformed"
+
+
 def format_summary(d: Diagnosis) -> str:
     """The terminal summary: counts, hit rates per block size, culprits with their measured fixes."""
     out = []
@@ -37,7 +44,7 @@ def format_summary(d: Diagnosis) -> str:
     for n in d.notes:
         out.append(f"  note: {n}")
     if not d.requests:
-        out.append("  nothing to replay.")
+        out.append(f"  nothing to replay: {nothing_why(d)}.")
         return "\n".join(out)
     out.append("")
     salted = " (salted per tenant)" if d.tenant_field else ""
@@ -154,7 +161,8 @@ def figures(d: Diagnosis, out_dir: Path) -> dict[str, Path]:
         if fig is None:
             continue
         p = out_dir / f"{name}.png"
-        fig.savefig(p, dpi=110, bbox_inches="tight")
+        with open(p, "xb") as f:  # created new, never written over an existing file
+            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths[name] = p
     return paths
@@ -227,26 +235,39 @@ def fig_fixes(d: Diagnosis):
 
 
 def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
-    """summary.json, figures, fixed logs and report.html under ``out_dir``; return the paths."""
+    """summary.json, figures, fixed logs and report.html under ``out_dir``; return the paths.
+
+    ``out_dir`` is checked first (``kvlab.doctor.outdir``: OutDirError if it is a file, holds an input,
+    or holds files the doctor did not write); the earlier run's files are deleted, every new file is
+    created new, and ``kvlab_doctor_manifest.json`` lists them.
+    """
     import time
 
     from .core import fixed_logs
+    from .outdir import check_out_dir, clear, write_manifest, written
 
-    t = time.perf_counter()
     out = Path(out_dir)
+    stale = check_out_dir(out, d.inputs)
     out.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {}
-    if fixed and d.requests:
-        paths.update({f"fixed: {k}": v for k, v in fixed_logs(d, out / "fixed").items()})
-    d.timings["write fixed logs"] = time.perf_counter() - t
-    t = time.perf_counter()
-    figs = figures(d, out)
-    paths.update(figs)
-    d.timings["figures"] = time.perf_counter() - t
-    (out / "summary.json").write_text(json.dumps(to_json(d), indent=1, default=str))
-    paths["summary.json"] = out / "summary.json"
-    (out / "report.html").write_text(to_html(d, figs), encoding="utf-8")
-    paths["report.html"] = out / "report.html"
+    clear(out, stale)
+    try:
+        t = time.perf_counter()
+        paths: dict[str, Path] = {}
+        if fixed and d.requests:
+            paths.update({f"fixed: {k}": v for k, v in fixed_logs(d, out / "fixed").items()})
+        d.timings["write fixed logs"] = time.perf_counter() - t
+        t = time.perf_counter()
+        figs = figures(d, out)
+        paths.update(figs)
+        d.timings["figures"] = time.perf_counter() - t
+        with open(out / "summary.json", "x", encoding="utf-8") as f:
+            f.write(json.dumps(to_json(d), indent=1, default=str))
+        paths["summary.json"] = out / "summary.json"
+        with open(out / "report.html", "x", encoding="utf-8") as f:
+            f.write(to_html(d, figs))
+        paths["report.html"] = out / "report.html"
+    finally:  # what was written, even when a write failed half-way: the next run deletes it
+        write_manifest(out, written(out))
     return paths
 
 

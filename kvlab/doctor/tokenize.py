@@ -23,6 +23,7 @@ from typing import Any
 
 from .logio import Record
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # "name" or "org/name"
 LINE_SPLIT = re.compile(r"(?<=\n)(?=\S)")  # after a run of newlines, before a non-space character
 CHATML = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 
@@ -37,6 +38,27 @@ def ids(s: str) -> list[int]:
     return [ord(c) for c in s]
 
 
+def check_model(model: str | os.PathLike | None) -> None:
+    """Raise FileNotFoundError for a ``--model`` that names a path that is not there (cheap: loads nothing)."""
+    if model is None:
+        return
+    from kvlab.engine.smollm2 import is_alias
+
+    if is_alias(model):
+        return
+    name = os.fspath(model)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(f"--model {name}: not a folder (give the model's folder, not a file in it)")
+        if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"--model {name}: the folder has no tokenizer files "
+                                    "(tokenizer.json / tokenizer_config.json)")
+        return
+    if not HUB_ID.fullmatch(name) or ".." in name:
+        raise FileNotFoundError(f"--model {name}: no such folder")
+
+
 def resolve_model_path(model: str | os.PathLike | None) -> str:
     """The folder (or hub id) of ``model``: None = the bundled model, "smollm2", a local folder or an id."""
     if model is None:
@@ -47,12 +69,9 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
 
     if is_alias(model):
         return str(ensure_smollm2(verbose=False))
+    check_model(model)
     path = Path(os.fspath(model)).expanduser()
-    if path.exists():
-        if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
-            raise FileNotFoundError(f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        return str(path)
-    return os.fspath(model)
+    return str(path) if path.exists() else os.fspath(model)
 
 
 def model_config(model: str | os.PathLike | None) -> dict:
@@ -71,7 +90,13 @@ class PromptEncoder:
             from transformers import AutoTokenizer
 
             path = resolve_model_path(model)
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=Path(path).exists())
+            try:  # a hub id only from the local cache: the doctor downloads nothing
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except OSError as e:
+                if Path(path).exists():
+                    raise
+                raise FileNotFoundError(f"--model {model}: no such folder, and no Hugging Face model of that id "
+                                        f"in the local cache ({type(e).__name__})") from e
         self.tok = tokenizer
         self.name = str(model) if model is not None else "bundled (kvlab-passphrase-qwen2)"
         self.notes: list[str] = []

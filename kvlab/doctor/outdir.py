@@ -1,0 +1,142 @@
+"""Where the doctor writes its report, made safe: it never writes over any file, least of all its input.
+
+The rules, checked before the analysis (``check_out_dir``) and again when writing:
+
+- ``--out`` is a folder: a new one, an empty one, or one the doctor wrote before. A file there is refused.
+- A folder that holds an input (the log, the metrics file, a config) is refused, so a report folder's own
+  ``fixed/all_fixes.jsonl`` can be diagnosed, with the new report written somewhere else.
+- The doctor lists what it wrote in ``MANIFEST``. On the next run into the same folder it deletes exactly
+  those files (names allow-listed, ``OUTPUT_NAME``; never through a symlinked folder), so no stale figure or
+  fixed log of the earlier run stays beside the new ones; files of yours beside them are left alone. A
+  non-empty folder without a manifest is refused, unless it is a report of an earlier kvlab (only the
+  doctor's file names, with its ``summary.json``).
+- Every file is created with ``open(..., "x")`` (fails if the path exists, symlink or not), and the
+  manifest is replaced by a rename: nothing the doctor does writes through an existing path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+MANIFEST = "kvlab_doctor_manifest.json"
+OUTPUT_NAME = re.compile(r"(report\.html|summary\.json|(hit_rates|divergence|fixes)\.png"
+                         r"|fixed/(all_fixes|\d{2}_[a-z0-9-]+)\.jsonl)")
+LEGACY_KEYS = {"source", "model", "malformed", "table"}  # a summary.json written by the doctor
+
+
+class OutDirError(ValueError):
+    """``--out`` cannot be used: what is wrong and what to do instead."""
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _files(out: Path) -> list[str]:
+    """Every entry under ``out`` (relative, '/'-separated; folders end with '/'), symlinks not followed."""
+    names = []
+    for root, dirs, files in os.walk(out):
+        rel = Path(root).relative_to(out)
+        names += [(rel / d).as_posix() + "/" for d in dirs] + [(rel / f).as_posix() for f in files]
+    return names
+
+
+def _manifest(out: Path) -> list[str] | None:
+    """The files the manifest lists (checked against ``OUTPUT_NAME``); None when there is no manifest."""
+    m = out / MANIFEST
+    if not m.exists() and not m.is_symlink():
+        return None
+    if m.is_symlink() or not m.is_file():
+        raise OutDirError(f"--out {out}: {MANIFEST} is not a plain file")
+    try:
+        listed = json.loads(m.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise OutDirError(f"--out {out}: unreadable {MANIFEST} ({e}): delete the folder or choose another") from e
+    if not isinstance(listed, list) or not all(isinstance(f, str) and OUTPUT_NAME.fullmatch(f) for f in listed):
+        raise OutDirError(f"--out {out}: {MANIFEST} lists files the doctor never writes: delete the folder "
+                          "or choose another")
+    return listed
+
+
+def _legacy(out: Path, names: list[str]) -> list[str] | None:
+    """The files of a report an earlier kvlab wrote (no manifest): only doctor names, its summary.json."""
+    files = [f for f in names if not f.endswith("/")]
+    if "summary.json" not in files or any(not OUTPUT_NAME.fullmatch(f) for f in files):
+        return None
+    if any(f not in ("fixed/",) for f in names if f.endswith("/")):
+        return None
+    try:
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return files if isinstance(summary, dict) and LEGACY_KEYS <= summary.keys() else None
+
+
+def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[str]:
+    """Raise OutDirError if the doctor may not write its report to ``out``; return the earlier run's files to delete."""
+    out = Path(out)
+    if out.is_symlink() and not out.exists():
+        raise OutDirError(f"--out {out} is a broken symlink")
+    if out.exists() and not out.is_dir():
+        raise OutDirError(f"--out {out} is a file, not a folder: give a folder for the report")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutDirError(f"--out {out}: {parent} is a file, not a folder")
+            break
+    res = out.resolve()
+    for p in inputs:
+        if _inside(Path(p).resolve(), res):
+            raise OutDirError(f"--out {out} holds the input {p}: write the report to another folder "
+                              "(the doctor never writes where its input is)")
+    if not out.exists():
+        return []
+    names = [f for f in _files(out) if f != MANIFEST]
+    listed = _manifest(out)
+    if listed is None:
+        if not names:
+            return []
+        legacy = _legacy(out, names)
+        if legacy is None:
+            raise OutDirError(f"--out {out} is a folder with files the doctor did not write (no {MANIFEST}): "
+                              "give a new or empty folder")
+        listed = legacy
+    if (out / "fixed").is_symlink():
+        raise OutDirError(f"--out {out}: fixed/ is a symlink; the doctor deletes nothing through one")
+    folders = [f for f in listed if (out / f).is_dir() and not (out / f).is_symlink()]
+    if folders:
+        raise OutDirError(f"--out {out}: {folders[0]} is a folder now; the doctor wrote a file there")
+    ours = set(listed)
+    clash = [f for f in names if f not in ours and OUTPUT_NAME.fullmatch(f.rstrip("/"))]
+    if clash:
+        raise OutDirError(f"--out {out}: {clash[0]} was not written by the doctor but has the name of one of its "
+                          "files: move it or choose another folder")
+    return listed
+
+
+def clear(out: Path, stale: list[str]) -> None:
+    """Delete the earlier run's files (symlinks themselves, never what they point to)."""
+    for f in stale:
+        (out / f).unlink(missing_ok=True)
+    fixed = out / "fixed"
+    if fixed.is_dir() and not fixed.is_symlink() and not any(fixed.iterdir()):
+        fixed.rmdir()
+
+
+def write_manifest(out: Path, files: list[str]) -> None:
+    """Record the files written (replaced by a rename: never written through an existing path)."""
+    fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=out)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({"written_by": "kvlab.doctor", "files": sorted(files)}, f, indent=1)
+    os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the report's other files are readable too
+    os.replace(tmp, out / MANIFEST)
+
+
+def written(out: Path) -> list[str]:
+    """The doctor's files under ``out`` now (after ``clear`` these are the ones this run wrote)."""
+    return [f for f in _files(out) if OUTPUT_NAME.fullmatch(f)]

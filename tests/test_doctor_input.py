@@ -1,0 +1,162 @@
+"""kvlab.doctor on bad input: every bad line is named by its real line number and skipped, the input is
+never written, --out is checked before the work, and the exit status says whether anything was replayed.
+
+Token-id logs (no tokenizer) and the CLI's ``main`` called in-process keep these fast."""
+
+import json
+import random
+
+import pytest
+
+from kvlab.doctor import core, diagnose, read_log, write_report
+from kvlab.doctor.__main__ import main
+from kvlab.doctor.outdir import MANIFEST, OutDirError
+
+GOOD = json.dumps({"token_ids": list(range(1, 40))})
+
+
+def write(path, lines: list[str | bytes]) -> str:
+    """Lines joined with b"\\n" (str lines as UTF-8); the path as a str."""
+    path.write_bytes(b"".join((x.encode() if isinstance(x, str) else x) + b"\n" for x in lines))
+    return str(path)
+
+
+def span_log(n: int = 40) -> list[str]:
+    """A token-id log with a per-request span after a shared head: the doctor finds culprits and fixed logs."""
+    rng = random.Random(5)
+    head, rest = [rng.randrange(500) for _ in range(20)], [rng.randrange(500) for _ in range(120)]
+    return [json.dumps({"token_ids": head + [600 + i, 700 + i % 50, 800] + rest, "user": f"u{i}"}) for i in range(n)]
+
+
+def test_deeply_nested_line_is_named_and_skipped(tmp_path):
+    path = write(tmp_path / "log.jsonl", [GOOD, "[" * 100_000 + "]" * 100_000, GOOD, '{"token_ids": ' + "[" * 70 + "1"
+                                          + "]" * 70 + "}"])
+    d = diagnose(path, block_sizes=(4,))
+    assert d.requests == 2 and [b.line for b in d.bad] == [2, 4]
+    assert all("nested deeper than 64" in b.error for b in d.bad)
+
+
+def test_5000_digit_token_id_is_named_and_skipped(tmp_path):
+    path = write(tmp_path / "log.jsonl", [GOOD, '{"token_ids": [' + "9" * 5000 + "]}", GOOD])
+    d = diagnose(path, block_sizes=(4,))
+    assert d.requests == 2 and [b.line for b in d.bad] == [2]
+    assert "4300 digits" in d.bad[0].error and "set_int_max_str_digits" not in d.bad[0].error
+
+
+def test_bytes_that_are_not_utf8_make_the_line_malformed_never_replaced(tmp_path):
+    # two prompts that differ only in one byte: replaced by U+FFFD both, they would replay as one shared prefix
+    prompt = b'{"prompt": "The answer is %s and then a long text that the two requests share"}'
+    path = write(tmp_path / "log.jsonl", [prompt % b"\xff", prompt % b"\xfe", GOOD])
+    d = diagnose(path, block_sizes=(4,))
+    assert d.requests == 1 and [b.line for b in d.bad] == [1, 2]
+    assert "not UTF-8 text (byte 0xff at byte 27)" in d.bad[0].error and "0xfe" in d.bad[1].error
+
+
+def test_a_stray_carriage_return_does_not_shift_line_numbers(tmp_path):
+    # line 2 holds a \r before its last brace (JSON whitespace: one request, not two broken lines),
+    # line 3 ends with \r\n (Windows), line 5 is bad
+    path = write(tmp_path / "log.jsonl", [GOOD, GOOD[:-1] + "\r}", GOOD + "\r", GOOD, "not json", GOOD])
+    records, bad = read_log(path)
+    assert [r.line for r in records] == [1, 2, 3, 4, 6] and [b.line for b in bad] == [5]
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"prompt": "a \\ud800 b"}', "lone surrogate"),  # the tokenizer and a UTF-8 writer both fail on it
+    ('{"token_ids": [1, 2, 3], "timestamp": NaN}', "NaN is not JSON"),
+    ('{"token_ids": [1, 2, 3], "user": {"id": 7}}', "'user' is dict"),  # the culprit search hashes users
+    ('{"token_ids": [1, 2, 3], "session": [7]}', "'session' is list"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": "f"}]}', "tools[0].function is str"),
+])
+def test_values_the_analysis_cannot_use_are_bad_lines(tmp_path, line, words):
+    path = write(tmp_path / "log.jsonl", [GOOD, line])
+    records, bad = read_log(path)
+    assert len(records) == 1 and [b.line for b in bad] == [2] and words in bad[0].error
+
+
+def test_out_inside_a_previous_report_never_writes_the_input(tmp_path, capsys):
+    log = write(tmp_path / "log.jsonl", span_log() + ["not json"])
+    out = tmp_path / "report"
+    assert main([log, "--block-size", "16", "--out", str(out), "--quiet"]) == 0
+    fixed = out / "fixed" / "all_fixes.jsonl"
+    before = fixed.read_bytes()
+    fixed.write_bytes(before + b"not json either\n")  # a line the doctor would not write back
+    before = fixed.read_bytes()
+    assert main([str(fixed), "--block-size", "16", "--out", str(out), "--quiet"]) == 2
+    assert "holds the input" in capsys.readouterr().err
+    assert fixed.read_bytes() == before
+    with pytest.raises(OutDirError, match="holds the input"):  # the API refuses it too
+        write_report(diagnose(str(fixed), block_sizes=(16,)), out)
+    assert fixed.read_bytes() == before
+
+
+def test_out_leaves_no_stale_files_of_an_earlier_run(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main([write(tmp_path / "a.jsonl", span_log()), "--block-size", "16", "--out", str(out), "--quiet"]) == 0
+    first = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert any(f.startswith("fixed/01_") for f in first) and "divergence.png" in first
+    (out / "notes.txt").write_text("mine")  # a file of the user's beside the report: left alone
+    assert main([write(tmp_path / "b.jsonl", [GOOD]), "--block-size", "4", "--out", str(out), "--quiet"]) == 0
+    now = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert not any(f.startswith("fixed/01_") for f in now) and (out / "notes.txt").read_text() == "mine"
+    listed = json.loads((out / MANIFEST).read_text())["files"]
+    assert sorted(listed + [MANIFEST, "notes.txt"]) == now
+    # a folder of other files (no manifest) is refused, before the analysis
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "summary.json").write_text("{}")
+    assert main([write(tmp_path / "c.jsonl", [GOOD]), "--out", str(other)]) == 2
+    assert "files the doctor did not write" in capsys.readouterr().err
+    assert (other / "summary.json").read_text() == "{}"
+
+
+def test_out_naming_a_file_fails_before_the_analysis(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(core, "diagnose", lambda *a, **k: pytest.fail("the analysis ran"))
+    target = tmp_path / "taken.txt"
+    target.write_text("keep")
+    assert main([write(tmp_path / "log.jsonl", [GOOD]), "--out", str(target)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err and target.read_text() == "keep"
+
+
+def test_a_missing_model_path_is_reported_as_a_missing_path(tmp_path, capsys):
+    log = write(tmp_path / "log.jsonl", [GOOD])
+    for model in (str(tmp_path / "no" / "such-model"), "./no-such-model"):
+        assert main([log, "--model", model]) == 2
+        err = capsys.readouterr().err
+        assert f"--model {model}: no such folder" in err and "Repo id" not in err
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", bytes(range(256)) * 4, b"x\n{\"prompt\": 7}\n"],
+                         ids=["empty", "blank", "binary", "all-malformed"])
+def test_nothing_to_replay_exits_1(tmp_path, capsys, content):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(content)
+    assert main([str(path), "--block-size", "4"]) == 1
+    captured = capsys.readouterr()
+    assert "kvlab doctor: nothing to replay:" in captured.err and "nothing to replay" in captured.out
+
+
+def test_exit_codes_are_in_the_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "exit status:" in text and "1  nothing to replay" in text and "2  bad arguments" in text
+
+
+def test_dicts_given_to_read_log_are_held_to_the_same_rules():
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    records, bad = read_log([{"token_ids": [1, 2]}, {"token_ids": [1], "x": deep}, {"prompt": "a", "ts": float("nan")},
+                             {"prompt": "a\ud800"}, {"prompt": "a", "when": object()}])
+    assert len(records) == 1 and [b.line for b in bad] == [2, 3, 4, 5]
+    assert "nested deeper" in bad[0].error and "not JSON" in bad[1].error and "surrogate" in bad[2].error
+
+
+def test_a_report_of_an_earlier_kvlab_without_manifest_is_replaced(tmp_path):
+    out = tmp_path / "report"
+    (out / "fixed").mkdir(parents=True)
+    (out / "summary.json").write_text(json.dumps({"source": "x", "model": "m", "malformed": [], "table": []}))
+    (out / "fixed" / "01_volatile.jsonl").write_text(GOOD + "\n")
+    assert main([write(tmp_path / "log.jsonl", [GOOD]), "--block-size", "4", "--out", str(out), "--quiet"]) == 0
+    assert not (out / "fixed" / "01_volatile.jsonl").exists() and (out / MANIFEST).exists()
