@@ -75,6 +75,20 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
 
 
+def _limit_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Scores ``(logits - max) / temperature`` in float64: 0 at the maximum, so softmax is defined (float32 out).
+
+    A +inf logit (a half-precision overflow) is the most likely token: the +inf ones share the probability.
+    NaN logits, or every logit -inf, leave nothing to sample: ``ValueError``.
+    """
+    top = logits.max()  # NaN if any logit is NaN
+    if bool(top.isnan()) or bool(top == float("-inf")):
+        raise ValueError("the logits are NaN or all -inf: no token can be sampled")
+    if bool(top.isposinf()):
+        return torch.where(logits == top, 0.0, float("-inf")).float()
+    return ((logits - top) / temperature).float()  # 0 at the maximum, -inf (or very negative) elsewhere
+
+
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, top_k: int,
                 generator: torch.Generator | None) -> int:
     """Pick the next token from (vocab,) logits: argmax, or temperature/top-k/top-p sampling.
@@ -91,8 +105,7 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
         return int(torch.argmax(logits))
     scores = logits.float() / temperature
     if not bool(scores.max().isfinite()):  # NaN, +inf, or all -inf: overflowed, sample the t -> 0 limit stably
-        shifted = logits.double() - logits.double().max()
-        scores = (shifted / temperature).float()  # 0 at the maximum, -inf (or very negative) elsewhere
+        scores = _limit_scores(logits.double(), temperature)
     if top_k and top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
