@@ -19,7 +19,8 @@ engine derives the tenant's cache salt from the tenant id and its server ``secre
 ``kvlab.engine.tenants``); a request cannot choose or forge a salt. ``"public-prefix"`` shares the whole blocks
 of prefixes the operator registered with ``add_public_prefix`` across tenants and salts the rest.
 The raw ``unsafe_salt=`` keyword bypasses the derivation (tests and teaching only: whoever can set
-it can join another tenant's cache).
+it can join another tenant's cache). Under ``"shared"`` tenants may still be named (they scope ``abort`` and
+``fork``) but share every prefix: the first such request warns (``SharedTenantsWarning``, once per engine).
 
 A request with bad input (empty prompt, a prompt that is neither text nor a sequence of int token ids
 in ``[0, vocab)``, too long for the model or the pool, a sampling parameter out of range, an unknown id
@@ -35,9 +36,10 @@ request produces exactly the tokens it would have produced alone.
 
 Threads: ``add_request``, ``abort``, ``fork`` and ``step`` (and ``generate``, one step at a time) hold
 one re-entrant lock, so a second thread may add or abort requests while a loop in another thread calls
-``step()``: its call waits until the running step ends. Automatic request ids skip every id in use, so
-they never collide with ids chosen by the caller. ``abort``/``fork`` take the ``tenant`` the request was
-added with and refuse another tenant's request as unknown. The server ``secret`` must be ``bytes`` or
+``step()``: its call waits until the running step ends. ``add_request`` and ``generate`` tokenize and check
+a prompt before taking the lock (only the queueing holds it), so a huge prompt never stalls a running step.
+Automatic request ids skip every id in use, so they never collide with ids chosen by the caller.
+``abort``/``fork`` take the ``tenant`` the request was added with and refuse another tenant's request as unknown. The server ``secret`` must be ``bytes`` or
 ``str`` of at least 16 bytes; without one each engine draws a random secret. The engine checks at
 construction that its paged attention runs for every layer of the model, and refuses (``NotImplementedError``)
 architectures it cannot serve.
