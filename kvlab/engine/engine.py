@@ -39,9 +39,9 @@ one re-entrant lock, so a second thread may add or abort requests while a loop i
 ``step()``: its call waits until the running step ends. ``add_request`` and ``generate`` tokenize and check
 a prompt before taking the lock (only the queueing holds it), so a huge prompt never stalls a running step.
 Automatic request ids skip every id in use, so they never collide with ids chosen by the caller.
-``abort``/``fork`` take the ``tenant`` the request was added with and refuse another tenant's request as unknown. The server ``secret`` must be ``bytes`` or
-``str`` of at least 16 bytes; without one each engine draws a random secret. The engine checks at
-construction that its paged attention runs for every layer of the model, and refuses (``NotImplementedError``)
+``abort``/``fork`` take the ``tenant`` the request was added with and refuse another tenant's request as
+unknown. The server ``secret`` must be ``bytes`` or ``str`` of at least 16 bytes; without one each engine
+draws a random secret. The engine checks at construction that its paged attention runs for every layer of the model, and refuses (``NotImplementedError``)
 architectures it cannot serve.
 
 Reference: nano-vllm ``nanovllm/engine/llm_engine.py`` and ``model_runner.py``; vLLM ``LLMEngine``.
