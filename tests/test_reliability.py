@@ -686,8 +686,8 @@ def test_generate_refuses_a_lone_string_and_queues_nothing(tiny):
 def test_stop_token_ids_from_any_collection_stop_and_iterators_are_refused(tiny):
     greedy = solo(tiny, ids(5, 12), SamplingParams(max_tokens=8))
     stop = greedy[2]
-    for given in ([stop], {stop}, range(stop, stop + 1)):
-        out = solo(tiny, ids(5, 12), SamplingParams(max_tokens=8, stop_token_ids=given))
+    for stops in ([stop], {stop}, range(stop, stop + 1)):
+        out = solo(tiny, ids(5, 12), SamplingParams(max_tokens=8, stop_token_ids=stops))
         assert out == greedy[: greedy.index(stop) + 1]
     with pytest.raises(TypeError, match="iterator"):  # it would be used up by validation and never stop
         SamplingParams(max_tokens=8, stop_token_ids=iter([stop]))

@@ -84,10 +84,10 @@ def test_top_p_out_of_range_or_not_a_number(bad):
         SamplingParams(top_p=bad)
 
 
-@pytest.mark.parametrize("given", [[7, 3], (7, 3), range(7, 2, -4), {7}, frozenset({3})])
-def test_stop_token_ids_collections_become_a_tuple(given):
-    sp = SamplingParams(stop_token_ids=given)
-    assert type(sp.stop_token_ids) is tuple and sorted(sp.stop_token_ids) == sorted(given)
+@pytest.mark.parametrize("stops", [[7, 3], (7, 3), range(7, 2, -4), {7}, frozenset({3})])
+def test_stop_token_ids_collections_become_a_tuple(stops):
+    sp = SamplingParams(stop_token_ids=stops)
+    assert type(sp.stop_token_ids) is tuple and sorted(sp.stop_token_ids) == sorted(stops)
     hash(sp)  # frozen and hashable: a list inside would make it unhashable
 
 

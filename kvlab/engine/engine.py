@@ -41,8 +41,8 @@ a prompt before taking the lock (only the queueing holds it), so a huge prompt n
 Automatic request ids skip every id in use, so they never collide with ids chosen by the caller.
 ``abort``/``fork`` take the ``tenant`` the request was added with and refuse another tenant's request as
 unknown. The server ``secret`` must be ``bytes`` or ``str`` of at least 16 bytes; without one each engine
-draws a random secret. The engine checks at construction that its paged attention runs for every layer of the model, and refuses (``NotImplementedError``)
-architectures it cannot serve.
+draws a random secret. The engine checks at construction that its paged attention runs for every layer of
+the model, and refuses (``NotImplementedError``) architectures it cannot serve.
 
 Reference: nano-vllm ``nanovllm/engine/llm_engine.py`` and ``model_runner.py``; vLLM ``LLMEngine``.
 """
