@@ -223,14 +223,14 @@ class Engine:
                 "reach the paged store and the outputs would be wrong")
 
     # --- requests ---------------------------------------------------------------------------------------
-    @_locked
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
-        ids = tuple(encode(self.tokenizer, prefix))
+        ids = tuple(encode(self.tokenizer, prefix))  # tokenized before the lock, as in add_request
         if not ids:
             raise ValueError("a public prefix needs at least one token")
-        if ids not in self.public_prefixes:
-            self.public_prefixes.append(ids)
+        with self._lock:
+            if ids not in self.public_prefixes:
+                self.public_prefixes.append(ids)
         return len(ids)
 
     def salt_for(self, tenant: str | None) -> str | None:
