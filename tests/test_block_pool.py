@@ -164,3 +164,26 @@ def test_check_invariants_catches_corruption():
     b.token_ids[0] = 99  # K/V overwritten after caching
     with pytest.raises(InvariantError, match="do not match its hash"):
         pool.check_invariants(hash_block)
+
+
+def test_evicted_hashes_keep_only_the_latest_evictions():
+    """A long-running pool must not remember every hash it ever evicted (issue 24: ~0.9 KB per request)."""
+    assert BlockPool(4, 2).max_evicted_hashes == 1024 and BlockPool(1000, 2).max_evicted_hashes == 4000
+    pool = BlockPool(1, 1, max_evicted_hashes=3)
+    hashes = []
+    for t in range(10):  # each new block evicts the one before it
+        block = full(pool, "s", [t])
+        hashes.append(block.block_hash)
+        pool.release(block, "s")
+    pool.release(pool.take("s"), "s")  # evicts the last one too
+    assert list(pool.evicted_hashes) == hashes[-3:]  # oldest first
+    assert hashes[0] not in pool.evicted_hashes  # forgotten: a miss on it now counts as no_prefix
+    full(pool, "s", [9])  # cached again: no longer an evicted hash
+    assert list(pool.evicted_hashes) == hashes[-3:-1]
+    pool.check_invariants(hash_block)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
+def test_max_evicted_hashes_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="max_evicted_hashes"):
+        BlockPool(4, 2, max_evicted_hashes=bad)

@@ -166,6 +166,23 @@ def test_refuses_after_the_weights_change_in_place(lm):
         generate(m, tok, ex.prompt_text, pc, max_new_tokens=2)
 
 
+def test_refuses_after_a_buffer_changes_in_place(lm):
+    """RoPE's inv_freq is a non-persistent buffer, not a parameter: scaling it changes every K (issue 24)."""
+    model, tok = lm
+    ex = P.make_example(1, "heldout")
+    m = copy.deepcopy(model)
+    pc = PrefixCache.build(m, tok, ex.prefix_text)
+    before = generate(m, tok, ex.prompt_text, max_new_tokens=1, keep_logits=True).step_logits[0]
+    name = "model.rotary_emb.inv_freq"
+    assert name in dict(m.named_buffers()) and name not in m.state_dict()  # a non-persistent buffer
+    with torch.no_grad():
+        m.get_buffer(name).mul_(0.5)  # e.g. a RoPE scaling applied after the cache was built
+    after = generate(m, tok, ex.prompt_text, max_new_tokens=1, keep_logits=True).step_logits[0]
+    assert float((after - before).abs().max()) > 1e-3  # the model really computes other logits now
+    with pytest.raises(PrefixMismatchError, match="another model"):
+        generate(m, tok, ex.prompt_text, pc, max_new_tokens=2)
+
+
 def test_refuses_another_tokenizer(lm):
     model, tok = lm
     ex = P.make_example(1, "heldout")

@@ -11,6 +11,8 @@ import copy
 import random
 import threading
 import time
+import tracemalloc
+import warnings
 from unittest import mock
 
 import numpy as np
@@ -25,7 +27,7 @@ from kvlab.cache.block_pool import BlockPool, NoFreeBlocksError
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
 from kvlab.engine.models import encode
 from kvlab.engine.sampling import sample_next
-from kvlab.engine.tenants import tenant_salt
+from kvlab.engine.tenants import SharedTenantsWarning, tenant_salt
 from kvlab.lessons import passphrase as P
 from kvlab.prefix import PrefixCache, PrefixMismatchError, generate
 
@@ -317,6 +319,54 @@ def test_a_second_thread_adding_and_aborting_never_corrupts_the_engine(tiny):
         assert out.output_ids == want[tuple(added[rid])]
     for rid, out in aborted.items():
         assert out.finish_reason == "abort" and out.output_ids == want[tuple(added[rid])][: len(out.output_ids)]
+    assert drained(engine)
+
+
+class _LockProbeTokenizer:
+    """A tokenizer that, on every call, records whether another thread could take the engine's lock now."""
+
+    def __init__(self, tokenizer):
+        self._tok, self.engine, self.lock_free = tokenizer, None, []
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, *args, **kwargs):
+        if self.engine is not None:
+            got = []
+
+            def probe():  # never blocks: True iff no thread holds the lock
+                got.append(self.engine._lock.acquire(blocking=False))
+                if got[0]:
+                    self.engine._lock.release()
+
+            t = threading.Thread(target=probe)
+            t.start()
+            t.join()
+            self.lock_free.append(got[0])
+        return self._tok(*args, **kwargs)
+
+
+def test_tokenizing_a_prompt_never_holds_the_engine_lock(bundled):
+    """Issue 24: a 2.7 MB prompt tokenized under the lock stalled every running step for seconds."""
+    model, tok = bundled
+    probe = _LockProbeTokenizer(tok)
+    engine = Engine(model, probe, num_blocks=32, block_size=16, debug=True)
+    probe.engine = engine
+    sp = SamplingParams(max_tokens=3)
+    prompts = P.question_prompts(1, 2)
+    first = engine.add_request(prompts[0], sp)
+    engine.step()  # a request is running: the next one is tokenized while it could step
+    before = (repr(engine._ids), dict(engine.requests), list(engine.scheduler.waiting))
+    with pytest.raises(ValueError, match="positions"):
+        engine.add_request(prompts[1] * 200, sp)  # tokenized, then refused: too long for the model
+    assert (repr(engine._ids), dict(engine.requests), list(engine.scheduler.waiting)) == before  # nothing queued
+    second = engine.add_request(prompts[1], sp)
+    outs = engine.generate(prompts, sp)  # generate tokenizes without the lock too
+    assert probe.lock_free == [True] * 5
+    assert second == first + 1  # the refused request drew no automatic id
+    done = run_all(engine)
+    assert [o.output_ids for o in outs] == [done[first].output_ids, done[second].output_ids]
     assert drained(engine)
 
 
@@ -618,6 +668,46 @@ def test_abort_and_fork_need_the_requests_tenant(tiny):
     assert drained(engine)
 
 
+def test_generate_refuses_a_lone_string_and_queues_nothing(tiny):
+    """Issue 24: generate("a string") ran one request per character."""
+    engine = Engine(tiny, None, num_blocks=16, block_size=16, debug=True)
+    calls = [(lambda: engine.generate("abc"), r"pass \[prompt\]"), (lambda: engine.generate(b"abc"), r"\[prompt\]"),
+             (lambda: engine.generate(p for p in [[1, 2]]), "list or tuple"),
+             (lambda: engine.generate([[1, 2], [3]], tenants="ab"), r"\[tenant\]"),
+             (lambda: engine.generate([[1, 2]], unsafe_salts="s"), r"\[unsafe_salt\]")]
+    for call, match in calls:
+        with pytest.raises(TypeError, match=match):
+            call()
+        assert not engine.requests and not engine.has_unfinished()
+    assert [o.finish_reason for o in engine.generate(([1, 2], [3]), SamplingParams(max_tokens=2))] == ["length"] * 2
+    assert drained(engine)
+
+
+def test_stop_token_ids_from_any_collection_stop_and_iterators_are_refused(tiny):
+    greedy = solo(tiny, ids(5, 12), SamplingParams(max_tokens=8))
+    stop = greedy[2]
+    for stops in ([stop], {stop}, range(stop, stop + 1)):
+        out = solo(tiny, ids(5, 12), SamplingParams(max_tokens=8, stop_token_ids=stops))
+        assert out == greedy[: greedy.index(stop) + 1]
+    with pytest.raises(TypeError, match="iterator"):  # it would be used up by validation and never stop
+        SamplingParams(max_tokens=8, stop_token_ids=iter([stop]))
+
+
+def test_tenants_on_a_shared_engine_warn_once(tiny):
+    """Naming tenants under isolation="shared" shares their prefixes: allowed (notebook 07 measures it), but said."""
+    shared = Engine(tiny, None, num_blocks=16, block_size=16)
+    isolated = Engine(tiny, None, num_blocks=16, block_size=16, isolation="tenant")
+    with pytest.warns(SharedTenantsWarning, match="isolation='tenant'"):
+        shared.add_request([1, 2, 3], tenant="acme")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared.add_request([1, 2, 3], tenant="globex")  # once per engine
+        shared.add_request([1, 2, 3])  # no tenant named
+        isolated.add_request([1, 2, 3], tenant="acme")
+    assert len(run_all(shared)) == 3 and len(run_all(isolated)) == 1
+    assert drained(shared) and drained(isolated)
+
+
 # --- 8. PrefixCache: the model check covers every weight ----------------------------------------------
 def _nudge(model):
     """Change one weight that a sparse sample would skip, through ``.data`` (no version bump)."""
@@ -646,6 +736,30 @@ def test_prefix_cache_refuses_a_modified_copy(bundled):
     _nudge(same)
     with pytest.raises(PrefixMismatchError, match="another model"):
         generate(same, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)
+
+
+def test_block_manager_memory_stays_flat_over_many_distinct_requests():
+    """Issue 24: per-tenant metrics and the evicted-hash set grew by ~0.6-0.9 KB per distinct request, forever."""
+    rng = random.Random(0)
+    m = BlockManager(16, 4, model_fingerprint="fp")
+
+    def serve(start, n):  # each request: a new salt (tenant) and new text, so blocks are evicted
+        for i in range(start, start + n):
+            m.allocate(i, [rng.randrange(1000) for _ in range(9)], TenantScope(salt=f"salt-{i}"))
+            m.free(i)
+
+    tracemalloc.start()
+    try:
+        serve(0, 1500)  # past both bounds: 1024 tenants, 1024 evicted hashes (16 blocks: the minimum)
+        before = tracemalloc.get_traced_memory()[0]
+        serve(1500, 3000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(m.metrics.by_tenant) == 1024 and len(m.pool.evicted_hashes) == 1024
+    assert m.metrics.other.requests + sum(c.requests for c in m.metrics.by_tenant.values()) == 4500
+    assert grown < 30 * 3000, f"{grown / 3000:.0f} bytes per request"
+    m.check_invariants()
 
 
 # --- 9. architectures: supported ones match HF, the others are refused ---------------------------------

@@ -25,6 +25,8 @@ from .hashing import BlockHash, ExtraKeys
 from .kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 FREE_ORDERS = ("vllm", "lru")
+EVICTED_HASHES_PER_BLOCK = 4  # remembered evicted hashes per block of the pool ...
+MIN_EVICTED_HASHES = 1024  # ... and at least this many
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -76,11 +78,20 @@ class TraceEvent:
 
 
 class BlockPool:
-    """``num_blocks`` blocks, a free list in LRU order, and the hash -> block cache."""
+    """``num_blocks`` blocks, a free list in LRU order, and the hash -> block cache.
+
+    ``evicted_hashes`` remembers the hashes of evicted blocks, so a miss on one counts as ``evicted``
+    rather than ``no_prefix`` (``kvlab.cache.metrics``). It is bounded: it keeps the most recent
+    ``max_evicted_hashes`` evictions (default ``max(4 * num_blocks, 1024)``, about 170 bytes each), so a
+    long-running pool's memory stays flat; a block evicted longer ago than that counts as ``no_prefix``.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, trace: bool = False, free_order: str = "vllm",
-                 enable_kv_events: bool = False) -> None:
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+                 enable_kv_events: bool = False, max_evicted_hashes: int | None = None) -> None:
+        if max_evicted_hashes is None and type(num_blocks) is int:
+            max_evicted_hashes = max(EVICTED_HASHES_PER_BLOCK * num_blocks, MIN_EVICTED_HASHES)
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("max_evicted_hashes", max_evicted_hashes)):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if free_order not in FREE_ORDERS:
@@ -90,7 +101,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next victim
         self.cached: dict[BlockHash, list[Block]] = {}
-        self.evicted_hashes: set[BlockHash] = set()  # for classifying misses; grows with distinct hashes
+        # for classifying misses: the latest evicted hashes, oldest first, at most max_evicted_hashes of them
+        self.evicted_hashes: OrderedDict[BlockHash, None] = OrderedDict()
+        self.max_evicted_hashes = max_evicted_hashes
         self.trace: list[TraceEvent] | None = [] if trace else None
         self.clock = 0
         self.num_evictions = 0
@@ -129,7 +142,7 @@ class BlockPool:
         if block.block_hash is not None:
             self._uncache(block)
             self._emit(BlockRemoved((block.block_hash,)))
-            self.evicted_hashes.add(block.block_hash)
+            self._remember_evicted(block.block_hash)
             self.num_evictions += 1
             self._record(block, "evict", owner)
         block.reset()
@@ -137,6 +150,12 @@ class BlockPool:
         block.created_at = self.clock
         self._record(block, event, owner)
         return block
+
+    def _remember_evicted(self, block_hash: BlockHash) -> None:
+        self.evicted_hashes[block_hash] = None
+        self.evicted_hashes.move_to_end(block_hash)
+        if len(self.evicted_hashes) > self.max_evicted_hashes:
+            self.evicted_hashes.popitem(last=False)  # forget the oldest eviction
 
     def _check_own(self, block: Block) -> None:
         if not (isinstance(block, Block) and 0 <= block.block_id < len(self.blocks)
@@ -217,7 +236,7 @@ class BlockPool:
         block.block_hash, block.parent_hash = block_hash, parent_hash
         block.parent_serial, block.extra_keys = parent_serial, extra_keys
         self.cached.setdefault(block_hash, []).append(block)
-        self.evicted_hashes.discard(block_hash)
+        self.evicted_hashes.pop(block_hash, None)
         self._record(block, "register", owner)
 
     def uncache(self, block: Block, owner: Hashable = None) -> None:

@@ -13,16 +13,23 @@ Across tenants it counts blocks, not tokens: a hit on a block that another tenan
 registered is a ``public_hit`` inside an operator's public prefix and a ``cross_tenant_hit`` anywhere
 else -- the number that must stay 0 when tenants are salted.
 
+The per-tenant table is bounded: it keeps the ``max_tenants`` (default 1024) most recently seen tenants;
+the counts of a tenant pushed out are added to one ``other`` row (``OTHER_TENANTS``), so the rows still
+sum to the totals and a server that sees a new tenant (or unsafe salt) per request keeps flat memory.
+
 References: vLLM ``vllm/v1/metrics/stats.py`` (``PrefixCacheStats``) and
 ``vllm/v1/core/kv_cache_manager.py`` (``make_prefix_cache_stats``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 MISS_REASONS = ("short", "no_prefix", "evicted")
+MAX_TENANTS = 1024  # rows of the per-tenant table; older tenants are summed into one "other" row
+OTHER_TENANTS = "(other tenants)"  # the tenant column of that row
 
 
 @dataclass(slots=True)
@@ -47,6 +54,14 @@ class CacheCounts:
         for reason, n in misses.items():
             self.misses[reason] += n
 
+    def merge(self, other: CacheCounts) -> None:
+        """Add another tenant's counts to these (requests included)."""
+        self.requests += other.requests
+        self.queries += other.queries
+        self.hits += other.hits
+        for reason, n in other.misses.items():
+            self.misses[reason] += n
+
 
 @dataclass(slots=True)
 class PrefixCacheMetrics:
@@ -54,7 +69,10 @@ class PrefixCacheMetrics:
 
     total: CacheCounts = field(default_factory=CacheCounts)  # first lookups only, as vLLM's PrefixCacheStats
     preempted: CacheCounts = field(default_factory=CacheCounts)  # lookups again after a preemption
-    by_tenant: dict[Hashable, CacheCounts] = field(default_factory=dict)  # key: the salt (None = no salt)
+    # key: the salt (None = no salt); least recently seen first, at most max_tenants of them
+    by_tenant: OrderedDict[Hashable, CacheCounts] = field(default_factory=OrderedDict)
+    other: CacheCounts = field(default_factory=CacheCounts)  # tenants pushed out of by_tenant, summed
+    max_tenants: int = MAX_TENANTS
     hashed_blocks: int = 0  # hash function calls
     hashed_tokens: int = 0  # tokens fed to the hash function
     blocks_taken: int = 0  # blocks taken from the free list (new data)
@@ -62,6 +80,10 @@ class PrefixCacheMetrics:
     cow_copies: int = 0
     public_hits: int = 0  # blocks of a public prefix registered by one tenant and served to another
     cross_tenant_hits: int = 0  # any other block registered by one tenant and served to another
+
+    def __post_init__(self) -> None:
+        if type(self.max_tenants) is not int or self.max_tenants < 1:
+            raise ValueError(f"max_tenants must be a positive int, got {self.max_tenants!r}")
 
     def record_lookup(self, tenant: Hashable, queries: int, hits: int, misses: dict[str, int],
                       preempted: bool = False) -> None:
@@ -76,7 +98,18 @@ class PrefixCacheMetrics:
             self.preempted.add(queries, hits, misses)
             return
         self.total.add(queries, hits, misses)
-        self.by_tenant.setdefault(tenant, CacheCounts()).add(queries, hits, misses)
+        self._tenant_counts(tenant).add(queries, hits, misses)
+
+    def _tenant_counts(self, tenant: Hashable) -> CacheCounts:
+        """``tenant``'s row, now the most recently seen; a new row pushes the least recent into ``other``."""
+        counts = self.by_tenant.get(tenant)
+        if counts is not None:
+            self.by_tenant.move_to_end(tenant)
+            return counts
+        if len(self.by_tenant) >= self.max_tenants:
+            self.other.merge(self.by_tenant.popitem(last=False)[1])
+        counts = self.by_tenant[tenant] = CacheCounts()
+        return counts
 
     @property
     def hit_rate(self) -> float:
@@ -106,9 +139,10 @@ class PrefixCacheMetrics:
         return out
 
     def tenant_table(self) -> list[dict]:
-        """One row per tenant: requests, query and hit tokens, hit rate, misses by reason."""
+        """One row per tenant (and one ``OTHER_TENANTS`` row once tenants were pushed out): requests, tokens, misses."""
+        rows = list(self.by_tenant.items()) + ([(OTHER_TENANTS, self.other)] if self.other.requests else [])
         return [
             {"tenant": k, "requests": c.requests, "query_tokens": c.queries, "hit_tokens": c.hits,
              "hit_rate": c.hit_rate, **{f"miss_{r}": n for r, n in c.misses.items()}}
-            for k, c in self.by_tenant.items()
+            for k, c in rows
         ]

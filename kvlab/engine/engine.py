@@ -19,7 +19,8 @@ engine derives the tenant's cache salt from the tenant id and its server ``secre
 ``kvlab.engine.tenants``); a request cannot choose or forge a salt. ``"public-prefix"`` shares the whole blocks
 of prefixes the operator registered with ``add_public_prefix`` across tenants and salts the rest.
 The raw ``unsafe_salt=`` keyword bypasses the derivation (tests and teaching only: whoever can set
-it can join another tenant's cache).
+it can join another tenant's cache). Under ``"shared"`` tenants may still be named (they scope ``abort`` and
+``fork``) but share every prefix: the first such request warns (``SharedTenantsWarning``, once per engine).
 
 A request with bad input (empty prompt, a prompt that is neither text nor a sequence of int token ids
 in ``[0, vocab)``, too long for the model or the pool, a sampling parameter out of range, an unknown id
@@ -35,12 +36,13 @@ request produces exactly the tokens it would have produced alone.
 
 Threads: ``add_request``, ``abort``, ``fork`` and ``step`` (and ``generate``, one step at a time) hold
 one re-entrant lock, so a second thread may add or abort requests while a loop in another thread calls
-``step()``: its call waits until the running step ends. Automatic request ids skip every id in use, so
-they never collide with ids chosen by the caller. ``abort``/``fork`` take the ``tenant`` the request was
-added with and refuse another tenant's request as unknown. The server ``secret`` must be ``bytes`` or
-``str`` of at least 16 bytes; without one each engine draws a random secret. The engine checks at
-construction that its paged attention runs for every layer of the model, and refuses (``NotImplementedError``)
-architectures it cannot serve.
+``step()``: its call waits until the running step ends. ``add_request`` and ``generate`` tokenize and check
+a prompt before taking the lock (only the queueing holds it), so a huge prompt never stalls a running step.
+Automatic request ids skip every id in use, so they never collide with ids chosen by the caller.
+``abort``/``fork`` take the ``tenant`` the request was added with and refuse another tenant's request as
+unknown. The server ``secret`` must be ``bytes`` or ``str`` of at least 16 bytes; without one each engine
+draws a random secret. The engine checks at construction that its paged attention runs for every layer of
+the model, and refuses (``NotImplementedError``) architectures it cannot serve.
 
 Reference: nano-vllm ``nanovllm/engine/llm_engine.py`` and ``model_runner.py``; vLLM ``LLMEngine``.
 """
@@ -53,6 +55,7 @@ import itertools
 import random
 import threading
 import time
+import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +72,7 @@ from .sampling import SamplingParams, sample_next
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence as Seq
 from .sequence import SequenceStatus
-from .tenants import check_policy, check_secret, public_prefix_length, tenant_salt
+from .tenants import SharedTenantsWarning, check_policy, check_secret, public_prefix_length, tenant_salt
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "UnknownRequestError"]
 
@@ -177,6 +180,7 @@ class Engine:
         self.enable_kv_events = enable_kv_events
         self._kv_batches: list[EventBatch] = []  # one per step that changed the cache (enable_kv_events=True)
         self._kv_seq = 0  # sequence number of the next batch
+        self._warned_shared_tenants = False  # SharedTenantsWarning: once per engine
         self._check_architecture()
 
     @torch.no_grad()
@@ -219,27 +223,38 @@ class Engine:
                 "reach the paged store and the outputs would be wrong")
 
     # --- requests ---------------------------------------------------------------------------------------
-    @_locked
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
-        ids = tuple(encode(self.tokenizer, prefix))
+        ids = tuple(encode(self.tokenizer, prefix))  # tokenized before the lock, as in add_request
         if not ids:
             raise ValueError("a public prefix needs at least one token")
-        if ids not in self.public_prefixes:
-            self.public_prefixes.append(ids)
+        with self._lock:
+            if ids not in self.public_prefixes:
+                self.public_prefixes.append(ids)
         return len(ids)
 
     def salt_for(self, tenant: str | None) -> str | None:
         """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
         return None if self.isolation == "shared" else tenant_salt(self._secret, tenant)
 
-    @_locked
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     request_id: Hashable | None = None, tenant: str | None = None, *,
                     unsafe_salt: str | None = None) -> Hashable:
         """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing.
 
-        ``request_id=None`` gives an automatic id: an int that no live request uses.
+        ``request_id=None`` gives an automatic id: an int that no live request uses. The prompt is
+        tokenized and checked *before* the engine lock is taken, so a huge prompt never stalls a running
+        ``step()``; only the queueing (ids, generator, queues) holds the lock.
+        """
+        checked = self._check_request(prompt, sampling, tenant, unsafe_salt)
+        with self._lock:
+            return self._queue(checked, request_id)
+
+    def _check_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None, tenant: str | None,
+                       unsafe_salt: str | None) -> tuple[list[int], SamplingParams, str | None, str | None]:
+        """Tokenize and check one request without the lock (it reads only what never changes after construction).
+
+        Returns ``(token ids, sampling, tenant, salt)``, or raises ``TypeError``/``ValueError`` naming the problem.
         """
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
@@ -262,8 +277,20 @@ class Engine:
         if self.max_model_len is not None and len(ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                              f"model's {self.max_model_len} positions")
-        self.scheduler.check_fits(len(ids), sampling.max_tokens)
+        self.scheduler.check_fits(len(ids), sampling.max_tokens)  # the pool's size only: fixed at construction
         salt = unsafe_salt if unsafe_salt is not None else self.salt_for(tenant)
+        if tenant is not None and self.isolation == "shared" and not self._warned_shared_tenants:
+            self._warned_shared_tenants = True  # once per engine
+            warnings.warn(SharedTenantsWarning(
+                f"tenant {tenant!r} on an engine with isolation='shared': tenants share every cached prefix "
+                "(one tenant's prompts can speed up, and so reveal themselves to, another's); use "
+                "isolation='tenant' or 'public-prefix' to keep them apart"), stacklevel=3)
+        return ids, sampling, tenant, salt
+
+    def _queue(self, checked: tuple[list[int], SamplingParams, str | None, str | None],
+               request_id: Hashable | None) -> Hashable:
+        """Queue a checked request (under the lock): give it its ids and generator; return its request id."""
+        ids, sampling, tenant, salt = checked
         seq_id, request_id = self._new_ids(request_id)
         seq = Seq(seq_id, request_id, ids, sampling, salt, arrival_time=time.perf_counter())
         seq.tenant = tenant
@@ -517,13 +544,19 @@ class Engine:
                  unsafe_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Submit all prompts at once, step until they finish; outputs in prompt order.
 
+        ``prompts`` (and ``tenants``, ``unsafe_salts``, a list of samplings) must be a list or tuple: a lone
+        string raises ``TypeError`` (pass ``[prompt]``) instead of running one request per character.
         A prompt that is refused (bad input) gets an output with ``finish_reason="error"``; the rest run.
         Requests added earlier with ``add_request`` (or by another thread meanwhile) run in the same steps;
         the outputs of those that finish during this call are kept, and the next ``step()`` returns them.
         This call returns once its own requests are done.
         """
+        for name, value in (("prompts", prompts), ("tenants", tenants), ("unsafe_salts", unsafe_salts)):
+            if not isinstance(value, (list, tuple)) and (name == "prompts" or value is not None):
+                one = f"; for one, pass [{name[:-1]}]" if isinstance(value, (str, bytes)) else ""
+                raise TypeError(f"{name} must be a list or tuple, one per prompt, got {type(value).__name__}{one}")
         n = len(prompts)
-        samplings = list(sampling) if isinstance(sampling, Sequence) else [sampling] * n
+        samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
         tenants = [None] * n if tenants is None else list(tenants)
         salts = [None] * n if unsafe_salts is None else list(unsafe_salts)
         if len(samplings) != n or len(tenants) != n or len(salts) != n:
@@ -533,8 +566,9 @@ class Engine:
         try:
             for i, (prompt, sp, tenant, salt) in enumerate(zip(prompts, samplings, tenants, salts)):
                 try:
-                    with self._lock:  # held from the add to the claim: no other step() can return its output
-                        seq = self.requests[self.add_request(prompt, sp, tenant=tenant, unsafe_salt=salt)]
+                    checked = self._check_request(prompt, sp, tenant, salt)  # tokenized without the lock
+                    with self._lock:  # held from the queueing to the claim: no other step() can return its output
+                        seq = self.requests[self._queue(checked, None)]
                         self._held.add(seq.seq_id)
                     own[i] = seq
                 except (ValueError, TypeError) as e:

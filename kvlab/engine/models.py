@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import itertools
 import json
 import os
 import random
@@ -145,8 +146,9 @@ def model_fingerprint(model: Any, tokenizer: Any | None = None, *, every_weight:
     """A short id of the weights and the tokenizer's vocabulary.
 
     Two caches may only be mixed when their fingerprints are equal. It hashes the config, the
-    parameter names/shapes/dtypes, **every byte of every parameter** (sha256), and the tokenizer's
-    vocabulary and chat template, so changing any single weight (in place, through ``.data``, or in a
+    parameter and buffer names/shapes/dtypes, **every byte of every parameter and buffer** (sha256;
+    buffers persistent or not, e.g. RoPE's ``inv_freq``), and the tokenizer's vocabulary and chat
+    template, so changing any single weight or buffer value (in place, through ``.data``, or in a
     copy) changes it. Cost, measured on one CPU core: about 6 ms for the bundled model (2.9 MB of
     weights; 4 ms with ``every_weight=False``); sha256 runs at about 1 GB/s here, so roughly 1 s per
     GB of weights (a GPU model is copied to the CPU parameter by parameter).
@@ -157,7 +159,8 @@ def model_fingerprint(model: Any, tokenizer: Any | None = None, *, every_weight:
     h = hashlib.sha256()
     h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        tensors = itertools.chain(model.named_parameters(), (("buffer:" + n, b) for n, b in model.named_buffers()))
+        for name, p in tensors:  # buffers too: a scaled RoPE inv_freq changes every K like a weight does
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
             flat = p.detach().reshape(-1)
             if every_weight:

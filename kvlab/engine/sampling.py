@@ -4,17 +4,32 @@
 temperature, top-k and top-p filters of transformers' logits warpers (``sample_next`` below)
 from a generator seeded by ``seed``, so a request's tokens do not depend on what it was batched with.
 Every accepted value is numerically safe: a temperature so small that ``logits / temperature``
-overflows (around 1e-38 and below) samples from the limit of the distribution as the temperature goes
-to 0, i.e. among the most likely tokens (``sample_next`` subtracts the maximum first).
+overflows (around 1e-38 and below, to +inf or, when every logit is negative, to -inf everywhere)
+samples from the limit of the distribution as the temperature goes to 0, i.e. among the most likely
+tokens (``sample_next`` subtracts the maximum first); top-k and top-p always keep the most likely token.
+
+Only real values are accepted (an allow-list per field): ints for ``max_tokens``, ``top_k``, ``seed`` and
+the stop ids, int or float for ``temperature`` and ``top_p``, ``bool`` for ``ignore_eos``; a ``bool`` is
+never taken for a number (``top_p=True`` is refused like ``temperature=True``). ``stop_token_ids`` is a
+list, tuple, set, frozenset or range, kept as a tuple; an iterator or generator is refused (validation
+would consume it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["SamplingParams", "sample_next"]
+
+STOP_ID_COLLECTIONS = (list, tuple, set, frozenset, range)  # what stop_token_ids may be given as
+
+
+def _is_real(x: object) -> bool:
+    """An int or float that is not a bool (bool is an int subclass; numpy floats subclass float)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,6 +45,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        stops = self.stop_token_ids
+        if not isinstance(stops, STOP_ID_COLLECTIONS):
+            raise TypeError(f"stop_token_ids must be a list, tuple, set or range of ints, got {type(stops).__name__} "
+                            "(an iterator or generator would be used up by validation: pass list(...))")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))  # frozen: set once, here
         self.validate()
 
     @property
@@ -41,17 +61,32 @@ class SamplingParams:
         """Raise ``ValueError`` naming the first parameter that is out of range."""
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
-                or not 0 <= self.temperature < float("inf")):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if type(self.top_k) is not int or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2 ** 64):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
-        if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
+        if type(self.ignore_eos) is not bool:
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_token_ids, tuple) or any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+
+def _limit_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Scores ``(logits - max) / temperature`` in float64: 0 at the maximum, so softmax is defined (float32 out).
+
+    A +inf logit (a half-precision overflow) is the most likely token: the +inf ones share the probability.
+    NaN logits, or every logit -inf, leave nothing to sample: ``ValueError``.
+    """
+    top = logits.max()  # NaN if any logit is NaN
+    if bool(top.isnan()) or bool(top == float("-inf")):
+        raise ValueError("the logits are NaN or all -inf: no token can be sampled")
+    if bool(top.isposinf()):
+        return torch.where(logits == top, 0.0, float("-inf")).float()
+    return ((logits - top) / temperature).float()  # 0 at the maximum, -inf (or very negative) elsewhere
 
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, top_k: int,
@@ -60,16 +95,17 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
 
     The filters follow transformers' logits warpers (temperature, then top-k, then top-p keeping at
     least one token) so seeded sampling reproduces ``model.generate`` token for token. A temperature
-    so small that ``logits / temperature`` overflows (about 1e-38 and below in float32) would make
-    every probability NaN; then the maximum is subtracted first, in float64, which gives the limit
-    as the temperature goes to 0: the most likely tokens keep all the probability.
+    so small that ``logits / temperature`` overflows (about 1e-38 and below in float32: to +inf, or to
+    -inf everywhere when every logit is negative) would make every probability NaN; then the maximum
+    is subtracted first, in float64, which gives the limit as the temperature goes to 0: the most
+    likely tokens keep all the probability. Top-k and top-p never remove the most likely token, so the
+    filtered scores keep a finite maximum and the probabilities are never NaN for finite logits.
     """
     if not do_sample:
         return int(torch.argmax(logits))
     scores = logits.float() / temperature
-    if bool(scores.isnan().any() or scores.isposinf().any()):  # overflowed: sample the t -> 0 limit stably
-        shifted = logits.double() - logits.double().max()
-        scores = (shifted / temperature).float()  # 0 at the maximum, -inf (or very negative) elsewhere
+    if not bool(scores.max().isfinite()):  # NaN, +inf, or all -inf: overflowed, sample the t -> 0 limit stably
+        scores = _limit_scores(logits.double(), temperature)
     if top_k and top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -8,7 +8,9 @@ so a tenant that knows another tenant's id still cannot compute that tenant's sa
 cannot carry one (vLLM's ``cache_salt`` is a request field; its docs say the salt "is not an isolation
 boundary" precisely because a client supplies it). Three policies:
 
-- ``"shared"``: no salt; every request may hit every cached block (vLLM without ``cache_salt``).
+- ``"shared"``: no salt; every request may hit every cached block (vLLM without ``cache_salt``). Naming
+  tenants on such an engine is allowed (notebook 07 measures what they leak to each other) but warns once
+  per engine with ``SharedTenantsWarning``: their prefixes are shared, not isolated.
 - ``"tenant"``: the tenant's salt enters the first block, so tenants share nothing.
 - ``"public-prefix"``: the operator registers public prefixes (a system prompt every tenant may
   share). Their whole blocks are shared by all tenants; the salt enters the first block that extends
@@ -28,6 +30,10 @@ from collections.abc import Sequence
 POLICIES = ("shared", "tenant", "public-prefix")
 DEFAULT_TENANT = ""  # kept for compatibility: no longer the scope of a request that names no tenant
 MIN_SECRET_BYTES = 16
+
+
+class SharedTenantsWarning(UserWarning):
+    """Tenants were named on an engine whose isolation is "shared": their cached prefixes are not kept apart."""
 
 
 def new_secret() -> bytes:
