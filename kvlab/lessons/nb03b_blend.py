@@ -298,6 +298,17 @@ def picked_share_at_starts(b: Blend, request: RagRequest, first: int = 4) -> flo
     return sum(p in starts for p in b.recomputed) / len(b.recomputed)
 
 
+def answer_span(tokenizer: Any, ids: Sequence[int], answer: str, longest: int = 16) -> tuple[int, int]:
+    """The shortest run of prompt positions [lo, hi) whose text contains ``answer``; (0, 0) when none does."""
+    best = (0, 0)
+    for lo in range(len(ids)):
+        hi = next((j for j in range(lo + 1, min(len(ids), lo + longest) + 1)
+                   if answer in tokenizer.decode(ids[lo:j])), None)
+        if hi is not None and (best == (0, 0) or hi - lo < best[1] - best[0]):
+            best = (lo, hi)
+    return best
+
+
 def spans(request: RagRequest) -> list[tuple[int, int, bool]]:
     """(start, end, reused) of each piece in prompt positions."""
     out, pos = [], 0
@@ -350,9 +361,9 @@ def fig_picked(b: Blend, request: RagRequest, tokenizer: Any, title: str):
     xs = [p for p in b.reused if p in picked]
     ax.bar(xs, [dev[b.reused.index(p)] for p in xs], width=1.0, color="tab:red", label="reused, recomputed")
     ids = b.prompt_ids
-    hits = [i for i in range(len(ids)) if request.answer[:3] in tokenizer.decode(ids[max(0, i - 1):i + 2])]
-    if hits:
-        ax.plot(hits, [0] * len(hits), "k^", ms=5, label="passphrase tokens")
+    lo, hi = answer_span(tokenizer, ids, request.answer)
+    if hi > lo:
+        ax.axvspan(lo - 0.5, hi - 0.5, color="gold", alpha=0.6, lw=0, label="the passphrase")
     ax.set(xlabel="prompt position (grey: computed, blue: reused passages)", ylabel="K/V deviation (L2)",
            title=title, xlim=(-1, len(ids)))
     ax.legend(fontsize=8, loc="upper right")
@@ -370,6 +381,7 @@ def fig_layer_deviation(tables: dict[str, Any]):
             ax.plot(table.index, table[r].clip(lower=1e-9), "o-", label=f"r = {r:.0%}")
         ax.set_yscale("log")
         ax.set(xlabel="layer", ylabel="relative K error vs full prefill (0 drawn at 1e-9)", title=name)
+        ax.set_xticks(list(table.index)[:: max(1, len(table.index) // 10)])
         ax.legend(fontsize=8)
     fig.suptitle("Reused passages: how far each layer's keys are from a full prefill")
     fig.tight_layout()
