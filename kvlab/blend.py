@@ -228,34 +228,63 @@ def true_kv_at(model: Any, ids: Sequence[int], layer: int, prefix: PrefixCache |
     return cache.layers[layer].keys[:, :, m:], cache.layers[layer].values[:, :, m:]
 
 
-def _plan(chunks: ChunkCache, pieces: Sequence[tuple[str | Sequence[int], bool]], tenant: str | None, m: int
-          ) -> tuple[list[int], list[int], Layers, float]:
-    """Prompt ids, reused positions, their K/V moved to those positions (per layer), seconds spent on misses."""
-    ids, reused, parts, miss = [], [], [], 0.0
-    for piece, reuse in pieces:
-        p = encode(chunks.tokenizer, piece)
-        if reuse and p:
-            if len(ids) < m:
-                raise ChunkReuseError(f"a reused chunk starts at {len(ids)}, inside the {m}-token prefix cache")
-            before = chunks.misses
-            entry = chunks.compute(p, tenant)
-            miss += entry.build_seconds if chunks.misses > before else 0.0
-            delta = len(ids) - entry.start
-            parts.append([(rerotate_keys(k, delta, chunks.theta, chunks.rotary_dim), v) for k, v in entry.layers])
-            reused += range(len(ids), len(ids) + len(p))
-        ids += p
-    layers = [(torch.cat([p[i][0] for p in parts], 2), torch.cat([p[i][1] for p in parts], 2))
-              for i in range(len(parts[0]))] if parts else []
-    return ids, reused, layers, miss
+Pieces = Sequence[tuple[str | Sequence[int], bool]]  # (text or ids, reuse from the chunk cache?)
 
 
-def _check_prefix(chunks: ChunkCache, prefix: PrefixCache, ids: Sequence[int]) -> int:
-    """Length of an exact prefix cache that may serve ``ids`` on the chunk cache's model, else raise."""
-    if prefix.fingerprint != chunks.fingerprint:
-        raise ChunkReuseError("the prefix cache was built by another model or tokenizer than the chunk cache")
+def _check_prefix(chunks: ChunkCache, prefix: PrefixCache, ids: Sequence[int], first_reused: int) -> None:
+    """Raise unless ``prefix`` is an exact cache of the prompt's first tokens on the chunk cache's model."""
+    device, dtype = model_device_dtype(chunks.model)
+    k = prefix.cache.layers[0].keys
+    if prefix.fingerprint != chunks.fingerprint or k.device != device or k.dtype != dtype:
+        raise ChunkReuseError("the prefix cache was built by another model, tokenizer, device or dtype than the chunk cache")
     if prefix.seq_length() != len(prefix) or tuple(ids[:len(prefix)]) != prefix.token_ids:
         raise ChunkReuseError("the prefix cache does not hold exactly the prompt's first tokens (or was written into)")
-    return len(prefix)
+    if first_reused < len(prefix):
+        raise ChunkReuseError(f"a reused chunk starts at {first_reused}, inside the {len(prefix)}-token prefix cache")
+
+
+def _fetch(chunks: ChunkCache, pieces: list[tuple[list[int], bool]], tenant: str | None
+           ) -> tuple[list[int], Layers, float]:
+    """Reused positions, their K/V moved to those positions (per layer), and the seconds spent on misses."""
+    reused, parts, miss, pos = [], [], 0.0, 0
+    for ids, reuse in pieces:
+        if reuse and ids:
+            before = chunks.misses
+            entry = chunks.compute(ids, tenant)
+            miss += entry.build_seconds if chunks.misses > before else 0.0
+            delta = pos - entry.start  # from where it was computed to where it sits now
+            parts.append([(rerotate_keys(k, delta, chunks.theta, chunks.rotary_dim), v) for k, v in entry.layers])
+            reused += range(pos, pos + len(ids))
+        pos += len(ids)
+    layers = [(torch.cat([p[i][0] for p in parts], 2), torch.cat([p[i][1] for p in parts], 2))
+              for i in range(len(parts[0]))] if parts else []
+    return reused, layers, miss
+
+
+def _deviation(model: Any, ids: list[int], reused: list[int], moved: Layers, layer: int,
+               prefix: PrefixCache | None) -> torch.Tensor:
+    """Per reused token, the L2 distance of its cached K/V at ``layer`` from the true ones. (len(reused),)"""
+    m = len(prefix) if prefix is not None else 0
+    k_true, v_true = true_kv_at(model, ids, layer, prefix)  # (1, kv_heads, N - m, head_dim) each
+    at = torch.tensor(reused, device=k_true.device) - m
+    k_used, v_used = moved[layer]
+    sq = (k_true[:, :, at] - k_used).float().pow(2).sum((0, 1, 3)) + (v_true[:, :, at] - v_used).float().pow(2).sum((0, 1, 3))
+    return sq.sqrt()
+
+
+def _kept_cache(model: Any, prefix: PrefixCache | None, moved: Layers, kept: list[int]) -> Any:
+    """A cache of the prefix's K/V followed by the kept reused tokens' (``kept`` indexes ``moved``)."""
+    layers = []
+    for i in range(model.config.num_hidden_layers):
+        ks = [prefix.cache.layers[i].keys] if prefix is not None else []
+        vs = [prefix.cache.layers[i].values] if prefix is not None else []
+        if kept:
+            at = torch.tensor(kept, dtype=torch.long, device=moved[i][0].device)
+            ks.append(moved[i][0][:, :, at])
+            vs.append(moved[i][1][:, :, at])
+        if ks:
+            layers.append((torch.cat(ks, 2), torch.cat(vs, 2)))
+    return _cache(model, layers)
 
 
 def _attention_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -273,8 +302,8 @@ def pick_tokens(deviation: torch.Tensor, count: int) -> list[int]:
 
 
 @torch.no_grad()
-def blend_prefill(chunks: ChunkCache, pieces: Sequence[tuple[str | Sequence[int], bool]], recompute: float, *,
-                  tenant: str | None = None, prefix: PrefixCache | None = None, select_layer: int = 1) -> Blend:
+def blend_prefill(chunks: ChunkCache, pieces: Pieces, recompute: float, *, tenant: str | None = None,
+                  prefix: PrefixCache | None = None, select_layer: int = 1) -> Blend:
     """Prefill a prompt made of ``(text or ids, reuse)`` pieces, reusing the chunk cache for pieces marked reuse.
 
     Reused chunks are fetched (computed alone once on a miss) and their keys moved to where they sit.
@@ -288,64 +317,48 @@ def blend_prefill(chunks: ChunkCache, pieces: Sequence[tuple[str | Sequence[int]
     if not 1 <= select_layer < model.config.num_hidden_layers:
         raise ValueError(f"select_layer must be in 1 .. {model.config.num_hidden_layers - 1}: layer 0's K/V depend "
                          f"only on token and position, so re-rotated chunks are exact there; got {select_layer}")
-    device, dtype = model_device_dtype(model)
-    t0 = time.perf_counter()
-    m = 0
-    if prefix is not None:
-        m = len(prefix)
-    ids, reused, moved, miss = _plan(chunks, pieces, tenant, m)
-    if prefix is not None:
-        _check_prefix(chunks, prefix, ids)
+    encoded = [(encode(chunks.tokenizer, piece), bool(reuse)) for piece, reuse in pieces]
+    ids = [t for p, _ in encoded for t in p]
     if not ids:
         raise ValueError("the prompt is empty")
+    m = len(prefix) if prefix is not None else 0
+    if prefix is not None:
+        starts = [sum(len(p) for p, _ in encoded[:i]) for i, (p, reuse) in enumerate(encoded) if reuse and p]
+        _check_prefix(chunks, prefix, ids, min(starts, default=len(ids)))
+    device, dtype = model_device_dtype(model)
+    t0 = time.perf_counter()
+    reused, moved, miss = _fetch(chunks, encoded, tenant)
     count = round(recompute * len(reused))
-    deviation, picked, t_sel = None, [], time.perf_counter()
-    if count == len(reused):
-        picked = list(range(len(reused)))
-    elif count > 0:
-        k_true, v_true = true_kv_at(model, ids, select_layer, prefix)  # (1, h, N - m, d) each
-        at = torch.tensor(reused, device=device) - m
-        k_used, v_used = moved[select_layer]
-        diff = (k_true[:, :, at] - k_used).float().pow(2).sum((0, 1, 3)) + \
-               (v_true[:, :, at] - v_used).float().pow(2).sum((0, 1, 3))
-        deviation = diff.sqrt()  # (len(reused),)
+    t_sel, deviation = time.perf_counter(), None
+    if 0 < count < len(reused):
+        deviation = _deviation(model, ids, reused, moved, select_layer, prefix)
         picked = pick_tokens(deviation, count)
+    else:
+        picked = list(range(count))  # none, or all of them
     t_sel = time.perf_counter() - t_sel
-    keep_chunk = sorted(set(range(len(reused))) - set(picked))
-    compute = sorted((set(range(m, len(ids))) - set(reused)) | {reused[i] for i in picked} | {len(ids) - 1})
-    keep_chunk = [i for i in keep_chunk if reused[i] != len(ids) - 1]
-    keep_pos = list(range(m)) + [reused[i] for i in keep_chunk]
-    sel = torch.tensor(keep_chunk, dtype=torch.long, device=device)
-    layers = []
-    for i, (k, v) in enumerate(moved or [(None, None)] * model.config.num_hidden_layers):
-        parts_k, parts_v = [], []
-        if prefix is not None:
-            parts_k.append(prefix.cache.layers[i].keys)
-            parts_v.append(prefix.cache.layers[i].values)
-        if keep_chunk:
-            parts_k.append(k[:, :, sel])
-            parts_v.append(v[:, :, sel])
-        if parts_k:
-            layers.append((torch.cat(parts_k, 2), torch.cat(parts_v, 2)))
-    cache = _cache(model, layers)
-    q_pos = torch.tensor(compute, device=device)
-    mask = None  # the default causal mask is right when the computed tokens all follow the kept ones
-    if keep_pos != list(range(len(keep_pos))) or compute != list(range(len(keep_pos), len(ids))):
-        mask = _attention_mask(torch.tensor(keep_pos + compute, device=device), q_pos, dtype)
+    last = len(ids) - 1  # always computed: its logits start the answer
+    kept = [i for i in sorted(set(range(len(reused))) - set(picked)) if reused[i] != last]
+    kept_pos = list(range(m)) + [reused[i] for i in kept]
+    computed = sorted(set(range(m, len(ids))) - {reused[i] for i in kept})
+    cache = _kept_cache(model, prefix, moved, kept)
+    q_pos = torch.tensor(computed, device=device)
+    mask = None  # the default causal mask is right when every computed token follows every kept one
+    if kept_pos != list(range(len(kept_pos))) or computed != list(range(len(kept_pos), len(ids))):
+        mask = _attention_mask(torch.tensor(kept_pos + computed, device=device), q_pos, dtype)
     t_fwd = time.perf_counter()
-    out = model(input_ids=torch.tensor([[ids[p] for p in compute]], device=device), position_ids=q_pos[None],
+    out = model(input_ids=torch.tensor([[ids[p] for p in computed]], device=device), position_ids=q_pos[None],
                 cache=cache, attention_mask=mask, use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1]
     synchronize(device)
     t1 = time.perf_counter()
-    order = torch.argsort(torch.tensor(keep_pos + compute, device=device))  # back to positions 0 .. N-1
+    order = torch.argsort(torch.tensor(kept_pos + computed, device=device))  # back to positions 0 .. N-1
     cache = _cache(model, [(lay.keys[:, :, order], lay.values[:, :, order]) for lay in out.cache.layers])
     seconds = {"select": t_sel, "prefill": t1 - t_fwd, "ttft": t1 - t0 - miss, "miss": miss}
     return Blend(ids, logits, cache, reused, [reused[i] for i in picked], deviation, seconds)
 
 
 @torch.no_grad()
-def blend_generate(chunks: ChunkCache, pieces: Sequence[tuple[str | Sequence[int], bool]], recompute: float, *,
+def blend_generate(chunks: ChunkCache, pieces: Pieces, recompute: float, *,
                    tenant: str | None = None, prefix: PrefixCache | None = None, select_layer: int = 1,
                    max_new_tokens: int = 32) -> Blend:
     """``blend_prefill``, then greedy decoding on its cache; the generated ids are in ``.token_ids``."""

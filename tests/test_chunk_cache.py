@@ -221,12 +221,17 @@ def test_blending_never_writes_into_the_chunk_or_prefix_cache(lm, chunks):
     assert prefix.seq_length() == len(prefix)
 
 
-def test_a_prefix_cache_of_another_prompt_is_refused(lm, chunks):
+def test_a_prefix_cache_of_another_prompt_is_refused_before_anything_is_computed(lm):
     model, tok = lm
     pieces = _pieces(tok)
+    cc = B.ChunkCache(model, tok)
     wrong = PrefixCache.build(model, tok, encode(tok, P.IM_START + "user\n"))
     with pytest.raises(B.ChunkReuseError, match="first tokens"):
-        B.blend_prefill(chunks, pieces, 0.0, prefix=wrong)
+        B.blend_prefill(cc, pieces, 0.0, prefix=wrong)
+    too_long = PrefixCache.build(model, tok, _ids(pieces)[:len(pieces[0][0]) + 2])  # reaches into a reused chunk
+    with pytest.raises(B.ChunkReuseError, match="inside the"):
+        B.blend_prefill(cc, pieces, 0.0, prefix=too_long)
+    assert len(cc) == 0 and cc.misses == 0
 
 
 # ----------------------------------------------------------------------------- notebook 03b

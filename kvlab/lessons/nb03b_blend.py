@@ -33,7 +33,7 @@ from kvlab.prefix import PrefixCache
 
 RATIOS = (0.0, 0.05, 0.15, 0.30, 1.0)  # the recompute shares
 MAX_NEW_TOKENS = 12
-REAL_MAX_NEW_TOKENS = 20
+REAL_MAX_NEW_TOKENS = 16  # "The secret passphrase is: X5DUXP." and the end of turn fit
 Pieces = list[tuple[list[int], bool]]
 
 
@@ -192,17 +192,15 @@ def run_ttft(chunks: ChunkCache, requests: Sequence[RagRequest], ratios: Sequenc
     rows, names = [], ttft_methods(ratios)
     for i, req in enumerate(_progress(requests, progress, "TTFT")):
         prefix = PrefixCache.build(chunks.model, chunks.tokenizer, req.pieces[0][0])
-        runs: dict[str, Callable[[], Blend]] = {
-            names[0]: lambda: blend_prefill(chunks, full_pieces(req.pieces), 1.0),
-            names[1]: lambda: blend_prefill(chunks, full_pieces(req.pieces), 1.0, prefix=prefix)}
-        for name, r in zip(names[2:], ratios):
-            runs[name] = lambda r=r: blend_prefill(chunks, req.pieces, r, prefix=prefix)
+        full = full_pieces(req.pieces)
+        runs = {names[0]: (full, 1.0, None), names[1]: (full, 1.0, prefix)}  # (pieces, r, prefix cache)
+        runs.update({name: (req.pieces, r, prefix) for name, r in zip(names[2:], ratios)})
         times: dict[str, list[float]] = {n: [] for n in names}
-        for fn in runs.values():
-            fn()  # warm-up, and every chunk is in the cache from here on
+        for pieces, r, pre in runs.values():
+            blend_prefill(chunks, pieces, r, prefix=pre)  # warm-up, and every chunk is in the cache from here on
         for _ in range(repeats):
-            for name, fn in runs.items():
-                b = fn()
+            for name, (pieces, r, pre) in runs.items():
+                b = blend_prefill(chunks, pieces, r, prefix=pre)
                 times[name].append(b.seconds["ttft"])
                 if name.startswith("blend"):
                     times.setdefault(name + " select", []).append(b.seconds["select"])
@@ -352,9 +350,10 @@ def fig_picked(b: Blend, request: RagRequest, tokenizer: Any, title: str):
     if b.deviation is None:
         raise ValueError("this blend measured no deviation: use 0 < r < 1")
     fig, ax = plt.subplots(figsize=(11, 3.4))
-    for k, (lo, hi, reuse) in enumerate(spans(request)):
+    for lo, hi, reuse in spans(request):
         ax.axvspan(lo - 0.5, hi - 0.5, color="tab:blue" if reuse else "lightgrey", alpha=0.12 if reuse else 0.35,
                    lw=0)
+        ax.axvline(lo - 0.5, color="grey", lw=0.8)  # where each piece starts
     dev = b.deviation.cpu().numpy()
     ax.bar(b.reused, dev, width=1.0, color="tab:blue", label="reused, kept")
     picked = set(b.recomputed)
@@ -364,7 +363,7 @@ def fig_picked(b: Blend, request: RagRequest, tokenizer: Any, title: str):
     lo, hi = answer_span(tokenizer, ids, request.answer)
     if hi > lo:
         ax.axvspan(lo - 0.5, hi - 0.5, color="gold", alpha=0.6, lw=0, label="the passphrase")
-    ax.set(xlabel="prompt position (grey: computed, blue: reused passages)", ylabel="K/V deviation (L2)",
+    ax.set(xlabel="prompt position (grey: computed, blue: reused passages, lines: piece starts)", ylabel="K/V deviation (L2)",
            title=title, xlim=(-1, len(ids)))
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
