@@ -134,6 +134,7 @@ class ChunkCache:
         return len(self._entries)
 
     def __contains__(self, item: tuple[Sequence[int], str | None]) -> bool:
+        """``(ids, tenant) in cache``: whether that tenant would hit the chunk (no hit is counted)."""
         ids, tenant = item
         return self.key(list(ids), tenant) in self._entries
 
