@@ -219,3 +219,16 @@ def ex09_1_policy(router, request):
     """Notebook 09: the replica with the largest cached overlap minus its active blocks, ties to the lowest id."""
     hashes = router.hashes(request)
     return max(router.replicas, key=lambda r: (router.index.overlap(r, hashes) - router.active_blocks(r), -r))
+
+
+# ----------------------------------------------------------------------------- 03b reusing the middle
+
+def ex03b_1_rerotate(keys, delta: int, theta: float):
+    """03b.1: turn pair (i, i + d/2) of every key by delta * inv_freq[i]: k * cos + rotate_half(k) * sin."""
+    import torch
+
+    from kvlab.lessons.rope import inverse_frequencies, rotate_half
+
+    angle = delta * inverse_frequencies(keys.shape[-1], theta, device=keys.device)  # (head_dim/2,)
+    angle = torch.cat((angle, angle))  # (head_dim,): the layout of rotate_half
+    return keys * angle.cos() + rotate_half(keys) * angle.sin()
