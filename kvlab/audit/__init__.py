@@ -15,10 +15,21 @@ Model APIs", ICML 2025 (arXiv 2502.07776). The code here is written from the pap
 """
 
 from .client import AuditHTTPError, Endpoint, Timing, first_model, measure
-from .dictionary import Guess, Template, accuracy, make_template, run_dictionary_attack
-from .procedure import (AuditConfig, AuditResult, Level, calibrate, ks_test, power, power_at, run_audit,
-                        run_levels, samples_to_detect)
+from .dictionary import Guess, Template, accuracy, chance_pvalue, make_template, run_dictionary_attack
+from .procedure import (
+    AuditConfig,
+    AuditResult,
+    Level,
+    calibrate,
+    ks_test,
+    miss_prompt,
+    power,
+    power_at,
+    run_audit,
+    run_levels,
+    samples_to_detect,
+)
 
 __all__ = ["AuditConfig", "AuditHTTPError", "AuditResult", "Endpoint", "Guess", "Level", "Template", "Timing",
-           "accuracy", "calibrate", "first_model", "ks_test", "make_template", "measure", "power", "power_at",
+           "accuracy", "calibrate", "chance_pvalue", "first_model", "ks_test", "make_template", "miss_prompt", "measure", "power", "power_at",
            "run_audit", "run_dictionary_attack", "run_levels", "samples_to_detect"]

@@ -72,11 +72,20 @@ def _client(http: Any) -> Any:
     return http if http is not None else httpx.Client(timeout=120.0)
 
 
+def _unreachable(endpoint: Endpoint, err: Exception) -> AuditHTTPError:
+    return AuditHTTPError(f"cannot reach {endpoint.base_url}: {type(err).__name__}: {err}")
+
+
 def first_model(endpoint: Endpoint, http: Any = None) -> str:
     """The first model id that ``GET /v1/models`` lists."""
+    import httpx
+
     client = _client(http)
     try:
-        r = client.get(endpoint.url("/v1/models"), headers=endpoint.headers())
+        try:
+            r = client.get(endpoint.url("/v1/models"), headers=endpoint.headers())
+        except httpx.TransportError as e:
+            raise _unreachable(endpoint, e) from None
         if r.status_code != 200:
             raise AuditHTTPError(f"GET /v1/models answered {r.status_code}: {r.text[:300]}")
         models = r.json().get("data") or []
@@ -98,30 +107,15 @@ def _body(endpoint: Endpoint, prompt: str) -> dict:
 
 def measure(endpoint: Endpoint, prompt: str, http: Any = None) -> Timing:
     """TTFT of ``prompt`` as ``endpoint``: a streamed completion of one token, timed on the client."""
+    import httpx
+
     if endpoint.model is None:
         raise ValueError("the endpoint has no model name: set Endpoint.model (first_model() lists the server's)")
     client = _client(http)
-    ttft, usage = None, None
     try:
-        t0 = time.perf_counter()
-        with client.stream("POST", endpoint.url("/v1/completions"), json=_body(endpoint, prompt),
-                           headers=endpoint.headers()) as r:
-            if r.status_code != 200:
-                r.read()
-                raise AuditHTTPError(f"POST /v1/completions answered {r.status_code}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    chunk = json.loads(data)
-                except json.JSONDecodeError as e:
-                    raise AuditHTTPError(f"the stream sent a chunk that is not JSON: {data[:200]!r}") from e
-                if ttft is None and chunk.get("choices"):
-                    ttft = time.perf_counter() - t0
-                usage = chunk.get("usage") or usage
+        ttft, usage = _stream(client, endpoint, prompt)
+    except httpx.TransportError as e:
+        raise _unreachable(endpoint, e) from None
     finally:
         if http is None:
             client.close()
@@ -130,3 +124,28 @@ def measure(endpoint: Endpoint, prompt: str, http: Any = None) -> Timing:
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
     return Timing(ttft, usage.get("prompt_tokens"), details.get("cached_tokens"))
+
+
+def _stream(client: Any, endpoint: Endpoint, prompt: str) -> tuple[float | None, dict | None]:
+    """Send the request and read the stream: (seconds to the first chunk with a choice, the last usage seen)."""
+    ttft, usage = None, None
+    t0 = time.perf_counter()
+    with client.stream("POST", endpoint.url("/v1/completions"), json=_body(endpoint, prompt),
+                       headers=endpoint.headers()) as r:
+        if r.status_code != 200:
+            r.read()
+            raise AuditHTTPError(f"POST /v1/completions answered {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise AuditHTTPError(f"the stream sent a chunk that is not JSON: {data[:200]!r}") from e
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    return ttft, usage

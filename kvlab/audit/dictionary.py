@@ -26,7 +26,7 @@ from .client import Endpoint, Timing, measure
 from .procedure import Probe
 from .prompts import letters_for, random_letters
 
-__all__ = ["ALPHABET", "Guess", "Template", "accuracy", "make_template", "random_passphrase", "run_dictionary_attack"]
+__all__ = ["ALPHABET", "Guess", "Template", "accuracy", "chance_pvalue", "make_template", "random_passphrase", "run_dictionary_attack"]
 
 ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no I, O, 0, 1
 
@@ -85,6 +85,16 @@ def accuracy(guesses: Sequence[Guess]) -> float:
     if not guesses:
         raise ValueError("no trials")
     return sum(g.correct for g in guesses) / len(guesses)
+
+
+def chance_pvalue(guesses: Sequence[Guess]) -> float:
+    """One-sided binomial test: the probability of at least this many right guesses if each were luck (1/k)."""
+    from scipy.stats import binomtest
+
+    if not guesses:
+        raise ValueError("no trials")
+    k = len(guesses[0].candidates)
+    return float(binomtest(sum(g.correct for g in guesses), len(guesses), 1 / k, alternative="greater").pvalue)
 
 
 def run_dictionary_attack(victim: Endpoint, attacker: Endpoint, k: int, trials: int, template: Template,

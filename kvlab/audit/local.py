@@ -56,7 +56,8 @@ class ServerProcess:
 
     def log(self, lines: int = 20) -> str:
         """The last ``lines`` lines of the server's output."""
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def wait_ready(self) -> ServerProcess:

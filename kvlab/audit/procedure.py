@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from .client import Endpoint, Timing, measure
 from .prompts import letters_for, prompt_pair, random_letters
 
-__all__ = ["AuditConfig", "AuditResult", "Level", "Probe", "calibrate", "ks_test", "power", "power_at", "run_audit",
+__all__ = ["AuditConfig", "AuditResult", "Level", "Probe", "calibrate", "ks_test", "miss_prompt", "power", "power_at", "run_audit",
            "run_levels", "samples_to_detect"]
 
 Probe = Callable[[Endpoint, str], Timing]  # one timed request; ``measure`` over HTTP, or a stand-in in tests
@@ -40,7 +40,8 @@ class AuditConfig:
     alpha: float = 1e-3  # significance level of the decision
     seed: int = 0
     tokens_per_letter: float = 1.0  # calibrate() measures it on the server
-    head: str = ""  # text every prompt starts with (e.g. a public system prompt)
+    head: str = ""  # text the prompts start with (e.g. a public system prompt); not counted in prompt_tokens
+    head_in_miss: bool = True  # False: the cache-miss prompt starts with fresh letters instead (see prompt_pair)
 
     def __post_init__(self) -> None:
         if type(self.prompt_tokens) is not int or self.prompt_tokens < 1:
@@ -95,11 +96,15 @@ class AuditResult:
 
 def ks_test(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
     """Two-sample, two-sided Kolmogorov-Smirnov test (scipy): (statistic D, p-value)."""
+    import warnings
+
     from scipy.stats import ks_2samp
 
     if len(a) < 1 or len(b) < 1:
         raise ValueError("the KS test needs at least one value on each side")
-    res = ks_2samp(list(a), list(b), alternative="two-sided")
+    with warnings.catch_warnings():  # "exact calculation unsuccessful, switching to asymp": fine, and said once here
+        warnings.filterwarnings("ignore", message="ks_2samp: Exact calculation unsuccessful")
+        res = ks_2samp(list(a), list(b), alternative="two-sided")
     return float(res.statistic), float(res.pvalue)
 
 
@@ -125,18 +130,25 @@ def run_audit(level: Level, config: AuditConfig, probe: Probe | None = None) -> 
         hit: list[Timing] = []
         miss: list[Timing] = []
         for kind in order:
-            victim_prompt, attacker_prompt = prompt_pair(rng, n_letters, config.prefix_fraction, config.head)
             if kind == "hit":
+                victim_prompt, attacker_prompt = prompt_pair(rng, n_letters, config.prefix_fraction, config.head)
                 for _ in range(config.victim_requests):
                     probe(level.victim, victim_prompt)
                 hit.append(probe(level.attacker, attacker_prompt))
-            else:
-                miss.append(probe(level.attacker, attacker_prompt))  # no victim sent it: a fresh prompt
+            else:  # a fresh prompt: no victim sent it
+                miss.append(probe(level.attacker, miss_prompt(rng, n_letters, config.head, config.head_in_miss)))
     d, p = ks_test([t.ttft for t in hit], [t.ttft for t in miss])
     counts = [t.prompt_tokens for t in hit + miss if t.prompt_tokens is not None]
     return AuditResult(level.name, [t.ttft for t in hit], [t.ttft for t in miss], d, p, config.alpha,
                        [t.cached_tokens for t in hit], [t.cached_tokens for t in miss],
                        int(statistics.median(counts)) if counts else None)
+
+
+def miss_prompt(rng: random.Random, n_letters: int, head: str = "", head_in_miss: bool = True) -> str:
+    """The cache-miss procedure's prompt: ``head`` (or, with ``head_in_miss=False``, as many fresh spaced letters
+    as ``head`` has words: exact for a head of spaced letters) and ``n_letters`` fresh letters."""
+    start = head if head_in_miss else " ".join(random_letters(rng, len(head.split()))) + (" " if head else "")
+    return start + " ".join(random_letters(rng, n_letters))
 
 
 def run_levels(levels: Sequence[Level], config: AuditConfig, probe: Probe | None = None) -> list[AuditResult]:
