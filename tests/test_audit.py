@@ -199,3 +199,39 @@ def test_tenant_isolation_shares_within_an_org_only():
         org = run_audit(Level("per-org", ep["key-alice"], ep["key-alice-2"]), cfg)
         other = run_audit(Level("global", ep["key-alice"], ep["key-bob"]), cfg)
     assert org.detected and not other.detected, (org.row(), other.row())
+
+
+# ----------------------------------------------------------------------------- notebook 10's lesson module
+def test_nb10_checkers_and_solutions():
+    from kvlab.lessons import nb10_audit as L
+    from kvlab.lessons import solutions as SOL
+
+    assert L.check_min_samples(SOL.ex10_1_min_samples(1e-3), 1e-3) and SOL.ex10_1_min_samples(1e-3) == 7
+    assert L.check_right_guess_gain(SOL.ex10_2_right_guess_gain(), 100, 5, 40, 32)
+    assert L.check_right_guess_gain(SOL.ex10_2_right_guess_gain(block_size=64), 100, 5, 40, 64)
+    for blank in (L.check_min_samples(None), L.check_right_guess_gain(None, 100, 5, 40, 32)):
+        assert not blank and "no answer yet" in str(blank)
+    wrong = L.check_right_guess_gain(45, 100, 5, 40, 32)
+    assert not wrong and "32" not in str(wrong) and "7" not in str(L.check_min_samples(6))
+    assert not L.check_min_samples("seven")
+
+
+def test_nb10_record_round_trip_and_table_rows(tmp_path):
+    from kvlab.lessons import nb10_audit as L
+
+    assert L.load_record(tmp_path) is None
+    L.save_record({"rows": [{"p-value": 0.5}], "model": "m"}, tmp_path)
+    rec = L.load_record(tmp_path)
+    assert rec["rows"] == [{"p-value": 0.5}] and rec["recorded_at"] and rec["path"].endswith("audit_vllm.json")
+    rows = L.table_rows({m: URL for m in L.MODES}, "m", "System: a b\n")
+    assert len(rows) == 9 and sum(r.expect for r in rows) == 5
+    assert {r.attacker.cache_salt for r in rows if r.isolation == "per-user cache_salt"} == {"carol", "bob"}
+    assert [r.expect for r in L.vllm_rows(URL, "m")] == [True, False]
+
+
+def test_notebook_10_exercises_start_blank():
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "10_is_this_endpoint_sharing.ipynb").read_text())
+    sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert any("min_samples = None" in s for s in sources) and any("right_guess_gain = None" in s for s in sources)

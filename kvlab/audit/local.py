@@ -114,7 +114,7 @@ def _env(threads: int | None) -> dict[str, str]:
 
 def start_kvlab(model: str | None = None, isolation: str = "shared", keys: dict[str, str] | None = None,
                 extra_args: Sequence[str] = (), threads: int | None = 1, timeout: float = 180.0,
-                python: str | None = None) -> ServerProcess:
+                python: str | None = None, device: str | None = None, dtype: str | None = None) -> ServerProcess:
     """``python -m kvlab.serve`` on a free loopback port (not yet ready: use ``with`` or ``wait_ready()``).
 
     ``keys`` maps API key -> tenant (written to a temporary ``--api-keys`` file); ``extra_args`` go last.
@@ -123,6 +123,8 @@ def start_kvlab(model: str | None = None, isolation: str = "shared", keys: dict[
     cmd = [python or sys.executable, "-m", "kvlab.serve", "--port", str(port), "--isolation", isolation]
     if model is not None:
         cmd += ["--model", str(model)]
+    cmd += ["--device", device] if device else []
+    cmd += ["--dtype", dtype] if dtype else []
     if keys:
         cmd += ["--api-keys", "{workdir}/keys.json"]
     return ServerProcess(cmd + list(extra_args), port, _env(threads), timeout, name=f"kvlab serve ({isolation})",
