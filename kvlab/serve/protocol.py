@@ -44,13 +44,13 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
-    """A one-line message and the offending parameter's dotted path from a pydantic error."""
+    """A one-line message (with the field's path) and the offending top-level parameter, from a pydantic error."""
     err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "constrained-")))
+    loc = [str(p) for p in err["loc"]]
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unsupported field (kvlab serve accepts only the fields it implements)"
-    return f"{loc}: {msg}" if loc else msg, loc or None
+    return (f"{'.'.join(loc)}: {msg}" if loc else msg), (loc[0] if loc else None)
 
 
 class _Body(BaseModel):
