@@ -235,3 +235,14 @@ def test_notebook_10_exercises_start_blank():
     nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "10_is_this_endpoint_sharing.ipynb").read_text())
     sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     assert any("min_samples = None" in s for s in sources) and any("right_guess_gain = None" in s for s in sources)
+
+
+def test_a_server_that_dies_is_reported_with_its_log():
+    import sys
+
+    from kvlab.audit.local import ServerError, ServerProcess, free_port
+
+    server = ServerProcess([sys.executable, "-c", "print('boom: no model'); raise SystemExit(3)"], free_port(), timeout=60)
+    with pytest.raises(ServerError, match=r"(?s)exited with code 3.*boom: no model"):
+        server.wait_ready()
+    assert server.proc.poll() == 3 and not server.workdir.exists()

@@ -7,6 +7,7 @@ when it fails to start. API keys are written to a new temporary file (the caller
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -22,6 +23,26 @@ __all__ = ["ServerError", "ServerProcess", "free_port", "start_kvlab", "start_vl
 
 class ServerError(RuntimeError):
     """The server process exited or did not answer in time; the message ends with its log's tail."""
+
+
+_LIVE: set[ServerProcess] = set()  # stopped at interpreter exit, so no server outlives its notebook or test
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.close()
+
+
+def _die_with_parent() -> None:  # pragma: no cover (runs in the child)
+    """Linux: the server gets SIGTERM when the process that started it dies (even when it is killed)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:
@@ -44,7 +65,9 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{port}/v1"
         self._log_path = Path(self._dir.name) / "server.log"
         self._log = open(self._log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        _LIVE.add(self)
         self.started_s: float | None = None
         self._timeout = timeout
         self._t0 = time.perf_counter()
@@ -58,7 +81,10 @@ class ServerProcess:
         """The last ``lines`` lines of the server's output."""
         if not self._log.closed:
             self._log.flush()
-        return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:  # closed: its folder is gone
+            return "(the server's log is gone with it)"
 
     def wait_ready(self) -> ServerProcess:
         """Poll ``GET /v1/models`` until it answers 200 (any status but a refused connection counts as up)."""
@@ -66,7 +92,9 @@ class ServerProcess:
 
         while True:
             if self.proc.poll() is not None:
-                raise ServerError(f"{self.name} exited with code {self.proc.returncode}; its log ends with:\n{self.log()}")
+                message = f"{self.name} exited with code {self.proc.returncode}; its log ends with:\n{self.log()}"
+                self.close()
+                raise ServerError(message)
             try:
                 r = httpx.get(self.base_url + "/models", timeout=5.0)
                 if r.status_code in (200, 401):
@@ -75,8 +103,9 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             if time.perf_counter() - self._t0 > self._timeout:
-                self.stop()
-                raise ServerError(f"{self.name} did not answer within {self._timeout:.0f} s; its log ends with:\n{self.log()}")
+                message = f"{self.name} did not answer within {self._timeout:.0f} s; its log ends with:\n{self.log()}"
+                self.close()
+                raise ServerError(message)
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -95,6 +124,7 @@ class ServerProcess:
         """``stop`` and delete the temporary folder."""
         self.stop()
         self._dir.cleanup()
+        _LIVE.discard(self)
 
     def __enter__(self) -> ServerProcess:
         return self.wait_ready()
