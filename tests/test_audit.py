@@ -142,11 +142,21 @@ def _endpoints(server, model="kvlab-passphrase-qwen2"):
 
 
 @pytest.fixture(scope="module")
-def shared_server():
+def servers():
+    """A shared and a tenant-isolated kvlab serve on the bundled model, started together."""
     from kvlab.audit.local import start_kvlab
 
-    with start_kvlab(None, "shared", KEYS) as server:
-        yield server
+    started = {mode: start_kvlab(None, mode, KEYS) for mode in ("shared", "tenant")}
+    try:
+        yield {mode: s.wait_ready() for mode, s in started.items()}
+    finally:
+        for s in started.values():
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def shared_server(servers):
+    return servers["shared"]
 
 
 @pytest.fixture(scope="module")
@@ -189,15 +199,11 @@ def test_cli_on_the_live_server(shared_server, tmp_path, capsys):
     assert "sharing level" not in capsys.readouterr().err
 
 
-def test_tenant_isolation_shares_within_an_org_only():
-    from kvlab.audit import calibrate
-    from kvlab.audit.local import start_kvlab
-
-    with start_kvlab(None, "tenant", KEYS) as server:
-        ep = _endpoints(server)
-        cfg = AuditConfig(**{**vars(LIVE), "tokens_per_letter": calibrate(ep["key-alice"])})
-        org = run_audit(Level("per-org", ep["key-alice"], ep["key-alice-2"]), cfg)
-        other = run_audit(Level("global", ep["key-alice"], ep["key-bob"]), cfg)
+def test_tenant_isolation_shares_within_an_org_only(servers, ratio):
+    ep = _endpoints(servers["tenant"])
+    cfg = AuditConfig(**{**vars(LIVE), "tokens_per_letter": ratio})
+    org = run_audit(Level("per-org", ep["key-alice"], ep["key-alice-2"]), cfg)
+    other = run_audit(Level("global", ep["key-alice"], ep["key-bob"]), cfg)
     assert org.detected and not other.detected, (org.row(), other.row())
 
 
