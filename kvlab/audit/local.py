@@ -163,7 +163,7 @@ def start_kvlab(model: str | None = None, isolation: str = "shared", keys: dict[
 
 def start_vllm(model_folder: str | os.PathLike, python: str | os.PathLike | None = None, block_size: int = 32,
                api_key: str | None = None, max_model_len: int = 2048, extra_args: Sequence[str] = (),
-               timeout: float = 300.0) -> ServerProcess:
+               timeout: float = 600.0) -> ServerProcess:
     """Real ``vllm serve`` (the vLLM venv's interpreter, prefix caching on, float32) on a free loopback port."""
     from kvlab.vllm.bridge import vllm_python
 

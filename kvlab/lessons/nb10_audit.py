@@ -39,7 +39,7 @@ from kvlab.audit.procedure import Probe
 from kvlab.audit.prompts import letters_for, random_letters
 from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
 
-__all__ = ["KEYS", "MODES", "RECORD", "Row", "audit_table", "check_min_samples", "check_right_guess_gain",
+__all__ = ["KEYS", "MODES", "RECORD", "Row", "audit_table", "check_min_samples", "check_right_guess_gain", "vllm_audit",
            "defence_cost", "dictionary_vs_block", "dictionary_vs_k", "engine_probe", "fig_dictionary", "fig_ecdf",
            "fig_power", "load_record", "power_grid", "public_system_prompt", "save_record", "start_servers",
            "table_rows", "vllm_rows"]
@@ -141,7 +141,20 @@ def audit_table(rows: Sequence[Row], config: AuditConfig, progress: Any = None) 
     return table, results
 
 
-# --- section 2: the record of the last live vLLM audit ----------------------------------------------------------
+# --- section 2: vllm serve, live or the record of its last live audit ----------------------------------------
+def vllm_audit(server: ServerProcess, config: AuditConfig, progress: Any = None, root: Any = None) -> tuple[list[dict], str]:
+    """Wait for ``vllm serve``, audit it (``vllm_rows``) and record the table; return (table, record path)."""
+    from kvlab.audit import calibrate, first_model
+
+    server.wait_ready()
+    model = first_model(Endpoint(server.base_url))
+    cfg = AuditConfig(**{**vars(config), "tokens_per_letter": calibrate(Endpoint(server.base_url, None, model))})
+    table, _ = audit_table(vllm_rows(server.base_url, model), cfg, progress)
+    path = save_record({"rows": table, "model": model, "config": {k: v for k, v in vars(cfg).items() if k != "head"},
+                        "vllm_started_s": server.started_s}, root)
+    return table, path
+
+
 def _root(root: Any) -> Path:
     return Path(root) if root is not None else Path(__file__).resolve().parents[2]
 
