@@ -134,7 +134,7 @@ def test_cli_refuses_bad_input_and_never_overwrites(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- live: kvlab serve on the bundled model
 KEYS = {"key-alice": "org-a", "key-alice-2": "org-a", "key-bob": "org-b"}
-LIVE = AuditConfig(prompt_tokens=600, prefix_fraction=0.95, samples=20, alpha=1e-3, seed=0)
+LIVE = AuditConfig(prompt_tokens=800, prefix_fraction=0.95, samples=30, alpha=1e-3, seed=0)  # robust on a busy machine
 
 
 def _endpoints(server, model="kvlab-passphrase-qwen2"):
@@ -204,7 +204,8 @@ def test_tenant_isolation_shares_within_an_org_only(servers, ratio):
     cfg = AuditConfig(**{**vars(LIVE), "tokens_per_letter": ratio})
     org = run_audit(Level("per-org", ep["key-alice"], ep["key-alice-2"]), cfg)
     other = run_audit(Level("global", ep["key-alice"], ep["key-bob"]), cfg)
-    assert org.detected and not other.detected, (org.row(), other.row())
+    assert org.pvalue < cfg.alpha and org.detected, org.row()
+    assert other.pvalue > cfg.alpha and not other.detected, other.row()
 
 
 # ----------------------------------------------------------------------------- notebook 10's lesson module
