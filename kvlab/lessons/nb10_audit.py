@@ -88,8 +88,11 @@ class Row:
     prompt_tokens: int | None = None  # None: the config's (tokens after ``head``)
 
 
-def table_rows(urls: dict[str, str], model: str, system_prompt: str) -> list[Row]:
-    """The audit table's levels: per user, per org and global on each kvlab serve mode, and per-user cache_salt."""
+def table_rows(urls: dict[str, str], model: str, system_prompt: str, after_tokens: int | None = None) -> list[Row]:
+    """The audit table's levels: per user, per org and global on each kvlab serve mode, and per-user cache_salt.
+
+    ``after_tokens``: the length of the user text after the public system prompt (None: the config's).
+    """
     def ep(mode: str, key: str, salt: str | None = None) -> Endpoint:
         return Endpoint(urls[mode], key, model, salt, key)
 
@@ -110,7 +113,7 @@ def table_rows(urls: dict[str, str], model: str, system_prompt: str) -> list[Row
         rows += [Row("kvlab serve", pp, "global: the public system prompt", ep("public-prefix", "sk-alice"),
                      ep("public-prefix", "sk-bob"), True, system_prompt, False, 0.0, 32),
                  Row("kvlab serve", pp, "global: user text after it", ep("public-prefix", "sk-alice"),
-                     ep("public-prefix", "sk-bob"), False, system_prompt, True)]
+                     ep("public-prefix", "sk-bob"), False, system_prompt, True, None, after_tokens)]
     return rows
 
 
