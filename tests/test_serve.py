@@ -380,3 +380,60 @@ def test_health_and_models(server):
     assert "kvlab:prefix_cache_hits_total" in httpx.get(server + "/metrics").text
     r = httpx.get(server + "/nowhere")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_engine_loop_failure_fails_requests_and_health(bundled):
+    from starlette.testclient import TestClient
+
+    model, tok = bundled
+    engine = Engine(model, tok, **ENGINE_KW)
+
+    def broken_step():
+        raise RuntimeError("step exploded")
+    engine.step = broken_step
+    with TestClient(create_app(engine, ServeConfig(model_name=MODEL))) as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and "step exploded" in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
+
+
+class _CharTokenizer:
+    """Token i is the i-th character of ``alphabet``; id 0 is a special token (dropped)."""
+
+    def __init__(self, alphabet: str) -> None:
+        self.alphabet = alphabet
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.alphabet[i] for i in ids if i)
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
+    from kvlab.serve.text import TextStream
+
+    tok = _CharTokenizer("_abcXY\ufffd")
+    ts = TextStream(tok, ["XY"])
+    pieces = [ts.push([i]) for i in (1, 4, 2, 4, 5, 3)]
+    assert pieces == ["a", "", "Xb", "", "", ""]  # X waits until the next token shows it is no stop
+    assert ts.stopped and ts.text == "aXb" and ts.num_tokens_at_stop == 5
+    plain = TextStream(tok)  # an incomplete UTF-8 character (U+FFFD) waits for the next token
+    assert [plain.push([i]) for i in (1, 0, 6)] == ["a", "", ""] and plain.push([3], final=True) == "\ufffdc"
+
+
+def test_api_key_table_refuses_bad_files_and_unknown_keys(tmp_path):
+    from kvlab.serve.tenancy import AuthError, KeyTable, load_api_keys
+
+    bad = tmp_path / "keys.json"
+    for text in ("{not json", "[]", "{}", '{"k": 5}', '{" k": "t"}'):
+        bad.write_text(text)
+        with pytest.raises(ValueError):
+            load_api_keys(bad)
+    assert load_api_keys(None, env={}) == {}
+    assert load_api_keys(None, env={"KVLAB_API_KEYS": '{"k1": "acme"}'}) == {"k1": "acme"}
+    table = KeyTable(KEYS)
+    assert table.tenant_for("Bearer key-b") == "globex" and table.tenant_for("bearer key-a2") == "acme"
+    for header in (None, "", "Bearer", "Basic key-a", "Bearer key-a-not", "Bearer KEY-A"):
+        with pytest.raises(AuthError):
+            table.tenant_for(header)
+    assert KeyTable({}).tenant_for(None) is None  # open server: the anonymous tenant

@@ -31,7 +31,7 @@ from .debug import engine_report
 from .generation import ClientGone, Generation, Piece, wait_or_disconnect
 from .metrics import ServeMetrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, validation_message
-from .runner import EngineRunner, Job, QueueFullError, new_request_id, now
+from .runner import EngineRunner, EngineStoppedError, Job, QueueFullError, new_request_id, now
 from .tenancy import AuthError, KeyTable, request_scope
 from .text import TextStream
 
@@ -153,6 +153,8 @@ class _Server:
         except QueueFullError as e:
             raise ApiError(503, f"the server is busy ({e}); retry later", code="server_overloaded",
                            headers={"Retry-After": "1"}) from None
+        except EngineStoppedError as e:
+            raise ApiError(503, str(e), code="engine_down") from None
         return Generation(self.runner, self.metrics, job, TextStream(self.tokenizer, body.stop or ()), arrival,
                           want_ids=body.return_token_ids)
 

@@ -26,13 +26,17 @@ from dataclasses import dataclass, field
 from ..engine.engine import Engine, UnknownRequestError
 from ..engine.sampling import SamplingParams
 
-__all__ = ["EngineRunner", "Job", "QueueFullError", "Update"]
+__all__ = ["EngineRunner", "EngineStoppedError", "Job", "QueueFullError", "Update"]
 
 log = logging.getLogger("kvlab.serve")
 
 
 class QueueFullError(RuntimeError):
     """Raised by ``submit`` when the bounded wait queue is full (the server answers 503)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """Raised by ``submit`` when the engine thread is not running (stopped, or its loop failed)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +108,8 @@ class EngineRunner:
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` for the engine thread; raise ``QueueFullError`` when the wait queue is full."""
+        if not self.alive or self._stop:
+            raise EngineStoppedError(f"the engine loop is not running ({self.error or 'stopped'})")
         if len(self.live) >= self.max_live:
             raise QueueFullError(f"{len(self.live)} requests in flight, the limit is {self.max_live}")
         if job.request_id in self.live:
@@ -170,7 +176,12 @@ class EngineRunner:
         finally:  # stopped or failed: end every request still held so that no handler waits forever
             with self._cond:
                 pending, self._adds = self._adds + list(self._running.values()), []
+                calls, self._calls = self._calls, []
+                self._stop = True  # submit refuses from now on
             self._running.clear()
+            for _, fut in calls:
+                if self._loop is not None and not self._loop.is_closed():
+                    self._loop.call_soon_threadsafe(_settle, fut, None, EngineStoppedError("the engine loop ended"))
             reason, msg = ("error", f"engine loop failed: {self.error}") if self.error else ("abort", "server shutting down")
             if pending:
                 self._post([(job, Update([], finished=True, finish_reason=reason, error=msg)) for job in pending])
