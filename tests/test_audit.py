@@ -179,7 +179,7 @@ def test_audit_detects_global_sharing_and_not_per_user_salts(shared_server, rati
 
 def test_dictionary_attack_finds_the_passphrase_unsalted_and_is_at_chance_salted(shared_server, ratio):
     ep = _endpoints(shared_server)
-    tpl = make_template(64, 160, ratio)
+    tpl = make_template(64, 400, ratio)  # the right guess gains ~400 cached tokens: clear of timing noise
     found = run_dictionary_attack(ep["key-alice"], ep["key-bob"], 4, 10, tpl, tokens_per_letter=ratio, seed=1)
     blind = run_dictionary_attack(ep["key-alice"].with_salt("alice"), ep["key-bob"].with_salt("bob"), 4, 10, tpl,
                                   tokens_per_letter=ratio, seed=1)
@@ -253,3 +253,28 @@ def test_a_server_that_dies_is_reported_with_its_log():
     with pytest.raises(ServerError, match=r"(?s)exited with code 3.*boom: no model"):
         server.wait_ready()
     assert server.proc.poll() == 3 and not server.workdir.exists()
+
+
+def _vllm_missing() -> str | None:
+    from kvlab.lessons.nb06_vllm import vllm_found
+
+    found, why = vllm_found()
+    return None if found else why
+
+
+@pytest.mark.skipif(_vllm_missing() is not None, reason=f"no vLLM venv: {_vllm_missing()}")
+def test_vllm_serve_shares_without_cache_salt_and_not_with_per_user_salts(tmp_path):
+    """The notebook's live vLLM path (start, audit, record), on the bundled model folder; about a minute of start-up."""
+    from kvlab.audit.local import start_vllm
+    from kvlab.engine.models import BUNDLED_MODEL
+    from kvlab.lessons import nb10_audit as L
+
+    server = start_vllm(BUNDLED_MODEL, max_model_len=1024)
+    try:
+        table, path = L.vllm_audit(server, LIVE, root=tmp_path)
+    finally:
+        server.close()
+    shared, salted = table
+    assert shared["detected"] and shared["p-value"] < LIVE.alpha and shared["cached tokens (server, hit median)"] > 0, shared
+    assert not salted["detected"] and salted["p-value"] > LIVE.alpha and salted["cached tokens (server, hit median)"] == 0, salted
+    assert L.load_record(tmp_path)["rows"] == json.loads(json.dumps(table)) and path.startswith(str(tmp_path))
