@@ -222,19 +222,27 @@ def test_tenants_and_salts_share_exactly_as_the_engine(server, reference):
     assert http[7] > 0  # globex's own unsalted cache from request 3
 
 
-def test_shared_policy_in_process_matches_the_engine(bundled, reference):
+@pytest.mark.parametrize("isolation", ["shared", "public-prefix"])
+def test_other_policies_in_process_match_the_engine(bundled, reference, isolation):
     from starlette.testclient import TestClient
 
     model, tok = bundled
-    app = create_app(Engine(model, tok, isolation="shared", secret=SECRET, **ENGINE_KW),
-                     ServeConfig(model_name=MODEL, api_keys=KEYS, secret=SECRET))
+    system = _system()
+    engine, local_engine = Engine(model, tok, isolation=isolation, secret=SECRET, **ENGINE_KW), reference(isolation)
+    if isolation == "public-prefix":  # the operator shares the system prompt with every tenant
+        for e in (engine, local_engine):
+            e.add_public_prefix(P.chatml("system", system))
+    app = create_app(engine, ServeConfig(model_name=MODEL, api_keys=KEYS, secret=SECRET))
     with TestClient(app) as http_client:
         def c_for(key):
             return openai.OpenAI(base_url="http://testserver/v1", api_key=key, max_retries=0, http_client=http_client)
-        http, local = _sharing_run(c_for, reference("shared"), _system())
+        http, local = _sharing_run(c_for, local_engine, system)
     assert http == local
-    # everyone shares the unsalted cache; the same cache_salt is shared across tenants (vLLM), another is not
-    assert http[0] == 0 and http[2] > 0 and http[3] == 0 and http[5] > 0 and http[6] == 0
+    if isolation == "shared":  # everyone shares the unsalted cache; equal salts share across tenants (vLLM)
+        assert http[0] == 0 and http[2] > 0 and http[3] == 0 and http[5] > 0 and http[6] == 0
+    else:  # the public system prompt's whole blocks are shared by every tenant and salt, nothing past them
+        public = len(encode(tok, P.chatml("system", system))) // ENGINE_KW["block_size"] * ENGINE_KW["block_size"]
+        assert http[0] == 0 and http[2] == http[3] == http[5] == http[6] == public > 0
 
 
 def test_metrics_counters_equal_the_sums_over_responses(server):

@@ -216,6 +216,10 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return _error(e)
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
+        return _error(ApiError(500, f"internal error: {type(e).__name__}", code="internal_error"))
+
     @app.exception_handler(404)
     async def not_found(request: Request, e) -> JSONResponse:
         return _error(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
