@@ -6,7 +6,7 @@ DEVICE  ?= auto
 TIMEOUT ?= 1800
 OUT     ?=
 
-.PHONY: setup run test lab bench lint clean-notebooks clean vllm-env vllm
+.PHONY: setup run test lab bench lint clean-notebooks clean vllm-env vllm serve
 
 setup:
 	@bash scripts/setup.sh
@@ -43,6 +43,11 @@ vllm-env:
 ## vllm: create the vLLM venv if missing, then execute notebook 06 (kvlab side by side with vLLM)
 vllm: setup vllm-env
 	$(PY) scripts/run_notebooks.py --only 06 --smoke $(SMOKE) --device $(DEVICE) --timeout $(TIMEOUT) $(if $(MODEL),--model $(MODEL))
+
+## serve: the OpenAI-compatible server on 127.0.0.1:$(PORT) (MODEL=smollm2 for SmolLM2; ARGS="--isolation tenant ...")
+PORT ?= 8000
+serve: setup
+	$(PY) -m kvlab.serve --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 ## strip outputs from the committed notebooks
 clean-notebooks: setup

@@ -1,0 +1,114 @@
+"""``python -m kvlab.audit``: audit an OpenAI-compatible endpoint for prompt-cache sharing (Gu et al.).
+
+    python -m kvlab.audit --base-url http://127.0.0.1:8000/v1 --keys VICTIM_KEY [ATTACKER_KEY ...]
+
+The victim is the first key. Levels tested: the victim's own key (per user), then each further key
+(named by ``--levels``, e.g. ``per-org global``). ``--salt-per-user`` adds a ``cache_salt`` per key
+(vLLM's field). ``--keys-file`` reads keys, one per line, instead of the command line. Prints the
+table (p-value, samples, decision at ``--alpha``); ``--json FILE`` also writes the results (a new file;
+an existing one is refused unless ``--overwrite``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .client import AuditHTTPError, Endpoint, first_model
+from .procedure import AuditConfig, Level, calibrate, run_audit, samples_to_detect
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    ap = argparse.ArgumentParser(prog="python -m kvlab.audit", description=__doc__.split("\n")[0])
+    ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    ap.add_argument("--keys", nargs="+", default=None, help="API keys: the victim first, then attackers")
+    ap.add_argument("--keys-file", default=None, help="a file with one API key per line (read only)")
+    ap.add_argument("--levels", nargs="+", default=None,
+                    help="names of the levels of the attacker keys after the first (default: key 2, key 3, ...)")
+    ap.add_argument("--model", default=None, help="model name (default: the first that /v1/models lists)")
+    ap.add_argument("--salt-per-user", action="store_true", help="send cache_salt=<user> with every request")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--prefix-fraction", type=float, default=0.95)
+    ap.add_argument("--victim-requests", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=30, help="samples per procedure")
+    ap.add_argument("--alpha", type=float, default=1e-3, help="significance level of the decision")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--power", action="store_true", help="also estimate the samples needed to detect")
+    ap.add_argument("--json", default=None, help="write the results to this new file")
+    ap.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
+    return ap.parse_args(argv)
+
+
+def read_keys(args: argparse.Namespace) -> list[str | None]:
+    """The keys from ``--keys`` or ``--keys-file`` ([None] when neither: an open server, one user)."""
+    if args.keys and args.keys_file:
+        raise ValueError("give --keys or --keys-file, not both")
+    if args.keys_file:
+        try:
+            keys = [line.strip() for line in Path(args.keys_file).read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise ValueError(f"cannot read --keys-file {args.keys_file}: {e}") from e
+        if not keys:
+            raise ValueError(f"--keys-file {args.keys_file} holds no key")
+        return keys
+    return list(args.keys) if args.keys else [None]
+
+
+def build_levels(base_url: str, keys: list[str | None], names: list[str] | None, model: str,
+                 salt_per_user: bool) -> list[Level]:
+    """Per-user (the victim's own key) and one level per further key; users are salted apart on request."""
+    attackers = keys[1:]
+    names = names or [f"key {i + 2}" for i in range(len(attackers))]
+    if len(names) != len(attackers):
+        raise ValueError(f"--levels names {len(names)} levels but {len(attackers)} attacker keys were given")
+    salt = (lambda user: f"user-{user}") if salt_per_user else (lambda user: None)
+    victim = Endpoint(base_url, keys[0], model, salt(0), "victim")
+    levels = [Level("per-user (same key)", victim, Endpoint(base_url, keys[0], model, salt(0), "victim"))]
+    for i, (name, key) in enumerate(zip(names, attackers), start=1):
+        levels.append(Level(name, victim, Endpoint(base_url, key, model, salt(i), f"attacker {i}")))
+    return levels
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the audit and print one line per level; exit 0, or 2 with a message on bad input or a failed request."""
+    args = parse_args(argv)
+    try:
+        if args.json and Path(args.json).exists() and not args.overwrite:
+            raise ValueError(f"{args.json} exists: pick a new file or pass --overwrite")
+        keys = read_keys(args)
+        probe_ep = Endpoint(args.base_url, keys[0])
+        model = args.model or first_model(probe_ep)
+        ratio = calibrate(Endpoint(args.base_url, keys[0], model), seed=args.seed)
+        config = AuditConfig(args.prompt_tokens, args.prefix_fraction, args.victim_requests, args.samples, args.alpha,
+                             args.seed, tokens_per_letter=ratio)
+        levels = build_levels(args.base_url, keys, args.levels, model, args.salt_per_user)
+    except (ValueError, AuditHTTPError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"model {model}; {ratio:.2f} tokens per spaced letter; {config.samples} samples per procedure, "
+          f"{config.prompt_tokens} prompt tokens, prefix fraction {config.prefix_fraction}, alpha {config.alpha}")
+    rows = []
+    for level in levels:
+        try:
+            res = run_audit(level, config)
+        except AuditHTTPError as e:
+            print(f"error at level {level.name}: {e}", file=sys.stderr)
+            return 2
+        row = res.row()
+        if args.power:
+            row["samples to detect (power 0.9)"] = samples_to_detect(res, seed=args.seed)
+        rows.append(row)
+        print(f"{level.name:>24}: median TTFT hit {row['median TTFT hit (ms)']:.1f} ms, miss "
+              f"{row['median TTFT miss (ms)']:.1f} ms, KS p = {res.pvalue:.3g} -> "
+              f"{'sharing DETECTED' if res.detected else 'not detected'} at alpha {config.alpha}"
+              + (f"; samples to detect: {row['samples to detect (power 0.9)']}" if args.power else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": vars(config), "rows": rows}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``python -m kvlab.serve [--model smollm2] [--port 8000]``: start the OpenAI-compatible server.
+
+Binds 127.0.0.1 unless ``--host`` says otherwise. Tenants come from ``--api-keys FILE`` or
+``$KVLAB_API_KEYS`` (JSON ``{"key": "tenant"}``); without either the server is open. The server secret
+(tenant salts, ``cache_salt`` HMAC) comes from ``$KVLAB_SERVER_SECRET`` (>= 16 bytes), else a random one
+per start; it is never a command-line argument (other users can read those in ``ps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..engine.tenants import POLICIES
+
+BUNDLED_NAME = "kvlab-passphrase-qwen2"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options."""
+    p = argparse.ArgumentParser(prog="python -m kvlab.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="'smollm2', a HF folder or id (default: the bundled model)")
+    p.add_argument("--served-model-name", default=None, help="the name clients send (default: from --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--isolation", choices=POLICIES, default="shared", help="the engine's cache isolation policy")
+    p.add_argument("--public-prefix", action="append", default=[],
+                   help="text every tenant may share under --isolation public-prefix (repeatable)")
+    p.add_argument("--api-keys", default=None, help="JSON file {key: tenant} (else $KVLAB_API_KEYS; none = open)")
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-waiting", type=int, default=128, help="queued requests beyond the batch before 503")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--enable-debug-endpoint", action="store_true", help="GET /debug/engine (invariants, leaks)")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load the model, build the engine and serve until interrupted."""
+    args = build_parser().parse_args(argv)
+    if args.public_prefix and args.isolation != "public-prefix":
+        print("--public-prefix needs --isolation public-prefix", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from ..engine.engine import Engine
+    from ..engine.models import load_model
+    from ..engine.tenants import check_secret
+    from .app import ServeConfig, create_app
+    from .tenancy import load_api_keys
+
+    try:
+        keys = load_api_keys(args.api_keys)
+        secret = check_secret(os.environ.get("KVLAB_SERVER_SECRET"))
+    except (ValueError, TypeError) as e:
+        print(f"kvlab serve: {e}", file=sys.stderr)
+        return 2
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(model, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    enable_prefix_caching=not args.no_prefix_caching, isolation=args.isolation, secret=secret)
+    for text in args.public_prefix:
+        engine.add_public_prefix(text)
+    name = args.served_model_name or (BUNDLED_NAME if args.model is None else str(args.model))
+    config = ServeConfig(model_name=name, api_keys=keys, secret=secret, max_waiting=args.max_waiting,
+                         max_body_bytes=args.max_body_bytes, debug_endpoint=args.enable_debug_endpoint)
+    who = f"{len(set(keys.values()))} tenants" if keys else "open (no API keys)"
+    print(f"kvlab serve: {name} on http://{args.host}:{args.port}/v1, isolation {args.isolation}, {who}", flush=True)
+    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

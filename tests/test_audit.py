@@ -1,0 +1,280 @@
+"""kvlab.audit: the procedure's logic on a simulated cache (no timing involved), the CLI's input checks,
+and the audit and the dictionary attack against a live ``kvlab serve`` on the bundled model over loopback."""
+
+import json
+import random
+
+import pytest
+
+from kvlab.audit import (
+    AuditConfig,
+    Endpoint,
+    Guess,
+    Level,
+    Timing,
+    accuracy,
+    chance_pvalue,
+    make_template,
+    miss_prompt,
+    power,
+    run_audit,
+    run_dictionary_attack,
+    samples_to_detect,
+)
+from kvlab.audit.__main__ import main as audit_main
+from kvlab.audit.prompts import letters_for, prompt_pair
+
+URL = "http://127.0.0.1:9/v1"
+
+
+# ----------------------------------------------------------------------------- prompts and inputs
+def test_prompt_pair_shares_exactly_the_prefix_fraction():
+    rng = random.Random(0)
+    v, a = prompt_pair(rng, 100, 0.9, head="S: ")
+    assert v.startswith("S: ") and a.startswith("S: ")
+    vl, al = v[3:].split(" "), a[3:].split(" ")
+    assert len(vl) == len(al) == 100 and vl[:90] == al[:90] and vl[90:] != al[90:]
+    assert prompt_pair(random.Random(1), 10, 1.0)[0] == prompt_pair(random.Random(1), 10, 1.0)[1]
+    assert letters_for(600, 1.5) == 400
+    miss = miss_prompt(rng, 5, head="a b c", head_in_miss=False)
+    assert len(miss.split(" ")) == 8 and not miss.startswith("a b c ")
+
+
+@pytest.mark.parametrize("bad", [dict(prompt_tokens=0), dict(prefix_fraction=1.5), dict(victim_requests=0),
+                                 dict(samples=1), dict(alpha=0.0), dict(alpha=1.0), dict(prompt_tokens=2.5)])
+def test_config_refuses_bad_values(bad):
+    with pytest.raises(ValueError):
+        AuditConfig(**bad)
+
+
+def test_endpoint_checks_and_joins_urls():
+    with pytest.raises(ValueError, match="http"):
+        Endpoint("localhost:8000")
+    with pytest.raises(ValueError, match="api_key"):
+        Endpoint(URL, api_key="")
+    assert Endpoint("http://h:1/v1/").url("/v1/completions") == "http://h:1/v1/completions"
+    assert Endpoint("http://h:1").url("/v1/models") == "http://h:1/v1/models"
+    assert Endpoint(URL, "k").headers() == {"Authorization": "Bearer k"} and Endpoint(URL).headers() == {}
+
+
+# ----------------------------------------------------------------------------- the procedure on a simulated server
+class SimulatedServer:
+    """A block prefix cache per scope; a probe's 'TTFT' is 1 ms per uncached spaced letter plus fixed jitter."""
+
+    def __init__(self, block: int = 4, scope=lambda ep: ep.cache_salt, seed: int = 0):
+        self.block, self.scope, self.rng = block, scope, random.Random(seed)
+        self.cached: dict[object, set[tuple[str, ...]]] = {}
+
+    def __call__(self, ep: Endpoint, prompt: str) -> Timing:
+        words = tuple(prompt.split(" "))
+        blocks = self.cached.setdefault(self.scope(ep), set())
+        hit = 0
+        while hit + self.block <= len(words) - 1 and words[: hit + self.block] in blocks:
+            hit += self.block
+        for end in range(self.block, len(words) + 1, self.block):
+            blocks.add(words[:end])
+        return Timing(1e-3 * (len(words) - hit) + 1e-3 * self.rng.random(), len(words), hit)
+
+
+def test_audit_detects_a_shared_simulated_cache_and_not_a_salted_one():
+    sim = SimulatedServer()
+    cfg = AuditConfig(prompt_tokens=64, samples=12, alpha=1e-3)
+    shared = run_audit(Level("global", Endpoint(URL, model="m"), Endpoint(URL, model="m")), cfg, probe=sim)
+    salted = run_audit(Level("salted", Endpoint(URL, model="m", cache_salt="a"), Endpoint(URL, model="m", cache_salt="b")),
+                       cfg, probe=sim)
+    assert shared.detected and shared.pvalue < 1e-3 and shared.statistic == 1.0
+    assert not salted.detected and salted.pvalue > 1e-3
+    assert all(c >= 56 for c in shared.hit_cached) and all(c == 0 for c in salted.hit_cached + salted.miss_cached)
+    assert len(shared.hit) == len(shared.miss) == 12 and shared.row()["detected"] is True
+
+
+def test_power_rises_with_samples_and_samples_to_detect():
+    rng = random.Random(0)
+    hit, miss = [rng.gauss(1.0, 1.0) for _ in range(40)], [rng.gauss(2.5, 1.0) for _ in range(40)]
+    rows = power(hit, miss, [4, 40], alpha=1e-3, reps=50)
+    assert rows[0]["power"] < 0.5 and rows[1]["power"] == 1.0
+    res = run_audit(Level("x", Endpoint(URL, model="m"), Endpoint(URL, model="m")), AuditConfig(prompt_tokens=64, samples=12),
+                    probe=SimulatedServer())
+    assert samples_to_detect(res, reps=20) == 7  # the fewest samples for which an exact KS p-value can be < 1e-3
+    with pytest.raises(ValueError, match="outside"):
+        power(hit, miss, [41], alpha=0.01)
+
+
+def test_dictionary_guess_is_the_fastest_and_chance_is_tested():
+    g = Guess("B", ("A", "B", "C"), (0.03, 0.01, 0.02), (0, 8, 0))
+    assert g.guess == "B" and g.correct and accuracy([g, Guess("A", ("A", "B"), (0.2, 0.1), (0, 0))]) == 0.5
+    assert chance_pvalue([g] * 10) < 1e-4 and chance_pvalue([Guess("A", ("A", "B"), (0.2, 0.1), (0, 0))] * 10) == 1.0
+
+
+def test_dictionary_attack_on_a_simulated_cache():
+    tpl = make_template(16, 16)
+    v, a = Endpoint(URL, model="m"), Endpoint(URL, model="m")
+    found = run_dictionary_attack(v, a, 4, 6, tpl, probe=SimulatedServer(block=4, scope=lambda ep: None))
+    blind = run_dictionary_attack(v, a.with_salt("attacker"), 4, 6, tpl, probe=SimulatedServer(block=4))
+    assert accuracy(found) == 1.0
+    assert all(len(set(g.cached)) == 1 for g in blind)  # salted: every candidate served alike
+
+
+# ----------------------------------------------------------------------------- the CLI's input checks
+def test_cli_refuses_bad_input_and_never_overwrites(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    out.write_text("keep")
+    assert audit_main(["--base-url", URL, "--json", str(out)]) == 2
+    assert out.read_text() == "keep" and "exists" in capsys.readouterr().err
+    keys = tmp_path / "keys.txt"
+    keys.write_text("")
+    assert audit_main(["--base-url", URL, "--keys-file", str(keys)]) == 2
+    assert "holds no key" in capsys.readouterr().err and keys.read_text() == ""
+    assert audit_main(["--base-url", URL, "--keys", "a", "--keys-file", str(keys)]) == 2
+    assert audit_main(["--base-url", "localhost", "--model", "m"]) == 2
+    assert "http" in capsys.readouterr().err
+    assert audit_main(["--base-url", URL, "--model", "m"]) == 2  # nobody listens on port 9
+    assert "error" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- live: kvlab serve on the bundled model
+KEYS = {"key-alice": "org-a", "key-alice-2": "org-a", "key-bob": "org-b"}
+LIVE = AuditConfig(prompt_tokens=800, prefix_fraction=0.95, samples=30, alpha=1e-3, seed=0)  # robust on a busy machine
+
+
+def _endpoints(server, model="kvlab-passphrase-qwen2"):
+    return {k: Endpoint(server.base_url, k, model, name=k) for k in KEYS}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """A shared and a tenant-isolated kvlab serve on the bundled model, started together."""
+    from kvlab.audit.local import start_kvlab
+
+    started = {mode: start_kvlab(None, mode, KEYS) for mode in ("shared", "tenant")}
+    try:
+        yield {mode: s.wait_ready() for mode, s in started.items()}
+    finally:
+        for s in started.values():
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def shared_server(servers):
+    return servers["shared"]
+
+
+@pytest.fixture(scope="module")
+def ratio(shared_server):
+    from kvlab.audit import calibrate
+
+    return calibrate(_endpoints(shared_server)["key-alice"])
+
+
+def test_audit_detects_global_sharing_and_not_per_user_salts(shared_server, ratio):
+    ep = _endpoints(shared_server)
+    cfg = AuditConfig(**{**vars(LIVE), "tokens_per_letter": ratio})
+    shared = run_audit(Level("global", ep["key-alice"], ep["key-bob"]), cfg)
+    salted = run_audit(Level("salted", ep["key-alice"].with_salt("alice"), ep["key-bob"].with_salt("bob")), cfg)
+    assert shared.pvalue < cfg.alpha and shared.detected, shared.row()
+    assert salted.pvalue > cfg.alpha and not salted.detected, salted.row()
+    # what the server says agrees: the hits were served from the victim's blocks, the salted ones never
+    assert min(shared.hit_cached) > 0.8 * shared.prompt_tokens and set(salted.hit_cached) == {0}
+
+
+def test_dictionary_attack_finds_the_passphrase_unsalted_and_is_at_chance_salted(shared_server, ratio):
+    ep = _endpoints(shared_server)
+    tpl = make_template(64, 400, ratio)  # the right guess gains ~400 cached tokens: clear of timing noise
+    found = run_dictionary_attack(ep["key-alice"], ep["key-bob"], 4, 10, tpl, tokens_per_letter=ratio, seed=1)
+    blind = run_dictionary_attack(ep["key-alice"].with_salt("alice"), ep["key-bob"].with_salt("bob"), 4, 10, tpl,
+                                  tokens_per_letter=ratio, seed=1)
+    assert chance_pvalue(found) < 0.01 and accuracy(found) > 0.25, [g.ttfts for g in found]
+    assert chance_pvalue(blind) > 1e-3, accuracy(blind)
+    assert all(len(set(g.cached)) == 1 for g in blind)  # every candidate had the same cached tokens: nothing to learn
+
+
+def test_cli_on_the_live_server(shared_server, tmp_path, capsys):
+    out = tmp_path / "audit.json"
+    rc = audit_main(["--base-url", shared_server.base_url, "--keys", "key-alice", "key-bob", "--levels", "global",
+                     "--samples", "10", "--prompt-tokens", "400", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]  # the decisions themselves are tested above, with more samples
+    assert [r["sharing level"] for r in rows] == ["per-user (same key)", "global"]
+    assert all(r["samples"] == 10 and 0 <= r["p-value"] <= 1 and r["prompt tokens"] > 300 for r in rows)
+    assert "sharing level" not in capsys.readouterr().err
+
+
+def test_tenant_isolation_shares_within_an_org_only(servers, ratio):
+    ep = _endpoints(servers["tenant"])
+    cfg = AuditConfig(**{**vars(LIVE), "tokens_per_letter": ratio})
+    org = run_audit(Level("per-org", ep["key-alice"], ep["key-alice-2"]), cfg)
+    other = run_audit(Level("global", ep["key-alice"], ep["key-bob"]), cfg)
+    assert org.pvalue < cfg.alpha and org.detected, org.row()
+    assert other.pvalue > cfg.alpha and not other.detected, other.row()
+
+
+# ----------------------------------------------------------------------------- notebook 10's lesson module
+def test_nb10_checkers_and_solutions():
+    from kvlab.lessons import nb10_audit as L
+    from kvlab.lessons import solutions as SOL
+
+    assert L.check_min_samples(SOL.ex10_1_min_samples(1e-3), 1e-3) and SOL.ex10_1_min_samples(1e-3) == 7
+    assert L.check_right_guess_gain(SOL.ex10_2_right_guess_gain(), 100, 5, 40, 32)
+    assert L.check_right_guess_gain(SOL.ex10_2_right_guess_gain(block_size=64), 100, 5, 40, 64)
+    for blank in (L.check_min_samples(None), L.check_right_guess_gain(None, 100, 5, 40, 32)):
+        assert not blank and "no answer yet" in str(blank)
+    wrong = L.check_right_guess_gain(45, 100, 5, 40, 32)
+    assert not wrong and "32" not in str(wrong) and "7" not in str(L.check_min_samples(6))
+    assert not L.check_min_samples("seven")
+
+
+def test_nb10_record_round_trip_and_table_rows(tmp_path):
+    from kvlab.lessons import nb10_audit as L
+
+    assert L.load_record(tmp_path) is None
+    L.save_record({"rows": [{"p-value": 0.5}], "model": "m"}, tmp_path)
+    rec = L.load_record(tmp_path)
+    assert rec["rows"] == [{"p-value": 0.5}] and rec["recorded_at"] and rec["path"].endswith("audit_vllm.json")
+    rows = L.table_rows({m: URL for m in L.MODES}, "m", "System: a b\n")
+    assert len(rows) == 9 and sum(r.expect for r in rows) == 5
+    assert {r.attacker.cache_salt for r in rows if r.isolation == "per-user cache_salt"} == {"carol", "bob"}
+    assert [r.expect for r in L.vllm_rows(URL, "m")] == [True, False]
+
+
+def test_notebook_10_exercises_start_blank():
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "10_is_this_endpoint_sharing.ipynb").read_text())
+    sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert any("min_samples = None" in s for s in sources) and any("right_guess_gain = None" in s for s in sources)
+
+
+def test_a_server_that_dies_is_reported_with_its_log():
+    import sys
+
+    from kvlab.audit.local import ServerError, ServerProcess, free_port
+
+    server = ServerProcess([sys.executable, "-c", "print('boom: no model'); raise SystemExit(3)"], free_port(), timeout=60)
+    with pytest.raises(ServerError, match=r"(?s)exited with code 3.*boom: no model"):
+        server.wait_ready()
+    assert server.proc.poll() == 3 and not server.workdir.exists()
+
+
+def _vllm_missing() -> str | None:
+    from kvlab.lessons.nb06_vllm import vllm_found
+
+    found, why = vllm_found()
+    return None if found else why
+
+
+@pytest.mark.skipif(_vllm_missing() is not None, reason=f"no vLLM venv: {_vllm_missing()}")
+def test_vllm_serve_shares_without_cache_salt_and_not_with_per_user_salts(tmp_path):
+    """The notebook's live vLLM path (start, audit, record), on the bundled model folder; about a minute of start-up."""
+    from kvlab.audit.local import start_vllm
+    from kvlab.engine.models import BUNDLED_MODEL
+    from kvlab.lessons import nb10_audit as L
+
+    server = start_vllm(BUNDLED_MODEL, max_model_len=1024)
+    try:
+        table, path = L.vllm_audit(server, LIVE, root=tmp_path)
+    finally:
+        server.close()
+    shared, salted = table
+    assert shared["detected"] and shared["p-value"] < LIVE.alpha and shared["cached tokens (server, hit median)"] > 0, shared
+    assert not salted["detected"] and salted["p-value"] > LIVE.alpha and salted["cached tokens (server, hit median)"] == 0, salted
+    assert L.load_record(tmp_path)["rows"] == json.loads(json.dumps(table)) and path.startswith(str(tmp_path))
