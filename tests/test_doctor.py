@@ -249,6 +249,19 @@ vllm:num_requests_running{model_name="m"} 2.0
     assert parse_metrics("")["hit_rate"] is None
 
 
+def test_doctor_reads_kvlab_serve_metrics():
+    """The doctor reads ``kvlab serve``'s /metrics (vLLM's counters under ``kvlab:``) like vLLM's."""
+    pytest.importorskip("prometheus_client")
+    from kvlab.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics("m")
+    metrics.on_finish(prompt_tokens=100, completion_tokens=4, cached_tokens=0, finish_reason="length", e2e=0.1)
+    metrics.on_finish(prompt_tokens=120, completion_tokens=4, cached_tokens=96, finish_reason="length", e2e=0.1)
+    m = parse_metrics(metrics.render().decode())
+    assert (m["queries"], m["hits"]) == (220.0, 96.0) and m["hit_rate"] == 96 / 220
+    assert m["source_names"] == ["kvlab:prefix_cache_queries_total", "kvlab:prefix_cache_hits_total"]
+
+
 def test_cli_end_to_end(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in planted_log(45)) + "not json\n")

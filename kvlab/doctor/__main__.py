@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tenant-field", default=None, metavar="FIELD",
                     help="the request field naming the tenant: requests are replayed with per-tenant cache salts")
     ap.add_argument("--vllm-metrics", default=None, metavar="FILE",
-                    help="a Prometheus text dump of vLLM's /metrics, shown beside the replayed numbers")
+                    help="a Prometheus text dump of vLLM's or kvlab serve's /metrics, shown beside the replayed numbers")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests running at once in the replay (their blocks cannot be evicted); default 1")
     ap.add_argument("--out", default=None, metavar="DIR",

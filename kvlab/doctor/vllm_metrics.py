@@ -1,8 +1,9 @@
-"""Read vLLM's prefix-cache counters from a Prometheus ``/metrics`` text dump.
+"""Read vLLM's (or ``kvlab serve``'s) prefix-cache counters from a Prometheus ``/metrics`` text dump.
 
 vLLM V1 exports ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens;
 earlier V1 releases prefixed them ``gpu_``), one series per engine and label set; V0 exported a
-``vllm:gpu_prefix_cache_hit_rate`` gauge. Series of the same counter are summed.
+``vllm:gpu_prefix_cache_hit_rate`` gauge. Series of the same counter are summed. ``kvlab serve`` exports the same counters under
+``kvlab:`` (``kvlab.serve.metrics``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from pathlib import Path
 
 LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>[-+0-9.eEinfNa]+)(\s+\d+)?\s*$")
 QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total",
-           "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+           "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries",
+           "kvlab:prefix_cache_queries_total", "kvlab:prefix_cache_queries")
 HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total",
-        "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+        "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits",
+        "kvlab:prefix_cache_hits_total", "kvlab:prefix_cache_hits")
 RATE = ("vllm:gpu_prefix_cache_hit_rate", "vllm:cpu_prefix_cache_hit_rate")
 
 
