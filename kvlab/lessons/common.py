@@ -165,6 +165,15 @@ def ratio_word(ratio: float, above: str, below: str, tie: float = TIE) -> str:
     return above if ratio > 1 else below
 
 
+def share_word(k: int, n: int) -> str:
+    """How many of ``n`` cases ``k`` is, in a word: "all", "most", "half", "a minority" or "none"."""
+    if n <= 0 or not 0 <= k <= n:
+        raise ValueError(f"share_word needs 0 <= k <= n and n > 0, got k={k}, n={n}")
+    if k == n:
+        return "all"
+    if k == 0:
+        return "none"
+    return "most" if 2 * k > n else "half" if 2 * k == n else "a minority"
 
 
 def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5
