@@ -299,7 +299,7 @@ def end_of_turn_note(detail: dict[str, dict], end_ids: int | Sequence[int] | Non
     n = len(ref[0])
     tail = f" Before the end token, agreement is {agree / before:.2f}." if before else ""
     return (f"token agreement below 1 is the end of turn: in {len(ends)} request runs the model chose an end token "
-            f"as token {min(ends)} to {max(ends)} of {n}; every other system keeps emitting it, HF generate is forced "
+            f"as token {min(ends)}{'' if min(ends) == max(ends) else f' to {max(ends)}'} of {n}; every other system keeps emitting it, HF generate is forced "
             f"past it (min_new_tokens masks it), so from there on the tokens differ.{tail}")
 
 
