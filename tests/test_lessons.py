@@ -171,13 +171,14 @@ def test_outcome_bars_label_a_zero_bar():
     plt.close(fig)
 
 
-def test_layer_error_figure_keeps_its_y_label_inside_the_figure():
+def test_layer_error_figure_leaves_room_around_its_y_label_and_thins_30_layer_ticks():
     from kvlab.lessons import nb03_position as X
 
     rows = [{"treatment": t, "tensor": k, "layer": l, "relative error": 0.1}
-            for t in ("A's K/V as is", "A's K/V re-rotated") for k in ("K", "V") for l in range(3)]
-    fig = X.fig_layer_errors({"m": pd.DataFrame(rows)})
+            for t in ("A's K/V as is", "A's K/V re-rotated") for k in ("K", "V") for l in range(30)]
+    fig = X.fig_layer_errors({"bundled": pd.DataFrame(rows), "SmolLM2": pd.DataFrame(rows)})
     fig.canvas.draw()
     box = fig.axes[0].yaxis.label.get_window_extent()
-    assert _inside(box, fig.bbox)
+    assert _inside(box, fig.bbox) and box.height < 0.75 * fig.bbox.height  # not edge to edge, where it clips
+    assert all(len(ax.get_xticks()) <= 15 for ax in fig.axes)
     plt.close(fig)
