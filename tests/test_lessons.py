@@ -182,3 +182,20 @@ def test_layer_error_figure_leaves_room_around_its_y_label_and_thins_30_layer_ti
     assert _inside(box, fig.bbox) and box.height < 0.75 * fig.bbox.height  # not edge to edge, where it clips
     assert all(len(ax.get_xticks()) <= 15 for ax in fig.axes)
     plt.close(fig)
+
+
+def test_rays_token_notice_is_filtered_and_nothing_else():
+    import logging
+
+    from kvlab.lessons import nb09_routing as R
+
+    R._quiet_ray_token_notice()
+    R._quiet_ray_token_notice()  # twice: still one filter
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    assert sum(isinstance(f, R._DropRayTokenNotice) for f in log.filters) == 1
+
+    def passes(msg: str) -> bool:
+        return log.filter(logging.LogRecord(log.name, logging.WARNING, __file__, 1, msg, None, None))
+
+    assert not passes(R.RAY_TOKEN_NOTICE + ". Set RAY_AUTH_MODE=disabled to opt out.")
+    assert passes("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
