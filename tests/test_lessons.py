@@ -174,8 +174,8 @@ def test_outcome_bars_label_a_zero_bar():
 def test_layer_error_figure_leaves_room_around_its_y_label_and_thins_30_layer_ticks():
     from kvlab.lessons import nb03_position as X
 
-    rows = [{"treatment": t, "tensor": k, "layer": l, "relative error": 0.1}
-            for t in ("A's K/V as is", "A's K/V re-rotated") for k in ("K", "V") for l in range(30)]
+    rows = [{"treatment": t, "tensor": k, "layer": layer, "relative error": 0.1}
+            for t in ("A's K/V as is", "A's K/V re-rotated") for k in ("K", "V") for layer in range(30)]
     fig = X.fig_layer_errors({"bundled": pd.DataFrame(rows), "SmolLM2": pd.DataFrame(rows)})
     fig.canvas.draw()
     box = fig.axes[0].yaxis.label.get_window_extent()
