@@ -335,7 +335,7 @@ def ray_fleet_run(workload, num_replicas: int = 2, policies: Sequence[str] = ("r
     _quiet_ray_token_notice()
     t0 = time.perf_counter()
     try:
-        start_ray(num_cpus=2)
+        start_ray(num_cpus=2, logging_level=logging.WARNING)  # Ray's start-up INFO lines would show in red
     except Exception as e:  # installed but it would not start here (tests/test_cluster.py fails on this instead)
         return {"ray": False, "message": f"Ray is installed but did not start ({type(e).__name__}: {e}): "
                                          "simulation only."}
