@@ -253,7 +253,10 @@ def _register_cjk_font() -> str | None:
     ``font.family``, matplotlib's per-glyph fallback chain, so Chinese labels draw. Returns its name."""
     from importlib.resources import files
 
-    from matplotlib import font_manager, rcParams
+    try:
+        from matplotlib import font_manager, rcParams
+    except ImportError:  # an install without the notebooks extra draws nothing
+        return None
 
     shipped = files("kvlab").joinpath("data", "fonts", "kvlab-cjk-sans.otf")
     installed = {f.name for f in font_manager.fontManager.ttflist}
