@@ -420,6 +420,8 @@ def fig_sweep(sweep_table: Any, prefix_tokens: int, num_requests: int):
     b.plot(d["requests"], d["KV shared (MiB)"], "o-", color="tab:blue", label="shared")
     b.axvline(num_requests, color="tab:red", alpha=0.4)
     b.set(xlabel="requests", ylabel="peak KV (MiB)", title=f"{prefix_tokens}-token prefix")
+    b.set_xticks(sorted(sweep_table["requests"].unique()))  # whole requests only, the counts measured
+    a.set_xticks(sorted(sweep_table["prefix tokens"].unique()))
     b.legend()
     fig.tight_layout()
     return fig

@@ -1,4 +1,4 @@
-"""Helpers every lesson uses: exercise verdicts, the article's decision table, timing, CJK-safe labels.
+"""Helpers every lesson uses: exercise verdicts, the article's decision table, timing, CJK labels (a shipped font).
 
 Torch-free at import (``time_prefill`` imports it when called), so a pure-Python lesson such as
 notebook 04's can use ``verdict`` and ``decision_table`` without loading torch.
@@ -165,6 +165,15 @@ def ratio_word(ratio: float, above: str, below: str, tie: float = TIE) -> str:
     return above if ratio > 1 else below
 
 
+def share_word(k: int, n: int) -> str:
+    """How many of ``n`` cases ``k`` is, in a word: "all", "most", "half", "a minority" or "none"."""
+    if n <= 0 or not 0 <= k <= n:
+        raise ValueError(f"share_word needs 0 <= k <= n and n > 0, got k={k}, n={n}")
+    if k == n:
+        return "all"
+    if k == 0:
+        return "none"
+    return "most" if 2 * k > n else "half" if 2 * k == n else "a minority"
 
 
 def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5
@@ -234,26 +243,37 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> 
 GIB = 2**30
 
 
-CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei",
-             "SimHei", "Microsoft YaHei", "PingFang SC", "Heiti SC", "Arial Unicode MS")
+CJK_FAMILY = "kvlab CJK Sans"  # kvlab/data/fonts: a subset of Noto Sans CJK SC (OFL), made by scripts/make_cjk_font.py
+CJK_FONTS = (CJK_FAMILY, "Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "WenQuanYi Zen Hei",
+             "WenQuanYi Micro Hei", "SimHei", "Microsoft YaHei", "PingFang SC", "Heiti SC", "Arial Unicode MS")
 
 
-def _find_cjk_font() -> str | None:
-    """The first installed font that can draw Chinese, added as a fallback after the default font."""
-    from matplotlib import font_manager, rcParams
+def _register_cjk_font() -> str | None:
+    """Register the shipped CJK subset with matplotlib and append the first CJK font found to
+    ``font.family``, matplotlib's per-glyph fallback chain, so Chinese labels draw. Returns its name."""
+    from importlib.resources import files
 
+    try:
+        from matplotlib import font_manager, rcParams
+    except ImportError:  # an install without the notebooks extra draws nothing
+        return None
+
+    shipped = files("kvlab").joinpath("data", "fonts", "kvlab-cjk-sans.otf")
     installed = {f.name for f in font_manager.fontManager.ttflist}
+    if CJK_FAMILY not in installed and shipped.is_file():
+        font_manager.fontManager.addfont(str(shipped))
+        installed.add(CJK_FAMILY)
     found = next((name for name in CJK_FONTS if name in installed), None)
-    if found and found not in rcParams["font.sans-serif"]:
-        rcParams["font.sans-serif"] = [rcParams["font.sans-serif"][0], found, *rcParams["font.sans-serif"][1:]]
+    if found and found not in rcParams["font.family"]:  # a family list is a per-glyph fallback chain
+        rcParams["font.family"] = [*rcParams["font.family"], found]
     return found
 
 
-CJK_FONT = _find_cjk_font()
+CJK_FONT = _register_cjk_font()
 
 
 def label(text: str) -> str:
-    """Text safe to draw: CJK characters become ``\\uXXXX`` escapes when no CJK font is installed."""
+    """Text safe to draw: CJK characters become ``\\uXXXX`` escapes only when no CJK font could be registered."""
     if CJK_FONT:
         return text
     return "".join(c if ord(c) < 0x2E80 else f"\\u{ord(c):04x}" for c in text)

@@ -306,13 +306,15 @@ def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, 
 
 # ----------------------------------------------------------------------------- exercise checkers
 
-def slope_report(cost: Any, crossover: float, tolerance: float = 0.3) -> list[str]:
+def slope_report(cost: Any, crossover: float, tolerance: float = 0.1) -> list[str]:
     """Measured vs counted growth of a decode step, per range of n: log-log slopes and a verdict for each.
 
     ``cost`` is ``decode_step_cost``'s table (a DataFrame with n, recompute_s/_flops, cached_s/_flops).
-    A slope is d log(y) / d log(n): 1 is linear, 2 quadratic.
+    A slope is d log(y) / d log(n): 1 is linear, 2 quadratic. Two slopes "agree" within ``tolerance``
+    (0.1: over a 32-fold range of n, growth factors within 32 ** 0.1 = 1.4x of each other).
     """
-    lines = []
+    lines = ["slope = k in cost ~ n^k, fitted per range (1 linear, 2 quadratic); growth = cost at the largest n / "
+             f"at the smallest; slopes within {tolerance} count as agreeing"]
 
     def slope(col: str, mask: Any) -> float:
         return float(np.polyfit(np.log(cost.n[mask]), np.log(cost[col][mask]), 1)[0])
@@ -324,7 +326,9 @@ def slope_report(cost: Any, crossover: float, tolerance: float = 0.3) -> list[st
         lines.append(f"{part} (n = {', '.join(str(n) for n in cost.n[mask])}):")
         for name, col in (("no cache", "recompute"), ("with cache", "cached")):
             ms, cs = slope(f"{col}_s", mask), slope(f"{col}_flops", mask)
-            head = f"   {name}: time slope {ms:.2f}, counted-FLOP slope {cs:.2f} -> "
+            t, f = cost[f"{col}_s"][mask], cost[f"{col}_flops"][mask]
+            head = (f"   {name}: time slope {ms:.2f} (growth x{t.iloc[-1] / t.iloc[0]:.1f}), counted-FLOP slope {cs:.2f} "
+                    f"(growth x{f.iloc[-1] / f.iloc[0]:.1f}) -> ")
             if abs(ms - cs) <= tolerance:
                 lines.append(head + "the time grows as the FLOP count says")
             elif ms > cs:
@@ -416,14 +420,14 @@ def fig_attention_weights(weights: Any, labels: Sequence[str] | None = None,
                           title: str = "causal attention weights") -> Figure:
     """Heatmap of one head's (q_len, k_len) attention weights; masked (future) cells are 0."""
     w = np.asarray(weights, dtype=float)
-    fig, ax = plt.subplots(figsize=(4.2, 3.6))
+    fig, ax = plt.subplots(figsize=(4.8, 3.8))
     im = ax.imshow(w, cmap="viridis", vmin=0, vmax=max(float(w.max()), 1e-9))
     ax.set_xlabel("key position (what is attended to)")
     ax.set_ylabel("query position (who attends)")
     if labels is not None:
         ax.set_xticks(range(w.shape[1]), [label(t) for t in labels[-w.shape[1]:]], rotation=90, fontsize=7)
         ax.set_yticks(range(w.shape[0]), [label(t) for t in labels[-w.shape[0]:]], fontsize=7)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, label="weight")
     fig.tight_layout()
     return fig

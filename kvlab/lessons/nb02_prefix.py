@@ -285,7 +285,8 @@ def fig_token_boundary(prefix_pieces: Sequence[str], full_pieces: Sequence[str],
             bad = first_diff is not None and i >= first_diff
             ax.add_patch(plt.Rectangle((i, y - 0.35), 0.95, 0.7, facecolor="#fcbba1" if bad else "#c6dbef",
                                        edgecolor="gray"))
-            ax.text(i + 0.475, y, label(repr(piece)[1:-1])[:8], ha="center", va="center", fontsize=7)
+            shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in piece)  # token_pieces wrote "\\n" already
+            ax.text(i + 0.475, y, label(shown)[:8], ha="center", va="center", fontsize=7)
     ax.set_xlim(-3, max(len(prefix_pieces), len(full_pieces)) + 0.5)
     ax.set_ylim(-0.6, 1.6)
     ax.axis("off")

@@ -546,7 +546,8 @@ CHECKLIST = [
 # The article's 5.4 strategy template, item by item.
 TEMPLATE = [
     ("keep the system prompt fixed: it is the body of the shared prefix",
-     "04 §2, 05 §4 (16 requests sharing a 512-token prefix), 07 §3 (the operator prompt under three policies)",
+     "04 §2, 05 §4 (the headline workload: the recorded run or a small live one, printed there), "
+     "07 §3 (the operator prompt under three policies)",
      "version the system prompt; changing one token early changes every later block's hash"),
     ("align the prefix length to a multiple of 16 tokens",
      "04 §3.1–3.2 (the loss is under one block per request)",
@@ -579,7 +580,8 @@ FRAMEWORKS = [
                       "so reusing it unchanged pollutes the next request (02 §5); positions follow the cache length (03)"},
     {"framework": "vLLM", "source": "measured in this series (06)",
      "article: prefix sharing / blocks / copy-on-write / positions": "automatic / 16-token blocks / yes / automatic",
-     "what we found": "automatic, hash-chained full blocks of 16 tokens; cached tokens, hit rate and outputs compared "
+     "what we found": "automatic, hash-chained full blocks (the block size is a setting; 06 runs both sides at 32, "
+                      "as vLLM's CPU attention needs a multiple of 32); cached tokens, hit rate and outputs compared "
                       "with kvlab on one list of token ids (06 §2); only full blocks are shared, so a shared block is "
                       "never written (its design doc; 06 does not test writes)"},
     {"framework": "kvlab", "source": "measured in this series (04, 05, 07)",

@@ -20,9 +20,10 @@ from kvlab.doctor.culprits import Culprit, record_segments
 from kvlab.doctor.logio import read_log
 from kvlab.doctor.prepare import prepare
 from kvlab.doctor.replay import replay_block_manager, replay_tokens
-from kvlab.doctor.report import fig_divergence, fig_fixes, fig_hit_rates, pct  # noqa: F401  (re-exported)
+from kvlab.doctor.report import fig_divergence, fig_hit_rates, pct  # noqa: F401  (re-exported)
 from kvlab.doctor.synth import make_log
 from kvlab.doctor.tokenize import PromptEncoder, ids, tokstr
+from kvlab.lessons import common  # noqa: F401  (registers the CJK font for the doctor's figures)
 
 KIND_NAMES = {"volatile": "a per-request field (timestamp, id)", "per-user": "a per-user field (name, account)",
               "per-session": "a per-conversation field", "order": "items in varying order (RAG documents)",
@@ -225,6 +226,42 @@ def template_54(d: Diagnosis, other_tokenizer: tuple[str, float, float] | None =
                          for (zh, en), m in zip(ARTICLE_54, measured)])
 
 
+def fix_labels(chain: Sequence[dict]) -> list[str]:
+    """One label per step of the fix chain; a kind that occurs twice is told apart by its field or title."""
+    kinds = [r["kind"] for r in chain]
+    out = []
+    for k, r in enumerate(chain):
+        if k == 0:
+            out.append("as logged")
+        elif kinds.count(r["kind"]) == 1:
+            out.append(f"+ {r['kind']}")
+        else:
+            what = r["step"].rsplit(": ", 1)[-1].strip() if ": " in r["step"] else r["step"]
+            out.append(f"+ {r['kind']}: {what[:28]}")
+    return out
+
+
+def fig_fixes(d: Diagnosis):
+    """Hit rate after each fix, applied one after the other; every bar labelled apart (None with no fix)."""
+    import matplotlib.pyplot as plt
+
+    if len(d.chain) < 2:
+        return None
+    key = "capacity_hit_rate" if "capacity_hit_rate" in d.chain[0] else "unbounded_hit_rate"
+    fig, ax = plt.subplots(figsize=(7.2, 0.8 + 0.42 * len(d.chain)))
+    vals = [100 * r[key] for r in d.chain]
+    ax.barh(range(len(vals)), vals, color=["0.6"] + ["C0"] * (len(vals) - 1))
+    for y, v in enumerate(vals):
+        ax.text(v + 0.5, y, f"{v:.1f} %", va="center", fontsize=8)
+    ax.set_yticks(range(len(vals)), fix_labels(d.chain))
+    ax.invert_yaxis()
+    ax.set_xlabel(f"hit rate (%), block size {d.block_size}")
+    ax.set_xlim(0, 110)
+    ax.set_title("fixes applied one after the other")
+    fig.tight_layout()
+    return fig
+
+
 def retokenized_hit_rate(d: Diagnosis, model: str | None, block_size: int = 16) -> tuple[str, float, float] | None:
     """(model, hit rate here, hit rate with ``model``'s tokenizer) of the fixed log, unbounded; None if not available."""
     try:
@@ -303,6 +340,6 @@ def check_identical_rate(answer: float | None, requests: int = 50, tokens: int =
 
 
 __all__ = ["ARTICLE_54", "KIND_NAMES", "before_after", "card", "check_fix", "check_identical_rate", "culprit_table",
-           "dropped_table", "engine_ttft", "fig_divergence", "fig_fixes", "fig_hit_rates", "first_request",
+           "dropped_table", "engine_ttft", "fig_divergence", "fig_fixes", "fig_hit_rates", "first_request", "fix_labels",
            "fit_prompts", "hit_table", "ids", "notebook_log", "pct", "points_table", "requests_table",
            "retokenized_hit_rate", "sentence", "template_54", "whole_log_check"]

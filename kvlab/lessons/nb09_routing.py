@@ -8,6 +8,7 @@ checked against the simulation. Figures are pure ``fig_*`` functions; ``check_po
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from kvlab.lessons.common import Verdict, call_answer, verdict
 __all__ = ["POLICIES", "chat_workload", "check_policy", "events_of_one_request", "events_table", "failure_runs",
            "failure_sentences", "ray_sentences",
            "fig_failure", "fig_index", "fig_policies", "fig_weight", "policy_sentences", "ray_fleet_run", "sweep",
-           "sys512_workload", "weight_sentence", "weight_sweep"]
+           "index_sentence", "shared_prefix_tokens", "simulate_with_replicas", "sys512_workload", "weight_sentence", "weight_sweep"]
 
 
 def pct(x: float) -> str:
@@ -35,6 +36,15 @@ def chat_workload(smoke: bool, seed: int = 0):
     if smoke:
         return chat(num_sessions=16, num_tenants=4, system_tokens=192, rate=6.0, seed=seed)
     return chat(num_sessions=48, num_tenants=6, system_tokens=256, rate=6.0, seed=seed)
+
+
+def shared_prefix_tokens(workload) -> int:
+    """How many leading tokens every session's first prompt has in common."""
+    prompts = [s.prompt(0, []) for s in workload.sessions]
+    n = 0
+    while n < min(map(len, prompts)) and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
 
 
 def sys512_workload(vocab: int = 1024, seed: int = 0, rate: float = 20.0):
@@ -146,12 +156,19 @@ def fig_policies(df: pd.DataFrame, title: str = ""):
     (piv * 1000).plot.bar(ax=b, rot=20)
     b.set_ylabel("TTFT p99 (ms, modelled clock)")
     b.set_title("TTFT p99")
+    a.get_legend().remove()
+    b.legend(title="replicas", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     for ax in (a, b):
-        ax.legend(title="replicas")
         ax.set_xlabel("")
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _names(items: Sequence[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def policy_sentences(df: pd.DataFrame) -> list[str]:
@@ -164,9 +181,16 @@ def policy_sentences(df: pd.DataFrame) -> list[str]:
             out.append(f"1 replica: every policy {'gives the same' if same else 'does NOT give the same'} hit rate "
                        f"({pct(d.hit_rate.iloc[0])}){'' if same else ' (unexpected: with one replica there is no choice)'}.")
             continue
-        best, worst = d.hit_rate.idxmax(), d.hit_rate.idxmin()
-        out.append(f"{n} replicas: {best} hits most ({pct(d.hit_rate[best])}), {worst} least ({pct(d.hit_rate[worst])}); "
-                   f"round_robin {pct(d.hit_rate['round_robin'])}." if "round_robin" in d.index else "")
+        shown = d.hit_rate.map(pct)  # policies that print the same percentage are a tie
+        top, bottom = shown[d.hit_rate.idxmax()], shown[d.hit_rate.idxmin()]
+        if top == bottom:
+            out.append(f"{n} replicas: every policy gives the same hit rate ({top}).")
+        else:
+            most, least = list(shown[shown == top].index), list(shown[shown == bottom].index)
+            out.append(f"{n} replicas: {_names(most)} {'hits' if len(most) == 1 else 'tie for the'} most ({top}), "
+                       f"{_names(least)} {'hits' if len(least) == 1 else 'tie for the'} least ({bottom})"
+                       + (f"; round_robin {shown['round_robin']}." if "round_robin" in set(d.index) - {*most, *least}
+                          else "."))
         if "kv_aware" in d.index and "round_robin" in d.index:
             k, r = d.loc["kv_aware"], d.loc["round_robin"]
             verb = "lower" if k.ttft_p99 < r.ttft_p99 else "not lower"
@@ -182,6 +206,27 @@ def policy_sentences(df: pd.DataFrame) -> list[str]:
                        + ("spreading a prefix over replicas costs hits." if rr.iloc[0] < one else
                           "the bigger fleet cache outweighs the spreading here."))
     return [s for s in out if s]
+
+
+def simulate_with_replicas(workload, num_replicas: int, policy: str, *, num_blocks: int = 96,
+                           block_size: int = 16) -> tuple[FleetResult, list]:
+    """``simulate``, keeping the replicas so their caches can be compared with the router's index."""
+    from kvlab.cluster.driver import run_fleet
+    from kvlab.cluster.replica import LocalHandle, SimReplica
+
+    replicas = [SimReplica(num_blocks, block_size) for _ in range(num_replicas)]
+    result = run_fleet(workload, [LocalHandle(r) for r in replicas], policy, clock="model", cost=CostModel())
+    return result, replicas
+
+
+def index_sentence(result: FleetResult, replicas: Sequence[Any]) -> str:
+    """Whether the router's index (built from events only) holds exactly each replica's cached hashes."""
+    index = result.router.index
+    same = [set(index.blocks.get(i, {})) == r.cached_hashes() for i, r in enumerate(replicas)]
+    held = ", ".join(f"{len(r.cached_hashes())}" for r in replicas)
+    return (f"the index against the replicas' own caches (blocks held: {held}): "
+            + ("the same hashes on every replica" if all(same) else
+               f"DIFFERENT on replica(s) {[i for i, ok in enumerate(same) if not ok]}"))
 
 
 # --- 4 · the weight ---------------------------------------------------------------------------------------
@@ -211,15 +256,18 @@ def fig_weight(df: pd.DataFrame):
 
 
 def weight_sentence(df: pd.DataFrame) -> str:
-    """What the weight did, read off the measured rows."""
-    lo, hi = df.iloc[0], df.iloc[-1]
-    more_hits = hi.hit_rate > lo.hit_rate
-    less_balanced = hi.imbalance > lo.imbalance
-    return (f"From weight {lo.weight:g} to {hi.weight:g} the hit rate went {pct(lo.hit_rate)} -> {pct(hi.hit_rate)} "
-            f"({'up' if more_hits else 'not up'}) and the imbalance {lo.imbalance:.2f} -> {hi.imbalance:.2f} "
-            f"({'worse' if less_balanced else 'not worse'}): "
-            + ("the weight trades balance for hits, as Dynamo's cost intends." if more_hits and less_balanced else
-               "no clean trade-off on this workload."))
+    """What the weight did over the whole sweep, read off the measured rows (not only its two ends)."""
+    ws = [f"{w:g}" for w in df.weight]
+    best, calm = df.loc[df.hit_rate.idxmax()], df.loc[df.imbalance.idxmin()]
+    line = (f"Weights {', '.join(ws)}: hit rate {', '.join(pct(h) for h in df.hit_rate)}; imbalance "
+            f"{', '.join(f'{x:.2f}' for x in df.imbalance)}. Highest hit rate at w = {best.weight:g} ({pct(best.hit_rate)}), "
+            f"lowest imbalance at w = {calm.weight:g} ({calm.imbalance:.2f}). ")
+    if df.hit_rate.is_monotonic_increasing and df.imbalance.is_monotonic_increasing:
+        return line + "As the weight grows, hits go up and balance goes down together: the trade Dynamo's cost intends."
+    if calm.weight != df.weight.iloc[0]:
+        return line + (f"w = {df.weight.iloc[0]:g} is not the most balanced point: it balances active blocks, while the "
+                       "imbalance counts requests; no clean trade-off on this workload.")
+    return line + "No clean trade-off on this workload: the two do not move together over the sweep."
 
 
 # --- 5 · a replica fails ------------------------------------------------------------------------------------
@@ -253,6 +301,24 @@ def fig_failure(df: pd.DataFrame, at: float, rejoin_after: float | None):
 
 
 # --- 6 · real engines on Ray -------------------------------------------------------------------------------
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropRayTokenNotice(logging.Filter):
+    """Drops Ray's one-line notice that a new local cluster uses token authentication (its default)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_TOKEN_NOTICE)
+
+
+def _quiet_ray_token_notice() -> None:
+    """Silence that notice only: a participant would read it as an error. Setting ``RAY_AUTH_MODE=token``
+    instead (Ray's advice) made ``ray.init`` fail here with InvalidAuthToken, so Ray keeps its default."""
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropRayTokenNotice) for f in log.filters):
+        log.addFilter(_DropRayTokenNotice())
+
+
 def ray_fleet_run(workload, num_replicas: int = 2, policies: Sequence[str] = ("round_robin", "kv_aware"), *,
                   num_blocks: int = 64, model: str | None = None) -> dict:
     """Real engines as Ray actors: each policy with the measured clock, then one modelled run checked by the sim.
@@ -266,9 +332,10 @@ def ray_fleet_run(workload, num_replicas: int = 2, policies: Sequence[str] = ("r
 
     if not ray_available():
         return {"ray": False, "message": "Ray is not installed (pip install -e .[cluster]): simulation only."}
+    _quiet_ray_token_notice()
     t0 = time.perf_counter()
     try:
-        start_ray(num_cpus=2)
+        start_ray(num_cpus=2, logging_level=logging.WARNING)  # Ray's start-up INFO lines would show in red
     except Exception as e:  # installed but it would not start here (tests/test_cluster.py fails on this instead)
         return {"ray": False, "message": f"Ray is installed but did not start ({type(e).__name__}: {e}): "
                                          "simulation only."}

@@ -1,0 +1,201 @@
+"""kvlab.lessons: what the notebooks print and draw agrees with the numbers they measured (issue 27)."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+import pytest
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _draw(fig) -> None:
+    fig.canvas.draw()
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- CJK glyphs
+
+def test_the_shipped_cjk_font_is_registered_and_draws_chinese_without_missing_glyphs():
+    from kvlab.lessons import common
+
+    assert common.CJK_FONT == common.CJK_FAMILY  # the subset in kvlab/data/fonts, not whatever the machine has
+    assert common.label("口令是什么？") == "口令是什么？"  # no \\u escapes
+    fig, ax = plt.subplots()
+    ax.set_title("你是一个专业的翻译助手，请将以下内容翻译成英文：「今天天气很好。」")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Glyph .* missing")
+        _draw(fig)
+
+
+def test_the_shipped_font_has_every_character_the_series_draws_and_its_licence():
+    spec = importlib.util.spec_from_file_location("make_cjk_font", ROOT / "scripts" / "make_cjk_font.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.missing() == []
+    fonts = ROOT / "kvlab" / "data" / "fonts"
+    assert (fonts / "kvlab-cjk-sans.otf").stat().st_size < 400_000
+    assert "SIL Open Font License" in (fonts / "OFL.txt").read_text(encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- words from numbers
+
+def test_share_word_names_all_most_half_and_none():
+    from kvlab.lessons.common import share_word
+
+    assert [share_word(k, 24) for k in (24, 23, 12, 3, 0)] == ["all", "most", "half", "a minority", "none"]
+    with pytest.raises(ValueError):
+        share_word(3, 2)
+
+
+def test_policy_sentences_name_a_tie_instead_of_one_policy():
+    from kvlab.lessons import nb09_routing as R
+
+    df = pd.DataFrame([{"policy": p, "replicas": 2, "hit_rate": h, "ttft_p99": 0.03, "imbalance": 1.0}
+                       for p, h in (("round_robin", 0.824), ("least_loaded", 0.824), ("kv_aware", 0.824),
+                                    ("prefix_tree", 0.882))])
+    line = R.policy_sentences(df)[0]
+    assert "prefix_tree hits most (88.2 %)" in line
+    assert "round_robin, least_loaded and kv_aware tie for the least (82.4 %)" in line
+
+
+def test_weight_sentence_reads_the_whole_sweep_not_its_two_ends():
+    from kvlab.lessons import nb09_routing as R
+
+    df = pd.DataFrame({"weight": [0, 0.25, 1, 4, 16], "hit_rate": [0.68, 0.76, 0.79, 0.808, 0.804],
+                       "imbalance": [1.636, 1.245, 1.343, 2.0, 2.27]})
+    text = R.weight_sentence(df)
+    assert "trade Dynamo's cost intends" not in text
+    assert "lowest imbalance at w = 0.25 (1.25)" in text and "Highest hit rate at w = 4" in text
+    monotone = df.assign(hit_rate=[0.6, 0.7, 0.75, 0.8, 0.81], imbalance=[1.0, 1.1, 1.2, 1.5, 2.0])
+    assert "trade Dynamo's cost intends" in R.weight_sentence(monotone)
+
+
+def test_index_sentence_compares_the_router_index_with_the_replicas_caches():
+    from kvlab.lessons import nb09_routing as R
+
+    res, replicas = R.simulate_with_replicas(R.chat_workload(True, 0), 2, "kv_aware", num_blocks=64)
+    assert "the same hashes on every replica" in R.index_sentence(res, replicas)
+    replicas[0].block_manager.pool.cached.clear()  # a replica that lost its cache behind the router's back
+    assert "DIFFERENT on replica(s) [0]" in R.index_sentence(res, replicas)
+
+
+def test_end_of_turn_note_explains_agreement_below_one():
+    from kvlab.lessons import nb05_table36 as T
+
+    ref = [[865, 854, 854, 854], [42, 990, 52, 990]]
+    detail = {"HF generate (batch)/isolated": {"outputs": ref},
+              "kvlab/shared": {"outputs": [[865, 2, 2, 2], [42, 990, 52, 990]]}}
+    note = T.end_of_turn_note(detail, [2, 0])
+    assert "as token 2 of 4" in note and "agreement is 1.00" in note
+    assert T.end_of_turn_note({**detail, "kvlab/shared": {"outputs": ref}}, 2) == ""
+
+
+def test_decision_table_evidence_does_not_call_one_timing_run_evidence():
+    from kvlab.lessons import nb05_table36 as T
+
+    rows = [{"group": g, "mode": m, "identical": 1.0, "recall": float("nan") if g == 2 else 1.0, "TTFT (ms)": t,
+             "cached tokens": 0.0, "answered A's passphrase": 0.0}
+            for g in (1, 2, 3) for m, t in (("isolated", 10.0), ("shared (correct)", 11.4), ("shared (wrong)", 8.2))]
+    one = T.evidence(pd.DataFrame(rows), repeats=1)
+    assert "TTFT x1.14 (1 run: a timing, not evidence)" in one["identical-prefix"]
+    assert "recall nan" not in one["same-start"]
+    assert "not evidence" not in T.evidence(pd.DataFrame(rows), repeats=3)["identical-prefix"]
+
+
+def test_fix_labels_tell_two_fixes_of_one_kind_apart():
+    from kvlab.lessons import nb08_doctor as D
+
+    chain = [{"step": "as logged", "kind": ""},
+             {"step": "per-request field (timestamp) in system message: Current time:", "kind": "volatile"},
+             {"step": "per-request field (id) in system message: Request id:", "kind": "volatile"},
+             {"step": "documents in varying order", "kind": "order"}]
+    labels = D.fix_labels(chain)
+    assert labels == ["as logged", "+ volatile: Current time:", "+ volatile: Request id:", "+ order"]
+
+
+# ----------------------------------------------------------------------------- figures
+
+def _inside(inner, outer) -> bool:
+    return inner.x0 >= outer.x0 and inner.x1 <= outer.x1 and inner.y0 >= outer.y0 and inner.y1 <= outer.y1
+
+
+def test_policy_figure_keeps_its_legend_off_the_bars():
+    from kvlab.lessons import nb09_routing as R
+
+    df = pd.DataFrame([{"policy": p, "replicas": n, "hit_rate": 0.8, "ttft_p99": 0.03}
+                       for p in ("round_robin", "kv_aware") for n in (1, 2, 4)])
+    fig = R.fig_policies(df, "t")
+    fig.canvas.draw()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None:
+            assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # beside the axes, not over the data
+    assert sum(ax.get_legend() is not None for ax in fig.axes) == 1
+    plt.close(fig)
+
+
+def test_radix_ttft_figure_shows_at_most_twelve_request_ticks():
+    from kvlab.lessons import nb04b_radix as L
+
+    results = [{"cache": c, "ttft": [0.001] * 24, "cached": [0] * 24} for c in ("blocks 16", "radix page 1")]
+    fig = L.fig_ttft(results, [f"g1 #{i}" for i in range(24)])
+    assert all(len(ax.get_xticks()) <= 12 for ax in fig.axes)
+    plt.close(fig)
+
+
+def test_sweep_figure_ticks_are_whole_requests():
+    from kvlab.lessons import bench as B
+
+    grid = pd.DataFrame([{"prefix tokens": p, "requests": n, "TTFT ratio": 0.8, "ideal": 0.6,
+                          "KV isolated (MiB)": 1.0, "KV shared (MiB)": 0.5} for p in (32, 64) for n in (2, 4)])
+    fig = B.fig_sweep(grid, 64, 4)
+    assert list(fig.axes[1].get_xticks()) == [2, 4]
+    plt.close(fig)
+
+
+def test_outcome_bars_label_a_zero_bar():
+    from kvlab.lessons import nb03_position as X
+
+    summary = pd.DataFrame({"identical": [1.0, 0.0], "recalled": [1.0, 0.0]}, index=["right", "wrong"])
+    fig = X.fig_outcomes(summary, "t")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts.count("0%") == 2 and texts.count("100%") == 2
+    plt.close(fig)
+
+
+def test_layer_error_figure_leaves_room_around_its_y_label_and_thins_30_layer_ticks():
+    from kvlab.lessons import nb03_position as X
+
+    rows = [{"treatment": t, "tensor": k, "layer": layer, "relative error": 0.1}
+            for t in ("A's K/V as is", "A's K/V re-rotated") for k in ("K", "V") for layer in range(30)]
+    fig = X.fig_layer_errors({"bundled": pd.DataFrame(rows), "SmolLM2": pd.DataFrame(rows)})
+    fig.canvas.draw()
+    box = fig.axes[0].yaxis.label.get_window_extent()
+    assert _inside(box, fig.bbox) and box.height < 0.75 * fig.bbox.height  # not edge to edge, where it clips
+    assert all(len(ax.get_xticks()) <= 15 for ax in fig.axes)
+    plt.close(fig)
+
+
+def test_rays_token_notice_is_filtered_and_nothing_else():
+    import logging
+
+    from kvlab.lessons import nb09_routing as R
+
+    R._quiet_ray_token_notice()
+    R._quiet_ray_token_notice()  # twice: still one filter
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    assert sum(isinstance(f, R._DropRayTokenNotice) for f in log.filters) == 1
+
+    def passes(msg: str) -> bool:
+        return log.filter(logging.LogRecord(log.name, logging.WARNING, __file__, 1, msg, None, None))
+
+    assert not passes(R.RAY_TOKEN_NOTICE + ". Set RAY_AUTH_MODE=disabled to opt out.")
+    assert passes("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
