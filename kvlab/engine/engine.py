@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import random
 import threading
@@ -63,7 +64,7 @@ from ..cache.block_pool import check
 from ..cache.kv_events import EventBatch
 from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
-from .paged_attention import MissingBatchError, build_batch, paged_attention
+from .paged_attention import MissingBatchError, build_batch, check_config, paged_attention
 from .radix_adapter import make_prefix_cache
 from .sampling import SamplingParams, sample_next
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -191,6 +192,14 @@ class Engine:
         ``NotImplementedError`` naming the architecture and the reason.
         """
         name = getattr(self.model.config, "model_type", None) or type(self.model).__name__
+        if not isinstance(getattr(self.model.config, "vocab_size", None), int):
+            raise NotImplementedError(
+                f"kvlab's paged attention cannot run {name!r}: its config has no int vocab_size (a multimodal wrapper? "
+                "load its language model alone)")
+        if "position_ids" not in inspect.signature(self.model.forward).parameters:
+            raise NotImplementedError(
+                f"kvlab's paged attention cannot run {name!r}: its forward takes no position_ids, so the tokens of a "
+                "packed step would get positions from their place in the step instead of their place in the sequence")
         batch = build_batch(self.store, [(0, 1, [0])])
         zero = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         try:
@@ -217,6 +226,10 @@ class Engine:
                 f"{self.store.num_layers} (calls: {batch.layers_run}); the model's attention does not go through "
                 "transformers' AttentionInterface (e.g. ALiBi or custom attention code), so its K/V would never "
                 "reach the paged store and the outputs would be wrong")
+        try:
+            check_config(self.model.config, dict(zip(batch.layers_run, batch.windows_run)))
+        except NotImplementedError as e:
+            raise NotImplementedError(f"kvlab's paged attention cannot run {name!r}: {e}") from e
 
     # --- requests ---------------------------------------------------------------------------------------
     @_locked
