@@ -249,7 +249,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise MissingBatchError(f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
                            "kvlab.engine.Engine, or inside `paged_attention(model)` with a PagedBatch)")
     check_attention_call(module, attention_mask, dropout, sliding_window, is_causal, kwargs)
-    batch, layer = kvlab_batch, module.layer_idx
+    batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise NotImplementedError(f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
+                                  "paged attention stores K/V per layer")
     batch.layers_run.append(layer)
     batch.windows_run.append(sliding_window)
     if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
