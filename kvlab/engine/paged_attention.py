@@ -257,6 +257,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     batch.windows_run.append(sliding_window)
     if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
         raise ValueError(f"expected a packed (1, heads, {batch.num_tokens}, D) query, got {tuple(query.shape)}")
+    store = batch.store
+    if key.shape[1] != store.kv_heads or {key.shape[-1], value.shape[-1], query.shape[-1]} != {store.head_dim}:
+        raise NotImplementedError(
+            f"layer {layer} has {key.shape[1]} KV heads with key/value/query widths {key.shape[-1]}/{value.shape[-1]}/"
+            f"{query.shape[-1]}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
+            "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented")
     heads, kv_heads = query.shape[1], key.shape[1]
     batch.store.write(layer, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, kv_heads, D)
     q_all = query[0].transpose(0, 1)  # (T, heads, D)
