@@ -195,7 +195,8 @@ def test_non_causal_modules_and_mismatched_kv_shapes_are_refused():
     store = PagedKVStore(1, num_blocks=2, block_size=BS, kv_heads=KVH, head_dim=D)
     q, k, v = torch.randn(1, H, 1, D), torch.randn(1, KVH, 1, D), torch.randn(1, KVH, 1, 2 * D)
     with pytest.raises(NotImplementedError, match="different widths"):  # multi-head latent attention: V wider than K
-        paged_attention_forward(SimpleNamespace(layer_idx=0), q, k, v, None, kvlab_batch=build_batch(store, [(0, 1, [0])]))
+        paged_attention_forward(SimpleNamespace(layer_idx=0), q, k, v, None,
+                                kvlab_batch=build_batch(store, [(0, 1, [0])]))
 
 
 @pytest.mark.parametrize("config, windows, feature", [
@@ -216,7 +217,8 @@ def test_config_features_outside_the_allow_list_are_refused(config, windows, fea
 def test_config_features_it_implements_pass():
     from kvlab.engine.paged_attention import check_config
 
-    check_config(SimpleNamespace(sliding_window=6, layer_types=["sliding_attention", "full_attention"]), {0: 6, 1: None})
+    gemma3 = SimpleNamespace(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    check_config(gemma3, {0: 6, 1: None})
     check_config(SimpleNamespace(sliding_window=6), {0: 6, 1: 6})  # mistral: every layer windowed
     check_config(SimpleNamespace(sliding_window=6, use_sliding_window=False), {0: None})  # qwen2 with the window off
     check_config(SimpleNamespace(attention_chunk_size=None, use_bidirectional_attention=False), {0: None})

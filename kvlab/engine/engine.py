@@ -224,7 +224,7 @@ class Engine:
             raise NotImplementedError(f"kvlab's paged attention cannot run {name!r}: {e}") from e
 
     def _check_probe(self, batch: Any) -> None:
-        """After the probe forward: every layer attended once, positions come from ``position_ids``, the config is served."""
+        """After the probe: every layer attended once, positions come from ``position_ids``, the config is served."""
         if sorted(batch.layers_run) != list(range(self.store.num_layers)):
             missing = sorted(set(range(self.store.num_layers)) - set(batch.layers_run))
             raise NotImplementedError(

@@ -26,6 +26,15 @@ it the model keeps its own implementation, so ``model.generate`` still works on 
 Because ``"kvlab_paged"`` has no entry in transformers' mask interface, the model builds no mask of its
 own (a packed batch would make that mask ``T x T``).
 
+What it implements is an allow-list, and everything else is refused (``NotImplementedError`` naming the
+feature), never dropped: per call, ``check_attention_call`` accepts the keywords in ``IMPLEMENTED_KWARGS``
+(a scale, a sliding window, no dropout, causal), ignores transformers' bookkeeping in ``METADATA_KWARGS``
+and refuses any other keyword that is not None (``s_aux`` sink logits, ``softcap``, ``position_bias``, ...),
+a mask of the model's own and a non-causal module; per model, ``check_config`` refuses layer types other
+than full and sliding-window attention, chunked and bidirectional attention, and a window the config sets
+but the attention call is not given (it would live in the model's own mask, which is never built here).
+``kvlab.engine.Engine`` runs both on a probe token at construction.
+
 References: transformers ``docs/source/en/attention_interface.md``; vLLM
 ``vllm/attention/backends/torch_sdpa.py``; nano-vllm ``nanovllm/layers/attention.py``.
 """
@@ -180,7 +189,7 @@ _FEATURES = {"s_aux": "per-head attention sink logits (s_aux)", "softcap": "atte
 
 def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor | None, dropout: float,
                          sliding_window: int | None, is_causal: bool | None, kwargs: dict[str, Any]) -> None:
-    """Raise ``NotImplementedError`` naming the feature when an attention call asks for more than causal (+window) SDPA."""
+    """Raise ``NotImplementedError`` naming the feature when a call asks for more than causal (+window) SDPA."""
     def refuse(feature: str) -> None:
         raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
 
@@ -280,7 +289,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         else:
             o = _paged_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
         if whole:
-            return o.reshape(1, b * q_len, heads, d).contiguous(), None  # (1, T, heads, D), as SDPA's wrapper returns it
+            return o.reshape(1, b * q_len, heads, d).contiguous(), None  # (1, T, heads, D), contiguous as from SDPA
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     return out.unsqueeze(0), None  # (1, T, heads, D)
 
