@@ -143,3 +143,82 @@ def test_prefills_with_nothing_cached_match_the_reference(lengths, window):
         for g, q, k, v, n in zip(out[0].split(lengths), qs, ks, vs, lengths):
             torch.testing.assert_close(g, _reference(q, k, v, range(n), window), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def _one_token_call(module=None, **kwargs):
+    """One decode token through ``paged_attention_forward`` with extra attention keywords."""
+    torch.manual_seed(2)
+    store = PagedKVStore(1, num_blocks=2, block_size=BS, kv_heads=KVH, head_dim=D)
+    batch = build_batch(store, [(0, 1, [0])])
+    q, kv = torch.randn(1, H, 1, D), torch.randn(1, KVH, 1, D)
+    kwargs.setdefault("attention_mask", None)
+    return paged_attention_forward(module or SimpleNamespace(layer_idx=0), q, kv, kv, scaling=D ** -0.5,
+                                   kvlab_batch=batch, **kwargs)[0]
+
+
+@pytest.mark.parametrize("kwargs, feature", [
+    ({"s_aux": torch.zeros(H)}, "sink"),  # gpt_oss
+    ({"softcap": 50.0}, "soft-capping"),  # gemma2
+    ({"position_bias": torch.zeros(1, H, 1, 1)}, "position bias"),
+    ({"attention_mask": torch.zeros(1, 1, 1, 1)}, "own attention mask"),
+    ({"is_causal": False}, "non-causal"),
+    ({"dropout": 0.1}, "dropout"),
+    ({"output_attentions": True}, "attention weights"),
+    ({"sliding_window": 0}, "sliding window"),
+    ({"block_indices": torch.zeros(1)}, "'block_indices'"),  # any keyword it does not know, when not None
+    ({"attention_chunk_size": 8}, "'attention_chunk_size'"),
+])
+def test_attention_keywords_outside_the_allow_list_are_refused(kwargs, feature):
+    with pytest.raises(NotImplementedError, match=feature):
+        _one_token_call(**kwargs)
+
+
+def test_allowed_keywords_and_unknown_keywords_left_off_change_nothing():
+    from kvlab.engine.paged_attention import IMPLEMENTED_KWARGS
+
+    want = _one_token_call()
+    same = _one_token_call(position_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False, output_attentions=False,
+                           is_causal=True, sliding_window=None, dropout=0.0, s_aux=None, softcap=None, anything=None)
+    assert torch.equal(same, want)
+    import inspect
+
+    named = set(inspect.signature(paged_attention_forward).parameters) - {"module", "query", "key", "value",
+                                                                          "attention_mask", "kwargs"}
+    assert named == IMPLEMENTED_KWARGS  # the documented allow-list is what the function handles
+
+
+def test_non_causal_modules_and_mismatched_kv_shapes_are_refused():
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        _one_token_call(SimpleNamespace(layer_idx=0, is_causal=False))  # bert-style encoder layers
+    with pytest.raises(NotImplementedError, match="layer_idx"):
+        _one_token_call(SimpleNamespace(layer_idx=None))
+    store = PagedKVStore(1, num_blocks=2, block_size=BS, kv_heads=KVH, head_dim=D)
+    q, k, v = torch.randn(1, H, 1, D), torch.randn(1, KVH, 1, D), torch.randn(1, KVH, 1, 2 * D)
+    with pytest.raises(NotImplementedError, match="different widths"):  # multi-head latent attention: V wider than K
+        paged_attention_forward(SimpleNamespace(layer_idx=0), q, k, v, None,
+                                kvlab_batch=build_batch(store, [(0, 1, [0])]))
+
+
+@pytest.mark.parametrize("config, windows, feature", [
+    ({"layer_types": ["full_attention", "chunked_attention"]}, {0: None, 1: None}, "chunked_attention"),  # llama4
+    ({"layer_types": ["linear_attention", "full_attention"]}, {1: None}, "linear_attention"),
+    ({"attention_chunk_size": 8192}, {0: None}, "chunked attention"),
+    ({"use_bidirectional_attention": True}, {0: None}, "bidirectional"),
+    ({"sliding_window": 6}, {0: None}, "window"),  # moshi: the window lives in the model's own mask only
+    ({"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}, {0: 6, 1: 6}, "window"),
+])
+def test_config_features_outside_the_allow_list_are_refused(config, windows, feature):
+    from kvlab.engine.paged_attention import check_config
+
+    with pytest.raises(NotImplementedError, match=feature):
+        check_config(SimpleNamespace(**config), windows)
+
+
+def test_config_features_it_implements_pass():
+    from kvlab.engine.paged_attention import check_config
+
+    gemma3 = SimpleNamespace(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    check_config(gemma3, {0: 6, 1: None})
+    check_config(SimpleNamespace(sliding_window=6), {0: 6, 1: 6})  # mistral: every layer windowed
+    check_config(SimpleNamespace(sliding_window=6, use_sliding_window=False), {0: None})  # qwen2 with the window off
+    check_config(SimpleNamespace(attention_chunk_size=None, use_bidirectional_attention=False), {0: None})

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import random
 import threading
@@ -66,7 +67,7 @@ from ..cache.block_pool import check
 from ..cache.kv_events import EventBatch
 from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
-from .paged_attention import MissingBatchError, build_batch, paged_attention
+from .paged_attention import MissingBatchError, build_batch, check_config, paged_attention
 from .radix_adapter import make_prefix_cache
 from .sampling import SamplingParams, sample_next
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -187,14 +188,21 @@ class Engine:
     def _check_architecture(self) -> None:
         """Run one token through the model with the paged attention; refuse a model it does not fully serve.
 
-        The paged attention must run exactly once for every layer. A model whose attention bypasses
-        transformers' ``AttentionInterface`` (Bloom: ALiBi in its own code) never calls it, and would
-        silently attend over an empty store; others fail inside transformers (Falcon, MPT), drop the
-        ``kvlab_batch`` keyword on the way down (StableLM), or need what the paged attention does not
-        do (attention logit soft-capping). Each is refused here, before any request, with
-        ``NotImplementedError`` naming the architecture and the reason.
+        An allow-list (``kvlab.engine.paged_attention``): the model is served only if its forward takes
+        ``position_ids``, its config has an int ``vocab_size``, the paged attention runs exactly once for
+        every layer through transformers' ``AttentionInterface``, every attention call asks for nothing
+        beyond causal SDPA with a scale and an optional sliding window (``check_attention_call``: no sink
+        logits, soft-capping, position bias, own mask, dropout, non-causal module, or any other keyword
+        that is not None), and its config's attention features are ones it implements (``check_config``:
+        full and sliding-window layer types only, no chunked or bidirectional attention, each layer's
+        window passed to its attention call). Anything else is refused here, before any request, with
+        ``NotImplementedError`` naming the architecture and the feature.
         """
         name = getattr(self.model.config, "model_type", None) or type(self.model).__name__
+        if not isinstance(getattr(self.model.config, "vocab_size", None), int):
+            raise NotImplementedError(
+                f"kvlab's paged attention cannot run {name!r}: its config has no int vocab_size (a multimodal wrapper? "
+                "load its language model alone)")
         batch = build_batch(self.store, [(0, 1, [0])])
         zero = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         try:
@@ -214,13 +222,24 @@ class Engine:
         finally:
             self.store.k[:, 0].zero_()
             self.store.v[:, 0].zero_()
+        try:
+            self._check_probe(batch)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"kvlab's paged attention cannot run {name!r}: {e}") from e
+
+    def _check_probe(self, batch: Any) -> None:
+        """After the probe: every layer attended once, positions come from ``position_ids``, the config is served."""
         if sorted(batch.layers_run) != list(range(self.store.num_layers)):
             missing = sorted(set(range(self.store.num_layers)) - set(batch.layers_run))
             raise NotImplementedError(
-                f"kvlab's paged attention cannot run {name!r}: it never ran for layers {missing} of "
-                f"{self.store.num_layers} (calls: {batch.layers_run}); the model's attention does not go through "
-                "transformers' AttentionInterface (e.g. ALiBi or custom attention code), so its K/V would never "
-                "reach the paged store and the outputs would be wrong")
+                f"it never ran for layers {missing} of {self.store.num_layers} (calls: {batch.layers_run}); the "
+                "model's attention does not go through transformers' AttentionInterface (e.g. ALiBi or custom "
+                "attention code), so its K/V would never reach the paged store and the outputs would be wrong")
+        if "position_ids" not in inspect.signature(self.model.forward).parameters:
+            raise NotImplementedError(
+                "its forward takes no position_ids, so the tokens of a packed step would get positions from their "
+                "place in the step instead of their place in the sequence")
+        check_config(self.model.config, dict(zip(batch.layers_run, batch.windows_run)))
 
     # --- requests ---------------------------------------------------------------------------------------
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:

@@ -185,6 +185,10 @@ def kv_shape(config: Any) -> dict[str, int]:
     cfg = _cfg(config, "text_config") or config  # multimodal configs nest the LM
     layers = _cfg(cfg, "num_hidden_layers")
     heads = _cfg(cfg, "num_attention_heads")
+    if not isinstance(layers, int) or not isinstance(heads, int):
+        raise NotImplementedError(f"kvlab's paged attention cannot run {_cfg(cfg, 'model_type')!r}: its config gives "
+                                  "no int num_hidden_layers and num_attention_heads, so there is no attention K/V to "
+                                  "store (a state-space or recurrent model?)")
     kv_heads = _cfg(cfg, "num_key_value_heads") or heads
     head_dim = _cfg(cfg, "head_dim") or _cfg(cfg, "hidden_size") // heads
     return {"layers": int(layers), "kv_heads": int(kv_heads), "head_dim": int(head_dim)}

@@ -26,6 +26,15 @@ it the model keeps its own implementation, so ``model.generate`` still works on 
 Because ``"kvlab_paged"`` has no entry in transformers' mask interface, the model builds no mask of its
 own (a packed batch would make that mask ``T x T``).
 
+What it implements is an allow-list, and everything else is refused (``NotImplementedError`` naming the
+feature), never dropped: per call, ``check_attention_call`` accepts the keywords in ``IMPLEMENTED_KWARGS``
+(a scale, a sliding window, no dropout, causal), ignores transformers' bookkeeping in ``METADATA_KWARGS``
+and refuses any other keyword that is not None (``s_aux`` sink logits, ``softcap``, ``position_bias``, ...),
+a mask of the model's own and a non-causal module; per model, ``check_config`` refuses layer types other
+than full and sliding-window attention, chunked and bidirectional attention, and a window the config sets
+but the attention call is not given (it would live in the model's own mask, which is never built here).
+``kvlab.engine.Engine`` runs both on a probe token at construction.
+
 References: transformers ``docs/source/en/attention_interface.md``; vLLM
 ``vllm/attention/backends/torch_sdpa.py``; nano-vllm ``nanovllm/layers/attention.py``.
 """
@@ -43,8 +52,9 @@ import torch.nn.functional as F
 from ..cache.block_manager import cdiv
 from .kv_store import PagedKVStore
 
-__all__ = ["ATTN_NAME", "AttnGroup", "MissingBatchError", "PagedBatch", "build_batch", "group_by_query_length",
-           "paged_attention", "paged_attention_forward", "register"]
+__all__ = ["ATTN_NAME", "IMPLEMENTED_KWARGS", "METADATA_KWARGS", "AttnGroup", "MissingBatchError", "PagedBatch",
+           "build_batch", "check_attention_call", "check_config", "group_by_query_length", "paged_attention",
+           "paged_attention_forward", "register"]
 
 ATTN_NAME = "kvlab_paged"
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
@@ -99,6 +109,7 @@ class PagedBatch:
     groups: list[AttnGroup]
     num_tokens: int
     layers_run: list[int] = field(default_factory=list)  # layer index of each call, in order (the engine checks it)
+    windows_run: list[int | None] = field(default_factory=list)  # the sliding window each of those calls was given
 
 
 class MissingBatchError(RuntimeError):
@@ -165,21 +176,102 @@ def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> l
     return groups
 
 
+# The allow-list. Keywords of the attention call that the paged attention implements:
+IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
+# transformers' bookkeeping keywords that carry no attention semantics (positions come from ``kvlab_batch``):
+METADATA_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
+                             "output_router_logits", "return_dict", "logits_to_keep"})
+# What a refusal calls some keywords (any other one is named as the keyword itself):
+_FEATURES = {"s_aux": "per-head attention sink logits (s_aux)", "softcap": "attention logit soft-capping (softcap)",
+             "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
+             "encoder_hidden_states": "cross-attention (encoder_hidden_states)"}
+
+
+def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor | None, dropout: float,
+                         sliding_window: int | None, is_causal: bool | None, kwargs: dict[str, Any]) -> None:
+    """Raise ``NotImplementedError`` naming the feature when a call asks for more than causal (+window) SDPA."""
+    def refuse(feature: str) -> None:
+        raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
+
+    if attention_mask is not None:
+        refuse(f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)")
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        refuse("non-causal (bidirectional) attention")
+    if dropout:
+        refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
+    if kwargs.get("output_attentions"):
+        refuse("returning attention weights (output_attentions=True)")
+    for name, value in kwargs.items():
+        if name not in METADATA_KWARGS and value is not None:  # an unknown keyword is accepted only when off (None)
+            refuse(_FEATURES.get(name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"))
+
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})  # config.layer_types it implements
+
+
+def _layer_windows(cfg: Any, num_layers: int) -> list[int | None]:
+    """The sliding window the config asks of each layer's attention (None: full causal attention)."""
+    window, types = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    return [window] * num_layers
+
+
+def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
+    """Raise ``NotImplementedError`` naming a config feature that changes attention beyond causal (+window) SDPA.
+
+    ``windows_run`` maps each layer to the sliding window its attention call received (a probe forward):
+    a window the config sets but the model applies only through its own mask (which kvlab does not build)
+    would otherwise be dropped silently.
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and set(types) - ATTENTION_LAYER_TYPES:
+        raise NotImplementedError(f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} are not implemented "
+                                  f"by kvlab's paged attention (only {sorted(ATTENTION_LAYER_TYPES)})")
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        raise NotImplementedError(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
+                                  "implemented by kvlab's paged attention")
+    if getattr(cfg, "use_bidirectional_attention", None):
+        raise NotImplementedError(f"bidirectional attention (use_bidirectional_attention="
+                                  f"{cfg.use_bidirectional_attention!r}) is not implemented by kvlab's paged attention")
+    want = _layer_windows(cfg, len(windows_run))
+    for layer, got in sorted(windows_run.items()):
+        if layer < len(want) and want[layer] != got:
+            raise NotImplementedError(
+                f"layer {layer}'s sliding window is {want[layer]} in the config but its attention call was given "
+                f"{got}: the model applies the window in its own mask, which kvlab's paged attention does not build")
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             kvlab_batch: PagedBatch | None = None, sliding_window: int | None = None,
-                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+                            is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's pages."""
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
     if kvlab_batch is None:
         raise MissingBatchError(f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
                            "kvlab.engine.Engine, or inside `paged_attention(model)` with a PagedBatch)")
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported by kvlab's paged attention")
-    batch, layer = kvlab_batch, module.layer_idx
+    check_attention_call(module, attention_mask, dropout, sliding_window, is_causal, kwargs)
+    batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise NotImplementedError(f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
+                                  "paged attention stores K/V per layer")
     batch.layers_run.append(layer)
+    batch.windows_run.append(sliding_window)
     if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
         raise ValueError(f"expected a packed (1, heads, {batch.num_tokens}, D) query, got {tuple(query.shape)}")
+    store = batch.store
+    if key.shape[1] != store.kv_heads or {key.shape[-1], value.shape[-1], query.shape[-1]} != {store.head_dim}:
+        raise NotImplementedError(
+            f"layer {layer} has {key.shape[1]} KV heads with key/value/query widths {key.shape[-1]}/{value.shape[-1]}/"
+            f"{query.shape[-1]}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
+            "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented")
     heads, kv_heads = query.shape[1], key.shape[1]
     batch.store.write(layer, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, kv_heads, D)
     q_all = query[0].transpose(0, 1)  # (T, heads, D)
@@ -197,7 +289,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         else:
             o = _paged_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
         if whole:
-            return o.reshape(1, b * q_len, heads, d), None  # (1, T, heads, D)
+            return o.reshape(1, b * q_len, heads, d).contiguous(), None  # (1, T, heads, D), contiguous as from SDPA
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     return out.unsqueeze(0), None  # (1, T, heads, D)
 
@@ -242,10 +334,14 @@ def register() -> None:
 def paged_attention(model: Any) -> Iterator[Any]:
     """Within the block, ``model`` attends with kvlab's paged attention; its own choice is restored after."""
     register()
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation_internal = ATTN_NAME
+    configs = [model.config]  # and the language model's own config where it nests one (e.g. a multimodal model)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    configs += [text] if text is not model.config else []
+    previous = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation_internal = ATTN_NAME
     try:
         yield model
     finally:
-        config._attn_implementation_internal = previous
+        for c, p in zip(configs, previous):
+            c._attn_implementation_internal = p
