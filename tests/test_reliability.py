@@ -405,7 +405,8 @@ def test_no_tenant_and_the_empty_tenant_do_not_share(tiny):
 # --- 5. block manager and pool: refusals change nothing -------------------------------------------------
 def full_state(m):
     """Everything in a manager and its pool (deep-copied), to prove a failed call changed nothing."""
-    return copy.deepcopy(({k: v for k, v in vars(m).items() if k != "pool"}, vars(m.pool)))
+    # _plan_token is the manager's identity (a plan names it), not state: a deep copy is a new object
+    return copy.deepcopy(({k: v for k, v in vars(m).items() if k not in ("pool", "_plan_token")}, vars(m.pool)))
 
 
 def _busy(hash_fn=None):
