@@ -13,11 +13,11 @@ Ray is optional (``pip install kvlab[cluster]``): nothing here imports it until 
 
 from .driver import FleetResult, percentile, run_fleet
 from .replica import EngineReplica, LocalHandle, RayHandle, SimReplica, ray_available, ray_replicas, start_ray
-from .router import POLICIES, HashRing, KVIndex, PrefixTree, Router, RouteRequest
+from .router import ALL_POLICIES, POLICIES, HashRing, KVIndex, PrefixTree, Router, RouteRequest
 from .sim import CostModel, agree, simulate
 from .workloads import FleetWorkload, Session, chat, from_prompts
 
-__all__ = ["POLICIES", "CostModel", "EngineReplica", "FleetResult", "FleetWorkload", "HashRing", "KVIndex",
+__all__ = ["ALL_POLICIES", "POLICIES", "CostModel", "EngineReplica", "FleetResult", "FleetWorkload", "HashRing", "KVIndex",
            "LocalHandle", "PrefixTree", "RayHandle", "RouteRequest", "Router", "Session", "SimReplica", "agree",
            "chat", "from_prompts", "percentile", "ray_available", "ray_replicas", "run_fleet", "simulate",
            "start_ray"]

@@ -1,0 +1,160 @@
+"""The torch side of the host tier: copy a block's K/V out of the paged store and back, and ship blocks between replicas.
+
+``HostOffload`` wires a ``kvlab.cache.host_tier.HostTier`` to an engine's store and block manager through two
+seams: the pool's ``on_evict`` (an evicted cached block is copied to host memory, all layers, K and V) and the
+block manager's ``second_tier`` (a prompt that misses the pool but hits the tier gets the block copied back
+into a fresh pool block instead of recomputed). Engine: ``Engine(..., host_tier_bytes=N)``.
+
+Between replicas the same entries travel: ``export`` reads the leading blocks of a chain of hashes that this
+engine holds (pool, then tier) into host tensors; a peer ``stage``s them into its own tier (each block's hash
+recomputed from its content first), and its next prompt with that prefix restores them as above. An
+``ObjectStore`` carries them: ``RayObjectStore`` (``ray.put`` / ``ray.get``) or ``LocalObjectStore``, an
+in-process stand-in with the same two methods whose owner can "die" (its objects are lost, as a dead Ray
+actor's are). Whatever fails on the way (the holder died, an entry was evicted before it was read, a payload
+of the wrong shape) is a miss: the tokens are recomputed.
+
+On a CPU both tiers are RAM: a "transfer" is a memcpy, and the numbers say what a copy costs against a
+recompute, not what PCIe or a network would. On a GPU ``export``/``save`` are real device -> host copies.
+
+References: vLLM ``vllm/v1/kv_offload`` (CPU offloading connector) and ``KVConnectorBase_V1``; LMCache;
+Mooncake's transfer engine; NVIDIA Dynamo's NIXL-based KV transfer for disaggregated prefill/decode.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..cache.block_manager import BlockManager
+from ..cache.hashing import BlockHash
+from ..cache.host_tier import HostTier, TierEntry, TierLink, collect_blocks
+from .kv_store import PagedKVStore
+
+__all__ = ["HostOffload", "LocalObjectStore", "ObjectLost", "ObjectStore", "RayObjectStore"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HostOffload:
+    """A host tier for one engine: saves evicted blocks, restores them, exports and stages blocks for transfer."""
+
+    def __init__(self, store: PagedKVStore, block_manager: BlockManager, capacity_bytes: int, *,
+                 offload: bool = True) -> None:
+        if not isinstance(block_manager, BlockManager):
+            raise ValueError("a host tier needs the block cache (cache='blocks'): it is keyed by block hashes")
+        self.store, self.block_manager = store, block_manager
+        pool = block_manager.pool
+        self.tier = HostTier(capacity_bytes, block_manager.block_size, emit=pool._emit)
+        self.link = TierLink(self.tier, store.bytes_per_block, offload=offload, save_payload=self.read_block,
+                             load_payload=self.write_block)
+        pool.on_evict = self.link.on_evict
+        block_manager.second_tier = self.link
+        self.bytes_out = self.bytes_in = 0  # device -> host, host -> device
+        self.seconds_out = self.seconds_in = 0.0
+
+    def read_block(self, block_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+        """Copy one block's K and V (every layer) to host memory: ``((k, v), nbytes)``, each (L, block_size, kv_heads, head_dim)."""
+        t0 = time.perf_counter()
+        k = self.store.k[:, block_id].to("cpu", copy=True)  # (L, block_size, kv_heads, head_dim)
+        v = self.store.v[:, block_id].to("cpu", copy=True)
+        _sync(self.store.device)
+        nbytes = self.store.bytes_per_block
+        self.seconds_out += time.perf_counter() - t0
+        self.bytes_out += nbytes
+        return (k, v), nbytes
+
+    def write_block(self, payload: Any, block_id: int) -> None:
+        """Copy a host payload ``(k, v)`` into pool block ``block_id``; raises if it does not fit this store."""
+        k, v = payload
+        want = self.store.k[:, block_id]
+        for t in (k, v):
+            if not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype:
+                raise ValueError(f"payload of shape {getattr(t, 'shape', None)} does not fit a block {tuple(want.shape)} "
+                                 f"{want.dtype}")
+        t0 = time.perf_counter()
+        self.store.k[:, block_id].copy_(k)
+        self.store.v[:, block_id].copy_(v)
+        _sync(self.store.device)
+        self.seconds_in += time.perf_counter() - t0
+        self.bytes_in += self.store.bytes_per_block
+
+    def export(self, hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> list[TierEntry]:
+        """The leading blocks of ``hashes`` (``parent``: the hash before them) this engine holds, copied to host tensors."""
+        return collect_blocks(self.block_manager.pool, self.tier, list(hashes), self.read_block, parent)
+
+    def stage(self, entries: Sequence[TierEntry]) -> int:
+        """Stage blocks a peer exported into this tier (hashes checked against content); how many were taken."""
+        return self.link.stage(list(entries), self.block_manager.hash_fn)
+
+    def stats(self) -> dict:
+        """The tier's counts plus bytes and seconds copied each way."""
+        return {**self.link.stats(), "bytes_to_host": self.bytes_out, "bytes_from_host": self.bytes_in,
+                "seconds_to_host": self.seconds_out, "seconds_from_host": self.seconds_in}
+
+
+class ObjectLost(RuntimeError):
+    """Raised by ``ObjectStore.get`` when the object is gone (its owner died)."""
+
+
+class ObjectStore(Protocol):
+    """What moves blocks between replicas: put an object, get it back by reference."""
+
+    def put(self, obj: Any, owner: Hashable = None) -> Any:
+        """Store ``obj`` (owned by ``owner``); a reference to it."""
+
+    def get(self, ref: Any) -> Any:
+        """The object behind ``ref``; raises if it is lost."""
+
+
+class LocalObjectStore:
+    """An in-process object store with Ray's failure mode: ``kill(owner)`` loses every object that owner put."""
+
+    def __init__(self) -> None:
+        self.objects: dict[int, tuple[Hashable, Any]] = {}
+        self._ids = itertools.count()
+
+    def put(self, obj: Any, owner: Hashable = None) -> int:
+        """Store ``obj``; its reference (an int)."""
+        ref = next(self._ids)
+        self.objects[ref] = (owner, obj)
+        return ref
+
+    def get(self, ref: int) -> Any:
+        """The object, or ``ObjectLost`` if its owner was killed."""
+        try:
+            return self.objects[ref][1]
+        except KeyError:
+            raise ObjectLost(f"object {ref} is lost (its owner died)") from None
+
+    def kill(self, owner: Hashable) -> int:
+        """The owner died: its objects are lost; how many."""
+        lost = [r for r, (o, _) in self.objects.items() if o == owner]
+        for r in lost:
+            del self.objects[r]
+        return len(lost)
+
+
+class RayObjectStore:
+    """Ray's object store: ``ray.put`` in the holder (which owns the object), ``ray.get`` in the fetcher."""
+
+    def put(self, obj: Any, owner: Hashable = None) -> Any:
+        """``ray.put(obj)``: owned by the calling process (the holder's actor)."""
+        import ray
+
+        return ray.put(obj)
+
+    def get(self, ref: Any) -> Any:
+        """``ray.get(ref)`` (raises ``ObjectLost`` if Ray lost it, e.g. its owner died)."""
+        import ray
+
+        try:
+            return ray.get(ref, timeout=60)
+        except Exception as e:  # noqa: BLE001 - OwnerDiedError, ObjectLostError, GetTimeoutError...
+            raise ObjectLost(f"{type(e).__name__}: {e}") from e
