@@ -6,7 +6,7 @@ import pytest
 
 from kvlab.cache.hashing import prompt_block_hashes
 from kvlab.cluster import LocalHandle, RouteRequest, Router, SimReplica, agree, chat, run_fleet, simulate
-from kvlab.engine.offload import LocalObjectStore, ObjectLost
+from kvlab.cluster.object_store import LocalObjectStore, ObjectLost
 
 BS = 16
 SMALL = dict(num_sessions=6, num_tenants=2, system_tokens=64, user_tokens=(8, 24), reply_tokens=4, turns=(3, 4),

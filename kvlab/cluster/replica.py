@@ -71,7 +71,7 @@ class _Tiered:
     _fetches: list
 
     def _init_transfer(self, object_store: Any) -> None:
-        from ..engine.offload import LocalObjectStore
+        from .object_store import LocalObjectStore
 
         self.object_store = object_store if object_store is not None else LocalObjectStore()
         self._fetches = []
@@ -427,7 +427,7 @@ def ray_replicas(n: int, **engine_kwargs: Any) -> list[RayHandle]:
     """
     import ray
 
-    from ..engine.offload import RayObjectStore
+    from .object_store import RayObjectStore
 
     engine_kwargs.setdefault("object_store", RayObjectStore())  # blocks move between actors through Ray's store
     actor_cls = ray.remote(num_cpus=0)(EngineReplica)

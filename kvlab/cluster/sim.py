@@ -52,7 +52,7 @@ def simulate(workload, num_replicas: int, policy: str, *, num_blocks: int = 256,
     ``tier_blocks``: each replica's host tier, in blocks (default: none, or ``num_blocks`` under ``pull``, which
     stages fetched blocks there); ``offload``: the tier also keeps evicted blocks.
     """
-    from ..engine.offload import LocalObjectStore
+    from .object_store import LocalObjectStore
     from .driver import run_fleet
     from .replica import LocalHandle, SimReplica
 

@@ -8,9 +8,7 @@ into a fresh pool block instead of recomputed). Engine: ``Engine(..., host_tier_
 Between replicas the same entries travel: ``export`` reads the leading blocks of a chain of hashes that this
 engine holds (pool, then tier) into host tensors; a peer ``stage``s them into its own tier (each block's hash
 recomputed from its content first), and its next prompt with that prefix restores them as above. An
-``ObjectStore`` carries them: ``RayObjectStore`` (``ray.put`` / ``ray.get``) or ``LocalObjectStore``, an
-in-process stand-in with the same two methods whose owner can "die" (its objects are lost, as a dead Ray
-actor's are). Whatever fails on the way (the holder died, an entry was evicted before it was read, a payload
+``ObjectStore`` carries them (``kvlab.cluster.object_store``: Ray's, or an in-process stand-in). Whatever fails on the way (the holder died, an entry was evicted before it was read, a payload
 of the wrong shape) is a miss: the tokens are recomputed.
 
 On a CPU both tiers are RAM: a "transfer" is a memcpy, and the numbers say what a copy costs against a
@@ -22,10 +20,9 @@ Mooncake's transfer engine; NVIDIA Dynamo's NIXL-based KV transfer for disaggreg
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Hashable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +31,7 @@ from ..cache.hashing import BlockHash
 from ..cache.host_tier import HostTier, TierEntry, TierLink, collect_blocks
 from .kv_store import PagedKVStore
 
-__all__ = ["HostOffload", "LocalObjectStore", "ObjectLost", "ObjectStore", "RayObjectStore"]
+__all__ = ["HostOffload"]
 
 
 def _sync(device: torch.device) -> None:
@@ -97,64 +94,3 @@ class HostOffload:
         """The tier's counts plus bytes and seconds copied each way."""
         return {**self.link.stats(), "bytes_to_host": self.bytes_out, "bytes_from_host": self.bytes_in,
                 "seconds_to_host": self.seconds_out, "seconds_from_host": self.seconds_in}
-
-
-class ObjectLost(RuntimeError):
-    """Raised by ``ObjectStore.get`` when the object is gone (its owner died)."""
-
-
-class ObjectStore(Protocol):
-    """What moves blocks between replicas: put an object, get it back by reference."""
-
-    def put(self, obj: Any, owner: Hashable = None) -> Any:
-        """Store ``obj`` (owned by ``owner``); a reference to it."""
-
-    def get(self, ref: Any) -> Any:
-        """The object behind ``ref``; raises if it is lost."""
-
-
-class LocalObjectStore:
-    """An in-process object store with Ray's failure mode: ``kill(owner)`` loses every object that owner put."""
-
-    def __init__(self) -> None:
-        self.objects: dict[int, tuple[Hashable, Any]] = {}
-        self._ids = itertools.count()
-
-    def put(self, obj: Any, owner: Hashable = None) -> int:
-        """Store ``obj``; its reference (an int)."""
-        ref = next(self._ids)
-        self.objects[ref] = (owner, obj)
-        return ref
-
-    def get(self, ref: int) -> Any:
-        """The object, or ``ObjectLost`` if its owner was killed."""
-        try:
-            return self.objects[ref][1]
-        except KeyError:
-            raise ObjectLost(f"object {ref} is lost (its owner died)") from None
-
-    def kill(self, owner: Hashable) -> int:
-        """The owner died: its objects are lost; how many."""
-        lost = [r for r, (o, _) in self.objects.items() if o == owner]
-        for r in lost:
-            del self.objects[r]
-        return len(lost)
-
-
-class RayObjectStore:
-    """Ray's object store: ``ray.put`` in the holder (which owns the object), ``ray.get`` in the fetcher."""
-
-    def put(self, obj: Any, owner: Hashable = None) -> Any:
-        """``ray.put(obj)``: owned by the calling process (the holder's actor)."""
-        import ray
-
-        return ray.put(obj)
-
-    def get(self, ref: Any) -> Any:
-        """``ray.get(ref)`` (raises ``ObjectLost`` if Ray lost it, e.g. its owner died)."""
-        import ray
-
-        try:
-            return ray.get(ref, timeout=60)
-        except Exception as e:  # noqa: BLE001 - OwnerDiedError, ObjectLostError, GetTimeoutError...
-            raise ObjectLost(f"{type(e).__name__}: {e}") from e

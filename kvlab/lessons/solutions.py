@@ -219,3 +219,8 @@ def ex09_1_policy(router, request):
     """Notebook 09: the replica with the largest cached overlap minus its active blocks, ties to the lowest id."""
     hashes = router.hashes(request)
     return max(router.replicas, key=lambda r: (router.index.overlap(r, hashes) - router.active_blocks(r), -r))
+
+
+def ex11_1_worth_pulling(prefix_tokens: int, recompute_per_token: float, copy_per_token: float, fixed: float) -> bool:
+    """Notebook 11: pull when one transfer's fixed cost plus the copy is strictly cheaper than recomputing the prefix."""
+    return fixed + copy_per_token * prefix_tokens < recompute_per_token * prefix_tokens
