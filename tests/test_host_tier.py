@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvlab.cache.block_manager import BlockManager, TenantScope
+from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.hashing import hash_block, prompt_block_hashes
 from kvlab.cache.host_tier import HostTier, TierEntry, TierLink
 from kvlab.cache.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, EventBatch

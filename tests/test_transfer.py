@@ -5,7 +5,7 @@ import random
 import pytest
 
 from kvlab.cache.hashing import prompt_block_hashes
-from kvlab.cluster import LocalHandle, RouteRequest, Router, SimReplica, agree, chat, run_fleet, simulate
+from kvlab.cluster import LocalHandle, Router, RouteRequest, SimReplica, agree, chat, run_fleet, simulate
 from kvlab.cluster.object_store import LocalObjectStore, ObjectLost
 
 BS = 16

@@ -244,11 +244,12 @@ class TierLink:
 
 def collect_blocks(pool: Any, tier: HostTier | None, hashes: list[BlockHash],
                    read: Callable[[int], tuple[Any, int]] | None = None,
-                   parent: BlockHash | None = None) -> list[TierEntry]:
+                   parent: BlockHash | None = None, wire: Callable[[Any], Any] | None = None) -> list[TierEntry]:
     """The leading blocks of ``hashes`` that this replica holds (pool first, then its tier), as entries to ship.
 
     ``read(block_id) -> (payload, nbytes)`` copies a pool block's K/V (None: model-free, one byte each);
-    ``parent``: the hash before ``hashes[0]`` (None when they start the prompt). Stops at the first hash it
+    ``parent``: the hash before ``hashes[0]`` (None when they start the prompt); ``wire(payload)`` converts a
+    tier entry's payload as ``read`` converts a pool block's (for shipping). Stops at the first hash it
     holds neither place, or whose parent is not the previous hash (a broken chain).
     """
     out: list[TierEntry] = []
@@ -259,7 +260,8 @@ def collect_blocks(pool: Any, tier: HostTier | None, hashes: list[BlockHash],
             out.append(TierEntry(h, block.parent_hash, tuple(block.token_ids), block.extra_keys, payload, nbytes, "peer"))
         elif tier is not None and h in tier and tier.entries[h].parent_hash == parent:
             e = tier.entries[h]
-            out.append(TierEntry(h, e.parent_hash, e.token_ids, e.extra_keys, e.payload, e.nbytes, "peer"))
+            payload = wire(e.payload) if wire is not None and e.payload is not None else e.payload
+            out.append(TierEntry(h, e.parent_hash, e.token_ids, e.extra_keys, payload, e.nbytes, "peer"))
         else:
             break
         parent = h

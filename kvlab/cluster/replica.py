@@ -218,9 +218,9 @@ class SimReplica(_Tiered):
 
 
 class EngineReplica(_Tiered):
-    """A kvlab ``Engine`` on a model (the bundled one by default) with KV events on."""
+    """A kvlab ``Engine`` on a model (the bundled one by default; or a loaded ``(model, tokenizer)``) with KV events on."""
 
-    def __init__(self, model: str | None = None, num_blocks: int = 256, block_size: int = 16, *, device: str = "cpu",
+    def __init__(self, model: str | tuple | None = None, num_blocks: int = 256, block_size: int = 16, *, device: str = "cpu",
                  dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  torch_threads: int | None = 1, tier_blocks: int | None = None, offload: bool = False,
                  object_store: Any = None) -> None:
@@ -230,7 +230,10 @@ class EngineReplica(_Tiered):
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
+        if isinstance(model, tuple):  # (model, tokenizer) already loaded: in-process replicas share the weights
+            self.model, self.tokenizer = model
+        else:
+            self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.config = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens)
         self.tier_blocks, self.offload = tier_blocks, offload
@@ -266,8 +269,11 @@ class EngineReplica(_Tiered):
         return collect_blocks(self.engine.block_manager.pool, None, hashes, self._read, parent)
 
     def _read(self, block_id: int) -> tuple:
+        from ..engine.offload import to_wire
+
         store = self.engine.store
-        return (store.k[:, block_id].to("cpu", copy=True), store.v[:, block_id].to("cpu", copy=True)), store.bytes_per_block
+        k, v = store.k[:, block_id].to("cpu", copy=True), store.v[:, block_id].to("cpu", copy=True)
+        return (to_wire(k), to_wire(v)), store.bytes_per_block
 
     def _stage(self, entries: list) -> int:
         ht = self.engine.host_tier

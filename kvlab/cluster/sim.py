@@ -52,8 +52,8 @@ def simulate(workload, num_replicas: int, policy: str, *, num_blocks: int = 256,
     ``tier_blocks``: each replica's host tier, in blocks (default: none, or ``num_blocks`` under ``pull``, which
     stages fetched blocks there); ``offload``: the tier also keeps evicted blocks.
     """
-    from .object_store import LocalObjectStore
     from .driver import run_fleet
+    from .object_store import LocalObjectStore
     from .replica import LocalHandle, SimReplica
 
     if tier_blocks is None and policy == "pull":

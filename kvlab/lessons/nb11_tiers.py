@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,7 +19,17 @@ import pandas as pd
 
 from kvlab.cache.hashing import prompt_block_hashes
 from kvlab.cache.host_tier import collect_blocks
-from kvlab.cluster import CostModel, EngineReplica, LocalHandle, agree, from_prompts, pd_summary, run_fleet, run_pd, simulate
+from kvlab.cluster import (
+    CostModel,
+    EngineReplica,
+    LocalHandle,
+    agree,
+    from_prompts,
+    pd_summary,
+    run_fleet,
+    run_pd,
+    simulate,
+)
 from kvlab.cluster.object_store import LocalObjectStore, PickleObjectStore
 from kvlab.lessons.common import Verdict, call_answer, verdict
 
@@ -61,26 +70,39 @@ def _rand(n: int, rng: random.Random) -> list[int]:
 
 # --- 1 · the crossover -------------------------------------------------------------------------------------
 def crossover(model: Any, tokenizer: Any, lengths: Sequence[int] = (16, 64, 128, 256, 512, 768), repeats: int = 3,
-              seed: int = 0) -> pd.DataFrame:
+              seed: int = 0, torch_threads: int | None = 1) -> pd.DataFrame:
     """TTFT of a prompt whose first ``L`` tokens are recomputed, restored from the host tier, or fetched from a peer.
 
-    One row per ``L`` (medians of ``repeats``): ``recompute_s`` (cold cache), ``tier_s`` (the prefix was evicted to
+    One row per ``L`` (the fastest of ``repeats``: the least disturbed by other work on the machine): ``recompute_s`` (cold cache), ``tier_s`` (the prefix was evicted to
     the host tier: restored), ``transfer_s`` (a peer exports it, it is pickled and unpickled as between processes,
     staged and restored: the whole path), the bytes moved, and the copy seconds alone (host -> pool).
+    ``torch_threads``: as the engine replicas use (``EngineReplica``'s default, 1); None leaves torch's setting.
     """
+    import torch
+
+    before = torch.get_num_threads()
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    try:
+        return _crossover(model, tokenizer, lengths, repeats, seed)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _crossover(model: Any, tokenizer: Any, lengths: Sequence[int], repeats: int, seed: int) -> pd.DataFrame:
     from kvlab.engine import Engine, SamplingParams
 
     rng = random.Random(f"nb11-crossover:{seed}")
     sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    nb = max(lengths) // BS + 2  # room for the longest prompt; evicting the pool empties it whole
+    cold = Engine(model, tokenizer, num_blocks=nb + 2)
+    tiered = Engine(model, tokenizer, num_blocks=nb, host_tier_bytes=64 << 20)
+    peer = Engine(model, tokenizer, num_blocks=nb + 2, host_tier_bytes=64 << 20)
+    fp = tiered.block_manager.model_fingerprint
+    for eng in (cold, tiered, peer):
+        eng.generate([_rand(max(lengths) + 1, rng)], sp)  # warm-up
     rows = []
     for L in lengths:
-        nb = L // BS + 2  # room for the prompt alone: the flood after it evicts it all
-        cold = Engine(model, tokenizer, num_blocks=nb + 2)
-        tiered = Engine(model, tokenizer, num_blocks=nb, host_tier_bytes=64 << 20)
-        peer = Engine(model, tokenizer, num_blocks=nb + 2, host_tier_bytes=64 << 20)
-        fp = tiered.block_manager.model_fingerprint
-        for eng in (cold, tiered, peer):
-            eng.generate([_rand(L + 1, rng)], sp)  # warm-up
         rec, tie, tra, copy = [], [], [], []
         for _ in range(repeats):
             p = _rand(L + 1, rng)  # L tokens of prefix (L // 16 blocks) + 1 to compute
@@ -95,19 +117,17 @@ def crossover(model: Any, tokenizer: Any, lengths: Sequence[int] = (16, 64, 128,
             tie.append(time.perf_counter() - t0)
             copy.append(tiered.host_tier.seconds_in - before)
             assert out.num_restored_tokens == L // BS * BS, (L, out.num_restored_tokens)
-            holder = cold  # it ran p: its pool holds the prefix
-            store = PickleObjectStore()
+            store = PickleObjectStore()  # ``cold`` ran p: its pool holds the prefix, it is the holder
             hashes = prompt_block_hashes(p[: L // BS * BS], BS, fp)
             t0 = time.perf_counter()
-            entries = collect_blocks(holder.block_manager.pool, None, hashes, _reader(holder))
+            entries = collect_blocks(cold.block_manager.pool, None, hashes, _reader(cold))
             peer.host_tier.stage(store.get(store.put(entries)))
             got = peer.generate([p], sp)[0]
             tra.append(time.perf_counter() - t0)
             assert got.num_restored_tokens == L // BS * BS
             peer.reset_prefix_cache()
-        rows.append({"prefix_tokens": L // BS * BS, "recompute_s": statistics.median(rec),
-                     "tier_s": statistics.median(tie), "transfer_s": statistics.median(tra),
-                     "copy_s": statistics.median(copy), "bytes": L // BS * tiered.store.bytes_per_block})
+        rows.append({"prefix_tokens": L // BS * BS, "recompute_s": min(rec), "tier_s": min(tie), "transfer_s": min(tra),
+                     "copy_s": min(copy), "bytes": L // BS * tiered.store.bytes_per_block})
     df = pd.DataFrame(rows)
     for k in ("recompute", "tier", "transfer"):
         df[f"{k}_us_per_token"] = 1e6 * df[f"{k}_s"] / df.prefix_tokens
@@ -126,23 +146,20 @@ def _evict_everything(engine: Any) -> None:
 
 
 def _reader(engine: Any) -> Callable[[int], tuple]:
+    from kvlab.engine.offload import to_wire
+
     store = engine.store
 
     def read(block_id: int) -> tuple:
-        return (store.k[:, block_id].to("cpu", copy=True), store.v[:, block_id].to("cpu", copy=True)), store.bytes_per_block
+        k, v = store.k[:, block_id].to("cpu", copy=True), store.v[:, block_id].to("cpu", copy=True)
+        return (to_wire(k), to_wire(v)), store.bytes_per_block
     return read
 
 
 def per_token_costs(df: pd.DataFrame) -> dict[str, float]:
-    """Seconds per prefix token (slope of a line through the rows) for recompute, tier restore, transfer."""
-    import numpy as np
-
-    out = {}
-    for k in ("recompute", "tier", "transfer"):
-        slope, icpt = np.polyfit(df.prefix_tokens, df[f"{k}_s"], 1)
-        out[k] = max(float(slope), 0.0)
-        out[k + "_fixed"] = float(icpt)
-    return out
+    """Seconds per prefix token at the longest prefix measured (where a fixed cost weighs least), per path."""
+    big = df.iloc[-1]
+    return {k: float(big[f"{k}_s"]) / float(big.prefix_tokens) for k in ("recompute", "tier", "transfer")}
 
 
 def fig_crossover(df: pd.DataFrame):
@@ -174,25 +191,26 @@ def crossover_sentences(df: pd.DataFrame) -> list[str]:
         loses = df[df[f"{k}_s"] >= df.recompute_s].prefix_tokens.tolist()
         if not loses:
             out.append(f"{name.capitalize()} beats recomputing at every prefix length measured "
-                       f"({df.prefix_tokens.min()}-{df.prefix_tokens.max()} tokens): no crossover in this range.")
+                       f"({int(df.prefix_tokens.min())}-{int(df.prefix_tokens.max())} tokens): no crossover in this range.")
         elif not wins:
-            out.append(f"{name.capitalize()} never beats recomputing here (up to {df.prefix_tokens.max()} tokens).")
+            out.append(f"{name.capitalize()} never beats recomputing here (up to {int(df.prefix_tokens.max())} tokens).")
         else:
-            out.append(f"{name.capitalize()} beats recomputing from {min(wins)} prefix tokens on"
-                       + (f" (not at {', '.join(map(str, loses))})" if loses else "") + ".")
+            out.append(f"{name.capitalize()} beats recomputing from {int(min(wins))} prefix tokens on"
+                       + (f" (not at {', '.join(str(int(x)) for x in loses)})" if loses else "") + ".")
     big = df.iloc[-1]
-    out.append(f"At {big.prefix_tokens} tokens ({big.bytes / 1024:.0f} KiB of K/V): recompute {ms(big.recompute_s)}, "
+    out.append(f"At {int(big.prefix_tokens)} tokens ({big.bytes / 1024:.0f} KiB of K/V): recompute {ms(big.recompute_s)}, "
                f"tier {ms(big.tier_s)} (of which the copy back {ms(big.copy_s)}), transfer {ms(big.transfer_s)}.")
     return out
 
 
 # --- 2 · the host tier under pool pressure -----------------------------------------------------------------
 def tier_under_pressure(workload, num_blocks: int = 48, tier_blocks: Sequence[int] = (0, 64, 256), *,
-                        model: str | None = None) -> pd.DataFrame:
+                        model: str | None = None, **engine_kw: Any) -> pd.DataFrame:
     """One real engine replica, a pool too small for the workload, host tiers of several sizes: measured clock."""
     rows = []
     for tb in tier_blocks:
-        rep = EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=tb or None, offload=True)
+        rep = EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=tb or None, offload=True,
+                            **engine_kw)
         res = run_fleet(workload, [LocalHandle(rep)], "round_robin", clock="measured")
         st = rep.stats()
         s = res.summary()
@@ -229,7 +247,7 @@ def fig_tier(df: pd.DataFrame):
 def tier_sentences(df: pd.DataFrame) -> list[str]:
     """What the tier did to hits and TTFT, from the measured rows."""
     base, best = df.iloc[0], df.iloc[-1]
-    out = [f"Without a tier {pct(base.served_rate)} of prompt tokens were served from the pool; with {best.tier_blocks} "
+    out = [f"Without a tier {pct(base.served_rate)} of prompt tokens were served from the pool; with {int(best.tier_blocks)} "
            f"tier blocks {pct(best.served_rate)} ({pct(best.pool_hit_rate)} pool hits + {pct(best.restored_rate)} restored): "
            + ("the tier turned evictions into hits." if best.served_rate > base.served_rate else "no gain here.")]
     out.append(f"TTFT p50 {ms(base.ttft_p50)} -> {ms(best.ttft_p50)}, p99 {ms(base.ttft_p99)} -> {ms(best.ttft_p99)} "
@@ -255,7 +273,7 @@ def policy_table(workloads: Sequence, replicas: Sequence[int] = (2, 4),
 
 
 def real_policy_table(workload, num_replicas: int = 2, policies: Sequence[str] = ("round_robin", "kv_aware", "pull"),
-                      *, num_blocks: int = 64, model: str | None = None, ray: bool = False) -> dict:
+                      *, num_blocks: int = 64, model: str | None = None, ray: bool = False, **engine_kw: Any) -> dict:
     """Real engines (measured clock), then pull once on the modelled clock replayed by the simulation.
 
     ``ray=False``: engine replicas in this process, blocks through an in-process object store; ``ray=True``: Ray
@@ -271,11 +289,12 @@ def real_policy_table(workload, num_replicas: int = 2, policies: Sequence[str] =
             start_ray(num_cpus=2)
         except Exception as e:  # noqa: BLE001 - installed but it would not start here
             return {"error": f"Ray did not start ({type(e).__name__}: {e})"}
-        handles = ray_replicas(num_replicas, model=model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks)
+        handles = ray_replicas(num_replicas, model=model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks,
+                               **engine_kw)
     else:
         store = LocalObjectStore()
         handles = [LocalHandle(EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks,
-                                             object_store=store)) for _ in range(num_replicas)]
+                                             object_store=store, **engine_kw)) for _ in range(num_replicas)]
     rows, replies = [], {}
     for p in policies:
         res = run_fleet(workload, handles, p, clock="measured")
@@ -348,11 +367,12 @@ def policy_sentences(df: pd.DataFrame) -> list[str]:
 
 
 # --- failures -----------------------------------------------------------------------------------------------
-def failure_demo(model: str | None = None, seed: int = 0) -> list[str]:
+def failure_demo(model: str | None = None, seed: int = 0, **engine_kw: Any) -> list[str]:
     """A fetch from a live holder, then one whose holder died first: restored tokens and outputs, as sentences."""
     rng = random.Random(f"nb11-fail:{seed}")
     store = LocalObjectStore()
-    a, b = (EngineReplica(model, num_blocks=32, block_size=BS, tier_blocks=32, object_store=store) for _ in range(2))
+    a, b = (EngineReplica(model, num_blocks=32, block_size=BS, tier_blocks=32, object_store=store, **engine_kw)
+            for _ in range(2))
     prompt = _rand(150, rng)
     fp = a.info()["model_fingerprint"]
     hashes = prompt_block_hashes(prompt[: (len(prompt) - 1) // BS * BS], BS, fp)
@@ -386,11 +406,11 @@ def pd_workload(smoke: bool, seed: int = 0, vocab: int = 500):
     return from_prompts(prompts, 24, rate=30.0, name=f"pd{n}", vocab=vocab, seed=seed)
 
 
-def pd_run(workload, *, num_blocks: int = 160, model: str | None = None) -> dict:
+def pd_run(workload, *, num_blocks: int = 160, model: str | None = None, **engine_kw: Any) -> dict:
     """Co-located (2 replicas, least loaded) vs split (1 prefill + 1 decode), real engines, measured clock."""
     store = LocalObjectStore()
     handles = [LocalHandle(EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks,
-                                         object_store=store)) for _ in range(2)]
+                                         object_store=store, **engine_kw)) for _ in range(2)]
     co = run_fleet(workload, handles, "least_loaded", clock="measured")
     co_recs = [{**r, "output_tokens": len(co.replies[r["request_id"]])} for r in co.records]
     split = run_pd(workload, handles[0], handles[1])
