@@ -165,6 +165,22 @@ def test_restored_blocks_give_the_tokens_of_a_recompute(lm):
     assert st["tier_bytes"] <= st["tier_capacity_bytes"]
 
 
+def test_an_unreadable_tier_entry_falls_back_to_recompute_on_the_engine(lm):
+    from kvlab.engine import Engine, SamplingParams
+
+    model, tok = lm
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts(3, 100, seed=5)
+    eng = Engine(model, tok, num_blocks=16, host_tier_bytes=10 ** 7, debug=True)
+    first = [eng.generate([p], sp)[0] for p in prompts][0]
+    assert len(eng.host_tier.tier) > 0
+    for e in eng.host_tier.tier.entries.values():  # every payload damaged: one layer missing
+        e.payload = (e.payload[0][:1], e.payload[1])
+    again = eng.generate([prompts[0]], sp)[0]
+    assert again.num_restored_tokens == 0 and again.output_ids == first.output_ids
+    assert eng.stats()["tier_load_failures"] == 1
+
+
 def test_engine_tier_stays_within_its_bytes(lm):
     from kvlab.engine import Engine, SamplingParams
 
