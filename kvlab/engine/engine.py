@@ -14,6 +14,11 @@ head, which the step computes as ``W @ x.T``, the same product as ``F.linear`` i
 CPU BLAS runs faster for a few rows). Greedy is argmax; sampling uses a per-request generator seeded from the request's seed, so
 outputs do not depend on batching.
 
+Host tier: ``host_tier_bytes=N`` keeps evicted cached blocks in host memory, up to N bytes (LRU), and copies them
+back when a later prompt's chain misses the pool but hits the tier (``kvlab.engine.offload``; ``offload_evicted=False``
+keeps the tier only as a staging area for blocks fetched from another replica). Restored tokens count in
+``num_cached_tokens`` (they are not computed) and apart in ``RequestOutput.num_restored_tokens``.
+
 Tenants: ``add_request(..., tenant="acme")``. Under ``isolation="tenant"`` or ``"public-prefix"`` the
 engine derives the tenant's cache salt from the tenant id and its server ``secret`` (HMAC-SHA256,
 ``kvlab.engine.tenants``); a request cannot choose or forge a salt. ``"public-prefix"`` shares the whole blocks
