@@ -188,14 +188,14 @@ def test_ray_fetch_through_the_object_store_and_a_killed_holder(ray_pair):
     at_a = run(a, "a")
     got = run(b, "b", [a.call("export", hashes)])
     assert got["restored_tokens"] == full and got["output_ids"] == at_a["output_ids"]
-    free = getattr(getattr(getattr(ray, "_private", None), "internal_api", None), "free", None)
-    if free is not None:  # the object is gone from the store before the fetch: a failed fetch, a recompute
-        b.call("fail")
-        ref = a.call("export", hashes)
-        free([ref])
-        lost = run(b, "freed", [ref])
-        assert lost["restored_tokens"] == 0 and lost["output_ids"] == at_a["output_ids"]
-        assert b.call("stats")["fetch_failures"] == 1
+    def dies_mid_transfer():
+        raise RuntimeError("holder died mid-transfer")
+
+    b.call("fail")  # a transfer whose object never arrives: the fetch fails, the request recomputes
+    broken = ray.remote(dies_mid_transfer).remote()
+    lost = run(b, "lost", [broken])
+    assert lost["restored_tokens"] == 0 and lost["output_ids"] == at_a["output_ids"]
+    assert b.call("stats")["fetch_failures"] == 1
     b.call("fail")
     ref = a.call("export", hashes)
     ray.kill(a.actor)  # the holder dies after its export: the fetch may still find the object, or not
