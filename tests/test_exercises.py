@@ -241,3 +241,14 @@ def test_nb09_policy_exercise():
     assert R.check_policy(SOL.ex09_1_policy)
     assert not R.check_policy(None)
     assert not R.check_policy(lambda router, request: router.replicas[0])  # all on one replica: imbalance 4
+
+
+def test_nb11_worth_pulling_exercise():
+    from kvlab.lessons import nb11_tiers as T
+    from kvlab.lessons import solutions as SOL
+
+    assert T.check_worth_pulling(SOL.ex11_1_worth_pulling)
+    assert not T.check_worth_pulling(None)
+    assert not T.check_worth_pulling(lambda n, rec, copy, fixed: copy < rec)  # forgets the fixed cost
+    v = T.check_worth_pulling(lambda n, rec, copy, fixed: copy < rec)
+    assert "fixed" in str(v) and "<" not in str(v)  # a hint, not the formula

@@ -8,6 +8,11 @@ the first write into a shared partial block copies it (copy-on-write) and report
 engine can copy the K/V tensors. ``free`` releases tail first, so the ends of chains are evicted
 before their shared heads. Every public method either succeeds or raises with the state unchanged.
 
+A second tier (``second_tier``, e.g. ``kvlab.cache.host_tier.TierLink``): when a prompt's chain misses the pool,
+``allocate`` asks the tier for the next blocks, one by one, and copies each one found into the fresh block it
+takes for it instead of leaving it to be computed; it returns pool hits plus those restored tokens (both are
+served without a forward) and counts the restored ones apart (``SeqBlocks.num_restored_tokens``, ``stats``).
+
 Tenants: a ``salt`` enters the hash of block ``public_tokens // block_size`` (block 0 by default, as
 vLLM's ``cache_salt``), so a tenant's blocks from there on are its own while the blocks of an operator's
 public prefix before it stay shared (a block straddling the boundary is private). Each cached block
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError, check
 from .hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block, prompt_block_hashes
+from .host_tier import SecondTier
 from .kv_events import BlockStored, KVCacheEvent
 from .metrics import PrefixCacheMetrics
 
@@ -59,6 +65,7 @@ class SeqBlocks:
     num_cached_tokens: int = 0
     salt_block: int = 0  # the block whose hash takes the salt: the first past the public prefix
     tenant: Hashable = None  # who this sequence serves (metrics, cross-tenant accounting)
+    num_restored_tokens: int = 0  # prompt tokens copied back from the second tier at allocate (not computed)
 
 
 def cdiv(n: int, d: int) -> int:
@@ -172,6 +179,8 @@ class BlockManager:
         self.metrics = PrefixCacheMetrics()
         self.registered_by: dict[int, Hashable] = {}  # cached block id -> tenant whose sequence registered it
         self._plan_token = object()  # binds a plan to this manager: another one's plan is refused
+        self.second_tier: SecondTier | None = None  # where evicted/fetched blocks wait (kvlab.cache.host_tier)
+        self.restored_tokens: Counter = Counter()  # tokens restored from the second tier, by source
 
     # --- queries ----------------------------------------------------------------------------------
     @property
@@ -228,6 +237,8 @@ class BlockManager:
             "num_cached_blocks": sum(len(v) for v in self.pool.cached.values()),
             "evictions": self.pool.num_evictions,
             "wasted_slots": self.wasted_slots(),
+            "restored_tokens": self.restored_tokens["offload"],
+            "fetched_tokens": self.restored_tokens["peer"],
         }
 
     # --- prefix lookup ------------------------------------------------------------------------------
@@ -283,7 +294,9 @@ class BlockManager:
     # --- mutations ----------------------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
                  plan: AllocationPlan | None = None, preempted: bool = False) -> int:
-        """Give a new sequence its blocks, reusing the longest cached prefix; return cached tokens.
+        """Give a new sequence its blocks, reusing the longest cached prefix; return the tokens not to compute.
+
+        Those are the cached tokens, plus any restored from ``second_tier`` right after them.
 
         ``scope.salt`` enters the hash of block ``scope.public_tokens // block_size``; ``scope.label``
         names the sequence in per-tenant metrics and in the cross-tenant hit count. ``plan``: what
@@ -319,11 +332,20 @@ class BlockManager:
                 else:
                     self.metrics.cross_tenant_hits += 1
         parent_serial = hits[-1].serial if hits else 0
+        tier = self.second_tier if self.enable_caching else None
         for i in range(len(hits), cdiv(n, bs)):
             block = pool.take(seq_id)
             self.registered_by.pop(block.block_id, None)  # taking a block evicts what it cached
             block.token_ids = tokens[i * bs : (i + 1) * bs]
             seq.block_table.append(block.block_id)
+            if tier is not None and i < (n - 1) // bs:  # the chain continues in the second tier? copy it back
+                source = tier.load(hashes[i], tuple(block.token_ids), self._keys(i, salt, salt_block),
+                                   hashes[i - 1] if i else None, block.block_id)
+                if source is None:
+                    tier = None  # a miss ends the chain: the rest is computed
+                else:
+                    seq.num_restored_tokens += bs
+                    self.restored_tokens[source] += bs
             if self.enable_caching and i < n // bs:
                 # Register before compute: the block is hittable now, before the engine has written its
                 # K/V. That is correct because an engine step writes every new token's K/V before any
@@ -344,7 +366,7 @@ class BlockManager:
         self.metrics.blocks_hit += len(hits)
         self.metrics.blocks_taken += len(seq.block_table) - len(hits)
         self.metrics.record_lookup(tenant, n, seq.num_cached_tokens, misses, preempted)
-        return seq.num_cached_tokens
+        return seq.num_cached_tokens + seq.num_restored_tokens
 
     def _classify_misses(self, n: int, hashes: list[BlockHash], n_hits: int) -> dict[str, int]:
         bs, pool = self.block_size, self.pool
@@ -433,6 +455,8 @@ class BlockManager:
         if self.seqs or not self.pool.reset():
             return False
         self.registered_by.clear()
+        if self.second_tier is not None:
+            self.second_tier.clear()
         return True
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:

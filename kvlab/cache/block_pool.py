@@ -18,7 +18,7 @@ nano-vllm ``nanovllm/engine/block_manager.py`` (``Block``, ``free_block_ids``, `
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .hashing import BlockHash, ExtraKeys
@@ -112,6 +112,8 @@ class BlockPool:
         # manager queues stores (it knows which blocks one call caches together)
         self.enable_kv_events = enable_kv_events
         self.kv_event_queue: list[KVCacheEvent] = []
+        # called with a cached block just before its eviction (its contents still readable): a host tier's seam
+        self.on_evict: Callable[[Block], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -138,6 +140,9 @@ class BlockPool:
         """Take the least recently used free block, evicting its cached contents, with ref count 1."""
         if not self.free:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
+        head = self.blocks[next(iter(self.free))]
+        if head.block_hash is not None and self.on_evict is not None:
+            self.on_evict(head)  # before anything changes: a hook that raises leaves the pool as it was
         block = self.blocks[self.free.popitem(last=False)[0]]
         if block.block_hash is not None:
             self._uncache(block)

@@ -12,6 +12,10 @@ with vLLM's semantics (``vllm/v1/core/block_pool.py``):
   taken for new data; kvlab also emits it when a failed step takes unwritten blocks out of the cache).
 - ``AllBlocksCleared``: ``reset_prefix_cache`` dropped everything.
 
+Each ``BlockStored`` / ``BlockRemoved`` names its tier in ``medium``, as vLLM's do: ``"GPU"`` for the pool
+(kvlab's name for the device tier, whatever the device) and ``"CPU"`` for the host tier of evicted or fetched
+blocks (``kvlab.cache.host_tier``). A consumer keeps the two apart: a block can sit in both.
+
 The same hash may be stored twice (two requests computed the same block in one step, or a prompt whose
 length is a multiple of the block size recomputes its last block): a consumer that wants the exact
 set of cached hashes counts stores minus removals per hash (``kvlab.cluster.router.KVIndex`` does).
@@ -33,9 +37,10 @@ from dataclasses import dataclass, field
 
 from .hashing import BlockHash
 
-__all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVCacheEvent"]
+__all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVCacheEvent"]
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the device tier, whatever the device (kvlab's blocks live with the model)
+MEDIUM_CPU = "CPU"  # the host tier (kvlab.cache.host_tier): evicted blocks kept in host memory, fetched blocks staged
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,7 +91,11 @@ def describe(event: KVCacheEvent, short: int = 4) -> str:
     hx = lambda h: "None" if h is None else h.hex()[:short]  # noqa: E731
     if isinstance(event, BlockStored):
         return (f"BlockStored(blocks=[{', '.join(map(hx, event.block_hashes))}], parent={hx(event.parent_block_hash)}, "
-                f"tokens={len(event.token_ids)})")
+                f"tokens={len(event.token_ids)}{_medium(event)})")
     if isinstance(event, BlockRemoved):
-        return f"BlockRemoved(blocks=[{', '.join(map(hx, event.block_hashes))}])"
+        return f"BlockRemoved(blocks=[{', '.join(map(hx, event.block_hashes))}]{_medium(event)})"
     return "AllBlocksCleared()"
+
+
+def _medium(event: BlockStored | BlockRemoved) -> str:
+    return "" if event.medium in (None, MEDIUM_GPU) else f", medium={event.medium}"

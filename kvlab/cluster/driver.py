@@ -11,6 +11,12 @@ or its measured wall seconds on the replica (``clock="measured"``). Events happe
 - otherwise the busy replica with the earliest clock runs one step; its KV-event batches and
   completions reach the router at the step's end time.
 
+Under the ``pull`` policy (``Router.pull_plan``) a request routed for load to a replica that lacks a prefix
+another replica holds is sent with a fetch: the holder exports those blocks into the object store at
+routing time, the chosen replica stages them at its next step and restores them instead of recomputing
+(records: ``restored_tokens``; the modelled clock charges ``CostModel.per_moved_token`` for them). A holder
+whose export raises is out of the fleet, as any replica that raises; the request then simply recomputes.
+
 TTFT = end of the step that produced the first token - arrival. A replica failure (``fail=(time,
 replica, rejoin_after)``) drops the replica's cache and its requests in flight (they are routed again,
 keeping their arrival time); it rejoins empty ``rejoin_after`` seconds later (never when None).
@@ -71,8 +77,10 @@ class FleetResult:
         ttft = [r["ttft"] for r in recs]
         per = Counter(r["replica"] for r in recs)
         counts = [per.get(i, 0) for i in range(self.num_replicas)]
+        restored = sum(r.get("restored_tokens", 0) for r in recs)
         return {"policy": self.policy, "replicas": self.num_replicas, "requests": len(recs),
                 "hit_rate": cached / prompt if prompt else 0.0,
+                "restored_rate": restored / prompt if prompt else 0.0,
                 "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
                 "imbalance": max(counts) / statistics.mean(counts) if recs else math.nan,
                 "preemptions": sum(r["preemptions"] for r in recs),
@@ -155,6 +163,15 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
             return
         rr = RouteRequest(req["request_id"], tuple(req["prompt"]), req["session"], req["max_tokens"])
         r = router.route(rr)
+        fetch = None
+        plan = router.pull_plan(rr, r) if router.policy == "pull" else None
+        if plan is not None:  # the holder exports the blocks r lacks; r fetches them at its next step
+            holder, first, end = plan
+            hashes = router.hashes(rr)
+            try:
+                fetch = [handles[holder].call("export", hashes[first:end], hashes[first - 1] if first else None)]
+            except Exception as err:  # noqa: BLE001 - the holder is gone: r recomputes
+                crash(holder, t, err)
         req["replica"] = r
         if not inflight[r]:
             clocks[r] = max(clocks[r], t)
@@ -165,7 +182,7 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
         else:
             reply = workload.sessions[req["s_idx"]].scripted_replies[req["turn"]]
         try:
-            handles[r].call("add", req["request_id"], req["prompt"], req["max_tokens"], list(reply))
+            handles[r].call("add", req["request_id"], req["prompt"], req["max_tokens"], list(reply), fetch)
         except Exception as err:  # noqa: BLE001 - any error of a replica is that replica's failure
             crash(r, t, err)
 
@@ -217,7 +234,7 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
             crash(r, clocks[r], err)
             continue
         steps.append((r, res.prefill_tokens, res.decodes, res.seconds))
-        clocks[r] += cost.seconds(res.prefill_tokens, res.decodes) if clock == "model" else res.seconds
+        clocks[r] += cost.seconds(res.prefill_tokens, res.decodes, res.moved_tokens) if clock == "model" else res.seconds
         now = clocks[r]
         for b in res.batches:
             heapq.heappush(pending, (now, next(order), r, "events", b))
@@ -234,7 +251,8 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
             records.append({"request_id": req["request_id"], "session": req["session"], "tenant": req["tenant"],
                             "turn": req["turn"], "replica": r, "arrival": req["arrival"], "ttft": first - req["arrival"],
                             "finish": now, "prompt_tokens": len(req["prompt"]),
-                            "cached_tokens": fin["num_cached_tokens"], "preemptions": fin["num_preemptions"]})
+                            "cached_tokens": fin["num_cached_tokens"], "preemptions": fin["num_preemptions"],
+                            "restored_tokens": fin.get("restored_tokens", 0)})
             if req["turn"] + 1 < s.num_turns:
                 heapq.heappush(arrivals, (now + s.think, next(order), "turn", (req["s_idx"], req["turn"] + 1, now + s.think)))
     flush(math.inf)  # the last steps' events and completions reach the router too

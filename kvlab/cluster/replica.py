@@ -8,6 +8,10 @@ Both keep their own block pool, publish KV events (``Engine(..., enable_kv_event
 - ``step()``: one engine step -> ``StepResult`` (what finished, who got a first token, the KV-event
   batches, the prefill tokens and decodes it ran, its wall seconds);
 - ``fail()``: the replica dies and restarts empty: requests in flight are dropped, the cache is gone.
+- with a host tier (``tier_blocks``): ``export(hashes, parent)`` puts the leading blocks of that chain it holds
+  into the object store (a reference, or None when it holds none); ``add(..., fetch=[ref])`` has the replica
+  fetch them at its next step, stage them in its tier, and restore them instead of recomputing. A fetch that
+  fails (the holder died: its objects are lost) is dropped: the request recomputes those tokens.
 
 ``SimReplica`` runs kvlab's real ``Scheduler`` and ``BlockManager`` with scripted tokens and no model, so
 its scheduling, hits, evictions and events are exactly an engine's for the same tokens (the driver's
@@ -39,6 +43,7 @@ class StepResult:
     batches: list = field(default_factory=list)  # EventBatch, oldest first
     prefill_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     decodes: int = 0  # sequences that decoded one token
+    moved_tokens: int = 0  # tokens of blocks fetched from another replica and staged this step
     seconds: float = 0.0  # wall time of the step on the replica
 
 
@@ -59,13 +64,56 @@ class _Capture:
         return (sum(it.end - it.start for it in items if it.is_prefill), sum(not it.is_prefill for it in items))
 
 
-class SimReplica:
+class _Tiered:
+    """What both replicas share for a host tier: export into the object store, fetch and stage at step time."""
+
+    object_store: Any = None
+    _fetches: list
+
+    def _init_transfer(self, object_store: Any) -> None:
+        from .object_store import LocalObjectStore
+
+        self.object_store = object_store if object_store is not None else LocalObjectStore()
+        self._fetches = []
+        self.fetch_failures = 0
+
+    def _owner(self) -> int:
+        return id(self)
+
+    def export(self, hashes: Sequence[bytes], parent: bytes | None = None) -> Any:
+        """Put the leading blocks of ``hashes`` this replica holds into the object store: a reference, or None."""
+        entries = self._collect(list(hashes), parent)
+        return self.object_store.put(entries, self._owner()) if entries else None
+
+    def _take_fetches(self) -> int:
+        """Fetch and stage every pending transfer; the tokens staged (a failed fetch stages nothing)."""
+        moved = 0
+        for ref in self._fetches:
+            try:
+                entries = self.object_store.get(ref)
+            except Exception:  # noqa: BLE001 - the holder died, the object is lost: recompute instead
+                self.fetch_failures += 1
+                continue
+            moved += self._stage(entries) * self.config["block_size"]
+        self._fetches = []
+        return moved
+
+    def _lose_objects(self) -> None:
+        kill = getattr(self.object_store, "kill", None)
+        if kill is not None:
+            kill(self._owner())
+
+
+class SimReplica(_Tiered):
     """The scheduler and block manager of an engine, no model: tokens come from the request's ``reply``."""
 
     def __init__(self, num_blocks: int = 256, block_size: int = 16, *, model_fingerprint: str = "sim",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, tier_blocks: int | None = None,
+                 offload: bool = False, object_store: Any = None) -> None:
         self.config = dict(num_blocks=num_blocks, block_size=block_size, model_fingerprint=model_fingerprint,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.tier_blocks, self.offload = tier_blocks, offload
+        self._init_transfer(object_store)
         self._start()
 
     def _start(self) -> None:
@@ -77,8 +125,17 @@ class SimReplica:
                                           enable_kv_events=True)
         self.scheduler = Scheduler(self.block_manager, c["max_num_seqs"], c["max_num_batched_tokens"])
         self._capture = _Capture(self.scheduler)
+        self.link = None
+        if self.tier_blocks:  # a model-free tier: one "byte" per block, no payload
+            from ..cache.host_tier import HostTier, TierLink
+
+            pool = self.block_manager.pool
+            self.link = TierLink(HostTier(self.tier_blocks, c["block_size"], emit=pool._emit), 1, offload=self.offload)
+            pool.on_evict = self.link.on_evict
+            self.block_manager.second_tier = self.link
         self.requests: dict[Hashable, Any] = {}
         self._replies: dict[Hashable, list[int]] = {}
+        self._restored: dict[int, int] = {}
         self._ids = 0
         self._kv_seq = 0
 
@@ -86,8 +143,17 @@ class SimReplica:
         """Block size and model fingerprint."""
         return {"block_size": self.config["block_size"], "model_fingerprint": self.config["model_fingerprint"]}
 
-    def add(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int, reply: Sequence[int] | None = None) -> None:
-        """Queue a request; ``reply`` (at least ``max_tokens`` ids) is what it will "generate"."""
+    def _collect(self, hashes: list, parent: bytes | None) -> list:
+        from ..cache.host_tier import collect_blocks
+
+        return collect_blocks(self.block_manager.pool, self.link.tier if self.link else None, hashes, None, parent)
+
+    def _stage(self, entries: list) -> int:
+        return self.link.stage(entries, self.block_manager.hash_fn) if self.link is not None else 0
+
+    def add(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int, reply: Sequence[int] | None = None,
+            fetch: Sequence[Any] | None = None) -> None:
+        """Queue a request; ``reply`` (at least ``max_tokens`` ids) is what it will "generate"; ``fetch``: refs to pull."""
         from ..engine.sampling import SamplingParams
         from ..engine.sequence import Sequence as Seq
 
@@ -98,6 +164,7 @@ class SimReplica:
         self._ids += 1
         self.requests[request_id] = seq
         self._replies[request_id] = list(reply)
+        self._fetches += [f for f in fetch or () if f is not None]
         self.scheduler.add(seq)
 
     def step(self) -> StepResult:
@@ -105,10 +172,13 @@ class SimReplica:
         from ..cache.kv_events import EventBatch
 
         t0 = time.perf_counter()
+        moved = self._take_fetches()
         sched = self.scheduler.schedule()
-        res = StepResult()
+        res = StepResult(moved_tokens=moved)
         for item in sched.items:
             seq = item.seq
+            if item.is_prefill and seq.seq_id not in self._restored:  # first admission, as num_cached_tokens
+                self._restored[seq.seq_id] = self.block_manager.seqs[seq.seq_id].num_restored_tokens
             seq.output_ids.append(self._replies[seq.request_id][len(seq.output_ids)])
             if len(seq.output_ids) == 1:
                 res.first_token.append(seq.request_id)
@@ -118,7 +188,8 @@ class SimReplica:
                 del self._replies[seq.request_id]
                 res.finished.append({"request_id": seq.request_id, "output_ids": list(seq.output_ids),
                                      "num_cached_tokens": seq.num_cached_tokens or 0,
-                                     "num_preemptions": seq.num_preemptions})
+                                     "num_preemptions": seq.num_preemptions,
+                                     "restored_tokens": self._restored.pop(seq.seq_id, 0)})
         events = self.block_manager.take_events()
         if events:
             res.batches.append(EventBatch(time.time(), tuple(events), self._kv_seq))
@@ -130,6 +201,8 @@ class SimReplica:
     def fail(self) -> list[Hashable]:
         """Die and restart empty; return the ids of the requests that were in flight."""
         lost = list(self.requests)
+        self._lose_objects()
+        self._fetches = []
         self._start()
         return lost
 
@@ -139,30 +212,46 @@ class SimReplica:
 
     def stats(self) -> dict:
         """Block-manager stats plus preemptions."""
-        return {**self.block_manager.stats(), "num_preemptions": self.scheduler.num_preemptions}
+        tier = self.link.stats() if self.link is not None else {}
+        return {**self.block_manager.stats(), "num_preemptions": self.scheduler.num_preemptions, **tier,
+                "fetch_failures": self.fetch_failures}
 
 
-class EngineReplica:
-    """A kvlab ``Engine`` on a model (the bundled one by default) with KV events on."""
+class EngineReplica(_Tiered):
+    """A kvlab ``Engine`` on a model (the bundled one by default; or a loaded ``(model, tokenizer)``) with KV events on."""
 
-    def __init__(self, model: str | None = None, num_blocks: int = 256, block_size: int = 16, *, device: str = "cpu",
+    def __init__(self, model: str | tuple | None = None, num_blocks: int = 256, block_size: int = 16, *, device: str = "cpu",
                  dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 torch_threads: int | None = 1) -> None:
+                 torch_threads: int | None = 1, tier_blocks: int | None = None, offload: bool = False,
+                 object_store: Any = None) -> None:
         import torch
 
         from ..engine.models import load_model
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
+        if isinstance(model, tuple):  # (model, tokenizer) already loaded: in-process replicas share the weights
+            self.model, self.tokenizer = model
+        else:
+            self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.config = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens)
+        self.tier_blocks, self.offload = tier_blocks, offload
+        self._init_transfer(object_store)
         self._start()
 
     def _start(self) -> None:
         from ..engine.engine import Engine
 
-        self.engine = Engine(self.model, self.tokenizer, enable_kv_events=True, **self.config)
+        tier = None
+        if self.tier_blocks:
+            from ..engine.models import kv_shape
+
+            s, p = kv_shape(self.model.config), next(self.model.parameters())
+            per_block = 2 * s["layers"] * self.config["block_size"] * s["kv_heads"] * s["head_dim"] * p.element_size()
+            tier = self.tier_blocks * per_block
+        self.engine = Engine(self.model, self.tokenizer, enable_kv_events=True, host_tier_bytes=tier,
+                             offload_evicted=self.offload, **self.config)
         self._capture = _Capture(self.engine.scheduler)
         self._first_seen: set[Hashable] = set()
 
@@ -171,18 +260,40 @@ class EngineReplica:
         bm = self.engine.block_manager
         return {"block_size": bm.block_size, "model_fingerprint": bm.model_fingerprint}
 
-    def add(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int, reply: Sequence[int] | None = None) -> None:
-        """Queue a request; the model generates ``max_tokens`` tokens greedily (``reply`` is ignored)."""
+    def _collect(self, hashes: list, parent: bytes | None) -> list:
+        from ..cache.host_tier import collect_blocks
+
+        ht = self.engine.host_tier
+        if ht is not None:
+            return ht.export(hashes, parent)
+        return collect_blocks(self.engine.block_manager.pool, None, hashes, self._read, parent)
+
+    def _read(self, block_id: int) -> tuple:
+        from ..engine.offload import to_wire
+
+        store = self.engine.store
+        k, v = store.k[:, block_id].to("cpu", copy=True), store.v[:, block_id].to("cpu", copy=True)
+        return (to_wire(k), to_wire(v)), store.bytes_per_block
+
+    def _stage(self, entries: list) -> int:
+        ht = self.engine.host_tier
+        return ht.stage(entries) if ht is not None else 0
+
+    def add(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int, reply: Sequence[int] | None = None,
+            fetch: Sequence[Any] | None = None) -> None:
+        """Queue a request; the model generates ``max_tokens`` tokens greedily (``reply`` is ignored); ``fetch``: refs to pull."""
         from ..engine.sampling import SamplingParams
 
         self.engine.add_request(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id)
+        self._fetches += [f for f in fetch or () if f is not None]
 
     def step(self) -> StepResult:
         """One ``Engine.step``; first tokens read from the engine's live requests."""
         t0 = time.perf_counter()
+        moved = self._take_fetches()
         outs = self.engine.step()
         seconds = time.perf_counter() - t0
-        res = StepResult(seconds=seconds)
+        res = StepResult(seconds=seconds, moved_tokens=moved)
         for rid, seq in self.engine.requests.items():
             if seq.output_ids and rid not in self._first_seen:
                 self._first_seen.add(rid)
@@ -192,7 +303,8 @@ class EngineReplica:
                 res.first_token.append(out.request_id)
             self._first_seen.discard(out.request_id)
             res.finished.append({"request_id": out.request_id, "output_ids": list(out.output_ids),
-                                 "num_cached_tokens": out.num_cached_tokens, "num_preemptions": out.num_preemptions})
+                                 "num_cached_tokens": out.num_cached_tokens, "num_preemptions": out.num_preemptions,
+                                 "restored_tokens": out.num_restored_tokens})
         res.batches = self.engine.take_kv_events()
         res.prefill_tokens, res.decodes = self._capture.counts()
         return res
@@ -200,6 +312,8 @@ class EngineReplica:
     def fail(self) -> list[Hashable]:
         """Die and restart empty (a fresh engine, same weights); return the ids that were in flight."""
         lost = list(self.engine.requests)
+        self._lose_objects()
+        self._fetches = []
         self._start()
         return lost
 
@@ -209,7 +323,7 @@ class EngineReplica:
 
     def stats(self) -> dict:
         """The engine's stats."""
-        return self.engine.stats()
+        return {**self.engine.stats(), "fetch_failures": self.fetch_failures}
 
 
 class LocalHandle:
@@ -319,6 +433,9 @@ def ray_replicas(n: int, **engine_kwargs: Any) -> list[RayHandle]:
     """
     import ray
 
+    from .object_store import RayObjectStore
+
+    engine_kwargs.setdefault("object_store", RayObjectStore())  # blocks move between actors through Ray's store
     actor_cls = ray.remote(num_cpus=0)(EngineReplica)
     actors = [actor_cls.remote(**engine_kwargs) for _ in range(n)]
     handles = [RayHandle(a) for a in actors]

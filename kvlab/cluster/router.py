@@ -23,6 +23,13 @@ a duplicate is dropped; after a lost batch or a restart the replica's part is cl
   replica, lowest wins. Blocks to prefill = the prompt's blocks minus the longest prefix the index says
   the replica holds; active blocks = the blocks of the requests in flight there. ``weight`` trades hit
   rate (large) against balance (small).
+- ``pull`` (not in ``POLICIES``, which are notebook 09's; ``ALL_POLICIES`` has it): route for load (fewest
+  active blocks; ties to the longer cached prefix), then *pull the cache*: ``pull_plan`` names the replica
+  that holds a longer prefix of the prompt, and the driver has the chosen replica fetch those blocks from it
+  (``kvlab.engine.offload``) instead of recomputing them. Mooncake / Dynamo move K/V between workers this way.
+
+The index keeps the tiers apart by the events' ``medium``: ``blocks`` is the device pool ("GPU", what
+``overlap`` reads), ``host`` the host tier ("CPU", ``kvlab.cache.host_tier``).
 
 The router hashes a prompt exactly as a replica's block manager does (``kvlab.cache.hashing.
 prompt_block_hashes``: same block size, model fingerprint and salt), so its hashes meet the replicas'.
@@ -44,11 +51,12 @@ from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
 from ..cache.hashing import BlockHash, prompt_block_hashes
-from ..cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ..cache.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["POLICIES", "HashRing", "KVIndex", "PrefixTree", "RouteRequest", "Router"]
+__all__ = ["ALL_POLICIES", "POLICIES", "HashRing", "KVIndex", "PrefixTree", "RouteRequest", "Router"]
 
 POLICIES = ("round_robin", "least_loaded", "session_affinity", "prefix_tree", "kv_aware")
+ALL_POLICIES = (*POLICIES, "pull")  # pull needs replicas that can export and stage blocks (a host tier)
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,6 +88,7 @@ class KVIndex:
 
     def __init__(self) -> None:
         self.blocks: dict[int, Counter] = {}  # replica -> hash -> times stored minus times removed
+        self.host: dict[int, Counter] = {}  # the same for the host tier (events with medium "CPU")
         self.parent: dict[BlockHash, BlockHash | None] = {}  # hash -> parent hash, while some replica holds it
         self._holders: Counter = Counter()  # hash -> replicas x copies holding it (to prune ``parent``)
         self.last_seq: dict[int, int] = {}
@@ -107,6 +116,13 @@ class KVIndex:
         held = self.blocks.setdefault(replica, Counter())
         for ev in batch.events:
             self.num_events += 1
+            if not isinstance(ev, AllBlocksCleared) and ev.medium not in (None, MEDIUM_GPU):  # the host tier
+                tier = self.host.setdefault(replica, Counter())
+                for h in ev.block_hashes:
+                    tier[h] += 1 if isinstance(ev, BlockStored) else -(tier[h] > 0)
+                    if tier[h] <= 0:
+                        del tier[h]
+                continue
             if isinstance(ev, BlockStored):
                 parent = ev.parent_block_hash
                 for h in ev.block_hashes:
@@ -154,6 +170,7 @@ class KVIndex:
 
     def drop_replica(self, replica: int, forget_seq: bool = True) -> None:
         """Forget everything a replica held (it restarted or left the fleet); it is no longer stale."""
+        self.host.pop(replica, None)
         held = self.blocks.pop(replica, Counter())
         for h, n in list(held.items()):
             self._drop(held, h, n)
@@ -268,8 +285,8 @@ class Router:
     def __init__(self, policy: str | Callable, replicas: Sequence[int], block_size: int, *, model_fingerprint: str = "",
                  weight: float = 1.0, prefix_threshold: float = 0.5, balance_abs: int = 8,
                  balance_rel: float = 1.5, vnodes: int = 64) -> None:
-        if not callable(policy) and policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES} or a function (router, request) -> replica, got {policy!r}")
+        if not callable(policy) and policy not in ALL_POLICIES:
+            raise ValueError(f"policy must be one of {ALL_POLICIES} or a function (router, request) -> replica, got {policy!r}")
         if not replicas:
             raise ValueError("a router needs at least one replica")
         self.policy, self.block_size, self.model_fingerprint = policy, block_size, model_fingerprint
@@ -350,6 +367,9 @@ class Router:
             return self.replicas[next(self._rr) % len(self.replicas)]
         if p == "least_loaded":
             return self._least_loaded()
+        if p == "pull":  # for load; among equals, the one that has to pull least
+            hashes = self.hashes(req)
+            return min(self.replicas, key=lambda r: (self.active_blocks(r), -self.index.overlap(r, hashes), r))
         if p == "session_affinity":
             return self.ring.get(req.request_id if req.session is None else req.session)
         if p == "prefix_tree":
@@ -364,6 +384,20 @@ class Router:
             return min(self.replicas, key=lambda r: (self.tree.size[r], self.load(r), r))  # smallest tree
         costs = self.costs(req)
         return min(self.replicas, key=lambda r: (costs[r], self.active_blocks(r), r))
+
+    def pull_plan(self, req: RouteRequest, replica: int, min_blocks: int = 1) -> tuple[int, int, int] | None:
+        """``(holder, first, end)``: ``replica`` should fetch blocks ``[first, end)`` of the prompt from ``holder``.
+
+        The holder is the replica whose index overlap with the prompt is longest (ties to the lower id); None
+        when no replica holds at least ``min_blocks`` more leading blocks than ``replica`` itself.
+        """
+        hashes = self.hashes(req)
+        own = self.index.overlap(replica, hashes)
+        others = [(self.index.overlap(r, hashes), -r) for r in self.replicas if r != replica]
+        if not others:
+            return None
+        best, holder = max(others)
+        return (-holder, own, best) if best - own >= min_blocks else None
 
     def route(self, req: RouteRequest) -> int:
         """Pick a replica and count the request as in flight there."""

@@ -1,7 +1,7 @@
 """Model-free fleet simulation: block managers and schedulers only, a cost model for time.
 
 ``CostModel`` turns what a step ran into seconds: ``base + per_prefill_token x prefill tokens +
-per_decode x decoding sequences``. Its defaults are a *model*, not a measurement; ``CostModel.fit``
+per_decode x decoding sequences + per_moved_token x tokens fetched from another replica``. Its defaults are a *model*, not a measurement; ``CostModel.fit``
 fits it to step times measured on real replicas (the notebook fits it on its Ray run).
 
 ``simulate`` runs a workload through ``SimReplica``s (kvlab's real scheduler and block manager, scripted
@@ -25,10 +25,12 @@ class CostModel:
     base: float = 5e-3  # per step (scheduling, launch, sampling)
     per_prefill_token: float = 5e-5
     per_decode: float = 2e-4  # per sequence decoding one token
+    per_moved_token: float = 5e-6  # per token of K/V fetched from another replica (notebook 11 measures it)
 
-    def seconds(self, prefill_tokens: int, decodes: int) -> float:
+    def seconds(self, prefill_tokens: int, decodes: int, moved_tokens: int = 0) -> float:
         """Modelled duration of a step."""
-        return self.base + self.per_prefill_token * prefill_tokens + self.per_decode * decodes
+        return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode * decodes
+                + self.per_moved_token * moved_tokens)
 
     @classmethod
     def fit(cls, rows: Sequence[tuple[int, int, float]]) -> CostModel:
@@ -39,16 +41,26 @@ class CostModel:
         y = np.array([s for _, _, s in rows])
         coef, *_ = np.linalg.lstsq(a, y, rcond=None)
         coef = np.maximum(coef, 0.0)
-        return cls(float(coef[0]), float(coef[1]), float(coef[2]))
+        return cls(float(coef[0]), float(coef[1]), float(coef[2]), cls.per_moved_token)
 
 
 def simulate(workload, num_replicas: int, policy: str, *, num_blocks: int = 256, block_size: int = 16,
-             cost: CostModel | None = None, replies: dict | None = None, fail=None, **router_kwargs):
-    """Run ``workload`` on ``num_replicas`` model-free replicas under ``policy``; a ``FleetResult``."""
+             cost: CostModel | None = None, replies: dict | None = None, fail=None, tier_blocks: int | None = None,
+             offload: bool = False, **router_kwargs):
+    """Run ``workload`` on ``num_replicas`` model-free replicas under ``policy``; a ``FleetResult``.
+
+    ``tier_blocks``: each replica's host tier, in blocks (default: none, or ``num_blocks`` under ``pull``, which
+    stages fetched blocks there); ``offload``: the tier also keeps evicted blocks.
+    """
     from .driver import run_fleet
+    from .object_store import LocalObjectStore
     from .replica import LocalHandle, SimReplica
 
-    handles = [LocalHandle(SimReplica(num_blocks, block_size)) for _ in range(num_replicas)]
+    if tier_blocks is None and policy == "pull":
+        tier_blocks = num_blocks
+    store = LocalObjectStore()  # one for the fleet: what one replica exports, another fetches
+    handles = [LocalHandle(SimReplica(num_blocks, block_size, tier_blocks=tier_blocks, offload=offload,
+                                      object_store=store)) for _ in range(num_replicas)]
     return run_fleet(workload, handles, policy, clock="model", cost=cost or CostModel(), replies=replies, fail=fail,
                      **router_kwargs)
 

@@ -14,6 +14,11 @@ head, which the step computes as ``W @ x.T``, the same product as ``F.linear`` i
 CPU BLAS runs faster for a few rows). Greedy is argmax; sampling uses a per-request generator seeded from the request's seed, so
 outputs do not depend on batching.
 
+Host tier: ``host_tier_bytes=N`` keeps evicted cached blocks in host memory, up to N bytes (LRU), and copies them
+back when a later prompt's chain misses the pool but hits the tier (``kvlab.engine.offload``; ``offload_evicted=False``
+keeps the tier only as a staging area for blocks fetched from another replica). Restored tokens count in
+``num_cached_tokens`` (they are not computed) and apart in ``RequestOutput.num_restored_tokens``.
+
 Tenants: ``add_request(..., tenant="acme")``. Under ``isolation="tenant"`` or ``"public-prefix"`` the
 engine derives the tenant's cache salt from the tenant id and its server ``secret`` (HMAC-SHA256,
 ``kvlab.engine.tenants``); a request cannot choose or forge a salt. ``"public-prefix"`` shares the whole blocks
@@ -67,6 +72,7 @@ from ..cache.block_pool import check
 from ..cache.kv_events import EventBatch
 from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
+from .offload import HostOffload
 from .paged_attention import MissingBatchError, build_batch, check_config, paged_attention
 from .radix_adapter import make_prefix_cache
 from .sampling import SamplingParams, sample_next
@@ -143,6 +149,7 @@ class RequestOutput:
     ttft: float | None = None  # arrival -> first token
     latency: float | None = None  # arrival -> finished
     error: str | None = None
+    num_restored_tokens: int = 0  # of num_cached_tokens: copied back from the host tier (evicted or fetched)
 
 
 class Engine:
@@ -152,7 +159,8 @@ class Engine:
                  block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0,
                  isolation: str = "shared", secret: bytes | str | None = None, cache: str = "blocks",
-                 page_size: int = 1, enable_kv_events: bool = False) -> None:
+                 page_size: int = 1, enable_kv_events: bool = False, host_tier_bytes: int | None = None,
+                 offload_evicted: bool = True) -> None:
         secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
         if num_blocks is None:
             num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
@@ -163,6 +171,10 @@ class Engine:
                                                model_fingerprint(model, tokenizer, every_weight=False),
                                                enable_prefix_caching, enable_kv_events)
         self.store = PagedKVStore.for_model(model, self.block_manager.pool.num_blocks, self.block_manager.block_size)
+        # host_tier_bytes: evicted blocks wait in host memory and come back on a hit (kvlab.engine.offload)
+        self.host_tier = None if host_tier_bytes is None else HostOffload(
+            self.store, self.block_manager, host_tier_bytes, offload=offload_evicted)
+        self._restored: dict[int, int] = {}  # seq id -> prompt tokens restored from the host tier at first admission
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
@@ -430,6 +442,10 @@ class Engine:
     def _run(self, sched: SchedulerOutput) -> list[Seq]:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
         self.store.copy_blocks(sched.cow_pairs)
+        if self.host_tier is not None:  # the host tier's restores were copied in at admission: count them
+            for it in sched.items:
+                if it.is_prefill and it.seq.seq_id not in self._restored:
+                    self._restored[it.seq.seq_id] = self.block_manager.seqs[it.seq.seq_id].num_restored_tokens
         tokens, errors, untrusted = self._compute(sched)
         now, finished = time.perf_counter(), []
         for i in reversed(range(len(sched.items))):  # latest first: a block leaves the cache once nobody holds it
@@ -555,7 +571,8 @@ class Engine:
             self.decode(seq.output_ids), done, seq.finish_reason,
             seq.num_cached_tokens or 0, seq.num_preemptions,
             None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            None if seq.finish_time is None else seq.finish_time - seq.arrival_time, seq.error)
+            None if seq.finish_time is None else seq.finish_time - seq.arrival_time, seq.error,
+            (self._restored.pop if done else self._restored.get)(seq.seq_id, 0))
 
     # --- run to completion --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -628,7 +645,8 @@ class Engine:
                 "peak_kv_bytes": self.peak_kv_bytes, "kv_bytes_total": self.store.nbytes,
                 "num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
                 "num_mixed_steps": self.num_mixed_steps,
-                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running)}
+                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                **(self.host_tier.stats() if self.host_tier is not None else {})}
 
     @_locked
     def check_invariants(self) -> None:

@@ -220,7 +220,6 @@ def ex09_1_policy(router, request):
     hashes = router.hashes(request)
     return max(router.replicas, key=lambda r: (router.index.overlap(r, hashes) - router.active_blocks(r), -r))
 
-<<<<<<< HEAD
 
 # ----------------------------------------------------------------------------- 03b reusing the middle
 
@@ -233,7 +232,8 @@ def ex03b_1_rerotate(keys, delta: int, theta: float):
     angle = delta * inverse_frequencies(keys.shape[-1], theta, device=keys.device)  # (head_dim/2,)
     angle = torch.cat((angle, angle))  # (head_dim,): the layout of rotate_half
     return keys * angle.cos() + rotate_half(keys) * angle.sin()
-=======
+
+
 # ----------------------------------------------------------------------------- 10 is this endpoint sharing?
 def ex10_1_min_samples(alpha: float = 1e-3) -> int:
     """10.1: the smallest exact two-sided KS p-value with n per side is 2 / C(2n, n) (no overlap); 7 for 1e-3."""
@@ -249,4 +249,10 @@ def ex10_2_right_guess_gain(before: int = 100, secret: int = 5, after: int = 40,
     """10.2: whole blocks through the known text (145 // 32 = 4 blocks, 128 tokens) minus the whole blocks before
     the secret (100 // 32 = 3 blocks, 96 tokens) -> 32; with 64-token blocks 128 - 64 = 64."""
     return (before + secret + after) // block_size * block_size - before // block_size * block_size
->>>>>>> audit
+
+
+# ----------------------------------------------------------------------------- 11 tiers and transfer
+
+def ex11_1_worth_pulling(prefix_tokens: int, recompute_per_token: float, copy_per_token: float, fixed: float) -> bool:
+    """Notebook 11: pull when one transfer's fixed cost plus the copy is strictly cheaper than recomputing the prefix."""
+    return fixed + copy_per_token * prefix_tokens < recompute_per_token * prefix_tokens
