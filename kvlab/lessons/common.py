@@ -277,3 +277,12 @@ def label(text: str) -> str:
     if CJK_FONT:
         return text
     return "".join(c if ord(c) < 0x2E80 else f"\\u{ord(c):04x}" for c in text)
+
+
+def progress_bar(items: Sequence, on: bool, desc: str):
+    """``items`` wrapped in a labelled tqdm bar when ``on`` (notebooks), else unchanged (tests, scripts)."""
+    if not on:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc)

@@ -27,7 +27,7 @@ import torch
 from kvlab.engine.models import encode, eos_ids, model_device_dtype
 from kvlab.lessons import passphrase as P
 from kvlab.lessons import rope
-from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
+from kvlab.lessons.common import Verdict, as_number, call_answer, progress_bar, unanswered, verdict
 from kvlab.prefix import PrefixCache, continue_from_cache, generate
 
 MAX_NEW_TOKENS = 12  # a passphrase is at most ~10 tokens of this tokenizer, then <|im_end|>
@@ -197,7 +197,7 @@ def run_position_sweep(model: Any, tokenizer: Any, examples: Sequence[P.Passphra
     variants = position_variants(shifts)
     prompt = prompt or prompt_ids
     rows = []
-    for ex in _progress(examples, progress, "shift sweep"):
+    for ex in progress_bar(examples, progress, "shift sweep"):
         ids, n = prompt(tokenizer, ex)
         reference = isolated(model, tokenizer, ids, max_new_tokens)
         pre = torch.tensor([ids[:n]] * len(variants), device=device)  # (R, P)
@@ -332,7 +332,7 @@ def run_overlap(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "
     device, _ = model_device_dtype(model)
     stop = eos_ids(model, tokenizer)
     rows, errs = [], []
-    for seed in _progress(seeds, progress, "group 2 pairs"):
+    for seed in progress_bar(seeds, progress, "group 2 pairs"):
         pair = make_pair(tokenizer, seed, split)
         caches = overlap_caches(model, pair)
         b_ids = pair["head_b"] + pair["segment"] + pair["tail"]
@@ -403,7 +403,7 @@ def run_group3(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "h
 
     stop = eos_ids(model, tokenizer)
     rows = []
-    for seed in _progress(seeds, progress, "group 3 pairs"):
+    for seed in progress_bar(seeds, progress, "group 3 pairs"):
         a, b = group3_pair(seed, split)
         shared = PrefixCache.build(model, tokenizer, b.prefix_text)
         n = len(shared)
@@ -471,7 +471,7 @@ def run_left_padding(model: Any, tokenizer: Any, seeds: Sequence[int], split: st
     stop = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
     rows = []
-    for seed in _progress(seeds, progress, f"padded batches, {extra_pads} extra pads"):
+    for seed in progress_bar(seeds, progress, f"padded batches, {extra_pads} extra pads"):
         reqs = padding_batch(seed, split, size)
         prefix = PrefixCache.build(model, tokenizer, reqs[0].prefix_text)
         n = len(prefix)
@@ -679,14 +679,6 @@ def fig_outcomes(summary: Any, title: str):
     ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)  # above the bars
     fig.tight_layout()
     return fig
-
-
-def _progress(items: Sequence, on: bool, desc: str):
-    if not on:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc)
 
 
 # ----------------------------------------------------------------------------- exercise checkers

@@ -27,7 +27,7 @@ import torch
 from kvlab.blend import Blend, ChunkCache, blend_generate, blend_prefill, rerotate_keys
 from kvlab.engine.models import encode
 from kvlab.lessons import passphrase as P
-from kvlab.lessons.common import Verdict, call_answer, verdict
+from kvlab.lessons.common import Verdict, call_answer, progress_bar, verdict
 from kvlab.lessons.nb03_position import token_agreement
 from kvlab.prefix import PrefixCache
 
@@ -143,7 +143,7 @@ def run_quality(chunks: ChunkCache, requests: Sequence[RagRequest], ratios: Sequ
 
     tok, rows, prefixes = chunks.tokenizer, [], {}
     max_new = REAL_MAX_NEW_TOKENS if real else MAX_NEW_TOKENS
-    for i, req in enumerate(_progress(requests, progress, "requests")):
+    for i, req in enumerate(progress_bar(requests, progress, "requests")):
         ref = blend_generate(chunks, full_pieces(req.pieces), 1.0, max_new_tokens=max_new)
         head = tuple(req.pieces[0][0])
         prefix = prefixes.setdefault(head, PrefixCache.build(chunks.model, tok, list(head)))
@@ -190,7 +190,7 @@ def run_ttft(chunks: ChunkCache, requests: Sequence[RagRequest], ratios: Sequenc
     import pandas as pd
 
     rows, names = [], ttft_methods(ratios)
-    for i, req in enumerate(_progress(requests, progress, "TTFT")):
+    for i, req in enumerate(progress_bar(requests, progress, "TTFT")):
         prefix = PrefixCache.build(chunks.model, chunks.tokenizer, req.pieces[0][0])
         full = full_pieces(req.pieces)
         runs = {names[0]: (full, 1.0, None), names[1]: (full, 1.0, prefix)}  # (pieces, r, prefix cache)
@@ -240,7 +240,7 @@ def run_group2(chunks: ChunkCache, pairs: Sequence[dict], ratios: Sequence[float
     model, tok, rows = chunks.model, chunks.tokenizer, []
     device = next(model.parameters()).device
     max_new = REAL_MAX_NEW_TOKENS if real else MAX_NEW_TOKENS
-    for pair in _progress(pairs, progress, "group 2 pairs"):
+    for pair in progress_bar(pairs, progress, "group 2 pairs"):
         a_ids = pair["head_a"] + pair["segment"]
         cache = model(input_ids=torch.tensor([a_ids], device=device), use_cache=True, logits_to_keep=1).cache
         ha = len(pair["head_a"])
@@ -385,14 +385,6 @@ def fig_layer_deviation(tables: dict[str, Any]):
     fig.suptitle("Reused passages: how far each layer's keys are from a full prefill")
     fig.tight_layout()
     return fig
-
-
-def _progress(items: Sequence, on: bool, desc: str):
-    if not on:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc)
 
 
 # ----------------------------------------------------------------------------- exercise checker
