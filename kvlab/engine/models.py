@@ -23,8 +23,13 @@ import torch
 
 
 def package_data(*parts: str) -> Path:
-    """A file or folder shipped inside the package under ``kvlab/data`` (wheel, editable install or a copy)."""
-    root = importlib.resources.files("kvlab")
+    """A file or folder shipped inside the package under ``kvlab/data`` (wheel, editable install or a copy).
+
+    The top package is the one this module sits in, so ``kvlab/engine`` copied as ``mykv/engine`` looks in
+    ``mykv/data`` (absent unless copied too: ``load_model(None)`` then says the bundled model is missing).
+    """
+    top = (__package__ or "kvlab").partition(".")[0]
+    root = importlib.resources.files(top)
     if not isinstance(root, Path):  # e.g. imported from a zip: HF loaders need a real folder
         raise RuntimeError(f"kvlab's package data is not on the file system ({root!r}); install kvlab unzipped")
     return root.joinpath("data", *parts)
