@@ -600,3 +600,48 @@ def bench_tables(report: dict):
     table = pd.DataFrame(report["systems"])
     table["error"] = table.get("error", pd.Series([""] * len(table))).fillna("")
     return table, pd.DataFrame(report["ratios"])
+
+
+def request_path(engine: Engine, request_id: Any) -> dict[str, Any]:
+    """A running request's path through the engine now: its tokens, block table, slot mapping, cached tokens."""
+    if request_id not in engine.requests:
+        raise KeyError(f"request {request_id!r} is not running (finished or never added): step() it first, "
+                       "and give it max_tokens > 1 so it is still there")
+    seq_id = engine.requests[request_id].seq_id
+    bm = engine.block_manager
+    return {"request_id": request_id, "block_size": bm.block_size, "num_tokens": len(bm.seqs[seq_id].token_ids),
+            "block_table": bm.block_table(seq_id), "slot_mapping": bm.slot_mapping(seq_id),
+            "cached_tokens": bm.num_cached_tokens(seq_id)}
+
+
+def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
+    """One request through the engine: token position -> logical block -> physical block -> slot in the K/V store."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    bs, slots, table = path["block_size"], path["slot_mapping"][:max_tokens], path["block_table"]
+    n = len(slots)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * n + 2.5), 3.4))
+    for p, slot in enumerate(slots):
+        cached = p < path["cached_tokens"]
+        ax.add_patch(Rectangle((p, 2), 0.95, 0.6, facecolor="#9ecae1" if cached else "white", edgecolor="black",
+                               linewidth=0.5, gid="cached" if cached else "computed"))
+        ax.text(p + 0.47, 2.3, str(p), ha="center", va="center", fontsize=6, rotation=90)
+        ax.add_patch(Rectangle((p, 0), 0.95, 0.6, facecolor="#f0f0f0", edgecolor="black", linewidth=0.5))
+        ax.text(p + 0.47, 0.3, str(slot), ha="center", va="center", fontsize=6, rotation=90, gid="slot")
+    for j in range(cdiv(n, bs)):
+        x0, x1 = j * bs, min((j + 1) * bs, n)
+        ax.add_patch(Rectangle((x0, 1), x1 - x0 - 0.05, 0.6, facecolor="#fdd0a2", edgecolor="black"))
+        ax.text((x0 + x1) / 2, 1.3, f"logical {j} → physical {table[j]}", ha="center", va="center", fontsize=7,
+                gid="block")
+    for y, name in ((2.3, "token position\n(shaded: from cache)"), (1.3, "block table"),
+                    (0.3, "slot in K/V store\n= block x size + offset")):
+        ax.text(-0.4, y, name, ha="right", va="center", fontsize=8)
+    ax.set_xlim(-0.2, n)
+    ax.set_ylim(-0.2, 2.8)
+    ax.axis("off")
+    shown = "" if n == path["num_tokens"] else f" (first {n} of {path['num_tokens']} tokens)"
+    ax.set_title(f"request {path['request_id']!r}: {path['num_tokens']} tokens, block size {bs}, "
+                 f"{path['cached_tokens']} tokens from the cache{shown}", fontsize=10)
+    fig.tight_layout()
+    return fig
