@@ -27,9 +27,9 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
-import sys
 import time
 from pathlib import Path
 
