@@ -367,7 +367,7 @@ def fig_position_ids(prefix: PrefixCache, suffix_ids: Sequence[int], tokenizer: 
             ax.text(p + i + 0.47, y + 0.3, str(q), ha="center", va="center", fontsize=7, gid=f"suffix{r}")
         ax.text(-0.3, y + 0.3, name, ha="right", va="center", fontsize=9)
     if tokenizer is not None and p + n <= 40:
-        words = [label(tokenizer.decode([t])) for t in (*prefix.token_ids, *suffix_ids)]
+        words = [label(w) for w in token_pieces(tokenizer, [*prefix.token_ids, *suffix_ids])]
         ax.set_xticks([i + 0.47 for i in range(p + n)], words, rotation=90, fontsize=7)
     else:
         ax.set_xticks([])
