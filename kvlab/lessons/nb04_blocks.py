@@ -244,7 +244,8 @@ def fig_logical_physical(manager: BlockManager, labels: dict[Hashable, str] | No
     ax.set_xlim(-0.1, 5.5)
     ax.set_ylim(-0.2, height + 1)
     ax.axis("off")
-    ax.set_title("block tables map logical blocks to physical ones; a shared block has several lines in",
+    ax.set_title("block tables map logical blocks to physical ones; a shared block has several lines in\n"
+                 "(colour = ref count, as in the block-table figures; grey = free but still cached)",
                  fontsize=9)
     fig.tight_layout()
     return fig
