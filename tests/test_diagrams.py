@@ -144,5 +144,11 @@ def test_request_path_draws_the_engines_slot_mapping_and_cached_tokens(bundled):
     assert len(_gid(fig, "cached")) == path["cached_tokens"]
     assert len(_gid(fig, "block")) == len(path["block_table"])
     _done(fig)
+    window = N.fig_request_path(path, max_tokens=16)  # a window around where the cached part ends
+    shown = [int(t.get_text()) for t in _gid(window, "position")]
+    assert len(shown) == 16 and shown[0] <= path["cached_tokens"] <= shown[-1]
+    assert [int(t.get_text()) for t in _gid(window, "slot")] == [path["slot_mapping"][p] for p in shown]
+    assert len(_gid(window, "cached")) == sum(p < path["cached_tokens"] for p in shown)
+    _done(window)
     with pytest.raises(KeyError, match="not running"):
         N.request_path(engine, "nope")
