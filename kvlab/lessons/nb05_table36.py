@@ -636,8 +636,8 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
     for j in range(lo // bs, cdiv(hi, bs)):
         x0, x1 = max(j * bs, lo) - lo, min((j + 1) * bs, hi) - lo
         ax.add_patch(Rectangle((x0, 1), x1 - x0 - 0.05, 0.6, facecolor="#fdd0a2", edgecolor="black"))
-        ax.text((x0 + x1) / 2, 1.3, f"logical {j} → physical {table[j]}", ha="center", va="center", fontsize=7,
-                gid="block")
+        text = f"logical {j} → physical {table[j]}" if x1 - x0 >= 8 else f"{j}→{table[j]}"  # a cut-off block
+        ax.text((x0 + x1) / 2, 1.3, text, ha="center", va="center", fontsize=7 if x1 - x0 >= 3 else 5, gid="block")
     for y, name in ((2.3, "token position\n(shaded: from cache)"), (1.3, "block table"),
                     (0.3, "slot in K/V store\n= block x size + offset")):
         ax.text(-0.4, y, name, ha="right", va="center", fontsize=8)
