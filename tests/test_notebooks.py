@@ -34,6 +34,35 @@ def test_committed_clean_with_parameters_cell(nb):
     assert not missing, f"{nb.name}: papermill finds no {missing} in the parameters cell (a comment with '=' or ';'?)"
 
 
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_kernel_display_name_is_the_one_setup_installs(nb):
+    """Another display name marks the notebook modified on open in JupyterLab (closing asks to save)."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    spec = json.loads(nb.read_text())["metadata"]["kernelspec"]
+    assert f'--name {spec["name"]} --display-name "{spec["display_name"]}"' in setup
+
+
+def test_html_loads_the_widget_renderer_from_the_local_copy(tmp_path):
+    import nbformat
+
+    vendor = tmp_path / "vendor"
+    vendor.mkdir()
+    for name in ("embed-amd.js", "require.js"):
+        (vendor / name).write_text("// stub")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"version_major": 2, "version_minor": 0,
+                                                                           "state": {}}}
+    out = tmp_path / "out"
+    out.mkdir()
+    nbformat.write(nb, out / "x.ipynb")
+    widgets = run_notebooks.local_widgets(out, vendor)
+    body = run_notebooks.to_html(out / "x.ipynb", widgets).read_text()
+    assert (out / "_widgets" / "embed-amd.js").is_file() and (out / "_widgets" / "require.js").is_file()
+    assert "'_widgets/embed-amd.js'" in body and 'src="_widgets/require.js"' in body
+    assert "unpkg.com" not in body and "cdn.jsdelivr" not in body and "require.min.js" not in body
+    assert run_notebooks.local_widgets(out, tmp_path / "missing") == {}  # no vendored copy: the CDN defaults
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_headless_in_smoke_mode(nb, tmp_path):

@@ -301,3 +301,44 @@ if __name__ == "__main__":  # python -m kvlab.lessons.nb00_passphrase [N] [SEED]
     for row in result["summary"]:
         print(row)
     print(f"{result['seconds']:.1f} s -> {RECORD}")
+
+
+def shared_blocks(manager: Any, seq_ids: Sequence[Any]) -> list[int]:
+    """Physical blocks that two or more of ``seq_ids`` hold, in the order of the first one's table."""
+    tables = [manager.block_table(s) for s in seq_ids]
+    held = [b for t in tables for b in set(t)]
+    return [b for b in dict.fromkeys(x for t in tables for x in t) if held.count(b) > 1]
+
+
+def fig_shared_prefix(manager: Any, seq_ids: Sequence[Any] | None = None, labels: Sequence[str] | None = None) -> Any:
+    """One prefix fanned out to requests: the blocks they share drawn once (shaded), each one's own blocks after."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    seq_ids = list(manager.seqs) if seq_ids is None else list(seq_ids)
+    labels = [str(s) for s in seq_ids] if labels is None else list(labels)
+    shared = shared_blocks(manager, seq_ids)
+    own = [[b for b in manager.block_table(s) if b not in shared] for s in seq_ids]
+    n, width = len(seq_ids), len(shared) + 1.5 + max([len(o) for o in own] + [1])
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * width + 1.5), 0.8 * n + 1.8))
+    mid = (n - 1) / 2
+    for j, b in enumerate(shared):
+        ax.add_patch(Rectangle((j, mid - 0.35), 0.9, 0.7, facecolor="#9ecae1", edgecolor="black", gid="shared"))
+        ax.text(j + 0.45, mid, str(b), ha="center", va="center", fontsize=9)
+    x0 = len(shared) + 1.5
+    for row, (label, blocks) in enumerate(zip(labels, own, strict=True)):
+        y = n - 1 - row
+        ax.annotate("", xy=(x0 - 0.05, y), xytext=(len(shared) - 0.05, mid),
+                    arrowprops={"arrowstyle": "->", "color": "grey"})
+        for j, b in enumerate(blocks):
+            ax.add_patch(Rectangle((x0 + j, y - 0.35), 0.9, 0.7, facecolor="white", edgecolor="black", gid="own"))
+            ax.text(x0 + j + 0.45, y, str(b), ha="center", va="center", fontsize=9)
+        ax.text(x0 + len(blocks) + 0.2, y, label, ha="left", va="center", fontsize=9)
+    ax.set_xlim(-0.3, width + 2.5)
+    ax.set_ylim(-0.7, n - 0.3)
+    ax.axis("off")
+    ax.set_title(f"{n} requests, one prefix: {len(shared)} shared blocks held once (shaded), "
+                 f"{sum(map(len, own))} blocks of their own\n(numbers = physical block ids in the BlockManager)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig

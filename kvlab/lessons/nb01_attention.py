@@ -486,3 +486,35 @@ def fig_kv_memory(per_token_bytes: Mapping[str, int], context: int, batch_sizes:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig
+
+
+def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) of each layer of a transformers cache (or a kvlab PrefixCache), each (kv_heads, seq, head_dim)."""
+    cache = getattr(cache, "cache", cache)  # a PrefixCache holds the transformers cache
+    return [(layer.keys[0].detach().float().cpu(), layer.values[0].detach().float().cpu()) for layer in cache.layers]
+
+
+def fig_kv_cache(cache: Any, tokens: Sequence[str] | None = None) -> Figure:
+    """What a KV cache holds: one K and one V panel per layer x KV head, rows = positions, columns = head dims."""
+    kv = cache_tensors(cache)
+    heads, seq, dim = kv[0][0].shape
+    fig, axes = plt.subplots(len(kv), 2 * heads, figsize=(1.9 * 2 * heads + 1, 1.6 * len(kv) + 1.4),
+                             squeeze=False, sharey=True)
+    for layer, (k, v) in enumerate(kv):
+        for h in range(heads):
+            for col, (name, t) in enumerate((("K", k), ("V", v))):
+                ax = axes[layer, 2 * h + col]
+                lim = float(t[h].abs().max()) or 1.0
+                ax.imshow(t[h].numpy(), aspect="auto", cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+                ax.set_title(f"layer {layer} · {name} head {h}", fontsize=8)
+                ax.set_xticks([0, dim - 1])
+                ax.tick_params(labelsize=7)
+                if layer == len(kv) - 1:
+                    ax.set_xlabel("head dim", fontsize=7)
+        axes[layer, 0].set_ylabel("position", fontsize=7)
+    if tokens is not None and seq <= 16:
+        axes[0, 0].set_yticks(range(seq), [label(t) for t in tokens], fontsize=6)
+    fig.suptitle(f"the cache: {len(kv)} layers x {heads} KV heads x (K and V) x {seq} positions x {dim} dims\n"
+                 "no Q: a query is used once, by its own token's step, and never read again", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -339,3 +339,44 @@ def real_pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max
                      "B polluted recalls": P.mentions(dec(b_ids), a.passphrase),
                      "B polluted gives new": P.mentions(dec(b_ids), new)})
     return rows
+
+
+def suffix_positions(prefix: PrefixCache, suffix_len: int, restart: bool = False) -> list[int]:
+    """Position ids the suffix's tokens get on top of ``prefix``: after it (right) or from 0 again (``restart``)."""
+    start = 0 if restart else prefix.seq_length()
+    return list(range(start, start + suffix_len))
+
+
+def fig_position_ids(prefix: PrefixCache, suffix_ids: Sequence[int], tokenizer: Any = None) -> Figure:
+    """The cached prefix's positions and the suffix's on top of it: continued (right) and restarted at 0 (wrong)."""
+    from matplotlib.patches import Rectangle
+
+    p, n = prefix.seq_length(), len(suffix_ids)
+    rows = [("right: the suffix continues", suffix_positions(prefix, n), "#a1d99b"),
+            ("wrong: the suffix restarts at 0", suffix_positions(prefix, n, restart=True), "#fc9272")]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.42 * (p + n) + 2.5), 3.2))
+    for r, (name, pos, color) in enumerate(rows):
+        y = 1 - r
+        for i in range(p):
+            ax.add_patch(Rectangle((i, y), 0.95, 0.6, facecolor="#d9d9d9", edgecolor="black", linewidth=0.5))
+            ax.text(i + 0.47, y + 0.3, str(i), ha="center", va="center", fontsize=7)
+        for i, q in enumerate(pos):
+            clash = q < p
+            ax.add_patch(Rectangle((p + i, y), 0.95, 0.6, facecolor=color, edgecolor="black",
+                                   linewidth=1.5 if clash else 0.5, gid=f"suffix{r}"))
+            ax.text(p + i + 0.47, y + 0.3, str(q), ha="center", va="center", fontsize=7, gid=f"suffix{r}")
+        ax.text(-0.3, y + 0.3, name, ha="right", va="center", fontsize=9)
+    if tokenizer is not None and p + n <= 40:
+        words = [label(w) for w in token_pieces(tokenizer, [*prefix.token_ids, *suffix_ids])]
+        ax.set_xticks([i + 0.47 for i in range(p + n)], words, rotation=90, fontsize=7)
+    else:
+        ax.set_xticks([])
+    ax.axvline(p - 0.025, color="black", linewidth=1)
+    ax.set_xlim(-0.2, p + n)
+    ax.set_ylim(-0.15, 1.75)
+    ax.set_yticks([])
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    ax.set_title(f"position ids: {p} cached prefix tokens (grey) then {n} suffix tokens\n"
+                 "wrong: the suffix reuses positions the prefix already holds", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -753,3 +753,45 @@ def check_exact_layers(answer: Sequence[int] | None, errors: Any, tol: float = 2
     worst = d.groupby("layer")["relative error"].max()
     expected = sorted(int(i) for i in worst.index if worst[i] < tol)
     return verdict(sorted(got) == expected, f"layers {expected}", hint)
+
+
+def rotation_pairs(key: torch.Tensor, shift: int, theta: float = 10000.0,
+                   pairs: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """For some (i, i + head_dim/2) pairs of a RoPE'd ``key`` (head_dim,): its 2-D point before and after
+    moving it ``shift`` positions with ``rope.rerotate``, and the angle RoPE turns that pair by."""
+    key = key.detach().float().cpu().reshape(-1)
+    half = key.numel() // 2
+    moved = rope.rerotate(key.reshape(1, 1, 1, -1), shift, theta).reshape(-1)
+    inv = rope.inverse_frequencies(key.numel(), theta)
+    pairs = [0, half // 2, half - 1] if pairs is None else list(pairs)
+    return [{"pair": i, "before": (float(key[i]), float(key[i + half])),
+             "after": (float(moved[i]), float(moved[i + half])), "angle": float(shift * inv[i])} for i in pairs]
+
+
+def fig_rope_rotation(key: torch.Tensor, position: int, shift: int, theta: float = 10000.0,
+                      pairs: Sequence[int] | None = None) -> Any:
+    """RoPE as a rotation: a cached key at ``position`` and the same key moved to ``position + shift``,
+    one panel per dimension pair (fast pairs turn far, slow pairs barely move)."""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    rows = rotation_pairs(key, shift, theta, pairs)
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], rows, strict=True):
+        lim = 1.15 * max(math.hypot(*r["before"]), 1e-6)
+        for (x, y), color, gid in ((r["before"], "C0", "before"), (r["after"], "C3", "after")):
+            ax.annotate("", xy=(x, y), xytext=(0, 0), arrowprops={"arrowstyle": "-|>", "color": color, "lw": 2})
+            ax.plot([x], [y], "o", color=color, markersize=3, gid=gid)
+        turned = math.degrees(r["angle"]) % 360
+        ax.set_title(f"pair {r['pair']}: turned {turned:.1f}°", fontsize=9)
+        ax.set(xlim=(-lim, lim), ylim=(-lim, lim), aspect="equal")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.axvline(0, color="grey", lw=0.5)
+        ax.set_xlabel(f"dim {r['pair']}", fontsize=8)
+        ax.set_ylabel(f"dim {r['pair'] + key.numel() // 2}", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"one cached key moved from position {position} (blue) to {position + shift} (red): "
+                 "each pair turns by shift x its frequency; the length stays", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -213,3 +213,69 @@ def fig_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
              f"hit rate {100 * s['hit_rate']:.0f}%, {s['num_free_blocks']} free, "
              f"{s['num_cached_blocks']} cached, wasted slots {s['wasted_slots']}")
     return fig_block_tables(block_state(manager), title)
+
+
+def fig_logical_physical(manager: BlockManager, labels: dict[Hashable, str] | None = None) -> Figure:
+    """Each sequence's logical blocks (left) and the physical pool (right), one line per block-table entry."""
+    seqs = list(manager.seqs.values())
+    pool = manager.pool.blocks
+    rows = sum(len(s.block_table) for s in seqs) + len(seqs) - 1
+    height = max(rows, len(pool))
+    fig, ax = plt.subplots(figsize=(7.0, 0.28 * height + 1.6))
+    scale = height / max(len(pool), 1)
+    y = height
+    for s in seqs:
+        name = (labels or {}).get(s.seq_id, str(s.seq_id))
+        for j, pid in enumerate(s.block_table):
+            y -= 1
+            ax.add_patch(Rectangle((0, y), 1.4, 0.8, facecolor="#c6dbef", edgecolor="black"))
+            ax.text(0.7, y + 0.4, f"{name} · {j}", ha="center", va="center", fontsize=7)
+            py = height - (pid + 1) * scale + 0.4 * scale
+            ax.plot([1.4, 3.6], [y + 0.4, py], color="grey", lw=0.8, gid=f"map {s.seq_id} {j} {pid}")
+        y -= 1
+    for b in pool:
+        py = height - (b.block_id + 1) * scale
+        color = _ref_color(b.ref_count) if b.ref_count else (CACHED_FREE if b.block_hash is not None else "white")
+        ax.add_patch(Rectangle((3.6, py), 1.0, 0.8 * scale, facecolor=color, edgecolor="black"))
+        ax.text(4.1, py + 0.4 * scale, f"{b.block_id}", ha="center", va="center", fontsize=7)
+        ax.text(4.7, py + 0.4 * scale, f"ref {b.ref_count}", ha="left", va="center", fontsize=6)
+    ax.text(0.7, height + 0.3, "logical (sequence · block)", ha="center", fontsize=8)
+    ax.text(4.1, height + 0.3, "physical pool (block id)", ha="center", fontsize=8)
+    ax.set_xlim(-0.1, 5.5)
+    ax.set_ylim(-0.2, height + 1)
+    ax.axis("off")
+    ax.set_title("block tables map logical blocks to physical ones; a shared block has several lines in\n"
+                 "(colour = ref count, as in the block-table figures; grey = free but still cached)",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
+                   labels: dict[Hashable, str] | None = None) -> Figure:
+    """Each sequence's full-block hashes as a chain (each hash takes its parent's), the salt entering its block."""
+    seqs = [manager.seqs[s] for s in (seq_ids if seq_ids is not None else list(manager.seqs))]
+    width = max([len(s.block_hashes) for s in seqs] + [1])
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * width + 1.5), 1.3 * len(seqs) + 1.3))
+    bs = manager.block_size
+    for r, s in enumerate(seqs):
+        y = len(seqs) - 1 - r
+        for j, h in enumerate(s.block_hashes):
+            salted = s.salt is not None and j == s.salt_block
+            ax.add_patch(Rectangle((1.9 * j, y), 1.5, 0.75, facecolor="#fdd0a2" if salted else "white",
+                                   edgecolor="black", gid="salted" if salted else "block"))
+            ax.text(1.9 * j + 0.75, y + 0.52, f"#{h[:3].hex()}", ha="center", va="center", fontsize=8,
+                    family="monospace", gid=f"hash {s.seq_id} {j}")
+            ax.text(1.9 * j + 0.75, y + 0.22, f"tokens {j * bs}–{(j + 1) * bs - 1}"
+                    + (f"\n+ salt {s.salt!r}" if salted else ""), ha="center", va="center", fontsize=6)
+            if j:
+                ax.annotate("", xy=(1.9 * j, y + 0.37), xytext=(1.9 * j - 0.4, y + 0.37),
+                            arrowprops={"arrowstyle": "->"})
+        ax.text(-0.2, y + 0.37, (labels or {}).get(s.seq_id, str(s.seq_id)), ha="right", va="center", fontsize=8)
+    ax.set_xlim(-2.2, 1.9 * width)
+    ax.set_ylim(-0.3, len(seqs) + 0.1)
+    ax.axis("off")
+    ax.set_title("hash chain: a block's hash = sha256(parent hash, its tokens, extra keys); the salt (shaded) "
+                 "changes\nits block's hash and so every hash after it — same tokens, no shared blocks", fontsize=9)
+    fig.tight_layout()
+    return fig

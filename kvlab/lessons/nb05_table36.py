@@ -600,3 +600,52 @@ def bench_tables(report: dict):
     table = pd.DataFrame(report["systems"])
     table["error"] = table.get("error", pd.Series([""] * len(table))).fillna("")
     return table, pd.DataFrame(report["ratios"])
+
+
+def request_path(engine: Engine, request_id: Any) -> dict[str, Any]:
+    """A running request's path through the engine now: its tokens, block table, slot mapping, cached tokens."""
+    if request_id not in engine.requests:
+        raise KeyError(f"request {request_id!r} is not running (finished or never added): step() it first, "
+                       "and give it max_tokens > 1 so it is still there")
+    seq_id = engine.requests[request_id].seq_id
+    bm = engine.block_manager
+    return {"request_id": request_id, "block_size": bm.block_size, "num_tokens": len(bm.seqs[seq_id].token_ids),
+            "block_table": bm.block_table(seq_id), "slot_mapping": bm.slot_mapping(seq_id),
+            "cached_tokens": bm.num_cached_tokens(seq_id)}
+
+
+def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
+    """One request through the engine: token position -> logical block -> physical block -> slot in the K/V store.
+
+    A long request is drawn in a window of ``max_tokens`` positions around where its cached part ends."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    bs, table, total, cached = path["block_size"], path["block_table"], path["num_tokens"], path["cached_tokens"]
+    lo = min(max(0, (cached - max_tokens // 2) // bs * bs), max(0, total - max_tokens))
+    hi = min(total, lo + max_tokens)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * (hi - lo) + 2.5), 3.4))
+    for p in range(lo, hi):
+        x, hit = p - lo, p < cached
+        ax.add_patch(Rectangle((x, 2), 0.95, 0.6, facecolor="#9ecae1" if hit else "white", edgecolor="black",
+                               linewidth=0.5, gid="cached" if hit else "computed"))
+        ax.text(x + 0.47, 2.3, str(p), ha="center", va="center", fontsize=6, rotation=90, gid="position")
+        ax.add_patch(Rectangle((x, 0), 0.95, 0.6, facecolor="#f0f0f0", edgecolor="black", linewidth=0.5))
+        ax.text(x + 0.47, 0.3, str(path["slot_mapping"][p]), ha="center", va="center", fontsize=6, rotation=90,
+                gid="slot")
+    for j in range(lo // bs, cdiv(hi, bs)):
+        x0, x1 = max(j * bs, lo) - lo, min((j + 1) * bs, hi) - lo
+        ax.add_patch(Rectangle((x0, 1), x1 - x0 - 0.05, 0.6, facecolor="#fdd0a2", edgecolor="black"))
+        text = f"logical {j} → physical {table[j]}" if x1 - x0 >= 8 else f"{j}→{table[j]}"  # a cut-off block
+        ax.text((x0 + x1) / 2, 1.3, text, ha="center", va="center", fontsize=7 if x1 - x0 >= 3 else 5, gid="block")
+    for y, name in ((2.3, "token position\n(shaded: from cache)"), (1.3, "block table"),
+                    (0.3, "slot in K/V store\n= block x size + offset")):
+        ax.text(-0.4, y, name, ha="right", va="center", fontsize=8)
+    ax.set_xlim(-0.2, hi - lo)
+    ax.set_ylim(-0.2, 2.8)
+    ax.axis("off")
+    shown = "" if (lo, hi) == (0, total) else f" (positions {lo}–{hi - 1} shown)"
+    ax.set_title(f"request {path['request_id']!r}: {total} tokens, block size {bs}, "
+                 f"{cached} tokens from the cache{shown}", fontsize=10)
+    fig.tight_layout()
+    return fig
