@@ -7,11 +7,25 @@ through its block table -> ``sampling`` picks one token per sequence -> ``Reques
 
 ``models`` loads the bundled model, SmolLM2 or any HF causal LM and builds random test models;
 ``reference`` is the HF ``generate`` oracle; ``tenants`` derives cache salts.
+
+Importing the package loads no torch: the names below load on first use, so ``kvlab.engine.scheduler``,
+``sequence`` and ``sampling_params`` stay pure Python.
 """
 
-from .engine import Engine, RequestOutput, UnknownRequestError
-from .models import load_model, random_model, resolve_device, seed_everything
-from .sampling import SamplingParams
+import importlib
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "UnknownRequestError", "load_model", "random_model",
-           "resolve_device", "seed_everything"]
+_LAZY = {
+    "Engine": "engine", "RequestOutput": "engine", "UnknownRequestError": "engine",
+    "load_model": "models", "random_model": "models", "resolve_device": "models", "seed_everything": "models",
+    "SamplingParams": "sampling_params",
+}
+
+
+def __getattr__(name: str):
+    """Import a torch-backed name on first use (``from kvlab.engine import Engine`` still works)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams  # not .sampling: that one imports torch
 
 __all__ = ["Sequence", "SequenceStatus"]
 

@@ -1,0 +1,69 @@
+"""Sampling parameters of one request, checked on construction (pure Python, no torch).
+
+``temperature == 0`` means greedy (argmax), as in vLLM; ``temperature > 0`` samples with the temperature,
+top-k and top-p filters (``kvlab.engine.sampling.sample_next``, which needs torch) from a generator seeded
+by ``seed``. This module imports no torch, so ``sequence`` and ``scheduler`` stay torch-free.
+
+Only real values are accepted (an allow-list per field): ints for ``max_tokens``, ``top_k``, ``seed`` and
+the stop ids, int or float for ``temperature`` and ``top_p``, ``bool`` for ``ignore_eos``; a ``bool`` is
+never taken for a number (``top_p=True`` is refused like ``temperature=True``). ``stop_token_ids`` is a
+list, tuple, set, frozenset or range, kept as a tuple; an iterator or generator is refused (validation
+would consume it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["STOP_ID_COLLECTIONS", "SamplingParams"]
+
+STOP_ID_COLLECTIONS = (list, tuple, set, frozenset, range)  # what stop_token_ids may be given as
+
+
+def _is_real(x: object) -> bool:
+    """An int or float that is not a bool (bool is an int subclass; numpy floats subclass float)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How one request decodes: length, greedy or seeded sampling, stop tokens."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None = drawn from the engine's seeded RNG
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        stops = self.stop_token_ids
+        if not isinstance(stops, STOP_ID_COLLECTIONS):
+            raise TypeError(f"stop_token_ids must be a list, tuple, set or range of ints, got {type(stops).__name__} "
+                            "(an iterator or generator would be used up by validation: pass list(...))")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))  # frozen: set once, here
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is argmax (temperature 0)."""
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first parameter that is out of range."""
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        if type(self.ignore_eos) is not bool:
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_token_ids, tuple) or any(type(t) is not int or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
