@@ -434,3 +434,34 @@ def test_a_plan_made_before_the_pool_changed_is_planned_again():
     m.pool.release(intruder, "intruder")
     assert m.allocate("x", prompt, plan=m.can_allocate(prompt)) == 0
     m.check_invariants()
+
+
+def test_block_manager_implements_the_cache_interface():
+    """``BlockManager`` is a ``CacheManager``: isinstance holds and every listed member exists and is usable."""
+    import inspect
+
+    from kvlab.cache import CacheManager, missing_members
+    from kvlab.cache.interface import CACHE_MEMBERS
+
+    declared = {n for n, v in vars(CacheManager).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert declared | set(CacheManager.__annotations__) == set(CACHE_MEMBERS)  # the list names the protocol
+    bm = BlockManager(8, 4)
+    assert isinstance(bm, CacheManager) and missing_members(bm) == []
+    assert bm.num_blocks == bm.pool.num_blocks == 8 and bm.take_events() == [] and bm.reset_prefix_cache()
+    assert not isinstance(object(), CacheManager)
+    assert set(missing_members(object())) == set(CACHE_MEMBERS)
+
+
+def test_check_cache_names_missing_and_uncallable_members():
+    """A wrong cache object is refused with a ``TypeError`` naming each member it lacks."""
+    from kvlab.cache import check_cache
+
+    class Half:
+        block_size, num_blocks, num_free_blocks, seqs = 4, 8, 8, {}
+        allocate = 3  # not a method
+
+    with pytest.raises(TypeError, match=r"Half lacks allocate \(not callable\), append, block_table") as e:
+        check_cache(Half())
+    assert "take_events" in str(e.value) and "block_size" not in str(e.value)
+    bm = BlockManager(4, 4)
+    assert check_cache(bm) is bm

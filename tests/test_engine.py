@@ -240,3 +240,46 @@ def test_steps_build_no_autograd_graph(lm):
     engine.generate(question_prompts(2, 2), SamplingParams(max_tokens=4))
     assert not engine.store.k.requires_grad and engine.store.k.grad_fn is None
     assert not engine.store.v.requires_grad and engine.store.v.grad_fn is None
+
+
+def test_engine_runs_on_a_caller_built_block_manager(lm):
+    """``Engine(cache=BlockManager(...))``: the same greedy tokens as the default engine, and prefix hits."""
+    from kvlab.cache import BlockManager
+
+    model, tok = lm
+    ex = P.make_example(4, "heldout", n_filler=20)
+    prompts = [P.with_question(ex, q).prompt_text for q in P.ASK_EN[:3]]
+    default = Engine(model, tok, num_blocks=64, block_size=16, max_num_seqs=1)  # one at a time: later ones hit
+    own = BlockManager(64, 16)
+    mine = Engine(model, tok, cache=own, max_num_seqs=1, debug=True)
+    sp = SamplingParams(max_tokens=6)
+    ref, outs = default.generate(prompts, sp), mine.generate(prompts, sp)
+    assert mine.block_manager is own and mine.store.num_blocks == 64
+    assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    assert [o.num_cached_tokens for o in outs] == [o.num_cached_tokens for o in ref]
+    assert _drained(mine)
+
+
+def test_engine_refuses_a_wrong_cache_object(lm):
+    """A cache that is neither a name nor a ``CacheManager`` is refused, naming what it lacks; a used one too."""
+    from kvlab.cache import BlockManager
+
+    model, tok = lm
+
+    class NotACache:
+        block_size, num_blocks = 16, 8
+
+        def allocate(self, *args, **kwargs):
+            return 0
+
+    with pytest.raises(TypeError, match=r"NotACache lacks append, block_table, can_allocate, can_append"):
+        Engine(model, tok, cache=NotACache())
+    with pytest.raises(ValueError, match="brings its own size"):
+        Engine(model, tok, cache=BlockManager(8, 16), num_blocks=8)
+    used = BlockManager(8, 16)
+    used.allocate(0, list(range(20)))
+    with pytest.raises(ValueError, match="already holds 1 sequences"):
+        Engine(model, tok, cache=used)
+    with pytest.raises(ValueError, match="cache must be one of"):
+        Engine(model, tok, cache="lru")

@@ -209,3 +209,16 @@ def test_salts_are_separate_trees_and_public_prefix_is_refused(lm):
         Engine(model, tok, num_blocks=64, cache="radix", isolation="public-prefix")
     with pytest.raises(ValueError, match="cache must be"):
         Engine(model, tok, num_blocks=64, cache="trie")
+
+
+def test_radix_cache_implements_the_cache_interface(lm):
+    """The engine's radix cache is a ``CacheManager``: every member exists; it refuses ``reset_prefix_cache``."""
+    from kvlab.cache import CacheManager, missing_members
+
+    model, tok = lm
+    engine = Engine(model, tok, num_blocks=8, block_size=16, cache="radix")
+    rc = engine.block_manager
+    assert isinstance(rc, RadixCache) and isinstance(rc, CacheManager) and missing_members(rc) == []
+    assert rc.num_blocks == 128 and rc.take_events() == []
+    with pytest.raises(NotImplementedError, match="cache='blocks'"):
+        engine.reset_prefix_cache()

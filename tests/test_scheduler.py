@@ -177,3 +177,24 @@ def test_random_workloads_drain_cleanly(data):
     assert not sched.has_unfinished()
     assert all(len(s.output_ids) == s.sampling.max_tokens for s in seqs)
     assert bm.num_free_blocks == num_blocks and not bm.seqs
+
+
+def test_scheduler_and_sequence_import_no_torch():
+    """``kvlab.engine.scheduler`` and ``sequence`` are pure Python: importing them (and the package) loads no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlab.engine.scheduler, kvlab.engine.sequence; "
+            "from kvlab.engine import SamplingParams; SamplingParams(max_tokens=2); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_sampling_params_keeps_its_import_paths():
+    """``SamplingParams`` is one class under its names: ``kvlab``, ``kvlab.engine``, ``kvlab.engine.sampling``."""
+    import kvlab
+    import kvlab.engine
+    from kvlab.engine.sampling_params import SamplingParams as Pure
+
+    assert kvlab.SamplingParams is kvlab.engine.SamplingParams is SamplingParams is Pure

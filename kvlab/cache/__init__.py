@@ -4,6 +4,7 @@
 - ``block_pool``: blocks, reference counts, the LRU free list, lazy eviction
 - ``block_manager``: block tables, prefix hits (vLLM's rules), append, fork + copy-on-write, metrics
 - ``metrics``: hit-rate counters
+- ``interface``: ``CacheManager``, the protocol the engine and scheduler use (``BlockManager`` implements it)
 - ``kv_events``: ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in vLLM's schema (``enable_kv_events=True``)
 
 Copy this folder under any name and ``from mykv import BlockManager`` works with a bare Python.
@@ -12,9 +13,11 @@ Copy this folder under any name and ``from mykv import BlockManager`` works with
 from .block_manager import NO_SCOPE, AllocationPlan, BlockManager, TenantScope, cdiv
 from .block_pool import Block, BlockPool, InvariantError, NoFreeBlocksError
 from .hashing import hash_block, hash_token_blocks, prompt_block_hashes
+from .interface import CacheManager, check_cache, missing_members
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from .metrics import PrefixCacheMetrics
 
 __all__ = ["NO_SCOPE", "AllBlocksCleared", "AllocationPlan", "Block", "BlockManager", "BlockRemoved", "BlockStored",
-           "EventBatch", "TenantScope", "cdiv", "BlockPool", "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics",
-           "hash_block", "hash_token_blocks", "prompt_block_hashes"]
+           "CacheManager", "EventBatch", "TenantScope", "cdiv", "check_cache", "missing_members", "BlockPool",
+           "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics", "hash_block", "hash_token_blocks",
+           "prompt_block_hashes"]

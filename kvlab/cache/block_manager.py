@@ -184,6 +184,11 @@ class BlockManager:
 
     # --- queries ----------------------------------------------------------------------------------
     @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool (``kvlab.cache.CacheManager``; the same as ``pool.num_blocks``)."""
+        return self.pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0 (empty or cached-but-evictable)."""
         return self.pool.num_free_blocks

@@ -5,6 +5,8 @@
 
 ``cache="radix"`` runs the same engine on SGLang's radix tree instead of vLLM's hash blocks, in pages of
 ``page_size`` slots (1 by default: token granular; ``kvlab.engine.radix_adapter``).
+``cache=obj`` runs it on any object implementing ``kvlab.cache.CacheManager`` (e.g. a ``BlockManager`` built by
+the caller, or a participant's own); it brings its own size, and one missing a member is refused (``TypeError``).
 
 One ``step()``: the scheduler picks decodes and prefills (preempting when blocks run out), copy-on-write
 pairs are copied in the K/V store, the new tokens of all scheduled sequences run through the model in
@@ -69,12 +71,13 @@ from typing import Any
 import torch
 
 from ..cache.block_pool import check
+from ..cache.interface import CacheManager
 from ..cache.kv_events import EventBatch
 from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
 from .offload import HostOffload
 from .paged_attention import MissingBatchError, build_batch, check_config, paged_attention
-from .radix_adapter import make_prefix_cache
+from .radix_adapter import adopt_cache, make_prefix_cache
 from .sampling import SamplingParams, sample_next
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence as Seq
@@ -158,19 +161,23 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, *, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0,
-                 isolation: str = "shared", secret: bytes | str | None = None, cache: str = "blocks",
+                 isolation: str = "shared", secret: bytes | str | None = None, cache: str | CacheManager = "blocks",
                  page_size: int = 1, enable_kv_events: bool = False, host_tier_bytes: int | None = None,
                  offload_evicted: bool = True) -> None:
         secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
-        if num_blocks is None:
-            num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
         self.model, self.tokenizer, self.debug = model, tokenizer, debug
         self.device, self.dtype = model_device_dtype(model)
-        # cache="radix": SGLang's radix tree on the same slots, in pages of page_size (kvlab.engine.radix_adapter)
-        self.block_manager = make_prefix_cache(cache, num_blocks, block_size, page_size, isolation,
-                                               model_fingerprint(model, tokenizer, every_weight=False),
-                                               enable_prefix_caching, enable_kv_events)
-        self.store = PagedKVStore.for_model(model, self.block_manager.pool.num_blocks, self.block_manager.block_size)
+        if isinstance(cache, str):
+            if num_blocks is None:
+                num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(
+                    model, kv_cache_bytes, block_size)
+            # cache="radix": SGLang's radix tree on the same slots, in pages of page_size (kvlab.engine.radix_adapter)
+            self.block_manager: CacheManager = make_prefix_cache(
+                cache, num_blocks, block_size, page_size, isolation,
+                model_fingerprint(model, tokenizer, every_weight=False), enable_prefix_caching, enable_kv_events)
+        else:  # the caller's own kvlab.cache.CacheManager (e.g. a BlockManager they built): it brings its sizes
+            self.block_manager = adopt_cache(cache, num_blocks, kv_cache_bytes)
+        self.store = PagedKVStore.for_model(model, self.block_manager.num_blocks, self.block_manager.block_size)
         # host_tier_bytes: evicted blocks wait in host memory and come back on a hit (kvlab.engine.offload)
         self.host_tier = None if host_tier_bytes is None else HostOffload(
             self.store, self.block_manager, host_tier_bytes, offload=offload_evicted)
@@ -435,9 +442,7 @@ class Engine:
     @_locked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused, False, while a request holds blocks); emits ``AllBlocksCleared``."""
-        if not hasattr(self.block_manager, "reset_prefix_cache"):
-            raise NotImplementedError("reset_prefix_cache needs cache='blocks'")
-        return self.block_manager.reset_prefix_cache()
+        return self.block_manager.reset_prefix_cache()  # the radix cache raises NotImplementedError
 
     def _run(self, sched: SchedulerOutput) -> list[Seq]:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
@@ -445,7 +450,7 @@ class Engine:
         if self.host_tier is not None:  # the host tier's restores were copied in at admission: count them
             for it in sched.items:
                 if it.is_prefill and it.seq.seq_id not in self._restored:
-                    self._restored[it.seq.seq_id] = self.block_manager.seqs[it.seq.seq_id].num_restored_tokens
+                    self._restored[it.seq.seq_id] = self.host_tier.block_manager.seqs[it.seq.seq_id].num_restored_tokens
         tokens, errors, untrusted = self._compute(sched)
         now, finished = time.perf_counter(), []
         for i in reversed(range(len(sched.items))):  # latest first: a block leaves the cache once nobody holds it
@@ -631,7 +636,7 @@ class Engine:
     def kv_bytes_in_use(self) -> int:
         """K/V bytes of the blocks referenced by live sequences now."""
         bm = self.block_manager
-        return (bm.pool.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
+        return (bm.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
 
     @property
     def num_preemptions(self) -> int:

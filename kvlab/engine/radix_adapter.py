@@ -1,8 +1,8 @@
 """Which prefix cache an ``Engine`` runs on: vLLM's hash blocks (``"blocks"``) or SGLang's radix tree (``"radix"``).
 
-Both expose the methods the scheduler and the engine call (``can_allocate``, ``allocate``, ``can_append``,
-``append``, ``fork``, ``free``, ``block_table``, ``stats``, ``check_invariants``), so the engine only
-chooses one here and sizes its K/V store after it: ``num_blocks x block_size`` slots either way, in
+Both implement ``kvlab.cache.CacheManager``, the members the scheduler and the engine call (the radix tree
+through ``RadixPrefixCache`` below, which adds the two it lacks: ``take_events`` and ``reset_prefix_cache``),
+so the engine only chooses one here and sizes its K/V store after it: ``num_blocks x block_size`` slots either way, in
 blocks of ``block_size`` or in pages of ``page_size`` (one token by default: every cached token is
 reused, a partial block's too).
 
@@ -13,16 +13,29 @@ across salted tenants: ``isolation="public-prefix"`` needs the block cache.
 from __future__ import annotations
 
 from ..cache.block_manager import BlockManager
+from ..cache.interface import CacheManager, check_cache
 from ..cache.radix import RadixCache
 
-__all__ = ["CACHES", "make_prefix_cache"]
+__all__ = ["CACHES", "RadixPrefixCache", "adopt_cache", "make_prefix_cache"]
 
 CACHES = ("blocks", "radix")
 
 
+class RadixPrefixCache(RadixCache):
+    """SGLang's radix tree as a ``kvlab.cache.CacheManager``: no KV events, no ``reset_prefix_cache``."""
+
+    def take_events(self) -> list:
+        """No events: vLLM's KV-event schema describes hash blocks (``make_prefix_cache`` refuses the option)."""
+        return []
+
+    def reset_prefix_cache(self) -> bool:
+        """Not offered by the radix tree: raise ``NotImplementedError``."""
+        raise NotImplementedError("reset_prefix_cache needs cache='blocks'")
+
+
 def make_prefix_cache(cache: str, num_blocks: int, block_size: int, page_size: int, isolation: str,
                       model_fingerprint: str = "", enable_caching: bool = True,
-                      enable_kv_events: bool = False) -> BlockManager | RadixCache:
+                      enable_kv_events: bool = False) -> BlockManager | RadixPrefixCache:
     """The engine's prefix cache: ``BlockManager(num_blocks, block_size)`` or a radix tree of the same slots."""
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
@@ -39,5 +52,24 @@ def make_prefix_cache(cache: str, num_blocks: int, block_size: int, page_size: i
     slots = num_blocks * block_size
     if slots < page_size:
         raise ValueError(f"{num_blocks} blocks of {block_size} slots hold no page of {page_size} slots")
-    return RadixCache(slots // page_size, page_size, model_fingerprint=model_fingerprint,
+    return RadixPrefixCache(slots // page_size, page_size, model_fingerprint=model_fingerprint,
                       enable_caching=enable_caching)
+
+
+def adopt_cache(cache: object, num_blocks: int | None, kv_cache_bytes: int | None) -> CacheManager:
+    """A caller's own cache object for ``Engine(cache=obj)``: checked against ``CacheManager``, empty, sizes its own.
+
+    ``TypeError`` names the members it lacks; ``ValueError`` if it already holds sequences (one cache per
+    engine, from its start) or if ``num_blocks``/``kv_cache_bytes`` are given too (the object has its size).
+    """
+    check_cache(cache)
+    if num_blocks is not None or kv_cache_bytes is not None:
+        raise ValueError("a cache object brings its own size: leave num_blocks and kv_cache_bytes unset "
+                         f"(it has {cache.num_blocks} blocks of {cache.block_size} slots)")
+    for name in ("num_blocks", "block_size"):
+        value = getattr(cache, name)
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"the cache's {name} must be a positive int, got {value!r}")
+    if len(cache.seqs):
+        raise ValueError(f"the cache already holds {len(cache.seqs)} sequences: give each engine a fresh cache")
+    return cache

@@ -1,4 +1,4 @@
-"""Continuous batching over the block manager: which sequences run in the next step (pure Python).
+"""Continuous batching over the block manager: which sequences run in the next step (pure Python, no torch).
 
 Every step first gives each running sequence one decode token (oldest first). When a decode needs
 a block and none is free, the youngest running sequence is preempted: its blocks are freed (its full
@@ -7,7 +7,7 @@ again from its tokens later (recompute, as vLLM). Then, if nothing was preempted
 are admitted first-come first-served while the token budget, ``max_num_seqs`` and free blocks allow;
 so prefills and decodes share one step. A prompt is prefilled whole (no chunking): a prompt longer
 than the token budget runs in a step of its own. A request that could never fit the pool, even
-alone, is refused by ``check_fits`` before it is queued.
+alone, is refused by ``check_fits`` before it is queued. The block manager is any ``kvlab.cache.CacheManager``.
 
 References: vLLM ``vllm/v1/core/sched/scheduler.py`` (``schedule``, ``_preempt_request``), nano-vllm
 ``nanovllm/engine/scheduler.py``.
@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache.block_manager import BlockManager, TenantScope, cdiv
+from ..cache.block_manager import TenantScope, cdiv
+from ..cache.interface import CacheManager
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -51,7 +52,7 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues; one ``schedule()`` per engine step."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
+    def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
@@ -72,10 +73,10 @@ class Scheduler:
         bm = self.block_manager
         # K/V is written for every token but the last generated one
         need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)
-        if need > bm.pool.num_blocks:
+        if need > bm.num_blocks:
             raise ValueError(
                 f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens, block size "
-                f"{bm.block_size}) but the pool has {bm.pool.num_blocks}: it can never run")
+                f"{bm.block_size}) but the pool has {bm.num_blocks}: it can never run")
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of the waiting queue."""
