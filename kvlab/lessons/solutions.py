@@ -256,3 +256,22 @@ def ex10_2_right_guess_gain(before: int = 100, secret: int = 5, after: int = 40,
 def ex11_1_worth_pulling(prefix_tokens: int, recompute_per_token: float, copy_per_token: float, fixed: float) -> bool:
     """Notebook 11: pull when one transfer's fixed cost plus the copy is strictly cheaper than recomputing the prefix."""
     return fixed + copy_per_token * prefix_tokens < recompute_per_token * prefix_tokens
+
+
+# ----------------------------------------------------------------------------- build exercises (01.B, 02.B, 04.B)
+
+def build_01_decode_step(cache, layer, q, k, v):
+    """01.B: append k, v (B, KVH, 1, D) to cache[layer]; q (B, H, 1, D) attends over every cached position."""
+    import math
+
+    import torch
+
+    if layer in cache:
+        k = torch.cat([cache[layer][0], k], dim=-2)  # (B, KVH, T, D)
+        v = torch.cat([cache[layer][1], v], dim=-2)
+    cache[layer] = (k, v)
+    b, h, _, d = q.shape
+    group = h // k.shape[1]  # query heads per KV head
+    qg = q.reshape(b, k.shape[1], group, 1, d)  # (B, KVH, group, 1, D)
+    weights = (qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(d)).softmax(-1)  # (B, KVH, group, 1, T)
+    return (weights @ v[:, :, None]).reshape(b, h, 1, d)

@@ -1,0 +1,72 @@
+"""The build exercises (notebooks 01, 02, 04): the worked solution passes its checker, a blank stub gets
+"not yet" with a hint, a deliberately wrong answer gets a hint, and ``use_reference`` picks the right piece."""
+
+
+from kvlab.lessons import nb01_attention as A
+from kvlab.lessons import solutions as SOL
+from kvlab.lessons.build import use_reference
+from kvlab.lessons.common import Verdict
+
+
+def blank(*args):
+    raise NotImplementedError("write it")
+
+
+def assert_not_yet(v, *words):
+    assert isinstance(v, Verdict) and not v and str(v).startswith("not yet: "), v
+    for w in words:
+        assert w in str(v), (w, str(v))
+
+
+# ----------------------------------------------------------------------------- 01.B the cached decode step
+
+def test_01_decode_step_solution_and_reference_pass():
+    assert A.check_decode_step(SOL.build_01_decode_step)
+    assert A.check_decode_step(A.reference_decode_step)
+    assert A.cached_vs_recompute(4, 2, seq=6, step=SOL.build_01_decode_step) <= 1e-5
+
+
+def test_01_decode_step_blank_gets_a_hint():
+    assert_not_yet(A.check_decode_step(blank), "no answer yet. Hint: ", "cache[layer]")
+    assert_not_yet(A.check_decode_step(None), "no answer yet")
+
+
+def test_01_decode_step_wrong_answers_get_hints():
+    def no_append(cache, layer, q, k, v):  # stores only this step's K/V
+        cache[layer] = (k, v)
+        return A.reference_decode_step({}, layer, q, k, v)
+
+    def new_only(cache, layer, q, k, v):  # the cache grows, but attention sees only the new token
+        A.reference_decode_step(cache, layer, q, k, v)
+        return A.reference_decode_step({}, layer, q, k, v)
+
+    def no_repeat(cache, layer, q, k, v):  # forgets the KV groups: one output head per KV head
+        out = A.reference_decode_step(cache, layer, q[:, : k.shape[1]], k, v)
+        return out
+
+    def wrong_axis(cache, layer, q, k, v):  # concatenates along the heads axis
+        if layer in cache:
+            k, v = A.torch.cat([cache[layer][0], k], 1), A.torch.cat([cache[layer][1], v], 1)
+        cache[layer] = (k, v)
+        return q
+
+    assert_not_yet(A.check_decode_step(no_append), "after step 2", "dim=-2")
+    assert_not_yet(A.check_decode_step(new_only), "from token 1 on")
+    assert_not_yet(A.check_decode_step(no_repeat), "repeat_kv")
+    assert_not_yet(A.check_decode_step(wrong_axis), "sequence axis")
+    assert_not_yet(A.check_decode_step(lambda *a: 1 / 0), "ZeroDivisionError")
+
+
+# ----------------------------------------------------------------------------- continue with kvlab's version
+
+def test_use_reference_picks_yours_only_when_the_check_passed(capsys):
+    def mine():
+        return "mine"
+
+    def ref():
+        return "ref"
+
+    assert use_reference(mine, Verdict(True, "correct"), ref) is mine
+    assert use_reference(mine, Verdict(False, "not yet"), ref, "build_01_decode_step") is ref
+    assert "build_01_decode_step" in capsys.readouterr().out
+    assert use_reference(None, Verdict(False, "not yet"), ref) is ref
