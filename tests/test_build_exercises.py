@@ -3,6 +3,7 @@
 
 
 from kvlab.lessons import nb01_attention as A
+from kvlab.lessons import nb02_prefix as R
 from kvlab.lessons import solutions as SOL
 from kvlab.lessons.build import use_reference
 from kvlab.lessons.common import Verdict
@@ -55,6 +56,57 @@ def test_01_decode_step_wrong_answers_get_hints():
     assert_not_yet(A.check_decode_step(no_repeat), "repeat_kv")
     assert_not_yet(A.check_decode_step(wrong_axis), "sequence axis")
     assert_not_yet(A.check_decode_step(lambda *a: 1 / 0), "ZeroDivisionError")
+
+
+# ----------------------------------------------------------------------------- 02.B the continue-from-cache loop
+
+def _with_positions(shift):
+    """The worked loop, with every position moved by ``shift(start_pos)`` (0: right)."""
+    def loop(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
+        return SOL.build_02_continue(model, cache, suffix_ids, start_pos - shift(start_pos), max_new_tokens, stop_ids)
+    return loop
+
+
+def test_02_continue_solution_and_reference_pass(bundled):
+    model, tok = bundled
+    assert R.check_continue_loop(SOL.build_02_continue, model, tok, n=2)
+    assert R.check_continue_loop(R.reference_continue, model, tok, n=1)
+
+
+def test_02_continue_blank_and_wrong_answers_get_hints(bundled):
+    model, tok = bundled
+    assert_not_yet(R.check_continue_loop(blank, model, tok, n=1), "no answer yet. Hint: ", "positions")
+    # restarting the suffix at position 0: the bundled model may not even change its answer, the check still sees it
+    assert_not_yet(R.check_continue_loop(_with_positions(lambda p: p), model, tok, n=1), "cache already held")
+
+    def no_positions(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
+        return SOL.build_02_continue(_DropPositions(model), cache, suffix_ids, start_pos, max_new_tokens, stop_ids)
+
+    assert_not_yet(R.check_continue_loop(no_positions, model, tok, n=1), "passed no position_ids")
+
+    def whole_prompt(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
+        return SOL.build_02_continue(model, cache, [0] * start_pos + list(suffix_ids), 0, max_new_tokens, stop_ids)
+
+    assert_not_yet(R.check_continue_loop(whole_prompt, model, tok, n=1), "feed only suffix_ids")
+
+    def never_stops(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
+        return SOL.build_02_continue(model, cache, suffix_ids, start_pos, max_new_tokens, set())
+
+    assert_not_yet(R.check_continue_loop(never_stops, model, tok, n=1), "stop_ids")
+
+
+class _DropPositions:
+    """A model proxy that forgets the position_ids it is given (transformers then counts from the cache)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kwargs):
+        kwargs.pop("position_ids", None)
+        return self.model(**kwargs)
+
+    def parameters(self):
+        return self.model.parameters()
 
 
 # ----------------------------------------------------------------------------- continue with kvlab's version

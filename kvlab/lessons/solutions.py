@@ -275,3 +275,22 @@ def build_01_decode_step(cache, layer, q, k, v):
     qg = q.reshape(b, k.shape[1], group, 1, d)  # (B, KVH, group, 1, D)
     weights = (qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(d)).softmax(-1)  # (B, KVH, group, 1, T)
     return (weights @ v[:, :, None]).reshape(b, h, 1, d)
+
+
+def build_02_continue(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
+    """02.B: prefill the suffix at start_pos.. on top of the cache, then one greedy token per step at the next position."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids, pos, new = list(suffix_ids), start_pos, []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            positions = torch.arange(pos, pos + len(ids), device=device)[None]  # (1, T)
+            out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, cache=cache,
+                        use_cache=True)
+            pos += len(ids)
+            ids = [int(out.logits[0, -1].argmax())]
+            new.append(ids[0])
+            if ids[0] in stop_ids:
+                break
+    return new
