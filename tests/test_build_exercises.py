@@ -4,6 +4,7 @@
 
 from kvlab.lessons import nb01_attention as A
 from kvlab.lessons import nb02_prefix as R
+from kvlab.lessons import nb04_blocks as L
 from kvlab.lessons import solutions as SOL
 from kvlab.lessons.build import use_reference
 from kvlab.lessons.common import Verdict
@@ -107,6 +108,78 @@ class _DropPositions:
 
     def parameters(self):
         return self.model.parameters()
+
+
+# ----------------------------------------------------------------------------- 04.B the hash chain and allocate
+
+def test_04_solutions_pass_and_match_the_block_manager():
+    from kvlab.cache.hashing import hash_token_blocks
+
+    assert L.check_block_hashes(SOL.build_04_block_hashes)
+    assert L.check_allocate(SOL.build_04_allocate)
+    assert L.check_allocate(SOL.build_04_allocate, SOL.build_04_block_hashes)
+    assert L.check_allocate(L.reference_allocate)
+    for seed in range(3):  # the toy state with the reference allocate is kvlab's BlockManager, step for step
+        ops = L.block_trace(num_blocks=16, seed=seed)
+        rows, problem = L.replay_against_block_manager(L.reference_allocate, hash_token_blocks, ops, num_blocks=16)
+        assert problem is None and len(rows) == len(ops)
+
+
+def test_04_blank_and_wrong_hashes_get_hints():
+    from kvlab.cache.hashing import hash_block
+
+    assert_not_yet(L.check_block_hashes(blank), "no answer yet. Hint: ")
+
+    def unchained(tokens, bs, keys=()):
+        return [hash_block(None, tokens[i * bs:(i + 1) * bs], keys if i == 0 else ()) for i in range(len(tokens) // bs)]
+
+    def keys_everywhere(tokens, bs, keys=()):
+        out, parent = [], None
+        for i in range(len(tokens) // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], keys)
+            out.append(parent)
+        return out
+
+    def with_tail(tokens, bs, keys=()):
+        return SOL.build_04_block_hashes(tokens + [0] * (-len(tokens) % bs), bs, keys)
+
+    assert_not_yet(L.check_block_hashes(unchained), "not chained")
+    assert_not_yet(L.check_block_hashes(keys_everywhere), "block 0 only")
+    assert_not_yet(L.check_block_hashes(lambda t, bs, k=(): SOL.build_04_block_hashes(t, bs)), "needs the extra keys")
+    assert_not_yet(L.check_block_hashes(with_tail), "partial tail")
+
+
+def test_04_blank_and_wrong_allocate_get_hints():
+    assert_not_yet(L.check_allocate(blank), "no answer yet. Hint: ")
+
+    def hits_the_last_token(blocks, seq_id, token_ids, hashes):  # no n - 1 cap: a repeated prompt hits every block
+        bs, n, table = blocks.block_size, len(token_ids), []
+        for h in hashes:
+            b = blocks.cached.get(h)
+            if b is None:
+                break
+            if blocks.ref[b] == 0:
+                del blocks.free[b]
+            blocks.ref[b] += 1
+            table.append(b)
+        cached = len(table) * bs
+        for i in range(len(table), -(-n // bs)):
+            table.append(blocks.take())
+            if i < n // bs:
+                blocks.register(table[-1], hashes[i])
+        blocks.tables[seq_id] = table
+        return cached
+
+    def skips_free_blocks(blocks, seq_id, token_ids, hashes):  # a cached block with ref count 0 counted as a miss
+        real = blocks.cached
+        blocks.cached = {h: b for h, b in real.items() if blocks.ref[b] > 0}
+        try:
+            return SOL.build_04_allocate(blocks, seq_id, token_ids, hashes)
+        finally:
+            blocks.cached = real | {h: b for h, b in blocks.cached.items() if h not in real}
+
+    assert_not_yet(L.check_allocate(hits_the_last_token), "last prompt token")
+    assert_not_yet(L.check_allocate(skips_free_blocks), "still a hit")
 
 
 # ----------------------------------------------------------------------------- continue with kvlab's version

@@ -294,3 +294,34 @@ def build_02_continue(model, cache, suffix_ids, start_pos, max_new_tokens, stop_
             if ids[0] in stop_ids:
                 break
     return new
+
+
+def build_04_block_hashes(token_ids, block_size, extra_keys=()):
+    """04.B1: each full block hashed with its parent's hash; the extra keys (fingerprint, salt) in block 0 only."""
+    from kvlab.cache.hashing import hash_block
+
+    out, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys if i == 0 else ())
+        out.append(parent)
+    return out
+
+
+def build_04_allocate(blocks, seq_id, token_ids, hashes):
+    """04.B2: hit the longest cached prefix (never the last token's block), one more reference per hit, take the rest."""
+    bs, n, table = blocks.block_size, len(token_ids), []
+    for h in hashes[: (n - 1) // bs]:  # the last prompt token is always computed
+        b = blocks.cached.get(h)
+        if b is None:
+            break  # the chain is broken: nothing after this block can be a hit
+        if blocks.ref[b] == 0:
+            del blocks.free[b]  # cached but unreferenced: it leaves the free list
+        blocks.ref[b] += 1
+        table.append(b)
+    cached = len(table) * bs
+    for i in range(len(table), -(-n // bs)):
+        table.append(blocks.take())  # ref count 1
+        if i < n // bs:
+            blocks.register(table[-1], hashes[i])  # a full block: later requests may hit it
+    blocks.tables[seq_id] = table
+    return cached
