@@ -424,8 +424,8 @@ def replay_against_block_manager(allocate: Callable[..., int], hashes: Callable[
             want = m.allocate(seq, tokens)
             got = allocate(toy, seq, list(tokens), list(hashes(tokens, block_size, ())))
         rows.append({"step": op[0], "seq": op[1], "tokens": len(op[2]) if len(op) > 2 else None,
-                     "cached (yours)": got, "cached (kvlab)": want,
-                     "free (yours)": len(toy.free), "free (kvlab)": m.num_free_blocks})
+                     "cached (ToyBlocks)": got, "cached (BlockManager)": want,
+                     "free (ToyBlocks)": len(toy.free), "free (BlockManager)": m.num_free_blocks})
         at = f"step {len(rows) - 1} ({op[0]} {op[1]!r}" + (f", {len(op[2])} tokens)" if len(op) > 2 else ")")
         if got != want:
             why = ("stop at the first miss, and never take the block of the last prompt token from the cache"
@@ -461,6 +461,6 @@ def check_allocate(fn: Callable[..., int] | None, hashes: Callable[..., list[byt
     if problem is not None:
         return verdict(False, hint=problem)
     allocs = sum(r["step"] == "allocate" for r in rows)
-    hits = sum(r["cached (kvlab)"] or 0 for r in rows)
+    hits = sum(r["cached (BlockManager)"] or 0 for r in rows)
     return verdict(True, f"{len(rows)} steps ({allocs} allocations, {hits} cached tokens) with the same hits, block "
                          "tables and free blocks as kvlab's BlockManager")
