@@ -207,16 +207,124 @@ def decode_logits(model: TinyDecoder, ids: torch.Tensor, use_cache: bool) -> tor
     return torch.stack(steps, dim=1)
 
 
+# ----------------------------------------------------------------------------- build exercise 01.B: the decode step
+
+DecodeStep = Callable[[dict, int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def reference_decode_step(cache: dict, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                          ) -> torch.Tensor:
+    """kvlab's decode step: append k, v to ``cache[layer]`` (a (K, V) pair), attend q over all of it.
+
+    q: (B, H, 1, D), this token's queries; k, v: (B, KVH, 1, D), its keys and values -> (B, H, 1, D).
+    """
+    if layer in cache:
+        past_k, past_v = cache[layer]
+        k, v = torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)  # (B, KVH, T_past + 1, D)
+    cache[layer] = (k, v)
+    n_rep = q.shape[1] // k.shape[1]
+    out, _ = attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))  # one query: every cached key is visible
+    return out
+
+
+@torch.no_grad()
+def decode_with_step(model: TinyDecoder, ids: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+    """TinyDecoder's logits computed one token at a time, each layer's attention done by ``step``.
+
+    ids: (batch, T) -> (batch, T, vocab); the cache is a dict ``{layer: (K, V)}`` that ``step`` fills.
+    """
+    cache: dict = {}
+    rows = []
+    for t in range(ids.shape[1]):
+        x = model.embed(ids[:, t:t + 1])  # (B, 1, d_model)
+        for i, (n1, attn, n2, mlp) in enumerate(zip(model.norms1, model.attns, model.norms2, model.mlps)):
+            h = n1(x)
+            q, k, v = (attn._split(proj(h), heads) for proj, heads in
+                       ((attn.q_proj, attn.n_heads), (attn.k_proj, attn.n_kv_heads), (attn.v_proj, attn.n_kv_heads)))
+            out = step(cache, i, q, k, v)  # (B, H, 1, D)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], 1, attn.n_heads * attn.head_dim))
+            x = x + mlp(n2(x))
+        rows.append(model.head(x)[:, -1])
+    return torch.stack(rows, dim=1)
+
+
+def _shape(x: Any) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _step_shapes(fn: DecodeStep) -> Verdict | None:
+    """Two steps on an empty cache: a "not yet" about the first wrong shape, or None when the shapes are right."""
+    torch.manual_seed(2)
+    b, h, kvh, d = 2, 4, 2, 8
+    cache: dict = {}
+    for t in (1, 2):
+        q, k, v = torch.randn(b, h, 1, d), torch.randn(b, kvh, 1, d), torch.randn(b, kvh, 1, d)
+        out, failed = call_answer(fn, cache, 0, q, k, v, name="my_decode_step",
+                                  hint="append k, v to cache[layer], then attend q over the cached K, V")
+        if failed is not None:
+            return failed
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+            return verdict(False, hint=f"step {t}: expected an output shaped like q, (batch, heads, 1, head_dim) = "
+                                       f"{tuple(q.shape)}, got {_shape(out)}; with fewer KV heads than query heads, "
+                                       "give each query head its group's K and V (repeat_kv)")
+        pair = cache.get(0)
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            return verdict(False, hint=f"after step {t} cache[0] should be a (K, V) pair, got {type(pair).__name__}: "
+                                       "store what you concatenated back into cache[layer]")
+        want = (b, kvh, t, d)
+        if any(not isinstance(x, torch.Tensor) or tuple(x.shape) != want for x in pair):
+            return verdict(False, hint=f"after step {t} cache[0]'s K and V should be (batch, kv_heads, seq, head_dim) "
+                                       f"= {want}, got {_shape(pair[0])} and {_shape(pair[1])}; concatenate along the "
+                                       "sequence axis (dim=-2), and cache K and V before repeat_kv")
+    return None
+
+
+def check_decode_step(fn: DecodeStep | None, seq: int = 10) -> Verdict:
+    """Build exercise 01.B: ``fn(cache, layer, q, k, v)`` decodes a 2-layer GQA TinyDecoder like one full pass.
+
+    Checks the shapes of two steps first (with a hint on the first wrong one), then decodes ``seq`` tokens with
+    ``fn`` in every layer and compares the logits with one causal pass. Returns a Verdict, never raises.
+    """
+    hint = ("append this step's k, v to cache[layer] along the sequence axis (dim=-2), then attend q over "
+            "every cached key and value: softmax(q K^T / sqrt(head_dim)) V, K and V repeated for the query heads")
+    if fn is None:
+        return unanswered(hint)
+    wrong = _step_shapes(fn)
+    if wrong is not None:
+        return wrong
+    torch.manual_seed(3)
+    model = TinyDecoder(64, 32, n_layers=2, n_heads=4, n_kv_heads=2).eval()
+    ids = torch.randint(0, 64, (2, seq))
+    with torch.no_grad():
+        full = model(ids)  # (B, T, vocab)
+    try:
+        got = decode_with_step(model, ids, fn)
+    except Exception as err:  # the reader's code may fail in any way
+        return verdict(False, hint=f"my_decode_step raised {type(err).__name__}: {err}")
+    diff = (got - full).abs().amax(dim=(0, 2))  # per position
+    worst = float(diff.max())
+    if worst <= 1e-5:
+        return verdict(True, f"{seq} tokens through 2 layers equal one full pass to {worst:.1e} (float rounding)")
+    first = int((diff > 1e-5).nonzero()[0])
+    where = ("already at the first token: check the scaling and the softmax axis" if first == 0 else
+             f"from token {first} on (the first is right): does each step see every earlier K and V, and are the "
+             "layers kept apart in the cache?")
+    return verdict(False, hint=f"the logits differ from one full pass by up to {worst:.3g}, {where}")
+
+
 @torch.no_grad()
 def cached_vs_recompute(n_heads: int, n_kv_heads: int, d_model: int = 32, n_layers: int = 2, seq: int = 12,
                         batch: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> float:
-    """Max abs difference between cached decoding and full recomputation on a random TinyDecoder."""
+                        device: str | torch.device = "cpu", step: DecodeStep | None = None) -> float:
+    """Max abs difference between cached decoding and full recomputation on a random TinyDecoder.
+
+    ``step``: a decode step (``reference_decode_step``'s signature) to decode with instead of ``KVCache``.
+    """
     torch.manual_seed(seed)
     model = TinyDecoder(64, d_model, n_layers, n_heads, n_kv_heads).to(device, dtype).eval()
     ids = torch.randint(0, 64, (batch, seq), device=device)
     full = model(ids)  # (B, T, vocab): one causal pass over everything, the reference
-    cached = decode_logits(model, ids, use_cache=True)
+    cached = decode_logits(model, ids, use_cache=True) if step is None else decode_with_step(model, ids, step)
     recomputed = decode_logits(model, ids, use_cache=False)
     return float(max((cached - full).abs().max(), (recomputed - full).abs().max()))
 

@@ -380,3 +380,88 @@ def fig_position_ids(prefix: PrefixCache, suffix_ids: Sequence[int], tokenizer: 
                  "wrong: the suffix reuses positions the prefix already holds", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- build exercise 02.B: the loop
+
+def reference_continue(model: Any, cache: Any, suffix_ids: Sequence[int], start_pos: int, max_new_tokens: int,
+                       stop_ids: set[int]) -> list[int]:
+    """kvlab's loop (``continue_from_cache``), greedy: the new token ids after ``suffix_ids`` on top of ``cache``."""
+    from kvlab.prefix import continue_from_cache
+
+    return continue_from_cache(model, cache, suffix_ids, start_pos, max_new_tokens=max_new_tokens,
+                               stop_ids=stop_ids)[0]
+
+
+class PositionSpy:
+    """A model that records, for every forward call, how many tokens it was fed and the ``position_ids`` given."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.calls: list[tuple[int, list[int] | None]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Record the call, then run the real model."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        pos = kwargs.get("position_ids")
+        self.calls.append((int(ids.shape[-1]) if hasattr(ids, "shape") else -1,
+                           None if pos is None else [int(p) for p in pos.flatten().tolist()]))
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _position_problem(calls: list[tuple[int, list[int] | None]], start_pos: int, suffix_len: int) -> str | None:
+    """What is wrong with the positions of the recorded calls, or None when every token sat where it belongs."""
+    if not calls:
+        return "your loop never called the model it was given (call model(...), not another object)"
+    if calls[0][0] != suffix_len:
+        return (f"the first call fed {calls[0][0]} tokens: feed only suffix_ids ({suffix_len} tokens) on top of the "
+                "cache, the prefix is in it already")
+    held = start_pos  # tokens in the cache before the call
+    for k, (n, pos) in enumerate(calls):
+        if pos is None:
+            return (f"call {k} passed no position_ids: pass them explicitly (a paged cache cannot tell the model "
+                    "where its tokens sit)")
+        if pos != list(range(held, held + n)):
+            return (f"call {k} fed {n} token(s) at positions from {pos[0] if pos else '?'}, but the cache already "
+                    f"held {held} tokens before it: each token sits right after everything cached")
+        held += n
+    return None
+
+
+def check_continue_loop(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> Verdict:
+    """Build exercise 02.B: ``fn(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids) -> new ids``.
+
+    On held-out passphrase prompts, with a fork of each prefix's cache: the positions fed to the model must
+    continue from ``start_pos`` (checked on every call) and the tokens must equal ``model.generate``'s, token
+    for token. Returns a Verdict, never raises.
+    """
+    from kvlab.engine.models import eos_ids
+    from kvlab.lessons.passphrase import make_examples
+
+    hint = ("prefill suffix_ids at positions start_pos, start_pos+1, ... in one call, then feed one token per "
+            "step at the next position, greedy (argmax), stopping after a token in stop_ids")
+    if fn is None:
+        return unanswered(hint)
+    stops = eos_ids(model, tokenizer)
+    for ex in make_examples(n, "heldout", start=200):
+        prefix, full = encode(tokenizer, ex.prefix_text), encode(tokenizer, ex.prompt_text)
+        suffix = full[len(prefix):]
+        spy = PositionSpy(model)
+        got, failed = call_answer(fn, spy, PrefixCache.build(model, tokenizer, prefix).cache, suffix, len(prefix),
+                                  max_new_tokens, stops, hint=hint, name="my_continue")
+        if failed is not None:
+            return failed
+        problem = _position_problem(spy.calls, len(prefix), len(suffix))
+        if problem is not None:
+            return verdict(False, hint=f"on example {ex.seed}: {problem}")
+        want, got = hf_generate(model, tokenizer, full, max_new_tokens), list(got)
+        if got != want:
+            i = _first_difference(got, want)
+            why = ("you kept going after a token in stop_ids" if len(got) > len(want) == i else
+                   "you stopped early: stop only after a token in stop_ids, or after max_new_tokens" if len(got) == i
+                   else "pick the argmax of the last position's logits, and return only the new tokens")
+            return verdict(False, hint=f"on example {ex.seed} your tokens leave model.generate's at step {i}: {why}")
+    return verdict(True, f"{n} prompts token for token equal to model.generate, every position where it belongs")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import textwrap
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import matplotlib.pyplot as plt
@@ -17,7 +18,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
-from kvlab.lessons.common import Verdict, call_answer, verdict
+from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
 from kvlab.lessons.traces import replay, timestamp_trace
 
 
@@ -279,3 +280,187 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
                  "changes\nits block's hash and so every hash after it — same tokens, no shared blocks", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- build exercises 04.B: hashes, allocate
+
+def check_block_hashes(fn: Callable[..., list[bytes]] | None) -> Verdict:
+    """Build exercise 04.B1: ``fn(token_ids, block_size, extra_keys)`` = the chained hashes of the full blocks.
+
+    Compared with ``kvlab.cache.hashing.hash_token_blocks`` with and without extra keys. Never raises.
+    """
+    from kvlab.cache.hashing import first_block_extra_keys, hash_block, hash_token_blocks
+
+    hint = ("one hash per full block: hash_block(parent, the block's tokens, extra keys), parent None for block 0 "
+            "and the previous block's hash after it; the extra keys go into block 0 only")
+    rng = random.Random(7)
+    for keys in ((), first_block_extra_keys("toy-model", "tenant-a")):
+        for bs, n in ((4, 13), (4, 16), (16, 40), (2, 1)):
+            tokens = [rng.randrange(1000) for _ in range(n)]
+            want = hash_token_blocks(tokens, bs, keys)
+            got, failed = call_answer(fn, tokens, bs, keys, hint=hint, name="my_block_hashes")
+            if failed is not None:
+                return failed
+            got = list(got) if isinstance(got, list | tuple) else got
+            where = f"{n} tokens in blocks of {bs}" + (", with extra keys" if keys else "")
+            if not isinstance(got, list) or len(got) != len(want):
+                return verdict(False, hint=f"{where}: expected one hash per full block, got "
+                                           f"{len(got) if isinstance(got, list) else type(got).__name__}; the partial "
+                                           "tail block gets no hash")
+            for i, (g, w) in enumerate(zip(got, want)):
+                if g == w:
+                    continue
+                block = tokens[i * bs:(i + 1) * bs]
+                why = ("not chained: give each block its parent's hash" if g == hash_block(None, block, ()) and i else
+                       "the extra keys belong to block 0 only" if i and g == hash_block(want[i - 1], block, keys) else
+                       "block 0 needs the extra keys" if not i and keys and g == hash_block(None, block, ()) else hint)
+                return verdict(False, hint=f"{where}: block {i}'s hash differs: {why}")
+    return verdict(True, "the same chain as kvlab's hash_token_blocks, with and without extra keys")
+
+
+class ToyBlocks:
+    """A block manager's state, small enough to write ``allocate`` against (no model, no K/V).
+
+    ``ref[b]``: block b's ref count; ``cached``: hash -> the block cached under it; ``free``: the blocks with ref
+    count 0, next to be taken first (a cached one keeps its hash until taken); ``tables``: seq id -> block ids.
+    ``take`` and ``register`` do what kvlab's ``BlockPool`` does; ``free_seq`` is ``BlockManager.free``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.tables: dict[Hashable, list[int]] = {}
+        self._twins: dict[bytes, list[int]] = {}  # every block cached under a hash, oldest first
+
+    def take(self) -> int:
+        """The next free block, its cached contents evicted, with ref count 1."""
+        b, _ = self.free.popitem(last=False)
+        h = self.hash_of[b]
+        if h is not None:
+            twins = self._twins[h]
+            twins.remove(b)
+            if twins:
+                self.cached[h] = twins[0]
+            else:
+                del self.cached[h], self._twins[h]
+            self.hash_of[b] = None
+        self.ref[b] = 1
+        return b
+
+    def register(self, b: int, h: bytes) -> None:
+        """Cache the full block ``b`` under hash ``h`` (a block already cached under ``h`` stays the one found)."""
+        self.hash_of[b] = h
+        self._twins.setdefault(h, []).append(b)
+        self.cached.setdefault(h, b)
+
+    def free_seq(self, seq_id: Hashable) -> None:
+        """Drop a sequence's references, tail first; a block at 0 joins the free list (uncached ones go first)."""
+        for b in reversed(self.tables.pop(seq_id)):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if self.hash_of[b] is None:
+                    self.free.move_to_end(b, last=False)
+
+
+def reference_allocate(blocks: ToyBlocks, seq_id: Hashable, token_ids: list[int], hashes: list[bytes]) -> int:
+    """kvlab's allocate on a ``ToyBlocks``: reuse the longest cached prefix (never the last token), take the rest."""
+    bs, n, table = blocks.block_size, len(token_ids), []
+    for h in hashes[: (n - 1) // bs]:
+        b = blocks.cached.get(h)
+        if b is None:
+            break
+        if blocks.ref[b] == 0:
+            del blocks.free[b]
+        blocks.ref[b] += 1
+        table.append(b)
+    hits = len(table)
+    for i in range(hits, cdiv(n, bs)):
+        table.append(blocks.take())
+        if i < len(hashes):
+            blocks.register(table[-1], hashes[i])
+    blocks.tables[seq_id] = table
+    return hits * bs
+
+
+def block_trace(n_ops: int = 40, block_size: int = 4, num_blocks: int = 24, seed: int = 0) -> list[tuple]:
+    """A trace of ``("allocate", seq id, tokens)`` and ``("free", seq id)`` on the article's prompts, with repeats
+    and a pool small enough to evict; every allocation fits (checked on a real ``BlockManager``)."""
+    from kvlab.lessons.traces import ARTICLE_QUESTIONS, SYSTEM_PROMPTS, toy_tokenize
+
+    rng = random.Random(seed)
+    m, ops, live = BlockManager(num_blocks, block_size), [], []
+    for k in range(n_ops):
+        lang = rng.choice(("zh", "en"))
+        prompt = toy_tokenize(SYSTEM_PROMPTS[lang]) + toy_tokenize(rng.choice(ARTICLE_QUESTIONS[lang]))
+        prompt = prompt[: rng.randint(len(prompt) // 2, len(prompt))] + [rng.randrange(5000)] * rng.randint(0, 5)
+        if ops and rng.random() < 0.3:  # the same prompt again, as the article's second request
+            prompt = list(rng.choice([op[2] for op in ops if op[0] == "allocate"]))
+        while live and (len(live) >= 3 or rng.random() < 0.3 or not m.can_allocate(prompt)):
+            seq = live.pop(rng.randrange(len(live)))
+            m.free(seq)
+            ops.append(("free", seq))
+        m.allocate(f"r{k}", prompt)
+        live.append(f"r{k}")
+        ops.append(("allocate", f"r{k}", prompt))
+    return ops
+
+
+def replay_against_block_manager(allocate: Callable[..., int], hashes: Callable[..., list[bytes]], ops: list[tuple],
+                                 block_size: int = 4, num_blocks: int = 24) -> tuple[list[dict], str | None]:
+    """Replay ``ops`` on kvlab's ``BlockManager`` and on a ``ToyBlocks`` run by ``allocate``: one row per step, and
+    what first went wrong (None when every step had the same hits, block table and free blocks). May raise."""
+    m, toy, rows = BlockManager(num_blocks, block_size), ToyBlocks(num_blocks, block_size), []
+    for op in ops:
+        if op[0] == "free":
+            m.free(op[1])
+            toy.free_seq(op[1])
+            got = want = None
+        else:
+            _, seq, tokens = op
+            want = m.allocate(seq, tokens)
+            got = allocate(toy, seq, list(tokens), list(hashes(tokens, block_size, ())))
+        rows.append({"step": op[0], "seq": op[1], "tokens": len(op[2]) if len(op) > 2 else None,
+                     "cached (ToyBlocks)": got, "cached (BlockManager)": want,
+                     "free (ToyBlocks)": len(toy.free), "free (BlockManager)": m.num_free_blocks})
+        at = f"step {len(rows) - 1} ({op[0]} {op[1]!r}" + (f", {len(op[2])} tokens)" if len(op) > 2 else ")")
+        if got != want:
+            why = ("stop at the first miss, and never take the block of the last prompt token from the cache"
+                   if isinstance(got, int) and got > want else "a cached block whose ref count is 0 (in blocks.free) "
+                   "is still a hit" if isinstance(got, int) else "return the number of cached tokens")
+            return rows, f"{at}: you report {got!r} cached tokens, kvlab's BlockManager {want}: {why}"
+        if op[0] == "allocate" and toy.tables.get(op[1]) != m.block_table(op[1]):
+            return rows, (f"{at}: block table {toy.tables.get(op[1])} but kvlab's is {m.block_table(op[1])}: the hits "
+                          "first, then one blocks.take() per remaining block, in order, stored in blocks.tables")
+        if len(toy.free) != m.num_free_blocks:
+            return rows, (f"{at}: {len(toy.free)} free blocks, kvlab's BlockManager has {m.num_free_blocks}: a hit "
+                          "adds one reference, and a hit on a block with ref count 0 takes it out of blocks.free")
+    return rows, None
+
+
+def check_allocate(fn: Callable[..., int] | None, hashes: Callable[..., list[bytes]] | None = None) -> Verdict:
+    """Build exercise 04.B2: ``fn(blocks, seq_id, token_ids, hashes) -> cached tokens`` on a ``ToyBlocks``, replayed
+    step for step against kvlab's ``BlockManager`` (same hits, block tables and free blocks). Never raises."""
+    from kvlab.cache.hashing import hash_token_blocks
+
+    hint = ("look up the full blocks' hashes in blocks.cached, in order, up to (n - 1) // block_size blocks, "
+            "stopping at the first miss; each hit gets one more reference (and leaves blocks.free at ref count 0); "
+            "take the other blocks with blocks.take(), register the full ones; store the table in blocks.tables")
+    if fn is None:
+        return unanswered(hint)
+    ops = block_trace()
+    try:
+        rows, problem = replay_against_block_manager(fn, hashes or hash_token_blocks, ops)
+    except NotImplementedError:
+        return unanswered(hint)
+    except Exception as err:  # the reader's code may fail in any way
+        return verdict(False, hint=f"my_allocate raised {type(err).__name__}: {err}")
+    if problem is not None:
+        return verdict(False, hint=problem)
+    allocs = sum(r["step"] == "allocate" for r in rows)
+    hits = sum(r["cached (BlockManager)"] or 0 for r in rows)
+    return verdict(True, f"{len(rows)} steps ({allocs} allocations, {hits} cached tokens) with the same hits, block "
+                         "tables and free blocks as kvlab's BlockManager")

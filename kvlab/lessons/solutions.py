@@ -256,3 +256,72 @@ def ex10_2_right_guess_gain(before: int = 100, secret: int = 5, after: int = 40,
 def ex11_1_worth_pulling(prefix_tokens: int, recompute_per_token: float, copy_per_token: float, fixed: float) -> bool:
     """Notebook 11: pull when one transfer's fixed cost plus the copy is strictly cheaper than recomputing the prefix."""
     return fixed + copy_per_token * prefix_tokens < recompute_per_token * prefix_tokens
+
+
+# ----------------------------------------------------------------------------- build exercises (01.B, 02.B, 04.B)
+
+def build_01_decode_step(cache, layer, q, k, v):
+    """01.B: append k, v (B, KVH, 1, D) to cache[layer]; q (B, H, 1, D) attends over every cached position."""
+    import math
+
+    import torch
+
+    if layer in cache:
+        k = torch.cat([cache[layer][0], k], dim=-2)  # (B, KVH, T, D)
+        v = torch.cat([cache[layer][1], v], dim=-2)
+    cache[layer] = (k, v)
+    b, h, _, d = q.shape
+    group = h // k.shape[1]  # query heads per KV head
+    qg = q.reshape(b, k.shape[1], group, 1, d)  # (B, KVH, group, 1, D)
+    weights = (qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(d)).softmax(-1)  # (B, KVH, group, 1, T)
+    return (weights @ v[:, :, None]).reshape(b, h, 1, d)
+
+
+def build_02_continue(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
+    """02.B: prefill the suffix at start_pos.. on top of the cache, then one greedy token per step at the next position."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids, pos, new = list(suffix_ids), start_pos, []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            positions = torch.arange(pos, pos + len(ids), device=device)[None]  # (1, T)
+            out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, cache=cache,
+                        use_cache=True)
+            pos += len(ids)
+            ids = [int(out.logits[0, -1].argmax())]
+            new.append(ids[0])
+            if ids[0] in stop_ids:
+                break
+    return new
+
+
+def build_04_block_hashes(token_ids, block_size, extra_keys=()):
+    """04.B1: each full block hashed with its parent's hash; the extra keys (fingerprint, salt) in block 0 only."""
+    from kvlab.cache.hashing import hash_block
+
+    out, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys if i == 0 else ())
+        out.append(parent)
+    return out
+
+
+def build_04_allocate(blocks, seq_id, token_ids, hashes):
+    """04.B2: hit the longest cached prefix (never the last token's block), one more reference per hit, take the rest."""
+    bs, n, table = blocks.block_size, len(token_ids), []
+    for h in hashes[: (n - 1) // bs]:  # the last prompt token is always computed
+        b = blocks.cached.get(h)
+        if b is None:
+            break  # the chain is broken: nothing after this block can be a hit
+        if blocks.ref[b] == 0:
+            del blocks.free[b]  # cached but unreferenced: it leaves the free list
+        blocks.ref[b] += 1
+        table.append(b)
+    cached = len(table) * bs
+    for i in range(len(table), -(-n // bs)):
+        table.append(blocks.take())  # ref count 1
+        if i < n // bs:
+            blocks.register(table[-1], hashes[i])  # a full block: later requests may hit it
+    blocks.tables[seq_id] = table
+    return cached
