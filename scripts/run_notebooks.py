@@ -164,12 +164,22 @@ def local_widgets(out_dir: Path, source: Path = WIDGETS) -> dict[str, str]:
     return {"require_js_url": "_widgets/require.js", "widget_renderer_url": "_widgets/embed-amd.js"}
 
 
+# JupyterLab's HTML template without its MathJax and Mermaid blocks, the scripts it would load from a CDN: the series
+# writes no TeX and no Mermaid diagrams (tests/test_notebooks.py checks the TeX).
+NO_MATHJAX = ("{% extends 'lab/index.html.j2' %}"
+              "{% block html_head_js_mathjax %}{% endblock html_head_js_mathjax %}"
+              "{% block html_head_js_mermaidjs %}{% endblock html_head_js_mermaidjs %}")
+
+
 def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
     """Render an executed notebook to HTML next to it (widget scripts from ``widgets`` URLs when given)."""
+    import jinja2
     import nbformat
     from nbconvert import HTMLExporter
 
-    body, _ = HTMLExporter(**(widgets or {})).from_notebook_node(nbformat.read(executed, as_version=4))
+    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"kvlab.html.j2": NO_MATHJAX})],
+                            template_file="kvlab.html.j2", **(widgets or {}))
+    body, _ = exporter.from_notebook_node(nbformat.read(executed, as_version=4))
     target = executed.with_suffix(".html")
     target.write_text(body, encoding="utf-8")
     return target

@@ -1,6 +1,7 @@
 """Every notebook: committed clean, has a parameters cell, and runs headless in SMOKE mode."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -61,6 +62,17 @@ def test_html_loads_the_widget_renderer_from_the_local_copy(tmp_path):
     assert "'_widgets/embed-amd.js'" in body and 'src="_widgets/require.js"' in body
     assert "unpkg.com" not in body and "cdn.jsdelivr" not in body and "require.min.js" not in body
     assert run_notebooks.local_widgets(out, tmp_path / "missing") == {}  # no vendored copy: the CDN defaults
+    assert not re.findall(r'<script[^>]+src="https?://', body), "the handout loads a script from the network"
+    assert "cdnjs" not in body and "mathjax" not in body.lower()
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_markdown_writes_no_tex(nb):
+    """The HTML handout leaves MathJax out (it would load from a CDN): a notebook with TeX needs it shipped first."""
+    cells = json.loads(nb.read_text())["cells"]
+    tex = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+           and re.search(r"(?<![\\`])\$[^$`\n]+\$|\$\$|\\\(|\\\[", "".join(c["source"]))]
+    assert not tex, f"{nb.name}: markdown cells {tex} hold TeX, which the offline handout cannot render"
 
 
 @pytest.mark.notebook
