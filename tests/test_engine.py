@@ -283,3 +283,12 @@ def test_engine_refuses_a_wrong_cache_object(lm):
         Engine(model, tok, cache=used)
     with pytest.raises(ValueError, match="cache must be one of"):
         Engine(model, tok, cache="lru")
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(lm):
+    """Text no tokenizer can encode (a lone surrogate, as JSON can spell it) is a clear ValueError, not a tokenizer TypeError."""
+    model, tok = lm
+    engine = Engine(model, tok, num_blocks=16, block_size=16)
+    with pytest.raises(ValueError, match="lone surrogate at character 3"):
+        engine.add_request("abc\ud800def")
+    assert not engine.requests and not engine.scheduler.waiting

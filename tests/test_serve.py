@@ -292,6 +292,10 @@ def test_metrics_counters_equal_the_sums_over_responses(server):
     (b'{"prompt": "hi", "frobnicate": 1}', 400, "frobnicate"),
     (b'{"prompt": "hi", "cache_salt": ""}', 400, "cache_salt"),
     (b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b'}', 400, None),  # nested past the parser's recursion limit
+    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b'}', 400, None),  # past the int-digit limit
+    (b'{"prompt": "\\ud800 hi"}', 400, None),  # a lone surrogate: text no tokenizer can encode
+    (b'{"prompt": "hi", "cache_salt": "\\udfff"}', 400, None),
     (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413, None),  # over the 1 MiB body limit
 ])
 def test_bad_input_gets_an_openai_error_and_hurts_nobody(server, body, status, param):

@@ -269,6 +269,10 @@ def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
     if isinstance(text_or_ids, str):
         if tokenizer is None:
             raise TypeError("a text prompt needs a tokenizer: pass token ids")
+        try:
+            text_or_ids.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode: a lone surrogate at character {e.start}") from None
         return list(tokenizer(text_or_ids, add_special_tokens=False)["input_ids"])
     import numpy as np
 

@@ -96,10 +96,17 @@ class _Server:
         raw = await _read_body(request, self.config.max_body_bytes)
         try:
             obj = json.loads(raw, parse_constant=_no_constants)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError) as e:  # ValueError covers numbers past the int-digit limit
             raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        try:  # JSON may spell lone surrogates ("\ud800"): text no tokenizer, salt or log can encode
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the body is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)",
+                           code="invalid_json") from None
         try:
             body = model.model_validate(obj)
         except ValidationError as e:
