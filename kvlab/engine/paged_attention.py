@@ -334,9 +334,14 @@ def register() -> None:
 def paged_attention(model: Any) -> Iterator[Any]:
     """Within the block, ``model`` attends with kvlab's paged attention; its own choice is restored after."""
     register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)  # transformers' public switch: the model and its sub-models
+    configs = [model.config]  # and the language model's own config where it nests one (e.g. a multimodal model)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    configs += [text] if text is not model.config else []
+    previous = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation_internal = ATTN_NAME
     try:
         yield model
     finally:
-        model.set_attn_implementation(previous)
+        for c, p in zip(configs, previous):
+            c._attn_implementation_internal = p
