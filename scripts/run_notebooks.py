@@ -165,7 +165,7 @@ def local_widgets(out_dir: Path, source: Path = WIDGETS) -> dict[str, str]:
 
 
 # JupyterLab's HTML template without its MathJax and Mermaid blocks, the scripts it would load from a CDN: the series
-# writes no TeX and no Mermaid diagrams (tests/test_notebooks.py checks the TeX).
+# writes no TeX and no Mermaid diagrams (tests/lessons/test_notebooks.py checks the TeX).
 NO_MATHJAX = ("{% extends 'lab/index.html.j2' %}"
               "{% block html_head_js_mathjax %}{% endblock html_head_js_mathjax %}"
               "{% block html_head_js_mermaidjs %}{% endblock html_head_js_mermaidjs %}")

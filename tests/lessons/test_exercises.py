@@ -144,7 +144,7 @@ def test_notebook_07_exercises_start_blank():
     import json
     from pathlib import Path
 
-    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "07_isolation_and_security.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "07_isolation_and_security.ipynb").read_text())
     checks = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and "S.check_" in "".join(c["source"])]
     assert len(checks) == 3 and all("= None" in c for c in checks)
     assert not any("lambda" in c or "def my_auc" in c for c in checks)
@@ -223,7 +223,7 @@ def test_notebooks_00_to_02_start_every_exercise_blank():
     import json
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "notebooks"
+    root = Path(__file__).resolve().parents[2] / "notebooks"
     for name in ("00_passphrase_experiment", "01_qkv_and_kv_cache", "02_manual_prefix_reuse"):
         cells = json.loads((root / f"{name}.ipynb").read_text())["cells"]
         checks = [''.join(c["source"]) for c in cells if c["cell_type"] == "code" and "check_" in ''.join(c["source"])]

@@ -240,7 +240,7 @@ def test_nb10_record_round_trip_and_table_rows(tmp_path):
 def test_notebook_10_exercises_start_blank():
     from pathlib import Path
 
-    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "10_is_this_endpoint_sharing.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "10_is_this_endpoint_sharing.ipynb").read_text())
     sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     assert any("min_samples = None" in s for s in sources) and any("right_guess_gain = None" in s for s in sources)
 

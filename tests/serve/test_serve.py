@@ -29,7 +29,7 @@ from kvlab.lessons import passphrase as P  # noqa: E402
 from kvlab.serve import ServeConfig, create_app  # noqa: E402
 from kvlab.serve.tenancy import request_scope  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"kvlab-test-secret-0123456789"
 KEYS = {"key-a": "acme", "key-a2": "acme", "key-b": "globex"}
 MODEL = "kvlab-passphrase-qwen2"

@@ -16,7 +16,7 @@ from kvlab.doctor.replay import replay_block_manager, replay_tokens
 from kvlab.doctor.tokenize import PromptEncoder, tokstr
 from kvlab.doctor.vllm_metrics import parse_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ("You answer questions about orders, returns and invoices. Be brief and polite; never invent a policy. "
          "If you do not know, say so and offer a human agent. Quote the order number when you have it. "
          "Refunds above the limit go to a supervisor. Keep the customer's language.")

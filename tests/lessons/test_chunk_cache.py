@@ -13,7 +13,7 @@ from kvlab.lessons import passphrase as P
 from kvlab.lessons import rope
 from kvlab.prefix import PrefixCache, continue_from_cache, generate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pieces(tok, seed=3):
