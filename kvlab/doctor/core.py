@@ -106,7 +106,7 @@ class Diagnosis:
                 "tenant_field": self.tenant_field, "cap_key": k, "min_effect": self.min_effect,
                 "table": self.table, "ceiling": self.ceiling, "top_divergence_points": self.top_points,
                 "divergence_histogram": sorted(self.div.histogram().items()),
-                "culprits": [_culprit_data(c, k) for c in self.culprits], "baseline": self.baseline, "chain": self.chain,
+                "culprits": [_culprit_data(c, k, self.kept) for c in self.culprits], "baseline": self.baseline, "chain": self.chain,
                 "remaining_divergence_points": self.final_top_points, "system_only": self.system_only,
                 "vllm": self.vllm, "spot_checks": self.spot_checks, "scan": self.scan, "timings": dict(self.timings),
                 "notes": self.notes}
@@ -116,10 +116,10 @@ class Diagnosis:
         return report.render_text(self.data())
 
 
-def _culprit_data(c: Culprit, cap_key: str) -> dict:
-    kept = c.chained is not None and not c.no_effect
+def _culprit_data(c: Culprit, cap_key: str, kept_all: list[Culprit]) -> dict:
+    kept = c in kept_all
     change = c.chained[cap_key]["hit_rate"] - c.before[cap_key]["hit_rate"] if kept else None
-    return {"kind": c.kind, "title": c.title, "position": c.position, "where": c.where, "evidence": c.evidence,
+    return {"fix_order": kept_all.index(c) + 1 if kept else None, "kind": c.kind, "title": c.title, "position": c.position, "where": c.where, "evidence": c.evidence,
             "fix": c.fix_text, "affected": c.affected, "measurable": c.measurable, "kept": kept,
             "no_effect": c.no_effect, "quick_look": c.details.get("quick look"), "examples": c.examples[:1],
             "before": c.before, "chained": c.chained, "change": change, "alone": c.alone, "fixed_log": c.fixed_log}

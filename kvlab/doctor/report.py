@@ -95,9 +95,9 @@ def render_text(data: dict) -> str:
                 f"{'given capacity' if k == 'capacity' else 'unbounded cache'}; as logged {pct(base)}):"]
     if not _kept(data):
         out.append("  none found")
-    for n, c in enumerate(_kept(data), 1):
+    for c in _kept(data):
         pos = f", token ~{c['position']}" if c["position"] is not None else ""
-        out.append(f"  {n}. {c['title']}  [{c['where']}{pos}]")
+        out.append(f"  {c['fix_order']}. {c['title']}  [{c['where']}{pos}]")
         out += [f"       {_head(_esc(e), 160)}" for e in c["evidence"][:4]]
         b, a = c["before"][k], c["chained"][k]
         out += [f"     fix: {c['fix']}",
@@ -185,8 +185,8 @@ def render_html(data: dict, figs: dict[str, Path]) -> str:
         parts.append(f"<h2>Culprits</h2><p>Measured at block size {data['block_size']}, "
                      f"{'the given capacity' if k == 'capacity' else 'an unbounded cache'}; as logged: "
                      f"<b>{pct(base['hit_rate'])}</b>, {base['computed_tokens']} prompt tokens prefilled.</p>")
-        for n, c in enumerate(_kept(data), 1):
-            parts.append(f"<h3>{n}. {e(c['title'])}</h3><p>{e(c['where'])}"
+        for c in _kept(data):
+            parts.append(f"<h3>{c['fix_order']}. {e(c['title'])}</h3><p>{e(c['where'])}"
                          + (f", token ~{c['position']}" if c["position"] is not None else "")
                          + f"; {c['affected']} requests</p><ul>")
             parts += [f"<li>{e(x)}</li>" for x in c["evidence"]] + ["</ul>"]
