@@ -28,6 +28,38 @@ def test_replay_runs_every_request_and_frees_the_pool(make):
     assert 0 < res.peak_blocks_used <= cache.num_blocks
 
 
+def _conversations(n: int, turns: int, seed: int = 1) -> list[TraceRequest]:
+    import random
+
+    rng = random.Random(seed)
+    ids = lambda k: [rng.randrange(32_000) for _ in range(k)]  # noqa: E731
+    system, out = ids(40), []
+    for c in range(n):
+        history: list[int] = []
+        for t in range(turns):
+            user, reply = ids(rng.randint(4, 30)), ids(rng.randint(2, 20))
+            out.append(TraceRequest(f"c{c}t{t}", system + history + user, reply, after=f"c{c}t{t - 1}" if t else None))
+            history += user + reply
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_token_pages_hit_at_least_what_hash_blocks_hit(page_size):
+    reqs = _conversations(6, 3)
+    radix = replay_trace(RadixCache(4096 // page_size, page_size), reqs, max_num_seqs=4)
+    blocks = replay_trace(BlockManager(4096 // 16, 16), reqs, max_num_seqs=4)
+    assert len(radix.cached_tokens) == len(blocks.cached_tokens) == len(reqs)
+    assert radix.hit_tokens >= blocks.hit_tokens if page_size == 1 else radix.hit_tokens > 0
+
+
+def test_a_radix_cache_under_pressure_evicts_and_stays_consistent():
+    cache = RadixCache(300, 1)
+    replay_trace(cache, _conversations(12, 3, seed=2), max_num_seqs=3)
+    assert cache.stats()["evictions"] > 0 and not cache.seqs
+    cache.check_invariants()
+    assert cache.num_free_blocks == cache.num_pages
+
+
 def test_a_later_turn_hits_its_predecessor_but_not_the_reply_token_never_written():
     prompt = [1, 2, 3, 4, 5, 6, 7]
     # the engine writes K/V of the prompt and every reply token but the last: 7 + 1 = 8 tokens, two full blocks
