@@ -28,7 +28,7 @@ References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError, check
@@ -454,6 +454,15 @@ class BlockManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV events queued since the last call (needs ``enable_kv_events=True``; vLLM's ``take_events``)."""
         return self.pool.take_events()
+
+    def emit_event(self, event: KVCacheEvent) -> None:
+        """Queue a KV event of a tier attached to this cache, in one stream with the pool's (dropped if events are off)."""
+        self.pool._emit(event)
+
+    def attach_second_tier(self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None) -> None:
+        """Ask ``tier`` when a prompt misses the pool (``second_tier``); ``on_evict`` sees each cached block evicted."""
+        self.second_tier = tier
+        self.pool.on_evict = on_evict
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False, while a sequence holds blocks."""

@@ -61,7 +61,7 @@ class HostTier:
         self.capacity_bytes, self.block_size = capacity_bytes, block_size
         self.entries: OrderedDict[BlockHash, TierEntry] = OrderedDict()
         self.nbytes = 0
-        self.emit = emit  # where events go (an engine passes its pool's queue, so both tiers share one stream)
+        self.emit = emit  # where events go (``BlockManager.emit_event``: both tiers share one stream)
         self.num_puts = self.num_evictions = self.num_refused = 0
 
     def __len__(self) -> int:
@@ -242,10 +242,10 @@ class TierLink:
                 "tier_refused": t.num_refused, "tier_load_failures": self.load_failures}
 
 
-def collect_blocks(pool: Any, tier: HostTier | None, hashes: list[BlockHash],
+def collect_blocks(block_manager: Any, tier: HostTier | None, hashes: list[BlockHash],
                    read: Callable[[int], tuple[Any, int]] | None = None,
                    parent: BlockHash | None = None, wire: Callable[[Any], Any] | None = None) -> list[TierEntry]:
-    """The leading blocks of ``hashes`` that this replica holds (pool first, then its tier), as entries to ship.
+    """The leading blocks of ``hashes`` that this replica holds (its ``BlockManager``'s pool, then its tier), as entries.
 
     ``read(block_id) -> (payload, nbytes)`` copies a pool block's K/V (None: model-free, one byte each);
     ``parent``: the hash before ``hashes[0]`` (None when they start the prompt); ``wire(payload)`` converts a
@@ -253,8 +253,9 @@ def collect_blocks(pool: Any, tier: HostTier | None, hashes: list[BlockHash],
     holds neither place, or whose parent is not the previous hash (a broken chain).
     """
     out: list[TierEntry] = []
+    cached = block_manager.pool.cached
     for h in hashes:
-        block = next(iter(pool.cached.get(h, ())), None)
+        block = next(iter(cached.get(h, ())), None)
         if block is not None and block.parent_hash == parent:
             payload, nbytes = read(block.block_id) if read is not None else (None, 1)
             out.append(TierEntry(h, block.parent_hash, tuple(block.token_ids), block.extra_keys, payload, nbytes, "peer"))

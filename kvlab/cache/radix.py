@@ -186,11 +186,6 @@ class RadixCache:
         return self.num_pages
 
     @property
-    def pool(self) -> RadixCache:
-        """The cache itself: code written for ``BlockManager`` reads ``manager.pool.num_blocks``."""
-        return self
-
-    @property
     def num_free_blocks(self) -> int:
         """Pages that an allocation can get: free ones plus those of unlocked (evictable) tree nodes."""
         return len(self.free_pages) + self.evictable_pages

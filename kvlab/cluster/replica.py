@@ -13,7 +13,8 @@ Both keep their own block pool, publish KV events (``Engine(..., enable_kv_event
   fetch them at its next step, stage them in its tier, and restore them instead of recomputing. A fetch that
   fails (the holder died: its objects are lost) is dropped: the request recomputes those tokens.
 
-``SimReplica`` runs kvlab's real ``Scheduler`` and ``BlockManager`` with scripted tokens and no model, so
+``SimReplica`` runs kvlab's real ``Scheduler`` and ``BlockManager`` with scripted tokens and no model
+(``kvlab.engine.trace_replay.ScriptedScheduler``, the lessons' trace replay), so
 its scheduling, hits, evictions and events are exactly an engine's for the same tokens (the driver's
 sim-vs-Ray check relies on this). ``EngineReplica`` wraps a real ``Engine``. ``ray_replicas`` starts
 ``EngineReplica``s as Ray actors; ``ray.remote`` is applied there, so importing this module needs no Ray.
@@ -47,21 +48,10 @@ class StepResult:
     seconds: float = 0.0  # wall time of the step on the replica
 
 
-class _Capture:
-    """Wraps ``Scheduler.schedule`` to keep the last ``SchedulerOutput`` (what a step ran)."""
-
-    def __init__(self, scheduler) -> None:
-        self.last = None
-        self._orig = scheduler.schedule
-        scheduler.schedule = self
-
-    def __call__(self):
-        self.last = self._orig()
-        return self.last
-
-    def counts(self) -> tuple[int, int]:
-        items = self.last.items if self.last is not None else []
-        return (sum(it.end - it.start for it in items if it.is_prefill), sum(not it.is_prefill for it in items))
+def _step_counts(out) -> tuple[int, int]:
+    """Prompt tokens computed and sequences decoded by one ``SchedulerOutput`` (``(0, 0)`` for None)."""
+    items = out.items if out is not None else []
+    return sum(it.end - it.start for it in items if it.is_prefill), sum(not it.is_prefill for it in items)
 
 
 class _Tiered:
@@ -118,25 +108,20 @@ class SimReplica(_Tiered):
 
     def _start(self) -> None:
         from ..cache.block_manager import BlockManager
-        from ..engine.scheduler import Scheduler
+        from ..engine.trace_replay import ScriptedScheduler
 
         c = self.config
         self.block_manager = BlockManager(c["num_blocks"], c["block_size"], model_fingerprint=c["model_fingerprint"],
                                           enable_kv_events=True)
-        self.scheduler = Scheduler(self.block_manager, c["max_num_seqs"], c["max_num_batched_tokens"])
-        self._capture = _Capture(self.scheduler)
+        self.run = ScriptedScheduler(self.block_manager, c["max_num_seqs"], c["max_num_batched_tokens"])
         self.link = None
         if self.tier_blocks:  # a model-free tier: one "byte" per block, no payload
             from ..cache.host_tier import HostTier, TierLink
 
-            pool = self.block_manager.pool
-            self.link = TierLink(HostTier(self.tier_blocks, c["block_size"], emit=pool._emit), 1, offload=self.offload)
-            pool.on_evict = self.link.on_evict
-            self.block_manager.second_tier = self.link
-        self.requests: dict[Hashable, Any] = {}
-        self._replies: dict[Hashable, list[int]] = {}
+            tier = HostTier(self.tier_blocks, c["block_size"], emit=self.block_manager.emit_event)
+            self.link = TierLink(tier, 1, offload=self.offload)
+            self.block_manager.attach_second_tier(self.link, self.link.on_evict)
         self._restored: dict[int, int] = {}
-        self._ids = 0
         self._kv_seq = 0
 
     def info(self) -> dict:
@@ -146,7 +131,7 @@ class SimReplica(_Tiered):
     def _collect(self, hashes: list, parent: bytes | None) -> list:
         from ..cache.host_tier import collect_blocks
 
-        return collect_blocks(self.block_manager.pool, self.link.tier if self.link else None, hashes, None, parent)
+        return collect_blocks(self.block_manager, self.link.tier if self.link else None, hashes, None, parent)
 
     def _stage(self, entries: list) -> int:
         return self.link.stage(entries, self.block_manager.hash_fn) if self.link is not None else 0
@@ -154,18 +139,15 @@ class SimReplica(_Tiered):
     def add(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int, reply: Sequence[int] | None = None,
             fetch: Sequence[Any] | None = None) -> None:
         """Queue a request; ``reply`` (at least ``max_tokens`` ids) is what it will "generate"; ``fetch``: refs to pull."""
-        from ..engine.sampling import SamplingParams
-        from ..engine.sequence import Sequence as Seq
-
         if reply is None or len(reply) < max_tokens:
             raise ValueError("a model-free replica needs the reply tokens (at least max_tokens of them)")
-        self.scheduler.check_fits(len(prompt), max_tokens)
-        seq = Seq(self._ids, request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        self._ids += 1
-        self.requests[request_id] = seq
-        self._replies[request_id] = list(reply)
+        self.run.add(request_id, prompt, list(reply)[:max_tokens])
         self._fetches += [f for f in fetch or () if f is not None]
-        self.scheduler.add(seq)
+
+    @property
+    def requests(self) -> dict[Hashable, Any]:
+        """The requests in flight, by id."""
+        return self.run.requests
 
     def step(self) -> StepResult:
         """One step as ``Engine.step`` takes it: schedule, one token per scheduled sequence, finish in order."""
@@ -173,28 +155,21 @@ class SimReplica(_Tiered):
 
         t0 = time.perf_counter()
         moved = self._take_fetches()
-        sched = self.scheduler.schedule()
-        res = StepResult(moved_tokens=moved)
-        for item in sched.items:
-            seq = item.seq
-            if item.is_prefill and seq.seq_id not in self._restored:  # first admission, as num_cached_tokens
-                self._restored[seq.seq_id] = self.block_manager.seqs[seq.seq_id].num_restored_tokens
-            seq.output_ids.append(self._replies[seq.request_id][len(seq.output_ids)])
-            if len(seq.output_ids) == 1:
-                res.first_token.append(seq.request_id)
-            if len(seq.output_ids) >= seq.sampling.max_tokens:
-                self.scheduler.finish(seq, "length")
-                del self.requests[seq.request_id]
-                del self._replies[seq.request_id]
-                res.finished.append({"request_id": seq.request_id, "output_ids": list(seq.output_ids),
-                                     "num_cached_tokens": seq.num_cached_tokens or 0,
-                                     "num_preemptions": seq.num_preemptions,
-                                     "restored_tokens": self._restored.pop(seq.seq_id, 0)})
+        step = self.run.step()
+        res = StepResult(moved_tokens=moved, prefill_tokens=step.prefill_tokens, decodes=step.decodes)
+        for item in step.output.items:  # at first admission, as num_cached_tokens
+            if item.is_prefill and item.seq.seq_id not in self._restored:
+                self._restored[item.seq.seq_id] = self.block_manager.seqs[item.seq.seq_id].num_restored_tokens
+        res.first_token = [seq.request_id for seq in step.first_token]
+        for seq in step.finished:
+            res.finished.append({"request_id": seq.request_id, "output_ids": list(seq.output_ids),
+                                 "num_cached_tokens": seq.num_cached_tokens or 0,
+                                 "num_preemptions": seq.num_preemptions,
+                                 "restored_tokens": self._restored.pop(seq.seq_id, 0)})
         events = self.block_manager.take_events()
         if events:
             res.batches.append(EventBatch(time.time(), tuple(events), self._kv_seq))
             self._kv_seq += 1
-        res.prefill_tokens, res.decodes = self._capture.counts()
         res.seconds = time.perf_counter() - t0
         return res
 
@@ -213,7 +188,7 @@ class SimReplica(_Tiered):
     def stats(self) -> dict:
         """Block-manager stats plus preemptions."""
         tier = self.link.stats() if self.link is not None else {}
-        return {**self.block_manager.stats(), "num_preemptions": self.scheduler.num_preemptions, **tier,
+        return {**self.block_manager.stats(), "num_preemptions": self.run.scheduler.num_preemptions, **tier,
                 "fetch_failures": self.fetch_failures}
 
 
@@ -252,7 +227,6 @@ class EngineReplica(_Tiered):
             tier = self.tier_blocks * per_block
         self.engine = Engine(self.model, self.tokenizer, enable_kv_events=True, host_tier_bytes=tier,
                              offload_evicted=self.offload, **self.config)
-        self._capture = _Capture(self.engine.scheduler)
         self._first_seen: set[Hashable] = set()
 
     def info(self) -> dict:
@@ -266,7 +240,7 @@ class EngineReplica(_Tiered):
         ht = self.engine.host_tier
         if ht is not None:
             return ht.export(hashes, parent)
-        return collect_blocks(self.engine.block_manager.pool, None, hashes, self._read, parent)
+        return collect_blocks(self.engine.block_manager, None, hashes, self._read, parent)
 
     def _read(self, block_id: int) -> tuple:
         from ..engine.offload import to_wire
@@ -306,7 +280,7 @@ class EngineReplica(_Tiered):
                                  "num_cached_tokens": out.num_cached_tokens, "num_preemptions": out.num_preemptions,
                                  "restored_tokens": out.num_restored_tokens})
         res.batches = self.engine.take_kv_events()
-        res.prefill_tokens, res.decodes = self._capture.counts()
+        res.prefill_tokens, res.decodes = _step_counts(self.engine.scheduler.last_output)
         return res
 
     def fail(self) -> list[Hashable]:

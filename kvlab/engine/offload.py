@@ -1,9 +1,10 @@
 """The torch side of the host tier: copy a block's K/V out of the paged store and back, and ship blocks between replicas.
 
-``HostOffload`` wires a ``kvlab.cache.host_tier.HostTier`` to an engine's store and block manager through two
-seams: the pool's ``on_evict`` (an evicted cached block is copied to host memory, all layers, K and V) and the
-block manager's ``second_tier`` (a prompt that misses the pool but hits the tier gets the block copied back
-into a fresh pool block instead of recomputed). Engine: ``Engine(..., host_tier_bytes=N)``.
+``HostOffload`` wires a ``kvlab.cache.host_tier.HostTier`` to an engine's store and block manager through
+``BlockManager.attach_second_tier``: ``on_evict`` (an evicted cached block is copied to host memory, all layers,
+K and V) and the second tier (a prompt that misses the pool but hits the tier gets the block copied back
+into a fresh pool block instead of recomputed); the tier's KV events join the block manager's
+(``BlockManager.emit_event``). Engine: ``Engine(..., host_tier_bytes=N)``.
 
 Between replicas the same entries travel: ``export`` reads the leading blocks of a chain of hashes that this
 engine holds (pool, then tier) into host tensors; a peer ``stage``s them into its own tier (each block's hash
@@ -63,12 +64,10 @@ class HostOffload:
         if not isinstance(block_manager, BlockManager):
             raise ValueError("a host tier needs the block cache (cache='blocks'): it is keyed by block hashes")
         self.store, self.block_manager = store, block_manager
-        pool = block_manager.pool
-        self.tier = HostTier(capacity_bytes, block_manager.block_size, emit=pool._emit)
+        self.tier = HostTier(capacity_bytes, block_manager.block_size, emit=block_manager.emit_event)
         self.link = TierLink(self.tier, store.bytes_per_block, offload=offload, save_payload=self.read_block,
                              load_payload=self.write_block)
-        pool.on_evict = self.link.on_evict
-        block_manager.second_tier = self.link
+        block_manager.attach_second_tier(self.link, self.link.on_evict)
         self.bytes_out = self.bytes_in = 0  # device -> host, host -> device
         self.seconds_out = self.seconds_in = 0.0
 
@@ -100,7 +99,7 @@ class HostOffload:
 
     def export(self, hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> list[TierEntry]:
         """The leading blocks of ``hashes`` (``parent``: the hash before them) this engine holds, copied to host tensors."""
-        return collect_blocks(self.block_manager.pool, self.tier, list(hashes), self.read_for_wire, parent,
+        return collect_blocks(self.block_manager, self.tier, list(hashes), self.read_for_wire, parent,
                               lambda kv: tuple(to_wire(t) for t in kv))
 
     def read_for_wire(self, block_id: int) -> tuple[tuple[np.ndarray, np.ndarray], int]:

@@ -63,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
+        self.last_output: SchedulerOutput | None = None  # what the latest schedule() picked (a replica reports it)
 
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -120,6 +121,7 @@ class Scheduler:
             self.running.append(seq)
             out.items.append(ScheduledSeq(seq, cached, n, True))
             budget -= n - cached
+        self.last_output = out
         return out
 
     def _preempt(self, seq: Sequence) -> None:

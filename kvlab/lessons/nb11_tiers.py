@@ -120,7 +120,7 @@ def _crossover(model: Any, tokenizer: Any, lengths: Sequence[int], repeats: int,
             store = PickleObjectStore()  # ``cold`` ran p: its pool holds the prefix, it is the holder
             hashes = prompt_block_hashes(p[: L // BS * BS], BS, fp)
             t0 = time.perf_counter()
-            entries = collect_blocks(cold.block_manager.pool, None, hashes, _reader(cold))
+            entries = collect_blocks(cold.block_manager, None, hashes, _reader(cold))
             peer.host_tier.stage(store.get(store.put(entries)))
             got = peer.generate([p], sp)[0]
             tra.append(time.perf_counter() - t0)
@@ -141,7 +141,7 @@ def _evict_everything(engine: Any) -> None:
     leave the cache (``free(..., uncache_from=0)``), so nobody can hit the K/V it never wrote.
     """
     bm = engine.block_manager
-    bm.allocate("evict-all", list(range(3, 3 + bm.pool.num_blocks * bm.block_size)))
+    bm.allocate("evict-all", list(range(3, 3 + bm.num_blocks * bm.block_size)))
     bm.free("evict-all", uncache_from=0)
 
 

@@ -4,7 +4,8 @@ Token ids stand in for text: the prefix cache only compares ids, so random ids w
 structure (a few system prompts, unique user turns, growing conversations, a timestamp that changes
 every request) exercise it exactly as real prompts would. ``toy_tokenize`` maps text to stable ids
 when a figure should show words. Pure Python: used by notebook 04, the block-manager benchmark and
-notebook 06's race against vLLM's block pool.
+notebook 06's race against vLLM's block pool. ``replay`` runs a trace through the real scheduler
+(``kvlab.engine.trace_replay``) with the requests' outputs as scripted tokens.
 
 A trace is a list of ``Request`` (prompt ids, output ids) for the block manager alone; the named
 experiments that run through a model (seed groups, sys512) are ``kvlab.lessons.workloads``.
@@ -16,12 +17,12 @@ import random
 import re
 import time
 import zlib
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvlab.cache import cdiv
-from kvlab.cache.block_manager import BlockManager, TenantScope
+from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.interface import CacheManager
+from kvlab.engine.trace_replay import replay_trace
 
 VOCAB = 32_000
 SYSTEM_PROMPTS = {
@@ -170,63 +171,26 @@ def realistic_trace(
     return out
 
 
-def replay(manager: BlockManager, requests: list[Request], max_running: int = 16) -> dict:
-    """Admit requests while blocks allow, decode their outputs one token a step, free them; return stats.
+def replay(manager: CacheManager, requests: list[Request], max_running: int = 16) -> dict:
+    """Replay a trace on the real scheduler (``kvlab.engine.trace_replay``); the cache's stats plus the run's.
 
-    Admission reserves every block a request could need (prompt + output, ignoring hits), so decode
-    never runs out; a turn waits until the turn it follows has finished.
+    A request queues only when the free blocks cover its whole reply too, so nothing is preempted; a turn
+    waits until the turn it follows has finished.
     """
-    bs = manager.block_size
-    need = lambda r: cdiv(len(r.prompt) + len(r.output), bs)  # noqa: E731
-    too_big = [r.req_id for r in requests if need(r) > manager.pool.num_blocks]
-    if too_big:
-        raise ValueError(f"requests {too_big[:3]} need more blocks than the pool has")
-    ids = {r.req_id for r in requests}
-    waiting: deque[Request] = deque(r for r in requests if r.after is None or r.after not in ids)
-    blocked: dict[str, list[Request]] = {}
-    for r in requests:
-        if r.after is not None and r.after in ids:
-            blocked.setdefault(r.after, []).append(r)
-    running: dict[str, tuple[Request, int]] = {}  # req_id -> (request, tokens written so far)
-    reserved = steps = wasted_sum = peak_used = 0
-    cached: dict[str, int] = {}
     t0 = time.perf_counter()
-    while waiting or running:
-        while waiting and len(running) < max_running and manager.num_free_blocks - reserved >= need(waiting[0]):
-            r = waiting.popleft()
-            cached[r.req_id] = manager.allocate(r.req_id, r.prompt, TenantScope(salt=r.salt))
-            reserved += need(r) - len(manager.seqs[r.req_id].block_table)
-            running[r.req_id] = (r, 0)
-        if not running:
-            raise RuntimeError("no request can be admitted")  # cannot happen when need <= num_blocks
-        steps += 1
-        peak_used = max(peak_used, manager.pool.num_blocks - manager.num_free_blocks)
-        for rid, (r, done) in list(running.items()):
-            if done < len(r.output):
-                if manager.append(rid, r.output[done]).new_block is not None:
-                    reserved -= 1
-                done += 1
-            seq_len = len(r.prompt) + done
-            wasted_sum += -seq_len % bs
-            if done == len(r.output):
-                reserved -= need(r) - len(manager.seqs[rid].block_table)
-                manager.free(rid)
-                del running[rid]
-                waiting.extend(blocked.pop(rid, ()))
-            else:
-                running[rid] = (r, done)
+    run = replay_trace(manager, requests, max_num_seqs=max_running)
     seconds = time.perf_counter() - t0
     m = manager.metrics
     return {
         **manager.stats(),
-        "block_size": bs,
-        "num_blocks": manager.pool.num_blocks,
-        "steps": steps,
-        "wasted_slots_mean": wasted_sum / max(steps, 1),
-        "peak_blocks_used": peak_used,
+        "block_size": manager.block_size,
+        "num_blocks": manager.num_blocks,
+        "steps": run.steps,
+        "wasted_slots_mean": run.wasted_slots_mean,
+        "peak_blocks_used": run.peak_blocks_used,
         "block_ops": m.hashed_blocks + m.blocks_taken + m.blocks_hit,
         "seconds": seconds,
-        "cached_tokens": cached,
+        "cached_tokens": run.cached_tokens,
     }
 
 

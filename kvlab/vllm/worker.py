@@ -18,7 +18,8 @@ venv where kvlab is not installed. Jobs (``job["kind"]``):
   ``reset``) on vLLM's own ``KVCacheManager`` with ``enable_kv_cache_events=True`` and return, after each
   operation, the events ``take_events()`` gave (the scheduler publishes exactly these, batched per step).
 - ``block_pool``: replay a block-manager trace on vLLM's own ``KVCacheManager`` (``vllm.v1.core``),
-  the same loop as ``kvlab.lessons.traces.replay``: seconds, hit tokens, cached tokens per request.
+  the same steps as ``kvlab.engine.trace_replay.replay_trace`` (which ``kvlab.lessons.traces.replay``
+  runs): seconds, hit tokens, cached tokens per request.
 
 Within one ``many`` job, a job whose engine settings equal the previous job's reuses its ``LLM`` (prefix
 cache reset) rather than starting another: on a CPU, vLLM's start-up is the largest cost.
@@ -232,7 +233,15 @@ def _request(req_id: str, prompt: list[int], max_tokens: int, hasher):
 
 
 def block_pool_replay(trace: list[dict], num_blocks: int, block_size: int, max_running: int) -> dict:
-    """``kvlab.lessons.traces.replay`` on vLLM's KVCacheManager: admit, decode one token a step, free."""
+    """``kvlab.engine.trace_replay.replay_trace`` (``reserve=True``) on vLLM's KVCacheManager, step for step.
+
+    kvlab's replay runs its real ``Scheduler``; this loop takes the same steps by hand (kvlab is not
+    importable here): a ready request queues when the free blocks, less those promised to the running ones,
+    cover its prompt and reply; each step first writes one token of K/V for every running request (the
+    token it generated last), then admits the queued ones, then every scheduled request "generates" its next
+    reply token and one that has them all is freed. K/V is written for the prompt and every reply token
+    but the last, as in an engine. ``cached_tokens`` must equal kvlab's, request for request.
+    """
     from collections import deque
 
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -242,52 +251,51 @@ def block_pool_replay(trace: list[dict], num_blocks: int, block_size: int, max_r
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(block_size, hash_fn)
     manager = _kv_cache_manager(num_blocks, block_size)
-    need = lambda r: -(-(len(r["prompt"]) + len(r["output"])) // block_size)  # noqa: E731
+    cdiv = lambda n: -(-n // block_size)  # noqa: E731
+    need = lambda r: cdiv(len(r["prompt"]) + len(r["output"]) - 1)  # noqa: E731
     ids = {r["req_id"] for r in trace}
-    waiting = deque(r for r in trace if r.get("after") is None or r["after"] not in ids)
+    ready = deque(r for r in trace if r.get("after") is None or r["after"] not in ids)
     blocked: dict[str, list[dict]] = {}
     for r in trace:
         if r.get("after") is not None and r["after"] in ids:
             blocked.setdefault(r["after"], []).append(r)
-    running: dict[str, list] = {}  # req_id -> [trace row, vllm Request, tokens written]
-    cached, reserved, steps, queries, hits, table_blocks = {}, 0, 0, 0, 0, 0
+    queued: deque = deque()  # the scheduler's waiting queue
+    running: dict[str, list] = {}  # req_id -> [trace row, vllm Request, tokens generated], admission order
+    cached, steps, queries, hits, table_blocks = {}, 0, 0, 0, 0
     pool = manager.block_pool
     t0 = time.perf_counter()
-    while waiting or running:
-        while waiting and len(running) < max_running and pool.get_num_free_blocks() - reserved >= need(waiting[0]):
-            r = waiting.popleft()
-            req = _request(r["req_id"], r["prompt"], max(1, len(r["output"])), hasher)
+    while ready or queued or running:
+        while ready and len(running) + len(queued) < max_running:
+            promised = sum(need(r) - cdiv(req.num_computed_tokens) for r, req, _ in running.values())
+            if pool.get_num_free_blocks() - promised - sum(need(r) for r in queued) < need(ready[0]):
+                break
+            queued.append(ready.popleft())
+        steps += 1
+        for r, req, gen in running.values():  # decodes: K/V of the token generated last
+            req.append_output_token_ids(r["output"][gen - 1])
+            if manager.allocate_slots(req, 1) is None:
+                raise RuntimeError("no block for a decode step")
+            req.num_computed_tokens += 1
+        while queued:  # admissions: every queued request fits (its blocks were promised)
+            r = queued.popleft()
+            req = _request(r["req_id"], r["prompt"], len(r["output"]), hasher)
             blocks, n_hit, _ = manager.get_computed_blocks(req)
             n = len(r["prompt"])
-            got = manager.allocate_slots(req, n - n_hit, n_hit, blocks)
-            if got is None:
+            if manager.allocate_slots(req, n - n_hit, n_hit, blocks) is None:
                 raise RuntimeError(f"vLLM refused {r['req_id']}: pool too small")
             req.num_computed_tokens = n
             cached[r["req_id"]] = n_hit
             queries += n
             hits += n_hit
-            held = -(-n // block_size)
-            reserved += need(r) - held
-            running[r["req_id"]] = [r, req, 0, held]
-        steps += 1
-        for rid, state in list(running.items()):
-            r, req, done, held = state
-            if done < len(r["output"]):
-                req.append_output_token_ids(r["output"][done])
-                if manager.allocate_slots(req, 1) is None:
-                    raise RuntimeError("no block for a decode step")
-                req.num_computed_tokens += 1
-                now = -(-req.num_tokens // block_size)
-                reserved -= now - held
-                state[3] = now
-                done += 1
-                state[2] = done
-            if done == len(r["output"]):
-                reserved -= need(r) - state[3]
-                table_blocks += state[3]
+            running[r["req_id"]] = [r, req, 0]
+        for rid, state in list(running.items()):  # every scheduled request generates one token
+            state[2] += 1
+            r, req, gen = state
+            if gen == len(r["output"]):
+                table_blocks += cdiv(req.num_computed_tokens)
                 manager.free(req)
                 del running[rid]
-                waiting.extend(blocked.pop(rid, ()))
+                ready.extend(blocked.pop(rid, ()))
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "steps": steps, "query_tokens": queries, "hit_tokens": hits,
             "hit_rate": hits / queries if queries else 0.0, "table_blocks": table_blocks, "cached_tokens": cached,

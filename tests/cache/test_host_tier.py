@@ -76,14 +76,13 @@ def _manager(num_blocks: int, tier_blocks: int, fail_loads: bool = False) -> Blo
         if fail_loads:
             raise ValueError("unreadable payload")
 
-    link = TierLink(HostTier(tier_blocks, BS, emit=bm.pool._emit), 1, load_payload=load)
-    bm.pool.on_evict = link.on_evict
-    bm.second_tier = link
+    link = TierLink(HostTier(tier_blocks, BS, emit=bm.emit_event), 1, load_payload=load)
+    bm.attach_second_tier(link, link.on_evict)
     return bm
 
 
 def _evict_all(bm: BlockManager, seq: str = "flood") -> None:
-    bm.allocate(seq, list(range(1000, 1000 + bm.pool.num_blocks * BS)))
+    bm.allocate(seq, list(range(1000, 1000 + bm.num_blocks * BS)))
     bm.free(seq)
 
 

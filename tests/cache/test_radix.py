@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, TenantScope, UnknownSequenceError
 from kvlab.cache.block_pool import InvariantError, NoFreeBlocksError
 from kvlab.cache.radix import RadixCache
-from kvlab.lessons.traces import multiturn_trace, replay, shared_prefix_trace
 
 SYS = list(range(100, 137))  # a 37-token "system prompt": two full 16-token blocks and 5 tokens more
 
@@ -247,22 +246,11 @@ def test_check_invariants_catches_a_leak():
         c.check_invariants()
 
 
-# --- replay: the same traces as the block manager ----------------------------------------------------------
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_replay_runs_on_the_radix_cache(page_size):
-    reqs = multiturn_trace(6, turns=3, system_len=40, seed=1)
-    radix = replay(RadixCache(4096 // page_size, page_size), reqs, max_running=4)
-    blocks = replay(BlockManager(4096 // 16, 16), reqs, max_running=4)
-    assert radix["requests"] == blocks["requests"] == len(reqs)
-    assert radix["hit_tokens"] >= blocks["hit_tokens"] if page_size == 1 else radix["hit_tokens"] > 0
-
-
-def test_replay_under_pressure_evicts_and_stays_consistent():
-    c = RadixCache(300, 1)
-    out = replay(c, shared_prefix_trace(40, prefix_lens=(60, 90), suffix_len=(4, 20), output_len=(2, 8)), max_running=3)
-    assert out["evictions"] > 0 and not c.seqs
-    c.check_invariants()
-    assert c.num_free_blocks == c.num_pages
+# --- the cache interface, no aliases (replays on this cache: tests/engine/test_trace_replay.py) ------------
+def test_the_radix_cache_has_its_own_shape_and_no_pool_alias():
+    c = RadixCache(64, 4)
+    assert not hasattr(c, "pool")  # it once returned itself so code could read ``manager.pool.num_blocks``
+    assert (c.num_blocks, c.block_size, c.num_free_blocks) == (64, 4, 64)
 
 
 # --- property test 1: the tree against a brute-force model ------------------------------------------------

@@ -24,7 +24,7 @@ MAX_NEW = 10  # the length of the shared `workload` fixture's references (confte
 def _drained(engine):
     bm = engine.block_manager
     engine.check_invariants()
-    return not bm.seqs and bm.num_free_blocks == bm.pool.num_blocks and engine.kv_bytes_in_use == 0
+    return not bm.seqs and bm.num_free_blocks == bm.num_blocks and engine.kv_bytes_in_use == 0
 
 
 @pytest.mark.parametrize("page_size, caching, num_blocks, max_num_seqs", [
