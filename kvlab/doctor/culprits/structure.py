@@ -147,7 +147,7 @@ def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
     n_aff = sum(1 for r in with_tools if frozenset(_tool_names(r)) in varying)
     k, v = max(varying.items(), key=lambda kv: len(kv[1]))
     tf = [f for f in findings if f.kind == "tools"]
-    ex = list(v)[:2]
+    ex = sorted(v)[:2]  # sorted: the same example on every run (a set of tuples has no fixed order)
     return Culprit(
         "tools-order", "the same tools sent in varying order",
         int(statistics.median(f.token_pos for f in tf)) if tf else None, "the tools (rendered into the prompt)",
