@@ -8,7 +8,7 @@
 
 Reads a JSONL log (OpenAI chat messages, plain prompts or token ids), renders and tokenizes it with a
 model's chat template and tokenizer, replays it in order through a prefix cache with vLLM's rules
-(``kvlab.doctor.replay``, checked against ``kvlab.cache.BlockManager``), finds where prompts stop
+(``kvlab.doctor.replay``, checked against kvlab's real Scheduler and BlockManager), finds where prompts stop
 matching and why (``kvlab.doctor.culprits``), and re-measures the log with each fix applied.
 Modules: ``logio`` (read/write logs), ``tokenization`` (template + batched tokenizer), ``prepare``,
 ``divergence``, ``replay``, ``culprits`` (``textdiff``, ``fields``, ``structure``, ``blocks``), ``measure``,
