@@ -1,7 +1,13 @@
 """The cache's rules as culprits (kvlab.doctor.culprits.blocks): prefixes that end inside a block, tenant salts."""
 
-from kvlab.doctor.culprits.blocks import (alignment_boundaries, alignment_culprit, pad_to_blocks, padded,
-                                          public_prefixes, tenant_culprit)
+from kvlab.doctor.culprits.blocks import (
+    alignment_boundaries,
+    alignment_culprit,
+    pad_to_blocks,
+    padded,
+    public_prefixes,
+    tenant_culprit,
+)
 from kvlab.doctor.replay import replay_tokens
 from kvlab.doctor.tokenization import tokstr
 

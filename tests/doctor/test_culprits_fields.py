@@ -1,7 +1,13 @@
 """Fields (kvlab.doctor.culprits.fields): a line whose value changes is named, scoped and labelled; the fix moves it."""
 
-from kvlab.doctor.culprits.fields import (FieldPattern, common_suffix, field_culprits, label_values, move_fields,
-                                          token_span_culprits)
+from kvlab.doctor.culprits.fields import (
+    FieldPattern,
+    common_suffix,
+    field_culprits,
+    label_values,
+    move_fields,
+    token_span_culprits,
+)
 from kvlab.doctor.culprits.textdiff import Finding, scan_pairs
 from kvlab.doctor.logio import Record
 

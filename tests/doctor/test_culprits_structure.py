@@ -1,8 +1,16 @@
 """Structure (kvlab.doctor.culprits.structure): whitespace, markup, tools order, item order, rebuilt histories."""
 
-from kvlab.doctor.culprits.structure import (append_histories, multiturn_culprit, normalize_ws, order_culprits,
-                                             rerender_chatml, sort_items, template_culprit, tools_culprit,
-                                             whitespace_culprit)
+from kvlab.doctor.culprits.structure import (
+    append_histories,
+    multiturn_culprit,
+    normalize_ws,
+    order_culprits,
+    rerender_chatml,
+    sort_items,
+    template_culprit,
+    tools_culprit,
+    whitespace_culprit,
+)
 from kvlab.doctor.culprits.textdiff import Finding, scan_pairs
 from kvlab.doctor.logio import Record
 
