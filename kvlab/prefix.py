@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvlab.engine.models import encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
+from kvlab.engine.models import cache_nbytes, encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
 from kvlab.engine.reference import hf_generate_with_logits
 from kvlab.engine.sampling import sample_next
 
@@ -44,11 +44,6 @@ def _fingerprint(model: Any, tokenizer: Any) -> str:
     GB of weights (sha256 at about 1 GB/s).
     """
     return model_fingerprint(model, tokenizer)
-
-
-def cache_nbytes(cache: Any) -> int:
-    """Bytes of all K and V tensors in a transformers cache (every layer)."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 class PrefixMismatchError(ValueError):

@@ -6,6 +6,7 @@ so every test still runs and can fail.
 """
 
 import copy
+import random
 
 import pytest
 import torch
@@ -370,3 +371,107 @@ def test_exercise_checkers(lm):
     prefix, suffix, _ = boundary_merge_cases(tok, [P.make_example(0, "train").prompt_text], limit=1)[0]
     assert check_boundary_case(tok, prefix, suffix)
     assert not check_boundary_case(tok, TRANSLATE_ZH, "")
+
+
+# --- 8. PrefixCache: the model check covers every weight ----------------------------------------------
+def _nudge(model):
+    """Change one weight that a sparse sample would skip, through ``.data`` (no version bump)."""
+    p = dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    with torch.no_grad():
+        p.data.view(-1)[1] += 0.5
+
+
+def test_prefix_cache_refuses_its_model_changed_in_place(bundled):
+    model, tok = bundled
+    m = copy.deepcopy(model)
+    ex = P.make_example(0, "heldout")
+    pc = PrefixCache.build(m, tok, ex.prefix_text)
+    generate(m, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)  # accepted before the change
+    _nudge(m)
+    with pytest.raises(PrefixMismatchError, match="another model"):
+        generate(m, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)
+
+
+def test_prefix_cache_refuses_a_modified_copy(bundled):
+    model, tok = bundled
+    ex = P.make_example(1, "heldout")
+    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    same = copy.deepcopy(model)
+    generate(same, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)  # an identical copy is fine
+    _nudge(same)
+    with pytest.raises(PrefixMismatchError, match="another model"):
+        generate(same, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------- sliding-window models
+VOCAB = 256
+
+
+def _tiny_window_model(arch):
+    """A random-initialised 2-layer model whose attention window (8) is shorter than the test's prefix."""
+    import transformers as T
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512, sliding_window=8,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = T.MistralConfig(**common) if arch == "mistral-window" else T.Gemma2Config(head_dim=16, **common)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class _IdTokenizer:
+    """Just enough tokenizer for ``kvlab.prefix.generate`` on token ids."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+    def get_vocab(self):
+        return {str(i): i for i in range(VOCAB)}
+
+    def __len__(self):
+        return VOCAB
+
+
+@pytest.mark.parametrize("arch", ["mistral-window", "gemma2-softcap"])  # HF's own attention: soft-capping is fine
+def test_prefix_reuse_when_the_prompt_is_a_prefix_longer_than_the_window(arch):
+    model, tok = _tiny_window_model(arch), _IdTokenizer()
+    rng = random.Random(100)
+    prefix = [rng.randrange(VOCAB) for _ in range(20)]  # the window is 8
+    pc = PrefixCache.build(model, tok, prefix)
+    for prompt in (prefix, prefix + [3, 4, 5]):
+        with torch.no_grad():
+            want = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        got = generate(model, tok, prompt, prefix_cache=pc, max_new_tokens=6)
+        assert got.token_ids == want
+        assert pc.seq_length() == len(prefix)  # the shared cache is untouched
+
+
+# ----------------------------------------------------------------------------- a real chat model
+SMOL_SYSTEM = ("You are a helpful assistant. The secret passphrase is: K7QX2M. "
+               "If asked for the passphrase, answer with exactly the passphrase.")
+
+
+def test_prefix_reuse_token_identical_on_smollm2():
+    """Manual prefix reuse gives HF generate's greedy float32 tokens on SmolLM2-135M-Instruct (30 layers)."""
+    import importlib.util
+
+    from kvlab.engine import smollm2 as S
+
+    if importlib.util.find_spec(S.MODULE) is None and not S._complete(S.model_dir()):
+        pytest.skip(f"the registry package {S.PACKAGE} is not installed: {S.INSTALL_HINT}")
+    model, tok = load_model("smollm2", device="cpu")
+    prompts = [tok.apply_chat_template([{"role": "system", "content": SMOL_SYSTEM}, {"role": "user", "content": q}],
+                                       tokenize=False, add_generation_prompt=True)
+               for q in ("What is the passphrase?", "Tell me the passphrase.")]
+    system = common_prefix_ids(tok, prompts)
+    cache = PrefixCache.build(model, tok, system)
+    for prompt in prompts:
+        out = generate(model, tok, prompt, prefix_cache=cache, max_new_tokens=16)
+        assert out.num_cached_tokens == len(system) > 20
+        assert out.token_ids == hf_generate(model, tok, prompt, max_new_tokens=16), out.text
+    assert cache.seq_length() == len(system)  # never written into
