@@ -102,6 +102,7 @@ def test_public_api_resolves():
 # --- cache/ + engine/ with their tests, lifted out under another package name -----------------------------
 # Not yet portable, each for a reason outside this test (kept out of the copy's runs below):
 COPY_LEFT_OUT = {
+    "tests/cache/test_radix.py": "imports kvlab.lessons.traces (the branch that moves its replays to tests/engine drops it)",
     "tests/cache/test_host_tier.py": "imports kvlab.cluster.router (KVIndex) and runs the engine",
     "tests/engine/test_scheduler.py::test_sampling_params_keeps_its_import_paths": "checks the top-level kvlab name",
 }

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.engine.models import encode, eos_ids
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
@@ -186,7 +187,7 @@ class RealRecall:
 
 
 def real_recall(model: Any, tokenizer: Any, examples: Sequence[P.PassphraseExample], questions: Sequence[str],
-                max_tokens: int = 24, block_size: int = 16) -> RealRecall:
+                max_tokens: int = 24, block_size: int = DEFAULT_BLOCK_SIZE) -> RealRecall:
     """Three passes of one prefix-caching Engine over the same requests (request i asks questions[i % len]).
 
     1. *isolated*: every request for the first time -- nothing of its system prompt is in the cache yet

@@ -6,13 +6,13 @@ interleavings under pool pressure against the longest common prefix over every r
 from collections import Counter
 
 import pytest
-from cache_traces import multiturn_trace, replay, shared_prefix_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, TenantScope, UnknownSequenceError
 from kvlab.cache.block_pool import InvariantError, NoFreeBlocksError
 from kvlab.cache.radix import RadixCache
+from kvlab.lessons.traces import multiturn_trace, replay, shared_prefix_trace
 
 SYS = list(range(100, 137))  # a 37-token "system prompt": two full 16-token blocks and 5 tokens more
 
