@@ -229,6 +229,22 @@ def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
         assert out.output_ids == hf_generate(model, tok, prompt, MAX_NEW)
 
 
+def test_engine_batches_events_per_step_with_sequence_numbers(bundled):
+    from kvlab.cache import AllBlocksCleared, BlockStored, EventBatch
+
+    eng = Engine(*bundled, num_blocks=32, block_size=16, enable_kv_events=True)
+    eng.generate([list(range(3, 40)), list(range(3, 36)) + [50, 51]], SamplingParams(max_tokens=4, ignore_eos=True))
+    batches = eng.take_kv_events()
+    assert batches and all(isinstance(b, EventBatch) for b in batches)
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    first = batches[0].events
+    assert isinstance(first[0], BlockStored) and first[0].token_ids[:16] == tuple(range(3, 19))
+    assert eng.take_kv_events() == []
+    assert eng.reset_prefix_cache()
+    (b,) = eng.take_kv_events()
+    assert b.events == (AllBlocksCleared(),) and b.seq == batches[-1].seq + 1
+
+
 def test_steps_build_no_autograd_graph(lm):
     """The forward runs under no_grad: otherwise every step's graph chains through the K/V store (written in
     place) and keeps all earlier steps' activations alive -- memory grows without bound, steps slow down."""
@@ -288,19 +304,3 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(lm):
     with pytest.raises(ValueError, match="lone surrogate at character 3"):
         engine.add_request("abc\ud800def")
     assert not engine.requests and not engine.scheduler.waiting
-
-
-def test_engine_batches_events_per_step_with_sequence_numbers(bundled):
-    from kvlab.cache import AllBlocksCleared, BlockStored, EventBatch
-
-    eng = Engine(*bundled, num_blocks=32, block_size=16, enable_kv_events=True)
-    eng.generate([list(range(3, 40)), list(range(3, 36)) + [50, 51]], SamplingParams(max_tokens=4, ignore_eos=True))
-    batches = eng.take_kv_events()
-    assert batches and all(isinstance(b, EventBatch) for b in batches)
-    assert [b.seq for b in batches] == list(range(len(batches)))
-    first = batches[0].events
-    assert isinstance(first[0], BlockStored) and first[0].token_ids[:16] == tuple(range(3, 19))
-    assert eng.take_kv_events() == []
-    assert eng.reset_prefix_cache()
-    (b,) = eng.take_kv_events()
-    assert b.events == (AllBlocksCleared(),) and b.seq == batches[-1].seq + 1
