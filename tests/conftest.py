@@ -11,12 +11,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch loads: fixtures that run models start at one thread
 
 
 def pytest_runtest_setup(item):
     """The test models are tiny: one torch thread is fastest, and steady when other jobs share the cores.
 
-    Applied only once some test has imported torch, so the pure-Python tests never load it.
+    Applied only once something has imported torch, so the pure-Python tests never load it.
     """
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
