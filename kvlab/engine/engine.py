@@ -77,7 +77,7 @@ from .kv_store import PagedKVStore
 from .models import encode, eos_ids, model_device_dtype, model_fingerprint
 from .offload import HostOffload
 from .paged_attention import MissingBatchError, build_batch, check_config, paged_attention
-from .radix_adapter import adopt_cache, make_prefix_cache
+from .radix_adapter import adopt_cache, make_cache_manager
 from .sampling import SamplingParams, sample_next
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence as Seq
@@ -172,7 +172,7 @@ class Engine:
                 num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(
                     model, kv_cache_bytes, block_size)
             # cache="radix": SGLang's radix tree on the same slots, in pages of page_size (kvlab.engine.radix_adapter)
-            self.block_manager: CacheManager = make_prefix_cache(
+            self.block_manager: CacheManager = make_cache_manager(
                 cache, num_blocks, block_size, page_size, isolation,
                 model_fingerprint(model, tokenizer, every_weight=False), enable_prefix_caching, enable_kv_events)
         else:  # the caller's own kvlab.cache.CacheManager (e.g. a BlockManager they built): it brings its sizes

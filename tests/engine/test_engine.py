@@ -11,12 +11,11 @@ import random
 
 import pytest
 import torch
+from passphrase_prompts import ASK_EN, ASK_ZH, example_prompts, question_prompts
 
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
-from kvlab.lessons import passphrase as P
-from kvlab.lessons.passphrase import question_prompts
 
 MAX_NEW = 10  # the length of the shared `workload` fixture's references (conftest.ENGINE_MAX_NEW)
 
@@ -55,8 +54,7 @@ def test_greedy_identical_to_hf_generate(lm, workload, caching, num_blocks, max_
 
 def test_shared_prefix_uses_fewer_kv_bytes(lm):
     model, tok = lm
-    ex = P.make_example(3, "heldout", n_filler=20)
-    prompts = [P.with_question(ex, q).prompt_text for q in P.ASK_EN + P.ASK_ZH]
+    prompts = example_prompts("heldout:3:filler20", ASK_EN + ASK_ZH)
     peaks, texts = {}, {}
     for caching in (True, False):
         engine = Engine(model, tok, num_blocks=256, block_size=16, enable_prefix_caching=caching)
@@ -220,8 +218,7 @@ def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
     same step must still read the right K/V (the step writes before it reads). Breaking either half
     (registering after compute, or reading before writing) makes this fail."""
     model, tok = lm
-    ex = P.make_example(3, "heldout")
-    prompts = [P.with_question(ex, q).prompt_text for q in (P.ASK_EN + P.ASK_ZH)[:3]]
+    prompts = example_prompts("heldout:3", (ASK_EN + ASK_ZH)[:3])
     engine = Engine(model, tok, num_blocks=64, block_size=4, debug=True)
     steps_before = engine.num_steps
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
@@ -230,6 +227,22 @@ def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
     assert engine.num_steps - steps_before <= MAX_NEW  # all three were prefilled together in one step
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == hf_generate(model, tok, prompt, MAX_NEW)
+
+
+def test_engine_batches_events_per_step_with_sequence_numbers(bundled):
+    from kvlab.cache import AllBlocksCleared, BlockStored, EventBatch
+
+    eng = Engine(*bundled, num_blocks=32, block_size=16, enable_kv_events=True)
+    eng.generate([list(range(3, 40)), list(range(3, 36)) + [50, 51]], SamplingParams(max_tokens=4, ignore_eos=True))
+    batches = eng.take_kv_events()
+    assert batches and all(isinstance(b, EventBatch) for b in batches)
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    first = batches[0].events
+    assert isinstance(first[0], BlockStored) and first[0].token_ids[:16] == tuple(range(3, 19))
+    assert eng.take_kv_events() == []
+    assert eng.reset_prefix_cache()
+    (b,) = eng.take_kv_events()
+    assert b.events == (AllBlocksCleared(),) and b.seq == batches[-1].seq + 1
 
 
 def test_steps_build_no_autograd_graph(lm):
@@ -247,8 +260,7 @@ def test_engine_runs_on_a_caller_built_block_manager(lm):
     from kvlab.cache import BlockManager
 
     model, tok = lm
-    ex = P.make_example(4, "heldout", n_filler=20)
-    prompts = [P.with_question(ex, q).prompt_text for q in P.ASK_EN[:3]]
+    prompts = example_prompts("heldout:4:filler20", ASK_EN[:3])
     default = Engine(model, tok, num_blocks=64, block_size=16, max_num_seqs=1)  # one at a time: later ones hit
     own = BlockManager(64, 16)
     mine = Engine(model, tok, cache=own, max_num_seqs=1, debug=True)
