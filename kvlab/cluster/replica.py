@@ -155,12 +155,12 @@ class SimReplica(_Tiered):
             fetch: Sequence[Any] | None = None) -> None:
         """Queue a request; ``reply`` (at least ``max_tokens`` ids) is what it will "generate"; ``fetch``: refs to pull."""
         from ..engine.sampling import SamplingParams
-        from ..engine.sequence import Sequence as Seq
+        from ..engine.sequence import Request
 
         if reply is None or len(reply) < max_tokens:
             raise ValueError("a model-free replica needs the reply tokens (at least max_tokens of them)")
         self.scheduler.check_fits(len(prompt), max_tokens)
-        seq = Seq(self._ids, request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        seq = Request(self._ids, request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         self._ids += 1
         self.requests[request_id] = seq
         self._replies[request_id] = list(reply)
