@@ -27,6 +27,21 @@ def _run_step(sched, token=7):
     return out
 
 
+def test_importing_scheduler_and_sequence_loads_no_torch():
+    """Issue 25: run in a fresh interpreter, the import (kvlab/__init__, kvlab.cache, sampling_params) loads no torch."""
+    import os
+    import subprocess
+    import sys
+
+    import kvlab
+
+    root = str(Path(kvlab.__file__).resolve().parent.parent)
+    code = "import sys, kvlab.engine.scheduler, kvlab.engine.sequence; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=root)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_scheduler_and_sequence_do_not_import_torch():
     """The scheduling logic is pure Python (only the sampler and the model runner touch torch)."""
     import ast
