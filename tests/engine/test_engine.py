@@ -292,3 +292,49 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(lm):
     with pytest.raises(ValueError, match="lone surrogate at character 3"):
         engine.add_request("abc\ud800def")
     assert not engine.requests and not engine.scheduler.waiting
+
+
+def test_attention_is_switched_once_and_no_transformers_object_is_patched():
+    """Issue 25: the model is switched at construction through transformers' public set_attn_implementation (no
+    per-step write of its private config attribute), and the LM head is computed by the runner (``head.forward``
+    is never replaced). The old engine restored the model after every step and patched the head inside it."""
+    model = _tiny("llama")
+    own, head = model.config._attn_implementation, model.get_output_embeddings()
+    engine = Engine(model, None, num_blocks=16, block_size=8)
+    switched = model.config._attn_implementation
+    assert switched == f"kvlab_paged_{own}" == engine.runner.model.config._attn_implementation
+    assert engine.runner.head_seam and engine.runner.fast_head
+    seen = []
+    handle = model.model.norm.register_forward_hook(  # runs inside every step's forward
+        lambda *a: seen.append((model.config._attn_implementation, "forward" in vars(head))))
+    try:
+        engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3))
+    finally:
+        handle.remove()
+    assert seen and set(seen) == {(switched, False)}
+    assert model.config._attn_implementation == switched  # left switched: HF's own calls fall back (test_reliability)
+
+
+def test_a_head_seam_that_misses_the_models_logits_is_not_used():
+    """The runner computes the head itself only where the probe shows it gives the model's exact logits: a model
+    with a post-processing kvlab does not know (here: logits negated) runs its own forward, token-identical."""
+    from transformers import LlamaForCausalLM
+
+    class Negated(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            out = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            out.logits = -out.logits
+            return out
+
+    plain = _tiny("llama")
+    model = Negated(plain.config).eval()
+    model.load_state_dict(plain.state_dict())
+    model.generation_config.eos_token_id = None
+    prompts = [[1, 2, 3, 4], [9, 8]]
+    with torch.no_grad():
+        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    engine = Engine(model, None, num_blocks=16, block_size=4, debug=True)
+    assert not engine.runner.head_seam
+    assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == ref
+    assert Engine(plain, None, num_blocks=16, block_size=4).runner.head_seam  # the same weights, no post-processing

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvlab.engine.engine as engine_module
+import kvlab.engine.runner as runner_module  # where the step samples (sample_next)
 from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, TenantScope, UnknownSequenceError
 from kvlab.cache.block_pool import BlockPool, NoFreeBlocksError
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
@@ -122,7 +122,7 @@ def test_a_failing_sampler_fails_only_its_request(tiny, monkeypatch):
     sps = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=5),
            SamplingParams(max_tokens=8, temperature=0.9, seed=666), SamplingParams(max_tokens=8, temperature=1.1, seed=7)]
     want = [solo(tiny, p, sp) for p, sp in zip(prompts, sps)]
-    real = engine_module.sample_next
+    real = runner_module.sample_next
     calls = []
 
     def flaky(logits, do_sample, temperature, top_p, top_k, generator):
@@ -132,7 +132,7 @@ def test_a_failing_sampler_fails_only_its_request(tiny, monkeypatch):
                 raise FloatingPointError("probabilities are NaN")
         return real(logits, do_sample, temperature, top_p, top_k, generator)
 
-    monkeypatch.setattr(engine_module, "sample_next", flaky)
+    monkeypatch.setattr(runner_module, "sample_next", flaky)
     engine = Engine(tiny, None, num_blocks=32, block_size=16, debug=True)
     outs = engine.generate(prompts, sps)
     assert [o.finish_reason for o in outs] == ["length", "length", "error", "length"]
@@ -814,13 +814,29 @@ def test_supported_architectures_match_hf_generate(arch):
     rng = random.Random(0)
     shared = [rng.randrange(VOCAB) for _ in range(20)]
     prompts = [shared + [rng.randrange(VOCAB) for _ in range(n)] for n in (1, 7, 14)] + [[5]]
-    with torch.no_grad():
-        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=5, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    ref, padded = _hf_greedy(model, prompts), _hf_greedy_padded(model, prompts)
     for block_size in (1, 16):
         engine = Engine(model, None, num_blocks=160 // block_size, block_size=block_size, max_num_seqs=4, debug=True)
         assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=5))] == ref, block_size
         assert drained(engine)
+    # issue 25: the engine switched the model once, for good; HF's own generate on it keeps its attention and
+    # its masks (padding, windows), so it still gives the same tokens, alone and left-padded in one batch
+    assert model.config._attn_implementation.startswith("kvlab_paged_")
+    assert _hf_greedy(model, prompts) == ref and torch.equal(_hf_greedy_padded(model, prompts), padded)
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompts, n=5):
+    return [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=n, do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+@torch.no_grad()
+def _hf_greedy_padded(model, prompts, n=5):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
 # bloom, falcon and mpt attend in code of their own: transformers' set_attn_implementation cannot switch them
@@ -908,7 +924,7 @@ bad_request = st.tuples(st.sampled_from(["poison", "sampler", "invalid", "abort"
        block_size=st.sampled_from([4, 16]))
 def test_property_bad_requests_never_hurt_good_ones(bundled, pool_prompts, requests, block_size):
     model, tok = bundled
-    real = engine_module.sample_next
+    real = runner_module.sample_next
     sampler_calls = {}
 
     def flaky(logits, do_sample, temperature, top_p, top_k, generator):
@@ -924,7 +940,7 @@ def test_property_bad_requests_never_hurt_good_ones(bundled, pool_prompts, reque
 
     handle = model.model.embed_tokens.register_forward_pre_hook(hook)
     try:
-        with mock.patch.object(engine_module, "sample_next", flaky):
+        with mock.patch.object(runner_module, "sample_next", flaky):
             engine = Engine(model, tok, num_blocks=-(-72 // block_size), block_size=block_size, max_num_seqs=4,
                             max_num_batched_tokens=512, debug=True)  # small pool: preemption and eviction
             expected, outs, to_abort = {}, {}, []
