@@ -67,15 +67,15 @@ from typing import Any
 from ..cache.block_pool import check
 from ..cache.interface import CacheManager
 from ..cache.kv_events import EventBatch
-from .intake import Checked, Intake, check_sampling
+from .intake import Checked, Intake, check_sampling, per_prompt
 from .kv_store import PagedKVStore
-from .models import encode, eos_ids, model_device_dtype, model_fingerprint
+from .models import eos_ids, model_device_dtype, model_fingerprint
 from .offload import HostOffload
 from .radix_adapter import adopt_cache, make_prefix_cache
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from .sequence import Request, RequestStatus
+from .sequence import Request
 from .tenants import check_policy, check_secret
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "UnknownRequestError"]
@@ -116,6 +116,53 @@ class RequestOutput:
     error: str | None = None
     num_restored_tokens: int = 0  # of num_cached_tokens: copied back from the host tier (evicted or fetched)
 
+    @classmethod
+    def refused(cls, prompt: Any, error: Exception) -> RequestOutput:
+        """The output of a prompt refused before queueing (bad input): finished, ``finish_reason="error"``."""
+        clean = isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)
+        return cls(None, list(prompt) if clean else [], [], "", True, "error", 0, error=str(error))
+
+    @classmethod
+    def of(cls, seq: Request, text: str) -> RequestOutput:
+        """The output of ``seq`` now (finished or not), with ``text`` its decoded output."""
+        t0 = seq.arrival_time
+        return cls(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), text, seq.is_finished,
+                   seq.finish_reason, seq.num_cached_tokens or 0, seq.num_preemptions,
+                   None if seq.first_token_time is None else seq.first_token_time - t0,
+                   None if seq.finish_time is None else seq.finish_time - t0, seq.error, seq.num_restored_tokens or 0)
+
+
+def _make_cache(model: Any, tokenizer: Any, cache: str | CacheManager, num_blocks: int | None,
+                kv_cache_bytes: int | None, block_size: int, page_size: int, isolation: str, caching: bool,
+                kv_events: bool) -> CacheManager:
+    """The engine's prefix cache: ``"blocks"``, ``"radix"`` (``kvlab.engine.radix_adapter``) or the caller's own."""
+    if not isinstance(cache, str):  # the caller's own kvlab.cache.CacheManager: it brings its sizes
+        return adopt_cache(cache, num_blocks, kv_cache_bytes)
+    if num_blocks is None:
+        num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
+    return make_prefix_cache(cache, num_blocks, block_size, page_size, isolation,
+                             model_fingerprint(model, tokenizer, every_weight=False), caching, kv_events)
+
+
+class KVEventLog:
+    """The cache's KV events, numbered into one ``EventBatch`` per step that changed it (``enable_kv_events``)."""
+
+    def __init__(self, cache: CacheManager, enabled: bool) -> None:
+        self.cache, self.enabled, self.batches, self.next_seq = cache, enabled, [], 0
+
+    def close_batch(self) -> None:
+        """Wrap the events queued since the last batch in one ``EventBatch`` with the next sequence number."""
+        events = self.cache.take_events() if self.enabled else []
+        if events:
+            self.batches.append(EventBatch(time.time(), tuple(events), self.next_seq))
+            self.next_seq += 1
+
+    def take(self) -> list[EventBatch]:
+        """Every batch since the last call, oldest first (events from outside a step form a batch of their own)."""
+        self.close_batch()
+        batches, self.batches = self.batches, []
+        return batches
+
 
 class Engine:
     """Paged K/V store + block manager + scheduler around one Hugging Face causal LM."""
@@ -129,21 +176,12 @@ class Engine:
         secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
         self.model, self.tokenizer, self.debug = model, tokenizer, debug
         self.device, self.dtype = model_device_dtype(model)
-        if isinstance(cache, str):
-            if num_blocks is None:
-                num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(
-                    model, kv_cache_bytes, block_size)
-            # cache="radix": SGLang's radix tree on the same slots, in pages of page_size (kvlab.engine.radix_adapter)
-            self.block_manager: CacheManager = make_prefix_cache(
-                cache, num_blocks, block_size, page_size, isolation,
-                model_fingerprint(model, tokenizer, every_weight=False), enable_prefix_caching, enable_kv_events)
-        else:  # the caller's own kvlab.cache.CacheManager (e.g. a BlockManager they built): it brings its sizes
-            self.block_manager = adopt_cache(cache, num_blocks, kv_cache_bytes)
+        self.block_manager: CacheManager = _make_cache(model, tokenizer, cache, num_blocks, kv_cache_bytes, block_size,
+                                                       page_size, isolation, enable_prefix_caching, enable_kv_events)
         self.store = PagedKVStore.for_model(model, self.block_manager.num_blocks, self.block_manager.block_size)
         # host_tier_bytes: evicted blocks wait in host memory and come back on a hit (kvlab.engine.offload)
         self.host_tier = None if host_tier_bytes is None else HostOffload(
             self.store, self.block_manager, host_tier_bytes, offload=offload_evicted)
-        self._restored: dict[int, int] = {}  # seq id -> prompt tokens restored from the host tier at first admission
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
@@ -155,9 +193,7 @@ class Engine:
         self._lock = threading.RLock()  # add_request / abort / fork / step from several threads
         self._pending: list[RequestOutput] = []  # finished during a generate() that did not own them
         self._held: set[int] = set()  # seq ids whose outputs a running generate() collects itself
-        self.enable_kv_events = enable_kv_events
-        self._kv_batches: list[EventBatch] = []  # one per step that changed the cache (enable_kv_events=True)
-        self._kv_seq = 0  # sequence number of the next batch
+        self.kv_events = KVEventLog(self.block_manager, enable_kv_events)
         self.runner = ModelRunner(model, self.store, self.block_manager)  # probes the model: may refuse it
         self.intake = Intake(tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler.check_fits,
                              self.isolation, secret, self.device, seed)
@@ -165,13 +201,9 @@ class Engine:
     # --- requests ---------------------------------------------------------------------------------------
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
-        ids = tuple(encode(self.tokenizer, prefix))  # tokenized before the lock, as in add_request
-        if not ids:
-            raise ValueError("a public prefix needs at least one token")
+        ids = self.intake.check_prefix(prefix)  # tokenized before the lock, as in add_request
         with self._lock:
-            if ids not in self.intake.public_prefixes:
-                self.intake.public_prefixes.append(ids)
-        return len(ids)
+            return self.intake.add_public_prefix(ids)
 
     def salt_for(self, tenant: str | None) -> str | None:
         """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
@@ -180,12 +212,10 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     request_id: Hashable | None = None, tenant: str | None = None, *,
                     unsafe_salt: str | None = None) -> Hashable:
-        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing.
+        """Queue one request (text or token ids) of ``tenant``; return its id (None: an int no live request uses).
 
-        ``request_id=None`` gives an automatic id: an int that no live request uses. The prompt is
-        tokenized and checked *before* the engine lock is taken, so a huge prompt never stalls a running
-        ``step()``; only the queueing (ids, generator, queues) holds the lock.
-        """
+        Bad input raises, queueing nothing. It is tokenized and checked before the lock: a huge prompt never stalls
+        a running ``step()``."""
         checked = self.intake.check(prompt, sampling, tenant, unsafe_salt)
         with self._lock:
             return self._queue(checked, request_id).request_id
@@ -211,13 +241,9 @@ class Engine:
         first write). A refused fork changes nothing, not even the engine's random generator."""
         parent = self._get(request_id, tenant)
         sampling = check_sampling(parent.sampling if sampling is None else sampling)
-        if parent.status is not RequestStatus.RUNNING or not parent.output_ids:
-            raise ValueError("only a running sequence that has generated a token can be forked")
+        self.scheduler.check_fork(parent)
         seq_id, child_id = self.intake.new_ids(child_id, self.requests)
-        child = Request(seq_id, child_id, list(parent.prompt_ids), sampling, parent.scope, parent.arrival_time,
-                        list(parent.output_ids), num_cached_tokens=parent.num_cached_tokens,
-                        first_token_time=parent.first_token_time,
-                        generator=self.intake.generator(sampling))  # after every check: a refused fork draws nothing
+        child = parent.forked(seq_id, child_id, sampling, self.intake.generator(sampling))  # drawn after every check
         self.scheduler.fork(parent, child)
         self.requests[child_id] = child
         return child_id
@@ -244,36 +270,20 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward, sample one token per scheduled sequence; return what finished.
 
-        Also returned: outputs of requests that finished during an earlier ``generate()`` call that did
-        not own them (requests added with ``add_request``), so no output is ever lost.
+        Also returned: outputs of requests that finished during an earlier ``generate()`` that did not own them.
         """
         sched = self.scheduler.schedule()
         finished = self._run(sched) if sched.items else []  # empty only when a lone sequence preempted itself
         if self.debug:
             self.check_invariants()
-        self._batch_kv_events()
+        self.kv_events.close_batch()
         outputs, self._pending = self._pending, []
         return outputs + [self._output(seq) for seq in finished if seq.seq_id not in self._held]
 
-    def _batch_kv_events(self) -> None:
-        """Wrap the KV events queued since the last batch in one ``EventBatch`` with the next sequence number."""
-        if self.enable_kv_events:
-            events = self.block_manager.take_events()
-            if events:
-                self._kv_batches.append(EventBatch(time.time(), tuple(events), self._kv_seq))
-                self._kv_seq += 1
-
     @_locked
     def take_kv_events(self) -> list[EventBatch]:
-        """The KV-event batches (one per step that changed the prefix cache) since the last call, oldest first.
-
-        Needs ``Engine(..., enable_kv_events=True)``. Events from outside a step (an abort, ``reset_prefix_cache``)
-        go into a batch of their own. A router consumes these (``kvlab.cluster.router``), as Dynamo's or
-        Ray Serve's routers consume vLLM's ``KVEventBatch`` stream.
-        """
-        self._batch_kv_events()
-        batches, self._kv_batches = self._kv_batches, []
-        return batches
+        """The KV-event batches since the last call, oldest first (for a router: ``kvlab.cluster.router``)."""
+        return self.kv_events.take()
 
     @_locked
     def reset_prefix_cache(self) -> bool:
@@ -285,8 +295,8 @@ class Engine:
         self.store.copy_blocks(sched.cow_pairs)
         if self.host_tier is not None:  # the host tier's restores were copied in at admission: count them
             for it in sched.items:
-                if it.is_prefill and it.seq.seq_id not in self._restored:
-                    self._restored[it.seq.seq_id] = self.host_tier.block_manager.seqs[it.seq.seq_id].num_restored_tokens
+                if it.is_prefill and it.seq.num_restored_tokens is None:
+                    it.seq.num_restored_tokens = self.host_tier.block_manager.seqs[it.seq.seq_id].num_restored_tokens
         tokens, errors, untrusted = self.runner.compute(sched.items, lambda items: self._forward(SchedulerOutput(items)))
         now, finished = time.perf_counter(), []
         for i in reversed(range(len(sched.items))):  # latest first: a block leaves the cache once nobody holds it
@@ -308,7 +318,7 @@ class Engine:
             seq.output_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
+            reason = seq.stop_reason(token, self.eos_ids)
             if reason is not None:
                 self._finish(seq, reason, now)
                 finished.append(seq)
@@ -316,23 +326,13 @@ class Engine:
         self.num_mixed_steps += len({it.is_prefill for it in sched.items}) == 2
         return finished
 
-    def _positions(self, item: ScheduledRequest) -> range:
-        """Positions of the tokens ``item`` computes this step: where they sit in their sequence.
-
-        A subclass that changes this changes what RoPE sees; notebook 05's ``PositionRestartEngine`` overrides it
-        to run the "positions restart after the cache" bug.
-        """
+    def _positions(self, item: ScheduledSeq) -> range:
+        """Positions of the tokens ``item`` computes (what RoPE sees; notebook 05's ``PositionRestartEngine`` breaks it)."""
         return range(item.start, item.end)
 
     def _forward(self, sched: SchedulerOutput) -> Any:
         """``(len(sched.items), vocab)`` logits of each scheduled item's last position (``ModelRunner.forward``)."""
         return self.runner.forward(sched.items, self._positions)
-
-    def _stop_reason(self, seq: Request, token: int) -> str | None:
-        sp = seq.sampling
-        if (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            return "stop"
-        return "length" if len(seq.output_ids) >= sp.max_tokens else None
 
     def _finish(self, seq: Request, reason: str, now: float | None = None, uncache_from: int | None = None) -> None:
         self.scheduler.finish(seq, reason, uncache_from)
@@ -340,14 +340,7 @@ class Engine:
         del self.requests[seq.request_id]
 
     def _output(self, seq: Request) -> RequestOutput:
-        done = seq.status is RequestStatus.FINISHED
-        return RequestOutput(
-            seq.request_id, list(seq.prompt_ids), list(seq.output_ids),
-            self.decode(seq.output_ids), done, seq.finish_reason,
-            seq.num_cached_tokens or 0, seq.num_preemptions,
-            None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            None if seq.finish_time is None else seq.finish_time - seq.arrival_time, seq.error,
-            (self._restored.pop if done else self._restored.get)(seq.seq_id, 0))
+        return RequestOutput.of(seq, self.decode(seq.output_ids))
 
     # --- run to completion --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -358,24 +351,14 @@ class Engine:
         ``prompts`` (and ``tenants``, ``unsafe_salts``, a list of samplings) must be a list or tuple: a lone
         string raises ``TypeError`` (pass ``[prompt]``) instead of running one request per character.
         A prompt that is refused (bad input) gets an output with ``finish_reason="error"``; the rest run.
-        Requests added earlier with ``add_request`` (or by another thread meanwhile) run in the same steps;
-        the outputs of those that finish during this call are kept, and the next ``step()`` returns them.
-        This call returns once its own requests are done.
+        Other requests (``add_request``, other threads) run in the same steps; the outputs of those that finish
+        during this call are kept for the next ``step()``. This call returns once its own requests are done.
         """
-        for name, value in (("prompts", prompts), ("tenants", tenants), ("unsafe_salts", unsafe_salts)):
-            if not isinstance(value, (list, tuple)) and (name == "prompts" or value is not None):
-                one = f"; for one, pass [{name[:-1]}]" if isinstance(value, (str, bytes)) else ""
-                raise TypeError(f"{name} must be a list or tuple, one per prompt, got {type(value).__name__}{one}")
-        n = len(prompts)
-        samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        tenants = [None] * n if tenants is None else list(tenants)
-        salts = [None] * n if unsafe_salts is None else list(unsafe_salts)
-        if len(samplings) != n or len(tenants) != n or len(salts) != n:
-            raise ValueError("give one sampling, tenant and salt per prompt (or one sampling for all)")
+        batch = per_prompt(prompts, sampling, tenants, unsafe_salts)
         results: dict[int, RequestOutput] = {}
         own: dict[int, Request] = {}
         try:
-            for i, (prompt, sp, tenant, salt) in enumerate(zip(prompts, samplings, tenants, salts)):
+            for i, (prompt, sp, tenant, salt) in enumerate(batch):
                 try:
                     checked = self.intake.check(prompt, sp, tenant, salt)  # tokenized without the lock
                     with self._lock:  # held from the queueing to the claim: no other step() can return its output
@@ -383,9 +366,7 @@ class Engine:
                         self._held.add(seq.seq_id)
                     own[i] = seq
                 except (ValueError, TypeError) as e:
-                    clean = isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)
-                    results[i] = RequestOutput(None, list(prompt) if clean else [], [], "", True, "error", 0,
-                                               error=str(e))
+                    results[i] = RequestOutput.refused(prompt, e)
             while True:
                 with self._lock:
                     if all(seq.is_finished for seq in own.values()):
@@ -399,7 +380,7 @@ class Engine:
             with self._lock:
                 self._held.difference_update(seq.seq_id for seq in own.values())
         results.update({i: self._output(seq) for i, seq in own.items()})
-        return [results[i] for i in range(n)]
+        return [results[i] for i in range(len(batch))]
 
     # --- metrics and invariants -------------------------------------------------------------------
     @property
@@ -425,16 +406,7 @@ class Engine:
 
     @_locked
     def check_invariants(self) -> None:
-        """Raise unless the block manager and the queues agree: every live sequence holds its tokens' blocks."""
-        bm, sched = self.block_manager, self.scheduler
-        bm.check_invariants()
-        running = {s.seq_id for s in sched.running}
-        check(running == set(bm.seqs), f"running {sorted(running)} but the block manager holds {sorted(bm.seqs)}")
-        for seq in sched.running:
-            check(seq.status is RequestStatus.RUNNING and bm.seqs[seq.seq_id].token_ids == seq.token_ids[:-1],
-                  f"sequence {seq.seq_id}: its blocks hold other tokens than all but its last")
-        for seq in sched.waiting:
-            check(seq.status is RequestStatus.WAITING and seq.seq_id not in bm.seqs,
-                  f"waiting sequence {seq.seq_id} still holds blocks")
-        live = {s.request_id for s in itertools.chain(sched.running, sched.waiting)}
+        """Raise unless the block manager, the queues and the request table agree (``Scheduler.check_invariants``)."""
+        self.scheduler.check_invariants()
+        live = {s.request_id for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)}
         check(live == set(self.requests), "the engine's request table and the queues disagree")

@@ -25,7 +25,7 @@ from .sampling_params import SamplingParams
 from .sequence import Request
 from .tenants import SharedTenantsWarning, public_prefix_length, tenant_salt
 
-__all__ = ["Checked", "Intake"]
+__all__ = ["Checked", "Intake", "check_sampling", "per_prompt"]
 
 
 class Checked(NamedTuple):
@@ -53,6 +53,19 @@ class Intake:
     def salt_for(self, tenant: str | None) -> str | None:
         """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
         return None if self.isolation == "shared" else tenant_salt(self._secret, tenant)
+
+    def check_prefix(self, prefix: str | Sequence[int]) -> tuple[int, ...]:
+        """An operator's public prefix as token ids (``ValueError`` if empty)."""
+        ids = tuple(encode(self.tokenizer, prefix))
+        if not ids:
+            raise ValueError("a public prefix needs at least one token")
+        return ids
+
+    def add_public_prefix(self, ids: tuple[int, ...]) -> int:
+        """Register checked prefix ids (under the engine lock); return their count."""
+        if ids not in self.public_prefixes:
+            self.public_prefixes.append(ids)
+        return len(ids)
 
     def check(self, prompt: str | Sequence[int], sampling: SamplingParams | None, tenant: str | None,
               unsafe_salt: str | None) -> Checked:
@@ -117,3 +130,23 @@ def check_sampling(sampling: Any) -> SamplingParams:
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     sampling.validate()
     return sampling
+
+
+def per_prompt(prompts: Sequence[Any], sampling: Any, tenants: Sequence[str | None] | None,
+               unsafe_salts: Sequence[str | None] | None) -> list[tuple[Any, Any, str | None, str | None]]:
+    """``generate``'s arguments as one ``(prompt, sampling, tenant, salt)`` per prompt; ``TypeError``/``ValueError``.
+
+    Each must be a list or tuple (a lone string would run one request per character); ``sampling`` may be one
+    for all.
+    """
+    for name, value in (("prompts", prompts), ("tenants", tenants), ("unsafe_salts", unsafe_salts)):
+        if not isinstance(value, (list, tuple)) and (name == "prompts" or value is not None):
+            one = f"; for one, pass [{name[:-1]}]" if isinstance(value, (str, bytes)) else ""
+            raise TypeError(f"{name} must be a list or tuple, one per prompt, got {type(value).__name__}{one}")
+    n = len(prompts)
+    samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+    tenants = [None] * n if tenants is None else list(tenants)
+    salts = [None] * n if unsafe_salts is None else list(unsafe_salts)
+    if len(samplings) != n or len(tenants) != n or len(salts) != n:
+        raise ValueError("give one sampling, tenant and salt per prompt (or one sampling for all)")
+    return list(zip(prompts, samplings, tenants, salts))

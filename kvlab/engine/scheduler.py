@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
+from ..cache.block_pool import check
 from ..cache.interface import CacheManager
 from .sequence import Request, RequestStatus
 
@@ -130,11 +131,16 @@ class Scheduler:
 
     def fork(self, parent: Request, child: Request) -> None:
         """Run ``child`` as a copy of the running ``parent`` that shares all its blocks."""
-        if parent.status is not RequestStatus.RUNNING or not parent.output_ids:
-            raise ValueError("only a running sequence that has generated a token can be forked")
+        self.check_fork(parent)
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.status = RequestStatus.RUNNING
         self.running.append(child)
+
+    @staticmethod
+    def check_fork(parent: Request) -> None:
+        """Raise ``ValueError`` unless ``parent`` runs and has generated a token (what ``fork`` needs)."""
+        if parent.status is not RequestStatus.RUNNING or not parent.output_ids:
+            raise ValueError("only a running sequence that has generated a token can be forked")
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Send a running sequence back to the front of the waiting queue, to be prefilled again.
@@ -159,3 +165,16 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
+
+    def check_invariants(self) -> None:
+        """Raise unless the block manager and the queues agree: every running request holds its tokens' blocks."""
+        bm = self.block_manager
+        bm.check_invariants()
+        running = {s.seq_id for s in self.running}
+        check(running == set(bm.seqs), f"running {sorted(running)} but the block manager holds {sorted(bm.seqs)}")
+        for seq in self.running:
+            check(seq.status is RequestStatus.RUNNING and bm.seqs[seq.seq_id].token_ids == seq.token_ids[:-1],
+                  f"sequence {seq.seq_id}: its blocks hold other tokens than all but its last")
+        for seq in self.waiting:
+            check(seq.status is RequestStatus.WAITING and seq.seq_id not in bm.seqs,
+                  f"waiting sequence {seq.seq_id} still holds blocks")
