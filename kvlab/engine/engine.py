@@ -3,55 +3,30 @@
     engine = Engine(model, tokenizer, num_blocks=256, block_size=16, enable_prefix_caching=True)
     outs = engine.generate(prompts, SamplingParams(max_tokens=16))   # or add_request(...) + step()
 
-``cache="radix"`` runs the same engine on SGLang's radix tree instead of vLLM's hash blocks, in pages of
-``page_size`` slots (1 by default: token granular; ``kvlab.engine.radix_adapter``).
-``cache=obj`` runs it on any object implementing ``kvlab.cache.CacheManager`` (e.g. a ``BlockManager`` built by
-the caller, or a participant's own); it brings its own size, and one missing a member is refused (``TypeError``).
+This file keeps the requests and the step loop (nano-vllm's ``llm_engine.py``); the model side is
+``kvlab.engine.runner.ModelRunner`` (``model_runner.py``), request checking ``kvlab.engine.intake``. One
+``step()``: the scheduler picks decodes and prefills (preempting when blocks run out), copy-on-write pairs are
+copied in the K/V store, the runner runs the new tokens of every scheduled request in **one** packed forward and
+samples one token each from its last position (a per-request seeded generator: outputs do not depend on
+batching); the engine appends them and finishes what stopped. A request that fails inside a step (its forward
+or sampling raises, or its logits are NaN) finishes with ``finish_reason="error"`` alone (``ModelRunner.compute``);
+a request with bad input is refused before it is queued (``Intake.check``; ``generate`` turns that into an
+``"error"`` output). ``cache="radix"`` runs on SGLang's radix tree (``kvlab.engine.radix_adapter``), ``cache=obj``
+on any ``kvlab.cache.CacheManager``; ``host_tier_bytes=N`` keeps evicted blocks in host memory and copies them
+back on a hit (``kvlab.engine.offload``; counted in ``RequestOutput.num_restored_tokens``).
 
-This file keeps the requests and the step loop; the model side is ``kvlab.engine.runner.ModelRunner`` and
-request checking is ``kvlab.engine.intake``. One ``step()``: the scheduler picks decodes and prefills
-(preempting when blocks run out), copy-on-write pairs are copied in the K/V store, the runner runs the new
-tokens of all scheduled sequences through the model in **one** packed forward (paged attention reads each
-sequence's cached K/V through its block table) and samples one token per sequence from its last position's
-logits; then the engine appends the tokens and finishes what stopped. Greedy is argmax; sampling uses a
-per-request generator seeded from the request's seed, so outputs do not depend on batching.
+Tenants: ``add_request(..., tenant="acme")``. Under ``isolation="tenant"`` or ``"public-prefix"`` the engine
+derives the tenant's cache salt from the tenant id and its server ``secret`` (HMAC-SHA256, ``kvlab.engine.tenants``;
+``bytes``/``str`` of >= 16 bytes, random if not given); ``"public-prefix"`` also shares the operator's
+``add_public_prefix`` prefixes across tenants. ``unsafe_salt=`` bypasses the derivation (tests and teaching only).
+Under ``"shared"`` tenants only scope ``abort`` and ``fork`` (the first warns: ``SharedTenantsWarning``).
 
-Host tier: ``host_tier_bytes=N`` keeps evicted cached blocks in host memory, up to N bytes (LRU), and copies them
-back when a later prompt's chain misses the pool but hits the tier (``kvlab.engine.offload``; ``offload_evicted=False``
-keeps the tier only as a staging area for blocks fetched from another replica). Restored tokens count in
-``num_cached_tokens`` (they are not computed) and apart in ``RequestOutput.num_restored_tokens``.
+Threads: ``add_request``, ``abort``, ``fork`` and ``step`` (and ``generate``, one step at a time) hold one
+re-entrant lock, so another thread may add or abort requests while a loop calls ``step()``; prompts are tokenized
+and checked before the lock. Automatic request ids never collide with ids chosen by the caller; ``abort``/``fork``
+refuse another tenant's request as unknown.
 
-Tenants: ``add_request(..., tenant="acme")``. Under ``isolation="tenant"`` or ``"public-prefix"`` the
-engine derives the tenant's cache salt from the tenant id and its server ``secret`` (HMAC-SHA256,
-``kvlab.engine.tenants``); a request cannot choose or forge a salt. ``"public-prefix"`` shares the whole blocks
-of prefixes the operator registered with ``add_public_prefix`` across tenants and salts the rest.
-The raw ``unsafe_salt=`` keyword bypasses the derivation (tests and teaching only: whoever can set
-it can join another tenant's cache). Under ``"shared"`` tenants may still be named (they scope ``abort`` and
-``fork``) but share every prefix: the first such request warns (``SharedTenantsWarning``, once per engine).
-
-A request with bad input (empty prompt, a prompt that is neither text nor a sequence of int token ids
-in ``[0, vocab)``, too long for the model or the pool, a sampling parameter out of range, an unknown id
-to abort) raises a clear error for that request only; nothing is queued and the other requests keep
-running. ``generate`` turns such an error into a finished output with ``finish_reason="error"``.
-
-A request that fails *inside* a step (its forward or its sampling raises, or its logits are NaN) does
-not take the step down: it finishes with ``finish_reason="error"`` and the message in ``error``, its
-blocks are freed, and the blocks whose K/V the failed forward never wrote leave the prefix cache. When
-the packed forward raises, the step's requests are run one at a time to find the culprit; a request
-that read the failed request's blocks in the same step is prefilled again in a later step. Every other
-request produces exactly the tokens it would have produced alone.
-
-Threads: ``add_request``, ``abort``, ``fork`` and ``step`` (and ``generate``, one step at a time) hold
-one re-entrant lock, so a second thread may add or abort requests while a loop in another thread calls
-``step()``: its call waits until the running step ends. ``add_request`` and ``generate`` tokenize and check
-a prompt before taking the lock (only the queueing holds it), so a huge prompt never stalls a running step.
-Automatic request ids skip every id in use, so they never collide with ids chosen by the caller.
-``abort``/``fork`` take the ``tenant`` the request was added with and refuse another tenant's request as
-unknown. The server ``secret`` must be ``bytes`` or ``str`` of at least 16 bytes; without one each engine
-draws a random secret. The runner checks at construction that its paged attention runs for every layer of
-the model, and refuses (``NotImplementedError``) architectures it cannot serve.
-
-Reference: nano-vllm ``nanovllm/engine/llm_engine.py`` and ``model_runner.py``; vLLM ``LLMEngine``.
+Reference: nano-vllm ``nanovllm/engine/llm_engine.py``; vLLM ``LLMEngine``.
 """
 
 from __future__ import annotations

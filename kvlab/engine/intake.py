@@ -1,11 +1,8 @@
-"""Request intake: check a request before the engine lock, then give it its ids, tenant scope and generator.
+"""Request intake: check a request without the engine lock, then build its ``Request`` under it.
 
-``check`` tokenizes and checks one request (empty prompt, ids outside ``[0, vocab)``, too long for the model or
-the pool, a sampling parameter out of range, a wrong type) and raises ``TypeError``/``ValueError`` naming the
-problem; it reads only what never changes after construction, so it runs without the lock. ``admit`` (under the
-lock) turns a checked request into a ``Request`` carrying its ``TenantScope``: the salt the engine derives from
-the tenant and its server secret (``kvlab.engine.tenants``), or the raw ``unsafe_salt``, and under
-``"public-prefix"`` the length of the operator's public prefix it starts with.
+``Intake.check`` tokenizes and checks (``TypeError``/``ValueError`` naming the problem, nothing queued);
+``Intake.admit`` gives the request its ids, generator and ``TenantScope``: the salt derived from tenant and
+server secret (``kvlab.engine.tenants``) or the raw ``unsafe_salt``, and its public-prefix length.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""The model side of an engine step (torch): pack the scheduled tokens, run the model once, head, sample.
+"""The model side of an engine step (torch): pack the scheduled tokens, run the model once, LM head, sample.
 
-    runner = ModelRunner(model, store, cache)              # attaches the paged attention, probes the model
-    tokens, errors, untrusted = runner.compute(items)      # one token per scheduled item
-
-``forward`` packs the new tokens of every scheduled sequence into one row (``input_ids`` and ``position_ids``
-of shape ``(1, T)``), builds the step's ``PagedBatch`` (slot mapping, block tables) and runs the model's
-decoder once inside ``paged_step()``. Only each sequence's last position reaches the LM head, which the
-runner computes itself from ``model.get_output_embeddings()`` (the **head seam**): a plain ``nn.Linear`` as
-``W @ x.T`` (the same product as ``F.linear`` in the operand order that CPU BLAS runs faster for a few rows),
-any other module by calling it, then the logit post-processing the config names (``final_logit_softcapping``,
-``logit_scale``, ``logits_scaling``). At construction a probe token checks that the seam gives exactly the
-model's own logits; where it does not (a post-processing kvlab does not know), every step runs the model's
-whole forward with ``logits_to_keep`` instead. No object of transformers' is patched.
-
-At construction the runner also refuses (``NotImplementedError``, naming the architecture and the feature) a
-model its paged attention does not fully serve; see ``ModelRunner.__init__``. ``compute`` keeps one request's
-failure from reaching the others (the culprit search is described there).
+``forward`` packs the new tokens of every scheduled request into one row (``input_ids``/``position_ids`` of
+shape ``(1, T)``) with its ``PagedBatch`` and runs the model's decoder inside ``paged_step()``. Only each
+request's last position reaches the LM head, which the runner computes itself (the **head seam**) from
+``model.get_output_embeddings()``: a plain ``nn.Linear`` as ``W @ x.T``, any other head by calling it, then the
+post-processing the config names (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``). A probe at
+construction checks that the seam gives exactly the model's own logits; where it does not, each step runs the
+model's whole forward with ``logits_to_keep``. No object of transformers' is patched.
 
 Reference: nano-vllm ``nanovllm/engine/model_runner.py``.
 """
@@ -168,15 +159,12 @@ class ModelRunner:
                 ) -> tuple[list[int | None], dict[int, str], set[int]]:
         """One token per scheduled item, without letting one request's failure reach the others.
 
-        Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` is None where item i did not get a token;
-        ``errors[i]`` is why item i failed; ``untrusted`` holds the items whose K/V of this step must never
-        be read: those that failed in their forward (or gave NaN logits) and those that read such K/V in
-        this step (prefix hits on blocks a failed request registered at its admission). When the packed
-        forward raises, or gives NaN logits for some item (a NaN key or value reaches other sequences of
-        the step too: a masked slot still multiplies its value by 0, and 0 * NaN is NaN), each item is
-        run alone, in order, to find the culprits. An item is checked for such a dependency before it is
-        sampled, so its random generator only advances for a kept token. The blocks of untrusted items
-        are zeroed before anyone can reuse them. ``forward`` defaults to ``self.forward``.
+        Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` None where item i got no token, ``errors[i]`` why it
+        failed, ``untrusted`` the items whose K/V of this step must never be read (failed in their forward or gave
+        NaN logits, or read such K/V: a same-step prefix hit on a failed request's blocks). When the packed forward
+        raises or gives NaN logits for some item (NaN reaches the step's other sequences too: 0 * NaN is NaN),
+        each item runs alone, in order, to find the culprits; a dependent item is found before it is sampled
+        (its generator only advances for a kept token). Untrusted blocks are zeroed. ``forward``: ``self.forward``.
         """
         forward = self.forward if forward is None else forward
         bs = self.cache.block_size
