@@ -169,7 +169,7 @@ class Engine:
         self._pending: list[RequestOutput] = []  # finished during a generate() that did not own them
         self._held: set[int] = set()  # seq ids whose outputs a running generate() collects itself
         self.kv_events = KVEventLog(self.block_manager, enable_kv_events)
-        self.runner = ModelRunner(model, self.store, self.block_manager)  # probes the model: may refuse it
+        self.runner = ModelRunner(model, self.store)  # probes the model: may refuse it
         self.intake = Intake(tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler.check_fits,
                              self.isolation, secret, self.device, seed)
 
@@ -249,6 +249,8 @@ class Engine:
         """
         sched = self.scheduler.schedule()
         finished = self._run(sched) if sched.items else []  # empty only when a lone sequence preempted itself
+        if not self.scheduler.has_unfinished():  # idle: the model is HF's own again (ModelRunner.detach)
+            self.runner.detach()
         if self.debug:
             self.check_invariants()
         self.kv_events.close_batch()
@@ -266,13 +268,15 @@ class Engine:
         return self.block_manager.reset_prefix_cache()  # the radix cache raises NotImplementedError
 
     def _run(self, sched: SchedulerOutput) -> list[Request]:
+        self.runner.attach()  # once per busy period: set_attn_implementation only when the model is not switched
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
         self.store.copy_blocks(sched.cow_pairs)
         if self.host_tier is not None:  # the host tier's restores were copied in at admission: count them
             for it in sched.items:
                 if it.is_prefill and it.seq.num_restored_tokens is None:
                     it.seq.num_restored_tokens = self.host_tier.block_manager.seqs[it.seq.seq_id].num_restored_tokens
-        tokens, errors, untrusted = self.runner.compute(sched.items, lambda items: self._forward(SchedulerOutput(items)))
+        tables = [self.block_manager.block_table(it.seq.seq_id) for it in sched.items]
+        tokens, errors, untrusted = self.runner.compute(sched.items, tables, lambda its: self._forward(SchedulerOutput(its)))
         now, finished = time.perf_counter(), []
         for i in reversed(range(len(sched.items))):  # latest first: a block leaves the cache once nobody holds it
             seq, start = sched.items[i].seq, sched.items[i].start
@@ -307,7 +311,8 @@ class Engine:
 
     def _forward(self, sched: SchedulerOutput) -> Any:
         """``(len(sched.items), vocab)`` logits of each scheduled item's last position (``ModelRunner.forward``)."""
-        return self.runner.forward(sched.items, self._positions)
+        tables = [self.block_manager.block_table(it.seq.seq_id) for it in sched.items]
+        return self.runner.forward(sched.items, tables, self._positions)
 
     def _finish(self, seq: Request, reason: str, now: float | None = None, uncache_from: int | None = None) -> None:
         self.scheduler.finish(seq, reason, uncache_from)

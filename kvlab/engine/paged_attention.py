@@ -21,9 +21,9 @@ that is one dense group (a decode-only step) needs no gather of its queries nor 
 The step's metadata travels as the forward keyword ``kvlab_batch``, which transformers passes down to
 the attention function untouched.
 
-``attach(model)`` registers the function once, through transformers' public ``AttentionInterface`` and
-``set_attn_implementation``, under a name that also carries the model's own implementation; inside
-``paged_step()`` the model builds no mask of its own (a packed batch would make that mask ``T x T``) and
+``register(model)`` registers the function once through transformers' public ``AttentionInterface``, under a
+name that also carries the model's own implementation, for ``model.set_attn_implementation(name)``; inside
+``paged_step()`` the model then builds no mask of its own (a packed batch would make that mask ``T x T``) and
 attends here; outside it the model runs its own attention and mask, so ``model.generate`` still works on
 the same object.
 
@@ -57,8 +57,8 @@ from ..cache.block_manager import cdiv
 from .kv_store import PagedKVStore
 
 __all__ = ["ATTN_NAME", "IMPLEMENTED_KWARGS", "METADATA_KWARGS", "AttnGroup", "MissingBatchError", "PagedBatch",
-           "attach", "attention_name", "build_batch", "check_attention_call", "check_config", "detach",
-           "group_by_query_length", "paged_attention_forward", "paged_step"]
+           "attention_name", "build_batch", "check_attention_call", "check_config", "group_by_query_length",
+           "paged_attention_forward", "paged_step", "register"]
 
 ATTN_NAME = "kvlab_paged"
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
@@ -260,7 +260,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
     if kvlab_batch is None:
         raise MissingBatchError(f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
-                           "kvlab.engine.Engine, or inside `paged_step()` on a model switched by `attach`)")
+                           "kvlab.engine.Engine, or inside `paged_step()` on a model switched to it)")
     check_attention_call(module, attention_mask, dropout, sliding_window, is_causal, kwargs)
     batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
@@ -335,28 +335,21 @@ def attention_name(original: str) -> str:
     return f"{ATTN_NAME}_{original}"
 
 
-def attach(model: Any) -> str:
-    """Switch ``model`` to kvlab's paged attention once, through transformers' public interface; return its own.
+def register(model: Any) -> tuple[str, str]:
+    """Register kvlab's attention for ``model`` with transformers' public interfaces; return ``(own, name)``.
 
-    Registers ``attention_name(own)`` with ``AttentionInterface`` (the attention) and ``AttentionMaskInterface``
-    (the mask), then calls ``model.set_attn_implementation``. Both functions look at ``paged_step()``: inside it
-    the model builds no mask and attends through the paged store; outside it they run the model's own
-    implementation and mask, so ``model.generate`` on the same object keeps its outputs. A model whose attention
-    transformers cannot switch keeps its own name (the caller checks ``model.config._attn_implementation``).
+    ``name`` (``attention_name(own)``, ``own`` the model's own implementation) goes to ``AttentionInterface``
+    (the attention) and ``AttentionMaskInterface`` (the mask); ``model.set_attn_implementation(name)`` switches to
+    it. Both functions look at ``paged_step()``: inside it the model builds no mask and attends through the paged
+    store; outside it they run the model's own implementation and mask, so ``model.generate`` keeps its outputs.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
     own = model.config._attn_implementation
-    own = own.removeprefix(ATTN_NAME + "_") if own.startswith(ATTN_NAME + "_") else own  # attached before
+    own = own.removeprefix(ATTN_NAME + "_") if own.startswith(ATTN_NAME + "_") else own  # switched by another engine
     AttentionInterface.register(attention_name(own), functools.partial(_attention, own))
     AttentionMaskInterface.register(attention_name(own), functools.partial(_mask, own))
-    model.set_attn_implementation(attention_name(own))
-    return own
-
-
-def detach(model: Any, own: str) -> None:
-    """Give ``model`` back its own attention implementation ``own`` (what ``attach`` returned)."""
-    model.set_attn_implementation(own)
+    return own, attention_name(own)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,10 @@ post-processing the config names (``final_logit_softcapping``, ``logit_scale``, 
 construction checks that the seam gives exactly the model's own logits; where it does not, each step runs the
 model's whole forward with ``logits_to_keep``. No object of transformers' is patched.
 
+The model is switched to the paged attention through ``set_attn_implementation`` by ``attach`` (the engine calls
+it when a step has work: a no-op while switched) and given back by ``detach`` (when the engine is idle), so a
+shared model is HF's own between busy periods; while switched, HF's own calls still run its own attention.
+
 Reference: nano-vllm ``nanovllm/engine/model_runner.py``.
 """
 
@@ -20,10 +24,8 @@ from typing import Any
 
 import torch
 
-from ..cache.interface import CacheManager
 from .kv_store import PagedKVStore
-from .paged_attention import (MissingBatchError, PagedBatch, attach, attention_name, build_batch, check_config, detach,
-                              paged_step)
+from .paged_attention import MissingBatchError, build_batch, check_config, paged_step, register
 from .sampling import sample_next
 from .scheduler import ScheduledSeq
 
@@ -44,7 +46,7 @@ def _positions(item: ScheduledSeq) -> range:
 class ModelRunner:
     """One HF causal LM switched to kvlab's paged attention: batches in, last-position logits and tokens out."""
 
-    def __init__(self, model: Any, store: PagedKVStore, cache: CacheManager) -> None:
+    def __init__(self, model: Any, store: PagedKVStore) -> None:
         """Attach the paged attention and probe one token through it; refuse a model it does not fully serve.
 
         An allow-list: the model is served only if transformers can switch its attention (it goes through the
@@ -53,14 +55,14 @@ class ModelRunner:
         scale and an optional sliding window (``check_attention_call``), and its config's attention features
         are ones it implements (``check_config``). A refused model gets its own attention back.
         """
-        self.model, self.store, self.cache = model, store, cache
+        self.model, self.store = model, store
         self.device = store.device
         self.name = getattr(model.config, "model_type", None) or type(model).__name__
         if not isinstance(getattr(model.config, "vocab_size", None), int):
             self._refuse("its config has no int vocab_size (a multimodal wrapper? load its language model alone)")
-        self.own_attention = attach(model)  # once: its own attention still runs outside paged_step()
+        self.own_attention, self.attention = register(model)  # once; switched by attach() / detach()
         try:
-            if model.config._attn_implementation != attention_name(self.own_attention):
+            if not self.attach():
                 self._refuse("its attention does not go through transformers' AttentionInterface (transformers "
                              "cannot switch it), so the paged attention would never run and its K/V never reach "
                              "the paged store")
@@ -69,8 +71,20 @@ class ModelRunner:
             self.head_seam = self._probe()
             self.fast_head = type(self.head) is torch.nn.Linear
         except BaseException:
-            detach(model, self.own_attention)
+            model.set_attn_implementation(self.own_attention)  # also the sub-configs a refused switch changed
             raise
+        self.detach()  # given back until the engine has work
+
+    def attach(self) -> bool:
+        """Switch the model to the paged attention (``set_attn_implementation``) unless it is; whether it is now."""
+        if self.model.config._attn_implementation != self.attention:
+            self.model.set_attn_implementation(self.attention)  # a no-op where transformers cannot switch it
+        return self.model.config._attn_implementation == self.attention
+
+    def detach(self) -> None:
+        """Give the model back its own attention (HF's ``generate_batch`` and others check the name)."""
+        if self.model.config._attn_implementation == self.attention:
+            self.model.set_attn_implementation(self.own_attention)
 
     def _refuse(self, why: str) -> None:
         raise NotImplementedError(f"kvlab's paged attention cannot run {self.name!r}: {why}")
@@ -136,16 +150,17 @@ class ModelRunner:
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()  # no autograd graph: it would chain every step through the K/V store and keep it all alive
-    def forward(self, items: list[ScheduledSeq], positions: Positions = _positions) -> torch.Tensor:
+    def forward(self, items: list[ScheduledSeq], tables: list[list[int]], positions: Positions = _positions,
+                ) -> torch.Tensor:
         """One packed forward of the scheduled tokens: ``(len(items), vocab)`` logits of each item's last position.
 
-        ``positions(item)`` numbers the tokens an item computes (``range(start, end)``: what RoPE sees).
+        ``tables[i]`` is item i's block table; ``positions(item)`` numbers the tokens it computes (what RoPE sees).
         """
         ids, pos = [], []
         for it in items:
             ids.extend(it.seq.token_ids[it.start:it.end])
             pos.extend(positions(it))
-        batch = build_batch(self.store, [(it.start, it.end, self.cache.block_table(it.seq.seq_id)) for it in items])
+        batch = build_batch(self.store, [(it.start, it.end, table) for it, table in zip(items, tables)])
         last = torch.tensor(list(itertools.accumulate(it.end - it.start for it in items)), device=self.device) - 1
         kwargs = dict(input_ids=torch.tensor([ids], device=self.device),  # (1, T)
                       position_ids=torch.tensor([pos], device=self.device),  # (1, T)
@@ -155,8 +170,8 @@ class ModelRunner:
                 return self.lm_head(self.decoder(**kwargs)[0][0, last])  # hidden (1, T, H) -> (num_items, vocab)
             return self.model(**kwargs, logits_to_keep=last).logits[0]  # (num_items, vocab)
 
-    def compute(self, items: list[ScheduledSeq], forward: Callable[[list[ScheduledSeq]], torch.Tensor] | None = None,
-                ) -> tuple[list[int | None], dict[int, str], set[int]]:
+    def compute(self, items: list[ScheduledSeq], tables: list[list[int]],
+                forward: Callable[[list[ScheduledSeq]], torch.Tensor]) -> tuple[list[int | None], dict[int, str], set[int]]:
         """One token per scheduled item, without letting one request's failure reach the others.
 
         Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` None where item i got no token, ``errors[i]`` why it
@@ -164,11 +179,10 @@ class ModelRunner:
         NaN logits, or read such K/V: a same-step prefix hit on a failed request's blocks). When the packed forward
         raises or gives NaN logits for some item (NaN reaches the step's other sequences too: 0 * NaN is NaN),
         each item runs alone, in order, to find the culprits; a dependent item is found before it is sampled
-        (its generator only advances for a kept token). Untrusted blocks are zeroed. ``forward``: ``self.forward``.
+        (its generator only advances for a kept token). Untrusted blocks are zeroed. ``forward(items)``
+        runs the model (the engine's ``_forward``, over ``self.forward``); ``tables[i]`` is item i's block table.
         """
-        forward = self.forward if forward is None else forward
-        bs = self.cache.block_size
-        tables = [self.cache.block_table(it.seq.seq_id) for it in items]
+        bs = self.store.block_size
         tokens: list[int | None] = [None] * len(items)
         errors: dict[int, str] = {}
         untrusted: set[int] = set()

@@ -819,10 +819,17 @@ def test_supported_architectures_match_hf_generate(arch):
         engine = Engine(model, None, num_blocks=160 // block_size, block_size=block_size, max_num_seqs=4, debug=True)
         assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=5))] == ref, block_size
         assert drained(engine)
-    # issue 25: the engine switched the model once, for good; HF's own generate on it keeps its attention and
-    # its masks (padding, windows), so it still gives the same tokens, alone and left-padded in one batch
-    assert model.config._attn_implementation.startswith("kvlab_paged_")
+    # issue 25: while the engine has work the model is switched to kvlab's attention; HF's own generate on it
+    # still runs its own attention and masks (padding, windows): the same tokens, alone and left-padded in a batch
+    own = model.config._attn_implementation
+    engine.add_request(prompts[0], SamplingParams(max_tokens=5))
+    engine.step()
+    assert model.config._attn_implementation == f"kvlab_paged_{own}" and engine.has_unfinished()
     assert _hf_greedy(model, prompts) == ref and torch.equal(_hf_greedy_padded(model, prompts), padded)
+    assert [o.output_ids for o in engine.generate(prompts[1:], SamplingParams(max_tokens=5))] == ref[1:]
+    while engine.has_unfinished():
+        engine.step()
+    assert model.config._attn_implementation == own  # idle: the model is HF's own again
 
 
 @torch.no_grad()
