@@ -322,7 +322,6 @@ class Engine:
     def _output(self, seq: Request) -> RequestOutput:
         return RequestOutput.of(seq, self.decode(seq.output_ids))
 
-    # --- run to completion --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  tenants: Sequence[str | None] | None = None, *,
                  unsafe_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
@@ -362,7 +361,6 @@ class Engine:
         results.update({i: self._output(seq) for i, seq in own.items()})
         return [results[i] for i in range(len(batch))]
 
-    # --- metrics and invariants -------------------------------------------------------------------
     @property
     def kv_bytes_in_use(self) -> int:
         """K/V bytes of the blocks referenced by live sequences now."""
