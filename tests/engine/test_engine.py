@@ -304,3 +304,53 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(lm):
     with pytest.raises(ValueError, match="lone surrogate at character 3"):
         engine.add_request("abc\ud800def")
     assert not engine.requests and not engine.scheduler.waiting
+
+
+def test_attention_is_switched_once_per_busy_period_and_no_transformers_object_is_patched():
+    """Issue 25: the model is switched through transformers' public set_attn_implementation once when the engine
+    gets work and back once when it is idle (no per-step write of its private config attribute), and the LM head
+    is computed by the runner (``head.forward`` is never replaced). The old engine switched the model by hand in
+    every step and patched the head inside it."""
+    model = _tiny("llama")
+    own, head = model.config._attn_implementation, model.get_output_embeddings()
+    engine = Engine(model, None, num_blocks=16, block_size=8)
+    assert model.config._attn_implementation == own  # probed at construction, then given back
+    assert engine.runner.head_seam and engine.runner.fast_head
+    switches, seen = [], []
+    real = model.set_attn_implementation
+    model.set_attn_implementation = lambda name: (switches.append(name), real(name))[1]  # a spy on this instance
+    handle = model.model.norm.register_forward_hook(  # runs inside every step's forward
+        lambda *a: seen.append((model.config._attn_implementation, "forward" in vars(head))))
+    try:
+        for _ in range(2):
+            engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3))
+    finally:
+        handle.remove()
+        del model.set_attn_implementation
+    assert len(seen) >= 6 and set(seen) == {(f"kvlab_paged_{own}", False)}
+    assert switches == [f"kvlab_paged_{own}", own] * 2 and model.config._attn_implementation == own
+
+
+def test_a_head_seam_that_misses_the_models_logits_is_not_used():
+    """The runner computes the head itself only where the probe shows it gives the model's exact logits: a model
+    with a post-processing kvlab does not know (here: logits negated) runs its own forward, token-identical."""
+    from transformers import LlamaForCausalLM
+
+    class Negated(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            out = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            out.logits = -out.logits
+            return out
+
+    plain = _tiny("llama")
+    model = Negated(plain.config).eval()
+    model.load_state_dict(plain.state_dict())
+    model.generation_config.eos_token_id = None
+    prompts = [[1, 2, 3, 4], [9, 8]]
+    with torch.no_grad():
+        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    engine = Engine(model, None, num_blocks=16, block_size=4, debug=True)
+    assert not engine.runner.head_seam
+    assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == ref
+    assert Engine(plain, None, num_blocks=16, block_size=4).runner.head_seam  # the same weights, no post-processing

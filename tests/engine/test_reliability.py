@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from passphrase_prompts import ASK_EN, example_prompts, question_prompts
 
-import kvlab.engine.engine as engine_module
+import kvlab.engine.runner as runner_module  # where the step samples (sample_next)
 from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, TenantScope, UnknownSequenceError
 from kvlab.cache.block_pool import BlockPool, NoFreeBlocksError
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
@@ -121,7 +121,7 @@ def test_a_failing_sampler_fails_only_its_request(tiny, monkeypatch):
     sps = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=5),
            SamplingParams(max_tokens=8, temperature=0.9, seed=666), SamplingParams(max_tokens=8, temperature=1.1, seed=7)]
     want = [solo(tiny, p, sp) for p, sp in zip(prompts, sps)]
-    real = engine_module.sample_next
+    real = runner_module.sample_next
     calls = []
 
     def flaky(logits, do_sample, temperature, top_p, top_k, generator):
@@ -131,7 +131,7 @@ def test_a_failing_sampler_fails_only_its_request(tiny, monkeypatch):
                 raise FloatingPointError("probabilities are NaN")
         return real(logits, do_sample, temperature, top_p, top_k, generator)
 
-    monkeypatch.setattr(engine_module, "sample_next", flaky)
+    monkeypatch.setattr(runner_module, "sample_next", flaky)
     engine = Engine(tiny, None, num_blocks=32, block_size=16, debug=True)
     outs = engine.generate(prompts, sps)
     assert [o.finish_reason for o in outs] == ["length", "length", "error", "length"]
@@ -356,10 +356,10 @@ def test_tokenizing_a_prompt_never_holds_the_engine_lock(bundled):
     prompts = question_prompts(1, 2)
     first = engine.add_request(prompts[0], sp)
     engine.step()  # a request is running: the next one is tokenized while it could step
-    before = (repr(engine._ids), dict(engine.requests), list(engine.scheduler.waiting))
+    before = (repr(engine.intake._ids), dict(engine.requests), list(engine.scheduler.waiting))
     with pytest.raises(ValueError, match="positions"):
         engine.add_request(prompts[1] * 200, sp)  # tokenized, then refused: too long for the model
-    assert (repr(engine._ids), dict(engine.requests), list(engine.scheduler.waiting)) == before  # nothing queued
+    assert (repr(engine.intake._ids), dict(engine.requests), list(engine.scheduler.waiting)) == before  # nothing queued
     second = engine.add_request(prompts[1], sp)
     outs = engine.generate(prompts, sp)  # generate tokenizes without the lock too
     assert probe.lock_free == [True] * 5
@@ -532,7 +532,7 @@ def test_prompts_are_text_or_real_int_ids(tiny, prompt):
     assert out[1].prompt_ids == [5, 6] and out[1].finish_reason == "length"
     with pytest.raises((TypeError, ValueError)):
         engine.add_public_prefix(prompt)
-    assert engine.public_prefixes == []
+    assert engine.intake.public_prefixes == []
 
 
 def test_int_like_prompts_are_accepted(tiny):
@@ -614,8 +614,8 @@ def test_engine_refusals_leave_the_state_unchanged(tiny):
     engine.add_request([6, 7], SamplingParams(max_tokens=4), request_id="later")
 
     def state():
-        return (repr(engine._ids), engine._rng.getstate(), dict(engine.requests), list(engine.scheduler.waiting),
-                list(engine.scheduler.running), full_state(engine.block_manager), list(engine.public_prefixes))
+        return (repr(engine.intake._ids), engine.intake._rng.getstate(), dict(engine.requests), list(engine.scheduler.waiting),
+                list(engine.scheduler.running), full_state(engine.block_manager), list(engine.intake.public_prefixes))
 
     sampled = SamplingParams(max_tokens=4, temperature=1.0)
     bad_calls = [
@@ -784,17 +784,45 @@ def test_supported_architectures_match_hf_generate(arch):
     rng = random.Random(0)
     shared = [rng.randrange(VOCAB) for _ in range(20)]
     prompts = [shared + [rng.randrange(VOCAB) for _ in range(n)] for n in (1, 7, 14)] + [[5]]
-    with torch.no_grad():
-        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=5, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    ref, padded = _hf_greedy(model, prompts), _hf_greedy_padded(model, prompts)
     for block_size in (1, 16):
         engine = Engine(model, None, num_blocks=160 // block_size, block_size=block_size, max_num_seqs=4, debug=True)
         assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=5))] == ref, block_size
         assert drained(engine)
+    # issue 25: while the engine has work the model is switched to kvlab's attention; HF's own generate on it
+    # still runs its own attention and masks (padding, windows): the same tokens, alone and left-padded in a batch
+    own = model.config._attn_implementation
+    engine.add_request(prompts[0], SamplingParams(max_tokens=5))
+    engine.step()
+    assert model.config._attn_implementation == f"kvlab_paged_{own}" and engine.has_unfinished()
+    assert _hf_greedy(model, prompts) == ref and torch.equal(_hf_greedy_padded(model, prompts), padded)
+    assert [o.output_ids for o in engine.generate(prompts[1:], SamplingParams(max_tokens=5))] == ref[1:]
+    while engine.has_unfinished():
+        engine.step()
+    assert model.config._attn_implementation == own  # idle: the model is HF's own again
 
 
-@pytest.mark.parametrize("arch, reason", [("bloom", "never ran"), ("falcon", "failed"), ("mpt", "failed"),
-                                          ("stablelm", "kvlab_batch"), ("gemma2-softcap", "soft-capping")])
+@torch.no_grad()
+def _hf_greedy(model, prompts, n=5):
+    return [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=n, do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+@torch.no_grad()
+def _hf_greedy_padded(model, prompts, n=5):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+# bloom, falcon and mpt attend in code of their own: transformers' set_attn_implementation cannot switch them
+# (issue 25). Before, kvlab wrote the private config attribute instead: bloom then ran its own attention
+# ("never ran" for every layer), falcon and mpt took a code path they do not support and their forward
+# crashed ("failed"). The public switch names the real reason for all three, at construction.
+@pytest.mark.parametrize("arch, reason", [("bloom", "AttentionInterface"), ("falcon", "AttentionInterface"),
+                                          ("mpt", "AttentionInterface"), ("stablelm", "kvlab_batch"),
+                                          ("gemma2-softcap", "soft-capping")])
 def test_unsupported_architectures_are_refused(arch, reason):
     model = _tiny_model(_configs()[arch]())
     name = model.config.model_type
@@ -842,7 +870,7 @@ bad_request = st.tuples(st.sampled_from(["poison", "sampler", "invalid", "abort"
        block_size=st.sampled_from([4, 16]))
 def test_property_bad_requests_never_hurt_good_ones(bundled, pool_prompts, requests, block_size):
     model, tok = bundled
-    real = engine_module.sample_next
+    real = runner_module.sample_next
     sampler_calls = {}
 
     def flaky(logits, do_sample, temperature, top_p, top_k, generator):
@@ -858,7 +886,7 @@ def test_property_bad_requests_never_hurt_good_ones(bundled, pool_prompts, reque
 
     handle = model.model.embed_tokens.register_forward_pre_hook(hook)
     try:
-        with mock.patch.object(engine_module, "sample_next", flaky):
+        with mock.patch.object(runner_module, "sample_next", flaky):
             engine = Engine(model, tok, num_blocks=-(-72 // block_size), block_size=block_size, max_num_seqs=4,
                             max_num_batched_tokens=512, debug=True)  # small pool: preemption and eviction
             expected, outs, to_abort = {}, {}, []
