@@ -241,3 +241,48 @@ def test_real_groups_on_a_chatml_tokenizer(lm):
         m = g3.meta[b]
         assert m["other_answer"] != m["expected"] and m["beyond_prompt"] != g3.prompts[b]
         assert g3.prompts[b][: m["prefix_tokens"]] == m["beyond_prompt"][: m["prefix_tokens"]]
+
+
+def test_content_keyed_cache_goes_in_through_the_engines_cache_argument(lm):
+    model, tok = lm
+    engine = T.content_keyed_engine(model, tok, num_blocks=16, block_size=BLOCK)
+    bm = engine.block_manager
+    assert isinstance(bm, T.ContentKeyedBlockManager) and isinstance(bm.pool, T.ContentKeyedPool)
+    assert engine.scheduler.block_manager is bm and bm.hash_fn is T.content_hash
+    # the bug itself: the same 16 tokens hit after another first block (no parent in the key)
+    a, b = list(range(1, 17)), list(range(40, 56))
+    engine.generate([b + a + [7]], T.SamplingParams(max_tokens=1))
+    out = engine.generate([a + [9]], T.SamplingParams(max_tokens=1))
+    assert out[0].num_cached_tokens == BLOCK
+
+
+def test_timing_repeats_give_a_spread_and_evidence_says_how_many_runs(lm):
+    model, tok = lm
+    small = W.seed_groups(tok, n=2, block_size=BLOCK, max_tokens=2)
+    table, runs = T.table_36(model, tok, small, repeats=3, block_size=BLOCK, timed=[1], warmup=False)
+    d = table.set_index(["group", "mode"])
+    assert (d.loc[1, "timed runs"] == 3).all() and (d.loc[2, "timed runs"] == 1).all()
+    assert all(len(r) == 3 for r in d.loc[1, "TTFT runs (ms)"])
+    assert (d["TTFT min (ms)"] <= d["TTFT (ms)"]).all() and (d["TTFT (ms)"] <= d["TTFT max (ms)"]).all()
+    assert len(T.ttft_ratios(table, 1, "shared (correct)")) == 3
+    ev = T.evidence(table)
+    assert "over 3 paired runs" in ev["identical-prefix"] and "not evidence" not in ev["identical-prefix"]
+    assert "1 run: a timing, not evidence" in ev["overlap-different-start"]
+    assert runs[(1, "isolated")]["outputs"][0].output_ids  # the full run is the one kept, not a prefill-only one
+    assert all(len(o.output_ids) == 2 for i, o in enumerate(runs[(1, "isolated")]["outputs"]))
+
+
+def test_real_groups_score_more_requests_in_groups_2_and_3(lm):
+    tok = lm[1]
+    g = T.real_groups(tok, n=1, questions=1, block_size=BLOCK, translations=0, n_wrong=3, wrong_questions=2)
+    g2, g3 = g[2], g[3]
+    assert len(g2.served()) == len(g3.served()) == 6 and len(g2) == len(g3) == 9
+    for b in g2.served():  # B's system turn reappears in its donor after the block-aligned preamble
+        a, off = g2.meta[b]["donor"], g2.meta[b]["offset"]
+        head = len(tok(T.P.chatml("system", T.P.REAL_SYSTEM.format(p=g2.meta[b]["expected"])),
+                       add_special_tokens=False)["input_ids"])
+        assert g2.prompts[a][off:off + head] == g2.prompts[b][:head]
+    assert len({g3.meta[b]["question"] for b in g3.served()}) == 2
+    for b in g3.served():
+        m = g3.meta[b]
+        assert tok.decode(m["beyond_prompt"]).rstrip().endswith("assistant") and m["question"] in tok.decode(m["beyond_prompt"])
