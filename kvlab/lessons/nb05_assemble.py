@@ -23,7 +23,7 @@ from kvlab.lessons.common import Verdict, call_answer, verdict
 from kvlab.lessons.nb04_blocks import ToyBlocks, check_allocate, check_block_hashes
 
 __all__ = ["ToyManager", "check_slot_mapping", "describe_requests", "manager_factory", "reference_slot_mapping",
-           "shared_blocks"]
+           "shared_blocks", "three_requests"]
 
 
 @dataclass
@@ -266,3 +266,14 @@ def describe_requests(step: dict, slot_mapping: Callable[..., list[int]], block_
     lines.append(f"physical blocks in all {len(tables)} block tables: {common} "
                  f"({len(common) * block_size} tokens of K/V stored once)")
     return "\n".join(lines)
+
+
+def three_requests(tokenizer: Any, block_size: int = 16) -> list[list[int]]:
+    """Three prompts (token ids) on one passphrase system prompt, three different questions: notebook 05's group 1
+    for one passphrase (``real_groups`` for a chat model, ``seed_groups`` for the bundled one)."""
+    from kvlab.lessons.nb05_table36 import is_real_chat_model, real_groups
+    from kvlab.lessons.workloads import seed_groups
+
+    if is_real_chat_model(tokenizer):
+        return real_groups(tokenizer, n=1, questions=3, block_size=block_size, translations=0)[1].prompts
+    return seed_groups(tokenizer, n=1, questions=3, block_size=block_size)[1].prompts

@@ -269,6 +269,7 @@ def compare_with_article(table: Any):
                 "memory ratio, article": a[2] / a_iso[2] if a else float("nan"),
                 "identical, ours": ours["identical"],
                 "consistent, article": a[3] if a else None,
+                "timed runs": int(min(ours.get("timed runs", 1), iso.get("timed runs", 1))),
             })
     return pd.DataFrame(rows)
 
