@@ -306,8 +306,9 @@ def evidence(table: Any, repeats: int | None = None) -> dict[str, str]:
 
     return {
         "identical-prefix": f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
-        "same-start": f"nb05 group 2: chained keys share nothing ({d.loc[(2, 'shared (correct)'), 'cached tokens']:.0f} tokens); "
-                      f"content-only keys: {row(2, 'shared (wrong)')}",
+        "same-start": f"nb05 group 2, B after donor A's other start: chained keys "
+                      f"{d.loc[(2, 'shared (correct)'), 'cached tokens']:.0f} cached tokens per request; "
+                      f"content-only keys: {d.loc[(2, 'shared (wrong)'), 'cached tokens']:.0f}, {row(2, 'shared (wrong)')}",
         "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
         "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, "
                                f"answered A's passphrase {d.loc[(3, 'shared (wrong)'), 'answered A' + chr(39) + 's passphrase']:.0%}",
@@ -463,8 +464,8 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
     passphrase prompt, and donor A = a block-aligned extra system turn + B's whole text. Group 3: the same
     system prompt; A's history changes the passphrase, B asks without that history. Answers are scored with
     ``passphrase.mentions`` (a chat model answers in a sentence); translations have no expected answer.
-    Groups 2 and 3 use ``n_wrong`` passphrases (default ``n``), one donor each, and ``wrong_questions`` scored
-    questions per passphrase (the donor holds the first).
+    Groups 2 and 3 score ``n_wrong`` requests each (default ``n``): group 2 one per passphrase (each its own donor, so
+    no two scored requests share a start), group 3 ``wrong_questions`` per passphrase (the donor asks the first).
     """
     groups: dict[int, Workload] = {}
     prompts, meta = [], []
@@ -487,24 +488,28 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
     from kvlab.lessons.workloads import _aligned_preamble
 
     m = n if n_wrong is None else n_wrong
-    wrong = list(zip(range(start, start + m), [P.make_example(seed, split, history="none") for seed in range(start, start + m)]))
-    asked = P.REAL_QUESTIONS[:wrong_questions]
-    for seed, ex in wrong:
-        b = _ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=asked[0]))
+    if wrong_questions < 1 or m % wrong_questions:
+        raise ValueError(f"n_wrong={m} must be a multiple of wrong_questions={wrong_questions} (>= 1)")
+
+    def passphrases(k: int) -> list[tuple[int, Any]]:
+        return [(seed, P.make_example(seed, split, history="none")) for seed in range(start, start + k)]
+
+    for seed, ex in passphrases(m):
+        b = _ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0]))
         pre = _aligned_preamble(tokenizer, seed, block_size, split)
         donors[seed] = len(prompts)
         prompts.append(pre + b)
         meta.append({"group": 2, "seed": seed, "role": "donor", "expected": ex.answer, "lenient": True,
                      "offset": len(pre)})
-    for question in asked:
-        for seed, ex in wrong:
-            prompts.append(_ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=question)))
-            meta.append({"group": 2, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
-                         "question": question, "donor": donors[seed], "offset": meta[donors[seed]]["offset"]})
+    for seed, ex in passphrases(m):
+        prompts.append(_ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0])))
+        meta.append({"group": 2, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
+                     "donor": donors[seed], "offset": meta[donors[seed]]["offset"]})
     groups[2] = Workload("real-groups/2", prompts, max_tokens, meta)
 
     prompts, meta = [], []
-    for seed, ex in wrong:
+    asked = P.REAL_QUESTIONS[:wrong_questions]
+    for seed, ex in passphrases(m // wrong_questions):
         new = P.make_example(seed + 10_000, split, history="none").passphrase
         system = P.REAL_SYSTEM.format(p=ex.passphrase)
         update = tuple(t.format(p=new) for t in UPDATE_TURN)

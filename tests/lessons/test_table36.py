@@ -274,15 +274,16 @@ def test_timing_repeats_give_a_spread_and_evidence_says_how_many_runs(lm):
 
 def test_real_groups_score_more_requests_in_groups_2_and_3(lm):
     tok = lm[1]
-    g = T.real_groups(tok, n=1, questions=1, block_size=BLOCK, translations=0, n_wrong=3, wrong_questions=2)
+    g = T.real_groups(tok, n=1, questions=1, block_size=BLOCK, translations=0, n_wrong=6, wrong_questions=2)
     g2, g3 = g[2], g[3]
-    assert len(g2.served()) == len(g3.served()) == 6 and len(g2) == len(g3) == 9
-    for b in g2.served():  # B's system turn reappears in its donor after the block-aligned preamble
+    assert len(g2.served()) == len(g3.served()) == 6 and len(g2) == 12 and len(g3) == 9
+    assert len({g2.meta[b]["seed"] for b in g2.served()}) == 6  # no two scored requests of group 2 share a start
+    for b in g2.served():  # B's whole text reappears in its own donor after the block-aligned preamble
         a, off = g2.meta[b]["donor"], g2.meta[b]["offset"]
-        head = len(tok(T.P.chatml("system", T.P.REAL_SYSTEM.format(p=g2.meta[b]["expected"])),
-                       add_special_tokens=False)["input_ids"])
-        assert g2.prompts[a][off:off + head] == g2.prompts[b][:head]
+        assert g2.prompts[a][off:] == g2.prompts[b]
     assert len({g3.meta[b]["question"] for b in g3.served()}) == 2
+    with pytest.raises(ValueError, match="multiple"):
+        T.real_groups(tok, n=1, n_wrong=5, wrong_questions=2)
     for b in g3.served():
         m = g3.meta[b]
         assert tok.decode(m["beyond_prompt"]).rstrip().endswith("assistant") and m["question"] in tok.decode(m["beyond_prompt"])
