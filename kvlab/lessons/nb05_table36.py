@@ -142,20 +142,26 @@ def _prompts(workload: Workload, group: int, mode: str) -> list[list[int]]:
 
 
 def run_mode(model: Any, tokenizer: Any, workload: Workload, group: int, mode: str, block_size: int = 16,
-             max_num_batched_tokens: int = 4096, max_tokens: int | None = None) -> dict[str, Any]:
+             max_num_batched_tokens: int = 4096, max_tokens: int | None = None, donors: bool = True) -> dict[str, Any]:
     """Run one row once: the engine's outputs (prompt order), peak KV bytes and the engine's stats.
 
-    Donors (they only fill the cache) get one new token; ``max_tokens=1`` makes a prefill-only run, whose TTFT is the
-    full run's (every request is admitted in the first step)."""
+    Donors (they only fill the cache) get one new token; ``donors=False`` leaves them out (their outputs are None),
+    for a row whose answers alone count. ``max_tokens=1`` makes a prefill-only run, whose TTFT is the full run's
+    (every request is admitted in the first step)."""
     engine = make_engine(model, tokenizer, group, mode, _num_blocks(workload, block_size), block_size,
                          max_num_batched_tokens=max_num_batched_tokens)
     new = workload.max_tokens if max_tokens is None else max_tokens
-    sampling = [SamplingParams(max_tokens=1 if m.get("role") == "donor" else new) for m in workload.meta] \
-        if workload.meta else SamplingParams(max_tokens=new)
-    outs = engine.generate(_prompts(workload, group, mode), sampling)
-    bad = [o.error for o in outs if o.finish_reason == "error"]
+    meta = workload.meta or [{}] * len(workload)
+    keep = [i for i, m in enumerate(meta) if donors or m.get("role") != "donor"]
+    prompts = _prompts(workload, group, mode)
+    sampling = [SamplingParams(max_tokens=1 if meta[i].get("role") == "donor" else new) for i in keep]
+    got = engine.generate([prompts[i] for i in keep], sampling)
+    bad = [o.error for o in got if o.finish_reason == "error"]
     if bad:
         raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    outs: list[Any] = [None] * len(workload)
+    for i, o in zip(keep, got):
+        outs[i] = o
     return {"outputs": outs, "peak_kv_bytes": engine.peak_kv_bytes, "stats": engine.stats()}
 
 
@@ -191,8 +197,10 @@ def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: i
 
     Each row runs once in full (answers, scores, latency, peak KV, the first TTFT); the groups in ``timed`` (default:
     all) run ``repeats - 1`` more prefill-only times per mode, the modes interleaved, for the TTFT's median and
-    spread. Returns ``(table, runs)``: a DataFrame with one row per (group, mode) (``TTFT runs (ms)``: each run's
-    mean TTFT), and the full run of each row (outputs and stats) keyed by ``(group, mode)``.
+    spread. The other groups are scored on their answers only: their isolated row runs without the donors (which
+    change no scored answer) and their time and KV columns are NaN (``timed runs`` 0). Returns ``(table, runs)``:
+    a DataFrame with one row per (group, mode) (``TTFT runs (ms)``: each run's mean TTFT), and the full run of
+    each row (outputs and stats) keyed by ``(group, mode)``.
     """
     import pandas as pd
 
@@ -209,22 +217,25 @@ def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: i
         todo = tqdm(todo, desc="table 3.6 runs")
     runs, ttft = {}, {(g, m): [] for g in groups for m in MODES}
     for group, mode, new in todo:
-        run = run_mode(model, tokenizer, groups[group], group, mode, block_size, max_tokens=new)
+        donors = group in timed or mode != "isolated"
+        run = run_mode(model, tokenizer, groups[group], group, mode, block_size, max_tokens=new, donors=donors)
         runs.setdefault((group, mode), run)
-        ttft[(group, mode)].append(_mean_ttft_ms(run, groups[group].served()))
-    rows = []
+        if group in timed:
+            ttft[(group, mode)].append(_mean_ttft_ms(run, groups[group].served()))
+    rows, nan = [], float("nan")
     for group in groups:
         wl = groups[group]
         reference = runs[(group, "isolated")]["outputs"]
         for mode in MODES:
             run, times = runs[(group, mode)], ttft[(group, mode)]
+            latency = statistics.mean(run["outputs"][i].latency for i in wl.served()) * 1e3 if times else nan
             rows.append({"group": group, "condition": GROUP_CONDITIONS[group][0], "mode": mode,
                          "bug": WRONG_MODES[group] if mode == "shared (wrong)" else "",
-                         "requests": len(wl.served()), "TTFT (ms)": statistics.median(times),
-                         "TTFT min (ms)": min(times), "TTFT max (ms)": max(times), "timed runs": len(times),
-                         "TTFT runs (ms)": tuple(times),
-                         "total latency (ms)": statistics.mean(run["outputs"][i].latency for i in wl.served()) * 1e3,
-                         "peak KV (KiB)": run["peak_kv_bytes"] / 1024, **_score_rows(wl, reference, run)})
+                         "requests": len(wl.served()), "TTFT (ms)": statistics.median(times) if times else nan,
+                         "TTFT min (ms)": min(times, default=nan), "TTFT max (ms)": max(times, default=nan),
+                         "timed runs": len(times), "TTFT runs (ms)": tuple(times), "total latency (ms)": latency,
+                         "peak KV (KiB)": run["peak_kv_bytes"] / 1024 if times else nan,
+                         **_score_rows(wl, reference, run)})
     return pd.DataFrame(rows), runs
 
 
@@ -239,6 +250,8 @@ def ttft_ratios(table: Any, group: int, mode: str) -> list[float]:
 def ttft_text(table: Any, group: int, mode: str, repeats: int | None = None) -> str:
     """``TTFT x0.71 (x0.66-x0.80 over 3 paired runs)``, or one run's ratio marked as not evidence."""
     ratios = ttft_ratios(table, group, mode)
+    if not ratios or ratios[0] != ratios[0]:  # an answers-only group: no timing
+        return "TTFT not timed (answers only)"
     n = len(ratios) if repeats is None or len(ratios) > 1 else repeats
     mid = statistics.median(ratios)
     if n < 3:
@@ -269,7 +282,7 @@ def compare_with_article(table: Any):
                 "memory ratio, article": a[2] / a_iso[2] if a else float("nan"),
                 "identical, ours": ours["identical"],
                 "consistent, article": a[3] if a else None,
-                "timed runs": int(min(ours.get("timed runs", 1), iso.get("timed runs", 1))),
+                "timed runs": int(min(ours.get("timed runs", 1), iso.get("timed runs", 1))),  # 0: answers only
             })
     return pd.DataFrame(rows)
 

@@ -261,13 +261,20 @@ def test_timing_repeats_give_a_spread_and_evidence_says_how_many_runs(lm):
     small = W.seed_groups(tok, n=2, block_size=BLOCK, max_tokens=2)
     table, runs = T.table_36(model, tok, small, repeats=3, block_size=BLOCK, timed=[1], warmup=False)
     d = table.set_index(["group", "mode"])
-    assert (d.loc[1, "timed runs"] == 3).all() and (d.loc[2, "timed runs"] == 1).all()
+    assert (d.loc[1, "timed runs"] == 3).all() and (d.loc[2, "timed runs"] == 0).all()
     assert all(len(r) == 3 for r in d.loc[1, "TTFT runs (ms)"])
-    assert (d["TTFT min (ms)"] <= d["TTFT (ms)"]).all() and (d["TTFT (ms)"] <= d["TTFT max (ms)"]).all()
+    t1 = d.loc[1]
+    assert (t1["TTFT min (ms)"] <= t1["TTFT (ms)"]).all() and (t1["TTFT (ms)"] <= t1["TTFT max (ms)"]).all()
+    assert d.loc[2, ["TTFT (ms)", "total latency (ms)", "peak KV (KiB)"]].isna().all().all()  # answers only
     assert len(T.ttft_ratios(table, 1, "shared (correct)")) == 3
     ev = T.evidence(table)
     assert "over 3 paired runs" in ev["identical-prefix"] and "not evidence" not in ev["identical-prefix"]
-    assert "1 run: a timing, not evidence" in ev["overlap-different-start"]
+    assert "TTFT not timed" in ev["overlap-different-start"]
+    # the answers-only isolated row ran without the donors, the scored requests all have outputs
+    iso2 = runs[(2, "isolated")]["outputs"]
+    assert all(iso2[i] is None for i, m in enumerate(small[2].meta) if m["role"] == "donor")
+    assert all(iso2[i] is not None for i in small[2].served())
+    assert (d.loc[2, "requests"] == len(small[2].served())).all() and d.loc[(2, "shared (correct)"), "identical"] == 1
     assert runs[(1, "isolated")]["outputs"][0].output_ids  # the full run is the one kept, not a prefill-only one
     assert all(len(o.output_ids) == 2 for i, o in enumerate(runs[(1, "isolated")]["outputs"]))
 
