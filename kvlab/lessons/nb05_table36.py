@@ -315,13 +315,14 @@ def evidence(table: Any, repeats: int | None = None) -> dict[str, str]:
         r = d.loc[(g, m)]
         recall = "" if r["recall"] != r["recall"] else f", recall {r['recall']:.0%}"
         n = f"{int(r['requests'])} requests: " if "requests" in r else ""
-        return f"{n}{r['identical']:.0%} identical{recall}, {ttft_text(table, g, m, repeats)}"
+        timing = ttft_text(table, g, m, repeats)
+        return f"{n}{r['identical']:.0%} identical{recall}" + ("" if timing.startswith("TTFT not timed") else f", {timing}")
 
     return {
         "identical-prefix": f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
         "same-start": f"nb05 group 2, B after donor A's other start: chained keys "
-                      f"{d.loc[(2, 'shared (correct)'), 'cached tokens']:.0f} cached tokens per request; "
-                      f"content-only keys: {d.loc[(2, 'shared (wrong)'), 'cached tokens']:.0f}, {row(2, 'shared (wrong)')}",
+                      f"{d.loc[(2, 'shared (correct)'), 'cached tokens']:.1f} cached tokens per request; "
+                      f"content-only keys: {d.loc[(2, 'shared (wrong)'), 'cached tokens']:.1f}, {row(2, 'shared (wrong)')}",
         "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
         "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, "
                                f"answered A's passphrase {d.loc[(3, 'shared (wrong)'), 'answered A' + chr(39) + 's passphrase']:.0%}",
