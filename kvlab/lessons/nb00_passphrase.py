@@ -343,3 +343,68 @@ def fig_shared_prefix(manager: Any, seq_ids: Sequence[Any] | None = None, labels
                  fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- the top-down start: a live server
+
+# The article's section 3.5 request: one translation system prompt, two texts after it.
+ARTICLE_TRANSLATION = ("你是一个专业的翻译助手，请将以下内容翻译成英文：", ("今天天气很好。", "明天会下雨吗？"))
+
+
+def start_server(model: str | None, device: str | None = None, dtype: str | None = None) -> Any:
+    """``python -m kvlab.serve --model MODEL`` in the background on 127.0.0.1 (a free port), ready on return.
+
+    Returns a ``kvlab.audit.local.ServerProcess``: ``base_url`` (…/v1), ``started_s``, ``close()``."""
+    from kvlab.audit.local import start_kvlab
+
+    return start_kvlab(model, "shared", device=None if device in (None, "auto") else device, dtype=dtype).wait_ready()
+
+
+def ask(client: Any, model: str, system: str, user: str, max_tokens: int = 16) -> dict[str, Any]:
+    """One streamed chat request through an ``openai.OpenAI`` client: its text, TTFT seen by the client, and usage."""
+    import time
+
+    t0, ttft, text, usage = time.perf_counter(), None, "", None
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    if usage is None:
+        raise RuntimeError("the server sent no usage: it must support stream_options={'include_usage': True}")
+    details = usage.prompt_tokens_details
+    return {"text": text, "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+            "prompt_tokens": usage.prompt_tokens, "cached_tokens": (details.cached_tokens if details else 0) or 0}
+
+
+def cache_counters(base_url: str, http: Any = None) -> dict[str, float]:
+    """The server's ``/metrics`` prefix-cache counters: prompt tokens looked up (``queries``) and found (``hits``).
+
+    ``http``: anything with httpx's ``get`` (default: the ``httpx`` module itself)."""
+    import httpx
+
+    from kvlab.doctor.vllm_metrics import parse_metrics
+
+    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    r = http.get(root + "/metrics") if http is not None else httpx.get(root + "/metrics", timeout=10)
+    m = parse_metrics(r.text)
+    return {"queries": m["queries"] or 0.0, "hits": m["hits"] or 0.0}
+
+
+def positions_restart(model: Any, tokenizer: Any, examples: Sequence[P.PassphraseExample],
+                      max_new_tokens: int = 16) -> tuple[int, int]:
+    """Each example's user turn on its own cached prefix, positions right vs restarting at 0 (the position bug);
+    returns (answers token-identical, examples)."""
+    stops, same = eos_ids(model, tokenizer), 0
+    for ex in examples:
+        cache = PrefixCache.build(model, tokenizer, ex.prefix_text)
+        suffix = encode(tokenizer, ex.suffix_text)
+        right = continue_from_cache(model, cache.fork().cache, suffix, len(cache.token_ids),
+                                    max_new_tokens=max_new_tokens, stop_ids=stops)[0]
+        wrong = continue_from_cache(model, cache.fork().cache, suffix, 0, max_new_tokens=max_new_tokens, stop_ids=stops)[0]
+        same += list(right) == list(wrong)
+    return same, len(examples)

@@ -37,9 +37,9 @@ from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verd
 from kvlab.lessons.nb03_position import token_agreement
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
 
-__all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
+__all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "ContentKeyedBlockManager", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
            "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "content_hash",
-           "content_keyed_engine", "evidence", "fig_table36", "make_engine", "run_mode", "table_36",
+           "content_keyed_engine", "evidence", "ttft_ratios", "ttft_text", "fig_table36", "make_engine", "run_mode", "table_36",
            "TRANSLATION", "TracingEngine", "answers_table", "bench_tables", "format_step", "groups_for",
            "is_real_chat_model", "latest_bench", "pick_model", "real_groups", "trace_three_requests"]
 
@@ -101,14 +101,17 @@ class ContentKeyedPool(BlockPool):
         return next((b for b in self.cached.get(block_hash, ()) if b.token_ids == list(token_ids)), None)
 
 
+class ContentKeyedBlockManager(BlockManager):
+    """kvlab's ``BlockManager`` keyed on each block's own tokens (``content_hash``, ``ContentKeyedPool``): the bug."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        super().__init__(num_blocks, block_size, hash_fn=content_hash)
+        self.pool = ContentKeyedPool(num_blocks, block_size)  # built here, before any engine sees the manager
+
+
 def content_keyed_engine(model: Any, tokenizer: Any, num_blocks: int, block_size: int = 16, **kwargs: Any) -> Engine:
     """An engine whose prefix cache is keyed on each block's tokens only (no chain, no position)."""
-    engine = Engine(model, tokenizer, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True,
-                    **kwargs)
-    bm = BlockManager(num_blocks, block_size, hash_fn=content_hash)
-    bm.pool = ContentKeyedPool(num_blocks, block_size)
-    engine.block_manager = engine.scheduler.block_manager = bm
-    return engine
+    return Engine(model, tokenizer, cache=ContentKeyedBlockManager(num_blocks, block_size), **kwargs)
 
 
 # ----------------------------------------------------------------------------- running one mode
@@ -139,14 +142,26 @@ def _prompts(workload: Workload, group: int, mode: str) -> list[list[int]]:
 
 
 def run_mode(model: Any, tokenizer: Any, workload: Workload, group: int, mode: str, block_size: int = 16,
-             max_num_batched_tokens: int = 4096) -> dict[str, Any]:
-    """Run one row once: the engine's outputs (prompt order), peak KV bytes and the engine's stats."""
+             max_num_batched_tokens: int = 4096, max_tokens: int | None = None, donors: bool = True) -> dict[str, Any]:
+    """Run one row once: the engine's outputs (prompt order), peak KV bytes and the engine's stats.
+
+    Donors (they only fill the cache) get one new token; ``donors=False`` leaves them out (their outputs are None),
+    for a row whose answers alone count. ``max_tokens=1`` makes a prefill-only run, whose TTFT is the full run's
+    (every request is admitted in the first step)."""
     engine = make_engine(model, tokenizer, group, mode, _num_blocks(workload, block_size), block_size,
                          max_num_batched_tokens=max_num_batched_tokens)
-    outs = engine.generate(_prompts(workload, group, mode), SamplingParams(max_tokens=workload.max_tokens))
-    bad = [o.error for o in outs if o.finish_reason == "error"]
+    new = workload.max_tokens if max_tokens is None else max_tokens
+    meta = workload.meta or [{}] * len(workload)
+    keep = [i for i, m in enumerate(meta) if donors or m.get("role") != "donor"]
+    prompts = _prompts(workload, group, mode)
+    sampling = [SamplingParams(max_tokens=1 if meta[i].get("role") == "donor" else new) for i in keep]
+    got = engine.generate([prompts[i] for i in keep], sampling)
+    bad = [o.error for o in got if o.finish_reason == "error"]
     if bad:
         raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    outs: list[Any] = [None] * len(workload)
+    for i, o in zip(keep, got):
+        outs[i] = o
     return {"outputs": outs, "peak_kv_bytes": engine.peak_kv_bytes, "stats": engine.stats()}
 
 
@@ -169,38 +184,80 @@ def _score_rows(workload: Workload, reference: list[Any], run: dict[str, Any]) -
             "cached tokens": statistics.mean(outs[i].num_cached_tokens for i in served)}
 
 
-def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: int = 3, block_size: int = 16,
-             progress: bool = False):
-    """The table: per group, isolated / shared (correct) / shared (wrong); medians of ``repeats`` runs.
+MODES = ("isolated", "shared (correct)", "shared (wrong)")
 
-    Returns ``(table, runs)``: a DataFrame with one row per (group, mode), and the first run of each
-    row (outputs and stats) keyed by ``(group, mode)``.
+
+def _mean_ttft_ms(run: dict[str, Any], served: list[int]) -> float:
+    return statistics.mean(run["outputs"][i].ttft for i in served) * 1e3
+
+
+def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: int = 3, block_size: int = 16,
+             progress: bool = False, timed: Sequence[int] | None = None, warmup: bool = True):
+    """The table: per group, isolated / shared (correct) / shared (wrong).
+
+    Each row runs once in full (answers, scores, latency, peak KV, the first TTFT); the groups in ``timed`` (default:
+    all) run ``repeats - 1`` more prefill-only times per mode, the modes interleaved, for the TTFT's median and
+    spread. The other groups are scored on their answers only: their isolated row runs without the donors (which
+    change no scored answer) and their time and KV columns are NaN (``timed runs`` 0). Returns ``(table, runs)``:
+    a DataFrame with one row per (group, mode) (``TTFT runs (ms)``: each run's mean TTFT), and the full run of
+    each row (outputs and stats) keyed by ``(group, mode)``.
     """
     import pandas as pd
 
-    rows, runs = [], {}
-    first = next(iter(groups.values()))
-    warm = Workload(first.name, first.prompts[:2], 2, first.meta[:2])
-    run_mode(model, tokenizer, warm, 1, "isolated", block_size)  # warm-up (first-call costs), not timed
-    todo = [(g, m) for g in groups for m in ("isolated", "shared (correct)", "shared (wrong)")]
+    timed = set(groups) if timed is None else set(timed)
+    if warmup:
+        first = next(iter(groups.values()))
+        warm = Workload(first.name, first.prompts[:2], 2, first.meta[:2])
+        run_mode(model, tokenizer, warm, 1, "isolated", block_size)  # warm-up (first-call costs), not timed
+    todo = [(g, m, None) for g in groups for m in MODES]
+    todo += [(g, m, 1) for g in groups if g in timed for _ in range(repeats - 1) for m in MODES]
     if progress:
         from tqdm.auto import tqdm
 
-        todo = tqdm(todo, desc="table 3.6")
-    for group, mode in todo:
+        todo = tqdm(todo, desc="table 3.6 runs")
+    runs, ttft = {}, {(g, m): [] for g in groups for m in MODES}
+    for group, mode, new in todo:
+        donors = group in timed or mode != "isolated"
+        run = run_mode(model, tokenizer, groups[group], group, mode, block_size, max_tokens=new, donors=donors)
+        runs.setdefault((group, mode), run)
+        if group in timed:
+            ttft[(group, mode)].append(_mean_ttft_ms(run, groups[group].served()))
+    rows, nan = [], float("nan")
+    for group in groups:
         wl = groups[group]
-        reps = [run_mode(model, tokenizer, wl, group, mode, block_size) for _ in range(repeats)]
-        runs[(group, mode)] = reps[0]
-        served = wl.served()
-        ttft = statistics.median(statistics.mean(r["outputs"][i].ttft for i in served) for r in reps)
-        latency = statistics.median(statistics.mean(r["outputs"][i].latency for i in served) for r in reps)
         reference = runs[(group, "isolated")]["outputs"]
-        rows.append({"group": group, "condition": GROUP_CONDITIONS[group][0], "mode": mode,
-                     "bug": WRONG_MODES[group] if mode == "shared (wrong)" else "",
-                     "requests": len(served), "TTFT (ms)": ttft * 1e3, "total latency (ms)": latency * 1e3,
-                     "peak KV (KiB)": reps[0]["peak_kv_bytes"] / 1024,
-                     **_score_rows(wl, reference, reps[0])})
+        for mode in MODES:
+            run, times = runs[(group, mode)], ttft[(group, mode)]
+            latency = statistics.mean(run["outputs"][i].latency for i in wl.served()) * 1e3 if times else nan
+            rows.append({"group": group, "condition": GROUP_CONDITIONS[group][0], "mode": mode,
+                         "bug": WRONG_MODES[group] if mode == "shared (wrong)" else "",
+                         "requests": len(wl.served()), "TTFT (ms)": statistics.median(times) if times else nan,
+                         "TTFT min (ms)": min(times, default=nan), "TTFT max (ms)": max(times, default=nan),
+                         "timed runs": len(times), "TTFT runs (ms)": tuple(times), "total latency (ms)": latency,
+                         "peak KV (KiB)": run["peak_kv_bytes"] / 1024 if times else nan,
+                         **_score_rows(wl, reference, run)})
     return pd.DataFrame(rows), runs
+
+
+def ttft_ratios(table: Any, group: int, mode: str) -> list[float]:
+    """Per run, ``mode``'s mean TTFT over the isolated row's in the same repeat (the runs are interleaved)."""
+    d = table.set_index(["group", "mode"])
+    if "TTFT runs (ms)" not in d.columns:
+        return [d.loc[(group, mode), "TTFT (ms)"] / d.loc[(group, "isolated"), "TTFT (ms)"]]
+    return [a / b for a, b in zip(d.loc[(group, mode), "TTFT runs (ms)"], d.loc[(group, "isolated"), "TTFT runs (ms)"])]
+
+
+def ttft_text(table: Any, group: int, mode: str, repeats: int | None = None) -> str:
+    """``TTFT x0.71 (x0.66-x0.80 over 3 paired runs)``, or one run's ratio marked as not evidence."""
+    ratios = ttft_ratios(table, group, mode)
+    if not ratios or ratios[0] != ratios[0]:  # an answers-only group: no timing
+        return "TTFT not timed (answers only)"
+    n = len(ratios) if repeats is None or len(ratios) > 1 else repeats
+    mid = statistics.median(ratios)
+    if n < 3:
+        return f"TTFT x{mid:.2f} ({n} run{'s' if n > 1 else ''}: a timing, not evidence)"
+    spread = f"x{min(ratios):.2f}-x{max(ratios):.2f} over {n} paired runs" if len(ratios) > 1 else f"median of {n} runs"
+    return f"TTFT x{mid:.2f} ({spread})"
 
 
 def compare_with_article(table: Any):
@@ -225,6 +282,7 @@ def compare_with_article(table: Any):
                 "memory ratio, article": a[2] / a_iso[2] if a else float("nan"),
                 "identical, ours": ours["identical"],
                 "consistent, article": a[3] if a else None,
+                "timed runs": int(min(ours.get("timed runs", 1), iso.get("timed runs", 1))),  # 0: answers only
             })
     return pd.DataFrame(rows)
 
@@ -248,22 +306,23 @@ def fig_table36(table: Any):
     return fig
 
 
-def evidence(table: Any, repeats: int = 3) -> dict[str, str]:
-    """Decision-table evidence (row name -> text) from a measured table 3.6; a TTFT ratio from fewer than
-    three ``repeats`` is marked as one run's, not as evidence of a saving."""
+def evidence(table: Any, repeats: int | None = None) -> dict[str, str]:
+    """Decision-table evidence (row name -> text) from a measured table 3.6: answers from the scored requests, a
+    TTFT ratio with its spread over the paired runs (fewer than three runs are marked as not evidence)."""
     d = table.set_index(["group", "mode"])
-    runs = "" if repeats >= 3 else f" ({repeats} run: a timing, not evidence)"
 
     def row(g: int, m: str) -> str:
         r = d.loc[(g, m)]
-        ratio = r["TTFT (ms)"] / d.loc[(g, "isolated"), "TTFT (ms)"]
         recall = "" if r["recall"] != r["recall"] else f", recall {r['recall']:.0%}"
-        return f"{r['identical']:.0%} identical{recall}, TTFT x{ratio:.2f}{runs}"
+        n = f"{int(r['requests'])} requests: " if "requests" in r else ""
+        timing = ttft_text(table, g, m, repeats)
+        return f"{n}{r['identical']:.0%} identical{recall}" + ("" if timing.startswith("TTFT not timed") else f", {timing}")
 
     return {
         "identical-prefix": f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
-        "same-start": f"nb05 group 2: chained keys share nothing ({d.loc[(2, 'shared (correct)'), 'cached tokens']:.0f} tokens); "
-                      f"content-only keys: {row(2, 'shared (wrong)')}",
+        "same-start": f"nb05 group 2, B after donor A's other start: chained keys "
+                      f"{d.loc[(2, 'shared (correct)'), 'cached tokens']:.1f} cached tokens per request; "
+                      f"content-only keys: {d.loc[(2, 'shared (wrong)'), 'cached tokens']:.1f}, {row(2, 'shared (wrong)')}",
         "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
         "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, "
                                f"answered A's passphrase {d.loc[(3, 'shared (wrong)'), 'answered A' + chr(39) + 's passphrase']:.0%}",
@@ -410,7 +469,8 @@ def _turns(system: str, *turns: tuple[str, str], question: str) -> str:
 
 
 def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int = 16, max_tokens: int = 16,
-                split: str = "heldout", start: int = 0, translations: int = 2) -> dict[int, Workload]:
+                split: str = "heldout", start: int = 0, translations: int = 2, n_wrong: int | None = None,
+                wrong_questions: int = 1) -> dict[int, Workload]:
     """The article's three groups in real text for a ChatML chat model (SmolLM2), as token-id workloads.
 
     Group 1: ``n`` passphrase system prompts (``passphrase.REAL_SYSTEM``), ``questions`` different questions
@@ -418,6 +478,8 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
     passphrase prompt, and donor A = a block-aligned extra system turn + B's whole text. Group 3: the same
     system prompt; A's history changes the passphrase, B asks without that history. Answers are scored with
     ``passphrase.mentions`` (a chat model answers in a sentence); translations have no expected answer.
+    Groups 2 and 3 score ``n_wrong`` requests each (default ``n``): group 2 one per passphrase (each its own donor, so
+    no two scored requests share a start), group 3 ``wrong_questions`` per passphrase (the donor asks the first).
     """
     groups: dict[int, Workload] = {}
     prompts, meta = [], []
@@ -439,44 +501,55 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
     prompts, meta, donors = [], [], {}
     from kvlab.lessons.workloads import _aligned_preamble
 
-    for seed, ex in zip(range(start, start + n), examples):
+    m = n if n_wrong is None else n_wrong
+    if wrong_questions < 1 or m % wrong_questions:
+        raise ValueError(f"n_wrong={m} must be a multiple of wrong_questions={wrong_questions} (>= 1)")
+
+    def passphrases(k: int) -> list[tuple[int, Any]]:
+        return [(seed, P.make_example(seed, split, history="none")) for seed in range(start, start + k)]
+
+    for seed, ex in passphrases(m):
         b = _ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0]))
         pre = _aligned_preamble(tokenizer, seed, block_size, split)
         donors[seed] = len(prompts)
         prompts.append(pre + b)
         meta.append({"group": 2, "seed": seed, "role": "donor", "expected": ex.answer, "lenient": True,
                      "offset": len(pre)})
-    for seed, ex in zip(range(start, start + n), examples):
+    for seed, ex in passphrases(m):
         prompts.append(_ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0])))
         meta.append({"group": 2, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
                      "donor": donors[seed], "offset": meta[donors[seed]]["offset"]})
     groups[2] = Workload("real-groups/2", prompts, max_tokens, meta)
 
     prompts, meta = [], []
-    for seed, ex in zip(range(start, start + n), examples):
+    asked = P.REAL_QUESTIONS[:wrong_questions]
+    for seed, ex in passphrases(m // wrong_questions):
         new = P.make_example(seed + 10_000, split, history="none").passphrase
         system = P.REAL_SYSTEM.format(p=ex.passphrase)
         update = tuple(t.format(p=new) for t in UPDATE_TURN)
-        question = P.REAL_QUESTIONS[0]
         a_history = P.chatml("system", system) + P.chatml("user", update[0]) + P.chatml("assistant", update[1])
-        beyond = _ids(tokenizer, a_history) + _ids(tokenizer, P.chatml("user", question) + P.IM_START + "assistant\n")
-        prompts.append(_ids(tokenizer, _turns(system, update, question=question)))
+        prefix_tokens = len(_ids(tokenizer, P.chatml("system", system)))
+        prompts.append(_ids(tokenizer, _turns(system, update, question=asked[0])))
         meta.append({"group": 3, "seed": seed, "role": "donor", "expected": new, "lenient": True,
-                     "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
-        prompts.append(_ids(tokenizer, _turns(system, question=question)))
-        meta.append({"group": 3, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
-                     "prefix_tokens": meta[-1]["prefix_tokens"], "beyond_prompt": beyond, "other_answer": new})
+                     "prefix_tokens": prefix_tokens})
+        for question in asked:
+            beyond = _ids(tokenizer, a_history) + _ids(tokenizer, P.chatml("user", question) + P.IM_START + "assistant\n")
+            prompts.append(_ids(tokenizer, _turns(system, question=question)))
+            meta.append({"group": 3, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
+                         "question": question, "prefix_tokens": prefix_tokens, "beyond_prompt": beyond,
+                         "other_answer": new})
     groups[3] = Workload("real-groups/3", prompts, max_tokens, meta)
     return groups
 
 
-def groups_for(tokenizer: Any, n: int, block_size: int = 16, max_tokens: int = 12, translations: int = 2
-               ) -> dict[int, Workload]:
-    """``real_groups`` for a chat model with a ChatML template, else the bundled model's ``seed_groups``."""
+def groups_for(tokenizer: Any, n: int, block_size: int = 16, max_tokens: int = 12, translations: int = 2,
+               n_wrong: int | None = None, wrong_questions: int = 1) -> dict[int, Workload]:
+    """``real_groups`` for a chat model with a ChatML template, else the bundled model's ``seed_groups`` (``n``)."""
     from kvlab.lessons.workloads import seed_groups
 
     if is_real_chat_model(tokenizer):
-        return real_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, translations=translations)
+        return real_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, translations=translations,
+                           n_wrong=n_wrong, wrong_questions=wrong_questions)
     return seed_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens)
 
 

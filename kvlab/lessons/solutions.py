@@ -325,3 +325,10 @@ def build_04_allocate(blocks, seq_id, token_ids, hashes):
             blocks.register(table[-1], hashes[i])  # a full block: later requests may hit it
     blocks.tables[seq_id] = table
     return cached
+
+
+# ----------------------------------------------------------------------------- build exercise 05.B
+
+def build_05_slot_mapping(block_table, block_size, start, end):
+    """05.B: position p's K/V goes to physical block block_table[p // block_size], at offset p % block_size."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -1,7 +1,9 @@
 """The build exercises (notebooks 01, 02, 04): the worked solution passes its checker, a blank stub gets
 "not yet" with a hint, a deliberately wrong answer gets a hint, and ``use_reference`` picks the right piece."""
 
+import pytest
 
+from kvlab.engine import SamplingParams
 from kvlab.lessons import nb01_attention as A
 from kvlab.lessons import nb02_prefix as R
 from kvlab.lessons import nb04_blocks as L
@@ -195,3 +197,106 @@ def test_use_reference_picks_yours_only_when_the_check_passed(capsys):
     assert use_reference(mine, Verdict(False, "not yet"), ref, "build_01_decode_step") is ref
     assert "build_01_decode_step" in capsys.readouterr().out
     assert use_reference(None, Verdict(False, "not yet"), ref) is ref
+
+
+# ----------------------------------------------------------------------------- 05.B the slot mapping, and the
+# reader's notebook-04 pieces running the engine
+
+@pytest.fixture(scope="module")
+def three_traced(bundled):
+    """Three prompts sharing a 40-token prefix through TracingEngine on a ToyManager run by the worked 04 pieces."""
+    from kvlab.lessons import nb05_table36 as T
+    from kvlab.lessons.nb05_assemble import ToyManager
+
+    model, tok = bundled
+    prefix = list(range(100, 140))
+    prompts = [prefix + [200 + i, 300 + i, 400 + i] for i in range(3)]
+    manager = ToyManager(32, 16, SOL.build_04_allocate, SOL.build_04_block_hashes)
+    engine = T.TracingEngine(model, tok, cache=manager)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    return engine, manager, prompts, outs
+
+
+def test_05_slot_mapping_solution_and_reference_match_the_engine(three_traced):
+    from kvlab.lessons import nb05_assemble as AS
+
+    engine, _, _, _ = three_traced
+    assert AS.check_slot_mapping(SOL.build_05_slot_mapping, engine.trace, 16)
+    assert AS.check_slot_mapping(AS.reference_slot_mapping, engine.trace, 16)
+    assert "traced request steps" in str(AS.check_slot_mapping(SOL.build_05_slot_mapping, engine.trace, 16))
+
+
+def test_05_slot_mapping_blank_and_wrong_answers_get_hints(three_traced):
+    from kvlab.lessons import nb05_assemble as AS
+
+    trace = three_traced[0].trace
+    assert_not_yet(AS.check_slot_mapping(blank, trace, 16), "no answer yet. Hint: ", "block_table[p // block_size]")
+    assert_not_yet(AS.check_slot_mapping(None), "no answer yet")
+
+    def logical(table, bs, start, end):
+        return list(range(start, end))
+
+    def no_times(table, bs, start, end):
+        return [table[p // bs] + p % bs for p in range(start, end)]
+
+    def from_zero(table, bs, start, end):
+        return SOL.build_05_slot_mapping(table, bs, 0, end)
+
+    def one_short(table, bs, start, end):
+        return SOL.build_05_slot_mapping(table, bs, start, end - 1)
+
+    assert_not_yet(AS.check_slot_mapping(logical, trace, 16), "logical -> physical")
+    assert_not_yet(AS.check_slot_mapping(no_times, trace, 16), "multiply the physical block id")
+    assert_not_yet(AS.check_slot_mapping(from_zero, trace, 16), "already in the cache")
+    assert_not_yet(AS.check_slot_mapping(one_short, trace, 16), "one slot per position")
+    assert_not_yet(AS.check_slot_mapping(lambda *a: 1 / 0, trace, 16), "ZeroDivisionError")
+
+
+def test_toy_manager_runs_the_engine_as_kvlabs_block_manager_does(bundled, three_traced):
+    from kvlab.cache.block_manager import BlockManager
+    from kvlab.engine import Engine
+    from kvlab.lessons import nb05_assemble as AS
+
+    model, tok = bundled
+    engine, manager, prompts, outs = three_traced
+    ref = Engine(model, tok, cache=BlockManager(32, 16)).generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
+    assert [o.num_cached_tokens for o in outs] == [o.num_cached_tokens for o in ref] == [0, 32, 32]
+    prefill = engine.trace[0]["rows"]
+    tables = {r["request"]: r["block table"] for r in prefill}
+    assert len(AS.shared_blocks(tables)) == 2  # the prefix's two full blocks, stored once
+    assert not manager.seqs and manager.num_free_blocks == 32
+    manager.check_invariants()
+    text = AS.describe_requests(engine.trace[0], AS.reference_slot_mapping, 16)
+    assert "(= the engine's)" in text and "physical blocks in all 3 block tables" in text
+
+
+def test_toy_manager_refuses_what_it_lacks_and_bad_sizes():
+    from kvlab.lessons.nb05_assemble import ToyManager
+
+    m = ToyManager(8, 4, SOL.build_04_allocate, SOL.build_04_block_hashes)
+    m.allocate("a", list(range(9)))
+    with pytest.raises(NotImplementedError, match="BlockManager"):
+        m.fork("a", "b")
+    with pytest.raises(ValueError, match="already allocated"):
+        m.allocate("a", [1, 2])
+    with pytest.raises(ValueError, match="num_blocks"):
+        ToyManager(0, 4, SOL.build_04_allocate, SOL.build_04_block_hashes)
+
+    def greedy(blocks, seq_id, token_ids, hashes):  # claims the whole prompt from the cache
+        SOL.build_04_allocate(blocks, seq_id, token_ids, hashes)
+        return len(token_ids)
+
+    with pytest.raises(ValueError, match="whole blocks, below the prompt"):
+        ToyManager(8, 4, greedy, SOL.build_04_block_hashes).allocate("x", list(range(8)))
+
+
+def test_manager_factory_uses_the_readers_pieces_only_when_both_pass(capsys):
+    from kvlab.cache.block_manager import BlockManager
+    from kvlab.lessons.nb05_assemble import ToyManager, manager_factory
+
+    assert isinstance(manager_factory(SOL.build_04_block_hashes, SOL.build_04_allocate)(16, 4), ToyManager)
+    assert "YOUR ToyManager" in capsys.readouterr().out
+    assert isinstance(manager_factory(None, None)(16, 4), BlockManager)
+    assert isinstance(manager_factory(SOL.build_04_block_hashes, blank)(16, 4), BlockManager)
+    assert "build_04_allocate" in capsys.readouterr().out

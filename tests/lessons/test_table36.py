@@ -241,3 +241,56 @@ def test_real_groups_on_a_chatml_tokenizer(lm):
         m = g3.meta[b]
         assert m["other_answer"] != m["expected"] and m["beyond_prompt"] != g3.prompts[b]
         assert g3.prompts[b][: m["prefix_tokens"]] == m["beyond_prompt"][: m["prefix_tokens"]]
+
+
+def test_content_keyed_cache_goes_in_through_the_engines_cache_argument(lm):
+    model, tok = lm
+    engine = T.content_keyed_engine(model, tok, num_blocks=16, block_size=BLOCK)
+    bm = engine.block_manager
+    assert isinstance(bm, T.ContentKeyedBlockManager) and isinstance(bm.pool, T.ContentKeyedPool)
+    assert engine.scheduler.block_manager is bm and bm.hash_fn is T.content_hash
+    # the bug itself: the same 16 tokens hit after another first block (no parent in the key)
+    a, b = list(range(1, 17)), list(range(40, 56))
+    engine.generate([b + a + [7]], T.SamplingParams(max_tokens=1))
+    out = engine.generate([a + [9]], T.SamplingParams(max_tokens=1))
+    assert out[0].num_cached_tokens == BLOCK
+
+
+def test_timing_repeats_give_a_spread_and_evidence_says_how_many_runs(lm):
+    model, tok = lm
+    small = W.seed_groups(tok, n=2, block_size=BLOCK, max_tokens=2)
+    table, runs = T.table_36(model, tok, small, repeats=3, block_size=BLOCK, timed=[1], warmup=False)
+    d = table.set_index(["group", "mode"])
+    assert (d.loc[1, "timed runs"] == 3).all() and (d.loc[2, "timed runs"] == 0).all()
+    assert all(len(r) == 3 for r in d.loc[1, "TTFT runs (ms)"])
+    t1 = d.loc[1]
+    assert (t1["TTFT min (ms)"] <= t1["TTFT (ms)"]).all() and (t1["TTFT (ms)"] <= t1["TTFT max (ms)"]).all()
+    assert d.loc[2, ["TTFT (ms)", "total latency (ms)", "peak KV (KiB)"]].isna().all().all()  # answers only
+    assert len(T.ttft_ratios(table, 1, "shared (correct)")) == 3
+    ev = T.evidence(table)
+    assert "over 3 paired runs" in ev["identical-prefix"] and "not evidence" not in ev["identical-prefix"]
+    assert "TTFT" not in ev["overlap-different-start"] and "requests: " in ev["overlap-different-start"]
+    # the answers-only isolated row ran without the donors, the scored requests all have outputs
+    iso2 = runs[(2, "isolated")]["outputs"]
+    assert all(iso2[i] is None for i, m in enumerate(small[2].meta) if m["role"] == "donor")
+    assert all(iso2[i] is not None for i in small[2].served())
+    assert (d.loc[2, "requests"] == len(small[2].served())).all() and d.loc[(2, "shared (correct)"), "identical"] == 1
+    assert runs[(1, "isolated")]["outputs"][0].output_ids  # the full run is the one kept, not a prefill-only one
+    assert all(len(o.output_ids) == 2 for i, o in enumerate(runs[(1, "isolated")]["outputs"]))
+
+
+def test_real_groups_score_more_requests_in_groups_2_and_3(lm):
+    tok = lm[1]
+    g = T.real_groups(tok, n=1, questions=1, block_size=BLOCK, translations=0, n_wrong=6, wrong_questions=2)
+    g2, g3 = g[2], g[3]
+    assert len(g2.served()) == len(g3.served()) == 6 and len(g2) == 12 and len(g3) == 9
+    assert len({g2.meta[b]["seed"] for b in g2.served()}) == 6  # no two scored requests of group 2 share a start
+    for b in g2.served():  # B's whole text reappears in its own donor after the block-aligned preamble
+        a, off = g2.meta[b]["donor"], g2.meta[b]["offset"]
+        assert g2.prompts[a][off:] == g2.prompts[b]
+    assert len({g3.meta[b]["question"] for b in g3.served()}) == 2
+    with pytest.raises(ValueError, match="multiple"):
+        T.real_groups(tok, n=1, n_wrong=5, wrong_questions=2)
+    for b in g3.served():
+        m = g3.meta[b]
+        assert tok.decode(m["beyond_prompt"]).rstrip().endswith("assistant") and m["question"] in tok.decode(m["beyond_prompt"])
