@@ -401,7 +401,7 @@ def positions_restart(model: Any, tokenizer: Any, examples: Sequence[P.Passphras
     returns (answers token-identical, examples)."""
     stops, same = eos_ids(model, tokenizer), 0
     for ex in examples:
-        cache = PrefixCache.build(model, tokenizer, ex.prefix_text)
+        cache = PrefixKV.build(model, tokenizer, ex.prefix_text)
         suffix = encode(tokenizer, ex.suffix_text)
         right = continue_from_cache(model, cache.fork().cache, suffix, len(cache.token_ids),
                                     max_new_tokens=max_new_tokens, stop_ids=stops)[0]
