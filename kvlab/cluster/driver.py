@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .router import Router, RouteRequest
-from .sim import CostModel
+from .cost import CostModel
 from .workloads import FleetWorkload
 
 __all__ = ["FleetResult", "percentile", "run_fleet"]
