@@ -97,6 +97,14 @@ def test_scripted_scheduler_reports_first_tokens_and_finishes():
     assert not run.has_unfinished() and not run.requests
 
 
+def test_a_sequence_already_in_the_cache_keeps_its_blocks_and_its_id():
+    cache = BlockManager(16, 4)
+    cache.allocate(0, [7, 7, 7, 7, 7])  # the caller's own sequence, under the id the scheduler would take first
+    held = cache.block_table(0)
+    res = replay_trace(cache, _trace(4))
+    assert cache.block_table(0) == held and list(cache.seqs) == [0] and len(res.cached_tokens) == 4
+
+
 @pytest.mark.parametrize("bad, match", [
     ([TraceRequest("a", list(range(40)), [1])], "more blocks than the pool"),
     ([TraceRequest("a", [1], [2]), TraceRequest("a", [3], [4])], "unique"),
