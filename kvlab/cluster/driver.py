@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .router import Router, RouteRequest
 from .cost import CostModel
+from .router import Router, RouteRequest
 from .workloads import FleetWorkload
 
 __all__ = ["FleetResult", "percentile", "run_fleet"]
