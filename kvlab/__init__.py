@@ -7,7 +7,7 @@ The package is layered; each layer imports only the ones above it:
 - ``kvlab.engine``  torch on any device: models, sequence, sampling, scheduler, paged K/V store, paged
                     attention, the engine, tenants, and ``reference`` (HF ``generate``, the oracle).
                     Copy ``cache/`` + ``engine/`` together and they run any supported HF decoder.
-- ``kvlab.prefix``  manual prefix reuse on HF models (``PrefixCache`` + a complete generation loop).
+- ``kvlab.prefix``  manual prefix reuse on HF models (``PrefixKV`` + a complete generation loop).
 - ``kvlab.vllm``    the bridge to real vLLM in its own venv.
 - ``kvlab.cluster`` engine replicas (Ray actors or model-free), a KV-event-fed router, a fleet driver.
 - ``kvlab.lessons`` one module per notebook: experiments, figures, exercise checkers.
@@ -30,7 +30,7 @@ _LAZY = {
     "Engine": "kvlab.engine.engine",
     "RequestOutput": "kvlab.engine.engine",
     "SamplingParams": "kvlab.engine.sampling",
-    "PrefixCache": "kvlab.prefix",
+    "PrefixKV": "kvlab.prefix",
     "generate": "kvlab.prefix",
 }
 

@@ -18,7 +18,7 @@ cross-attention missing). ``ChunkCache`` keys entries by the chunk's token ids, 
 HMAC salt as in ``kvlab.engine.tenants``) and the model's fingerprint: another tenant never hits them.
 
 Why here and not in ``kvlab/engine``: blending works on Hugging Face caches and forwards, next to
-``kvlab.prefix``'s ``PrefixCache``; the paged engine has no per-token recompute inside a block.
+``kvlab.prefix``'s ``PrefixKV``; the paged engine has no per-token recompute inside a block.
 References: CacheBlend (arXiv 2405.16444), EPIC (arXiv 2410.15332), LMCache's blending docs.
 """
 
@@ -35,7 +35,7 @@ import torch
 from kvlab.engine.models import encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
 from kvlab.engine.tenants import check_secret, tenant_salt
 from kvlab.lessons.rope import inverse_frequencies, rotate_half
-from kvlab.prefix import PrefixCache, continue_from_cache
+from kvlab.prefix import PrefixKV, continue_from_cache
 
 # model types whose keys are rotated by the "rotate half" RoPE on their first rotary dims; each is
 # checked in tests/test_chunk_cache.py (re-rotated layer-0 keys equal a full prefill's)
@@ -205,7 +205,7 @@ def _cache(model: Any, layers: Layers) -> Any:
 
 
 @torch.no_grad()
-def true_kv_at(model: Any, ids: Sequence[int], layer: int, prefix: PrefixCache | None = None
+def true_kv_at(model: Any, ids: Sequence[int], layer: int, prefix: PrefixKV | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``layer`` for the prompt's tokens after ``prefix``, computed for the combined context.
 
@@ -232,7 +232,7 @@ def true_kv_at(model: Any, ids: Sequence[int], layer: int, prefix: PrefixCache |
 Pieces = Sequence[tuple[str | Sequence[int], bool]]  # (text or ids, reuse from the chunk cache?)
 
 
-def _check_prefix(chunks: ChunkCache, prefix: PrefixCache, ids: Sequence[int], first_reused: int) -> None:
+def _check_prefix(chunks: ChunkCache, prefix: PrefixKV, ids: Sequence[int], first_reused: int) -> None:
     """Raise unless ``prefix`` is an exact cache of the prompt's first tokens on the chunk cache's model."""
     device, dtype = model_device_dtype(chunks.model)
     k = prefix.cache.layers[0].keys
@@ -263,7 +263,7 @@ def _fetch(chunks: ChunkCache, pieces: list[tuple[list[int], bool]], tenant: str
 
 
 def _deviation(model: Any, ids: list[int], reused: list[int], moved: Layers, layer: int,
-               prefix: PrefixCache | None) -> torch.Tensor:
+               prefix: PrefixKV | None) -> torch.Tensor:
     """Per reused token, the L2 distance of its cached K/V at ``layer`` from the true ones. (len(reused),)"""
     m = len(prefix) if prefix is not None else 0
     k_true, v_true = true_kv_at(model, ids, layer, prefix)  # (1, kv_heads, N - m, head_dim) each
@@ -273,7 +273,7 @@ def _deviation(model: Any, ids: list[int], reused: list[int], moved: Layers, lay
     return sq.sqrt()
 
 
-def _kept_cache(model: Any, prefix: PrefixCache | None, moved: Layers, kept: list[int]) -> Any:
+def _kept_cache(model: Any, prefix: PrefixKV | None, moved: Layers, kept: list[int]) -> Any:
     """A cache of the prefix's K/V followed by the kept reused tokens' (``kept`` indexes ``moved``)."""
     layers = []
     for i in range(model.config.num_hidden_layers):
@@ -304,13 +304,13 @@ def pick_tokens(deviation: torch.Tensor, count: int) -> list[int]:
 
 @torch.no_grad()
 def blend_prefill(chunks: ChunkCache, pieces: Pieces, recompute: float, *, tenant: str | None = None,
-                  prefix: PrefixCache | None = None, select_layer: int = 1) -> Blend:
+                  prefix: PrefixKV | None = None, select_layer: int = 1) -> Blend:
     """Prefill a prompt made of ``(text or ids, reuse)`` pieces, reusing the chunk cache for pieces marked reuse.
 
     Reused chunks are fetched (computed alone once on a miss) and their keys moved to where they sit.
     ``recompute`` (0..1) of the reused tokens, those whose K/V at ``select_layer`` deviate most from
     that layer's true K/V, are recomputed with every non-reused token and the last one; the rest keep
-    their cached K/V. ``prefix``: an exact ``PrefixCache`` of the prompt's first tokens (never recomputed).
+    their cached K/V. ``prefix``: an exact ``PrefixKV`` of the prompt's first tokens (never recomputed).
     """
     model = chunks.model
     if not 0.0 <= recompute <= 1.0:
@@ -360,7 +360,7 @@ def blend_prefill(chunks: ChunkCache, pieces: Pieces, recompute: float, *, tenan
 
 @torch.no_grad()
 def blend_generate(chunks: ChunkCache, pieces: Pieces, recompute: float, *,
-                   tenant: str | None = None, prefix: PrefixCache | None = None, select_layer: int = 1,
+                   tenant: str | None = None, prefix: PrefixKV | None = None, select_layer: int = 1,
                    max_new_tokens: int = 32) -> Blend:
     """``blend_prefill``, then greedy decoding on its cache; the generated ids are in ``.token_ids``."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:

@@ -3,7 +3,7 @@
 The article's ``get_prefix_cache`` / ``generate_with_prefix_cache`` stop at "the generation logic is
 omitted". Here the loop is finished:
 
-1. ``PrefixCache.build`` runs the prefix once and keeps its K/V (a transformers ``DynamicCache``),
+1. ``PrefixKV.build`` runs the prefix once and keeps its K/V (a transformers ``DynamicCache``),
    its token ids and a fingerprint of the model and tokenizer that built it.
 2. ``generate`` checks that the cache belongs to this model/tokenizer and that its ids are a prefix
    of the prompt's ids, forks it (a request must never write into a shared cache), prefills only the
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvlab.engine.models import encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
+from kvlab.engine.models import cache_nbytes, encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
 from kvlab.engine.reference import hf_generate_with_logits
 from kvlab.engine.sampling import sample_next
 
@@ -38,26 +38,24 @@ def _fingerprint(model: Any, tokenizer: Any) -> str:
     """The fingerprint of every weight and the tokenizer, computed afresh on each call (never memoised).
 
     A memo cannot be trusted: a write through ``p.data`` does not bump ``p._version``, and a modified
-    copy has weights a sparse sample may skip. ``PrefixCache.build`` hashes once; each ``generate``
-    with a prefix cache hashes the model it is given again and compares. Measured on the bundled model
+    copy has weights a sparse sample may skip. ``PrefixKV.build`` hashes once; each ``generate``
+    with a ``PrefixKV`` hashes the model it is given again and compares. Measured on the bundled model
     (0.72 M float32 parameters, one CPU core): about 6 ms per call; for larger models about 1 s per
     GB of weights (sha256 at about 1 GB/s).
     """
     return model_fingerprint(model, tokenizer)
 
 
-def cache_nbytes(cache: Any) -> int:
-    """Bytes of all K and V tensors in a transformers cache (every layer)."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
 class PrefixMismatchError(ValueError):
-    """A prefix cache cannot serve this prompt (other ids, other model/tokenizer, other device/dtype)."""
+    """A ``PrefixKV`` cannot serve this prompt (other ids, other model/tokenizer, other device/dtype)."""
 
 
 @dataclass
-class PrefixCache:
-    """The K/V of a prefix, computed once, with what is needed to reuse it safely."""
+class PrefixKV:
+    """The K/V of one prefix, computed once, with what is needed to reuse it safely.
+
+    Notebook 02's manual reuse on an HF model; not the engine's block cache (``kvlab.cache.BlockManager``).
+    """
 
     token_ids: tuple[int, ...]
     cache: Any  # transformers DynamicCache, layers of (1, kv_heads, len(token_ids), head_dim)
@@ -68,7 +66,7 @@ class PrefixCache:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, model: Any, tokenizer: Any, prefix: str | Sequence[int]) -> PrefixCache:
+    def build(cls, model: Any, tokenizer: Any, prefix: str | Sequence[int]) -> PrefixKV:
         """Run the prefix through the model once and keep its K/V."""
         ids = encode(tokenizer, prefix)
         if not ids:
@@ -83,10 +81,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def fork(self) -> PrefixCache:
+    def fork(self) -> PrefixKV:
         """An independent copy: writing into the fork never changes this cache."""
         with torch.no_grad():
-            return PrefixCache(self.token_ids, copy.deepcopy(self.cache), self.fingerprint,
+            return PrefixKV(self.token_ids, copy.deepcopy(self.cache), self.fingerprint,
                                self.device, self.dtype, self.build_seconds)
 
     def seq_length(self) -> int:
@@ -103,13 +101,13 @@ class PrefixCache:
         k = self.cache.layers[0].keys  # (1, kv_heads, seq, head_dim)
         if k.device != device or k.dtype != dtype:
             raise PrefixMismatchError(
-                f"the prefix cache's K/V are {k.device}/{k.dtype} but the model is on {device}/{dtype}; "
-                "build the PrefixCache after moving the model (`.to(...)`), not before")
+                f"the PrefixKV's K/V are {k.device}/{k.dtype} but the model is on {device}/{dtype}; "
+                "build the PrefixKV after moving the model (`.to(...)`), not before")
         fp = _fingerprint(model, tokenizer)
         if fp != self.fingerprint:
             raise PrefixMismatchError(
-                f"this prefix cache was built by another model or tokenizer (fingerprint {self.fingerprint}, "
-                f"this model/tokenizer is {fp}); build a new PrefixCache with this model")
+                f"this PrefixKV was built by another model or tokenizer (fingerprint {self.fingerprint}, "
+                f"this model/tokenizer is {fp}); build a new PrefixKV with this model")
         if self.seq_length() != len(self.token_ids):
             raise PrefixMismatchError(
                 f"the cache holds {self.seq_length()} tokens but its prefix has {len(self.token_ids)}: "
@@ -132,7 +130,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids, end-of-turn included when it was produced
     text: str
-    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    num_cached_tokens: int  # prompt tokens whose K/V came from the PrefixKV
     prefill_seconds: float  # time to the first token's logits
     total_seconds: float
     step_logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # (vocab,) per step
@@ -190,12 +188,12 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
 
 
-def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_cache: PrefixCache | None = None,
+def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_kv: PrefixKV | None = None,
              max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, keep_logits: bool = False) -> GenerationResult:
-    """Generate a completion, reusing ``prefix_cache`` for the prompt's leading tokens when given.
+    """Generate a completion, reusing ``prefix_kv`` for the prompt's leading tokens when given.
 
-    Only the tokens after the cached prefix are prefilled. The prefix cache itself is never
+    Only the tokens after the cached prefix are prefilled. The ``PrefixKV`` itself is never
     modified (the loop works on a fork). When the prompt *is* the prefix, the last token is
     recomputed, because its logits are needed for the first new token (vLLM does the same). On a
     sliding-window model (Mistral, Gemma2 ...) whose window the prefix already fills, the cache cannot
@@ -210,13 +208,13 @@ def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_cac
     if limit is not None and len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's {limit} positions")
-    if prefix_cache is None:
+    if prefix_kv is None:
         from transformers import DynamicCache
 
         cache, n_cached = DynamicCache(config=model.config), 0
     else:
-        prefix_cache.check_compatible(model, tokenizer, prompt_ids)
-        cache, n_cached = prefix_cache.fork().cache, len(prefix_cache)
+        prefix_kv.check_compatible(model, tokenizer, prompt_ids)
+        cache, n_cached = prefix_kv.fork().cache, len(prefix_kv)
         if n_cached == len(prompt_ids):  # keep one token to compute: its logits start the answer
             n_cached -= 1
             try:
@@ -236,20 +234,20 @@ def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_cac
 
 
 def compare_with_hf(model: Any, tokenizer: Any, prompts: Sequence[str | Sequence[int]],
-                    prefixes: Sequence[str | Sequence[int] | PrefixCache], max_new_tokens: int = 16,
+                    prefixes: Sequence[str | Sequence[int] | PrefixKV], max_new_tokens: int = 16,
                     **sampling: Any) -> list[dict[str, Any]]:
-    """Run each prompt through ``generate`` with its prefix cache and through HF ``generate``; compare.
+    """Run each prompt through ``generate`` with its ``PrefixKV`` and through HF ``generate``; compare.
 
     One row per prompt: cached tokens, whether the generated ids are identical, and the max abs
     difference between the two loops' logits over the steps both produced.
     """
     rows = []
-    built: dict[Any, PrefixCache] = {}
+    built: dict[Any, PrefixKV] = {}
     for prompt, prefix in zip(prompts, prefixes, strict=True):
-        if not isinstance(prefix, PrefixCache):
+        if not isinstance(prefix, PrefixKV):
             key = prefix if isinstance(prefix, str) else tuple(prefix)
             if key not in built:
-                built[key] = PrefixCache.build(model, tokenizer, prefix)
+                built[key] = PrefixKV.build(model, tokenizer, prefix)
             prefix = built[key]
         ours = generate(model, tokenizer, prompt, prefix, max_new_tokens=max_new_tokens, keep_logits=True,
                         **sampling)

@@ -2,11 +2,16 @@
 
     python scripts/bench_doctor.py [--requests 10000] [--unique] [--smoke]
 
-Writes the log (``kvlab.doctor.synth.make_log``, the same generator notebook 08 uses, sized up) to
+Writes the log (``kvlab.lessons.doctor_log.make_log``, the same generator notebook 08 uses, sized up) to
 ``build/bench/doctor_log.jsonl``, runs ``python -m kvlab.doctor`` on it in a fresh process (so the
 tokenizer load and every import are counted), and writes the wall time, the doctor's own phase times
 and the prompt sizes to ``build/bench/doctor.json``. ``--unique`` instead makes every prompt a
 different single-message text (no piece of it repeats: the tokenizer's worst case).
+
+It then times the two capacity replays of the doctor on the same tokenized log at block size 16 (the
+``replay_paths`` entry): the fast LRU path (``kvlab.doctor.replay.replay``, one request at a time) and the
+reference on kvlab's real ``Scheduler`` + ``BlockManager`` (``replay_block_manager``), and checks they agree.
+The doctor runs one capacity replay per block size and one per fix it keeps.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ OUT = ROOT / "build" / "bench"
 def make(requests: int, unique: bool, seed: int = 0) -> list[dict]:
     """A chat log of about ``requests`` requests (two apps, multi-turn), or unique plain prompts."""
     sys.path.insert(0, str(ROOT))
-    from kvlab.doctor.synth import SENTENCES, make_log
+    from kvlab.lessons.doctor_log import SENTENCES, make_log
 
     if unique:
         rng = random.Random(seed)
@@ -41,6 +46,25 @@ def make(requests: int, unique: bool, seed: int = 0) -> list[dict]:
     if len(log) < requests:
         raise RuntimeError(f"the generator made {len(log)} requests, fewer than {requests}")
     return log[:requests]
+
+
+def replay_paths(path: Path, capacity_blocks: int, block_size: int = 16) -> dict:
+    """Seconds of the fast LRU replay and of the real-Scheduler reference on the log, and whether they agree."""
+    from kvlab.doctor.logio import read_log
+    from kvlab.doctor.prepare import prepare
+    from kvlab.doctor.replay import block_chains, replay, replay_block_manager
+    from kvlab.doctor.tokenization import PromptEncoder
+
+    prep = prepare(read_log(path)[0], PromptEncoder())
+    salts = [None if r.get("tenant") is None else str(r.get("tenant")) for r in prep.records]
+    t0 = time.perf_counter()
+    fast = replay(block_chains(prep.tokens, block_size, salts), prep.lengths, block_size, capacity_blocks)
+    t1 = time.perf_counter()
+    ref = replay_block_manager(prep.tokens, block_size, capacity_blocks, salts, check=False)
+    t2 = time.perf_counter()
+    return {"block_size": block_size, "capacity_blocks": capacity_blocks, "fast_lru_seconds": round(t1 - t0, 3),
+            "scheduler_seconds": round(t2 - t1, 3), "speedup": round((t2 - t1) / max(t1 - t0, 1e-9), 1),
+            "equal": fast.per_request == ref.per_request, "hit_rate": round(fast.hit_rate, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
               "hit_rate_as_logged": summary["baseline"].get("capacity", summary["baseline"]["unbounded"])["hit_rate"],
               "hit_rate_all_fixes": summary["chain"][-1].get("capacity_hit_rate", summary["chain"][-1]["unbounded_hit_rate"]),
               "culprits": [c["title"] for c in summary["culprits"] if c["kept"]]}
+    result["replay_paths"] = replay_paths(path, args.capacity_blocks)
     name = "doctor_unique.json" if args.unique else "doctor.json"
     (OUT / name).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     print(f"{result['requests']} requests, mean {result['prompt_tokens_mean']:.0f} tokens: "
           f"{wall:.1f} s wall for `python -m kvlab.doctor` (tokenizer load and imports included)")
+    rp = result["replay_paths"]
+    print(f"capacity replay at block size 16: fast LRU {rp['fast_lru_seconds']} s, real Scheduler "
+          f"{rp['scheduler_seconds']} s ({rp['speedup']}x), equal: {rp['equal']}")
     return 0
 
 

@@ -1,22 +1,27 @@
-"""Shared fixtures: one torch thread, and the bundled model loaded once per test session."""
+"""Shared by every test folder: offline Hugging Face, one torch thread, and the bundled model loaded once.
+
+Nothing here imports torch or ``kvlab.lessons``: ``tests/cache`` runs without torch, and ``tests/cache`` +
+``tests/engine`` run from a copy of the package under another name (``tests/test_layers.py``).
+"""
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch loads: fixtures that run models start at one thread
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_torch_thread():
-    """The test models are tiny: one thread is fastest, and steady when other jobs share the cores."""
-    import torch
+def pytest_runtest_setup(item):
+    """The test models are tiny: one torch thread is fastest, and steady when other jobs share the cores.
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    Applied only once something has imported torch, so the pure-Python tests never load it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -31,18 +36,3 @@ def bundled():
 def lm(bundled):
     """Alias of ``bundled`` used by the engine, rope, table-3.6 and security tests."""
     return bundled
-
-
-ENGINE_MAX_NEW = 10
-
-
-@pytest.fixture(scope="session")
-def workload(lm):
-    """(prompt ids, HF generate's greedy ids) for the 200-prompt passphrase workload the engine tests share."""
-    from kvlab.engine.models import encode
-    from kvlab.engine.reference import hf_generate
-    from kvlab.lessons.passphrase import question_prompts
-
-    model, tok = lm
-    ids = [encode(tok, p) for p in question_prompts()]
-    return ids, [hf_generate(model, tok, p, max_new_tokens=ENGINE_MAX_NEW) for p in ids]

@@ -1,6 +1,6 @@
 """The prefix cache's bookkeeping in pure Python (no torch; relative imports only, so it copies alone).
 
-- ``hashing``: chained full-block hashes with extra keys (model fingerprint, tenant salt)
+- ``hashing``: chained full-block hashes with extra keys (model fingerprint, tenant salt), ``DEFAULT_BLOCK_SIZE``
 - ``block_pool``: blocks, reference counts, the LRU free list, lazy eviction
 - ``block_manager``: block tables, prefix hits (vLLM's rules), append, fork + copy-on-write, metrics
 - ``metrics``: hit-rate counters
@@ -12,12 +12,12 @@ Copy this folder under any name and ``from mykv import BlockManager`` works with
 
 from .block_manager import NO_SCOPE, AllocationPlan, BlockManager, TenantScope, cdiv
 from .block_pool import Block, BlockPool, InvariantError, NoFreeBlocksError
-from .hashing import hash_block, hash_token_blocks, prompt_block_hashes
+from .hashing import DEFAULT_BLOCK_SIZE, hash_block, hash_token_blocks, prompt_block_hashes, salted_block
 from .interface import CacheManager, check_cache, missing_members
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from .metrics import PrefixCacheMetrics
 
-__all__ = ["NO_SCOPE", "AllBlocksCleared", "AllocationPlan", "Block", "BlockManager", "BlockRemoved", "BlockStored",
+__all__ = ["DEFAULT_BLOCK_SIZE", "NO_SCOPE", "AllBlocksCleared", "AllocationPlan", "Block", "BlockManager", "BlockRemoved", "BlockStored",
            "CacheManager", "EventBatch", "TenantScope", "cdiv", "check_cache", "missing_members", "BlockPool",
            "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics", "hash_block", "hash_token_blocks",
-           "prompt_block_hashes"]
+           "prompt_block_hashes", "salted_block"]

@@ -32,7 +32,16 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError, check
-from .hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block, prompt_block_hashes
+from .hashing import (
+    DEFAULT_BLOCK_SIZE,
+    BlockHash,
+    ExtraKeys,
+    HashFn,
+    block_extra_keys,
+    hash_block,
+    prompt_block_hashes,
+    salted_block,
+)
 from .host_tier import SecondTier
 from .kv_events import BlockStored, KVCacheEvent
 from .metrics import PrefixCacheMetrics
@@ -158,7 +167,7 @@ class BlockManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         model_fingerprint: str = "",
         hash_fn: HashFn = hash_block,
@@ -278,7 +287,7 @@ class BlockManager:
         """
         tokens = self._check_prompt(token_ids, scope)
         bs, n = self.block_size, len(tokens)
-        salt_block = scope.public_tokens // bs
+        salt_block = salted_block(scope.public_tokens, bs)
         hashes: list[BlockHash] = []
         hits: list[Block] = []
         if self.enable_caching:
@@ -322,7 +331,7 @@ class BlockManager:
                 f"{self.pool.num_blocks} are free")
         tokens, hashes, hits = list(plan.tokens), list(plan.hashes), plan.hits
         bs, n, pool = self.block_size, len(tokens), self.pool
-        salt, tenant, salt_block = scope.salt, scope.label, scope.public_tokens // bs
+        salt, tenant, salt_block = scope.salt, scope.label, salted_block(scope.public_tokens, bs)
 
         misses = self._classify_misses(n, hashes, len(hits))  # before this request fills the cache
         pool.tick()

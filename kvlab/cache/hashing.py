@@ -4,7 +4,7 @@ A block's hash covers its parent's hash, its own token ids and some extra keys, 
 alike only if everything before them matched too. The first block's extra keys carry the model
 fingerprint and, when given, a tenant salt: different models or tenants never share a block.
 Under a *public-prefix* policy the salt enters later instead: in the first block that extends past the
-operator's public prefix (``block_extra_keys(..., salt_block=public_tokens // block_size)``), so the
+operator's public prefix (block ``salted_block(public_tokens, block_size)``), so the
 public blocks are shared by every tenant and, because hashes chain, nothing after them is.
 Only *full* blocks get a hash; a partial tail block is never shared through the cache.
 
@@ -30,6 +30,16 @@ HashFn = Callable[[BlockHash | None, Sequence[int], ExtraKeys], BlockHash]
 
 # The parent hash of every first block; a fixed seed keeps hashes reproducible across runs.
 NONE_HASH: BlockHash = hashlib.sha256(b"kvlab-root").digest()
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block when none is given: vLLM's default on GPUs
+
+
+def salted_block(public_tokens: int, block_size: int) -> int:
+    """The index of the block whose hash takes a tenant's salt: the first one not wholly inside the public prefix.
+
+    0 without a public prefix (vLLM's ``cache_salt`` on the first block); the blocks before it are shared.
+    """
+    return public_tokens // block_size
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> BlockHash:
@@ -101,7 +111,10 @@ def hash_token_blocks(
     return hashes
 
 
-def model_fingerprint(name: str, **config: object) -> str:
-    """A short, stable fingerprint of a model: its name and the config values that change its K/V."""
+def config_fingerprint(name: str, **config: object) -> str:
+    """A short, stable fingerprint of a model's name and the config values that change its K/V (no weights).
+
+    Not ``kvlab.engine.models.model_fingerprint``, which hashes the weights and the tokenizer themselves.
+    """
     text = repr((name, sorted(config.items())))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

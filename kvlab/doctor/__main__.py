@@ -75,7 +75,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments (checked before any work), or None."""
     from .core import input_paths
     from .outdir import OutDirError, check_out_dir
-    from .tokenize import check_model
+    from .tokenization import check_model
 
     if not Path(args.log).is_file():
         return f"no such file: {args.log}"
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = check_args(args)
     if problem:
         return _fail(problem)
-    from .core import diagnose
-    from .report import nothing_why, write_report
+    from .core import diagnose, write_report
+    from .report import nothing_why
 
     try:
         d = diagnose(args.log, args.model, block_sizes=tuple(args.block_size), capacity_blocks=args.capacity_blocks,
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         print(f"report: {paths['report.html']}  (summary.json, figures and fixed logs beside it)")
     if not d.requests:
-        print(f"kvlab doctor: nothing to replay: {nothing_why(d)}", file=sys.stderr)
+        print(f"kvlab doctor: nothing to replay: {nothing_why(d.lines)}", file=sys.stderr)
         return EXIT_NOTHING
     return EXIT_OK
 

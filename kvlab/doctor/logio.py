@@ -26,7 +26,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-MAX_TOKEN_ID = 0x10FFFF  # token ids are stored as str code points (see ``kvlab.doctor.tokenize``)
+MAX_TOKEN_ID = 0x10FFFF  # token ids are stored as str code points (see ``kvlab.doctor.tokenization``)
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_DEPTH = 64  # JSON nesting a line may have (tools' JSON schemas nest about 10 deep)
 IDENTITY_FIELDS = ("user", "session")  # read as who sent a request: a string, a number or null

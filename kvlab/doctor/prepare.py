@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from .divergence import lcp
 from .logio import BadLine, Record
-from .tokenize import PromptEncoder, tokstr
+from .tokenization import PromptEncoder, tokstr
 
 CHATML_MSG = re.compile(r"<\|im_start\|>[ \t]*(\w+)[ \t]*\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|\Z)", re.S)
 SYSTEM_ROLES = ("system", "developer")

@@ -11,11 +11,16 @@ the head of the free list, where it is reused before any cached block is evicted
 
 ``replay`` runs those rules on integer block ids instead of token lists: ``block_chains`` numbers each
 prefix of whole blocks (with its salt) from the prompts' sorted order, so a hash chain becomes a list of
-ints, and the LRU pool is a lean copy of ``kvlab.cache.BlockPool``'s bookkeeping. ``replay_block_manager`` feeds the same log to
-``kvlab.cache.BlockManager`` itself; the doctor runs both on a prefix of every log (``spot_check``) and
-the tests compare them on logs built to stress eviction, duplicates and salts: the counts are equal.
+ints. One request at a time (``concurrency=1``, the doctor's default) the LRU pool is a lean copy of
+``kvlab.cache.BlockPool``'s bookkeeping (``_replay_lru_one``: ``scripts/bench_doctor.py`` measures what it
+saves). ``replay_block_manager`` is the reference: the same log on kvlab's real ``Scheduler`` and
+``BlockManager`` (``kvlab.engine.trace_replay.ScriptedScheduler``, each request prefilled and finished
+with one token); more than one request at a time goes through it too. The doctor runs both on a prefix of
+every log (``spot_check``) and the tests compare them on logs built to stress eviction, duplicates and
+salts: the counts are equal.
 
-Requests are replayed in log order, ``concurrency`` at a time (1 = each finishes before the next
+Requests are replayed in log order: with ``concurrency`` c, up to c requests wait in the scheduler's queue
+and it admits those the free blocks allow, in order, in one step (1 = each finishes before the next
 arrives); a request that needs more blocks than the cache has is counted as all-miss, as ``too_big``.
 """
 
@@ -25,11 +30,11 @@ import functools
 import itertools
 import operator
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlab.cache import BlockManager, TenantScope, cdiv
+from kvlab.cache import BlockManager, cdiv
 
 
 @dataclass(slots=True)
@@ -139,8 +144,14 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
                 k += 1
             per.append(k * bs)
             seen.update(ch)
-    else:
-        per, too_big = _replay_lru(chains, lengths, bs, capacity_blocks, concurrency, free_order == "vllm")
+    elif capacity_blocks < 1:
+        raise ValueError("capacity_blocks must be >= 1")
+    elif concurrency == 1:
+        per, too_big = _replay_lru_one(chains, lengths, bs, capacity_blocks, free_order == "vllm")
+    else:  # several requests at a time: the real scheduler decides who runs (block ids as tokens)
+        toks = [[c for c in ch for _ in range(bs)] + [0] * (n - len(ch) * bs) for ch, n in zip(chains, lengths)]
+        ref = replay_block_manager(toks, bs, capacity_blocks, None, None, concurrency, False, free_order)
+        per, too_big = ref.per_request, ref.too_big
     return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big,
                     time.perf_counter() - t0, per)
 
@@ -166,71 +177,8 @@ def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str 
     return out
 
 
-def _replay_lru(chains, lengths, bs: int, num_blocks: int, concurrency: int, vllm_order: bool = True
-                ) -> tuple[list[int], int]:
-    """The LRU pool: a free list in eviction order, ref counts, cached chain id -> blocks (oldest first)."""
-    if num_blocks < 1:
-        raise ValueError("capacity_blocks must be >= 1")
-    if concurrency == 1:
-        return _replay_lru_one(chains, lengths, bs, num_blocks, vllm_order)
-    free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-    key = [-1] * num_blocks  # chain id a block is cached under, -1 = none
-    ref = [0] * num_blocks
-    cached: dict[int, list[int]] = {}
-    live: deque[list[int]] = deque()
-    per, too_big = [], 0
-
-    def release(table: list[int]) -> None:
-        for b in reversed(table):  # tail first: the ends of chains are evicted before their heads
-            ref[b] -= 1
-            if ref[b] == 0:
-                free[b] = None
-                if vllm_order and key[b] == -1:
-                    free.move_to_end(b, last=False)  # caches nothing: reused first
-
-    for ch, n in zip(chains, lengths):
-        nblk = cdiv(n, bs)
-        if nblk > num_blocks:
-            per.append(0)
-            too_big += 1
-            continue
-        hits = []
-        for k in range((n - 1) // bs):
-            blocks = cached.get(ch[k])
-            if blocks is None:
-                break
-            hits.append(blocks[0])
-        while live and nblk - len(hits) + sum(ref[b] == 0 for b in hits) > len(free):
-            release(live.popleft())  # the request waits for the oldest running one to finish
-        for b in hits:
-            if ref[b] == 0:
-                del free[b]
-            ref[b] += 1
-        nh = len(hits)
-        table = hits
-        for k in range(nh, nblk):
-            b = free.popitem(last=False)[0]
-            old = key[b]
-            if old != -1:  # lazy eviction: the block's cached contents are dropped now
-                lst = cached[old]
-                lst.remove(b)
-                if not lst:
-                    del cached[old]
-                key[b] = -1
-            ref[b] = 1
-            if k < n // bs:
-                key[b] = ch[k]
-                cached.setdefault(ch[k], []).append(b)
-            table.append(b)
-        per.append(nh * bs)
-        live.append(table)
-        while len(live) >= concurrency:
-            release(live.popleft())
-    return per, too_big
-
-
 def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool = True) -> tuple[list[int], int]:
-    """``_replay_lru`` for one request at a time: every block is free again before the next request.
+    """The LRU pool for one request at a time: every block is free again before the next request.
 
     No ref counts are needed, and each request is a few bulk operations in C: find the hits
     (``map`` over the chain), revive them, take the new blocks from the head of the free list, drop
@@ -326,34 +274,31 @@ def replay_tokens(prompts: Sequence[str], block_size: int, capacity_blocks: int 
     return st
 
 
-def replay_block_manager(prompts: Sequence[str], block_size: int, capacity_blocks: int | None = None,
+def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int, capacity_blocks: int | None = None,
                          salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
                          concurrency: int = 1, check: bool = True, free_order: str = "vllm") -> HitStats:
-    """The same replay through ``kvlab.cache.BlockManager`` (slow, the reference); ``check``: its invariants after."""
+    """The same replay on kvlab's real Scheduler and BlockManager (slow, the reference); ``check``: invariants after."""
+    from kvlab.engine.trace_replay import UNLIMITED_TOKENS, ScriptedScheduler
+
     t0 = time.perf_counter()
     bs = block_size
-    toks = [[ord(c) for c in p] for p in prompts]
+    toks = [[ord(c) for c in p] if isinstance(p, str) else list(p) for p in prompts]
     nb = capacity_blocks if capacity_blocks is not None else sum(cdiv(len(t), bs) for t in toks) + 1
     bm = BlockManager(nb, bs, free_order=free_order)
-    live: deque[int] = deque()
-    per, too_big = [], 0
-    for i, t in enumerate(toks):
-        salt = salts[i] if salts is not None else None
-        pub = public_tokens[i] if public_tokens is not None else 0
-        if cdiv(len(t), bs) > nb:
-            per.append(0)
-            too_big += 1
-            continue
-        while live and not bm.can_allocate(t, TenantScope(salt, pub)):
-            bm.free(live.popleft())
-        per.append(bm.allocate(i, t, TenantScope(salt, pub)))
-        live.append(i)
-        while len(live) >= concurrency:
-            bm.free(live.popleft())
+    run = ScriptedScheduler(bm, max_num_seqs=concurrency, max_num_batched_tokens=UNLIMITED_TOKENS)
+    waiting = deque(i for i, t in enumerate(toks) if cdiv(len(t), bs) <= nb)  # too big: all miss, never run
+    per = [0] * len(toks)
+    while waiting or run.has_unfinished():
+        while waiting and len(run.requests) < concurrency:
+            i = waiting.popleft()
+            run.add(i, toks[i], [0], salt=salts[i] if salts is not None else None,
+                    public_tokens=public_tokens[i] if public_tokens is not None else 0)
+        for seq in run.step().first_token:
+            per[seq.request_id] = seq.num_cached_tokens or 0
     if check:
         bm.check_invariants()
-    return HitStats(bs, capacity_blocks, len(per), sum(map(len, toks)), sum(per), too_big,
-                    time.perf_counter() - t0, per)
+    return HitStats(bs, capacity_blocks, len(per), sum(map(len, toks)), sum(per), len(toks) - sum(
+        cdiv(len(t), bs) <= nb for t in toks), time.perf_counter() - t0, per)
 
 
 def spot_check(prompts: Sequence[str], block_size: int, capacity_blocks: int | None, limit: int = 100,

@@ -1,9 +1,10 @@
 """A small paged inference engine on Hugging Face weights (torch, any device).
 
-A request's path: ``Engine.add_request`` (``engine``) -> ``Scheduler.schedule`` (``scheduler``, which asks
-``kvlab.cache.BlockManager`` for blocks and prefix hits) -> ``Engine._forward`` packs the scheduled tokens
-into one batch -> ``paged_attention`` reads and writes each sequence's K/V in ``PagedKVStore`` (``kv_store``)
-through its block table -> ``sampling`` picks one token per sequence -> ``RequestOutput``.
+A request's path: ``Engine.add_request`` (``engine``; checked and built as a ``Request`` by ``intake``,
+``sequence``) -> ``Scheduler.schedule`` (``scheduler``, which asks the ``kvlab.cache.CacheManager`` for blocks
+and prefix hits) -> ``ModelRunner.forward`` (``runner``) packs the scheduled tokens into one batch ->
+``paged_attention`` reads and writes each request's K/V in ``PagedKVStore`` (``kv_store``) through its block
+table -> the runner's LM head and ``sampling`` pick one token per request -> ``RequestOutput``.
 
 ``models`` loads the bundled model, SmolLM2 or any HF causal LM and builds random test models;
 ``reference`` is the HF ``generate`` oracle; ``tenants`` derives cache salts.

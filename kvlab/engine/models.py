@@ -204,6 +204,11 @@ def dtype_bytes(dtype: str | torch.dtype) -> int:
     return torch.empty((), dtype=resolve_dtype(dtype)).element_size()
 
 
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of all K and V tensors in a transformers cache (every layer)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
 def kv_bytes_per_token(config: Any, dtype: str | torch.dtype = "float32") -> int:
     """KV-cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     s = kv_shape(config)

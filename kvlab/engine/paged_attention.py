@@ -21,10 +21,11 @@ that is one dense group (a decode-only step) needs no gather of its queries nor 
 The step's metadata travels as the forward keyword ``kvlab_batch``, which transformers passes down to
 the attention function untouched.
 
-``paged_attention(model)`` switches a model to this function for the duration of a ``with`` block; outside
-it the model keeps its own implementation, so ``model.generate`` still works on the same object.
-Because ``"kvlab_paged"`` has no entry in transformers' mask interface, the model builds no mask of its
-own (a packed batch would make that mask ``T x T``).
+``register(model)`` registers the function once through transformers' public ``AttentionInterface``, under a
+name that also carries the model's own implementation, for ``model.set_attn_implementation(name)``; inside
+``paged_step()`` the model then builds no mask of its own (a packed batch would make that mask ``T x T``) and
+attends here; outside it the model runs its own attention and mask, so ``model.generate`` still works on
+the same object.
 
 What it implements is an allow-list, and everything else is refused (``NotImplementedError`` naming the
 feature), never dropped: per call, ``check_attention_call`` accepts the keywords in ``IMPLEMENTED_KWARGS``
@@ -42,7 +43,10 @@ References: transformers ``docs/source/en/attention_interface.md``; vLLM
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +57,8 @@ from ..cache.block_manager import cdiv
 from .kv_store import PagedKVStore
 
 __all__ = ["ATTN_NAME", "IMPLEMENTED_KWARGS", "METADATA_KWARGS", "AttnGroup", "MissingBatchError", "PagedBatch",
-           "build_batch", "check_attention_call", "check_config", "group_by_query_length", "paged_attention",
-           "paged_attention_forward", "register"]
+           "attention_name", "build_batch", "check_attention_call", "check_config", "group_by_query_length",
+           "paged_attention_forward", "paged_step", "register"]
 
 ATTN_NAME = "kvlab_paged"
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
@@ -256,7 +260,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
     if kvlab_batch is None:
         raise MissingBatchError(f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
-                           "kvlab.engine.Engine, or inside `paged_attention(model)` with a PagedBatch)")
+                           "kvlab.engine.Engine, or inside `paged_step()` on a model switched to it)")
     check_attention_call(module, attention_mask, dropout, sliding_window, is_causal, kwargs)
     batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
@@ -323,25 +327,60 @@ def _paged_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: 
     return o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
 
 
-def register() -> None:
-    """Register the function with transformers under ``ATTN_NAME`` (idempotent)."""
-    from transformers import AttentionInterface
+_IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)  # our own state, like nano-vllm's context
 
-    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+
+def attention_name(original: str) -> str:
+    """The name kvlab registers for a model whose own attention implementation is ``original`` (e.g. ``"sdpa"``)."""
+    return f"{ATTN_NAME}_{original}"
+
+
+def register(model: Any) -> tuple[str, str]:
+    """Register kvlab's attention for ``model`` with transformers' public interfaces; return ``(own, name)``.
+
+    ``name`` (``attention_name(own)``, ``own`` the model's own implementation) goes to ``AttentionInterface``
+    (the attention) and ``AttentionMaskInterface`` (the mask); ``model.set_attn_implementation(name)`` switches to
+    it. Both functions look at ``paged_step()``: inside it the model builds no mask and attends through the paged
+    store; outside it they run the model's own implementation and mask, so ``model.generate`` keeps its outputs.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    own = model.config._attn_implementation
+    own = own.removeprefix(ATTN_NAME + "_") if own.startswith(ATTN_NAME + "_") else own  # switched by another engine
+    AttentionInterface.register(attention_name(own), functools.partial(_attention, own))
+    AttentionMaskInterface.register(attention_name(own), functools.partial(_mask, own))
+    return own, attention_name(own)
 
 
 @contextlib.contextmanager
-def paged_attention(model: Any) -> Iterator[Any]:
-    """Within the block, ``model`` attends with kvlab's paged attention; its own choice is restored after."""
-    register()
-    configs = [model.config]  # and the language model's own config where it nests one (e.g. a multimodal model)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    configs += [text] if text is not model.config else []
-    previous = [c._attn_implementation for c in configs]
-    for c in configs:
-        c._attn_implementation_internal = ATTN_NAME
+def paged_step() -> Iterator[None]:
+    """Within the block, an attached model's forward is a kvlab step: no mask of its own, paged attention."""
+    token = _IN_STEP.set(True)
     try:
-        yield model
+        yield
     finally:
-        for c, p in zip(configs, previous):
-            c._attn_implementation_internal = p
+        _IN_STEP.reset(token)
+
+
+def _attention(own: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    if _IN_STEP.get():
+        return paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("kvlab_batch") is not None:
+        raise RuntimeError("a forward with kvlab_batch runs inside kvlab.engine.paged_attention.paged_step()")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    # "eager" is no registered function: each model runs its modeling module's own eager_attention_forward
+    fn = vars(sys.modules[type(module).__module__]).get("eager_attention_forward") if own == "eager" else \
+        ALL_ATTENTION_FUNCTIONS[own]
+    if fn is None:
+        raise NotImplementedError(f"{type(module).__name__}: no eager_attention_forward to fall back on")
+    return fn(module, query, key, value, attention_mask, **kwargs)
+
+
+def _mask(own: str, **kwargs: Any) -> Any:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if _IN_STEP.get() or own not in ALL_MASK_ATTENTION_FUNCTIONS:  # an implementation without one gets no mask
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[own](**kwargs)

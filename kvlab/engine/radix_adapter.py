@@ -1,7 +1,7 @@
-"""Which prefix cache an ``Engine`` runs on: vLLM's hash blocks (``"blocks"``) or SGLang's radix tree (``"radix"``).
+"""Which cache manager an ``Engine`` runs on: vLLM's hash blocks (``"blocks"``) or SGLang's radix tree (``"radix"``).
 
 Both implement ``kvlab.cache.CacheManager``, the members the scheduler and the engine call (the radix tree
-through ``RadixPrefixCache`` below, which adds the two it lacks: ``take_events`` and ``reset_prefix_cache``),
+through ``RadixCacheManager`` below, which adds the two it lacks: ``take_events`` and ``reset_prefix_cache``),
 so the engine only chooses one here and sizes its K/V store after it: ``num_blocks x block_size`` slots either way, in
 blocks of ``block_size`` or in pages of ``page_size`` (one token by default: every cached token is
 reused, a partial block's too).
@@ -16,16 +16,16 @@ from ..cache.block_manager import BlockManager
 from ..cache.interface import CacheManager, check_cache
 from ..cache.radix import RadixCache
 
-__all__ = ["CACHES", "RadixPrefixCache", "adopt_cache", "make_prefix_cache"]
+__all__ = ["CACHES", "RadixCacheManager", "adopt_cache", "make_cache_manager"]
 
 CACHES = ("blocks", "radix")
 
 
-class RadixPrefixCache(RadixCache):
+class RadixCacheManager(RadixCache):
     """SGLang's radix tree as a ``kvlab.cache.CacheManager``: no KV events, no ``reset_prefix_cache``."""
 
     def take_events(self) -> list:
-        """No events: vLLM's KV-event schema describes hash blocks (``make_prefix_cache`` refuses the option)."""
+        """No events: vLLM's KV-event schema describes hash blocks (``make_cache_manager`` refuses the option)."""
         return []
 
     def reset_prefix_cache(self) -> bool:
@@ -33,10 +33,10 @@ class RadixPrefixCache(RadixCache):
         raise NotImplementedError("reset_prefix_cache needs cache='blocks'")
 
 
-def make_prefix_cache(cache: str, num_blocks: int, block_size: int, page_size: int, isolation: str,
-                      model_fingerprint: str = "", enable_caching: bool = True,
-                      enable_kv_events: bool = False) -> BlockManager | RadixPrefixCache:
-    """The engine's prefix cache: ``BlockManager(num_blocks, block_size)`` or a radix tree of the same slots."""
+def make_cache_manager(cache: str, num_blocks: int, block_size: int, page_size: int, isolation: str,
+                       model_fingerprint: str = "", enable_caching: bool = True,
+                       enable_kv_events: bool = False) -> BlockManager | RadixCacheManager:
+    """The engine's cache manager: ``BlockManager(num_blocks, block_size)`` or a radix tree of the same slots."""
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     if cache == "blocks":
@@ -52,8 +52,8 @@ def make_prefix_cache(cache: str, num_blocks: int, block_size: int, page_size: i
     slots = num_blocks * block_size
     if slots < page_size:
         raise ValueError(f"{num_blocks} blocks of {block_size} slots hold no page of {page_size} slots")
-    return RadixPrefixCache(slots // page_size, page_size, model_fingerprint=model_fingerprint,
-                      enable_caching=enable_caching)
+    return RadixCacheManager(slots // page_size, page_size, model_fingerprint=model_fingerprint,
+                             enable_caching=enable_caching)
 
 
 def adopt_cache(cache: object, num_blocks: int | None, kv_cache_bytes: int | None) -> CacheManager:

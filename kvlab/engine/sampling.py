@@ -1,19 +1,8 @@
-"""Picking the next token (torch): greedy or seeded sampling; ``SamplingParams`` is re-exported from ``sampling_params``.
+"""Picking the next token (torch): greedy, or seeded temperature/top-k/top-p sampling (``sample_next``).
 
-``temperature == 0`` means greedy (argmax), as in vLLM; ``temperature > 0`` samples with the
-temperature, top-k and top-p filters of transformers' logits warpers (``sample_next`` below)
-from a generator seeded by ``seed``, so a request's tokens do not depend on what it was batched with.
-Every accepted value is numerically safe: a temperature so small that ``logits / temperature``
-overflows (around 1e-38 and below, to +inf or, when every logit is negative, to -inf everywhere)
-samples from the limit of the distribution as the temperature goes to 0, i.e. among the most likely
-tokens (``sample_next`` subtracts the maximum first); top-k and top-p always keep the most likely token.
-
-``SamplingParams`` (checked on construction) lives in ``sampling_params``, which imports no torch.
-Only real values are accepted (an allow-list per field): ints for ``max_tokens``, ``top_k``, ``seed`` and
-the stop ids, int or float for ``temperature`` and ``top_p``, ``bool`` for ``ignore_eos``; a ``bool`` is
-never taken for a number (``top_p=True`` is refused like ``temperature=True``). ``stop_token_ids`` is a
-list, tuple, set, frozenset or range, kept as a tuple; an iterator or generator is refused (validation
-would consume it).
+The filters follow transformers' logits warpers, from a generator seeded per request, so a request's tokens do
+not depend on what it was batched with; every accepted value is numerically safe (see ``sample_next``).
+``SamplingParams`` (the allow-listed settings, no torch) lives in ``sampling_params`` and is re-exported here.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache.block_manager import TenantScope, cdiv
+from ..cache.block_manager import cdiv
+from ..cache.block_pool import check
 from ..cache.interface import CacheManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import Request, RequestStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
@@ -29,7 +30,7 @@ __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 class ScheduledSeq:
     """One sequence in a step: its tokens at positions ``[start, end)`` are computed."""
 
-    seq: Sequence
+    seq: Request
     start: int
     end: int
     is_prefill: bool
@@ -41,7 +42,7 @@ class SchedulerOutput:
 
     items: list[ScheduledSeq] = field(default_factory=list)
     cow_pairs: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,8 +61,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: oldest first
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
         self.num_preemptions = 0
         self.last_output: SchedulerOutput | None = None  # what the latest schedule() picked (a replica reports it)
 
@@ -79,9 +80,9 @@ class Scheduler:
                 f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens, block size "
                 f"{bm.block_size}) but the pool has {bm.num_blocks}: it can never run")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """Queue a new sequence at the back of the waiting queue."""
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -109,56 +110,73 @@ class Scheduler:
             n = seq.num_tokens
             if n > budget and out.items:  # too long for what is left; a long prompt runs alone
                 break
-            scope = TenantScope(seq.salt, seq.public_tokens, seq.tenant)
-            plan = bm.can_allocate(seq.token_ids, scope)
+            plan = bm.can_allocate(seq.token_ids, seq.scope)
             if not plan:
                 break
-            cached = bm.allocate(seq.seq_id, seq.token_ids, scope, plan=plan, preempted=seq.num_preemptions > 0)
+            cached = bm.allocate(seq.seq_id, seq.token_ids, seq.scope, plan=plan, preempted=seq.num_preemptions > 0)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             out.items.append(ScheduledSeq(seq, cached, n, True))
             budget -= n - cached
         self.last_output = out
         return out
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Request) -> None:
         self.block_manager.free(seq.seq_id)
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Request, child: Request) -> None:
         """Run ``child`` as a copy of the running ``parent`` that shares all its blocks."""
-        if parent.status is not SequenceStatus.RUNNING or not parent.output_ids:
-            raise ValueError("only a running sequence that has generated a token can be forked")
+        self.check_fork(parent)
         self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.status = SequenceStatus.RUNNING
+        child.status = RequestStatus.RUNNING
         self.running.append(child)
 
-    def requeue(self, seq: Sequence, uncache_from: int | None = None) -> None:
+    @staticmethod
+    def check_fork(parent: Request) -> None:
+        """Raise ``ValueError`` unless ``parent`` runs and has generated a token (what ``fork`` needs)."""
+        if parent.status is not RequestStatus.RUNNING or not parent.output_ids:
+            raise ValueError("only a running sequence that has generated a token can be forked")
+
+    def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Send a running sequence back to the front of the waiting queue, to be prefilled again.
 
         For a sequence whose step did not complete through no fault of its own (it read K/V that a
         failed request never wrote): its blocks are freed, those from ``uncache_from`` on leave the
         prefix cache (``BlockManager.free``). Not counted as a preemption.
         """
-        if seq.status is not SequenceStatus.RUNNING:
+        if seq.status is not RequestStatus.RUNNING:
             raise ValueError("only a running sequence can be requeued")
         self.block_manager.free(seq.seq_id, uncache_from)
         self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str, uncache_from: int | None = None) -> None:
+    def finish(self, seq: Request, reason: str, uncache_from: int | None = None) -> None:
         """Take a sequence out of the queues for good and free its blocks (see ``requeue`` for ``uncache_from``)."""
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.status is RequestStatus.RUNNING:
             self.block_manager.free(seq.seq_id, uncache_from)
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is RequestStatus.WAITING:
             self.waiting.remove(seq)
-        seq.status = SequenceStatus.FINISHED
+        seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
+
+    def check_invariants(self) -> None:
+        """Raise unless the block manager and the queues agree: every running request holds its tokens' blocks."""
+        bm = self.block_manager
+        bm.check_invariants()
+        running = {s.seq_id for s in self.running}
+        check(running == set(bm.seqs), f"running {sorted(running)} but the block manager holds {sorted(bm.seqs)}")
+        for seq in self.running:
+            check(seq.status is RequestStatus.RUNNING and bm.seqs[seq.seq_id].token_ids == seq.token_ids[:-1],
+                  f"sequence {seq.seq_id}: its blocks hold other tokens than all but its last")
+        for seq in self.waiting:
+            check(seq.status is RequestStatus.WAITING and seq.seq_id not in bm.seqs,
+                  f"waiting sequence {seq.seq_id} still holds blocks")

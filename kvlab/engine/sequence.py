@@ -1,11 +1,13 @@
 """One request's state as it moves through the engine: waiting -> running -> finished (pure Python).
 
-A sequence owns its tokens (prompt + generated); the block manager owns where their K/V lives. While a
-sequence runs, every token but the last has its K/V in the paged store; the last one (just sampled)
-is fed to the model in the next step. A preempted sequence goes back to waiting with its tokens and is
-prefilled again from them later (preemption by recompute).
+A ``Request`` owns its tokens (prompt + generated); the block manager owns where their K/V lives. While it
+runs, every token but the last has its K/V in the paged store; the last one (just sampled) is fed to the
+model in the next step. A preempted request goes back to waiting with its tokens and is prefilled again
+from them later (preemption by recompute). Its ``TenantScope`` (salt, public prefix, tenant label) is fixed
+at construction: whose cached blocks it may share never changes while it lives.
 
-Reference: nano-vllm ``nanovllm/engine/sequence.py``.
+Named as vLLM v1 names it (``vllm/v1/request.py``: ``Request``, ``RequestStatus``); nano-vllm calls it
+``Sequence`` (``nanovllm/engine/sequence.py``), a name that would shadow ``collections.abc.Sequence``.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+from ..cache.block_manager import NO_SCOPE, TenantScope
 from .sampling_params import SamplingParams  # not .sampling: that one imports torch
 
-__all__ = ["Sequence", "SequenceStatus"]
+__all__ = ["Request", "RequestStatus"]
 
 
-class SequenceStatus(Enum):
-    """Where a sequence is: in the waiting queue, in the running batch, or done."""
+class RequestStatus(Enum):
+    """Where a request is: in the waiting queue, in the running batch, or done."""
 
     WAITING = auto()
     RUNNING = auto()
@@ -28,17 +31,17 @@ class SequenceStatus(Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
-    """Tokens, sampling settings and timing of one request."""
+class Request:
+    """Tokens, tenant scope, sampling settings and timing of one request (or of one fork of it)."""
 
     seq_id: int  # the engine's internal id (also the block manager's sequence id)
     request_id: Hashable  # the caller's id
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    salt: str | None = None  # passed through to the block manager's first-block hash
+    scope: TenantScope = NO_SCOPE  # salt (first salted block's hash), public prefix length, tenant label
     arrival_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int | None = None  # prompt tokens served by the cache at the first admission
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -46,8 +49,30 @@ class Sequence:
     finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
     error: str | None = None  # why a request finished with "error"
     generator: object = None  # the engine's per-request random generator (torch), if sampling
-    tenant: object = None  # who sent it (per-tenant metrics); the salt is derived from it by the engine
-    public_tokens: int = 0  # leading tokens of an operator's public prefix (shared across tenants)
+    num_restored_tokens: int | None = None  # of num_cached_tokens: copied back from a host tier (first admission)
+
+    @property
+    def salt(self) -> str | None:
+        """The cache salt (None: shares every prefix)."""
+        return self.scope.salt
+
+    @property
+    def tenant(self) -> Hashable:
+        """Who sent it (it scopes ``abort``/``fork`` and labels per-tenant metrics); None if nobody was named."""
+        return self.scope.tenant
+
+    def forked(self, seq_id: int, request_id: Hashable, sampling: SamplingParams, generator: object) -> Request:
+        """A copy that continues from here with its own ids, sampling and generator (same scope, tokens, timing)."""
+        return Request(seq_id, request_id, list(self.prompt_ids), sampling, self.scope, self.arrival_time,
+                       list(self.output_ids), num_cached_tokens=self.num_cached_tokens,
+                       first_token_time=self.first_token_time, generator=generator)
+
+    def stop_reason(self, token: int, eos_ids: set[int]) -> str | None:
+        """Why the request stops after generating ``token``: ``"stop"``, ``"length"``, or None to go on."""
+        sp = self.sampling
+        if (token in eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return "stop"
+        return "length" if len(self.output_ids) >= sp.max_tokens else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -66,5 +91,5 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        """Whether the sequence is done (finished or aborted)."""
-        return self.status is SequenceStatus.FINISHED
+        """Whether the request is done (finished or aborted)."""
+        return self.status is RequestStatus.FINISHED

@@ -27,6 +27,8 @@ import hmac
 import secrets
 from collections.abc import Sequence
 
+from ..cache.hashing import salted_block
+
 POLICIES = ("shared", "tenant", "public-prefix")
 DEFAULT_TENANT = ""  # kept for compatibility: no longer the scope of a request that names no tenant
 MIN_SECRET_BYTES = 16
@@ -84,11 +86,6 @@ def public_prefix_length(token_ids: Sequence[int], public_prefixes: Sequence[Seq
     """Tokens of the longest registered public prefix that ``token_ids`` starts with (0 if none)."""
     ids = list(token_ids)
     return max((len(p) for p in public_prefixes if len(p) <= len(ids) and ids[: len(p)] == list(p)), default=0)
-
-
-def salted_block(public_tokens: int, block_size: int) -> int:
-    """Index of the first block whose hash takes the salt: the first that extends past the public prefix."""
-    return public_tokens // block_size
 
 
 def shared_public_tokens(public_tokens: int, block_size: int) -> int:

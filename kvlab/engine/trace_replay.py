@@ -25,11 +25,11 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cache.block_manager import cdiv
+from ..cache.block_manager import TenantScope, cdiv
 from ..cache.interface import CacheManager
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence
+from .sequence import Request
 
 __all__ = ["ReplayResult", "ScriptedScheduler", "ScriptedStep", "TraceRequest", "replay_trace"]
 
@@ -53,8 +53,8 @@ class ScriptedStep:
 
     output: SchedulerOutput
     blocks_used: int = 0  # blocks not free once the step was scheduled (before its finished sequences free theirs)
-    first_token: list[Sequence] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)
+    first_token: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:
@@ -73,13 +73,13 @@ class ScriptedScheduler:
     def __init__(self, cache: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         self.cache = cache
         self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens)
-        self.requests: dict[Hashable, Sequence] = {}  # in flight, by request id
+        self.requests: dict[Hashable, Request] = {}  # in flight, by request id
         self._replies: dict[int, list[int]] = {}
         self._next_id = 0
 
     def add(self, request_id: Hashable, prompt: Iterable[int], reply: Iterable[int], *, salt: str | None = None,
-            tenant: object = None, public_tokens: int = 0) -> Sequence:
-        """Queue a request that will generate exactly ``reply`` (at least one token); its ``Sequence``."""
+            tenant: object = None, public_tokens: int = 0) -> Request:
+        """Queue a request that will generate exactly ``reply`` (at least one token); its ``Request``."""
         prompt, reply = list(prompt), list(reply)
         if not prompt or not reply:
             raise ValueError(f"request {request_id!r} needs a non-empty prompt and reply")
@@ -88,8 +88,8 @@ class ScriptedScheduler:
         self.scheduler.check_fits(len(prompt), len(reply))
         while self._next_id in self.cache.seqs:  # a sequence the caller put in the cache itself keeps its id
             self._next_id += 1
-        seq = Sequence(self._next_id, request_id, prompt, SamplingParams(max_tokens=len(reply), ignore_eos=True),
-                       salt=salt, tenant=tenant, public_tokens=public_tokens)
+        scope = TenantScope(salt, public_tokens, tenant)
+        seq = Request(self._next_id, request_id, prompt, SamplingParams(max_tokens=len(reply), ignore_eos=True), scope)
         self._next_id += 1
         self.requests[request_id] = seq
         self._replies[seq.seq_id] = reply

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.engine.models import encode, eos_ids
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
-from kvlab.prefix import PrefixCache, continue_from_cache, generate
+from kvlab.prefix import PrefixKV, continue_from_cache, generate
 
 
 @dataclass
@@ -38,14 +39,14 @@ class ShareOutcome:
 
 
 def share_one_prefix(model: Any, tokenizer: Any, example: P.PassphraseExample, questions: Sequence[str],
-                     max_new_tokens: int = 16) -> tuple[PrefixCache, list[ShareOutcome]]:
+                     max_new_tokens: int = 16) -> tuple[PrefixKV, list[ShareOutcome]]:
     """Compute ``example``'s prefix K/V once; answer each question with it and without it."""
-    cache = PrefixCache.build(model, tokenizer, example.prefix_text)
+    cache = PrefixKV.build(model, tokenizer, example.prefix_text)
     out = []
     for q in questions:
         ex = P.with_question(example, q)
         iso = generate(model, tokenizer, ex.prompt_text, max_new_tokens=max_new_tokens)
-        sh = generate(model, tokenizer, ex.prompt_text, prefix_cache=cache, max_new_tokens=max_new_tokens)
+        sh = generate(model, tokenizer, ex.prompt_text, prefix_kv=cache, max_new_tokens=max_new_tokens)
         out.append(ShareOutcome(q, iso.token_ids, sh.token_ids, sh.text, ex.answer))
     return cache, out
 
@@ -92,7 +93,7 @@ class RecallReport:
 def answer_with_swapped_prefix(model: Any, tokenizer: Any, example: P.PassphraseExample,
                                donor: P.PassphraseExample, max_new_tokens: int = 16) -> str:
     """Serve ``example`` with ``donor``'s system-prompt K/V in place of its own (the mistake, run for real)."""
-    donor_cache = PrefixCache.build(model, tokenizer, donor.prefix_text)
+    donor_cache = PrefixKV.build(model, tokenizer, donor.prefix_text)
     suffix = encode(tokenizer, example.suffix_text)
     gen, *_ = continue_from_cache(model, donor_cache.cache, suffix, len(donor_cache),
                                   max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer))
@@ -142,18 +143,18 @@ def real_share_demo(model: Any, tokenizer: Any, example: P.PassphraseExample, do
                     questions: Sequence[str], max_new_tokens: int = 24) -> list[dict[str, Any]]:
     """One system prompt, several questions: isolated, with its own prefix K/V shared, and with ``donor``'s.
 
-    Isolated and shared use ``kvlab.prefix.generate`` (the shared run forks a ``PrefixCache`` of the
+    Isolated and shared use ``kvlab.prefix.generate`` (the shared run forks a ``PrefixKV`` of the
     system turn); the wrong share runs the question's tokens on top of a fork of the donor's system-turn
     K/V (``continue_from_cache``): what a cache keyed on the wrong thing would serve.
     """
-    own = PrefixCache.build(model, tokenizer, system_turn(tokenizer, example))
-    other = PrefixCache.build(model, tokenizer, system_turn(tokenizer, donor))
+    own = PrefixKV.build(model, tokenizer, system_turn(tokenizer, example))
+    other = PrefixKV.build(model, tokenizer, system_turn(tokenizer, donor))
     stops = eos_ids(model, tokenizer)
     rows = []
     for q in questions:
         prompt_ids = encode(tokenizer, P.real_model_prompt(tokenizer, example, q))
         iso = generate(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens)
-        sh = generate(model, tokenizer, prompt_ids, prefix_cache=own, max_new_tokens=max_new_tokens)
+        sh = generate(model, tokenizer, prompt_ids, prefix_kv=own, max_new_tokens=max_new_tokens)
         suffix = prompt_ids[len(own):]
         wrong, *_ = continue_from_cache(model, other.fork().cache, suffix, len(other),
                                         max_new_tokens=max_new_tokens, stop_ids=stops)
@@ -186,7 +187,7 @@ class RealRecall:
 
 
 def real_recall(model: Any, tokenizer: Any, examples: Sequence[P.PassphraseExample], questions: Sequence[str],
-                max_tokens: int = 24, block_size: int = 16) -> RealRecall:
+                max_tokens: int = 24, block_size: int = DEFAULT_BLOCK_SIZE) -> RealRecall:
     """Three passes of one prefix-caching Engine over the same requests (request i asks questions[i % len]).
 
     1. *isolated*: every request for the first time -- nothing of its system prompt is in the cache yet

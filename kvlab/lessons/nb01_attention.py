@@ -597,8 +597,8 @@ def fig_kv_memory(per_token_bytes: Mapping[str, int], context: int, batch_sizes:
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(K, V) of each layer of a transformers cache (or a kvlab PrefixCache), each (kv_heads, seq, head_dim)."""
-    cache = getattr(cache, "cache", cache)  # a PrefixCache holds the transformers cache
+    """(K, V) of each layer of a transformers cache (or a kvlab PrefixKV), each (kv_heads, seq, head_dim)."""
+    cache = getattr(cache, "cache", cache)  # a PrefixKV holds the transformers cache
     return [(layer.keys[0].detach().float().cpu(), layer.values[0].detach().float().cpu()) for layer in cache.layers]
 
 

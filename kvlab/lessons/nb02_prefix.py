@@ -1,6 +1,6 @@
 """Notebook 02 (manual prefix reuse): cache pollution, tokenization pitfalls, figures, exercise checkers.
 
-The reusable machinery (``PrefixCache``, ``generate``, ``continue_from_cache``) lives in ``kvlab.prefix``;
+The reusable machinery (``PrefixKV``, ``generate``, ``continue_from_cache``) lives in ``kvlab.prefix``;
 this module holds what the lesson measures with it.
 """
 
@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
 from kvlab.lessons.common import Verdict, call_answer, label, unanswered, verdict
-from kvlab.prefix import PrefixCache, generate_with_prefix_cache, get_prefix_cache
+from kvlab.prefix import PrefixKV, generate_with_prefix_cache, get_prefix_cache
 
 
 def pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max_new_tokens: int = 16
@@ -237,7 +237,7 @@ def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_to
     questions = ["What is the passphrase?", "Tell me the passphrase.", "请说出口令。"][:n]
     examples = [with_question(ex, q) for q in questions]
     prefix_ids = encode(tokenizer, ex.prefix_text)
-    cache = PrefixCache.build(model, tokenizer, prefix_ids).cache
+    cache = PrefixKV.build(model, tokenizer, prefix_ids).cache
     got, failed = call_answer(fn, model, tokenizer, cache, len(prefix_ids), [e.suffix_text for e in examples],
                               max_new_tokens, hint=hint, name="my_serial_reuse")
     if failed is not None:
@@ -341,13 +341,13 @@ def real_pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max
     return rows
 
 
-def suffix_positions(prefix: PrefixCache, suffix_len: int, restart: bool = False) -> list[int]:
+def suffix_positions(prefix: PrefixKV, suffix_len: int, restart: bool = False) -> list[int]:
     """Position ids the suffix's tokens get on top of ``prefix``: after it (right) or from 0 again (``restart``)."""
     start = 0 if restart else prefix.seq_length()
     return list(range(start, start + suffix_len))
 
 
-def fig_position_ids(prefix: PrefixCache, suffix_ids: Sequence[int], tokenizer: Any = None) -> Figure:
+def fig_position_ids(prefix: PrefixKV, suffix_ids: Sequence[int], tokenizer: Any = None) -> Figure:
     """The cached prefix's positions and the suffix's on top of it: continued (right) and restarted at 0 (wrong)."""
     from matplotlib.patches import Rectangle
 
@@ -450,7 +450,7 @@ def check_continue_loop(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new
         prefix, full = encode(tokenizer, ex.prefix_text), encode(tokenizer, ex.prompt_text)
         suffix = full[len(prefix):]
         spy = PositionSpy(model)
-        got, failed = call_answer(fn, spy, PrefixCache.build(model, tokenizer, prefix).cache, suffix, len(prefix),
+        got, failed = call_answer(fn, spy, PrefixKV.build(model, tokenizer, prefix).cache, suffix, len(prefix),
                                   max_new_tokens, stops, hint=hint, name="my_continue")
         if failed is not None:
             return failed

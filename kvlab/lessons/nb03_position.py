@@ -28,7 +28,7 @@ from kvlab.engine.models import encode, eos_ids, model_device_dtype
 from kvlab.lessons import passphrase as P
 from kvlab.lessons import rope
 from kvlab.lessons.common import Verdict, as_number, call_answer, progress_bar, unanswered, verdict
-from kvlab.prefix import PrefixCache, continue_from_cache, generate
+from kvlab.prefix import PrefixKV, continue_from_cache, generate
 
 MAX_NEW_TOKENS = 12  # a passphrase is at most ~10 tokens of this tokenizer, then <|im_end|>
 
@@ -130,7 +130,7 @@ def last_logits_gap(model: Any, tokenizer: Any, prefix: str, suffix: str, suffix
     n = len(encode(tokenizer, prefix))
     start = n if suffix_start is None else suffix_start
     full = model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1).logits[0, -1]  # (vocab,)
-    cache = PrefixCache.build(model, tokenizer, ids[:n]).cache
+    cache = PrefixKV.build(model, tokenizer, ids[:n]).cache
     pos = torch.arange(start, start + len(ids) - n, device=device)[None]
     part = model(input_ids=torch.tensor([ids[n:]], device=device), position_ids=pos, cache=cache,
                  logits_to_keep=1).logits[0, -1]
@@ -405,18 +405,18 @@ def run_group3(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "h
     rows = []
     for seed in progress_bar(seeds, progress, "group 3 pairs"):
         a, b = group3_pair(seed, split)
-        shared = PrefixCache.build(model, tokenizer, b.prefix_text)
+        shared = PrefixKV.build(model, tokenizer, b.prefix_text)
         n = len(shared)
         ref_b = isolated(model, tokenizer, b.prompt_text, max_new_tokens)
         ref_a = isolated(model, tokenizer, a.prompt_text, max_new_tokens)
         ways = {}
-        ways["A: shared prefix (fork)"] = (a, ref_a, generate(model, tokenizer, a.prompt_text, prefix_cache=shared,
+        ways["A: shared prefix (fork)"] = (a, ref_a, generate(model, tokenizer, a.prompt_text, prefix_kv=shared,
                                                               max_new_tokens=max_new_tokens).token_ids)
-        ways["B: shared prefix (fork)"] = (b, ref_b, generate(model, tokenizer, b.prompt_text, prefix_cache=shared,
+        ways["B: shared prefix (fork)"] = (b, ref_b, generate(model, tokenizer, b.prompt_text, prefix_kv=shared,
                                                               max_new_tokens=max_new_tokens).token_ids)
         # Wrong 1: the cache entry holds A's system turn *and* A's history; B reuses all of it.
         a_ctx = encode(tokenizer, a.prefix_text + _history_text(a))
-        beyond = PrefixCache.build(model, tokenizer, a_ctx).cache
+        beyond = PrefixKV.build(model, tokenizer, a_ctx).cache
         gen, *_ = continue_from_cache(model, beyond, encode(tokenizer, _question_text(b)), len(a_ctx),
                                       max_new_tokens=max_new_tokens, stop_ids=stop)
         ways["B: shared beyond the prefix (A's history)"] = (b, ref_b, gen)
@@ -473,7 +473,7 @@ def run_left_padding(model: Any, tokenizer: Any, seeds: Sequence[int], split: st
     rows = []
     for seed in progress_bar(seeds, progress, f"padded batches, {extra_pads} extra pads"):
         reqs = padding_batch(seed, split, size)
-        prefix = PrefixCache.build(model, tokenizer, reqs[0].prefix_text)
+        prefix = PrefixKV.build(model, tokenizer, reqs[0].prefix_text)
         n = len(prefix)
         suffixes = [encode(tokenizer, r.suffix_text) for r in reqs]
         width = max(map(len, suffixes)) + extra_pads

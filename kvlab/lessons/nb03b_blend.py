@@ -29,7 +29,7 @@ from kvlab.engine.models import encode
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import Verdict, call_answer, progress_bar, verdict
 from kvlab.lessons.nb03_position import token_agreement
-from kvlab.prefix import PrefixCache
+from kvlab.prefix import PrefixKV
 
 RATIOS = (0.0, 0.05, 0.15, 0.30, 1.0)  # the recompute shares
 MAX_NEW_TOKENS = 12
@@ -146,7 +146,7 @@ def run_quality(chunks: ChunkCache, requests: Sequence[RagRequest], ratios: Sequ
     for i, req in enumerate(progress_bar(requests, progress, "requests")):
         ref = blend_generate(chunks, full_pieces(req.pieces), 1.0, max_new_tokens=max_new)
         head = tuple(req.pieces[0][0])
-        prefix = prefixes.setdefault(head, PrefixCache.build(chunks.model, tok, list(head)))
+        prefix = prefixes.setdefault(head, PrefixKV.build(chunks.model, tok, list(head)))
         for r in ratios:
             b = blend_generate(chunks, req.pieces, r, tenant=tenant, prefix=prefix, max_new_tokens=max_new)
             text = tok.decode(b.token_ids, skip_special_tokens=True)
@@ -191,7 +191,7 @@ def run_ttft(chunks: ChunkCache, requests: Sequence[RagRequest], ratios: Sequenc
 
     rows, names = [], ttft_methods(ratios)
     for i, req in enumerate(progress_bar(requests, progress, "TTFT")):
-        prefix = PrefixCache.build(chunks.model, chunks.tokenizer, req.pieces[0][0])
+        prefix = PrefixKV.build(chunks.model, chunks.tokenizer, req.pieces[0][0])
         full = full_pieces(req.pieces)
         runs = {names[0]: (full, 1.0, None), names[1]: (full, 1.0, prefix)}  # (pieces, r, prefix cache)
         runs.update({name: (req.pieces, r, prefix) for name, r in zip(names[2:], ratios)})

@@ -19,7 +19,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from kvlab.cache import cdiv
+from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.cache.block_manager import BlockManager, TenantScope
 from kvlab.cache.radix import RadixCache
 from kvlab.lessons.common import Verdict, call_answer, verdict
@@ -67,7 +67,7 @@ def workload_trace(workload: Workload, seed: int = 0) -> list[Request]:
             for i, (prompt, meta) in enumerate(zip(workload.prompts, workload.meta))]
 
 
-def article_requests(page_size: int = 1, block_size: int = 16, lang: str = "zh"
+def article_requests(page_size: int = 1, block_size: int = DEFAULT_BLOCK_SIZE, lang: str = "zh"
                      ) -> tuple[list[dict], RadixCache, Callable[[int], str]]:
     """The article's three translation requests through a radix tree and through hash blocks.
 
@@ -246,7 +246,7 @@ def tenant_sharing(num_tenants: int = 4, requests_per_tenant: int = 4, system_le
 
 # --- the engine (phase 2) ----------------------------------------------------------------------------------
 def engine_ttft(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], cache: str, max_tokens: int = 4,
-                num_tokens: int = 16384, block_size: int = 16, page_size: int = 1, repeats: int = 3,
+                num_tokens: int = 16384, block_size: int = DEFAULT_BLOCK_SIZE, page_size: int = 1, repeats: int = 3,
                 **engine_kw: Any) -> dict:
     """Median TTFT and outputs of ``prompts`` through a fresh ``Engine(..., cache=cache)``, one request after another.
 

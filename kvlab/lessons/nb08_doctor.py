@@ -21,9 +21,9 @@ from kvlab.doctor.logio import read_log
 from kvlab.doctor.prepare import prepare
 from kvlab.doctor.replay import replay_block_manager, replay_tokens
 from kvlab.doctor.report import fig_divergence, fig_hit_rates, pct  # noqa: F401  (re-exported)
-from kvlab.doctor.synth import make_log
-from kvlab.doctor.tokenize import PromptEncoder, ids, tokstr
+from kvlab.doctor.tokenization import PromptEncoder, ids, tokstr
 from kvlab.lessons import common  # noqa: F401  (registers the CJK font for the doctor's figures)
+from kvlab.lessons.doctor_log import make_log
 
 KIND_NAMES = {"volatile": "a per-request field (timestamp, id)", "per-user": "a per-user field (name, account)",
               "per-session": "a per-conversation field", "order": "items in varying order (RAG documents)",

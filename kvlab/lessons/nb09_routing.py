@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.cache.kv_events import AllBlocksCleared, BlockStored, describe
 from kvlab.cluster import POLICIES, CostModel, FleetResult, agree, chat, from_prompts, simulate
 from kvlab.lessons.common import Verdict, call_answer, verdict
@@ -57,7 +58,7 @@ def sys512_workload(vocab: int = 1024, seed: int = 0, rate: float = 20.0):
 
 # --- 1 · KV events -----------------------------------------------------------------------------------------
 def events_of_one_request(model: Any, tokenizer: Any, prompt: Sequence[int], max_tokens: int = 20,
-                          block_size: int = 16) -> list:
+                          block_size: int = DEFAULT_BLOCK_SIZE) -> list:
     """Run one request on a fresh engine with KV events on, then reset its cache: the event batches."""
     from kvlab.engine import Engine, SamplingParams
 
@@ -209,7 +210,7 @@ def policy_sentences(df: pd.DataFrame) -> list[str]:
 
 
 def simulate_with_replicas(workload, num_replicas: int, policy: str, *, num_blocks: int = 96,
-                           block_size: int = 16) -> tuple[FleetResult, list]:
+                           block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[FleetResult, list]:
     """``simulate``, keeping the replicas so their caches can be compared with the router's index."""
     from kvlab.cluster.driver import run_fleet
     from kvlab.cluster.replica import LocalHandle, SimReplica
@@ -339,7 +340,7 @@ def ray_fleet_run(workload, num_replicas: int = 2, policies: Sequence[str] = ("r
     except Exception as e:  # installed but it would not start here (tests/test_cluster.py fails on this instead)
         return {"ray": False, "message": f"Ray is installed but did not start ({type(e).__name__}: {e}): "
                                          "simulation only."}
-    handles = ray_replicas(num_replicas, model=model, num_blocks=num_blocks, block_size=16)
+    handles = ray_replicas(num_replicas, model=model, num_blocks=num_blocks, block_size=DEFAULT_BLOCK_SIZE)
     startup = time.perf_counter() - t0
     rows, steps = [], []
     for p in policies:

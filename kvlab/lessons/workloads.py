@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.lessons import passphrase as P
 
 __all__ = ["GROUP_CONDITIONS", "Workload", "ideal_prefill_fraction", "seed_groups", "sys512"]
@@ -82,7 +83,7 @@ def _aligned_preamble(tokenizer: Any, seed: int, block_size: int, split: str) ->
 
 
 def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int = 0, questions: int = 3,
-                block_size: int = 16, max_tokens: int = 12) -> dict[int, Workload]:
+                block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 12) -> dict[int, Workload]:
     """The article's three groups as passphrase workloads: ``{1: Workload, 2: ..., 3: ...}``.
 
     ``n`` system prompts (seeds ``start ..``) per group; group 1 asks ``questions`` different questions
@@ -157,7 +158,7 @@ def sys512(vocab_size: int, num_requests: int = 16, prefix_tokens: int = 512, su
     return Workload(name, prompts, max_tokens, meta, prefix_tokens)
 
 
-def ideal_prefill_fraction(workload: Workload, block_size: int = 16) -> float:
+def ideal_prefill_fraction(workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """Uncached prompt tokens / all prompt tokens when the shared prefix is computed once (whole blocks only).
 
     The first request computes everything; each later one reuses the prefix's full blocks, capped so its

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from kvlab.cache.hashing import (
     NONE_HASH,
     builtin_hash,
+    config_fingerprint,
     first_block_extra_keys,
     hash_block,
     hash_token_blocks,
-    model_fingerprint,
 )
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**40), max_size=40)
@@ -64,11 +64,11 @@ def test_extra_keys_are_ordered_and_optional():
     assert first_block_extra_keys("", "s") == (("salt", "s"),)
 
 
-def test_model_fingerprint_is_stable_and_config_sensitive():
-    a = model_fingerprint("qwen", layers=2, heads=4)
-    assert a == model_fingerprint("qwen", heads=4, layers=2)
-    assert a != model_fingerprint("qwen", layers=3, heads=4)
-    assert a != model_fingerprint("llama", layers=2, heads=4)
+def test_config_fingerprint_is_stable_and_config_sensitive():
+    a = config_fingerprint("qwen", layers=2, heads=4)
+    assert a == config_fingerprint("qwen", heads=4, layers=2)
+    assert a != config_fingerprint("qwen", layers=3, heads=4)
+    assert a != config_fingerprint("llama", layers=2, heads=4)
 
 
 def test_builtin_hash_is_8_bytes_and_chained():
@@ -80,3 +80,12 @@ def test_builtin_hash_is_8_bytes_and_chained():
 @pytest.mark.parametrize("fn", [hash_block, builtin_hash])
 def test_hash_fn_is_deterministic(fn):
     assert fn(None, [5, 6], (("salt", "x"),)) == fn(None, (5, 6), (("salt", "x"),))
+
+
+@pytest.mark.parametrize("public, salted", [(0, 0), (15, 0), (16, 1), (40, 2), (48, 3)])
+def test_salted_block_is_the_first_block_not_wholly_public(public, salted):
+    """A block straddling the public prefix's end is private; the whole blocks before it are shared."""
+    from kvlab.cache.hashing import DEFAULT_BLOCK_SIZE, salted_block
+
+    assert DEFAULT_BLOCK_SIZE == 16 and salted_block(public, DEFAULT_BLOCK_SIZE) == salted
+    assert salted_block(public, 1) == public

@@ -13,7 +13,7 @@ from kvlab.cache import BlockManager
 from kvlab.doctor import diagnose, read_log, write_log, write_report
 from kvlab.doctor.divergence import divergence, lcp
 from kvlab.doctor.replay import replay_block_manager, replay_tokens
-from kvlab.doctor.tokenize import PromptEncoder, tokstr
+from kvlab.doctor.tokenization import PromptEncoder, tokstr
 from kvlab.doctor.vllm_metrics import parse_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

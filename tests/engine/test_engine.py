@@ -11,12 +11,11 @@ import random
 
 import pytest
 import torch
+from passphrase_prompts import ASK_EN, ASK_ZH, example_prompts, question_prompts
 
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
-from kvlab.lessons import passphrase as P
-from kvlab.lessons.passphrase import question_prompts
 
 MAX_NEW = 10  # the length of the shared `workload` fixture's references (conftest.ENGINE_MAX_NEW)
 
@@ -55,8 +54,7 @@ def test_greedy_identical_to_hf_generate(lm, workload, caching, num_blocks, max_
 
 def test_shared_prefix_uses_fewer_kv_bytes(lm):
     model, tok = lm
-    ex = P.make_example(3, "heldout", n_filler=20)
-    prompts = [P.with_question(ex, q).prompt_text for q in P.ASK_EN + P.ASK_ZH]
+    prompts = example_prompts("heldout:3:filler20", ASK_EN + ASK_ZH)
     peaks, texts = {}, {}
     for caching in (True, False):
         engine = Engine(model, tok, num_blocks=256, block_size=16, enable_prefix_caching=caching)
@@ -220,8 +218,7 @@ def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
     same step must still read the right K/V (the step writes before it reads). Breaking either half
     (registering after compute, or reading before writing) makes this fail."""
     model, tok = lm
-    ex = P.make_example(3, "heldout")
-    prompts = [P.with_question(ex, q).prompt_text for q in (P.ASK_EN + P.ASK_ZH)[:3]]
+    prompts = example_prompts("heldout:3", (ASK_EN + ASK_ZH)[:3])
     engine = Engine(model, tok, num_blocks=64, block_size=4, debug=True)
     steps_before = engine.num_steps
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
@@ -230,6 +227,22 @@ def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
     assert engine.num_steps - steps_before <= MAX_NEW  # all three were prefilled together in one step
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == hf_generate(model, tok, prompt, MAX_NEW)
+
+
+def test_engine_batches_events_per_step_with_sequence_numbers(bundled):
+    from kvlab.cache import AllBlocksCleared, BlockStored, EventBatch
+
+    eng = Engine(*bundled, num_blocks=32, block_size=16, enable_kv_events=True)
+    eng.generate([list(range(3, 40)), list(range(3, 36)) + [50, 51]], SamplingParams(max_tokens=4, ignore_eos=True))
+    batches = eng.take_kv_events()
+    assert batches and all(isinstance(b, EventBatch) for b in batches)
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    first = batches[0].events
+    assert isinstance(first[0], BlockStored) and first[0].token_ids[:16] == tuple(range(3, 19))
+    assert eng.take_kv_events() == []
+    assert eng.reset_prefix_cache()
+    (b,) = eng.take_kv_events()
+    assert b.events == (AllBlocksCleared(),) and b.seq == batches[-1].seq + 1
 
 
 def test_steps_build_no_autograd_graph(lm):
@@ -247,8 +260,7 @@ def test_engine_runs_on_a_caller_built_block_manager(lm):
     from kvlab.cache import BlockManager
 
     model, tok = lm
-    ex = P.make_example(4, "heldout", n_filler=20)
-    prompts = [P.with_question(ex, q).prompt_text for q in P.ASK_EN[:3]]
+    prompts = example_prompts("heldout:4:filler20", ASK_EN[:3])
     default = Engine(model, tok, num_blocks=64, block_size=16, max_num_seqs=1)  # one at a time: later ones hit
     own = BlockManager(64, 16)
     mine = Engine(model, tok, cache=own, max_num_seqs=1, debug=True)
@@ -292,3 +304,53 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(lm):
     with pytest.raises(ValueError, match="lone surrogate at character 3"):
         engine.add_request("abc\ud800def")
     assert not engine.requests and not engine.scheduler.waiting
+
+
+def test_attention_is_switched_once_per_busy_period_and_no_transformers_object_is_patched():
+    """Issue 25: the model is switched through transformers' public set_attn_implementation once when the engine
+    gets work and back once when it is idle (no per-step write of its private config attribute), and the LM head
+    is computed by the runner (``head.forward`` is never replaced). The old engine switched the model by hand in
+    every step and patched the head inside it."""
+    model = _tiny("llama")
+    own, head = model.config._attn_implementation, model.get_output_embeddings()
+    engine = Engine(model, None, num_blocks=16, block_size=8)
+    assert model.config._attn_implementation == own  # probed at construction, then given back
+    assert engine.runner.head_seam and engine.runner.fast_head
+    switches, seen = [], []
+    real = model.set_attn_implementation
+    model.set_attn_implementation = lambda name: (switches.append(name), real(name))[1]  # a spy on this instance
+    handle = model.model.norm.register_forward_hook(  # runs inside every step's forward
+        lambda *a: seen.append((model.config._attn_implementation, "forward" in vars(head))))
+    try:
+        for _ in range(2):
+            engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3))
+    finally:
+        handle.remove()
+        del model.set_attn_implementation
+    assert len(seen) >= 6 and set(seen) == {(f"kvlab_paged_{own}", False)}
+    assert switches == [f"kvlab_paged_{own}", own] * 2 and model.config._attn_implementation == own
+
+
+def test_a_head_seam_that_misses_the_models_logits_is_not_used():
+    """The runner computes the head itself only where the probe shows it gives the model's exact logits: a model
+    with a post-processing kvlab does not know (here: logits negated) runs its own forward, token-identical."""
+    from transformers import LlamaForCausalLM
+
+    class Negated(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            out = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            out.logits = -out.logits
+            return out
+
+    plain = _tiny("llama")
+    model = Negated(plain.config).eval()
+    model.load_state_dict(plain.state_dict())
+    model.generation_config.eos_token_id = None
+    prompts = [[1, 2, 3, 4], [9, 8]]
+    with torch.no_grad():
+        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    engine = Engine(model, None, num_blocks=16, block_size=4, debug=True)
+    assert not engine.runner.head_seam
+    assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == ref
+    assert Engine(plain, None, num_blocks=16, block_size=4).runner.head_seam  # the same weights, no post-processing

@@ -11,12 +11,11 @@ import random
 
 import pytest
 import torch
+from passphrase_prompts import ASK_EN, ASK_ZH, example_prompts, question_prompts
 
 from kvlab.cache.radix import RadixCache
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.reference import hf_generate
-from kvlab.lessons import passphrase as P
-from kvlab.lessons.passphrase import question_prompts
 
 MAX_NEW = 10  # the length of the shared `workload` fixture's references (conftest.ENGINE_MAX_NEW)
 
@@ -153,8 +152,7 @@ def test_fork_shares_pages_and_copies_a_partial_page():
 
 def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
     model, tok = lm
-    ex = P.make_example(3, "heldout")
-    prompts = [P.with_question(ex, q).prompt_text for q in (P.ASK_EN + P.ASK_ZH)[:3]]
+    prompts = example_prompts("heldout:3", (ASK_EN + ASK_ZH)[:3])
     engine = Engine(model, tok, num_blocks=64, block_size=16, cache="radix", debug=True)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
     assert outs[0].num_cached_tokens == 0 and all(o.num_cached_tokens > 0 for o in outs[1:])

@@ -6,13 +6,13 @@ import torch
 from kvlab.engine.models import (
     BUNDLED_MODEL,
     CONFIGS_DIR,
+    cache_nbytes,
     kv_bytes_per_token,
     kv_shape,
     load_model,
     load_public_config,
     random_model,
 )
-from kvlab.prefix import cache_nbytes
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
 

@@ -9,7 +9,6 @@ from kvlab.engine.models import (
     resolve_device,
     resolve_dtype,
 )
-from kvlab.lessons import passphrase as P
 
 
 def test_default_loads_the_bundled_model_offline(bundled):
@@ -50,26 +49,6 @@ def test_device_and_dtype_resolution():
         resolve_dtype("float13")
 
 
-def test_tokenizer_round_trip_matches_training_ids(bundled):
-    """AutoTokenizer must rebuild exactly the ids the model was trained on (tokenizer.json)."""
-    from tokenizers import Tokenizer
-
-    _, tok = bundled
-    raw = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
-    for ex in P.make_examples(30, "heldout"):
-        text = ex.prompt_text + ex.target_text
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        assert ids == raw.encode(text, add_special_tokens=False).ids
-        assert tok.decode(ids) == text
-    assert tok.convert_ids_to_tokens(tok("<|im_start|>user", add_special_tokens=False)["input_ids"])[0] == "<|im_start|>"
-
-
-def test_chat_template_renders_the_same_prompt(bundled):
-    _, tok = bundled
-    for ex in P.make_examples(10, "heldout"):
-        assert tok.apply_chat_template(ex.messages(), tokenize=False, add_generation_prompt=True) == ex.prompt_text
-
-
 def test_fingerprint_tells_models_apart(bundled):
     model, tok = bundled
     fp = model_fingerprint(model, tok)
@@ -83,14 +62,3 @@ def test_kv_bytes_per_token_of_the_bundled_model(bundled):
     c = model.config
     assert kv_bytes_per_token(c, "float32") == 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
     assert kv_bytes_per_token(c, "bfloat16") * 2 == kv_bytes_per_token(c, "float32")
-
-
-def test_quick_sizes_for_large_models_on_cpu(bundled):
-    from kvlab.lessons.common import quick_note, quick_sizes
-
-    model, _ = bundled
-    assert not quick_sizes(model) and quick_note(model) == "full sizes"
-    assert quick_sizes(model, smoke=True)
-    big = torch.nn.Linear(4000, 3000)  # 12M parameters, above the threshold
-    assert quick_sizes(big) and quick_note(big).startswith("12M parameters on a CPU")
-    assert not quick_sizes(torch.nn.Linear(100, 100))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlab.engine.kv_store import PagedKVStore
-from kvlab.engine.paged_attention import ATTN_NAME, build_batch, paged_attention, paged_attention_forward
+from kvlab.engine.paged_attention import build_batch, paged_attention_forward, paged_step, register
 
 BS, KVH, H, D = 4, 2, 4, 8
 
@@ -92,16 +92,22 @@ def test_hf_model_runs_on_paged_cache_in_two_chunks():
     store = PagedKVStore.for_model(model, num_blocks=8, block_size=BS)
     table = [6, 2, 7, 0, 3, 5]
     got = []
+    own, name = register(model)
+    model.set_attn_implementation(name)  # transformers' public switch
+    assert model.config._attn_implementation == name == f"kvlab_paged_{own}"
     for start, end in [(0, 10), (10, 23)]:
         batch = build_batch(store, [(start, end, table)])
-        with paged_attention(model):
+        with paged_step():
             out = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end)[None],
                         use_cache=False, kvlab_batch=batch)
         got.append(out.logits[0])
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-5)
-    assert model.config._attn_implementation != ATTN_NAME  # restored after the block
-    again = model(input_ids=ids).logits[0]
-    assert torch.equal(again, want)
+    assert torch.equal(model(input_ids=ids).logits[0], want)  # outside paged_step(): the model's own attention
+    with pytest.raises(RuntimeError, match="paged_step"):  # a batch outside a step would never be written
+        model(input_ids=ids[:, :3], position_ids=torch.arange(3)[None], kvlab_batch=build_batch(store, [(0, 3, table)]))
+    model.set_attn_implementation(own)
+    assert model.config._attn_implementation == own
+    assert torch.equal(model(input_ids=ids).logits[0], want)
 
 
 def test_grouping_bounds_padding_and_keeps_every_sequence_once():

@@ -3,7 +3,7 @@
 Each test drives one of the ways an adversarial user broke the engine, the block manager or tenant
 isolation: a numerically bad or failing request inside a packed step, calls from a second thread,
 weak server secrets, the no-tenant scope, half-done block-manager calls, prompt coercion, request
-ids, prefix caches on modified weights, unsupported architectures, sliding-window prefixes; and a
+ids, unsupported architectures; and a
 hypothesis property test over the whole engine with bad requests mixed into good ones.
 """
 
@@ -20,16 +20,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from passphrase_prompts import ASK_EN, example_prompts, question_prompts
 
-import kvlab.engine.engine as engine_module
+import kvlab.engine.runner as runner_module  # where the step samples (sample_next)
 from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, TenantScope, UnknownSequenceError
 from kvlab.cache.block_pool import BlockPool, NoFreeBlocksError
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
 from kvlab.engine.models import encode
 from kvlab.engine.sampling import sample_next
 from kvlab.engine.tenants import SharedTenantsWarning, tenant_salt
-from kvlab.lessons import passphrase as P
-from kvlab.prefix import PrefixCache, PrefixMismatchError, generate
 
 VOCAB = 256
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
@@ -122,7 +121,7 @@ def test_a_failing_sampler_fails_only_its_request(tiny, monkeypatch):
     sps = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=5),
            SamplingParams(max_tokens=8, temperature=0.9, seed=666), SamplingParams(max_tokens=8, temperature=1.1, seed=7)]
     want = [solo(tiny, p, sp) for p, sp in zip(prompts, sps)]
-    real = engine_module.sample_next
+    real = runner_module.sample_next
     calls = []
 
     def flaky(logits, do_sample, temperature, top_p, top_k, generator):
@@ -132,7 +131,7 @@ def test_a_failing_sampler_fails_only_its_request(tiny, monkeypatch):
                 raise FloatingPointError("probabilities are NaN")
         return real(logits, do_sample, temperature, top_p, top_k, generator)
 
-    monkeypatch.setattr(engine_module, "sample_next", flaky)
+    monkeypatch.setattr(runner_module, "sample_next", flaky)
     engine = Engine(tiny, None, num_blocks=32, block_size=16, debug=True)
     outs = engine.generate(prompts, sps)
     assert [o.finish_reason for o in outs] == ["length", "length", "error", "length"]
@@ -354,13 +353,13 @@ def test_tokenizing_a_prompt_never_holds_the_engine_lock(bundled):
     engine = Engine(model, probe, num_blocks=32, block_size=16, debug=True)
     probe.engine = engine
     sp = SamplingParams(max_tokens=3)
-    prompts = P.question_prompts(1, 2)
+    prompts = question_prompts(1, 2)
     first = engine.add_request(prompts[0], sp)
     engine.step()  # a request is running: the next one is tokenized while it could step
-    before = (repr(engine._ids), dict(engine.requests), list(engine.scheduler.waiting))
+    before = (repr(engine.intake._ids), dict(engine.requests), list(engine.scheduler.waiting))
     with pytest.raises(ValueError, match="positions"):
         engine.add_request(prompts[1] * 200, sp)  # tokenized, then refused: too long for the model
-    assert (repr(engine._ids), dict(engine.requests), list(engine.scheduler.waiting)) == before  # nothing queued
+    assert (repr(engine.intake._ids), dict(engine.requests), list(engine.scheduler.waiting)) == before  # nothing queued
     second = engine.add_request(prompts[1], sp)
     outs = engine.generate(prompts, sp)  # generate tokenizes without the lock too
     assert probe.lock_free == [True] * 5
@@ -533,7 +532,7 @@ def test_prompts_are_text_or_real_int_ids(tiny, prompt):
     assert out[1].prompt_ids == [5, 6] and out[1].finish_reason == "length"
     with pytest.raises((TypeError, ValueError)):
         engine.add_public_prefix(prompt)
-    assert engine.public_prefixes == []
+    assert engine.intake.public_prefixes == []
 
 
 def test_int_like_prompts_are_accepted(tiny):
@@ -615,8 +614,8 @@ def test_engine_refusals_leave_the_state_unchanged(tiny):
     engine.add_request([6, 7], SamplingParams(max_tokens=4), request_id="later")
 
     def state():
-        return (repr(engine._ids), engine._rng.getstate(), dict(engine.requests), list(engine.scheduler.waiting),
-                list(engine.scheduler.running), full_state(engine.block_manager), list(engine.public_prefixes))
+        return (repr(engine.intake._ids), engine.intake._rng.getstate(), dict(engine.requests), list(engine.scheduler.waiting),
+                list(engine.scheduler.running), full_state(engine.block_manager), list(engine.intake.public_prefixes))
 
     sampled = SamplingParams(max_tokens=4, temperature=1.0)
     bad_calls = [
@@ -709,36 +708,7 @@ def test_tenants_on_a_shared_engine_warn_once(tiny):
     assert drained(shared) and drained(isolated)
 
 
-# --- 8. PrefixCache: the model check covers every weight ----------------------------------------------
-def _nudge(model):
-    """Change one weight that a sparse sample would skip, through ``.data`` (no version bump)."""
-    p = dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
-    with torch.no_grad():
-        p.data.view(-1)[1] += 0.5
-
-
-def test_prefix_cache_refuses_its_model_changed_in_place(bundled):
-    model, tok = bundled
-    m = copy.deepcopy(model)
-    ex = P.make_example(0, "heldout")
-    pc = PrefixCache.build(m, tok, ex.prefix_text)
-    generate(m, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)  # accepted before the change
-    _nudge(m)
-    with pytest.raises(PrefixMismatchError, match="another model"):
-        generate(m, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)
-
-
-def test_prefix_cache_refuses_a_modified_copy(bundled):
-    model, tok = bundled
-    ex = P.make_example(1, "heldout")
-    pc = PrefixCache.build(model, tok, ex.prefix_text)
-    same = copy.deepcopy(model)
-    generate(same, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)  # an identical copy is fine
-    _nudge(same)
-    with pytest.raises(PrefixMismatchError, match="another model"):
-        generate(same, tok, ex.prompt_text, prefix_cache=pc, max_new_tokens=2)
-
-
+# --- 8. block manager memory ----------------------------------------------------------------------------
 def test_block_manager_memory_stays_flat_over_many_distinct_requests():
     """Issue 24: per-tenant metrics and the evicted-hash set grew by ~0.6-0.9 KB per distinct request, forever."""
     rng = random.Random(0)
@@ -814,53 +784,51 @@ def test_supported_architectures_match_hf_generate(arch):
     rng = random.Random(0)
     shared = [rng.randrange(VOCAB) for _ in range(20)]
     prompts = [shared + [rng.randrange(VOCAB) for _ in range(n)] for n in (1, 7, 14)] + [[5]]
-    with torch.no_grad():
-        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=5, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    ref, padded = _hf_greedy(model, prompts), _hf_greedy_padded(model, prompts)
     for block_size in (1, 16):
         engine = Engine(model, None, num_blocks=160 // block_size, block_size=block_size, max_num_seqs=4, debug=True)
         assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=5))] == ref, block_size
         assert drained(engine)
+    # issue 25: while the engine has work the model is switched to kvlab's attention; HF's own generate on it
+    # still runs its own attention and masks (padding, windows): the same tokens, alone and left-padded in a batch
+    own = model.config._attn_implementation
+    engine.add_request(prompts[0], SamplingParams(max_tokens=5))
+    engine.step()
+    assert model.config._attn_implementation == f"kvlab_paged_{own}" and engine.has_unfinished()
+    assert _hf_greedy(model, prompts) == ref and torch.equal(_hf_greedy_padded(model, prompts), padded)
+    assert [o.output_ids for o in engine.generate(prompts[1:], SamplingParams(max_tokens=5))] == ref[1:]
+    while engine.has_unfinished():
+        engine.step()
+    assert model.config._attn_implementation == own  # idle: the model is HF's own again
 
 
-@pytest.mark.parametrize("arch, reason", [("bloom", "never ran"), ("falcon", "failed"), ("mpt", "failed"),
-                                          ("stablelm", "kvlab_batch"), ("gemma2-softcap", "soft-capping")])
+@torch.no_grad()
+def _hf_greedy(model, prompts, n=5):
+    return [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=n, do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+@torch.no_grad()
+def _hf_greedy_padded(model, prompts, n=5):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+# bloom, falcon and mpt attend in code of their own: transformers' set_attn_implementation cannot switch them
+# (issue 25). Before, kvlab wrote the private config attribute instead: bloom then ran its own attention
+# ("never ran" for every layer), falcon and mpt took a code path they do not support and their forward
+# crashed ("failed"). The public switch names the real reason for all three, at construction.
+@pytest.mark.parametrize("arch, reason", [("bloom", "AttentionInterface"), ("falcon", "AttentionInterface"),
+                                          ("mpt", "AttentionInterface"), ("stablelm", "kvlab_batch"),
+                                          ("gemma2-softcap", "soft-capping")])
 def test_unsupported_architectures_are_refused(arch, reason):
     model = _tiny_model(_configs()[arch]())
     name = model.config.model_type
     with pytest.raises(NotImplementedError, match=f"(?s){name}.*{reason}"):
         engine = Engine(model, None, num_blocks=16, block_size=4)
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-
-
-# --- 10. manual prefix reuse on sliding-window models ----------------------------------------------------
-class _IdTokenizer:
-    """Just enough tokenizer for ``kvlab.prefix.generate`` on token ids."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-    def get_vocab(self):
-        return {str(i): i for i in range(VOCAB)}
-
-    def __len__(self):
-        return VOCAB
-
-
-@pytest.mark.parametrize("arch", ["mistral-window", "gemma2-softcap"])  # HF's own attention: soft-capping is fine
-def test_prefix_reuse_when_the_prompt_is_a_prefix_longer_than_the_window(arch):
-    model, tok = _tiny_model(_configs()[arch]()), _IdTokenizer()
-    prefix = ids(100, 20)  # the window is 8
-    pc = PrefixCache.build(model, tok, prefix)
-    for prompt in (prefix, prefix + [3, 4, 5]):
-        with torch.no_grad():
-            want = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
-        got = generate(model, tok, prompt, prefix_cache=pc, max_new_tokens=6)
-        assert got.token_ids == want
-        assert pc.seq_length() == len(prefix)  # the shared cache is untouched
 
 
 # --- also: a property test over the whole engine --------------------------------------------------------
@@ -872,8 +840,7 @@ SAMPLER_FAILS = 666  # the seed whose sampling raises on its second token
 def pool_prompts(bundled):
     """Cuts of passphrase prompts, 24 to 56 tokens: several share their first blocks, several fit the pool."""
     _, tok = bundled
-    full = [encode(tok, P.with_question(ex, q).prompt_text)
-            for ex in P.make_examples(3, "heldout", start=300) for q in P.ASK_EN[:2]]
+    full = [encode(tok, p) for seed in (300, 301, 302) for p in example_prompts(f"heldout:{seed}", ASK_EN[:2])]
     prompts = [full[0][:24], full[0][:40], full[0][:56], full[2][:48], full[4][:32], full[0][-40:], full[1][-33:]]
     assert not any(POISON in p for p in prompts)
     return prompts
@@ -903,7 +870,7 @@ bad_request = st.tuples(st.sampled_from(["poison", "sampler", "invalid", "abort"
        block_size=st.sampled_from([4, 16]))
 def test_property_bad_requests_never_hurt_good_ones(bundled, pool_prompts, requests, block_size):
     model, tok = bundled
-    real = engine_module.sample_next
+    real = runner_module.sample_next
     sampler_calls = {}
 
     def flaky(logits, do_sample, temperature, top_p, top_k, generator):
@@ -919,7 +886,7 @@ def test_property_bad_requests_never_hurt_good_ones(bundled, pool_prompts, reque
 
     handle = model.model.embed_tokens.register_forward_pre_hook(hook)
     try:
-        with mock.patch.object(engine_module, "sample_next", flaky):
+        with mock.patch.object(runner_module, "sample_next", flaky):
             engine = Engine(model, tok, num_blocks=-(-72 // block_size), block_size=block_size, max_num_seqs=4,
                             max_num_batched_tokens=512, debug=True)  # small pool: preemption and eviction
             expected, outs, to_abort = {}, {}, []

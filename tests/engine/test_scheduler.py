@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 from kvlab.cache.block_manager import BlockManager
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import Scheduler
-from kvlab.engine.sequence import Sequence, SequenceStatus
+from kvlab.engine.sequence import Request, RequestStatus
 
 
 def _seq(i, n, max_tokens=4, first=0):
-    return Sequence(i, f"r{i}", list(range(first, first + n)), SamplingParams(max_tokens=max_tokens))
+    return Request(i, f"r{i}", list(range(first, first + n)), SamplingParams(max_tokens=max_tokens))
 
 
 def _run_step(sched, token=7):
@@ -25,6 +25,21 @@ def _run_step(sched, token=7):
             sched.finish(it.seq, "length")
     sched.block_manager.check_invariants()
     return out
+
+
+def test_importing_scheduler_and_sequence_loads_no_torch():
+    """Issue 25: run in a fresh interpreter, the import (kvlab/__init__, kvlab.cache, sampling_params) loads no torch."""
+    import os
+    import subprocess
+    import sys
+
+    import kvlab
+
+    root = str(Path(kvlab.__file__).resolve().parent.parent)
+    code = "import sys, kvlab.engine.scheduler, kvlab.engine.sequence; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=root)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_scheduler_and_sequence_do_not_import_torch():
@@ -86,7 +101,7 @@ def test_preempts_youngest_and_recomputes():
     sched.add(b)
     _run_step(sched)  # both prefilled: 4 blocks used, 1 free
     out = _run_step(sched)  # both need a new block for their 9th token: one is free
-    assert out.preempted == [b] and b.status is SequenceStatus.WAITING and b.num_preemptions == 1
+    assert out.preempted == [b] and b.status is RequestStatus.WAITING and b.num_preemptions == 1
     assert [it.seq for it in out.items] == [a] and sched.waiting[0] is b and b.seq_id not in bm.seqs
     assert sched.num_preemptions == 1
     steps, recomputed = 0, []
@@ -127,7 +142,7 @@ def test_fork_shares_blocks_then_copy_on_write():
     a = _seq(0, 6, max_tokens=5)
     sched.add(a)
     _run_step(sched)
-    child = Sequence(1, "r0-child", list(a.prompt_ids), a.sampling, output_ids=list(a.output_ids))
+    child = Request(1, "r0-child", list(a.prompt_ids), a.sampling, output_ids=list(a.output_ids))
     sched.fork(a, child)
     assert bm.block_table(1) == bm.block_table(0)
     out = _run_step(sched)
@@ -163,7 +178,7 @@ def test_random_workloads_drain_cleanly(data):
         n = data.draw(st.integers(1, 12))
         max_tokens = data.draw(st.integers(1, 6))
         prefix = data.draw(st.sampled_from([0, 1]))  # two families of shared prefixes
-        seq = Sequence(i, i, [prefix] * min(n, 4) + [i] * max(0, n - 4), SamplingParams(max_tokens=max_tokens))
+        seq = Request(i, i, [prefix] * min(n, 4) + [i] * max(0, n - 4), SamplingParams(max_tokens=max_tokens))
         try:
             sched.check_fits(n, max_tokens)
         except ValueError:

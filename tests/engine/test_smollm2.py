@@ -3,9 +3,9 @@
 The first part tests the conversion's bookkeeping (cache folder, atomic swap, stale folders rebuilt,
 the install hint) with a fake converter: milliseconds, no model. The second part loads the real
 model (30 layers; converted on first use, about a minute, then loaded from the cache in seconds) and
-checks that the paged engine (prefix caching on and off) and manual prefix reuse give exactly HF
-``generate``'s greedy float32 tokens on a few chat prompts, among them the article's translation
-prompt and a passphrase prompt. It is skipped only where the package is not installed
+checks that the paged engine (prefix caching on and off) gives exactly HF ``generate``'s greedy float32
+tokens on a few chat prompts, among them the article's translation prompt and a passphrase prompt
+(manual prefix reuse on SmolLM2: ``tests/lessons/test_prefix.py``). It is skipped only where the package is not installed
 (``scripts/setup.sh`` installs it).
 """
 
@@ -301,17 +301,3 @@ def test_engine_greedy_identical_to_hf_generate(smol, reference, caching):
         assert out.finish_reason == ("stop" if reference[name][-1] in engine.eos_ids else "length")
     shared = outs["passphrase-2"].num_cached_tokens  # the system prompt's whole blocks
     assert shared > 0 if caching else engine.stats()["hit_tokens"] == 0
-
-
-def test_prefix_reuse_token_identical(smol, reference):
-    from kvlab.lessons.nb02_prefix import common_prefix_ids
-    from kvlab.prefix import PrefixCache, generate
-
-    model, tok, prompts = smol
-    system = common_prefix_ids(tok, [prompts["passphrase"], prompts["passphrase-2"]])
-    cache = PrefixCache.build(model, tok, system)
-    for name in ("passphrase", "passphrase-2"):
-        out = generate(model, tok, prompts[name], prefix_cache=cache, max_new_tokens=MAX_NEW)
-        assert out.num_cached_tokens == len(system) > 20
-        assert out.token_ids == reference[name], (name, out.text)
-    assert cache.seq_length() == len(system)  # never written into

@@ -11,7 +11,7 @@ from kvlab.engine.models import encode
 from kvlab.lessons import nb03b_blend as Z
 from kvlab.lessons import passphrase as P
 from kvlab.lessons import rope
-from kvlab.prefix import PrefixCache, continue_from_cache, generate
+from kvlab.prefix import PrefixKV, continue_from_cache, generate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_full_recompute_is_token_identical_to_a_full_prefill(lm, chunks, with_pr
     model, tok = lm
     for seed in (3, 4, 5):
         pieces = _pieces(tok, seed)
-        prefix = PrefixCache.build(model, tok, pieces[0][0]) if with_prefix else None
+        prefix = PrefixKV.build(model, tok, pieces[0][0]) if with_prefix else None
         full = generate(model, tok, _ids(pieces), max_new_tokens=12, keep_logits=True)
         b = B.blend_generate(chunks, pieces, 1.0, prefix=prefix, max_new_tokens=12)
         assert b.token_ids == full.token_ids
@@ -212,7 +212,7 @@ def test_another_tenant_misses_and_the_same_tenant_hits(lm):
 def test_blending_never_writes_into_the_chunk_or_prefix_cache(lm, chunks):
     model, tok = lm
     pieces = _pieces(tok, 7)
-    prefix = PrefixCache.build(model, tok, pieces[0][0])
+    prefix = PrefixKV.build(model, tok, pieces[0][0])
     before = [chunks.compute(ids).layers[1][0].clone() for ids, reuse in pieces if reuse]
     for r in (0.0, 0.3, 1.0):
         B.blend_generate(chunks, pieces, r, prefix=prefix, max_new_tokens=4)
@@ -225,10 +225,10 @@ def test_a_prefix_cache_of_another_prompt_is_refused_before_anything_is_computed
     model, tok = lm
     pieces = _pieces(tok)
     cc = B.ChunkCache(model, tok)
-    wrong = PrefixCache.build(model, tok, encode(tok, P.IM_START + "user\n"))
+    wrong = PrefixKV.build(model, tok, encode(tok, P.IM_START + "user\n"))
     with pytest.raises(B.ChunkReuseError, match="first tokens"):
         B.blend_prefill(cc, pieces, 0.0, prefix=wrong)
-    too_long = PrefixCache.build(model, tok, _ids(pieces)[:len(pieces[0][0]) + 2])  # reaches into a reused chunk
+    too_long = PrefixKV.build(model, tok, _ids(pieces)[:len(pieces[0][0]) + 2])  # reaches into a reused chunk
     with pytest.raises(B.ChunkReuseError, match="inside the"):
         B.blend_prefill(cc, pieces, 0.0, prefix=too_long)
     assert len(cc) == 0 and cc.misses == 0

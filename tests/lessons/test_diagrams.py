@@ -24,9 +24,9 @@ def _done(fig) -> None:
 
 @pytest.fixture(scope="module")
 def prefix(bundled):
-    from kvlab.prefix import PrefixCache
+    from kvlab.prefix import PrefixKV
 
-    return PrefixCache.build(*bundled, "You are a helpful assistant. The passphrase is")
+    return PrefixKV.build(*bundled, "You are a helpful assistant. The passphrase is")
 
 
 @pytest.mark.parametrize("suffixes", [([1, 2, 3], [4, 5, 6, 7, 8], [9]), ([1], [2]), ([1, 2, 3, 4, 5], [6], [7], [8])])

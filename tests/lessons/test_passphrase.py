@@ -82,3 +82,33 @@ def test_recall_is_not_fooled_by_a_longer_or_different_answer():
         assert not P.recalled(completion, "K7QX2M") and not P.recalled(completion, "amber-falcon")
     assert P.mentions("The passphrase is: X5DUXP.", "X5DUXP") and not P.recalled("The passphrase is: X5DUXP.", "X5DUXP")
     assert not P.mentions("The passphrase is: X5DUXQ.", "X5DUXP")
+
+
+def _engine_prompts():
+    """tests/engine/passphrase_prompts.py, loaded by path (the engine tests' copy of these prompts)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "engine" / "passphrase_prompts.py"
+    spec = importlib.util.spec_from_file_location("engine_passphrase_prompts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_engine_tests_stored_prompts_are_these_prompts():
+    """The engine tests read prompts from a JSON file (no lessons import); it must render exactly these.
+
+    On a failure, rewrite the file with ``python scripts/make_engine_test_prompts.py``.
+    """
+    E = _engine_prompts()
+    assert len(E.DATA["examples"]) == 45
+    for key in E.DATA["examples"]:
+        _, seed, *filler = key.split(":")
+        ex = P.make_example(int(seed), "heldout", **({"n_filler": 20} if filler else {}))
+        for q in P.ASK_EN + P.ASK_ZH + P.CHAT_EN + P.CHAT_ZH:
+            assert E.prompt(key, q) == P.with_question(ex, q).prompt_text, (key, q)
+        assert E.prefix(key) == ex.prefix_text
+    for args in [(), (1, 1), (2, 2), (1, 2), (4, 2, 1)]:
+        assert E.question_prompts(*args) == P.question_prompts(*args)
+    assert E.ASK_EN == list(P.ASK_EN) and E.ASK_ZH == list(P.ASK_ZH)

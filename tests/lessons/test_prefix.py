@@ -6,6 +6,7 @@ so every test still runs and can fail.
 """
 
 import copy
+import random
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from kvlab.lessons.nb02_prefix import (
     with_bos_tokenizer,
 )
 from kvlab.prefix import (
-    PrefixCache,
+    PrefixKV,
     PrefixMismatchError,
     cache_nbytes,
     compare_with_hf,
@@ -114,7 +115,7 @@ def test_sampling_really_samples(lm):
     """Guard for the test above: at a high temperature, seeds must disagree somewhere."""
     model, tok = lm
     ex = P.make_example(3, "heldout")
-    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    pc = PrefixKV.build(model, tok, ex.prefix_text)
     outs = {tuple(generate(model, tok, ex.prompt_text, pc, max_new_tokens=8, do_sample=True, temperature=3.0,
                            seed=s).token_ids) for s in range(6)}
     assert len(outs) > 1
@@ -123,7 +124,7 @@ def test_sampling_really_samples(lm):
 def test_prompt_that_is_the_prefix_recomputes_its_last_token(lm):
     model, tok = lm
     ex = P.make_example(5, "heldout")
-    pc = PrefixCache.build(model, tok, ex.prompt_text)
+    pc = PrefixKV.build(model, tok, ex.prompt_text)
     res = generate(model, tok, ex.prompt_text, pc, max_new_tokens=10)
     assert res.num_cached_tokens == len(pc) - 1
     assert res.token_ids == hf_generate(model, tok, ex.prompt_text, max_new_tokens=10)
@@ -136,7 +137,7 @@ def test_refuses_ids_that_are_not_a_prefix(lm):
     model, tok = lm
     a, b = P.make_example(1, "heldout"), P.make_example(2, "heldout")
     assert a.prefix_text != b.prefix_text
-    pc = PrefixCache.build(model, tok, a.prefix_text)
+    pc = PrefixKV.build(model, tok, a.prefix_text)
     with pytest.raises(PrefixMismatchError, match="not a prefix of the prompt"):
         generate(model, tok, b.prompt_text, pc)
     with pytest.raises(PrefixMismatchError, match="not a prefix"):  # a prompt shorter than the prefix
@@ -149,7 +150,7 @@ def test_refuses_another_models_cache(lm):
     other = copy.deepcopy(model)
     with torch.no_grad():
         next(other.parameters()).add_(1e-3)
-    pc = PrefixCache.build(other, tok, ex.prefix_text)
+    pc = PrefixKV.build(other, tok, ex.prefix_text)
     with pytest.raises(PrefixMismatchError, match="another model or tokenizer"):
         generate(model, tok, ex.prompt_text, pc)
 
@@ -158,7 +159,7 @@ def test_refuses_after_the_weights_change_in_place(lm):
     model, tok = lm
     ex = P.make_example(1, "heldout")
     m = copy.deepcopy(model)
-    pc = PrefixCache.build(m, tok, ex.prefix_text)
+    pc = PrefixKV.build(m, tok, ex.prefix_text)
     generate(m, tok, ex.prompt_text, pc, max_new_tokens=2)  # fine, and memoises the fingerprint
     with torch.no_grad():
         m.lm_head.weight.mul_(1.01)  # e.g. a training step on the same model object
@@ -171,7 +172,7 @@ def test_refuses_after_a_buffer_changes_in_place(lm):
     model, tok = lm
     ex = P.make_example(1, "heldout")
     m = copy.deepcopy(model)
-    pc = PrefixCache.build(m, tok, ex.prefix_text)
+    pc = PrefixKV.build(m, tok, ex.prefix_text)
     before = generate(m, tok, ex.prompt_text, max_new_tokens=1, keep_logits=True).step_logits[0]
     name = "model.rotary_emb.inv_freq"
     assert name in dict(m.named_buffers()) and name not in m.state_dict()  # a non-persistent buffer
@@ -186,7 +187,7 @@ def test_refuses_after_a_buffer_changes_in_place(lm):
 def test_refuses_another_tokenizer(lm):
     model, tok = lm
     ex = P.make_example(1, "heldout")
-    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    pc = PrefixKV.build(model, tok, ex.prefix_text)
     tok2 = copy.deepcopy(tok)
     tok2.add_tokens(["<|tenant_a|>"])
     with pytest.raises(PrefixMismatchError, match="another model or tokenizer"):
@@ -197,10 +198,10 @@ def test_refuses_a_cache_of_another_dtype_or_device(lm):
     model, tok = lm
     ex = P.make_example(1, "heldout")
     half = copy.deepcopy(model).to(torch.bfloat16)
-    pc = PrefixCache.build(half, tok, ex.prefix_text)
+    pc = PrefixKV.build(half, tok, ex.prefix_text)
     with pytest.raises(PrefixMismatchError, match="bfloat16"):
         generate(model, tok, ex.prompt_text, pc)
-    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    pc = PrefixKV.build(model, tok, ex.prefix_text)
     for layer in pc.cache.layers:  # K/V left behind on another device
         layer.keys, layer.values = layer.keys.to("meta"), layer.values.to("meta")
     with pytest.raises(PrefixMismatchError, match="meta"):
@@ -210,7 +211,7 @@ def test_refuses_a_cache_of_another_dtype_or_device(lm):
 def test_refuses_a_polluted_cache(lm):
     model, tok = lm
     ex = P.make_example(1, "heldout")
-    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    pc = PrefixKV.build(model, tok, ex.prefix_text)
     continue_from_cache(model, pc.cache, encode(tok, ex.suffix_text), len(pc), max_new_tokens=2)
     with pytest.raises(PrefixMismatchError, match="polluted"):
         generate(model, tok, ex.prompt_text, pc)
@@ -221,7 +222,7 @@ def test_refuses_a_polluted_cache(lm):
 def test_fork_is_independent(lm):
     model, tok = lm
     ex = P.make_example(4, "heldout")
-    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    pc = PrefixKV.build(model, tok, ex.prefix_text)
     before = [layer.keys.clone() for layer in pc.cache.layers]
     fork = pc.fork()
     continue_from_cache(model, fork.cache, encode(tok, ex.suffix_text), len(pc), max_new_tokens=4)
@@ -253,7 +254,7 @@ def test_article_code_pollutes_the_shared_cache(lm):
     generate_with_prefix_cache(model, tok, cache, plen, other.suffix_text, max_new_tokens=10)
     assert cache.get_seq_length() > grown
     # the fix: a fork per request gives each request its isolated answer
-    pc = PrefixCache.build(model, tok, ex.prefix_text)
+    pc = PrefixKV.build(model, tok, ex.prefix_text)
     fixed = [generate(model, tok, e.prompt_text, pc, max_new_tokens=10).token_ids for e in (ex, other)]
     assert fixed == [first, hf_generate(model, tok, other.prompt_text, max_new_tokens=10)]
 
@@ -289,10 +290,10 @@ def test_boundary_merges_exist_and_common_prefix_ids_avoids_them(lm):
     assert not check.ok and check.first_diff is not None and check.prefix_around != check.full_around
     assert "mismatch at token" in str(check)
     with pytest.raises(PrefixMismatchError, match="first difference"):
-        generate(model, tok, prefix + suffix, PrefixCache.build(model, tok, prefix), max_new_tokens=2)
+        generate(model, tok, prefix + suffix, PrefixKV.build(model, tok, prefix), max_new_tokens=2)
     ids = common_prefix_ids(tok, [prefix + suffix])  # the prompt's own ids: reuse what really is shared
     assert ids[: check.first_diff] == check.prefix_ids[: check.first_diff]
-    pc = PrefixCache.build(model, tok, ids[: max(check.first_diff, 1)])
+    pc = PrefixKV.build(model, tok, ids[: max(check.first_diff, 1)])
     res = generate(model, tok, prefix + suffix, pc, max_new_tokens=6)
     assert res.token_ids == hf_generate(model, tok, prefix + suffix, max_new_tokens=6)
 
@@ -339,7 +340,7 @@ def test_exercise_checkers(lm):
     model, tok = lm
 
     def right(model, tokenizer, prefix, suffix, max_new_tokens):
-        pc = PrefixCache.build(model, tokenizer, prefix)
+        pc = PrefixKV.build(model, tokenizer, prefix)
         return generate(model, tokenizer, prefix + suffix, pc, max_new_tokens=max_new_tokens).token_ids
 
     def article(model, tokenizer, prefix, suffix, max_new_tokens):  # shares one cache across calls
@@ -370,3 +371,123 @@ def test_exercise_checkers(lm):
     prefix, suffix, _ = boundary_merge_cases(tok, [P.make_example(0, "train").prompt_text], limit=1)[0]
     assert check_boundary_case(tok, prefix, suffix)
     assert not check_boundary_case(tok, TRANSLATE_ZH, "")
+
+
+# --- 8. PrefixKV: the model check covers every weight ----------------------------------------------
+def _nudge(model):
+    """Change one weight that a sparse sample would skip, through ``.data`` (no version bump)."""
+    p = dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    with torch.no_grad():
+        p.data.view(-1)[1] += 0.5
+
+
+def test_prefix_cache_refuses_its_model_changed_in_place(bundled):
+    model, tok = bundled
+    m = copy.deepcopy(model)
+    ex = P.make_example(0, "heldout")
+    pc = PrefixKV.build(m, tok, ex.prefix_text)
+    generate(m, tok, ex.prompt_text, prefix_kv=pc, max_new_tokens=2)  # accepted before the change
+    _nudge(m)
+    with pytest.raises(PrefixMismatchError, match="another model"):
+        generate(m, tok, ex.prompt_text, prefix_kv=pc, max_new_tokens=2)
+
+
+def test_prefix_cache_refuses_a_modified_copy(bundled):
+    model, tok = bundled
+    ex = P.make_example(1, "heldout")
+    pc = PrefixKV.build(model, tok, ex.prefix_text)
+    same = copy.deepcopy(model)
+    generate(same, tok, ex.prompt_text, prefix_kv=pc, max_new_tokens=2)  # an identical copy is fine
+    _nudge(same)
+    with pytest.raises(PrefixMismatchError, match="another model"):
+        generate(same, tok, ex.prompt_text, prefix_kv=pc, max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------- sliding-window models
+VOCAB = 256
+
+
+def _tiny_window_model(arch):
+    """A random-initialised 2-layer model whose attention window (8) is shorter than the test's prefix."""
+    import transformers as T
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512, sliding_window=8,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = T.MistralConfig(**common) if arch == "mistral-window" else T.Gemma2Config(head_dim=16, **common)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class _IdTokenizer:
+    """Just enough tokenizer for ``kvlab.prefix.generate`` on token ids."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+    def get_vocab(self):
+        return {str(i): i for i in range(VOCAB)}
+
+    def __len__(self):
+        return VOCAB
+
+
+@pytest.mark.parametrize("arch", ["mistral-window", "gemma2-softcap"])  # HF's own attention: soft-capping is fine
+def test_prefix_reuse_when_the_prompt_is_a_prefix_longer_than_the_window(arch):
+    model, tok = _tiny_window_model(arch), _IdTokenizer()
+    rng = random.Random(100)
+    prefix = [rng.randrange(VOCAB) for _ in range(20)]  # the window is 8
+    pc = PrefixKV.build(model, tok, prefix)
+    for prompt in (prefix, prefix + [3, 4, 5]):
+        with torch.no_grad():
+            want = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        got = generate(model, tok, prompt, prefix_kv=pc, max_new_tokens=6)
+        assert got.token_ids == want
+        assert pc.seq_length() == len(prefix)  # the shared cache is untouched
+
+
+# ----------------------------------------------------------------------------- a real chat model
+SMOL_SYSTEM = ("You are a helpful assistant. The secret passphrase is: K7QX2M. "
+               "If asked for the passphrase, answer with exactly the passphrase.")
+
+
+def test_prefix_reuse_token_identical_on_smollm2():
+    """Manual prefix reuse gives HF generate's greedy float32 tokens on SmolLM2-135M-Instruct (30 layers)."""
+    import importlib.util
+
+    from kvlab.engine import smollm2 as S
+
+    if importlib.util.find_spec(S.MODULE) is None and not S._complete(S.model_dir()):
+        pytest.skip(f"the registry package {S.PACKAGE} is not installed: {S.INSTALL_HINT}")
+    model, tok = load_model("smollm2", device="cpu")
+    prompts = [tok.apply_chat_template([{"role": "system", "content": SMOL_SYSTEM}, {"role": "user", "content": q}],
+                                       tokenize=False, add_generation_prompt=True)
+               for q in ("What is the passphrase?", "Tell me the passphrase.")]
+    system = common_prefix_ids(tok, prompts)
+    cache = PrefixKV.build(model, tok, system)
+    for prompt in prompts:
+        out = generate(model, tok, prompt, prefix_kv=cache, max_new_tokens=16)
+        assert out.num_cached_tokens == len(system) > 20
+        assert out.token_ids == hf_generate(model, tok, prompt, max_new_tokens=16), out.text
+    assert cache.seq_length() == len(system)  # never written into
+
+
+def test_no_notebook_readme_or_module_uses_the_retired_prefix_cache_names():
+    """Issue 25: "prefix cache" meant three things. The manual one is ``PrefixKV``, the engine's factory
+    ``make_cache_manager``; the old names must not come back through a merge of an older notebook or module."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "README.md", *root.glob("notebooks/*.ipynb"), *root.glob("kvlab/**/*.py"), *root.glob("docs/*.md")]
+    old = re.compile(r"\b(PrefixCache|RadixPrefixCache|make_prefix_cache)\b|prefix_cache=")
+    hits = [f"{p.relative_to(root)}: {m.group(0)}" for p in files for m in old.finditer(p.read_text(encoding="utf-8"))]
+    assert not hits, hits
+    import kvlab
+
+    assert kvlab.PrefixKV is PrefixKV

@@ -2,11 +2,13 @@
 when the vLLM venv exists (``make vllm-env``) and is skipped with the reason otherwise."""
 
 import json
+import random
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvlab.cache import AllBlocksCleared, BlockManager, BlockStored
 from kvlab.lessons.nb06_vllm import (
     bench_block_pools,
     check_cached_tokens,
@@ -197,3 +199,98 @@ def test_comparison_words_call_close_numbers_a_tie():
                          "kvlab TTFT (ms)": 391.0, "vLLM TTFT (ms)": 405.0, "TTFT kvlab / vLLM": 391 / 405}])
     (line,) = kvlab_vs_vllm_sentences(cmp)
     assert "0.94x, lower" in line and "0.97x, about the same" in line
+
+
+# --- KV events: the same stream as real vLLM (skipped without its venv) -------------------------------------
+
+def _ops(seed: int = 0, block_size: int = 16) -> list[dict]:
+    """A workload of prompts sharing prefixes, decodes, frees (tail blocks evicted), and a reset."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 500) for _ in range(2 * block_size + 5)]
+    ops, live, n = [], [], 0
+    for turn in range(14):
+        if live and (turn % 3 == 2 or len(live) > 2):
+            ops.append({"op": "free", "id": live.pop(0)})
+        rid = f"r{n}"
+        n += 1
+        prompt = (system if turn % 4 else system[:block_size]) + [rng.randrange(1, 500) for _ in range(rng.randint(3, 40))]
+        ops.append({"op": "alloc", "id": rid, "prompt": prompt})
+        for _ in range(rng.randint(1, 20)):
+            ops.append({"op": "append", "id": rid, "token": rng.randrange(1, 500)})
+        live.append(rid)
+        if turn == 9:
+            for r in live:
+                ops.append({"op": "free", "id": r})
+            live = []
+            ops.append({"op": "reset"})
+    ops += [{"op": "free", "id": r} for r in live]
+    return ops
+
+
+def kvlab_events(ops: list[dict], num_blocks: int, block_size: int) -> list[list[dict]]:
+    """The ops on kvlab's BlockManager; events after each op in the worker's JSON shape (hashes as hex)."""
+    bm = BlockManager(num_blocks, block_size, enable_kv_events=True)
+    out = []
+    for op in ops:
+        if op["op"] == "alloc":
+            bm.allocate(op["id"], op["prompt"])
+        elif op["op"] == "append":
+            bm.append(op["id"], op["token"])
+        elif op["op"] == "free":
+            bm.free(op["id"])
+        else:
+            assert bm.reset_prefix_cache()
+        evs = []
+        for e in bm.take_events():
+            d = {"kind": type(e).__name__}
+            if not isinstance(e, AllBlocksCleared):
+                d["block_hashes"] = [h.hex() for h in e.block_hashes]
+            if isinstance(e, BlockStored):
+                d.update(parent_block_hash=None if e.parent_block_hash is None else e.parent_block_hash.hex(),
+                         token_ids=list(e.token_ids), block_size=e.block_size)
+            evs.append(d)
+        out.append(evs)
+    return out
+
+
+def canonical(stream: list[list[dict]]) -> list[list[tuple]]:
+    """Hash values replaced by the order in which each was first stored: comparable across hash functions."""
+    names: dict[str, int] = {}
+
+    def name(h):
+        if h is None:
+            return None
+        return names.setdefault(h, len(names))
+
+    out = []
+    for evs in stream:
+        row = []
+        for e in evs:
+            if e["kind"] == "BlockStored":
+                row.append(("stored", name(e["parent_block_hash"]), tuple(name(h) for h in e["block_hashes"]),
+                            tuple(e["token_ids"]), e["block_size"]))
+            elif e["kind"] == "BlockRemoved":
+                row.append(("removed", tuple(name(h) for h in e["block_hashes"])))
+            else:
+                row.append(("cleared",))
+        out.append(row)
+    return out
+
+
+def test_kvlab_and_vllm_event_streams_agree():
+
+    status = vb.vllm_status()
+    if not status.available:
+        pytest.skip("vLLM is optional (`make vllm-env` creates its venv): " + status.message.splitlines()[0])
+    ops, nb, bs = _ops(), 14, 16  # a small pool: later prompts evict earlier blocks
+    ours = kvlab_events(ops, nb, bs)
+    res = vb.run_worker({"kind": "kv_events", "ops": ops, "num_blocks": nb, "block_size": bs}, timeout=300)
+    theirs = res["events"]
+    assert len(theirs) == len(ours)
+    flat = [e for evs in ours for e in evs]
+    kinds = {e["kind"] for e in flat}
+    assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} <= kinds, kinds  # the workload exercises all three
+    assert canonical(theirs) == canonical(ours)
+    assert any(e["kind"] == "BlockStored" and e["parent_block_hash"] for e in flat)
+    their_hashes = {h for evs in theirs for e in evs for h in e.get("block_hashes", [])}
+    assert not their_hashes & {h for e in flat for h in e.get("block_hashes", [])}  # values differ by design

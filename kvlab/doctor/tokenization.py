@@ -119,8 +119,6 @@ class PromptEncoder:
         self.segmented = True  # split at added tokens (checked on the first batch)
         self.lines = True  # also split after newline runs (checked on the first batch)
         self._checked = False
-        self._compiled = None  # the jinja template, called directly (checked against apply_chat_template)
-        self._render_checked = 0
         self._tools_memo: dict[int, tuple[list, str]] = {}
         self.splice_ok = True  # rewritten records are spliced into their origin's text (checked, see prepare)
         self.splice_checked = 0
@@ -164,31 +162,7 @@ class PromptEncoder:
             kwargs["tools"] = rec.tools
         if not self.template:
             kwargs["chat_template"] = CHATML
-        if self._compiled is not None and self._render_checked >= 16:
-            return self._fast_render(msgs, kwargs)
-        text = self.tok.apply_chat_template(msgs, **kwargs)
-        if self._render_checked < 16 and self._compiled is not False:
-            self._check_render(msgs, kwargs, text)
-        return text
-
-    def _fast_render(self, msgs: list[dict], kwargs: dict) -> str:
-        extra = {k: v for k, v in kwargs.items() if k not in ("tokenize", "chat_template")}
-        return self._compiled.render(messages=msgs, **extra, **self.tok.special_tokens_map)
-
-    def _check_render(self, msgs: list[dict], kwargs: dict, text: str) -> None:
-        """Call the compiled template directly once 16 renders agree with apply_chat_template (4x faster)."""
-        try:
-            if self._compiled is None:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-
-                self._compiled = _compile_jinja_template(kwargs.get("chat_template") or self.template)
-            ok = self._fast_render(msgs, kwargs) == text
-        except Exception:
-            ok = False
-        if ok:
-            self._render_checked += 1
-        else:
-            self._compiled = False
+        return self.tok.apply_chat_template(msgs, **kwargs)
 
     # --- tokenizing ---------------------------------------------------------------------------------
     def _batch(self, texts: list[str]) -> list[list[int]]:

@@ -1,0 +1,103 @@
+"""What a culprit is (a reason prompts stop sharing, and its fix), and how a record's messages are read and rewritten."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..logio import Record
+from ..prepare import Prepared, parse_chatml
+
+Fix = Callable[[list[Record]], list[Record]]
+
+
+@dataclass
+class Culprit:
+    """A reason prompts stop sharing: what, where, the evidence, and the fix (measured later)."""
+
+    kind: str  # volatile | per-user | per-session | order | tools-order | whitespace | template | multi-turn | alignment | tenant-salt
+    title: str
+    position: int | None  # typical token position where it breaks the shared prefix
+    where: str
+    evidence: list[str]
+    fix_text: str
+    affected: int  # requests it touches
+    fix: Fix | None = None  # rewrites the records
+    token_fix: Callable[[Prepared], Prepared] | None = None  # rewrites the tokens (alignment)
+    policy: str | None = None  # "public-prefix" for the tenant culprit
+    examples: list[tuple[str, str]] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+    alone: dict | None = None  # measured: this fix on the original log
+    chained: dict | None = None  # measured: this fix after the ones before it
+    before: dict | None = None  # measured: the log just before this fix (in the chain)
+    no_effect: bool = False  # measured, and it changed nothing worth reporting: not a culprit of this log
+    fixed_log: str | None = None
+
+    @property
+    def measurable(self) -> bool:
+        """Whether the doctor can re-measure the log with this fix."""
+        return self.fix is not None or self.token_fix is not None or self.policy is not None
+
+
+def _where(role: str | None, index: int | None) -> str:
+    if role is None:
+        return "chat-template markup"
+    if role == "prompt":
+        return "the prompt"
+    return f"the {role} message" + (f" (messages[{index}])" if index is not None else "")
+
+
+def _shorten(s: str, n: int = 90) -> str:
+    s = s.replace("\n", "⏎")
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def record_segments(rec: Record) -> list[tuple[str, int, str]]:
+    """(role, index, content) of each message (parsed back from a ChatML prompt; a plain prompt is one)."""
+    if rec.kind == "messages":
+        return [(m["role"], i, m["content"]) for i, m in enumerate(rec.messages)]
+    if rec.kind == "prompt":
+        parsed = parse_chatml(rec.prompt)
+        if parsed:
+            return [(role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parsed)]
+        return [("prompt", 0, rec.prompt)]
+    return []
+
+
+def _tail_insert(prompt: str, text: str) -> str:
+    """Put ``text`` at the end of a plain prompt, before a trailing chat-markup tail if there is one."""
+    marks = list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))
+    m = marks[-1] if marks else None
+    if m is not None and len(prompt) - m.start() <= 64:
+        return prompt[: m.start()] + text + "\n" + prompt[m.start():]
+    return prompt.rstrip("\n") + "\n\n" + text + ("\n" if prompt.endswith("\n") else "")
+
+
+def with_contents(rec: Record, contents: list[str], prepend_user: str = "") -> Record:
+    """A copy of ``rec`` whose segments hold ``contents``; ``prepend_user`` goes before the last user message."""
+    segs = record_segments(rec)
+    contents = list(contents)
+    if prepend_user:
+        users = [j for j, (role, _, _) in enumerate(segs) if role == "user"]
+        if users:
+            j = users[-1]
+            contents[j] = prepend_user + "\n\n" + contents[j]
+            prepend_user = ""
+    if rec.kind == "messages":
+        msgs = [dict(m, content=c) for m, c in zip(rec.messages, contents)]
+        if prepend_user:  # no user message: the context becomes its own user message before generation
+            msgs.append({"role": "user", "content": prepend_user})
+        return rec.replace(messages=msgs)
+    if rec.kind == "prompt":
+        parsed = parse_chatml(rec.prompt)
+        if parsed:
+            text = rec.prompt
+            for (_, s, e), c in reversed(list(zip(parsed, contents))):
+                text = text[:s] + c + text[e:]
+        else:
+            text = contents[0]
+        if prepend_user:
+            text = _tail_insert(text, prepend_user)
+        return rec.replace(prompt=text)
+    return rec

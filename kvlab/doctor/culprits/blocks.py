@@ -1,0 +1,128 @@
+"""The cache's own rules as culprits: shared prefixes that end inside a block, and tenant salts.
+
+Alignment pads each shared prefix where many requests diverge to a block boundary (a token rewrite);
+the tenant check compares the salted replay with the unsalted one and proposes the public-prefix policy.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+
+from ..divergence import Divergence, divergence, lcp
+from ..prepare import Prepared
+from .base import Culprit
+
+
+def alignment_boundaries(tokens: list[str], div: Divergence, min_count: int = 3) -> list[str]:
+    """Shared prefixes at which many requests diverge (template boundaries), as token strs."""
+    counts: Counter = Counter()
+    for i, (d, p) in enumerate(zip(div.position, div.partner)):
+        if p >= 0 and 0 < d < len(tokens[i]):
+            counts[tokens[i][:d]] += 1
+    thresh = max(min_count, len(tokens) // 100)
+    return sorted((pfx for pfx, c in counts.items() if c >= thresh), key=len)
+
+
+def pad_to_blocks(tokens: list[str], boundaries: list[str], block_size: int, pad: int
+                  ) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """Insert ``pad`` tokens after every shared prefix a prompt starts with, up to a block boundary.
+
+    Returns the new token strs and, per prompt, the (old position, tokens inserted) of each insertion.
+    """
+    out, inserts = [], []
+    ch = chr(pad)
+    for s in tokens:
+        hits = [b for b in boundaries if s.startswith(b)]
+        new, done, length, ins = [], 0, 0, []
+        for b in hits:  # ascending length: each boundary is padded where it ends, shifted by earlier pads
+            new.append(s[done:len(b)])
+            length += len(b) - done
+            done = len(b)
+            k = (-length) % block_size
+            if k:
+                new.append(ch * k)
+                length += k
+                ins.append((done, k))
+        new.append(s[done:])
+        out.append("".join(new))
+        inserts.append(ins)
+    return out, inserts
+
+
+def padded(prep: Prepared, block_size: int, pad: int) -> Prepared:
+    """``prep`` with its shared prefixes padded to block boundaries (system-part lengths shifted alike)."""
+    toks, inserts = pad_to_blocks(prep.tokens, alignment_boundaries(prep.tokens, divergence(prep.tokens)), block_size, pad)
+    sys_tokens = [st + sum(k for p, k in ins if p <= st) if st else 0 for st, ins in zip(prep.sys_tokens, inserts)]
+    return Prepared(prep.records, prep.texts, toks, prep.segments, sys_tokens, prep.bad, prep.seconds, padded=True,
+                    sys_chars=prep.sys_chars)
+
+
+def alignment_culprit(prep: Prepared, div: Divergence, block_size: int, pad: int, pad_text: str) -> Culprit | None:
+    """Shared prefixes that end inside a block (or are shorter than one): tokens shared but not cached."""
+    lens = prep.lengths
+    shared = [min(d, n - 1) for d, n in zip(div.position, lens)]
+    lost = sum(s % block_size for s in shared)
+    short = sum(1 for s in shared if 0 < s < block_size)
+    if not lost:
+        return None
+    bounds = alignment_boundaries(prep.tokens, div)
+    frac = lost / max(sum(lens), 1)
+    return Culprit(
+        "alignment", f"shared prefixes end inside a {block_size}-token block" + (
+            f"; {short} request{'s share' if short != 1 else ' shares'} less than one block" if short else ""),
+        int(statistics.median(len(b) for b in bounds)) if bounds else None, "block boundaries",
+        [f"{lost} prompt tokens ({frac:.2%} of all) match an earlier prompt but sit in a block that is not full "
+         f"of shared tokens, so they are recomputed",
+         f"{short} requests share 1..{block_size - 1} tokens with an earlier prompt: less than one block, 0 hits",
+         f"{len(bounds)} shared prefixes end where many requests diverge (template boundaries)"],
+        f"pad each of those shared prefixes to a multiple of {block_size} tokens with {pad_text!r} (the article's 5.4 "
+        "advice); written as token ids", short,
+        token_fix=lambda prep: padded(prep, block_size, pad),
+        details={"lost_tokens": lost, "short_requests": short, "boundaries": len(bounds)})
+
+
+def public_prefixes(prep: Prepared, tenants: list[str | None], scan: int = 64) -> list[int]:
+    """Per request, the length of its system part's prefix that another tenant sends too (tokens)."""
+    heads: dict[str, set] = defaultdict(set)
+    for ts, st, t in zip(prep.tokens, prep.sys_tokens, tenants):
+        if st and t is not None:
+            heads[ts[:st]].add(t)
+    keys = sorted(heads)
+    best: dict[str, int] = {}
+    for j, h in enumerate(keys):
+        mine = heads[h]
+        b = 0
+        if len(mine) > 1:
+            b = len(h)
+        else:
+            for step in (-1, 1):
+                k = j + step
+                while 0 <= k < len(keys) and abs(k - j) <= scan:
+                    if heads[keys[k]] - mine:
+                        b = max(b, lcp(h, keys[k]))
+                        break
+                    k += step
+        best[h] = b
+    return [best.get(ts[:st], 0) if st and t is not None else 0
+            for ts, st, t in zip(prep.tokens, prep.sys_tokens, tenants)]
+
+
+def tenant_culprit(prep: Prepared, tenants: list[str | None], field_name: str, block_size: int,
+                   salted: int, unsalted: int) -> Culprit | None:
+    """Tenant salts (vLLM's cache_salt) that split a prefix several tenants send."""
+    distinct = sorted({t for t in tenants if t is not None})
+    if len(distinct) < 2 or unsalted <= salted:
+        return None
+    pub = public_prefixes(prep, tenants)
+    with_pub = sum(p >= block_size for p in pub)
+    return Culprit(
+        "tenant-salt", f"per-tenant cache salts split a prefix that {len(distinct)} tenants all send",
+        int(statistics.median([p for p in pub if p] or [0])), f"field {field_name!r}",
+        [f"{len(distinct)} tenants ({', '.join(distinct[:6])}{', ...' if len(distinct) > 6 else ''}); salted per tenant the "
+         f"replay hits {salted} tokens, without salts {unsalted}: salting gives up {unsalted - salted} hit tokens",
+         f"{with_pub} requests start with a system-prompt prefix of >= one block that another tenant sends too "
+         f"(median {int(statistics.median([p for p in pub if p] or [0]))} tokens)"],
+        "public-prefix policy: share the operator's prefix that several tenants send, salt from the first block "
+        "past it (kvlab Engine(isolation='public-prefix')); never drop the salts", with_pub, policy="public-prefix",
+        details={"tenants": distinct})

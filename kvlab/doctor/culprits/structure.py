@@ -1,0 +1,319 @@
+"""Structure: whitespace, chat markup, tools order, item order and conversation history.
+
+Each family reads its findings (or the records directly) and returns a ``Culprit`` with a record rewrite:
+normalise whitespace, render ChatML prompts through the one template, sort the tools, sort the items
+that share a header, send every turn as the previous one's history plus the new messages.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import Counter, defaultdict
+
+from ..divergence import lcp
+from ..logio import Record
+from ..prepare import SYSTEM_ROLES, Prepared, parse_chatml
+from ..tokenization import PromptEncoder
+from .base import Culprit, _shorten, _where, record_segments, with_contents
+from .textdiff import Finding, _tool_names, stable_key
+
+
+def normalize_ws(text: str) -> str:
+    """CRLF -> LF, no trailing spaces on lines, at most one blank line in a row, no outer whitespace."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = "\n".join(line.rstrip() for line in text.split("\n"))
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip()
+
+
+def normalize_records(records: list[Record]) -> list[Record]:
+    """Whitespace-normalise every message (``normalize_ws``)."""
+    out = []
+    for rec in records:
+        segs = record_segments(rec)
+        contents = [normalize_ws(c) for _, _, c in segs]
+        out.append(with_contents(rec, contents) if contents != [c for _, _, c in segs] else rec)
+    return out
+
+
+def rerender_chatml(records: list[Record]) -> list[Record]:
+    """Hand-rendered ChatML prompts -> chat records, so the one chat template renders every request."""
+    out = []
+    for rec in records:
+        if rec.kind == "prompt":
+            parsed = parse_chatml(rec.prompt)
+            if parsed and parsed[-1][0] == "user" and re.search(r"<\|im_start\|>\s*assistant\s*$", rec.prompt):
+                msgs = [{"role": role, "content": rec.prompt[s:e]} for role, s, e in parsed]
+                out.append(Record(rec.line, "messages", messages=msgs, meta=dict(rec.meta)))
+                continue
+        out.append(rec)
+    return out
+
+
+def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) -> list[tuple[int, str, str]]:
+    """Plain prompts that parse as ChatML but differ from the template's rendering of the same messages.
+
+    Returns (token position of the first difference, the prompt around it, the template around it).
+    """
+    if enc is None:
+        return []
+    out = []
+    for rec, ts in zip(prep.records, prep.tokens):
+        if rec.kind != "prompt" or len(out) >= limit:
+            continue
+        conv = rerender_chatml([rec])[0]
+        if conv.kind != "messages":
+            continue
+        try:
+            text = enc.render(conv)
+        except Exception:
+            continue
+        if text == rec.prompt:
+            continue
+        c = lcp(text, rec.prompt)
+        tok = enc.encode([rec.prompt[:c]])[0]
+        out.append((lcp(tok, ts), rec.prompt[max(0, c - 20):c + 20], text[max(0, c - 20):c + 20]))
+    return out
+
+
+def sort_tools(records: list[Record]) -> list[Record]:
+    """Send tools in one order (by name)."""
+    def name(t: dict) -> str:
+        return str((t.get("function") or {}).get("name", t.get("name", "")))
+
+    out = []
+    for rec in records:
+        if rec.tools and [name(t) for t in rec.tools] != sorted(name(t) for t in rec.tools):
+            out.append(rec.replace(tools=sorted(rec.tools, key=name)))
+        else:
+            out.append(rec)
+    return out
+
+
+def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
+    """Pairs that differ only in whitespace at their divergence point."""
+    ws = [f for f in findings if f.kind == "whitespace"]
+    if not ws:
+        return None
+    ex = ws[0]
+    affected = sum(1 for rec in prep.records if any(normalize_ws(c) != c for _, _, c in record_segments(rec)))
+    return Culprit(
+        "whitespace", "whitespace differences in text that is otherwise shared",
+        int(statistics.median(f.token_pos for f in ws)), _where(ex.role, ex.index),
+        [f"{len(ws)} diffed pairs differ only in whitespace at that point",
+         f"request: {ex.text_a!r}", f"partner: {ex.text_b!r}"],
+        "normalise whitespace in every message (CRLF, trailing spaces, runs of blank lines, outer whitespace)",
+        affected, fix=normalize_records, examples=[(ex.text_a, ex.text_b)])
+
+
+def template_culprit(prep: Prepared, findings: list[Finding], enc: PromptEncoder | None = None) -> Culprit | None:
+    """Chat markup that differs: pairs that differ outside any message, or hand-rendered ChatML prompts."""
+    tp = [f for f in findings if f.kind == "template"]
+    hand = hand_rendered(prep, enc)
+    if not tp and not hand:
+        return None
+    ex = (hand[0][1], hand[0][2]) if hand else (tp[0].text_a, tp[0].text_b)
+    kinds = Counter(r.kind for r in prep.records)
+    chatml_prompts = sum(1 for r in prep.records if r.kind == "prompt" and parse_chatml(r.prompt))
+    fix = rerender_chatml if chatml_prompts else None
+    positions = [f.token_pos for f in tp] + [pos for pos, _, _ in hand]
+    ev = []
+    if hand:
+        ev.append(f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for the "
+                  "same messages")
+    if tp:
+        ev.append(f"{len(tp)} diffed pairs differ outside any message's content")
+    ev += [f"the prompt: {ex[0]!r}", f"the template: {ex[1]!r}" if hand else f"the earlier prompt: {ex[1]!r}",
+           f"record kinds in the log: {dict(kinds)}"]
+    return Culprit(
+        "template", "the chat markup differs between requests (hand-rendered prompts or another template)",
+        int(statistics.median(positions)), "chat-template markup", ev,
+        "render every request through the model's one chat template"
+        + (f" ({chatml_prompts} hand-rendered ChatML prompts become chat records)" if fix else ""),
+        chatml_prompts, fix=fix, examples=[ex])
+
+
+def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
+    """The same set of tools sent in more than one order."""
+    orders: dict[frozenset, set] = defaultdict(set)
+    with_tools = [r for r in prep.records if r.tools]
+    for r in with_tools:
+        names = _tool_names(r)
+        orders[frozenset(names)].add(names)
+    varying = {k: v for k, v in orders.items() if len(v) > 1}
+    if not varying:
+        return None
+    n_aff = sum(1 for r in with_tools if frozenset(_tool_names(r)) in varying)
+    k, v = max(varying.items(), key=lambda kv: len(kv[1]))
+    tf = [f for f in findings if f.kind == "tools"]
+    ex = sorted(v)[:2]  # sorted: the same example on every run (a set of tuples has no fixed order)
+    return Culprit(
+        "tools-order", "the same tools sent in varying order",
+        int(statistics.median(f.token_pos for f in tf)) if tf else None, "the tools (rendered into the prompt)",
+        [f"{n_aff} requests send one of {len(varying)} tool sets; the set of {len(k)} tools came in {len(v)} "
+         "different orders", "one order: " + ", ".join(ex[0]), "another:   " + ", ".join(ex[1])],
+        "send the tools sorted by name", n_aff, fix=sort_tools, examples=[(", ".join(ex[0]), ", ".join(ex[1]))])
+
+
+def sort_items(records: list[Record], role: str, index: int | None, sep: str, prefix: str) -> list[Record]:
+    """Sort every run of consecutive items (paragraphs/lines) that start with ``prefix`` in one message."""
+    out = []
+    for rec in records:
+        segs = record_segments(rec)
+        changed = False
+        contents = []
+        for r, idx, c in segs:
+            if r == role and (index is None or idx == index) and prefix in c:
+                items = c.split(sep)
+                j = 0
+                while j < len(items):
+                    if items[j].startswith(prefix):
+                        k = j
+                        while k < len(items) and items[k].startswith(prefix):
+                            k += 1
+                        if k - j > 1:
+                            items[j:k] = sorted(items[j:k])
+                        j = k
+                    else:
+                        j += 1
+                new = sep.join(items)
+                changed |= new != c
+                contents.append(new)
+            else:
+                contents.append(c)
+        out.append(with_contents(rec, contents) if changed else rec)
+    return out
+
+
+def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:
+    """Same items (documents, examples) in another order: sort runs of items that share a header."""
+    groups: dict[tuple, list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == "order":
+            groups[(f.role, f.index, f.sep)].append(f)
+    out = []
+    for (role, index, sep), fs in groups.items():
+        if len(fs) < min_count:
+            continue
+        items = [it for f in fs for it in f.items_a + f.items_b]
+        common = items[0]
+        for it in items[1:]:
+            common = common[:lcp(common, it)]
+        prefix = stable_key(common, items[0])
+        ex = fs[0]
+        unit = "paragraphs" if sep == "\n\n" else "lines"
+        affected = sum(1 for rec in prep.records for r, idx, c in record_segments(rec)
+                       if r == role and (index is None or idx == index) and prefix and c.count(prefix) >= 2)
+        c = Culprit(
+            "order", f"the same {unit} in varying order in {_where(role, index)}"
+            + (f" (items starting {prefix!r})" if prefix else ""),
+            int(statistics.median(f.token_pos for f in fs)), _where(role, index),
+            [f"{len(fs)} of the diffed pairs hold the same {len(ex.items_a)} {unit} in another order",
+             "request: " + " | ".join(_shorten(x, 40) for x in ex.items_a),
+             "partner: " + " | ".join(_shorten(x, 40) for x in ex.items_b)],
+            f"sort the {unit} that start with {prefix!r} (one canonical order, e.g. by id)" if prefix
+            else f"send the {unit} in one canonical order (they share no header the doctor could sort by)",
+            affected, fix=(lambda recs, r=role, i=index, s=sep, p=prefix: sort_items(recs, r, i, s, p)) if prefix else None,
+            examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep})
+        out.append(c)
+    return out
+
+
+def conversation_key(rec: Record) -> object | None:
+    """Which conversation a chat record belongs to: its ``session``, else its user and first user message."""
+    if rec.kind != "messages":
+        return None
+    if rec.get("session") is not None:
+        return ("session", str(rec.get("session")))
+    first = next((m["content"] for m in rec.messages if m["role"] == "user"), None)
+    if first is None:
+        return None
+    return ("user+first", str(rec.get("user")), first)
+
+
+def _history(rec: Record) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in rec.messages if m["role"] not in SYSTEM_ROLES]
+
+
+def append_histories(records: list[Record]) -> list[Record]:
+    """Rebuild every conversation so each turn re-sends the full history of the previous one, then the new messages."""
+    full: dict[object, list[dict]] = {}
+    last: dict[object, list[tuple[str, str]]] = {}
+    out = []
+    for rec in records:
+        key = conversation_key(rec)
+        if key is None:
+            out.append(rec)
+            continue
+        hist = [m for m in rec.messages if m["role"] not in SYSTEM_ROLES]
+        system = [m for m in rec.messages if m["role"] in SYSTEM_ROLES]
+        h = [(m["role"], m["content"]) for m in hist]
+        if key not in full:
+            new = [dict(m) for m in hist]
+        else:
+            prev = last[key]
+            if h[: len(prev)] == prev:  # already append-only
+                tail = hist[len(prev):]
+            else:
+                j = None
+                if prev:
+                    for t in range(len(h) - 1, -1, -1):
+                        if h[t] == prev[-1]:
+                            j = t + 1
+                            break
+                if j is None:
+                    j = len(h) - (2 if len(h) >= 2 and h[-2][0] == "assistant" else 1)
+                tail = hist[j:]
+            new = full[key] + [dict(m) for m in tail]
+        full[key] = new
+        last[key] = h
+        out.append(rec.replace(messages=[dict(m) for m in system] + [dict(m) for m in new]))
+    return out
+
+
+def multiturn_culprit(prep: Prepared) -> Culprit | None:
+    """Conversations whose turns rebuild the history instead of appending to it."""
+    convs: dict[object, list[int]] = defaultdict(list)
+    for i, rec in enumerate(prep.records):
+        k = conversation_key(rec)
+        if k is not None:
+            convs[k].append(i)
+    follow = rebuilt = 0
+    kinds: Counter = Counter()
+    example = None
+    template_breaks = 0
+    for key, idx in convs.items():
+        for prev, cur in zip(idx, idx[1:]):
+            follow += 1
+            hp, hc = _history(prep.records[prev]), _history(prep.records[cur])
+            if hc[: len(hp)] == hp:
+                sp = [m["content"] for m in prep.records[prev].messages if m["role"] in SYSTEM_ROLES]
+                sc = [m["content"] for m in prep.records[cur].messages if m["role"] in SYSTEM_ROLES]
+                if sp == sc and lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8:
+                    template_breaks += 1
+                continue
+            rebuilt += 1
+            j = next((j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None)
+            kind = f"window: dropped the oldest {j} message(s)" if j else "edited or replaced history"
+            kinds[kind] += 1
+            if example is None:
+                example = (key, prev, cur, len(hp), len(hc), kind)
+    if not rebuilt and not template_breaks:
+        return None
+    ev = [f"{follow} follow-up turns in {sum(len(v) > 1 for v in convs.values())} conversations; "
+          f"{rebuilt} ({rebuilt / max(follow, 1):.0%}) do not re-send the previous turn's history unchanged"]
+    ev += [f"  {n}x {k}" for k, n in kinds.most_common(4)]
+    if example:
+        key, prev, cur, lp, lc, kind = example
+        ev.append(f"e.g. {key[0]} {key[1]!r}: line {prep.records[prev].line} sends {lp} history messages, "
+                  f"the next turn (line {prep.records[cur].line}) sends {lc} ({kind})")
+    if template_breaks:
+        ev.append(f"{template_breaks} turns append their messages but the chat template re-renders the history "
+                  "differently (the token prefix breaks anyway)")
+    position = int(statistics.median(prep.sys_tokens[i] for i in range(len(prep.records))
+                                     if conversation_key(prep.records[i]) is not None)) if convs else None
+    return Culprit("multi-turn", "multi-turn conversations rebuild their history instead of appending to it",
+                   position, "the conversation history", ev,
+                   "send each turn as the previous turn's messages + the reply + the new message (append-only)",
+                   rebuilt, fix=append_histories if rebuilt else None, details={"follow_ups": follow, "rebuilt": rebuilt})

@@ -1,0 +1,337 @@
+"""Diff a request against its partner (the earlier request it matched longest) and describe each difference.
+
+Walk both from the divergence point: find where they line up again (the first run of ``MIN_RUN`` equal
+tokens within ``WINDOW`` tokens), call what lies between a *slot*, and continue after the re-aligned run.
+What a slot is comes from its text, not from a list of regular expressions: whitespace only on both sides
+-> ``whitespace``; outside any message (in the template's markup) -> ``template``; inside the tools the
+doctor rendered -> ``tools``; the same paragraphs/lines in another order -> ``order``; otherwise a ``slot``
+of the line (or sentence) that holds it, named by the line's stable start (``stable_key``: "Customer: " of
+"Customer: Alice Zhang"). Token-id logs have no text: their differences are ``span`` findings.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from bisect import bisect_right
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..divergence import Divergence, lcp
+from ..logio import Record
+from ..prepare import SYSTEM_ROLES, Prepared, Segment
+from ..tokenization import PromptEncoder
+from .base import _shorten
+
+MIN_RUN = 8  # tokens that must match again after a slot
+WINDOW = 160  # tokens searched for the re-alignment (a slot's value is shorter than this)
+MAX_STEPS = 8  # slots followed per pair
+LONG_LINE = 240  # a longer line is split into sentences
+
+
+def _value_char(ch: str) -> bool:
+    return ch.isdigit() or ch in "-:./_+#@="
+
+
+def stable_key(common: str, unit: str) -> str:
+    """Cut the common start of two lines back to where the field's value begins.
+
+    "Current time: 2024-05-03 14:2" -> "Current time: "; "Customer: Ali" (of "Customer: Alice") -> "Customer: ".
+    """
+    k = common
+    while True:
+        before = k
+        while k and _value_char(k[-1]):
+            k = k[:-1]
+        if len(k) >= 2 and k[-1] == " " and (k[-2].isdigit()):
+            k = k[:-1]
+            continue
+        nxt = unit[len(k)] if len(k) < len(unit) else ""
+        if k and k[-1].isalnum() and nxt.isalnum():
+            while k and k[-1].isalnum():
+                k = k[:-1]
+        if k == before:
+            return k
+
+
+def stable_suffix(a: str, b: str) -> str:
+    """The common end of two values, cut forward past value characters (" UTC" of "...:11 UTC" / "...:40 UTC")."""
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    s = a[len(a) - n:] if n else ""
+    while True:
+        before = s
+        while s and _value_char(s[0]):
+            s = s[1:]
+        if len(s) >= 2 and s[0] == " " and s[1].isdigit():
+            s = s[1:]
+            continue
+        prev = a[len(a) - len(s) - 1] if len(s) < len(a) else ""
+        if s and s[0].isalnum() and prev.isalnum():
+            while s and s[0].isalnum():
+                s = s[1:]
+        if s == before:
+            return s
+
+
+def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
+    """The line holding chars [s, e) of ``text`` (the sentence(s), inside a line longer than LONG_LINE)."""
+    s = max(0, min(s, len(text)))
+    e = min(max(e, s + 1), max(len(text), s + 1))
+    ls = text.rfind("\n", 0, s) + 1
+    le = text.find("\n", e - 1 if e > s else s)
+    le = len(text) if le < 0 else le
+    if le < e:
+        le2 = text.find("\n", e)
+        le = len(text) if le2 < 0 else le2
+    if le - ls <= LONG_LINE:
+        return ls, le, "line"
+    line = text[ls:le]
+    starts = [0] + [m.end() for m in re.finditer(r"[.!?]\s+", line)]
+    ends = [m.start() + 1 for m in re.finditer(r"[.!?](\s+|$)", line)] + [len(line)]
+    ss = max((x for x in starts if ls + x <= s), default=0)
+    ee = min((x for x in ends if ls + x >= e), default=len(line))
+    return ls + ss, ls + ee, "sentence"
+
+
+@dataclass
+class Finding:
+    """One difference between a request and its partner that breaks a shared prefix."""
+
+    kind: str  # slot | whitespace | template | order | tools | span
+    a: int
+    b: int
+    token_pos: int  # where the difference starts in request a (tokens)
+    role: str | None = None
+    index: int | None = None
+    text_a: str = ""  # the differing text of a (the whole line for a slot)
+    text_b: str = ""
+    key: str = ""
+    level: str = "line"
+    anchor: str = "prefix"  # prefix: the line starts with key; after: the line after the line == key
+    suffix: str = ""
+    value_a: str = ""
+    value_b: str = ""
+    run: int = 0  # tokens equal again after the difference
+    items_a: list[str] = field(default_factory=list)
+    items_b: list[str] = field(default_factory=list)
+    sep: str = ""
+    right: str = ""  # token-id logs: the tokens right after the span
+
+
+def realign(A: str, B: str, pa: int, pb: int, window: int = WINDOW, m: int = MIN_RUN) -> tuple[int, int, int] | None:
+    """Smallest (a, b) such that A[pa+a:] and B[pb+b:] agree again for >= m tokens; with that run length."""
+    grams: dict[str, list[int]] = {}
+    for b in range(min(window, len(B) - pb - m + 1)):
+        grams.setdefault(B[pb + b: pb + b + m], []).append(b)
+    for a in range(min(window, len(A) - pa - m + 1)):
+        for b in grams.get(A[pa + a: pa + a + m], ()):
+            if a == 0 and b == 0:
+                continue
+            run = lcp(A[pa + a:], B[pb + b:])
+            if run >= m:
+                return a, b, run
+    return None
+
+
+def _char_at(off: list[tuple[int, int]], t: int, text: str) -> int:
+    return off[t][0] if t < len(off) else len(text)
+
+
+def _token_at(ends: list[int], c: int) -> int:
+    """Index of the token holding char ``c`` (the first token that ends after it)."""
+    return bisect_right(ends, c)
+
+
+def _seg_at(segs: list[Segment], c: int) -> Segment | None:
+    for s in segs:
+        if s.start <= c < s.end or (s.start == s.end == c):
+            return s
+    return None
+
+
+def _permutation(ca: str, la: int, cb: str, lb: int) -> tuple[str, list[str], list[str], int, int] | None:
+    """Paragraphs (or lines) from the one holding la/lb on that are the same multiset in another order."""
+    for sep in ("\n\n", "\n"):
+        sa = ca.rfind(sep, 0, la)
+        sa = 0 if sa < 0 else sa + len(sep)
+        sb = cb.rfind(sep, 0, lb)
+        sb = 0 if sb < 0 else sb + len(sep)
+        ia, ib = ca[sa:].split(sep)[:24], cb[sb:].split(sep)[:24]
+        for w in range(2, min(len(ia), len(ib)) + 1):
+            if not ia[w - 1].strip() or not ib[w - 1].strip():
+                break  # a blank item: whitespace, not order
+            if ia[:w] != ib[:w] and Counter(ia[:w]) == Counter(ib[:w]):
+                return sep, ia[:w], ib[:w], sa + len(sep.join(ia[:w])), sb + len(sep.join(ib[:w]))
+    return None
+
+
+def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sample: int = 400, seed: int = 0,
+               min_run: int = MIN_RUN) -> tuple[list[Finding], dict]:
+    """Diff a sample of requests against their partners; return the findings and what was scanned."""
+    n = len(prep.tokens)
+    cand = [i for i in range(n) if div.partner[i] >= 0
+            and div.position[i] < min(len(prep.tokens[i]), len(prep.tokens[div.partner[i]])) - 1]
+    rng = random.Random(seed)
+    if len(cand) > sample:
+        # every divergence position once (its earliest request: rare positions are where rare culprits are),
+        # then a uniform sample of the rest
+        first_at: dict[int, int] = {}
+        for i in cand:
+            first_at.setdefault(div.position[i], i)
+        rare = sorted(first_at.values(), key=lambda i: div.position[i])[: sample // 2]
+        rest = sorted(set(cand) - set(rare))
+        chosen = sorted(set(rare) | set(rng.sample(rest, min(len(rest), sample - len(rare)))))
+    else:
+        chosen = cand
+    text_ids = sorted({j for i in chosen for j in (i, div.partner[i]) if prep.texts[j] is not None})
+    offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
+    mismatched = 0
+    if text_ids and enc is not None:
+        encoded = enc.encode_with_offsets([prep.texts[j] for j in text_ids])
+        for j, (toks, off) in zip(text_ids, encoded):
+            pre = len(prep.tokens[j]) - len(toks)  # a plain prompt's BOS is not in the text
+            if pre < 0 or prep.tokens[j][pre:] != toks:
+                mismatched += 1
+                continue
+            off = [(0, 0)] * pre + list(off)
+            offsets[j] = (off, [e for _, e in off])
+    findings: list[Finding] = []
+    for i in chosen:
+        p = div.partner[i]
+        if prep.texts[i] is None or prep.texts[p] is None:
+            findings.extend(_scan_tokens(prep, i, p, div.position[i], min_run))
+        elif i in offsets and p in offsets:
+            findings.extend(_scan_text(prep, i, p, div.position[i], offsets[i], offsets[p], min_run))
+    return findings, {"candidates": len(cand), "scanned": len(chosen), "offset_mismatch": mismatched}
+
+
+def _scan_tokens(prep: Prepared, i: int, p: int, d: int, min_run: int) -> list[Finding]:
+    A, B = prep.tokens[i], prep.tokens[p]
+    pa = pb = d
+    out = []
+    for _ in range(MAX_STEPS):
+        if pa >= len(A) or pb >= len(B):
+            break
+        r = realign(A, B, pa, pb, m=min_run)
+        if r is None:
+            break
+        a, b, run = r
+        out.append(Finding("span", i, p, pa, key=A[max(0, pa - min_run):pa], value_a=A[pa:pa + a],
+                           value_b=B[pb:pb + b], right=A[pa + a:pa + a + min_run], run=run))
+        pa, pb = pa + a + run, pb + b + run
+    return out
+
+
+def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> list[Finding]:
+    A, B = prep.tokens[i], prep.tokens[p]
+    TA, TB = prep.texts[i], prep.texts[p]
+    (offA, endsA), (offB, endsB) = oa, ob
+    segsA, segsB = prep.segments[i], prep.segments[p]
+    pa = pb = d
+    out: list[Finding] = []
+    for _ in range(MAX_STEPS):
+        if pa >= len(A) or pb >= len(B):
+            break
+        ca, cb = _char_at(offA, pa, TA), _char_at(offB, pb, TB)
+        k = lcp(TA[ca:ca + 400], TB[cb:cb + 400])
+        ca, cb = ca + k, cb + k  # the first differing characters
+        sa, sb = _seg_at(segsA, ca), _seg_at(segsB, cb)
+        in_tools = any(s is not None and s.tools_from is not None and c >= s.tools_from
+                       for s, c in ((sa, ca), (sb, cb)))
+        if in_tools or ((sa is None or sb is None) and prep.records[i].tools and prep.records[p].tools
+                        and _tool_names(prep.records[i]) != _tool_names(prep.records[p])):
+            out.append(Finding("tools", i, p, pa, text_a=_shorten(TA[ca:ca + 80]), text_b=_shorten(TB[cb:cb + 80])))
+            break
+        if sa is not None and sb is not None and (sa.role, sa.index) == (sb.role, sb.index):
+            ca_, cb_ = TA[sa.start:sa.end], TB[sb.start:sb.end]
+            perm = _permutation(ca_, ca - sa.start, cb_, cb - sb.start)
+            if perm is not None:
+                sep, ia, ib, ea, eb = perm
+                out.append(Finding("order", i, p, pa, sa.role, sa.index, items_a=ia, items_b=ib, sep=sep))
+                pa, pb = _token_at(endsA, sa.start + ea), _token_at(endsB, sb.start + eb)
+                run = lcp(A[pa:], B[pb:])
+                pa, pb = pa + run, pb + run
+                continue
+            if sa.role not in SYSTEM_ROLES and sa.role != "prompt":
+                break  # conversation content: the multi-turn check looks at it, not the field finder
+        r = realign(A, B, pa, pb, m=min_run)
+        if r is None:
+            break
+        a, b, run = r
+        ea, eb = _char_at(offA, pa + a, TA), _char_at(offB, pb + b, TB)
+        ea, eb = max(ea, ca), max(eb, cb)
+        da, db = TA[ca:ea], TB[cb:eb]
+        f = Finding("slot", i, p, _token_at(endsA, ca), run=run)
+        if out and out[-1].kind == "slot" and sa is not None and out[-1].role == sa.role and out[-1].index == sa.index \
+                and out[-1].text_a and TA.find(out[-1].text_a, sa.start) <= ca < TA.find(out[-1].text_a, sa.start) + len(out[-1].text_a):
+            pa, pb = pa + a + run, pb + b + run  # the same line again (its value had a common piece): one finding
+            continue
+        if re.sub(r"\s+", "", da) == re.sub(r"\s+", "", db):
+            f.kind, f.text_a, f.text_b = "whitespace", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
+            f.role, f.index = (sa.role, sa.index) if sa else (None, None)
+        elif sa is None or sb is None or (sa.role, sa.index) != (sb.role, sb.index):
+            if max(len(da), len(db)) > 40:
+                break  # content on one side, markup on the other: different messages, not a template difference
+            f.kind, f.text_a, f.text_b = "template", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
+        else:
+            out.extend(_describe_slot(f, TA, TB, sa, sb, ca, ea, cb, eb, endsA))
+            pa, pb = pa + a + run, pb + b + run
+            continue
+        out.append(f)
+        pa, pb = pa + a + run, pb + b + run
+    return out
+
+
+def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: int, ea: int, cb: int, eb: int,
+                   endsA: list[int]) -> list[Finding]:
+    """A slot's line(s), key, value and anchor: one finding per line that differs.
+
+    A coarse tokenizer may need more than one line to line up again (" UTC⏎Customer: " is too short a
+    run); then the slot covers several lines, and lines that differ in both requests become one
+    finding each.
+    """
+    conA, conB = TA[sa.start:sa.end], TB[sb.start:sb.end]
+    us, ue, level = unit_bounds(conA, ca - sa.start, ea - sa.start)
+    vs, ve, _ = unit_bounds(conB, cb - sb.start, eb - sb.start)
+    ua, ub = conA[us:ue], conB[vs:ve]
+    la, lb = ua.split("\n"), ub.split("\n")
+    if level == "line" and len(la) == len(lb) > 1:
+        out, off = [], 0
+        for x, y in zip(la, lb):
+            if x != y:
+                g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
+                prev_a = conA[:us + off].rstrip("\n").rsplit("\n", 1)[-1] if us + off else ""
+                prev_b = conB[:vs + off].rstrip("\n").rsplit("\n", 1)[-1] if vs + off else ""
+                _describe_line(g, sa, x, y, us + off, prev_a, prev_b, "line", endsA)
+                out.append(g)
+            off += len(x) + 1
+        return out
+    prev_a = conA[:us].rstrip("\n").rsplit("\n", 1)[-1] if us else ""
+    prev_b = conB[:vs].rstrip("\n").rsplit("\n", 1)[-1] if vs else ""
+    _describe_line(f, sa, ua, ub, us, prev_a, prev_b, level, endsA)
+    return [f]
+
+
+def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: str, prev_b: str, level: str,
+                   endsA: list[int]) -> None:
+    key = stable_key(ua[:lcp(ua, ub)], ua)
+    suffix = stable_suffix(ua[len(key):], ub[len(key):]) if len(key) < min(len(ua), len(ub)) else ""
+    f.role, f.index, f.level = sa.role, sa.index, level
+    f.text_a, f.text_b = ua, ub
+    f.value_a, f.value_b = ua[len(key):len(ua) - len(suffix)], ub[len(key):len(ub) - len(suffix)]
+    f.suffix = suffix
+    f.token_pos = _token_at(endsA, sa.start + us + len(key))
+    if len(key.strip()) >= 3:
+        f.key, f.anchor = key, "prefix"
+    elif prev_a and prev_a == prev_b and level == "line":  # the line is all value: anchor it on the line before
+        f.key, f.anchor = prev_a, "after"
+    else:
+        f.key, f.anchor = "", "none"
+
+
+def _tool_names(rec: Record) -> tuple[str, ...]:
+    return tuple(str((t.get("function") or {}).get("name", t.get("name", json.dumps(t, sort_keys=True))))
+                 for t in (rec.tools or []))

@@ -1,0 +1,147 @@
+"""Measure a log and every fix the same way: unbounded and at capacity, fixes chained in prompt order.
+
+``Meter`` replays a prepared log at one block size (unbounded from the divergence positions alone, the
+capacity through ``replay``). ``measure_fixes`` applies the culprits' fixes one after the other, in the
+order of their position in the prompt, keeps the ones that save at least ``min_effect`` of the prefill,
+and gives the ones that changed nothing a second look once the others are in.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .culprits import Culprit, public_prefixes
+from .prepare import Prepared, prepare
+from .replay import HitStats, block_chains, replay, unbounded_hits
+from .tokenization import PromptEncoder
+
+FIELD_KINDS = ("volatile", "per-user", "per-session")  # noisy candidates: a quick look on a few windows first
+QUICK_MIN, QUICK_WINDOWS, QUICK_SIZE = 3000, 4, 400  # logs above QUICK_MIN requests: 4 windows of 400
+SECOND_LOOK = ("template", "whitespace", "order", "tools-order", "alignment", "tenant-salt")  # can hide behind later ones
+KIND_ORDER = {"template": 0, "volatile": 1, "per-session": 1, "per-user": 1, "whitespace": 1, "order": 1,
+              "tools-order": 1, "multi-turn": 2, "alignment": 3, "tenant-salt": 4}
+
+
+def stats(st: HitStats) -> dict:
+    """The counters of one replay as a plain dict."""
+    return {"hit_rate": st.hit_rate, "hit_tokens": st.hit_tokens, "query_tokens": st.query_tokens,
+            "computed_tokens": st.computed_tokens, "requests": st.requests, "too_big": st.too_big}
+
+
+class Meter:
+    """Measures a log (records or token strs) at one block size the same way every time."""
+
+    def __init__(self, bs: int, capacity: int | None, concurrency: int, tenant_field: str | None):
+        self.bs, self.capacity, self.concurrency, self.tenant_field = bs, capacity, concurrency, tenant_field
+        self.last: tuple | None = None  # (key, tokens, chains, result) of the last call
+
+    def salts(self, prep: Prepared) -> list[str | None] | None:
+        """Each request's tenant salt (None without a tenant field)."""
+        if not self.tenant_field:
+            return None
+        return [None if r.get(self.tenant_field) is None else str(r.get(self.tenant_field)) for r in prep.records]
+
+    def __call__(self, prep: Prepared, policy: str | None = None, capacity: bool = True) -> dict:
+        key = (id(prep.tokens), policy)
+        if self.last is not None and self.last[0] == key and self.last[1] is prep.tokens:
+            chains, out = self.last[2], dict(self.last[3])  # the same log measured just before (unbounded first)
+        elif policy is None and not (self.capacity is not None and capacity):
+            # unbounded only: the divergence positions give the hits, no block ids needed
+            t0 = time.perf_counter()
+            per = unbounded_hits(prep.tokens, self.bs, self.salts(prep))
+            st = HitStats(self.bs, None, len(per), sum(prep.lengths), sum(per), 0, time.perf_counter() - t0, per)
+            self.last = None
+            return {"unbounded": stats(st)}
+        else:
+            salts = self.salts(prep)
+            public = public_prefixes(prep, salts) if policy == "public-prefix" and salts else None
+            chains = block_chains(prep.tokens, self.bs, salts, public)
+            out = {"unbounded": stats(replay(chains, prep.lengths, self.bs, None))}
+        if self.capacity is not None and capacity and "capacity" not in out:
+            out["capacity"] = stats(replay(chains, prep.lengths, self.bs, self.capacity, self.concurrency))
+        self.last = (key, prep.tokens, chains, out)
+        return out
+
+
+def flat(res: dict) -> dict:
+    """{"unbounded": {...}, "capacity": {...}} -> {"unbounded_hit_rate": ..., ...} (a row of the chain)."""
+    out = {}
+    for cap, st in res.items():
+        out[f"{cap}_hit_rate"] = st["hit_rate"]
+        out[f"{cap}_computed_tokens"] = st["computed_tokens"]
+        out[f"{cap}_query_tokens"] = st["query_tokens"]
+    return out
+
+
+def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | None, meter: Meter,
+                  baseline: dict, min_effect: float) -> tuple[list[Culprit], list[dict], Prepared]:
+    """Apply the measurable fixes one after the other; return (kept culprits, the chain's rows, the fixed log)."""
+    cap_key = "capacity" if meter.capacity is not None else "unbounded"
+    order = sorted([c for c in culprits if c.measurable],
+                   key=lambda c: (KIND_ORDER.get(c.kind, 1), c.position if c.position is not None else 10**9))
+    chain = [{"step": "as logged", "kind": "", **flat(baseline)}]
+    cur, policy, last = prep, None, baseline
+    effect = max(1, int(min_effect * max(1, baseline["unbounded"]["query_tokens"])))
+    kept: list[Culprit] = []
+    # In prompt order most differences are only hidden by one before them, fixed first; a fix that
+    # changed nothing gets a second look once all the others are in (a difference after it hid it).
+    groups = [[c for c in order if c.fix is not None], [c for c in order if c.fix is None]]  # rewrites, then tokens/policy
+    n = len(prep.records)
+    windows = [] if n <= QUICK_MIN else sorted({i for w in range(QUICK_WINDOWS)
+                                                for i in range(w * n // QUICK_WINDOWS, w * n // QUICK_WINDOWS + QUICK_SIZE)})
+    for group, attempt in ((g, a) for g in groups for a in (1, 2)):
+        for c in list(group):
+            if attempt == 2 and c.kind not in SECOND_LOOK:
+                continue
+            if windows and c.kind in FIELD_KINDS and not _quick_look(c, cur, windows, policy, enc, meter, min_effect / 2):
+                c.chained, c.before, c.no_effect = None, {"unbounded": last["unbounded"]}, True
+                c.details["quick look"] = f"no effect on {len(windows)} requests in {QUICK_WINDOWS} windows of the log"
+                continue
+            new, res, new_policy = chain_step(c, cur, policy, enc, meter, capacity=c.policy is not None)
+            key = cap_key if c.policy is not None else "unbounded"
+            # the prefill it saves (not the hits: padding and longer histories add hit tokens of their own)
+            if last[key]["computed_tokens"] - res[key]["computed_tokens"] >= effect:
+                res = meter(new, policy=new_policy) if c.policy is None else res
+                c.chained, c.before, c.no_effect = res, last, False
+                if new is not cur:  # what the fixed log holds: the log after this fix and the ones before it
+                    c.details["state"] = new.tokens if new.padded else new.records
+                    c.details["state_padded"] = new.padded
+                cur, policy, last = new, new_policy, res
+                kept.append(c)
+                group.remove(c)
+                chain.append({"step": c.title, "kind": c.kind, **flat(res)})
+            else:
+                c.chained, c.before, c.no_effect = res, {k: last[k] for k in res}, True
+    return kept, chain, cur
+
+
+def measure_alone(c: Culprit, prep: Prepared, enc: PromptEncoder | None, meter: Meter) -> dict | None:
+    """One fix applied to the original log, measured."""
+    return chain_step(c, prep, None, enc, meter, capacity=True)[1]
+
+
+def _quick_look(c: Culprit, prep: Prepared, idx: list[int], policy: str | None, enc: PromptEncoder | None,
+                meter: Meter, share: float) -> bool:
+    """Whether a field fix saves at least ``share`` of the prefill in a few windows of the log (cheap pre-check)."""
+    sub = prep.subset(idx)
+    quick = Meter(meter.bs, None, 1, meter.tenant_field)
+    before = quick(sub, policy=policy, capacity=False)["unbounded"]
+    _, after, _ = chain_step(c, sub, policy, enc, quick)
+    return before["computed_tokens"] - after["unbounded"]["computed_tokens"] >= share * before["query_tokens"]
+
+
+def chain_step(c: Culprit, prep: Prepared, policy: str | None, enc: PromptEncoder | None, meter: Meter,
+               capacity: bool = False) -> tuple[Prepared, dict | None, str | None]:
+    """Apply one more fix on top of the ones before; return (log, measured, policy)."""
+    if c.fix is not None:
+        if prep.padded:
+            raise RuntimeError("record fixes must come before token fixes (KIND_ORDER)")
+        new = prepare(c.fix(prep.records), enc, base=prep)
+        return new, meter(new, policy=policy, capacity=capacity), policy
+    if c.token_fix is not None:
+        new = c.token_fix(prep)
+        return new, meter(new, policy=policy, capacity=capacity), policy
+    if c.policy is not None:
+        return prep, meter(prep, policy=c.policy, capacity=capacity), c.policy
+    return prep, None, policy
+

@@ -1,0 +1,162 @@
+"""Notebook 07 on the engine: the isolation cost, the timing probe (by the cached-token counts that cause
+the timing), its statistics, and a fast concurrency stress test (hundreds of requests, outputs equal to HF
+generate alone).
+
+Nothing here asserts on a timing: the probe's TTFTs are noisy by nature, so the tests check the
+cached-token counts that cause them, and the statistics on synthetic samples.
+"""
+
+import random
+
+import pytest
+import torch
+
+from kvlab.engine import Engine, SamplingParams
+from kvlab.lessons import nb07_security as S
+
+BS = 16
+
+
+def test_isolation_cost_matches_the_formula(lm):
+    model, tok = lm
+    rows = {r["policy"]: r for r in S.isolation_cost(model, tok, n_tenants=4, per_tenant=1, block_size=BS)}
+    assert rows["shared"]["outputs"] == rows["tenant"]["outputs"] == rows["public-prefix"]["outputs"]
+    n, computed = rows["tenant"]["prompt tokens"], {p: r["prefill tokens computed"] for p, r in rows.items()}
+    assert computed["tenant"] == n and rows["tenant"]["hit tokens"] == 0
+    assert computed["shared"] <= computed["public-prefix"] < computed["tenant"]
+    system_tokens = len(tok(S.operator_system_prompt(), add_special_tokens=False)["input_ids"])
+    assert computed["public-prefix"] == n - 3 * (system_tokens // BS) * BS
+    assert rows["public-prefix"]["peak KV blocks"] < rows["tenant"]["peak KV blocks"]
+    assert rows["public-prefix"]["cross-tenant hits (blocks)"] == 0 < rows["shared"]["cross-tenant hits (blocks)"]
+
+
+# --- the probe: hits are what the timing would show ----------------------------------------------------
+@pytest.mark.parametrize("policy", ["shared", "tenant", "public-prefix"])
+def test_the_probe_hits_only_without_isolation(lm, policy):
+    model, tok = lm
+    engine = Engine(model, tok, num_blocks=256, block_size=BS, isolation=policy, debug=True)
+    probes = S.run_attack(engine, tok, n_trials=2, n_wrong=2, seed=1)
+    right = {p.cached_tokens for p in probes if p.is_secret}
+    wrong = {p.cached_tokens for p in probes if not p.is_secret}
+    if policy == "shared":
+        assert min(right) > max(wrong)  # the right guess is served from the victim's blocks
+        assert engine.stats()["cross_tenant_hits"] > 0
+    else:
+        assert right == wrong  # both only hit the attacker's own (or the public) blocks
+        assert engine.stats()["cross_tenant_hits"] == 0
+    assert (engine.stats()["public_hits"] > 0) == (policy == "public-prefix")
+
+
+# --- statistics -----------------------------------------------------------------------------------------
+def test_roc_auc_is_the_mann_whitney_statistic():
+    from scipy.stats import mannwhitneyu
+
+    rng = random.Random(0)
+    for _ in range(20):
+        pos = [rng.randint(0, 9) for _ in range(rng.randint(1, 15))]
+        neg = [rng.randint(0, 9) for _ in range(rng.randint(1, 15))]
+        u = mannwhitneyu(pos, neg, alternative="two-sided").statistic
+        assert S.roc_auc(pos, neg) == pytest.approx(u / (len(pos) * len(neg)))
+    assert S.roc_auc([3, 4], [1, 2]) == 1.0 and S.roc_auc([1, 2], [3, 4]) == 0.0 and S.roc_auc([1], [1]) == 0.5
+    fpr, tpr = S.roc_curve([3, 4], [1, 2])
+    assert fpr[0] == tpr[0] == 0 and fpr[-1] == tpr[-1] == 1 and (0.0, 1.0) in zip(fpr, tpr)
+    with pytest.raises(ValueError):
+        S.roc_auc([], [1.0])
+
+
+def test_ks_detects_a_shift_and_not_noise():
+    rng = random.Random(1)
+    miss = [rng.gauss(100, 5) for _ in range(200)]
+    hit = [rng.gauss(80, 5) for _ in range(200)]
+    same = [rng.gauss(100, 5) for _ in range(200)]
+    d, p = S.ks_test(hit, miss)
+    assert d > 0.8 and p < 1e-8 and S.roc_auc([-x for x in hit], [-x for x in miss]) > 0.95
+    d, p = S.ks_test(same, miss)  # the case that must fail to detect anything
+    assert p > 0.01 and abs(S.roc_auc(same, miss) - 0.5) < 0.1
+
+
+def test_exercise_checkers_accept_right_and_reject_wrong():
+    assert S.check_salt_split(2, 32, public_tokens=40, block_size=16)
+    assert not S.check_salt_split(3, 40, public_tokens=40, block_size=16)
+    assert S.check_prefill_tokens(8 * 130, 8 * 130 - 7 * 112, 8, 120, 10, 16)
+    assert not S.check_prefill_tokens(8 * 130, 130, 8, 120, 10, 16)
+
+    def naive(pos, neg):
+        return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+
+    def no_ties(pos, neg):  # the classic slip: ties counted as losses
+        return sum(p > n for p in pos for n in neg) / (len(pos) * len(neg))
+
+    assert S.check_auc_fn(naive) and not S.check_auc_fn(no_ties) and not S.check_auc_fn(lambda p, n: 1 / 0)
+
+
+# --- the concurrency stress test -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stress_load(lm):
+    model, tok = lm
+    workload = S.stress_workload(tok, 300, seed=3)
+    return workload, S.isolated_outputs(model, tok, workload[0])
+
+
+@pytest.mark.parametrize("policy", ["public-prefix", "tenant", "shared"])
+def test_stress_outputs_equal_isolated(lm, stress_load, policy):
+    model, tok = lm
+    workload, reference = stress_load
+    rep = S.stress_test(model, tok, 300, policy=policy, seed=3, workload=workload, reference=reference)
+    assert rep.mismatches == 0, f"requests {rep.mismatched[:5]} differ from HF generate alone"
+    assert rep.leaked_blocks == 0 and rep.evictions > 0 and rep.preemptions > 0
+    assert (rep.cross_tenant_hits == 0) == (policy != "shared")  # shared: tenants hit each other's blocks
+    assert (rep.public_hits > 0) == (policy == "public-prefix")
+    assert rep.ok and rep.line() == (f"requests=300 mismatches=0 cross_tenant_hits={rep.cross_tenant_hits} "
+                                     "leaked_blocks=0")
+    # each request counted once in the per-tenant table and by the manager; re-admissions counted apart
+    table = rep.tenant_table
+    assert sum(r["requests"] for r in table) == 300
+    assert sum(r["re-admissions"] for r in table) == rep.preemptions == rep.preempted_lookups
+
+
+def test_tenant_table_counts_requests_not_lookups():
+    from types import SimpleNamespace
+
+    sp = SamplingParams(max_tokens=1)
+    reqs = [S.StressRequest([1] * 20, "a", sp, 0), S.StressRequest([1] * 40, "a", sp, 0), S.StressRequest([2] * 16, "b", sp, 1)]
+    outs = {0: SimpleNamespace(num_cached_tokens=0, num_preemptions=2), 1: SimpleNamespace(num_cached_tokens=16, num_preemptions=0),
+            2: SimpleNamespace(num_cached_tokens=0, num_preemptions=0)}
+    rows = S.tenant_table(reqs, outs, [{"tenant": "a", "requests": 2}, {"tenant": "b", "requests": 1}])
+    assert [(r["tenant"], r["requests"], r["re-admissions"]) for r in rows] == [("a", 2, 2), ("b", 1, 0)]
+    assert rows[0]["hit rate (first admission)"] == 16 / 60
+    with pytest.raises(ValueError, match="the block manager counted 4 requests"):
+        S.tenant_table(reqs, outs, [{"tenant": "a", "requests": 4}, {"tenant": "b", "requests": 1}])
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-0.5B-Instruct", "Qwen1.5-7B-Chat"])
+def test_param_count_matches_transformers(name):
+    import transformers as T
+
+    from kvlab.engine.models import load_public_config
+
+    cfg = load_public_config(name)
+    with torch.device("meta"):
+        model = T.Qwen2ForCausalLM(T.Qwen2Config(**{k: v for k, v in cfg.items() if not k.startswith("_")}))
+    assert S.param_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_memory_column_of_qwen15_7b():
+    from kvlab.engine.models import load_public_config
+
+    cfg = load_public_config("Qwen1.5-7B-Chat")
+    mem = S.memory_column(cfg)
+    assert mem["parameters"] == 7_721_324_544 and round(mem["weights GB (1e9 bytes)"], 2) == 15.44
+    assert mem["weights exceed the article's total"] and mem["KV bytes per token"] == 2 * 32 * 32 * 128 * 2
+
+
+def test_takeaway_tables_cover_the_article():
+    assert len(S.takeaways("checklist")) == 8 and len(S.takeaways("template")) == 8
+    fw = S.takeaways("frameworks")
+    assert list(fw["framework"]) == ["HF Transformers", "vLLM", "kvlab", "TensorRT-LLM", "TGI"]
+    assert all("not run here" in s for s in fw.loc[fw.framework.isin(["TensorRT-LLM", "TGI"]), "source"])
+    assert all(s.startswith("measured in this series") for s in fw.loc[~fw.framework.isin(["TensorRT-LLM", "TGI"]), "source"])
+    ev = S.takeaways("checklist", {"ref-count leak": "0 leaked"})
+    assert ev.loc[ev["cause (article)"] == "ref-count leak", "measured here (07)"].item() == "0 leaked"
+    with pytest.raises(ValueError):
+        S.takeaways("nope")
