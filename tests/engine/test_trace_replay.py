@@ -92,6 +92,7 @@ def test_scripted_scheduler_reports_first_tokens_and_finishes():
     run.add("x", [1, 2, 3, 4, 5], [6, 7])
     first = run.step()
     assert [s.request_id for s in first.first_token] == ["x"] and first.prefill_tokens == 5 and first.decodes == 0
+    assert run.scheduler.last_output is first.output  # the seam a replica reads its step's counts from
     second = run.step()
     assert [s.output_ids for s in second.finished] == [[6, 7]] and second.decodes == 1
     assert not run.has_unfinished() and not run.requests
