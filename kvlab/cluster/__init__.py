@@ -7,17 +7,19 @@
   ``SimReplica`` (the real scheduler and block manager, no model)
 - ``driver``: ``run_fleet``: Poisson arrivals through the router, per-request TTFT, cached tokens, replica
 - ``pd``: ``run_pd``: one replica prefills and ships the blocks, another decodes
-- ``sim``: ``simulate`` (model-free sweeps), ``CostModel``, ``agree`` (sim vs Ray on one workload)
+- ``cost``: ``CostModel``, a step's modelled seconds (the driver's model clock)
+- ``sim``: ``simulate`` (model-free sweeps), ``agree`` (sim vs Ray on one workload)
 - ``workloads``: multi-tenant multi-turn ``chat``; ``from_prompts`` (e.g. sys512)
 
 Ray is optional (``pip install kvlab[cluster]``): nothing here imports it until a Ray replica is started.
 """
 
+from .cost import CostModel
 from .driver import FleetResult, percentile, run_fleet
 from .pd import pd_summary, run_pd
 from .replica import EngineReplica, LocalHandle, RayHandle, SimReplica, ray_available, ray_replicas, start_ray
 from .router import ALL_POLICIES, POLICIES, HashRing, KVIndex, PrefixTree, Router, RouteRequest
-from .sim import CostModel, agree, simulate
+from .sim import agree, simulate
 from .workloads import FleetWorkload, Session, chat, from_prompts
 
 __all__ = ["ALL_POLICIES", "POLICIES", "CostModel", "EngineReplica", "FleetResult", "FleetWorkload", "HashRing", "KVIndex",

@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cost import CostModel
 from .router import Router, RouteRequest
-from .sim import CostModel
 from .workloads import FleetWorkload
 
 __all__ = ["FleetResult", "percentile", "run_fleet"]

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..cache.hashing import prompt_block_hashes
+from .cost import CostModel
 from .driver import percentile
-from .sim import CostModel
 from .workloads import FleetWorkload
 
 __all__ = ["itl_of", "pd_summary", "run_pd"]

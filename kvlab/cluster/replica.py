@@ -22,9 +22,7 @@ sim-vs-Ray check relies on this). ``EngineReplica`` wraps a real ``Engine``. ``r
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -337,8 +335,13 @@ def start_ray(num_cpus: int | None = 2, address: str | None = None, **kwargs: An
     """``ray.init`` for kvlab: a local instance (``num_cpus``, no dashboard) or an existing cluster (``address``).
 
     Locally, the workers get this checkout on ``PYTHONPATH`` (so a worktree's kvlab is the one they import),
-    the raylet and its agents get fixed ports and two minutes to register (a loaded laptop can take that long), and Ray's memory monitor is
-    off unless set (our actors are tiny; on a box shared with other jobs it would kill them for others' memory).
+    the raylet and its agents get two minutes to register (``RAY_raylet_start_wait_time_s``,
+    ``RAY_agent_register_timeout_ms``: a loaded laptop can take that long), and Ray's memory monitor is off
+    unless set (``RAY_memory_monitor_refresh_ms=0``: our actors are tiny; on a box shared with other jobs it
+    would kill them for others' memory). Only public ``ray.init`` arguments and Ray's documented ``RAY_``
+    variables are used. On a busy machine the raylet can give up waiting (about 30 s, not configurable in Ray
+    2.60) for its dashboard agent to report its port, even when the port is fixed (``ray start
+    --dashboard-agent-listen-port``); the start is then tried again, three times in all.
     """
     import ray
 
@@ -353,50 +356,15 @@ def start_ray(num_cpus: int | None = 2, address: str | None = None, **kwargs: An
     root = str(Path(__file__).resolve().parents[2])
     env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
-    with _fixed_agent_ports():
-        for attempt in range(2):  # on a box busy with other jobs the start-up can still miss a deadline
-            try:
-                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                         runtime_env={"env_vars": env}, **kwargs)
-                return
-            except Exception:
-                ray.shutdown()
-                if attempt:
-                    raise
-
-
-@contextlib.contextmanager
-def _fixed_agent_ports():
-    """Give Ray's node agents fixed free ports, so the raylet need not wait for them to report theirs.
-
-    With port 0 the raylet waits about 30 s for each agent (a Python process) to write its port to a file and
-    aborts when one is late, which happens on a loaded two-core machine. Patches Ray's private ``RayParams``
-    for the duration of ``ray.init`` only; if that class changes, Ray starts as usual.
-    """
-    try:
-        from ray._private import parameter
-        orig = parameter.RayParams.__init__
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    def init(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
-        for name in ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port",
-                     "runtime_env_agent_port"):
-            if hasattr(self, name) and not getattr(self, name):
-                setattr(self, name, free_port())
-
-    parameter.RayParams.__init__ = init
-    try:
-        yield
-    finally:
-        parameter.RayParams.__init__ = orig
+    for attempt in range(3):  # on a box busy with other jobs the start-up can miss a deadline
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": env}, **kwargs)
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
 
 
 def ray_replicas(n: int, **engine_kwargs: Any) -> list[RayHandle]:

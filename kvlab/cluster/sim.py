@@ -1,8 +1,6 @@
 """Model-free fleet simulation: block managers and schedulers only, a cost model for time.
 
-``CostModel`` turns what a step ran into seconds: ``base + per_prefill_token x prefill tokens +
-per_decode x decoding sequences + per_moved_token x tokens fetched from another replica``. Its defaults are a *model*, not a measurement; ``CostModel.fit``
-fits it to step times measured on real replicas (the notebook fits it on its Ray run).
+``CostModel`` (``kvlab.cluster.cost``, re-exported here) turns what a step ran into seconds.
 
 ``simulate`` runs a workload through ``SimReplica``s (kvlab's real scheduler and block manager, scripted
 tokens) under the same driver as the Ray run, so a sweep over replica counts and policies takes
@@ -12,36 +10,12 @@ request, same cached tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from .cost import CostModel
+from .driver import run_fleet
+from .object_store import LocalObjectStore
+from .replica import LocalHandle, SimReplica
 
 __all__ = ["CostModel", "agree", "simulate"]
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds of one replica step from what it computed."""
-
-    base: float = 5e-3  # per step (scheduling, launch, sampling)
-    per_prefill_token: float = 5e-5
-    per_decode: float = 2e-4  # per sequence decoding one token
-    per_moved_token: float = 5e-6  # per token of K/V fetched from another replica (notebook 11 measures it)
-
-    def seconds(self, prefill_tokens: int, decodes: int, moved_tokens: int = 0) -> float:
-        """Modelled duration of a step."""
-        return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode * decodes
-                + self.per_moved_token * moved_tokens)
-
-    @classmethod
-    def fit(cls, rows: Sequence[tuple[int, int, float]]) -> CostModel:
-        """Least squares on ``(prefill_tokens, decodes, seconds)`` rows of measured steps (coefficients >= 0)."""
-        import numpy as np
-
-        a = np.array([[1.0, p, d] for p, d, _ in rows])
-        y = np.array([s for _, _, s in rows])
-        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-        coef = np.maximum(coef, 0.0)
-        return cls(float(coef[0]), float(coef[1]), float(coef[2]), cls.per_moved_token)
 
 
 def simulate(workload, num_replicas: int, policy: str, *, num_blocks: int = 256, block_size: int = 16,
@@ -52,10 +26,6 @@ def simulate(workload, num_replicas: int, policy: str, *, num_blocks: int = 256,
     ``tier_blocks``: each replica's host tier, in blocks (default: none, or ``num_blocks`` under ``pull``, which
     stages fetched blocks there); ``offload``: the tier also keeps evicted blocks.
     """
-    from .driver import run_fleet
-    from .object_store import LocalObjectStore
-    from .replica import LocalHandle, SimReplica
-
     if tier_blocks is None and policy == "pull":
         tier_blocks = num_blocks
     store = LocalObjectStore()  # one for the fleet: what one replica exports, another fetches

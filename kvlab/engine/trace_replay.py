@@ -86,6 +86,8 @@ class ScriptedScheduler:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in flight")
         self.scheduler.check_fits(len(prompt), len(reply))
+        while self._next_id in self.cache.seqs:  # a sequence the caller put in the cache itself keeps its id
+            self._next_id += 1
         scope = TenantScope(salt, public_tokens, tenant)
         seq = Request(self._next_id, request_id, prompt, SamplingParams(max_tokens=len(reply), ignore_eos=True), scope)
         self._next_id += 1

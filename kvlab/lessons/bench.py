@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -132,24 +134,44 @@ def run_hf_manual(model: Any, workload: Workload, shared: bool) -> dict[str, Any
     return _result("HF manual reuse", "shared" if shared else "isolated", ttfts, time.perf_counter() - t0, outputs)
 
 
+_PREFIX_MATCH = re.compile(r"Found a prefix match of (\d+) tokens for request")
+
+
+class _PrefixMatchLog(logging.Filter):
+    """Collects the matched tokens of transformers' "Found a prefix match of N tokens" debug lines; passes on only
+    the records the logger showed before (at ``shown_from`` and above)."""
+
+    def __init__(self, shown_from: int) -> None:
+        super().__init__()
+        self.shown_from = shown_from
+        self.found: list[int] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.shown_from:
+            return True
+        m = _PREFIX_MATCH.search(record.getMessage())
+        if m:
+            self.found.append(int(m.group(1)))
+        return False
+
+
 @contextlib.contextmanager
 def _count_prefix_matches() -> Iterator[list[int]]:
-    """Record the tokens transformers' continuous-batching cache finds already cached, per request."""
-    from transformers.generation.continuous_batching import cache as cb_cache
+    """Record the tokens transformers' continuous-batching cache finds already cached, per hit, from its debug log.
 
-    found: list[int] = []
-    original = cb_cache.PagedAttentionCache.search_prefix_match
-
-    def counting(self: Any, request_id: str, prompt_ids: list[int]) -> int:
-        matched = original(self, request_id, prompt_ids)
-        found.append(matched)
-        return matched
-
-    cb_cache.PagedAttentionCache.search_prefix_match = counting
+    ``PagedAttentionCache.search_prefix_match`` logs each match at DEBUG on the ``ContinuousBatchingLogger``
+    logger; a filter on that logger (standard ``logging``, nothing patched) collects the counts and drops the
+    debug lines. Its level is restored afterwards.
+    """
+    log = logging.getLogger("ContinuousBatchingLogger")
+    collector, level = _PrefixMatchLog(log.getEffectiveLevel()), log.level
+    log.addFilter(collector)
+    log.setLevel(logging.DEBUG)
     try:
-        yield found
+        yield collector.found
     finally:
-        cb_cache.PagedAttentionCache.search_prefix_match = original
+        log.setLevel(level)
+        log.removeFilter(collector)
 
 
 @torch.no_grad()
