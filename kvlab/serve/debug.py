@@ -23,9 +23,9 @@ def engine_report(engine: Engine) -> dict:
         error = f"{type(e).__name__}: {e}"
     bm = engine.block_manager
     held = {b for seq_id in bm.seqs for b in bm.block_table(seq_id)}
-    in_use = {b.block_id for b in bm.pool.blocks if b.ref_count > 0}
+    in_use = bm.num_blocks - bm.num_free_blocks  # through the cache interface: any CacheManager, radix included
     stats = engine.stats()
-    return {"invariants_ok": error is None, "invariant_error": error, "leaked_blocks": len(in_use - held),
-            "blocks_in_use": len(in_use), "num_blocks": bm.pool.num_blocks, "live_requests": len(engine.requests),
+    return {"invariants_ok": error is None, "invariant_error": error, "leaked_blocks": max(0, in_use - len(held)),
+            "blocks_in_use": in_use, "num_blocks": bm.num_blocks, "live_requests": len(engine.requests),
             "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
             "num_preemptions": stats["num_preemptions"], "num_cached_blocks": stats["num_cached_blocks"]}

@@ -449,3 +449,22 @@ def test_api_key_table_refuses_bad_files_and_unknown_keys(tmp_path):
         with pytest.raises(AuthError):
             table.tenant_for(header)
     assert KeyTable({}).tenant_for(None) is None  # open server: the anonymous tenant
+
+
+@pytest.mark.parametrize("cache", ["blocks", "radix"])
+def test_debug_report_reads_any_cache_through_the_interface(bundled, cache):
+    """``/debug/engine``'s report counts blocks through the cache interface, so a radix engine reports too."""
+    from kvlab.serve.debug import engine_report
+
+    model, tok = bundled
+    engine = Engine(model, tok, num_blocks=32, block_size=4, cache=cache)
+    seq_prompt = encode(tok, "你好，世界，口令是什么")
+    engine.add_request(seq_prompt, SamplingParams(max_tokens=3), request_id="r")
+    engine.step()
+    busy = engine_report(engine)
+    assert busy["invariants_ok"] and busy["blocks_in_use"] > 0 and busy["leaked_blocks"] == 0, busy
+    assert busy["num_blocks"] == engine.block_manager.num_blocks and busy["live_requests"] == 1  # radix: pages
+    while engine.has_unfinished():
+        engine.step()
+    idle = engine_report(engine)
+    assert idle["blocks_in_use"] == 0 and idle["leaked_blocks"] == 0 and idle["live_requests"] == 0, idle
