@@ -205,3 +205,12 @@ def test_sensitivity_line_names_the_model_a_bug_changes_more():
     assert "equally often" in X.sensitivity_line("x", {"a": (0.5, 2), "b": (0.5, 4)})
     with pytest.raises(ValueError):
         X.sensitivity_line("x", {})
+
+
+def test_position_checks_run_every_bug_on_n_prompts(lm):
+    model, tok = lm
+    sweep, overlap = X.run_position_checks(model, tok, 1, 64)
+    kinds = set(zip(sweep["kind"], sweep["shift"]))
+    assert kinds == {(k, s) for k in X.SWEEP_KINDS[:3] for s in (64,)} | {(X.SWEEP_KINDS[3], 0)}
+    assert sorted(overlap["treatment"]) == sorted(["recomputed", "A's K/V as is", "A's K/V re-rotated"])
+    assert overlap.loc[overlap["treatment"] == "recomputed", "identical"].all()
