@@ -570,6 +570,44 @@ def bug_rows(sweep: Any, overlap: Any, shifts: Sequence[int]) -> Any:
     return pd.DataFrame(rows).set_index("case")
 
 
+def run_position_checks(model: Any, tokenizer: Any, n: int, shift: int, seed: int = 0, chat: bool = False) -> tuple:
+    """Small versions of experiments 1-3 for a decision table: ``(sweep, overlap outcomes)`` on ``n`` prompts.
+
+    The sweep runs every kind at ``shift`` (plus the restart at 0); ``chat=True`` uses a chat model's own
+    template and loose recall (``real_prompt_ids``, ``real_overlap_pair``, ``P.mentions``), as for SmolLM2.
+    """
+    examples = P.make_examples(n, "heldout", start=700 + seed, history="none")
+    seeds = range(900 + seed, 900 + seed + n)
+    if not chat:
+        return run_position_sweep(model, tokenizer, examples, [shift]), run_overlap(model, tokenizer, seeds)[0]
+    sweep = run_position_sweep(model, tokenizer, examples, [shift], REAL_MAX_NEW_TOKENS, prompt=real_prompt_ids,
+                               recall=P.mentions)
+    overlap, _ = run_overlap(model, tokenizer, seeds, "heldout", REAL_MAX_NEW_TOKENS, pair=real_overlap_pair,
+                             recall=P.mentions)
+    return sweep, overlap
+
+
+def sensitivity_line(bug: str, identical: dict[str, tuple[float, int]]) -> str:
+    """One printed line comparing how often a position bug kept each model's answers token-identical.
+
+    ``identical`` maps a model's name to (share of answers token-identical to its isolated answer,
+    number of requests); the verdict names the model whose answers the bug changed most often.
+    """
+    if not identical:
+        raise ValueError("no model to compare")
+    parts = ", ".join(f"{name} {share:.0%} of {n}" for name, (share, n) in identical.items())
+    lowest = min(share for share, _ in identical.values())
+    if all(share == 1 for share, _ in identical.values()):
+        verdict = "no answer changed on these prompts (the logits still moved: the computation is wrong)"
+    elif sum(share == lowest for share, _ in identical.values()) > 1:
+        verdict = "it changes these models' answers equally often"
+    else:
+        who = next(name for name, (share, _) in identical.items() if share == lowest)
+        verdict = f"it changes {who}'s answers most often" if len(identical) > 2 else \
+            f"it changes {who}'s answers more often"
+    return f"{bug}: token-identical to the isolated answer: {parts} -> {verdict}"
+
+
 # ----------------------------------------------------------------------------- summaries and figures
 
 def sweep_mean(sweep: Any, kind: str, shift: int, metric: str = "recalled") -> float:

@@ -196,3 +196,21 @@ def test_bug_rows_reads_the_sweep_and_the_overlap(lm):
     assert rows.loc["control: everything shifted by 16", "identical"] == 1.0
     assert rows.loc["restarted positions: suffix at 0", "requests"] == 2
     assert 0 <= rows.loc["overlap segment from A, re-rotated by Δ", "recall"] <= 1
+
+
+def test_sensitivity_line_names_the_model_a_bug_changes_more():
+    line = X.sensitivity_line("restart at 0", {"bundled model": (1.0, 24), "SmolLM2": (0.25, 4)})
+    assert "bundled model 100% of 24, SmolLM2 25% of 4" in line and line.endswith("changes SmolLM2's answers more often")
+    assert "no answer changed" in X.sensitivity_line("x", {"a": (1.0, 2), "b": (1.0, 2)})
+    assert "equally often" in X.sensitivity_line("x", {"a": (0.5, 2), "b": (0.5, 4)})
+    with pytest.raises(ValueError):
+        X.sensitivity_line("x", {})
+
+
+def test_position_checks_run_every_bug_on_n_prompts(lm):
+    model, tok = lm
+    sweep, overlap = X.run_position_checks(model, tok, 1, 64)
+    kinds = set(zip(sweep["kind"], sweep["shift"]))
+    assert kinds == {(k, s) for k in X.SWEEP_KINDS[:3] for s in (64,)} | {(X.SWEEP_KINDS[3], 0)}
+    assert sorted(overlap["treatment"]) == sorted(["recomputed", "A's K/V as is", "A's K/V re-rotated"])
+    assert overlap.loc[overlap["treatment"] == "recomputed", "identical"].all()
