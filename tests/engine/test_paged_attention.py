@@ -123,13 +123,18 @@ def test_union_is_left_for_sequences_that_share_nothing_or_many_queries():
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_shared_prefix_prefills_and_decodes_in_one_step_match_the_reference(window, monkeypatch):
-    """A mixed step after a shared prefix (padded suffix prefills beside decodes) is exact on either path."""
+    """A mixed step after a shared prefix (padded suffix prefills beside decodes) is exact on every path.
+
+    First the union for every group (a lone sequence in one gather), then per sequence, one gather and
+    attention call per sequence (``KV_CHUNK_BYTES``).
+    """
     import kvlab.engine.paged_attention as pa
 
     spans = [(8, 5), (8, 4), (10, 1), (9, 1), (13, 1), (8, 6), (8, 2)]
     store, seqs, full, (query, key, value) = _shared_prefix_step(spans, seed=4)
     for union in (True, False):  # every group (of two or more) on the union path, then none
         monkeypatch.setattr(pa, "FLOPS_PER_BYTE", 10 ** 6 if union else 0)  # copies dominate / only FLOPs count
+        monkeypatch.setattr(pa, "KV_CHUNK_BYTES", 10 ** 9 if union else 1)  # per sequence: one call each, or all in one
         batch = build_batch(store, seqs)
         out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None, scaling=D ** -0.5,
                                          kvlab_batch=batch, sliding_window=window)
