@@ -187,6 +187,31 @@ def test_hf_model_runs_on_paged_cache_in_two_chunks():
     assert torch.equal(again, want)
 
 
+@torch.no_grad()
+def test_hf_model_decodes_after_a_shared_prefix_through_the_union_path():
+    """Four sequences on one cached prefix: suffix prefills, then a decode step on the union path, give HF's logits."""
+    model = _tiny_qwen2()
+    prefix, n = torch.randint(0, 128, (8,)), 4
+    seqs = [torch.cat([prefix, torch.randint(0, 128, (4,))]) for _ in range(n)]  # 8 shared + 3 suffix + 1 decode
+    store = PagedKVStore.for_model(model, num_blocks=16, block_size=BS)
+    tables = [[0, 1, 2 + i] for i in range(n)]  # blocks 0 and 1 hold the prefix for everyone
+
+    def run(spans):
+        batch = build_batch(store, [(a, b, tables[i]) for i, (a, b) in spans])
+        ids = torch.cat([seqs[i][a:b] for i, (a, b) in spans])[None]
+        pos = torch.cat([torch.arange(a, b) for _, (a, b) in spans])[None]
+        with paged_attention(model):
+            out = model(input_ids=ids, position_ids=pos, use_cache=False, kvlab_batch=batch).logits[0]
+        return batch, out
+
+    run([(0, (0, 11))])  # the first sequence computes the prefix
+    run([(i, (8, 11)) for i in range(1, n)])  # the others only their suffixes
+    batch, out = run([(i, (11, 12)) for i in range(n)])
+    assert batch.groups[0].union
+    want = torch.stack([model(input_ids=s[None]).logits[0, -1] for s in seqs])
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
 def test_grouping_bounds_padding_and_keeps_every_sequence_once():
     from kvlab.engine.paged_attention import group_by_query_length
 
