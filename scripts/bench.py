@@ -9,7 +9,8 @@ One run measures, with repetitions interleaved and medians kept (``kvlab.lessons
 * TTFT shared / isolated for kvlab, beside the ideal (uncached tokens / all tokens) and beside the same
   ratio for HF manual reuse and HF ``generate_batch`` (block sharing on / off);
 * throughput with / without prefix caching, and kvlab's throughput relative to ``generate_batch``;
-* KV bytes shared vs isolated vs the block-granular ideal.
+* KV bytes shared vs isolated vs the block-granular ideal;
+* the decode step against the weight-bytes bound and against the bound with every sequence's K/V read once too.
 
 It prints a table and the issue's goals (met or not, with the measured value), and writes everything to
 JSON. A model of realistic shape is random-initialised (no download); on a CPU the default keeps 4 of
@@ -31,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab.engine.models import load_model, random_model, resolve_device  # noqa: E402
+from kvlab.engine.models import kv_bytes_per_token, load_model, random_model, resolve_device  # noqa: E402
 from kvlab.lessons import bench as B  # noqa: E402
 from kvlab.lessons.workloads import ideal_prefill_fraction, sys512  # noqa: E402
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         model = random_model(args.config, num_layers=args.layers, stop_at_eos=False, device=device, dtype=args.dtype)
     wl = sys512(model.config.vocab_size, num_requests=args.requests, prefix_tokens=args.prefix,
                 suffix_tokens=args.suffix, max_tokens=args.new_tokens)
+    print(f"load average {_loadavg()} (a shared machine makes every time here longer; ratios side by side hold better)")
     print(f"{wl.name}: {len(wl)} requests x ({args.prefix} + {args.suffix}) tokens, {args.new_tokens} new; "
           f"{args.config} shape, {model.config.num_hidden_layers} layers, {args.dtype} on {device}, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} repetitions (median)", flush=True)
@@ -107,7 +109,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\nengine speed (isolated prefill of every prompt in one step; decode steps of all sequences after it):",
           flush=True)
-    speed = B.engine_speed(model, wl, repeats=args.repeats, steps=4 if args.smoke else 8)
+    steps = 4 if args.smoke else 8
+    speed = B.engine_speed(model, wl, repeats=args.repeats, steps=steps)
+    # a decode step must also read every sequence's K/V once: the bound with those bytes too (mid-way through the steps)
+    kv_bytes = sum(len(p) + steps // 2 for p in wl.prompts) * kv_bytes_per_token(model.config, model.dtype)
+    read_bw = speed["copy bandwidth (GB/s)"] * 1e9 / 2
+    speed["weights + K/V bound (ms)"] = speed["weight-bytes bound (ms)"] + 1e3 * kv_bytes / read_bw
+    speed["decode / weights + K/V bound"] = speed["decode step kvlab (ms)"] / speed["weights + K/V bound (ms)"]
     for key, value in speed.items():
         print(f"  {key:32s} {value:10.3f}")
     hf_batch = table[(table.system == "HF generate (batch)") & (table["error"] == "")]
@@ -126,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     with pd.option_context("display.width", 200, "display.max_colwidth", 80):
         print("\n" + speed_goals.to_string(index=False))
 
+    print(f"load average {_loadavg()} (at the end)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
@@ -145,10 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": vllm,
         "speed_goals": json.loads(speed_goals.to_json(orient="records")),
         "seconds": time.perf_counter() - t0,
+        "load_average_end": _loadavg(),
     }
     out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out} ({report['seconds']:.0f} s)")
     return 0
+
+
+def _loadavg() -> str:
+    path = Path("/proc/loadavg")
+    return " ".join(path.read_text().split()[:3]) if path.exists() else "unknown"
 
 
 if __name__ == "__main__":

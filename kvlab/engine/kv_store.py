@@ -6,6 +6,12 @@ token) and read back through **block tables** (a sequence's physical block ids i
 Copy-on-write copies whole blocks (``copy_blocks``). The tensors start at zero, so a padded read of an
 unused block is finite (attention masks it out; zeros keep 0 * value from becoming NaN).
 
+Memory layout: ``k``/``v`` are *views* in the logical order ``(layers, blocks, block_size, kv_heads, head_dim)``
+of tensors laid out head-major, ``(layers, kv_heads, blocks, block_size, head_dim)`` (``k_pages``/``v_pages``).
+A gather through block tables (``gather_heads``) is then one ``index_select`` per layer that yields each KV
+head's keys as contiguous rows, which is the layout attention reads fastest; gathering the token-major layout
+and transposing it after cost 2-3x the time on a CPU (issue 31). New K/V arrives head-major from the model too.
+
 Reference: vLLM ``vllm/attention/ops/paged_attn.py`` (``write_to_paged_cache``), nano-vllm
 ``nanovllm/layers/attention.py`` (``store_kvcache``).
 """
@@ -31,9 +37,11 @@ class PagedKVStore:
             raise ValueError("every size of the store must be >= 1")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, blocks, block_size, kv_heads, head_dim)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)  # head-major: see the module docstring
+        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = self.k_pages.permute(0, 2, 3, 1, 4)  # (L, blocks, block_size, kv_heads, head_dim), a view
+        self.v = self.v_pages.permute(0, 2, 3, 1, 4)
 
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int) -> PagedKVStore:
@@ -67,18 +75,29 @@ class PagedKVStore:
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store one layer's new K/V: token i goes to slot ``slot_mapping[i]``."""
         # slot_mapping (T,) int64; key, value (T, kv_heads, head_dim)
-        flat_k = self.k[layer].view(-1, self.kv_heads, self.head_dim)  # (blocks * block_size, kv_heads, head_dim)
-        flat_v = self.v[layer].view(-1, self.kv_heads, self.head_dim)
-        flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
-        flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+        self.write_heads(layer, slot_mapping, key.transpose(0, 1), value.transpose(0, 1))
+
+    def write_heads(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``write`` for head-major K/V, two ``(kv_heads, T, head_dim)`` (the layout the model computes them in)."""
+        flat_k = self.k_pages[layer].view(self.kv_heads, -1, self.head_dim)  # (kv_heads, blocks * block_size, D)
+        flat_v = self.v_pages[layer].view(self.kv_heads, -1, self.head_dim)
+        flat_k.index_copy_(1, slot_mapping, key.to(flat_k.dtype))
+        flat_v.index_copy_(1, slot_mapping, value.to(flat_v.dtype))
+
+    def gather_heads(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V of the blocks ``block_ids`` (n,), in order: two contiguous ``(kv_heads, n * block_size, head_dim)``."""
+        n = block_ids.shape[0]
+        pages_k = self.k_pages[layer].view(self.kv_heads, self.num_blocks, -1)  # (kv_heads, blocks, block_size * D)
+        pages_v = self.v_pages[layer].view(self.kv_heads, self.num_blocks, -1)
+        return (pages_k.index_select(1, block_ids).view(self.kv_heads, n * self.block_size, self.head_dim),
+                pages_v.index_select(1, block_ids).view(self.kv_heads, n * self.block_size, self.head_dim))
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one layer's K/V through block tables: ``(B, max_blocks)`` -> two ``(B, max_blocks * block_size, kv_heads, head_dim)``."""
         b, m = block_tables.shape
-        keys = self.k[layer][block_tables]  # (B, max_blocks, block_size, kv_heads, head_dim)
-        values = self.v[layer][block_tables]
-        return (keys.reshape(b, m * self.block_size, self.kv_heads, self.head_dim),
-                values.reshape(b, m * self.block_size, self.kv_heads, self.head_dim))
+        keys, values = self.gather_heads(layer, block_tables.reshape(-1))  # (kv_heads, B * Kmax, D)
+        return (keys.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3),
+                values.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3))
 
     def read(self, layer: int, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first ``length`` K/V entries of one layer: two ``(length, kv_heads, head_dim)``."""

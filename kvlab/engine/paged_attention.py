@@ -18,6 +18,11 @@ once per step (not per layer), so it runs on any device. A group in which no seq
 cached (an isolated prefill) skips step 2's read: its keys are exactly this step's new K/V, so it
 attends them directly with SDPA's ``is_causal`` (GQA through ``enable_gqa``), without a mask. A step
 that is one dense group (a decode-only step) needs no gather of its queries nor scatter of the outputs.
+K/V is read with ``index_select`` into each KV head's contiguous rows (``PagedKVStore.gather_heads``), a few
+sequences at a time so the copy is still in cache when the attention reads it (``KV_CHUNK_BYTES``).
+A group whose sequences share most of their blocks (decodes after a common cached prefix) attends over the
+*union* of its blocks instead, each read once, with a mask that keeps every query to its own sequence's keys;
+a cost model (``_plan_union``) picks it only when the gather it saves outweighs the scores it adds.
 The step's metadata travels as the forward keyword ``kvlab_batch``, which transformers passes down to
 the attention function untouched.
 
@@ -77,6 +82,10 @@ class AttnGroup:
     dense: bool = False  # no padding and packed in order: the group is the whole step, (B * Qmax) rows
     fresh: bool = False  # every sequence starts at position 0: its keys are this step's, attention is plain causal
     masks: dict = field(default_factory=dict)  # (group, window, dtype) -> the mask as attended; built once per step
+    tables: list[list[int]] = field(default_factory=list)  # the block tables as lists (``_plan_union`` reads them)
+    union: bool | None = None  # attend over the union of the group's blocks (``_plan_union``; None: not decided yet)
+    union_blocks: torch.Tensor | None = None  # (U,) the distinct blocks of the group, when ``union``
+    union_pos: torch.Tensor | None = None  # (B, U * block_size) position of each union key in each sequence (-1: not its)
 
     @property
     def mask(self) -> torch.Tensor:
@@ -101,6 +110,20 @@ class AttnGroup:
                 b, _, q_len, k_len = mask.shape
                 mask = mask.unsqueeze(2).expand(b, 1, group, q_len, k_len).reshape(b, 1, group * q_len, k_len)
             self.masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self.masks[key]
+
+    def union_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """(1, 1, B * group * Qmax, U * block_size) additive mask over the union's keys, rows in (sequence, head, query) order."""
+        key = ("union", group, sliding_window, dtype)
+        if key not in self.masks:
+            kpos, qpos = self.union_pos[:, None, :], self.query_pos[:, :, None]  # (B, 1, Ku), (B, Qmax, 1)
+            ok = (kpos >= 0) & (kpos <= qpos) & (kpos < self.context[:, None, None])  # (B, Qmax, Ku)
+            if sliding_window is not None:
+                ok &= kpos > qpos - sliding_window
+            ok |= ~ok.any(-1, keepdim=True)  # a padded row sees every key: finite, and never read
+            b, q_len, k_len = ok.shape
+            ok = ok[:, None].expand(b, group, q_len, k_len).reshape(1, 1, b * group * q_len, k_len)
+            self.masks[key] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
         return self.masks[key]
 
 
@@ -137,7 +160,41 @@ def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence
     ctx = torch.tensor(list(ends), dtype=torch.long)  # context length of each sequence after this step
     dense = bool(valid.all()) and offsets[0] == 0 and all(o == i * q_max for i, o in enumerate(offsets))
     return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device), ctx.to(device),
-                     block_size, dense, all(s == 0 for s in starts))
+                     block_size, dense, all(s == 0 for s in starts), tables=[list(t) for t in tables])
+
+
+# FLOPs of small-batch attention matmuls a CPU does in the time it moves one byte (~100 GFLOP/s against ~12 GB/s):
+# weighs the gather a union saves against the attention FLOPs it adds (``_plan_union``).
+FLOPS_PER_BYTE = 8
+
+
+def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
+    """Whether ``g`` attends over the union of its sequences' blocks (decided once per step; sets ``g.union``).
+
+    Sequences that share a cached prefix (16 decodes after a 512-token system prompt) each gather the
+    prefix again: 16x its bytes copied, and read again by the attention. Attending every query of the group
+    over the *distinct* blocks once, with a mask that lets each query see only its own sequence's keys,
+    copies each block once, at the price of scores for keys a query may not see. The cost model, per KV
+    head and key: the bytes gathered (K and V, written once and read twice) at ``FLOPS_PER_BYTE``, and the
+    attention FLOPs (``4 * query rows * head_dim``). A table holding a block twice keeps the per-sequence path.
+    """
+    if g.union is None:
+        b, m = g.block_tables.shape
+        q_rows = g.query_index.shape[1] * group  # query rows of one sequence per KV head
+        distinct = sorted({blk for t in g.tables for blk in t})
+        u, gather = len(distinct), FLOPS_PER_BYTE * element_size * 2 * 3  # per key and head_dim
+        per_seq = gather * b * m + 4 * q_rows * b * m  # (in blocks: block_size cancels)
+        union = gather * u + 4 * b * q_rows * u
+        g.union = b > 1 and union < per_seq and all(len(set(t)) == len(t) for t in g.tables)
+        if g.union:
+            bs = g.block_size
+            col = {blk: i for i, blk in enumerate(distinct)}
+            pos = torch.full((b, u, bs), -1, dtype=torch.long)
+            for i, table in enumerate(g.tables):
+                pos[i, [col[blk] for blk in table]] = torch.arange(len(table))[:, None] * bs + torch.arange(bs)
+            g.union_blocks = torch.tensor(distinct, dtype=torch.long, device=g.block_tables.device)
+            g.union_pos = pos.view(b, u * bs).to(g.block_tables.device)
+    return g.union
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
@@ -277,7 +334,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             f"{query.shape[-1]}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
             "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented")
     heads, kv_heads = query.shape[1], key.shape[1]
-    batch.store.write(layer, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, kv_heads, D)
+    batch.store.write_heads(layer, batch.slot_mapping, key[0], value[0])  # (kv_heads, T, D)
     q_all = query[0].transpose(0, 1)  # (T, heads, D)
     group = heads // kv_heads  # query heads per KV head (grouped-query attention)
     whole = len(batch.groups) == 1 and batch.groups[0].dense  # e.g. a decode-only step: no gather, no scatter
@@ -290,6 +347,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
             # (a padded query row is past every real one, so causality alone keeps real rows exact)
             o = _causal_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), g, whole, scaling)
+        elif _plan_union(g, group, batch.store.k.element_size()):
+            o = _union_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
         else:
             o = _paged_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
         if whole:
@@ -312,19 +371,48 @@ def _causal_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g
     return o.transpose(1, 2)  # (B, Qmax, heads, D)
 
 
+# K/V bytes gathered per attention call: small enough to stay in a core's cache until the attention reads it.
+# One call over all 16 sequences of sys512 (13 MiB a layer) took 1.5-3x the time of calls over 1-4 at once (issue 31).
+KV_CHUNK_BYTES = 2 * 2 ** 20
+
+
 def _paged_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
                            sliding_window: int | None, scaling: float | None) -> torch.Tensor:
-    """Attend ``q`` (B, Qmax, heads, D) over each sequence's cached + new K/V, read through its block table."""
+    """Attend ``q`` (B, Qmax, heads, D) over each sequence's cached + new K/V, read through its block table.
+
+    The sequences go in chunks of ``KV_CHUNK_BYTES`` of gathered K/V, each gathered and attended in turn.
+    """
     b, q_len, heads, d = q.shape
-    k, v = store.gather(layer, g.block_tables)  # (B, Kmax, kv_heads, D)
-    k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)  # (B, kv_heads, Kmax, D)
-    kv_heads = k.shape[1]
+    m = g.block_tables.shape[1]
+    kv_heads = heads // group
     # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
     # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
     q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask(group, sliding_window, q.dtype),
-                                       scale=scaling)
+    mask = g.attn_mask(group, sliding_window, q.dtype)  # (B, 1, group * Qmax, Kmax)
+    per_seq = 2 * m * store.block_size * kv_heads * d * store.k.element_size()
+    step = max(1, KV_CHUNK_BYTES // per_seq)
+    outs = []
+    for i in range(0, b, step):
+        n = min(step, b - i)
+        k, v = store.gather_heads(layer, g.block_tables[i:i + n].reshape(-1))  # (kv_heads, n * Kmax, D)
+        k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, Kmax, D), each head's rows contiguous
+        v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(q[i:i + n], k, v, attn_mask=mask[i:i + n], scale=scaling))
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, kv_heads, group * Qmax, D)
     return o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
+
+
+def _union_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
+                           sliding_window: int | None, scaling: float | None) -> torch.Tensor:
+    """Attend ``q`` (B, Qmax, heads, D) over the union of the group's blocks, each read once (``_plan_union``)."""
+    b, q_len, heads, d = q.shape
+    k, v = store.gather_heads(layer, g.union_blocks)  # (kv_heads, U * block_size, D)
+    kv_heads = k.shape[0]
+    # every query row of the group that reads KV head j becomes a row of one attention over j's union keys
+    q = q.view(b, q_len, kv_heads, group, d).permute(2, 0, 3, 1, 4).reshape(1, kv_heads, b * group * q_len, d)
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype)[None], v.to(q.dtype)[None],
+                                       attn_mask=g.union_mask(group, sliding_window, q.dtype), scale=scaling)
+    return o.view(kv_heads, b, group, q_len, d).permute(1, 3, 0, 2, 4).reshape(b, q_len, heads, d)
 
 
 _IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)  # our own state, like nano-vllm's context

@@ -36,6 +36,21 @@ def test_gather_pads_with_block_tables():
     assert keys[1, :4].eq(2).all() and keys[1, 4:].eq(0).all()
 
 
+def test_gather_heads_reads_blocks_head_major_and_contiguous():
+    store = _store()
+    store.k.normal_()
+    store.v.normal_()
+    ids = torch.tensor([4, 1, 4])
+    keys, values = store.gather_heads(1, ids)
+    assert keys.shape == values.shape == (2, 12, 3) and keys.is_contiguous()  # (kv_heads, n * block_size, head_dim)
+    want_k = store.k[1, ids].reshape(12, 2, 3).transpose(0, 1)  # the logical view, gathered and transposed
+    assert torch.equal(keys, want_k) and torch.equal(values, store.v[1, ids].reshape(12, 2, 3).transpose(0, 1))
+    k = torch.randn(2, 5, 3)  # (kv_heads, T, head_dim), the layout a model computes
+    store.write_heads(0, torch.tensor([0, 1, 2, 3, 20]), k, -k)
+    assert torch.equal(store.k[0, 0].transpose(0, 1), k[:, :4]) and torch.equal(store.k[0, 5, 0], k[:, 4])
+    assert torch.equal(store.v[0, 5, 0], -k[:, 4])
+
+
 def test_copy_blocks_copies_every_layer_and_only_the_pairs():
     store = _store()
     store.k.normal_()

@@ -62,6 +62,89 @@ def test_packed_mixed_batch_matches_reference(window):
         assert torch.equal(rk, k) and torch.equal(rv, v)
 
 
+def _shared_prefix_step(spans, window=None, seed=3):
+    """Sequences sharing 2 cached prefix blocks, each with its own blocks: (cached, new) per sequence."""
+    torch.manual_seed(seed)
+    store = PagedKVStore(1, num_blocks=40, block_size=BS, kv_heads=KVH, head_dim=D)
+    free = torch.randperm(40).tolist()
+    prefix = [free.pop(), free.pop()]  # 8 tokens every sequence holds in the same physical blocks
+    pk, pv = torch.randn(2 * BS, KVH, D), torch.randn(2 * BS, KVH, D)
+    store.write(0, torch.tensor([prefix[p // BS] * BS + p % BS for p in range(2 * BS)]), pk, pv)
+    seqs, full, qs, ks, vs = [], [], [], [], []
+    for cached, new in spans:
+        ctx = cached + new
+        table = prefix + [free.pop() for _ in range(-(-ctx // BS) - 2)]
+        k = torch.cat([pk, torch.randn(ctx - 2 * BS, KVH, D)])
+        v = torch.cat([pv, torch.randn(ctx - 2 * BS, KVH, D)])
+        own = range(2 * BS, cached)
+        store.write(0, torch.tensor([table[p // BS] * BS + p % BS for p in own], dtype=torch.long), k[own], v[own])
+        q = torch.randn(new, H, D)
+        seqs.append((cached, ctx, table))
+        full.append((q, k, v))
+        qs.append(q)
+        ks.append(k[cached:])
+        vs.append(v[cached:])
+    query = torch.cat(qs).transpose(0, 1)[None]
+    key, value = torch.cat(ks).transpose(0, 1)[None], torch.cat(vs).transpose(0, 1)[None]
+    return store, seqs, full, (query, key, value)
+
+
+@pytest.mark.parametrize("window", [None, 3, 11])
+def test_decodes_sharing_a_prefix_attend_the_union_of_their_blocks(window):
+    """Decodes after a shared prefix read each block once (the union path) and still match the reference."""
+    spans = [(9, 1), (12, 1), (10, 1), (15, 1), (8, 1), (11, 1)]
+    store, seqs, full, (query, key, value) = _shared_prefix_step(spans)
+    batch = build_batch(store, seqs)
+    out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None, scaling=D ** -0.5,
+                                     kvlab_batch=batch, sliding_window=window)
+    (g,) = batch.groups
+    assert g.union and len(g.union_blocks) < g.block_tables.numel()  # shared blocks read once
+    for (cached, new), (q, k, v), got in zip(spans, full, out[0].split([n for _, n in spans])):
+        torch.testing.assert_close(got, _reference(q, k, v, range(cached, cached + new), window), rtol=1e-5, atol=1e-5)
+    for (_, ctx, table), (_, k, v) in zip(seqs, full):  # the new tokens were written where they belong
+        rk, rv = store.read(0, table, ctx)
+        assert torch.equal(rk, k) and torch.equal(rv, v)
+
+
+def test_union_is_left_for_sequences_that_share_nothing_or_many_queries():
+    """The cost model keeps the per-sequence gather where the union would add more scores than it saves copies."""
+    from kvlab.engine.paged_attention import _plan_union
+
+    store = PagedKVStore(1, num_blocks=40, block_size=BS, kv_heads=KVH, head_dim=D)
+    alone = build_batch(store, [(8, 9, [0, 1, 2]), (8, 9, [3, 4, 5]), (8, 9, [6, 7, 8])])  # decodes, nothing shared
+    assert not _plan_union(alone.groups[0], H // KVH, 4)
+    shared = build_batch(store, [(8, 9, [0, 1, 2 + i]) for i in range(6)])
+    assert _plan_union(shared.groups[0], H // KVH, 4)
+    twice = build_batch(store, [(8, 9, [0, 1, 0]), (8, 9, [0, 1, 2])])  # a block twice in one table
+    assert not _plan_union(twice.groups[0], H // KVH, 4)
+    long_queries = build_batch(store, [(8, 40, [0, 1] + list(range(2 + 8 * i, 10 + 8 * i))) for i in range(4)])
+    assert not _plan_union(long_queries.groups[0], H // KVH, 4)  # 32 queries each: the extra scores cost more
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_shared_prefix_prefills_and_decodes_in_one_step_match_the_reference(window, monkeypatch):
+    """A mixed step after a shared prefix (padded suffix prefills beside decodes) is exact on every path.
+
+    First the union for every group (a lone sequence in one gather), then per sequence, one gather and
+    attention call per sequence (``KV_CHUNK_BYTES``).
+    """
+    import kvlab.engine.paged_attention as pa
+
+    spans = [(8, 5), (8, 4), (10, 1), (9, 1), (13, 1), (8, 6), (8, 2)]
+    store, seqs, full, (query, key, value) = _shared_prefix_step(spans, seed=4)
+    for union in (True, False):  # every group (of two or more) on the union path, then none
+        monkeypatch.setattr(pa, "FLOPS_PER_BYTE", 10 ** 6 if union else 0)  # copies dominate / only FLOPs count
+        monkeypatch.setattr(pa, "KV_CHUNK_BYTES", 10 ** 9 if union else 1)  # per sequence: one call each, or all in one
+        batch = build_batch(store, seqs)
+        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None, scaling=D ** -0.5,
+                                         kvlab_batch=batch, sliding_window=window)
+        assert [g.union for g in batch.groups] == [union and len(g.tables) > 1 for g in batch.groups]
+        assert any(not g.query_valid.all() and g.union == union for g in batch.groups)  # a padded group
+        for (cached, new), (q, k, v), got in zip(spans, full, out[0].split([n for _, n in spans])):
+            want = _reference(q, k, v, range(cached, cached + new), window)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_spans_and_missing_metadata():
     store = PagedKVStore(1, 4, BS, KVH, D)
     with pytest.raises(ValueError, match="bad span"):
@@ -108,6 +191,33 @@ def test_hf_model_runs_on_paged_cache_in_two_chunks():
     model.set_attn_implementation(own)
     assert model.config._attn_implementation == own
     assert torch.equal(model(input_ids=ids).logits[0], want)
+
+
+@torch.no_grad()
+def test_hf_model_decodes_after_a_shared_prefix_through_the_union_path():
+    """Four sequences on one cached prefix: suffix prefills, then a decode step on the union path, give HF's logits."""
+    model = _tiny_qwen2()
+    prefix, n = torch.randint(0, 128, (8,)), 4
+    seqs = [torch.cat([prefix, torch.randint(0, 128, (4,))]) for _ in range(n)]  # 8 shared + 3 suffix + 1 decode
+    store = PagedKVStore.for_model(model, num_blocks=16, block_size=BS)
+    tables = [[0, 1, 2 + i] for i in range(n)]  # blocks 0 and 1 hold the prefix for everyone
+    own, name = register(model)
+    model.set_attn_implementation(name)
+
+    def run(spans):
+        batch = build_batch(store, [(a, b, tables[i]) for i, (a, b) in spans])
+        ids = torch.cat([seqs[i][a:b] for i, (a, b) in spans])[None]
+        pos = torch.cat([torch.arange(a, b) for _, (a, b) in spans])[None]
+        with paged_step():
+            out = model(input_ids=ids, position_ids=pos, use_cache=False, kvlab_batch=batch).logits[0]
+        return batch, out
+
+    run([(0, (0, 11))])  # the first sequence computes the prefix
+    run([(i, (8, 11)) for i in range(1, n)])  # the others only their suffixes
+    batch, out = run([(i, (11, 12)) for i in range(n)])
+    assert batch.groups[0].union
+    want = torch.stack([model(input_ids=s[None]).logits[0, -1] for s in seqs])
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
 def test_grouping_bounds_padding_and_keeps_every_sequence_once():

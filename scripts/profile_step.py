@@ -1,0 +1,133 @@
+"""Profile one prefill step and one decode step of kvlab's engine on SmolLM2 (sys512), with torch.profiler.
+
+    .venv/bin/python scripts/profile_step.py                 # SmolLM2-135M, float32, CPU, 2 threads
+    .venv/bin/python scripts/profile_step.py --caching       # prefix cache on: the shared prefill, then decodes
+
+It builds the engine ``kvlab.lessons.bench.kvlab_steps`` builds (16 requests of a 512-token shared prefix +
+32 unique tokens), runs the prefill step of every prompt and one warm-up decode step, then profiles one
+decode step (16 sequences) and, on a fresh engine, the prefill step. For each it prints the top ops by self
+CPU time, the share of the step's wall time spent outside ATen ops (Python and dispatch overhead) and,
+beside them, the weight-bytes bound of a decode step (bytes of weights it reads / half the measured copy
+bandwidth) and the peak FLOP/s of ``F.linear`` on the model's shapes (``kvlab.lessons.bench``). The
+tables go to ``build/bench/profile_{decode,prefill}.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvlab.cache.block_manager import cdiv  # noqa: E402
+from kvlab.engine import Engine, SamplingParams  # noqa: E402
+from kvlab.engine.models import load_model  # noqa: E402
+from kvlab.lessons import bench as B  # noqa: E402
+from kvlab.lessons.workloads import sys512  # noqa: E402
+
+
+def make_engine(model, wl, caching: bool, steps: int, block_size: int = 16) -> Engine:
+    """The engine ``kvlab_steps`` builds, with every prompt queued."""
+    num_blocks = sum(cdiv(len(p) + steps + 4, block_size) for p in wl.prompts) + 4
+    engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
+                    max_num_seqs=len(wl), max_num_batched_tokens=max(2048, wl.prompt_tokens))
+    for p in wl.prompts:
+        engine.add_request(p, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+    return engine
+
+
+def profiled(step) -> tuple[float, float, str]:
+    """Run ``step`` under the profiler: (wall seconds, seconds inside ATen ops, table of the top ops)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    aten = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e6  # self: nested once
+    table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=45)
+    return wall, aten, table
+
+
+def timed(step, n: int) -> tuple[float, float]:
+    """Median wall and CPU seconds (this process, all threads) of ``n`` unprofiled calls of ``step``.
+
+    On a shared machine the CPU time is the steadier number: it leaves out the time other processes held the cores.
+    """
+    walls, cpus = [], []
+    for _ in range(n):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
+
+
+def loadavg() -> str:
+    """The machine's 1/5/15-minute load average (``?`` where /proc is missing)."""
+    path = Path("/proc/loadavg")
+    return " ".join(path.read_text().split()[:3]) if path.exists() else "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--caching", action="store_true", help="prefix caching on: the shared prefill, and decodes over the shared prefix")
+    ap.add_argument("--steps", type=int, default=6, help="decode steps timed unprofiled (median)")
+    ap.add_argument("--out", default=str(ROOT / "build" / "bench"), help="folder of profile_{decode,prefill}.txt")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model, device="cpu", dtype="float32")
+    model.generation_config.eos_token_id = None
+    wl = sys512(model.config.vocab_size)
+    cfg = model.config
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    peak = B.linear_peak_flops(cfg.hidden_size, cfg.intermediate_size, torch.device("cpu"), torch.float32)
+    bandwidth = B.memory_bandwidth(torch.device("cpu"))
+    body, head = B._linear_params(model)
+    bound = (body + head) * 4 / (bandwidth / 2)
+    head_lines = [f"{args.model}: {cfg.num_hidden_layers} layers, float32, CPU, {torch.get_num_threads()} threads; "
+                  f"{wl.name}: {len(wl)} x ({wl.shared_prefix_tokens} + {len(wl.prompts[0]) - wl.shared_prefix_tokens})",
+                  f"load average {loadavg()} (at the start)",
+                  f"F.linear peak {peak / 1e9:.1f} GFLOP/s; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+                  f"weight-bytes bound of a decode step {1e3 * bound:.1f} ms ({(body + head) * 4 / 2**20:.0f} MiB)"]
+    print("\n".join(head_lines), flush=True)
+
+    with torch.no_grad():
+        # prefill: a fresh engine each time (warm-up, then profiled, then timed)
+        make_engine(model, wl, args.caching, args.steps).step()
+        engine = make_engine(model, wl, args.caching, args.steps)
+        wall, aten, table = profiled(engine.step)
+        cached = [s.num_cached_tokens or 0 for s in engine.scheduler.running]
+        flops = B.prefill_flops(model, [len(p) for p in wl.prompts], cached)
+        pre_s, pre_cpu = timed(lambda: make_engine(model, wl, args.caching, args.steps).step(), 1)
+        pre = [f"prefill step ({'shared' if args.caching else 'isolated'}, {wl.prompt_tokens - sum(cached)} of "
+               f"{wl.prompt_tokens} tokens computed): {1e3 * wall:.0f} ms profiled; unprofiled {1e3 * pre_s:.0f} ms "
+               f"wall, {1e3 * pre_cpu:.0f} ms CPU; {flops / pre_s / 1e9:.1f} GFLOP/s = {flops / pre_s / peak:.2f} of "
+               f"the F.linear peak; outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"]
+        print(pre[0], flush=True)
+        (out / "profile_prefill.txt").write_text("\n".join(head_lines + pre) + "\n\n" + table + "\n")
+
+        engine.step()  # warm-up decode
+        wall, aten, table = profiled(engine.step)
+        dec_s, dec_cpu = timed(engine.step, args.steps)
+        dec = [f"decode step ({len(wl)} sequences): {1e3 * wall:.1f} ms profiled; unprofiled {1e3 * dec_s:.1f} ms wall "
+               f"= {dec_s / bound:.2f}x the weight-bytes bound, {1e3 * dec_cpu:.1f} ms CPU; "
+               f"outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"]
+        print(dec[0], flush=True)
+        (out / "profile_decode.txt").write_text("\n".join(head_lines + dec) + "\n\n" + table + "\n")
+    print(f"\ndecode top ops:\n{table}")
+    print(f"wrote {out / 'profile_decode.txt'} and {out / 'profile_prefill.txt'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
