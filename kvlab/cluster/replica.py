@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..cache.hashing import DEFAULT_BLOCK_SIZE
+
 __all__ = ["EngineReplica", "LocalHandle", "RayHandle", "SimReplica", "StepResult", "ray_available", "ray_replicas",
            "start_ray"]
 
@@ -95,7 +97,7 @@ class _Tiered:
 class SimReplica(_Tiered):
     """The scheduler and block manager of an engine, no model: tokens come from the request's ``reply``."""
 
-    def __init__(self, num_blocks: int = 256, block_size: int = 16, *, model_fingerprint: str = "sim",
+    def __init__(self, num_blocks: int = 256, block_size: int = DEFAULT_BLOCK_SIZE, *, model_fingerprint: str = "sim",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, tier_blocks: int | None = None,
                  offload: bool = False, object_store: Any = None) -> None:
         self.config = dict(num_blocks=num_blocks, block_size=block_size, model_fingerprint=model_fingerprint,
@@ -193,7 +195,7 @@ class SimReplica(_Tiered):
 class EngineReplica(_Tiered):
     """A kvlab ``Engine`` on a model (the bundled one by default; or a loaded ``(model, tokenizer)``) with KV events on."""
 
-    def __init__(self, model: str | tuple | None = None, num_blocks: int = 256, block_size: int = 16, *, device: str = "cpu",
+    def __init__(self, model: str | tuple | None = None, num_blocks: int = 256, block_size: int = DEFAULT_BLOCK_SIZE, *, device: str = "cpu",
                  dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  torch_threads: int | None = 1, tier_blocks: int | None = None, offload: bool = False,
                  object_store: Any = None) -> None:

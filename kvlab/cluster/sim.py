@@ -10,6 +10,7 @@ request, same cached tokens.
 
 from __future__ import annotations
 
+from ..cache.hashing import DEFAULT_BLOCK_SIZE
 from .cost import CostModel
 from .driver import run_fleet
 from .object_store import LocalObjectStore
@@ -18,7 +19,7 @@ from .replica import LocalHandle, SimReplica
 __all__ = ["CostModel", "agree", "simulate"]
 
 
-def simulate(workload, num_replicas: int, policy: str, *, num_blocks: int = 256, block_size: int = 16,
+def simulate(workload, num_replicas: int, policy: str, *, num_blocks: int = 256, block_size: int = DEFAULT_BLOCK_SIZE,
              cost: CostModel | None = None, replies: dict | None = None, fail=None, tier_blocks: int | None = None,
              offload: bool = False, **router_kwargs):
     """Run ``workload`` on ``num_replicas`` model-free replicas under ``policy``; a ``FleetResult``.

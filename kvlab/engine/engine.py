@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache.block_pool import check
+from ..cache.hashing import DEFAULT_BLOCK_SIZE
 from ..cache.interface import CacheManager
 from ..cache.kv_events import EventBatch
 from .intake import Checked, Intake, check_sampling, per_prompt
@@ -143,7 +144,7 @@ class Engine:
     """Paged K/V store + block manager + scheduler around one Hugging Face causal LM."""
 
     def __init__(self, model: Any, tokenizer: Any, *, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
+                 block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0,
                  isolation: str = "shared", secret: bytes | str | None = None, cache: str | CacheManager = "blocks",
                  page_size: int = 1, enable_kv_events: bool = False, host_tier_bytes: int | None = None,

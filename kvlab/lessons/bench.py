@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvlab.cache import cdiv
+from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import model_device_dtype, synchronize
 from kvlab.lessons.workloads import Workload, ideal_prefill_fraction, sys512
@@ -52,7 +52,7 @@ def _result(system: str, mode: str, ttfts: Sequence[float], wall: float, outputs
 
 # ----------------------------------------------------------------------------- the systems
 
-def run_kvlab(model: Any, workload: Workload, caching: bool, block_size: int = 16) -> dict[str, Any]:
+def run_kvlab(model: Any, workload: Workload, caching: bool, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Any]:
     """kvlab's engine: all requests at once, prefix caching on (shared) or off (isolated)."""
     n = workload.max_tokens
     num_blocks = sum(cdiv(len(p) + n, block_size) for p in workload.prompts) + 4
@@ -175,7 +175,7 @@ def _count_prefix_matches() -> Iterator[list[int]]:
 
 
 @torch.no_grad()
-def run_generate_batch(model: Any, workload: Workload, sharing: bool, block_size: int = 16,
+def run_generate_batch(model: Any, workload: Workload, sharing: bool, block_size: int = DEFAULT_BLOCK_SIZE,
                        max_batch_tokens: int | None = None) -> dict[str, Any]:
     """transformers' ``generate_batch`` (paged continuous batching), block sharing on or off.
 
@@ -228,7 +228,7 @@ SYSTEMS: dict[str, Callable[[Any, Workload], dict[str, Any]]] = {
 }
 
 
-def kv_ideal_bytes(workload: Workload, bytes_per_block: int, block_size: int = 16) -> dict[str, int]:
+def kv_ideal_bytes(workload: Workload, bytes_per_block: int, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, int]:
     """Block-granular KV bytes at the peak: every request's blocks, the prefix's full blocks once when shared."""
     n = workload.max_tokens
     per_request = [cdiv(len(p) + n - 1, block_size) for p in workload.prompts]  # K/V of all but the last token
@@ -300,7 +300,7 @@ def vllm_rows(result: dict, reference: Sequence[Sequence[int]] | None = None) ->
     return rows
 
 
-def ratios(table: Any, workload: Workload, block_size: int = 16):
+def ratios(table: Any, workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE):
     """Per system: TTFT shared/isolated beside the ideal, and throughput shared/isolated."""
     import pandas as pd
 
@@ -316,7 +316,7 @@ def ratios(table: Any, workload: Workload, block_size: int = 16):
     return pd.DataFrame(rows)
 
 
-def goals(table: Any, ratio_table: Any, workload: Workload, bytes_per_block: int, block_size: int = 16):
+def goals(table: Any, ratio_table: Any, workload: Workload, bytes_per_block: int, block_size: int = DEFAULT_BLOCK_SIZE):
     """The issue's goals, each with the measured value and whether it is met."""
     import pandas as pd
 
@@ -347,7 +347,7 @@ def goals(table: Any, ratio_table: Any, workload: Workload, bytes_per_block: int
     return pd.DataFrame(rows)
 
 
-def prefill_padding(workload: Workload, block_size: int = 16) -> dict[str, dict[str, int]]:
+def prefill_padding(workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, dict[str, int]]:
     """Query rows of the one-step prefill: real, and as attended after kvlab's grouping and padding.
 
     kvlab's paged attention groups a step's prefills by query length (``group_by_query_length``) and
@@ -370,7 +370,7 @@ def prefill_padding(workload: Workload, block_size: int = 16) -> dict[str, dict[
 # ----------------------------------------------------------------------------- sweep and figures
 
 def sweep(model: Any, vocab_size: int, prefix_lens: Sequence[int], request_counts: Sequence[int],
-          suffix_tokens: int = 32, max_tokens: int = 32, block_size: int = 16, progress: bool = False):
+          suffix_tokens: int = 32, max_tokens: int = 32, block_size: int = DEFAULT_BLOCK_SIZE, progress: bool = False):
     """kvlab shared vs isolated over a grid of prefix lengths and request counts (one run each)."""
     import pandas as pd
 
@@ -527,7 +527,7 @@ def hf_decode_step(model: Any, workload: Workload, steps: int = 8) -> float:
 
 
 @torch.no_grad()
-def kvlab_steps(model: Any, workload: Workload, caching: bool, steps: int = 8, block_size: int = 16) -> dict[str, float]:
+def kvlab_steps(model: Any, workload: Workload, caching: bool, steps: int = 8, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, float]:
     """One prefill step of all prompts (seconds) and the median decode step after it, in kvlab's engine."""
     device, _ = model_device_dtype(model)
     num_blocks = sum(cdiv(len(p) + steps + 2, block_size) for p in workload.prompts) + 4

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.cache import cdiv
+from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.hashing import first_block_extra_keys
 from kvlab.lessons.build import use_reference
@@ -209,7 +209,7 @@ def _cases(trace: Sequence[dict] | None) -> list[tuple[list[int], int, int, int,
 
 
 def check_slot_mapping(fn: Callable[..., list[int]] | None, trace: Sequence[dict] | None = None,
-                       block_size: int = 16) -> Verdict:
+                       block_size: int = DEFAULT_BLOCK_SIZE) -> Verdict:
     """Build exercise 05.B: ``fn(block_table, block_size, start, end)`` -> the slot of each position in
     ``[start, end)``; compared with the slots the engine wrote in ``trace`` (``TracingEngine.trace``, its block
     size ``block_size``) and with fixed cases. Never raises."""
@@ -268,7 +268,7 @@ def describe_requests(step: dict, slot_mapping: Callable[..., list[int]], block_
     return "\n".join(lines)
 
 
-def three_requests(tokenizer: Any, block_size: int = 16) -> list[list[int]]:
+def three_requests(tokenizer: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> list[list[int]]:
     """Three prompts (token ids) on one passphrase system prompt, three different questions: notebook 05's group 1
     for one passphrase (``real_groups`` for a chat model, ``seed_groups`` for the bundled one)."""
     from kvlab.lessons.nb05_table36 import is_real_chat_model, real_groups

@@ -28,7 +28,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from kvlab.cache import cdiv
+from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.block_pool import Block, BlockPool
 from kvlab.engine import Engine, SamplingParams
@@ -104,12 +104,12 @@ class ContentKeyedPool(BlockPool):
 class ContentKeyedBlockManager(BlockManager):
     """kvlab's ``BlockManager`` keyed on each block's own tokens (``content_hash``, ``ContentKeyedPool``): the bug."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         super().__init__(num_blocks, block_size, hash_fn=content_hash)
         self.pool = ContentKeyedPool(num_blocks, block_size)  # built here, before any engine sees the manager
 
 
-def content_keyed_engine(model: Any, tokenizer: Any, num_blocks: int, block_size: int = 16, **kwargs: Any) -> Engine:
+def content_keyed_engine(model: Any, tokenizer: Any, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, **kwargs: Any) -> Engine:
     """An engine whose prefix cache is keyed on each block's tokens only (no chain, no position)."""
     return Engine(model, tokenizer, cache=ContentKeyedBlockManager(num_blocks, block_size), **kwargs)
 
@@ -120,7 +120,7 @@ def _num_blocks(workload: Workload, block_size: int) -> int:
     return sum(cdiv(len(p) + workload.max_tokens, block_size) for p in workload.prompts) + 8
 
 
-def make_engine(model: Any, tokenizer: Any, group: int, mode: str, num_blocks: int, block_size: int = 16,
+def make_engine(model: Any, tokenizer: Any, group: int, mode: str, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
                 **kwargs: Any) -> Engine:
     """The engine of one row: "isolated", "shared (correct)" or "shared (wrong)" (the group's bug)."""
     kw = dict(num_blocks=num_blocks, block_size=block_size, **kwargs)
@@ -141,7 +141,7 @@ def _prompts(workload: Workload, group: int, mode: str) -> list[list[int]]:
     return workload.prompts
 
 
-def run_mode(model: Any, tokenizer: Any, workload: Workload, group: int, mode: str, block_size: int = 16,
+def run_mode(model: Any, tokenizer: Any, workload: Workload, group: int, mode: str, block_size: int = DEFAULT_BLOCK_SIZE,
              max_num_batched_tokens: int = 4096, max_tokens: int | None = None, donors: bool = True) -> dict[str, Any]:
     """Run one row once: the engine's outputs (prompt order), peak KV bytes and the engine's stats.
 
@@ -191,7 +191,7 @@ def _mean_ttft_ms(run: dict[str, Any], served: list[int]) -> float:
     return statistics.mean(run["outputs"][i].ttft for i in served) * 1e3
 
 
-def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: int = 3, block_size: int = 16,
+def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: int = 3, block_size: int = DEFAULT_BLOCK_SIZE,
              progress: bool = False, timed: Sequence[int] | None = None, warmup: bool = True):
     """The table: per group, isolated / shared (correct) / shared (wrong).
 
@@ -388,7 +388,7 @@ def check_bug_for_group(answer: dict[int, str] | None) -> Verdict:
 
 
 def check_position_fix(engine_cls: type | None, model: Any, tokenizer: Any, workload: Workload,
-                       block_size: int = 16) -> Verdict:
+                       block_size: int = DEFAULT_BLOCK_SIZE) -> Verdict:
     """Exercise 05.3: an ``Engine`` subclass that keeps the prefix cache on and numbers positions right."""
     hint = "positions must continue after the cached tokens, and the prefix cache must stay on"
     if engine_cls is None:
@@ -408,7 +408,7 @@ def check_position_fix(engine_cls: type | None, model: Any, tokenizer: Any, work
 
 
 def check_kv_ratio(answer: float | None, num_requests: int, prefix_tokens: int, private_tokens: int,
-                   block_size: int = 16) -> Verdict:
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> Verdict:
     """Exercise 05.2: the block-granular shared/isolated KV ratio for ``num_requests`` sharing a prefix.
 
     ``private_tokens`` per request (suffix + new tokens whose K/V is stored); full prefix blocks are
@@ -468,7 +468,7 @@ def _turns(system: str, *turns: tuple[str, str], question: str) -> str:
     return text + P.chatml("user", question) + P.IM_START + "assistant\n"
 
 
-def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int = 16, max_tokens: int = 16,
+def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 16,
                 split: str = "heldout", start: int = 0, translations: int = 2, n_wrong: int | None = None,
                 wrong_questions: int = 1) -> dict[int, Workload]:
     """The article's three groups in real text for a ChatML chat model (SmolLM2), as token-id workloads.
@@ -542,7 +542,7 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
     return groups
 
 
-def groups_for(tokenizer: Any, n: int, block_size: int = 16, max_tokens: int = 12, translations: int = 2,
+def groups_for(tokenizer: Any, n: int, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 12, translations: int = 2,
                n_wrong: int | None = None, wrong_questions: int = 1) -> dict[int, Workload]:
     """``real_groups`` for a chat model with a ChatML template, else the bundled model's ``seed_groups`` (``n``)."""
     from kvlab.lessons.workloads import seed_groups
@@ -613,7 +613,7 @@ def _runs(values: Sequence[int]) -> str:
 
 
 def trace_three_requests(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], first: Sequence[int],
-                         block_size: int = 16, max_tokens: int = 2) -> list[dict[str, Any]]:
+                         block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 2) -> list[dict[str, Any]]:
     """Serve ``first`` alone (it fills the prefix cache), then ``prompts`` (three) at once; return their steps.
 
     The trace of the second ``generate``: its first step is the three prefills (with their prefix-cache
@@ -627,7 +627,7 @@ def trace_three_requests(model: Any, tokenizer: Any, prompts: Sequence[Sequence[
     return engine.trace
 
 
-def format_step(step: dict[str, Any], block_size: int = 16) -> str:
+def format_step(step: dict[str, Any], block_size: int = DEFAULT_BLOCK_SIZE) -> str:
     """One traced step as text: per request its positions, block table, hit blocks; then the slot mapping."""
     lines = [f"step {step['step']}: {sum(r['query rows'] for r in step['rows'])} query rows in one packed forward"]
     off = 0

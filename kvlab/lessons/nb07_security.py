@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.cache import cdiv
+from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
@@ -179,7 +179,7 @@ def _median(xs: Sequence[float]) -> float:
 
 # --- the cost of isolation -----------------------------------------------------------------------------
 def isolation_cost(model: Any, tokenizer: Any, n_tenants: int, per_tenant: int = 1, system_text: str | None = None,
-                   policies: Sequence[str] = POLICIES, block_size: int = 16, seed: int = 0) -> list[dict]:
+                   policies: Sequence[str] = POLICIES, block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> list[dict]:
     """One row per policy: prefill tokens computed, cross-tenant/public hits, peak KV bytes, wall time.
 
     Every tenant sends ``per_tenant`` requests that start with the same operator system prompt and end
@@ -344,7 +344,7 @@ class StressReport:
 
 
 def stress_test(model: Any, tokenizer: Any, n_requests: int, policy: str = "public-prefix", seed: int = 0,
-                num_blocks: int = 48, block_size: int = 16, max_num_seqs: int = 24,
+                num_blocks: int = 48, block_size: int = DEFAULT_BLOCK_SIZE, max_num_seqs: int = 24,
                 reference: list[list[int]] | None = None, workload: tuple | None = None,
                 check_every: int = 16) -> StressReport:
     """Run the stress workload through one engine under ``policy`` and compare with ``isolated_outputs``."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvlab.cache import cdiv
+from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.doctor import Diagnosis
 from kvlab.doctor.culprits import Culprit, record_segments
 from kvlab.doctor.logio import read_log
@@ -130,7 +130,7 @@ def before_after(c: Culprit, d: Diagnosis, i: int, chars: int = 260) -> tuple[st
     return show(rec), show(fixed)
 
 
-def engine_ttft(model: Any, tok: Any, prompts: dict[str, list[list[int]]], block_size: int = 16,
+def engine_ttft(model: Any, tok: Any, prompts: dict[str, list[list[int]]], block_size: int = DEFAULT_BLOCK_SIZE,
                 num_blocks: int | None = None, repeats: int = 1) -> pd.DataFrame:
     """Each variant's prompts, one at a time, through a fresh paged engine with prefix caching.
 
@@ -262,7 +262,7 @@ def fig_fixes(d: Diagnosis):
     return fig
 
 
-def retokenized_hit_rate(d: Diagnosis, model: str | None, block_size: int = 16) -> tuple[str, float, float] | None:
+def retokenized_hit_rate(d: Diagnosis, model: str | None, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[str, float, float] | None:
     """(model, hit rate here, hit rate with ``model``'s tokenizer) of the fixed log, unbounded; None if not available."""
     try:
         enc = PromptEncoder(model)
@@ -328,7 +328,7 @@ def check_fix(my_fix: Callable[[list[dict]], list[dict]] | None, smoke: bool = T
                            "system prompts still differ somewhere before the shared rules. " + hint)
 
 
-def check_identical_rate(answer: float | None, requests: int = 50, tokens: int = 100, block_size: int = 16) -> bool:
+def check_identical_rate(answer: float | None, requests: int = 50, tokens: int = 100, block_size: int = DEFAULT_BLOCK_SIZE) -> bool:
     """Exercise 2: the unbounded hit rate of ``requests`` identical prompts of ``tokens`` tokens."""
     hint = ("the first request finds nothing; every later one reuses whole blocks only, and never its last "
             "token (n-1 rule): count the cached tokens per repeat, then divide by all prompt tokens")

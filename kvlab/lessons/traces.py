@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.interface import CacheManager
 from kvlab.engine.trace_replay import replay_trace
@@ -207,7 +208,7 @@ def block_size_sweep(
 
 
 def free_order_comparison(
-    requests: list[Request], pool_blocks: Iterable[int], block_size: int = 16, max_running: int = 4
+    requests: list[Request], pool_blocks: Iterable[int], block_size: int = DEFAULT_BLOCK_SIZE, max_running: int = 4
 ) -> list[dict]:
     """Replay one trace on pools of several sizes under both free orders of ``BlockPool``.
 
