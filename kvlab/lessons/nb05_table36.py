@@ -293,15 +293,20 @@ def fig_table36(table: Any):
 
     labels = [f"g{g} {m}" for g, m in zip(table["group"], table["mode"])]
     colors = {"isolated": "tab:gray", "shared (correct)": "tab:blue", "shared (wrong)": "tab:red"}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2))
-    a.bar(range(len(table)), table["TTFT (ms)"], color=[colors[m] for m in table["mode"]])
-    a.set_xticks(range(len(table)), labels, rotation=60, ha="right", fontsize=8)
-    a.set(ylabel="mean TTFT (ms)", title="time to first token (all requests submitted at once)")
+    timed = [i for i, v in enumerate(table["TTFT (ms)"]) if v == v]  # groups scored on answers only have no TTFT
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [max(len(timed), 1), len(table)]})
+    a.bar(range(len(timed)), [table["TTFT (ms)"].iloc[i] for i in timed],
+          color=[colors[table["mode"].iloc[i]] for i in timed])
+    a.set_xticks(range(len(timed)), [labels[i] for i in timed], rotation=60, ha="right", fontsize=8)
+    untimed = sorted({int(g) for i, g in enumerate(table["group"]) if i not in timed})
+    note = f" (groups {', '.join(map(str, untimed))}: answers only, not timed)" if untimed else ""
+    a.set(ylabel="mean TTFT (ms)", title="time to first token" + note)
+    a.title.set_fontsize(9)
     b.plot(range(len(table)), table["token agreement"], "o", label="token agreement with isolated")
     b.plot(range(len(table)), table["recall"], "s", mfc="none", label="passphrase recall")
     b.set_xticks(range(len(table)), labels, rotation=60, ha="right", fontsize=8)
     b.set(ylim=(-0.05, 1.05), ylabel="fraction", title="output consistency")
-    b.legend(loc="lower left")
+    b.legend(loc="lower center", bbox_to_anchor=(0.5, 1.08), ncol=2, fontsize=8, frameon=False)  # above the axes
     fig.tight_layout()
     return fig
 

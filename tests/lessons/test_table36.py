@@ -294,3 +294,22 @@ def test_real_groups_score_more_requests_in_groups_2_and_3(lm):
     for b in g3.served():
         m = g3.meta[b]
         assert tok.decode(m["beyond_prompt"]).rstrip().endswith("assistant") and m["question"] in tok.decode(m["beyond_prompt"])
+
+
+def test_table36_figure_draws_bars_only_for_timed_rows_and_keeps_the_legend_off_the_points():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    nan = float("nan")
+    table = pd.DataFrame({"group": [1, 1, 2, 2], "mode": ["isolated", "shared (correct)", "isolated", "shared (wrong)"],
+                          "TTFT (ms)": [10.0, 6.0, nan, nan], "token agreement": [1.0, 1.0, 1.0, 0.1],
+                          "recall": [1.0, 1.0, 0.9, 0.25]})
+    fig = T.fig_table36(table)
+    a, b = fig.axes
+    assert len(a.patches) == 2 and "2: answers only" in a.get_title()  # no empty bars for untimed group 2
+    fig.canvas.draw()
+    legend = b.get_legend().get_window_extent()
+    points = b.transData.transform([(x, y) for x, y in enumerate(table["recall"])])
+    assert not any(legend.contains(px, py) for px, py in points)
