@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
-from kvlab.engine.tenants import POLICIES, salted_block
+from kvlab.engine.tenants import POLICIES, SharedTenantsWarning, salted_block
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
 
@@ -123,9 +124,18 @@ class Probe:
     prompt_tokens: int
 
 
+def _generate(engine: Engine, prompts: list, sampling: SamplingParams, tenants: list) -> list:
+    """``engine.generate`` with tenants; on the ``"shared"`` baseline the notebook states the risk itself, so the
+    engine's ``SharedTenantsWarning`` (meant for operators who did not choose it knowingly) is not shown again."""
+    with warnings.catch_warnings():
+        if engine.isolation == "shared":
+            warnings.simplefilter("ignore", SharedTenantsWarning)
+        return engine.generate(prompts, sampling, tenants=tenants)
+
+
 def timing_probe(engine: Engine, prompt_ids: Sequence[int], tenant: str | None) -> tuple[float, int]:
     """Send one prompt alone as ``tenant`` and return (TTFT in seconds, prompt tokens served by the cache)."""
-    out = engine.generate([list(prompt_ids)], SamplingParams(max_tokens=1), tenants=[tenant])[0]
+    out = _generate(engine, [list(prompt_ids)], SamplingParams(max_tokens=1), [tenant])[0]
     return out.ttft, out.num_cached_tokens
 
 
@@ -203,7 +213,7 @@ def isolation_cost(model: Any, tokenizer: Any, n_tenants: int, per_tenant: int =
                         max_num_seqs=len(prompts), max_num_batched_tokens=max(sum(map(len, prompts)), len(prompts)))
         engine.add_public_prefix(system_ids)
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, SamplingParams(max_tokens=2), tenants=tenants)
+        outs = _generate(engine, prompts, SamplingParams(max_tokens=2), tenants)
         wall = time.perf_counter() - t0
         st = engine.stats()
         rows.append({"policy": policy, "requests": len(prompts), "prompt tokens": sum(map(len, prompts)),

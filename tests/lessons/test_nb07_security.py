@@ -160,3 +160,20 @@ def test_takeaway_tables_cover_the_article():
     assert ev.loc[ev["cause (article)"] == "ref-count leak", "measured here (07)"].item() == "0 leaked"
     with pytest.raises(ValueError):
         S.takeaways("nope")
+
+
+def test_the_shared_baseline_runs_without_repeating_the_engines_warning(lm):
+    """07 runs "shared" on purpose and says why; the lesson's calls keep the warning out of the page, and an
+    engine used directly still warns."""
+    import warnings
+
+    from kvlab.engine.tenants import SharedTenantsWarning
+
+    model, tok = lm
+    engine = Engine(model, tok, num_blocks=64, block_size=BS, isolation="shared")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SharedTenantsWarning)
+        S.timing_probe(engine, tok("口令是什么？")["input_ids"], "attacker")
+    with pytest.warns(SharedTenantsWarning):
+        Engine(model, tok, num_blocks=64, block_size=BS).generate([[1, 2, 3]], SamplingParams(max_tokens=1),
+                                                                   tenants=["acme"])
