@@ -82,7 +82,8 @@ def bench_block_pools(requests: Sequence[Any], pools: dict[str, int], block_size
     """
     if free_order not in ("vllm", "lru"):
         raise ValueError(f"free_order must be 'vllm' or 'lru', got {free_order!r}")
-    table_blocks = sum(cdiv(len(r.prompt) + len(r.output), block_size) for r in requests)
+    # K/V is written for the prompt and every generated token but the last (the worker counts the same)
+    table_blocks = sum(cdiv(len(r.prompt) + len(r.output) - 1, block_size) for r in requests)
     out: dict[str, dict] = {}
     for name, num_blocks in pools.items():
         k = _kvlab_replay(requests, num_blocks, block_size, max_running, reps, free_order)

@@ -166,6 +166,7 @@ def test_vllm_block_pool_replays_the_same_trace():
     res = bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1)["ample"]
     assert res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
     assert res["vllm"]["blocks_per_s"] > 0
+    assert res["vllm"]["table_blocks"] == res["kvlab"]["table_blocks"]  # blocks/s on the same numerator
     # under eviction the two agree: kvlab's pool reuses never-hittable tail blocks first, as vLLM does (its default)
     trace = realistic_trace(30, seed=1)
     res = bench_block_pools(trace, {"tight": 120}, block_size=32, reps=1)["tight"]
