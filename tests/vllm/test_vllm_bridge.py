@@ -160,9 +160,14 @@ def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
 
 @needs_vllm
 def test_vllm_block_pool_replays_the_same_trace():
+    import dataclasses
+
     from kvlab.lessons.traces import realistic_trace, shared_prefix_trace
 
     trace = shared_prefix_trace(16, prefix_lens=(64, 160), suffix_len=(4, 40), output_len=(2, 40), seed=2)
+    r0 = trace[0]  # prompt + output one past a block boundary: the last token's K/V is never written
+    trace[0] = dataclasses.replace(r0, output=(r0.output * 64)[: 65 - len(r0.prompt) % 32])
+    assert (len(trace[0].prompt) + len(trace[0].output)) % 32 == 1
     res = bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1)["ample"]
     assert res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
     assert res["vllm"]["blocks_per_s"] > 0
