@@ -38,7 +38,7 @@ from kvlab.lessons.rope import inverse_frequencies, rotate_half
 from kvlab.prefix import PrefixKV, continue_from_cache
 
 # model types whose keys are rotated by the "rotate half" RoPE on their first rotary dims; each is
-# checked in tests/test_chunk_cache.py (re-rotated layer-0 keys equal a full prefill's)
+# checked in tests/lessons/test_chunk_cache.py (re-rotated layer-0 keys equal a full prefill's)
 ROPE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi", "stablelm")
 ISOLATION = ("tenant", "shared")
 

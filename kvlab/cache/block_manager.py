@@ -364,7 +364,7 @@ class BlockManager:
                 # Register before compute: the block is hittable now, before the engine has written its
                 # K/V. That is correct because an engine step writes every new token's K/V before any
                 # sequence reads (kvlab.engine.paged_attention), so a request that hits this block in the
-                # same step reads what this one writes (tests/test_engine.py checks it).
+                # same step reads what this one writes (tests/engine/test_engine.py checks it).
                 pool.register(block, hashes[i], hashes[i - 1] if i else None, parent_serial,
                               self._keys(i, salt, salt_block), seq_id)
                 self.registered_by[block.block_id] = tenant

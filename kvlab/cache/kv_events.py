@@ -23,7 +23,7 @@ set of cached hashes counts stores minus removals per hash (``kvlab.cluster.rout
 ``take_events()`` returns the queued events and empties the queue (vLLM's ``BlockPool.take_events``);
 an engine wraps each step's events in an ``EventBatch`` with a sequence number, so a consumer can tell
 that it missed a batch. Hash values are kvlab's (sha256 bytes), so they differ from vLLM's by design;
-the token ids, the parent links and the order are the same (``tests/test_kv_events.py`` checks it
+the token ids, the parent links and the order are the same (``tests/cache/test_kv_events.py`` checks it
 against real vLLM when its venv is present).
 
 References: vLLM ``vllm/distributed/kv_events.py`` (``BlockStored``, ``BlockRemoved``,

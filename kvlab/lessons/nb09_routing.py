@@ -337,7 +337,7 @@ def ray_fleet_run(workload, num_replicas: int = 2, policies: Sequence[str] = ("r
     t0 = time.perf_counter()
     try:
         start_ray(num_cpus=2, logging_level=logging.WARNING)  # Ray's start-up INFO lines would show in red
-    except Exception as e:  # installed but it would not start here (tests/test_cluster.py fails on this instead)
+    except Exception as e:  # installed but it would not start here (tests/cluster/test_cluster.py fails on this instead)
         return {"ray": False, "message": f"Ray is installed but did not start ({type(e).__name__}: {e}): "
                                          "simulation only."}
     handles = ray_replicas(num_replicas, model=model, num_blocks=num_blocks, block_size=DEFAULT_BLOCK_SIZE)

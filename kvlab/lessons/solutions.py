@@ -1,6 +1,6 @@
 """Worked solutions of the notebooks' exercises, one function per exercise.
 
-Tested against the checkers in ``tests/test_exercises.py``; never imported by a notebook (each exercise
+Tested against the checkers in ``tests/lessons/test_exercises.py``; never imported by a notebook (each exercise
 starts blank there). One block per notebook, in notebook order.
 """
 
