@@ -275,3 +275,21 @@ def test_session_affinity_is_sticky():
         picks = {router.route(RouteRequest(f"{s}/{t}", tuple(rng.randrange(9) for _ in range(5)), f"sess{s}"))
                  for t in range(4)}
         assert len(picks) == 1
+
+
+def test_the_router_index_keeps_the_host_tier_apart():
+    """Blocks evicted into a host tier are indexed as host copies, apart from the pool's blocks."""
+    from kvlab.cache.host_tier import HostTier, TierLink
+
+    bm = BlockManager(4, BS, model_fingerprint="m", enable_kv_events=True)
+    link = TierLink(HostTier(100, BS, emit=bm.emit_event), 1, load_payload=lambda payload, block_id: None)
+    bm.attach_second_tier(link, link.on_evict)
+    bm.allocate("a", list(range(2 * BS + 1)))
+    bm.free("a")
+    bm.allocate("flood", list(range(1000, 1000 + bm.num_blocks * BS)))  # evicts a's blocks into the tier
+    bm.free("flood")
+    idx = KVIndex()
+    idx.apply(0, EventBatch(0.0, tuple(bm.take_events()), 0))
+    assert idx.hashes(0) == set(bm.pool.cached)
+    assert set(idx.host[0]) == set(bm.second_tier.tier.entries)
+    assert idx.host[0]  # something was evicted into the tier
