@@ -17,7 +17,7 @@ from SGLang's semantics (``python/sglang/srt/mem_cache/radix_cache.py``: ``match
   across salts, which vLLM's hash chain allows).
 
 The sequence-level methods mirror ``BlockManager`` (``can_allocate``, ``allocate``, ``append``, ``fork``,
-``free``, ``block_table``, ``stats``, ``check_invariants``), so ``kvlab.lessons.traces.replay``, the
+``free``, ``block_table``, ``stats``, ``check_invariants``), so the trace replay, the
 scheduler and the engine run on either cache; a sequence's "block table" is its page table (one slot per
 page when ``page_size=1``). Their rules:
 

@@ -11,11 +11,11 @@ decode that finds none preempts the youngest sequence (recompute).
 ``after``: the request whose end it waits for, e.g. the previous turn of a conversation) arrive in trace
 order. With ``reserve=True`` a request reaches the scheduler's queue only when the free blocks, less those
 promised to the requests already running, cover its prompt and whole reply, so nothing is ever preempted
-(the lessons' traces); with ``reserve=False`` every ready request queues at once and the scheduler decides.
+(a trace replay's usual setting); with ``reserve=False`` every ready request queues at once and the scheduler decides.
 The result holds per request the prompt tokens the cache served at its first admission, and the step
 count, pool peak and mean wasted slots of the run.
 
-Used by ``kvlab.lessons.traces.replay`` and the cluster simulator's ``SimReplica``.
+Used by the teaching traces' replay and the cluster simulator's ``SimReplica``.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def replay_trace(cache: CacheManager, requests: Iterable[Any], *, max_num_seqs: 
     """Run every request of a trace to completion through ``cache`` on the real scheduler (see the module docstring).
 
     ``requests``: objects with ``req_id``, ``prompt``, ``output`` and optionally ``salt`` and ``after``
-    (``TraceRequest``, ``kvlab.lessons.traces.Request``). ``ValueError`` if a request could never fit the pool.
+    (``TraceRequest`` or a subclass). ``ValueError`` if a request could never fit the pool.
     """
     reqs = list(requests)
     bs, n_blocks = cache.block_size, cache.num_blocks

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.interface import CacheManager
-from kvlab.engine.trace_replay import replay_trace
+from kvlab.engine.trace_replay import TraceRequest, replay_trace
 
 VOCAB = 32_000
 SYSTEM_PROMPTS = {
@@ -39,14 +39,10 @@ def toy_tokenize(text: str) -> list[int]:
 
 
 @dataclass(slots=True)
-class Request:
-    """One prompt, the tokens its decode will write, a tenant salt, and the turn it must wait for."""
+class Request(TraceRequest):
+    """One prompt, the tokens its decode will write, a tenant salt, the turn it must wait for (``after``), and
+    free-form tags (the replay's ``TraceRequest`` plus ``tags``)."""
 
-    req_id: str
-    prompt: list[int]
-    output: list[int]
-    salt: str | None = None
-    after: str | None = None  # previous turn of the same conversation
     tags: dict = field(default_factory=dict)
 
 
