@@ -1,9 +1,4 @@
-"""Request intake: check a request without the engine lock, then build its ``Request`` under it.
-
-``Intake.check`` tokenizes and checks (``TypeError``/``ValueError`` naming the problem, nothing queued);
-``Intake.admit`` gives the request its ids, generator and ``TenantScope``: the salt derived from tenant and
-server secret (``kvlab.engine.tenants``) or the raw ``unsafe_salt``, and its public-prefix length.
-"""
+"""Request intake: check a request without the engine lock, then build its ``Request`` (ids, generator, scope) under it."""
 
 from __future__ import annotations
 
@@ -68,10 +63,9 @@ class Intake:
               unsafe_salt: str | None) -> Checked:
         """Tokenize and check one request; raise ``TypeError``/``ValueError`` naming the problem."""
         sampling = check_sampling(SamplingParams() if sampling is None else sampling)
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-        if unsafe_salt is not None and not isinstance(unsafe_salt, str):
-            raise TypeError(f"unsafe_salt must be a str or None, got {type(unsafe_salt).__name__}")
+        for name, value in (("tenant", tenant), ("unsafe_salt", unsafe_salt)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
         if unsafe_salt is not None and tenant is not None:
             raise ValueError("give a tenant (the engine derives its salt) or an unsafe_salt, not both")
         if isinstance(prompt, str) and self.tokenizer is None:
@@ -131,12 +125,9 @@ def check_sampling(sampling: Any) -> SamplingParams:
 
 def per_prompt(prompts: Sequence[Any], sampling: Any, tenants: Sequence[str | None] | None,
                unsafe_salts: Sequence[str | None] | None) -> list[tuple[Any, Any, str | None, str | None]]:
-    """``generate``'s arguments as one ``(prompt, sampling, tenant, salt)`` per prompt; ``TypeError``/``ValueError``.
-
-    Each must be a list or tuple (a lone string would run one request per character); ``sampling`` may be one
-    for all.
-    """
+    """``generate``'s arguments as one ``(prompt, sampling, tenant, salt)`` per prompt (``sampling`` may be one for all)."""
     for name, value in (("prompts", prompts), ("tenants", tenants), ("unsafe_salts", unsafe_salts)):
+        # a list or tuple: a lone string would run one request per character
         if not isinstance(value, (list, tuple)) and (name == "prompts" or value is not None):
             one = f"; for one, pass [{name[:-1]}]" if isinstance(value, (str, bytes)) else ""
             raise TypeError(f"{name} must be a list or tuple, one per prompt, got {type(value).__name__}{one}")

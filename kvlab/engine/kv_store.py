@@ -1,19 +1,8 @@
-"""Paged K/V storage: per layer, ``[num_blocks, block_size, kv_heads, head_dim]`` tensors for K and V.
+"""Paged K/V storage: K and V blocks for every layer, written through slot mappings, read through block tables.
 
-The block manager decides *where* each token's K/V lives (block id, offset); this module holds the
-numbers. New K/V is written through a **slot mapping** (slot = block_id * block_size + offset, one per
-token) and read back through **block tables** (a sequence's physical block ids in logical order).
-Copy-on-write copies whole blocks (``copy_blocks``). The tensors start at zero, so a padded read of an
-unused block is finite (attention masks it out; zeros keep 0 * value from becoming NaN).
-
-Memory layout: ``k``/``v`` are *views* in the logical order ``(layers, blocks, block_size, kv_heads, head_dim)``
-of tensors laid out head-major, ``(layers, kv_heads, blocks, block_size, head_dim)`` (``k_pages``/``v_pages``).
-A gather through block tables (``gather_heads``) is then one ``index_select`` per layer that yields each KV
-head's keys as contiguous rows, which is the layout attention reads fastest; gathering the token-major layout
-and transposing it after cost 2-3x the time on a CPU (issue 31). New K/V arrives head-major from the model too.
-
-Reference: vLLM ``vllm/attention/ops/paged_attn.py`` (``write_to_paged_cache``), nano-vllm
-``nanovllm/layers/attention.py`` (``store_kvcache``).
+``k``/``v`` are token-major views ``(layers, blocks, block_size, kv_heads, head_dim)`` of head-major tensors
+(``k_pages``/``v_pages``), so a gather yields each KV head's keys as contiguous rows (why: docs/engine.md).
+References: vLLM ``vllm/attention/ops/paged_attn.py``, nano-vllm ``nanovllm/layers/attention.py``.
 """
 
 from __future__ import annotations
@@ -46,16 +35,14 @@ class PagedKVStore:
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int) -> PagedKVStore:
         """A store shaped for ``model``'s config, on its device and in its dtype."""
-        s = kv_shape(model.config)
-        p = next(model.parameters())
+        s, p = kv_shape(model.config), next(model.parameters())
         return cls(s["layers"], num_blocks, block_size, s["kv_heads"], s["head_dim"], p.dtype, p.device)
 
     @staticmethod
     def blocks_for_bytes(model: Any, nbytes: int, block_size: int) -> int:
         """How many blocks of ``block_size`` tokens fit in ``nbytes`` of K/V for ``model``."""
-        s = kv_shape(model.config)
-        per_block = 2 * s["layers"] * block_size * s["kv_heads"] * s["head_dim"] * next(model.parameters()).element_size()
-        return nbytes // per_block
+        s, elem = kv_shape(model.config), next(model.parameters()).element_size()
+        return nbytes // (2 * s["layers"] * block_size * s["kv_heads"] * s["head_dim"] * elem)
 
     @property
     def device(self) -> torch.device:
@@ -107,17 +94,13 @@ class PagedKVStore:
 
     def clear_blocks(self, block_ids: Sequence[int]) -> None:
         """Zero whole blocks in every layer (K/V a failed step wrote, possibly NaN, must not be read back)."""
-        if not block_ids:
-            return
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        self.k[:, idx] = 0
-        self.v[:, idx] = 0
+        if block_ids:
+            idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            self.k[:, idx] = self.v[:, idx] = 0
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared partial block)."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        if pairs:
+            src, dst = torch.tensor(list(zip(*pairs)), dtype=torch.long, device=self.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]

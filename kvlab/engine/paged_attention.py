@@ -1,47 +1,11 @@
-"""Paged attention for any Hugging Face decoder, through transformers' ``AttentionInterface``.
+"""Paged attention for any Hugging Face decoder, through transformers' ``AttentionInterface`` (see docs/engine.md).
 
-An engine step packs the new tokens of every scheduled sequence into one row (``input_ids`` of shape
-``(1, T)``, ``position_ids`` giving each token its own position), so the model runs once per step.
-transformers computes q, k, v and applies RoPE as usual, then calls the function registered here
-under the name ``"kvlab_paged"`` for each layer. It
-
-1. writes the new keys and values into the paged store through the step's slot mapping, then
-2. for each sequence, reads its cached + new K/V back through its block table and attends with a
-   causal mask *offset by the cached length*: query at position p sees keys at positions <= p
-   (and > p - window for sliding-window layers). Grouped-query attention never copies K/V: the query
-   heads that share a KV head are stacked as extra query rows of that head.
-
-Writing before reading is what makes a prefill after cached tokens and a decode step the same
-operation. Sequences are grouped by query length (``group_by_query_length``) and padded within a group;
-the attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with an additive mask built
-once per step (not per layer), so it runs on any device. A group in which no sequence has anything
-cached (an isolated prefill) skips step 2's read: its keys are exactly this step's new K/V, so it
-attends them directly with SDPA's ``is_causal`` (GQA through ``enable_gqa``), without a mask. A step
-that is one dense group (a decode-only step) needs no gather of its queries nor scatter of the outputs.
-K/V is read with ``index_select`` into each KV head's contiguous rows (``PagedKVStore.gather_heads``), a few
-sequences at a time so the copy is still in cache when the attention reads it (``KV_CHUNK_BYTES``).
-A group whose sequences share most of their blocks (decodes after a common cached prefix) attends over the
-*union* of its blocks instead, each read once, with a mask that keeps every query to its own sequence's keys;
-a cost model (``_plan_union``) picks it only when the gather it saves outweighs the scores it adds.
-The step's metadata travels as the forward keyword ``kvlab_batch``, which transformers passes down to
-the attention function untouched.
-
-``register(model)`` registers the function once through transformers' public ``AttentionInterface``, under a
-name that also carries the model's own implementation, for ``model.set_attn_implementation(name)``; inside
-``paged_step()`` the model then builds no mask of its own (a packed batch would make that mask ``T x T``) and
-attends here; outside it the model runs its own attention and mask, so ``model.generate`` still works on
-the same object.
-
-What it implements is an allow-list, and everything else is refused (``NotImplementedError`` naming the
-feature), never dropped: per call, ``check_attention_call`` accepts the keywords in ``IMPLEMENTED_KWARGS``
-(a scale, a sliding window, no dropout, causal), ignores transformers' bookkeeping in ``METADATA_KWARGS``
-and refuses any other keyword that is not None (``s_aux`` sink logits, ``softcap``, ``position_bias``, ...),
-a mask of the model's own and a non-causal module; per model, ``check_config`` refuses layer types other
-than full and sliding-window attention, chunked and bidirectional attention, and a window the config sets
-but the attention call is not given (it would live in the model's own mask, which is never built here).
-``kvlab.engine.Engine`` runs both on a probe token at construction.
-
-References: transformers ``docs/source/en/attention_interface.md``; vLLM
+One packed row per step (``input_ids`` ``(1, T)``); for each layer transformers calls the function registered
+here, which writes the new K/V into the paged store through the step's slot mapping, then attends each
+sequence's cached + new K/V, read through its block table, with a causal mask offset by its cached length.
+The step's metadata travels as the forward keyword ``kvlab_batch``. What it implements is an allow-list:
+anything else is refused with ``NotImplementedError`` naming the feature (``check_attention_call``,
+``check_config``). References: transformers ``docs/source/en/attention_interface.md``; vLLM
 ``vllm/attention/backends/torch_sdpa.py``; nano-vllm ``nanovllm/layers/attention.py``.
 """
 
@@ -81,49 +45,32 @@ class AttnGroup:
     block_size: int
     dense: bool = False  # no padding and packed in order: the group is the whole step, (B * Qmax) rows
     fresh: bool = False  # every sequence starts at position 0: its keys are this step's, attention is plain causal
-    masks: dict = field(default_factory=dict)  # (group, window, dtype) -> the mask as attended; built once per step
+    masks: dict = field(default_factory=dict)  # (union, group, window, dtype) -> the mask as attended
     tables: list[list[int]] = field(default_factory=list)  # the block tables as lists (``_plan_union`` reads them)
     union: bool | None = None  # attend over the union of the group's blocks (``_plan_union``; None: not decided yet)
     union_blocks: torch.Tensor | None = None  # (U,) the distinct blocks of the group, when ``union``
     union_pos: torch.Tensor | None = None  # (B, U * block_size) position of each union key in each sequence (-1: not its)
 
-    @property
-    def mask(self) -> torch.Tensor:
-        """(B, 1, Qmax, Kmax) bool, True = may attend: causal, within the context; a padded row sees key 0 only."""
-        k_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_pos.device)
-        return ((k_pos[None, None, :] <= self.query_pos[:, :, None])
-                & (k_pos[None, None, :] < self.context[:, None, None]))[:, None]
+    def attn_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype, union: bool = False) -> torch.Tensor:
+        """Additive mask (0 or -inf) of GQA's stacked query rows, built once per step (SDPA would convert a bool one per layer).
 
-    def attn_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """(B, 1, group * Qmax, Kmax) additive mask (0 or -inf) for GQA's stacked query rows (and a window), once per step.
-
-        SDPA would turn a boolean mask into this same float mask at every call, i.e. in every layer.
+        ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)`` over the union's keys.
         """
-        key = (group, sliding_window, dtype)
+        key = (union, group, sliding_window, dtype)
         if key not in self.masks:
-            mask = self.mask
+            if union:
+                k_pos = self.union_pos[:, None, :]  # (B, 1, Ku): -1 where the key is not the sequence's
+            else:
+                k_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_pos.device)
+            q_pos = self.query_pos[:, :, None]  # (B, Qmax, 1)
+            ok = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos < self.context[:, None, None])  # (B, Qmax, K)
             if sliding_window is not None:
-                k_pos = torch.arange(mask.shape[-1], device=mask.device)
-                mask = mask & (k_pos[None, None, None, :] > self.query_pos[:, None, :, None] - sliding_window)
-                mask[..., 0] |= ~mask.any(-1)  # keep padded rows finite
-            if group > 1:
-                b, _, q_len, k_len = mask.shape
-                mask = mask.unsqueeze(2).expand(b, 1, group, q_len, k_len).reshape(b, 1, group * q_len, k_len)
-            self.masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return self.masks[key]
-
-    def union_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """(1, 1, B * group * Qmax, U * block_size) additive mask over the union's keys, rows in (sequence, head, query) order."""
-        key = ("union", group, sliding_window, dtype)
-        if key not in self.masks:
-            kpos, qpos = self.union_pos[:, None, :], self.query_pos[:, :, None]  # (B, 1, Ku), (B, Qmax, 1)
-            ok = (kpos >= 0) & (kpos <= qpos) & (kpos < self.context[:, None, None])  # (B, Qmax, Ku)
-            if sliding_window is not None:
-                ok &= kpos > qpos - sliding_window
-            ok |= ~ok.any(-1, keepdim=True)  # a padded row sees every key: finite, and never read
+                ok &= k_pos > q_pos - sliding_window
+            ok |= ~ok.any(-1, keepdim=True)  # a row that sees nothing (padding) sees every key: finite, never read
             b, q_len, k_len = ok.shape
-            ok = ok[:, None].expand(b, group, q_len, k_len).reshape(1, 1, b * group * q_len, k_len)
-            self.masks[key] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
+            shape = (1, 1, b * group * q_len, k_len) if union else (b, 1, group * q_len, k_len)
+            ok = ok[:, None].expand(b, group, q_len, k_len).reshape(shape)
+            self.masks[key] = torch.zeros(shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
         return self.masks[key]
 
 
@@ -163,21 +110,13 @@ def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence
                      block_size, dense, all(s == 0 for s in starts), tables=[list(t) for t in tables])
 
 
-# FLOPs of small-batch attention matmuls a CPU does in the time it moves one byte (~100 GFLOP/s against ~12 GB/s):
-# weighs the gather a union saves against the attention FLOPs it adds (``_plan_union``).
-FLOPS_PER_BYTE = 8
+FLOPS_PER_BYTE = 8  # small-batch attention FLOPs a CPU does while it moves one byte (~100 GFLOP/s, ~12 GB/s)
 
 
 def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
-    """Whether ``g`` attends over the union of its sequences' blocks (decided once per step; sets ``g.union``).
-
-    Sequences that share a cached prefix (16 decodes after a 512-token system prompt) each gather the
-    prefix again: 16x its bytes copied, and read again by the attention. Attending every query of the group
-    over the *distinct* blocks once, with a mask that lets each query see only its own sequence's keys,
-    copies each block once, at the price of scores for keys a query may not see. The cost model, per KV
-    head and key: the bytes gathered (K and V, written once and read twice) at ``FLOPS_PER_BYTE``, and the
-    attention FLOPs (``4 * query rows * head_dim``). A table holding a block twice keeps the per-sequence path.
-    """
+    """Whether ``g`` attends over the union of its sequences' blocks, each read once (decided once per step; sets ``g.union``)."""
+    # cost per KV head and key: the bytes a gather copies (K and V, written once, read twice) against the
+    # attention FLOPs (4 * query rows * head_dim) of the keys a query may not see; a repeated block: no union
     if g.union is None:
         b, m = g.block_tables.shape
         q_rows = g.query_index.shape[1] * group  # query rows of one sequence per KV head
@@ -198,11 +137,7 @@ def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
-    """Metadata of one packed step from ``(start, end, block_table)`` per sequence, in packing order.
-
-    Sequence i contributes the tokens at positions ``[start, end)``; its K/V for positions ``< start``
-    must already be in the store under ``block_table``.
-    """
+    """Metadata of one packed step from ``(start, end, block_table)`` per sequence (K/V before ``start`` already stored)."""
     bs, slots, offsets, off = store.block_size, [], [], 0
     for start, end, table in seqs:
         if not 0 <= start < end or cdiv(end, bs) > len(table):
@@ -217,13 +152,7 @@ def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int
 
 
 def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> list[list[int]]:
-    """Split sequences into groups whose padded query rows stay within ``max_padding`` x the real rows.
-
-    Padding every prefill of a step to the longest one wastes attention work: a 544-token prefill
-    beside fifteen 32-token suffixes would make every suffix attend 544 padded query rows. Sorting
-    by length and cutting greedily keeps each group's ``longest x count <= max_padding x sum``.
-    Decodes (length 1) always land together.
-    """
+    """Groups of sequences, sorted by length and cut greedily so ``longest x count <= max_padding x sum`` in each."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     real = 0
@@ -248,26 +177,27 @@ _FEATURES = {"s_aux": "per-head attention sink logits (s_aux)", "softcap": "atte
              "encoder_hidden_states": "cross-attention (encoder_hidden_states)"}
 
 
+def _refuse(feature: str) -> None:
+    raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
+
+
 def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor | None, dropout: float,
                          sliding_window: int | None, is_causal: bool | None, kwargs: dict[str, Any]) -> None:
     """Raise ``NotImplementedError`` naming the feature when a call asks for more than causal (+window) SDPA."""
-    def refuse(feature: str) -> None:
-        raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
-
     if attention_mask is not None:
-        refuse(f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)")
+        _refuse(f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)")
     if is_causal is False or getattr(module, "is_causal", True) is False:
-        refuse("non-causal (bidirectional) attention")
+        _refuse("non-causal (bidirectional) attention")
     if dropout:
-        refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
+        _refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                        or sliding_window < 1):
-        refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
+        _refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
     if kwargs.get("output_attentions"):
-        refuse("returning attention weights (output_attentions=True)")
+        _refuse("returning attention weights (output_attentions=True)")
     for name, value in kwargs.items():
         if name not in METADATA_KWARGS and value is not None:  # an unknown keyword is accepted only when off (None)
-            refuse(_FEATURES.get(name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"))
+            _refuse(_FEATURES.get(name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"))
 
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})  # config.layer_types it implements
@@ -284,25 +214,17 @@ def _layer_windows(cfg: Any, num_layers: int) -> list[int | None]:
 
 
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
-    """Raise ``NotImplementedError`` naming a config feature that changes attention beyond causal (+window) SDPA.
-
-    ``windows_run`` maps each layer to the sliding window its attention call received (a probe forward):
-    a window the config sets but the model applies only through its own mask (which kvlab does not build)
-    would otherwise be dropped silently.
-    """
+    """Raise ``NotImplementedError`` naming a config feature beyond causal (+window) SDPA (``windows_run``: a probe's)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = getattr(cfg, "layer_types", None)
     if types is not None and set(types) - ATTENTION_LAYER_TYPES:
-        raise NotImplementedError(f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} are not implemented "
-                                  f"by kvlab's paged attention (only {sorted(ATTENTION_LAYER_TYPES)})")
+        _refuse(f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} (only {sorted(ATTENTION_LAYER_TYPES)})")
     if getattr(cfg, "attention_chunk_size", None) is not None:
-        raise NotImplementedError(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
-                                  "implemented by kvlab's paged attention")
+        _refuse(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
     if getattr(cfg, "use_bidirectional_attention", None):
-        raise NotImplementedError(f"bidirectional attention (use_bidirectional_attention="
-                                  f"{cfg.use_bidirectional_attention!r}) is not implemented by kvlab's paged attention")
+        _refuse(f"bidirectional attention (use_bidirectional_attention={cfg.use_bidirectional_attention!r})")
     want = _layer_windows(cfg, len(windows_run))
-    for layer, got in sorted(windows_run.items()):
+    for layer, got in sorted(windows_run.items()):  # a window the model applies only in its own mask would be lost
         if layer < len(want) and want[layer] != got:
             raise NotImplementedError(
                 f"layer {layer}'s sliding window is {want[layer]} in the config but its attention call was given "
@@ -371,17 +293,12 @@ def _causal_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g
     return o.transpose(1, 2)  # (B, Qmax, heads, D)
 
 
-# K/V bytes gathered per attention call: small enough to stay in a core's cache until the attention reads it.
-# One call over all 16 sequences of sys512 (13 MiB a layer) took 1.5-3x the time of calls over 1-4 at once (issue 31).
-KV_CHUNK_BYTES = 2 * 2 ** 20
+KV_CHUNK_BYTES = 2 * 2 ** 20  # K/V gathered per attention call: small enough to stay in cache (issue 31)
 
 
 def _paged_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
                            sliding_window: int | None, scaling: float | None) -> torch.Tensor:
-    """Attend ``q`` (B, Qmax, heads, D) over each sequence's cached + new K/V, read through its block table.
-
-    The sequences go in chunks of ``KV_CHUNK_BYTES`` of gathered K/V, each gathered and attended in turn.
-    """
+    """Attend ``q`` (B, Qmax, heads, D) over each sequence's K/V, gathered ``KV_CHUNK_BYTES`` at a time."""
     b, q_len, heads, d = q.shape
     m = g.block_tables.shape[1]
     kv_heads = heads // group
@@ -411,7 +328,7 @@ def _union_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: 
     # every query row of the group that reads KV head j becomes a row of one attention over j's union keys
     q = q.view(b, q_len, kv_heads, group, d).permute(2, 0, 3, 1, 4).reshape(1, kv_heads, b * group * q_len, d)
     o = F.scaled_dot_product_attention(q, k.to(q.dtype)[None], v.to(q.dtype)[None],
-                                       attn_mask=g.union_mask(group, sliding_window, q.dtype), scale=scaling)
+                                       attn_mask=g.attn_mask(group, sliding_window, q.dtype, union=True), scale=scaling)
     return o.view(kv_heads, b, group, q_len, d).permute(1, 3, 0, 2, 4).reshape(b, q_len, heads, d)
 
 
@@ -424,17 +341,13 @@ def attention_name(original: str) -> str:
 
 
 def register(model: Any) -> tuple[str, str]:
-    """Register kvlab's attention for ``model`` with transformers' public interfaces; return ``(own, name)``.
+    """Register kvlab's attention and mask for ``model`` with transformers' public interfaces; return ``(own, name)``.
 
-    ``name`` (``attention_name(own)``, ``own`` the model's own implementation) goes to ``AttentionInterface``
-    (the attention) and ``AttentionMaskInterface`` (the mask); ``model.set_attn_implementation(name)`` switches to
-    it. Both functions look at ``paged_step()``: inside it the model builds no mask and attends through the paged
-    store; outside it they run the model's own implementation and mask, so ``model.generate`` keeps its outputs.
+    ``model.set_attn_implementation(name)`` switches to them; outside ``paged_step()`` they run the model's own.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    own = model.config._attn_implementation
-    own = own.removeprefix(ATTN_NAME + "_") if own.startswith(ATTN_NAME + "_") else own  # switched by another engine
+    own = model.config._attn_implementation.removeprefix(ATTN_NAME + "_")  # switched by another engine
     AttentionInterface.register(attention_name(own), functools.partial(_attention, own))
     AttentionMaskInterface.register(attention_name(own), functools.partial(_mask, own))
     return own, attention_name(own)

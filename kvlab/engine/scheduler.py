@@ -1,16 +1,8 @@
-"""Continuous batching over the block manager: which sequences run in the next step (pure Python, no torch).
+"""Continuous batching: which sequences run in the next step, preempting by recompute (pure Python, no torch).
 
-Every step first gives each running sequence one decode token (oldest first). When a decode needs
-a block and none is free, the youngest running sequence is preempted: its blocks are freed (its full
-blocks stay in the prefix cache) and it goes back to the front of the waiting queue, to be prefilled
-again from its tokens later (recompute, as vLLM). Then, if nothing was preempted, waiting sequences
-are admitted first-come first-served while the token budget, ``max_num_seqs`` and free blocks allow;
-so prefills and decodes share one step. A prompt is prefilled whole (no chunking): a prompt longer
-than the token budget runs in a step of its own. A request that could never fit the pool, even
-alone, is refused by ``check_fits`` before it is queued. The block manager is any ``kvlab.cache.CacheManager``.
-
-References: vLLM ``vllm/v1/core/sched/scheduler.py`` (``schedule``, ``_preempt_request``), nano-vllm
-``nanovllm/engine/scheduler.py``.
+Decodes first (oldest first; the youngest is preempted when blocks run out), then first-come first-served
+prefills within the token budget. See docs/engine.md; references: vLLM ``vllm/v1/core/sched/scheduler.py``,
+nano-vllm ``nanovllm/engine/scheduler.py``.
 """
 
 from __future__ import annotations
@@ -93,7 +85,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # 1. one decode token for each running sequence
             seq = self.running[i]
             while not bm.can_append(seq.seq_id):
-                victim = self.running.pop()  # the youngest
+                victim = self.running[-1]  # the youngest
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -125,11 +117,9 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Request) -> None:
-        self.block_manager.free(seq.seq_id)
-        seq.status = RequestStatus.WAITING
+        self.requeue(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Run ``child`` as a copy of the running ``parent`` that shares all its blocks."""
@@ -145,12 +135,7 @@ class Scheduler:
             raise ValueError("only a running sequence that has generated a token can be forked")
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
-        """Send a running sequence back to the front of the waiting queue, to be prefilled again.
-
-        For a sequence whose step did not complete through no fault of its own (it read K/V that a
-        failed request never wrote): its blocks are freed, those from ``uncache_from`` on leave the
-        prefix cache (``BlockManager.free``). Not counted as a preemption.
-        """
+        """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
         if seq.status is not RequestStatus.RUNNING:
             raise ValueError("only a running sequence can be requeued")
         self.block_manager.free(seq.seq_id, uncache_from)
@@ -159,7 +144,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Request, reason: str, uncache_from: int | None = None) -> None:
-        """Take a sequence out of the queues for good and free its blocks (see ``requeue`` for ``uncache_from``)."""
+        """Take a sequence out of the queues for good and free its blocks (those from ``uncache_from`` on leave the cache)."""
         if seq.status is RequestStatus.RUNNING:
             self.block_manager.free(seq.seq_id, uncache_from)
             self.running.remove(seq)
