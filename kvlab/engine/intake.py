@@ -1,4 +1,4 @@
-"""Request intake: check a request without the engine lock, then build its ``Request`` (ids, generator, scope) under it."""
+"""Request intake: check a request without the engine lock, then build its ``Request`` under it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -20,13 +20,7 @@ from .tenants import SharedTenantsWarning, public_prefix_length, tenant_salt
 __all__ = ["Checked", "Intake", "check_sampling", "per_prompt"]
 
 
-class Checked(NamedTuple):
-    """A request that passed ``Intake.check``: its token ids, sampling, tenant and cache salt."""
-
-    ids: list[int]
-    sampling: SamplingParams
-    tenant: str | None
-    salt: str | None
+Checked = tuple[list[int], SamplingParams, str | None, str | None]  # what Intake.check passed: ids, sampling, tenant, salt
 
 
 class Intake:
@@ -85,7 +79,7 @@ class Intake:
                 f"tenant {tenant!r} on an engine with isolation='shared': tenants share every cached prefix "
                 "(one tenant's prompts can speed up, and so reveal themselves to, another's); use "
                 "isolation='tenant' or 'public-prefix' to keep them apart"), stacklevel=3)
-        return Checked(ids, sampling, tenant, unsafe_salt if unsafe_salt is not None else self.salt_for(tenant))
+        return ids, sampling, tenant, unsafe_salt if unsafe_salt is not None else self.salt_for(tenant)
 
     def admit(self, checked: Checked, request_id: Hashable | None, live: dict[Hashable, Request]) -> Request:
         """The ``Request`` of a checked request (call it under the engine lock): ids, scope, generator, arrival."""
@@ -125,7 +119,7 @@ def check_sampling(sampling: Any) -> SamplingParams:
 
 def per_prompt(prompts: Sequence[Any], sampling: Any, tenants: Sequence[str | None] | None,
                unsafe_salts: Sequence[str | None] | None) -> list[tuple[Any, Any, str | None, str | None]]:
-    """``generate``'s arguments as one ``(prompt, sampling, tenant, salt)`` per prompt (``sampling`` may be one for all)."""
+    """``generate``'s arguments as ``(prompt, sampling, tenant, salt)`` per prompt (one sampling may serve all)."""
     for name, value in (("prompts", prompts), ("tenants", tenants), ("unsafe_salts", unsafe_salts)):
         # a list or tuple: a lone string would run one request per character
         if not isinstance(value, (list, tuple)) and (name == "prompts" or value is not None):

@@ -1,8 +1,6 @@
-"""Paged K/V storage: K and V blocks for every layer, written through slot mappings, read through block tables.
+"""Paged K/V storage: each layer's K and V blocks, written through slot mappings, read through block tables.
 
-``k``/``v`` are token-major views ``(layers, blocks, block_size, kv_heads, head_dim)`` of head-major tensors
-(``k_pages``/``v_pages``), so a gather yields each KV head's keys as contiguous rows (why: docs/engine.md).
-References: vLLM ``vllm/attention/ops/paged_attn.py``, nano-vllm ``nanovllm/layers/attention.py``.
+Head-major tensors (``k_pages``) with token-major views (``k``): why, in docs/engine.md. Refs: vLLM, nano-vllm.
 """
 
 from __future__ import annotations

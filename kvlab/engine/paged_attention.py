@@ -1,12 +1,7 @@
-"""Paged attention for any Hugging Face decoder, through transformers' ``AttentionInterface`` (see docs/engine.md).
+"""Paged attention for any Hugging Face decoder through transformers' ``AttentionInterface`` (docs/engine.md).
 
-One packed row per step (``input_ids`` ``(1, T)``); for each layer transformers calls the function registered
-here, which writes the new K/V into the paged store through the step's slot mapping, then attends each
-sequence's cached + new K/V, read through its block table, with a causal mask offset by its cached length.
-The step's metadata travels as the forward keyword ``kvlab_batch``. What it implements is an allow-list:
-anything else is refused with ``NotImplementedError`` naming the feature (``check_attention_call``,
-``check_config``). References: transformers ``docs/source/en/attention_interface.md``; vLLM
-``vllm/attention/backends/torch_sdpa.py``; nano-vllm ``nanovllm/layers/attention.py``.
+Per layer: write the step's new K/V through its slot mapping, then attend each sequence's K/V through its block
+table, causally from its cached length. An allow-list: anything else raises ``NotImplementedError`` naming it.
 """
 
 from __future__ import annotations
@@ -90,24 +85,20 @@ class MissingBatchError(RuntimeError):
     """The paged attention was called without its ``kvlab_batch`` keyword."""
 
 
-def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence[int]], offsets: Sequence[int],
-           block_size: int, device: torch.device) -> AttnGroup:
-    b, q_max = len(starts), max(e - s for s, e in zip(starts, ends))
-    m = max(len(t) for t in tables)
-    q_idx = torch.zeros(b, q_max, dtype=torch.long)
-    q_pos = torch.zeros(b, q_max, dtype=torch.long)
+def _group(spans: Sequence[tuple[int, int, Sequence[int]]], offsets: Sequence[int], block_size: int,
+           device: torch.device) -> AttnGroup:
+    b, q_max, m = len(spans), max(e - s for s, e, _ in spans), max(len(t) for _, _, t in spans)
+    q_idx, q_pos, bt = (torch.zeros(b, n, dtype=torch.long) for n in (q_max, q_max, m))
     valid = torch.zeros(b, q_max, dtype=torch.bool)
-    bt = torch.zeros(b, m, dtype=torch.long)
-    for i, (s, e, table, off) in enumerate(zip(starts, ends, tables, offsets)):
-        n = e - s
-        q_idx[i, :n] = torch.arange(off, off + n)
-        q_pos[i, :n] = torch.arange(s, e)
-        valid[i, :n] = True
+    for i, ((s, e, table), off) in enumerate(zip(spans, offsets)):
+        q_idx[i, :e - s] = torch.arange(off, off + e - s)
+        q_pos[i, :e - s] = torch.arange(s, e)
+        valid[i, :e - s] = True
         bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.long)
-    ctx = torch.tensor(list(ends), dtype=torch.long)  # context length of each sequence after this step
-    dense = bool(valid.all()) and offsets[0] == 0 and all(o == i * q_max for i, o in enumerate(offsets))
+    ctx = torch.tensor([e for _, e, _ in spans], dtype=torch.long)  # context length of each sequence after this step
+    dense = bool(valid.all()) and all(o == i * q_max for i, o in enumerate(offsets))
     return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device), ctx.to(device),
-                     block_size, dense, all(s == 0 for s in starts), tables=[list(t) for t in tables])
+                     block_size, dense, all(s == 0 for s, _, _ in spans), tables=[list(t) for _, _, t in spans])
 
 
 FLOPS_PER_BYTE = 8  # small-batch attention FLOPs a CPU does while it moves one byte (~100 GFLOP/s, ~12 GB/s)
@@ -145,8 +136,7 @@ def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         offsets.append(off)
         off += end - start
-    groups = [_group([seqs[i][0] for i in idx], [seqs[i][1] for i in idx], [seqs[i][2] for i in idx],
-                     [offsets[i] for i in idx], bs, store.device)
+    groups = [_group([seqs[i] for i in idx], [offsets[i] for i in idx], bs, store.device)
               for idx in group_by_query_length([e - s for s, e, _ in seqs])]
     return PagedBatch(store, torch.tensor(slots, dtype=torch.long, device=store.device), groups, off)
 
@@ -190,8 +180,7 @@ def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor |
         _refuse("non-causal (bidirectional) attention")
     if dropout:
         _refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
+    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
         _refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
     if kwargs.get("output_attentions"):
         _refuse("returning attention weights (output_attentions=True)")
@@ -269,10 +258,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
             # (a padded query row is past every real one, so causality alone keeps real rows exact)
             o = _causal_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), g, whole, scaling)
-        elif _plan_union(g, group, batch.store.k.element_size()):
-            o = _union_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
         else:
-            o = _paged_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
+            o = _group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
         if whole:
             return o.reshape(1, b * q_len, heads, d).contiguous(), None  # (1, T, heads, D), contiguous as from SDPA
         out[g.query_index[g.query_valid]] = o[g.query_valid]
@@ -293,43 +280,36 @@ def _causal_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g
     return o.transpose(1, 2)  # (B, Qmax, heads, D)
 
 
-KV_CHUNK_BYTES = 2 * 2 ** 20  # K/V gathered per attention call: small enough to stay in cache (issue 31)
+KV_CHUNK_BYTES = 2 * 2 ** 20  # K/V gathered per attention call: small enough to stay in a core's cache (issue 31)
 
 
-def _paged_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
-                           sliding_window: int | None, scaling: float | None) -> torch.Tensor:
-    """Attend ``q`` (B, Qmax, heads, D) over each sequence's K/V, gathered ``KV_CHUNK_BYTES`` at a time."""
+def _group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
+                     sliding_window: int | None, scaling: float | None) -> torch.Tensor:
+    """Attend ``q`` (B, Qmax, heads, D) over each sequence's paged K/V, or over the union of the group's blocks."""
     b, q_len, heads, d = q.shape
-    m = g.block_tables.shape[1]
     kv_heads = heads // group
     # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
     # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
     q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
-    mask = g.attn_mask(group, sliding_window, q.dtype)  # (B, 1, group * Qmax, Kmax)
-    per_seq = 2 * m * store.block_size * kv_heads * d * store.k.element_size()
-    step = max(1, KV_CHUNK_BYTES // per_seq)
-    outs = []
-    for i in range(0, b, step):
-        n = min(step, b - i)
-        k, v = store.gather_heads(layer, g.block_tables[i:i + n].reshape(-1))  # (kv_heads, n * Kmax, D)
-        k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, Kmax, D), each head's rows contiguous
-        v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(q[i:i + n], k, v, attn_mask=mask[i:i + n], scale=scaling))
-    o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, kv_heads, group * Qmax, D)
-    return o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
-
-
-def _union_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
-                           sliding_window: int | None, scaling: float | None) -> torch.Tensor:
-    """Attend ``q`` (B, Qmax, heads, D) over the union of the group's blocks, each read once (``_plan_union``)."""
-    b, q_len, heads, d = q.shape
-    k, v = store.gather_heads(layer, g.union_blocks)  # (kv_heads, U * block_size, D)
-    kv_heads = k.shape[0]
-    # every query row of the group that reads KV head j becomes a row of one attention over j's union keys
-    q = q.view(b, q_len, kv_heads, group, d).permute(2, 0, 3, 1, 4).reshape(1, kv_heads, b * group * q_len, d)
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype)[None], v.to(q.dtype)[None],
-                                       attn_mask=g.attn_mask(group, sliding_window, q.dtype, union=True), scale=scaling)
-    return o.view(kv_heads, b, group, q_len, d).permute(1, 3, 0, 2, 4).reshape(b, q_len, heads, d)
+    if _plan_union(g, group, store.k.element_size()):  # every row reading KV head j: one attention over j's keys
+        k, v = store.gather_heads(layer, g.union_blocks)  # (kv_heads, U * block_size, D)
+        mask = g.attn_mask(group, sliding_window, q.dtype, union=True)  # (1, 1, B * group * Qmax, U * block_size)
+        q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype)[None], v.to(q.dtype)[None], attn_mask=mask, scale=scaling)
+        o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)  # (B, kv_heads, group * Qmax, D)
+    else:  # a few sequences at a time, so their gathered K/V is still in cache when the attention reads it
+        mask = g.attn_mask(group, sliding_window, q.dtype)  # (B, 1, group * Qmax, Kmax)
+        step = max(1, KV_CHUNK_BYTES // (2 * g.block_tables.shape[1] * store.block_size * kv_heads * d
+                                         * store.k.element_size()))
+        outs = []
+        for i in range(0, b, step):
+            n = min(step, b - i)
+            k, v = store.gather_heads(layer, g.block_tables[i:i + n].reshape(-1))  # (kv_heads, n * Kmax, D)
+            k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, Kmax, D), each head's rows contiguous
+            v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
+            outs.append(F.scaled_dot_product_attention(q[i:i + n], k, v, attn_mask=mask[i:i + n], scale=scaling))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, kv_heads, group * Qmax, D)
+    return o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
 
 
 _IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)  # our own state, like nano-vllm's context

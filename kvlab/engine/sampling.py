@@ -1,7 +1,4 @@
-"""Picking the next token (torch): greedy, or seeded temperature/top-k/top-p sampling (see docs/engine.md).
-
-``SamplingParams`` (no torch) lives in ``sampling_params`` and is re-exported here.
-"""
+"""Picking the next token (torch): greedy, or seeded temperature/top-k/top-p sampling (docs/engine.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Sampling parameters of one request, checked on construction against an allow-list per field (pure Python, no torch).
-
-``temperature == 0`` is greedy (argmax), as in vLLM; ``sampling.sample_next`` (torch) samples. See docs/engine.md.
-"""
+"""A request's sampling parameters, checked against an allow-list per field (pure Python; docs/engine.md)."""
 
 from __future__ import annotations
 

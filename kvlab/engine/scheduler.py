@@ -1,9 +1,5 @@
-"""Continuous batching: which sequences run in the next step, preempting by recompute (pure Python, no torch).
-
-Decodes first (oldest first; the youngest is preempted when blocks run out), then first-come first-served
-prefills within the token budget. See docs/engine.md; references: vLLM ``vllm/v1/core/sched/scheduler.py``,
-nano-vllm ``nanovllm/engine/scheduler.py``.
-"""
+"""Continuous batching, pure Python: decodes first (preempting the youngest by recompute when blocks run out),
+then first-come first-served prefills in the token budget. Refs: vLLM v1 ``Scheduler``, nano-vllm (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -65,8 +61,7 @@ class Scheduler:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``ValueError`` if a request could not run even alone in an empty pool."""
         bm = self.block_manager
-        # K/V is written for every token but the last generated one
-        need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)
+        need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)  # K/V of every token but the last generated
         if need > bm.num_blocks:
             raise ValueError(
                 f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens, block size "

@@ -1,7 +1,4 @@
-"""One request's state: waiting -> running -> finished; its tenant scope is fixed at construction (pure Python).
-
-Named as vLLM v1 names it (``vllm/v1/request.py``); nano-vllm's ``Sequence`` would shadow ``collections.abc.Sequence``.
-"""
+"""One request's state, waiting -> running -> finished, as vLLM v1's ``Request`` (pure Python; docs/engine.md)."""
 
 from __future__ import annotations
 
