@@ -1,7 +1,4 @@
-"""Paged K/V storage: each layer's K and V blocks, written through slot mappings, read through block tables.
-
-Head-major tensors (``k_pages``) with token-major views (``k``): why, in docs/engine.md. Refs: vLLM, nano-vllm.
-"""
+"""Paged K/V storage: every layer's K and V blocks, written through slot mappings, read through block tables."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .models import kv_shape
+from .models import kv_bytes_per_token, kv_shape
 
 __all__ = ["PagedKVStore"]
 
@@ -25,10 +22,9 @@ class PagedKVStore:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
         shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)  # head-major: see the module docstring
-        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = self.k_pages.permute(0, 2, 3, 1, 4)  # (L, blocks, block_size, kv_heads, head_dim), a view
-        self.v = self.v_pages.permute(0, 2, 3, 1, 4)
+        self.k_pages, self.v_pages = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        # k, v: views (L, blocks, block_size, kv_heads, head_dim)
+        self.k, self.v = (pages.permute(0, 2, 3, 1, 4) for pages in (self.k_pages, self.v_pages))
 
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int) -> PagedKVStore:
@@ -39,8 +35,7 @@ class PagedKVStore:
     @staticmethod
     def blocks_for_bytes(model: Any, nbytes: int, block_size: int) -> int:
         """How many blocks of ``block_size`` tokens fit in ``nbytes`` of K/V for ``model``."""
-        s, elem = kv_shape(model.config), next(model.parameters()).element_size()
-        return nbytes // (2 * s["layers"] * block_size * s["kv_heads"] * s["head_dim"] * elem)
+        return nbytes // (block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype))
 
     @property
     def device(self) -> torch.device:
@@ -64,31 +59,26 @@ class PagedKVStore:
 
     def write_heads(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """``write`` for head-major K/V, two ``(kv_heads, T, head_dim)`` (the layout the model computes them in)."""
-        flat_k = self.k_pages[layer].view(self.kv_heads, -1, self.head_dim)  # (kv_heads, blocks * block_size, D)
-        flat_v = self.v_pages[layer].view(self.kv_heads, -1, self.head_dim)
-        flat_k.index_copy_(1, slot_mapping, key.to(flat_k.dtype))
-        flat_v.index_copy_(1, slot_mapping, value.to(flat_v.dtype))
+        for pages, new in ((self.k_pages, key), (self.v_pages, value)):
+            flat = pages[layer].view(self.kv_heads, -1, self.head_dim)  # (kv_heads, blocks * block_size, D)
+            flat.index_copy_(1, slot_mapping, new.to(flat.dtype))
 
     def gather_heads(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V of the blocks ``block_ids`` (n,), in order: two contiguous ``(kv_heads, n * block_size, head_dim)``."""
-        n = block_ids.shape[0]
-        pages_k = self.k_pages[layer].view(self.kv_heads, self.num_blocks, -1)  # (kv_heads, blocks, block_size * D)
-        pages_v = self.v_pages[layer].view(self.kv_heads, self.num_blocks, -1)
-        return (pages_k.index_select(1, block_ids).view(self.kv_heads, n * self.block_size, self.head_dim),
-                pages_v.index_select(1, block_ids).view(self.kv_heads, n * self.block_size, self.head_dim))
+        n = block_ids.shape[0]  # each block's rows of one head: (kv_heads, blocks, block_size * D)
+        return tuple(pages[layer].view(self.kv_heads, self.num_blocks, -1).index_select(1, block_ids)
+                     .view(self.kv_heads, n * self.block_size, self.head_dim) for pages in (self.k_pages, self.v_pages))
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one layer's K/V through block tables: ``(B, max_blocks)`` -> two ``(B, max_blocks * block_size, kv_heads, head_dim)``."""
         b, m = block_tables.shape
-        keys, values = self.gather_heads(layer, block_tables.reshape(-1))  # (kv_heads, B * Kmax, D)
-        return (keys.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3),
-                values.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3))
+        return tuple(t.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3)
+                     for t in self.gather_heads(layer, block_tables.reshape(-1)))  # t: (kv_heads, B * Kmax, D)
 
     def read(self, layer: int, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first ``length`` K/V entries of one layer: two ``(length, kv_heads, head_dim)``."""
         table = torch.as_tensor(list(block_table), dtype=torch.long, device=self.device)[None]
-        keys, values = self.gather(layer, table)
-        return keys[0, :length], values[0, :length]
+        return tuple(t[0, :length] for t in self.gather(layer, table))
 
     def clear_blocks(self, block_ids: Sequence[int]) -> None:
         """Zero whole blocks in every layer (K/V a failed step wrote, possibly NaN, must not be read back)."""

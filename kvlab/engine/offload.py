@@ -1,5 +1,4 @@
-"""The torch side of the host tier: evicted blocks' K/V saved to host memory and copied back on a hit, and
-blocks exported to / staged from another replica (a failed transfer is a miss). See docs/engine.md."""
+"""The torch side of the host tier: block K/V to host memory and back, and to other replicas (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class HostOffload:
     def read_block(self, block_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """Copy one block's K and V (every layer) to host memory: ``((k, v), nbytes)``, each (L, block_size, kv_heads, head_dim)."""
         t0 = time.perf_counter()
-        k = self.store.k[:, block_id].to("cpu", copy=True)  # (L, block_size, kv_heads, head_dim)
-        v = self.store.v[:, block_id].to("cpu", copy=True)
+        k, v = (t[:, block_id].to("cpu", copy=True) for t in (self.store.k, self.store.v))  # (L, block_size, kv_heads, D)
         synchronize(self.store.device)
         self.seconds_out += time.perf_counter() - t0
         self.bytes_out += self.store.bytes_per_block

@@ -1,8 +1,5 @@
-"""Paged attention for any Hugging Face decoder through transformers' ``AttentionInterface`` (docs/engine.md).
-
-Per layer: write the step's new K/V through its slot mapping, then attend each sequence's K/V through its block
-table, causally from its cached length. An allow-list: anything else raises ``NotImplementedError`` naming it.
-"""
+"""Paged attention for any HF decoder via transformers' ``AttentionInterface``: per layer, write the step's new K/V,
+then attend each sequence's K/V through its block table. An allow-list: anything else is refused (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ from ..cache.block_manager import cdiv
 from .kv_store import PagedKVStore
 
 __all__ = ["ATTN_NAME", "IMPLEMENTED_KWARGS", "METADATA_KWARGS", "AttnGroup", "MissingBatchError", "PagedBatch",
-           "attention_name", "build_batch", "check_attention_call", "check_config", "group_by_query_length",
+           "build_batch", "check_attention_call", "check_config", "group_by_query_length",
            "paged_attention_forward", "paged_step", "register"]
 
 ATTN_NAME = "kvlab_paged"
@@ -47,10 +44,9 @@ class AttnGroup:
     union_pos: torch.Tensor | None = None  # (B, U * block_size) position of each union key in each sequence (-1: not its)
 
     def attn_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype, union: bool = False) -> torch.Tensor:
-        """Additive mask (0 or -inf) of GQA's stacked query rows, built once per step (SDPA would convert a bool one per layer).
+        """Additive mask (0 or -inf) of GQA's stacked query rows (SDPA would convert a bool one per layer), once a step.
 
-        ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)`` over the union's keys.
-        """
+        ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)`` over its keys."""
         key = (union, group, sliding_window, dtype)
         if key not in self.masks:
             if union:
@@ -192,16 +188,6 @@ def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor |
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})  # config.layer_types it implements
 
 
-def _layer_windows(cfg: Any, num_layers: int) -> list[int | None]:
-    """The sliding window the config asks of each layer's attention (None: full causal attention)."""
-    window, types = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
-    if types is not None:
-        return [window if t == "sliding_attention" else None for t in types]
-    if getattr(cfg, "use_sliding_window", True) is False:
-        return [None] * num_layers
-    return [window] * num_layers
-
-
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
     """Raise ``NotImplementedError`` naming a config feature beyond causal (+window) SDPA (``windows_run``: a probe's)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -212,7 +198,10 @@ def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
         _refuse(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
     if getattr(cfg, "use_bidirectional_attention", None):
         _refuse(f"bidirectional attention (use_bidirectional_attention={cfg.use_bidirectional_attention!r})")
-    want = _layer_windows(cfg, len(windows_run))
+    window = getattr(cfg, "sliding_window", None)  # the window the config asks of each layer (None: full causal)
+    if types is None and getattr(cfg, "use_sliding_window", True) is False:
+        window = None
+    want = [window] * len(windows_run) if types is None else [window if t == "sliding_attention" else None for t in types]
     for layer, got in sorted(windows_run.items()):  # a window the model applies only in its own mask would be lost
         if layer < len(want) and want[layer] != got:
             raise NotImplementedError(
@@ -244,50 +233,40 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             f"layer {layer} has {key.shape[1]} KV heads with key/value/query widths {key.shape[-1]}/{value.shape[-1]}/"
             f"{query.shape[-1]}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
             "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented")
-    heads, kv_heads = query.shape[1], key.shape[1]
     batch.store.write_heads(layer, batch.slot_mapping, key[0], value[0])  # (kv_heads, T, D)
-    q_all = query[0].transpose(0, 1)  # (T, heads, D)
-    group = heads // kv_heads  # query heads per KV head (grouped-query attention)
+    q_all, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, heads, D)
+    heads, d = q_all.shape[1:]
     whole = len(batch.groups) == 1 and batch.groups[0].dense  # e.g. a decode-only step: no gather, no scatter
     out = None if whole else torch.empty_like(q_all)  # (T, heads, D)
     for g in batch.groups:
         b, q_len = g.query_index.shape
-        d = q_all.shape[-1]
         q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]  # (B, Qmax, heads, D)
-        if g.fresh and (sliding_window is None or sliding_window >= q_len):
-            # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
-            # (a padded query row is past every real one, so causality alone keeps real rows exact)
-            o = _causal_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), g, whole, scaling)
-        else:
-            o = _group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
+        o = _group_attention(q, key, value, store, layer, g, whole, sliding_window, scaling)  # (B, Qmax, heads, D)
         if whole:
             return o.reshape(1, b * q_len, heads, d).contiguous(), None  # (1, T, heads, D), contiguous as from SDPA
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     return out.unsqueeze(0), None  # (1, T, heads, D)
 
 
-def _causal_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: AttnGroup, whole: bool,
-                      scaling: float | None) -> torch.Tensor:
-    """SDPA with ``is_causal`` over the group's new keys: ``q`` (B, Qmax, heads, D), ``key``/``value`` (T, kv_heads, D)."""
-    b, q_len, heads, d = q.shape
-    k = key.reshape(b, q_len, -1, d) if whole else key[g.query_index]  # (B, Qmax, kv_heads, D)
-    v = value.reshape(b, q_len, -1, d) if whole else value[g.query_index]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads or kv_heads, Qmax, D)
-    if k.shape[1] != heads and not _SDPA_GQA:  # torch < 2.5: no enable_gqa
-        k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // k.shape[1], 1)
-    gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, **gqa)  # (B, heads, Qmax, D)
-    return o.transpose(1, 2)  # (B, Qmax, heads, D)
-
-
 KV_CHUNK_BYTES = 2 * 2 ** 20  # K/V gathered per attention call: small enough to stay in a core's cache (issue 31)
 
 
-def _group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
-                     sliding_window: int | None, scaling: float | None) -> torch.Tensor:
-    """Attend ``q`` (B, Qmax, heads, D) over each sequence's paged K/V, or over the union of the group's blocks."""
+def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, store: PagedKVStore, layer: int,
+                     g: AttnGroup, whole: bool, sliding_window: int | None, scaling: float | None) -> torch.Tensor:
+    """Attend one group's ``q`` (B, Qmax, heads, D): over its new K/V alone, the union of its blocks, or each table."""
     b, q_len, heads, d = q.shape
-    kv_heads = heads // group
+    kv_heads = key.shape[1]  # key, value: the step's new (T, kv_heads, D)
+    group = heads // kv_heads  # query heads per KV head (grouped-query attention)
+    if g.fresh and (sliding_window is None or sliding_window >= q_len):
+        # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
+        # (a padded query row is past every real one, so causality alone keeps real rows exact)
+        k = key.reshape(b, q_len, kv_heads, d) if whole else key[g.query_index]  # (B, Qmax, kv_heads, D)
+        v = value.reshape(b, q_len, kv_heads, d) if whole else value[g.query_index]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads or kv_heads, Qmax, D)
+        if group > 1 and not _SDPA_GQA:  # torch < 2.5: no enable_gqa
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, **gqa).transpose(1, 2)
     # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
     # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
     q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
@@ -315,22 +294,15 @@ def _group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGr
 _IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)  # our own state, like nano-vllm's context
 
 
-def attention_name(original: str) -> str:
-    """The name kvlab registers for a model whose own attention implementation is ``original`` (e.g. ``"sdpa"``)."""
-    return f"{ATTN_NAME}_{original}"
-
-
 def register(model: Any) -> tuple[str, str]:
-    """Register kvlab's attention and mask for ``model`` with transformers' public interfaces; return ``(own, name)``.
-
-    ``model.set_attn_implementation(name)`` switches to them; outside ``paged_step()`` they run the model's own.
-    """
+    """Register kvlab's attention and mask for ``model`` (transformers' public interfaces); return ``(own, name)``."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     own = model.config._attn_implementation.removeprefix(ATTN_NAME + "_")  # switched by another engine
-    AttentionInterface.register(attention_name(own), functools.partial(_attention, own))
-    AttentionMaskInterface.register(attention_name(own), functools.partial(_mask, own))
-    return own, attention_name(own)
+    name = f"{ATTN_NAME}_{own}"  # it carries the model's own implementation, run outside paged_step()
+    AttentionInterface.register(name, functools.partial(_attention, own))
+    AttentionMaskInterface.register(name, functools.partial(_mask, own))
+    return own, name
 
 
 @contextlib.contextmanager

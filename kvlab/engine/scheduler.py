@@ -1,5 +1,4 @@
-"""Continuous batching, pure Python: decodes first (preempting the youngest by recompute when blocks run out),
-then first-come first-served prefills in the token budget. Refs: vLLM v1 ``Scheduler``, nano-vllm (docs/engine.md)."""
+"""Continuous batching (pure Python): decodes first, preempting by recompute, then FCFS prefills (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ class Scheduler:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
                              f"(got {max_num_seqs}, {max_num_batched_tokens})")
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
+        self.block_manager, self.max_num_seqs = block_manager, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first

@@ -1,5 +1,4 @@
-"""Tenants and cache-isolation policies, pure Python: a tenant's salt is HMAC-SHA256(server secret, tenant id),
-so nobody can compute another tenant's salt. Policies: "shared", "tenant", "public-prefix" (docs/engine.md)."""
+"""Tenants and isolation policies (pure Python): a tenant's salt is HMAC-SHA256(server secret, tenant id)."""
 
 from __future__ import annotations
 
