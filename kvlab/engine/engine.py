@@ -328,10 +328,11 @@ class Engine:
     @_locked
     def stats(self) -> dict:
         """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps, block-manager stats."""
-        return {**self.block_manager.stats(), "kv_bytes_in_use": self.kv_bytes_in_use, "peak_kv_bytes": self.peak_kv_bytes,
-                "kv_bytes_total": self.store.nbytes, "num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
-                "num_mixed_steps": self.num_mixed_steps, "num_waiting": len(self.scheduler.waiting),
-                "num_running": len(self.scheduler.running),
+        return {**self.block_manager.stats(), "kv_bytes_in_use": self.kv_bytes_in_use,
+                "peak_kv_bytes": self.peak_kv_bytes, "kv_bytes_total": self.store.nbytes,
+                "num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
+                "num_mixed_steps": self.num_mixed_steps,
+                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 **(self.host_tier.stats() if self.host_tier is not None else {})}
 
     @_locked

@@ -20,7 +20,7 @@ from .tenants import SharedTenantsWarning, public_prefix_length, tenant_salt
 __all__ = ["Checked", "Intake", "check_sampling", "per_prompt"]
 
 
-Checked = tuple[list[int], SamplingParams, str | None, str | None]  # what Intake.check passed: ids, sampling, tenant, salt
+Checked = tuple[list[int], SamplingParams, str | None, str | None]  # Intake.check's: ids, sampling, tenant, salt
 
 
 class Intake:
@@ -62,9 +62,7 @@ class Intake:
                 raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
         if unsafe_salt is not None and tenant is not None:
             raise ValueError("give a tenant (the engine derives its salt) or an unsafe_salt, not both")
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise TypeError("this engine has no tokenizer: pass token ids")
-        ids = encode(self.tokenizer, prompt)  # text, or real int ids: floats, bools, bytes, dicts... raise
+        ids = encode(self.tokenizer, prompt)  # text (with a tokenizer), or real int ids: floats, bools, bytes... raise
         if not ids:
             raise ValueError("the prompt is empty: a request needs at least one token")
         if any(not 0 <= t < self.vocab_size for t in ids):

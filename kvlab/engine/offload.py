@@ -51,7 +51,7 @@ class HostOffload:
     def read_block(self, block_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """Copy one block's K and V (every layer) to host memory: ``((k, v), nbytes)``, each (L, block_size, kv_heads, head_dim)."""
         t0 = time.perf_counter()
-        k, v = (t[:, block_id].to("cpu", copy=True) for t in (self.store.k, self.store.v))  # (L, block_size, kv_heads, D)
+        k, v = (t[:, block_id].to("cpu", copy=True) for t in (self.store.k, self.store.v))
         synchronize(self.store.device)
         self.seconds_out += time.perf_counter() - t0
         self.bytes_out += self.store.bytes_per_block

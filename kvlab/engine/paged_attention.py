@@ -18,8 +18,8 @@ from ..cache.block_manager import cdiv
 from .kv_store import PagedKVStore
 
 __all__ = ["ATTN_NAME", "IMPLEMENTED_KWARGS", "METADATA_KWARGS", "AttnGroup", "MissingBatchError", "PagedBatch",
-           "build_batch", "check_attention_call", "check_config", "group_by_query_length",
-           "paged_attention_forward", "paged_step", "register"]
+           "build_batch", "check_attention_call", "check_config", "group_by_query_length", "paged_attention_forward",
+           "paged_step", "register"]
 
 ATTN_NAME = "kvlab_paged"
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
@@ -43,11 +43,11 @@ class AttnGroup:
     union_blocks: torch.Tensor | None = None  # (U,) the distinct blocks of the group, when ``union``
     union_pos: torch.Tensor | None = None  # (B, U * block_size) position of each union key in each sequence (-1: not its)
 
-    def attn_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype, union: bool = False) -> torch.Tensor:
+    def attn_mask(self, group: int, window: int | None, dtype: torch.dtype, union: bool = False) -> torch.Tensor:
         """Additive mask (0 or -inf) of GQA's stacked query rows (SDPA would convert a bool one per layer), once a step.
 
         ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)`` over its keys."""
-        key = (union, group, sliding_window, dtype)
+        key = (union, group, window, dtype)
         if key not in self.masks:
             if union:
                 k_pos = self.union_pos[:, None, :]  # (B, 1, Ku): -1 where the key is not the sequence's
@@ -55,8 +55,8 @@ class AttnGroup:
                 k_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_pos.device)
             q_pos = self.query_pos[:, :, None]  # (B, Qmax, 1)
             ok = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos < self.context[:, None, None])  # (B, Qmax, K)
-            if sliding_window is not None:
-                ok &= k_pos > q_pos - sliding_window
+            if window is not None:
+                ok &= k_pos > q_pos - window
             ok |= ~ok.any(-1, keepdim=True)  # a row that sees nothing (padding) sees every key: finite, never read
             b, q_len, k_len = ok.shape
             shape = (1, 1, b * group * q_len, k_len) if union else (b, 1, group * q_len, k_len)
@@ -101,7 +101,7 @@ FLOPS_PER_BYTE = 8  # small-batch attention FLOPs a CPU does while it moves one 
 
 
 def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
-    """Whether ``g`` attends over the union of its sequences' blocks, each read once (decided once per step; sets ``g.union``)."""
+    """Whether ``g`` attends over the union of its blocks, each read once (decided once per step: sets ``g.union``)."""
     # cost per KV head and key: the bytes a gather copies (K and V, written once, read twice) against the
     # attention FLOPs (4 * query rows * head_dim) of the keys a query may not see; a repeated block: no union
     if g.union is None:
@@ -124,7 +124,7 @@ def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
-    """Metadata of one packed step from ``(start, end, block_table)`` per sequence (K/V before ``start`` already stored)."""
+    """Metadata of one packed step from ``(start, end, block_table)`` per sequence (K/V before ``start`` is stored)."""
     bs, slots, offsets, off = store.block_size, [], [], 0
     for start, end, table in seqs:
         if not 0 <= start < end or cdiv(end, bs) > len(table):
@@ -157,6 +157,7 @@ IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dro
 # transformers' bookkeeping keywords that carry no attention semantics (positions come from ``kvlab_batch``):
 METADATA_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
                              "output_router_logits", "return_dict", "logits_to_keep"})
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})  # the config.layer_types it implements
 # What a refusal calls some keywords (any other one is named as the keyword itself):
 _FEATURES = {"s_aux": "per-head attention sink logits (s_aux)", "softcap": "attention logit soft-capping (softcap)",
              "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
@@ -185,11 +186,8 @@ def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor |
             _refuse(_FEATURES.get(name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"))
 
 
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})  # config.layer_types it implements
-
-
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
-    """Raise ``NotImplementedError`` naming a config feature beyond causal (+window) SDPA (``windows_run``: a probe's)."""
+    """Raise ``NotImplementedError`` naming a config feature beyond causal (+window) SDPA (windows: a probe's)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = getattr(cfg, "layer_types", None)
     if types is not None and set(types) - ATTENTION_LAYER_TYPES:
@@ -199,9 +197,9 @@ def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
     if getattr(cfg, "use_bidirectional_attention", None):
         _refuse(f"bidirectional attention (use_bidirectional_attention={cfg.use_bidirectional_attention!r})")
     window = getattr(cfg, "sliding_window", None)  # the window the config asks of each layer (None: full causal)
-    if types is None and getattr(cfg, "use_sliding_window", True) is False:
-        window = None
-    want = [window] * len(windows_run) if types is None else [window if t == "sliding_attention" else None for t in types]
+    want = [None if getattr(cfg, "use_sliding_window", True) is False else window] * len(windows_run)
+    if types is not None:
+        want = [window if t == "sliding_attention" else None for t in types]
     for layer, got in sorted(windows_run.items()):  # a window the model applies only in its own mask would be lost
         if layer < len(want) and want[layer] != got:
             raise NotImplementedError(
@@ -284,11 +282,11 @@ def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, st
         for i in range(0, b, step):
             n = min(step, b - i)
             k, v = store.gather_heads(layer, g.block_tables[i:i + n].reshape(-1))  # (kv_heads, n * Kmax, D)
-            k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, Kmax, D), each head's rows contiguous
+            k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, Kmax, D)
             v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
             outs.append(F.scaled_dot_product_attention(q[i:i + n], k, v, attn_mask=mask[i:i + n], scale=scaling))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, kv_heads, group * Qmax, D)
-    return o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
+    return o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)
 
 
 _IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)  # our own state, like nano-vllm's context

@@ -47,7 +47,7 @@ def make_cache_manager(cache: str, num_blocks: int, block_size: int, page_size: 
 
 
 def adopt_cache(cache: object, num_blocks: int | None, kv_cache_bytes: int | None) -> CacheManager:
-    """A caller's own cache for ``Engine(cache=obj)``: a ``CacheManager`` (else ``TypeError``), empty, with its own size."""
+    """A caller's own cache for ``Engine(cache=obj)``: a ``CacheManager`` (else ``TypeError``), empty, sized."""
     check_cache(cache)
     if num_blocks is not None or kv_cache_bytes is not None:
         raise ValueError("a cache object brings its own size: leave num_blocks and kv_cache_bytes unset "

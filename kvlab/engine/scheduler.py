@@ -137,7 +137,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Request, reason: str, uncache_from: int | None = None) -> None:
-        """Take a sequence out of the queues for good and free its blocks (those from ``uncache_from`` on leave the cache)."""
+        """Take a sequence out of the queues for good, free its blocks (from ``uncache_from`` on: out of the cache)."""
         if seq.status is RequestStatus.RUNNING:
             self.block_manager.free(seq.seq_id, uncache_from)
             self.running.remove(seq)
