@@ -79,18 +79,6 @@ class RequestOutput:
                    seq.num_restored_tokens or 0)
 
 
-def _make_cache(model: Any, tokenizer: Any, cache: str | CacheManager, num_blocks: int | None,
-                kv_cache_bytes: int | None, block_size: int, page_size: int, isolation: str, caching: bool,
-                kv_events: bool) -> CacheManager:
-    """The engine's prefix cache: ``"blocks"``, ``"radix"`` (``radix_adapter``) or the caller's own."""
-    if not isinstance(cache, str):  # the caller's own kvlab.cache.CacheManager: it brings its sizes
-        return adopt_cache(cache, num_blocks, kv_cache_bytes)
-    if num_blocks is None:
-        num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
-    return make_cache_manager(cache, num_blocks, block_size, page_size, isolation,
-                              model_fingerprint(model, tokenizer, every_weight=False), caching, kv_events)
-
-
 class KVEventLog:
     """The cache's KV events, numbered into one ``EventBatch`` per step that changed it (``enable_kv_events``)."""
 
@@ -123,8 +111,14 @@ class Engine:
         secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
         self.model, self.tokenizer, self.debug = model, tokenizer, debug
         self.device, self.dtype = model_device_dtype(model)
-        self.block_manager: CacheManager = _make_cache(model, tokenizer, cache, num_blocks, kv_cache_bytes, block_size,
-                                                       page_size, isolation, enable_prefix_caching, enable_kv_events)
+        if isinstance(cache, str):  # "blocks" or "radix" (radix_adapter), sized here
+            if num_blocks is None and kv_cache_bytes is not None:
+                num_blocks = PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
+            self.block_manager: CacheManager = make_cache_manager(
+                cache, 512 if num_blocks is None else num_blocks, block_size, page_size, isolation,
+                model_fingerprint(model, tokenizer, every_weight=False), enable_prefix_caching, enable_kv_events)
+        else:  # the caller's own kvlab.cache.CacheManager: it brings its sizes
+            self.block_manager = adopt_cache(cache, num_blocks, kv_cache_bytes)
         self.store = PagedKVStore.for_model(model, self.block_manager.num_blocks, self.block_manager.block_size)
         self.host_tier = None if host_tier_bytes is None else HostOffload(
             self.store, self.block_manager, host_tier_bytes, offload=offload_evicted)
@@ -142,7 +136,6 @@ class Engine:
         self.intake = Intake(tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler.check_fits,
                              self.isolation, secret, self.device, seed)
 
-    # --- requests ---------------------------------------------------------------------------------------
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
         ids = self.intake.check_prefix(prefix)  # tokenized before the lock, as in add_request
@@ -204,7 +197,6 @@ class Engine:
         """Whether any request is waiting or running, or a finished output waits to be returned by ``step()``."""
         return bool(self._pending) or self.scheduler.has_unfinished()
 
-    # --- one step ---------------------------------------------------------------------------------------
     @_locked
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward, sample a token per sequence; return what finished (and pending outputs)."""
@@ -288,8 +280,8 @@ class Engine:
                  unsafe_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Submit a list of prompts, step until they finish; outputs in prompt order (a refused one: ``"error"``)."""
         batch = per_prompt(prompts, sampling, tenants, unsafe_salts)
-        results: dict[int, RequestOutput] = {}
-        own: dict[int, Request] = {}
+        results: dict[int, RequestOutput] = {}  # the outputs of refused prompts
+        own: dict[int, Request] = {}  # this call's requests
         try:
             for i, (prompt, sp, tenant, salt) in enumerate(batch):
                 try:
@@ -312,8 +304,7 @@ class Engine:
         finally:
             with self._lock:
                 self._held.difference_update(seq.seq_id for seq in own.values())
-        results.update({i: self._output(seq) for i, seq in own.items()})
-        return [results[i] for i in range(len(batch))]
+        return [self._output(own[i]) if i in own else results[i] for i in range(len(batch))]
 
     @property
     def kv_bytes_in_use(self) -> int:

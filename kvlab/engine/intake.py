@@ -102,9 +102,8 @@ class Intake:
         """A generator seeded by ``sampling.seed`` (or the engine's seeded draw); None for greedy."""
         if sampling.greedy:
             return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(sampling.seed if sampling.seed is not None else self._rng.getrandbits(63))
-        return gen
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        return torch.Generator(device=self.device).manual_seed(seed)
 
 
 def check_sampling(sampling: Any) -> SamplingParams:

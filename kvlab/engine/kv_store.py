@@ -53,8 +53,7 @@ class PagedKVStore:
         return self.num_blocks * self.bytes_per_block
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store one layer's new K/V: token i goes to slot ``slot_mapping[i]``."""
-        # slot_mapping (T,) int64; key, value (T, kv_heads, head_dim)
+        """Store one layer's new K/V, two ``(T, kv_heads, head_dim)``: token i goes to slot ``slot_mapping[i]`` (T,)."""
         self.write_heads(layer, slot_mapping, key.transpose(0, 1), value.transpose(0, 1))
 
     def write_heads(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

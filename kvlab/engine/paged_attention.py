@@ -85,12 +85,11 @@ def _group(spans: Sequence[tuple[int, int, Sequence[int]]], offsets: Sequence[in
            device: torch.device) -> AttnGroup:
     b, q_max, m = len(spans), max(e - s for s, e, _ in spans), max(len(t) for _, _, t in spans)
     q_idx, q_pos, bt = (torch.zeros(b, n, dtype=torch.long) for n in (q_max, q_max, m))
-    valid = torch.zeros(b, q_max, dtype=torch.bool)
     for i, ((s, e, table), off) in enumerate(zip(spans, offsets)):
         q_idx[i, :e - s] = torch.arange(off, off + e - s)
         q_pos[i, :e - s] = torch.arange(s, e)
-        valid[i, :e - s] = True
         bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.long)
+    valid = torch.arange(q_max) < torch.tensor([e - s for s, e, _ in spans])[:, None]  # (B, Qmax)
     ctx = torch.tensor([e for _, e, _ in spans], dtype=torch.long)  # context length of each sequence after this step
     dense = bool(valid.all()) and all(o == i * q_max for i, o in enumerate(offsets))
     return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device), ctx.to(device),
@@ -152,8 +151,7 @@ def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> l
     return groups
 
 
-# The allow-list. Keywords of the attention call that the paged attention implements:
-IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
+IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})  # the allow-list
 # transformers' bookkeeping keywords that carry no attention semantics (positions come from ``kvlab_batch``):
 METADATA_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
                              "output_router_logits", "return_dict", "logits_to_keep"})

@@ -32,9 +32,7 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=False)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        remove = cum <= (1 - top_p)
+        remove = sorted_scores.softmax(-1).cumsum(-1) <= (1 - top_p)
         remove[-1] = False  # always keep the most likely token: the probabilities are never NaN
         scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    probs = scores.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))

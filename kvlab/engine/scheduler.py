@@ -40,8 +40,7 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues; one ``schedule()`` per engine step."""
 
-    def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048) -> None:
+    def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
                              f"(got {max_num_seqs}, {max_num_batched_tokens})")
