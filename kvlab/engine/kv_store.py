@@ -21,9 +21,9 @@ class PagedKVStore:
             raise ValueError("every size of the store must be >= 1")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)  # head-major: see the module docstring
+        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)  # head-major: a gather is contiguous per head
         self.k_pages, self.v_pages = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-        # k, v: views (L, blocks, block_size, kv_heads, head_dim)
+        # k, v: token-major views (L, blocks, block_size, kv_heads, head_dim); zeros keep a padded read finite
         self.k, self.v = (pages.permute(0, 2, 3, 1, 4) for pages in (self.k_pages, self.v_pages))
 
     @classmethod
