@@ -1,33 +1,4 @@
-"""A small paged inference engine on real Hugging Face weights: continuous batching + prefix caching.
-
-    engine = Engine(model, tokenizer, num_blocks=256, block_size=16, enable_prefix_caching=True)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=16))   # or add_request(...) + step()
-
-This file keeps the requests and the step loop (nano-vllm's ``llm_engine.py``); the model side is
-``kvlab.engine.runner.ModelRunner`` (``model_runner.py``), request checking ``kvlab.engine.intake``. One
-``step()``: the scheduler picks decodes and prefills (preempting when blocks run out), copy-on-write pairs are
-copied in the K/V store, the runner runs the new tokens of every scheduled request in **one** packed forward and
-samples one token each from its last position (a per-request seeded generator: outputs do not depend on
-batching); the engine appends them and finishes what stopped. A request that fails inside a step (its forward
-or sampling raises, or its logits are NaN) finishes with ``finish_reason="error"`` alone (``ModelRunner.compute``);
-a request with bad input is refused before it is queued (``Intake.check``; ``generate`` turns that into an
-``"error"`` output). ``cache="radix"`` runs on SGLang's radix tree (``kvlab.engine.radix_adapter``), ``cache=obj``
-on any ``kvlab.cache.CacheManager``; ``host_tier_bytes=N`` keeps evicted blocks in host memory and copies them
-back on a hit (``kvlab.engine.offload``; counted in ``RequestOutput.num_restored_tokens``).
-
-Tenants: ``add_request(..., tenant="acme")``. Under ``isolation="tenant"`` or ``"public-prefix"`` the engine
-derives the tenant's cache salt from the tenant id and its server ``secret`` (HMAC-SHA256, ``kvlab.engine.tenants``;
-``bytes``/``str`` of >= 16 bytes, random if not given); ``"public-prefix"`` also shares the operator's
-``add_public_prefix`` prefixes across tenants. ``unsafe_salt=`` bypasses the derivation (tests and teaching only).
-Under ``"shared"`` tenants only scope ``abort`` and ``fork`` (the first warns: ``SharedTenantsWarning``).
-
-Threads: ``add_request``, ``abort``, ``fork`` and ``step`` (and ``generate``, one step at a time) hold one
-re-entrant lock, so another thread may add or abort requests while a loop calls ``step()``; prompts are tokenized
-and checked before the lock. Automatic request ids never collide with ids chosen by the caller; ``abort``/``fork``
-refuse another tenant's request as unknown.
-
-Reference: nano-vllm ``nanovllm/engine/llm_engine.py``; vLLM ``LLMEngine``.
-"""
+"""Requests, tenants and the step loop around one HF causal LM (nano-vllm's ``llm_engine.py``; docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -101,23 +72,11 @@ class RequestOutput:
     @classmethod
     def of(cls, seq: Request, text: str) -> RequestOutput:
         """The output of ``seq`` now (finished or not), with ``text`` its decoded output."""
-        t0 = seq.arrival_time
+        t0, first, done = seq.arrival_time, seq.first_token_time, seq.finish_time
         return cls(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), text, seq.is_finished,
                    seq.finish_reason, seq.num_cached_tokens or 0, seq.num_preemptions,
-                   None if seq.first_token_time is None else seq.first_token_time - t0,
-                   None if seq.finish_time is None else seq.finish_time - t0, seq.error, seq.num_restored_tokens or 0)
-
-
-def _make_cache(model: Any, tokenizer: Any, cache: str | CacheManager, num_blocks: int | None,
-                kv_cache_bytes: int | None, block_size: int, page_size: int, isolation: str, caching: bool,
-                kv_events: bool) -> CacheManager:
-    """The engine's prefix cache: ``"blocks"``, ``"radix"`` (``kvlab.engine.radix_adapter``) or the caller's own."""
-    if not isinstance(cache, str):  # the caller's own kvlab.cache.CacheManager: it brings its sizes
-        return adopt_cache(cache, num_blocks, kv_cache_bytes)
-    if num_blocks is None:
-        num_blocks = 512 if kv_cache_bytes is None else PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
-    return make_cache_manager(cache, num_blocks, block_size, page_size, isolation,
-                             model_fingerprint(model, tokenizer, every_weight=False), caching, kv_events)
+                   None if first is None else first - t0, None if done is None else done - t0, seq.error,
+                   seq.num_restored_tokens or 0)
 
 
 class KVEventLog:
@@ -152,19 +111,22 @@ class Engine:
         secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
         self.model, self.tokenizer, self.debug = model, tokenizer, debug
         self.device, self.dtype = model_device_dtype(model)
-        self.block_manager: CacheManager = _make_cache(model, tokenizer, cache, num_blocks, kv_cache_bytes, block_size,
-                                                       page_size, isolation, enable_prefix_caching, enable_kv_events)
+        if isinstance(cache, str):  # "blocks" or "radix" (radix_adapter), sized here
+            if num_blocks is None and kv_cache_bytes is not None:
+                num_blocks = PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
+            self.block_manager: CacheManager = make_cache_manager(
+                cache, 512 if num_blocks is None else num_blocks, block_size, page_size, isolation,
+                model_fingerprint(model, tokenizer, every_weight=False), enable_prefix_caching, enable_kv_events)
+        else:  # the caller's own kvlab.cache.CacheManager: it brings its sizes
+            self.block_manager = adopt_cache(cache, num_blocks, kv_cache_bytes)
         self.store = PagedKVStore.for_model(model, self.block_manager.num_blocks, self.block_manager.block_size)
-        # host_tier_bytes: evicted blocks wait in host memory and come back on a hit (kvlab.engine.offload)
         self.host_tier = None if host_tier_bytes is None else HostOffload(
             self.store, self.block_manager, host_tier_bytes, offload=offload_evicted)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
         self.requests: dict[Hashable, Request] = {}  # unfinished requests by id
-        self.num_steps = 0
-        self.num_mixed_steps = 0  # steps that ran prefills and decodes together
-        self.peak_kv_bytes = 0
+        self.num_steps = self.num_mixed_steps = self.peak_kv_bytes = 0  # mixed: prefills and decodes together
         self.isolation = check_policy(isolation)  # "shared", "tenant" or "public-prefix"
         self._lock = threading.RLock()  # add_request / abort / fork / step from several threads
         self._pending: list[RequestOutput] = []  # finished during a generate() that did not own them
@@ -174,7 +136,6 @@ class Engine:
         self.intake = Intake(tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler.check_fits,
                              self.isolation, secret, self.device, seed)
 
-    # --- requests ---------------------------------------------------------------------------------------
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
         ids = self.intake.check_prefix(prefix)  # tokenized before the lock, as in add_request
@@ -188,16 +149,12 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     request_id: Hashable | None = None, tenant: str | None = None, *,
                     unsafe_salt: str | None = None) -> Hashable:
-        """Queue one request (text or token ids) of ``tenant``; return its id (None: an int no live request uses).
-
-        Bad input raises, queueing nothing. It is tokenized and checked before the lock: a huge prompt never stalls
-        a running ``step()``."""
-        checked = self.intake.check(prompt, sampling, tenant, unsafe_salt)
+        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing."""
+        checked = self.intake.check(prompt, sampling, tenant, unsafe_salt)  # before the lock: never stalls a step
         with self._lock:
             return self._queue(checked, request_id).request_id
 
     def _queue(self, checked: Checked, request_id: Hashable | None) -> Request:
-        """Queue a checked request (under the lock) with its ids, scope and generator."""
         seq = self.intake.admit(checked, request_id, self.requests)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -213,8 +170,7 @@ class Engine:
     @_locked
     def fork(self, request_id: Hashable, child_id: Hashable | None = None,
              sampling: SamplingParams | None = None, *, tenant: str | None = None) -> Hashable:
-        """Continue a running request of ``tenant`` as two: the child shares every block (copy-on-write on its
-        first write). A refused fork changes nothing, not even the engine's random generator."""
+        """Continue a running request of ``tenant`` as two sharing every block; a refused fork changes nothing."""
         parent = self._get(request_id, tenant)
         sampling = check_sampling(parent.sampling if sampling is None else sampling)
         self.scheduler.check_fork(parent)
@@ -241,13 +197,9 @@ class Engine:
         """Whether any request is waiting or running, or a finished output waits to be returned by ``step()``."""
         return bool(self._pending) or self.scheduler.has_unfinished()
 
-    # --- one step ---------------------------------------------------------------------------------------
     @_locked
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one packed forward, sample one token per scheduled sequence; return what finished.
-
-        Also returned: outputs of requests that finished during an earlier ``generate()`` that did not own them.
-        """
+        """Schedule, run one packed forward, sample a token per sequence; return what finished (and pending outputs)."""
         sched = self.scheduler.schedule()
         finished = self._run(sched) if sched.items else []  # empty only when a lone sequence preempted itself
         if not self.scheduler.has_unfinished():  # idle: the model is HF's own again (ModelRunner.detach)
@@ -275,7 +227,7 @@ class Engine:
         if self.host_tier is not None:  # the host tier's restores were copied in at admission: count them
             for it in sched.items:
                 if it.is_prefill and it.seq.num_restored_tokens is None:
-                    it.seq.num_restored_tokens = self.host_tier.block_manager.seqs[it.seq.seq_id].num_restored_tokens
+                    it.seq.num_restored_tokens = self.block_manager.seqs[it.seq.seq_id].num_restored_tokens
         tables = [self.block_manager.block_table(it.seq.seq_id) for it in sched.items]
         tokens, errors, untrusted = self.runner.compute(sched.items, tables, lambda its: self._forward(SchedulerOutput(its)))
         now, finished = time.perf_counter(), []
@@ -326,17 +278,10 @@ class Engine:
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  tenants: Sequence[str | None] | None = None, *,
                  unsafe_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
-        """Submit all prompts at once, step until they finish; outputs in prompt order.
-
-        ``prompts`` (and ``tenants``, ``unsafe_salts``, a list of samplings) must be a list or tuple: a lone
-        string raises ``TypeError`` (pass ``[prompt]``) instead of running one request per character.
-        A prompt that is refused (bad input) gets an output with ``finish_reason="error"``; the rest run.
-        Other requests (``add_request``, other threads) run in the same steps; the outputs of those that finish
-        during this call are kept for the next ``step()``. This call returns once its own requests are done.
-        """
+        """Submit a list of prompts, step until they finish; outputs in prompt order (a refused one: ``"error"``)."""
         batch = per_prompt(prompts, sampling, tenants, unsafe_salts)
-        results: dict[int, RequestOutput] = {}
-        own: dict[int, Request] = {}
+        results: dict[int, RequestOutput] = {}  # the outputs of refused prompts
+        own: dict[int, Request] = {}  # this call's requests
         try:
             for i, (prompt, sp, tenant, salt) in enumerate(batch):
                 try:
@@ -359,14 +304,12 @@ class Engine:
         finally:
             with self._lock:
                 self._held.difference_update(seq.seq_id for seq in own.values())
-        results.update({i: self._output(seq) for i, seq in own.items()})
-        return [results[i] for i in range(len(batch))]
+        return [self._output(own[i]) if i in own else results[i] for i in range(len(batch))]
 
     @property
     def kv_bytes_in_use(self) -> int:
         """K/V bytes of the blocks referenced by live sequences now."""
-        bm = self.block_manager
-        return (bm.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
+        return (self.block_manager.num_blocks - self.block_manager.num_free_blocks) * self.store.bytes_per_block
 
     @property
     def num_preemptions(self) -> int:

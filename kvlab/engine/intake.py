@@ -1,9 +1,4 @@
-"""Request intake: check a request without the engine lock, then build its ``Request`` under it.
-
-``Intake.check`` tokenizes and checks (``TypeError``/``ValueError`` naming the problem, nothing queued);
-``Intake.admit`` gives the request its ids, generator and ``TenantScope``: the salt derived from tenant and
-server secret (``kvlab.engine.tenants``) or the raw ``unsafe_salt``, and its public-prefix length.
-"""
+"""Request intake: check a request without the engine lock, then build its ``Request`` under it."""
 
 from __future__ import annotations
 
@@ -12,7 +7,7 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -25,13 +20,7 @@ from .tenants import SharedTenantsWarning, public_prefix_length, tenant_salt
 __all__ = ["Checked", "Intake", "check_sampling", "per_prompt"]
 
 
-class Checked(NamedTuple):
-    """A request that passed ``Intake.check``: its token ids, sampling, tenant and cache salt."""
-
-    ids: list[int]
-    sampling: SamplingParams
-    tenant: str | None
-    salt: str | None
+Checked = tuple[list[int], SamplingParams, str | None, str | None]  # Intake.check's: ids, sampling, tenant, salt
 
 
 class Intake:
@@ -68,15 +57,12 @@ class Intake:
               unsafe_salt: str | None) -> Checked:
         """Tokenize and check one request; raise ``TypeError``/``ValueError`` naming the problem."""
         sampling = check_sampling(SamplingParams() if sampling is None else sampling)
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-        if unsafe_salt is not None and not isinstance(unsafe_salt, str):
-            raise TypeError(f"unsafe_salt must be a str or None, got {type(unsafe_salt).__name__}")
+        for name, value in (("tenant", tenant), ("unsafe_salt", unsafe_salt)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
         if unsafe_salt is not None and tenant is not None:
             raise ValueError("give a tenant (the engine derives its salt) or an unsafe_salt, not both")
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise TypeError("this engine has no tokenizer: pass token ids")
-        ids = encode(self.tokenizer, prompt)  # text, or real int ids: floats, bools, bytes, dicts... raise
+        ids = encode(self.tokenizer, prompt)  # text (with a tokenizer), or real int ids: floats, bools, bytes... raise
         if not ids:
             raise ValueError("the prompt is empty: a request needs at least one token")
         if any(not 0 <= t < self.vocab_size for t in ids):
@@ -91,7 +77,7 @@ class Intake:
                 f"tenant {tenant!r} on an engine with isolation='shared': tenants share every cached prefix "
                 "(one tenant's prompts can speed up, and so reveal themselves to, another's); use "
                 "isolation='tenant' or 'public-prefix' to keep them apart"), stacklevel=3)
-        return Checked(ids, sampling, tenant, unsafe_salt if unsafe_salt is not None else self.salt_for(tenant))
+        return ids, sampling, tenant, unsafe_salt if unsafe_salt is not None else self.salt_for(tenant)
 
     def admit(self, checked: Checked, request_id: Hashable | None, live: dict[Hashable, Request]) -> Request:
         """The ``Request`` of a checked request (call it under the engine lock): ids, scope, generator, arrival."""
@@ -116,9 +102,8 @@ class Intake:
         """A generator seeded by ``sampling.seed`` (or the engine's seeded draw); None for greedy."""
         if sampling.greedy:
             return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(sampling.seed if sampling.seed is not None else self._rng.getrandbits(63))
-        return gen
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        return torch.Generator(device=self.device).manual_seed(seed)
 
 
 def check_sampling(sampling: Any) -> SamplingParams:
@@ -131,12 +116,9 @@ def check_sampling(sampling: Any) -> SamplingParams:
 
 def per_prompt(prompts: Sequence[Any], sampling: Any, tenants: Sequence[str | None] | None,
                unsafe_salts: Sequence[str | None] | None) -> list[tuple[Any, Any, str | None, str | None]]:
-    """``generate``'s arguments as one ``(prompt, sampling, tenant, salt)`` per prompt; ``TypeError``/``ValueError``.
-
-    Each must be a list or tuple (a lone string would run one request per character); ``sampling`` may be one
-    for all.
-    """
+    """``generate``'s arguments as ``(prompt, sampling, tenant, salt)`` per prompt (one sampling may serve all)."""
     for name, value in (("prompts", prompts), ("tenants", tenants), ("unsafe_salts", unsafe_salts)):
+        # a list or tuple: a lone string would run one request per character
         if not isinstance(value, (list, tuple)) and (name == "prompts" or value is not None):
             one = f"; for one, pass [{name[:-1]}]" if isinstance(value, (str, bytes)) else ""
             raise TypeError(f"{name} must be a list or tuple, one per prompt, got {type(value).__name__}{one}")

@@ -1,20 +1,4 @@
-"""Paged K/V storage: per layer, ``[num_blocks, block_size, kv_heads, head_dim]`` tensors for K and V.
-
-The block manager decides *where* each token's K/V lives (block id, offset); this module holds the
-numbers. New K/V is written through a **slot mapping** (slot = block_id * block_size + offset, one per
-token) and read back through **block tables** (a sequence's physical block ids in logical order).
-Copy-on-write copies whole blocks (``copy_blocks``). The tensors start at zero, so a padded read of an
-unused block is finite (attention masks it out; zeros keep 0 * value from becoming NaN).
-
-Memory layout: ``k``/``v`` are *views* in the logical order ``(layers, blocks, block_size, kv_heads, head_dim)``
-of tensors laid out head-major, ``(layers, kv_heads, blocks, block_size, head_dim)`` (``k_pages``/``v_pages``).
-A gather through block tables (``gather_heads``) is then one ``index_select`` per layer that yields each KV
-head's keys as contiguous rows, which is the layout attention reads fastest; gathering the token-major layout
-and transposing it after cost 2-3x the time on a CPU (issue 31). New K/V arrives head-major from the model too.
-
-Reference: vLLM ``vllm/attention/ops/paged_attn.py`` (``write_to_paged_cache``), nano-vllm
-``nanovllm/layers/attention.py`` (``store_kvcache``).
-"""
+"""Paged K/V storage: every layer's K and V blocks, written through slot mappings, read through block tables."""
 
 from __future__ import annotations
 
@@ -23,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .models import kv_shape
+from .models import kv_bytes_per_token, kv_shape
 
 __all__ = ["PagedKVStore"]
 
@@ -37,25 +21,21 @@ class PagedKVStore:
             raise ValueError("every size of the store must be >= 1")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)  # head-major: see the module docstring
-        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = self.k_pages.permute(0, 2, 3, 1, 4)  # (L, blocks, block_size, kv_heads, head_dim), a view
-        self.v = self.v_pages.permute(0, 2, 3, 1, 4)
+        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)  # head-major: a gather is contiguous per head
+        self.k_pages, self.v_pages = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        # k, v: token-major views (L, blocks, block_size, kv_heads, head_dim); zeros keep a padded read finite
+        self.k, self.v = (pages.permute(0, 2, 3, 1, 4) for pages in (self.k_pages, self.v_pages))
 
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int) -> PagedKVStore:
         """A store shaped for ``model``'s config, on its device and in its dtype."""
-        s = kv_shape(model.config)
-        p = next(model.parameters())
+        s, p = kv_shape(model.config), next(model.parameters())
         return cls(s["layers"], num_blocks, block_size, s["kv_heads"], s["head_dim"], p.dtype, p.device)
 
     @staticmethod
     def blocks_for_bytes(model: Any, nbytes: int, block_size: int) -> int:
         """How many blocks of ``block_size`` tokens fit in ``nbytes`` of K/V for ``model``."""
-        s = kv_shape(model.config)
-        per_block = 2 * s["layers"] * block_size * s["kv_heads"] * s["head_dim"] * next(model.parameters()).element_size()
-        return nbytes // per_block
+        return nbytes // (block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype))
 
     @property
     def device(self) -> torch.device:
@@ -73,51 +53,41 @@ class PagedKVStore:
         return self.num_blocks * self.bytes_per_block
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store one layer's new K/V: token i goes to slot ``slot_mapping[i]``."""
-        # slot_mapping (T,) int64; key, value (T, kv_heads, head_dim)
+        """Store one layer's new K/V, two ``(T, kv_heads, head_dim)``: token i goes to slot ``slot_mapping[i]`` (T,)."""
         self.write_heads(layer, slot_mapping, key.transpose(0, 1), value.transpose(0, 1))
 
     def write_heads(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """``write`` for head-major K/V, two ``(kv_heads, T, head_dim)`` (the layout the model computes them in)."""
-        flat_k = self.k_pages[layer].view(self.kv_heads, -1, self.head_dim)  # (kv_heads, blocks * block_size, D)
-        flat_v = self.v_pages[layer].view(self.kv_heads, -1, self.head_dim)
-        flat_k.index_copy_(1, slot_mapping, key.to(flat_k.dtype))
-        flat_v.index_copy_(1, slot_mapping, value.to(flat_v.dtype))
+        for pages, new in ((self.k_pages, key), (self.v_pages, value)):
+            flat = pages[layer].view(self.kv_heads, -1, self.head_dim)  # (kv_heads, blocks * block_size, D)
+            flat.index_copy_(1, slot_mapping, new.to(flat.dtype))
 
     def gather_heads(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V of the blocks ``block_ids`` (n,), in order: two contiguous ``(kv_heads, n * block_size, head_dim)``."""
-        n = block_ids.shape[0]
-        pages_k = self.k_pages[layer].view(self.kv_heads, self.num_blocks, -1)  # (kv_heads, blocks, block_size * D)
-        pages_v = self.v_pages[layer].view(self.kv_heads, self.num_blocks, -1)
-        return (pages_k.index_select(1, block_ids).view(self.kv_heads, n * self.block_size, self.head_dim),
-                pages_v.index_select(1, block_ids).view(self.kv_heads, n * self.block_size, self.head_dim))
+        n = block_ids.shape[0]  # each block's rows of one head: (kv_heads, blocks, block_size * D)
+        return tuple(pages[layer].view(self.kv_heads, self.num_blocks, -1).index_select(1, block_ids)
+                     .view(self.kv_heads, n * self.block_size, self.head_dim) for pages in (self.k_pages, self.v_pages))
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one layer's K/V through block tables: ``(B, max_blocks)`` -> two ``(B, max_blocks * block_size, kv_heads, head_dim)``."""
         b, m = block_tables.shape
-        keys, values = self.gather_heads(layer, block_tables.reshape(-1))  # (kv_heads, B * Kmax, D)
-        return (keys.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3),
-                values.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3))
+        return tuple(t.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3)
+                     for t in self.gather_heads(layer, block_tables.reshape(-1)))  # t: (kv_heads, B * Kmax, D)
 
     def read(self, layer: int, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first ``length`` K/V entries of one layer: two ``(length, kv_heads, head_dim)``."""
         table = torch.as_tensor(list(block_table), dtype=torch.long, device=self.device)[None]
-        keys, values = self.gather(layer, table)
-        return keys[0, :length], values[0, :length]
+        return tuple(t[0, :length] for t in self.gather(layer, table))
 
     def clear_blocks(self, block_ids: Sequence[int]) -> None:
         """Zero whole blocks in every layer (K/V a failed step wrote, possibly NaN, must not be read back)."""
-        if not block_ids:
-            return
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        self.k[:, idx] = 0
-        self.v[:, idx] = 0
+        if block_ids:
+            idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            self.k[:, idx] = self.v[:, idx] = 0
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared partial block)."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        if pairs:
+            src, dst = torch.tensor(list(zip(*pairs)), dtype=torch.long, device=self.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]

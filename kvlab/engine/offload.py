@@ -1,23 +1,4 @@
-"""The torch side of the host tier: copy a block's K/V out of the paged store and back, and ship blocks between replicas.
-
-``HostOffload`` wires a ``kvlab.cache.host_tier.HostTier`` to an engine's store and block manager through
-``BlockManager.attach_second_tier``: ``on_evict`` (an evicted cached block is copied to host memory, all layers,
-K and V) and the second tier (a prompt that misses the pool but hits the tier gets the block copied back
-into a fresh pool block instead of recomputed); the tier's KV events join the block manager's
-(``BlockManager.emit_event``). Engine: ``Engine(..., host_tier_bytes=N)``.
-
-Between replicas the same entries travel: ``export`` reads the leading blocks of a chain of hashes that this
-engine holds (pool, then tier) into host tensors; a peer ``stage``s them into its own tier (each block's hash
-recomputed from its content first), and its next prompt with that prefix restores them as above. An
-``ObjectStore`` carries them (``kvlab.cluster.object_store``: Ray's, or an in-process stand-in). Whatever fails on the way (the holder died, an entry was evicted before it was read, a payload
-of the wrong shape) is a miss: the tokens are recomputed.
-
-On a CPU both tiers are RAM: a "transfer" is a memcpy, and the numbers say what a copy costs against a
-recompute, not what PCIe or a network would. On a GPU ``export``/``save`` are real device -> host copies.
-
-References: vLLM ``vllm/v1/kv_offload`` (CPU offloading connector) and ``KVConnectorBase_V1``; LMCache;
-Mooncake's transfer engine; NVIDIA Dynamo's NIXL-based KV transfer for disaggregated prefill/decode.
-"""
+"""The torch side of the host tier: block K/V to host memory and back, and to other replicas (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -33,6 +14,7 @@ from ..cache.block_manager import BlockManager
 from ..cache.hashing import BlockHash
 from ..cache.host_tier import HostTier, TierEntry, TierLink, collect_blocks
 from .kv_store import PagedKVStore
+from .models import synchronize
 
 __all__ = ["HostOffload", "to_wire"]
 
@@ -49,11 +31,6 @@ def _from_wire(a: Any, dtype: torch.dtype) -> Any:
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(a)
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 and t.dtype == torch.int16 else t
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class HostOffload:
@@ -74,13 +51,11 @@ class HostOffload:
     def read_block(self, block_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """Copy one block's K and V (every layer) to host memory: ``((k, v), nbytes)``, each (L, block_size, kv_heads, head_dim)."""
         t0 = time.perf_counter()
-        k = self.store.k[:, block_id].to("cpu", copy=True)  # (L, block_size, kv_heads, head_dim)
-        v = self.store.v[:, block_id].to("cpu", copy=True)
-        _sync(self.store.device)
-        nbytes = self.store.bytes_per_block
+        k, v = (t[:, block_id].to("cpu", copy=True) for t in (self.store.k, self.store.v))
+        synchronize(self.store.device)
         self.seconds_out += time.perf_counter() - t0
-        self.bytes_out += nbytes
-        return (k, v), nbytes
+        self.bytes_out += self.store.bytes_per_block
+        return (k, v), self.store.bytes_per_block
 
     def write_block(self, payload: Any, block_id: int) -> None:
         """Copy a host payload ``(k, v)`` into pool block ``block_id``; raises if it does not fit this store."""
@@ -93,7 +68,7 @@ class HostOffload:
         t0 = time.perf_counter()
         self.store.k[:, block_id].copy_(k)
         self.store.v[:, block_id].copy_(v)
-        _sync(self.store.device)
+        synchronize(self.store.device)
         self.seconds_in += time.perf_counter() - t0
         self.bytes_in += self.store.bytes_per_block
 

@@ -1,49 +1,5 @@
-"""Paged attention for any Hugging Face decoder, through transformers' ``AttentionInterface``.
-
-An engine step packs the new tokens of every scheduled sequence into one row (``input_ids`` of shape
-``(1, T)``, ``position_ids`` giving each token its own position), so the model runs once per step.
-transformers computes q, k, v and applies RoPE as usual, then calls the function registered here
-under the name ``"kvlab_paged"`` for each layer. It
-
-1. writes the new keys and values into the paged store through the step's slot mapping, then
-2. for each sequence, reads its cached + new K/V back through its block table and attends with a
-   causal mask *offset by the cached length*: query at position p sees keys at positions <= p
-   (and > p - window for sliding-window layers). Grouped-query attention never copies K/V: the query
-   heads that share a KV head are stacked as extra query rows of that head.
-
-Writing before reading is what makes a prefill after cached tokens and a decode step the same
-operation. Sequences are grouped by query length (``group_by_query_length``) and padded within a group;
-the attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with an additive mask built
-once per step (not per layer), so it runs on any device. A group in which no sequence has anything
-cached (an isolated prefill) skips step 2's read: its keys are exactly this step's new K/V, so it
-attends them directly with SDPA's ``is_causal`` (GQA through ``enable_gqa``), without a mask. A step
-that is one dense group (a decode-only step) needs no gather of its queries nor scatter of the outputs.
-K/V is read with ``index_select`` into each KV head's contiguous rows (``PagedKVStore.gather_heads``), a few
-sequences at a time so the copy is still in cache when the attention reads it (``KV_CHUNK_BYTES``).
-A group whose sequences share most of their blocks (decodes after a common cached prefix) attends over the
-*union* of its blocks instead, each read once, with a mask that keeps every query to its own sequence's keys;
-a cost model (``_plan_union``) picks it only when the gather it saves outweighs the scores it adds.
-The step's metadata travels as the forward keyword ``kvlab_batch``, which transformers passes down to
-the attention function untouched.
-
-``register(model)`` registers the function once through transformers' public ``AttentionInterface``, under a
-name that also carries the model's own implementation, for ``model.set_attn_implementation(name)``; inside
-``paged_step()`` the model then builds no mask of its own (a packed batch would make that mask ``T x T``) and
-attends here; outside it the model runs its own attention and mask, so ``model.generate`` still works on
-the same object.
-
-What it implements is an allow-list, and everything else is refused (``NotImplementedError`` naming the
-feature), never dropped: per call, ``check_attention_call`` accepts the keywords in ``IMPLEMENTED_KWARGS``
-(a scale, a sliding window, no dropout, causal), ignores transformers' bookkeeping in ``METADATA_KWARGS``
-and refuses any other keyword that is not None (``s_aux`` sink logits, ``softcap``, ``position_bias``, ...),
-a mask of the model's own and a non-causal module; per model, ``check_config`` refuses layer types other
-than full and sliding-window attention, chunked and bidirectional attention, and a window the config sets
-but the attention call is not given (it would live in the model's own mask, which is never built here).
-``kvlab.engine.Engine`` runs both on a probe token at construction.
-
-References: transformers ``docs/source/en/attention_interface.md``; vLLM
-``vllm/attention/backends/torch_sdpa.py``; nano-vllm ``nanovllm/layers/attention.py``.
-"""
+"""Paged attention for any HF decoder via transformers' ``AttentionInterface``: per layer, write the step's new K/V,
+then attend each sequence's K/V through its block table. An allow-list: anything else is refused (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -62,8 +18,8 @@ from ..cache.block_manager import cdiv
 from .kv_store import PagedKVStore
 
 __all__ = ["ATTN_NAME", "IMPLEMENTED_KWARGS", "METADATA_KWARGS", "AttnGroup", "MissingBatchError", "PagedBatch",
-           "attention_name", "build_batch", "check_attention_call", "check_config", "group_by_query_length",
-           "paged_attention_forward", "paged_step", "register"]
+           "build_batch", "check_attention_call", "check_config", "group_by_query_length", "paged_attention_forward",
+           "paged_step", "register"]
 
 ATTN_NAME = "kvlab_paged"
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
@@ -81,49 +37,31 @@ class AttnGroup:
     block_size: int
     dense: bool = False  # no padding and packed in order: the group is the whole step, (B * Qmax) rows
     fresh: bool = False  # every sequence starts at position 0: its keys are this step's, attention is plain causal
-    masks: dict = field(default_factory=dict)  # (group, window, dtype) -> the mask as attended; built once per step
+    masks: dict = field(default_factory=dict)  # (union, group, window, dtype) -> the mask as attended
     tables: list[list[int]] = field(default_factory=list)  # the block tables as lists (``_plan_union`` reads them)
     union: bool | None = None  # attend over the union of the group's blocks (``_plan_union``; None: not decided yet)
     union_blocks: torch.Tensor | None = None  # (U,) the distinct blocks of the group, when ``union``
     union_pos: torch.Tensor | None = None  # (B, U * block_size) position of each union key in each sequence (-1: not its)
 
-    @property
-    def mask(self) -> torch.Tensor:
-        """(B, 1, Qmax, Kmax) bool, True = may attend: causal, within the context; a padded row sees key 0 only."""
-        k_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_pos.device)
-        return ((k_pos[None, None, :] <= self.query_pos[:, :, None])
-                & (k_pos[None, None, :] < self.context[:, None, None]))[:, None]
+    def attn_mask(self, group: int, window: int | None, dtype: torch.dtype, union: bool = False) -> torch.Tensor:
+        """Additive mask (0 or -inf) of GQA's stacked query rows (SDPA would convert a bool one per layer), once a step.
 
-    def attn_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """(B, 1, group * Qmax, Kmax) additive mask (0 or -inf) for GQA's stacked query rows (and a window), once per step.
-
-        SDPA would turn a boolean mask into this same float mask at every call, i.e. in every layer.
-        """
-        key = (group, sliding_window, dtype)
+        ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)`` over its keys."""
+        key = (union, group, window, dtype)
         if key not in self.masks:
-            mask = self.mask
-            if sliding_window is not None:
-                k_pos = torch.arange(mask.shape[-1], device=mask.device)
-                mask = mask & (k_pos[None, None, None, :] > self.query_pos[:, None, :, None] - sliding_window)
-                mask[..., 0] |= ~mask.any(-1)  # keep padded rows finite
-            if group > 1:
-                b, _, q_len, k_len = mask.shape
-                mask = mask.unsqueeze(2).expand(b, 1, group, q_len, k_len).reshape(b, 1, group * q_len, k_len)
-            self.masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return self.masks[key]
-
-    def union_mask(self, group: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """(1, 1, B * group * Qmax, U * block_size) additive mask over the union's keys, rows in (sequence, head, query) order."""
-        key = ("union", group, sliding_window, dtype)
-        if key not in self.masks:
-            kpos, qpos = self.union_pos[:, None, :], self.query_pos[:, :, None]  # (B, 1, Ku), (B, Qmax, 1)
-            ok = (kpos >= 0) & (kpos <= qpos) & (kpos < self.context[:, None, None])  # (B, Qmax, Ku)
-            if sliding_window is not None:
-                ok &= kpos > qpos - sliding_window
-            ok |= ~ok.any(-1, keepdim=True)  # a padded row sees every key: finite, and never read
+            if union:
+                k_pos = self.union_pos[:, None, :]  # (B, 1, Ku): -1 where the key is not the sequence's
+            else:
+                k_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_pos.device)
+            q_pos = self.query_pos[:, :, None]  # (B, Qmax, 1)
+            ok = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos < self.context[:, None, None])  # (B, Qmax, K)
+            if window is not None:
+                ok &= k_pos > q_pos - window
+            ok |= ~ok.any(-1, keepdim=True)  # a row that sees nothing (padding) sees every key: finite, never read
             b, q_len, k_len = ok.shape
-            ok = ok[:, None].expand(b, group, q_len, k_len).reshape(1, 1, b * group * q_len, k_len)
-            self.masks[key] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
+            shape = (1, 1, b * group * q_len, k_len) if union else (b, 1, group * q_len, k_len)
+            ok = ok[:, None].expand(b, group, q_len, k_len).reshape(shape)
+            self.masks[key] = torch.zeros(shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
         return self.masks[key]
 
 
@@ -143,41 +81,28 @@ class MissingBatchError(RuntimeError):
     """The paged attention was called without its ``kvlab_batch`` keyword."""
 
 
-def _group(starts: Sequence[int], ends: Sequence[int], tables: Sequence[Sequence[int]], offsets: Sequence[int],
-           block_size: int, device: torch.device) -> AttnGroup:
-    b, q_max = len(starts), max(e - s for s, e in zip(starts, ends))
-    m = max(len(t) for t in tables)
-    q_idx = torch.zeros(b, q_max, dtype=torch.long)
-    q_pos = torch.zeros(b, q_max, dtype=torch.long)
-    valid = torch.zeros(b, q_max, dtype=torch.bool)
-    bt = torch.zeros(b, m, dtype=torch.long)
-    for i, (s, e, table, off) in enumerate(zip(starts, ends, tables, offsets)):
-        n = e - s
-        q_idx[i, :n] = torch.arange(off, off + n)
-        q_pos[i, :n] = torch.arange(s, e)
-        valid[i, :n] = True
+def _group(spans: Sequence[tuple[int, int, Sequence[int]]], offsets: Sequence[int], block_size: int,
+           device: torch.device) -> AttnGroup:
+    b, q_max, m = len(spans), max(e - s for s, e, _ in spans), max(len(t) for _, _, t in spans)
+    q_idx, q_pos, bt = (torch.zeros(b, n, dtype=torch.long) for n in (q_max, q_max, m))
+    for i, ((s, e, table), off) in enumerate(zip(spans, offsets)):
+        q_idx[i, :e - s] = torch.arange(off, off + e - s)
+        q_pos[i, :e - s] = torch.arange(s, e)
         bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.long)
-    ctx = torch.tensor(list(ends), dtype=torch.long)  # context length of each sequence after this step
-    dense = bool(valid.all()) and offsets[0] == 0 and all(o == i * q_max for i, o in enumerate(offsets))
+    valid = torch.arange(q_max) < torch.tensor([e - s for s, e, _ in spans])[:, None]  # (B, Qmax)
+    ctx = torch.tensor([e for _, e, _ in spans], dtype=torch.long)  # context length of each sequence after this step
+    dense = bool(valid.all()) and all(o == i * q_max for i, o in enumerate(offsets))
     return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device), ctx.to(device),
-                     block_size, dense, all(s == 0 for s in starts), tables=[list(t) for t in tables])
+                     block_size, dense, all(s == 0 for s, _, _ in spans), tables=[list(t) for _, _, t in spans])
 
 
-# FLOPs of small-batch attention matmuls a CPU does in the time it moves one byte (~100 GFLOP/s against ~12 GB/s):
-# weighs the gather a union saves against the attention FLOPs it adds (``_plan_union``).
-FLOPS_PER_BYTE = 8
+FLOPS_PER_BYTE = 8  # small-batch attention FLOPs a CPU does while it moves one byte (~100 GFLOP/s, ~12 GB/s)
 
 
 def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
-    """Whether ``g`` attends over the union of its sequences' blocks (decided once per step; sets ``g.union``).
-
-    Sequences that share a cached prefix (16 decodes after a 512-token system prompt) each gather the
-    prefix again: 16x its bytes copied, and read again by the attention. Attending every query of the group
-    over the *distinct* blocks once, with a mask that lets each query see only its own sequence's keys,
-    copies each block once, at the price of scores for keys a query may not see. The cost model, per KV
-    head and key: the bytes gathered (K and V, written once and read twice) at ``FLOPS_PER_BYTE``, and the
-    attention FLOPs (``4 * query rows * head_dim``). A table holding a block twice keeps the per-sequence path.
-    """
+    """Whether ``g`` attends over the union of its blocks, each read once (decided once per step: sets ``g.union``)."""
+    # cost per KV head and key: the bytes a gather copies (K and V, written once, read twice) against the
+    # attention FLOPs (4 * query rows * head_dim) of the keys a query may not see; a repeated block: no union
     if g.union is None:
         b, m = g.block_tables.shape
         q_rows = g.query_index.shape[1] * group  # query rows of one sequence per KV head
@@ -198,11 +123,7 @@ def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
-    """Metadata of one packed step from ``(start, end, block_table)`` per sequence, in packing order.
-
-    Sequence i contributes the tokens at positions ``[start, end)``; its K/V for positions ``< start``
-    must already be in the store under ``block_table``.
-    """
+    """Metadata of one packed step from ``(start, end, block_table)`` per sequence (K/V before ``start`` is stored)."""
     bs, slots, offsets, off = store.block_size, [], [], 0
     for start, end, table in seqs:
         if not 0 <= start < end or cdiv(end, bs) > len(table):
@@ -210,20 +131,13 @@ def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         offsets.append(off)
         off += end - start
-    groups = [_group([seqs[i][0] for i in idx], [seqs[i][1] for i in idx], [seqs[i][2] for i in idx],
-                     [offsets[i] for i in idx], bs, store.device)
+    groups = [_group([seqs[i] for i in idx], [offsets[i] for i in idx], bs, store.device)
               for idx in group_by_query_length([e - s for s, e, _ in seqs])]
     return PagedBatch(store, torch.tensor(slots, dtype=torch.long, device=store.device), groups, off)
 
 
 def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> list[list[int]]:
-    """Split sequences into groups whose padded query rows stay within ``max_padding`` x the real rows.
-
-    Padding every prefill of a step to the longest one wastes attention work: a 544-token prefill
-    beside fifteen 32-token suffixes would make every suffix attend 544 padded query rows. Sorting
-    by length and cutting greedily keeps each group's ``longest x count <= max_padding x sum``.
-    Decodes (length 1) always land together.
-    """
+    """Groups of sequences, sorted by length and cut greedily so ``longest x count <= max_padding x sum`` in each."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     real = 0
@@ -237,72 +151,54 @@ def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> l
     return groups
 
 
-# The allow-list. Keywords of the attention call that the paged attention implements:
-IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
+IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})  # the allow-list
 # transformers' bookkeeping keywords that carry no attention semantics (positions come from ``kvlab_batch``):
 METADATA_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
                              "output_router_logits", "return_dict", "logits_to_keep"})
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})  # the config.layer_types it implements
 # What a refusal calls some keywords (any other one is named as the keyword itself):
 _FEATURES = {"s_aux": "per-head attention sink logits (s_aux)", "softcap": "attention logit soft-capping (softcap)",
              "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
              "encoder_hidden_states": "cross-attention (encoder_hidden_states)"}
 
 
+def _refuse(feature: str) -> None:
+    raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
+
+
 def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor | None, dropout: float,
                          sliding_window: int | None, is_causal: bool | None, kwargs: dict[str, Any]) -> None:
     """Raise ``NotImplementedError`` naming the feature when a call asks for more than causal (+window) SDPA."""
-    def refuse(feature: str) -> None:
-        raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
-
     if attention_mask is not None:
-        refuse(f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)")
+        _refuse(f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)")
     if is_causal is False or getattr(module, "is_causal", True) is False:
-        refuse("non-causal (bidirectional) attention")
+        _refuse("non-causal (bidirectional) attention")
     if dropout:
-        refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
+        _refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
+    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
+        _refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
     if kwargs.get("output_attentions"):
-        refuse("returning attention weights (output_attentions=True)")
+        _refuse("returning attention weights (output_attentions=True)")
     for name, value in kwargs.items():
         if name not in METADATA_KWARGS and value is not None:  # an unknown keyword is accepted only when off (None)
-            refuse(_FEATURES.get(name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"))
-
-
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})  # config.layer_types it implements
-
-
-def _layer_windows(cfg: Any, num_layers: int) -> list[int | None]:
-    """The sliding window the config asks of each layer's attention (None: full causal attention)."""
-    window, types = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
-    if types is not None:
-        return [window if t == "sliding_attention" else None for t in types]
-    if getattr(cfg, "use_sliding_window", True) is False:
-        return [None] * num_layers
-    return [window] * num_layers
+            _refuse(_FEATURES.get(name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"))
 
 
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
-    """Raise ``NotImplementedError`` naming a config feature that changes attention beyond causal (+window) SDPA.
-
-    ``windows_run`` maps each layer to the sliding window its attention call received (a probe forward):
-    a window the config sets but the model applies only through its own mask (which kvlab does not build)
-    would otherwise be dropped silently.
-    """
+    """Raise ``NotImplementedError`` naming a config feature beyond causal (+window) SDPA (windows: a probe's)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = getattr(cfg, "layer_types", None)
     if types is not None and set(types) - ATTENTION_LAYER_TYPES:
-        raise NotImplementedError(f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} are not implemented "
-                                  f"by kvlab's paged attention (only {sorted(ATTENTION_LAYER_TYPES)})")
+        _refuse(f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} (only {sorted(ATTENTION_LAYER_TYPES)})")
     if getattr(cfg, "attention_chunk_size", None) is not None:
-        raise NotImplementedError(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
-                                  "implemented by kvlab's paged attention")
+        _refuse(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
     if getattr(cfg, "use_bidirectional_attention", None):
-        raise NotImplementedError(f"bidirectional attention (use_bidirectional_attention="
-                                  f"{cfg.use_bidirectional_attention!r}) is not implemented by kvlab's paged attention")
-    want = _layer_windows(cfg, len(windows_run))
-    for layer, got in sorted(windows_run.items()):
+        _refuse(f"bidirectional attention (use_bidirectional_attention={cfg.use_bidirectional_attention!r})")
+    window = getattr(cfg, "sliding_window", None)  # the window the config asks of each layer (None: full causal)
+    want = [None if getattr(cfg, "use_sliding_window", True) is False else window] * len(windows_run)
+    if types is not None:
+        want = [window if t == "sliding_attention" else None for t in types]
+    for layer, got in sorted(windows_run.items()):  # a window the model applies only in its own mask would be lost
         if layer < len(want) and want[layer] != got:
             raise NotImplementedError(
                 f"layer {layer}'s sliding window is {want[layer]} in the config but its attention call was given "
@@ -333,111 +229,76 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             f"layer {layer} has {key.shape[1]} KV heads with key/value/query widths {key.shape[-1]}/{value.shape[-1]}/"
             f"{query.shape[-1]}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
             "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented")
-    heads, kv_heads = query.shape[1], key.shape[1]
     batch.store.write_heads(layer, batch.slot_mapping, key[0], value[0])  # (kv_heads, T, D)
-    q_all = query[0].transpose(0, 1)  # (T, heads, D)
-    group = heads // kv_heads  # query heads per KV head (grouped-query attention)
+    q_all, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, heads, D)
+    heads, d = q_all.shape[1:]
     whole = len(batch.groups) == 1 and batch.groups[0].dense  # e.g. a decode-only step: no gather, no scatter
     out = None if whole else torch.empty_like(q_all)  # (T, heads, D)
     for g in batch.groups:
         b, q_len = g.query_index.shape
-        d = q_all.shape[-1]
         q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]  # (B, Qmax, heads, D)
-        if g.fresh and (sliding_window is None or sliding_window >= q_len):
-            # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
-            # (a padded query row is past every real one, so causality alone keeps real rows exact)
-            o = _causal_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), g, whole, scaling)
-        elif _plan_union(g, group, batch.store.k.element_size()):
-            o = _union_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
-        else:
-            o = _paged_group_attention(q, batch.store, layer, g, group, sliding_window, scaling)
+        o = _group_attention(q, key, value, store, layer, g, whole, sliding_window, scaling)  # (B, Qmax, heads, D)
         if whole:
             return o.reshape(1, b * q_len, heads, d).contiguous(), None  # (1, T, heads, D), contiguous as from SDPA
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     return out.unsqueeze(0), None  # (1, T, heads, D)
 
 
-def _causal_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: AttnGroup, whole: bool,
-                      scaling: float | None) -> torch.Tensor:
-    """SDPA with ``is_causal`` over the group's new keys: ``q`` (B, Qmax, heads, D), ``key``/``value`` (T, kv_heads, D)."""
+KV_CHUNK_BYTES = 2 * 2 ** 20  # K/V gathered per attention call: small enough to stay in a core's cache (issue 31)
+
+
+def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, store: PagedKVStore, layer: int,
+                     g: AttnGroup, whole: bool, sliding_window: int | None, scaling: float | None) -> torch.Tensor:
+    """Attend one group's ``q`` (B, Qmax, heads, D): over its new K/V alone, the union of its blocks, or each table."""
     b, q_len, heads, d = q.shape
-    k = key.reshape(b, q_len, -1, d) if whole else key[g.query_index]  # (B, Qmax, kv_heads, D)
-    v = value.reshape(b, q_len, -1, d) if whole else value[g.query_index]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads or kv_heads, Qmax, D)
-    if k.shape[1] != heads and not _SDPA_GQA:  # torch < 2.5: no enable_gqa
-        k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // k.shape[1], 1)
-    gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, **gqa)  # (B, heads, Qmax, D)
-    return o.transpose(1, 2)  # (B, Qmax, heads, D)
-
-
-# K/V bytes gathered per attention call: small enough to stay in a core's cache until the attention reads it.
-# One call over all 16 sequences of sys512 (13 MiB a layer) took 1.5-3x the time of calls over 1-4 at once (issue 31).
-KV_CHUNK_BYTES = 2 * 2 ** 20
-
-
-def _paged_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
-                           sliding_window: int | None, scaling: float | None) -> torch.Tensor:
-    """Attend ``q`` (B, Qmax, heads, D) over each sequence's cached + new K/V, read through its block table.
-
-    The sequences go in chunks of ``KV_CHUNK_BYTES`` of gathered K/V, each gathered and attended in turn.
-    """
-    b, q_len, heads, d = q.shape
-    m = g.block_tables.shape[1]
-    kv_heads = heads // group
+    kv_heads = key.shape[1]  # key, value: the step's new (T, kv_heads, D)
+    group = heads // kv_heads  # query heads per KV head (grouped-query attention)
+    if g.fresh and (sliding_window is None or sliding_window >= q_len):
+        # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
+        # (a padded query row is past every real one, so causality alone keeps real rows exact)
+        k = key.reshape(b, q_len, kv_heads, d) if whole else key[g.query_index]  # (B, Qmax, kv_heads, D)
+        v = value.reshape(b, q_len, kv_heads, d) if whole else value[g.query_index]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads or kv_heads, Qmax, D)
+        if group > 1 and not _SDPA_GQA:  # torch < 2.5: no enable_gqa
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, **gqa).transpose(1, 2)
     # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
     # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
     q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
-    mask = g.attn_mask(group, sliding_window, q.dtype)  # (B, 1, group * Qmax, Kmax)
-    per_seq = 2 * m * store.block_size * kv_heads * d * store.k.element_size()
-    step = max(1, KV_CHUNK_BYTES // per_seq)
-    outs = []
-    for i in range(0, b, step):
-        n = min(step, b - i)
-        k, v = store.gather_heads(layer, g.block_tables[i:i + n].reshape(-1))  # (kv_heads, n * Kmax, D)
-        k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, Kmax, D), each head's rows contiguous
-        v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(q[i:i + n], k, v, attn_mask=mask[i:i + n], scale=scaling))
-    o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, kv_heads, group * Qmax, D)
-    return o.view(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)  # (B, Qmax, heads, D)
-
-
-def _union_group_attention(q: torch.Tensor, store: PagedKVStore, layer: int, g: AttnGroup, group: int,
-                           sliding_window: int | None, scaling: float | None) -> torch.Tensor:
-    """Attend ``q`` (B, Qmax, heads, D) over the union of the group's blocks, each read once (``_plan_union``)."""
-    b, q_len, heads, d = q.shape
-    k, v = store.gather_heads(layer, g.union_blocks)  # (kv_heads, U * block_size, D)
-    kv_heads = k.shape[0]
-    # every query row of the group that reads KV head j becomes a row of one attention over j's union keys
-    q = q.view(b, q_len, kv_heads, group, d).permute(2, 0, 3, 1, 4).reshape(1, kv_heads, b * group * q_len, d)
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype)[None], v.to(q.dtype)[None],
-                                       attn_mask=g.union_mask(group, sliding_window, q.dtype), scale=scaling)
-    return o.view(kv_heads, b, group, q_len, d).permute(1, 3, 0, 2, 4).reshape(b, q_len, heads, d)
+    if _plan_union(g, group, store.k.element_size()):  # every row reading KV head j: one attention over j's keys
+        k, v = store.gather_heads(layer, g.union_blocks)  # (kv_heads, U * block_size, D)
+        mask = g.attn_mask(group, sliding_window, q.dtype, union=True)  # (1, 1, B * group * Qmax, U * block_size)
+        q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype)[None], v.to(q.dtype)[None], attn_mask=mask, scale=scaling)
+        o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)  # (B, kv_heads, group * Qmax, D)
+    else:  # a few sequences at a time, so their gathered K/V is still in cache when the attention reads it
+        mask = g.attn_mask(group, sliding_window, q.dtype)  # (B, 1, group * Qmax, Kmax)
+        step = max(1, KV_CHUNK_BYTES // (2 * g.block_tables.shape[1] * store.block_size * kv_heads * d
+                                         * store.k.element_size()))
+        outs = []
+        for i in range(0, b, step):
+            n = min(step, b - i)
+            k, v = store.gather_heads(layer, g.block_tables[i:i + n].reshape(-1))  # (kv_heads, n * Kmax, D)
+            k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, Kmax, D)
+            v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
+            outs.append(F.scaled_dot_product_attention(q[i:i + n], k, v, attn_mask=mask[i:i + n], scale=scaling))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, kv_heads, group * Qmax, D)
+    return o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)
 
 
 _IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)  # our own state, like nano-vllm's context
 
 
-def attention_name(original: str) -> str:
-    """The name kvlab registers for a model whose own attention implementation is ``original`` (e.g. ``"sdpa"``)."""
-    return f"{ATTN_NAME}_{original}"
-
-
 def register(model: Any) -> tuple[str, str]:
-    """Register kvlab's attention for ``model`` with transformers' public interfaces; return ``(own, name)``.
-
-    ``name`` (``attention_name(own)``, ``own`` the model's own implementation) goes to ``AttentionInterface``
-    (the attention) and ``AttentionMaskInterface`` (the mask); ``model.set_attn_implementation(name)`` switches to
-    it. Both functions look at ``paged_step()``: inside it the model builds no mask and attends through the paged
-    store; outside it they run the model's own implementation and mask, so ``model.generate`` keeps its outputs.
-    """
+    """Register kvlab's attention and mask for ``model`` (transformers' public interfaces); return ``(own, name)``."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    own = model.config._attn_implementation
-    own = own.removeprefix(ATTN_NAME + "_") if own.startswith(ATTN_NAME + "_") else own  # switched by another engine
-    AttentionInterface.register(attention_name(own), functools.partial(_attention, own))
-    AttentionMaskInterface.register(attention_name(own), functools.partial(_mask, own))
-    return own, attention_name(own)
+    own = model.config._attn_implementation.removeprefix(ATTN_NAME + "_")  # switched by another engine
+    name = f"{ATTN_NAME}_{own}"  # it carries the model's own implementation, run outside paged_step()
+    AttentionInterface.register(name, functools.partial(_attention, own))
+    AttentionMaskInterface.register(name, functools.partial(_mask, own))
+    return own, name
 
 
 @contextlib.contextmanager

@@ -1,14 +1,4 @@
-"""Which cache manager an ``Engine`` runs on: vLLM's hash blocks (``"blocks"``) or SGLang's radix tree (``"radix"``).
-
-Both implement ``kvlab.cache.CacheManager``, the members the scheduler and the engine call (the radix tree
-through ``RadixCacheManager`` below, which adds the two it lacks: ``take_events`` and ``reset_prefix_cache``),
-so the engine only chooses one here and sizes its K/V store after it: ``num_blocks x block_size`` slots either way, in
-blocks of ``block_size`` or in pages of ``page_size`` (one token by default: every cached token is
-reused, a partial block's too).
-
-The radix tree keeps each tenant salt under its own root, so it cannot share an operator's public prefix
-across salted tenants: ``isolation="public-prefix"`` needs the block cache.
-"""
+"""Which ``kvlab.cache.CacheManager`` an ``Engine`` runs on: hash blocks, a radix tree, or the caller's own."""
 
 from __future__ import annotations
 
@@ -46,7 +36,7 @@ def make_cache_manager(cache: str, num_blocks: int, block_size: int, page_size: 
         raise ValueError("KV events (vLLM's schema) describe hash blocks: use cache='blocks' with enable_kv_events=True")
     if type(page_size) is not int or page_size <= 0:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if isolation == "public-prefix":
+    if isolation == "public-prefix":  # each salt has a root of its own: a public prefix cannot be shared
         raise ValueError("the radix cache keeps each tenant's salt in its own tree and cannot share a public "
                          "prefix across tenants: use cache='blocks' with isolation='public-prefix'")
     slots = num_blocks * block_size
@@ -57,11 +47,7 @@ def make_cache_manager(cache: str, num_blocks: int, block_size: int, page_size: 
 
 
 def adopt_cache(cache: object, num_blocks: int | None, kv_cache_bytes: int | None) -> CacheManager:
-    """A caller's own cache object for ``Engine(cache=obj)``: checked against ``CacheManager``, empty, sizes its own.
-
-    ``TypeError`` names the members it lacks; ``ValueError`` if it already holds sequences (one cache per
-    engine, from its start) or if ``num_blocks``/``kv_cache_bytes`` are given too (the object has its size).
-    """
+    """A caller's own cache for ``Engine(cache=obj)``: a ``CacheManager`` (else ``TypeError``), empty, sized."""
     check_cache(cache)
     if num_blocks is not None or kv_cache_bytes is not None:
         raise ValueError("a cache object brings its own size: leave num_blocks and kv_cache_bytes unset "

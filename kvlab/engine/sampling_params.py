@@ -1,15 +1,4 @@
-"""Sampling parameters of one request, checked on construction (pure Python, no torch).
-
-``temperature == 0`` means greedy (argmax), as in vLLM; ``temperature > 0`` samples with the temperature,
-top-k and top-p filters (``kvlab.engine.sampling.sample_next``, which needs torch) from a generator seeded
-by ``seed``. This module imports no torch, so ``sequence`` and ``scheduler`` stay torch-free.
-
-Only real values are accepted (an allow-list per field): ints for ``max_tokens``, ``top_k``, ``seed`` and
-the stop ids, int or float for ``temperature`` and ``top_p``, ``bool`` for ``ignore_eos``; a ``bool`` is
-never taken for a number (``top_p=True`` is refused like ``temperature=True``). ``stop_token_ids`` is a
-list, tuple, set, frozenset or range, kept as a tuple; an iterator or generator is refused (validation
-would consume it).
-"""
+"""A request's sampling parameters, checked against an allow-list per field (pure Python; docs/engine.md)."""
 
 from __future__ import annotations
 

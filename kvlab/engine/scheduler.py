@@ -1,17 +1,4 @@
-"""Continuous batching over the block manager: which sequences run in the next step (pure Python, no torch).
-
-Every step first gives each running sequence one decode token (oldest first). When a decode needs
-a block and none is free, the youngest running sequence is preempted: its blocks are freed (its full
-blocks stay in the prefix cache) and it goes back to the front of the waiting queue, to be prefilled
-again from its tokens later (recompute, as vLLM). Then, if nothing was preempted, waiting sequences
-are admitted first-come first-served while the token budget, ``max_num_seqs`` and free blocks allow;
-so prefills and decodes share one step. A prompt is prefilled whole (no chunking): a prompt longer
-than the token budget runs in a step of its own. A request that could never fit the pool, even
-alone, is refused by ``check_fits`` before it is queued. The block manager is any ``kvlab.cache.CacheManager``.
-
-References: vLLM ``vllm/v1/core/sched/scheduler.py`` (``schedule``, ``_preempt_request``), nano-vllm
-``nanovllm/engine/scheduler.py``.
-"""
+"""Continuous batching (pure Python): decodes first, preempting by recompute, then FCFS prefills (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -53,13 +40,11 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues; one ``schedule()`` per engine step."""
 
-    def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048) -> None:
+    def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
                              f"(got {max_num_seqs}, {max_num_batched_tokens})")
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
+        self.block_manager, self.max_num_seqs = block_manager, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
@@ -73,8 +58,7 @@ class Scheduler:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``ValueError`` if a request could not run even alone in an empty pool."""
         bm = self.block_manager
-        # K/V is written for every token but the last generated one
-        need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)
+        need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)  # K/V of every token but the last generated
         if need > bm.num_blocks:
             raise ValueError(
                 f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens, block size "
@@ -93,7 +77,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # 1. one decode token for each running sequence
             seq = self.running[i]
             while not bm.can_append(seq.seq_id):
-                victim = self.running.pop()  # the youngest
+                victim = self.running[-1]  # the youngest
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -125,11 +109,9 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Request) -> None:
-        self.block_manager.free(seq.seq_id)
-        seq.status = RequestStatus.WAITING
+        self.requeue(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Run ``child`` as a copy of the running ``parent`` that shares all its blocks."""
@@ -145,12 +127,7 @@ class Scheduler:
             raise ValueError("only a running sequence that has generated a token can be forked")
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
-        """Send a running sequence back to the front of the waiting queue, to be prefilled again.
-
-        For a sequence whose step did not complete through no fault of its own (it read K/V that a
-        failed request never wrote): its blocks are freed, those from ``uncache_from`` on leave the
-        prefix cache (``BlockManager.free``). Not counted as a preemption.
-        """
+        """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
         if seq.status is not RequestStatus.RUNNING:
             raise ValueError("only a running sequence can be requeued")
         self.block_manager.free(seq.seq_id, uncache_from)
@@ -159,7 +136,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Request, reason: str, uncache_from: int | None = None) -> None:
-        """Take a sequence out of the queues for good and free its blocks (see ``requeue`` for ``uncache_from``)."""
+        """Take a sequence out of the queues for good, free its blocks (from ``uncache_from`` on: out of the cache)."""
         if seq.status is RequestStatus.RUNNING:
             self.block_manager.free(seq.seq_id, uncache_from)
             self.running.remove(seq)

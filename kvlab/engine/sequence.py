@@ -1,14 +1,4 @@
-"""One request's state as it moves through the engine: waiting -> running -> finished (pure Python).
-
-A ``Request`` owns its tokens (prompt + generated); the block manager owns where their K/V lives. While it
-runs, every token but the last has its K/V in the paged store; the last one (just sampled) is fed to the
-model in the next step. A preempted request goes back to waiting with its tokens and is prefilled again
-from them later (preemption by recompute). Its ``TenantScope`` (salt, public prefix, tenant label) is fixed
-at construction: whose cached blocks it may share never changes while it lives.
-
-Named as vLLM v1 names it (``vllm/v1/request.py``: ``Request``, ``RequestStatus``); nano-vllm calls it
-``Sequence`` (``nanovllm/engine/sequence.py``), a name that would shadow ``collections.abc.Sequence``.
-"""
+"""One request's state, waiting -> running -> finished, as vLLM v1's ``Request`` (pure Python; docs/engine.md)."""
 
 from __future__ import annotations
 

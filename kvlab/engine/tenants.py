@@ -1,24 +1,4 @@
-"""Tenants and cache-isolation policies: who may share which cached blocks (pure Python, no torch).
-
-A tenant never chooses its salt. The engine derives it from the tenant id and a server secret,
-
-    salt = HMAC-SHA256(server_secret, tenant_id)
-
-so a tenant that knows another tenant's id still cannot compute that tenant's salt, and a request
-cannot carry one (vLLM's ``cache_salt`` is a request field; its docs say the salt "is not an isolation
-boundary" precisely because a client supplies it). Three policies:
-
-- ``"shared"``: no salt; every request may hit every cached block (vLLM without ``cache_salt``). Naming
-  tenants on such an engine is allowed (notebook 07 measures what they leak to each other) but warns once
-  per engine with ``SharedTenantsWarning``: their prefixes are shared, not isolated.
-- ``"tenant"``: the tenant's salt enters the first block, so tenants share nothing.
-- ``"public-prefix"``: the operator registers public prefixes (a system prompt every tenant may
-  share). Their whole blocks are shared by all tenants; the salt enters the first block that extends
-  past the public prefix, so a block straddling the boundary, and everything after it, is private.
-
-References: vLLM ``cache_salt`` (its answer to CVE-2025-46570) and its prefix-caching design docs;
-RFC 2104 (HMAC).
-"""
+"""Tenants and isolation policies (pure Python): a tenant's salt is HMAC-SHA256(server secret, tenant id)."""
 
 from __future__ import annotations
 
@@ -30,7 +10,6 @@ from collections.abc import Sequence
 from ..cache.hashing import salted_block
 
 POLICIES = ("shared", "tenant", "public-prefix")
-DEFAULT_TENANT = ""  # kept for compatibility: no longer the scope of a request that names no tenant
 MIN_SECRET_BYTES = 16
 
 
@@ -44,11 +23,7 @@ def new_secret() -> bytes:
 
 
 def check_secret(secret: bytes | bytearray | str | None) -> bytes:
-    """The server secret as bytes: ``None`` gives a fresh random one; else ``bytes``/``str`` of >= 16 bytes.
-
-    A ``str`` counts by its UTF-8 bytes. Anything else (an int such as ``32`` that ``bytes()`` would turn
-    into zeros, a float, a list) raises ``TypeError``; a shorter secret raises ``ValueError``.
-    """
+    """The server secret as bytes (a ``str`` by its UTF-8 bytes, >= 16 of them); ``None`` gives a fresh random one."""
     if secret is None:
         return new_secret()
     if isinstance(secret, str):
@@ -61,14 +36,10 @@ def check_secret(secret: bytes | bytearray | str | None) -> bytes:
 
 
 def tenant_salt(secret: bytes, tenant: str | None) -> str:
-    """The cache salt of ``tenant``: HMAC-SHA256 of its id under the server secret, in hex.
-
-    ``None`` (a request that names no tenant) is a scope of its own: its message can never equal a
-    tenant id's, so no tenant id, not even ``""``, shares its salt.
-    """
+    """The cache salt of ``tenant``: HMAC-SHA256 of its id under the server secret, in hex."""
     if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the server secret must be at least {MIN_SECRET_BYTES} bytes")
-    if tenant is None:
+    if tenant is None:  # a scope of its own: no tenant id's message, not even "", equals this one
         return hmac.new(bytes(secret), b"kvlab-no-tenant", hashlib.sha256).hexdigest()
     if not isinstance(tenant, str):
         raise TypeError(f"a tenant id must be a str or None, got {type(tenant).__name__}")
