@@ -1,12 +1,7 @@
-"""Diff a request against its partner (the earlier request it matched longest) and describe each difference.
+"""Diff a request against its partner from the divergence point and name each difference (see docs/doctor.md).
 
-Walk both from the divergence point: find where they line up again (the first run of ``MIN_RUN`` equal
-tokens within ``WINDOW`` tokens), call what lies between a *slot*, and continue after the re-aligned run.
-What a slot is comes from its text, not from a list of regular expressions: whitespace only on both sides
--> ``whitespace``; outside any message (in the template's markup) -> ``template``; inside the tools the
-doctor rendered -> ``tools``; the same paragraphs/lines in another order -> ``order``; otherwise a ``slot``
-of the line (or sentence) that holds it, named by the line's stable start (``stable_key``: "Customer: " of
-"Customer: Alice Zhang"). Token-id logs have no text: their differences are ``span`` findings.
+Kinds: ``whitespace``, ``template`` (markup), ``tools``, ``order``, a ``slot`` of one line (or sentence), and
+``span`` in token-id logs.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ import random
 import re
 from bisect import bisect_right
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..divergence import Divergence, lcp
@@ -34,33 +30,8 @@ def _value_char(ch: str) -> bool:
     return ch.isdigit() or ch in "-:./_+#@="
 
 
-def stable_key(common: str, unit: str) -> str:
-    """Cut the common start of two lines back to where the field's value begins.
-
-    "Current time: 2024-05-03 14:2" -> "Current time: "; "Customer: Ali" (of "Customer: Alice") -> "Customer: ".
-    """
-    k = common
-    while True:
-        before = k
-        while k and _value_char(k[-1]):
-            k = k[:-1]
-        if len(k) >= 2 and k[-1] == " " and (k[-2].isdigit()):
-            k = k[:-1]
-            continue
-        nxt = unit[len(k)] if len(k) < len(unit) else ""
-        if k and k[-1].isalnum() and nxt.isalnum():
-            while k and k[-1].isalnum():
-                k = k[:-1]
-        if k == before:
-            return k
-
-
-def stable_suffix(a: str, b: str) -> str:
-    """The common end of two values, cut forward past value characters (" UTC" of "...:11 UTC" / "...:40 UTC")."""
-    n = 0
-    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
-        n += 1
-    s = a[len(a) - n:] if n else ""
+def trim_value_start(s: str, joined: Callable[[str], bool]) -> str:
+    """Cut value characters, a space before a digit and a cut word (``joined(s)``) off the start of ``s``."""
     while True:
         before = s
         while s and _value_char(s[0]):
@@ -68,12 +39,31 @@ def stable_suffix(a: str, b: str) -> str:
         if len(s) >= 2 and s[0] == " " and s[1].isdigit():
             s = s[1:]
             continue
-        prev = a[len(a) - len(s) - 1] if len(s) < len(a) else ""
-        if s and s[0].isalnum() and prev.isalnum():
+        if s and s[0].isalnum() and joined(s):
             while s and s[0].isalnum():
                 s = s[1:]
         if s == before:
             return s
+
+
+def common_end(a: str, b: str) -> int:
+    """Length of the common suffix of two strs."""
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return n
+
+
+def stable_key(common: str, unit: str) -> str:
+    """Cut the common start of two lines back to where the value begins ("Customer: Ali" -> "Customer: ")."""
+    # the mirror image of trimming a suffix: reversed, a cut word is one that goes on in ``unit``
+    return trim_value_start(common[::-1], lambda r: len(r) < len(unit) and unit[len(r)].isalnum())[::-1]
+
+
+def stable_suffix(a: str, b: str) -> str:
+    """The common end of two values, cut forward past value characters (" UTC" of "...:11 UTC" / "...:40 UTC")."""
+    n = common_end(a, b)
+    return trim_value_start(a[len(a) - n:] if n else "", lambda s: len(s) < len(a) and a[-len(s) - 1].isalnum())
 
 
 def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
@@ -81,11 +71,8 @@ def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
     s = max(0, min(s, len(text)))
     e = min(max(e, s + 1), max(len(text), s + 1))
     ls = text.rfind("\n", 0, s) + 1
-    le = text.find("\n", e - 1 if e > s else s)
+    le = text.find("\n", e)
     le = len(text) if le < 0 else le
-    if le < e:
-        le2 = text.find("\n", e)
-        le = len(text) if le2 < 0 else le2
     if le - ls <= LONG_LINE:
         return ls, le, "line"
     line = text[ls:le]
@@ -285,34 +272,32 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
     return out
 
 
+def _line_before(content: str, pos: int) -> str:
+    """The line that ends just before ``pos`` ("" at the start)."""
+    return content[:pos].rstrip("\n").rsplit("\n", 1)[-1] if pos else ""
+
+
 def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: int, ea: int, cb: int, eb: int,
                    endsA: list[int]) -> list[Finding]:
-    """A slot's line(s), key, value and anchor: one finding per line that differs.
-
-    A coarse tokenizer may need more than one line to line up again (" UTC⏎Customer: " is too short a
-    run); then the slot covers several lines, and lines that differ in both requests become one
-    finding each.
-    """
+    """A slot's line(s), key, value and anchor: one finding per line that differs."""
     conA, conB = TA[sa.start:sa.end], TB[sb.start:sb.end]
     us, ue, level = unit_bounds(conA, ca - sa.start, ea - sa.start)
     vs, ve, _ = unit_bounds(conB, cb - sb.start, eb - sb.start)
-    ua, ub = conA[us:ue], conB[vs:ve]
-    la, lb = ua.split("\n"), ub.split("\n")
-    if level == "line" and len(la) == len(lb) > 1:
-        out, off = [], 0
-        for x, y in zip(la, lb):
-            if x != y:
-                g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
-                prev_a = conA[:us + off].rstrip("\n").rsplit("\n", 1)[-1] if us + off else ""
-                prev_b = conB[:vs + off].rstrip("\n").rsplit("\n", 1)[-1] if vs + off else ""
-                _describe_line(g, sa, x, y, us + off, prev_a, prev_b, "line", endsA)
-                out.append(g)
-            off += len(x) + 1
-        return out
-    prev_a = conA[:us].rstrip("\n").rsplit("\n", 1)[-1] if us else ""
-    prev_b = conB[:vs].rstrip("\n").rsplit("\n", 1)[-1] if vs else ""
-    _describe_line(f, sa, ua, ub, us, prev_a, prev_b, level, endsA)
-    return [f]
+    la, lb = conA[us:ue].split("\n"), conB[vs:ve].split("\n")
+    if level != "line" or len(la) != len(lb) or len(la) == 1:
+        _describe_line(f, sa, conA[us:ue], conB[vs:ve], us, _line_before(conA, us), _line_before(conB, vs), level,
+                       endsA)
+        return [f]
+    # a coarse tokenizer may need several lines to line up again: one finding per line that differs
+    out, off = [], 0
+    for x, y in zip(la, lb):
+        if x != y:
+            g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
+            _describe_line(g, sa, x, y, us + off, _line_before(conA, us + off), _line_before(conB, vs + off), "line",
+                           endsA)
+            out.append(g)
+        off += len(x) + 1
+    return out
 
 
 def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: str, prev_b: str, level: str,
