@@ -1,13 +1,4 @@
-"""``diagnose``: read a log, prepare it, replay it, find the culprits, measure every fix, summarize.
-
-The numbers, per block size: the hit rate with an unbounded cache and with the given capacity (what
-vLLM's ``prefix_cache_hits / prefix_cache_queries`` would show for this traffic replayed in order),
-and the token-level ceiling (a cache of block size 1 with unlimited room). Then, at the first block
-size, each culprit's fix applied to the original log (*alone*) and the fixes applied one after the
-other in the order of their position in the prompt (*chained*), each re-measured the same way.
-``Diagnosis.data()`` is every number as one JSON-able dict: ``summary.json``, the terminal summary and
-``report.html`` are all rendered from it (``kvlab.doctor.report``).
-"""
+"""``diagnose``: read a log, prepare it, replay it, find the culprits, measure every fix; ``write_report``."""
 
 from __future__ import annotations
 

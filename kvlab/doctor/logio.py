@@ -1,20 +1,4 @@
-"""Read a request log (JSONL) into records, report every malformed line, and write logs back.
-
-Three line shapes are accepted, one JSON object per line:
-
-- OpenAI chat: ``{"messages": [{"role": ..., "content": ...}, ...], "user": ..., "timestamp": ...,
-  "tenant": ..., "session": ..., "tools": [...]}``; ``content`` may be a string or a list of
-  ``{"type": "text", "text": ...}`` parts;
-- a plain prompt: ``{"prompt": "..."}``;
-- token ids: ``{"token_ids": [...]}`` (or ``prompt_token_ids``).
-
-A line that is not one of these is never dropped silently: it becomes a ``BadLine`` with its line
-number and what is wrong, the caller reports it and counts it in the summary. Whatever the cause:
-bytes that are not UTF-8 (never replaced: two different prompts must not replay as one), JSON that is
-not strict (``NaN``), nested deeper than ``MAX_DEPTH``, a number too long to read, a lone surrogate
-(``"\\ud800"``), a ``user``/``session`` that is not a scalar, a tool that is not an object. Lines are
-counted on ``\\n`` only (a stray ``\\r`` is part of its line, not a line break).
-"""
+"""Read a JSONL request log (chat messages, a prompt or token ids a line) into records; every bad line is a BadLine."""
 
 from __future__ import annotations
 

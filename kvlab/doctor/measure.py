@@ -1,10 +1,4 @@
-"""Measure a log and every fix the same way: unbounded and at capacity, fixes chained in prompt order.
-
-``Meter`` replays a prepared log at one block size (unbounded from the divergence positions alone, the
-capacity through ``replay``). ``measure_fixes`` applies the culprits' fixes one after the other, in the
-order of their position in the prompt, keeps the ones that save at least ``min_effect`` of the prefill,
-and gives the ones that changed nothing a second look once the others are in.
-"""
+"""Measure a log and every fix the same way: unbounded and at capacity, fixes chained in prompt order."""
 
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-"""Where the doctor writes its report, made safe: it never writes over any file, least of all its input.
-
-The rules, checked before the analysis (``check_out_dir``) and again when writing:
-
-- ``--out`` is a folder: a new one, an empty one, or one the doctor wrote before. A file there is refused.
-- A folder that holds an input (the log, the metrics file, a config) is refused, so a report folder's own
-  ``fixed/all_fixes.jsonl`` can be diagnosed, with the new report written somewhere else.
-- The doctor lists what it wrote in ``MANIFEST``. On the next run into the same folder it deletes exactly
-  those files (names allow-listed, ``OUTPUT_NAME``; never through a symlinked folder), so no stale figure or
-  fixed log of the earlier run stays beside the new ones; files of yours beside them are left alone. A
-  non-empty folder without a manifest is refused, unless it is a report of an earlier kvlab (only the
-  doctor's file names, with its ``summary.json``).
-- Every file is created with ``open(..., "x")`` (fails if the path exists, symlink or not), and the
-  manifest is replaced by a rename: nothing the doctor does writes through an existing path.
-"""
+"""Where the doctor writes its report, made safe: it never writes over any file (rules in docs/doctor.md)."""
 
 from __future__ import annotations
 

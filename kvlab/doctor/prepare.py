@@ -1,10 +1,4 @@
-"""Turn records into what the analysis needs: rendered text, token strs, and where each message sits.
-
-A record's *segments* are the pieces of text its sender controls: the messages' contents (for a chat
-record), the messages of a hand-rendered ChatML prompt (parsed back), or the whole prompt. Everything
-between segments is chat-template markup. ``Prepared`` keeps, per request, the rendered text, the
-token str, the segments' character spans in the text and the length in tokens of its system part.
-"""
+"""Turn records into what the analysis needs: rendered text, token strs, and where each message sits."""
 
 from __future__ import annotations
 

@@ -1,27 +1,7 @@
-"""Replay a log through a prefix cache with vLLM's rules and count hits, fast and exactly.
+"""Replay a log through a prefix cache with vLLM's rules and count hits, fast and exactly (see docs/doctor.md).
 
-vLLM's rules, as ``kvlab.cache.BlockManager`` implements them: a prompt is cut into blocks of
-``block_size`` tokens; each *full* block is keyed by its tokens and everything before it (chained
-hashes); a request reuses the longest run of cached blocks from its start, but never its last token
-(its logits are needed: at most ``n - 1`` tokens hit, rounded down to whole blocks); every full block is
-cached once computed; a finite cache evicts least-recently-used blocks that no running request holds,
-and a finished request releases its blocks tail first, a block that caches nothing (a partial tail) to
-the head of the free list, where it is reused before any cached block is evicted (vLLM's order;
-``free_order="lru"`` puts it at the tail like the rest).
-
-``replay`` runs those rules on integer block ids instead of token lists: ``block_chains`` numbers each
-prefix of whole blocks (with its salt) from the prompts' sorted order, so a hash chain becomes a list of
-ints. One request at a time (``concurrency=1``, the doctor's default) the LRU pool is a lean copy of
-``kvlab.cache.BlockPool``'s bookkeeping (``_replay_lru_one``: ``scripts/bench_doctor.py`` measures what it
-saves). ``replay_block_manager`` is the reference: the same log on kvlab's real ``Scheduler`` and
-``BlockManager`` (``kvlab.engine.trace_replay.ScriptedScheduler``, each request prefilled and finished
-with one token); more than one request at a time goes through it too. The doctor runs both on a prefix of
-every log (``spot_check``) and the tests compare them on logs built to stress eviction, duplicates and
-salts: the counts are equal.
-
-Requests are replayed in log order: with ``concurrency`` c, up to c requests wait in the scheduler's queue
-and it admits those the free blocks allow, in order, in one step (1 = each finishes before the next
-arrives); a request that needs more blocks than the cache has is counted as all-miss, as ``too_big``.
+``replay`` runs on integer block ids (``block_chains``); ``replay_block_manager`` is the reference on kvlab's
+real Scheduler and BlockManager, and ``spot_check`` compares the two.
 """
 
 from __future__ import annotations

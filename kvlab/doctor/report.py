@@ -1,9 +1,4 @@
-"""The doctor's outputs, all rendered from one JSON-able dict (``Diagnosis.data()``, saved as ``summary.json``).
-
-``render_text`` (the terminal summary) and ``render_html`` (``report.html``) read the same dict and compute
-no number of their own, so they cannot tell different stories; ``figures`` draws the PNGs from it too.
-This module imports nothing else of the doctor.
-"""
+"""The doctor's outputs (text, HTML, figures), all rendered from one JSON-able dict (``Diagnosis.data()``)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Render records with the model's chat template and tokenize them fast; token ids live in ``str``s.
-
-Token-id sequences are stored as Python strings, one code point per token (``chr(id)``): slicing,
-comparing, hashing, ``startswith`` and sorting then run in C, which is what makes a 10,000-request
-replay and the divergence search cheap. ``ids(s)`` turns one back into a list of ints.
-
-The tokenizer is the usual cost. ``PromptEncoder`` splits every rendered prompt at the tokenizer's
-added tokens (``<|im_start|>``, ``<|im_end|>``, ...), which is where a Hugging Face tokenizer splits
-them too, tokenizes each distinct piece once, in one batch, and joins the pieces' ids. Chat logs repeat
-the same system prompts, documents and history turns, so most pieces are seen before. The first batch
-is checked against tokenizing whole prompts; if the two ever differ (a tokenizer whose normalizer looks
-across the added tokens), the encoder falls back to whole prompts and says so in ``notes``.
-"""
+"""Render records with the chat template and tokenize them piece by piece; token ids live in ``str``s (``tokstr``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Read vLLM's (or ``kvlab serve``'s) prefix-cache counters from a Prometheus ``/metrics`` text dump.
-
-vLLM V1 exports ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens;
-earlier V1 releases prefixed them ``gpu_``), one series per engine and label set; V0 exported a
-``vllm:gpu_prefix_cache_hit_rate`` gauge. Series of the same counter are summed. ``kvlab serve`` exports the same counters under
-``kvlab:`` (``kvlab.serve.metrics``).
-"""
+"""Read vLLM's (or ``kvlab serve``'s) prefix-cache counters from a Prometheus ``/metrics`` text dump."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a culprit is (a reason prompts stop sharing, and its fix), and how a record's messages are read and rewritten."""
+"""What a culprit is (a reason prompts stop sharing, and its fix); how a record's messages are read and rewritten."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ Fix = Callable[[list[Record]], list[Record]]
 class Culprit:
     """A reason prompts stop sharing: what, where, the evidence, and the fix (measured later)."""
 
-    kind: str  # volatile | per-user | per-session | order | tools-order | whitespace | template | multi-turn | alignment | tenant-salt
+    kind: str  # volatile, per-user, per-session, order, tools-order, whitespace, template, multi-turn, alignment, ...
     title: str
     position: int | None  # typical token position where it breaks the shared prefix
     where: str

@@ -220,7 +220,8 @@ def _scope(values: list[str], users: list, sessions: list) -> tuple[str, str]:
     """per-user / per-session / volatile, with a sentence saying why."""
     share_u, n_u, multi_u = _constant_share(values, users)
     if share_u >= 0.9 and n_u >= 2:
-        return "per-user", f"the same value for all requests of {share_u:.0%} of the {multi_u} users with several requests"
+        return "per-user", (f"the same value for all requests of {share_u:.0%} of the {multi_u} users with several "
+                            "requests")
     share_s, n_s, multi_s = _constant_share(values, sessions)
     if share_s >= 0.9 and n_s >= 2:
         return "per-session", f"constant within {share_s:.0%} of {multi_s} conversations, different across them"

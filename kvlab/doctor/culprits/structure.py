@@ -1,15 +1,11 @@
-"""Structure: whitespace, chat markup, tools order, item order and conversation history.
-
-Each family reads its findings (or the records directly) and returns a ``Culprit`` with a record rewrite:
-normalise whitespace, render ChatML prompts through the one template, sort the tools, sort the items
-that share a header, send every turn as the previous one's history plus the new messages.
-"""
+"""Structure: whitespace, chat markup, tools order, item order and conversation history, each with its rewrite."""
 
 from __future__ import annotations
 
 import re
 import statistics
 from collections import Counter, defaultdict
+from itertools import groupby
 
 from ..divergence import lcp
 from ..logio import Record
@@ -52,10 +48,7 @@ def rerender_chatml(records: list[Record]) -> list[Record]:
 
 
 def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) -> list[tuple[int, str, str]]:
-    """Plain prompts that parse as ChatML but differ from the template's rendering of the same messages.
-
-    Returns (token position of the first difference, the prompt around it, the template around it).
-    """
+    """(token position, prompt, template) where a ChatML prompt differs from the template's rendering of it."""
     if enc is None:
         return []
     out = []
@@ -158,31 +151,16 @@ def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
 
 def sort_items(records: list[Record], role: str, index: int | None, sep: str, prefix: str) -> list[Record]:
     """Sort every run of consecutive items (paragraphs/lines) that start with ``prefix`` in one message."""
+    def sort_runs(c: str) -> str:
+        runs = groupby(c.split(sep), key=lambda item: item.startswith(prefix))
+        return sep.join(x for is_item, run in runs for x in (sorted(run) if is_item else run))
+
     out = []
     for rec in records:
-        segs = record_segments(rec)
-        changed = False
-        contents = []
-        for r, idx, c in segs:
-            if r == role and (index is None or idx == index) and prefix in c:
-                items = c.split(sep)
-                j = 0
-                while j < len(items):
-                    if items[j].startswith(prefix):
-                        k = j
-                        while k < len(items) and items[k].startswith(prefix):
-                            k += 1
-                        if k - j > 1:
-                            items[j:k] = sorted(items[j:k])
-                        j = k
-                    else:
-                        j += 1
-                new = sep.join(items)
-                changed |= new != c
-                contents.append(new)
-            else:
-                contents.append(c)
-        out.append(with_contents(rec, contents) if changed else rec)
+        old = [c for _, _, c in record_segments(rec)]
+        new = [sort_runs(c) if r == role and (index is None or idx == index) and prefix in c else c
+               for r, idx, c in record_segments(rec)]
+        out.append(with_contents(rec, new) if new != old else rec)
     return out
 
 
@@ -214,7 +192,8 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
              "partner: " + " | ".join(_shorten(x, 40) for x in ex.items_b)],
             f"sort the {unit} that start with {prefix!r} (one canonical order, e.g. by id)" if prefix
             else f"send the {unit} in one canonical order (they share no header the doctor could sort by)",
-            affected, fix=(lambda recs, r=role, i=index, s=sep, p=prefix: sort_items(recs, r, i, s, p)) if prefix else None,
+            affected, fix=(lambda recs, r=role, i=index, s=sep, p=prefix: sort_items(recs, r, i, s, p)) if prefix
+            else None,
             examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep})
         out.append(c)
     return out
@@ -236,6 +215,15 @@ def _history(rec: Record) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in rec.messages if m["role"] not in SYSTEM_ROLES]
 
 
+def _new_from(h: list[tuple[str, str]], prev: list[tuple[str, str]]) -> int:
+    """Where a turn's new messages start: after the previous turn's history, its last message, or the last exchange."""
+    if h[:len(prev)] == prev:  # already append-only
+        return len(prev)
+    if prev and prev[-1] in h:
+        return len(h) - h[::-1].index(prev[-1])
+    return len(h) - (2 if len(h) >= 2 and h[-2][0] == "assistant" else 1)
+
+
 def append_histories(records: list[Record]) -> list[Record]:
     """Rebuild every conversation so each turn re-sends the full history of the previous one, then the new messages."""
     full: dict[object, list[dict]] = {}
@@ -247,28 +235,11 @@ def append_histories(records: list[Record]) -> list[Record]:
             out.append(rec)
             continue
         hist = [m for m in rec.messages if m["role"] not in SYSTEM_ROLES]
-        system = [m for m in rec.messages if m["role"] in SYSTEM_ROLES]
-        h = [(m["role"], m["content"]) for m in hist]
-        if key not in full:
-            new = [dict(m) for m in hist]
-        else:
-            prev = last[key]
-            if h[: len(prev)] == prev:  # already append-only
-                tail = hist[len(prev):]
-            else:
-                j = None
-                if prev:
-                    for t in range(len(h) - 1, -1, -1):
-                        if h[t] == prev[-1]:
-                            j = t + 1
-                            break
-                if j is None:
-                    j = len(h) - (2 if len(h) >= 2 and h[-2][0] == "assistant" else 1)
-                tail = hist[j:]
-            new = full[key] + [dict(m) for m in tail]
-        full[key] = new
+        h = _history(rec)
+        full[key] = full.get(key, []) + [dict(m) for m in hist[_new_from(h, last.get(key, [])):]]
         last[key] = h
-        out.append(rec.replace(messages=[dict(m) for m in system] + [dict(m) for m in new]))
+        system = [dict(m) for m in rec.messages if m["role"] in SYSTEM_ROLES]
+        out.append(rec.replace(messages=system + [dict(m) for m in full[key]]))
     return out
 
 
@@ -316,4 +287,5 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
     return Culprit("multi-turn", "multi-turn conversations rebuild their history instead of appending to it",
                    position, "the conversation history", ev,
                    "send each turn as the previous turn's messages + the reply + the new message (append-only)",
-                   rebuilt, fix=append_histories if rebuilt else None, details={"follow_ups": follow, "rebuilt": rebuilt})
+                   rebuilt, fix=append_histories if rebuilt else None,
+                   details={"follow_ups": follow, "rebuilt": rebuilt})

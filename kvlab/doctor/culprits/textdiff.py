@@ -251,25 +251,29 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
         ea, eb = _char_at(offA, pa + a, TA), _char_at(offB, pb + b, TB)
         ea, eb = max(ea, ca), max(eb, cb)
         da, db = TA[ca:ea], TB[cb:eb]
-        f = Finding("slot", i, p, _token_at(endsA, ca), run=run)
-        if out and out[-1].kind == "slot" and sa is not None and out[-1].role == sa.role and out[-1].index == sa.index \
-                and out[-1].text_a and TA.find(out[-1].text_a, sa.start) <= ca < TA.find(out[-1].text_a, sa.start) + len(out[-1].text_a):
-            pa, pb = pa + a + run, pb + b + run  # the same line again (its value had a common piece): one finding
-            continue
-        if re.sub(r"\s+", "", da) == re.sub(r"\s+", "", db):
-            f.kind, f.text_a, f.text_b = "whitespace", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
-            f.role, f.index = (sa.role, sa.index) if sa else (None, None)
+        tok, context = _token_at(endsA, ca), (TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30])
+        if _same_line(out, sa, TA, ca):
+            pass  # the same line again (its value had a common piece): one finding
+        elif re.sub(r"\s+", "", da) == re.sub(r"\s+", "", db):
+            where = (sa.role, sa.index) if sa else (None, None)
+            out.append(Finding("whitespace", i, p, tok, *where, *context, run=run))
         elif sa is None or sb is None or (sa.role, sa.index) != (sb.role, sb.index):
             if max(len(da), len(db)) > 40:
                 break  # content on one side, markup on the other: different messages, not a template difference
-            f.kind, f.text_a, f.text_b = "template", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
+            out.append(Finding("template", i, p, tok, None, None, *context, run=run))
         else:
-            out.extend(_describe_slot(f, TA, TB, sa, sb, ca, ea, cb, eb, endsA))
-            pa, pb = pa + a + run, pb + b + run
-            continue
-        out.append(f)
+            out.extend(_describe_slot(Finding("slot", i, p, tok, run=run), TA, TB, sa, sb, ca, ea, cb, eb, endsA))
         pa, pb = pa + a + run, pb + b + run
     return out
+
+
+def _same_line(out: list[Finding], seg: Segment | None, text: str, c: int) -> bool:
+    """Whether char ``c`` of ``text`` is in the line of the slot found last."""
+    last = out[-1] if out else None
+    if last is None or last.kind != "slot" or seg is None or (last.role, last.index) != (seg.role, seg.index):
+        return False
+    at = text.find(last.text_a, seg.start)
+    return bool(last.text_a) and at <= c < at + len(last.text_a)
 
 
 def _line_before(content: str, pos: int) -> str:
