@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from kvlab.cache import BlockManager, cdiv
 
+from .divergence import divergence, lcp
+
 
 @dataclass(slots=True)
 class HitStats:
@@ -47,26 +49,10 @@ class HitStats:
                 "computed_tokens": self.computed_tokens, "too_big": self.too_big, "seconds": self.seconds}
 
 
-def salt_blocks(public_tokens: Sequence[int] | None, n: int, block_size: int) -> list[int]:
-    """The block whose key takes each request's salt: the first one past its public prefix."""
-    if public_tokens is None:
-        return [0] * n
-    return [p // block_size for p in public_tokens]
-
-
 def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None,
                  public_tokens: Sequence[int] | None = None) -> list[list[int]]:
-    """Each prompt's full blocks as chain ids: equal ids <=> equal tokens, equal prefix, equal salt key.
-
-    What vLLM's chained block hashes decide, without hashing and without collisions. Sort the prompts;
-    prompts that share their first t tokens form a run of neighbours in sorted order, bounded where the
-    common prefix of two neighbours is shorter than t. So the chain id of block j (t = (j + 1) * block_size)
-    is the sorted position where its run starts: one ``np.maximum.accumulate`` per block position over
-    all prompts. A salt splits a run by (salt, salted block), from the salted block on.
-    """
+    """Each prompt's full blocks as chain ids: equal ids <=> equal tokens, prefix and salt (no hashing)."""
     import numpy as np
-
-    from .divergence import lcp
 
     n, bs = len(prompts), block_size
     if not n:
@@ -82,32 +68,23 @@ def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | 
     if not depth:
         return [[] for _ in prompts]
     ar = np.arange(n, dtype=np.int64)
-    if salts is not None:
-        sb = salt_blocks(public_tokens, n, bs)
-        gid: dict = {}
-        code_of = np.array([0 if salts[i] is None else 1 + gid.setdefault((salts[i], sb[i]), len(gid))
-                            for i in order], dtype=np.int64)  # by sorted position
-        sb_sorted = np.array([sb[i] for i in order], dtype=np.int64)
-        groups = len(gid) + 1
-    else:
-        groups = 1
+    salted = [0] * n if public_tokens is None else [p // bs for p in public_tokens]  # the block that takes the salt
+    gid: dict = {}  # (salt, salted block) -> group; by sorted position below
+    code = np.array([0 if salts is None or salts[i] is None else 1 + gid.setdefault((salts[i], salted[i]), len(gid))
+                     for i in order], dtype=np.int64)
+    salted_sorted = np.array([salted[i] for i in order], dtype=np.int64)
+    groups = len(gid) + 1
     ids = np.empty((depth, n), dtype=np.int64)  # [block, sorted position]
     for j in range(depth):
         run = np.maximum.accumulate(np.where(adj < (j + 1) * bs, ar, 0))
-        if salts is not None:
-            run = run * groups + np.where(sb_sorted <= j, code_of, 0)
-        ids[j] = run + j * n * groups
+        ids[j] = run * groups + np.where(salted_sorted <= j, code, 0) + j * n * groups
     rows = ids.T[pos].tolist()  # back to log order
     return [row[:b] for row, b in zip(rows, blocks)]
 
 
 def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int,
            capacity_blocks: int | None = None, concurrency: int = 1, free_order: str = "vllm") -> HitStats:
-    """Replay chains (from ``block_chains``) through an unbounded or an LRU cache of ``capacity_blocks``.
-
-    ``free_order`` as ``kvlab.cache.BlockPool``'s: "vllm" (a freed block that caches nothing is reused
-    before any cached block is evicted) or "lru" (every freed block joins the tail).
-    """
+    """Replay chains (``block_chains``) through an unbounded or an LRU cache; ``free_order`` as BlockPool's."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if free_order not in ("vllm", "lru"):
@@ -137,14 +114,7 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
 
 
 def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None) -> list[int]:
-    """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block ids).
-
-    Without eviction a request hits exactly the whole blocks of the longest prefix it shares with an
-    earlier request of the same salt, capped by the n-1 rule: ``min(d, n - 1) // block_size * block_size``.
-    (The public-prefix policy salts a later block; it goes through ``replay``.)
-    """
-    from .divergence import divergence
-
+    """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block ids)."""
     bs = block_size
     groups: dict = {}
     for i in range(len(prompts)):
@@ -158,16 +128,7 @@ def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str 
 
 
 def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool = True) -> tuple[list[int], int]:
-    """The LRU pool for one request at a time: every block is free again before the next request.
-
-    No ref counts are needed, and each request is a few bulk operations in C: find the hits
-    (``map`` over the chain), revive them, take the new blocks from the head of the free list, drop
-    what they cached, register the new full blocks, put everything back at the tail, last block first.
-    In vLLM's order a block that caches nothing (a partial tail) goes to ``spare`` instead, the head of
-    the free list: the next request takes it before any cached block.
-    ``first`` holds the oldest block cached under a chain id and ``twins`` later copies (a full last
-    block that the n-1 rule kept from hitting is computed again), the order ``BlockPool.lookup`` scans.
-    """
+    """The LRU pool for one request at a time: each request is a few bulk operations in C (see docs/doctor.md)."""
     free = dict.fromkeys(range(num_blocks))  # insertion order = LRU order (plain dicts pop and append fast)
     key: dict[int, object] = {}  # block -> chain id it caches (None or absent: nothing)
     first: dict = {}

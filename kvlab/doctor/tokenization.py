@@ -13,7 +13,9 @@ from .logio import Record
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # "name" or "org/name"
 LINE_SPLIT = re.compile(r"(?<=\n)(?=\S)")  # after a run of newlines, before a non-space character
-CHATML = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
 
 
 def tokstr(ids: Sequence[int]) -> str:
@@ -95,14 +97,10 @@ class PromptEncoder:
         if not template:
             self.notes.append("the tokenizer has no chat template: messages are rendered as ChatML")
         self.renders_tools = bool(template) and "tools" in template
-        added = {}
-        for tid, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
-            content = getattr(tok, "content", str(tok))
-            if content:
-                added[content] = int(tid)
-        self.added = added
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")") if added else None
-        self.specials_re = self._split
+        added = {getattr(t, "content", str(t)): int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+        self.added = {text: i for text, i in added.items() if text}
+        longest_first = sorted(self.added, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
         self.cache: dict[str, str] = {}
         self.segmented = True  # split at added tokens (checked on the first batch)
         self.lines = True  # also split after newline runs (checked on the first batch)
@@ -162,60 +160,43 @@ class PromptEncoder:
             return [e.ids for e in fast(texts, add_special_tokens=False)]
         return list(self.tok(texts, add_special_tokens=False)["input_ids"])
 
+    def _parts(self, text: str) -> list[str]:
+        """A text cut at the added tokens (whole once piece-wise tokenization is off)."""
+        if not self.segmented or self._split is None:
+            return [text]
+        return [p for p in self._split.split(text) if p]
+
+    def _lines(self, part: str) -> list[str]:
+        """A part cut after runs of newlines (while that tokenizes the same)."""
+        return [x for x in LINE_SPLIT.split(part) if x] if self.lines and "\n" in part else [part]
+
     def _pieces(self, text: str) -> list[str]:
-        parts = [p for p in self._split.split(text) if p] if self._split is not None else [text]
-        if not self.lines:
-            return parts
-        out = []
-        for p in parts:
-            if p in self.added or "\n" not in p:
-                out.append(p)
-            else:
-                out.extend(x for x in LINE_SPLIT.split(p) if x)
-        return out
+        return [x for p in self._parts(text) for x in ([p] if p in self.added else self._lines(p))]
 
     def encode(self, texts: Sequence[str], plain_prompt: Sequence[bool] | None = None) -> list[str]:
         """Token strs of rendered prompts (no special tokens added; a plain prompt gets the tokenizer's BOS/EOS)."""
         texts = list(texts)
-        plain = list(plain_prompt) if plain_prompt is not None else [False] * len(texts)
         if not self._checked and texts:
-            step = max(1, len(texts) // 48)
-            self._check(texts[::step][:48])
-        if not self.segmented:
-            todo = sorted({t for t in texts if t not in self.cache})
-            self.chars_tokenized += sum(map(len, todo))
-            for t, i in zip(todo, self._batch(todo)):
-                self.cache[t] = tokstr(i)
-            self.pieces_total += len(texts)
-            self.pieces_tokenized += len(todo)
-            out = [self.cache[t] for t in texts]
-        else:
-            # two levels: the parts between added tokens (a whole message often repeats as is), then the
-            # lines of a part not seen before
-            added, cache = self.added, self.cache
-            split = [[p for p in self._split.split(t) if p] if self._split is not None else [t] for t in texts]
-            new_parts = {p for ps in split for p in ps if p not in added and p not in cache}
-            if new_parts:
-                lines_of = {p: ([x for x in LINE_SPLIT.split(p) if x] if self.lines and "\n" in p else [p])
-                            for p in new_parts}
-                todo = sorted({x for ls in lines_of.values() for x in ls if x not in cache})
-                self.chars_tokenized += sum(map(len, todo))
-                self.pieces_tokenized += len(todo)
-                for x, i in zip(todo, self._batch(todo)):
-                    cache[x] = tokstr(i)
-                for p, ls in lines_of.items():
-                    cache[p] = "".join(cache[x] for x in ls)
-            self.pieces_total += sum(map(len, split))
-            out = ["".join(chr(added[p]) if p in added else cache[p] for p in ps) for ps in split]
-        if self.prompt_prefix:
-            out = [self.prompt_prefix + s if pl else s for s, pl in zip(out, plain)]
-        return out
+            self._check(texts[::max(1, len(texts) // 48)][:48])
+        # two levels: the parts between added tokens (a whole message often repeats as is), then the lines of a
+        # part not seen before
+        added, cache = self.added if self.segmented else {}, self.cache
+        split = [self._parts(t) for t in texts]
+        lines_of = {p: self._lines(p) for ps in split for p in ps if p not in added and p not in cache}
+        todo = sorted({x for ls in lines_of.values() for x in ls if x not in cache})
+        self.chars_tokenized += sum(map(len, todo))
+        self.pieces_tokenized += len(todo)
+        self.pieces_total += sum(map(len, split))
+        for x, i in zip(todo, self._batch(todo)):
+            cache[x] = tokstr(i)
+        for p, ls in lines_of.items():
+            cache[p] = "".join(cache[x] for x in ls)
+        out = ["".join(chr(added[p]) if p in added else cache[p] for p in ps) for ps in split]
+        plain = [False] * len(out) if plain_prompt is None else plain_prompt
+        return [self.prompt_prefix + s if pl else s for s, pl in zip(out, plain)]
 
     def _check(self, sample: list[str]) -> None:
-        """Compare piece-wise tokenization with whole-prompt tokenization on a sample; fall back if they differ.
-
-        First pieces cut at added tokens and after newline runs; then at added tokens only; then none.
-        """
+        """Compare piece-wise with whole-prompt tokenization on a sample: stop cutting at lines, then at all."""
         self._checked = True
         whole = [tokstr(i) for i in self._batch(sample)]
         if self.encode(sample) == whole:
@@ -231,10 +212,7 @@ class PromptEncoder:
                           "every prompt is tokenized whole (slower)")
 
     def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[str, list[tuple[int, int]]]]:
-        """Token strs and character offsets of texts (for mapping token positions to text).
-
-        Piece-wise like ``encode`` (pieces cached), whole texts when piece-wise tokenization is off.
-        """
+        """Token strs and character offsets of texts (piece-wise like ``encode``, pieces cached)."""
         texts = list(texts)
         if self.segmented and self._checked:
             split = [self._pieces(t) for t in texts]
