@@ -12,7 +12,7 @@ from . import report
 from .culprits import Culprit, Finding, find_culprits
 from .divergence import Divergence, divergence
 from .logio import BadLine, read_log, write_log
-from .measure import Meter, measure_alone, measure_fixes, stats
+from .measure import Meter, measure_alone, measure_fixes, stats, tenant_salts
 from .outdir import check_out_dir, clear, write_manifest, written
 from .prepare import Prepared, prepare
 from .replay import block_chains, replay, replay_tokens, spot_check, unbounded_hits
@@ -23,7 +23,6 @@ from .vllm_metrics import read_metrics
 @dataclass(kw_only=True)
 class Diagnosis:
     """Everything the doctor measured about one log (``summary()`` prints it, ``write_report`` saves it)."""
-
     source: str
     model: str
     block_sizes: list[int]
@@ -97,8 +96,8 @@ class Diagnosis:
                 "tenant_field": self.tenant_field, "cap_key": k, "min_effect": self.min_effect,
                 "table": self.table, "ceiling": self.ceiling, "top_divergence_points": self.top_points,
                 "divergence_histogram": sorted(self.div.histogram().items()),
-                "culprits": [_culprit_data(c, k, self.kept) for c in self.culprits], "baseline": self.baseline, "chain": self.chain,
-                "remaining_divergence_points": self.final_top_points, "system_only": self.system_only,
+                "culprits": [_culprit_data(c, k, self.kept) for c in self.culprits], "baseline": self.baseline,
+                "chain": self.chain, "remaining_divergence_points": self.final_top_points, "system_only": self.system_only,
                 "vllm": self.vllm, "spot_checks": self.spot_checks, "scan": self.scan, "timings": dict(self.timings),
                 "notes": self.notes}
 
@@ -110,8 +109,8 @@ class Diagnosis:
 def _culprit_data(c: Culprit, cap_key: str, kept_all: list[Culprit]) -> dict:
     kept = c in kept_all
     change = c.chained[cap_key]["hit_rate"] - c.before[cap_key]["hit_rate"] if kept else None
-    return {"fix_order": kept_all.index(c) + 1 if kept else None, "kind": c.kind, "title": c.title, "position": c.position, "where": c.where, "evidence": c.evidence,
-            "fix": c.fix_text, "affected": c.affected, "measurable": c.measurable, "kept": kept,
+    return {"fix_order": kept_all.index(c) + 1 if kept else None, "kind": c.kind, "title": c.title,
+            "position": c.position, "where": c.where, "evidence": c.evidence, "fix": c.fix_text, "affected": c.affected, "measurable": c.measurable, "kept": kept,
             "no_effect": c.no_effect, "quick_look": c.details.get("quick look"), "examples": c.examples[:1],
             "before": c.before, "chained": c.chained, "change": change, "alone": c.alone, "fixed_log": c.fixed_log}
 
@@ -129,48 +128,38 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
              sample: int = 400, seed: int = 0, concurrency: int = 1, alone: bool = False,
              encoder: PromptEncoder | None = None, spot_check_requests: int = 150,
              min_effect: float = 0.002) -> Diagnosis:
-    """Diagnose a request log (JSONL path, or a list of dicts / JSON lines); see the module docstring."""
+    """Diagnose a request log (JSONL path, or a list of dicts / JSON lines), phase by phase (docs/doctor.md)."""
     block_sizes = [int(b) for b in block_sizes]
     if not block_sizes or any(b < 1 for b in block_sizes):
         raise ValueError("block sizes must be positive ints")
-    timings: dict[str, float] = {}
-    cpu0 = time.process_time()
-    # read
+    bs, timings, cpu0 = block_sizes[0], {}, time.process_time()
     with _timed(timings, "read"):
         records, bad = read_log(log)
-    lines = len(records) + len(bad)
-    # prepare: render, tokenize, capacities, tenants
     with _timed(timings, "load tokenizer"):
         enc = encoder
         if enc is None and (model is not None or any(r.kind != "token_ids" for r in records)):
             enc = PromptEncoder(model)
     with _timed(timings, "render + tokenize"):
         prep = prepare(records, enc)
-    bad = sorted(bad + prep.bad, key=lambda b: b.line)
     notes = list(enc.notes) if enc is not None else []
     caps = _capacities(block_sizes, capacity_blocks, kv_gib, kv_config, kv_dtype, model, notes)
-    tenants = _tenants(prep, tenant_field, notes)
-    # replay: the numbers as the log is
+    tenants = tenant_salts(prep, tenant_field)
+    if tenants is not None and None in tenants:
+        notes.append(f"{tenants.count(None)} requests have no {tenant_field!r} field: they are replayed without a salt")
     with _timed(timings, "divergence"):
         div = divergence(prep.tokens)
-    meter = Meter(block_sizes[0], caps[block_sizes[0]], concurrency, tenant_field)
+    meter = Meter(bs, caps[bs], concurrency, tenant_field)
     with _timed(timings, "replay (all block sizes)"):
         table = _replay_table(prep, div, block_sizes, caps, tenants, concurrency, meter)
-    queries = sum(prep.lengths)
-    ceiling_tokens = div.ceiling_hit_tokens()
-    ceiling = {"hit_tokens": ceiling_tokens, "hit_rate": ceiling_tokens / queries if queries else 0.0,
-               "repeat_requests": sum(1 for d, n in zip(div.position, prep.lengths) if d >= n)}
     with _timed(timings, "spot check vs BlockManager"):
-        checks = [spot_check(prep.tokens, block_sizes[0], caps[block_sizes[0]], spot_check_requests, tenants, None,
-                             concurrency)] if prep.tokens and spot_check_requests else []
+        checks = [spot_check(prep.tokens, bs, caps[bs], spot_check_requests, tenants, None, concurrency)] \
+            if prep.tokens and spot_check_requests else []
     if any(not c["equal"] for c in checks):
         notes.append("WARNING: the fast replay and kvlab.cache.BlockManager disagree on the spot check")
-    # find culprits
     with _timed(timings, "find culprits"):
-        row0 = table[0]
         findings, scan, culprits = find_culprits(
-            prep, div, enc, block_sizes[0], tenants=tenants, tenant_field=tenant_field, sample=sample, seed=seed,
-            salted_unsalted=(row0["unbounded_hit_tokens"], row0.get("unsalted_hit_tokens", 0)))
+            prep, div, enc, bs, tenants=tenants, tenant_field=tenant_field, sample=sample, seed=seed,
+            salted_unsalted=(table[0]["unbounded_hit_tokens"], table[0].get("unsalted_hit_tokens", 0)))
     with _timed(timings, "measure fixes"):
         baseline = meter(prep)
         kept, chain, final = measure_fixes(culprits, prep, enc, meter, baseline, min_effect)
@@ -178,50 +167,47 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
         for c in kept if alone else []:
             c.alone = measure_alone(c, prep, enc, meter)
     culprits = kept + [c for c in culprits if c not in kept and c.measurable] + [c for c in culprits if not c.measurable]
-    # summarize
-    final_top = _points(divergence(final.tokens), final.tokens, enc)
-    system_only = _system_only(final, block_sizes[0])
+    top, final_top = _points(div, prep.tokens, enc), _points(divergence(final.tokens), final.tokens, enc)
     timings["cpu (process time, all phases)"] = time.process_time() - cpu0
-    vllm = None if vllm_metrics is None else {**read_metrics(vllm_metrics), "file": str(vllm_metrics)}
+    lines = len(records) + len(bad)
     return Diagnosis(
         source=str(log) if isinstance(log, (str, Path)) else f"<{lines} records>",
         model=enc.name if enc is not None else "none (token ids)", block_sizes=block_sizes, capacity_blocks=caps,
-        lines=lines, bad=bad, prep=prep, tenants=tenants, tenant_field=tenant_field, div=div, table=table,
-        ceiling=ceiling, top_points=_points(div, prep.tokens, enc), findings=findings, scan=scan, culprits=culprits,
-        baseline=baseline, chain=chain, final_top_points=final_top, system_only=system_only, vllm=vllm,
-        spot_checks=checks, timings=timings, notes=notes, final=final, enc=enc, min_effect=min_effect,
-        inputs=input_paths(log, model, kv_config, vllm_metrics))
+        lines=lines, bad=sorted(bad + prep.bad, key=lambda b: b.line), prep=prep, tenants=tenants,
+        tenant_field=tenant_field, div=div, table=table, ceiling=_ceiling(div, prep), top_points=top,
+        findings=findings, scan=scan, culprits=culprits, baseline=baseline, chain=chain, final_top_points=final_top,
+        system_only=_system_only(final, bs), spot_checks=checks, timings=timings, notes=notes,
+        vllm=None if vllm_metrics is None else {**read_metrics(vllm_metrics), "file": str(vllm_metrics)},
+        final=final, enc=enc, min_effect=min_effect, inputs=input_paths(log, model, kv_config, vllm_metrics))
 
 
 def _capacities(block_sizes: list[int], capacity_blocks: int | None, kv_gib: float | None, kv_config: str | None,
                 kv_dtype: str, model: str | None, notes: list[str]) -> dict[int, int | None]:
     kvb = None
     if kv_gib is not None:
-        if kv_config:
-            cfg_path = Path(kv_config)
-            cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
-            if cfg_path.exists():
-                cfg = json.loads(cfg_path.read_text())
-            else:
-                from kvlab.engine.models import load_public_config
-
-                cfg = load_public_config(kv_config)
-        else:
-            cfg = model_config(model)
-        kvb = kv_bytes_per_token_of(cfg, kv_dtype)
+        kvb = kv_bytes_per_token_of(_kv_config(kv_config, model), kv_dtype)
         notes.append(f"--kv-gib {kv_gib}: {kvb} KV bytes per token ({kv_dtype}) from "
                      f"{kv_config or model or 'the bundled model'}'s config")
     return capacity_for(block_sizes, capacity_blocks, kv_gib, kvb)
 
 
-def _tenants(prep: Prepared, tenant_field: str | None, notes: list[str]) -> list[str | None] | None:
-    if not tenant_field:
-        return None
-    tenants = [None if r.get(tenant_field) is None else str(r.get(tenant_field)) for r in prep.records]
-    missing = sum(x is None for x in tenants)
-    if missing:
-        notes.append(f"{missing} requests have no {tenant_field!r} field: they are replayed without a salt")
-    return tenants
+def _kv_config(kv_config: str | None, model: str | None) -> dict:
+    """The config.json of --kv-config (a folder, a file or a shipped name), else of --model."""
+    if not kv_config:
+        return model_config(model)
+    path = Path(kv_config)
+    path = path / "config.json" if path.is_dir() else path
+    if path.exists():
+        return json.loads(path.read_text())
+    from kvlab.engine.models import load_public_config
+    return load_public_config(kv_config)
+
+
+def _ceiling(div: Divergence, prep: Prepared) -> dict:
+    """A token-granular cache with unlimited room and no salts."""
+    queries, hits = sum(prep.lengths), div.ceiling_hit_tokens()
+    return {"hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
+            "repeat_requests": sum(1 for d, n in zip(div.position, prep.lengths) if d >= n)}
 
 
 def _replay_table(prep: Prepared, div: Divergence, block_sizes: list[int], caps: dict, tenants: list | None,

@@ -22,6 +22,13 @@ def stats(st: HitStats) -> dict:
             "computed_tokens": st.computed_tokens, "requests": st.requests, "too_big": st.too_big}
 
 
+def tenant_salts(prep: Prepared, tenant_field: str | None) -> list[str | None] | None:
+    """Each request's tenant (its cache salt; None without one), or None without a tenant field."""
+    if not tenant_field:
+        return None
+    return [None if r.get(tenant_field) is None else str(r.get(tenant_field)) for r in prep.records]
+
+
 class Meter:
     """Measures a log (records or token strs) at one block size the same way every time."""
 
@@ -31,9 +38,7 @@ class Meter:
 
     def salts(self, prep: Prepared) -> list[str | None] | None:
         """Each request's tenant salt (None without a tenant field)."""
-        if not self.tenant_field:
-            return None
-        return [None if r.get(self.tenant_field) is None else str(r.get(self.tenant_field)) for r in prep.records]
+        return tenant_salts(prep, self.tenant_field)
 
     def __call__(self, prep: Prepared, policy: str | None = None, capacity: bool = True) -> dict:
         key = (id(prep.tokens), policy)
