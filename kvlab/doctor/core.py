@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 from . import report
 from .culprits import Culprit, Finding, find_culprits
 from .divergence import Divergence, divergence
-from .logio import BadLine, read_log, write_log
+from .logio import BadLine, Record, read_log, write_log
 from .measure import Meter, measure_alone, measure_fixes, stats, tenant_salts
 from .outdir import check_out_dir, clear, write_manifest, written
 from .prepare import Prepared, prepare
@@ -206,35 +207,38 @@ def _kv_config(kv_config: str | None, model: str | None) -> dict:
 def _ceiling(div: Divergence, prep: Prepared) -> dict:
     """A token-granular cache with unlimited room and no salts."""
     queries, hits = sum(prep.lengths), div.ceiling_hit_tokens()
-    return {"hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
+    return {"hit_tokens": hits, "hit_rate": _rate(hits, queries),
             "repeat_requests": sum(1 for d, n in zip(div.position, prep.lengths) if d >= n)}
 
 
 def _replay_table(prep: Prepared, div: Divergence, block_sizes: list[int], caps: dict, tenants: list | None,
                   concurrency: int, meter: Meter) -> list[dict]:
     """One row per block size: unbounded (from the divergence positions), at capacity, without salts."""
-    lengths = prep.lengths
-    queries = sum(lengths)
-    salted = None if tenants is None else unbounded_hits(prep.tokens, 1, tenants)  # per request: min(d, n-1)
-    shared = [min(d, n - 1) for d, n in zip(div.position, lengths)]
+    lengths, queries = prep.lengths, sum(prep.lengths)
+    shared = [min(d, n - 1) for d, n in zip(div.position, lengths)]  # an unbounded cache hits their whole blocks
+    salted = shared if tenants is None else unbounded_hits(prep.tokens, 1, tenants)
     table = []
     for bs in block_sizes:
-        row = {"block_size": bs, "capacity_blocks": caps[bs], "requests": len(lengths), "query_tokens": queries}
-        u = sum(x // bs * bs for x in (salted if tenants is not None else shared))
-        row["unbounded_hit_rate"], row["unbounded_hit_tokens"] = u / queries if queries else 0.0, u
+        hits = sum(x // bs * bs for x in salted)
+        row = {"block_size": bs, "capacity_blocks": caps[bs], "requests": len(lengths), "query_tokens": queries,
+               "unbounded_hit_rate": _rate(hits, queries), "unbounded_hit_tokens": hits}
         if caps[bs] is not None:
             chains = block_chains(prep.tokens, bs, tenants)
             c = replay(chains, lengths, bs, caps[bs], concurrency)
-            row["capacity_hit_rate"], row["capacity_hit_tokens"], row["too_big"] = c.hit_rate, c.hit_tokens, c.too_big
+            row.update(capacity_hit_rate=c.hit_rate, capacity_hit_tokens=c.hit_tokens, too_big=c.too_big)
             if bs == block_sizes[0]:  # the culprits' baseline: the same replay, kept for the meter
                 meter.last = ((id(prep.tokens), None), prep.tokens, chains,
                               {"unbounded": stats(replay(chains, lengths, bs, None)), "capacity": stats(c)})
         if tenants is not None:
-            un = sum(x // bs * bs for x in shared)
-            row["unsalted_hit_rate"], row["unsalted_hit_tokens"] = un / queries if queries else 0.0, un
+            unsalted = sum(x // bs * bs for x in shared)
+            row.update(unsalted_hit_rate=_rate(unsalted, queries), unsalted_hit_tokens=unsalted)
         row["short_requests"] = sum(1 for s in shared if 0 < s < bs)
         table.append(row)
     return table
+
+
+def _rate(hits: int, queries: int) -> float:
+    return hits / queries if queries else 0.0
 
 
 def _system_only(final: Prepared, bs: int) -> dict | None:
@@ -243,9 +247,9 @@ def _system_only(final: Prepared, bs: int) -> dict | None:
         return None
     st = replay_tokens(final.tokens, bs, None)
     capped = sum(min(h, (s // bs) * bs) for h, s in zip(st.per_request, final.sys_tokens))
-    return {"hit_rate_history_shared": st.hit_rate, "hit_rate_system_only": capped / st.query_tokens
-            if st.query_tokens else 0.0, "hit_tokens_history_shared": st.hit_tokens,
-            "hit_tokens_system_only": capped, "query_tokens": st.query_tokens}
+    return {"hit_rate_history_shared": st.hit_rate, "hit_rate_system_only": _rate(capped, st.query_tokens),
+            "hit_tokens_history_shared": st.hit_tokens, "hit_tokens_system_only": capped,
+            "query_tokens": st.query_tokens}
 
 
 def _points(div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: int = 5) -> list[dict]:
@@ -294,36 +298,29 @@ def input_paths(*given: object) -> list[str]:
 
 
 def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
-    """Write, per culprit, the log after its fix and the fixes before it (what its numbers measure); return paths.
-
-    ``all_fixes.jsonl`` is the last of them. A padded log (alignment) is written as token ids. Every file is
-    created new (FileExistsError if it is there: ``write_report`` clears the earlier run's files first).
-    """
+    """Write, per culprit, the log after its fix and the fixes before it, then ``all_fixes.jsonl``; return paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for n, c in enumerate(d.kept, 1):
         state = c.details.get("state")
-        if state is None:
-            continue  # a replay policy (the public prefix): the log itself does not change
-        rows = ({"token_ids": ids(s), **r.meta} for s, r in zip(state, d.prep.records)) \
-            if c.details.get("state_padded") else state
-        paths[c.title] = write_log(rows, out_dir / f"{n:02d}_{c.kind}.jsonl", exclusive=True)
-        c.fixed_log = str(paths[c.title])
+        if state is not None:  # None: a replay policy (the public prefix), the log itself does not change
+            rows = _rows(state, d.prep.records, c.details.get("state_padded"))
+            paths[c.title] = write_log(rows, out_dir / f"{n:02d}_{c.kind}.jsonl", exclusive=True)
+            c.fixed_log = str(paths[c.title])
     if d.final is not None:
-        rows = ({"token_ids": ids(s), **r.meta} for s, r in zip(d.final.tokens, d.final.records)) \
-            if d.final.padded else d.final.records
+        rows = _rows(d.final.tokens if d.final.padded else d.final.records, d.final.records, d.final.padded)
         paths["all fixes"] = write_log(rows, out_dir / "all_fixes.jsonl", exclusive=True)
     return paths
 
 
-def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
-    """summary.json, figures, fixed logs and report.html under ``out_dir``; return the paths.
+def _rows(state: list, records: list[Record], padded: bool) -> Iterable:
+    """A fixed log's records, or its padded tokens (alignment) as token-id lines with each record's metadata."""
+    return ({"token_ids": ids(s), **r.meta} for s, r in zip(state, records)) if padded else state
 
-    ``out_dir`` is checked first (``kvlab.doctor.outdir``: OutDirError if it is a file, holds an input,
-    or holds files the doctor did not write); the earlier run's files are deleted, every new file is
-    created new, and ``kvlab_doctor_manifest.json`` lists them. The JSON and the HTML come from one ``data()``.
-    """
+
+def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
+    """summary.json, figures, fixed logs and report.html (all from one ``data()``) under a checked ``out_dir``."""
     out = Path(out_dir)
     stale = check_out_dir(out, d.inputs)
     out.mkdir(parents=True, exist_ok=True)
