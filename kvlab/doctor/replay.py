@@ -42,12 +42,6 @@ class HitStats:
         """Prompt tokens prefilled (the cost the cache did not save)."""
         return self.query_tokens - self.hit_tokens
 
-    def as_dict(self) -> dict:
-        """A flat dict (JSON, DataFrames)."""
-        return {"block_size": self.block_size, "capacity_blocks": self.capacity_blocks, "requests": self.requests,
-                "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
-                "computed_tokens": self.computed_tokens, "too_big": self.too_big, "seconds": self.seconds}
-
 
 def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None,
                  public_tokens: Sequence[int] | None = None) -> list[list[int]]:
