@@ -47,9 +47,7 @@ class Divergence:
 
 def divergence(prompts: Sequence[str]) -> Divergence:
     """Divergence position and partner of every prompt against all earlier ones, in log order."""
-    keys: list[str] = []
-    owner: list[int] = []
-    pos, partner = [], []
+    keys, owner, pos, partner = [], [], [], []  # keys: the earlier prompts, sorted; owner: the request of each
     for i, s in enumerate(prompts):
         j = bisect_left(keys, s)
         best, who = 0, -1
