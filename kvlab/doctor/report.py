@@ -257,72 +257,62 @@ def figures(data: dict, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def _axes(figsize: tuple[float, float]):
+    import matplotlib.pyplot as plt
+    return plt.subplots(figsize=figsize)
+
+
 def fig_hit_rates(d: Any):
     """Bars: hit rate per block size (unbounded, capacity, no salts) and the token-level ceiling."""
-    import matplotlib.pyplot as plt
-
     data = _data(d)
     if not data["requests"]:
         return None
     table = data["table"]
-    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    fig, ax = _axes((6.4, 3.4))
     series = [("unbounded cache", "unbounded_hit_rate")]
-    if any(r.get("capacity_hit_rate") is not None for r in table):
-        series.append(("given capacity", "capacity_hit_rate"))
-    if data["tenant_field"]:
-        series.append(("no salts", "unsalted_hit_rate"))
-    w = 0.8 / len(series)
-    xs = range(len(table))
+    series += [("given capacity", "capacity_hit_rate")] * any(r.get("capacity_hit_rate") is not None for r in table)
+    series += [("no salts", "unsalted_hit_rate")] * bool(data["tenant_field"])
+    w, xs = 0.8 / len(series), range(len(table))
     for k, (label, key) in enumerate(series):
         ax.bar([x + k * w for x in xs], [100 * (r.get(key) or 0) for r in table], w, label=label)
     ax.axhline(100 * data["ceiling"]["hit_rate"], color="k", ls="--", lw=1, label="ceiling (token-granular)")
     ax.set_xticks([x + w * (len(series) - 1) / 2 for x in xs], [str(r["block_size"]) for r in table])
-    ax.set_xlabel("block size (tokens)")
-    ax.set_ylabel("hit rate (%)")
-    ax.set_title("prefix-cache hit rate of the log, replayed")
+    ax.set(xlabel="block size (tokens)", ylabel="hit rate (%)", title="prefix-cache hit rate of the log, replayed")
     ax.legend(fontsize=8)
     return fig
 
 
 def fig_divergence(d: Any):
     """Histogram of divergence positions, the most common points marked."""
-    import matplotlib.pyplot as plt
-
     data = _data(d)
     if not data["requests"]:
         return None
     h = dict(data["divergence_histogram"])
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    fig, ax = _axes((6.4, 3.2))
     if h:
         xs = sorted(h)
         ax.bar(xs, [h[x] for x in xs], width=max(1, (max(xs) - min(xs)) / 300))
         for p in data["top_divergence_points"][:3]:
             ax.annotate(f"{p['position']}", (p["position"], p["requests"]), fontsize=8, ha="center", va="bottom")
         ax.set_yscale("log")
-    ax.set_xlabel("token position where a prompt stops matching every earlier prompt")
-    ax.set_ylabel("requests")
-    ax.set_title("divergence points")
+    ax.set(xlabel="token position where a prompt stops matching every earlier prompt", ylabel="requests",
+           title="divergence points")
     return fig
 
 
 def fig_fixes(d: Any):
     """Hit rate after each fix, applied one after the other."""
-    import matplotlib.pyplot as plt
-
     data = _data(d)
     chain = data["chain"]
     if len(chain) < 2:
         return None
-    key = f"{data['cap_key']}_hit_rate"
-    fig, ax = plt.subplots(figsize=(6.4, 0.5 + 0.42 * len(chain)))
-    labels = [("as logged" if k == 0 else f"+ {r['kind']}") for k, r in enumerate(chain)]
-    vals = [100 * r[key] for r in chain]
+    fig, ax = _axes((6.4, 0.5 + 0.42 * len(chain)))
+    vals = [100 * r[f"{data['cap_key']}_hit_rate"] for r in chain]
     ax.barh(range(len(vals)), vals, color=["0.6"] + ["C0"] * (len(vals) - 1))
     for y, v in enumerate(vals):
         ax.text(v + 0.5, y, f"{v:.1f} %", va="center", fontsize=8)
-    ax.set_yticks(range(len(vals)), labels)
+    ax.set_yticks(range(len(vals)), [("as logged" if k == 0 else f"+ {r['kind']}") for k, r in enumerate(chain)])
     ax.invert_yaxis()
-    ax.set_xlabel(f"hit rate (%), block size {data['block_size']}")
-    ax.set_xlim(0, 105)
-    ax.set_title("fixes applied one after the other")
+    ax.set(xlabel=f"hit rate (%), block size {data['block_size']}", xlim=(0, 105),
+           title="fixes applied one after the other")
     return fig
