@@ -74,7 +74,6 @@ def check_args(args: argparse.Namespace) -> str | None:
     from .core import input_paths
     from .outdir import OutDirError, check_out_dir
     from .tokenization import check_model
-
     if not Path(args.log).is_file():
         return f"no such file: {args.log}"
     if args.vllm_metrics is not None and not Path(args.vllm_metrics).is_file():
@@ -110,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(problem)
     from .core import diagnose, write_report
     from .report import nothing_why
-
     try:
         d = diagnose(args.log, args.model, block_sizes=tuple(args.block_size),
                      **{name: getattr(args, name) for name in DIAGNOSE_OPTIONS})

@@ -47,7 +47,6 @@ def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | 
                  public_tokens: Sequence[int] | None = None) -> list[list[int]]:
     """Each prompt's full blocks as chain ids: equal ids <=> equal tokens, prefix and salt (no hashing)."""
     import numpy as np
-
     n, bs = len(prompts), block_size
     if not n:
         return []
@@ -214,7 +213,6 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
                          concurrency: int = 1, check: bool = True, free_order: str = "vllm") -> HitStats:
     """The same replay on kvlab's real Scheduler and BlockManager (slow, the reference); ``check``: invariants after."""
     from kvlab.engine.trace_replay import UNLIMITED_TOKENS, ScriptedScheduler
-
     t0 = time.perf_counter()
     bs = block_size
     toks = [[ord(c) for c in p] if isinstance(p, str) else list(p) for p in prompts]

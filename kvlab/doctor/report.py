@@ -239,7 +239,6 @@ def figures(data: dict, out_dir: Path) -> dict[str, Path]:
     """hit_rates.png, divergence.png, fixes.png (needs matplotlib; {} without it)."""
     try:
         import matplotlib
-
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:

@@ -33,7 +33,6 @@ def check_model(model: str | os.PathLike | None) -> None:
     if model is None:
         return
     from kvlab.engine.smollm2 import is_alias
-
     if is_alias(model):
         return
     name = os.fspath(model)
@@ -53,10 +52,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
     """The folder (or hub id) of ``model``: None = the bundled model, "smollm2", a local folder or an id."""
     if model is None:
         from kvlab.engine.models import BUNDLED_MODEL
-
         return str(BUNDLED_MODEL)
     from kvlab.engine.smollm2 import ensure_smollm2, is_alias
-
     if is_alias(model):
         return str(ensure_smollm2(verbose=False))
     check_model(model)
@@ -78,7 +75,6 @@ class PromptEncoder:
     def __init__(self, model: str | os.PathLike | None = None, tokenizer: Any = None) -> None:
         if tokenizer is None:
             from transformers import AutoTokenizer
-
             path = resolve_model_path(model)
             try:  # a hub id only from the local cache: the doctor downloads nothing
                 tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
