@@ -6,6 +6,7 @@ import re
 import statistics
 from collections import Counter, defaultdict
 from itertools import groupby
+from os.path import commonprefix
 
 from ..divergence import lcp
 from ..logio import Record
@@ -111,12 +112,8 @@ def template_culprit(prep: Prepared, findings: list[Finding], enc: PromptEncoder
     chatml_prompts = sum(1 for r in prep.records if r.kind == "prompt" and parse_chatml(r.prompt))
     fix = rerender_chatml if chatml_prompts else None
     positions = [f.token_pos for f in tp] + [pos for pos, _, _ in hand]
-    ev = []
-    if hand:
-        ev.append(f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for the "
-                  "same messages")
-    if tp:
-        ev.append(f"{len(tp)} diffed pairs differ outside any message's content")
+    ev = [f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for the same "
+          "messages"] * bool(hand) + [f"{len(tp)} diffed pairs differ outside any message's content"] * bool(tp)
     ev += [f"the prompt: {ex[0]!r}", f"the template: {ex[1]!r}" if hand else f"the earlier prompt: {ex[1]!r}",
            f"record kinds in the log: {dict(kinds)}"]
     return Culprit(
@@ -175,10 +172,7 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
         if len(fs) < min_count:
             continue
         items = [it for f in fs for it in f.items_a + f.items_b]
-        common = items[0]
-        for it in items[1:]:
-            common = common[:lcp(common, it)]
-        prefix = stable_key(common, items[0])
+        prefix = stable_key(commonprefix(items), items[0])
         ex = fs[0]
         unit = "paragraphs" if sep == "\n\n" else "lines"
         affected = sum(1 for rec in prep.records for r, idx, c in record_segments(rec)
@@ -215,6 +209,10 @@ def _history(rec: Record) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in rec.messages if m["role"] not in SYSTEM_ROLES]
 
 
+def _system(rec: Record) -> list[str]:
+    return [m["content"] for m in rec.messages if m["role"] in SYSTEM_ROLES]
+
+
 def _new_from(h: list[tuple[str, str]], prev: list[tuple[str, str]]) -> int:
     """Where a turn's new messages start: after the previous turn's history, its last message, or the last exchange."""
     if h[:len(prev)] == prev:  # already append-only
@@ -247,29 +245,22 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
     """Conversations whose turns rebuild the history instead of appending to it."""
     convs: dict[object, list[int]] = defaultdict(list)
     for i, rec in enumerate(prep.records):
-        k = conversation_key(rec)
-        if k is not None:
-            convs[k].append(i)
-    follow = rebuilt = 0
+        if (key := conversation_key(rec)) is not None:
+            convs[key].append(i)
+    turns = [(key, prev, cur) for key, idx in convs.items() for prev, cur in zip(idx, idx[1:])]
     kinds: Counter = Counter()
-    example = None
-    template_breaks = 0
-    for key, idx in convs.items():
-        for prev, cur in zip(idx, idx[1:]):
-            follow += 1
-            hp, hc = _history(prep.records[prev]), _history(prep.records[cur])
-            if hc[: len(hp)] == hp:
-                sp = [m["content"] for m in prep.records[prev].messages if m["role"] in SYSTEM_ROLES]
-                sc = [m["content"] for m in prep.records[cur].messages if m["role"] in SYSTEM_ROLES]
-                if sp == sc and lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8:
-                    template_breaks += 1
-                continue
-            rebuilt += 1
-            j = next((j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None)
-            kind = f"window: dropped the oldest {j} message(s)" if j else "edited or replaced history"
-            kinds[kind] += 1
-            if example is None:
-                example = (key, prev, cur, len(hp), len(hc), kind)
+    example, template_breaks = None, 0
+    for key, prev, cur in turns:
+        hp, hc = _history(prep.records[prev]), _history(prep.records[cur])
+        if hc[: len(hp)] == hp:  # appended: the template may still re-render the history differently
+            if _system(prep.records[prev]) == _system(prep.records[cur]):
+                template_breaks += lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8
+            continue
+        j = next((j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None)
+        kind = f"window: dropped the oldest {j} message(s)" if j else "edited or replaced history"
+        kinds[kind] += 1
+        example = example or (key, prev, cur, len(hp), len(hc), kind)
+    follow, rebuilt = len(turns), sum(kinds.values())
     if not rebuilt and not template_breaks:
         return None
     ev = [f"{follow} follow-up turns in {sum(len(v) > 1 for v in convs.values())} conversations; "
@@ -282,8 +273,7 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
     if template_breaks:
         ev.append(f"{template_breaks} turns append their messages but the chat template re-renders the history "
                   "differently (the token prefix breaks anyway)")
-    position = int(statistics.median(prep.sys_tokens[i] for i in range(len(prep.records))
-                                     if conversation_key(prep.records[i]) is not None)) if convs else None
+    position = int(statistics.median(prep.sys_tokens[i] for idx in convs.values() for i in idx)) if convs else None
     return Culprit("multi-turn", "multi-turn conversations rebuild their history instead of appending to it",
                    position, "the conversation history", ev,
                    "send each turn as the previous turn's messages + the reply + the new message (append-only)",
