@@ -98,9 +98,9 @@ class Diagnosis:
                 "table": self.table, "ceiling": self.ceiling, "top_divergence_points": self.top_points,
                 "divergence_histogram": sorted(self.div.histogram().items()),
                 "culprits": [_culprit_data(c, k, self.kept) for c in self.culprits], "baseline": self.baseline,
-                "chain": self.chain, "remaining_divergence_points": self.final_top_points, "system_only": self.system_only,
-                "vllm": self.vllm, "spot_checks": self.spot_checks, "scan": self.scan, "timings": dict(self.timings),
-                "notes": self.notes}
+                "chain": self.chain, "remaining_divergence_points": self.final_top_points,
+                "system_only": self.system_only, "vllm": self.vllm, "spot_checks": self.spot_checks, "scan": self.scan,
+                "timings": dict(self.timings), "notes": self.notes}
 
     def summary(self) -> str:
         """The terminal summary."""
@@ -111,9 +111,10 @@ def _culprit_data(c: Culprit, cap_key: str, kept_all: list[Culprit]) -> dict:
     kept = c in kept_all
     change = c.chained[cap_key]["hit_rate"] - c.before[cap_key]["hit_rate"] if kept else None
     return {"fix_order": kept_all.index(c) + 1 if kept else None, "kind": c.kind, "title": c.title,
-            "position": c.position, "where": c.where, "evidence": c.evidence, "fix": c.fix_text, "affected": c.affected, "measurable": c.measurable, "kept": kept,
-            "no_effect": c.no_effect, "quick_look": c.details.get("quick look"), "examples": c.examples[:1],
-            "before": c.before, "chained": c.chained, "change": change, "alone": c.alone, "fixed_log": c.fixed_log}
+            "position": c.position, "where": c.where, "evidence": c.evidence, "fix": c.fix_text, "affected": c.affected,
+            "measurable": c.measurable, "kept": kept, "no_effect": c.no_effect, "quick_look": c.details.get("quick look"),
+            "examples": c.examples[:1], "before": c.before, "chained": c.chained, "change": change, "alone": c.alone,
+            "fixed_log": c.fixed_log}
 
 
 @contextmanager
@@ -167,7 +168,8 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
     with _timed(timings, "measure fixes alone"):
         for c in kept if alone else []:
             c.alone = measure_alone(c, prep, enc, meter)
-    culprits = kept + [c for c in culprits if c not in kept and c.measurable] + [c for c in culprits if not c.measurable]
+    culprits = kept + [c for c in culprits if c not in kept and c.measurable] + [
+        c for c in culprits if not c.measurable]
     top, final_top = _points(div, prep.tokens, enc), _points(divergence(final.tokens), final.tokens, enc)
     timings["cpu (process time, all phases)"] = time.process_time() - cpu0
     lines = len(records) + len(bad)

@@ -251,7 +251,8 @@ def read_log(source: str | Path | Iterable[dict | str | bytes]) -> tuple[list[Re
             items = [decode_line(raw[len(BOM):] if n == 1 and raw.startswith(BOM) else raw, n)
                      for n, raw in enumerate(f, 1)]
     else:
-        items = [decode_line(x, n) if isinstance(x, (str, bytes)) else _from_value(x, n) for n, x in enumerate(source, 1)]
+        items = [decode_line(x, n) if isinstance(x, (str, bytes)) else _from_value(x, n)
+                 for n, x in enumerate(source, 1)]
     return [x for x in items if isinstance(x, Record)], [x for x in items if isinstance(x, BadLine)]
 
 

@@ -52,8 +52,8 @@ def _manifest(out: Path) -> list[str] | None:
 def _legacy(out: Path, names: list[str]) -> list[str] | None:
     """The files of a report an earlier kvlab wrote (no manifest): only doctor names, its summary.json."""
     files = [f for f in names if not f.endswith("/")]
-    folders = [f for f in names if f.endswith("/")]
-    if "summary.json" not in files or any(not OUTPUT_NAME.fullmatch(f) for f in files) or folders not in ([], ["fixed/"]):
+    folders = [f for f in names if f.endswith("/")]  # none, or fixed/
+    if "summary.json" not in files or folders not in ([], ["fixed/"]) or not all(map(OUTPUT_NAME.fullmatch, files)):
         return None
     try:
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))

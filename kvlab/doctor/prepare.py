@@ -145,7 +145,8 @@ def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[st
         new_delta = end - seg.end
         if sys_chars and seg.end <= base.sys_chars[k]:
             sys_chars = base.sys_chars[k] + new_delta
-        segs.append(Segment(seg.role, seg.index, start, end, start + len(content) if seg.tools_from is not None else None))
+        tools_from = start + len(content) if seg.tools_from is not None else None
+        segs.append(Segment(seg.role, seg.index, start, end, tools_from))
         delta = new_delta
         cursor = seg.end
     parts.append(text0[cursor:])
@@ -177,7 +178,8 @@ def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | 
     sys_tokens = [0] * len(kept)
     with_head = [i for i, c in enumerate(sys_chars) if c]
     if with_head and enc is not None:
-        encoded = enc.encode([texts[i][:sys_chars[i]] for i in with_head], [kept[i].kind == "prompt" for i in with_head])
+        heads = [texts[i][:sys_chars[i]] for i in with_head]
+        encoded = enc.encode(heads, [kept[i].kind == "prompt" for i in with_head])
         for i, h in zip(with_head, encoded):
             # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
             sys_tokens[i] = lcp(h, tokens[i])

@@ -185,7 +185,8 @@ def _html_findings(data: dict, figs: dict[str, Path], e, k: str, tf: str | None)
     n, equal = _spot(data)
     parts.append(f"</table><p>Ceiling (a token-granular cache with unlimited room, no salts): "
                  f"<b>{pct(data['ceiling']['hit_rate'])}</b>. Spot check: the first {n} requests replayed through "
-                 f"<code>kvlab.cache.BlockManager</code> give {'identical' if equal else '<b>different</b>'} counts.</p>")
+                 f"<code>kvlab.cache.BlockManager</code> give {'identical' if equal else '<b>different</b>'} "
+                 "counts.</p>")
     base = data["baseline"][k]
     if v := data["vllm"]:
         parts.append(f"<p>vLLM <code>/metrics</code> ({e(v['file'])}): queries {v['queries']}, hits {v['hits']}, "

@@ -93,7 +93,8 @@ class PromptEncoder:
         if not template:
             self.notes.append("the tokenizer has no chat template: messages are rendered as ChatML")
         self.renders_tools = bool(template) and "tools" in template
-        added = {getattr(t, "content", str(t)): int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        added = {getattr(t, "content", str(t)): int(i) for i, t in decoder.items()}
         self.added = {text: i for text, i in added.items() if text}
         longest_first = sorted(self.added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
@@ -122,7 +123,7 @@ class PromptEncoder:
         return text
 
     def effective_messages(self, rec: Record) -> list[dict]:
-        """The messages as the template sees them (tools appended to the system message if the template ignores them)."""
+        """The messages as the template sees them (tools in the system message if the template has no tools)."""
         msgs = rec.messages or []
         if rec.tools and not self.renders_tools:
             msgs = [dict(m) for m in msgs]
@@ -200,7 +201,8 @@ class PromptEncoder:
         self.lines = False
         self.cache.clear()
         if self.encode(sample) == whole:
-            self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens (slower)")
+            self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens "
+                              "(slower)")
             return
         self.segmented = False
         self.cache.clear()

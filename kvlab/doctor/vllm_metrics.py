@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>[-+0-9.eEinfNa]+)(\s+\d+)?\s*$")
+LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+"
+                  r"(?P<value>[-+0-9.eEinfNa]+)(\s+\d+)?\s*$")
 QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total",
            "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries",
            "kvlab:prefix_cache_queries_total", "kvlab:prefix_cache_queries")
