@@ -112,9 +112,9 @@ def _culprit_data(c: Culprit, cap_key: str, kept_all: list[Culprit]) -> dict:
     change = c.chained[cap_key]["hit_rate"] - c.before[cap_key]["hit_rate"] if kept else None
     return {"fix_order": kept_all.index(c) + 1 if kept else None, "kind": c.kind, "title": c.title,
             "position": c.position, "where": c.where, "evidence": c.evidence, "fix": c.fix_text, "affected": c.affected,
-            "measurable": c.measurable, "kept": kept, "no_effect": c.no_effect, "quick_look": c.details.get("quick look"),
-            "examples": c.examples[:1], "before": c.before, "chained": c.chained, "change": change, "alone": c.alone,
-            "fixed_log": c.fixed_log}
+            "measurable": c.measurable, "kept": kept, "no_effect": c.no_effect,
+            "quick_look": c.details.get("quick look"), "examples": c.examples[:1], "before": c.before,
+            "chained": c.chained, "change": change, "alone": c.alone, "fixed_log": c.fixed_log}
 
 
 @contextmanager
