@@ -158,10 +158,9 @@ def _permutation(ca: str, la: int, cb: str, lb: int) -> tuple[str, list[str], li
 def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sample: int = 400, seed: int = 0,
                min_run: int = MIN_RUN) -> tuple[list[Finding], dict]:
     """Diff a sample of requests against their partners; return the findings and what was scanned."""
-    n = len(prep.tokens)
-    cand = [i for i in range(n) if div.partner[i] >= 0
-            and div.position[i] < min(len(prep.tokens[i]), len(prep.tokens[div.partner[i]])) - 1]
-    rng = random.Random(seed)
+    cand = [i for i, (d, p) in enumerate(zip(div.position, div.partner))
+            if p >= 0 and d < min(len(prep.tokens[i]), len(prep.tokens[p])) - 1]
+    chosen = cand
     if len(cand) > sample:
         # every divergence position once (its earliest request: rare positions are where rare culprits are),
         # then a uniform sample of the rest
@@ -170,9 +169,7 @@ def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sampl
             first_at.setdefault(div.position[i], i)
         rare = sorted(first_at.values(), key=lambda i: div.position[i])[: sample // 2]
         rest = sorted(set(cand) - set(rare))
-        chosen = sorted(set(rare) | set(rng.sample(rest, min(len(rest), sample - len(rare)))))
-    else:
-        chosen = cand
+        chosen = sorted(set(rare) | set(random.Random(seed).sample(rest, min(len(rest), sample - len(rare)))))
     text_ids = sorted({j for i in chosen for j in (i, div.partner[i]) if prep.texts[j] is not None})
     offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
     mismatched = 0
@@ -233,8 +230,7 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
             out.append(Finding("tools", i, p, pa, text_a=_shorten(TA[ca:ca + 80]), text_b=_shorten(TB[cb:cb + 80])))
             break
         if sa is not None and sb is not None and (sa.role, sa.index) == (sb.role, sb.index):
-            ca_, cb_ = TA[sa.start:sa.end], TB[sb.start:sb.end]
-            perm = _permutation(ca_, ca - sa.start, cb_, cb - sb.start)
+            perm = _permutation(TA[sa.start:sa.end], ca - sa.start, TB[sb.start:sb.end], cb - sb.start)
             if perm is not None:
                 sep, ia, ib, ea, eb = perm
                 out.append(Finding("order", i, p, pa, sa.role, sa.index, items_a=ia, items_b=ib, sep=sep))
@@ -248,8 +244,7 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
         if r is None:
             break
         a, b, run = r
-        ea, eb = _char_at(offA, pa + a, TA), _char_at(offB, pb + b, TB)
-        ea, eb = max(ea, ca), max(eb, cb)
+        ea, eb = max(_char_at(offA, pa + a, TA), ca), max(_char_at(offB, pb + b, TB), cb)
         da, db = TA[ca:ea], TB[cb:eb]
         tok, context = _token_at(endsA, ca), (TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30])
         if _same_line(out, sa, TA, ca):
