@@ -107,20 +107,13 @@ def move_fields(records: list[Record], patterns: list[FieldPattern]) -> list[Rec
     out = []
     for rec in records:
         segs = record_segments(rec)
-        if not segs:
-            out.append(rec)
-            continue
-        contents = [c for _, _, c in segs]
-        moved = []
+        contents, moved = [c for _, _, c in segs], []
         for pat in patterns:
             for j, (role, idx, _) in enumerate(segs):
-                if not pat.matches(role, idx):
-                    continue
-                span = pat.locate(contents[j])
+                span = pat.locate(contents[j]) if pat.matches(role, idx) else None
                 if span is None:
                     continue
-                s, e = span
-                c = contents[j]
+                (s, e), c = span, contents[j]
                 moved.append(c[s:e].strip())
                 if e < len(c) and c[e] == "\n":
                     e += 1
@@ -132,13 +125,8 @@ def move_fields(records: list[Record], patterns: list[FieldPattern]) -> list[Rec
 
 
 def _line_no(prep: Prepared, pat: FieldPattern) -> int | None:
-    for rec in prep.records:
-        for role, idx, c in record_segments(rec):
-            if pat.matches(role, idx):
-                span = pat.locate(c)
-                if span:
-                    return c.count("\n", 0, span[0]) + 1
-    return None
+    spans = ((c, pat.locate(c)) for rec in prep.records for r, idx, c in record_segments(rec) if pat.matches(r, idx))
+    return next((c.count("\n", 0, span[0]) + 1 for c, span in spans if span), None)
 
 
 def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, tenants: list | None = None,
