@@ -98,19 +98,15 @@ class PromptEncoder:
         self.added = {text: i for text, i in added.items() if text}
         longest_first = sorted(self.added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
-        self.cache: dict[str, str] = {}
-        self.segmented = True  # split at added tokens (checked on the first batch)
-        self.lines = True  # also split after newline runs (checked on the first batch)
-        self._checked = False
-        self._tools_memo: dict[int, tuple[list, str]] = {}
-        self.splice_ok = True  # rewritten records are spliced into their origin's text (checked, see prepare)
-        self.splice_checked = 0
+        self.cache: dict[str, str] = {}  # piece -> its token str
         self._offset_cache: dict[str, list[tuple[int, int]]] = {}
-        pre = tokenizer("", add_special_tokens=True)["input_ids"]
-        self.prompt_prefix = tokstr(pre)  # what add_special_tokens=True puts around a plain prompt (e.g. BOS)
-        self.pieces_total = 0  # pieces looked up
-        self.pieces_tokenized = 0  # pieces sent to the tokenizer (the rest came from the cache)
-        self.chars_tokenized = 0
+        self._tools_memo: dict[int, tuple[list, str]] = {}
+        self.segmented = self.lines = True  # split at added tokens, and after newline runs (checked on a first batch)
+        self._checked = False
+        self.splice_ok, self.splice_checked = True, 0  # rewritten records spliced into their origin's text (prepare)
+        # what add_special_tokens=True puts before a plain prompt (e.g. BOS)
+        self.prompt_prefix = tokstr(tokenizer("", add_special_tokens=True)["input_ids"])
+        self.pieces_total = self.pieces_tokenized = self.chars_tokenized = 0  # looked up; sent to the tokenizer
 
     # --- rendering ----------------------------------------------------------------------------------
     def tools_block(self, tools: list[dict]) -> str:
@@ -140,12 +136,10 @@ class PromptEncoder:
         if rec.kind != "messages":
             raise ValueError("token-id records have no text")
         msgs = self.effective_messages(rec) if messages is None else messages
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
-        if rec.tools and self.renders_tools:
-            kwargs["tools"] = rec.tools
+        kwargs: dict[str, Any] = {"tools": rec.tools} if rec.tools and self.renders_tools else {}
         if not self.template:
             kwargs["chat_template"] = CHATML
-        return self.tok.apply_chat_template(msgs, **kwargs)
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
     # --- tokenizing ---------------------------------------------------------------------------------
     def _batch(self, texts: list[str]) -> list[list[int]]:
@@ -211,25 +205,22 @@ class PromptEncoder:
 
     def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[str, list[tuple[int, int]]]]:
         """Token strs and character offsets of texts (piece-wise like ``encode``, pieces cached)."""
-        texts = list(texts)
-        if self.segmented and self._checked:
-            split = [self._pieces(t) for t in texts]
-            todo = sorted({p for ps in split for p in ps if p not in self.added and p not in self._offset_cache})
-            for p, (_, off) in zip(todo, self._whole_offsets(todo)):
-                self._offset_cache[p] = off
-            out = []
-            for ps in split:
-                offs, pos = [], 0
-                for p in ps:
-                    if p in self.added:
-                        offs.append((pos, pos + len(p)))
-                    else:
-                        offs.extend((pos + a, pos + b) for a, b in self._offset_cache[p])
-                    pos += len(p)
-                out.append(("".join(chr(self.added[p]) if p in self.added else self.cache.get(p) or tokstr(
-                    self._batch([p])[0]) for p in ps), offs))
-            return out
-        return self._whole_offsets(texts)
+        texts, added, known = list(texts), self.added, self._offset_cache
+        if not (self.segmented and self._checked):
+            return self._whole_offsets(texts)
+        split = [self._pieces(t) for t in texts]
+        todo = sorted({p for ps in split for p in ps if p not in added and p not in known})
+        known.update((p, off) for p, (_, off) in zip(todo, self._whole_offsets(todo)))
+        out = []
+        for ps in split:
+            offs, pos = [], 0
+            for p in ps:
+                offs.extend([(pos, pos + len(p))] if p in added else ((pos + a, pos + b) for a, b in known[p]))
+                pos += len(p)
+            toks = "".join(chr(added[p]) if p in added else self.cache.get(p) or tokstr(self._batch([p])[0])
+                           for p in ps)
+            out.append((toks, offs))
+        return out
 
     def _whole_offsets(self, texts: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
         if not texts:
