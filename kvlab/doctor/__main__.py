@@ -6,13 +6,10 @@ Examples:
     python -m kvlab.doctor requests.jsonl --kv-gib 20 --kv-config Qwen2.5-7B-Instruct --tenant-field tenant
     python -m kvlab.doctor requests.jsonl --vllm-metrics metrics.txt   # curl http://server:8000/metrics > metrics.txt
 
-LOG is JSONL, one request a line: {"messages": [...], "user": ..., "timestamp": ..., "tenant": ..., "session": ...},
-{"prompt": "..."} or {"token_ids": [...]}. Malformed lines (not UTF-8, not strict JSON, nested too deep, a
-wrong shape, ...) are listed with their line number (lines end at \\n only) and skipped.
-
---out DIR must be a new or empty folder, or one the doctor wrote before: it deletes the files it listed in
-DIR/kvlab_doctor_manifest.json and writes the new report; a file, a folder of other files, or a folder
-that holds an input (the log, --vllm-metrics, ...) is refused before the analysis. It never writes over a file.
+LOG is JSONL, one request a line: {"messages": [...], "user": ..., "tenant": ..., "session": ...}, {"prompt": "..."}
+or {"token_ids": [...]}. Malformed lines are listed with their line number (lines end at \\n only) and skipped.
+--out DIR must be new, empty or the doctor's earlier report (it deletes the files its kvlab_doctor_manifest.json
+lists); anything else, or a folder holding an input, is refused before the analysis. It never writes over a file.
 
 exit status:
   0  the report was made (at least one request replayed; malformed lines skipped and listed)

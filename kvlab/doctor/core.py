@@ -186,12 +186,18 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
 
 def _capacities(block_sizes: list[int], capacity_blocks: int | None, kv_gib: float | None, kv_config: str | None,
                 kv_dtype: str, model: str | None, notes: list[str]) -> dict[int, int | None]:
-    kvb = None
+    """Blocks of each block size for the same KV memory (``capacity_blocks`` counts blocks of the first size)."""
     if kv_gib is not None:
         kvb = kv_bytes_per_token_of(_kv_config(kv_config, model), kv_dtype)
         notes.append(f"--kv-gib {kv_gib}: {kvb} KV bytes per token ({kv_dtype}) from "
                      f"{kv_config or model or 'the bundled model'}'s config")
-    return capacity_for(block_sizes, capacity_blocks, kv_gib, kvb)
+    if capacity_blocks is not None:
+        return {bs: capacity_blocks * block_sizes[0] // bs for bs in block_sizes}
+    if kv_gib is not None:
+        if not kvb:
+            raise ValueError("--kv-gib needs the KV bytes per token of a model config")
+        return {bs: int(kv_gib * 2**30 // (bs * kvb)) for bs in block_sizes}
+    return {bs: None for bs in block_sizes}
 
 
 def _kv_config(kv_config: str | None, model: str | None) -> dict:
@@ -268,19 +274,6 @@ def _points(div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: in
                     "before": show(s[max(0, pos - w[0]):pos]), "after_request": show(s[pos:pos + w[1]]),
                     "after_partner": show(t[pos:pos + w[1]])})
     return out
-
-
-def capacity_for(block_sizes: list[int], capacity_blocks: int | None, kv_gib: float | None,
-                 kv_bytes_per_token: int | None) -> dict[int, int | None]:
-    """Blocks of each block size for the same KV memory (``capacity_blocks`` counts blocks of the first size)."""
-    if capacity_blocks is not None:
-        tokens = capacity_blocks * block_sizes[0]
-        return {bs: tokens // bs for bs in block_sizes}
-    if kv_gib is not None:
-        if not kv_bytes_per_token:
-            raise ValueError("--kv-gib needs the KV bytes per token of a model config")
-        return {bs: int(kv_gib * 2**30 // (bs * kv_bytes_per_token)) for bs in block_sizes}
-    return {bs: None for bs in block_sizes}
 
 
 def kv_bytes_per_token_of(config: dict, dtype: str = "bfloat16") -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 
 from .divergence import lcp
@@ -74,7 +73,6 @@ class Prepared:
     segments: list[list[Segment]]
     sys_tokens: list[int]
     bad: list[BadLine] = field(default_factory=list)
-    seconds: dict = field(default_factory=dict)
     padded: bool = False  # tokens were changed after tokenizing (alignment padding): write them as token ids
     sys_chars: list[int] = field(default_factory=list)  # characters of the rendered text in the system part
 
@@ -98,19 +96,17 @@ class Prepared:
 
 def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None) -> Prepared:
     """Render, tokenize and lay out every record; with ``base``, reuse its records and splice rewritten ones."""
-    t0 = time.perf_counter()
     if base is None:
         return _prepare(records, enc, None, {})
     known = {id(r): k for k, r in enumerate(base.records)}
     fresh = [r for r in records if id(r) not in known]
     new = _prepare(fresh, enc, base, known) if fresh else Prepared([], [], [], [], [])
     got = {id(r): k for k, r in enumerate(new.records)}
-    out = Prepared([], [], [], [], [], list(new.bad), dict(new.seconds))
+    out = Prepared([], [], [], [], [], list(new.bad))
     for r in records:
         src, k = (base, known[id(r)]) if id(r) in known else (new, got.get(id(r)))
         if k is not None:  # None: it became a bad line
             out.take(src, k)
-    out.seconds["total"] = time.perf_counter() - t0
     return out
 
 
@@ -154,7 +150,6 @@ def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[st
 
 
 def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None, known: dict) -> Prepared:
-    t0 = time.perf_counter()
     rows, bad, heads = [], [], {}
     for rec in records:
         if rec.kind == "token_ids":
@@ -167,14 +162,12 @@ def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | 
             except Exception as e:  # jinja raises TemplateError and friends for a conversation it refuses
                 bad.append(BadLine(rec.line, f"the chat template cannot render it ({type(e).__name__}: {e})", ""))
     kept, texts, segments, sys_chars = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
-    t1 = time.perf_counter()
     tokens = [tokstr(r.token_ids) if r.kind == "token_ids" else "" for r in kept]
     with_text = [i for i, t in enumerate(texts) if t is not None]
     if with_text:
         encoded = enc.encode([texts[i] for i in with_text], [kept[i].kind == "prompt" for i in with_text])
         for i, ts in zip(with_text, encoded):
             tokens[i] = ts
-    t2 = time.perf_counter()
     sys_tokens = [0] * len(kept)
     with_head = [i for i, c in enumerate(sys_chars) if c]
     if with_head and enc is not None:
@@ -191,7 +184,6 @@ def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | 
         else:  # a prompt that tokenizes to nothing cannot be replayed
             out.bad.append(BadLine(r.line, "the prompt has no tokens", ""))
     out.bad.sort(key=lambda b: b.line)
-    out.seconds = {"render": t1 - t0, "tokenize": t2 - t1, "system part": time.perf_counter() - t2}
     return out
 
 

@@ -48,7 +48,7 @@ def padded(prep: Prepared, block_size: int, pad: int) -> Prepared:
     bounds = alignment_boundaries(prep.tokens, divergence(prep.tokens))
     toks, inserts = pad_to_blocks(prep.tokens, bounds, block_size, pad)
     sys_tokens = [st + sum(k for p, k in ins if p <= st) if st else 0 for st, ins in zip(prep.sys_tokens, inserts)]
-    return Prepared(prep.records, prep.texts, toks, prep.segments, sys_tokens, prep.bad, prep.seconds, padded=True,
+    return Prepared(prep.records, prep.texts, toks, prep.segments, sys_tokens, prep.bad, padded=True,
                     sys_chars=prep.sys_chars)
 
 
