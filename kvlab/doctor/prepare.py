@@ -119,32 +119,21 @@ def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[st
         return None
     if rec.tools is not r0.tools and rec.tools != r0.tools:
         return None
-    segs0 = base.segments[k]
-    by_index = {s.index: s for s in segs0 if s.index is not None}
-    if len(by_index) != len(rec.messages) or base.texts[k] is None:
+    segs0, text0, sys0 = base.segments[k], base.texts[k], base.sys_chars[k]
+    if len({s.index for s in segs0 if s.index is not None}) != len(rec.messages) or text0 is None:
         return None
-    text0 = base.texts[k]
-    parts, segs, cursor, delta, sys_chars = [], [], 0, 0, base.sys_chars[k]
+    parts, segs, cursor, delta, sys_chars = [], [], 0, 0, sys0
     for seg in sorted(segs0, key=lambda s: s.start):
-        if seg.index is None:  # a message the doctor added (tools): unchanged
-            parts.append(text0[cursor:seg.end])
-            segs.append(Segment(seg.role, None, seg.start + delta, seg.end + delta,
-                                None if seg.tools_from is None else seg.tools_from + delta))
-            cursor = seg.end
-            continue
-        content = rec.messages[seg.index]["content"]
-        tools_tail = text0[seg.tools_from:seg.end] if seg.tools_from is not None else ""
-        parts.append(text0[cursor:seg.start])
+        # a message's new content, then the tools the doctor appended to it (a message it added stays as is)
+        content = rec.messages[seg.index]["content"] if seg.index is not None else ""
+        tail = text0[seg.tools_from:seg.end] if seg.tools_from is not None else ""
         start = seg.start + delta
-        parts.append(content + tools_tail)
-        end = start + len(content) + len(tools_tail)
-        new_delta = end - seg.end
-        if sys_chars and seg.end <= base.sys_chars[k]:
-            sys_chars = base.sys_chars[k] + new_delta
-        tools_from = start + len(content) if seg.tools_from is not None else None
-        segs.append(Segment(seg.role, seg.index, start, end, tools_from))
-        delta = new_delta
-        cursor = seg.end
+        parts += [text0[cursor:seg.start], content + tail]
+        delta, cursor = start + len(content) + len(tail) - seg.end, seg.end
+        if sys_chars and seg.end <= sys0:
+            sys_chars = sys0 + delta
+        tools_from = None if seg.tools_from is None else start + len(content)
+        segs.append(Segment(seg.role, seg.index, start, seg.end + delta, tools_from))
     parts.append(text0[cursor:])
     return "".join(parts), segs, sys_chars
 
