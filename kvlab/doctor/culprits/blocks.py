@@ -83,21 +83,15 @@ def public_prefixes(prep: Prepared, tenants: list[str | None], scan: int = 64) -
         if st and t is not None:
             heads[ts[:st]].add(t)
     keys = sorted(heads)
+
+    def nearest_other(j: int, step: int) -> str | None:  # the nearest head in sorted order another tenant sends
+        return next((keys[k] for k in range(j + step, j + step * (scan + 1), step)
+                     if 0 <= k < len(keys) and heads[keys[k]] - heads[keys[j]]), None)
+
     best: dict[str, int] = {}
-    for j, h in enumerate(keys):
-        mine = heads[h]
-        b = 0
-        if len(mine) > 1:
-            b = len(h)
-        else:
-            for step in (-1, 1):
-                k = j + step
-                while 0 <= k < len(keys) and abs(k - j) <= scan:
-                    if heads[keys[k]] - mine:
-                        b = max(b, lcp(h, keys[k]))
-                        break
-                    k += step
-        best[h] = b
+    for j, h in enumerate(keys):  # sent by several tenants: all of it; else the most it shares with a neighbour's
+        near = [o for o in (nearest_other(j, -1), nearest_other(j, 1)) if o is not None]
+        best[h] = len(h) if len(heads[h]) > 1 else max((lcp(h, o) for o in near), default=0)
     return [best.get(ts[:st], 0) if st and t is not None else 0
             for ts, st, t in zip(prep.tokens, prep.sys_tokens, tenants)]
 
