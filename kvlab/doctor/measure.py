@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from .culprits import Culprit, public_prefixes
 from .prepare import Prepared, prepare
 from .replay import HitStats, block_chains, replay, unbounded_hits
@@ -37,18 +35,14 @@ class Meter:
         self.last: tuple | None = None  # (key, tokens, chains, result) of the last call
 
     def __call__(self, prep: Prepared, policy: str | None = None, capacity: bool = True) -> dict:
-        key = (id(prep.tokens), policy)
+        key, salts = (id(prep.tokens), policy), tenant_salts(prep, self.tenant_field)
         if self.last is not None and self.last[0] == key and self.last[1] is prep.tokens:
             chains, out = self.last[2], dict(self.last[3])  # the same log measured just before (unbounded first)
         elif policy is None and not (self.capacity is not None and capacity):
             # unbounded only: the divergence positions give the hits, no block ids needed
-            t0 = time.perf_counter()
-            per = unbounded_hits(prep.tokens, self.bs, tenant_salts(prep, self.tenant_field))
-            st = HitStats(self.bs, None, len(per), sum(prep.lengths), sum(per), 0, time.perf_counter() - t0, per)
-            self.last = None
-            return {"unbounded": stats(st)}
+            per, self.last = unbounded_hits(prep.tokens, self.bs, salts), None
+            return {"unbounded": stats(HitStats(self.bs, None, len(per), sum(prep.lengths), sum(per)))}
         else:
-            salts = tenant_salts(prep, self.tenant_field)
             public = public_prefixes(prep, salts) if policy == "public-prefix" and salts else None
             chains = block_chains(prep.tokens, self.bs, salts, public)
             out = {"unbounded": stats(replay(chains, prep.lengths, self.bs, None))}
