@@ -330,12 +330,11 @@ def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[
             figs = report.figures(data, out)
         paths.update(figs)
         data["timings"] = dict(d.timings)
-        with open(out / "summary.json", "x", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=1, default=str))
-        paths["summary.json"] = out / "summary.json"
-        with open(out / "report.html", "x", encoding="utf-8") as f:
-            f.write(report.render_html(data, figs))
-        paths["report.html"] = out / "report.html"
+        for name, render in (("summary.json", lambda: json.dumps(data, indent=1, default=str)),
+                             ("report.html", lambda: report.render_html(data, figs))):
+            with open(out / name, "x", encoding="utf-8") as f:  # created new: never over an existing file
+                f.write(render())
+            paths[name] = out / name
     finally:  # what was written, even when a write failed half-way: the next run deletes it
         write_manifest(out, written(out))
     return paths

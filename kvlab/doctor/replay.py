@@ -1,8 +1,4 @@
-"""Replay a log through a prefix cache with vLLM's rules and count hits, fast and exactly (see docs/doctor.md).
-
-``replay`` runs on integer block ids (``block_chains``); ``replay_block_manager`` is the reference on kvlab's
-real Scheduler and BlockManager, and ``spot_check`` compares the two.
-"""
+"""Replay a log through a prefix cache with vLLM's rules: fast on block ids, and on the real Scheduler (docs)."""
 
 from __future__ import annotations
 

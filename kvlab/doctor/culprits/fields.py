@@ -1,7 +1,4 @@
-"""Fields: a line (or sentence) whose value differs per request, per user or per conversation; moved to the end.
-
-Token-id logs get the same treatment for spans between fixed token contexts (see docs/doctor.md).
-"""
+"""Fields: a line (or a token span) whose value differs per request, user or conversation; the fix moves it."""
 
 from __future__ import annotations
 

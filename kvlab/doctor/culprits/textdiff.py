@@ -1,8 +1,4 @@
-"""Diff a request against its partner from the divergence point and name each difference (see docs/doctor.md).
-
-Kinds: ``whitespace``, ``template`` (markup), ``tools``, ``order``, a ``slot`` of one line (or sentence), and
-``span`` in token-id logs.
-"""
+"""Diff a request against its partner from the divergence point and name each difference (see docs/doctor.md)."""
 
 from __future__ import annotations
 
