@@ -19,10 +19,6 @@ class OutDirError(ValueError):
     """``--out`` cannot be used: what is wrong and what to do instead."""
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def _files(out: Path) -> list[str]:
     """Every entry under ``out`` (relative, '/'-separated; folders end with '/'), symlinks not followed."""
     names = []
@@ -69,14 +65,11 @@ def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[st
         raise OutDirError(f"--out {out} is a broken symlink")
     if out.exists() and not out.is_dir():
         raise OutDirError(f"--out {out} is a file, not a folder: give a folder for the report")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise OutDirError(f"--out {out}: {parent} is a file, not a folder")
-            break
-    res = out.resolve()
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise OutDirError(f"--out {out}: {parent} is a file, not a folder")
     for p in inputs:
-        if _inside(Path(p).resolve(), res):
+        if Path(p).resolve().is_relative_to(out.resolve()):
             raise OutDirError(f"--out {out} holds the input {p}: write the report to another folder "
                               "(the doctor never writes where its input is)")
     if not out.exists():

@@ -78,10 +78,7 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
         raise ValueError("concurrency must be >= 1")
     if free_order not in ("vllm", "lru"):
         raise ValueError(f"free_order must be 'vllm' or 'lru', got {free_order!r}")
-    t0 = time.perf_counter()
-    bs = block_size
-    per: list[int] = []
-    too_big = 0
+    t0, bs, per, too_big = time.perf_counter(), block_size, [], 0
     if capacity_blocks is None:
         seen: set[int] = set()
         for ch, n in zip(chains, lengths):
@@ -104,15 +101,14 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
 
 def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None) -> list[int]:
     """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block ids)."""
-    bs = block_size
-    groups: dict = {}
+    groups: dict = {}  # salt -> its requests: only those share
     for i in range(len(prompts)):
         groups.setdefault(salts[i] if salts is not None else None, []).append(i)
     out = [0] * len(prompts)
     for idx in groups.values():
         d = divergence([prompts[i] for i in idx])
         for i, pos, n in zip(idx, d.position, d.lengths):
-            out[i] = min(pos, n - 1) // bs * bs
+            out[i] = min(pos, n - 1) // block_size * block_size
     return out
 
 
