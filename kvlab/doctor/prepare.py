@@ -53,11 +53,9 @@ def layout(rec: Record, text: str | None, enc: PromptEncoder | None) -> list[Seg
         if pos < 0:
             continue  # the template changed the content (stripped it, ...): treat it as markup
         idx = j - injected if j >= injected else None
-        tools_from = None
+        tools_from = pos if idx is None else None  # where the tools the doctor appended start
         if rec.tools and enc is not None and not enc.renders_tools and j == 0 and idx is not None:
             tools_from = pos + len(rec.messages[0]["content"])
-        elif idx is None:
-            tools_from = pos
         segs.append(Segment(m["role"], idx, pos, pos + len(content), tools_from))
         cursor = pos + len(content)
     return segs

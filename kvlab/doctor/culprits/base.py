@@ -76,14 +76,11 @@ def _tail_insert(prompt: str, text: str) -> str:
 
 def with_contents(rec: Record, contents: list[str], prepend_user: str = "") -> Record:
     """A copy of ``rec`` whose segments hold ``contents``; ``prepend_user`` goes before the last user message."""
-    segs = record_segments(rec)
     contents = list(contents)
-    if prepend_user:
-        users = [j for j, (role, _, _) in enumerate(segs) if role == "user"]
-        if users:
-            j = users[-1]
-            contents[j] = prepend_user + "\n\n" + contents[j]
-            prepend_user = ""
+    users = [j for j, (role, _, _) in enumerate(record_segments(rec)) if role == "user"]
+    if prepend_user and users:
+        contents[users[-1]] = prepend_user + "\n\n" + contents[users[-1]]
+        prepend_user = ""
     if rec.kind == "messages":
         msgs = [dict(m, content=c) for m, c in zip(rec.messages, contents)]
         if prepend_user:  # no user message: the context becomes its own user message before generation
@@ -91,13 +88,8 @@ def with_contents(rec: Record, contents: list[str], prepend_user: str = "") -> R
         return rec.replace(messages=msgs)
     if rec.kind == "prompt":
         parsed = parse_chatml(rec.prompt)
-        if parsed:
-            text = rec.prompt
-            for (_, s, e), c in reversed(list(zip(parsed, contents))):
-                text = text[:s] + c + text[e:]
-        else:
-            text = contents[0]
-        if prepend_user:
-            text = _tail_insert(text, prepend_user)
-        return rec.replace(prompt=text)
+        text = rec.prompt if parsed else contents[0]
+        for (_, s, e), c in reversed(list(zip(parsed, contents))):
+            text = text[:s] + c + text[e:]
+        return rec.replace(prompt=_tail_insert(text, prepend_user) if prepend_user else text)
     return rec
