@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -51,12 +52,9 @@ class Record:
 
     def replace(self, **changes: Any) -> Record:
         """A copy with some fields changed (messages are copied, never shared with the original)."""
-        new = Record(self.line, self.kind, [dict(m) for m in self.messages] if self.messages is not None else None,
-                     self.prompt, list(self.token_ids) if self.token_ids is not None else None,
-                     self.tools, dict(self.meta), self)
-        for k, v in changes.items():
-            setattr(new, k, v)
-        return new
+        return dataclasses.replace(self, **{
+            "messages": None if self.messages is None else [dict(m) for m in self.messages], "meta": dict(self.meta),
+            "token_ids": None if self.token_ids is None else list(self.token_ids), "origin": self, **changes})
 
 
 @dataclass(slots=True, frozen=True)

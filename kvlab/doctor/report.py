@@ -34,9 +34,8 @@ def _tail(s: str, n: int) -> str:
 
 def nothing_why(lines: int) -> str:
     """Why a log gave no request to replay, in words (``lines``: its non-blank lines)."""
-    if not lines:
-        return "the log has no requests (it is empty or blank)"
-    return f"every one of its {lines} non-blank lines is malformed"
+    return (f"every one of its {lines} non-blank lines is malformed" if lines
+            else "the log has no requests (it is empty or blank)")
 
 
 def _data(d: Any) -> dict:

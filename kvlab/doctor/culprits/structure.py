@@ -76,13 +76,8 @@ def sort_tools(records: list[Record]) -> list[Record]:
     def name(t: dict) -> str:
         return str((t.get("function") or {}).get("name", t.get("name", "")))
 
-    out = []
-    for rec in records:
-        if rec.tools and [name(t) for t in rec.tools] != sorted(name(t) for t in rec.tools):
-            out.append(rec.replace(tools=sorted(rec.tools, key=name)))
-        else:
-            out.append(rec)
-    return out
+    return [rec.replace(tools=sorted(rec.tools, key=name))
+            if rec.tools and [name(t) for t in rec.tools] != sorted(map(name, rec.tools)) else rec for rec in records]
 
 
 def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:

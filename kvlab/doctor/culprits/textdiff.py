@@ -129,10 +129,7 @@ def _token_at(ends: list[int], c: int) -> int:
 
 
 def _seg_at(segs: list[Segment], c: int) -> Segment | None:
-    for s in segs:
-        if s.start <= c < s.end or (s.start == s.end == c):
-            return s
-    return None
+    return next((s for s in segs if s.start <= c < s.end or s.start == s.end == c), None)
 
 
 def _permutation(ca: str, la: int, cb: str, lb: int) -> tuple[str, list[str], list[str], int, int] | None:
