@@ -116,8 +116,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool 
     """The LRU pool for one request at a time: each request is a few bulk operations in C (see docs/doctor.md)."""
     free = dict.fromkeys(range(num_blocks))  # insertion order = LRU order (plain dicts pop and append fast)
     key: dict[int, object] = {}  # block -> chain id it caches (None or absent: nothing)
-    first: dict = {}
-    twins: dict = {}
+    first, twins = {}, {}  # chain id -> the oldest block caching it; -> later copies (twins)
     get, pop, update, keyget = first.get, free.pop, free.update, key.get
     not_none = functools.partial(operator.is_not, None)
     spare: list[int] = []  # free blocks that cache nothing, at the head of the free list (vLLM's order)
@@ -158,9 +157,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool 
                     first[c] = b
         else:
             first.update(zip(new_ids, victims))
-        key.update(zip(victims, new_ids))
-        if len(victims) > len(new_ids):
-            key.update(dict.fromkeys(victims[len(new_ids):]))  # the partial tail block caches nothing
+        key.update(itertools.zip_longest(victims, new_ids))  # a partial tail block caches nothing (None)
         per.append(nh * bs)
         if vllm_order and len(victims) > len(new_ids):
             spare += victims[len(new_ids):]  # the partial tail: to the head of the free list
