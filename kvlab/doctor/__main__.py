@@ -33,26 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("log", help="JSONL request log")
-    add("--model", default=None, help="tokenizer and chat template: 'smollm2', a local Hugging Face folder or a "
-        "cached hub id (default: the bundled kvlab-passphrase-qwen2)")
+    add("--model", help="tokenizer and chat template: 'smollm2', a local Hugging Face folder or a cached hub id "
+        "(default: the bundled kvlab-passphrase-qwen2)")
     add("--block-size", type=int, nargs="+", default=[16, 32, 64], metavar="N",
         help="KV block sizes to replay (the first one is used for the culprits); default 16 32 64")
     cap = ap.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-blocks", type=int, default=None, metavar="N",
+    cap.add_argument("--capacity-blocks", type=int, metavar="N",
                      help="a finite cache of N blocks of the first block size (the same KV memory for the others)")
-    cap.add_argument("--kv-gib", type=float, default=None, metavar="G",
+    cap.add_argument("--kv-gib", type=float, metavar="G",
                      help="a finite cache of G GiB of K/V, sized with a model config (--kv-config, else --model)")
-    add("--kv-config", default=None, help="the served model's config for --kv-gib: a folder, a config.json, or a "
-        "shipped name (e.g. Qwen2.5-7B-Instruct)")
+    add("--kv-config", help="the served model's config for --kv-gib: a folder, a config.json, or a shipped name "
+        "(e.g. Qwen2.5-7B-Instruct)")
     add("--kv-dtype", default="bfloat16", help="K/V dtype for --kv-gib (default bfloat16)")
-    add("--tenant-field", default=None, metavar="FIELD",
-        help="the request field naming the tenant: requests are replayed with per-tenant cache salts")
-    add("--vllm-metrics", default=None, metavar="FILE",
-        help="a Prometheus text dump of vLLM's or kvlab serve's /metrics, shown beside the replayed numbers")
-    add("--concurrency", type=int, default=1,
-        help="requests running at once in the replay (their blocks cannot be evicted); default 1")
-    add("--out", default=None, metavar="DIR", help="write report.html, PNG figures, summary.json and fixed logs "
-        "into this folder: a new or empty one, or the doctor's own earlier report (its files are replaced; see above)")
+    add("--tenant-field", metavar="FIELD", help="the request field naming the tenant: requests are replayed with "
+        "per-tenant cache salts")
+    add("--vllm-metrics", metavar="FILE", help="a Prometheus text dump of vLLM's or kvlab serve's /metrics, shown "
+        "beside the replayed numbers")
+    add("--concurrency", type=int, default=1, help="requests running at once in the replay (their blocks cannot be "
+        "evicted); default 1")
+    add("--out", metavar="DIR", help="write report.html, PNG figures, summary.json and fixed logs into this folder: a "
+        "new or empty one, or the doctor's own earlier report (its files are replaced; see above)")
     add("--sample", type=int, default=400, help="request pairs diffed to find the culprits (default 400)")
     add("--seed", type=int, default=0)
     add("--alone", action="store_true", help="also measure each fix alone on the log as logged")
