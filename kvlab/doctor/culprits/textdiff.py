@@ -9,6 +9,7 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from os.path import commonprefix
 
 from ..divergence import Divergence, lcp
 from ..logio import Record
@@ -44,10 +45,7 @@ def trim_value_start(s: str, joined: Callable[[str], bool]) -> str:
 
 def common_end(a: str, b: str) -> int:
     """Length of the common suffix of two strs."""
-    n = 0
-    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
-        n += 1
-    return n
+    return len(commonprefix([a[::-1], b[::-1]]))
 
 
 def stable_key(common: str, unit: str) -> str:
@@ -111,10 +109,7 @@ def realign(A: str, B: str, pa: int, pb: int, window: int = WINDOW, m: int = MIN
         grams.setdefault(B[pb + b: pb + b + m], []).append(b)
     for a in range(min(window, len(A) - pa - m + 1)):
         for b in grams.get(A[pa + a: pa + a + m], ()):
-            if a == 0 and b == 0:
-                continue
-            run = lcp(A[pa + a:], B[pb + b:])
-            if run >= m:
+            if (a or b) and (run := lcp(A[pa + a:], B[pb + b:])) >= m:
                 return a, b, run
     return None
 
@@ -190,9 +185,7 @@ def _scan_tokens(prep: Prepared, i: int, p: int, d: int, min_run: int) -> list[F
     pa = pb = d
     out = []
     for _ in range(MAX_STEPS):
-        if pa >= len(A) or pb >= len(B):
-            break
-        r = realign(A, B, pa, pb, m=min_run)
+        r = realign(A, B, pa, pb, m=min_run) if pa < len(A) and pb < len(B) else None
         if r is None:
             break
         a, b, run = r
