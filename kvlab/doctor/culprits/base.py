@@ -53,6 +53,11 @@ def _shorten(s: str, n: int = 90) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
+def tool_name(tool: dict, default: str = "") -> str:
+    """A tool's function name (OpenAI format), or ``default``."""
+    return str((tool.get("function") or {}).get("name", tool.get("name", default)))
+
+
 def record_segments(rec: Record) -> list[tuple[str, int, str]]:
     """(role, index, content) of each message (parsed back from a ChatML prompt; a plain prompt is one)."""
     if rec.kind == "messages":
@@ -63,6 +68,16 @@ def record_segments(rec: Record) -> list[tuple[str, int, str]]:
             return [(role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parsed)]
         return [("prompt", 0, rec.prompt)]
     return []
+
+
+def map_contents(records: list[Record], fn: Callable[[str, int, str], str]) -> list[Record]:
+    """Each record with ``fn(role, index, content)`` applied to its messages (a record it leaves alone is kept)."""
+    out = []
+    for rec in records:
+        old = [c for _, _, c in record_segments(rec)]
+        new = [fn(role, i, c) for role, i, c in record_segments(rec)]
+        out.append(with_contents(rec, new) if new != old else rec)
+    return out
 
 
 def _tail_insert(prompt: str, text: str) -> str:

@@ -12,7 +12,7 @@ from ..divergence import lcp
 from ..logio import Record
 from ..prepare import SYSTEM_ROLES, Prepared, parse_chatml
 from ..tokenization import PromptEncoder
-from .base import Culprit, _shorten, _where, record_segments, with_contents
+from .base import Culprit, _shorten, _where, map_contents, record_segments, tool_name
 from .textdiff import Finding, _tool_names, stable_key
 
 
@@ -26,12 +26,7 @@ def normalize_ws(text: str) -> str:
 
 def normalize_records(records: list[Record]) -> list[Record]:
     """Whitespace-normalise every message (``normalize_ws``)."""
-    out = []
-    for rec in records:
-        segs = record_segments(rec)
-        contents = [normalize_ws(c) for _, _, c in segs]
-        out.append(with_contents(rec, contents) if contents != [c for _, _, c in segs] else rec)
-    return out
+    return map_contents(records, lambda role, index, content: normalize_ws(content))
 
 
 def rerender_chatml(records: list[Record]) -> list[Record]:
@@ -73,11 +68,9 @@ def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) 
 
 def sort_tools(records: list[Record]) -> list[Record]:
     """Send tools in one order (by name)."""
-    def name(t: dict) -> str:
-        return str((t.get("function") or {}).get("name", t.get("name", "")))
-
-    return [rec.replace(tools=sorted(rec.tools, key=name))
-            if rec.tools and [name(t) for t in rec.tools] != sorted(map(name, rec.tools)) else rec for rec in records]
+    return [rec.replace(tools=sorted(rec.tools, key=tool_name))
+            if rec.tools and [tool_name(t) for t in rec.tools] != sorted(map(tool_name, rec.tools)) else rec
+            for rec in records]
 
 
 def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
@@ -147,13 +140,8 @@ def sort_items(records: list[Record], role: str, index: int | None, sep: str, pr
         runs = groupby(c.split(sep), key=lambda item: item.startswith(prefix))
         return sep.join(x for is_item, run in runs for x in (sorted(run) if is_item else run))
 
-    out = []
-    for rec in records:
-        old = [c for _, _, c in record_segments(rec)]
-        new = [sort_runs(c) if r == role and (index is None or idx == index) and prefix in c else c
-               for r, idx, c in record_segments(rec)]
-        out.append(with_contents(rec, new) if new != old else rec)
-    return out
+    return map_contents(records, lambda r, i, c: sort_runs(c) if r == role and index in (None, i) and prefix in c
+                        else c)
 
 
 def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:

@@ -15,7 +15,7 @@ from ..divergence import Divergence, lcp
 from ..logio import Record
 from ..prepare import SYSTEM_ROLES, Prepared, Segment
 from ..tokenization import PromptEncoder
-from .base import _shorten
+from .base import _shorten, tool_name
 
 MIN_RUN = 8  # tokens that must match again after a slot
 WINDOW = 160  # tokens searched for the re-alignment (a slot's value is shorter than this)
@@ -303,5 +303,4 @@ def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: s
 
 
 def _tool_names(rec: Record) -> tuple[str, ...]:
-    return tuple(str((t.get("function") or {}).get("name", t.get("name", json.dumps(t, sort_keys=True))))
-                 for t in (rec.tools or []))
+    return tuple(tool_name(t, json.dumps(t, sort_keys=True)) for t in (rec.tools or []))
