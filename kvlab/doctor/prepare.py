@@ -181,7 +181,11 @@ def _render(rec: Record, enc: PromptEncoder, base: Prepared | None, known: dict,
         spliced = _splice(rec, base, known[id(rec.origin)], enc)
         if spliced is not None and enc.splice_checked < SPLICE_CHECKS:
             enc.splice_checked += 1
-            if not _renders_as(enc, rec, spliced[0]):
+            try:
+                same = enc.render(rec) == spliced[0]
+            except Exception:
+                same = False
+            if not same:
                 enc.splice_ok = False
                 enc.notes.append("the chat template does not copy message contents verbatim: "
                                  "rewritten logs are rendered in full (slower)")
@@ -190,13 +194,6 @@ def _render(rec: Record, enc: PromptEncoder, base: Prepared | None, known: dict,
             return spliced
     text = enc.render(rec)
     return text, layout(rec, text, enc), _system_chars(rec, text, enc, heads)
-
-
-def _renders_as(enc: PromptEncoder, rec: Record, text: str) -> bool:
-    try:
-        return enc.render(rec) == text
-    except Exception:
-        return False
 
 
 def _system_chars(rec: Record, text: str, enc: PromptEncoder, memo: dict) -> int:

@@ -121,11 +121,6 @@ def move_fields(records: list[Record], patterns: list[FieldPattern]) -> list[Rec
     return out
 
 
-def _line_no(prep: Prepared, pat: FieldPattern) -> int | None:
-    spans = ((c, pat.locate(c)) for rec in prep.records for r, idx, c in record_segments(rec) if pat.matches(r, idx))
-    return next((c.count("\n", 0, span[0]) + 1 for c, span in spans if span), None)
-
-
 def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, tenants: list | None = None,
                    max_fields: int = 10) -> list[Culprit]:
     """Group slot findings by the line they live in; classify each field by its values over the whole log."""
@@ -177,8 +172,10 @@ def _field_culprit(prep: Prepared, pat: FieldPattern, fs: list[Finding], tenants
     what = {"per-user": "per-user field", "per-session": "per-conversation field", "volatile": "per-request field"}
     name = _shorten(pat.key.strip() or f"line after {pat.key!r}", 40)
     where, position = _where(pat.role, pat.index), int(statistics.median(f.token_pos for f in fs))
+    spans = ((c, pat.locate(c)) for rec in prep.records for r, idx, c in record_segments(rec) if pat.matches(r, idx))
+    line_no = next((c.count("\n", 0, span[0]) + 1 for c, span in spans if span), None)
     return Culprit(
-        kind, f"{what[kind]} ({label}) in {where}: {name!s}", position, f"{where}, line {_line_no(prep, pat)}",
+        kind, f"{what[kind]} ({label}) in {where}: {name!s}", position, f"{where}, line {line_no}",
         [f"{len(values)} requests carry this line; {len(set(values))} distinct values ({scope})",
          "examples: " + "; ".join(repr(v) for v in list(dict.fromkeys(values))[:3]),
          f"found by diffing {len(fs)} request pairs that share the template; value starts at token ~{position}"],

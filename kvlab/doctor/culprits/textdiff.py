@@ -21,17 +21,14 @@ MIN_RUN = 8  # tokens that must match again after a slot
 WINDOW = 160  # tokens searched for the re-alignment (a slot's value is shorter than this)
 MAX_STEPS = 8  # slots followed per pair
 LONG_LINE = 240  # a longer line is split into sentences
-
-
-def _value_char(ch: str) -> bool:
-    return ch.isdigit() or ch in "-:./_+#@="
+VALUE_CHARS = "-:./_+#@="  # with digits: what a value (time, id, number) is made of
 
 
 def trim_value_start(s: str, joined: Callable[[str], bool]) -> str:
     """Cut value characters, a space before a digit and a cut word (``joined(s)``) off the start of ``s``."""
     while True:
         before = s
-        while s and _value_char(s[0]):
+        while s and (s[0].isdigit() or s[0] in VALUE_CHARS):
             s = s[1:]
         if len(s) >= 2 and s[0] == " " and s[1].isdigit():
             s = s[1:]
