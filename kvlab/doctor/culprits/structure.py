@@ -33,12 +33,10 @@ def rerender_chatml(records: list[Record]) -> list[Record]:
     """Hand-rendered ChatML prompts -> chat records, so the one chat template renders every request."""
     out = []
     for rec in records:
-        if rec.kind == "prompt":
-            parsed = parse_chatml(rec.prompt)
-            if parsed and parsed[-1][0] == "user" and re.search(r"<\|im_start\|>\s*assistant\s*$", rec.prompt):
-                msgs = [{"role": role, "content": rec.prompt[s:e]} for role, s, e in parsed]
-                out.append(Record(rec.line, "messages", messages=msgs, meta=dict(rec.meta)))
-                continue
+        parsed = parse_chatml(rec.prompt) if rec.kind == "prompt" else []
+        if parsed and parsed[-1][0] == "user" and re.search(r"<\|im_start\|>\s*assistant\s*$", rec.prompt):
+            msgs = [{"role": role, "content": rec.prompt[s:e]} for role, s, e in parsed]
+            rec = Record(rec.line, "messages", messages=msgs, meta=dict(rec.meta))
         out.append(rec)
     return out
 
@@ -49,10 +47,8 @@ def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) 
         return []
     out = []
     for rec, ts in zip(prep.records, prep.tokens):
-        if rec.kind != "prompt" or len(out) >= limit:
-            continue
-        conv = rerender_chatml([rec])[0]
-        if conv.kind != "messages":
+        conv = rerender_chatml([rec])[0] if rec.kind == "prompt" and len(out) < limit else rec
+        if conv is rec:  # not a ChatML prompt
             continue
         try:
             text = enc.render(conv)
@@ -96,14 +92,13 @@ def template_culprit(prep: Prepared, findings: list[Finding], enc: PromptEncoder
     if not tp and not hand:
         return None
     ex = (hand[0][1], hand[0][2]) if hand else (tp[0].text_a, tp[0].text_b)
-    kinds = Counter(r.kind for r in prep.records)
     chatml_prompts = sum(1 for r in prep.records if r.kind == "prompt" and parse_chatml(r.prompt))
     fix = rerender_chatml if chatml_prompts else None
     positions = [f.token_pos for f in tp] + [pos for pos, _, _ in hand]
     ev = [f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for the same "
           "messages"] * bool(hand) + [f"{len(tp)} diffed pairs differ outside any message's content"] * bool(tp)
     ev += [f"the prompt: {ex[0]!r}", f"the template: {ex[1]!r}" if hand else f"the earlier prompt: {ex[1]!r}",
-           f"record kinds in the log: {dict(kinds)}"]
+           f"record kinds in the log: {dict(Counter(r.kind for r in prep.records))}"]
     return Culprit(
         "template", "the chat markup differs between requests (hand-rendered prompts or another template)",
         int(statistics.median(positions)), "chat-template markup", ev,
@@ -114,15 +109,14 @@ def template_culprit(prep: Prepared, findings: list[Finding], enc: PromptEncoder
 
 def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
     """The same set of tools sent in more than one order."""
+    sent = [_tool_names(r) for r in prep.records if r.tools]
     orders: dict[frozenset, set] = defaultdict(set)
-    with_tools = [r for r in prep.records if r.tools]
-    for r in with_tools:
-        names = _tool_names(r)
+    for names in sent:
         orders[frozenset(names)].add(names)
     varying = {k: v for k, v in orders.items() if len(v) > 1}
     if not varying:
         return None
-    n_aff = sum(1 for r in with_tools if frozenset(_tool_names(r)) in varying)
+    n_aff = sum(1 for names in sent if frozenset(names) in varying)
     k, v = max(varying.items(), key=lambda kv: len(kv[1]))
     tf = [f for f in findings if f.kind == "tools"]
     ex = sorted(v)[:2]  # sorted: the same example on every run (a set of tuples has no fixed order)
