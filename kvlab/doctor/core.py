@@ -12,7 +12,7 @@ from pathlib import Path
 from . import report
 from .culprits import Culprit, Finding, find_culprits
 from .divergence import Divergence, divergence
-from .logio import BadLine, Record, read_log, write_log
+from .logio import BadLine, read_log, write_log
 from .measure import Meter, measure_alone, measure_fixes, stats, tenant_salts
 from .outdir import check_out_dir, clear, write_manifest, written
 from .prepare import Prepared, prepare
@@ -298,20 +298,17 @@ def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for n, c in enumerate(d.kept, 1):
-        state = c.details.get("state")
-        if state is not None:  # None: a replay policy (the public prefix), the log itself does not change
-            rows = _rows(state, d.prep.records, c.details.get("state_padded"))
-            paths[c.title] = write_log(rows, out_dir / f"{n:02d}_{c.kind}.jsonl", exclusive=True)
+        if "state" in c.details:  # none: a replay policy (the public prefix), the log itself does not change
+            paths[c.title] = write_log(_rows(c.details["state"]), out_dir / f"{n:02d}_{c.kind}.jsonl", exclusive=True)
             c.fixed_log = str(paths[c.title])
     if d.final is not None:
-        rows = _rows(d.final.tokens if d.final.padded else d.final.records, d.final.records, d.final.padded)
-        paths["all fixes"] = write_log(rows, out_dir / "all_fixes.jsonl", exclusive=True)
+        paths["all fixes"] = write_log(_rows(d.final), out_dir / "all_fixes.jsonl", exclusive=True)
     return paths
 
 
-def _rows(state: list, records: list[Record], padded: bool) -> Iterable:
+def _rows(log: Prepared) -> Iterable:
     """A fixed log's records, or its padded tokens (alignment) as token-id lines with each record's metadata."""
-    return ({"token_ids": ids(s), **r.meta} for s, r in zip(state, records)) if padded else state
+    return ({"token_ids": ids(s), **r.meta} for s, r in zip(log.tokens, log.records)) if log.padded else log.records
 
 
 def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:

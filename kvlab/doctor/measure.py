@@ -89,8 +89,7 @@ def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | 
                 res = meter(new, policy=new_policy) if c.policy is None else res
                 c.chained, c.before, c.no_effect = res, last, False
                 if new is not cur:  # what the fixed log holds: the log after this fix and the ones before it
-                    c.details["state"] = new.tokens if new.padded else new.records
-                    c.details["state_padded"] = new.padded
+                    c.details["state"] = new
                 cur, policy, last = new, new_policy, res
                 kept.append(c)
                 group.remove(c)
