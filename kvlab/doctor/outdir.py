@@ -76,21 +76,18 @@ def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[st
         return []
     names = [f for f in _files(out) if f != MANIFEST]
     listed = _manifest(out)
+    if listed is None and not names:
+        return []
+    listed = _legacy(out, names) if listed is None else listed
     if listed is None:
-        if not names:
-            return []
-        legacy = _legacy(out, names)
-        if legacy is None:
-            raise OutDirError(f"--out {out} is a folder with files the doctor did not write (no {MANIFEST}): "
-                              "give a new or empty folder")
-        listed = legacy
+        raise OutDirError(f"--out {out} is a folder with files the doctor did not write (no {MANIFEST}): "
+                          "give a new or empty folder")
     if (out / "fixed").is_symlink():
         raise OutDirError(f"--out {out}: fixed/ is a symlink; the doctor deletes nothing through one")
     folders = [f for f in listed if (out / f).is_dir() and not (out / f).is_symlink()]
     if folders:
         raise OutDirError(f"--out {out}: {folders[0]} is a folder now; the doctor wrote a file there")
-    ours = set(listed)
-    clash = [f for f in names if f not in ours and OUTPUT_NAME.fullmatch(f.rstrip("/"))]
+    clash = [f for f in names if f not in listed and OUTPUT_NAME.fullmatch(f.rstrip("/"))]
     if clash:
         raise OutDirError(f"--out {out}: {clash[0]} was not written by the doctor but has the name of one of its "
                           "files: move it or choose another folder")
