@@ -47,11 +47,9 @@ def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | 
     if not n:
         return []
     order = sorted(range(n), key=prompts.__getitem__)
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
-    adj = np.zeros(n, dtype=np.int64)  # common prefix with the previous prompt in sorted order
-    for k in range(1, n):
-        adj[k] = lcp(prompts[order[k - 1]], prompts[order[k]])
+    pos = np.argsort(order)  # the sorted position of each prompt
+    # the common prefix of each prompt in sorted order with the one before it
+    adj = np.array([0] + [lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:])], dtype=np.int64)
     blocks = [len(p) // bs for p in prompts]
     depth = max(blocks)
     if not depth:
