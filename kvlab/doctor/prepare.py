@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .divergence import lcp
@@ -149,20 +150,15 @@ def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | 
             except Exception as e:  # jinja raises TemplateError and friends for a conversation it refuses
                 bad.append(BadLine(rec.line, f"the chat template cannot render it ({type(e).__name__}: {e})", ""))
     kept, texts, segments, sys_chars = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
-    tokens = [tokstr(r.token_ids) if r.kind == "token_ids" else "" for r in kept]
-    with_text = [i for i, t in enumerate(texts) if t is not None]
-    if with_text:
-        encoded = enc.encode([texts[i] for i in with_text], [kept[i].kind == "prompt" for i in with_text])
-        for i, ts in zip(with_text, encoded):
-            tokens[i] = ts
-    sys_tokens = [0] * len(kept)
-    with_head = [i for i, c in enumerate(sys_chars) if c]
-    if with_head and enc is not None:
-        heads = [texts[i][:sys_chars[i]] for i in with_head]
-        encoded = enc.encode(heads, [kept[i].kind == "prompt" for i in with_head])
-        for i, h in zip(with_head, encoded):
-            # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
-            sys_tokens[i] = lcp(h, tokens[i])
+    def encoded(idx: list[int], text: Callable[[int], str]) -> dict[int, str]:  # in one batch
+        plain = [kept[i].kind == "prompt" for i in idx]
+        return dict(zip(idx, enc.encode([text(i) for i in idx], plain))) if idx else {}
+
+    by_text = encoded([i for i, t in enumerate(texts) if t is not None], texts.__getitem__)
+    tokens = [by_text[i] if i in by_text else tokstr(r.token_ids) for i, r in enumerate(kept)]
+    heads = encoded([i for i, c in enumerate(sys_chars) if c], lambda i: texts[i][:sys_chars[i]])
+    # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
+    sys_tokens = [lcp(heads[i], tokens[i]) if i in heads else 0 for i in range(len(kept))]
     every = Prepared(kept, texts, tokens, segments, sys_tokens, sys_chars=sys_chars)
     out = Prepared([], [], [], [], [], bad)
     for i, r in enumerate(kept):
