@@ -101,8 +101,7 @@ DIAGNOSE_OPTIONS = ("capacity_blocks", "kv_gib", "kv_config", "kv_dtype", "tenan
 def main(argv: list[str] | None = None) -> int:
     """Run the doctor; exit 0 with a report, 1 when nothing could be replayed, 2 on bad arguments (see --help)."""
     args = build_parser().parse_args(argv)
-    problem = check_args(args)
-    if problem:
+    if problem := check_args(args):
         return _fail(problem)
     from .core import diagnose, write_report
     from .report import nothing_why

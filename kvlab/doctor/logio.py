@@ -204,8 +204,7 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
         except UnicodeDecodeError as e:  # never replaced: two prompts that differ there would replay as one
             return BadLine(line, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1})",
                            raw[:80].decode("utf-8", "backslashreplace"))
-    text = raw.strip(JSON_SPACE)
-    if not text:
+    if not (text := raw.strip(JSON_SPACE)):
         return None
     try:
         obj = DECODER.decode(text)

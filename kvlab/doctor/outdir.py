@@ -84,11 +84,9 @@ def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[st
                           "give a new or empty folder")
     if (out / "fixed").is_symlink():
         raise OutDirError(f"--out {out}: fixed/ is a symlink; the doctor deletes nothing through one")
-    folders = [f for f in listed if (out / f).is_dir() and not (out / f).is_symlink()]
-    if folders:
+    if folders := [f for f in listed if (out / f).is_dir() and not (out / f).is_symlink()]:
         raise OutDirError(f"--out {out}: {folders[0]} is a folder now; the doctor wrote a file there")
-    clash = [f for f in names if f not in listed and OUTPUT_NAME.fullmatch(f.rstrip("/"))]
-    if clash:
+    if clash := [f for f in names if f not in listed and OUTPUT_NAME.fullmatch(f.rstrip("/"))]:
         raise OutDirError(f"--out {out}: {clash[0]} was not written by the doctor but has the name of one of its "
                           "files: move it or choose another folder")
     return listed

@@ -41,8 +41,7 @@ def layout(rec: Record, text: str | None, enc: PromptEncoder | None) -> list[Seg
     if rec.kind == "token_ids" or text is None:
         return []
     if rec.kind == "prompt":
-        parsed = parse_chatml(text)
-        if parsed:
+        if parsed := parse_chatml(text):
             return [Segment(role, i, s, e) for i, (role, s, e) in enumerate(parsed)]
         return [Segment("prompt", 0, 0, len(text))]
     eff = enc.effective_messages(rec) if enc is not None else rec.messages

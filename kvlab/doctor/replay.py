@@ -51,8 +51,7 @@ def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | 
     # the common prefix of each prompt in sorted order with the one before it
     adj = np.array([0] + [lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:])], dtype=np.int64)
     blocks = [len(p) // bs for p in prompts]
-    depth = max(blocks)
-    if not depth:
+    if not (depth := max(blocks)):
         return [[] for _ in prompts]
     ar = np.arange(n, dtype=np.int64)
     salted = [0] * n if public_tokens is None else [p // bs for p in public_tokens]  # the block that takes the salt
@@ -139,8 +138,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool 
         lru = list(itertools.islice(free, nblk - nh - k))  # then the least recently used
         deque(map(pop, lru), 0)
         victims += lru
-        olds = list(filter(not_none, map(keyget, victims)))
-        if olds:
+        if olds := list(filter(not_none, map(keyget, victims))):
             if twins and not twins.keys().isdisjoint(olds):
                 for b in victims:
                     _forget(b, keyget(b), first, twins)
@@ -171,8 +169,7 @@ def _forget(b: int, old, first: dict, twins: dict) -> None:
     if old is None:
         return
     if first.get(old) == b:
-        tw = twins.get(old)
-        if tw:
+        if tw := twins.get(old):
             first[old] = tw.pop(0)
             if not tw:
                 del twins[old]

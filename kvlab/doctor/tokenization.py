@@ -145,8 +145,7 @@ class PromptEncoder:
     def _batch(self, texts: list[str]) -> list[list[int]]:
         if not texts:
             return []
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        if backend is not None:
+        if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
             fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
             return [e.ids for e in fast(texts, add_special_tokens=False)]
         return list(self.tok(texts, add_special_tokens=False)["input_ids"])
@@ -225,8 +224,7 @@ class PromptEncoder:
     def _whole_offsets(self, texts: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
         if not texts:
             return []
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        if backend is not None:
+        if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
             encs = backend.encode_batch(list(texts), add_special_tokens=False)
             return [(tokstr(e.ids), list(e.offsets)) for e in encs]
         out = self.tok(list(texts), add_special_tokens=False, return_offsets_mapping=True)

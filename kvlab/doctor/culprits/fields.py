@@ -28,16 +28,14 @@ def common_suffix(values: list[str]) -> str:
         return ""
     s = values[0]
     for v in values[1:]:
-        s = s[len(s) - common_end(s, v):]
-        if not s:
+        if not (s := s[len(s) - common_end(s, v):]):
             return ""
     return trim_value_start(s, lambda s: any(len(v) > len(s) and v[-len(s) - 1].isalnum() for v in values[:50]))
 
 
 def label_values(values: list[str]) -> str:
     """What a volatile field's values look like: timestamp/date, UUID, id, counter, or text."""
-    sample = [v for v in values if v][:200]
-    if not sample:
+    if not (sample := [v for v in values if v][:200]):
         return "empty"
 
     def share(rx: re.Pattern) -> float:
@@ -84,8 +82,7 @@ class FieldPattern:
 
     def value(self, content: str) -> str | None:
         """The field's value in a message's content, or None."""
-        span = self.locate(content)
-        if span is None:
+        if (span := self.locate(content)) is None:
             return None
         line = content[span[0]:span[1]]
         if self.anchor == "prefix":

@@ -71,8 +71,7 @@ def sort_tools(records: list[Record]) -> list[Record]:
 
 def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
     """Pairs that differ only in whitespace at their divergence point."""
-    ws = [f for f in findings if f.kind == "whitespace"]
-    if not ws:
+    if not (ws := [f for f in findings if f.kind == "whitespace"]):
         return None
     ex = ws[0]
     affected = sum(1 for rec in prep.records if any(normalize_ws(c) != c for _, _, c in record_segments(rec)))
@@ -113,8 +112,7 @@ def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
     orders: dict[frozenset, set] = defaultdict(set)
     for names in sent:
         orders[frozenset(names)].add(names)
-    varying = {k: v for k, v in orders.items() if len(v) > 1}
-    if not varying:
+    if not (varying := {k: v for k, v in orders.items() if len(v) > 1}):
         return None
     n_aff = sum(1 for names in sent if frozenset(names) in varying)
     k, v = max(varying.items(), key=lambda kv: len(kv[1]))
@@ -176,8 +174,7 @@ def conversation_key(rec: Record) -> object | None:
         return None
     if rec.get("session") is not None:
         return ("session", str(rec.get("session")))
-    first = next((m["content"] for m in rec.messages if m["role"] == "user"), None)
-    if first is None:
+    if (first := next((m["content"] for m in rec.messages if m["role"] == "user"), None)) is None:
         return None
     return ("user+first", str(rec.get("user")), first)
 
@@ -205,8 +202,7 @@ def append_histories(records: list[Record]) -> list[Record]:
     last: dict[object, list[tuple[str, str]]] = {}
     out = []
     for rec in records:
-        key = conversation_key(rec)
-        if key is None:
+        if (key := conversation_key(rec)) is None:
             out.append(rec)
             continue
         hist = [m for m in rec.messages if m["role"] not in SYSTEM_ROLES]

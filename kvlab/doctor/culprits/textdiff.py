@@ -223,8 +223,7 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
                 continue
             if sa.role not in SYSTEM_ROLES and sa.role != "prompt":
                 break  # conversation content: the multi-turn check looks at it, not the field finder
-        r = realign(A, B, pa, pb, m=min_run)
-        if r is None:
+        if (r := realign(A, B, pa, pb, m=min_run)) is None:
             break
         a, b, run = r
         ea, eb = max(_char_at(offA, pa + a, TA), ca), max(_char_at(offB, pb + b, TB), cb)
