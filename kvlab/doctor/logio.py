@@ -7,7 +7,6 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,9 @@ MAX_DEPTH = 64  # JSON nesting a line may have (tools' JSON schemas nest about 1
 IDENTITY_FIELDS = ("user", "session")  # read as who sent a request: a string, a number or null
 SCALARS = (str, int, float, bool, type(None))
 SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone surrogate: not text, cannot be written as UTF-8
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a JSON text spells one (or half of an emoji's pair)
 JSON_SPACE = " \t\r\n"  # a line of only these is blank (not a request)
 BOM = b"\xef\xbb\xbf"
 PROMPT_FIELDS = ("messages", "prompt", "token_ids", "prompt_token_ids")
-JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 @dataclass(slots=True)
@@ -103,20 +98,6 @@ def check_value(obj: Any) -> None:
             stack.extend((x, depth + 1) for x in v if not isinstance(x, (int, float)))
         elif not isinstance(v, SCALARS):
             raise ValueError(f"a value is {type(v).__name__}, not JSON")
-
-
-def json_depth(text: str) -> int:
-    """How deep a valid JSON text nests (its brackets outside strings, counted in C)."""
-    brackets = NOT_BRACKET.sub("", JSON_STRING.sub("", text))
-    return max(accumulate(map(BRACKET_STEP.__getitem__, brackets)), default=0)
-
-
-def _check(text: str, obj: Any) -> None:
-    """``check_value`` for the value ``obj`` of the JSON ``text``, fast where the text shows it is fine."""
-    if text.count("[") + text.count("{") > MAX_DEPTH and json_depth(text) > MAX_DEPTH:
-        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
-    if ("\\u" in text and SURROGATE_ESCAPE.search(text)) or SURROGATE.search(text):  # escaped, or as is (a dict)
-        check_value(obj)
 
 
 def _short(v: Any) -> str:
@@ -214,23 +195,23 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
         return BadLine(line, f"JSON nested deeper than {MAX_DEPTH} levels", text[:80])
     except ValueError as e:  # a number over the int-conversion limit, NaN/Infinity
         return BadLine(line, f"unreadable JSON ({str(e).split(';')[0]})", text[:80])
-    return _parsed(text, obj, line, text[:80])
+    return _parsed(obj, line, text[:80])
 
 
 def _from_value(item: Any, line: int) -> Record | BadLine:
     """A value given in place of a line (a dict), held to what a JSON line may hold."""
     try:
-        text = json.dumps(item, ensure_ascii=False, allow_nan=False)
+        json.dumps(item, ensure_ascii=False, allow_nan=False)  # what a line could not hold fails here
     except RecursionError:
         return BadLine(line, f"JSON nested deeper than {MAX_DEPTH} levels", _preview(item))
     except (TypeError, ValueError) as e:
         return BadLine(line, f"not JSON ({e})", _preview(item))
-    return _parsed(text, item, line, _preview(item))
+    return _parsed(item, line, _preview(item))
 
 
-def _parsed(text: str, obj: Any, line: int, shown: str) -> Record | BadLine:
+def _parsed(obj: Any, line: int, shown: str) -> Record | BadLine:
     try:
-        _check(text, obj)
+        check_value(obj)
         return parse_line(obj, line)
     except ValueError as e:
         return BadLine(line, str(e), shown)
