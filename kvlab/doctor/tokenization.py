@@ -100,7 +100,6 @@ class PromptEncoder:
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
         self.cache: dict[str, str] = {}  # piece -> its token str
         self._offset_cache: dict[str, list[tuple[int, int]]] = {}
-        self._tools_memo: dict[int, tuple[list, str]] = {}
         self.segmented = self.lines = True  # split at added tokens, and after newline runs (checked on a first batch)
         self._checked = False
         self.splice_ok, self.splice_checked = True, 0  # rewritten records spliced into their origin's text (prepare)
@@ -111,12 +110,7 @@ class PromptEncoder:
     # --- rendering ----------------------------------------------------------------------------------
     def tools_block(self, tools: list[dict]) -> str:
         """How the doctor shows tools to a template that has no tools section: one JSON object a line."""
-        got = self._tools_memo.get(id(tools))
-        if got is not None and got[0] is tools:
-            return got[1]
-        text = "\n\n# Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools)
-        self._tools_memo[id(tools)] = (tools, text)  # keeps the list alive, so its id is not reused
-        return text
+        return "\n\n# Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools)
 
     def effective_messages(self, rec: Record) -> list[dict]:
         """The messages as the template sees them (tools in the system message if the template has no tools)."""
