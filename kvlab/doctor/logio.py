@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,11 +215,6 @@ def _parsed(obj: Any, line: int, shown: str) -> Record | BadLine:
         return parse_line(obj, line)
     except ValueError as e:
         return BadLine(line, str(e), shown)
-
-
-def iter_lines(lines: Iterable[str | bytes], first_line: int = 1) -> Iterator[Record | BadLine]:
-    """Records and BadLines of JSONL lines (text or bytes), in order; blank lines are skipped (not requests)."""
-    return (item for n, raw in enumerate(lines, first_line) if (item := decode_line(raw, n)) is not None)
 
 
 def read_log(source: str | Path | Iterable[dict | str | bytes]) -> tuple[list[Record], list[BadLine]]:

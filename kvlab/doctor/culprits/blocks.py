@@ -54,14 +54,11 @@ def padded(prep: Prepared, block_size: int, pad: int) -> Prepared:
 
 def alignment_culprit(prep: Prepared, div: Divergence, block_size: int, pad: int, pad_text: str) -> Culprit | None:
     """Shared prefixes that end inside a block (or are shorter than one): tokens shared but not cached."""
-    lens = prep.lengths
-    shared = [min(d, n - 1) for d, n in zip(div.position, lens)]
-    lost = sum(s % block_size for s in shared)
-    short = sum(1 for s in shared if 0 < s < block_size)
+    shared = [min(d, n - 1) for d, n in zip(div.position, prep.lengths)]
+    lost, short = sum(s % block_size for s in shared), sum(1 for s in shared if 0 < s < block_size)
     if not lost:
         return None
-    bounds = alignment_boundaries(prep.tokens, div)
-    frac = lost / max(sum(lens), 1)
+    bounds, frac = alignment_boundaries(prep.tokens, div), lost / max(sum(prep.lengths), 1)
     return Culprit(
         "alignment", f"shared prefixes end inside a {block_size}-token block" + (
             f"; {short} request{'s share' if short != 1 else ' shares'} less than one block" if short else ""),

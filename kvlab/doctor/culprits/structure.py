@@ -174,9 +174,8 @@ def conversation_key(rec: Record) -> object | None:
         return None
     if rec.get("session") is not None:
         return ("session", str(rec.get("session")))
-    if (first := next((m["content"] for m in rec.messages if m["role"] == "user"), None)) is None:
-        return None
-    return ("user+first", str(rec.get("user")), first)
+    first = next((m["content"] for m in rec.messages if m["role"] == "user"), None)
+    return None if first is None else ("user+first", str(rec.get("user")), first)
 
 
 def _history(rec: Record) -> list[tuple[str, str]]:

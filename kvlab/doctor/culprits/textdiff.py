@@ -156,7 +156,7 @@ def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sampl
         rest = sorted(set(cand) - set(rare))
         chosen = sorted(set(rare) | set(random.Random(seed).sample(rest, min(len(rest), sample - len(rare)))))
     text_ids = sorted({j for i in chosen for j in (i, div.partner[i]) if prep.texts[j] is not None})
-    offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
+    offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}  # request -> (char offsets, token ends)
     mismatched = 0
     if text_ids and enc is not None:
         encoded = enc.encode_with_offsets([prep.texts[j] for j in text_ids])
