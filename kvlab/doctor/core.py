@@ -24,6 +24,7 @@ from .vllm_metrics import read_metrics
 @dataclass(kw_only=True)
 class Diagnosis:
     """Everything the doctor measured about one log (``summary()`` prints it, ``write_report`` saves it)."""
+
     source: str
     model: str
     block_sizes: list[int]
