@@ -6,13 +6,10 @@ Examples:
     python -m kvlab.doctor requests.jsonl --kv-gib 20 --kv-config Qwen2.5-7B-Instruct --tenant-field tenant
     python -m kvlab.doctor requests.jsonl --vllm-metrics metrics.txt   # curl http://server:8000/metrics > metrics.txt
 
-LOG is JSONL, one request a line: {"messages": [...], "user": ..., "timestamp": ..., "tenant": ..., "session": ...},
-{"prompt": "..."} or {"token_ids": [...]}. Malformed lines (not UTF-8, not strict JSON, nested too deep, a
-wrong shape, ...) are listed with their line number (lines end at \\n only) and skipped.
-
---out DIR must be a new or empty folder, or one the doctor wrote before: it deletes the files it listed in
-DIR/kvlab_doctor_manifest.json and writes the new report; a file, a folder of other files, or a folder
-that holds an input (the log, --vllm-metrics, ...) is refused before the analysis. It never writes over a file.
+LOG is JSONL, one request a line: {"messages": [...], "user": ..., "tenant": ..., "session": ...}, {"prompt": "..."}
+or {"token_ids": [...]}. Malformed lines are listed with their line number (lines end at \\n only) and skipped.
+--out DIR must be new, empty or the doctor's earlier report (it deletes the files its kvlab_doctor_manifest.json
+lists); anything else, or a folder holding an input, is refused before the analysis. It never writes over a file.
 
 exit status:
   0  the report was made (at least one request replayed; malformed lines skipped and listed)
@@ -34,35 +31,33 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line options."""
     ap = argparse.ArgumentParser(prog="python -m kvlab.doctor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("log", help="JSONL request log")
-    ap.add_argument("--model", default=None,
-                    help="tokenizer and chat template: 'smollm2', a local Hugging Face folder or a cached hub id "
-                         "(default: the bundled kvlab-passphrase-qwen2)")
-    ap.add_argument("--block-size", type=int, nargs="+", default=[16, 32, 64], metavar="N",
-                    help="KV block sizes to replay (the first one is used for the culprits); default 16 32 64")
+    add = ap.add_argument
+    add("log", help="JSONL request log")
+    add("--model", help="tokenizer and chat template: 'smollm2', a local Hugging Face folder or a cached hub id "
+        "(default: the bundled kvlab-passphrase-qwen2)")
+    add("--block-size", type=int, nargs="+", default=[16, 32, 64], metavar="N",
+        help="KV block sizes to replay (the first one is used for the culprits); default 16 32 64")
     cap = ap.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-blocks", type=int, default=None, metavar="N",
+    cap.add_argument("--capacity-blocks", type=int, metavar="N",
                      help="a finite cache of N blocks of the first block size (the same KV memory for the others)")
-    cap.add_argument("--kv-gib", type=float, default=None, metavar="G",
+    cap.add_argument("--kv-gib", type=float, metavar="G",
                      help="a finite cache of G GiB of K/V, sized with a model config (--kv-config, else --model)")
-    ap.add_argument("--kv-config", default=None,
-                    help="the served model's config for --kv-gib: a folder, a config.json, or a shipped name "
-                         "(e.g. Qwen2.5-7B-Instruct)")
-    ap.add_argument("--kv-dtype", default="bfloat16", help="K/V dtype for --kv-gib (default bfloat16)")
-    ap.add_argument("--tenant-field", default=None, metavar="FIELD",
-                    help="the request field naming the tenant: requests are replayed with per-tenant cache salts")
-    ap.add_argument("--vllm-metrics", default=None, metavar="FILE",
-                    help="a Prometheus text dump of vLLM's or kvlab serve's /metrics, shown beside the replayed numbers")
-    ap.add_argument("--concurrency", type=int, default=1,
-                    help="requests running at once in the replay (their blocks cannot be evicted); default 1")
-    ap.add_argument("--out", default=None, metavar="DIR",
-                    help="write report.html, PNG figures, summary.json and fixed logs into this folder: a new or "
-                         "empty one, or the doctor's own earlier report (its files are replaced; see above)")
-    ap.add_argument("--sample", type=int, default=400, help="request pairs diffed to find the culprits (default 400)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--alone", action="store_true", help="also measure each fix alone on the log as logged")
-    ap.add_argument("--no-fixed-logs", action="store_true", help="do not write the rewritten logs")
-    ap.add_argument("--quiet", action="store_true", help="print only where the report went")
+    add("--kv-config", help="the served model's config for --kv-gib: a folder, a config.json, or a shipped name "
+        "(e.g. Qwen2.5-7B-Instruct)")
+    add("--kv-dtype", default="bfloat16", help="K/V dtype for --kv-gib (default bfloat16)")
+    add("--tenant-field", metavar="FIELD", help="the request field naming the tenant: requests are replayed with "
+        "per-tenant cache salts")
+    add("--vllm-metrics", metavar="FILE", help="a Prometheus text dump of vLLM's or kvlab serve's /metrics, shown "
+        "beside the replayed numbers")
+    add("--concurrency", type=int, default=1, help="requests running at once in the replay (their blocks cannot be "
+        "evicted); default 1")
+    add("--out", metavar="DIR", help="write report.html, PNG figures, summary.json and fixed logs into this folder: a "
+        "new or empty one, or the doctor's own earlier report (its files are replaced; see above)")
+    add("--sample", type=int, default=400, help="request pairs diffed to find the culprits (default 400)")
+    add("--seed", type=int, default=0)
+    add("--alone", action="store_true", help="also measure each fix alone on the log as logged")
+    add("--no-fixed-logs", action="store_true", help="do not write the rewritten logs")
+    add("--quiet", action="store_true", help="print only where the report went")
     return ap
 
 
@@ -76,7 +71,6 @@ def check_args(args: argparse.Namespace) -> str | None:
     from .core import input_paths
     from .outdir import OutDirError, check_out_dir
     from .tokenization import check_model
-
     if not Path(args.log).is_file():
         return f"no such file: {args.log}"
     if args.vllm_metrics is not None and not Path(args.vllm_metrics).is_file():
@@ -100,20 +94,20 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+DIAGNOSE_OPTIONS = ("capacity_blocks", "kv_gib", "kv_config", "kv_dtype", "tenant_field", "vllm_metrics", "sample",
+                    "seed", "concurrency", "alone")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the doctor; exit 0 with a report, 1 when nothing could be replayed, 2 on bad arguments (see --help)."""
     args = build_parser().parse_args(argv)
-    problem = check_args(args)
-    if problem:
+    if problem := check_args(args):
         return _fail(problem)
     from .core import diagnose, write_report
     from .report import nothing_why
-
     try:
-        d = diagnose(args.log, args.model, block_sizes=tuple(args.block_size), capacity_blocks=args.capacity_blocks,
-                     kv_gib=args.kv_gib, kv_config=args.kv_config, kv_dtype=args.kv_dtype,
-                     tenant_field=args.tenant_field, vllm_metrics=args.vllm_metrics, sample=args.sample,
-                     seed=args.seed, concurrency=args.concurrency, alone=args.alone)
+        d = diagnose(args.log, args.model, block_sizes=tuple(args.block_size),
+                     **{name: getattr(args, name) for name in DIAGNOSE_OPTIONS})
     except FileNotFoundError as e:
         return _fail(str(e))
     except (OSError, ValueError, KeyError) as e:

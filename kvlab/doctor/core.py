@@ -1,18 +1,10 @@
-"""``diagnose``: read a log, prepare it, replay it, find the culprits, measure every fix, summarize.
-
-The numbers, per block size: the hit rate with an unbounded cache and with the given capacity (what
-vLLM's ``prefix_cache_hits / prefix_cache_queries`` would show for this traffic replayed in order),
-and the token-level ceiling (a cache of block size 1 with unlimited room). Then, at the first block
-size, each culprit's fix applied to the original log (*alone*) and the fixes applied one after the
-other in the order of their position in the prompt (*chained*), each re-measured the same way.
-``Diagnosis.data()`` is every number as one JSON-able dict: ``summary.json``, the terminal summary and
-``report.html`` are all rendered from it (``kvlab.doctor.report``).
-"""
+"""``diagnose``: read a log, prepare it, replay it, find the culprits, measure every fix; ``write_report``."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +13,7 @@ from . import report
 from .culprits import Culprit, Finding, find_culprits
 from .divergence import Divergence, divergence
 from .logio import BadLine, read_log, write_log
-from .measure import Meter, measure_alone, measure_fixes, stats
+from .measure import Meter, measure_alone, measure_fixes, stats, tenant_salts
 from .outdir import check_out_dir, clear, write_manifest, written
 from .prepare import Prepared, prepare
 from .replay import block_chains, replay, replay_tokens, spot_check, unbounded_hits
@@ -106,10 +98,10 @@ class Diagnosis:
                 "tenant_field": self.tenant_field, "cap_key": k, "min_effect": self.min_effect,
                 "table": self.table, "ceiling": self.ceiling, "top_divergence_points": self.top_points,
                 "divergence_histogram": sorted(self.div.histogram().items()),
-                "culprits": [_culprit_data(c, k, self.kept) for c in self.culprits], "baseline": self.baseline, "chain": self.chain,
-                "remaining_divergence_points": self.final_top_points, "system_only": self.system_only,
-                "vllm": self.vllm, "spot_checks": self.spot_checks, "scan": self.scan, "timings": dict(self.timings),
-                "notes": self.notes}
+                "culprits": [_culprit_data(c, k, self.kept) for c in self.culprits], "baseline": self.baseline,
+                "chain": self.chain, "remaining_divergence_points": self.final_top_points,
+                "system_only": self.system_only, "vllm": self.vllm, "spot_checks": self.spot_checks, "scan": self.scan,
+                "timings": dict(self.timings), "notes": self.notes}
 
     def summary(self) -> str:
         """The terminal summary."""
@@ -119,10 +111,11 @@ class Diagnosis:
 def _culprit_data(c: Culprit, cap_key: str, kept_all: list[Culprit]) -> dict:
     kept = c in kept_all
     change = c.chained[cap_key]["hit_rate"] - c.before[cap_key]["hit_rate"] if kept else None
-    return {"fix_order": kept_all.index(c) + 1 if kept else None, "kind": c.kind, "title": c.title, "position": c.position, "where": c.where, "evidence": c.evidence,
-            "fix": c.fix_text, "affected": c.affected, "measurable": c.measurable, "kept": kept,
-            "no_effect": c.no_effect, "quick_look": c.details.get("quick look"), "examples": c.examples[:1],
-            "before": c.before, "chained": c.chained, "change": change, "alone": c.alone, "fixed_log": c.fixed_log}
+    return {"fix_order": kept_all.index(c) + 1 if kept else None, "kind": c.kind, "title": c.title,
+            "position": c.position, "where": c.where, "evidence": c.evidence, "fix": c.fix_text, "affected": c.affected,
+            "measurable": c.measurable, "kept": kept, "no_effect": c.no_effect,
+            "quick_look": c.details.get("quick look"), "examples": c.examples[:1], "before": c.before,
+            "chained": c.chained, "change": change, "alone": c.alone, "fixed_log": c.fixed_log}
 
 
 @contextmanager
@@ -138,126 +131,123 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
              sample: int = 400, seed: int = 0, concurrency: int = 1, alone: bool = False,
              encoder: PromptEncoder | None = None, spot_check_requests: int = 150,
              min_effect: float = 0.002) -> Diagnosis:
-    """Diagnose a request log (JSONL path, or a list of dicts / JSON lines); see the module docstring."""
+    """Diagnose a request log (JSONL path, or a list of dicts / JSON lines), phase by phase (docs/doctor.md)."""
     block_sizes = [int(b) for b in block_sizes]
     if not block_sizes or any(b < 1 for b in block_sizes):
         raise ValueError("block sizes must be positive ints")
-    timings: dict[str, float] = {}
-    cpu0 = time.process_time()
-    # read
+    bs, timings, cpu0 = block_sizes[0], {}, time.process_time()
     with _timed(timings, "read"):
         records, bad = read_log(log)
-    lines = len(records) + len(bad)
-    # prepare: render, tokenize, capacities, tenants
     with _timed(timings, "load tokenizer"):
         enc = encoder
         if enc is None and (model is not None or any(r.kind != "token_ids" for r in records)):
             enc = PromptEncoder(model)
     with _timed(timings, "render + tokenize"):
         prep = prepare(records, enc)
-    bad = sorted(bad + prep.bad, key=lambda b: b.line)
     notes = list(enc.notes) if enc is not None else []
     caps = _capacities(block_sizes, capacity_blocks, kv_gib, kv_config, kv_dtype, model, notes)
-    tenants = _tenants(prep, tenant_field, notes)
-    # replay: the numbers as the log is
+    tenants = tenant_salts(prep, tenant_field)
+    if tenants is not None and None in tenants:
+        notes.append(f"{tenants.count(None)} requests have no {tenant_field!r} field: they are replayed without a salt")
     with _timed(timings, "divergence"):
         div = divergence(prep.tokens)
-    meter = Meter(block_sizes[0], caps[block_sizes[0]], concurrency, tenant_field)
+    meter = Meter(bs, caps[bs], concurrency, tenant_field)
     with _timed(timings, "replay (all block sizes)"):
         table = _replay_table(prep, div, block_sizes, caps, tenants, concurrency, meter)
-    queries = sum(prep.lengths)
-    ceiling_tokens = div.ceiling_hit_tokens()
-    ceiling = {"hit_tokens": ceiling_tokens, "hit_rate": ceiling_tokens / queries if queries else 0.0,
-               "repeat_requests": sum(1 for d, n in zip(div.position, prep.lengths) if d >= n)}
     with _timed(timings, "spot check vs BlockManager"):
-        checks = [spot_check(prep.tokens, block_sizes[0], caps[block_sizes[0]], spot_check_requests, tenants, None,
-                             concurrency)] if prep.tokens and spot_check_requests else []
+        checks = [spot_check(prep.tokens, bs, caps[bs], spot_check_requests, tenants, None, concurrency)] \
+            if prep.tokens and spot_check_requests else []
     if any(not c["equal"] for c in checks):
         notes.append("WARNING: the fast replay and kvlab.cache.BlockManager disagree on the spot check")
-    # find culprits
     with _timed(timings, "find culprits"):
-        row0 = table[0]
         findings, scan, culprits = find_culprits(
-            prep, div, enc, block_sizes[0], tenants=tenants, tenant_field=tenant_field, sample=sample, seed=seed,
-            salted_unsalted=(row0["unbounded_hit_tokens"], row0.get("unsalted_hit_tokens", 0)))
+            prep, div, enc, bs, tenants=tenants, tenant_field=tenant_field, sample=sample, seed=seed,
+            salted_unsalted=(table[0]["unbounded_hit_tokens"], table[0].get("unsalted_hit_tokens", 0)))
     with _timed(timings, "measure fixes"):
         baseline = meter(prep)
         kept, chain, final = measure_fixes(culprits, prep, enc, meter, baseline, min_effect)
     with _timed(timings, "measure fixes alone"):
         for c in kept if alone else []:
             c.alone = measure_alone(c, prep, enc, meter)
-    culprits = kept + [c for c in culprits if c not in kept and c.measurable] + [c for c in culprits if not c.measurable]
-    # summarize
-    final_top = _points(divergence(final.tokens), final.tokens, enc)
-    system_only = _system_only(final, block_sizes[0])
+    culprits = kept + [c for c in culprits if c not in kept and c.measurable] + [
+        c for c in culprits if not c.measurable]
+    top, final_top = _points(div, prep.tokens, enc), _points(divergence(final.tokens), final.tokens, enc)
     timings["cpu (process time, all phases)"] = time.process_time() - cpu0
-    vllm = None if vllm_metrics is None else {**read_metrics(vllm_metrics), "file": str(vllm_metrics)}
+    lines = len(records) + len(bad)
     return Diagnosis(
         source=str(log) if isinstance(log, (str, Path)) else f"<{lines} records>",
         model=enc.name if enc is not None else "none (token ids)", block_sizes=block_sizes, capacity_blocks=caps,
-        lines=lines, bad=bad, prep=prep, tenants=tenants, tenant_field=tenant_field, div=div, table=table,
-        ceiling=ceiling, top_points=_points(div, prep.tokens, enc), findings=findings, scan=scan, culprits=culprits,
-        baseline=baseline, chain=chain, final_top_points=final_top, system_only=system_only, vllm=vllm,
-        spot_checks=checks, timings=timings, notes=notes, final=final, enc=enc, min_effect=min_effect,
-        inputs=input_paths(log, model, kv_config, vllm_metrics))
+        lines=lines, bad=sorted(bad + prep.bad, key=lambda b: b.line), prep=prep, tenants=tenants,
+        tenant_field=tenant_field, div=div, table=table, ceiling=_ceiling(div, prep), top_points=top,
+        findings=findings, scan=scan, culprits=culprits, baseline=baseline, chain=chain, final_top_points=final_top,
+        system_only=_system_only(final, bs), spot_checks=checks, timings=timings, notes=notes,
+        vllm=None if vllm_metrics is None else {**read_metrics(vllm_metrics), "file": str(vllm_metrics)},
+        final=final, enc=enc, min_effect=min_effect, inputs=input_paths(log, model, kv_config, vllm_metrics))
 
 
 def _capacities(block_sizes: list[int], capacity_blocks: int | None, kv_gib: float | None, kv_config: str | None,
                 kv_dtype: str, model: str | None, notes: list[str]) -> dict[int, int | None]:
-    kvb = None
+    """Blocks of each block size for the same KV memory (``capacity_blocks`` counts blocks of the first size)."""
     if kv_gib is not None:
-        if kv_config:
-            cfg_path = Path(kv_config)
-            cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
-            if cfg_path.exists():
-                cfg = json.loads(cfg_path.read_text())
-            else:
-                from kvlab.engine.models import load_public_config
-
-                cfg = load_public_config(kv_config)
-        else:
-            cfg = model_config(model)
-        kvb = kv_bytes_per_token_of(cfg, kv_dtype)
+        kvb = kv_bytes_per_token_of(_kv_config(kv_config, model), kv_dtype)
         notes.append(f"--kv-gib {kv_gib}: {kvb} KV bytes per token ({kv_dtype}) from "
                      f"{kv_config or model or 'the bundled model'}'s config")
-    return capacity_for(block_sizes, capacity_blocks, kv_gib, kvb)
+    if capacity_blocks is not None:
+        return {bs: capacity_blocks * block_sizes[0] // bs for bs in block_sizes}
+    if kv_gib is not None:
+        if not kvb:
+            raise ValueError("--kv-gib needs the KV bytes per token of a model config")
+        return {bs: int(kv_gib * 2**30 // (bs * kvb)) for bs in block_sizes}
+    return {bs: None for bs in block_sizes}
 
 
-def _tenants(prep: Prepared, tenant_field: str | None, notes: list[str]) -> list[str | None] | None:
-    if not tenant_field:
-        return None
-    tenants = [None if r.get(tenant_field) is None else str(r.get(tenant_field)) for r in prep.records]
-    missing = sum(x is None for x in tenants)
-    if missing:
-        notes.append(f"{missing} requests have no {tenant_field!r} field: they are replayed without a salt")
-    return tenants
+def _kv_config(kv_config: str | None, model: str | None) -> dict:
+    """The config.json of --kv-config (a folder, a file or a shipped name), else of --model."""
+    if not kv_config:
+        return model_config(model)
+    path = Path(kv_config)
+    path = path / "config.json" if path.is_dir() else path
+    if path.exists():
+        return json.loads(path.read_text())
+    from kvlab.engine.models import load_public_config
+    return load_public_config(kv_config)
+
+
+def _ceiling(div: Divergence, prep: Prepared) -> dict:
+    """A token-granular cache with unlimited room and no salts."""
+    queries, hits = sum(prep.lengths), div.ceiling_hit_tokens()
+    return {"hit_tokens": hits, "hit_rate": _rate(hits, queries),
+            "repeat_requests": sum(1 for d, n in zip(div.position, prep.lengths) if d >= n)}
 
 
 def _replay_table(prep: Prepared, div: Divergence, block_sizes: list[int], caps: dict, tenants: list | None,
                   concurrency: int, meter: Meter) -> list[dict]:
     """One row per block size: unbounded (from the divergence positions), at capacity, without salts."""
-    lengths = prep.lengths
-    queries = sum(lengths)
-    salted = None if tenants is None else unbounded_hits(prep.tokens, 1, tenants)  # per request: min(d, n-1)
-    shared = [min(d, n - 1) for d, n in zip(div.position, lengths)]
+    lengths, queries = prep.lengths, sum(prep.lengths)
+    shared = [min(d, n - 1) for d, n in zip(div.position, lengths)]  # an unbounded cache hits their whole blocks
+    salted = shared if tenants is None else unbounded_hits(prep.tokens, 1, tenants)
     table = []
     for bs in block_sizes:
-        row = {"block_size": bs, "capacity_blocks": caps[bs], "requests": len(lengths), "query_tokens": queries}
-        u = sum(x // bs * bs for x in (salted if tenants is not None else shared))
-        row["unbounded_hit_rate"], row["unbounded_hit_tokens"] = u / queries if queries else 0.0, u
+        hits = sum(x // bs * bs for x in salted)
+        row = {"block_size": bs, "capacity_blocks": caps[bs], "requests": len(lengths), "query_tokens": queries,
+               "unbounded_hit_rate": _rate(hits, queries), "unbounded_hit_tokens": hits}
         if caps[bs] is not None:
             chains = block_chains(prep.tokens, bs, tenants)
             c = replay(chains, lengths, bs, caps[bs], concurrency)
-            row["capacity_hit_rate"], row["capacity_hit_tokens"], row["too_big"] = c.hit_rate, c.hit_tokens, c.too_big
+            row.update(capacity_hit_rate=c.hit_rate, capacity_hit_tokens=c.hit_tokens, too_big=c.too_big)
             if bs == block_sizes[0]:  # the culprits' baseline: the same replay, kept for the meter
                 meter.last = ((id(prep.tokens), None), prep.tokens, chains,
                               {"unbounded": stats(replay(chains, lengths, bs, None)), "capacity": stats(c)})
         if tenants is not None:
-            un = sum(x // bs * bs for x in shared)
-            row["unsalted_hit_rate"], row["unsalted_hit_tokens"] = un / queries if queries else 0.0, un
+            unsalted = sum(x // bs * bs for x in shared)
+            row.update(unsalted_hit_rate=_rate(unsalted, queries), unsalted_hit_tokens=unsalted)
         row["short_requests"] = sum(1 for s in shared if 0 < s < bs)
         table.append(row)
     return table
+
+
+def _rate(hits: int, queries: int) -> float:
+    return hits / queries if queries else 0.0
 
 
 def _system_only(final: Prepared, bs: int) -> dict | None:
@@ -266,9 +256,9 @@ def _system_only(final: Prepared, bs: int) -> dict | None:
         return None
     st = replay_tokens(final.tokens, bs, None)
     capped = sum(min(h, (s // bs) * bs) for h, s in zip(st.per_request, final.sys_tokens))
-    return {"hit_rate_history_shared": st.hit_rate, "hit_rate_system_only": capped / st.query_tokens
-            if st.query_tokens else 0.0, "hit_tokens_history_shared": st.hit_tokens,
-            "hit_tokens_system_only": capped, "query_tokens": st.query_tokens}
+    return {"hit_rate_history_shared": st.hit_rate, "hit_rate_system_only": _rate(capped, st.query_tokens),
+            "hit_tokens_history_shared": st.hit_tokens, "hit_tokens_system_only": capped,
+            "query_tokens": st.query_tokens}
 
 
 def _points(div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: int = 5) -> list[dict]:
@@ -285,19 +275,6 @@ def _points(div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: in
                     "before": show(s[max(0, pos - w[0]):pos]), "after_request": show(s[pos:pos + w[1]]),
                     "after_partner": show(t[pos:pos + w[1]])})
     return out
-
-
-def capacity_for(block_sizes: list[int], capacity_blocks: int | None, kv_gib: float | None,
-                 kv_bytes_per_token: int | None) -> dict[int, int | None]:
-    """Blocks of each block size for the same KV memory (``capacity_blocks`` counts blocks of the first size)."""
-    if capacity_blocks is not None:
-        tokens = capacity_blocks * block_sizes[0]
-        return {bs: tokens // bs for bs in block_sizes}
-    if kv_gib is not None:
-        if not kv_bytes_per_token:
-            raise ValueError("--kv-gib needs the KV bytes per token of a model config")
-        return {bs: int(kv_gib * 2**30 // (bs * kv_bytes_per_token)) for bs in block_sizes}
-    return {bs: None for bs in block_sizes}
 
 
 def kv_bytes_per_token_of(config: dict, dtype: str = "bfloat16") -> int:
@@ -317,36 +294,26 @@ def input_paths(*given: object) -> list[str]:
 
 
 def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
-    """Write, per culprit, the log after its fix and the fixes before it (what its numbers measure); return paths.
-
-    ``all_fixes.jsonl`` is the last of them. A padded log (alignment) is written as token ids. Every file is
-    created new (FileExistsError if it is there: ``write_report`` clears the earlier run's files first).
-    """
+    """Write, per culprit, the log after its fix and the fixes before it, then ``all_fixes.jsonl``; return paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for n, c in enumerate(d.kept, 1):
-        state = c.details.get("state")
-        if state is None:
-            continue  # a replay policy (the public prefix): the log itself does not change
-        rows = ({"token_ids": ids(s), **r.meta} for s, r in zip(state, d.prep.records)) \
-            if c.details.get("state_padded") else state
-        paths[c.title] = write_log(rows, out_dir / f"{n:02d}_{c.kind}.jsonl", exclusive=True)
-        c.fixed_log = str(paths[c.title])
+        if "state" in c.details:  # none: a replay policy (the public prefix), the log itself does not change
+            paths[c.title] = write_log(_rows(c.details["state"]), out_dir / f"{n:02d}_{c.kind}.jsonl", exclusive=True)
+            c.fixed_log = str(paths[c.title])
     if d.final is not None:
-        rows = ({"token_ids": ids(s), **r.meta} for s, r in zip(d.final.tokens, d.final.records)) \
-            if d.final.padded else d.final.records
-        paths["all fixes"] = write_log(rows, out_dir / "all_fixes.jsonl", exclusive=True)
+        paths["all fixes"] = write_log(_rows(d.final), out_dir / "all_fixes.jsonl", exclusive=True)
     return paths
 
 
-def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
-    """summary.json, figures, fixed logs and report.html under ``out_dir``; return the paths.
+def _rows(log: Prepared) -> Iterable:
+    """A fixed log's records, or its padded tokens (alignment) as token-id lines with each record's metadata."""
+    return ({"token_ids": ids(s), **r.meta} for s, r in zip(log.tokens, log.records)) if log.padded else log.records
 
-    ``out_dir`` is checked first (``kvlab.doctor.outdir``: OutDirError if it is a file, holds an input,
-    or holds files the doctor did not write); the earlier run's files are deleted, every new file is
-    created new, and ``kvlab_doctor_manifest.json`` lists them. The JSON and the HTML come from one ``data()``.
-    """
+
+def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
+    """summary.json, figures, fixed logs and report.html (all from one ``data()``) under a checked ``out_dir``."""
     out = Path(out_dir)
     stale = check_out_dir(out, d.inputs)
     out.mkdir(parents=True, exist_ok=True)
@@ -361,12 +328,11 @@ def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[
             figs = report.figures(data, out)
         paths.update(figs)
         data["timings"] = dict(d.timings)
-        with open(out / "summary.json", "x", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=1, default=str))
-        paths["summary.json"] = out / "summary.json"
-        with open(out / "report.html", "x", encoding="utf-8") as f:
-            f.write(report.render_html(data, figs))
-        paths["report.html"] = out / "report.html"
+        for name, render in (("summary.json", lambda: json.dumps(data, indent=1, default=str)),
+                             ("report.html", lambda: report.render_html(data, figs))):
+            with open(out / name, "x", encoding="utf-8") as f:  # created new: never over an existing file
+                f.write(render())
+            paths[name] = out / name
     finally:  # what was written, even when a write failed half-way: the next run deletes it
         write_manifest(out, written(out))
     return paths

@@ -1,11 +1,4 @@
-"""Where prompts stop matching: for each request, the longest prefix it shares with any earlier one.
-
-The longest common prefix of a string with a set of strings is reached at one of its two neighbours
-in sorted order, so keeping the earlier prompts in a sorted list (token strs, see
-``kvlab.doctor.tokenization``) gives each request's divergence position and the earlier request it
-matched longest (its *partner*) with two comparisons. With block size 1 and no eviction, a prefix cache
-would serve exactly ``min(divergence, n - 1)`` tokens: the token-level ceiling of the log.
-"""
+"""Where prompts stop matching: each request's longest prefix shared with an earlier one (its partner)."""
 
 from __future__ import annotations
 
@@ -54,9 +47,7 @@ class Divergence:
 
 def divergence(prompts: Sequence[str]) -> Divergence:
     """Divergence position and partner of every prompt against all earlier ones, in log order."""
-    keys: list[str] = []
-    owner: list[int] = []
-    pos, partner = [], []
+    keys, owner, pos, partner = [], [], [], []  # keys: the earlier prompts, sorted; owner: the request of each
     for i, s in enumerate(prompts):
         j = bisect_left(keys, s)
         best, who = 0, -1

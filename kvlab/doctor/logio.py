@@ -1,28 +1,12 @@
-"""Read a request log (JSONL) into records, report every malformed line, and write logs back.
-
-Three line shapes are accepted, one JSON object per line:
-
-- OpenAI chat: ``{"messages": [{"role": ..., "content": ...}, ...], "user": ..., "timestamp": ...,
-  "tenant": ..., "session": ..., "tools": [...]}``; ``content`` may be a string or a list of
-  ``{"type": "text", "text": ...}`` parts;
-- a plain prompt: ``{"prompt": "..."}``;
-- token ids: ``{"token_ids": [...]}`` (or ``prompt_token_ids``).
-
-A line that is not one of these is never dropped silently: it becomes a ``BadLine`` with its line
-number and what is wrong, the caller reports it and counts it in the summary. Whatever the cause:
-bytes that are not UTF-8 (never replaced: two different prompts must not replay as one), JSON that is
-not strict (``NaN``), nested deeper than ``MAX_DEPTH``, a number too long to read, a lone surrogate
-(``"\\ud800"``), a ``user``/``session`` that is not a scalar, a tool that is not an object. Lines are
-counted on ``\\n`` only (a stray ``\\r`` is part of its line, not a line break).
-"""
+"""Read a JSONL request log (chat messages, a prompt or token ids a line) into records; every bad line is a BadLine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +16,9 @@ MAX_DEPTH = 64  # JSON nesting a line may have (tools' JSON schemas nest about 1
 IDENTITY_FIELDS = ("user", "session")  # read as who sent a request: a string, a number or null
 SCALARS = (str, int, float, bool, type(None))
 SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone surrogate: not text, cannot be written as UTF-8
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a JSON text spells one (or half of an emoji's pair)
 JSON_SPACE = " \t\r\n"  # a line of only these is blank (not a request)
 BOM = b"\xef\xbb\xbf"
-JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+PROMPT_FIELDS = ("messages", "prompt", "token_ids", "prompt_token_ids")
 
 
 @dataclass(slots=True)
@@ -59,26 +40,16 @@ class Record:
 
     def to_json(self) -> dict:
         """The line as a JSON object again (the same shape it was read in)."""
-        out: dict[str, Any] = {}
-        if self.kind == "messages":
-            out["messages"] = self.messages
-            if self.tools is not None:
-                out["tools"] = self.tools
-        elif self.kind == "prompt":
-            out["prompt"] = self.prompt
-        else:
-            out["token_ids"] = self.token_ids
-        out.update(self.meta)
-        return out
+        body: dict[str, Any] = {self.kind: getattr(self, self.kind)}
+        if self.kind == "messages" and self.tools is not None:
+            body["tools"] = self.tools
+        return {**body, **self.meta}
 
     def replace(self, **changes: Any) -> Record:
         """A copy with some fields changed (messages are copied, never shared with the original)."""
-        new = Record(self.line, self.kind, [dict(m) for m in self.messages] if self.messages is not None else None,
-                     self.prompt, list(self.token_ids) if self.token_ids is not None else None,
-                     self.tools, dict(self.meta), self)
-        for k, v in changes.items():
-            setattr(new, k, v)
-        return new
+        return dataclasses.replace(self, **{
+            "messages": None if self.messages is None else [dict(m) for m in self.messages], "meta": dict(self.meta),
+            "token_ids": None if self.token_ids is None else list(self.token_ids), "origin": self, **changes})
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,28 +100,6 @@ def check_value(obj: Any) -> None:
             raise ValueError(f"a value is {type(v).__name__}, not JSON")
 
 
-def json_depth(text: str) -> int:
-    """How deep a valid JSON text nests (its brackets outside strings, counted in C)."""
-    brackets = NOT_BRACKET.sub("", JSON_STRING.sub("", text))
-    return max(accumulate(map(BRACKET_STEP.__getitem__, brackets)), default=0)
-
-
-def _check(text: str, obj: Any) -> None:
-    """``check_value`` for the value ``obj`` of the JSON ``text``, fast where the text shows it is fine."""
-    if text.count("[") + text.count("{") > MAX_DEPTH and json_depth(text) > MAX_DEPTH:
-        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
-    if ("\\u" in text and SURROGATE_ESCAPE.search(text)) or not _utf8_ok(text):  # escaped, or as is (str, dict)
-        check_value(obj)
-
-
-def _utf8_ok(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
 def _short(v: Any) -> str:
     """repr of a value, cut to 40 characters."""
     r = repr(v) if not isinstance(v, int) or abs(v) < 10**40 else f"<an int of {v.bit_length()} bits>"
@@ -172,53 +121,53 @@ def parse_line(obj: Any, line: int) -> Record:
     for k in IDENTITY_FIELDS:
         if not isinstance(obj.get(k), SCALARS):
             raise ValueError(f"'{k}' is {type(obj[k]).__name__}, not a string, a number or null")
-    shapes = [k for k in ("messages", "prompt", "token_ids", "prompt_token_ids") if k in obj]
-    if not shapes:
-        raise ValueError("no 'messages', 'prompt' or 'token_ids' field")
-    if len(shapes) > 1:
-        raise ValueError(f"more than one prompt field ({', '.join(shapes)}); give exactly one")
-    meta = {k: v for k, v in obj.items() if k not in ("messages", "prompt", "token_ids", "prompt_token_ids", "tools")}
-    key = shapes[0]
+    shapes = [k for k in PROMPT_FIELDS if k in obj]
+    if len(shapes) != 1:
+        raise ValueError(f"more than one prompt field ({', '.join(shapes)}); give exactly one" if shapes
+                         else "no 'messages', 'prompt' or 'token_ids' field")
+    meta = {k: v for k, v in obj.items() if k not in (*PROMPT_FIELDS, "tools")}
+    key, value = shapes[0], obj[shapes[0]]
     if key == "messages":
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError("'messages' must be a non-empty list")
-        out = []
-        for i, m in enumerate(msgs):
-            where = f"messages[{i}]"
-            if not isinstance(m, dict):
-                raise ValueError(f"{where} is {type(m).__name__}, not an object")
-            role = m.get("role")
-            if not isinstance(role, str) or not role:
-                raise ValueError(f"{where} has no 'role'")
-            if role not in ROLES:
-                raise ValueError(f"{where}.role {role!r} is not one of {sorted(ROLES)}")
-            if "content" not in m:
-                raise ValueError(f"{where} has no 'content'")
-            msg = dict(m)
-            msg["content"] = _content_text(m["content"], where)
-            out.append(msg)
-        tools = obj.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ValueError("'tools' must be a list of objects")
-        for j, t in enumerate(tools or []):
-            if not isinstance(t.get("function", {}), dict):
-                raise ValueError(f"tools[{j}].function is {type(t['function']).__name__}, not an object")
-        return Record(line, "messages", messages=out, tools=tools, meta=meta)
+        return Record(line, "messages", messages=_messages(value), tools=_tools(obj.get("tools")), meta=meta)
     if key == "prompt":
-        p = obj["prompt"]
-        if not isinstance(p, str):
-            raise ValueError(f"'prompt' is {type(p).__name__}, not a string")
-        if not p:
-            raise ValueError("'prompt' is empty")
-        return Record(line, "prompt", prompt=p, meta=meta)
-    ids = obj[key]
-    if not isinstance(ids, list) or not ids:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"'prompt' is {type(value).__name__}, not a string" if not isinstance(value, str)
+                             else "'prompt' is empty")
+        return Record(line, "prompt", prompt=value, meta=meta)
+    if not isinstance(value, list) or not value:
         raise ValueError(f"'{key}' must be a non-empty list of ints")
-    for j, t in enumerate(ids):
+    for j, t in enumerate(value):
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
             raise ValueError(f"'{key}'[{j}] = {_short(t)} is not a token id (an int in [0, {MAX_TOKEN_ID}])")
-    return Record(line, "token_ids", token_ids=ids, meta=meta)
+    return Record(line, "token_ids", token_ids=value, meta=meta)
+
+
+def _messages(msgs: Any) -> list[dict]:
+    """Checked chat messages, each content one string."""
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} is {type(m).__name__}, not an object")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"{where} has no 'role'")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}.role {m['role']!r} is not one of {sorted(ROLES)}")
+        if "content" not in m:
+            raise ValueError(f"{where} has no 'content'")
+        out.append({**m, "content": _content_text(m["content"], where)})
+    return out
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError("'tools' must be a list of objects")
+    for j, t in enumerate(tools or []):
+        if not isinstance(t.get("function", {}), dict):
+            raise ValueError(f"tools[{j}].function is {type(t['function']).__name__}, not an object")
+    return tools
 
 
 def _no_constant(name: str) -> None:
@@ -236,8 +185,7 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
         except UnicodeDecodeError as e:  # never replaced: two prompts that differ there would replay as one
             return BadLine(line, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1})",
                            raw[:80].decode("utf-8", "backslashreplace"))
-    text = raw.strip(JSON_SPACE)
-    if not text:
+    if not (text := raw.strip(JSON_SPACE)):
         return None
     try:
         obj = DECODER.decode(text)
@@ -247,54 +195,38 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
         return BadLine(line, f"JSON nested deeper than {MAX_DEPTH} levels", text[:80])
     except ValueError as e:  # a number over the int-conversion limit, NaN/Infinity
         return BadLine(line, f"unreadable JSON ({str(e).split(';')[0]})", text[:80])
+    return _parsed(obj, line, text[:80])
+
+
+def _from_value(item: Any, line: int) -> Record | BadLine:
+    """A value given in place of a line (a dict), held to what a JSON line may hold."""
     try:
-        _check(text, obj)
+        json.dumps(item, ensure_ascii=False, allow_nan=False)  # what a line could not hold fails here
+    except RecursionError:
+        return BadLine(line, f"JSON nested deeper than {MAX_DEPTH} levels", _preview(item))
+    except (TypeError, ValueError) as e:
+        return BadLine(line, f"not JSON ({e})", _preview(item))
+    return _parsed(item, line, _preview(item))
+
+
+def _parsed(obj: Any, line: int, shown: str) -> Record | BadLine:
+    try:
+        check_value(obj)
         return parse_line(obj, line)
     except ValueError as e:
-        return BadLine(line, str(e), text[:80])
-
-
-def iter_lines(lines: Iterable[str | bytes], first_line: int = 1) -> Iterator[Record | BadLine]:
-    """Records and BadLines of JSONL lines (text or bytes), in order; blank lines are skipped (not requests)."""
-    for n, raw in enumerate(lines, first_line):
-        item = decode_line(raw, n)
-        if item is not None:
-            yield item
+        return BadLine(line, str(e), shown)
 
 
 def read_log(source: str | Path | Iterable[dict | str | bytes]) -> tuple[list[Record], list[BadLine]]:
-    """A JSONL file (or an iterable of dicts / JSON lines) -> (records, bad lines).
-
-    A file is read as bytes and cut at ``\\n`` only, so line numbers are what ``wc -l`` and editors count.
-    """
-    items: list[Record | BadLine] = []
+    """A JSONL file (cut at ``\\n`` only, as ``wc -l`` counts) or an iterable of dicts / lines -> (records, bad)."""
     if isinstance(source, (str, Path)):
         with open(source, "rb") as f:  # binary: lines end at b"\n" only, each decoded strictly
-            for n, raw in enumerate(f, 1):
-                item = decode_line(raw[len(BOM):] if n == 1 and raw.startswith(BOM) else raw, n)
-                if item is not None:
-                    items.append(item)
+            items = [decode_line(raw[len(BOM):] if n == 1 and raw.startswith(BOM) else raw, n)
+                     for n, raw in enumerate(f, 1)]
     else:
-        for n, item in enumerate(source, 1):
-            if isinstance(item, (str, bytes)):
-                items.extend(iter_lines([item], n))
-                continue
-            try:  # a dict is held to what a JSON line may hold
-                text = json.dumps(item, ensure_ascii=False, allow_nan=False)
-            except RecursionError:
-                items.append(BadLine(n, f"JSON nested deeper than {MAX_DEPTH} levels", _preview(item)))
-                continue
-            except (TypeError, ValueError) as e:
-                items.append(BadLine(n, f"not JSON ({e})", _preview(item)))
-                continue
-            try:
-                _check(text, item)
-                items.append(parse_line(item, n))
-            except ValueError as e:
-                items.append(BadLine(n, str(e), _preview(item)))
-    records = [x for x in items if isinstance(x, Record)]
-    bad = [x for x in items if isinstance(x, BadLine)]
-    return records, bad
+        items = [decode_line(x, n) if isinstance(x, (str, bytes)) else _from_value(x, n)
+                 for n, x in enumerate(source, 1)]
+    return [x for x in items if isinstance(x, Record)], [x for x in items if isinstance(x, BadLine)]
 
 
 def write_log(records: Iterable[Record | dict], path: str | Path, exclusive: bool = False) -> Path:

@@ -1,14 +1,6 @@
-"""Measure a log and every fix the same way: unbounded and at capacity, fixes chained in prompt order.
-
-``Meter`` replays a prepared log at one block size (unbounded from the divergence positions alone, the
-capacity through ``replay``). ``measure_fixes`` applies the culprits' fixes one after the other, in the
-order of their position in the prompt, keeps the ones that save at least ``min_effect`` of the prefill,
-and gives the ones that changed nothing a second look once the others are in.
-"""
+"""Measure a log and every fix the same way: unbounded and at capacity, fixes chained in prompt order."""
 
 from __future__ import annotations
-
-import time
 
 from .culprits import Culprit, public_prefixes
 from .prepare import Prepared, prepare
@@ -17,7 +9,7 @@ from .tokenization import PromptEncoder
 
 FIELD_KINDS = ("volatile", "per-user", "per-session")  # noisy candidates: a quick look on a few windows first
 QUICK_MIN, QUICK_WINDOWS, QUICK_SIZE = 3000, 4, 400  # logs above QUICK_MIN requests: 4 windows of 400
-SECOND_LOOK = ("template", "whitespace", "order", "tools-order", "alignment", "tenant-salt")  # can hide behind later ones
+SECOND_LOOK = ("template", "whitespace", "order", "tools-order", "alignment", "tenant-salt")  # hidden by later ones
 KIND_ORDER = {"template": 0, "volatile": 1, "per-session": 1, "per-user": 1, "whitespace": 1, "order": 1,
               "tools-order": 1, "multi-turn": 2, "alignment": 3, "tenant-salt": 4}
 
@@ -28,6 +20,13 @@ def stats(st: HitStats) -> dict:
             "computed_tokens": st.computed_tokens, "requests": st.requests, "too_big": st.too_big}
 
 
+def tenant_salts(prep: Prepared, tenant_field: str | None) -> list[str | None] | None:
+    """Each request's tenant (its cache salt; None without one), or None without a tenant field."""
+    if not tenant_field:
+        return None
+    return [None if r.get(tenant_field) is None else str(r.get(tenant_field)) for r in prep.records]
+
+
 class Meter:
     """Measures a log (records or token strs) at one block size the same way every time."""
 
@@ -35,25 +34,15 @@ class Meter:
         self.bs, self.capacity, self.concurrency, self.tenant_field = bs, capacity, concurrency, tenant_field
         self.last: tuple | None = None  # (key, tokens, chains, result) of the last call
 
-    def salts(self, prep: Prepared) -> list[str | None] | None:
-        """Each request's tenant salt (None without a tenant field)."""
-        if not self.tenant_field:
-            return None
-        return [None if r.get(self.tenant_field) is None else str(r.get(self.tenant_field)) for r in prep.records]
-
     def __call__(self, prep: Prepared, policy: str | None = None, capacity: bool = True) -> dict:
-        key = (id(prep.tokens), policy)
+        key, salts = (id(prep.tokens), policy), tenant_salts(prep, self.tenant_field)
         if self.last is not None and self.last[0] == key and self.last[1] is prep.tokens:
             chains, out = self.last[2], dict(self.last[3])  # the same log measured just before (unbounded first)
         elif policy is None and not (self.capacity is not None and capacity):
             # unbounded only: the divergence positions give the hits, no block ids needed
-            t0 = time.perf_counter()
-            per = unbounded_hits(prep.tokens, self.bs, self.salts(prep))
-            st = HitStats(self.bs, None, len(per), sum(prep.lengths), sum(per), 0, time.perf_counter() - t0, per)
-            self.last = None
-            return {"unbounded": stats(st)}
+            per, self.last = unbounded_hits(prep.tokens, self.bs, salts), None
+            return {"unbounded": stats(HitStats(self.bs, None, len(per), sum(prep.lengths), sum(per)))}
         else:
-            salts = self.salts(prep)
             public = public_prefixes(prep, salts) if policy == "public-prefix" and salts else None
             chains = block_chains(prep.tokens, self.bs, salts, public)
             out = {"unbounded": stats(replay(chains, prep.lengths, self.bs, None))}
@@ -65,12 +54,7 @@ class Meter:
 
 def flat(res: dict) -> dict:
     """{"unbounded": {...}, "capacity": {...}} -> {"unbounded_hit_rate": ..., ...} (a row of the chain)."""
-    out = {}
-    for cap, st in res.items():
-        out[f"{cap}_hit_rate"] = st["hit_rate"]
-        out[f"{cap}_computed_tokens"] = st["computed_tokens"]
-        out[f"{cap}_query_tokens"] = st["query_tokens"]
-    return out
+    return {f"{cap}_{k}": st[k] for cap, st in res.items() for k in ("hit_rate", "computed_tokens", "query_tokens")}
 
 
 def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | None, meter: Meter,
@@ -85,15 +69,16 @@ def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | 
     kept: list[Culprit] = []
     # In prompt order most differences are only hidden by one before them, fixed first; a fix that
     # changed nothing gets a second look once all the others are in (a difference after it hid it).
-    groups = [[c for c in order if c.fix is not None], [c for c in order if c.fix is None]]  # rewrites, then tokens/policy
-    n = len(prep.records)
-    windows = [] if n <= QUICK_MIN else sorted({i for w in range(QUICK_WINDOWS)
-                                                for i in range(w * n // QUICK_WINDOWS, w * n // QUICK_WINDOWS + QUICK_SIZE)})
+    groups = [[c for c in order if c.fix is not None], [c for c in order if c.fix is None]]  # records, then the rest
+    n, w = len(prep.records), QUICK_WINDOWS
+    starts = [k * n // w for k in range(w)] if n > QUICK_MIN else []
+    windows = sorted({i for s in starts for i in range(s, s + QUICK_SIZE)})
     for group, attempt in ((g, a) for g in groups for a in (1, 2)):
         for c in list(group):
             if attempt == 2 and c.kind not in SECOND_LOOK:
                 continue
-            if windows and c.kind in FIELD_KINDS and not _quick_look(c, cur, windows, policy, enc, meter, min_effect / 2):
+            quick = windows and c.kind in FIELD_KINDS
+            if quick and not _quick_look(c, cur, windows, policy, enc, meter, min_effect / 2):
                 c.chained, c.before, c.no_effect = None, {"unbounded": last["unbounded"]}, True
                 c.details["quick look"] = f"no effect on {len(windows)} requests in {QUICK_WINDOWS} windows of the log"
                 continue
@@ -104,8 +89,7 @@ def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | 
                 res = meter(new, policy=new_policy) if c.policy is None else res
                 c.chained, c.before, c.no_effect = res, last, False
                 if new is not cur:  # what the fixed log holds: the log after this fix and the ones before it
-                    c.details["state"] = new.tokens if new.padded else new.records
-                    c.details["state_padded"] = new.padded
+                    c.details["state"] = new
                 cur, policy, last = new, new_policy, res
                 kept.append(c)
                 group.remove(c)
@@ -133,13 +117,10 @@ def _quick_look(c: Culprit, prep: Prepared, idx: list[int], policy: str | None, 
 def chain_step(c: Culprit, prep: Prepared, policy: str | None, enc: PromptEncoder | None, meter: Meter,
                capacity: bool = False) -> tuple[Prepared, dict | None, str | None]:
     """Apply one more fix on top of the ones before; return (log, measured, policy)."""
-    if c.fix is not None:
-        if prep.padded:
-            raise RuntimeError("record fixes must come before token fixes (KIND_ORDER)")
-        new = prepare(c.fix(prep.records), enc, base=prep)
-        return new, meter(new, policy=policy, capacity=capacity), policy
-    if c.token_fix is not None:
-        new = c.token_fix(prep)
+    if c.fix is not None and prep.padded:
+        raise RuntimeError("record fixes must come before token fixes (KIND_ORDER)")
+    if c.fix is not None or c.token_fix is not None:
+        new = prepare(c.fix(prep.records), enc, base=prep) if c.fix is not None else c.token_fix(prep)
         return new, meter(new, policy=policy, capacity=capacity), policy
     if c.policy is not None:
         return prep, meter(prep, policy=c.policy, capacity=capacity), c.policy

@@ -1,18 +1,4 @@
-"""Where the doctor writes its report, made safe: it never writes over any file, least of all its input.
-
-The rules, checked before the analysis (``check_out_dir``) and again when writing:
-
-- ``--out`` is a folder: a new one, an empty one, or one the doctor wrote before. A file there is refused.
-- A folder that holds an input (the log, the metrics file, a config) is refused, so a report folder's own
-  ``fixed/all_fixes.jsonl`` can be diagnosed, with the new report written somewhere else.
-- The doctor lists what it wrote in ``MANIFEST``. On the next run into the same folder it deletes exactly
-  those files (names allow-listed, ``OUTPUT_NAME``; never through a symlinked folder), so no stale figure or
-  fixed log of the earlier run stays beside the new ones; files of yours beside them are left alone. A
-  non-empty folder without a manifest is refused, unless it is a report of an earlier kvlab (only the
-  doctor's file names, with its ``summary.json``).
-- Every file is created with ``open(..., "x")`` (fails if the path exists, symlink or not), and the
-  manifest is replaced by a rename: nothing the doctor does writes through an existing path.
-"""
+"""Where the doctor writes its report, made safe: it never writes over any file (rules in docs/doctor.md)."""
 
 from __future__ import annotations
 
@@ -31,10 +17,6 @@ LEGACY_KEYS = {"source", "model", "malformed", "table"}  # a summary.json writte
 
 class OutDirError(ValueError):
     """``--out`` cannot be used: what is wrong and what to do instead."""
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
 
 
 def _files(out: Path) -> list[str]:
@@ -66,9 +48,8 @@ def _manifest(out: Path) -> list[str] | None:
 def _legacy(out: Path, names: list[str]) -> list[str] | None:
     """The files of a report an earlier kvlab wrote (no manifest): only doctor names, its summary.json."""
     files = [f for f in names if not f.endswith("/")]
-    if "summary.json" not in files or any(not OUTPUT_NAME.fullmatch(f) for f in files):
-        return None
-    if any(f not in ("fixed/",) for f in names if f.endswith("/")):
+    folders = [f for f in names if f.endswith("/")]  # none, or fixed/
+    if "summary.json" not in files or folders not in ([], ["fixed/"]) or not all(map(OUTPUT_NAME.fullmatch, files)):
         return None
     try:
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
@@ -84,36 +65,28 @@ def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[st
         raise OutDirError(f"--out {out} is a broken symlink")
     if out.exists() and not out.is_dir():
         raise OutDirError(f"--out {out} is a file, not a folder: give a folder for the report")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise OutDirError(f"--out {out}: {parent} is a file, not a folder")
-            break
-    res = out.resolve()
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise OutDirError(f"--out {out}: {parent} is a file, not a folder")
     for p in inputs:
-        if _inside(Path(p).resolve(), res):
+        if Path(p).resolve().is_relative_to(out.resolve()):
             raise OutDirError(f"--out {out} holds the input {p}: write the report to another folder "
                               "(the doctor never writes where its input is)")
     if not out.exists():
         return []
     names = [f for f in _files(out) if f != MANIFEST]
     listed = _manifest(out)
+    if listed is None and not names:
+        return []
+    listed = _legacy(out, names) if listed is None else listed
     if listed is None:
-        if not names:
-            return []
-        legacy = _legacy(out, names)
-        if legacy is None:
-            raise OutDirError(f"--out {out} is a folder with files the doctor did not write (no {MANIFEST}): "
-                              "give a new or empty folder")
-        listed = legacy
+        raise OutDirError(f"--out {out} is a folder with files the doctor did not write (no {MANIFEST}): "
+                          "give a new or empty folder")
     if (out / "fixed").is_symlink():
         raise OutDirError(f"--out {out}: fixed/ is a symlink; the doctor deletes nothing through one")
-    folders = [f for f in listed if (out / f).is_dir() and not (out / f).is_symlink()]
-    if folders:
+    if folders := [f for f in listed if (out / f).is_dir() and not (out / f).is_symlink()]:
         raise OutDirError(f"--out {out}: {folders[0]} is a folder now; the doctor wrote a file there")
-    ours = set(listed)
-    clash = [f for f in names if f not in ours and OUTPUT_NAME.fullmatch(f.rstrip("/"))]
-    if clash:
+    if clash := [f for f in names if f not in listed and OUTPUT_NAME.fullmatch(f.rstrip("/"))]:
         raise OutDirError(f"--out {out}: {clash[0]} was not written by the doctor but has the name of one of its "
                           "files: move it or choose another folder")
     return listed

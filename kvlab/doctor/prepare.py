@@ -1,15 +1,9 @@
-"""Turn records into what the analysis needs: rendered text, token strs, and where each message sits.
-
-A record's *segments* are the pieces of text its sender controls: the messages' contents (for a chat
-record), the messages of a hand-rendered ChatML prompt (parsed back), or the whole prompt. Everything
-between segments is chat-template markup. ``Prepared`` keeps, per request, the rendered text, the
-token str, the segments' character spans in the text and the length in tokens of its system part.
-"""
+"""Turn records into what the analysis needs: rendered text, token strs, and where each message sits."""
 
 from __future__ import annotations
 
 import re
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .divergence import lcp
@@ -18,6 +12,8 @@ from .tokenization import PromptEncoder, tokstr
 
 CHATML_MSG = re.compile(r"<\|im_start\|>[ \t]*(\w+)[ \t]*\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|\Z)", re.S)
 SYSTEM_ROLES = ("system", "developer")
+PER_REQUEST = ("records", "texts", "tokens", "segments", "sys_tokens", "sys_chars")  # Prepared's lists
+SPLICE_CHECKS = 16  # rewritten records spliced into their origin's text and checked against a real render
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,8 +41,7 @@ def layout(rec: Record, text: str | None, enc: PromptEncoder | None) -> list[Seg
     if rec.kind == "token_ids" or text is None:
         return []
     if rec.kind == "prompt":
-        parsed = parse_chatml(text)
-        if parsed:
+        if parsed := parse_chatml(text):
             return [Segment(role, i, s, e) for i, (role, s, e) in enumerate(parsed)]
         return [Segment("prompt", 0, 0, len(text))]
     eff = enc.effective_messages(rec) if enc is not None else rec.messages
@@ -58,11 +53,9 @@ def layout(rec: Record, text: str | None, enc: PromptEncoder | None) -> list[Seg
         if pos < 0:
             continue  # the template changed the content (stripped it, ...): treat it as markup
         idx = j - injected if j >= injected else None
-        tools_from = None
+        tools_from = pos if idx is None else None  # where the tools the doctor appended start
         if rec.tools and enc is not None and not enc.renders_tools and j == 0 and idx is not None:
             tools_from = pos + len(rec.messages[0]["content"])
-        elif idx is None:
-            tools_from = pos
         segs.append(Segment(m["role"], idx, pos, pos + len(content), tools_from))
         cursor = pos + len(content)
     return segs
@@ -78,7 +71,6 @@ class Prepared:
     segments: list[list[Segment]]
     sys_tokens: list[int]
     bad: list[BadLine] = field(default_factory=list)
-    seconds: dict = field(default_factory=dict)
     padded: bool = False  # tokens were changed after tokenizing (alignment padding): write them as token ids
     sys_chars: list[int] = field(default_factory=list)  # characters of the rendered text in the system part
 
@@ -87,46 +79,33 @@ class Prepared:
         """Prompt length of each request in tokens."""
         return [len(t) for t in self.tokens]
 
+    def take(self, src: Prepared, k: int) -> None:
+        """Append request ``k`` of ``src`` (its objects shared)."""
+        for name in PER_REQUEST:
+            getattr(self, name).append(getattr(src, name)[k])
+
     def subset(self, idx: list[int]) -> Prepared:
         """The requests at ``idx`` (in that order), sharing this one's objects."""
-        return Prepared([self.records[i] for i in idx], [self.texts[i] for i in idx], [self.tokens[i] for i in idx],
-                        [self.segments[i] for i in idx], [self.sys_tokens[i] for i in idx], [], {},
-                        self.padded, [self.sys_chars[i] for i in idx])
+        out = Prepared([], [], [], [], [], padded=self.padded)
+        for i in idx:
+            out.take(self, i)
+        return out
 
 
 def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None) -> Prepared:
-    """Render (chat template), tokenize (batched, cached pieces) and lay out every record.
-
-    A record the chat template cannot render becomes a BadLine (reported, not silently dropped).
-    With ``base``, records that are the very objects ``base`` holds are reused as they are (a fix
-    returns the records it leaves unchanged), and a record a fix rewrote from one of them (same
-    messages and roles, other contents) is *spliced*: its new contents replace the old ones in the
-    old rendered text, which is what a template that copies contents verbatim renders (checked
-    against real renders on the first ``SPLICE_CHECKS`` records; it falls back to rendering).
-    """
-    t0 = time.perf_counter()
-    if base is not None:
-        known = {id(r): k for k, r in enumerate(base.records)}
-        fresh = [r for r in records if id(r) not in known]
-        new = _prepare(fresh, enc, base, known) if fresh else Prepared([], [], [], [], [], [])
-        got = {id(r): k for k, r in enumerate(new.records)}
-        out = Prepared([], [], [], [], [], list(new.bad), dict(new.seconds))
-        for r in records:
-            src, k = (base, known[id(r)]) if id(r) in known else (new, got.get(id(r)))
-            if k is None:
-                continue  # became a bad line
-            out.records.append(r)
-            out.texts.append(src.texts[k])
-            out.tokens.append(src.tokens[k])
-            out.segments.append(src.segments[k])
-            out.sys_tokens.append(src.sys_tokens[k])
-            out.sys_chars.append(src.sys_chars[k])
-        out.seconds["total"] = time.perf_counter() - t0
-        return out
-    return _prepare(records, enc, None, {})
-
-
-SPLICE_CHECKS = 16
+    """Render, tokenize and lay out every record; with ``base``, reuse its records and splice rewritten ones."""
+    if base is None:
+        return _prepare(records, enc, None, {})
+    known = {id(r): k for k, r in enumerate(base.records)}
+    fresh = [r for r in records if id(r) not in known]
+    new = _prepare(fresh, enc, base, known) if fresh else Prepared([], [], [], [], [])
+    got = {id(r): k for k, r in enumerate(new.records)}
+    out = Prepared([], [], [], [], [], list(new.bad))
+    for r in records:
+        src, k = (base, known[id(r)]) if id(r) in known else (new, got.get(id(r)))
+        if k is not None:  # None: it became a bad line
+            out.take(src, k)
+    return out
 
 
 def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[str, list[Segment], int] | None:
@@ -138,110 +117,78 @@ def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[st
         return None
     if rec.tools is not r0.tools and rec.tools != r0.tools:
         return None
-    segs0 = base.segments[k]
-    by_index = {s.index: s for s in segs0 if s.index is not None}
-    if len(by_index) != len(rec.messages) or base.texts[k] is None:
+    segs0, text0, sys0 = base.segments[k], base.texts[k], base.sys_chars[k]
+    if len({s.index for s in segs0 if s.index is not None}) != len(rec.messages) or text0 is None:
         return None
-    text0 = base.texts[k]
-    parts, segs, cursor, delta, sys_chars = [], [], 0, 0, base.sys_chars[k]
+    parts, segs, cursor, delta, sys_chars = [], [], 0, 0, sys0
     for seg in sorted(segs0, key=lambda s: s.start):
-        if seg.index is None:  # a message the doctor added (tools): unchanged
-            parts.append(text0[cursor:seg.end])
-            segs.append(Segment(seg.role, None, seg.start + delta, seg.end + delta,
-                                None if seg.tools_from is None else seg.tools_from + delta))
-            cursor = seg.end
-            continue
-        content = rec.messages[seg.index]["content"]
-        tools_tail = text0[seg.tools_from:seg.end] if seg.tools_from is not None else ""
-        parts.append(text0[cursor:seg.start])
+        # a message's new content, then the tools the doctor appended to it (a message it added stays as is)
+        content = rec.messages[seg.index]["content"] if seg.index is not None else ""
+        tail = text0[seg.tools_from:seg.end] if seg.tools_from is not None else ""
         start = seg.start + delta
-        parts.append(content + tools_tail)
-        end = start + len(content) + len(tools_tail)
-        new_delta = end - seg.end
-        if sys_chars and seg.end <= base.sys_chars[k]:
-            sys_chars = base.sys_chars[k] + new_delta
-        segs.append(Segment(seg.role, seg.index, start, end, start + len(content) if seg.tools_from is not None else None))
-        delta = new_delta
-        cursor = seg.end
+        parts += [text0[cursor:seg.start], content + tail]
+        delta, cursor = start + len(content) + len(tail) - seg.end, seg.end
+        if sys_chars and seg.end <= sys0:
+            sys_chars = sys0 + delta
+        tools_from = None if seg.tools_from is None else start + len(content)
+        segs.append(Segment(seg.role, seg.index, start, seg.end + delta, tools_from))
     parts.append(text0[cursor:])
     return "".join(parts), segs, sys_chars
 
 
 def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None, known: dict) -> Prepared:
-    t0 = time.perf_counter()
-    kept, texts, segments, sys_chars, bad = [], [], [], [], []
-    heads: dict[tuple, str | None] = {}
+    rows, bad, heads = [], [], {}
     for rec in records:
         if rec.kind == "token_ids":
-            kept.append(rec)
-            texts.append(None)
-            segments.append([])
-            sys_chars.append(0)
-            continue
-        if enc is None:
+            rows.append((rec, None, [], 0))
+        elif enc is None:
             bad.append(BadLine(rec.line, "a text record needs a tokenizer (--model)", ""))
-            continue
-        spliced = None
-        if base is not None and enc.splice_ok and rec.origin is not None and id(rec.origin) in known:
-            spliced = _splice(rec, base, known[id(rec.origin)], enc)
-            if spliced is not None and enc.splice_checked < SPLICE_CHECKS:
-                try:
-                    ok = enc.render(rec) == spliced[0]
-                except Exception:
-                    ok = False
-                enc.splice_checked += 1
-                if not ok:
-                    enc.splice_ok = False
-                    enc.notes.append("the chat template does not copy message contents verbatim: "
-                                     "rewritten logs are rendered in full (slower)")
-                    spliced = None
-        if spliced is not None:
-            text, segs, sc = spliced
         else:
             try:
-                text = enc.render(rec)
+                rows.append((rec, *_render(rec, enc, base, known, heads)))
             except Exception as e:  # jinja raises TemplateError and friends for a conversation it refuses
                 bad.append(BadLine(rec.line, f"the chat template cannot render it ({type(e).__name__}: {e})", ""))
-                continue
-            segs = layout(rec, text, enc)
-            sc = _system_chars(rec, text, enc, heads)
-        kept.append(rec)
-        texts.append(text)
-        segments.append(segs)
-        sys_chars.append(sc)
-    t1 = time.perf_counter()
-    tokens: list[str] = [""] * len(kept)
-    text_idx = [i for i, t in enumerate(texts) if t is not None]
-    if text_idx:
-        enc_out = enc.encode([texts[i] for i in text_idx], [kept[i].kind == "prompt" for i in text_idx])
-        for i, s in zip(text_idx, enc_out):
-            tokens[i] = s
-    for i, rec in enumerate(kept):
-        if rec.kind == "token_ids":
-            tokens[i] = tokstr(rec.token_ids)
-    t2 = time.perf_counter()
-    sys_tokens = [0] * len(kept)
-    with_head = [i for i, c in enumerate(sys_chars) if c]
-    if with_head and enc is not None:
-        head_texts = [texts[i][:sys_chars[i]] for i in with_head]
-        head_toks = enc.encode(head_texts, [kept[i].kind == "prompt" for i in with_head])
-        for i, h in zip(with_head, head_toks):
-            # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
-            sys_tokens[i] = lcp(h, tokens[i])
-    out = Prepared([], [], [], [], [], [], bad)
-    for r, t, s, seg, st, sc in zip(kept, texts, tokens, segments, sys_tokens, sys_chars):
-        if not s:  # a record whose prompt tokenizes to nothing cannot be replayed
+    kept, texts, segments, sys_chars = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
+    def encoded(idx: list[int], text: Callable[[int], str]) -> dict[int, str]:  # in one batch
+        plain = [kept[i].kind == "prompt" for i in idx]
+        return dict(zip(idx, enc.encode([text(i) for i in idx], plain))) if idx else {}
+
+    by_text = encoded([i for i, t in enumerate(texts) if t is not None], texts.__getitem__)
+    tokens = [by_text[i] if i in by_text else tokstr(r.token_ids) for i, r in enumerate(kept)]
+    heads = encoded([i for i, c in enumerate(sys_chars) if c], lambda i: texts[i][:sys_chars[i]])
+    # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
+    sys_tokens = [lcp(heads[i], tokens[i]) if i in heads else 0 for i in range(len(kept))]
+    every = Prepared(kept, texts, tokens, segments, sys_tokens, sys_chars=sys_chars)
+    out = Prepared([], [], [], [], [], bad)
+    for i, r in enumerate(kept):
+        if tokens[i]:
+            out.take(every, i)
+        else:  # a prompt that tokenizes to nothing cannot be replayed
             out.bad.append(BadLine(r.line, "the prompt has no tokens", ""))
-            continue
-        out.records.append(r)
-        out.texts.append(t)
-        out.tokens.append(s)
-        out.segments.append(seg)
-        out.sys_tokens.append(st)
-        out.sys_chars.append(sc)
     out.bad.sort(key=lambda b: b.line)
-    out.seconds = {"render": t1 - t0, "tokenize": t2 - t1, "system part": time.perf_counter() - t2}
     return out
+
+
+def _render(rec: Record, enc: PromptEncoder, base: Prepared | None, known: dict, heads: dict
+            ) -> tuple[str, list[Segment], int]:
+    """A text record's rendered text, segments and system-part length (spliced from its origin's when checked)."""
+    if base is not None and enc.splice_ok and rec.origin is not None and id(rec.origin) in known:
+        spliced = _splice(rec, base, known[id(rec.origin)], enc)
+        if spliced is not None and enc.splice_checked < SPLICE_CHECKS:
+            enc.splice_checked += 1
+            try:
+                same = enc.render(rec) == spliced[0]
+            except Exception:
+                same = False
+            if not same:
+                enc.splice_ok = False
+                enc.notes.append("the chat template does not copy message contents verbatim: "
+                                 "rewritten logs are rendered in full (slower)")
+                spliced = None
+        if spliced is not None:
+            return spliced
+    text = enc.render(rec)
+    return text, layout(rec, text, enc), _system_chars(rec, text, enc, heads)
 
 
 def _system_chars(rec: Record, text: str, enc: PromptEncoder, memo: dict) -> int:

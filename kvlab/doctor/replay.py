@@ -1,28 +1,4 @@
-"""Replay a log through a prefix cache with vLLM's rules and count hits, fast and exactly.
-
-vLLM's rules, as ``kvlab.cache.BlockManager`` implements them: a prompt is cut into blocks of
-``block_size`` tokens; each *full* block is keyed by its tokens and everything before it (chained
-hashes); a request reuses the longest run of cached blocks from its start, but never its last token
-(its logits are needed: at most ``n - 1`` tokens hit, rounded down to whole blocks); every full block is
-cached once computed; a finite cache evicts least-recently-used blocks that no running request holds,
-and a finished request releases its blocks tail first, a block that caches nothing (a partial tail) to
-the head of the free list, where it is reused before any cached block is evicted (vLLM's order;
-``free_order="lru"`` puts it at the tail like the rest).
-
-``replay`` runs those rules on integer block ids instead of token lists: ``block_chains`` numbers each
-prefix of whole blocks (with its salt) from the prompts' sorted order, so a hash chain becomes a list of
-ints. One request at a time (``concurrency=1``, the doctor's default) the LRU pool is a lean copy of
-``kvlab.cache.BlockPool``'s bookkeeping (``_replay_lru_one``: ``scripts/bench_doctor.py`` measures what it
-saves). ``replay_block_manager`` is the reference: the same log on kvlab's real ``Scheduler`` and
-``BlockManager`` (``kvlab.engine.trace_replay.ScriptedScheduler``, each request prefilled and finished
-with one token); more than one request at a time goes through it too. The doctor runs both on a prefix of
-every log (``spot_check``) and the tests compare them on logs built to stress eviction, duplicates and
-salts: the counts are equal.
-
-Requests are replayed in log order: with ``concurrency`` c, up to c requests wait in the scheduler's queue
-and it admits those the free blocks allow, in order, in one step (1 = each finishes before the next
-arrives); a request that needs more blocks than the cache has is counted as all-miss, as ``too_big``.
-"""
+"""Replay a log through a prefix cache with vLLM's rules: fast on block ids, and on the real Scheduler (docs)."""
 
 from __future__ import annotations
 
@@ -35,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.cache import BlockManager, cdiv
+
+from .divergence import divergence, lcp
 
 
 @dataclass(slots=True)
@@ -60,82 +38,44 @@ class HitStats:
         """Prompt tokens prefilled (the cost the cache did not save)."""
         return self.query_tokens - self.hit_tokens
 
-    def as_dict(self) -> dict:
-        """A flat dict (JSON, DataFrames)."""
-        return {"block_size": self.block_size, "capacity_blocks": self.capacity_blocks, "requests": self.requests,
-                "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
-                "computed_tokens": self.computed_tokens, "too_big": self.too_big, "seconds": self.seconds}
-
-
-def salt_blocks(public_tokens: Sequence[int] | None, n: int, block_size: int) -> list[int]:
-    """The block whose key takes each request's salt: the first one past its public prefix."""
-    if public_tokens is None:
-        return [0] * n
-    return [p // block_size for p in public_tokens]
-
 
 def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None,
                  public_tokens: Sequence[int] | None = None) -> list[list[int]]:
-    """Each prompt's full blocks as chain ids: equal ids <=> equal tokens, equal prefix, equal salt key.
-
-    What vLLM's chained block hashes decide, without hashing and without collisions. Sort the prompts;
-    prompts that share their first t tokens form a run of neighbours in sorted order, bounded where the
-    common prefix of two neighbours is shorter than t. So the chain id of block j (t = (j + 1) * block_size)
-    is the sorted position where its run starts: one ``np.maximum.accumulate`` per block position over
-    all prompts. A salt splits a run by (salt, salted block), from the salted block on.
-    """
+    """Each prompt's full blocks as chain ids: equal ids <=> equal tokens, prefix and salt (no hashing)."""
     import numpy as np
-
-    from .divergence import lcp
-
     n, bs = len(prompts), block_size
     if not n:
         return []
     order = sorted(range(n), key=prompts.__getitem__)
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
-    adj = np.zeros(n, dtype=np.int64)  # common prefix with the previous prompt in sorted order
-    for k in range(1, n):
-        adj[k] = lcp(prompts[order[k - 1]], prompts[order[k]])
+    pos = np.argsort(order)  # the sorted position of each prompt
+    # the common prefix of each prompt in sorted order with the one before it
+    adj = np.array([0] + [lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:])], dtype=np.int64)
     blocks = [len(p) // bs for p in prompts]
-    depth = max(blocks)
-    if not depth:
+    if not (depth := max(blocks)):
         return [[] for _ in prompts]
     ar = np.arange(n, dtype=np.int64)
-    if salts is not None:
-        sb = salt_blocks(public_tokens, n, bs)
-        gid: dict = {}
-        code_of = np.array([0 if salts[i] is None else 1 + gid.setdefault((salts[i], sb[i]), len(gid))
-                            for i in order], dtype=np.int64)  # by sorted position
-        sb_sorted = np.array([sb[i] for i in order], dtype=np.int64)
-        groups = len(gid) + 1
-    else:
-        groups = 1
+    salted = [0] * n if public_tokens is None else [p // bs for p in public_tokens]  # the block that takes the salt
+    gid: dict = {}  # (salt, salted block) -> group; by sorted position below
+    code = np.array([0 if salts is None or salts[i] is None else 1 + gid.setdefault((salts[i], salted[i]), len(gid))
+                     for i in order], dtype=np.int64)
+    salted_sorted = np.array([salted[i] for i in order], dtype=np.int64)
+    groups = len(gid) + 1
     ids = np.empty((depth, n), dtype=np.int64)  # [block, sorted position]
     for j in range(depth):
         run = np.maximum.accumulate(np.where(adj < (j + 1) * bs, ar, 0))
-        if salts is not None:
-            run = run * groups + np.where(sb_sorted <= j, code_of, 0)
-        ids[j] = run + j * n * groups
+        ids[j] = run * groups + np.where(salted_sorted <= j, code, 0) + j * n * groups
     rows = ids.T[pos].tolist()  # back to log order
     return [row[:b] for row, b in zip(rows, blocks)]
 
 
 def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int,
            capacity_blocks: int | None = None, concurrency: int = 1, free_order: str = "vllm") -> HitStats:
-    """Replay chains (from ``block_chains``) through an unbounded or an LRU cache of ``capacity_blocks``.
-
-    ``free_order`` as ``kvlab.cache.BlockPool``'s: "vllm" (a freed block that caches nothing is reused
-    before any cached block is evicted) or "lru" (every freed block joins the tail).
-    """
+    """Replay chains (``block_chains``) through an unbounded or an LRU cache; ``free_order`` as BlockPool's."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if free_order not in ("vllm", "lru"):
         raise ValueError(f"free_order must be 'vllm' or 'lru', got {free_order!r}")
-    t0 = time.perf_counter()
-    bs = block_size
-    per: list[int] = []
-    too_big = 0
+    t0, bs, per, too_big = time.perf_counter(), block_size, [], 0
     if capacity_blocks is None:
         seen: set[int] = set()
         for ch, n in zip(chains, lengths):
@@ -157,41 +97,23 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
 
 
 def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None) -> list[int]:
-    """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block ids).
-
-    Without eviction a request hits exactly the whole blocks of the longest prefix it shares with an
-    earlier request of the same salt, capped by the n-1 rule: ``min(d, n - 1) // block_size * block_size``.
-    (The public-prefix policy salts a later block; it goes through ``replay``.)
-    """
-    from .divergence import divergence
-
-    bs = block_size
-    groups: dict = {}
+    """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block ids)."""
+    groups: dict = {}  # salt -> its requests: only those share
     for i in range(len(prompts)):
         groups.setdefault(salts[i] if salts is not None else None, []).append(i)
     out = [0] * len(prompts)
     for idx in groups.values():
         d = divergence([prompts[i] for i in idx])
         for i, pos, n in zip(idx, d.position, d.lengths):
-            out[i] = min(pos, n - 1) // bs * bs
+            out[i] = min(pos, n - 1) // block_size * block_size
     return out
 
 
 def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool = True) -> tuple[list[int], int]:
-    """The LRU pool for one request at a time: every block is free again before the next request.
-
-    No ref counts are needed, and each request is a few bulk operations in C: find the hits
-    (``map`` over the chain), revive them, take the new blocks from the head of the free list, drop
-    what they cached, register the new full blocks, put everything back at the tail, last block first.
-    In vLLM's order a block that caches nothing (a partial tail) goes to ``spare`` instead, the head of
-    the free list: the next request takes it before any cached block.
-    ``first`` holds the oldest block cached under a chain id and ``twins`` later copies (a full last
-    block that the n-1 rule kept from hitting is computed again), the order ``BlockPool.lookup`` scans.
-    """
+    """The LRU pool for one request at a time: each request is a few bulk operations in C (see docs/doctor.md)."""
     free = dict.fromkeys(range(num_blocks))  # insertion order = LRU order (plain dicts pop and append fast)
     key: dict[int, object] = {}  # block -> chain id it caches (None or absent: nothing)
-    first: dict = {}
-    twins: dict = {}
+    first, twins = {}, {}  # chain id -> the oldest block caching it; -> later copies (twins)
     get, pop, update, keyget = first.get, free.pop, free.update, key.get
     not_none = functools.partial(operator.is_not, None)
     spare: list[int] = []  # free blocks that cache nothing, at the head of the free list (vLLM's order)
@@ -216,8 +138,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool 
         lru = list(itertools.islice(free, nblk - nh - k))  # then the least recently used
         deque(map(pop, lru), 0)
         victims += lru
-        olds = list(filter(not_none, map(keyget, victims)))
-        if olds:
+        if olds := list(filter(not_none, map(keyget, victims))):
             if twins and not twins.keys().isdisjoint(olds):
                 for b in victims:
                     _forget(b, keyget(b), first, twins)
@@ -232,9 +153,7 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool 
                     first[c] = b
         else:
             first.update(zip(new_ids, victims))
-        key.update(zip(victims, new_ids))
-        if len(victims) > len(new_ids):
-            key.update(dict.fromkeys(victims[len(new_ids):]))  # the partial tail block caches nothing
+        key.update(itertools.zip_longest(victims, new_ids))  # a partial tail block caches nothing (None)
         per.append(nh * bs)
         if vllm_order and len(victims) > len(new_ids):
             spare += victims[len(new_ids):]  # the partial tail: to the head of the free list
@@ -250,8 +169,7 @@ def _forget(b: int, old, first: dict, twins: dict) -> None:
     if old is None:
         return
     if first.get(old) == b:
-        tw = twins.get(old)
-        if tw:
+        if tw := twins.get(old):
             first[old] = tw.pop(0)
             if not tw:
                 del twins[old]
@@ -279,7 +197,6 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
                          concurrency: int = 1, check: bool = True, free_order: str = "vllm") -> HitStats:
     """The same replay on kvlab's real Scheduler and BlockManager (slow, the reference); ``check``: invariants after."""
     from kvlab.engine.trace_replay import UNLIMITED_TOKENS, ScriptedScheduler
-
     t0 = time.perf_counter()
     bs = block_size
     toks = [[ord(c) for c in p] if isinstance(p, str) else list(p) for p in prompts]

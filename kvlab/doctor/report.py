@@ -1,9 +1,4 @@
-"""The doctor's outputs, all rendered from one JSON-able dict (``Diagnosis.data()``, saved as ``summary.json``).
-
-``render_text`` (the terminal summary) and ``render_html`` (``report.html``) read the same dict and compute
-no number of their own, so they cannot tell different stories; ``figures`` draws the PNGs from it too.
-This module imports nothing else of the doctor.
-"""
+"""The doctor's outputs (text, HTML, figures), all rendered from one JSON-able dict (``Diagnosis.data()``)."""
 
 from __future__ import annotations
 
@@ -39,9 +34,8 @@ def _tail(s: str, n: int) -> str:
 
 def nothing_why(lines: int) -> str:
     """Why a log gave no request to replay, in words (``lines``: its non-blank lines)."""
-    if not lines:
-        return "the log has no requests (it is empty or blank)"
-    return f"every one of its {lines} non-blank lines is malformed"
+    return (f"every one of its {lines} non-blank lines is malformed" if lines
+            else "the log has no requests (it is empty or blank)")
 
 
 def _data(d: Any) -> dict:
@@ -49,27 +43,35 @@ def _data(d: Any) -> dict:
     return d if isinstance(d, dict) else d.data()
 
 
-def _kept(data: dict) -> list[dict]:
-    return [c for c in data["culprits"] if c["kept"]]
+def _groups(data: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """The culprits kept (in fix order), the candidates dropped, and the evidence-only ones."""
+    cs = data["culprits"]
+    return [c for c in cs if c["kept"]], [c for c in cs if c["no_effect"]], [c for c in cs if not c["measurable"]]
+
+
+def _spot(data: dict) -> tuple[int, bool]:
+    """Requests in the spot check, and whether the fast replay and the BlockManager agreed."""
+    checks = data["spot_checks"]
+    return (checks[0]["requests"] if checks else 0), all(c["equal"] for c in checks)
+
+
+def _at(c: dict) -> str:
+    return f", token ~{c['position']}" if c["position"] is not None else ""
 
 
 def render_text(data: dict) -> str:
     """The terminal summary: counts, hit rates per block size, culprits with their measured fixes."""
+    pt, k, tf, bad = data["prompt_tokens"], data["cap_key"], data["tenant_field"], data["malformed"]
     out = [f"kvlab doctor: {data['source']}", f"  tokenizer/template: {data['model']}",
-           f"  lines: {data['lines']} read, {data['requests']} requests replayed, {len(data['malformed'])} malformed "
+           f"  lines: {data['lines']} read, {data['requests']} requests replayed, {len(bad)} malformed "
            "(skipped, listed below)"]
-    pt = data["prompt_tokens"]
     if data["requests"]:
         out.append(f"  prompt tokens: {pt['total']} in all, mean {pt['mean']:.0f}, max {pt['max']}")
-    for b in data["malformed"][:10]:
-        out.append(f"    line {b['line']}: {b['error']}: {b['text']!r}")
-    if len(data["malformed"]) > 10:
-        out.append(f"    ... {len(data['malformed']) - 10} more in summary.json")
+    out += [f"    line {b['line']}: {b['error']}: {b['text']!r}" for b in bad[:10]]
+    out += [f"    ... {len(bad) - 10} more in summary.json"] * (len(bad) > 10)
     out += [f"  note: {n}" for n in data["notes"]]
     if not data["requests"]:
-        out.append(f"  nothing to replay: {nothing_why(data['lines'])}.")
-        return "\n".join(out)
-    tf = data["tenant_field"]
+        return "\n".join(out + [f"  nothing to replay: {nothing_why(data['lines'])}."])
     out += ["", f"hit rate, replayed in log order with vLLM's rules{' (salted per tenant)' if tf else ''}:",
             f"  {'block':>5}  {'unbounded cache':>15}  {'capacity':>22}" + (f"  {'no salts':>9}" if tf else "")]
     for r in data["table"]:
@@ -78,28 +80,25 @@ def render_text(data: dict) -> str:
         out.append(f"  {r['block_size']:>5}  {pct(r['unbounded_hit_rate']):>15}  {cap:>22}"
                    + (f"  {pct(r['unsalted_hit_rate']):>9}" if tf else ""))
     out.append(f"  ceiling (token-granular cache, no eviction, no salts): {pct(data['ceiling']['hit_rate'])}")
-    k = data["cap_key"]
-    if data["vllm"]:
-        v = data["vllm"]
-        out.append(f"  vLLM /metrics ({v['file']}): queries {v['queries']}, hits {v['hits']}, hit rate {pct(v['hit_rate'])}"
-                   f"  vs replay {pct(data['baseline'][k]['hit_rate'])}")
-    checks = data["spot_checks"]
-    out.append(f"  check: first {checks[0]['requests'] if checks else 0} requests replayed through "
-               f"kvlab.cache.BlockManager too: {'identical' if all(c['equal'] for c in checks) else 'DIFFERENT'}")
-    out += ["", "where prompts stop matching every earlier prompt (most common token positions):"]
-    for p in data["top_divergence_points"]:
-        out.append(f"  token {p['position']:>5}: {p['requests']:>5} requests  …{_tail(_esc(p['before']), 40)}"
-                   f"⟦{_head(_esc(p['after_request']), 24)} | earlier: {_head(_esc(p['after_partner']), 24)}⟧")
     base = data["baseline"][k]["hit_rate"]
+    if v := data["vllm"]:
+        out.append(f"  vLLM /metrics ({v['file']}): queries {v['queries']}, hits {v['hits']}, "
+                   f"hit rate {pct(v['hit_rate'])}  vs replay {pct(base)}")
+    n, equal = _spot(data)
+    out += [f"  check: first {n} requests replayed through kvlab.cache.BlockManager too: "
+            f"{'identical' if equal else 'DIFFERENT'}", "",
+            "where prompts stop matching every earlier prompt (most common token positions):"]
+    out += [f"  token {p['position']:>5}: {p['requests']:>5} requests  …{_tail(_esc(p['before']), 40)}"
+            f"⟦{_head(_esc(p['after_request']), 24)} | earlier: {_head(_esc(p['after_partner']), 24)}⟧"
+            for p in data["top_divergence_points"]]
+    kept, weak, info = _groups(data)
     out += ["", f"culprits, in fix order (block size {data['block_size']}; hit rate with the "
                 f"{'given capacity' if k == 'capacity' else 'unbounded cache'}; as logged {pct(base)}):"]
-    if not _kept(data):
-        out.append("  none found")
-    for c in _kept(data):
-        pos = f", token ~{c['position']}" if c["position"] is not None else ""
-        out.append(f"  {c['fix_order']}. {c['title']}  [{c['where']}{pos}]")
-        out += [f"       {_head(_esc(e), 160)}" for e in c["evidence"][:4]]
+    out += ["  none found"] * (not kept)
+    for c in kept:
         b, a = c["before"][k], c["chained"][k]
+        out += [f"  {c['fix_order']}. {c['title']}  [{c['where']}{_at(c)}]"]
+        out += [f"       {_head(_esc(e), 160)}" for e in c["evidence"][:4]]
         out += [f"     fix: {c['fix']}",
                 f"     measured: {pct(b['hit_rate'])} -> {pct(a['hit_rate'])} ({100 * c['change']:+.1f} points); "
                 f"prefill tokens {b['computed_tokens']} -> {a['computed_tokens']}"]
@@ -107,21 +106,17 @@ def render_text(data: dict) -> str:
             out.append(f"     this fix alone on the log as logged: {pct(base)} -> {pct(c['alone'][k]['hit_rate'])}")
         if c["fixed_log"]:
             out.append(f"     the log with this fix and the ones above: {c['fixed_log']}")
-    weak = [c for c in data["culprits"] if c["no_effect"]]
     if weak:
         out.append(f"  candidates checked and dropped (fixing them saves less than {pct(data['min_effect'])} of the "
                    "prompt tokens' prefill, unbounded cache):")
         out += [f"     - {c['title']}: {_dropped(c)}" for c in weak]
-    info = [c for c in data["culprits"] if not c["measurable"]]
     if info:
         out.append("  evidence only (no automatic rewrite):")
         out += [f"     - {c['title']}: " + "; ".join(_head(_esc(e), 100) for e in c["evidence"][:2]) for c in info]
-    chain = data["chain"]
-    if len(chain) > 1:
+    if len(chain := data["chain"]) > 1:
         out += ["", f"all fixes together: {pct(chain[0][k + '_hit_rate'])} -> {pct(chain[-1][k + '_hit_rate'])}, "
                     f"prefill tokens {chain[0][k + '_computed_tokens']} -> {chain[-1][k + '_computed_tokens']}"]
-    if data["system_only"]:
-        s = data["system_only"]
+    if s := data["system_only"]:
         out.append(f"sharing only the system prompt (article 5.4) on the fixed log: {pct(s['hit_rate_system_only'])} "
                    f"vs sharing the history too: {pct(s['hit_rate_history_shared'])}")
     out += ["", "time (s): " + ", ".join(f"{name} {v:.2f}" for name, v in data["timings"].items())]
@@ -133,6 +128,13 @@ def _dropped(c: dict) -> str:
     if c["chained"] is None:
         return c["quick_look"] or "not measured"
     return f"{pct(c['before']['unbounded']['hit_rate'])} -> {pct(c['chained']['unbounded']['hit_rate'])}"
+
+
+def _row(*cells: object, th: bool = False, left: tuple[int, ...] = ()) -> str:
+    """One HTML table row (cells escaped by the caller); ``left``: the indexes of left-aligned cells."""
+    tag = "th" if th else "td"
+    return "<tr>" + "".join(f"<{tag}{' class=l' if j in left else ''}>{x}</{tag}>" for j, x in enumerate(cells)) \
+        + "</tr>"
 
 
 def _points_table(e, points: list[dict], head: str) -> list[str]:
@@ -160,83 +162,83 @@ def render_html(data: dict, figs: dict[str, Path]) -> str:
                 else f" Nothing to replay: {e(nothing_why(data['lines']))}.") + "</p>"]
     parts += [f"<p><i>note: {e(n)}</i></p>" for n in data["notes"]]
     if data["requests"]:
-        parts.append("<h2>Hit rate, replayed in log order with vLLM's rules</h2><table><tr><th>block size</th>"
-                     "<th>unbounded cache</th><th>capacity (blocks)</th><th>hit rate at capacity</th>"
-                     + ("<th>no salts</th>" if tf else "") + "<th>requests sharing &lt; 1 block</th></tr>")
-        for r in data["table"]:
-            parts.append(f"<tr><td>{r['block_size']}</td><td>{pct(r['unbounded_hit_rate'])}</td>"
-                         f"<td>{r.get('capacity_blocks') or '-'}</td><td>{pct(r.get('capacity_hit_rate'))}</td>"
-                         + (f"<td>{pct(r['unsalted_hit_rate'])}</td>" if tf else "") + f"<td>{r['short_requests']}</td></tr>")
-        checks = data["spot_checks"]
-        parts.append(f"</table><p>Ceiling (a token-granular cache with unlimited room, no salts): "
-                     f"<b>{pct(data['ceiling']['hit_rate'])}</b>. Spot check: the first "
-                     f"{checks[0]['requests'] if checks else 0} requests replayed through "
-                     f"<code>kvlab.cache.BlockManager</code> give "
-                     f"{'identical' if all(c['equal'] for c in checks) else '<b>different</b>'} counts.</p>")
-        if data["vllm"]:
-            v = data["vllm"]
-            parts.append(f"<p>vLLM <code>/metrics</code> ({e(v['file'])}): queries {v['queries']}, hits {v['hits']}, "
-                         f"hit rate <b>{pct(v['hit_rate'])}</b> (series: {e(str(v['series']))}) vs the replay's "
-                         f"{pct(data['baseline'][k]['hit_rate'])}.</p>")
-        parts += ["<img src='hit_rates.png'>"] * ("hit_rates" in figs) + ["<h2>Where prompts stop matching</h2>"]
-        parts += ["<img src='divergence.png'>"] * ("divergence" in figs)
-        parts += _points_table(e, data["top_divergence_points"], "text before")
-        base = data["baseline"][k]
-        parts.append(f"<h2>Culprits</h2><p>Measured at block size {data['block_size']}, "
-                     f"{'the given capacity' if k == 'capacity' else 'an unbounded cache'}; as logged: "
-                     f"<b>{pct(base['hit_rate'])}</b>, {base['computed_tokens']} prompt tokens prefilled.</p>")
-        for c in _kept(data):
-            parts.append(f"<h3>{c['fix_order']}. {e(c['title'])}</h3><p>{e(c['where'])}"
-                         + (f", token ~{c['position']}" if c["position"] is not None else "")
-                         + f"; {c['affected']} requests</p><ul>")
-            parts += [f"<li>{e(x)}</li>" for x in c["evidence"]] + ["</ul>"]
-            parts += [f"<pre>request: {e(a)}</pre><pre>earlier: {e(b)}</pre>" for a, b in c["examples"]]
-            b, a = c["before"][k], c["chained"][k]
-            parts.append(f"<p><b>Fix:</b> {e(c['fix'])}</p><p>Measured after the fixes listed before it: "
-                         f"{pct(b['hit_rate'])} &rarr; <b>{pct(a['hit_rate'])}</b> ({100 * c['change']:+.1f} points), "
-                         f"prefill tokens {b['computed_tokens']} &rarr; {a['computed_tokens']}"
-                         + (f"; this fix alone on the log as logged: {pct(c['alone'][k]['hit_rate'])}" if c["alone"]
-                            else "") + "</p>")
-            if c["fixed_log"]:
-                parts.append(f"<p>The log with this fix and the ones above it: <code>{e(c['fixed_log'])}</code></p>")
-        weak = [c for c in data["culprits"] if c["no_effect"]]
-        if weak:
-            parts.append(f"<h3>Candidates checked and dropped</h3><p>Fixing them saves less than "
-                         f"{pct(data['min_effect'])} of the prompt tokens' prefill (unbounded cache).</p><ul>")
-            parts += [f"<li>{e(c['title'])}: {e(_dropped(c))}</li>" for c in weak] + ["</ul>"]
-        info = [c for c in data["culprits"] if not c["measurable"]]
-        if info:
-            parts.append("<h3>Evidence only (no automatic rewrite)</h3><ul>")
-            parts += [f"<li>{e(c['title'])}: {e('; '.join(c['evidence'][:3]))}</li>" for c in info] + ["</ul>"]
-        if len(data["chain"]) > 1:
-            parts += ["<h2>All fixes, one after the other</h2>"] + ["<img src='fixes.png'>"] * ("fixes" in figs)
-            parts.append("<table><tr><th class=l>step</th><th>hit rate (unbounded)</th><th>prefill tokens</th>"
-                         + ("<th>hit rate (capacity)</th><th>prefill tokens</th>" if k == "capacity" else "") + "</tr>")
-            parts += [f"<tr><td class=l>{e(r['step'])}</td><td>{pct(r['unbounded_hit_rate'])}</td>"
-                      f"<td>{r['unbounded_computed_tokens']}</td>"
-                      + (f"<td>{pct(r['capacity_hit_rate'])}</td><td>{r['capacity_computed_tokens']}</td>"
-                         if k == "capacity" else "") + "</tr>" for r in data["chain"]]
-            parts += ["</table><p>What still diverges after every fix:</p>"]
-            parts += _points_table(e, data["remaining_divergence_points"], "before")
-        if data["system_only"]:
-            s = data["system_only"]
-            parts.append(f"<p>Sharing only the system prompt (article 5.4) on the fixed log: "
-                         f"{pct(s['hit_rate_system_only'])} vs sharing the history too: "
-                         f"{pct(s['hit_rate_history_shared'])}.</p>")
+        parts += _html_findings(data, figs, e, k, tf)
     if data["malformed"]:
         parts.append("<h2>Malformed lines (skipped)</h2><ul>")
         parts += [f"<li>line {b['line']}: {e(b['error'])} <code>{e(b['text'])}</code></li>" for b in data["malformed"]]
         parts.append("</ul>")
-    parts.append("<h2>Time</h2><table>" + "".join(f"<tr><td class=l>{e(name)}</td><td>{v:.2f} s</td></tr>"
+    parts.append("<h2>Time</h2><table>" + "".join(_row(e(name), f"{v:.2f} s", left=(0,))
                                                    for name, v in data["timings"].items()) + "</table></body></html>")
     return "\n".join(parts)
+
+
+def _html_findings(data: dict, figs: dict[str, Path], e, k: str, tf: str | None) -> list[str]:
+    """The HTML report's sections past its header: hit rates, divergence points, culprits, fixes."""
+    salts = ("no salts",) if tf else ()
+    parts = ["<h2>Hit rate, replayed in log order with vLLM's rules</h2><table>"
+             + _row("block size", "unbounded cache", "capacity (blocks)", "hit rate at capacity", *salts,
+                    "requests sharing &lt; 1 block", th=True)]
+    parts += [_row(r["block_size"], pct(r["unbounded_hit_rate"]), r.get("capacity_blocks") or "-",
+                   pct(r.get("capacity_hit_rate")), *((pct(r["unsalted_hit_rate"]),) if tf else ()),
+                   r["short_requests"]) for r in data["table"]]
+    n, equal = _spot(data)
+    parts.append(f"</table><p>Ceiling (a token-granular cache with unlimited room, no salts): "
+                 f"<b>{pct(data['ceiling']['hit_rate'])}</b>. Spot check: the first {n} requests replayed through "
+                 f"<code>kvlab.cache.BlockManager</code> give {'identical' if equal else '<b>different</b>'} "
+                 "counts.</p>")
+    base = data["baseline"][k]
+    if v := data["vllm"]:
+        parts.append(f"<p>vLLM <code>/metrics</code> ({e(v['file'])}): queries {v['queries']}, hits {v['hits']}, "
+                     f"hit rate <b>{pct(v['hit_rate'])}</b> (series: {e(str(v['series']))}) vs the replay's "
+                     f"{pct(base['hit_rate'])}.</p>")
+    parts += ["<img src='hit_rates.png'>"] * ("hit_rates" in figs) + ["<h2>Where prompts stop matching</h2>"]
+    parts += ["<img src='divergence.png'>"] * ("divergence" in figs)
+    parts += _points_table(e, data["top_divergence_points"], "text before")
+    parts.append(f"<h2>Culprits</h2><p>Measured at block size {data['block_size']}, "
+                 f"{'the given capacity' if k == 'capacity' else 'an unbounded cache'}; as logged: "
+                 f"<b>{pct(base['hit_rate'])}</b>, {base['computed_tokens']} prompt tokens prefilled.</p>")
+    kept, weak, info = _groups(data)
+    for c in kept:
+        b, a = c["before"][k], c["chained"][k]
+        parts.append(f"<h3>{c['fix_order']}. {e(c['title'])}</h3><p>{e(c['where'])}{_at(c)}; "
+                     f"{c['affected']} requests</p><ul>")
+        parts += [f"<li>{e(x)}</li>" for x in c["evidence"]] + ["</ul>"]
+        parts += [f"<pre>request: {e(x)}</pre><pre>earlier: {e(y)}</pre>" for x, y in c["examples"]]
+        parts.append(f"<p><b>Fix:</b> {e(c['fix'])}</p><p>Measured after the fixes listed before it: "
+                     f"{pct(b['hit_rate'])} &rarr; <b>{pct(a['hit_rate'])}</b> ({100 * c['change']:+.1f} points), "
+                     f"prefill tokens {b['computed_tokens']} &rarr; {a['computed_tokens']}"
+                     + (f"; this fix alone on the log as logged: {pct(c['alone'][k]['hit_rate'])}" if c["alone"]
+                        else "") + "</p>")
+        if c["fixed_log"]:
+            parts.append(f"<p>The log with this fix and the ones above it: <code>{e(c['fixed_log'])}</code></p>")
+    if weak:
+        parts.append(f"<h3>Candidates checked and dropped</h3><p>Fixing them saves less than "
+                     f"{pct(data['min_effect'])} of the prompt tokens' prefill (unbounded cache).</p><ul>")
+        parts += [f"<li>{e(c['title'])}: {e(_dropped(c))}</li>" for c in weak] + ["</ul>"]
+    if info:
+        parts.append("<h3>Evidence only (no automatic rewrite)</h3><ul>")
+        parts += [f"<li>{e(c['title'])}: {e('; '.join(c['evidence'][:3]))}</li>" for c in info] + ["</ul>"]
+    if len(data["chain"]) > 1:
+        cap = k == "capacity"
+        parts += ["<h2>All fixes, one after the other</h2>"] + ["<img src='fixes.png'>"] * ("fixes" in figs)
+        parts.append("<table>" + _row("step", "hit rate (unbounded)", "prefill tokens", *(
+            ("hit rate (capacity)", "prefill tokens") if cap else ()), th=True, left=(0,)))
+        parts += [_row(e(r["step"]), pct(r["unbounded_hit_rate"]), r["unbounded_computed_tokens"], *(
+            (pct(r["capacity_hit_rate"]), r["capacity_computed_tokens"]) if cap else ()), left=(0,))
+            for r in data["chain"]]
+        parts += ["</table><p>What still diverges after every fix:</p>"]
+        parts += _points_table(e, data["remaining_divergence_points"], "before")
+    if s := data["system_only"]:
+        parts.append(f"<p>Sharing only the system prompt (article 5.4) on the fixed log: "
+                     f"{pct(s['hit_rate_system_only'])} vs sharing the history too: "
+                     f"{pct(s['hit_rate_history_shared'])}.</p>")
+    return parts
 
 
 def figures(data: dict, out_dir: Path) -> dict[str, Path]:
     """hit_rates.png, divergence.png, fixes.png (needs matplotlib; {} without it)."""
     try:
         import matplotlib
-
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
@@ -254,72 +256,62 @@ def figures(data: dict, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def _axes(figsize: tuple[float, float]):
+    import matplotlib.pyplot as plt
+    return plt.subplots(figsize=figsize)
+
+
 def fig_hit_rates(d: Any):
     """Bars: hit rate per block size (unbounded, capacity, no salts) and the token-level ceiling."""
-    import matplotlib.pyplot as plt
-
     data = _data(d)
     if not data["requests"]:
         return None
     table = data["table"]
-    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    fig, ax = _axes((6.4, 3.4))
     series = [("unbounded cache", "unbounded_hit_rate")]
-    if any(r.get("capacity_hit_rate") is not None for r in table):
-        series.append(("given capacity", "capacity_hit_rate"))
-    if data["tenant_field"]:
-        series.append(("no salts", "unsalted_hit_rate"))
-    w = 0.8 / len(series)
-    xs = range(len(table))
+    series += [("given capacity", "capacity_hit_rate")] * any(r.get("capacity_hit_rate") is not None for r in table)
+    series += [("no salts", "unsalted_hit_rate")] * bool(data["tenant_field"])
+    w, xs = 0.8 / len(series), range(len(table))
     for k, (label, key) in enumerate(series):
         ax.bar([x + k * w for x in xs], [100 * (r.get(key) or 0) for r in table], w, label=label)
     ax.axhline(100 * data["ceiling"]["hit_rate"], color="k", ls="--", lw=1, label="ceiling (token-granular)")
     ax.set_xticks([x + w * (len(series) - 1) / 2 for x in xs], [str(r["block_size"]) for r in table])
-    ax.set_xlabel("block size (tokens)")
-    ax.set_ylabel("hit rate (%)")
-    ax.set_title("prefix-cache hit rate of the log, replayed")
+    ax.set(xlabel="block size (tokens)", ylabel="hit rate (%)", title="prefix-cache hit rate of the log, replayed")
     ax.legend(fontsize=8)
     return fig
 
 
 def fig_divergence(d: Any):
     """Histogram of divergence positions, the most common points marked."""
-    import matplotlib.pyplot as plt
-
     data = _data(d)
     if not data["requests"]:
         return None
     h = dict(data["divergence_histogram"])
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    fig, ax = _axes((6.4, 3.2))
     if h:
         xs = sorted(h)
         ax.bar(xs, [h[x] for x in xs], width=max(1, (max(xs) - min(xs)) / 300))
         for p in data["top_divergence_points"][:3]:
             ax.annotate(f"{p['position']}", (p["position"], p["requests"]), fontsize=8, ha="center", va="bottom")
         ax.set_yscale("log")
-    ax.set_xlabel("token position where a prompt stops matching every earlier prompt")
-    ax.set_ylabel("requests")
-    ax.set_title("divergence points")
+    ax.set(xlabel="token position where a prompt stops matching every earlier prompt", ylabel="requests",
+           title="divergence points")
     return fig
 
 
 def fig_fixes(d: Any):
     """Hit rate after each fix, applied one after the other."""
-    import matplotlib.pyplot as plt
-
     data = _data(d)
     chain = data["chain"]
     if len(chain) < 2:
         return None
-    key = f"{data['cap_key']}_hit_rate"
-    fig, ax = plt.subplots(figsize=(6.4, 0.5 + 0.42 * len(chain)))
-    labels = [("as logged" if k == 0 else f"+ {r['kind']}") for k, r in enumerate(chain)]
-    vals = [100 * r[key] for r in chain]
+    fig, ax = _axes((6.4, 0.5 + 0.42 * len(chain)))
+    vals = [100 * r[f"{data['cap_key']}_hit_rate"] for r in chain]
     ax.barh(range(len(vals)), vals, color=["0.6"] + ["C0"] * (len(vals) - 1))
     for y, v in enumerate(vals):
         ax.text(v + 0.5, y, f"{v:.1f} %", va="center", fontsize=8)
-    ax.set_yticks(range(len(vals)), labels)
+    ax.set_yticks(range(len(vals)), [("as logged" if k == 0 else f"+ {r['kind']}") for k, r in enumerate(chain)])
     ax.invert_yaxis()
-    ax.set_xlabel(f"hit rate (%), block size {data['block_size']}")
-    ax.set_xlim(0, 105)
-    ax.set_title("fixes applied one after the other")
+    ax.set(xlabel=f"hit rate (%), block size {data['block_size']}", xlim=(0, 105),
+           title="fixes applied one after the other")
     return fig

@@ -1,16 +1,4 @@
-"""Render records with the model's chat template and tokenize them fast; token ids live in ``str``s.
-
-Token-id sequences are stored as Python strings, one code point per token (``chr(id)``): slicing,
-comparing, hashing, ``startswith`` and sorting then run in C, which is what makes a 10,000-request
-replay and the divergence search cheap. ``ids(s)`` turns one back into a list of ints.
-
-The tokenizer is the usual cost. ``PromptEncoder`` splits every rendered prompt at the tokenizer's
-added tokens (``<|im_start|>``, ``<|im_end|>``, ...), which is where a Hugging Face tokenizer splits
-them too, tokenizes each distinct piece once, in one batch, and joins the pieces' ids. Chat logs repeat
-the same system prompts, documents and history turns, so most pieces are seen before. The first batch
-is checked against tokenizing whole prompts; if the two ever differ (a tokenizer whose normalizer looks
-across the added tokens), the encoder falls back to whole prompts and says so in ``notes``.
-"""
+"""Render records with the chat template and tokenize them piece by piece; token ids live in ``str``s (``tokstr``)."""
 
 from __future__ import annotations
 
@@ -25,7 +13,9 @@ from .logio import Record
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # "name" or "org/name"
 LINE_SPLIT = re.compile(r"(?<=\n)(?=\S)")  # after a run of newlines, before a non-space character
-CHATML = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
 
 
 def tokstr(ids: Sequence[int]) -> str:
@@ -43,7 +33,6 @@ def check_model(model: str | os.PathLike | None) -> None:
     if model is None:
         return
     from kvlab.engine.smollm2 import is_alias
-
     if is_alias(model):
         return
     name = os.fspath(model)
@@ -63,10 +52,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
     """The folder (or hub id) of ``model``: None = the bundled model, "smollm2", a local folder or an id."""
     if model is None:
         from kvlab.engine.models import BUNDLED_MODEL
-
         return str(BUNDLED_MODEL)
     from kvlab.engine.smollm2 import ensure_smollm2, is_alias
-
     if is_alias(model):
         return str(ensure_smollm2(verbose=False))
     check_model(model)
@@ -88,7 +75,6 @@ class PromptEncoder:
     def __init__(self, model: str | os.PathLike | None = None, tokenizer: Any = None) -> None:
         if tokenizer is None:
             from transformers import AutoTokenizer
-
             path = resolve_model_path(model)
             try:  # a hub id only from the local cache: the doctor downloads nothing
                 tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -107,40 +93,27 @@ class PromptEncoder:
         if not template:
             self.notes.append("the tokenizer has no chat template: messages are rendered as ChatML")
         self.renders_tools = bool(template) and "tools" in template
-        added = {}
-        for tid, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
-            content = getattr(tok, "content", str(tok))
-            if content:
-                added[content] = int(tid)
-        self.added = added
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")") if added else None
-        self.specials_re = self._split
-        self.cache: dict[str, str] = {}
-        self.segmented = True  # split at added tokens (checked on the first batch)
-        self.lines = True  # also split after newline runs (checked on the first batch)
-        self._checked = False
-        self._tools_memo: dict[int, tuple[list, str]] = {}
-        self.splice_ok = True  # rewritten records are spliced into their origin's text (checked, see prepare)
-        self.splice_checked = 0
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        added = {getattr(t, "content", str(t)): int(i) for i, t in decoder.items()}
+        self.added = {text: i for text, i in added.items() if text}
+        longest_first = sorted(self.added, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
+        self.cache: dict[str, str] = {}  # piece -> its token str
         self._offset_cache: dict[str, list[tuple[int, int]]] = {}
-        pre = tokenizer("", add_special_tokens=True)["input_ids"]
-        self.prompt_prefix = tokstr(pre)  # what add_special_tokens=True puts around a plain prompt (e.g. BOS)
-        self.pieces_total = 0  # pieces looked up
-        self.pieces_tokenized = 0  # pieces sent to the tokenizer (the rest came from the cache)
-        self.chars_tokenized = 0
+        self.segmented = self.lines = True  # split at added tokens, and after newline runs (checked on a first batch)
+        self._checked = False
+        self.splice_ok, self.splice_checked = True, 0  # rewritten records spliced into their origin's text (prepare)
+        # what add_special_tokens=True puts before a plain prompt (e.g. BOS)
+        self.prompt_prefix = tokstr(tokenizer("", add_special_tokens=True)["input_ids"])
+        self.pieces_total = self.pieces_tokenized = self.chars_tokenized = 0  # looked up; sent to the tokenizer
 
     # --- rendering ----------------------------------------------------------------------------------
     def tools_block(self, tools: list[dict]) -> str:
         """How the doctor shows tools to a template that has no tools section: one JSON object a line."""
-        got = self._tools_memo.get(id(tools))
-        if got is not None and got[0] is tools:
-            return got[1]
-        text = "\n\n# Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools)
-        self._tools_memo[id(tools)] = (tools, text)  # keeps the list alive, so its id is not reused
-        return text
+        return "\n\n# Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools)
 
     def effective_messages(self, rec: Record) -> list[dict]:
-        """The messages as the template sees them (tools appended to the system message if the template ignores them)."""
+        """The messages as the template sees them (tools in the system message if the template has no tools)."""
         msgs = rec.messages or []
         if rec.tools and not self.renders_tools:
             msgs = [dict(m) for m in msgs]
@@ -157,77 +130,57 @@ class PromptEncoder:
         if rec.kind != "messages":
             raise ValueError("token-id records have no text")
         msgs = self.effective_messages(rec) if messages is None else messages
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
-        if rec.tools and self.renders_tools:
-            kwargs["tools"] = rec.tools
+        kwargs: dict[str, Any] = {"tools": rec.tools} if rec.tools and self.renders_tools else {}
         if not self.template:
             kwargs["chat_template"] = CHATML
-        return self.tok.apply_chat_template(msgs, **kwargs)
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
     # --- tokenizing ---------------------------------------------------------------------------------
     def _batch(self, texts: list[str]) -> list[list[int]]:
         if not texts:
             return []
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        if backend is not None:
+        if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
             fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
             return [e.ids for e in fast(texts, add_special_tokens=False)]
         return list(self.tok(texts, add_special_tokens=False)["input_ids"])
 
+    def _parts(self, text: str) -> list[str]:
+        """A text cut at the added tokens (whole once piece-wise tokenization is off)."""
+        if not self.segmented or self._split is None:
+            return [text]
+        return [p for p in self._split.split(text) if p]
+
+    def _lines(self, part: str) -> list[str]:
+        """A part cut after runs of newlines (while that tokenizes the same)."""
+        return [x for x in LINE_SPLIT.split(part) if x] if self.lines and "\n" in part else [part]
+
     def _pieces(self, text: str) -> list[str]:
-        parts = [p for p in self._split.split(text) if p] if self._split is not None else [text]
-        if not self.lines:
-            return parts
-        out = []
-        for p in parts:
-            if p in self.added or "\n" not in p:
-                out.append(p)
-            else:
-                out.extend(x for x in LINE_SPLIT.split(p) if x)
-        return out
+        return [x for p in self._parts(text) for x in ([p] if p in self.added else self._lines(p))]
 
     def encode(self, texts: Sequence[str], plain_prompt: Sequence[bool] | None = None) -> list[str]:
         """Token strs of rendered prompts (no special tokens added; a plain prompt gets the tokenizer's BOS/EOS)."""
         texts = list(texts)
-        plain = list(plain_prompt) if plain_prompt is not None else [False] * len(texts)
         if not self._checked and texts:
-            step = max(1, len(texts) // 48)
-            self._check(texts[::step][:48])
-        if not self.segmented:
-            todo = sorted({t for t in texts if t not in self.cache})
-            self.chars_tokenized += sum(map(len, todo))
-            for t, i in zip(todo, self._batch(todo)):
-                self.cache[t] = tokstr(i)
-            self.pieces_total += len(texts)
-            self.pieces_tokenized += len(todo)
-            out = [self.cache[t] for t in texts]
-        else:
-            # two levels: the parts between added tokens (a whole message often repeats as is), then the
-            # lines of a part not seen before
-            added, cache = self.added, self.cache
-            split = [[p for p in self._split.split(t) if p] if self._split is not None else [t] for t in texts]
-            new_parts = {p for ps in split for p in ps if p not in added and p not in cache}
-            if new_parts:
-                lines_of = {p: ([x for x in LINE_SPLIT.split(p) if x] if self.lines and "\n" in p else [p])
-                            for p in new_parts}
-                todo = sorted({x for ls in lines_of.values() for x in ls if x not in cache})
-                self.chars_tokenized += sum(map(len, todo))
-                self.pieces_tokenized += len(todo)
-                for x, i in zip(todo, self._batch(todo)):
-                    cache[x] = tokstr(i)
-                for p, ls in lines_of.items():
-                    cache[p] = "".join(cache[x] for x in ls)
-            self.pieces_total += sum(map(len, split))
-            out = ["".join(chr(added[p]) if p in added else cache[p] for p in ps) for ps in split]
-        if self.prompt_prefix:
-            out = [self.prompt_prefix + s if pl else s for s, pl in zip(out, plain)]
-        return out
+            self._check(texts[::max(1, len(texts) // 48)][:48])
+        # two levels: the parts between added tokens (a whole message often repeats as is), then the lines of a
+        # part not seen before
+        added, cache = self.added if self.segmented else {}, self.cache
+        split = [self._parts(t) for t in texts]
+        lines_of = {p: self._lines(p) for ps in split for p in ps if p not in added and p not in cache}
+        todo = sorted({x for ls in lines_of.values() for x in ls if x not in cache})
+        self.chars_tokenized += sum(map(len, todo))
+        self.pieces_tokenized += len(todo)
+        self.pieces_total += sum(map(len, split))
+        for x, i in zip(todo, self._batch(todo)):
+            cache[x] = tokstr(i)
+        for p, ls in lines_of.items():
+            cache[p] = "".join(cache[x] for x in ls)
+        out = ["".join(chr(added[p]) if p in added else cache[p] for p in ps) for ps in split]
+        plain = [False] * len(out) if plain_prompt is None else plain_prompt
+        return [self.prompt_prefix + s if pl else s for s, pl in zip(out, plain)]
 
     def _check(self, sample: list[str]) -> None:
-        """Compare piece-wise tokenization with whole-prompt tokenization on a sample; fall back if they differ.
-
-        First pieces cut at added tokens and after newline runs; then at added tokens only; then none.
-        """
+        """Compare piece-wise with whole-prompt tokenization on a sample: stop cutting at lines, then at all."""
         self._checked = True
         whole = [tokstr(i) for i in self._batch(sample)]
         if self.encode(sample) == whole:
@@ -235,7 +188,8 @@ class PromptEncoder:
         self.lines = False
         self.cache.clear()
         if self.encode(sample) == whole:
-            self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens (slower)")
+            self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens "
+                              "(slower)")
             return
         self.segmented = False
         self.cache.clear()
@@ -243,35 +197,28 @@ class PromptEncoder:
                           "every prompt is tokenized whole (slower)")
 
     def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[str, list[tuple[int, int]]]]:
-        """Token strs and character offsets of texts (for mapping token positions to text).
-
-        Piece-wise like ``encode`` (pieces cached), whole texts when piece-wise tokenization is off.
-        """
-        texts = list(texts)
-        if self.segmented and self._checked:
-            split = [self._pieces(t) for t in texts]
-            todo = sorted({p for ps in split for p in ps if p not in self.added and p not in self._offset_cache})
-            for p, (_, off) in zip(todo, self._whole_offsets(todo)):
-                self._offset_cache[p] = off
-            out = []
-            for ps in split:
-                offs, pos = [], 0
-                for p in ps:
-                    if p in self.added:
-                        offs.append((pos, pos + len(p)))
-                    else:
-                        offs.extend((pos + a, pos + b) for a, b in self._offset_cache[p])
-                    pos += len(p)
-                out.append(("".join(chr(self.added[p]) if p in self.added else self.cache.get(p) or tokstr(
-                    self._batch([p])[0]) for p in ps), offs))
-            return out
-        return self._whole_offsets(texts)
+        """Token strs and character offsets of texts (piece-wise like ``encode``, pieces cached)."""
+        texts, added, known = list(texts), self.added, self._offset_cache
+        if not (self.segmented and self._checked):
+            return self._whole_offsets(texts)
+        split = [self._pieces(t) for t in texts]
+        todo = sorted({p for ps in split for p in ps if p not in added and p not in known})
+        known.update((p, off) for p, (_, off) in zip(todo, self._whole_offsets(todo)))
+        out = []
+        for ps in split:
+            offs, pos = [], 0
+            for p in ps:
+                offs.extend([(pos, pos + len(p))] if p in added else ((pos + a, pos + b) for a, b in known[p]))
+                pos += len(p)
+            toks = "".join(chr(added[p]) if p in added else self.cache.get(p) or tokstr(self._batch([p])[0])
+                           for p in ps)
+            out.append((toks, offs))
+        return out
 
     def _whole_offsets(self, texts: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
         if not texts:
             return []
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        if backend is not None:
+        if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
             encs = backend.encode_batch(list(texts), add_special_tokens=False)
             return [(tokstr(e.ids), list(e.offsets)) for e in encs]
         out = self.tok(list(texts), add_special_tokens=False, return_offsets_mapping=True)

@@ -1,17 +1,12 @@
-"""Read vLLM's (or ``kvlab serve``'s) prefix-cache counters from a Prometheus ``/metrics`` text dump.
-
-vLLM V1 exports ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens;
-earlier V1 releases prefixed them ``gpu_``), one series per engine and label set; V0 exported a
-``vllm:gpu_prefix_cache_hit_rate`` gauge. Series of the same counter are summed. ``kvlab serve`` exports the same counters under
-``kvlab:`` (``kvlab.serve.metrics``).
-"""
+"""Read vLLM's (or ``kvlab serve``'s) prefix-cache counters from a Prometheus ``/metrics`` text dump."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>[-+0-9.eEinfNa]+)(\s+\d+)?\s*$")
+LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+"
+                  r"(?P<value>[-+0-9.eEinfNa]+)(\s+\d+)?\s*$")
 QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total",
            "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries",
            "kvlab:prefix_cache_queries_total", "kvlab:prefix_cache_queries")
@@ -25,35 +20,24 @@ def parse_metrics(text: str) -> dict:
     """{'queries', 'hits', 'hit_rate', 'series', 'source_names'} from Prometheus text (missing -> None)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = LINE.match(line)
-        if not m:
-            continue
-        name = m.group("name")
-        if name in QUERIES + HITS + RATE:
+    for line in text.splitlines():
+        m = LINE.match(line.strip())
+        if m and m.group("name") in QUERIES + HITS + RATE:
             try:
                 v = float(m.group("value"))
             except ValueError:
                 continue
-            sums[name] = sums.get(name, 0.0) + v
-            counts[name] = counts.get(name, 0) + 1
-    q_name = next((n for n in QUERIES if n in sums), None)
-    h_name = next((n for n in HITS if n in sums), None)
-    r_name = next((n for n in RATE if n in sums), None)
-    queries = sums.get(q_name) if q_name else None
-    hits = sums.get(h_name) if h_name else None
+            sums[m.group("name")] = sums.get(m.group("name"), 0.0) + v
+            counts[m.group("name")] = counts.get(m.group("name"), 0) + 1
+    q, h, r = (next((n for n in names if n in sums), None) for names in (QUERIES, HITS, RATE))
+    queries, hits = sums.get(q), sums.get(h)
     if queries:
         rate = hits / queries if hits is not None else None
-    elif r_name:
-        rate = sums[r_name] / counts[r_name]  # a gauge per engine: their mean
     else:
-        rate = None
-    return {"queries": queries, "hits": hits, "hit_rate": rate,
-            "series": {n: counts[n] for n in (q_name, h_name, r_name) if n},
-            "source_names": [n for n in (q_name, h_name, r_name) if n]}
+        rate = sums[r] / counts[r] if r else None  # a gauge per engine: their mean
+    names = [n for n in (q, h, r) if n]
+    return {"queries": queries, "hits": hits, "hit_rate": rate, "series": {n: counts[n] for n in names},
+            "source_names": names}
 
 
 def read_metrics(path: str | Path) -> dict:

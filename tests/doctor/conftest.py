@@ -46,7 +46,7 @@ def prepared(rows: list[dict]) -> Prepared:
         rec = Record(n, "messages", messages=[dict(m) for m in row["messages"]], tools=row.get("tools"), meta=meta)
         text, sg, se = render(rec)
         recs.append(rec), texts.append(text), toks.append(tokstr(map(ord, text))), segs.append(sg), sys.append(se)
-    return Prepared(recs, texts, toks, segs, sys, [], {}, False, list(sys))
+    return Prepared(recs, texts, toks, segs, sys, [], False, list(sys))
 
 
 @pytest.fixture

@@ -1,17 +1,5 @@
-"""Find why prompts stop sharing, and rewrite the log so they would.
-
-A sample of requests is diffed against their partners (``textdiff``: each difference becomes a
-``Finding``); the findings and the records are then read by three families of heuristics:
-
-- ``fields``: a line whose value differs per request, per user or per conversation (timestamps, ids,
-  names), or a span between fixed token contexts in a token-id log; the fix moves it to the end;
-- ``structure``: whitespace, chat markup, tools order, items in varying order, history rebuilt instead
-  of appended; the fix normalises, re-renders, sorts or appends;
-- ``blocks``: shared prefixes that end inside a block (the fix pads them) and tenant salts that split a
-  prefix several tenants send (the fix is a replay policy, the public prefix).
-
-Every culprit carries its fix (``base.Culprit``); ``kvlab.doctor.core`` measures each one.
-"""
+"""Find why prompts stop sharing and how to rewrite the log so they would: ``textdiff`` diffs pairs, then the
+``fields``, ``structure`` and ``blocks`` heuristics each name culprits with their fix (see docs/doctor.md)."""
 
 from __future__ import annotations
 

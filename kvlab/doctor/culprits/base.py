@@ -1,4 +1,4 @@
-"""What a culprit is (a reason prompts stop sharing, and its fix), and how a record's messages are read and rewritten."""
+"""What a culprit is (a reason prompts stop sharing, and its fix); how a record's messages are read and rewritten."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ Fix = Callable[[list[Record]], list[Record]]
 class Culprit:
     """A reason prompts stop sharing: what, where, the evidence, and the fix (measured later)."""
 
-    kind: str  # volatile | per-user | per-session | order | tools-order | whitespace | template | multi-turn | alignment | tenant-salt
+    kind: str  # volatile, per-user, per-session, order, tools-order, whitespace, template, multi-turn, alignment, ...
     title: str
     position: int | None  # typical token position where it breaks the shared prefix
     where: str
@@ -53,16 +53,30 @@ def _shorten(s: str, n: int = 90) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
+def tool_name(tool: dict, default: str = "") -> str:
+    """A tool's function name (OpenAI format), or ``default``."""
+    return str((tool.get("function") or {}).get("name", tool.get("name", default)))
+
+
 def record_segments(rec: Record) -> list[tuple[str, int, str]]:
     """(role, index, content) of each message (parsed back from a ChatML prompt; a plain prompt is one)."""
     if rec.kind == "messages":
         return [(m["role"], i, m["content"]) for i, m in enumerate(rec.messages)]
     if rec.kind == "prompt":
-        parsed = parse_chatml(rec.prompt)
-        if parsed:
+        if parsed := parse_chatml(rec.prompt):
             return [(role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parsed)]
         return [("prompt", 0, rec.prompt)]
     return []
+
+
+def map_contents(records: list[Record], fn: Callable[[str, int, str], str]) -> list[Record]:
+    """Each record with ``fn(role, index, content)`` applied to its messages (a record it leaves alone is kept)."""
+    out = []
+    for rec in records:
+        old = [c for _, _, c in record_segments(rec)]
+        new = [fn(role, i, c) for role, i, c in record_segments(rec)]
+        out.append(with_contents(rec, new) if new != old else rec)
+    return out
 
 
 def _tail_insert(prompt: str, text: str) -> str:
@@ -76,14 +90,11 @@ def _tail_insert(prompt: str, text: str) -> str:
 
 def with_contents(rec: Record, contents: list[str], prepend_user: str = "") -> Record:
     """A copy of ``rec`` whose segments hold ``contents``; ``prepend_user`` goes before the last user message."""
-    segs = record_segments(rec)
     contents = list(contents)
-    if prepend_user:
-        users = [j for j, (role, _, _) in enumerate(segs) if role == "user"]
-        if users:
-            j = users[-1]
-            contents[j] = prepend_user + "\n\n" + contents[j]
-            prepend_user = ""
+    users = [j for j, (role, _, _) in enumerate(record_segments(rec)) if role == "user"]
+    if prepend_user and users:
+        contents[users[-1]] = prepend_user + "\n\n" + contents[users[-1]]
+        prepend_user = ""
     if rec.kind == "messages":
         msgs = [dict(m, content=c) for m, c in zip(rec.messages, contents)]
         if prepend_user:  # no user message: the context becomes its own user message before generation
@@ -91,13 +102,8 @@ def with_contents(rec: Record, contents: list[str], prepend_user: str = "") -> R
         return rec.replace(messages=msgs)
     if rec.kind == "prompt":
         parsed = parse_chatml(rec.prompt)
-        if parsed:
-            text = rec.prompt
-            for (_, s, e), c in reversed(list(zip(parsed, contents))):
-                text = text[:s] + c + text[e:]
-        else:
-            text = contents[0]
-        if prepend_user:
-            text = _tail_insert(text, prepend_user)
-        return rec.replace(prompt=text)
+        text = rec.prompt if parsed else contents[0]
+        for (_, s, e), c in reversed(list(zip(parsed, contents))):
+            text = text[:s] + c + text[e:]
+        return rec.replace(prompt=_tail_insert(text, prepend_user) if prepend_user else text)
     return rec

@@ -1,8 +1,4 @@
-"""The cache's own rules as culprits: shared prefixes that end inside a block, and tenant salts.
-
-Alignment pads each shared prefix where many requests diverge to a block boundary (a token rewrite);
-the tenant check compares the salted replay with the unsalted one and proposes the public-prefix policy.
-"""
+"""The cache's own rules as culprits: shared prefixes that end inside a block (padded), and tenant salts."""
 
 from __future__ import annotations
 
@@ -26,10 +22,7 @@ def alignment_boundaries(tokens: list[str], div: Divergence, min_count: int = 3)
 
 def pad_to_blocks(tokens: list[str], boundaries: list[str], block_size: int, pad: int
                   ) -> tuple[list[str], list[list[tuple[int, int]]]]:
-    """Insert ``pad`` tokens after every shared prefix a prompt starts with, up to a block boundary.
-
-    Returns the new token strs and, per prompt, the (old position, tokens inserted) of each insertion.
-    """
+    """Pad every shared prefix a prompt starts with to a block boundary; return tokens, (position, pads) a prompt."""
     out, inserts = [], []
     ch = chr(pad)
     for s in tokens:
@@ -52,22 +45,20 @@ def pad_to_blocks(tokens: list[str], boundaries: list[str], block_size: int, pad
 
 def padded(prep: Prepared, block_size: int, pad: int) -> Prepared:
     """``prep`` with its shared prefixes padded to block boundaries (system-part lengths shifted alike)."""
-    toks, inserts = pad_to_blocks(prep.tokens, alignment_boundaries(prep.tokens, divergence(prep.tokens)), block_size, pad)
+    bounds = alignment_boundaries(prep.tokens, divergence(prep.tokens))
+    toks, inserts = pad_to_blocks(prep.tokens, bounds, block_size, pad)
     sys_tokens = [st + sum(k for p, k in ins if p <= st) if st else 0 for st, ins in zip(prep.sys_tokens, inserts)]
-    return Prepared(prep.records, prep.texts, toks, prep.segments, sys_tokens, prep.bad, prep.seconds, padded=True,
+    return Prepared(prep.records, prep.texts, toks, prep.segments, sys_tokens, prep.bad, padded=True,
                     sys_chars=prep.sys_chars)
 
 
 def alignment_culprit(prep: Prepared, div: Divergence, block_size: int, pad: int, pad_text: str) -> Culprit | None:
     """Shared prefixes that end inside a block (or are shorter than one): tokens shared but not cached."""
-    lens = prep.lengths
-    shared = [min(d, n - 1) for d, n in zip(div.position, lens)]
-    lost = sum(s % block_size for s in shared)
-    short = sum(1 for s in shared if 0 < s < block_size)
+    shared = [min(d, n - 1) for d, n in zip(div.position, prep.lengths)]
+    lost, short = sum(s % block_size for s in shared), sum(1 for s in shared if 0 < s < block_size)
     if not lost:
         return None
-    bounds = alignment_boundaries(prep.tokens, div)
-    frac = lost / max(sum(lens), 1)
+    bounds, frac = alignment_boundaries(prep.tokens, div), lost / max(sum(prep.lengths), 1)
     return Culprit(
         "alignment", f"shared prefixes end inside a {block_size}-token block" + (
             f"; {short} request{'s share' if short != 1 else ' shares'} less than one block" if short else ""),
@@ -89,21 +80,15 @@ def public_prefixes(prep: Prepared, tenants: list[str | None], scan: int = 64) -
         if st and t is not None:
             heads[ts[:st]].add(t)
     keys = sorted(heads)
+
+    def nearest_other(j: int, step: int) -> str | None:  # the nearest head in sorted order another tenant sends
+        return next((keys[k] for k in range(j + step, j + step * (scan + 1), step)
+                     if 0 <= k < len(keys) and heads[keys[k]] - heads[keys[j]]), None)
+
     best: dict[str, int] = {}
-    for j, h in enumerate(keys):
-        mine = heads[h]
-        b = 0
-        if len(mine) > 1:
-            b = len(h)
-        else:
-            for step in (-1, 1):
-                k = j + step
-                while 0 <= k < len(keys) and abs(k - j) <= scan:
-                    if heads[keys[k]] - mine:
-                        b = max(b, lcp(h, keys[k]))
-                        break
-                    k += step
-        best[h] = b
+    for j, h in enumerate(keys):  # sent by several tenants: all of it; else the most it shares with a neighbour's
+        near = [o for o in (nearest_other(j, -1), nearest_other(j, 1)) if o is not None]
+        best[h] = len(h) if len(heads[h]) > 1 else max((lcp(h, o) for o in near), default=0)
     return [best.get(ts[:st], 0) if st and t is not None else 0
             for ts, st, t in zip(prep.tokens, prep.sys_tokens, tenants)]
 
@@ -115,14 +100,15 @@ def tenant_culprit(prep: Prepared, tenants: list[str | None], field_name: str, b
     if len(distinct) < 2 or unsalted <= salted:
         return None
     pub = public_prefixes(prep, tenants)
-    with_pub = sum(p >= block_size for p in pub)
+    with_pub, median = sum(p >= block_size for p in pub), int(statistics.median([p for p in pub if p] or [0]))
+    names = ", ".join(distinct[:6]) + (", ..." if len(distinct) > 6 else "")
     return Culprit(
-        "tenant-salt", f"per-tenant cache salts split a prefix that {len(distinct)} tenants all send",
-        int(statistics.median([p for p in pub if p] or [0])), f"field {field_name!r}",
-        [f"{len(distinct)} tenants ({', '.join(distinct[:6])}{', ...' if len(distinct) > 6 else ''}); salted per tenant the "
-         f"replay hits {salted} tokens, without salts {unsalted}: salting gives up {unsalted - salted} hit tokens",
+        "tenant-salt", f"per-tenant cache salts split a prefix that {len(distinct)} tenants all send", median,
+        f"field {field_name!r}",
+        [f"{len(distinct)} tenants ({names}); salted per tenant the replay hits {salted} tokens, without salts "
+         f"{unsalted}: salting gives up {unsalted - salted} hit tokens",
          f"{with_pub} requests start with a system-prompt prefix of >= one block that another tenant sends too "
-         f"(median {int(statistics.median([p for p in pub if p] or [0]))} tokens)"],
+         f"(median {median} tokens)"],
         "public-prefix policy: share the operator's prefix that several tenants send, salt from the first block "
         "past it (kvlab Engine(isolation='public-prefix')); never drop the salts", with_pub, policy="public-prefix",
         details={"tenants": distinct})

@@ -1,10 +1,4 @@
-"""Fields: a line (or sentence) whose value differs between requests that share a template.
-
-Slot findings are grouped by the line they live in; the line's values across the whole log, grouped by
-``user`` and ``session``, say whether it is per user (names, ids), per conversation, or per request
-(timestamps, UUIDs, request ids, counters), and the value's shape labels it. The fix moves the line to the
-start of the last user message. Token-id logs get the same treatment for spans between fixed token contexts.
-"""
+"""Fields: a line (or a token span) whose value differs per request, user or conversation; the fix moves it."""
 
 from __future__ import annotations
 
@@ -15,14 +9,17 @@ from dataclasses import dataclass
 
 from ..logio import Record
 from ..prepare import Prepared
+from ..tokenization import ids, tokstr
 from .base import Culprit, _shorten, _where, record_segments, with_contents
-from .textdiff import WINDOW, Finding, _value_char
+from .textdiff import WINDOW, Finding, common_end, trim_value_start
 
 MAX_FIELD_CHARS = 300  # a field's values are short (times, ids, names); longer ones are content
 TIMESTAMP_RE = re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}(:\d{2})?|\b\d{1,2}/\d{1,2}/\d{2,4}\b|"
-                          r"\b(Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day\b|\b(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\b \d", re.I)
+                          r"\b(Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day\b|"
+                          r"\b(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\b \d", re.I)
 UUID_RE = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I)
 ID_RE = re.compile(r"\b(?=[A-Za-z_-]*\d)[A-Za-z0-9_-]{5,}\b")
+SENTENCE_END = re.compile(r"[.!?](\s|$)")
 
 
 def common_suffix(values: list[str]) -> str:
@@ -31,34 +28,14 @@ def common_suffix(values: list[str]) -> str:
         return ""
     s = values[0]
     for v in values[1:]:
-        n = 0
-        while n < min(len(s), len(v)) and s[len(s) - 1 - n] == v[len(v) - 1 - n]:
-            n += 1
-        s = s[len(s) - n:] if n else ""
-        if not s:
+        if not (s := s[len(s) - common_end(s, v):]):
             return ""
-    return _trim_suffix(s, values)
-
-
-def _trim_suffix(s: str, values: list[str]) -> str:
-    while True:
-        before = s
-        while s and _value_char(s[0]):
-            s = s[1:]
-        if len(s) >= 2 and s[0] == " " and s[1].isdigit():
-            s = s[1:]
-            continue
-        if s and s[0].isalnum() and any(len(v) > len(s) and v[len(v) - len(s) - 1].isalnum() for v in values[:50]):
-            while s and s[0].isalnum():
-                s = s[1:]
-        if s == before:
-            return s
+    return trim_value_start(s, lambda s: any(len(v) > len(s) and v[-len(s) - 1].isalnum() for v in values[:50]))
 
 
 def label_values(values: list[str]) -> str:
     """What a volatile field's values look like: timestamp/date, UUID, id, counter, or text."""
-    sample = [v for v in values if v][:200]
-    if not sample:
+    if not (sample := [v for v in values if v][:200]):
         return "empty"
 
     def share(rx: re.Pattern) -> float:
@@ -87,40 +64,25 @@ class FieldPattern:
     suffix: str
 
     def locate(self, content: str) -> tuple[int, int] | None:
-        """Char span of the field's line in a message's content, or None."""
-        if self.anchor == "after":
-            pos = 0
-            while True:
-                j = content.find(self.key + "\n", pos)
-                if j < 0:
-                    return None
-                if j == 0 or content[j - 1] == "\n":
-                    s = j + len(self.key) + 1
-                    e = content.find("\n", s)
-                    return s, len(content) if e < 0 else e
-                pos = j + 1
-        pos = 0
-        while True:
-            j = content.find(self.key, pos)
-            if j < 0:
-                return None
-            if self.level == "sentence" or j == 0 or content[j - 1] == "\n":
-                break
-            pos = j + 1
-        if self.level == "line":
-            e = content.find("\n", j)
-            return j, len(content) if e < 0 else e
-        m = re.compile(r"[.!?](\s|$)").search(content, j + len(self.key))
+        """Char span of the field's line (or sentence) in a message's content, or None."""
+        after, sentence = self.anchor == "after", self.level == "sentence" and self.anchor != "after"
+        needle = self.key + "\n" if after else self.key
+        j = content.find(needle)
+        while j > 0 and not sentence and content[j - 1] != "\n":  # a line must start with it
+            j = content.find(needle, j + 1)
+        if j < 0:
+            return None
+        j += len(needle) if after else 0
         nl = content.find("\n", j)
-        e = m.start() + 1 if m else len(content)
-        if 0 <= nl < e:
-            e = nl
+        e = len(content) if nl < 0 else nl
+        if sentence:
+            stop = SENTENCE_END.search(content, j + len(self.key))
+            e = min(e, stop.start() + 1 if stop else len(content))
         return j, e
 
     def value(self, content: str) -> str | None:
         """The field's value in a message's content, or None."""
-        span = self.locate(content)
-        if span is None:
+        if (span := self.locate(content)) is None:
             return None
         line = content[span[0]:span[1]]
         if self.anchor == "prefix":
@@ -139,20 +101,13 @@ def move_fields(records: list[Record], patterns: list[FieldPattern]) -> list[Rec
     out = []
     for rec in records:
         segs = record_segments(rec)
-        if not segs:
-            out.append(rec)
-            continue
-        contents = [c for _, _, c in segs]
-        moved = []
+        contents, moved = [c for _, _, c in segs], []
         for pat in patterns:
             for j, (role, idx, _) in enumerate(segs):
-                if not pat.matches(role, idx):
-                    continue
-                span = pat.locate(contents[j])
+                span = pat.locate(contents[j]) if pat.matches(role, idx) else None
                 if span is None:
                     continue
-                s, e = span
-                c = contents[j]
+                (s, e), c = span, contents[j]
                 moved.append(c[s:e].strip())
                 if e < len(c) and c[e] == "\n":
                     e += 1
@@ -163,85 +118,67 @@ def move_fields(records: list[Record], patterns: list[FieldPattern]) -> list[Rec
     return out
 
 
-def _line_no(prep: Prepared, pat: FieldPattern) -> int | None:
-    for rec in prep.records:
-        for role, idx, c in record_segments(rec):
-            if pat.matches(role, idx):
-                span = pat.locate(c)
-                if span:
-                    return c.count("\n", 0, span[0]) + 1
-    return None
-
-
 def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, tenants: list | None = None,
                    max_fields: int = 10) -> list[Culprit]:
-    """Group slot findings by the line they live in; classify each field by its values over the whole log.
+    """Group slot findings by the line they live in; classify each field by its values over the whole log."""
+    need = max(min_count, int(0.05 * len({(f.a, f.b) for f in findings})))  # and 5 % of the pairs scanned
+    out = []
+    for (role, index, anchor, key, level), fs in sorted(_slot_groups(findings).items(), key=lambda kv: -len(kv[1])):
+        if len(fs) >= need and len(out) < max_fields:
+            c = _field_culprit(prep, FieldPattern(role, index, key, anchor, level, ""), fs, tenants)
+            out += [c] if c is not None else []
+    return out
 
-    Keys that extend a shorter key of the same message ("Customer: Sven" / "Customer: ") are merged into it.
-    A field must show up in at least ``min_count`` pairs and 5 % of the pairs scanned; fields whose value
-    is constant per tenant are tenant content, not culprits (the tenant check covers sharing across tenants).
-    """
+
+def _slot_groups(findings: list[Finding]) -> dict[tuple, list[Finding]]:
+    """Slot findings by (role, index, anchor, key, level); a key that extends a shorter one joins it."""
     by_key: dict[tuple, list[Finding]] = defaultdict(list)
     for f in findings:
         if f.kind == "slot" and f.anchor in ("prefix", "after"):
             by_key[(f.role, f.index, f.anchor, f.key)].append(f)
-    groups: dict[tuple, list[Finding]] = {}
-    for k, fs in by_key.items():  # one level per key: the more common one
-        groups[(*k, Counter(f.level for f in fs).most_common(1)[0][0])] = fs
-    for g in sorted(groups, key=lambda g: len(g[3])):
-        for h in list(groups):
-            if h != g and h[:3] == g[:3] and h[4] == g[4] and h in groups and g in groups \
-                    and len(g[3].strip()) >= 3 and h[3].startswith(g[3]) and len(h[3]) > len(g[3]):
+    # one level per key (the commoner one)
+    groups = {(*k, Counter(f.level for f in fs).most_common(1)[0][0]): fs for k, fs in by_key.items()}
+    for g in sorted(groups, key=lambda g: len(g[3])):  # "Customer: Sven" joins "Customer: "
+        if g in groups and len(g[3].strip()) >= 3:
+            for h in [h for h in groups if h[:3] == g[:3] and h[4] == g[4] and len(h[3]) > len(g[3])
+                      and h[3].startswith(g[3])]:
                 groups[g].extend(groups.pop(h))
-    scanned = len({(f.a, f.b) for f in findings})
-    need = max(min_count, int(0.05 * scanned))
-    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
-    out = []
-    for (role, index, anchor, key, level), fs in ranked:
-        if len(fs) < need or len(out) >= max_fields:
-            continue
-        pat = FieldPattern(role, index, key, anchor, level, "")
-        lines = [v for rec in prep.records[:2000] for r, idx, c in record_segments(rec)
-                 if pat.matches(r, idx) for v in [pat.value(c)] if v is not None]
-        pat.suffix = common_suffix(lines)
-        values, users, sessions, owners = [], [], [], []
-        for k, rec in enumerate(prep.records):
-            for r, idx, c in record_segments(rec):
-                if pat.matches(r, idx):
-                    v = pat.value(c)
-                    if v is not None:
-                        values.append(v)
-                        users.append(rec.get("user"))
-                        sessions.append(rec.get("session"))
-                        owners.append(tenants[k] if tenants is not None else None)
-                    break
-        if len(set(values)) < 2:
-            continue
-        if statistics.median(map(len, values)) > MAX_FIELD_CHARS:
-            continue  # that long is the request's content, not a field in it
-        if tenants is not None and _constant_share(values, owners)[0] >= 0.9:
-            continue  # one value per tenant: the tenant's own content
-        kind, scope = _scope(values, users, sessions)
-        label = label_values(values)
-        name = key.strip() or f"line after {key!r}"
-        what = {"per-user": "per-user field", "per-session": "per-conversation field", "volatile": "per-request field"}[kind]
-        if kind == "per-user" and label in ("text", "id"):
-            label = "user name/id" if label == "text" else "user id"
-        position = int(statistics.median(f.token_pos for f in fs))
-        ex = fs[0]
-        c = Culprit(
-            kind, f"{what} ({label}) in {_where(role, index)}: {_shorten(name, 40)!s}", position,
-            f"{_where(role, index)}, line {_line_no(prep, pat)}",
-            [f"{len(values)} requests carry this line; {len(set(values))} distinct values ({scope})",
-             "examples: " + "; ".join(repr(v) for v in list(dict.fromkeys(values))[:3]),
-             f"found by diffing {len(fs)} request pairs that share the template; value starts at token ~{position}"],
-            f"move the line {_shorten(name, 40)!r}... out of {_where(role, index)} to the start of the last user message",
-            len(values), fix=lambda recs, pat=pat: move_fields(recs, [pat]),
-            examples=[(ex.text_a, ex.text_b)],
-            details={"pattern": pat, "label": label, "distinct": len(set(values)), "values": values[:5],
-                     "pairs": len(fs)})
-        out.append(c)
-    return out
+    return groups
+
+
+def _field_culprit(prep: Prepared, pat: FieldPattern, fs: list[Finding], tenants: list | None) -> Culprit | None:
+    """One group of slot findings as a field culprit, scoped by its values over the whole log (None: not a field)."""
+    pat.suffix = common_suffix([v for rec in prep.records[:2000] for r, idx, c in record_segments(rec)
+                                if pat.matches(r, idx) for v in [pat.value(c)] if v is not None])
+    values, rows = [], []
+    for k, rec in enumerate(prep.records):
+        c = next((c for r, idx, c in record_segments(rec) if pat.matches(r, idx)), None)  # its first such message
+        v = None if c is None else pat.value(c)
+        if v is not None:
+            values.append(v)
+            rows.append(k)
+    if len(set(values)) < 2 or statistics.median(map(len, values)) > MAX_FIELD_CHARS:
+        return None  # one value, or so long it is the request's content
+    if tenants is not None and _constant_share(values, [tenants[k] for k in rows])[0] >= 0.9:
+        return None  # one value per tenant: the tenant's own content (the tenant check covers sharing)
+    recs = [prep.records[k] for k in rows]
+    kind, scope = _scope(values, [r.get("user") for r in recs], [r.get("session") for r in recs])
+    label = label_values(values)
+    if kind == "per-user":
+        label = {"text": "user name/id", "id": "user id"}.get(label, label)
+    what = {"per-user": "per-user field", "per-session": "per-conversation field", "volatile": "per-request field"}
+    name = _shorten(pat.key.strip() or f"line after {pat.key!r}", 40)
+    where, position = _where(pat.role, pat.index), int(statistics.median(f.token_pos for f in fs))
+    spans = ((c, pat.locate(c)) for rec in prep.records for r, idx, c in record_segments(rec) if pat.matches(r, idx))
+    line_no = next((c.count("\n", 0, span[0]) + 1 for c, span in spans if span), None)
+    return Culprit(
+        kind, f"{what[kind]} ({label}) in {where}: {name!s}", position, f"{where}, line {line_no}",
+        [f"{len(values)} requests carry this line; {len(set(values))} distinct values ({scope})",
+         "examples: " + "; ".join(repr(v) for v in list(dict.fromkeys(values))[:3]),
+         f"found by diffing {len(fs)} request pairs that share the template; value starts at token ~{position}"],
+        f"move the line {name!r}... out of {where} to the start of the last user message", len(values),
+        fix=lambda recs: move_fields(recs, [pat]), examples=[(fs[0].text_a, fs[0].text_b)],
+        details={"pattern": pat, "label": label, "distinct": len(set(values)), "values": values[:5], "pairs": len(fs)})
 
 
 def _constant_share(values: list[str], keys: list) -> tuple[float, int, int]:
@@ -260,17 +197,35 @@ def _constant_share(values: list[str], keys: list) -> tuple[float, int, int]:
 
 def _scope(values: list[str], users: list, sessions: list) -> tuple[str, str]:
     """per-user / per-session / volatile, with a sentence saying why."""
-    def constant_within(keys: list) -> tuple[float, int, int]:
-        return _constant_share(values, keys)
-
-    share_u, n_u, multi_u = constant_within(users)
+    share_u, n_u, multi_u = _constant_share(values, users)
     if share_u >= 0.9 and n_u >= 2:
-        return "per-user", f"the same value for all requests of {share_u:.0%} of the {multi_u} users with several requests"
-    share_s, n_s, multi_s = constant_within(sessions)
+        return "per-user", (f"the same value for all requests of {share_u:.0%} of the {multi_u} users with several "
+                            "requests")
+    share_s, n_s, multi_s = _constant_share(values, sessions)
     if share_s >= 0.9 and n_s >= 2:
         return "per-session", f"constant within {share_s:.0%} of {multi_s} conversations, different across them"
     return "volatile", (f"changes from request to request: {len(set(values))} values in {len(values)} requests"
                         + (f"; within one user it stays the same for only {share_u:.0%} of users" if multi_u else ""))
+
+
+def _span(ts: str, key: str, right: str) -> tuple[int, int] | None:
+    """Where the tokens between ``key`` and ``right`` are in a token str, or None."""
+    j = ts.find(key)
+    e = ts.find(right, j + len(key), j + len(key) + WINDOW + len(right)) if j >= 0 else -1
+    return (j + len(key), e) if e >= 0 else None
+
+
+def move_span(records: list[Record], key: str, right: str) -> list[Record]:
+    """Move the tokens between ``key`` and ``right`` of each token-id record to the end of its prompt."""
+    out = []
+    for rec in records:
+        span = _span(tokstr(rec.token_ids), key, right) if rec.kind == "token_ids" else None
+        if span is None:
+            out.append(rec)
+            continue
+        ts, (s, e) = tokstr(rec.token_ids), span
+        out.append(rec.replace(token_ids=ids(ts[:s] + ts[e:] + ts[s:e])))
+    return out
 
 
 def token_span_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:
@@ -283,42 +238,17 @@ def token_span_culprits(prep: Prepared, findings: list[Finding], min_count: int 
     for (key, right), fs in groups.items():
         if len(fs) < min_count:
             continue
-        values, users = [], []
-        for rec, ts in zip(prep.records, prep.tokens):
-            j = ts.find(key)
-            if j < 0:
-                continue
-            e = ts.find(right, j + len(key), j + len(key) + WINDOW + len(right))
-            if e < 0:
-                continue
-            values.append(ts[j + len(key):e])
-            users.append(rec.get("user"))
+        spans = [(rec, ts, sp) for rec, ts in zip(prep.records, prep.tokens) if (sp := _span(ts, key, right))]
+        values = [ts[s:e] for _, ts, (s, e) in spans]
         if len(set(values)) < 2:
             continue
-        kind, scope = _scope(values, users, [None] * len(values))
+        kind, scope = _scope(values, [rec.get("user") for rec, _, _ in spans], [None] * len(values))
         position = int(statistics.median(f.token_pos for f in fs))
-
-        def fix(recs: list[Record], key=key, right=right) -> list[Record]:
-            out_r = []
-            for rec in recs:
-                if rec.kind != "token_ids":
-                    out_r.append(rec)
-                    continue
-                ts = "".join(map(chr, rec.token_ids))
-                j = ts.find(key)
-                e = ts.find(right, j + len(key), j + len(key) + WINDOW + len(right)) if j >= 0 else -1
-                if j < 0 or e < 0:
-                    out_r.append(rec)
-                    continue
-                s = j + len(key)
-                new = ts[:s] + ts[e:] + ts[s:e]
-                out_r.append(rec.replace(token_ids=[ord(c) for c in new]))
-            return out_r
-
         out.append(Culprit(
             kind, f"a {'per-user' if kind == 'per-user' else 'varying'} token span at token ~{position}", position,
             "token ids", [f"{len(values)} requests hold a span between the same {len(key)} tokens before and "
                           f"{len(right)} after; {len(set(values))} distinct spans ({scope})",
-                          f"example spans (ids): {[[ord(c) for c in v][:8] for v in list(dict.fromkeys(values))[:2]]}"],
-            "move the span to the end of the prompt", len(values), fix=fix))
+                          f"example spans (ids): {[ids(v)[:8] for v in list(dict.fromkeys(values))[:2]]}"],
+            "move the span to the end of the prompt", len(values),
+            fix=lambda recs, key=key, right=right: move_span(recs, key, right)))
     return out

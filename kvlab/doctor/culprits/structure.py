@@ -1,21 +1,18 @@
-"""Structure: whitespace, chat markup, tools order, item order and conversation history.
-
-Each family reads its findings (or the records directly) and returns a ``Culprit`` with a record rewrite:
-normalise whitespace, render ChatML prompts through the one template, sort the tools, sort the items
-that share a header, send every turn as the previous one's history plus the new messages.
-"""
+"""Structure: whitespace, chat markup, tools order, item order and conversation history, each with its rewrite."""
 
 from __future__ import annotations
 
 import re
 import statistics
 from collections import Counter, defaultdict
+from itertools import groupby
+from os.path import commonprefix
 
 from ..divergence import lcp
 from ..logio import Record
 from ..prepare import SYSTEM_ROLES, Prepared, parse_chatml
 from ..tokenization import PromptEncoder
-from .base import Culprit, _shorten, _where, record_segments, with_contents
+from .base import Culprit, _shorten, _where, map_contents, record_segments, tool_name
 from .textdiff import Finding, _tool_names, stable_key
 
 
@@ -29,41 +26,29 @@ def normalize_ws(text: str) -> str:
 
 def normalize_records(records: list[Record]) -> list[Record]:
     """Whitespace-normalise every message (``normalize_ws``)."""
-    out = []
-    for rec in records:
-        segs = record_segments(rec)
-        contents = [normalize_ws(c) for _, _, c in segs]
-        out.append(with_contents(rec, contents) if contents != [c for _, _, c in segs] else rec)
-    return out
+    return map_contents(records, lambda role, index, content: normalize_ws(content))
 
 
 def rerender_chatml(records: list[Record]) -> list[Record]:
     """Hand-rendered ChatML prompts -> chat records, so the one chat template renders every request."""
     out = []
     for rec in records:
-        if rec.kind == "prompt":
-            parsed = parse_chatml(rec.prompt)
-            if parsed and parsed[-1][0] == "user" and re.search(r"<\|im_start\|>\s*assistant\s*$", rec.prompt):
-                msgs = [{"role": role, "content": rec.prompt[s:e]} for role, s, e in parsed]
-                out.append(Record(rec.line, "messages", messages=msgs, meta=dict(rec.meta)))
-                continue
+        parsed = parse_chatml(rec.prompt) if rec.kind == "prompt" else []
+        if parsed and parsed[-1][0] == "user" and re.search(r"<\|im_start\|>\s*assistant\s*$", rec.prompt):
+            msgs = [{"role": role, "content": rec.prompt[s:e]} for role, s, e in parsed]
+            rec = Record(rec.line, "messages", messages=msgs, meta=dict(rec.meta))
         out.append(rec)
     return out
 
 
 def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) -> list[tuple[int, str, str]]:
-    """Plain prompts that parse as ChatML but differ from the template's rendering of the same messages.
-
-    Returns (token position of the first difference, the prompt around it, the template around it).
-    """
+    """(token position, prompt, template) where a ChatML prompt differs from the template's rendering of it."""
     if enc is None:
         return []
     out = []
     for rec, ts in zip(prep.records, prep.tokens):
-        if rec.kind != "prompt" or len(out) >= limit:
-            continue
-        conv = rerender_chatml([rec])[0]
-        if conv.kind != "messages":
+        conv = rerender_chatml([rec])[0] if rec.kind == "prompt" and len(out) < limit else rec
+        if conv is rec:  # not a ChatML prompt
             continue
         try:
             text = enc.render(conv)
@@ -79,22 +64,14 @@ def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) 
 
 def sort_tools(records: list[Record]) -> list[Record]:
     """Send tools in one order (by name)."""
-    def name(t: dict) -> str:
-        return str((t.get("function") or {}).get("name", t.get("name", "")))
-
-    out = []
-    for rec in records:
-        if rec.tools and [name(t) for t in rec.tools] != sorted(name(t) for t in rec.tools):
-            out.append(rec.replace(tools=sorted(rec.tools, key=name)))
-        else:
-            out.append(rec)
-    return out
+    return [rec.replace(tools=sorted(rec.tools, key=tool_name))
+            if rec.tools and [tool_name(t) for t in rec.tools] != sorted(map(tool_name, rec.tools)) else rec
+            for rec in records]
 
 
 def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
     """Pairs that differ only in whitespace at their divergence point."""
-    ws = [f for f in findings if f.kind == "whitespace"]
-    if not ws:
+    if not (ws := [f for f in findings if f.kind == "whitespace"]):
         return None
     ex = ws[0]
     affected = sum(1 for rec in prep.records if any(normalize_ws(c) != c for _, _, c in record_segments(rec)))
@@ -114,18 +91,13 @@ def template_culprit(prep: Prepared, findings: list[Finding], enc: PromptEncoder
     if not tp and not hand:
         return None
     ex = (hand[0][1], hand[0][2]) if hand else (tp[0].text_a, tp[0].text_b)
-    kinds = Counter(r.kind for r in prep.records)
     chatml_prompts = sum(1 for r in prep.records if r.kind == "prompt" and parse_chatml(r.prompt))
     fix = rerender_chatml if chatml_prompts else None
     positions = [f.token_pos for f in tp] + [pos for pos, _, _ in hand]
-    ev = []
-    if hand:
-        ev.append(f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for the "
-                  "same messages")
-    if tp:
-        ev.append(f"{len(tp)} diffed pairs differ outside any message's content")
+    ev = [f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for the same "
+          "messages"] * bool(hand) + [f"{len(tp)} diffed pairs differ outside any message's content"] * bool(tp)
     ev += [f"the prompt: {ex[0]!r}", f"the template: {ex[1]!r}" if hand else f"the earlier prompt: {ex[1]!r}",
-           f"record kinds in the log: {dict(kinds)}"]
+           f"record kinds in the log: {dict(Counter(r.kind for r in prep.records))}"]
     return Culprit(
         "template", "the chat markup differs between requests (hand-rendered prompts or another template)",
         int(statistics.median(positions)), "chat-template markup", ev,
@@ -136,15 +108,13 @@ def template_culprit(prep: Prepared, findings: list[Finding], enc: PromptEncoder
 
 def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
     """The same set of tools sent in more than one order."""
+    sent = [_tool_names(r) for r in prep.records if r.tools]
     orders: dict[frozenset, set] = defaultdict(set)
-    with_tools = [r for r in prep.records if r.tools]
-    for r in with_tools:
-        names = _tool_names(r)
+    for names in sent:
         orders[frozenset(names)].add(names)
-    varying = {k: v for k, v in orders.items() if len(v) > 1}
-    if not varying:
+    if not (varying := {k: v for k, v in orders.items() if len(v) > 1}):
         return None
-    n_aff = sum(1 for r in with_tools if frozenset(_tool_names(r)) in varying)
+    n_aff = sum(1 for names in sent if frozenset(names) in varying)
     k, v = max(varying.items(), key=lambda kv: len(kv[1]))
     tf = [f for f in findings if f.kind == "tools"]
     ex = sorted(v)[:2]  # sorted: the same example on every run (a set of tuples has no fixed order)
@@ -158,32 +128,12 @@ def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
 
 def sort_items(records: list[Record], role: str, index: int | None, sep: str, prefix: str) -> list[Record]:
     """Sort every run of consecutive items (paragraphs/lines) that start with ``prefix`` in one message."""
-    out = []
-    for rec in records:
-        segs = record_segments(rec)
-        changed = False
-        contents = []
-        for r, idx, c in segs:
-            if r == role and (index is None or idx == index) and prefix in c:
-                items = c.split(sep)
-                j = 0
-                while j < len(items):
-                    if items[j].startswith(prefix):
-                        k = j
-                        while k < len(items) and items[k].startswith(prefix):
-                            k += 1
-                        if k - j > 1:
-                            items[j:k] = sorted(items[j:k])
-                        j = k
-                    else:
-                        j += 1
-                new = sep.join(items)
-                changed |= new != c
-                contents.append(new)
-            else:
-                contents.append(c)
-        out.append(with_contents(rec, contents) if changed else rec)
-    return out
+    def sort_runs(c: str) -> str:
+        runs = groupby(c.split(sep), key=lambda item: item.startswith(prefix))
+        return sep.join(x for is_item, run in runs for x in (sorted(run) if is_item else run))
+
+    return map_contents(records, lambda r, i, c: sort_runs(c) if r == role and index in (None, i) and prefix in c
+                        else c)
 
 
 def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:
@@ -197,10 +147,7 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
         if len(fs) < min_count:
             continue
         items = [it for f in fs for it in f.items_a + f.items_b]
-        common = items[0]
-        for it in items[1:]:
-            common = common[:lcp(common, it)]
-        prefix = stable_key(common, items[0])
+        prefix = stable_key(commonprefix(items), items[0])
         ex = fs[0]
         unit = "paragraphs" if sep == "\n\n" else "lines"
         affected = sum(1 for rec in prep.records for r, idx, c in record_segments(rec)
@@ -214,7 +161,8 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
              "partner: " + " | ".join(_shorten(x, 40) for x in ex.items_b)],
             f"sort the {unit} that start with {prefix!r} (one canonical order, e.g. by id)" if prefix
             else f"send the {unit} in one canonical order (they share no header the doctor could sort by)",
-            affected, fix=(lambda recs, r=role, i=index, s=sep, p=prefix: sort_items(recs, r, i, s, p)) if prefix else None,
+            affected, fix=(lambda recs, r=role, i=index, s=sep, p=prefix: sort_items(recs, r, i, s, p)) if prefix
+            else None,
             examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep})
         out.append(c)
     return out
@@ -227,13 +175,24 @@ def conversation_key(rec: Record) -> object | None:
     if rec.get("session") is not None:
         return ("session", str(rec.get("session")))
     first = next((m["content"] for m in rec.messages if m["role"] == "user"), None)
-    if first is None:
-        return None
-    return ("user+first", str(rec.get("user")), first)
+    return None if first is None else ("user+first", str(rec.get("user")), first)
 
 
 def _history(rec: Record) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in rec.messages if m["role"] not in SYSTEM_ROLES]
+
+
+def _system(rec: Record) -> list[str]:
+    return [m["content"] for m in rec.messages if m["role"] in SYSTEM_ROLES]
+
+
+def _new_from(h: list[tuple[str, str]], prev: list[tuple[str, str]]) -> int:
+    """Where a turn's new messages start: after the previous turn's history, its last message, or the last exchange."""
+    if h[:len(prev)] == prev:  # already append-only
+        return len(prev)
+    if prev and prev[-1] in h:
+        return len(h) - h[::-1].index(prev[-1])
+    return len(h) - (2 if len(h) >= 2 and h[-2][0] == "assistant" else 1)
 
 
 def append_histories(records: list[Record]) -> list[Record]:
@@ -242,33 +201,15 @@ def append_histories(records: list[Record]) -> list[Record]:
     last: dict[object, list[tuple[str, str]]] = {}
     out = []
     for rec in records:
-        key = conversation_key(rec)
-        if key is None:
+        if (key := conversation_key(rec)) is None:
             out.append(rec)
             continue
         hist = [m for m in rec.messages if m["role"] not in SYSTEM_ROLES]
-        system = [m for m in rec.messages if m["role"] in SYSTEM_ROLES]
-        h = [(m["role"], m["content"]) for m in hist]
-        if key not in full:
-            new = [dict(m) for m in hist]
-        else:
-            prev = last[key]
-            if h[: len(prev)] == prev:  # already append-only
-                tail = hist[len(prev):]
-            else:
-                j = None
-                if prev:
-                    for t in range(len(h) - 1, -1, -1):
-                        if h[t] == prev[-1]:
-                            j = t + 1
-                            break
-                if j is None:
-                    j = len(h) - (2 if len(h) >= 2 and h[-2][0] == "assistant" else 1)
-                tail = hist[j:]
-            new = full[key] + [dict(m) for m in tail]
-        full[key] = new
+        h = _history(rec)
+        full[key] = full.get(key, []) + [dict(m) for m in hist[_new_from(h, last.get(key, [])):]]
         last[key] = h
-        out.append(rec.replace(messages=[dict(m) for m in system] + [dict(m) for m in new]))
+        system = [dict(m) for m in rec.messages if m["role"] in SYSTEM_ROLES]
+        out.append(rec.replace(messages=system + [dict(m) for m in full[key]]))
     return out
 
 
@@ -276,29 +217,22 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
     """Conversations whose turns rebuild the history instead of appending to it."""
     convs: dict[object, list[int]] = defaultdict(list)
     for i, rec in enumerate(prep.records):
-        k = conversation_key(rec)
-        if k is not None:
-            convs[k].append(i)
-    follow = rebuilt = 0
+        if (key := conversation_key(rec)) is not None:
+            convs[key].append(i)
+    turns = [(key, prev, cur) for key, idx in convs.items() for prev, cur in zip(idx, idx[1:])]
     kinds: Counter = Counter()
-    example = None
-    template_breaks = 0
-    for key, idx in convs.items():
-        for prev, cur in zip(idx, idx[1:]):
-            follow += 1
-            hp, hc = _history(prep.records[prev]), _history(prep.records[cur])
-            if hc[: len(hp)] == hp:
-                sp = [m["content"] for m in prep.records[prev].messages if m["role"] in SYSTEM_ROLES]
-                sc = [m["content"] for m in prep.records[cur].messages if m["role"] in SYSTEM_ROLES]
-                if sp == sc and lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8:
-                    template_breaks += 1
-                continue
-            rebuilt += 1
-            j = next((j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None)
-            kind = f"window: dropped the oldest {j} message(s)" if j else "edited or replaced history"
-            kinds[kind] += 1
-            if example is None:
-                example = (key, prev, cur, len(hp), len(hc), kind)
+    example, template_breaks = None, 0
+    for key, prev, cur in turns:
+        hp, hc = _history(prep.records[prev]), _history(prep.records[cur])
+        if hc[: len(hp)] == hp:  # appended: the template may still re-render the history differently
+            if _system(prep.records[prev]) == _system(prep.records[cur]):
+                template_breaks += lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8
+            continue
+        j = next((j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None)
+        kind = f"window: dropped the oldest {j} message(s)" if j else "edited or replaced history"
+        kinds[kind] += 1
+        example = example or (key, prev, cur, len(hp), len(hc), kind)
+    follow, rebuilt = len(turns), sum(kinds.values())
     if not rebuilt and not template_breaks:
         return None
     ev = [f"{follow} follow-up turns in {sum(len(v) > 1 for v in convs.values())} conversations; "
@@ -311,9 +245,9 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
     if template_breaks:
         ev.append(f"{template_breaks} turns append their messages but the chat template re-renders the history "
                   "differently (the token prefix breaks anyway)")
-    position = int(statistics.median(prep.sys_tokens[i] for i in range(len(prep.records))
-                                     if conversation_key(prep.records[i]) is not None)) if convs else None
+    position = int(statistics.median(prep.sys_tokens[i] for idx in convs.values() for i in idx)) if convs else None
     return Culprit("multi-turn", "multi-turn conversations rebuild their history instead of appending to it",
                    position, "the conversation history", ev,
                    "send each turn as the previous turn's messages + the reply + the new message (append-only)",
-                   rebuilt, fix=append_histories if rebuilt else None, details={"follow_ups": follow, "rebuilt": rebuilt})
+                   rebuilt, fix=append_histories if rebuilt else None,
+                   details={"follow_ups": follow, "rebuilt": rebuilt})

@@ -1,13 +1,4 @@
-"""Diff a request against its partner (the earlier request it matched longest) and describe each difference.
-
-Walk both from the divergence point: find where they line up again (the first run of ``MIN_RUN`` equal
-tokens within ``WINDOW`` tokens), call what lies between a *slot*, and continue after the re-aligned run.
-What a slot is comes from its text, not from a list of regular expressions: whitespace only on both sides
--> ``whitespace``; outside any message (in the template's markup) -> ``template``; inside the tools the
-doctor rendered -> ``tools``; the same paragraphs/lines in another order -> ``order``; otherwise a ``slot``
-of the line (or sentence) that holds it, named by the line's stable start (``stable_key``: "Customer: " of
-"Customer: Alice Zhang"). Token-id logs have no text: their differences are ``span`` findings.
-"""
+"""Diff a request against its partner from the divergence point and name each difference (see docs/doctor.md)."""
 
 from __future__ import annotations
 
@@ -16,64 +7,54 @@ import random
 import re
 from bisect import bisect_right
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from os.path import commonprefix
 
 from ..divergence import Divergence, lcp
 from ..logio import Record
 from ..prepare import SYSTEM_ROLES, Prepared, Segment
 from ..tokenization import PromptEncoder
-from .base import _shorten
+from .base import _shorten, tool_name
 
 MIN_RUN = 8  # tokens that must match again after a slot
 WINDOW = 160  # tokens searched for the re-alignment (a slot's value is shorter than this)
 MAX_STEPS = 8  # slots followed per pair
 LONG_LINE = 240  # a longer line is split into sentences
+VALUE_CHARS = "-:./_+#@="  # with digits: what a value (time, id, number) is made of
 
 
-def _value_char(ch: str) -> bool:
-    return ch.isdigit() or ch in "-:./_+#@="
-
-
-def stable_key(common: str, unit: str) -> str:
-    """Cut the common start of two lines back to where the field's value begins.
-
-    "Current time: 2024-05-03 14:2" -> "Current time: "; "Customer: Ali" (of "Customer: Alice") -> "Customer: ".
-    """
-    k = common
-    while True:
-        before = k
-        while k and _value_char(k[-1]):
-            k = k[:-1]
-        if len(k) >= 2 and k[-1] == " " and (k[-2].isdigit()):
-            k = k[:-1]
-            continue
-        nxt = unit[len(k)] if len(k) < len(unit) else ""
-        if k and k[-1].isalnum() and nxt.isalnum():
-            while k and k[-1].isalnum():
-                k = k[:-1]
-        if k == before:
-            return k
-
-
-def stable_suffix(a: str, b: str) -> str:
-    """The common end of two values, cut forward past value characters (" UTC" of "...:11 UTC" / "...:40 UTC")."""
-    n = 0
-    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
-        n += 1
-    s = a[len(a) - n:] if n else ""
+def trim_value_start(s: str, joined: Callable[[str], bool]) -> str:
+    """Cut value characters, a space before a digit and a cut word (``joined(s)``) off the start of ``s``."""
     while True:
         before = s
-        while s and _value_char(s[0]):
+        while s and (s[0].isdigit() or s[0] in VALUE_CHARS):
             s = s[1:]
         if len(s) >= 2 and s[0] == " " and s[1].isdigit():
             s = s[1:]
             continue
-        prev = a[len(a) - len(s) - 1] if len(s) < len(a) else ""
-        if s and s[0].isalnum() and prev.isalnum():
+        if s and s[0].isalnum() and joined(s):
             while s and s[0].isalnum():
                 s = s[1:]
         if s == before:
             return s
+
+
+def common_end(a: str, b: str) -> int:
+    """Length of the common suffix of two strs."""
+    return len(commonprefix([a[::-1], b[::-1]]))
+
+
+def stable_key(common: str, unit: str) -> str:
+    """Cut the common start of two lines back to where the value begins ("Customer: Ali" -> "Customer: ")."""
+    # the mirror image of trimming a suffix: reversed, a cut word is one that goes on in ``unit``
+    return trim_value_start(common[::-1], lambda r: len(r) < len(unit) and unit[len(r)].isalnum())[::-1]
+
+
+def stable_suffix(a: str, b: str) -> str:
+    """The common end of two values, cut forward past value characters (" UTC" of "...:11 UTC" / "...:40 UTC")."""
+    n = common_end(a, b)
+    return trim_value_start(a[len(a) - n:] if n else "", lambda s: len(s) < len(a) and a[-len(s) - 1].isalnum())
 
 
 def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
@@ -81,11 +62,8 @@ def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
     s = max(0, min(s, len(text)))
     e = min(max(e, s + 1), max(len(text), s + 1))
     ls = text.rfind("\n", 0, s) + 1
-    le = text.find("\n", e - 1 if e > s else s)
+    le = text.find("\n", e)
     le = len(text) if le < 0 else le
-    if le < e:
-        le2 = text.find("\n", e)
-        le = len(text) if le2 < 0 else le2
     if le - ls <= LONG_LINE:
         return ls, le, "line"
     line = text[ls:le]
@@ -128,10 +106,7 @@ def realign(A: str, B: str, pa: int, pb: int, window: int = WINDOW, m: int = MIN
         grams.setdefault(B[pb + b: pb + b + m], []).append(b)
     for a in range(min(window, len(A) - pa - m + 1)):
         for b in grams.get(A[pa + a: pa + a + m], ()):
-            if a == 0 and b == 0:
-                continue
-            run = lcp(A[pa + a:], B[pb + b:])
-            if run >= m:
+            if (a or b) and (run := lcp(A[pa + a:], B[pb + b:])) >= m:
                 return a, b, run
     return None
 
@@ -146,10 +121,7 @@ def _token_at(ends: list[int], c: int) -> int:
 
 
 def _seg_at(segs: list[Segment], c: int) -> Segment | None:
-    for s in segs:
-        if s.start <= c < s.end or (s.start == s.end == c):
-            return s
-    return None
+    return next((s for s in segs if s.start <= c < s.end or s.start == s.end == c), None)
 
 
 def _permutation(ca: str, la: int, cb: str, lb: int) -> tuple[str, list[str], list[str], int, int] | None:
@@ -171,10 +143,9 @@ def _permutation(ca: str, la: int, cb: str, lb: int) -> tuple[str, list[str], li
 def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sample: int = 400, seed: int = 0,
                min_run: int = MIN_RUN) -> tuple[list[Finding], dict]:
     """Diff a sample of requests against their partners; return the findings and what was scanned."""
-    n = len(prep.tokens)
-    cand = [i for i in range(n) if div.partner[i] >= 0
-            and div.position[i] < min(len(prep.tokens[i]), len(prep.tokens[div.partner[i]])) - 1]
-    rng = random.Random(seed)
+    cand = [i for i, (d, p) in enumerate(zip(div.position, div.partner))
+            if p >= 0 and d < min(len(prep.tokens[i]), len(prep.tokens[p])) - 1]
+    chosen = cand
     if len(cand) > sample:
         # every divergence position once (its earliest request: rare positions are where rare culprits are),
         # then a uniform sample of the rest
@@ -183,11 +154,9 @@ def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sampl
             first_at.setdefault(div.position[i], i)
         rare = sorted(first_at.values(), key=lambda i: div.position[i])[: sample // 2]
         rest = sorted(set(cand) - set(rare))
-        chosen = sorted(set(rare) | set(rng.sample(rest, min(len(rest), sample - len(rare)))))
-    else:
-        chosen = cand
+        chosen = sorted(set(rare) | set(random.Random(seed).sample(rest, min(len(rest), sample - len(rare)))))
     text_ids = sorted({j for i in chosen for j in (i, div.partner[i]) if prep.texts[j] is not None})
-    offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
+    offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}  # request -> (char offsets, token ends)
     mismatched = 0
     if text_ids and enc is not None:
         encoded = enc.encode_with_offsets([prep.texts[j] for j in text_ids])
@@ -213,9 +182,7 @@ def _scan_tokens(prep: Prepared, i: int, p: int, d: int, min_run: int) -> list[F
     pa = pb = d
     out = []
     for _ in range(MAX_STEPS):
-        if pa >= len(A) or pb >= len(B):
-            break
-        r = realign(A, B, pa, pb, m=min_run)
+        r = realign(A, B, pa, pb, m=min_run) if pa < len(A) and pb < len(B) else None
         if r is None:
             break
         a, b, run = r
@@ -246,8 +213,7 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
             out.append(Finding("tools", i, p, pa, text_a=_shorten(TA[ca:ca + 80]), text_b=_shorten(TB[cb:cb + 80])))
             break
         if sa is not None and sb is not None and (sa.role, sa.index) == (sb.role, sb.index):
-            ca_, cb_ = TA[sa.start:sa.end], TB[sb.start:sb.end]
-            perm = _permutation(ca_, ca - sa.start, cb_, cb - sb.start)
+            perm = _permutation(TA[sa.start:sa.end], ca - sa.start, TB[sb.start:sb.end], cb - sb.start)
             if perm is not None:
                 sep, ia, ib, ea, eb = perm
                 out.append(Finding("order", i, p, pa, sa.role, sa.index, items_a=ia, items_b=ib, sep=sep))
@@ -257,62 +223,62 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
                 continue
             if sa.role not in SYSTEM_ROLES and sa.role != "prompt":
                 break  # conversation content: the multi-turn check looks at it, not the field finder
-        r = realign(A, B, pa, pb, m=min_run)
-        if r is None:
+        if (r := realign(A, B, pa, pb, m=min_run)) is None:
             break
         a, b, run = r
-        ea, eb = _char_at(offA, pa + a, TA), _char_at(offB, pb + b, TB)
-        ea, eb = max(ea, ca), max(eb, cb)
+        ea, eb = max(_char_at(offA, pa + a, TA), ca), max(_char_at(offB, pb + b, TB), cb)
         da, db = TA[ca:ea], TB[cb:eb]
-        f = Finding("slot", i, p, _token_at(endsA, ca), run=run)
-        if out and out[-1].kind == "slot" and sa is not None and out[-1].role == sa.role and out[-1].index == sa.index \
-                and out[-1].text_a and TA.find(out[-1].text_a, sa.start) <= ca < TA.find(out[-1].text_a, sa.start) + len(out[-1].text_a):
-            pa, pb = pa + a + run, pb + b + run  # the same line again (its value had a common piece): one finding
-            continue
-        if re.sub(r"\s+", "", da) == re.sub(r"\s+", "", db):
-            f.kind, f.text_a, f.text_b = "whitespace", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
-            f.role, f.index = (sa.role, sa.index) if sa else (None, None)
+        tok, context = _token_at(endsA, ca), (TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30])
+        if _same_line(out, sa, TA, ca):
+            pass  # the same line again (its value had a common piece): one finding
+        elif re.sub(r"\s+", "", da) == re.sub(r"\s+", "", db):
+            where = (sa.role, sa.index) if sa else (None, None)
+            out.append(Finding("whitespace", i, p, tok, *where, *context, run=run))
         elif sa is None or sb is None or (sa.role, sa.index) != (sb.role, sb.index):
             if max(len(da), len(db)) > 40:
                 break  # content on one side, markup on the other: different messages, not a template difference
-            f.kind, f.text_a, f.text_b = "template", TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30]
+            out.append(Finding("template", i, p, tok, None, None, *context, run=run))
         else:
-            out.extend(_describe_slot(f, TA, TB, sa, sb, ca, ea, cb, eb, endsA))
-            pa, pb = pa + a + run, pb + b + run
-            continue
-        out.append(f)
+            out.extend(_describe_slot(Finding("slot", i, p, tok, run=run), TA, TB, sa, sb, ca, ea, cb, eb, endsA))
         pa, pb = pa + a + run, pb + b + run
     return out
 
 
+def _same_line(out: list[Finding], seg: Segment | None, text: str, c: int) -> bool:
+    """Whether char ``c`` of ``text`` is in the line of the slot found last."""
+    last = out[-1] if out else None
+    if last is None or last.kind != "slot" or seg is None or (last.role, last.index) != (seg.role, seg.index):
+        return False
+    at = text.find(last.text_a, seg.start)
+    return bool(last.text_a) and at <= c < at + len(last.text_a)
+
+
+def _line_before(content: str, pos: int) -> str:
+    """The line that ends just before ``pos`` ("" at the start)."""
+    return content[:pos].rstrip("\n").rsplit("\n", 1)[-1] if pos else ""
+
+
 def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: int, ea: int, cb: int, eb: int,
                    endsA: list[int]) -> list[Finding]:
-    """A slot's line(s), key, value and anchor: one finding per line that differs.
-
-    A coarse tokenizer may need more than one line to line up again (" UTC⏎Customer: " is too short a
-    run); then the slot covers several lines, and lines that differ in both requests become one
-    finding each.
-    """
+    """A slot's line(s), key, value and anchor: one finding per line that differs."""
     conA, conB = TA[sa.start:sa.end], TB[sb.start:sb.end]
     us, ue, level = unit_bounds(conA, ca - sa.start, ea - sa.start)
     vs, ve, _ = unit_bounds(conB, cb - sb.start, eb - sb.start)
-    ua, ub = conA[us:ue], conB[vs:ve]
-    la, lb = ua.split("\n"), ub.split("\n")
-    if level == "line" and len(la) == len(lb) > 1:
-        out, off = [], 0
-        for x, y in zip(la, lb):
-            if x != y:
-                g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
-                prev_a = conA[:us + off].rstrip("\n").rsplit("\n", 1)[-1] if us + off else ""
-                prev_b = conB[:vs + off].rstrip("\n").rsplit("\n", 1)[-1] if vs + off else ""
-                _describe_line(g, sa, x, y, us + off, prev_a, prev_b, "line", endsA)
-                out.append(g)
-            off += len(x) + 1
-        return out
-    prev_a = conA[:us].rstrip("\n").rsplit("\n", 1)[-1] if us else ""
-    prev_b = conB[:vs].rstrip("\n").rsplit("\n", 1)[-1] if vs else ""
-    _describe_line(f, sa, ua, ub, us, prev_a, prev_b, level, endsA)
-    return [f]
+    la, lb = conA[us:ue].split("\n"), conB[vs:ve].split("\n")
+    if level != "line" or len(la) != len(lb) or len(la) == 1:
+        _describe_line(f, sa, conA[us:ue], conB[vs:ve], us, _line_before(conA, us), _line_before(conB, vs), level,
+                       endsA)
+        return [f]
+    # a coarse tokenizer may need several lines to line up again: one finding per line that differs
+    out, off = [], 0
+    for x, y in zip(la, lb):
+        if x != y:
+            g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
+            _describe_line(g, sa, x, y, us + off, _line_before(conA, us + off), _line_before(conB, vs + off), "line",
+                           endsA)
+            out.append(g)
+        off += len(x) + 1
+    return out
 
 
 def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: str, prev_b: str, level: str,
@@ -333,5 +299,4 @@ def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: s
 
 
 def _tool_names(rec: Record) -> tuple[str, ...]:
-    return tuple(str((t.get("function") or {}).get("name", t.get("name", json.dumps(t, sort_keys=True))))
-                 for t in (rec.tools or []))
+    return tuple(tool_name(t, json.dumps(t, sort_keys=True)) for t in (rec.tools or []))
