@@ -71,20 +71,18 @@ def check_args(args: argparse.Namespace) -> str | None:
     from .core import input_paths
     from .outdir import OutDirError, check_out_dir
     from .tokenization import check_model
-    if not Path(args.log).is_file():
-        return f"no such file: {args.log}"
-    if args.vllm_metrics is not None and not Path(args.vllm_metrics).is_file():
-        return f"--vllm-metrics: no such file: {args.vllm_metrics}"
-    if any(b < 1 for b in args.block_size):
-        return "block sizes must be positive"
-    if args.capacity_blocks is not None and args.capacity_blocks < 1:
-        return "--capacity-blocks must be at least 1"
-    if args.kv_gib is not None and not (math.isfinite(args.kv_gib) and args.kv_gib > 0):
-        return "--kv-gib must be a positive number"
-    if args.concurrency < 1 or args.sample < 0:
-        return "--concurrency must be at least 1 and --sample at least 0"
-    if args.out is not None and not args.out.strip():
-        return "--out needs a folder name"
+    problems = [
+        (not Path(args.log).is_file(), f"no such file: {args.log}"),
+        (args.vllm_metrics is not None and not Path(args.vllm_metrics).is_file(),
+         f"--vllm-metrics: no such file: {args.vllm_metrics}"),
+        (any(b < 1 for b in args.block_size), "block sizes must be positive"),
+        (args.capacity_blocks is not None and args.capacity_blocks < 1, "--capacity-blocks must be at least 1"),
+        (args.kv_gib is not None and not (math.isfinite(args.kv_gib) and args.kv_gib > 0),
+         "--kv-gib must be a positive number"),
+        (args.concurrency < 1 or args.sample < 0, "--concurrency must be at least 1 and --sample at least 0"),
+        (args.out is not None and not args.out.strip(), "--out needs a folder name")]
+    if problem := next((msg for bad, msg in problems if bad), None):
+        return problem
     try:
         check_model(args.model)
         if args.out is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from .culprits import Culprit, Finding, find_culprits
 from .divergence import Divergence, divergence
 from .logio import BadLine, read_log, write_log
 from .measure import Meter, measure_alone, measure_fixes, stats, tenant_salts
-from .outdir import check_out_dir, clear, write_manifest, written
+from .outdir import check_out_dir, clear, write_manifest
 from .prepare import Prepared, prepare
 from .replay import block_chains, replay, replay_tokens, spot_check, unbounded_hits
 from .tokenization import PromptEncoder, ids, model_config
@@ -118,11 +117,12 @@ def _culprit_data(c: Culprit, cap_key: str, kept_all: list[Culprit]) -> dict:
             "chained": c.chained, "change": change, "alone": c.alone, "fixed_log": c.fixed_log}
 
 
-@contextmanager
-def _timed(timings: dict, phase: str):
+def _timed(timings: dict, phase: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, its seconds recorded as ``timings[phase]``."""
     t = time.perf_counter()
-    yield
+    out = fn(*args, **kwargs)
     timings[phase] = time.perf_counter() - t
+    return out
 
 
 def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: tuple[int, ...] = (16, 32, 64),
@@ -136,39 +136,30 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
     if not block_sizes or any(b < 1 for b in block_sizes):
         raise ValueError("block sizes must be positive ints")
     bs, timings, cpu0 = block_sizes[0], {}, time.process_time()
-    with _timed(timings, "read"):
-        records, bad = read_log(log)
-    with _timed(timings, "load tokenizer"):
-        enc = encoder
-        if enc is None and (model is not None or any(r.kind != "token_ids" for r in records)):
-            enc = PromptEncoder(model)
-    with _timed(timings, "render + tokenize"):
-        prep = prepare(records, enc)
+    records, bad = _timed(timings, "read", read_log, log)
+    load = encoder is None and (model is not None or any(r.kind != "token_ids" for r in records))
+    enc = _timed(timings, "load tokenizer", lambda: PromptEncoder(model) if load else encoder)
+    prep = _timed(timings, "render + tokenize", prepare, records, enc)
     notes = list(enc.notes) if enc is not None else []
     caps = _capacities(block_sizes, capacity_blocks, kv_gib, kv_config, kv_dtype, model, notes)
     tenants = tenant_salts(prep, tenant_field)
     if tenants is not None and None in tenants:
         notes.append(f"{tenants.count(None)} requests have no {tenant_field!r} field: they are replayed without a salt")
-    with _timed(timings, "divergence"):
-        div = divergence(prep.tokens)
+    div = _timed(timings, "divergence", divergence, prep.tokens)
     meter = Meter(bs, caps[bs], concurrency, tenant_field)
-    with _timed(timings, "replay (all block sizes)"):
-        table = _replay_table(prep, div, block_sizes, caps, tenants, concurrency, meter)
-    with _timed(timings, "spot check vs BlockManager"):
-        checks = [spot_check(prep.tokens, bs, caps[bs], spot_check_requests, tenants, None, concurrency)] \
-            if prep.tokens and spot_check_requests else []
+    table = _timed(timings, "replay (all block sizes)", _replay_table, prep, div, block_sizes, caps, tenants,
+                   concurrency, meter)
+    checks = _timed(timings, "spot check vs BlockManager", lambda: [
+        spot_check(prep.tokens, bs, caps[bs], spot_check_requests, tenants, None, concurrency)
+    ] if prep.tokens and spot_check_requests else [])
     if any(not c["equal"] for c in checks):
         notes.append("WARNING: the fast replay and kvlab.cache.BlockManager disagree on the spot check")
-    with _timed(timings, "find culprits"):
-        findings, scan, culprits = find_culprits(
-            prep, div, enc, bs, tenants=tenants, tenant_field=tenant_field, sample=sample, seed=seed,
-            salted_unsalted=(table[0]["unbounded_hit_tokens"], table[0].get("unsalted_hit_tokens", 0)))
-    with _timed(timings, "measure fixes"):
-        baseline = meter(prep)
-        kept, chain, final = measure_fixes(culprits, prep, enc, meter, baseline, min_effect)
-    with _timed(timings, "measure fixes alone"):
-        for c in kept if alone else []:
-            c.alone = measure_alone(c, prep, enc, meter)
+    salted = (table[0]["unbounded_hit_tokens"], table[0].get("unsalted_hit_tokens", 0))
+    findings, scan, culprits = _timed(timings, "find culprits", find_culprits, prep, div, enc, bs, tenants=tenants,
+                                      tenant_field=tenant_field, sample=sample, seed=seed, salted_unsalted=salted)
+    baseline, kept, chain, final = _timed(timings, "measure fixes", measure_fixes, culprits, prep, enc, meter,
+                                          min_effect)
+    _timed(timings, "measure fixes alone", measure_alone, kept if alone else [], prep, enc, meter)
     culprits = kept + [c for c in culprits if c not in kept and c.measurable] + [
         c for c in culprits if not c.measurable]
     top, final_top = _points(div, prep.tokens, enc), _points(divergence(final.tokens), final.tokens, enc)
@@ -263,15 +254,13 @@ def _system_only(final: Prepared, bs: int) -> dict | None:
 
 def _points(div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: int = 5) -> list[dict]:
     """The most common divergence positions with the text around them (request | partner)."""
-    out = []
+    out, (show, w) = [], (enc.decode, (24, 16)) if enc is not None else ((lambda x: str(ids(x))), (8, 8))
     for pos, count in div.top_points(k):
         i = next((j for j, (d, p) in enumerate(zip(div.position, div.partner)) if d == pos and p >= 0), None)
         if i is None:
             continue
-        p = div.partner[i]
-        s, t = tokens[i], tokens[p]
-        show, w = (enc.decode, (24, 16)) if enc is not None else ((lambda x: str(ids(x))), (8, 8))
-        out.append({"position": pos, "requests": count, "example_request": i, "partner": p,
+        s, t = tokens[i], tokens[div.partner[i]]
+        out.append({"position": pos, "requests": count, "example_request": i, "partner": div.partner[i],
                     "before": show(s[max(0, pos - w[0]):pos]), "after_request": show(s[pos:pos + w[1]]),
                     "after_partner": show(t[pos:pos + w[1]])})
     return out
@@ -280,12 +269,10 @@ def _points(div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: in
 def kv_bytes_per_token_of(config: dict, dtype: str = "bfloat16") -> int:
     """2 (K and V) x layers x KV heads x head dim x bytes per element, from a config.json dict."""
     cfg = config.get("text_config") or config
-    layers = cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
     size = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1}[dtype]
-    return 2 * layers * kv * hd * size
+    return 2 * cfg["num_hidden_layers"] * kv * hd * size
 
 
 def input_paths(*given: object) -> list[str]:
@@ -320,12 +307,11 @@ def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[
     clear(out, stale)
     try:
         paths: dict[str, Path] = {}
-        with _timed(d.timings, "write fixed logs"):
-            if fixed and d.requests:
-                paths.update({f"fixed: {k}": v for k, v in fixed_logs(d, out / "fixed").items()})
+        logs = _timed(d.timings, "write fixed logs",
+                      lambda: fixed_logs(d, out / "fixed") if fixed and d.requests else {})
+        paths.update({f"fixed: {k}": v for k, v in logs.items()})
         data = d.data()
-        with _timed(d.timings, "figures"):
-            figs = report.figures(data, out)
+        figs = _timed(d.timings, "figures", report.figures, data, out)
         paths.update(figs)
         data["timings"] = dict(d.timings)
         for name, render in (("summary.json", lambda: json.dumps(data, indent=1, default=str)),
@@ -334,5 +320,5 @@ def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[
                 f.write(render())
             paths[name] = out / name
     finally:  # what was written, even when a write failed half-way: the next run deletes it
-        write_manifest(out, written(out))
+        write_manifest(out)
     return paths

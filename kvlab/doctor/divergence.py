@@ -49,14 +49,9 @@ def divergence(prompts: Sequence[str]) -> Divergence:
     """Divergence position and partner of every prompt against all earlier ones, in log order."""
     keys, owner, pos, partner = [], [], [], []  # keys: the earlier prompts, sorted; owner: the request of each
     for i, s in enumerate(prompts):
-        j = bisect_left(keys, s)
-        best, who = 0, -1
-        if j < len(keys):
-            best, who = lcp(s, keys[j]), owner[j]
-        if j > 0:
-            l2 = lcp(s, keys[j - 1])
-            if l2 > best or who == -1:
-                best, who = l2, owner[j - 1]
+        j = bisect_left(keys, s)  # the longest match is a neighbour in sorted order; ties go to the one after
+        near = [(lcp(s, keys[n]), owner[n]) for n in (j, j - 1) if 0 <= n < len(keys)]
+        best, who = max(near, key=lambda m: m[0], default=(0, -1))
         pos.append(best)
         partner.append(who)
         keys.insert(j, s)

@@ -58,9 +58,9 @@ def flat(res: dict) -> dict:
 
 
 def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | None, meter: Meter,
-                  baseline: dict, min_effect: float) -> tuple[list[Culprit], list[dict], Prepared]:
-    """Apply the measurable fixes one after the other; return (kept culprits, the chain's rows, the fixed log)."""
-    cap_key = "capacity" if meter.capacity is not None else "unbounded"
+                  min_effect: float) -> tuple[dict, list[Culprit], list[dict], Prepared]:
+    """Apply the measurable fixes one after the other; return (baseline, kept culprits, chain rows, fixed log)."""
+    cap_key, baseline = "capacity" if meter.capacity is not None else "unbounded", meter(prep)
     order = sorted([c for c in culprits if c.measurable],
                    key=lambda c: (KIND_ORDER.get(c.kind, 1), c.position if c.position is not None else 10**9))
     chain = [{"step": "as logged", "kind": "", **flat(baseline)}]
@@ -96,12 +96,13 @@ def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | 
                 chain.append({"step": c.title, "kind": c.kind, **flat(res)})
             else:
                 c.chained, c.before, c.no_effect = res, {k: last[k] for k in res}, True
-    return kept, chain, cur
+    return baseline, kept, chain, cur
 
 
-def measure_alone(c: Culprit, prep: Prepared, enc: PromptEncoder | None, meter: Meter) -> dict | None:
-    """One fix applied to the original log, measured."""
-    return chain_step(c, prep, None, enc, meter, capacity=True)[1]
+def measure_alone(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | None, meter: Meter) -> None:
+    """Each culprit's fix applied alone to the original log, measured (``c.alone``)."""
+    for c in culprits:
+        c.alone = chain_step(c, prep, None, enc, meter, capacity=True)[1]
 
 
 def _quick_look(c: Culprit, prep: Prepared, idx: list[int], policy: str | None, enc: PromptEncoder | None,

@@ -101,15 +101,11 @@ def clear(out: Path, stale: list[str]) -> None:
         fixed.rmdir()
 
 
-def write_manifest(out: Path, files: list[str]) -> None:
-    """Record the files written (replaced by a rename: never written through an existing path)."""
+def write_manifest(out: Path) -> None:
+    """Record the doctor's files under ``out`` (after ``clear``: this run's) by a rename, never through a path."""
+    files = sorted(f for f in _files(out) if OUTPUT_NAME.fullmatch(f))
     fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=out)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump({"written_by": "kvlab.doctor", "files": sorted(files)}, f, indent=1)
+        json.dump({"written_by": "kvlab.doctor", "files": files}, f, indent=1)
     os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the report's other files are readable too
     os.replace(tmp, out / MANIFEST)
-
-
-def written(out: Path) -> list[str]:
-    """The doctor's files under ``out`` now (after ``clear`` these are the ones this run wrote)."""
-    return [f for f in _files(out) if OUTPUT_NAME.fullmatch(f)]
