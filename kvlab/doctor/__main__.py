@@ -106,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         d = diagnose(args.log, args.model, block_sizes=tuple(args.block_size),
                      **{name: getattr(args, name) for name in DIAGNOSE_OPTIONS})
-    except FileNotFoundError as e:
-        return _fail(str(e))
-    except (OSError, ValueError, KeyError) as e:
-        return _fail(f"{type(e).__name__}: {e}")
+    except (OSError, ValueError, KeyError) as e:  # a missing file is named as such, anything else with its type
+        return _fail(str(e) if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}")
     if args.out is not None:
         try:
             paths = write_report(d, args.out, fixed=not args.no_fixed_logs)

@@ -16,10 +16,7 @@ def lcp(a: str, b: str) -> int:
     lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid)
     return lo
 
 

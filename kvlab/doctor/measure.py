@@ -64,9 +64,8 @@ def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | 
     order = sorted([c for c in culprits if c.measurable],
                    key=lambda c: (KIND_ORDER.get(c.kind, 1), c.position if c.position is not None else 10**9))
     chain = [{"step": "as logged", "kind": "", **flat(baseline)}]
-    cur, policy, last = prep, None, baseline
+    cur, policy, last, kept = prep, None, baseline, []
     effect = max(1, int(min_effect * max(1, baseline["unbounded"]["query_tokens"])))
-    kept: list[Culprit] = []
     # In prompt order most differences are only hidden by one before them, fixed first; a fix that
     # changed nothing gets a second look once all the others are in (a difference after it hid it).
     groups = [[c for c in order if c.fix is not None], [c for c in order if c.fix is None]]  # records, then the rest

@@ -38,21 +38,11 @@ def nothing_why(lines: int) -> str:
             else "the log has no requests (it is empty or blank)")
 
 
-def _data(d: Any) -> dict:
-    """A Diagnosis or its ``data()`` dict -> the dict."""
-    return d if isinstance(d, dict) else d.data()
-
-
-def _groups(data: dict) -> tuple[list[dict], list[dict], list[dict]]:
-    """The culprits kept (in fix order), the candidates dropped, and the evidence-only ones."""
-    cs = data["culprits"]
-    return [c for c in cs if c["kept"]], [c for c in cs if c["no_effect"]], [c for c in cs if not c["measurable"]]
-
-
-def _spot(data: dict) -> tuple[int, bool]:
-    """Requests in the spot check, and whether the fast replay and the BlockManager agreed."""
-    checks = data["spot_checks"]
-    return (checks[0]["requests"] if checks else 0), all(c["equal"] for c in checks)
+def _groups(data: dict) -> tuple[list[dict], list[dict], list[dict], int, bool]:
+    """The culprits kept (in fix order), dropped and evidence-only; the spot check's requests and agreement."""
+    cs, checks = data["culprits"], data["spot_checks"]
+    return ([c for c in cs if c["kept"]], [c for c in cs if c["no_effect"]], [c for c in cs if not c["measurable"]],
+            checks[0]["requests"] if checks else 0, all(c["equal"] for c in checks))
 
 
 def _at(c: dict) -> str:
@@ -84,14 +74,13 @@ def render_text(data: dict) -> str:
     if v := data["vllm"]:
         out.append(f"  vLLM /metrics ({v['file']}): queries {v['queries']}, hits {v['hits']}, "
                    f"hit rate {pct(v['hit_rate'])}  vs replay {pct(base)}")
-    n, equal = _spot(data)
+    kept, weak, info, n, equal = _groups(data)
     out += [f"  check: first {n} requests replayed through kvlab.cache.BlockManager too: "
             f"{'identical' if equal else 'DIFFERENT'}", "",
             "where prompts stop matching every earlier prompt (most common token positions):"]
     out += [f"  token {p['position']:>5}: {p['requests']:>5} requests  …{_tail(_esc(p['before']), 40)}"
             f"⟦{_head(_esc(p['after_request']), 24)} | earlier: {_head(_esc(p['after_partner']), 24)}⟧"
             for p in data["top_divergence_points"]]
-    kept, weak, info = _groups(data)
     out += ["", f"culprits, in fix order (block size {data['block_size']}; hit rate with the "
                 f"{'given capacity' if k == 'capacity' else 'unbounded cache'}; as logged {pct(base)}):"]
     out += ["  none found"] * (not kept)
@@ -163,10 +152,9 @@ def render_html(data: dict, figs: dict[str, Path]) -> str:
     parts += [f"<p><i>note: {e(n)}</i></p>" for n in data["notes"]]
     if data["requests"]:
         parts += _html_findings(data, figs, e, k, tf)
-    if data["malformed"]:
-        parts.append("<h2>Malformed lines (skipped)</h2><ul>")
-        parts += [f"<li>line {b['line']}: {e(b['error'])} <code>{e(b['text'])}</code></li>" for b in data["malformed"]]
-        parts.append("</ul>")
+    if bad := data["malformed"]:
+        parts += ["<h2>Malformed lines (skipped)</h2><ul>", *(
+            f"<li>line {b['line']}: {e(b['error'])} <code>{e(b['text'])}</code></li>" for b in bad), "</ul>"]
     parts.append("<h2>Time</h2><table>" + "".join(_row(e(name), f"{v:.2f} s", left=(0,))
                                                    for name, v in data["timings"].items()) + "</table></body></html>")
     return "\n".join(parts)
@@ -181,7 +169,7 @@ def _html_findings(data: dict, figs: dict[str, Path], e, k: str, tf: str | None)
     parts += [_row(r["block_size"], pct(r["unbounded_hit_rate"]), r.get("capacity_blocks") or "-",
                    pct(r.get("capacity_hit_rate")), *((pct(r["unsalted_hit_rate"]),) if tf else ()),
                    r["short_requests"]) for r in data["table"]]
-    n, equal = _spot(data)
+    kept, weak, info, n, equal = _groups(data)
     parts.append(f"</table><p>Ceiling (a token-granular cache with unlimited room, no salts): "
                  f"<b>{pct(data['ceiling']['hit_rate'])}</b>. Spot check: the first {n} requests replayed through "
                  f"<code>kvlab.cache.BlockManager</code> give {'identical' if equal else '<b>different</b>'} "
@@ -197,7 +185,6 @@ def _html_findings(data: dict, figs: dict[str, Path], e, k: str, tf: str | None)
     parts.append(f"<h2>Culprits</h2><p>Measured at block size {data['block_size']}, "
                  f"{'the given capacity' if k == 'capacity' else 'an unbounded cache'}; as logged: "
                  f"<b>{pct(base['hit_rate'])}</b>, {base['computed_tokens']} prompt tokens prefilled.</p>")
-    kept, weak, info = _groups(data)
     for c in kept:
         b, a = c["before"][k], c["chained"][k]
         parts.append(f"<h3>{c['fix_order']}. {e(c['title'])}</h3><p>{e(c['where'])}{_at(c)}; "
@@ -243,31 +230,23 @@ def figures(data: dict, out_dir: Path) -> dict[str, Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return {}
-    paths = {}
-    for name, fig in (("hit_rates", fig_hit_rates(data)), ("divergence", fig_divergence(data)),
-                      ("fixes", fig_fixes(data))):
-        if fig is None:
-            continue
-        p = out_dir / f"{name}.png"
-        with open(p, "xb") as f:  # created new, never written over an existing file
-            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        paths[name] = p
+    figs = {"hit_rates": fig_hit_rates(data), "divergence": fig_divergence(data), "fixes": fig_fixes(data)}
+    paths = {name: out_dir / f"{name}.png" for name, fig in figs.items() if fig is not None}
+    for name, path in paths.items():
+        with open(path, "xb") as f:  # created new, never written over an existing file
+            figs[name].savefig(f, format="png", dpi=110, bbox_inches="tight")
+        plt.close(figs[name])
     return paths
-
-
-def _axes(figsize: tuple[float, float]):
-    import matplotlib.pyplot as plt
-    return plt.subplots(figsize=figsize)
 
 
 def fig_hit_rates(d: Any):
     """Bars: hit rate per block size (unbounded, capacity, no salts) and the token-level ceiling."""
-    data = _data(d)
+    import matplotlib.pyplot as plt
+    data = d if isinstance(d, dict) else d.data()  # a Diagnosis or its data()
     if not data["requests"]:
         return None
     table = data["table"]
-    fig, ax = _axes((6.4, 3.4))
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
     series = [("unbounded cache", "unbounded_hit_rate")]
     series += [("given capacity", "capacity_hit_rate")] * any(r.get("capacity_hit_rate") is not None for r in table)
     series += [("no salts", "unsalted_hit_rate")] * bool(data["tenant_field"])
@@ -283,11 +262,12 @@ def fig_hit_rates(d: Any):
 
 def fig_divergence(d: Any):
     """Histogram of divergence positions, the most common points marked."""
-    data = _data(d)
+    import matplotlib.pyplot as plt
+    data = d if isinstance(d, dict) else d.data()  # a Diagnosis or its data()
     if not data["requests"]:
         return None
     h = dict(data["divergence_histogram"])
-    fig, ax = _axes((6.4, 3.2))
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
     if h:
         xs = sorted(h)
         ax.bar(xs, [h[x] for x in xs], width=max(1, (max(xs) - min(xs)) / 300))
@@ -301,11 +281,12 @@ def fig_divergence(d: Any):
 
 def fig_fixes(d: Any):
     """Hit rate after each fix, applied one after the other."""
-    data = _data(d)
+    import matplotlib.pyplot as plt
+    data = d if isinstance(d, dict) else d.data()  # a Diagnosis or its data()
     chain = data["chain"]
     if len(chain) < 2:
         return None
-    fig, ax = _axes((6.4, 0.5 + 0.42 * len(chain)))
+    fig, ax = plt.subplots(figsize=(6.4, 0.5 + 0.42 * len(chain)))
     vals = [100 * r[f"{data['cap_key']}_hit_rate"] for r in chain]
     ax.barh(range(len(vals)), vals, color=["0.6"] + ["C0"] * (len(vals) - 1))
     for y, v in enumerate(vals):
