@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _fail(msg: str) -> int:
+def _fail(msg: str, status: int = EXIT_USAGE) -> int:
     print(f"kvlab doctor: {msg}", file=sys.stderr)
-    return EXIT_USAGE
+    return status
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -117,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(d.summary())
     if args.out is not None:
         print(f"report: {paths['report.html']}  (summary.json, figures and fixed logs beside it)")
-    if not d.requests:
-        print(f"kvlab doctor: nothing to replay: {nothing_why(d.lines)}", file=sys.stderr)
-        return EXIT_NOTHING
-    return EXIT_OK
+    return EXIT_OK if d.requests else _fail(f"nothing to replay: {nothing_why(d.lines)}", EXIT_NOTHING)
 
 
 if __name__ == "__main__":

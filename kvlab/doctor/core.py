@@ -169,7 +169,7 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
         source=str(log) if isinstance(log, (str, Path)) else f"<{lines} records>",
         model=enc.name if enc is not None else "none (token ids)", block_sizes=block_sizes, capacity_blocks=caps,
         lines=lines, bad=sorted(bad + prep.bad, key=lambda b: b.line), prep=prep, tenants=tenants,
-        tenant_field=tenant_field, div=div, table=table, ceiling=_ceiling(div, prep), top_points=top,
+        tenant_field=tenant_field, div=div, table=table, ceiling=div.ceiling(), top_points=top,
         findings=findings, scan=scan, culprits=culprits, baseline=baseline, chain=chain, final_top_points=final_top,
         system_only=_system_only(final, bs), spot_checks=checks, timings=timings, notes=notes,
         vllm=None if vllm_metrics is None else {**read_metrics(vllm_metrics), "file": str(vllm_metrics)},
@@ -202,13 +202,6 @@ def _kv_config(kv_config: str | None, model: str | None) -> dict:
         return json.loads(path.read_text())
     from kvlab.engine.models import load_public_config
     return load_public_config(kv_config)
-
-
-def _ceiling(div: Divergence, prep: Prepared) -> dict:
-    """A token-granular cache with unlimited room and no salts."""
-    queries, hits = sum(prep.lengths), div.ceiling_hit_tokens()
-    return {"hit_tokens": hits, "hit_rate": _rate(hits, queries),
-            "repeat_requests": sum(1 for d, n in zip(div.position, prep.lengths) if d >= n)}
 
 
 def _replay_table(prep: Prepared, div: Divergence, block_sizes: list[int], caps: dict, tenants: list | None,

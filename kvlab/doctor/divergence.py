@@ -28,9 +28,11 @@ class Divergence:
     partner: list[int]
     lengths: list[int]
 
-    def ceiling_hit_tokens(self) -> int:
-        """Hits of a token-granular cache with unlimited room: sum of min(divergence, n - 1)."""
-        return sum(min(d, n - 1) for d, n in zip(self.position, self.lengths))
+    def ceiling(self) -> dict:
+        """A token-granular cache with unlimited room and no salts: it hits min(divergence, n - 1) of each prompt."""
+        hits, queries = sum(min(d, n - 1) for d, n in zip(self.position, self.lengths)), sum(self.lengths)
+        return {"hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
+                "repeat_requests": sum(1 for d, n in zip(self.position, self.lengths) if d >= n)}
 
     def histogram(self) -> Counter:
         """Divergence position -> number of requests (requests that repeat an earlier prompt whole excluded)."""

@@ -7,6 +7,7 @@ from .prepare import Prepared, prepare
 from .replay import HitStats, block_chains, replay, unbounded_hits
 from .tokenization import PromptEncoder
 
+STATS = ("hit_rate", "hit_tokens", "query_tokens", "computed_tokens", "requests", "too_big")  # one replay, as a dict
 FIELD_KINDS = ("volatile", "per-user", "per-session")  # noisy candidates: a quick look on a few windows first
 QUICK_MIN, QUICK_WINDOWS, QUICK_SIZE = 3000, 4, 400  # logs above QUICK_MIN requests: 4 windows of 400
 SECOND_LOOK = ("template", "whitespace", "order", "tools-order", "alignment", "tenant-salt")  # hidden by later ones
@@ -16,8 +17,7 @@ KIND_ORDER = {"template": 0, "volatile": 1, "per-session": 1, "per-user": 1, "wh
 
 def stats(st: HitStats) -> dict:
     """The counters of one replay as a plain dict."""
-    return {"hit_rate": st.hit_rate, "hit_tokens": st.hit_tokens, "query_tokens": st.query_tokens,
-            "computed_tokens": st.computed_tokens, "requests": st.requests, "too_big": st.too_big}
+    return {k: getattr(st, k) for k in STATS}
 
 
 def tenant_salts(prep: Prepared, tenant_field: str | None) -> list[str | None] | None:
