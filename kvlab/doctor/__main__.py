@@ -20,6 +20,7 @@ exit status:
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import sys
 from pathlib import Path
@@ -92,10 +93,6 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-DIAGNOSE_OPTIONS = ("capacity_blocks", "kv_gib", "kv_config", "kv_dtype", "tenant_field", "vllm_metrics", "sample",
-                    "seed", "concurrency", "alone")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the doctor; exit 0 with a report, 1 when nothing could be replayed, 2 on bad arguments (see --help)."""
     args = build_parser().parse_args(argv)
@@ -104,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     from .core import diagnose, write_report
     from .report import nothing_why
     try:
-        d = diagnose(args.log, args.model, block_sizes=tuple(args.block_size),
-                     **{name: getattr(args, name) for name in DIAGNOSE_OPTIONS})
+        options = inspect.signature(diagnose).parameters  # the log, --model and every option named as in diagnose
+        d = diagnose(block_sizes=tuple(args.block_size), **{k: v for k, v in vars(args).items() if k in options})
     except (OSError, ValueError, KeyError) as e:  # a missing file is named as such, anything else with its type
         return _fail(str(e) if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}")
     if args.out is not None:

@@ -75,8 +75,7 @@ class Diagnosis:
 
     def row(self, block_size: int | None = None) -> dict:
         """The table row of one block size (default: the first)."""
-        bs = self.block_size if block_size is None else block_size
-        return next(r for r in self.table if r["block_size"] == bs)
+        return next(r for r in self.table if r["block_size"] == (block_size or self.block_size))
 
     def culprit(self, kind: str) -> Culprit | None:
         """The first culprit of a kind (``volatile``, ``per-user``, ``order``, ...), or None."""
@@ -183,13 +182,11 @@ def _capacities(block_sizes: list[int], capacity_blocks: int | None, kv_gib: flo
         kvb = kv_bytes_per_token_of(_kv_config(kv_config, model), kv_dtype)
         notes.append(f"--kv-gib {kv_gib}: {kvb} KV bytes per token ({kv_dtype}) from "
                      f"{kv_config or model or 'the bundled model'}'s config")
+        if not kvb and capacity_blocks is None:
+            raise ValueError("--kv-gib needs the KV bytes per token of a model config")
     if capacity_blocks is not None:
         return {bs: capacity_blocks * block_sizes[0] // bs for bs in block_sizes}
-    if kv_gib is not None:
-        if not kvb:
-            raise ValueError("--kv-gib needs the KV bytes per token of a model config")
-        return {bs: int(kv_gib * 2**30 // (bs * kvb)) for bs in block_sizes}
-    return {bs: None for bs in block_sizes}
+    return {bs: None if kv_gib is None else int(kv_gib * 2**30 // (bs * kvb)) for bs in block_sizes}
 
 
 def _kv_config(kv_config: str | None, model: str | None) -> dict:
@@ -295,9 +292,7 @@ def _rows(log: Prepared) -> Iterable:
 def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
     """summary.json, figures, fixed logs and report.html (all from one ``data()``) under a checked ``out_dir``."""
     out = Path(out_dir)
-    stale = check_out_dir(out, d.inputs)
-    out.mkdir(parents=True, exist_ok=True)
-    clear(out, stale)
+    clear(out, check_out_dir(out, d.inputs))
     try:
         paths: dict[str, Path] = {}
         logs = _timed(d.timings, "write fixed logs",

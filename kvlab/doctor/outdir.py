@@ -93,7 +93,8 @@ def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[st
 
 
 def clear(out: Path, stale: list[str]) -> None:
-    """Delete the earlier run's files (symlinks themselves, never what they point to)."""
+    """Make ``out`` if new, delete the earlier run's files in it (symlinks themselves, never what they point to)."""
+    out.mkdir(parents=True, exist_ok=True)
     for f in stale:
         (out / f).unlink(missing_ok=True)
     fixed = out / "fixed"

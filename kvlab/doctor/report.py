@@ -55,8 +55,7 @@ def render_text(data: dict) -> str:
     out = [f"kvlab doctor: {data['source']}", f"  tokenizer/template: {data['model']}",
            f"  lines: {data['lines']} read, {data['requests']} requests replayed, {len(bad)} malformed "
            "(skipped, listed below)"]
-    if data["requests"]:
-        out.append(f"  prompt tokens: {pt['total']} in all, mean {pt['mean']:.0f}, max {pt['max']}")
+    out += [f"  prompt tokens: {pt['total']} in all, mean {pt['mean']:.0f}, max {pt['max']}"] * bool(data["requests"])
     out += [f"    line {b['line']}: {b['error']}: {b['text']!r}" for b in bad[:10]]
     out += [f"    ... {len(bad) - 10} more in summary.json"] * (len(bad) > 10)
     out += [f"  note: {n}" for n in data["notes"]]
@@ -93,8 +92,7 @@ def render_text(data: dict) -> str:
                 f"prefill tokens {b['computed_tokens']} -> {a['computed_tokens']}"]
         if c["alone"]:
             out.append(f"     this fix alone on the log as logged: {pct(base)} -> {pct(c['alone'][k]['hit_rate'])}")
-        if c["fixed_log"]:
-            out.append(f"     the log with this fix and the ones above: {c['fixed_log']}")
+        out += [f"     the log with this fix and the ones above: {c['fixed_log']}"] * bool(c["fixed_log"])
     if weak:
         out.append(f"  candidates checked and dropped (fixing them saves less than {pct(data['min_effect'])} of the "
                    "prompt tokens' prefill, unbounded cache):")
