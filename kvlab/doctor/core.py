@@ -294,10 +294,9 @@ def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[
     out = Path(out_dir)
     clear(out, check_out_dir(out, d.inputs))
     try:
-        paths: dict[str, Path] = {}
         logs = _timed(d.timings, "write fixed logs",
                       lambda: fixed_logs(d, out / "fixed") if fixed and d.requests else {})
-        paths.update({f"fixed: {k}": v for k, v in logs.items()})
+        paths: dict[str, Path] = {f"fixed: {k}": v for k, v in logs.items()}
         data = d.data()
         figs = _timed(d.timings, "figures", report.figures, data, out)
         paths.update(figs)

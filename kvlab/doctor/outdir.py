@@ -61,17 +61,15 @@ def _legacy(out: Path, names: list[str]) -> list[str] | None:
 def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[str]:
     """Raise OutDirError if the doctor may not write its report to ``out``; return the earlier run's files to delete."""
     out = Path(out)
-    if out.is_symlink() and not out.exists():
-        raise OutDirError(f"--out {out} is a broken symlink")
-    if out.exists() and not out.is_dir():
-        raise OutDirError(f"--out {out} is a file, not a folder: give a folder for the report")
     parent = next((p for p in out.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise OutDirError(f"--out {out}: {parent} is a file, not a folder")
-    for p in inputs:
-        if Path(p).resolve().is_relative_to(out.resolve()):
-            raise OutDirError(f"--out {out} holds the input {p}: write the report to another folder "
-                              "(the doctor never writes where its input is)")
+    held = next((p for p in inputs if Path(p).resolve().is_relative_to(out.resolve())), None)
+    for wrong, why in ((out.is_symlink() and not out.exists(), " is a broken symlink"),
+                       (out.exists() and not out.is_dir(), " is a file, not a folder: give a folder for the report"),
+                       (parent is not None and not parent.is_dir(), f": {parent} is a file, not a folder"),
+                       (held is not None, f" holds the input {held}: write the report to another folder "
+                                          "(the doctor never writes where its input is)")):
+        if wrong:
+            raise OutDirError(f"--out {out}{why}")
     if not out.exists():
         return []
     names = [f for f in _files(out) if f != MANIFEST]

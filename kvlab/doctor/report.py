@@ -264,11 +264,10 @@ def fig_divergence(d: Any):
     data = d if isinstance(d, dict) else d.data()  # a Diagnosis or its data()
     if not data["requests"]:
         return None
-    h = dict(data["divergence_histogram"])
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    if h:
-        xs = sorted(h)
-        ax.bar(xs, [h[x] for x in xs], width=max(1, (max(xs) - min(xs)) / 300))
+    if data["divergence_histogram"]:  # (position, requests) pairs, sorted
+        xs, counts = zip(*data["divergence_histogram"])
+        ax.bar(xs, counts, width=max(1, (xs[-1] - xs[0]) / 300))
         for p in data["top_divergence_points"][:3]:
             ax.annotate(f"{p['position']}", (p["position"], p["requests"]), fontsize=8, ha="center", va="bottom")
         ax.set_yscale("log")
