@@ -159,8 +159,7 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
     baseline, kept, chain, final = _timed(timings, "measure fixes", measure_fixes, culprits, prep, enc, meter,
                                           min_effect)
     _timed(timings, "measure fixes alone", measure_alone, kept if alone else [], prep, enc, meter)
-    culprits = kept + [c for c in culprits if c not in kept and c.measurable] + [
-        c for c in culprits if not c.measurable]
+    culprits = kept + sorted((c for c in culprits if c not in kept), key=lambda c: not c.measurable)  # stable
     top, final_top = _points(div, prep.tokens, enc), _points(divergence(final.tokens), final.tokens, enc)
     timings["cpu (process time, all phases)"] = time.process_time() - cpu0
     lines = len(records) + len(bad)

@@ -46,13 +46,11 @@ class Divergence:
 
 def divergence(prompts: Sequence[str]) -> Divergence:
     """Divergence position and partner of every prompt against all earlier ones, in log order."""
-    keys, owner, pos, partner = [], [], [], []  # keys: the earlier prompts, sorted; owner: the request of each
+    keys, owner, found = [], [], []  # keys: the earlier prompts, sorted; owner: the request of each
     for i, s in enumerate(prompts):
         j = bisect_left(keys, s)  # the longest match is a neighbour in sorted order; ties go to the one after
         near = [(lcp(s, keys[n]), owner[n]) for n in (j, j - 1) if 0 <= n < len(keys)]
-        best, who = max(near, key=lambda m: m[0], default=(0, -1))
-        pos.append(best)
-        partner.append(who)
+        found.append(max(near, key=lambda m: m[0], default=(0, -1)))  # (position, partner)
         keys.insert(j, s)
         owner.insert(j, i)
-    return Divergence(pos, partner, [len(p) for p in prompts])
+    return Divergence([d for d, _ in found], [p for _, p in found], [len(p) for p in prompts])

@@ -93,13 +93,11 @@ def render_text(data: dict) -> str:
         if c["alone"]:
             out.append(f"     this fix alone on the log as logged: {pct(base)} -> {pct(c['alone'][k]['hit_rate'])}")
         out += [f"     the log with this fix and the ones above: {c['fixed_log']}"] * bool(c["fixed_log"])
-    if weak:
-        out.append(f"  candidates checked and dropped (fixing them saves less than {pct(data['min_effect'])} of the "
-                   "prompt tokens' prefill, unbounded cache):")
-        out += [f"     - {c['title']}: {_dropped(c)}" for c in weak]
-    if info:
-        out.append("  evidence only (no automatic rewrite):")
-        out += [f"     - {c['title']}: " + "; ".join(_head(_esc(e), 100) for e in c["evidence"][:2]) for c in info]
+    out += [f"  candidates checked and dropped (fixing them saves less than {pct(data['min_effect'])} of the "
+            "prompt tokens' prefill, unbounded cache):"] * bool(weak)
+    out += [f"     - {c['title']}: {_dropped(c)}" for c in weak]
+    out += ["  evidence only (no automatic rewrite):"] * bool(info)
+    out += [f"     - {c['title']}: " + "; ".join(_head(_esc(e), 100) for e in c["evidence"][:2]) for c in info]
     if len(chain := data["chain"]) > 1:
         out += ["", f"all fixes together: {pct(chain[0][k + '_hit_rate'])} -> {pct(chain[-1][k + '_hit_rate'])}, "
                     f"prefill tokens {chain[0][k + '_computed_tokens']} -> {chain[-1][k + '_computed_tokens']}"]
