@@ -76,8 +76,7 @@ def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | 
         for c in list(group):
             if attempt == 2 and c.kind not in SECOND_LOOK:
                 continue
-            quick = windows and c.kind in FIELD_KINDS
-            if quick and not _quick_look(c, cur, windows, policy, enc, meter, min_effect / 2):
+            if windows and c.kind in FIELD_KINDS and not _quick_look(c, cur, windows, policy, enc, meter, min_effect):
                 c.chained, c.before, c.no_effect = None, {"unbounded": last["unbounded"]}, True
                 c.details["quick look"] = f"no effect on {len(windows)} requests in {QUICK_WINDOWS} windows of the log"
                 continue
@@ -105,13 +104,13 @@ def measure_alone(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | 
 
 
 def _quick_look(c: Culprit, prep: Prepared, idx: list[int], policy: str | None, enc: PromptEncoder | None,
-                meter: Meter, share: float) -> bool:
-    """Whether a field fix saves at least ``share`` of the prefill in a few windows of the log (cheap pre-check)."""
+                meter: Meter, min_effect: float) -> bool:
+    """Whether a field fix saves half of ``min_effect`` of the prefill in a few windows of the log (cheap pre-check)."""
     sub = prep.subset(idx)
     quick = Meter(meter.bs, None, 1, meter.tenant_field)
     before = quick(sub, policy=policy, capacity=False)["unbounded"]
     _, after, _ = chain_step(c, sub, policy, enc, quick)
-    return before["computed_tokens"] - after["unbounded"]["computed_tokens"] >= share * before["query_tokens"]
+    return before["computed_tokens"] - after["unbounded"]["computed_tokens"] >= min_effect / 2 * before["query_tokens"]
 
 
 def chain_step(c: Culprit, prep: Prepared, policy: str | None, enc: PromptEncoder | None, meter: Meter,

@@ -85,9 +85,8 @@ def render_text(data: dict) -> str:
     out += ["  none found"] * (not kept)
     for c in kept:
         b, a = c["before"][k], c["chained"][k]
-        out += [f"  {c['fix_order']}. {c['title']}  [{c['where']}{_at(c)}]"]
-        out += [f"       {_head(_esc(e), 160)}" for e in c["evidence"][:4]]
-        out += [f"     fix: {c['fix']}",
+        out += [f"  {c['fix_order']}. {c['title']}  [{c['where']}{_at(c)}]",
+                *(f"       {_head(_esc(e), 160)}" for e in c["evidence"][:4]), f"     fix: {c['fix']}",
                 f"     measured: {pct(b['hit_rate'])} -> {pct(a['hit_rate'])} ({100 * c['change']:+.1f} points); "
                 f"prefill tokens {b['computed_tokens']} -> {a['computed_tokens']}"]
         if c["alone"]:
@@ -123,18 +122,16 @@ def _row(*cells: object, th: bool = False, left: tuple[int, ...] = ()) -> str:
 
 
 def _points_table(e, points: list[dict], head: str) -> list[str]:
-    rows = [f"<table><tr><th>token</th><th>requests</th><th class=l>{head}</th><th class=l>this request goes on</th>"
-            "<th class=l>the earlier prompt went on</th></tr>"]
-    rows += [f"<tr><td>{p['position']}</td><td>{p['requests']}</td><td class=l><code>{e(_esc(p['before']))}</code></td>"
-             f"<td class='l diff'><code>{e(_esc(p['after_request']))}</code></td>"
-             f"<td class=l><code>{e(_esc(p['after_partner']))}</code></td></tr>" for p in points]
-    return rows + ["</table>"]
+    return [f"<table><tr><th>token</th><th>requests</th><th class=l>{head}</th><th class=l>this request goes on</th>"
+            "<th class=l>the earlier prompt went on</th></tr>"] + [
+        f"<tr><td>{p['position']}</td><td>{p['requests']}</td><td class=l><code>{e(_esc(p['before']))}</code></td>"
+        f"<td class='l diff'><code>{e(_esc(p['after_request']))}</code></td>"
+        f"<td class=l><code>{e(_esc(p['after_partner']))}</code></td></tr>" for p in points] + ["</table>"]
 
 
 def render_html(data: dict, figs: dict[str, Path]) -> str:
     """A self-contained HTML page (figures linked as PNG files next to it)."""
-    e = html.escape
-    pt, k, tf = data["prompt_tokens"], data["cap_key"], data["tenant_field"]
+    e, pt, k, tf = html.escape, data["prompt_tokens"], data["cap_key"], data["tenant_field"]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>kvlab doctor: {e(data['source'])}</title>",
              "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;line-height:1.4}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
@@ -158,10 +155,9 @@ def render_html(data: dict, figs: dict[str, Path]) -> str:
 
 def _html_findings(data: dict, figs: dict[str, Path], e, k: str, tf: str | None) -> list[str]:
     """The HTML report's sections past its header: hit rates, divergence points, culprits, fixes."""
-    salts = ("no salts",) if tf else ()
     parts = ["<h2>Hit rate, replayed in log order with vLLM's rules</h2><table>"
-             + _row("block size", "unbounded cache", "capacity (blocks)", "hit rate at capacity", *salts,
-                    "requests sharing &lt; 1 block", th=True)]
+             + _row("block size", "unbounded cache", "capacity (blocks)", "hit rate at capacity",
+                    *(("no salts",) if tf else ()), "requests sharing &lt; 1 block", th=True)]
     parts += [_row(r["block_size"], pct(r["unbounded_hit_rate"]), r.get("capacity_blocks") or "-",
                    pct(r.get("capacity_hit_rate")), *((pct(r["unsalted_hit_rate"]),) if tf else ()),
                    r["short_requests"]) for r in data["table"]]
@@ -278,8 +274,7 @@ def fig_fixes(d: Any):
     """Hit rate after each fix, applied one after the other."""
     import matplotlib.pyplot as plt
     data = d if isinstance(d, dict) else d.data()  # a Diagnosis or its data()
-    chain = data["chain"]
-    if len(chain) < 2:
+    if len(chain := data["chain"]) < 2:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 0.5 + 0.42 * len(chain)))
     vals = [100 * r[f"{data['cap_key']}_hit_rate"] for r in chain]
