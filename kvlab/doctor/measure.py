@@ -39,8 +39,7 @@ class Meter:
         if self.last is not None and self.last[0] == key and self.last[1] is prep.tokens:
             chains, out = self.last[2], dict(self.last[3])  # the same log measured just before (unbounded first)
         elif policy is None and not (self.capacity is not None and capacity):
-            # unbounded only: the divergence positions give the hits, no block ids needed
-            per, self.last = unbounded_hits(prep.tokens, self.bs, salts), None
+            per, self.last = unbounded_hits(prep.tokens, self.bs, salts), None  # unbounded: no block ids needed
             return {"unbounded": stats(HitStats(self.bs, None, len(per), sum(prep.lengths), sum(per)))}
         else:
             public = public_prefixes(prep, salts) if policy == "public-prefix" and salts else None

@@ -122,11 +122,12 @@ def _row(*cells: object, th: bool = False, left: tuple[int, ...] = ()) -> str:
 
 
 def _points_table(e, points: list[dict], head: str) -> list[str]:
-    return [f"<table><tr><th>token</th><th>requests</th><th class=l>{head}</th><th class=l>this request goes on</th>"
-            "<th class=l>the earlier prompt went on</th></tr>"] + [
-        f"<tr><td>{p['position']}</td><td>{p['requests']}</td><td class=l><code>{e(_esc(p['before']))}</code></td>"
-        f"<td class='l diff'><code>{e(_esc(p['after_request']))}</code></td>"
-        f"<td class=l><code>{e(_esc(p['after_partner']))}</code></td></tr>" for p in points] + ["</table>"]
+    top = (f"<table><tr><th>token</th><th>requests</th><th class=l>{head}</th><th class=l>this request goes on</th>"
+           "<th class=l>the earlier prompt went on</th></tr>")
+    return [top] + [f"<tr><td>{p['position']}</td><td>{p['requests']}</td>"
+                    f"<td class=l><code>{e(_esc(p['before']))}</code></td>"
+                    f"<td class='l diff'><code>{e(_esc(p['after_request']))}</code></td>"
+                    f"<td class=l><code>{e(_esc(p['after_partner']))}</code></td></tr>" for p in points] + ["</table>"]
 
 
 def render_html(data: dict, figs: dict[str, Path]) -> str:
