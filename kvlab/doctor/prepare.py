@@ -176,11 +176,7 @@ def _render(rec: Record, enc: PromptEncoder, base: Prepared | None, known: dict,
         spliced = _splice(rec, base, known[id(rec.origin)], enc)
         if spliced is not None and enc.splice_checked < SPLICE_CHECKS:
             enc.splice_checked += 1
-            try:
-                same = enc.render(rec) == spliced[0]
-            except Exception:
-                same = False
-            if not same:
+            if enc.try_render(rec) != spliced[0]:
                 enc.splice_ok = False
                 enc.notes.append("the chat template does not copy message contents verbatim: "
                                  "rewritten logs are rendered in full (slower)")
@@ -199,10 +195,7 @@ def _system_chars(rec: Record, text: str, enc: PromptEncoder, memo: dict) -> int
             return 0
         key = (eff[0]["role"], eff[0]["content"], id(rec.tools) if enc.renders_tools else None)
         if key not in memo:
-            try:
-                memo[key] = enc.render(rec, add_generation_prompt=False, messages=eff[:1])
-            except Exception:
-                memo[key] = None
+            memo[key] = enc.try_render(rec, add_generation_prompt=False, messages=eff[:1])
         head = memo[key]
     else:  # a ChatML prompt: up to and including the system message's end marker
         parsed = parse_chatml(text)

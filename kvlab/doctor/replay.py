@@ -169,16 +169,14 @@ def _forget(b: int, old, first: dict, twins: dict) -> None:
     if old is None:
         return
     if first.get(old) == b:
-        if tw := twins.get(old):
-            first[old] = tw.pop(0)
-            if not tw:
-                del twins[old]
-        else:
+        if old not in twins:
             del first[old]
+            return
+        first[old] = twins[old].pop(0)  # its oldest twin takes over
     else:
         twins[old].remove(b)
-        if not twins[old]:
-            del twins[old]
+    if not twins[old]:
+        del twins[old]
 
 
 def replay_tokens(prompts: Sequence[str], block_size: int, capacity_blocks: int | None = None,
@@ -223,8 +221,7 @@ def spot_check(prompts: Sequence[str], block_size: int, capacity_blocks: int | N
                concurrency: int = 1, free_order: str = "vllm") -> dict:
     """Replay the first ``limit`` requests both ways; return both hit counts and whether they agree."""
     head = list(prompts[:limit])
-    s = list(salts[:limit]) if salts is not None else None
-    p = list(public_tokens[:limit]) if public_tokens is not None else None
+    s, p = (None if x is None else list(x[:limit]) for x in (salts, public_tokens))
     fast = replay_tokens(head, block_size, capacity_blocks, s, p, concurrency, free_order)
     ref = replay_block_manager(head, block_size, capacity_blocks, s, p, concurrency, check=False, free_order=free_order)
     return {"requests": len(head), "block_size": block_size, "capacity_blocks": capacity_blocks,

@@ -99,7 +99,7 @@ class PromptEncoder:
         longest_first = sorted(self.added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
         self.cache: dict[str, str] = {}  # piece -> its token str
-        self._offset_cache: dict[str, list[tuple[int, int]]] = {}
+        self._offset_cache: dict[str, tuple[str, list[tuple[int, int]]]] = {}
         self.segmented = self.lines = True  # split at added tokens, and after newline runs (checked on a first batch)
         self._checked = False
         self.splice_ok, self.splice_checked = True, 0  # rewritten records spliced into their origin's text (prepare)
@@ -135,14 +135,26 @@ class PromptEncoder:
             kwargs["chat_template"] = CHATML
         return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
+    def try_render(self, rec: Record, **kwargs: Any) -> str | None:
+        """``render``, or None for a record the chat template refuses (jinja raises TemplateError and friends)."""
+        try:
+            return self.render(rec, **kwargs)
+        except Exception:
+            return None
+
     # --- tokenizing ---------------------------------------------------------------------------------
-    def _batch(self, texts: list[str]) -> list[list[int]]:
+    def _batch(self, texts: list[str], offsets: bool = False) -> list:
+        """Token strs of texts (no special tokens added); with ``offsets``, (token str, char offsets) pairs."""
         if not texts:
             return []
         if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
-            fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
-            return [e.ids for e in fast(texts, add_special_tokens=False)]
-        return list(self.tok(texts, add_special_tokens=False)["input_ids"])
+            fast = None if offsets else getattr(backend, "encode_batch_fast", None)
+            encs = (fast or backend.encode_batch)(texts, add_special_tokens=False)
+            return [(tokstr(e.ids), list(e.offsets)) if offsets else tokstr(e.ids) for e in encs]
+        out = self.tok(texts, add_special_tokens=False, return_offsets_mapping=offsets)
+        if not offsets:
+            return [tokstr(i) for i in out["input_ids"]]
+        return [(tokstr(i), [tuple(o) for o in off]) for i, off in zip(out["input_ids"], out["offset_mapping"])]
 
     def _parts(self, text: str) -> list[str]:
         """A text cut at the added tokens (whole once piece-wise tokenization is off)."""
@@ -171,8 +183,7 @@ class PromptEncoder:
         self.chars_tokenized += sum(map(len, todo))
         self.pieces_tokenized += len(todo)
         self.pieces_total += sum(map(len, split))
-        for x, i in zip(todo, self._batch(todo)):
-            cache[x] = tokstr(i)
+        cache.update(zip(todo, self._batch(todo)))
         for p, ls in lines_of.items():
             cache[p] = "".join(cache[x] for x in ls)
         out = ["".join(chr(added[p]) if p in added else cache[p] for p in ps) for ps in split]
@@ -182,7 +193,7 @@ class PromptEncoder:
     def _check(self, sample: list[str]) -> None:
         """Compare piece-wise with whole-prompt tokenization on a sample: stop cutting at lines, then at all."""
         self._checked = True
-        whole = [tokstr(i) for i in self._batch(sample)]
+        whole = self._batch(sample)
         if self.encode(sample) == whole:
             return
         self.lines = False
@@ -200,29 +211,18 @@ class PromptEncoder:
         """Token strs and character offsets of texts (piece-wise like ``encode``, pieces cached)."""
         texts, added, known = list(texts), self.added, self._offset_cache
         if not (self.segmented and self._checked):
-            return self._whole_offsets(texts)
+            return self._batch(texts, offsets=True)
         split = [self._pieces(t) for t in texts]
         todo = sorted({p for ps in split for p in ps if p not in added and p not in known})
-        known.update((p, off) for p, (_, off) in zip(todo, self._whole_offsets(todo)))
+        known.update(zip(todo, self._batch(todo, offsets=True)))  # piece -> (its token str, its offsets)
         out = []
         for ps in split:
             offs, pos = [], 0
             for p in ps:
-                offs.extend([(pos, pos + len(p))] if p in added else ((pos + a, pos + b) for a, b in known[p]))
+                offs.extend([(pos, pos + len(p))] if p in added else ((pos + a, pos + b) for a, b in known[p][1]))
                 pos += len(p)
-            toks = "".join(chr(added[p]) if p in added else self.cache.get(p) or tokstr(self._batch([p])[0])
-                           for p in ps)
-            out.append((toks, offs))
+            out.append(("".join(chr(added[p]) if p in added else known[p][0] for p in ps), offs))
         return out
-
-    def _whole_offsets(self, texts: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
-        if not texts:
-            return []
-        if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
-            encs = backend.encode_batch(list(texts), add_special_tokens=False)
-            return [(tokstr(e.ids), list(e.offsets)) for e in encs]
-        out = self.tok(list(texts), add_special_tokens=False, return_offsets_mapping=True)
-        return [(tokstr(i), [tuple(o) for o in off]) for i, off in zip(out["input_ids"], out["offset_mapping"])]
 
     def decode(self, s: str) -> str:
         """Text of a token str."""

@@ -13,7 +13,7 @@ from ..logio import Record
 from ..prepare import SYSTEM_ROLES, Prepared, parse_chatml
 from ..tokenization import PromptEncoder
 from .base import Culprit, _shorten, _where, map_contents, record_segments, tool_name
-from .textdiff import Finding, _tool_names, stable_key
+from .textdiff import Finding, _tool_names, by_key, stable_key
 
 
 def normalize_ws(text: str) -> str:
@@ -50,11 +50,7 @@ def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) 
         conv = rerender_chatml([rec])[0] if rec.kind == "prompt" and len(out) < limit else rec
         if conv is rec:  # not a ChatML prompt
             continue
-        try:
-            text = enc.render(conv)
-        except Exception:
-            continue
-        if text == rec.prompt:
+        if (text := enc.try_render(conv)) is None or text == rec.prompt:
             continue
         c = lcp(text, rec.prompt)
         tok = enc.encode([rec.prompt[:c]])[0]
@@ -138,12 +134,8 @@ def sort_items(records: list[Record], role: str, index: int | None, sep: str, pr
 
 def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:
     """Same items (documents, examples) in another order: sort runs of items that share a header."""
-    groups: dict[tuple, list[Finding]] = defaultdict(list)
-    for f in findings:
-        if f.kind == "order":
-            groups[(f.role, f.index, f.sep)].append(f)
     out = []
-    for (role, index, sep), fs in groups.items():
+    for (role, index, sep), fs in by_key(findings, "order", lambda f: (f.role, f.index, f.sep)).items():
         if len(fs) < min_count:
             continue
         items = [it for f in fs for it in f.items_a + f.items_b]
@@ -152,7 +144,7 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
         unit = "paragraphs" if sep == "\n\n" else "lines"
         affected = sum(1 for rec in prep.records for r, idx, c in record_segments(rec)
                        if r == role and (index is None or idx == index) and prefix and c.count(prefix) >= 2)
-        c = Culprit(
+        out.append(Culprit(
             "order", f"the same {unit} in varying order in {_where(role, index)}"
             + (f" (items starting {prefix!r})" if prefix else ""),
             int(statistics.median(f.token_pos for f in fs)), _where(role, index),
@@ -163,8 +155,7 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
             else f"send the {unit} in one canonical order (they share no header the doctor could sort by)",
             affected, fix=(lambda recs, r=role, i=index, s=sep, p=prefix: sort_items(recs, r, i, s, p)) if prefix
             else None,
-            examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep})
-        out.append(c)
+            examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep}))
     return out
 
 
