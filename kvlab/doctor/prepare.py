@@ -113,9 +113,7 @@ def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[st
     r0 = base.records[k]
     if rec.kind != "messages" or r0.kind != "messages" or len(rec.messages) != len(r0.messages):
         return None
-    if any(a["role"] != b["role"] for a, b in zip(rec.messages, r0.messages)):
-        return None
-    if rec.tools is not r0.tools and rec.tools != r0.tools:
+    if any(a["role"] != b["role"] for a, b in zip(rec.messages, r0.messages)) or rec.tools != r0.tools:
         return None
     segs0, text0, sys0 = base.segments[k], base.texts[k], base.sys_chars[k]
     if len({s.index for s in segs0 if s.index is not None}) != len(rec.messages) or text0 is None:
@@ -159,13 +157,9 @@ def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | 
     # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
     sys_tokens = [lcp(heads[i], tokens[i]) if i in heads else 0 for i in range(len(kept))]
     every = Prepared(kept, texts, tokens, segments, sys_tokens, sys_chars=sys_chars)
-    out = Prepared([], [], [], [], [], bad)
-    for i, r in enumerate(kept):
-        if tokens[i]:
-            out.take(every, i)
-        else:  # a prompt that tokenizes to nothing cannot be replayed
-            out.bad.append(BadLine(r.line, "the prompt has no tokens", ""))
-    out.bad.sort(key=lambda b: b.line)
+    out = every.subset([i for i, t in enumerate(tokens) if t])  # a prompt with no tokens cannot be replayed
+    out.bad = sorted(bad + [BadLine(r.line, "the prompt has no tokens", "") for r, t in zip(kept, tokens) if not t],
+                     key=lambda b: b.line)
     return out
 
 

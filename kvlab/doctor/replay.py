@@ -201,7 +201,8 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
     nb = capacity_blocks if capacity_blocks is not None else sum(cdiv(len(t), bs) for t in toks) + 1
     bm = BlockManager(nb, bs, free_order=free_order)
     run = ScriptedScheduler(bm, max_num_seqs=concurrency, max_num_batched_tokens=UNLIMITED_TOKENS)
-    waiting = deque(i for i, t in enumerate(toks) if cdiv(len(t), bs) <= nb)  # too big: all miss, never run
+    fits = [cdiv(len(t), bs) <= nb for t in toks]
+    waiting = deque(i for i, ok in enumerate(fits) if ok)  # too big: all miss, never run
     per = [0] * len(toks)
     while waiting or run.has_unfinished():
         while waiting and len(run.requests) < concurrency:
@@ -212,8 +213,8 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
             per[seq.request_id] = seq.num_cached_tokens or 0
     if check:
         bm.check_invariants()
-    return HitStats(bs, capacity_blocks, len(per), sum(map(len, toks)), sum(per), len(toks) - sum(
-        cdiv(len(t), bs) <= nb for t in toks), time.perf_counter() - t0, per)
+    return HitStats(bs, capacity_blocks, len(per), sum(map(len, toks)), sum(per), fits.count(False),
+                    time.perf_counter() - t0, per)
 
 
 def spot_check(prompts: Sequence[str], block_size: int, capacity_blocks: int | None, limit: int = 100,

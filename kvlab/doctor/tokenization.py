@@ -94,8 +94,7 @@ class PromptEncoder:
             self.notes.append("the tokenizer has no chat template: messages are rendered as ChatML")
         self.renders_tools = bool(template) and "tools" in template
         decoder = getattr(tokenizer, "added_tokens_decoder", {})
-        added = {getattr(t, "content", str(t)): int(i) for i, t in decoder.items()}
-        self.added = {text: i for text, i in added.items() if text}
+        self.added = {text: int(i) for i, t in decoder.items() if (text := getattr(t, "content", str(t)))}
         longest_first = sorted(self.added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
         self.cache: dict[str, str] = {}  # piece -> its token str
@@ -198,14 +197,12 @@ class PromptEncoder:
             return
         self.lines = False
         self.cache.clear()
-        if self.encode(sample) == whole:
-            self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens "
-                              "(slower)")
-            return
-        self.segmented = False
-        self.cache.clear()
-        self.notes.append("piece-wise tokenization differs from whole prompts for this tokenizer: "
-                          "every prompt is tokenized whole (slower)")
+        self.segmented = self.encode(sample) == whole
+        if not self.segmented:
+            self.cache.clear()
+        self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens (slower)"
+                          if self.segmented else "piece-wise tokenization differs from whole prompts for this "
+                          "tokenizer: every prompt is tokenized whole (slower)")
 
     def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[str, list[tuple[int, int]]]]:
         """Token strs and character offsets of texts (piece-wise like ``encode``, pieces cached)."""

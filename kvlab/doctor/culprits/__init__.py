@@ -23,10 +23,8 @@ def find_culprits(prep: Prepared, div: Divergence, enc: PromptEncoder | None, bl
     """Diff a sample of pairs, then run every family; return (findings, what was scanned, culprits)."""
     findings, scan = scan_pairs(prep, div, enc, sample=sample, seed=seed)
     found = [whitespace_culprit(prep, findings), template_culprit(prep, findings, enc), tools_culprit(prep, findings)]
-    found += field_culprits(prep, findings, tenants=tenants)
-    found += order_culprits(prep, findings)
-    found += token_span_culprits(prep, findings)
-    found.append(multiturn_culprit(prep))
+    found += [*field_culprits(prep, findings, tenants=tenants), *order_culprits(prep, findings),
+              *token_span_culprits(prep, findings), multiturn_culprit(prep)]
     pad = enc.token_id("\n") if enc is not None else 0
     found.append(alignment_culprit(prep, div, block_size, pad, "\n"))
     if tenants is not None and salted_unsalted is not None:

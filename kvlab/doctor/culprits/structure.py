@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections import Counter, defaultdict
+from functools import partial
 from itertools import groupby
 from os.path import commonprefix
 
@@ -48,9 +49,7 @@ def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) 
     out = []
     for rec, ts in zip(prep.records, prep.tokens):
         conv = rerender_chatml([rec])[0] if rec.kind == "prompt" and len(out) < limit else rec
-        if conv is rec:  # not a ChatML prompt
-            continue
-        if (text := enc.try_render(conv)) is None or text == rec.prompt:
+        if conv is rec or (text := enc.try_render(conv)) is None or text == rec.prompt:  # conv is rec: not ChatML
             continue
         c = lcp(text, rec.prompt)
         tok = enc.encode([rec.prompt[:c]])[0]
@@ -153,8 +152,7 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
              "partner: " + " | ".join(_shorten(x, 40) for x in ex.items_b)],
             f"sort the {unit} that start with {prefix!r} (one canonical order, e.g. by id)" if prefix
             else f"send the {unit} in one canonical order (they share no header the doctor could sort by)",
-            affected, fix=(lambda recs, r=role, i=index, s=sep, p=prefix: sort_items(recs, r, i, s, p)) if prefix
-            else None,
+            affected, fix=partial(sort_items, role=role, index=index, sep=sep, prefix=prefix) if prefix else None,
             examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep}))
     return out
 

@@ -157,9 +157,7 @@ def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sampl
     if len(cand) > sample:
         # every divergence position once (its earliest request: rare positions are where rare culprits are),
         # then a uniform sample of the rest
-        first_at: dict[int, int] = {}
-        for i in cand:
-            first_at.setdefault(div.position[i], i)
+        first_at = {div.position[i]: i for i in reversed(cand)}  # reversed: the earliest wins
         rare = sorted(first_at.values(), key=lambda i: div.position[i])[: sample // 2]
         rest = sorted(set(cand) - set(rare))
         chosen = sorted(set(rare) | set(random.Random(seed).sample(rest, min(len(rest), sample - len(rare)))))
@@ -273,16 +271,14 @@ def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: i
     us, ue, level = unit_bounds(conA, ca - sa.start, ea - sa.start)
     vs, ve, _ = unit_bounds(conB, cb - sb.start, eb - sb.start)
     la, lb = conA[us:ue].split("\n"), conB[vs:ve].split("\n")
-    if level != "line" or len(la) != len(lb) or len(la) == 1:
-        _describe_line(f, sa, conA[us:ue], conB[vs:ve], us, _line_before(conA, us), _line_before(conB, vs), level,
-                       endsA)
-        return [f]
+    if level != "line" or len(la) != len(lb):
+        la, lb = [conA[us:ue]], [conB[vs:ve]]  # one finding for the whole unit
     # a coarse tokenizer may need several lines to line up again: one finding per line that differs
     out, off = [], 0
     for x, y in zip(la, lb):
-        if x != y:
+        if x != y or len(la) == 1:
             g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
-            _describe_line(g, sa, x, y, us + off, _line_before(conA, us + off), _line_before(conB, vs + off), "line",
+            _describe_line(g, sa, x, y, us + off, _line_before(conA, us + off), _line_before(conB, vs + off), level,
                            endsA)
             out.append(g)
         off += len(x) + 1
