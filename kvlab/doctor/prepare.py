@@ -40,10 +40,9 @@ def layout(rec: Record, text: str | None, enc: PromptEncoder | None) -> list[Seg
     """The segments of a record in its rendered text."""
     if rec.kind == "token_ids" or text is None:
         return []
-    if rec.kind == "prompt":
-        if parsed := parse_chatml(text):
-            return [Segment(role, i, s, e) for i, (role, s, e) in enumerate(parsed)]
-        return [Segment("prompt", 0, 0, len(text))]
+    if rec.kind == "prompt":  # a ChatML prompt's messages, else the prompt as one
+        return ([Segment(role, i, s, e) for i, (role, s, e) in enumerate(parse_chatml(text))]
+                or [Segment("prompt", 0, 0, len(text))])
     eff = enc.effective_messages(rec) if enc is not None else rec.messages
     injected = len(eff) - len(rec.messages)  # 1 when the doctor added a system message for the tools
     segs, cursor = [], 0

@@ -92,8 +92,7 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
         toks = [[c for c in ch for _ in range(bs)] + [0] * (n - len(ch) * bs) for ch, n in zip(chains, lengths)]
         ref = replay_block_manager(toks, bs, capacity_blocks, None, None, concurrency, False, free_order)
         per, too_big = ref.per_request, ref.too_big
-    return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big,
-                    time.perf_counter() - t0, per)
+    return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big, time.perf_counter() - t0, per)
 
 
 def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None) -> list[int]:
@@ -195,8 +194,7 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
                          concurrency: int = 1, check: bool = True, free_order: str = "vllm") -> HitStats:
     """The same replay on kvlab's real Scheduler and BlockManager (slow, the reference); ``check``: invariants after."""
     from kvlab.engine.trace_replay import UNLIMITED_TOKENS, ScriptedScheduler
-    t0 = time.perf_counter()
-    bs = block_size
+    t0, bs = time.perf_counter(), block_size
     toks = [[ord(c) for c in p] if isinstance(p, str) else list(p) for p in prompts]
     nb = capacity_blocks if capacity_blocks is not None else sum(cdiv(len(t), bs) for t in toks) + 1
     bm = BlockManager(nb, bs, free_order=free_order)

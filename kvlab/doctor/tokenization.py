@@ -30,10 +30,8 @@ def ids(s: str) -> list[int]:
 
 def check_model(model: str | os.PathLike | None) -> None:
     """Raise FileNotFoundError for a ``--model`` that names a path that is not there (cheap: loads nothing)."""
-    if model is None:
-        return
     from kvlab.engine.smollm2 import is_alias
-    if is_alias(model):
+    if model is None or is_alias(model):
         return
     name = os.fspath(model)
     path = Path(name).expanduser()
@@ -157,9 +155,7 @@ class PromptEncoder:
 
     def _parts(self, text: str) -> list[str]:
         """A text cut at the added tokens (whole once piece-wise tokenization is off)."""
-        if not self.segmented or self._split is None:
-            return [text]
-        return [p for p in self._split.split(text) if p]
+        return [p for p in self._split.split(text) if p] if self.segmented and self._split is not None else [text]
 
     def _lines(self, part: str) -> list[str]:
         """A part cut after runs of newlines (while that tokenizes the same)."""

@@ -63,9 +63,8 @@ def record_segments(rec: Record) -> list[tuple[str, int, str]]:
     if rec.kind == "messages":
         return [(m["role"], i, m["content"]) for i, m in enumerate(rec.messages)]
     if rec.kind == "prompt":
-        if parsed := parse_chatml(rec.prompt):
-            return [(role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parsed)]
-        return [("prompt", 0, rec.prompt)]
+        return ([(role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parse_chatml(rec.prompt))]
+                or [("prompt", 0, rec.prompt)])
     return []
 
 

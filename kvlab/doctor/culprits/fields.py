@@ -93,8 +93,7 @@ def move_fields(records: list[Record], patterns: list[FieldPattern]) -> list[Rec
         contents, moved = [c for _, _, c in segs], []
         for pat in patterns:
             for j, (role, idx, _) in enumerate(segs):
-                span = pat.locate(contents[j]) if pat.matches(role, idx) else None
-                if span is None:
+                if not pat.matches(role, idx) or (span := pat.locate(contents[j])) is None:
                     continue
                 (s, e), c = span, contents[j]
                 moved.append(c[s:e].strip())

@@ -167,12 +167,10 @@ def conversation_key(rec: Record) -> object | None:
     return None if first is None else ("user+first", str(rec.get("user")), first)
 
 
-def _history(rec: Record) -> list[tuple[str, str]]:
-    return [(m["role"], m["content"]) for m in rec.messages if m["role"] not in SYSTEM_ROLES]
-
-
-def _system(rec: Record) -> list[str]:
-    return [m["content"] for m in rec.messages if m["role"] in SYSTEM_ROLES]
+def _split(rec: Record) -> tuple[list[str], list[tuple[str, str]]]:
+    """A chat record's system contents, and its history: (role, content) of its other messages."""
+    return ([m["content"] for m in rec.messages if m["role"] in SYSTEM_ROLES],
+            [(m["role"], m["content"]) for m in rec.messages if m["role"] not in SYSTEM_ROLES])
 
 
 def _new_from(h: list[tuple[str, str]], prev: list[tuple[str, str]]) -> int:
@@ -194,7 +192,7 @@ def append_histories(records: list[Record]) -> list[Record]:
             out.append(rec)
             continue
         hist = [m for m in rec.messages if m["role"] not in SYSTEM_ROLES]
-        h = _history(rec)
+        h = _split(rec)[1]
         full[key] = full.get(key, []) + [dict(m) for m in hist[_new_from(h, last.get(key, [])):]]
         last[key] = h
         system = [dict(m) for m in rec.messages if m["role"] in SYSTEM_ROLES]
@@ -212,9 +210,9 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
     kinds: Counter = Counter()
     example, template_breaks = None, 0
     for key, prev, cur in turns:
-        hp, hc = _history(prep.records[prev]), _history(prep.records[cur])
+        (sp, hp), (sc, hc) = _split(prep.records[prev]), _split(prep.records[cur])
         if hc[: len(hp)] == hp:  # appended: the template may still re-render the history differently
-            if _system(prep.records[prev]) == _system(prep.records[cur]):
+            if sp == sc:
                 template_breaks += lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8
             continue
         j = next((j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None)

@@ -290,10 +290,9 @@ def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: s
     key = stable_key(ua[:lcp(ua, ub)], ua)
     va, vb = ua[len(key):], ub[len(key):]
     suffix = common_suffix([va, vb], [va]) if len(key) < min(len(ua), len(ub)) else ""
-    f.role, f.index, f.level = sa.role, sa.index, level
+    f.role, f.index, f.level, f.suffix = sa.role, sa.index, level, suffix
     f.text_a, f.text_b = ua, ub
-    f.value_a, f.value_b = ua[len(key):len(ua) - len(suffix)], ub[len(key):len(ub) - len(suffix)]
-    f.suffix = suffix
+    f.value_a, f.value_b = va[:len(va) - len(suffix)], vb[:len(vb) - len(suffix)]
     f.token_pos = _token_at(endsA, sa.start + us + len(key))
     if len(key.strip()) >= 3:
         f.key, f.anchor = key, "prefix"
