@@ -219,8 +219,7 @@ def spot_check(prompts: Sequence[str], block_size: int, capacity_blocks: int | N
                salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
                concurrency: int = 1, free_order: str = "vllm") -> dict:
     """Replay the first ``limit`` requests both ways; return both hit counts and whether they agree."""
-    head = list(prompts[:limit])
-    s, p = (None if x is None else list(x[:limit]) for x in (salts, public_tokens))
+    head, s, p = (None if x is None else list(x[:limit]) for x in (prompts, salts, public_tokens))
     fast = replay_tokens(head, block_size, capacity_blocks, s, p, concurrency, free_order)
     ref = replay_block_manager(head, block_size, capacity_blocks, s, p, concurrency, check=False, free_order=free_order)
     return {"requests": len(head), "block_size": block_size, "capacity_blocks": capacity_blocks,

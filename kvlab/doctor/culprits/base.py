@@ -80,8 +80,7 @@ def map_contents(records: list[Record], fn: Callable[[str, int, str], str]) -> l
 
 def _tail_insert(prompt: str, text: str) -> str:
     """Put ``text`` at the end of a plain prompt, before a trailing chat-markup tail if there is one."""
-    marks = list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))
-    m = marks[-1] if marks else None
+    m = next(reversed(list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))), None)  # the last mark
     if m is not None and len(prompt) - m.start() <= 64:
         return prompt[: m.start()] + text + "\n" + prompt[m.start():]
     return prompt.rstrip("\n") + "\n\n" + text + ("\n" if prompt.endswith("\n") else "")
