@@ -161,16 +161,12 @@ class PromptEncoder:
         """A part cut after runs of newlines (while that tokenizes the same)."""
         return [x for x in LINE_SPLIT.split(part) if x] if self.lines and "\n" in part else [part]
 
-    def _pieces(self, text: str) -> list[str]:
-        return [x for p in self._parts(text) for x in ([p] if p in self.added else self._lines(p))]
-
     def encode(self, texts: Sequence[str], plain_prompt: Sequence[bool] | None = None) -> list[str]:
         """Token strs of rendered prompts (no special tokens added; a plain prompt gets the tokenizer's BOS/EOS)."""
         texts = list(texts)
         if not self._checked and texts:
             self._check(texts[::max(1, len(texts) // 48)][:48])
-        # two levels: the parts between added tokens (a whole message often repeats as is), then the lines of a
-        # part not seen before
+        # two levels: the parts between added tokens (a whole message often repeats as is), then a new part's lines
         added, cache = self.added if self.segmented else {}, self.cache
         split = [self._parts(t) for t in texts]
         lines_of = {p: self._lines(p) for ps in split for p in ps if p not in added and p not in cache}
@@ -205,7 +201,7 @@ class PromptEncoder:
         texts, added, known = list(texts), self.added, self._offset_cache
         if not (self.segmented and self._checked):
             return self._batch(texts, offsets=True)
-        split = [self._pieces(t) for t in texts]
+        split = [[x for p in self._parts(t) for x in ([p] if p in added else self._lines(p))] for t in texts]
         todo = sorted({p for ps in split for p in ps if p not in added and p not in known})
         known.update(zip(todo, self._batch(todo, offsets=True)))  # piece -> (its token str, its offsets)
         out = []
