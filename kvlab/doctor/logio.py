@@ -69,13 +69,11 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
         for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
+            is_text = isinstance(part, dict) and part.get("type", "text") == "text"
+            if not is_text or not isinstance(part.get("text"), str):
                 raise ValueError(f"{where}.content[{j}] is not a text part ({{'type': 'text', 'text': str}})")
-        return "".join(parts)
+        return "".join(part["text"] for part in content)
     if content is None:
         return ""  # an assistant message that only called tools
     raise ValueError(f"{where}.content is {type(content).__name__}, not a string or a list of text parts")

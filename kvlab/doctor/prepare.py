@@ -40,10 +40,9 @@ def layout(rec: Record, text: str | None, enc: PromptEncoder | None) -> list[Seg
     """The segments of a record in its rendered text."""
     if rec.kind == "token_ids" or text is None:
         return []
-    if rec.kind == "prompt":
-        if parsed := parse_chatml(text):
-            return [Segment(role, i, s, e) for i, (role, s, e) in enumerate(parsed)]
-        return [Segment("prompt", 0, 0, len(text))]
+    if rec.kind == "prompt":  # a ChatML prompt's messages, else the prompt as one
+        return ([Segment(role, i, s, e) for i, (role, s, e) in enumerate(parse_chatml(text))]
+                or [Segment("prompt", 0, 0, len(text))])
     eff = enc.effective_messages(rec) if enc is not None else rec.messages
     injected = len(eff) - len(rec.messages)  # 1 when the doctor added a system message for the tools
     segs, cursor = [], 0
@@ -113,9 +112,7 @@ def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[st
     r0 = base.records[k]
     if rec.kind != "messages" or r0.kind != "messages" or len(rec.messages) != len(r0.messages):
         return None
-    if any(a["role"] != b["role"] for a, b in zip(rec.messages, r0.messages)):
-        return None
-    if rec.tools is not r0.tools and rec.tools != r0.tools:
+    if any(a["role"] != b["role"] for a, b in zip(rec.messages, r0.messages)) or rec.tools != r0.tools:
         return None
     segs0, text0, sys0 = base.segments[k], base.texts[k], base.sys_chars[k]
     if len({s.index for s in segs0 if s.index is not None}) != len(rec.messages) or text0 is None:
@@ -159,13 +156,9 @@ def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | 
     # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
     sys_tokens = [lcp(heads[i], tokens[i]) if i in heads else 0 for i in range(len(kept))]
     every = Prepared(kept, texts, tokens, segments, sys_tokens, sys_chars=sys_chars)
-    out = Prepared([], [], [], [], [], bad)
-    for i, r in enumerate(kept):
-        if tokens[i]:
-            out.take(every, i)
-        else:  # a prompt that tokenizes to nothing cannot be replayed
-            out.bad.append(BadLine(r.line, "the prompt has no tokens", ""))
-    out.bad.sort(key=lambda b: b.line)
+    out = every.subset([i for i, t in enumerate(tokens) if t])  # a prompt with no tokens cannot be replayed
+    out.bad = sorted(bad + [BadLine(r.line, "the prompt has no tokens", "") for r, t in zip(kept, tokens) if not t],
+                     key=lambda b: b.line)
     return out
 
 
@@ -176,11 +169,7 @@ def _render(rec: Record, enc: PromptEncoder, base: Prepared | None, known: dict,
         spliced = _splice(rec, base, known[id(rec.origin)], enc)
         if spliced is not None and enc.splice_checked < SPLICE_CHECKS:
             enc.splice_checked += 1
-            try:
-                same = enc.render(rec) == spliced[0]
-            except Exception:
-                same = False
-            if not same:
+            if enc.try_render(rec) != spliced[0]:
                 enc.splice_ok = False
                 enc.notes.append("the chat template does not copy message contents verbatim: "
                                  "rewritten logs are rendered in full (slower)")
@@ -199,10 +188,7 @@ def _system_chars(rec: Record, text: str, enc: PromptEncoder, memo: dict) -> int
             return 0
         key = (eff[0]["role"], eff[0]["content"], id(rec.tools) if enc.renders_tools else None)
         if key not in memo:
-            try:
-                memo[key] = enc.render(rec, add_generation_prompt=False, messages=eff[:1])
-            except Exception:
-                memo[key] = None
+            memo[key] = enc.try_render(rec, add_generation_prompt=False, messages=eff[:1])
         head = memo[key]
     else:  # a ChatML prompt: up to and including the system message's end marker
         parsed = parse_chatml(text)

@@ -92,8 +92,7 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
         toks = [[c for c in ch for _ in range(bs)] + [0] * (n - len(ch) * bs) for ch, n in zip(chains, lengths)]
         ref = replay_block_manager(toks, bs, capacity_blocks, None, None, concurrency, False, free_order)
         per, too_big = ref.per_request, ref.too_big
-    return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big,
-                    time.perf_counter() - t0, per)
+    return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big, time.perf_counter() - t0, per)
 
 
 def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None) -> list[int]:
@@ -169,16 +168,14 @@ def _forget(b: int, old, first: dict, twins: dict) -> None:
     if old is None:
         return
     if first.get(old) == b:
-        if tw := twins.get(old):
-            first[old] = tw.pop(0)
-            if not tw:
-                del twins[old]
-        else:
+        if old not in twins:
             del first[old]
+            return
+        first[old] = twins[old].pop(0)  # its oldest twin takes over
     else:
         twins[old].remove(b)
-        if not twins[old]:
-            del twins[old]
+    if not twins[old]:
+        del twins[old]
 
 
 def replay_tokens(prompts: Sequence[str], block_size: int, capacity_blocks: int | None = None,
@@ -197,13 +194,13 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
                          concurrency: int = 1, check: bool = True, free_order: str = "vllm") -> HitStats:
     """The same replay on kvlab's real Scheduler and BlockManager (slow, the reference); ``check``: invariants after."""
     from kvlab.engine.trace_replay import UNLIMITED_TOKENS, ScriptedScheduler
-    t0 = time.perf_counter()
-    bs = block_size
+    t0, bs = time.perf_counter(), block_size
     toks = [[ord(c) for c in p] if isinstance(p, str) else list(p) for p in prompts]
     nb = capacity_blocks if capacity_blocks is not None else sum(cdiv(len(t), bs) for t in toks) + 1
     bm = BlockManager(nb, bs, free_order=free_order)
     run = ScriptedScheduler(bm, max_num_seqs=concurrency, max_num_batched_tokens=UNLIMITED_TOKENS)
-    waiting = deque(i for i, t in enumerate(toks) if cdiv(len(t), bs) <= nb)  # too big: all miss, never run
+    fits = [cdiv(len(t), bs) <= nb for t in toks]
+    waiting = deque(i for i, ok in enumerate(fits) if ok)  # too big: all miss, never run
     per = [0] * len(toks)
     while waiting or run.has_unfinished():
         while waiting and len(run.requests) < concurrency:
@@ -214,17 +211,15 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
             per[seq.request_id] = seq.num_cached_tokens or 0
     if check:
         bm.check_invariants()
-    return HitStats(bs, capacity_blocks, len(per), sum(map(len, toks)), sum(per), len(toks) - sum(
-        cdiv(len(t), bs) <= nb for t in toks), time.perf_counter() - t0, per)
+    return HitStats(bs, capacity_blocks, len(per), sum(map(len, toks)), sum(per), fits.count(False),
+                    time.perf_counter() - t0, per)
 
 
 def spot_check(prompts: Sequence[str], block_size: int, capacity_blocks: int | None, limit: int = 100,
                salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
                concurrency: int = 1, free_order: str = "vllm") -> dict:
     """Replay the first ``limit`` requests both ways; return both hit counts and whether they agree."""
-    head = list(prompts[:limit])
-    s = list(salts[:limit]) if salts is not None else None
-    p = list(public_tokens[:limit]) if public_tokens is not None else None
+    head, s, p = (None if x is None else list(x[:limit]) for x in (prompts, salts, public_tokens))
     fast = replay_tokens(head, block_size, capacity_blocks, s, p, concurrency, free_order)
     ref = replay_block_manager(head, block_size, capacity_blocks, s, p, concurrency, check=False, free_order=free_order)
     return {"requests": len(head), "block_size": block_size, "capacity_blocks": capacity_blocks,

@@ -30,10 +30,8 @@ def ids(s: str) -> list[int]:
 
 def check_model(model: str | os.PathLike | None) -> None:
     """Raise FileNotFoundError for a ``--model`` that names a path that is not there (cheap: loads nothing)."""
-    if model is None:
-        return
     from kvlab.engine.smollm2 import is_alias
-    if is_alias(model):
+    if model is None or is_alias(model):
         return
     name = os.fspath(model)
     path = Path(name).expanduser()
@@ -94,12 +92,11 @@ class PromptEncoder:
             self.notes.append("the tokenizer has no chat template: messages are rendered as ChatML")
         self.renders_tools = bool(template) and "tools" in template
         decoder = getattr(tokenizer, "added_tokens_decoder", {})
-        added = {getattr(t, "content", str(t)): int(i) for i, t in decoder.items()}
-        self.added = {text: i for text, i in added.items() if text}
+        self.added = {text: int(i) for i, t in decoder.items() if (text := getattr(t, "content", str(t)))}
         longest_first = sorted(self.added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
         self.cache: dict[str, str] = {}  # piece -> its token str
-        self._offset_cache: dict[str, list[tuple[int, int]]] = {}
+        self._offset_cache: dict[str, tuple[str, list[tuple[int, int]]]] = {}
         self.segmented = self.lines = True  # split at added tokens, and after newline runs (checked on a first batch)
         self._checked = False
         self.splice_ok, self.splice_checked = True, 0  # rewritten records spliced into their origin's text (prepare)
@@ -135,35 +132,41 @@ class PromptEncoder:
             kwargs["chat_template"] = CHATML
         return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
+    def try_render(self, rec: Record, **kwargs: Any) -> str | None:
+        """``render``, or None for a record the chat template refuses (jinja raises TemplateError and friends)."""
+        try:
+            return self.render(rec, **kwargs)
+        except Exception:
+            return None
+
     # --- tokenizing ---------------------------------------------------------------------------------
-    def _batch(self, texts: list[str]) -> list[list[int]]:
+    def _batch(self, texts: list[str], offsets: bool = False) -> list:
+        """Token strs of texts (no special tokens added); with ``offsets``, (token str, char offsets) pairs."""
         if not texts:
             return []
         if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
-            fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
-            return [e.ids for e in fast(texts, add_special_tokens=False)]
-        return list(self.tok(texts, add_special_tokens=False)["input_ids"])
+            fast = None if offsets else getattr(backend, "encode_batch_fast", None)
+            encs = (fast or backend.encode_batch)(texts, add_special_tokens=False)
+            return [(tokstr(e.ids), list(e.offsets)) if offsets else tokstr(e.ids) for e in encs]
+        out = self.tok(texts, add_special_tokens=False, return_offsets_mapping=offsets)
+        if not offsets:
+            return [tokstr(i) for i in out["input_ids"]]
+        return [(tokstr(i), [tuple(o) for o in off]) for i, off in zip(out["input_ids"], out["offset_mapping"])]
 
     def _parts(self, text: str) -> list[str]:
         """A text cut at the added tokens (whole once piece-wise tokenization is off)."""
-        if not self.segmented or self._split is None:
-            return [text]
-        return [p for p in self._split.split(text) if p]
+        return [p for p in self._split.split(text) if p] if self.segmented and self._split is not None else [text]
 
     def _lines(self, part: str) -> list[str]:
         """A part cut after runs of newlines (while that tokenizes the same)."""
         return [x for x in LINE_SPLIT.split(part) if x] if self.lines and "\n" in part else [part]
-
-    def _pieces(self, text: str) -> list[str]:
-        return [x for p in self._parts(text) for x in ([p] if p in self.added else self._lines(p))]
 
     def encode(self, texts: Sequence[str], plain_prompt: Sequence[bool] | None = None) -> list[str]:
         """Token strs of rendered prompts (no special tokens added; a plain prompt gets the tokenizer's BOS/EOS)."""
         texts = list(texts)
         if not self._checked and texts:
             self._check(texts[::max(1, len(texts) // 48)][:48])
-        # two levels: the parts between added tokens (a whole message often repeats as is), then the lines of a
-        # part not seen before
+        # two levels: the parts between added tokens (a whole message often repeats as is), then a new part's lines
         added, cache = self.added if self.segmented else {}, self.cache
         split = [self._parts(t) for t in texts]
         lines_of = {p: self._lines(p) for ps in split for p in ps if p not in added and p not in cache}
@@ -171,8 +174,7 @@ class PromptEncoder:
         self.chars_tokenized += sum(map(len, todo))
         self.pieces_tokenized += len(todo)
         self.pieces_total += sum(map(len, split))
-        for x, i in zip(todo, self._batch(todo)):
-            cache[x] = tokstr(i)
+        cache.update(zip(todo, self._batch(todo)))
         for p, ls in lines_of.items():
             cache[p] = "".join(cache[x] for x in ls)
         out = ["".join(chr(added[p]) if p in added else cache[p] for p in ps) for ps in split]
@@ -182,47 +184,34 @@ class PromptEncoder:
     def _check(self, sample: list[str]) -> None:
         """Compare piece-wise with whole-prompt tokenization on a sample: stop cutting at lines, then at all."""
         self._checked = True
-        whole = [tokstr(i) for i in self._batch(sample)]
+        whole = self._batch(sample)
         if self.encode(sample) == whole:
             return
         self.lines = False
         self.cache.clear()
-        if self.encode(sample) == whole:
-            self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens "
-                              "(slower)")
-            return
-        self.segmented = False
-        self.cache.clear()
-        self.notes.append("piece-wise tokenization differs from whole prompts for this tokenizer: "
-                          "every prompt is tokenized whole (slower)")
+        self.segmented = self.encode(sample) == whole
+        if not self.segmented:
+            self.cache.clear()
+        self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens (slower)"
+                          if self.segmented else "piece-wise tokenization differs from whole prompts for this "
+                          "tokenizer: every prompt is tokenized whole (slower)")
 
     def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[str, list[tuple[int, int]]]]:
         """Token strs and character offsets of texts (piece-wise like ``encode``, pieces cached)."""
         texts, added, known = list(texts), self.added, self._offset_cache
         if not (self.segmented and self._checked):
-            return self._whole_offsets(texts)
-        split = [self._pieces(t) for t in texts]
+            return self._batch(texts, offsets=True)
+        split = [[x for p in self._parts(t) for x in ([p] if p in added else self._lines(p))] for t in texts]
         todo = sorted({p for ps in split for p in ps if p not in added and p not in known})
-        known.update((p, off) for p, (_, off) in zip(todo, self._whole_offsets(todo)))
+        known.update(zip(todo, self._batch(todo, offsets=True)))  # piece -> (its token str, its offsets)
         out = []
         for ps in split:
             offs, pos = [], 0
             for p in ps:
-                offs.extend([(pos, pos + len(p))] if p in added else ((pos + a, pos + b) for a, b in known[p]))
+                offs.extend([(pos, pos + len(p))] if p in added else ((pos + a, pos + b) for a, b in known[p][1]))
                 pos += len(p)
-            toks = "".join(chr(added[p]) if p in added else self.cache.get(p) or tokstr(self._batch([p])[0])
-                           for p in ps)
-            out.append((toks, offs))
+            out.append(("".join(chr(added[p]) if p in added else known[p][0] for p in ps), offs))
         return out
-
-    def _whole_offsets(self, texts: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
-        if not texts:
-            return []
-        if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
-            encs = backend.encode_batch(list(texts), add_special_tokens=False)
-            return [(tokstr(e.ids), list(e.offsets)) for e in encs]
-        out = self.tok(list(texts), add_special_tokens=False, return_offsets_mapping=True)
-        return [(tokstr(i), [tuple(o) for o in off]) for i, off in zip(out["input_ids"], out["offset_mapping"])]
 
     def decode(self, s: str) -> str:
         """Text of a token str."""

@@ -1,6 +1,6 @@
 """The pair diff (kvlab.doctor.culprits.textdiff): each difference is named by kind, key and token position."""
 
-from kvlab.doctor.culprits.textdiff import realign, scan_pairs, stable_key, stable_suffix, unit_bounds
+from kvlab.doctor.culprits.textdiff import common_suffix, realign, scan_pairs, stable_key, unit_bounds
 
 RULES = "Rules: be kind, be brief, never invent a policy, and always cite the documents you used."
 
@@ -12,8 +12,8 @@ def system(*lines: str) -> list[dict]:
 def test_stable_key_stops_where_the_value_starts():
     assert stable_key("Current time: 2024-05-03 14:2", "Current time: 2024-05-03 14:20") == "Current time: "
     assert stable_key("Customer: Ali", "Customer: Alice") == "Customer: "  # a name cut mid-word goes whole
-    assert stable_suffix("14:02:11 UTC", "09:15:40 UTC") == " UTC"
-    assert stable_suffix("Alice Zhang", "Bruno Zhang") == " Zhang"
+    assert common_suffix(["14:02:11 UTC", "09:15:40 UTC"], ["14:02:11 UTC"]) == " UTC"
+    assert common_suffix(["Alice Zhang", "Bruno Zhang"], ["Alice Zhang"]) == " Zhang"
 
 
 def test_unit_bounds_is_the_line_or_the_sentence_of_a_long_line():

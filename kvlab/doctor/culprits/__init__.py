@@ -22,13 +22,10 @@ def find_culprits(prep: Prepared, div: Divergence, enc: PromptEncoder | None, bl
                   seed: int = 0) -> tuple[list[Finding], dict, list[Culprit]]:
     """Diff a sample of pairs, then run every family; return (findings, what was scanned, culprits)."""
     findings, scan = scan_pairs(prep, div, enc, sample=sample, seed=seed)
-    found = [whitespace_culprit(prep, findings), template_culprit(prep, findings, enc), tools_culprit(prep, findings)]
-    found += field_culprits(prep, findings, tenants=tenants)
-    found += order_culprits(prep, findings)
-    found += token_span_culprits(prep, findings)
-    found.append(multiturn_culprit(prep))
-    pad = enc.token_id("\n") if enc is not None else 0
-    found.append(alignment_culprit(prep, div, block_size, pad, "\n"))
+    found = [whitespace_culprit(prep, findings), template_culprit(prep, findings, enc), tools_culprit(prep, findings),
+             *field_culprits(prep, findings, tenants=tenants), *order_culprits(prep, findings),
+             *token_span_culprits(prep, findings), multiturn_culprit(prep),
+             alignment_culprit(prep, div, block_size, enc.token_id("\n") if enc is not None else 0, "\n")]
     if tenants is not None and salted_unsalted is not None:
         found.append(tenant_culprit(prep, tenants, tenant_field or "", block_size, *salted_unsalted))
     return findings, scan, [c for c in found if c is not None]

@@ -63,9 +63,8 @@ def record_segments(rec: Record) -> list[tuple[str, int, str]]:
     if rec.kind == "messages":
         return [(m["role"], i, m["content"]) for i, m in enumerate(rec.messages)]
     if rec.kind == "prompt":
-        if parsed := parse_chatml(rec.prompt):
-            return [(role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parsed)]
-        return [("prompt", 0, rec.prompt)]
+        return ([(role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parse_chatml(rec.prompt))]
+                or [("prompt", 0, rec.prompt)])
     return []
 
 
@@ -81,8 +80,7 @@ def map_contents(records: list[Record], fn: Callable[[str, int, str], str]) -> l
 
 def _tail_insert(prompt: str, text: str) -> str:
     """Put ``text`` at the end of a plain prompt, before a trailing chat-markup tail if there is one."""
-    marks = list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))
-    m = marks[-1] if marks else None
+    m = next(reversed(list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))), None)  # the last mark
     if m is not None and len(prompt) - m.start() <= 64:
         return prompt[: m.start()] + text + "\n" + prompt[m.start():]
     return prompt.rstrip("\n") + "\n\n" + text + ("\n" if prompt.endswith("\n") else "")

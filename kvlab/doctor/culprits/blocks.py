@@ -24,19 +24,15 @@ def pad_to_blocks(tokens: list[str], boundaries: list[str], block_size: int, pad
                   ) -> tuple[list[str], list[list[tuple[int, int]]]]:
     """Pad every shared prefix a prompt starts with to a block boundary; return tokens, (position, pads) a prompt."""
     out, inserts = [], []
-    ch = chr(pad)
     for s in tokens:
-        hits = [b for b in boundaries if s.startswith(b)]
-        new, done, length, ins = [], 0, 0, []
-        for b in hits:  # ascending length: each boundary is padded where it ends, shifted by earlier pads
-            new.append(s[done:len(b)])
-            length += len(b) - done
-            done = len(b)
-            k = (-length) % block_size
-            if k:
-                new.append(ch * k)
-                length += k
-                ins.append((done, k))
+        new, done, ins = [], 0, []
+        for b in boundaries:  # ascending length: each boundary is padded where it ends, shifted by earlier pads
+            if s.startswith(b):
+                new.append(s[done:len(b)])
+                done = len(b)
+                if k := -sum(map(len, new)) % block_size:
+                    new.append(chr(pad) * k)
+                    ins.append((done, k))
         new.append(s[done:])
         out.append("".join(new))
         inserts.append(ins)

@@ -11,7 +11,7 @@ from ..logio import Record
 from ..prepare import Prepared
 from ..tokenization import ids, tokstr
 from .base import Culprit, _shorten, _where, record_segments, with_contents
-from .textdiff import WINDOW, Finding, common_end, trim_value_start
+from .textdiff import WINDOW, Finding, by_key, common_suffix
 
 MAX_FIELD_CHARS = 300  # a field's values are short (times, ids, names); longer ones are content
 TIMESTAMP_RE = re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}(:\d{2})?|\b\d{1,2}/\d{1,2}/\d{2,4}\b|"
@@ -20,17 +20,6 @@ TIMESTAMP_RE = re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}(:\d{2})?|\b\d{1,2}/\
 UUID_RE = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I)
 ID_RE = re.compile(r"\b(?=[A-Za-z_-]*\d)[A-Za-z0-9_-]{5,}\b")
 SENTENCE_END = re.compile(r"[.!?](\s|$)")
-
-
-def common_suffix(values: list[str]) -> str:
-    """The end every value shares, cut forward past value characters and partial words."""
-    if len(values) < 2:
-        return ""
-    s = values[0]
-    for v in values[1:]:
-        if not (s := s[len(s) - common_end(s, v):]):
-            return ""
-    return trim_value_start(s, lambda s: any(len(v) > len(s) and v[-len(s) - 1].isalnum() for v in values[:50]))
 
 
 def label_values(values: list[str]) -> str:
@@ -104,8 +93,7 @@ def move_fields(records: list[Record], patterns: list[FieldPattern]) -> list[Rec
         contents, moved = [c for _, _, c in segs], []
         for pat in patterns:
             for j, (role, idx, _) in enumerate(segs):
-                span = pat.locate(contents[j]) if pat.matches(role, idx) else None
-                if span is None:
+                if not pat.matches(role, idx) or (span := pat.locate(contents[j])) is None:
                     continue
                 (s, e), c = span, contents[j]
                 moved.append(c[s:e].strip())
@@ -132,12 +120,10 @@ def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, 
 
 def _slot_groups(findings: list[Finding]) -> dict[tuple, list[Finding]]:
     """Slot findings by (role, index, anchor, key, level); a key that extends a shorter one joins it."""
-    by_key: dict[tuple, list[Finding]] = defaultdict(list)
-    for f in findings:
-        if f.kind == "slot" and f.anchor in ("prefix", "after"):
-            by_key[(f.role, f.index, f.anchor, f.key)].append(f)
+    keyed = by_key(findings, "slot",
+                   lambda f: (f.role, f.index, f.anchor, f.key) if f.anchor in ("prefix", "after") else None)
     # one level per key (the commoner one)
-    groups = {(*k, Counter(f.level for f in fs).most_common(1)[0][0]): fs for k, fs in by_key.items()}
+    groups = {(*k, Counter(f.level for f in fs).most_common(1)[0][0]): fs for k, fs in keyed.items()}
     for g in sorted(groups, key=lambda g: len(g[3])):  # "Customer: Sven" joins "Customer: "
         if g in groups and len(g[3].strip()) >= 3:
             for h in [h for h in groups if h[:3] == g[:3] and h[4] == g[4] and len(h[3]) > len(g[3])
@@ -153,8 +139,7 @@ def _field_culprit(prep: Prepared, pat: FieldPattern, fs: list[Finding], tenants
     values, rows = [], []
     for k, rec in enumerate(prep.records):
         c = next((c for r, idx, c in record_segments(rec) if pat.matches(r, idx)), None)  # its first such message
-        v = None if c is None else pat.value(c)
-        if v is not None:
+        if c is not None and (v := pat.value(c)) is not None:
             values.append(v)
             rows.append(k)
     if len(set(values)) < 2 or statistics.median(map(len, values)) > MAX_FIELD_CHARS:
@@ -217,25 +202,20 @@ def _span(ts: str, key: str, right: str) -> tuple[int, int] | None:
 
 def move_span(records: list[Record], key: str, right: str) -> list[Record]:
     """Move the tokens between ``key`` and ``right`` of each token-id record to the end of its prompt."""
-    out = []
-    for rec in records:
-        span = _span(tokstr(rec.token_ids), key, right) if rec.kind == "token_ids" else None
-        if span is None:
-            out.append(rec)
-            continue
-        ts, (s, e) = tokstr(rec.token_ids), span
-        out.append(rec.replace(token_ids=ids(ts[:s] + ts[e:] + ts[s:e])))
-    return out
+    def moved(rec: Record) -> Record:
+        ts = tokstr(rec.token_ids) if rec.kind == "token_ids" else ""
+        if (span := _span(ts, key, right)) is None:
+            return rec
+        s, e = span
+        return rec.replace(token_ids=ids(ts[:s] + ts[e:] + ts[s:e]))
+
+    return [moved(rec) for rec in records]
 
 
 def token_span_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:
     """Token-id logs: spans between the same left and right token context, moved to the end of the prompt."""
-    groups: dict[tuple, list[Finding]] = defaultdict(list)
-    for f in findings:
-        if f.kind == "span" and f.key and f.right:
-            groups[(f.key, f.right)].append(f)
     out = []
-    for (key, right), fs in groups.items():
+    for (key, right), fs in by_key(findings, "span", lambda f: (f.key, f.right) if f.key and f.right else None).items():
         if len(fs) < min_count:
             continue
         spans = [(rec, ts, sp) for rec, ts in zip(prep.records, prep.tokens) if (sp := _span(ts, key, right))]

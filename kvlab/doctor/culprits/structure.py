@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections import Counter, defaultdict
+from functools import partial
 from itertools import groupby
 from os.path import commonprefix
 
@@ -13,7 +14,7 @@ from ..logio import Record
 from ..prepare import SYSTEM_ROLES, Prepared, parse_chatml
 from ..tokenization import PromptEncoder
 from .base import Culprit, _shorten, _where, map_contents, record_segments, tool_name
-from .textdiff import Finding, _tool_names, stable_key
+from .textdiff import Finding, _tool_names, by_key, stable_key
 
 
 def normalize_ws(text: str) -> str:
@@ -48,13 +49,7 @@ def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) 
     out = []
     for rec, ts in zip(prep.records, prep.tokens):
         conv = rerender_chatml([rec])[0] if rec.kind == "prompt" and len(out) < limit else rec
-        if conv is rec:  # not a ChatML prompt
-            continue
-        try:
-            text = enc.render(conv)
-        except Exception:
-            continue
-        if text == rec.prompt:
+        if conv is rec or (text := enc.try_render(conv)) is None or text == rec.prompt:  # conv is rec: not ChatML
             continue
         c = lcp(text, rec.prompt)
         tok = enc.encode([rec.prompt[:c]])[0]
@@ -138,12 +133,8 @@ def sort_items(records: list[Record], role: str, index: int | None, sep: str, pr
 
 def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:
     """Same items (documents, examples) in another order: sort runs of items that share a header."""
-    groups: dict[tuple, list[Finding]] = defaultdict(list)
-    for f in findings:
-        if f.kind == "order":
-            groups[(f.role, f.index, f.sep)].append(f)
     out = []
-    for (role, index, sep), fs in groups.items():
+    for (role, index, sep), fs in by_key(findings, "order", lambda f: (f.role, f.index, f.sep)).items():
         if len(fs) < min_count:
             continue
         items = [it for f in fs for it in f.items_a + f.items_b]
@@ -152,7 +143,7 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
         unit = "paragraphs" if sep == "\n\n" else "lines"
         affected = sum(1 for rec in prep.records for r, idx, c in record_segments(rec)
                        if r == role and (index is None or idx == index) and prefix and c.count(prefix) >= 2)
-        c = Culprit(
+        out.append(Culprit(
             "order", f"the same {unit} in varying order in {_where(role, index)}"
             + (f" (items starting {prefix!r})" if prefix else ""),
             int(statistics.median(f.token_pos for f in fs)), _where(role, index),
@@ -161,10 +152,8 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
              "partner: " + " | ".join(_shorten(x, 40) for x in ex.items_b)],
             f"sort the {unit} that start with {prefix!r} (one canonical order, e.g. by id)" if prefix
             else f"send the {unit} in one canonical order (they share no header the doctor could sort by)",
-            affected, fix=(lambda recs, r=role, i=index, s=sep, p=prefix: sort_items(recs, r, i, s, p)) if prefix
-            else None,
-            examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep})
-        out.append(c)
+            affected, fix=partial(sort_items, role=role, index=index, sep=sep, prefix=prefix) if prefix else None,
+            examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep}))
     return out
 
 
@@ -178,12 +167,10 @@ def conversation_key(rec: Record) -> object | None:
     return None if first is None else ("user+first", str(rec.get("user")), first)
 
 
-def _history(rec: Record) -> list[tuple[str, str]]:
-    return [(m["role"], m["content"]) for m in rec.messages if m["role"] not in SYSTEM_ROLES]
-
-
-def _system(rec: Record) -> list[str]:
-    return [m["content"] for m in rec.messages if m["role"] in SYSTEM_ROLES]
+def _split(rec: Record) -> tuple[list[str], list[tuple[str, str]]]:
+    """A chat record's system contents, and its history: (role, content) of its other messages."""
+    return ([m["content"] for m in rec.messages if m["role"] in SYSTEM_ROLES],
+            [(m["role"], m["content"]) for m in rec.messages if m["role"] not in SYSTEM_ROLES])
 
 
 def _new_from(h: list[tuple[str, str]], prev: list[tuple[str, str]]) -> int:
@@ -205,7 +192,7 @@ def append_histories(records: list[Record]) -> list[Record]:
             out.append(rec)
             continue
         hist = [m for m in rec.messages if m["role"] not in SYSTEM_ROLES]
-        h = _history(rec)
+        h = _split(rec)[1]
         full[key] = full.get(key, []) + [dict(m) for m in hist[_new_from(h, last.get(key, [])):]]
         last[key] = h
         system = [dict(m) for m in rec.messages if m["role"] in SYSTEM_ROLES]
@@ -223,9 +210,9 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
     kinds: Counter = Counter()
     example, template_breaks = None, 0
     for key, prev, cur in turns:
-        hp, hc = _history(prep.records[prev]), _history(prep.records[cur])
+        (sp, hp), (sc, hc) = _split(prep.records[prev]), _split(prep.records[cur])
         if hc[: len(hp)] == hp:  # appended: the template may still re-render the history differently
-            if _system(prep.records[prev]) == _system(prep.records[cur]):
+            if sp == sc:
                 template_breaks += lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8
             continue
         j = next((j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None)

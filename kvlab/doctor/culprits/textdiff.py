@@ -6,7 +6,7 @@ import json
 import random
 import re
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from os.path import commonprefix
@@ -40,21 +40,22 @@ def trim_value_start(s: str, joined: Callable[[str], bool]) -> str:
             return s
 
 
-def common_end(a: str, b: str) -> int:
-    """Length of the common suffix of two strs."""
-    return len(commonprefix([a[::-1], b[::-1]]))
-
-
 def stable_key(common: str, unit: str) -> str:
     """Cut the common start of two lines back to where the value begins ("Customer: Ali" -> "Customer: ")."""
     # the mirror image of trimming a suffix: reversed, a cut word is one that goes on in ``unit``
     return trim_value_start(common[::-1], lambda r: len(r) < len(unit) and unit[len(r)].isalnum())[::-1]
 
 
-def stable_suffix(a: str, b: str) -> str:
-    """The common end of two values, cut forward past value characters (" UTC" of "...:11 UTC" / "...:40 UTC")."""
-    n = common_end(a, b)
-    return trim_value_start(a[len(a) - n:] if n else "", lambda s: len(s) < len(a) and a[-len(s) - 1].isalnum())
+def common_suffix(values: list[str], judged: list[str] | None = None) -> str:
+    """The end all values share, cut forward past value characters and words cut short in ``judged`` (first 50)."""
+    if len(values) < 2:
+        return ""
+    s = values[0]
+    for v in values[1:]:
+        if not (s := s[len(s) - len(commonprefix([s[::-1], v[::-1]])):]):
+            return ""
+    judged = values[:50] if judged is None else judged
+    return trim_value_start(s, lambda s: any(len(v) > len(s) and v[-len(s) - 1].isalnum() for v in judged))
 
 
 def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
@@ -99,6 +100,15 @@ class Finding:
     right: str = ""  # token-id logs: the tokens right after the span
 
 
+def by_key(findings: list[Finding], kind: str, key: Callable[[Finding], tuple | None]) -> dict[tuple, list[Finding]]:
+    """Findings of one kind grouped by ``key`` (None leaves a finding out), in the order first found."""
+    groups: dict[tuple, list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == kind and (k := key(f)) is not None:
+            groups[k].append(f)
+    return groups
+
+
 def realign(A: str, B: str, pa: int, pb: int, window: int = WINDOW, m: int = MIN_RUN) -> tuple[int, int, int] | None:
     """Smallest (a, b) such that A[pa+a:] and B[pb+b:] agree again for >= m tokens; with that run length."""
     grams: dict[str, list[int]] = {}
@@ -127,10 +137,8 @@ def _seg_at(segs: list[Segment], c: int) -> Segment | None:
 def _permutation(ca: str, la: int, cb: str, lb: int) -> tuple[str, list[str], list[str], int, int] | None:
     """Paragraphs (or lines) from the one holding la/lb on that are the same multiset in another order."""
     for sep in ("\n\n", "\n"):
-        sa = ca.rfind(sep, 0, la)
-        sa = 0 if sa < 0 else sa + len(sep)
-        sb = cb.rfind(sep, 0, lb)
-        sb = 0 if sb < 0 else sb + len(sep)
+        sa, sb = ca.rfind(sep, 0, la), cb.rfind(sep, 0, lb)
+        sa, sb = (0 if j < 0 else j + len(sep) for j in (sa, sb))  # where the item holding la / lb starts
         ia, ib = ca[sa:].split(sep)[:24], cb[sb:].split(sep)[:24]
         for w in range(2, min(len(ia), len(ib)) + 1):
             if not ia[w - 1].strip() or not ib[w - 1].strip():
@@ -149,9 +157,7 @@ def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sampl
     if len(cand) > sample:
         # every divergence position once (its earliest request: rare positions are where rare culprits are),
         # then a uniform sample of the rest
-        first_at: dict[int, int] = {}
-        for i in cand:
-            first_at.setdefault(div.position[i], i)
+        first_at = {div.position[i]: i for i in reversed(cand)}  # reversed: the earliest wins
         rare = sorted(first_at.values(), key=lambda i: div.position[i])[: sample // 2]
         rest = sorted(set(cand) - set(rare))
         chosen = sorted(set(rare) | set(random.Random(seed).sample(rest, min(len(rest), sample - len(rare)))))
@@ -265,16 +271,14 @@ def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: i
     us, ue, level = unit_bounds(conA, ca - sa.start, ea - sa.start)
     vs, ve, _ = unit_bounds(conB, cb - sb.start, eb - sb.start)
     la, lb = conA[us:ue].split("\n"), conB[vs:ve].split("\n")
-    if level != "line" or len(la) != len(lb) or len(la) == 1:
-        _describe_line(f, sa, conA[us:ue], conB[vs:ve], us, _line_before(conA, us), _line_before(conB, vs), level,
-                       endsA)
-        return [f]
+    if level != "line" or len(la) != len(lb):
+        la, lb = [conA[us:ue]], [conB[vs:ve]]  # one finding for the whole unit
     # a coarse tokenizer may need several lines to line up again: one finding per line that differs
     out, off = [], 0
     for x, y in zip(la, lb):
-        if x != y:
+        if x != y or len(la) == 1:
             g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
-            _describe_line(g, sa, x, y, us + off, _line_before(conA, us + off), _line_before(conB, vs + off), "line",
+            _describe_line(g, sa, x, y, us + off, _line_before(conA, us + off), _line_before(conB, vs + off), level,
                            endsA)
             out.append(g)
         off += len(x) + 1
@@ -284,11 +288,11 @@ def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: i
 def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: str, prev_b: str, level: str,
                    endsA: list[int]) -> None:
     key = stable_key(ua[:lcp(ua, ub)], ua)
-    suffix = stable_suffix(ua[len(key):], ub[len(key):]) if len(key) < min(len(ua), len(ub)) else ""
-    f.role, f.index, f.level = sa.role, sa.index, level
+    va, vb = ua[len(key):], ub[len(key):]
+    suffix = common_suffix([va, vb], [va]) if len(key) < min(len(ua), len(ub)) else ""
+    f.role, f.index, f.level, f.suffix = sa.role, sa.index, level, suffix
     f.text_a, f.text_b = ua, ub
-    f.value_a, f.value_b = ua[len(key):len(ua) - len(suffix)], ub[len(key):len(ub) - len(suffix)]
-    f.suffix = suffix
+    f.value_a, f.value_b = va[:len(va) - len(suffix)], vb[:len(vb) - len(suffix)]
     f.token_pos = _token_at(endsA, sa.start + us + len(key))
     if len(key.strip()) >= 3:
         f.key, f.anchor = key, "prefix"
