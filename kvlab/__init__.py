@@ -13,7 +13,7 @@ The package is layered; each layer imports only the ones above it:
 - ``kvlab.lessons`` one module per notebook: experiments, figures, exercise checkers.
 - ``kvlab.cli``     the ``kvlab`` command (``kvlab doctor``, ``kvlab serve``, ``kvlab --version``).
 
-The bundled model and the public configs ship inside the package, in ``kvlab/data``.
+The bundled model and the public configs ship in the top-level ``data/`` folder, which the wheel carries as ``kvlab/data``.
 
 ``import kvlab`` stays torch-free; the torch-backed names below load on first use.
 """

@@ -40,7 +40,7 @@ from kvlab.lessons.workloads import ideal_prefill_fraction, sys512  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="small sizes, one repetition (a quick check)")
-    ap.add_argument("--config", default="Qwen2.5-0.5B-Instruct", help="shipped config in kvlab/data/configs (random weights)")
+    ap.add_argument("--config", default="Qwen2.5-0.5B-Instruct", help="shipped config in data/configs (random weights)")
     ap.add_argument("--model", default=None, help="real weights instead: 'smollm2' or a local HF folder (all its layers)")
     ap.add_argument("--vllm", action="store_true", help="also run real vLLM (its venv, `make vllm-env`) on the workload")
     ap.add_argument("--layers", type=int, default=None, help="layers of the model (default: all on a GPU, 4 on a CPU)")

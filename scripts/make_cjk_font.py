@@ -5,7 +5,7 @@
 
 The glyphs are collected from every string the figures can show: the notebooks' sources, the lessons'
 modules (prompts, passphrases, the article's decision table) and every piece the bundled tokenizer
-decodes to (token labels in notebooks 01 and 02). The subset goes to ``kvlab/data/fonts/`` with its
+decodes to (token labels in notebooks 01 and 02). The subset goes to ``data/fonts/`` with its
 licence; ``kvlab.lessons.common`` registers it with matplotlib at import. Run it again when a lesson
 gains new Chinese text; ``--check`` only lists characters the shipped subset lacks (exit code 1 if any).
 """
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FONTS = ROOT / "kvlab" / "data" / "fonts"
+FONTS = ROOT / "data" / "fonts"
 OUT = FONTS / "kvlab-cjk-sans.otf"
 SOURCES = ("/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc",)
 SOURCE_FAMILY = "Noto Sans CJK SC"
@@ -36,7 +36,7 @@ def _tokenizer_pieces() -> str:
     """Every vocabulary entry of the bundled tokenizer, decoded on its own (the labels of token figures)."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(ROOT / "kvlab" / "data" / "models" / "kvlab-passphrase-qwen2" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(ROOT / "data" / "models" / "kvlab-passphrase-qwen2" / "tokenizer.json"))
     return "".join(tok.decode([i]) for i in range(tok.get_vocab_size()))
 
 

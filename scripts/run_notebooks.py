@@ -73,20 +73,111 @@ def _sign(path: str) -> None:
         print(f"note: could not sign {path}: {e}", file=sys.stderr)
 
 
-def _execute_here(nb: str, out: str, params_json: str, cell_timeout: int) -> None:
-    """Child-process entry: run papermill, then report the kernel's peak RSS on stdout's last line."""
+# The widget-cell stall (issue 36), and the two changes to the headless client that end it.
+#
+# The cause: nbclient waits for a cell's ``execute_reply`` with one long ``poll`` on the shell socket
+# (up to the cell timeout), through pyzmq's asyncio integration, which is woken by zmq's edge-triggered
+# ``ZMQ_FD``. Any other call on that socket -- a send, or a read of ``zmq.EVENTS`` -- can consume the
+# edge; when it does, the reply sits in the socket and the poll sleeps until its timeout, after which
+# a final ``zmq_poll(0)`` finds the reply and the cell "completes" after exactly the cell timeout with
+# no error (what 03 and 05 showed; jupyter/nbclient#312, zeromq/pyzmq#2173). The series triggers it
+# through ``widgets.interactive_output``: nbclient mimics a front end for the ``Output`` widget it draws
+# into and, for every output captured, sends the widget's state back to the kernel as a ``comm_msg`` on
+# that same shell socket while the poll is pending.
+#
+# The fix: (1) the Output-widget mimic keeps captured outputs on the client side and writes nothing to
+# the kernel (the saved widget state the handout draws is built from the client's own copy, so it is
+# unchanged; no cell reads ``Output.outputs`` back in the kernel); (2) every wait on a kernel socket is
+# sliced into polls of ``POLL_SLICE_S``, each ending in a real ``zmq_poll``, so a lost wakeup from any
+# other trigger costs at most one slice, never the cell timeout. Numbers: ``scripts/soak_notebooks.py``.
+POLL_SLICE_S = 0.25
+
+
+def kernel_manager_class() -> type:
+    """nbclient's kernel manager, whose client waits on its shell and IOPub sockets in short slices."""
+    from queue import Empty
+
+    from jupyter_client.asynchronous.client import AsyncKernelClient
+    from jupyter_client.channels import AsyncZMQSocketChannel
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import Type
+
+    class SlicedPollChannel(AsyncZMQSocketChannel):
+        async def get_msg(self, timeout: float | None = None) -> dict:
+            """The next message; ``Empty`` after ``timeout`` seconds (None: wait for ever), in slices."""
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = POLL_SLICE_S if deadline is None else max(0.0, min(POLL_SLICE_S, deadline - time.monotonic()))
+                if await self.socket.poll(int(left * 1000)):
+                    return await self._recv()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise Empty
+
+    class SlicedPollClient(AsyncKernelClient):
+        shell_channel_class = Type(SlicedPollChannel)
+        iopub_channel_class = Type(SlicedPollChannel)
+
+    class SlicedPollKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.client_factory = SlicedPollClient
+
+    return SlicedPollKernelManager
+
+
+def widget_registry() -> dict:
+    """nbclient's widget registry with an Output-widget mimic that never writes to the kernel (see above)."""
+    from nbclient.output_widget import OutputWidget
+
+    class HeadlessOutputWidget(OutputWidget):
+        def sync_state(self) -> None:
+            """Keep the captured outputs on the client side only (see ``widget_registry``)."""
+
+    return {"@jupyter-widgets/output": {"OutputModel": HeadlessOutputWidget}}
+
+
+def slowest_cell(nb_path: str | Path) -> dict:
+    """The slowest code cell of an executed notebook: index, first source line, seconds (from papermill)."""
+    import nbformat
+
+    best = {"cell": None, "first_line": "", "seconds": 0.0}
+    try:
+        nb = nbformat.read(nb_path, as_version=4)
+    except (OSError, ValueError):  # no executed copy (the kernel never started): nothing to report
+        return best
+    for i, cell in enumerate(nb.cells):
+        seconds = (cell.metadata.get("papermill") or {}).get("duration") or 0.0
+        if cell.cell_type == "code" and seconds >= best["seconds"]:
+            lines = [ln for ln in cell.source.splitlines() if ln.strip()] or [""]
+            best = {"cell": i, "first_line": lines[0][:80], "seconds": round(float(seconds), 1)}
+    return best
+
+
+def _execute_here(nb: str, out: str, params_json: str, cell_limit: int) -> None:
+    """Child-process entry: run papermill, then report the kernel's peak RSS on stdout's last line.
+
+    A cell running past ``cell_limit`` seconds is stopped and fails the notebook by name.
+    """
     import papermill as pm
+    from nbclient.exceptions import CellTimeoutError
 
     error = None
     try:
         pm.execute_notebook(nb, out, parameters=json.loads(params_json), kernel_name="python3",
-                            cwd=str(NOTEBOOKS), progress_bar=False, execution_timeout=cell_timeout,
-                            log_output=False)
+                            cwd=str(NOTEBOOKS), progress_bar=False, execution_timeout=cell_limit,
+                            log_output=False, widget_registry=widget_registry(),
+                            kernel_manager_class=kernel_manager_class())
+    except CellTimeoutError:
+        error = "timeout"
     except Exception as e:  # papermill raises PapermillExecutionError with the failing cell
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    slow = slowest_cell(out)
+    if error == "timeout":  # the stopped cell is the slowest: every other one finished inside the limit
+        error = (f"cell {slow['cell']} of the executed copy ran past the per-cell limit of {cell_limit} s: "
+                 f"{slow['first_line']!r}")
     _sign(out)
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the kernel, KiB on Linux
-    print(json.dumps({"peak_mb": round(peak_kb / 1024, 1), "error": error}))
+    print(json.dumps({"peak_mb": round(peak_kb / 1024, 1), "error": error, "slowest": slow}))
 
 
 def _show(path: Path) -> str:
@@ -94,8 +185,16 @@ def _show(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict:
-    """Execute one notebook in a fresh process and kernel; return a timings row."""
+# Per-cell limits far below the notebook timeout, so a stalled cell fails the run by name (issue 36).
+CELL_LIMIT = {False: 180, True: 60}
+
+
+def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT, cell_limit: int | None = None) -> dict:
+    """Execute one notebook in a fresh process and kernel; return a timings row.
+
+    ``cell_limit`` (seconds; default 180, or 60 in SMOKE) stops a cell that runs longer and marks the
+    notebook failed, naming the cell.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / nb.name
     env = dict(os.environ)
@@ -103,9 +202,10 @@ def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-    # one stuck cell must not eat the whole budget; 600 s: notebook 09's Ray fleet on SmolLM2 takes ~300 s on 2 cores
-    cell_timeout = int(min(timeout, 600))
-    cmd = [sys.executable, __file__, "--_execute", str(nb), str(out), json.dumps(params), str(cell_timeout)]
+    if cell_limit is None:
+        cell_limit = CELL_LIMIT[bool(params.get("SMOKE"))]
+    cell_limit = int(min(timeout, cell_limit))
+    cmd = [sys.executable, __file__, "--_execute", str(nb), str(out), json.dumps(params), str(cell_limit)]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -117,9 +217,11 @@ def run_one(nb: Path, params: dict, timeout: float, out_dir: Path = OUT) -> dict
     except subprocess.TimeoutExpired:
         wall = time.perf_counter() - t0
         info = {"peak_mb": None, "error": f"timed out after {timeout:.0f} s"}
+    slow = info.get("slowest") or {"cell": None, "first_line": "", "seconds": None}
     row = {"notebook": nb.name, "status": "ok" if not info["error"] else "failed",
            "wall_s": round(wall, 1), "peak_mem_mb": info["peak_mb"], "error": info["error"] or "",
-           "output": str(out)}
+           "slowest_cell": slow["cell"], "slowest_cell_s": slow["seconds"],
+           "slowest_cell_line": slow["first_line"], "output": str(out)}
     row.update({k: params[k] for k in ("SMOKE", "DEVICE")})
     row["MODEL"] = params.get("MODEL", "bundled")
     return row
@@ -187,7 +289,8 @@ def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
 
 def write_report(rows: list[dict], out_dir: Path = OUT) -> None:
     """timings.csv and an index.html linking every rendered notebook."""
-    fields = ["notebook", "status", "wall_s", "peak_mem_mb", "SMOKE", "DEVICE", "MODEL", "error"]
+    fields = ["notebook", "status", "wall_s", "peak_mem_mb", "slowest_cell", "slowest_cell_s", "slowest_cell_line",
+              "SMOKE", "DEVICE", "MODEL", "error"]
     with open(out_dir / "timings.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -226,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per notebook")
+    ap.add_argument("--cell-limit", type=int, default=None,
+                    help="seconds one cell may run before the notebook fails (default 180, 60 with --smoke 1)")
     ap.add_argument("--only", default=None, help="e.g. 00,03")
     ap.add_argument("--out", default=None, help="output folder (default: build/notebooks)")
     ap.add_argument("--no-html", action="store_true")
@@ -258,12 +363,13 @@ def main(argv: list[str] | None = None) -> int:
             print("widgets: no local renderer; the HTML needs the network to draw sliders", file=sys.stderr)
     rows = []
     for nb in paths:
-        row = run_one(nb, params, args.timeout, out_dir)
+        row = run_one(nb, params, args.timeout, out_dir, args.cell_limit)
         if row["status"] == "ok" and not args.no_html:
             to_html(Path(row["output"]), widgets)
         rows.append(row)
         print(f"{row['status']:6s} {row['notebook']:40s} {row['wall_s']:7.1f} s  "
-              f"peak {row['peak_mem_mb']} MB  {row['error']}", flush=True)
+              f"peak {row['peak_mem_mb']} MB  slowest cell {row['slowest_cell']} {row['slowest_cell_s']} s  "
+              f"{row['error']}", flush=True)
     write_report(rows, out_dir)
     failed = [r["notebook"] for r in rows if r["status"] != "ok"]
     print(f"{len(rows) - len(failed)}/{len(rows)} ok; report: {_show(out_dir / 'index.html')}")

@@ -1,6 +1,6 @@
 """Train the bundled passphrase model: a tiny Qwen2 (RoPE, grouped-query attention) + byte-level BPE.
 
-    python scripts/train_passphrase_model.py [--out kvlab/data/models/kvlab-passphrase-qwen2] [--threads 1]
+    python scripts/train_passphrase_model.py [--out data/models/kvlab-passphrase-qwen2] [--threads 1]
 
 Deterministic on CPU: seeded, fixed thread count, examples generated from their seeds by
 ``kvlab.lessons.passphrase``. The tokenizer uses Qwen2's normalizer and pre-tokenizer and ChatML special
@@ -152,7 +152,7 @@ Measure: `python scripts/evaluate_passphrase_model.py --update-card`.
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "kvlab/data/models/kvlab-passphrase-qwen2"),
+    ap.add_argument("--out", default=str(ROOT / "data/models/kvlab-passphrase-qwen2"),
                     help="the bundled model ships inside the package (kvlab.engine.models.BUNDLED_MODEL)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)

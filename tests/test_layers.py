@@ -94,6 +94,29 @@ def test_cache_and_engine_copied_together_run_a_random_llama(tmp_path):
     assert out.splitlines()[-1] == "True 8", out
 
 
+def test_cache_and_engine_copied_with_data_beside_them_load_the_bundled_model(tmp_path):
+    """The repository's layout copied (mykv/cache, mykv/engine, data/): the bundled model is found, not kvlab's."""
+    (tmp_path / "mykv").mkdir()
+    (tmp_path / "mykv" / "__init__.py").write_text("")
+    for layer in ("cache", "engine"):
+        shutil.copytree(PKG / layer, tmp_path / "mykv" / layer, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PKG.parent / "data", tmp_path / "data", ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
+    out = _run("""
+        import sys
+        class NoKvlab:
+            def find_spec(self, name, path=None, target=None):
+                if name == 'kvlab' or name.startswith('kvlab.'):
+                    raise ImportError('kvlab is not installed here')
+        sys.meta_path.insert(0, NoKvlab())
+        sys.path.insert(0, '.')
+        from mykv.engine import load_model
+        from mykv.engine.models import BUNDLED_MODEL
+        model, tok = load_model(None, device="cpu")
+        print(BUNDLED_MODEL.resolve(), type(model).__name__)
+    """, cwd=tmp_path)
+    assert out.splitlines()[-1] == f"{(tmp_path / 'data' / 'models' / 'kvlab-passphrase-qwen2').resolve()} Qwen2ForCausalLM", out
+
+
 def test_public_api_resolves():
     for name in kvlab.__all__:
         assert getattr(kvlab, name) is not None

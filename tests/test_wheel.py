@@ -68,8 +68,9 @@ def wheel(tmp_path_factory) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "kvlab", src / "kvlab",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "checkpoints"))
+    for name in ("kvlab", "data"):
+        shutil.copytree(ROOT / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "checkpoints"))
     _run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "--no-index",
           "-w", tmp / "dist"], cwd=src)
     (whl,) = (tmp / "dist").glob("kvlab-*.whl")
@@ -101,8 +102,9 @@ def venv(wheel, tmp_path_factory) -> dict:
 
 def test_wheel_carries_the_model_configs_and_the_command(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    data = ROOT / "kvlab" / "data"
+    data = ROOT / "data"  # the top-level folder of the repository, kvlab/data in the wheel
     shipped = {f"kvlab/data/{p.relative_to(data).as_posix()}" for p in (data / "configs").glob("*.json")}
+    shipped |= {f"kvlab/data/fonts/{name}" for name in ("kvlab-cjk-sans.otf", "OFL.txt")}
     shipped |= {f"kvlab/data/{p.relative_to(data).as_posix()}"
                 for p in (data / "models" / "kvlab-passphrase-qwen2").iterdir() if p.is_file()}
     assert "kvlab/data/models/kvlab-passphrase-qwen2/model.safetensors" in shipped
@@ -176,3 +178,26 @@ print(bm.allocate("b", list(range(8)) + [99]), "torch" in sys.modules, Path(kvla
 """
     cached, torch_loaded, path = _run([venv["py"], "-c", code], cwd=venv["cwd"]).stdout.split()
     assert (cached, torch_loaded) == ("8", "False") and path.startswith(str(venv["dir"].resolve()))
+
+
+# --- the layout the design card names: data/ at the top level, kvlab/data in the wheel (no build needed) ----------
+
+def test_data_sits_at_the_top_level_and_the_package_finds_it():
+    import kvlab
+    from kvlab.engine.models import CONFIGS_DIR, package_data
+
+    assert (ROOT / "data" / "models" / "kvlab-passphrase-qwen2" / "model.safetensors").is_file()
+    assert not (ROOT / "kvlab" / "data").exists(), "the shipped data lives in the top-level data/ folder"
+    assert kvlab.BUNDLED_MODEL.resolve() == (ROOT / "data" / "models" / "kvlab-passphrase-qwen2").resolve()
+    assert CONFIGS_DIR.resolve() == (ROOT / "data" / "configs").resolve()
+    assert package_data("fonts", "OFL.txt").is_file()
+
+
+def test_pyproject_lists_every_package_and_maps_data():
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert sorted(tool["packages"]) == sorted(find_packages(str(ROOT), include=["kvlab*"]) + ["kvlab.data"])
+    assert tool["package-dir"] == {"kvlab.data": "data"}

@@ -1,7 +1,7 @@
 """Load the bundled passphrase model or any Hugging Face causal LM; pick a device; size a KV cache.
 
 ``load_model()`` with no argument loads the tiny Qwen2 model shipped inside the package under
-``kvlab/data/models`` (no network; it travels in the wheel). ``load_model("smollm2")`` loads SmolLM2-135M-Instruct, converted once from a registry
+``data/models`` (no network; it travels in the wheel as ``kvlab/data``). ``load_model("smollm2")`` loads SmolLM2-135M-Instruct, converted once from a registry
 package (``kvlab.engine.smollm2``). Any Hugging Face id or local folder works too, e.g.
 ``load_model("Qwen/Qwen2.5-0.5B-Instruct", device="cuda")`` on a workshop GPU with the model already
 downloaded.
@@ -23,16 +23,22 @@ import torch
 
 
 def package_data(*parts: str) -> Path:
-    """A file or folder shipped inside the package under ``kvlab/data`` (wheel, editable install or a copy).
+    """A file or folder of kvlab's shipped data (the bundled model, public configs, the CJK font).
 
-    The top package is the one this module sits in, so ``kvlab/engine`` copied as ``mykv/engine`` looks in
-    ``mykv/data`` (absent unless copied too: ``load_model(None)`` then says the bundled model is missing).
+    In an installed wheel it is ``kvlab/data`` inside the package; in the repository (an editable install
+    or a checkout on ``sys.path``) it is the top-level ``data/`` beside the package, which the wheel maps
+    to ``kvlab/data``. The top package is the one this module sits in, so ``kvlab/engine`` copied as
+    ``mykv/engine`` looks in ``mykv/data`` (absent unless copied too: ``load_model(None)`` then says the
+    bundled model is missing).
     """
     top = (__package__ or "kvlab").partition(".")[0]
     root = importlib.resources.files(top)
     if not isinstance(root, Path):  # e.g. imported from a zip: HF loaders need a real folder
         raise RuntimeError(f"kvlab's package data is not on the file system ({root!r}); install kvlab unzipped")
-    return root.joinpath("data", *parts)
+    inside, beside = root / "data", root.parent / "data"
+    # beside only when it is ours (a marker file), never a user's unrelated data/ folder next to a copy
+    base = beside if not inside.is_dir() and (beside / "__init__.py").is_file() else inside
+    return base.joinpath(*parts)
 
 
 BUNDLED_MODEL = package_data("models", "kvlab-passphrase-qwen2")
@@ -90,7 +96,7 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str, bool]:
     if model is None:
         if not (BUNDLED_MODEL / "config.json").exists():
             raise FileNotFoundError(
-                f"the bundled model is missing at {BUNDLED_MODEL}; it ships inside the package (kvlab/data) — "
+                f"the bundled model is missing at {BUNDLED_MODEL}; it ships in the repository's data/ folder and in the wheel as kvlab/data — "
                 "reinstall kvlab, or retrain it with `python scripts/train_passphrase_model.py`"
             )
         return str(BUNDLED_MODEL), True
@@ -216,7 +222,7 @@ def kv_bytes_per_token(config: Any, dtype: str | torch.dtype = "float32") -> int
 
 
 def load_public_config(name: str) -> dict:
-    """A public model's config.json shipped in ``kvlab/data/configs`` (e.g. 'Qwen1.5-7B-Chat')."""
+    """A public model's config.json shipped in ``data/configs`` (e.g. 'Qwen1.5-7B-Chat')."""
     path = CONFIGS_DIR / f"{name}.json"
     if not path.exists():
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
@@ -228,7 +234,7 @@ def random_model(config_name: str, num_layers: int | None = None, hidden_size: i
                  intermediate_size: int | None = None, vocab_size: int | None = None, seed: int = 0,
                  device: str | torch.device = "auto", dtype: str | torch.dtype = "float32",
                  stop_at_eos: bool = True) -> Any:
-    """A random-initialised HF causal LM with the shape of a public config in ``kvlab/data/configs``.
+    """A random-initialised HF causal LM with the shape of a public config in ``data/configs``.
 
     Shrinking options keep the KV shape (kv heads, head dim) unless told otherwise: a smaller
     ``hidden_size`` pins ``head_dim`` to the original value. Use ``num_layers`` to make it cheaper,

@@ -243,7 +243,7 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> 
 GIB = 2**30
 
 
-CJK_FAMILY = "kvlab CJK Sans"  # kvlab/data/fonts: a subset of Noto Sans CJK SC (OFL), made by scripts/make_cjk_font.py
+CJK_FAMILY = "kvlab CJK Sans"  # data/fonts: a subset of Noto Sans CJK SC (OFL), made by scripts/make_cjk_font.py
 CJK_FONTS = (CJK_FAMILY, "Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "WenQuanYi Zen Hei",
              "WenQuanYi Micro Hei", "SimHei", "Microsoft YaHei", "PingFang SC", "Heiti SC", "Arial Unicode MS")
 
@@ -251,14 +251,14 @@ CJK_FONTS = (CJK_FAMILY, "Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC
 def _register_cjk_font() -> str | None:
     """Register the shipped CJK subset with matplotlib and append the first CJK font found to
     ``font.family``, matplotlib's per-glyph fallback chain, so Chinese labels draw. Returns its name."""
-    from importlib.resources import files
+    from kvlab.engine.models import package_data
 
     try:
         from matplotlib import font_manager, rcParams
     except ImportError:  # an install without the notebooks extra draws nothing
         return None
 
-    shipped = files("kvlab").joinpath("data", "fonts", "kvlab-cjk-sans.otf")
+    shipped = package_data("fonts", "kvlab-cjk-sans.otf")
     installed = {f.name for f in font_manager.fontManager.ttflist}
     if CJK_FAMILY not in installed and shipped.is_file():
         font_manager.fontManager.addfont(str(shipped))

@@ -14,7 +14,7 @@ The lesson of notebook 01 in code:
 
 No position encoding here on purpose (notebook 03 is about RoPE): causality alone orders tokens.
 ``random_model`` builds a random-initialised Hugging Face model of a public model's shape from the
-config JSON shipped in ``kvlab/data/configs`` (for timing, where compute must dominate Python overhead).
+config JSON shipped in ``data/configs`` (for timing, where compute must dominate Python overhead).
 
 References: Vaswani et al. 2017 (attention); Ainslie et al. 2023 (GQA); nanoGPT's ``model.py``.
 """

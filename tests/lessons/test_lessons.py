@@ -26,7 +26,7 @@ def _draw(fig) -> None:
 def test_the_shipped_cjk_font_is_registered_and_draws_chinese_without_missing_glyphs():
     from kvlab.lessons import common
 
-    assert common.CJK_FONT == common.CJK_FAMILY  # the subset in kvlab/data/fonts, not whatever the machine has
+    assert common.CJK_FONT == common.CJK_FAMILY  # the subset in data/fonts, not whatever the machine has
     assert common.label("口令是什么？") == "口令是什么？"  # no \\u escapes
     fig, ax = plt.subplots()
     ax.set_title("你是一个专业的翻译助手，请将以下内容翻译成英文：「今天天气很好。」")
@@ -40,7 +40,7 @@ def test_the_shipped_font_has_every_character_the_series_draws_and_its_licence()
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.missing() == []
-    fonts = ROOT / "kvlab" / "data" / "fonts"
+    fonts = ROOT / "data" / "fonts"
     assert (fonts / "kvlab-cjk-sans.otf").stat().st_size < 400_000
     assert "SIL Open Font License" in (fonts / "OFL.txt").read_text(encoding="utf-8")
 

@@ -81,3 +81,42 @@ def test_runs_headless_in_smoke_mode(nb, tmp_path):
     params = run_notebooks.parameters(smoke=True, seed=0, device="cpu", model=None)
     row = run_notebooks.run_one(nb, params, timeout=600, out_dir=tmp_path)
     assert row["status"] == "ok", f"{nb.name} failed after {row['wall_s']} s: {row['error']} (executed copy: {row['output']})"
+
+
+def _tiny_notebook(path: Path, *sources: str) -> Path:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell("SMOKE = True")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, *(nbformat.v4.new_code_cell(s) for s in sources)]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_a_cell_past_the_per_cell_limit_fails_the_notebook_by_name(tmp_path):
+    nb = _tiny_notebook(tmp_path / "stall.ipynb", "x = 1", "import time\ntime.sleep(60)  # a stalled cell", "y = 2")
+    params = run_notebooks.parameters(smoke=True, seed=0, device="cpu", model=None)
+    row = run_notebooks.run_one(nb, params, timeout=120, out_dir=tmp_path / "out", cell_limit=3)
+    assert row["status"] == "failed", row
+    assert "cell 3 of the executed copy ran past the per-cell limit of 3 s" in row["error"] and "import time" in row["error"], row
+    assert row["wall_s"] < 60, row  # stopped at the limit, not when the sleep ended
+
+
+def test_timings_name_the_slowest_cell_and_widget_state_is_saved(tmp_path):
+    slider = ("import ipywidgets as widgets\nfrom IPython.display import display\n"
+              "s = widgets.IntSlider(value=2, min=1, max=5)\n"
+              "display(s, widgets.interactive_output(lambda k: print('k =', k), {'k': s}))")
+    nb = _tiny_notebook(tmp_path / "ok.ipynb", "import time\ntime.sleep(1.5)", slider, slider)
+    params = run_notebooks.parameters(smoke=True, seed=0, device="cpu", model=None)
+    row = run_notebooks.run_one(nb, params, timeout=120, out_dir=tmp_path / "out")
+    assert row["status"] == "ok", row
+    assert row["slowest_cell"] == 2 and row["slowest_cell_s"] >= 1.5 and row["slowest_cell_line"] == "import time"
+    run_notebooks.write_report([row], tmp_path / "out")
+    assert "slowest_cell_s" in (tmp_path / "out" / "timings.csv").read_text().splitlines()[0]
+    # the Output widgets' captured text is in the saved widget state the handout draws
+    state = json.loads(Path(row["output"]).read_text())["metadata"]["widgets"]
+    outputs = [m["state"]["outputs"] for m in state["application/vnd.jupyter.widget-state+json"]["state"].values()
+               if m["model_name"] == "OutputModel"]
+    assert [o[0]["text"] for o in outputs] == ["k = 2\n", "k = 2\n"], outputs
