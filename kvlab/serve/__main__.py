@@ -1,7 +1,9 @@
 """``python -m kvlab.serve [--model smollm2] [--port 8000]``: start the OpenAI-compatible server.
 
 Binds 127.0.0.1 unless ``--host`` says otherwise. Tenants come from ``--api-keys FILE`` or
-``$KVLAB_API_KEYS`` (JSON ``{"key": "tenant"}``); without either the server is open. The server secret
+``$KVLAB_API_KEYS`` (JSON ``{"key": "tenant"}``); without either the server is open. With keys the cache
+isolation defaults to ``tenant`` (no tenant hits another's cached prefix); ``--isolation shared`` must be
+given to share across keys (as vLLM does without ``cache_salt``). The server secret
 (tenant salts, ``cache_salt`` HMAC) comes from ``$KVLAB_SERVER_SECRET`` (>= 16 bytes), else a random one
 per start; it is never a command-line argument (other users can read those in ``ps``).
 """
@@ -13,6 +15,7 @@ import os
 import sys
 
 from ..engine.tenants import POLICIES
+from .protocol import PROMPT_BYTES_PER_TOKEN
 
 BUNDLED_NAME = "kvlab-passphrase-qwen2"
 
@@ -26,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--isolation", choices=POLICIES, default="shared", help="the engine's cache isolation policy")
+    p.add_argument("--isolation", choices=POLICIES, default=None,
+                   help="the engine's cache isolation policy (default: tenant when API keys are configured, so no "
+                        "tenant gets cached tokens from another's prompt; shared on an open server, whose requests "
+                        "are all one anonymous tenant). Give --isolation shared to share across keys on purpose")
     p.add_argument("--public-prefix", action="append", default=[],
                    help="text every tenant may share under --isolation public-prefix (repeatable)")
     p.add_argument("--api-keys", default=None, help="JSON file {key: tenant} (else $KVLAB_API_KEYS; none = open)")
@@ -37,9 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=int, default=128, help="queued requests beyond the batch before 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help="UTF-8 bytes of prompt text (or chat message contents) accepted before tokenizing; larger "
+                        f"is refused with 400 (default: {PROMPT_BYTES_PER_TOKEN} x the model's context in tokens)")
     p.add_argument("--enable-debug-endpoint", action="store_true", help="GET /debug/engine (invariants, leaks)")
     p.add_argument("--log-level", default="warning")
     return p
+
+
+def default_isolation(given: str | None, keys: dict[str, str]) -> str:
+    """The isolation policy: ``given`` when the command line names one, else ``tenant`` with API keys, else ``shared``.
+
+    Keys name tenants, and tenants that share one cache learn each other's prompts through its timing
+    (and ``cached_tokens``): sharing across keys is kept for operators who ask for it by name. An open
+    server has one anonymous tenant, so "shared" and "tenant" serve it alike; "shared" stays its default.
+    """
+    if given is not None:
+        return given
+    return "tenant" if keys else "shared"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.public_prefix and args.isolation != "public-prefix":
         print("--public-prefix needs --isolation public-prefix", file=sys.stderr)
+        return 2
+    if args.max_prompt_bytes is not None and args.max_prompt_bytes < 1:
+        print("kvlab serve: --max-prompt-bytes must be at least 1", file=sys.stderr)
         return 2
     import uvicorn
 
@@ -62,17 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"kvlab serve: {e}", file=sys.stderr)
         return 2
+    isolation = default_isolation(args.isolation, keys)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(model, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    enable_prefix_caching=not args.no_prefix_caching, isolation=args.isolation, secret=secret)
+                    enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret)
     for text in args.public_prefix:
         engine.add_public_prefix(text)
     name = args.served_model_name or (BUNDLED_NAME if args.model is None else str(args.model))
     config = ServeConfig(model_name=name, api_keys=keys, secret=secret, max_waiting=args.max_waiting,
-                         max_body_bytes=args.max_body_bytes, debug_endpoint=args.enable_debug_endpoint)
+                         max_body_bytes=args.max_body_bytes, debug_endpoint=args.enable_debug_endpoint,
+                         max_prompt_bytes=args.max_prompt_bytes)
     who = f"{len(set(keys.values()))} tenants" if keys else "open (no API keys)"
-    print(f"kvlab serve: {name} on http://{args.host}:{args.port}/v1, isolation {args.isolation}, {who}", flush=True)
+    print(f"kvlab serve: {name} on http://{args.host}:{args.port}/v1, isolation {isolation}, {who}", flush=True)
     uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -4,8 +4,10 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)        # or: python -m kvlab.serve
 
 A request's path: API key -> tenant (401), body read up to ``max_body_bytes`` (413), JSON (400), strict
-fields (400), model name (404), prompt and limits checked against the model and the pool (400), then
-queued for the engine thread (503 + ``Retry-After`` when the wait queue is full). Streaming answers
+fields (400), model name (404), prompt text up to ``max_prompt_bytes`` (400, before it is tokenized),
+tokenized in a worker thread (never on the event loop: a big prompt stalls no other request and not
+/health), prompt and limits checked against the model and the pool (400), then queued for the engine
+thread (503 + ``Retry-After`` when the wait queue is full). Streaming answers
 start with the first token and end with ``data: [DONE]``. A client that goes away aborts its request.
 Every refusal is OpenAI's error object and touches no other request.
 """
@@ -30,7 +32,7 @@ from ..engine.tenants import new_secret
 from .debug import engine_report
 from .generation import ClientGone, Generation, Piece, wait_or_disconnect
 from .metrics import ServeMetrics
-from .protocol import ApiError, ChatRequest, CompletionRequest, validation_message
+from .protocol import PROMPT_BYTES_PER_TOKEN, ApiError, ChatRequest, CompletionRequest, validation_message
 from .runner import EngineRunner, EngineStoppedError, Job, QueueFullError, new_request_id, now
 from .tenancy import AuthError, KeyTable, request_scope
 from .text import TextStream
@@ -49,6 +51,9 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     completion_max_tokens: int = 16  # /v1/completions default (OpenAI's); chat defaults to the rest of the context
     debug_endpoint: bool = False  # GET /debug/engine: invariants and leaked blocks (for load tests)
+    # UTF-8 bytes of prompt text (a completion's prompt, a chat's message contents) accepted for tokenizing;
+    # None = PROMPT_BYTES_PER_TOKEN x the model's context (max_body_bytes when the model states no context)
+    max_prompt_bytes: int | None = None
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -85,14 +90,19 @@ class _Server:
         self.runner = EngineRunner(engine, config.max_waiting, on_step=self.metrics.on_step)
         self.vocab = engine.model.config.vocab_size
         self.created = int(time.time())
+        self.max_prompt_bytes = prompt_byte_limit(config, engine.max_model_len)
+
+    def tenant(self, request: Request) -> str | None:
+        """The tenant of the request's API key (``None`` on an open server), or 401."""
+        try:
+            return self.keys.tenant_for(request.headers.get("authorization"))
+        except AuthError as e:
+            raise ApiError(401, str(e), code="invalid_api_key") from None
 
     # --- shared request handling --------------------------------------------------------------------
     async def parse(self, request: Request, model: type) -> tuple[object, str | None]:
         """Auth, body, JSON and fields: ``(body model, tenant)`` or ``ApiError``."""
-        try:
-            tenant = self.keys.tenant_for(request.headers.get("authorization"))
-        except AuthError as e:
-            raise ApiError(401, str(e), code="invalid_api_key") from None
+        tenant = self.tenant(request)
         raw = await _read_body(request, self.config.max_body_bytes)
         try:
             obj = json.loads(raw, parse_constant=_no_constants)
@@ -141,14 +151,33 @@ class _Server:
             param = next((p for p in ("temperature", "top_p", "top_k", "seed") if p in str(e)), "max_tokens")
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
+    def check_text_size(self, size: int, param: str) -> None:
+        """Refuse (400 naming ``param``) prompt text of more than ``max_prompt_bytes`` UTF-8 bytes, untokenized."""
+        if size > self.max_prompt_bytes:
+            raise ApiError(400, f"{param} holds {size} bytes of text; this server tokenizes at most "
+                                f"{self.max_prompt_bytes} bytes of prompt text (max_prompt_bytes)",
+                           param=param, code="context_length_exceeded")
+
     def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
-        """Token ids of a prompt, checked: non-empty, every id in the vocabulary."""
+        """Token ids of a prompt, checked: non-empty, every id in the vocabulary.
+
+        Blocking (the tokenizer runs here): call it through ``asyncio.to_thread``, never on the event loop.
+        """
         ids = encode(self.tokenizer, prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
         if any(not 0 <= t < self.vocab for t in ids):
             raise ApiError(400, f"token ids must be in [0, {self.vocab})", param=param, code="invalid_value")
         return ids
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of chat messages rendered with the model's chat template (blocking, as ``prompt_ids``)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template that refuses these messages (e.g. roles out of order)
+            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
+                           code="invalid_value") from None
+        return self.prompt_ids(text, "messages")
 
     def start(self, body, tenant: str | None, ids: list[int], sampling: SamplingParams, prefix: str,
               arrival: float) -> Generation:
@@ -202,6 +231,15 @@ class _Server:
         yield "data: [DONE]\n\n"
 
 
+def prompt_byte_limit(config: ServeConfig, max_model_len: int | None) -> int:
+    """The prompt-text limit in UTF-8 bytes: ``config.max_prompt_bytes``, else from the model's context."""
+    if config.max_prompt_bytes is not None:
+        if type(config.max_prompt_bytes) is not int or config.max_prompt_bytes < 1:
+            raise ValueError(f"max_prompt_bytes must be a positive int, got {config.max_prompt_bytes!r}")
+        return config.max_prompt_bytes
+    return PROMPT_BYTES_PER_TOKEN * max_model_len if max_model_len else config.max_body_bytes
+
+
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -240,7 +278,10 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     async def completions(request: Request):
         arrival = now()
         body, tenant = await srv.parse(request, CompletionRequest)
-        ids = srv.prompt_ids(body.prompt, "prompt")
+        if isinstance(body.prompt, str):
+            srv.check_text_size(len(body.prompt.encode("utf-8")), "prompt")
+        # the tokenizer holds its thread for as long as the text takes: not the event loop's
+        ids = await asyncio.to_thread(srv.prompt_ids, body.prompt, "prompt")
         sampling = srv.sampling(body, len(ids), body.max_tokens, config.completion_max_tokens)
         gen = srv.start(body, tenant, ids, sampling, "cmpl", arrival)
         return await srv.answer(request, gen, body, _completion_full, _completion_chunk)
@@ -250,12 +291,9 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         arrival = now()
         body, tenant = await srv.parse(request, ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = srv.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # a template that refuses these messages (e.g. roles out of order)
-            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
-                           code="invalid_value") from None
-        ids = srv.prompt_ids(text, "messages")
+        srv.check_text_size(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
+        # the template and the tokenizer run in a worker thread, as for completions
+        ids = await asyncio.to_thread(srv.chat_ids, messages)
         limit = engine.max_model_len
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         sampling = srv.sampling(body, len(ids), max_tokens, (limit - len(ids)) if limit else 16)
@@ -264,10 +302,7 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        try:
-            srv.keys.tenant_for(request.headers.get("authorization"))
-        except AuthError as e:
-            raise ApiError(401, str(e), code="invalid_api_key") from None
+        srv.tenant(request)
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": srv.created,
                                             "owned_by": "kvlab", "max_model_len": engine.max_model_len}]}
 
@@ -283,7 +318,9 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
     if config.debug_endpoint:
         @app.get("/debug/engine")
-        async def debug_engine():
+        async def debug_engine(request: Request):
+            # any configured key may read it (it shows every tenant's load): none, 401
+            srv.tenant(request)
             report, ids = await srv.runner.call(lambda e: (engine_report(e), set(e.requests)))
             report["server_in_flight"] = len(srv.runner.live)
             report["orphan_requests"] = len(ids - set(srv.runner.live))  # in the engine, unknown to the server

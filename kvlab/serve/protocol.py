@@ -13,10 +13,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "error_body", "validation_message"]
+__all__ = ["PROMPT_BYTES_PER_TOKEN", "ApiError", "ChatRequest", "CompletionRequest", "error_body", "validation_message"]
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256
+# The default prompt-text limit (ServeConfig.max_prompt_bytes, --max-prompt-bytes): this many UTF-8 bytes per
+# token of the model's context. Text tokenizes at about 4 bytes a token; 32 leaves room for long tokens (runs
+# of spaces, CJK) and still bounds the tokenizer's work to a fraction of a second (32 KiB for a 1,024-token
+# model, 256 KiB for 8,192 tokens).
+PROMPT_BYTES_PER_TOKEN = 32
 
 
 class ApiError(Exception):

@@ -85,7 +85,7 @@ def client(base: str, key: str = "key-a") -> "openai.OpenAI":
 
 
 def debug(base: str) -> dict:
-    return httpx.get(base + "/debug/engine", timeout=30).json()
+    return httpx.get(base + "/debug/engine", headers={"Authorization": "Bearer key-a"}, timeout=30).json()
 
 
 def wait_drained(base: str) -> dict:

@@ -1,0 +1,182 @@
+"""``kvlab serve`` at its edges (issue 37, S1-S3), in-process: no server subprocess, a few seconds in all.
+
+- S1: prompt text over ``max_prompt_bytes`` is refused (400 naming the field) before it reaches the tokenizer,
+  and the tokenizer runs off the event loop, so /health answers while a big prompt is being tokenized.
+- S2: ``GET /debug/engine`` needs an API key when keys are configured.
+- S3: with API keys and no ``--isolation``, the server isolates tenants (``tenant``); ``shared`` only by name.
+"""
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from kvlab.engine import Engine  # noqa: E402
+from kvlab.serve import ServeConfig, create_app  # noqa: E402
+from kvlab.serve import app as app_module  # noqa: E402
+
+MODEL = "kvlab-passphrase-qwen2"
+KEYS = {"key-a": "acme", "key-b": "globex"}
+ENGINE_KW = dict(num_blocks=64, block_size=16, max_num_seqs=4)
+
+
+@pytest.fixture
+def engine(bundled):
+    """A fresh small engine on the bundled model (1,024 positions)."""
+    model, tok = bundled
+    return Engine(model, tok, **ENGINE_KW)
+
+
+@pytest.fixture
+def tokenized(monkeypatch):
+    """Every text the server hands to the tokenizer (the real one still does the work)."""
+    seen: list[str] = []
+    real = app_module.encode
+
+    def spy(tokenizer, prompt):
+        if isinstance(prompt, str):
+            seen.append(prompt)
+        return real(tokenizer, prompt)
+    monkeypatch.setattr(app_module, "encode", spy)
+    return seen
+
+
+def _error(r) -> dict:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    return err
+
+
+# ----------------------------------------------------------------------------- S1: the byte limit
+def test_prompt_text_over_the_byte_limit_is_refused_before_tokenizing(engine, tokenized):
+    app = create_app(engine, ServeConfig(model_name=MODEL, max_prompt_bytes=1000))
+    with TestClient(app) as http:
+        # 600 characters, 1,200 UTF-8 bytes: the limit counts bytes
+        err = _error(http.post("/v1/completions", json={"prompt": "é" * 600, "max_tokens": 2}))
+        assert err["param"] == "prompt" and "1200 bytes" in err["message"] and "1000" in err["message"]
+        messages = [{"role": "system", "content": "x" * 600}, {"role": "user", "content": "y" * 401}]
+        err = _error(http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}))
+        assert err["param"] == "messages" and "1001 bytes" in err["message"]
+        assert tokenized == []  # neither reached the tokenizer
+        ok = http.post("/v1/completions", json={"prompt": "a" * 1000, "max_tokens": 1, "temperature": 0})
+        assert ok.status_code == 200, ok.text  # at the limit: served
+        assert tokenized == ["a" * 1000]
+
+
+def test_the_default_byte_limit_follows_the_models_context(engine, tokenized):
+    app = create_app(engine, ServeConfig(model_name=MODEL))
+    limit = app_module.PROMPT_BYTES_PER_TOKEN * engine.max_model_len
+    assert app.state.server.max_prompt_bytes == limit == 32 * 1024
+    with TestClient(app) as http:
+        err = _error(http.post("/v1/completions", json={"prompt": "hello " * 6000, "max_tokens": 2}))
+        assert err["param"] == "prompt" and str(limit) in err["message"]
+        assert tokenized == []
+    with pytest.raises(ValueError, match="max_prompt_bytes"):
+        create_app(engine, ServeConfig(model_name=MODEL, max_prompt_bytes=0))
+
+
+# ----------------------------------------------------------------------------- S1: off the event loop
+HOLD_S = 5.0  # how long the slow tokenizer holds a prompt at most (the old code stalled /health that long)
+
+
+def test_health_answers_while_a_big_prompt_is_tokenized(engine, monkeypatch):
+    """The tokenizer holds one (allowed) prompt for up to 5 s; /health must answer within 1 s of it starting."""
+    real = app_module.encode
+    entered, release = threading.Event(), threading.Event()
+    marks: dict[str, float] = {}
+
+    def slow_encode(tokenizer, prompt):
+        if isinstance(prompt, str) and prompt.startswith("SLOW"):
+            marks["entered"] = time.monotonic()
+            entered.set()
+            release.wait(HOLD_S)  # on the event loop (the old code) this blocks every other request too
+        return real(tokenizer, prompt)
+    monkeypatch.setattr(app_module, "encode", slow_encode)
+    app = create_app(engine, ServeConfig(model_name=MODEL))
+
+    async def scenario() -> tuple[int, int]:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+                big = asyncio.create_task(http.post("/v1/completions", json={
+                    "prompt": "SLOW " + "a b " * 100, "max_tokens": 1, "temperature": 0}))
+                while not entered.is_set():  # the request has reached the tokenizer
+                    await asyncio.sleep(0.005)
+                    assert not big.done(), big.result().text
+                health = await http.get("/health")
+                marks["health"] = time.monotonic()
+                release.set()
+                return health.status_code, (await big).status_code
+
+    try:
+        health_status, big_status = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert health_status == 200 and big_status == 200
+    waited = marks["health"] - marks["entered"]
+    assert waited < 1.0, f"/health took {waited:.2f} s while a prompt was tokenized: the event loop was blocked"
+
+
+# ----------------------------------------------------------------------------- S2: the debug endpoint
+def test_debug_endpoint_needs_an_api_key_when_keys_are_configured(engine):
+    app = create_app(engine, ServeConfig(model_name=MODEL, api_keys=KEYS, debug_endpoint=True))
+    with TestClient(app) as http:
+        for headers in ({}, {"Authorization": "Bearer key-z"}, {"Authorization": "key-a"}):
+            r = http.get("/debug/engine", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
+        r = http.get("/debug/engine", headers={"Authorization": "Bearer key-b"})
+        assert r.status_code == 200 and r.json()["leaked_blocks"] == 0
+    with TestClient(create_app(engine, ServeConfig(model_name=MODEL, debug_endpoint=True))) as http:
+        assert http.get("/debug/engine").status_code == 200  # an open server: open for everyone
+
+
+# ----------------------------------------------------------------------------- S3: the default isolation
+@pytest.fixture
+def started(bundled, monkeypatch, tmp_path):
+    """Run ``python -m kvlab.serve``'s ``main`` up to ``uvicorn.run``: returns ``run(argv) -> (rc, app)``."""
+    import uvicorn
+
+    import kvlab.engine.models
+    from kvlab.serve.__main__ import main
+
+    apps = []
+    monkeypatch.setattr(kvlab.engine.models, "load_model", lambda *a, **k: bundled)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    monkeypatch.delenv("KVLAB_API_KEYS", raising=False)
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+
+    def run(*argv: str):
+        argv = [a.replace("KEYS", str(keys)) for a in argv]
+        rc = main(["--num-blocks", "64", *argv])
+        return rc, (apps.pop() if apps else None)
+    return run
+
+
+def test_keys_without_isolation_isolate_tenants(started, capsys):
+    rc, app = started("--api-keys", "KEYS")
+    assert rc == 0 and app.state.server.engine.isolation == "tenant"
+    assert "isolation tenant, 2 tenants" in capsys.readouterr().out
+    rc, app = started("--api-keys", "KEYS", "--isolation", "shared")  # sharing across keys only by name
+    assert rc == 0 and app.state.server.engine.isolation == "shared"
+    rc, app = started()  # an open server: one anonymous tenant, nothing to keep apart
+    assert rc == 0 and app.state.server.engine.isolation == "shared"
+    rc, app = started("--max-prompt-bytes", "4096")
+    assert rc == 0 and app.state.server.max_prompt_bytes == 4096
+    assert started("--max-prompt-bytes", "0") == (2, None)
+
+
+def test_help_states_the_isolation_default(capsys):
+    from kvlab.serve.__main__ import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "default: tenant when API keys are configured" in text and "--isolation shared" in text
+    assert "--max-prompt-bytes" in text
