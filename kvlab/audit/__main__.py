@@ -6,13 +6,16 @@ The victim is the first key. Levels tested: the victim's own key (per user), the
 (named by ``--levels``, e.g. ``per-org global``). ``--salt-per-user`` adds a ``cache_salt`` per key
 (vLLM's field). ``--keys-file`` reads keys, one per line, instead of the command line. Prints the
 table (p-value, samples, decision at ``--alpha``); ``--json FILE`` also writes the results (a new file;
-an existing one is refused unless ``--overwrite``).
+an existing one is refused unless ``--overwrite``). ``--json`` is checked before anything is measured: its
+folder must exist and be writable, and it must not be a folder nor an input (``--keys-file``, even with
+``--overwrite``). Should the write still fail at the end, the results go to stdout instead of being lost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--power", action="store_true", help="also estimate the samples needed to detect")
     ap.add_argument("--json", default=None, help="write the results to this new file")
-    ap.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="let --json replace an existing file (never an input such as --keys-file)")
     return ap.parse_args(argv)
 
 
@@ -55,6 +59,44 @@ def read_keys(args: argparse.Namespace) -> list[str | None]:
             raise ValueError(f"--keys-file {args.keys_file} holds no key")
         return keys
     return list(args.keys) if args.keys else [None]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """True when ``a`` and ``b`` name one file (through links too), or the same path when one does not exist."""
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b) or a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def check_json_target(path: str, overwrite: bool, inputs: dict[str, str | None]) -> Path:
+    """``--json``'s file, checked before anything is measured; ``ValueError`` says what is wrong with it.
+
+    ``inputs`` maps an option (``--keys-file``) to the file it reads: the results never go over one of them.
+    """
+    target = Path(path)
+    for option, given in inputs.items():
+        if given is not None and _same_file(target, Path(given)):
+            raise ValueError(f"--json {path} is the {option} file: the audit never writes over an input "
+                             "(not even with --overwrite); pick another file")
+    if target.is_dir():
+        raise ValueError(f"--json {path} is a folder: give a file name inside it")
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"--json {path}: the folder {folder} does not exist (create it first)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--json {path}: cannot write in the folder {folder}")
+    if target.exists() and not overwrite:
+        raise ValueError(f"{path} exists: pick a new file or pass --overwrite")
+    if target.exists() and not target.is_file():
+        raise ValueError(f"--json {path} exists and is not a regular file")
+    return target
+
+
+def write_results(target: Path, text: str, overwrite: bool) -> None:
+    """Write ``text`` to ``target``: a new file, or (``overwrite``) one that replaces the file there."""
+    with open(target, "w" if overwrite else "x", encoding="utf-8") as f:
+        f.write(text)
 
 
 def build_levels(base_url: str, keys: list[str | None], names: list[str] | None, model: str,
@@ -76,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the audit and print one line per level; exit 0, or 2 with a message on bad input or a failed request."""
     args = parse_args(argv)
     try:
-        if args.json and Path(args.json).exists() and not args.overwrite:
-            raise ValueError(f"{args.json} exists: pick a new file or pass --overwrite")
+        target = check_json_target(args.json, args.overwrite, {"--keys-file": args.keys_file}) if args.json else None
         keys = read_keys(args)
         probe_ep = Endpoint(args.base_url, keys[0])
         model = args.model or first_model(probe_ep)
@@ -105,8 +146,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['median TTFT miss (ms)']:.1f} ms, KS p = {res.pvalue:.3g} -> "
               f"{'sharing DETECTED' if res.detected else 'not detected'} at alpha {config.alpha}"
               + (f"; samples to detect: {row['samples to detect (power 0.9)']}" if args.power else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(config), "rows": rows}, indent=1, default=str))
+    if target is not None:
+        text = json.dumps({"config": vars(config), "rows": rows}, indent=1, default=str)
+        try:
+            write_results(target, text, args.overwrite)
+        except OSError as e:  # checked before measuring, yet gone or full since: keep the results anyway
+            print(f"error: cannot write --json {args.json}: {e}; the results follow on stdout", file=sys.stderr)
+            print(text)
+            return 2
     return 0
 
 

@@ -6,7 +6,8 @@ and, where the server takes one (vLLM, kvlab serve), a ``cache_salt``. ``measure
 before the request is written to the first streamed chunk that carries a choice: the prefill the
 server did for this prompt, plus the network and the server's own overhead. The server's
 ``usage.prompt_tokens_details.cached_tokens`` is read when it reports one; the audit never uses it to
-decide, only to show what the server itself says.
+decide, only to show what the server itself says. Every answer is checked against the shapes in ``wire``
+(pydantic): a server that answers something else gets ``AuditResponseError``, never a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ __all__ = ["AuditHTTPError", "Endpoint", "Timing", "first_model", "measure"]
 
 
 class AuditHTTPError(RuntimeError):
-    """The server answered a probe with an error status or an unreadable stream."""
+    """The server answered a probe with an error status, an unreadable stream or JSON of the wrong shape."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,21 @@ def _unreachable(endpoint: Endpoint, err: Exception) -> AuditHTTPError:
     return AuditHTTPError(f"cannot reach {endpoint.base_url}: {type(err).__name__}: {err}")
 
 
+def _json(text: str, what: str) -> Any:
+    """``text`` decoded as JSON, or ``AuditResponseError`` naming ``what``."""
+    from .wire import AuditResponseError
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise AuditResponseError(f"{what} answered a body that is not JSON: {text[:200]!r}") from None
+
+
 def first_model(endpoint: Endpoint, http: Any = None) -> str:
     """The first model id that ``GET /v1/models`` lists."""
     import httpx
+
+    from .wire import ModelList, parse
 
     client = _client(http)
     try:
@@ -88,10 +101,10 @@ def first_model(endpoint: Endpoint, http: Any = None) -> str:
             raise _unreachable(endpoint, e) from None
         if r.status_code != 200:
             raise AuditHTTPError(f"GET /v1/models answered {r.status_code}: {r.text[:300]}")
-        models = r.json().get("data") or []
+        models = parse(ModelList, _json(r.text, "GET /v1/models"), "GET /v1/models").data
         if not models:
             raise AuditHTTPError("GET /v1/models lists no model")
-        return str(models[0]["id"])
+        return models[0].id
     finally:
         if http is None:
             client.close()
@@ -121,13 +134,17 @@ def measure(endpoint: Endpoint, prompt: str, http: Any = None) -> Timing:
             client.close()
     if ttft is None:
         raise AuditHTTPError("the stream ended without a chunk that carries a choice")
-    usage = usage or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return Timing(ttft, usage.get("prompt_tokens"), details.get("cached_tokens"))
+    if usage is None:
+        return Timing(ttft)
+    details = usage.prompt_tokens_details
+    return Timing(ttft, usage.prompt_tokens, details.cached_tokens if details is not None else None)
 
 
-def _stream(client: Any, endpoint: Endpoint, prompt: str) -> tuple[float | None, dict | None]:
-    """Send the request and read the stream: (seconds to the first chunk with a choice, the last usage seen)."""
+def _stream(client: Any, endpoint: Endpoint, prompt: str) -> tuple[float | None, Any]:
+    """Send the request and read the stream: (seconds to the first chunk with a choice, the last ``Usage`` seen)."""
+    from .wire import StreamChunk, parse
+
+    what = "the stream of POST /v1/completions"
     ttft, usage = None, None
     t0 = time.perf_counter()
     with client.stream("POST", endpoint.url("/v1/completions"), json=_body(endpoint, prompt),
@@ -142,10 +159,13 @@ def _stream(client: Any, endpoint: Endpoint, prompt: str) -> tuple[float | None,
             if data == "[DONE]":
                 break
             try:
-                chunk = json.loads(data)
+                obj = json.loads(data)
             except json.JSONDecodeError as e:
                 raise AuditHTTPError(f"the stream sent a chunk that is not JSON: {data[:200]!r}") from e
-            if ttft is None and chunk.get("choices"):
+            chunk = parse(StreamChunk, obj, what)
+            if chunk.error is not None:
+                raise AuditHTTPError(f"the stream reported an error: {json.dumps(chunk.error)[:300]}")
+            if ttft is None and chunk.choices:
                 ttft = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
+            usage = chunk.usage or usage
     return ttft, usage

@@ -133,6 +133,146 @@ def test_cli_refuses_bad_input_and_never_overwrites(tmp_path, capsys):
     assert "error" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------- a fake server (httpx.MockTransport)
+GOOD_MODELS = {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+
+def _sse(*events) -> bytes:
+    """A streamed completion's body: one ``data:`` line per event (JSON unless already text), then [DONE]."""
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in (*events, "[DONE]"))
+
+
+def _good_stream(prompt: str) -> bytes:
+    usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": 1,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    return _sse({"choices": [{"index": 0, "text": "x", "finish_reason": None}]}, {"choices": [], "usage": usage})
+
+
+class FakeServer:
+    """An OpenAI-compatible server in a MockTransport: good answers unless ``models`` or ``stream`` say otherwise."""
+
+    def __init__(self, models=GOOD_MODELS, stream=None):
+        self.models, self.stream, self.requests = models, stream, []
+
+    def __call__(self, request):
+        import httpx
+
+        self.requests.append(request)
+        if request.url.path.endswith("/models"):
+            body = self.models if isinstance(self.models, bytes) else json.dumps(self.models).encode()
+            return httpx.Response(200, content=body, headers={"content-type": "application/json"})
+        prompt = json.loads(request.content)["prompt"]
+        body = _good_stream(prompt) if self.stream is None else self.stream
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Every ``httpx.Client`` the audit opens talks to a ``FakeServer`` (set its ``models``/``stream`` to misbehave)."""
+    import httpx
+
+    server = FakeServer()
+    real = httpx.Client
+
+    class Client(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "transport": httpx.MockTransport(server)})
+    monkeypatch.setattr(httpx, "Client", Client)
+    return server
+
+
+@pytest.mark.parametrize("models, field", [
+    ([{"id": "m"}], "the body"),  # the list itself, not {"data": [...]}
+    ({"object": "list"}, "data"),  # no data
+    ({"data": [{"object": "model"}]}, "data.0.id"),  # no id
+    ({"data": [{"id": 7}]}, "data.0.id"),  # an id that is not a string
+    ({"data": "m"}, "data"),
+    (b"<html>not json</html>", "not JSON"),
+])
+def test_models_of_the_wrong_shape_are_a_clear_error(fake, models, field):
+    from kvlab.audit import AuditHTTPError, first_model
+
+    fake.models = models
+    with pytest.raises(AuditHTTPError, match="GET /v1/models answered") as e:
+        first_model(Endpoint(URL, "k"))
+    assert field in str(e.value)
+
+
+@pytest.mark.parametrize("events, field", [
+    ([{"choices": [{"text": "x"}], "usage": "12"}], "usage"),  # usage a string
+    ([{"choices": [{"text": "x"}], "usage": {"prompt_tokens": -3}}], "usage.prompt_tokens"),  # negative
+    ([{"choices": [{"text": "x"}], "usage": {"prompt_tokens": "12"}}], "usage.prompt_tokens"),  # a digit string
+    ([{"choices": [], "usage": {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": -1}}}],
+     "usage.prompt_tokens_details.cached_tokens"),
+    ([[{"choices": [{"text": "x"}]}]], "the body"),  # the chunk a list
+    ([{"choices": "x"}], "choices"),
+    ([{"choices": [5]}], "choices.0"),
+])
+def test_stream_chunks_of_the_wrong_shape_are_a_clear_error(fake, events, field):
+    from kvlab.audit import AuditHTTPError, measure
+
+    fake.stream = _sse(*events)
+    with pytest.raises(AuditHTTPError, match="the stream of POST /v1/completions answered JSON of the wrong") as e:
+        measure(Endpoint(URL, "k", "m"), "a b c")
+    assert f"{field}:" in str(e.value)
+
+
+def test_a_good_fake_server_is_read_and_an_error_event_is_reported(fake):
+    from kvlab.audit import AuditHTTPError, first_model, measure
+
+    assert first_model(Endpoint(URL, "k")) == "m"
+    t = measure(Endpoint(URL, "k", "m"), "a b c")
+    assert t.ttft > 0 and t.prompt_tokens == 3 and t.cached_tokens == 0
+    fake.stream = _sse({"choices": [{"text": "x"}]}, {"choices": [], "usage": None})
+    assert measure(Endpoint(URL, "k", "m"), "a b").prompt_tokens is None  # no usage: nothing claimed
+    fake.stream = _sse({"error": {"message": "boom", "type": "server_error"}})
+    with pytest.raises(AuditHTTPError, match="boom"):
+        measure(Endpoint(URL, "k", "m"), "a b")
+
+
+@pytest.mark.parametrize("models, stream", [([{"id": "m"}], None), (GOOD_MODELS, _sse([1, 2]))])
+def test_cli_reports_a_wrong_shape_without_a_traceback(fake, capsys, models, stream):
+    fake.models, fake.stream = models, stream
+    assert audit_main(["--base-url", URL, "--keys", "k", "--samples", "2", "--prompt-tokens", "8"]) == 2
+    assert "wrong shape" in capsys.readouterr().err
+
+
+AUDIT = ["--base-url", URL, "--samples", "2", "--prompt-tokens", "8"]
+
+
+def test_cli_writes_json_after_a_whole_audit_of_the_fake_server(fake, tmp_path):
+    out = tmp_path / "audit.json"
+    assert audit_main([*AUDIT, "--keys", "k", "--json", str(out)]) == 0
+    assert [r["sharing level"] for r in json.loads(out.read_text())["rows"]] == ["per-user (same key)"]
+    assert audit_main([*AUDIT, "--keys", "k", "--json", str(out), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("where, overwrite, message", [
+    ("missing/audit.json", False, "does not exist"),  # a folder that is not there
+    ("missing/audit.json", True, "does not exist"),
+    (".", True, "is a folder"),  # onto a folder
+    (".", False, "is a folder"),
+])
+def test_cli_checks_the_json_target_before_measuring(fake, tmp_path, capsys, where, overwrite, message):
+    target = tmp_path / where
+    rc = audit_main([*AUDIT, "--keys", "k", "--json", str(target)] + (["--overwrite"] if overwrite else []))
+    assert rc == 2 and message in capsys.readouterr().err
+    assert fake.requests == []  # refused before a single request: nothing measured, nothing lost
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_cli_never_writes_over_its_keys_file(fake, tmp_path, capsys, link):
+    keys = tmp_path / "k.txt"
+    keys.write_text("key-one\n")
+    target = keys
+    if link:  # another name of the same file
+        target = tmp_path / "results.json"
+        target.symlink_to(keys)
+    rc = audit_main([*AUDIT, "--keys-file", str(keys), "--json", str(target), "--overwrite"])
+    assert rc == 2 and "never writes over an input" in capsys.readouterr().err
+    assert keys.read_text() == "key-one\n" and fake.requests == []
+
+
 # ----------------------------------------------------------------------------- live: kvlab serve on the bundled model
 KEYS = {"key-alice": "org-a", "key-alice-2": "org-a", "key-bob": "org-b"}
 LIVE = AuditConfig(prompt_tokens=800, prefix_fraction=0.95, samples=30, alpha=1e-3, seed=0)  # robust on a busy machine
