@@ -267,21 +267,54 @@ def local_widgets(out_dir: Path, source: Path = WIDGETS) -> dict[str, str]:
 
 
 # JupyterLab's HTML template without its MathJax and Mermaid blocks, the scripts it would load from a CDN: the series
-# writes no TeX and no Mermaid diagrams (tests/lessons/test_notebooks.py checks the TeX).
+# writes no TeX and no Mermaid diagrams (tests/lessons/test_notebooks.py checks the TeX). ``html_head_css`` (after the
+# theme's CSS) holds a marker that ``to_html`` replaces with the page's CJK font (issue 40).
+FONT_MARKER = "<!-- kvlab: CJK font -->"
 NO_MATHJAX = ("{% extends 'lab/index.html.j2' %}"
               "{% block html_head_js_mathjax %}{% endblock html_head_js_mathjax %}"
-              "{% block html_head_js_mermaidjs %}{% endblock html_head_js_mermaidjs %}")
+              "{% block html_head_js_mermaidjs %}{% endblock html_head_js_mermaidjs %}"
+              "{% block html_head_css %}" + FONT_MARKER + "{% endblock html_head_css %}")
 
 
 def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
-    """Render an executed notebook to HTML next to it (widget scripts from ``widgets`` URLs when given)."""
+    """Render an executed notebook to HTML next to it (widget scripts from ``widgets`` URLs when given).
+
+    The page is titled by the notebook's first markdown heading, and embeds the subset of the shipped CJK font
+    (``data/fonts/kvlab-cjk-sans.otf``, OFL) holding just the CJK characters on the page, as a data URL: Chinese
+    text reads on a machine without a CJK font, and the file stands alone (``make_cjk_font.font_face_css``).
+    """
+    import re
+
     import jinja2
     import nbformat
     from nbconvert import HTMLExporter
 
+    if str(Path(__file__).parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).parent))
+    from make_cjk_font import font_face_css
+
+    nb = nbformat.read(executed, as_version=4)
+    title = Path(executed).stem
+    for cell in nb.cells:
+        heading = re.search(r"^ {0,3}#{1,6}[ \t]+(.+?)[ \t#]*$", cell.source, re.M) if cell.cell_type == "markdown" else None
+        if heading:  # the text of the heading, without its markdown: links, emphasis, code marks
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1))
+            title = re.sub(r"[*_`]", "", text).strip() or title
+            break
+    nb.metadata["title"] = title  # the template's <title> (in memory only: the executed copy is unchanged)
     exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"kvlab.html.j2": NO_MATHJAX})],
                             template_file="kvlab.html.j2", **(widgets or {}))
-    body, _ = exporter.from_notebook_node(nbformat.read(executed, as_version=4))
+    body, _ = exporter.from_notebook_node(nb)
+    # The theme's font stacks, each to get the CJK face first: the last definition on the page wins.
+    stacks = {m.group(1): m.group(2).strip() for m in re.finditer(
+        r"(--jp-(?:ui|content|code)-font-family(?:-default)?)\s*:\s*([^;{}]+);", body)
+        if not m.group(2).strip().startswith("var(")}
+    page_text = html.unescape(body) + json.dumps(nb, ensure_ascii=False)  # the page, and the widget state it draws
+    css, lacking = font_face_css(page_text, stacks)
+    if lacking:
+        print(f"fonts: {executed.name}: {len(lacking)} CJK characters not in data/fonts/kvlab-cjk-sans.otf "
+              f"({''.join(lacking)}): run scripts/make_cjk_font.py", file=sys.stderr)
+    body = body.replace(FONT_MARKER, f'<style type="text/css">\n{css}</style>' if css else "", 1)
     target = executed.with_suffix(".html")
     target.write_text(body, encoding="utf-8")
     return target

@@ -23,7 +23,8 @@ from __future__ import annotations
 import random
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,6 +299,21 @@ def _ref_key(r: StressRequest) -> tuple:
     return (tuple(r.prompt_ids), sp.temperature, sp.top_p, sp.top_k, sp.seed if not sp.greedy else None)
 
 
+@contextmanager
+def _warnings_as_text() -> Iterator[None]:
+    """Inside, a warning that is shown is formatted as ``Category: message`` only (filters and recording unchanged).
+
+    The engine's warnings point at their caller (``stacklevel``), which here is this module, not the notebook:
+    the default format would echo this module's source line under the warning, on the participant's page.
+    """
+    before = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_, **__: f"{category.__name__}: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
+
+
 def run_stress(engine: Engine, requests: Sequence[StressRequest], check_every: int = 16) -> dict:
     """Feed requests at their arrival steps, step until drained, check invariants every ``check_every`` steps.
 
@@ -310,7 +326,8 @@ def run_stress(engine: Engine, requests: Sequence[StressRequest], check_every: i
     while k < len(pending) or engine.has_unfinished():
         while k < len(pending) and requests[pending[k]].arrival_step <= step:
             r = requests[pending[k]]
-            engine.add_request(r.prompt_ids, r.sampling, request_id=pending[k], tenant=r.tenant)
+            with _warnings_as_text():  # "shared" warns once: its text, not this line
+                engine.add_request(r.prompt_ids, r.sampling, request_id=pending[k], tenant=r.tenant)
             k += 1
         if engine.has_unfinished():
             for out in engine.step():
