@@ -212,7 +212,7 @@ def main() -> None:
     if args.check:
         gone = missing(executed)
         print(f"{len(gone)} wanted characters missing from {OUT.name}" + (f": {''.join(gone)}" if gone else "")
-              + f" (sources, lessons, tokenizer and the executed copies in "
+              + " (sources, lessons, tokenizer and the executed copies in "
               + ", ".join(_show(d) + ("" if Path(d).is_dir() else " (absent)") for d in executed) + ")")
         sys.exit(1 if gone else 0)
     n, size = make(args.source, executed)
