@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,6 +20,12 @@ from .prepare import Prepared, prepare
 from .replay import block_chains, replay, replay_tokens, spot_check, unbounded_hits
 from .tokenization import PromptEncoder, ids, model_config
 from .vllm_metrics import read_metrics
+
+# The largest cache the doctor replays, in blocks of any block size: a billion blocks is over ten TB of K/V
+# even for a 0.5B model, far past any server. The replay itself allocates no more blocks than the log can
+# fill (``replay.pool_blocks``); this bound turns nonsense such as ``--kv-gib 1e30`` into a clear error.
+MAX_CAPACITY_BLOCKS = 10**9
+KV_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1}
 
 
 @dataclass(kw_only=True)
@@ -135,12 +143,14 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
     if not block_sizes or any(b < 1 for b in block_sizes):
         raise ValueError("block sizes must be positive ints")
     bs, timings, cpu0 = block_sizes[0], {}, time.process_time()
+    # the cache's size first: a bad --kv-gib, --capacity-blocks or --kv-config fails before any work
+    cap_notes: list[str] = []
+    caps = _capacities(block_sizes, capacity_blocks, kv_gib, kv_config, kv_dtype, model, cap_notes)
     records, bad = _timed(timings, "read", read_log, log)
     load = encoder is None and (model is not None or any(r.kind != "token_ids" for r in records))
     enc = _timed(timings, "load tokenizer", lambda: PromptEncoder(model) if load else encoder)
     prep = _timed(timings, "render + tokenize", prepare, records, enc)
-    notes = list(enc.notes) if enc is not None else []
-    caps = _capacities(block_sizes, capacity_blocks, kv_gib, kv_config, kv_dtype, model, notes)
+    notes = (list(enc.notes) if enc is not None else []) + cap_notes
     tenants = tenant_salts(prep, tenant_field)
     if tenants is not None and None in tenants:
         notes.append(f"{tenants.count(None)} requests have no {tenant_field!r} field: they are replayed without a salt")
@@ -176,28 +186,59 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
 
 def _capacities(block_sizes: list[int], capacity_blocks: int | None, kv_gib: float | None, kv_config: str | None,
                 kv_dtype: str, model: str | None, notes: list[str]) -> dict[int, int | None]:
-    """Blocks of each block size for the same KV memory (``capacity_blocks`` counts blocks of the first size)."""
+    """Blocks of each block size for the same KV memory (``capacity_blocks`` counts blocks of the first size).
+
+    ``ValueError`` naming the option when a size is not a positive number or comes to more than
+    ``MAX_CAPACITY_BLOCKS`` blocks of some block size (checked before anything is allocated).
+    """
+    if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks,
+                                                                                         numbers.Integral)
+                                        or capacity_blocks < 1):
+        raise ValueError(f"--capacity-blocks must be a positive integer, got {capacity_blocks!r}")
+    if kv_gib is not None and (isinstance(kv_gib, bool) or not isinstance(kv_gib, (int, float))
+                               or not math.isfinite(kv_gib) or kv_gib <= 0):
+        raise ValueError(f"--kv-gib must be a positive number, got {kv_gib!r}")
     if kv_gib is not None:
-        kvb = kv_bytes_per_token_of(_kv_config(kv_config, model), kv_dtype)
-        notes.append(f"--kv-gib {kv_gib}: {kvb} KV bytes per token ({kv_dtype}) from "
-                     f"{kv_config or model or 'the bundled model'}'s config")
-        if not kvb and capacity_blocks is None:
-            raise ValueError("--kv-gib needs the KV bytes per token of a model config")
+        where = f"{kv_config or model or 'the bundled model'}'s config"
+        kvb = kv_bytes_per_token_of(_kv_config(kv_config, model), kv_dtype, where)
+        notes.append(f"--kv-gib {kv_gib}: {kvb} KV bytes per token ({kv_dtype}) from {where}")
     if capacity_blocks is not None:
-        return {bs: capacity_blocks * block_sizes[0] // bs for bs in block_sizes}
-    return {bs: None if kv_gib is None else int(kv_gib * 2**30 // (bs * kvb)) for bs in block_sizes}
+        caps = {bs: int(capacity_blocks) * block_sizes[0] // bs for bs in block_sizes}
+        option = "--capacity-blocks"
+    elif kv_gib is not None:
+        # a float (inf or nan when kv_gib * 2**30 overflows): compared with the limit before int()
+        caps, option = {bs: kv_gib * 2**30 // (bs * kvb) for bs in block_sizes}, "--kv-gib"
+    else:
+        return dict.fromkeys(block_sizes)
+    given = capacity_blocks if option == "--capacity-blocks" else kv_gib
+    for bs, n in caps.items():
+        if not n <= MAX_CAPACITY_BLOCKS:  # nan too
+            raise ValueError(f"{option} {given} comes to more than {MAX_CAPACITY_BLOCKS:,} blocks of {bs} tokens, "
+                             f"the largest cache the doctor replays (MAX_CAPACITY_BLOCKS): give a smaller {option}")
+        if n < 1:
+            raise ValueError(f"--kv-gib {kv_gib} holds no whole block of {bs} tokens ({kvb} KV bytes per token)")
+    return {bs: int(n) for bs, n in caps.items()}
 
 
 def _kv_config(kv_config: str | None, model: str | None) -> dict:
-    """The config.json of --kv-config (a folder, a file or a shipped name), else of --model."""
+    """The config.json of --kv-config (a folder, a file or a shipped name), else of --model: a JSON object."""
     if not kv_config:
-        return model_config(model)
-    path = Path(kv_config)
-    path = path / "config.json" if path.is_dir() else path
-    if path.exists():
-        return json.loads(path.read_text())
-    from kvlab.engine.models import load_public_config
-    return load_public_config(kv_config)
+        config = model_config(model)
+    else:
+        path = Path(kv_config)
+        path = path / "config.json" if path.is_dir() else path
+        if path.exists():
+            try:
+                config = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"--kv-config {kv_config}: {path} is not valid JSON ({e})") from None
+        else:
+            from kvlab.engine.models import load_public_config
+            config = load_public_config(kv_config)
+    if not isinstance(config, dict):
+        raise ValueError(f"--kv-config {kv_config or model}: a model config is a JSON object, got "
+                         f"{type(config).__name__}")
+    return config
 
 
 def _replay_table(prep: Prepared, div: Divergence, block_sizes: list[int], caps: dict, tenants: list | None,
@@ -255,13 +296,38 @@ def _points(div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: in
     return out
 
 
-def kv_bytes_per_token_of(config: dict, dtype: str = "bfloat16") -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes per element, from a config.json dict."""
+def _positive_int(cfg: dict, name: str, where: str, default: int | None = None) -> int:
+    """``cfg[name]`` checked to be a positive int (``default`` when absent or null, if there is one)."""
+    value = cfg.get(name)
+    if value is None and default is not None:
+        return default
+    if type(value) is not int or value < 1:
+        what = "missing" if name not in cfg else f"{value!r}"
+        raise ValueError(f"{where}: {name} must be a positive integer, got {what}")
+    return value
+
+
+def kv_bytes_per_token_of(config: dict, dtype: str = "bfloat16", where: str = "the model config") -> int:
+    """2 (K and V) x layers x KV heads x head dim x bytes per element, from a config.json dict.
+
+    Every field used must be a positive integer (``num_key_value_heads`` defaults to the attention heads,
+    ``head_dim`` to ``hidden_size // num_attention_heads``); ``ValueError`` names the field and ``where``.
+    """
+    if dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"--kv-dtype {dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
     cfg = config.get("text_config") or config
-    heads = cfg["num_attention_heads"]
-    kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
-    size = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1}[dtype]
-    return 2 * cfg["num_hidden_layers"] * kv * hd * size
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: text_config must be a JSON object, got {type(cfg).__name__}")
+    heads = _positive_int(cfg, "num_attention_heads", where)
+    kv = _positive_int(cfg, "num_key_value_heads", where, default=heads)
+    if cfg.get("head_dim") is not None:
+        hd = _positive_int(cfg, "head_dim", where)
+    else:
+        hd = _positive_int(cfg, "hidden_size", where) // heads
+        if hd < 1:
+            raise ValueError(f"{where}: hidden_size {cfg['hidden_size']} / num_attention_heads {heads} leaves a "
+                             "head dim of 0 (give head_dim)")
+    return 2 * _positive_int(cfg, "num_hidden_layers", where) * kv * hd * KV_DTYPE_BYTES[dtype]
 
 
 def input_paths(*given: object) -> list[str]:

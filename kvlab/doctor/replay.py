@@ -68,6 +68,16 @@ def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | 
     return [row[:b] for row, b in zip(rows, blocks)]
 
 
+def pool_blocks(lengths: Sequence[int], block_size: int, capacity_blocks: int | None) -> int:
+    """The blocks a replay allocates for a cache of ``capacity_blocks`` (None: unbounded): no more than the log fills.
+
+    A pool of every block the log's requests hold together (plus one) never evicts, so any larger pool
+    replays the same hits: allocating ``min(capacity, that)`` keeps ``--kv-gib 1e30`` from filling memory.
+    """
+    enough = sum(cdiv(n, block_size) for n in lengths) + 1
+    return enough if capacity_blocks is None else min(capacity_blocks, enough)
+
+
 def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int,
            capacity_blocks: int | None = None, concurrency: int = 1, free_order: str = "vllm") -> HitStats:
     """Replay chains (``block_chains``) through an unbounded or an LRU cache; ``free_order`` as BlockPool's."""
@@ -87,7 +97,8 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
     elif capacity_blocks < 1:
         raise ValueError("capacity_blocks must be >= 1")
     elif concurrency == 1:
-        per, too_big = _replay_lru_one(chains, lengths, bs, capacity_blocks, free_order == "vllm")
+        pool = pool_blocks(lengths, bs, capacity_blocks)
+        per, too_big = _replay_lru_one(chains, lengths, bs, pool, free_order == "vllm")
     else:  # several requests at a time: the real scheduler decides who runs (block ids as tokens)
         toks = [[c for c in ch for _ in range(bs)] + [0] * (n - len(ch) * bs) for ch, n in zip(chains, lengths)]
         ref = replay_block_manager(toks, bs, capacity_blocks, None, None, concurrency, False, free_order)
@@ -196,7 +207,7 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
     from kvlab.engine.trace_replay import UNLIMITED_TOKENS, ScriptedScheduler
     t0, bs = time.perf_counter(), block_size
     toks = [[ord(c) for c in p] if isinstance(p, str) else list(p) for p in prompts]
-    nb = capacity_blocks if capacity_blocks is not None else sum(cdiv(len(t), bs) for t in toks) + 1
+    nb = pool_blocks([len(t) for t in toks], bs, capacity_blocks)
     bm = BlockManager(nb, bs, free_order=free_order)
     run = ScriptedScheduler(bm, max_num_seqs=concurrency, max_num_batched_tokens=UNLIMITED_TOKENS)
     fits = [cdiv(len(t), bs) <= nb for t in toks]

@@ -160,3 +160,113 @@ def test_a_report_of_an_earlier_kvlab_without_manifest_is_replaced(tmp_path):
     (out / "fixed" / "01_volatile.jsonl").write_text(GOOD + "\n")
     assert main([write(tmp_path / "log.jsonl", [GOOD]), "--block-size", "4", "--out", str(out), "--quiet"]) == 0
     assert not (out / "fixed" / "01_volatile.jsonl").exists() and (out / MANIFEST).exists()
+
+
+# ----------------------------------------------------------------------------- sizes and configs (issue 37, D1-D2)
+LIMITED = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # 1 GiB: a cache sized by --kv-gib 1e30 cannot hide
+from kvlab.doctor.__main__ import main
+"""
+
+
+def run_limited(code: str, tmp_path) -> dict:
+    """Run ``code`` in a Python whose address space is capped at 1 GiB; its last stdout line, parsed as JSON."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", LIMITED + code], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def kv_config(tmp_path, **fields) -> str:
+    """A config.json (Qwen2.5-0.5B's KV shape unless ``fields`` change it); its path."""
+    cfg = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
+           **fields}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_a_huge_cache_is_refused_by_name_before_anything_is_allocated(tmp_path, capsys):
+    log = write(tmp_path / "log.jsonl", span_log(20))
+    cfg = kv_config(tmp_path)
+    out = run_limited(f"""
+rc = [main([{log!r}, "--kv-gib", "1e30", "--kv-config", {cfg!r}, "--quiet"]),
+      main([{log!r}, "--capacity-blocks", str(10**12), "--quiet"])]
+print(json.dumps(rc))
+""", tmp_path)
+    assert out == [2, 2]
+    # in-process too (now that it is known not to allocate): the message names the option and the limit
+    for args, option in ((["--kv-gib", "1e30", "--kv-config", cfg], "--kv-gib 1e+30"),
+                         (["--capacity-blocks", str(10**12)], "--capacity-blocks 1000000000000")):
+        assert main([log, *args]) == 2
+        err = capsys.readouterr().err
+        assert option in err and f"{core.MAX_CAPACITY_BLOCKS:,} blocks" in err, err
+
+
+def test_a_cache_larger_than_the_log_allocates_only_what_the_log_fills(tmp_path):
+    out = run_limited("""
+from kvlab.doctor import diagnose
+from kvlab.doctor.core import MAX_CAPACITY_BLOCKS
+from kvlab.doctor.replay import replay_tokens
+import random
+rng = random.Random(3)
+head = [rng.randrange(500) for _ in range(40)]
+log = [{"token_ids": head + [rng.randrange(500) for _ in range(30)]} for i in range(30)]
+big = diagnose(log, block_sizes=(16, 32), capacity_blocks=MAX_CAPACITY_BLOCKS, sample=20)
+row = big.row()
+prompts = ["".join(chr(t + 1) for t in r["token_ids"]) for r in log]
+both = [replay_tokens(prompts, 4, cap, concurrency=c).hit_tokens for cap in (None, 10**9) for c in (1, 2)]
+print(json.dumps([row["unbounded_hit_tokens"], row["capacity_hit_tokens"], both]))
+""", tmp_path)
+    unbounded, at_capacity, (free1, free2, big1, big2) = out
+    assert unbounded == at_capacity > 0  # a cache the log cannot fill never evicts
+    assert free1 == free2 == big1 == big2 > 0
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"num_attention_heads": "14"}, "num_attention_heads"),
+    ({"num_attention_heads": True}, "num_attention_heads"),
+    ({"num_hidden_layers": -2}, "num_hidden_layers"),
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads"),
+    ({"num_key_value_heads": 2.0}, "num_key_value_heads"),
+    ({"hidden_size": None}, "hidden_size"),  # and no head_dim to stand in
+    ({"hidden_size": 8}, "head dim of 0"),
+    ({"head_dim": -64}, "head_dim"),
+    ({"text_config": [1]}, "text_config"),
+])
+def test_kv_config_fields_are_validated_by_name(tmp_path, capsys, fields, named):
+    log = write(tmp_path / "log.jsonl", span_log(10))
+    assert main([log, "--kv-gib", "1", "--kv-config", kv_config(tmp_path, **fields), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, named", [("[1, 2]", "JSON object"), ("{not json", "not valid JSON")])
+def test_a_kv_config_that_is_no_json_object_is_named(tmp_path, capsys, text, named):
+    log = write(tmp_path / "log.jsonl", span_log(10))
+    (tmp_path / "bad.json").write_text(text)
+    assert main([log, "--kv-gib", "1", "--kv-config", str(tmp_path / "bad.json")]) == 2
+    assert named in capsys.readouterr().err
+    assert main([log, "--kv-gib", "1", "--kv-config", kv_config(tmp_path), "--kv-dtype", "fp4"]) == 2
+    assert "--kv-dtype" in capsys.readouterr().err
+
+
+def test_kv_bytes_of_the_shipped_configs_are_unchanged():
+    from pathlib import Path
+
+    for path in sorted((Path(core.__file__).resolve().parents[2] / "data" / "configs").glob("*.json")):
+        config = json.loads(path.read_text())
+        cfg = config.get("text_config") or config
+        heads = cfg["num_attention_heads"]
+        kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
+        assert core.kv_bytes_per_token_of(config, "bfloat16") == 2 * cfg["num_hidden_layers"] * kv * hd * 2, path
