@@ -40,9 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV block sizes to replay (the first one is used for the culprits); default 16 32 64")
     cap = ap.add_mutually_exclusive_group()
     cap.add_argument("--capacity-blocks", type=int, metavar="N",
-                     help="a finite cache of N blocks of the first block size (the same KV memory for the others)")
+                     help="a finite cache of N blocks of the first block size (the same KV memory for the others; at "
+                     "most 10^9 blocks of any size)")
     cap.add_argument("--kv-gib", type=float, metavar="G",
-                     help="a finite cache of G GiB of K/V, sized with a model config (--kv-config, else --model)")
+                     help="a finite cache of G GiB of K/V, sized with a model config (--kv-config, else --model; its "
+                     "layers, heads and sizes must be positive integers)")
     add("--kv-config", help="the served model's config for --kv-gib: a folder, a config.json, or a shipped name "
         "(e.g. Qwen2.5-7B-Instruct)")
     add("--kv-dtype", default="bfloat16", help="K/V dtype for --kv-gib (default bfloat16)")
