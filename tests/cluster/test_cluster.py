@@ -84,15 +84,15 @@ def test_a_replica_that_raises_keeps_the_healthy_replicas_records():
 # --- real engines as Ray actors (module-scoped: Ray starts once) ---------------------------------------
 
 @pytest.fixture(scope="module")
-def ray_fleet():
-    ray = pytest.importorskip("ray", reason="Ray is the optional extra kvlab[cluster]: pip install -e .[cluster]")
-    from kvlab.cluster import ray_replicas, start_ray
+def ray_fleet(ray_session):
+    from kvlab.cluster import ray_replicas
 
-    start_ray(num_cpus=2)
+    fleet = ray_replicas(2, num_blocks=48, block_size=16)
     try:
-        yield ray_replicas(2, num_blocks=48, block_size=16)
+        yield fleet
     finally:
-        ray.shutdown()
+        for handle in fleet:
+            ray_session.kill(handle.actor)
 
 
 def test_ray_run_and_simulation_agree(ray_fleet):

@@ -157,18 +157,15 @@ def test_a_sim_replica_without_a_tier_stages_nothing():
 # --- Ray: real actors, Ray's object store (few, skippable) ------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ray_pair():
-    ray = pytest.importorskip("ray", reason="Ray is the optional extra kvlab[cluster]: pip install -e .[cluster]")
-    from kvlab.cluster import ray_replicas, start_ray
+def ray_pair(ray_session):
+    from kvlab.cluster import ray_replicas
 
+    pair = ray_replicas(2, num_blocks=32, block_size=BS, tier_blocks=32)
     try:
-        start_ray(num_cpus=2)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"Ray would not start here: {type(e).__name__}: {e}")
-    try:
-        yield ray, ray_replicas(2, num_blocks=32, block_size=BS, tier_blocks=32)
+        yield ray_session, pair
     finally:
-        ray.shutdown()
+        for handle in pair:
+            ray_session.kill(handle.actor)
 
 
 def test_ray_fetch_through_the_object_store_and_a_killed_holder(ray_pair):
