@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                          max_prompt_bytes=args.max_prompt_bytes)
     who = f"{len(set(keys.values()))} tenants" if keys else "open (no API keys)"
     print(f"kvlab serve: {name} on http://{args.host}:{args.port}/v1, isolation {isolation}, {who}", flush=True)
+    if keys and isolation == "shared":  # chosen by name (the default with keys is "tenant"): said once, at start
+        print("kvlab serve: --isolation shared with API keys: every tenant hits every other's cached prefixes "
+              "(and can time them); use --isolation tenant to keep them apart", file=sys.stderr, flush=True)
     uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -167,6 +167,7 @@ def test_keys_without_isolation_isolate_tenants(started, capsys):
     assert "isolation tenant, 2 tenants" in capsys.readouterr().out
     rc, app = started("--api-keys", "KEYS", "--isolation", "shared")  # sharing across keys only by name
     assert rc == 0 and app.state.server.engine.isolation == "shared"
+    assert "--isolation shared with API keys" in capsys.readouterr().err  # and said at start
     rc, app = started()  # an open server: one anonymous tenant, nothing to keep apart
     assert rc == 0 and app.state.server.engine.isolation == "shared"
     rc, app = started("--max-prompt-bytes", "4096")
