@@ -126,12 +126,14 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(1000 * x, 2)
 
 
-def leak_check(base: str, target: str, timeout: float = 120) -> dict:
-    """After the rounds: kvlab's /debug/engine (once idle), or vLLM's /metrics gauges."""
+def leak_check(base: str, target: str, timeout: float = 120, key: str | None = None) -> dict:
+    """After the rounds: kvlab's /debug/engine (once idle; it needs an API key when keys are set), or vLLM's
+    /metrics gauges."""
     deadline = time.monotonic() + timeout
     while True:
         if target == "kvlab":
-            rep = httpx.get(base + "/debug/engine", timeout=30).json()
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            rep = httpx.get(base + "/debug/engine", timeout=30, headers=headers).json()
             idle = rep["server_in_flight"] == 0 and rep["live_requests"] == 0
         else:
             m = scrape(base)
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(summarize("burst-good", good, gres, gsecs, ref))
             print_round(rounds[-1])
 
-        leaks = leak_check(base, args.target)
+        leaks = leak_check(base, args.target, key=keys[0] if keys else None)
         healthy = httpx.get(base + "/health", timeout=30).status_code == 200
         metrics = scrape(base)
     finally:
