@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from kvlab.engine.models import encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
+from kvlab.engine.rope import inverse_frequencies, rotate_half
 from kvlab.engine.tenants import check_secret, tenant_salt
-from kvlab.lessons.rope import inverse_frequencies, rotate_half
 from kvlab.prefix import PrefixKV, continue_from_cache
 
 # model types whose keys are rotated by the "rotate half" RoPE on their first rotary dims; each is

@@ -216,6 +216,28 @@ def test_no_import_cycle_among_kvlab_modules():
     assert _cycles(graph) == []
 
 
+def _back_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Edges from a library module (anything outside ``kvlab.lessons``) into ``kvlab.lessons``."""
+    def lesson(m: str) -> bool:
+        return m == "kvlab.lessons" or m.startswith("kvlab.lessons.")
+
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() if not lesson(a) for b in deps if lesson(b))
+
+
+def test_the_back_arrow_finder_finds_a_library_module_importing_a_lesson():
+    graph = {"kvlab.blend": {"kvlab.lessons.rope", "kvlab.engine.rope"}, "kvlab.lessons.rope": {"kvlab.engine.rope"},
+             "kvlab.lessons": set(), "kvlab.engine.rope": set(), "kvlab.lessons_extra": {"kvlab.lessons"}}
+    assert _back_arrows(graph) == ["kvlab.blend -> kvlab.lessons.rope", "kvlab.lessons_extra -> kvlab.lessons"]
+
+
+def test_no_library_module_imports_lesson_code():
+    """No back-arrow: the library (kvlab minus kvlab/lessons) never imports kvlab.lessons, also not in a function."""
+    mods = _modules()
+    graph = {name: _imports_of(name, path, mods) for name, path in mods.items()}
+    assert "kvlab.engine.rope" in graph["kvlab.lessons.rope"]  # the graph sees the lessons' imports of the engine
+    assert _back_arrows(graph) == []
+
+
 def test_no_kvlab_module_assigns_into_a_third_party_module():
     """No monkeypatching: nothing of the form ``<name imported from a third-party package>.attr... = value``."""
     import ast

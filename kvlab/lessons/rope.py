@@ -20,6 +20,14 @@ from typing import Any
 
 import torch
 
+# the two building blocks live in the engine (the library never imports lessons); re-exported here
+from kvlab.engine.rope import inverse_frequencies, rotate_half
+
+__all__ = [
+    "apply_rope", "cos_sin", "head_dim_of", "hf_cos_sin", "inverse_frequencies", "rerotate", "rope_score",
+    "rope_theta", "rotate_half",
+]
+
 
 def rope_theta(config: Any) -> float:
     """The RoPE base of an HF config (``rope_parameters['rope_theta']`` in transformers 5, else ``rope_theta``)."""
@@ -37,13 +45,6 @@ def head_dim_of(config: Any) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
-def inverse_frequencies(head_dim: int, theta: float = 10000.0, device: torch.device | str | None = None) -> torch.Tensor:
-    """``theta ** (-2i / head_dim)`` for i = 0 .. head_dim/2 - 1: fast rotation first, slow last. (head_dim/2,)"""
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-
-
 def cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for ``positions``: each (..., seq, head_dim), laid out as cat(freqs, freqs)."""
@@ -51,12 +52,6 @@ def cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
     freqs = positions[..., None].float() * inv  # (..., seq, head_dim/2): the angle of each pair
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., seq, head_dim)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a 90-degree turn of each pair."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor | int, theta: float = 10000.0) -> torch.Tensor:
