@@ -238,6 +238,31 @@ def test_no_library_module_imports_lesson_code():
     assert _back_arrows(graph) == []
 
 
+def test_the_engine_reads_only_what_the_cache_protocol_declares():
+    """Every ``block_manager.X`` (or ``bm.X``) the engine and scheduler read is a ``CacheManager`` member, and every
+    ``block_manager.seqs[...].Y`` a ``CacheSeq`` member (``offload`` is left out: it requires a ``BlockManager``)."""
+    import ast
+
+    from kvlab.cache.interface import CACHE_MEMBERS, CacheSeq
+
+    def is_cache(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "block_manager") or (
+            isinstance(node, ast.Name) and node.id == "bm")
+
+    read, of_seqs = set(), set()
+    for name in ("engine.py", "scheduler.py"):
+        for node in ast.walk(ast.parse((PKG / "engine" / name).read_text())):
+            if isinstance(node, ast.Attribute) and is_cache(node.value):
+                read.add(node.attr)
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Subscript)
+                    and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == "seqs"
+                    and is_cache(node.value.value.value)):
+                of_seqs.add(node.attr)
+    assert {"allocate", "seqs", "block_table"} <= read and "num_restored_tokens" in of_seqs  # the scan sees them
+    assert read - set(CACHE_MEMBERS) == set()
+    assert of_seqs - set(CacheSeq.__annotations__) == set()
+
+
 def test_no_kvlab_module_assigns_into_a_third_party_module():
     """No monkeypatching: nothing of the form ``<name imported from a third-party package>.attr... = value``."""
     import ast

@@ -16,8 +16,10 @@ Members, and who calls them:
   None): the scheduler's decode step.
 - ``fork(parent_id, child_id)``, ``free(seq_id, uncache_from=None)``: fork, preemption, finish, requeue.
 - ``block_table(seq_id)`` -> physical block ids: the engine's packed batch.
-- ``seqs``: a mapping seq id -> an entry with ``token_ids`` (the tokens whose K/V the cache holds): the
-  engine's ``check_invariants``.
+- ``seqs``: a mapping seq id -> a ``CacheSeq`` entry: ``token_ids`` (the tokens whose K/V the cache holds), read
+  by the engine's ``check_invariants``; ``num_restored_tokens`` (of what ``allocate`` returned, the prompt tokens
+  copied back from a second tier rather than hit on the device; 0 without one), read by the engine at a
+  sequence's first admission when it runs a host tier.
 - ``stats()``, ``check_invariants()``, ``take_events()`` (KV events, may be empty), ``reset_prefix_cache()``
   (True if cleared, False while a sequence holds blocks; may raise ``NotImplementedError``).
 """
@@ -27,7 +29,14 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CACHE_MEMBERS", "CacheManager", "check_cache", "missing_members"]
+__all__ = ["CACHE_MEMBERS", "CacheManager", "CacheSeq", "check_cache", "missing_members"]
+
+
+class CacheSeq(Protocol):
+    """What the engine reads of one entry of ``CacheManager.seqs`` (see the module docstring)."""
+
+    token_ids: Sequence[int]
+    num_restored_tokens: int
 
 
 @runtime_checkable
@@ -37,7 +46,7 @@ class CacheManager(Protocol):
     block_size: int
     num_blocks: int
     num_free_blocks: int
-    seqs: Mapping[Hashable, Any]
+    seqs: Mapping[Hashable, CacheSeq]
 
     def can_allocate(self, token_ids: Sequence[int], scope: Any = ...) -> Any:
         """A plan for ``allocate`` (falsy when the prompt does not fit now)."""
@@ -74,12 +83,11 @@ class CacheManager(Protocol):
         """Forget every cached block; False while a sequence holds blocks."""
 
 
-CACHE_MEMBERS = ("allocate", "append", "block_size", "block_table", "can_allocate", "can_append",
-                 "check_invariants", "fork", "free", "num_blocks", "num_free_blocks", "reset_prefix_cache",
-                 "seqs", "stats", "take_events")  # every member of CacheManager, sorted
-
-
-_DATA_MEMBERS = frozenset({"block_size", "num_blocks", "num_free_blocks", "seqs"})  # the rest are methods
+# the data members are the Protocol's annotations, the rest its public methods: both read from the class, so
+# adding a member to CacheManager adds it here (and to what ``check_cache`` asks of a caller's cache)
+_DATA_MEMBERS = frozenset(CacheManager.__annotations__)
+_METHODS = frozenset(name for name, value in vars(CacheManager).items() if callable(value) and not name.startswith("_"))
+CACHE_MEMBERS = tuple(sorted(_DATA_MEMBERS | _METHODS))  # every member of CacheManager, sorted
 
 
 def missing_members(obj: object) -> list[str]:

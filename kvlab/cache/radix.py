@@ -140,6 +140,8 @@ class RadixSeq:
     salt: str | None = None
     tenant: Hashable = None
     num_cached_tokens: int = 0
+    # what ``kvlab.cache.CacheSeq`` declares: the radix tree has no second tier, so nothing is ever restored
+    num_restored_tokens: int = 0
     pending_cow: tuple[int, int] | None = None  # (src, dst) page copy its first append reports (fork)
 
 

@@ -445,6 +445,7 @@ def test_block_manager_implements_the_cache_interface():
 
     declared = {n for n, v in vars(CacheManager).items() if inspect.isfunction(v) and not n.startswith("_")}
     assert declared | set(CacheManager.__annotations__) == set(CACHE_MEMBERS)  # the list names the protocol
+    assert {"allocate", "seqs", "take_events", "block_size"} <= set(CACHE_MEMBERS)  # derived, not empty
     bm = BlockManager(8, 4)
     assert isinstance(bm, CacheManager) and missing_members(bm) == []
     assert bm.num_blocks == bm.pool.num_blocks == 8 and bm.take_events() == [] and bm.reset_prefix_cache()
@@ -465,3 +466,31 @@ def test_check_cache_names_missing_and_uncallable_members():
     assert "take_events" in str(e.value) and "block_size" not in str(e.value)
     bm = BlockManager(4, 4)
     assert check_cache(bm) is bm
+
+
+def test_cache_members_follow_the_protocol():
+    """``CACHE_MEMBERS`` is read from ``CacheManager``: a member added to a copy of the Protocol shows up in it."""
+    import inspect
+    import types
+
+    from kvlab.cache import interface
+
+    src = inspect.getsource(interface).replace(
+        "    def take_events(self) -> list:", "    extra_attr: int\n\n    def extra_method(self) -> None:\n"
+        "        \"\"\"A member for this test.\"\"\"\n\n    def take_events(self) -> list:")
+    copy = types.ModuleType("interface_copy")
+    exec(compile(src, "interface_copy", "exec"), copy.__dict__)
+    assert set(copy.CACHE_MEMBERS) == set(interface.CACHE_MEMBERS) | {"extra_attr", "extra_method"}
+    assert copy.missing_members(BlockManager(4, 4)) == ["extra_attr", "extra_method"]
+
+
+def test_both_caches_seq_entries_carry_what_the_protocol_declares():
+    """Every entry of ``seqs`` has the ``CacheSeq`` members (the engine reads ``num_restored_tokens`` there)."""
+    from kvlab.cache import CacheSeq
+    from kvlab.cache.radix import RadixCache
+
+    for cache in (BlockManager(8, 4), RadixCache(32, 1)):
+        cache.allocate("a", list(range(10)))
+        entry = cache.seqs["a"]
+        assert all(hasattr(entry, name) for name in CacheSeq.__annotations__), type(cache).__name__
+        assert entry.num_restored_tokens == 0 and list(entry.token_ids) == list(range(10))
