@@ -371,7 +371,7 @@ class BlockManager:
                 parent_serial = block.serial
         if self.enable_caching and len(hits) < n // bs:  # one event for the blocks this call cached (vLLM's order)
             first = len(hits)
-            pool._emit(BlockStored(tuple(hashes[first : n // bs]), hashes[first - 1] if first else None,
+            pool.emit_event(BlockStored(tuple(hashes[first : n // bs]), hashes[first - 1] if first else None,
                                    tuple(tokens[first * bs : (n // bs) * bs]), bs))
         seq.block_hashes = hashes
         self.seqs[seq_id] = seq
@@ -458,7 +458,7 @@ class BlockManager:
         self.pool.register(block, h, parent, parent_serial, keys, seq.seq_id)
         self.registered_by[block.block_id] = seq.tenant
         seq.block_hashes.append(h)
-        self.pool._emit(BlockStored((h,), parent, tuple(block.token_ids), self.block_size))
+        self.pool.emit_event(BlockStored((h,), parent, tuple(block.token_ids), self.block_size))
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events queued since the last call (needs ``enable_kv_events=True``; vLLM's ``take_events``)."""
@@ -466,7 +466,7 @@ class BlockManager:
 
     def emit_event(self, event: KVCacheEvent) -> None:
         """Queue a KV event of a tier attached to this cache, in one stream with the pool's (dropped if events are off)."""
-        self.pool._emit(event)
+        self.pool.emit_event(event)
 
     def attach_second_tier(self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None) -> None:
         """Ask ``tier`` when a prompt misses the pool (``second_tier``); ``on_evict`` sees each cached block evicted."""

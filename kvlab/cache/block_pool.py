@@ -146,7 +146,7 @@ class BlockPool:
         block = self.blocks[self.free.popitem(last=False)[0]]
         if block.block_hash is not None:
             self._uncache(block)
-            self._emit(BlockRemoved((block.block_hash,)))
+            self.emit_event(BlockRemoved((block.block_hash,)))
             self._remember_evicted(block.block_hash)
             self.num_evictions += 1
             self._record(block, "evict", owner)
@@ -255,7 +255,7 @@ class BlockPool:
         if block.block_hash is None:
             raise ValueError(f"block {block.block_id} is not cached")
         self._uncache(block)
-        self._emit(BlockRemoved((block.block_hash,)))
+        self.emit_event(BlockRemoved((block.block_hash,)))
         block.block_hash = block.parent_hash = None
         block.extra_keys = ()
         block.serial = block.parent_serial = 0
@@ -270,11 +270,16 @@ class BlockPool:
             block.reset()
         self.cached.clear()
         self.evicted_hashes.clear()
-        self._emit(AllBlocksCleared())
+        self.emit_event(AllBlocksCleared())
         return True
 
     # --- KV events ----------------------------------------------------------------------------------
-    def _emit(self, event: KVCacheEvent) -> None:
+    def emit_event(self, event: KVCacheEvent) -> None:
+        """Queue a KV event for ``take_events`` (dropped when ``enable_kv_events`` is off).
+
+        The pool emits ``BlockRemoved`` and ``AllBlocksCleared`` itself; the block manager emits ``BlockStored``
+        through here when it registers blocks, and a second tier its own events, so all share one ordered stream.
+        """
         if self.enable_kv_events:
             self.kv_event_queue.append(event)
 

@@ -65,6 +65,30 @@ def test_failed_step_uncache_emits_removed():
     assert bm.take_events() == [BlockRemoved((stored.block_hashes[1],))]
 
 
+def test_the_pool_event_hook_is_public_and_no_module_calls_a_private_one():
+    """``BlockPool.emit_event`` queues in order with the pool's own events and drops when events are off; no cache
+    module calls another object's private ``_emit``."""
+    import re
+    from pathlib import Path
+
+    import kvlab.cache
+    from kvlab.cache import BlockPool
+
+    extra = BlockStored((b"h",), None, (1, 2, 3, 4), 4)
+    pool = BlockPool(4, 4, enable_kv_events=True)
+    pool.emit_event(extra)
+    assert pool.reset()
+    assert pool.take_events() == [extra, AllBlocksCleared()] and pool.take_events() == []
+    off = BlockPool(4, 4)
+    off.emit_event(extra)
+    assert off.take_events() == []
+    bm = BlockManager(4, 4, enable_kv_events=True)
+    bm.emit_event(extra)  # a tier's events go through the block manager to the pool's hook
+    assert bm.take_events() == [extra]
+    folder = Path(kvlab.cache.__file__).parent
+    assert [f.name for f in folder.glob("*.py") if re.search(r"(?<!\bself)\._emit\(", f.read_text())] == []
+
+
 def test_replaying_the_events_gives_the_cached_hashes():
     """Stores minus removals per hash (a multiset: twins exist) == what the pool caches, after random ops."""
     rng = random.Random(0)
