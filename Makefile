@@ -19,10 +19,13 @@ run: setup
 ## test: the test suite, exactly what CI runs. It also creates (or reuses) the vLLM venv outside the
 ## repository so the kvlab-vs-vLLM comparison runs; KVLAB_SKIP_VLLM=1 skips that part. If the vLLM
 ## venv cannot be built, the vLLM tests are skipped with the reason (the rest still runs).
+## Two pytest workers (TEST_WORKERS=0 runs in one process); the Ray tests share one worker. Every run
+## ends with its ten slowest tests.
+TEST_WORKERS ?= 2
 test: setup
 	@if [ "$${KVLAB_SKIP_VLLM:-0}" != "1" ]; then bash scripts/make_vllm_env.sh \
 		|| echo "test: WARNING could not create the vLLM venv; the vLLM comparison tests will be skipped"; fi
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
 ## lab: JupyterLab on the repository, opened at notebooks/; the executed copies from `make run` are under
 ## build/notebooks/ (as root, e.g. in a container or a workshop VM, it adds --allow-root)

@@ -17,11 +17,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .errors import AuditHTTPError
+
 __all__ = ["AuditHTTPError", "Endpoint", "Timing", "first_model", "measure"]
-
-
-class AuditHTTPError(RuntimeError):
-    """The server answered a probe with an error status, an unreadable stream or JSON of the wrong shape."""
 
 
 @dataclass(frozen=True)

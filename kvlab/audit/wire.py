@@ -18,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from .client import AuditHTTPError
+from .errors import AuditHTTPError
 
 __all__ = ["AuditResponseError", "ModelList", "StreamChunk", "Usage", "parse"]
 

@@ -4,6 +4,9 @@ import pytest
 
 from kvlab.cluster import LocalHandle, SimReplica, agree, chat, run_fleet, simulate
 
+# One worker runs every test that uses Ray (tests/cluster/conftest.py starts it once per session).
+pytestmark = pytest.mark.xdist_group("ray")
+
 SMALL = dict(num_sessions=6, num_tenants=2, system_tokens=64, user_tokens=(8, 24), reply_tokens=4, turns=(3, 4),
              rate=8.0, think=0.2)
 

@@ -9,6 +9,9 @@ from kvlab.cache.hashing import prompt_block_hashes
 from kvlab.cluster import LocalHandle, Router, RouteRequest, SimReplica, agree, chat, run_fleet, simulate
 from kvlab.cluster.object_store import LocalObjectStore, ObjectLost
 
+# One worker runs every test that uses Ray (tests/cluster/conftest.py starts it once per session).
+pytestmark = pytest.mark.xdist_group("ray")
+
 BS = 16
 SMALL = dict(num_sessions=6, num_tenants=2, system_tokens=64, user_tokens=(8, 24), reply_tokens=4, turns=(3, 4),
              rate=8.0, think=0.2)
