@@ -94,7 +94,11 @@ class ModelRunner:
             self._refuse("its layers do not pass the forward keyword kvlab_batch down to the attention function")
         except NotImplementedError as e:
             self._refuse(str(e))
-        except Exception as e:
+        except torch.OutOfMemoryError:
+            raise  # a full device says nothing about the model: not a refusal
+        # broad on purpose: whatever the model's own forward raises under the paged attention (a shape it does
+        # not expect, a keyword it rejects, ...) means kvlab cannot serve it, said by name (NotImplementedError)
+        except Exception as e:  # noqa: BLE001
             self._refuse(f"its forward failed under the paged attention ({describe(e)})")
         finally:
             self.store.clear_blocks([0])
@@ -116,7 +120,13 @@ class ModelRunner:
                 hidden = self.decoder(input_ids=zero, position_ids=zero, use_cache=False,
                                       kvlab_batch=build_batch(self.store, [(0, 1, [0])]))[0][0]  # (1, hidden)
                 return bool(self.decoder is not self.model and torch.equal(self.lm_head(hidden).float(), want.float()))
-        except Exception:  # no seam: every step runs the model's whole forward
+        except torch.OutOfMemoryError:
+            raise  # a RuntimeError, but no answer about the seam
+        # The decoder's output does not go through the head as the model's own forward does: no seam, every step
+        # runs the model's whole forward (its output is no tensor of hidden states, or the head does not take it:
+        # torch's shape and dtype errors are RuntimeErrors, e.g. mllama's decoder output vs its head). Anything
+        # else (an AssertionError, a NameError in kvlab) is a bug and propagates instead of quietly costing speed.
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError):
             return False
         finally:
             self.store.clear_blocks([0])
@@ -182,7 +192,8 @@ class ModelRunner:
             greedy, nan = top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()
             if any(nan) and len(items) > 1:
                 logits = None
-        except Exception:
+        # broad on purpose: one request's failure (any error of the model's forward) must not reach the others
+        except Exception:  # noqa: BLE001
             logits = None  # find the culprits: each item alone
         for i, it in enumerate(items):
             if bad and any(b in bad for b in tables[i][: it.start // bs]):
@@ -197,7 +208,8 @@ class ModelRunner:
                     top, is_nan = int(row.argmax()), bool(row.isnan().any())
                 if is_nan:
                     raise FloatingPointError("the model's logits for this request are NaN")
-            except Exception as e:
+            # broad on purpose: whatever this request's forward raises becomes its error, the others go on
+            except Exception as e:  # noqa: BLE001
                 errors[i] = describe(e)
                 untrusted.add(i)
                 bad.update(tables[i][it.start // bs:])
@@ -206,7 +218,8 @@ class ModelRunner:
             try:
                 tokens[i] = top if sp.greedy else sample_next(row, True, sp.temperature, sp.top_p, sp.top_k,
                                                               it.seq.generator)
-            except Exception as e:  # its K/V is fine: only the sampling failed
+            # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
+            except Exception as e:  # noqa: BLE001
                 errors[i] = describe(e)
         if bad:  # never read again, not even as a masked or padding slot
             self.store.clear_blocks(sorted(bad))

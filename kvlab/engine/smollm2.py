@@ -138,12 +138,13 @@ def _damage(folder: Path) -> str | None:
             json.loads((folder / name).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             return f"{folder / name} does not parse as JSON ({e})"
-    try:
-        from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
+    try:
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             f.keys()  # the header: a truncated or overwritten file fails here, as it would in from_pretrained
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
+    # a damaged file raises safetensors' SafetensorError (empty, truncated, garbage header); an unreadable one OSError
+    except (OSError, SafetensorError) as e:
         return f"{folder / 'model.safetensors'} does not read ({type(e).__name__}: {e})"
     return None
 
@@ -350,7 +351,8 @@ def convert(gguf: Path, out: Path, source: dict[str, Any] | None = None) -> Path
     try:
         import gguf as gguf_pkg
         gguf_version = getattr(gguf_pkg, "__version__", None) or importlib.metadata.version("gguf")
-    except Exception:  # noqa: BLE001 - only for the model card
+    # not importable, or no version in its metadata (PackageNotFoundError is an ImportError): only the card says so
+    except ImportError:
         gguf_version = "unknown"
     meta = {**source, "format": CONVERSION_FORMAT, "gguf_sha256": sha256_file(gguf),
             "converted_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

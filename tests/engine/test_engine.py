@@ -354,3 +354,50 @@ def test_a_head_seam_that_misses_the_models_logits_is_not_used():
     assert not engine.runner.head_seam
     assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == ref
     assert Engine(plain, None, num_blocks=16, block_size=4).runner.head_seam  # the same weights, no post-processing
+
+
+class _SeamHead(torch.nn.Linear):
+    """A head that raises ``error`` on 2-D hidden states (only the runner's seam passes 2-D; the model passes 3-D)."""
+
+    error: BaseException | None = None
+
+    def forward(self, x):
+        if x.dim() == 2 and self.error is not None:
+            raise self.error
+        return super().forward(x)
+
+
+def _with_seam_head(error):
+    model = _tiny("llama")
+    old = model.lm_head
+    head = _SeamHead(old.in_features, old.out_features, bias=False)
+    head.weight, head.error = old.weight, error
+    model.lm_head = head
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("error", [RuntimeError("mat1 and mat2 shapes cannot be multiplied"), TypeError("no")])
+def test_a_seam_whose_head_does_not_take_the_decoder_output_is_off_and_the_model_still_runs(error):
+    """What the seam probe means to catch (torch's shape errors are RuntimeErrors, as for mllama; a decoder output
+    the head cannot take): no seam, the model's whole forward each step, the same tokens as HF."""
+    model = _with_seam_head(error)
+    engine = Engine(model, None, num_blocks=16, block_size=4)
+    assert not engine.runner.head_seam
+    prompt = [1, 2, 3, 4]
+    with torch.no_grad():
+        ref = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                             max_new_tokens=4, do_sample=False)[0, 4:].tolist()
+    assert engine.generate([prompt], SamplingParams(max_tokens=4))[0].output_ids == ref
+
+
+@pytest.mark.parametrize("error", [AssertionError("a bug in the seam"), NameError("x"),
+                                   torch.OutOfMemoryError("out of memory")])
+def test_a_bug_or_a_full_device_in_the_seam_probe_propagates_instead_of_turning_the_seam_off(error):
+    """Not every exception means "no seam": a bug (AssertionError, NameError) or no memory reaches the caller, and the
+    model gets its own attention back (before, ``except Exception: return False`` quietly cost every step speed)."""
+    model = _with_seam_head(error)
+    own = model.config._attn_implementation
+    with pytest.raises(type(error)):
+        Engine(model, None, num_blocks=16, block_size=4)
+    assert model.config._attn_implementation == own
