@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+# the one KS test (two-sample, two-sided, as in Gu et al.): the audit's, re-exported here for the notebook
+from kvlab.audit.procedure import ks_test
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import encode
@@ -82,14 +84,6 @@ def roc_curve(positive_scores: Sequence[float], negative_scores: Sequence[float]
         tpr.append(sum(p >= t for p in pos) / len(pos))
         fpr.append(sum(n >= t for n in neg) / len(neg))
     return fpr, tpr
-
-
-def ks_test(sample_a: Sequence[float], sample_b: Sequence[float]) -> tuple[float, float]:
-    """Two-sample Kolmogorov-Smirnov test (two-sided): (statistic D, p-value), as in Gu et al."""
-    from scipy.stats import ks_2samp
-
-    res = ks_2samp(list(sample_a), list(sample_b), alternative="two-sided")
-    return float(res.statistic), float(res.pvalue)
 
 
 # --- the attack ----------------------------------------------------------------------------------------

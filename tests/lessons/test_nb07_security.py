@@ -75,6 +75,24 @@ def test_ks_detects_a_shift_and_not_noise():
     assert p > 0.01 and abs(S.roc_auc(same, miss) - 0.5) < 0.1
 
 
+def test_the_lesson_uses_the_audits_ks_test_with_the_same_numbers():
+    """One KS test: notebook 07's is ``kvlab.audit``'s, and it gives exactly scipy's two-sided ``ks_2samp`` (what the
+    lesson's own wrapper returned) on samples small enough for the exact p-value and large ones with ties."""
+    from scipy.stats import ks_2samp
+
+    from kvlab.audit.procedure import ks_test
+
+    assert S.ks_test is ks_test
+    rng = random.Random(7)
+    for n, m, ties in ((3, 4, False), (20, 25, False), (200, 150, True), (600, 700, False)):
+        a = [round(rng.gauss(100, 5)) if ties else rng.gauss(100, 5) for _ in range(n)]
+        b = [round(rng.gauss(98, 5)) if ties else rng.gauss(98, 5) for _ in range(m)]
+        res = ks_2samp(a, b, alternative="two-sided")
+        assert S.ks_test(a, b) == (float(res.statistic), float(res.pvalue))
+    with pytest.raises(ValueError):
+        S.ks_test([], [1.0])
+
+
 def test_exercise_checkers_accept_right_and_reject_wrong():
     assert S.check_salt_split(2, 32, public_tokens=40, block_size=16)
     assert not S.check_salt_split(3, 40, public_tokens=40, block_size=16)
