@@ -538,7 +538,7 @@ def memory_column(config: dict, article_total_gb: float = 14.2, article_saved_gb
 # The article's 4.4 checklist: (symptom, cause, check, fix), in its words, then where the series measured it.
 CHECKLIST = [
     ("outputs differ", "prefix not exactly identical", "compare tokenizer output", "make the prefix token ids identical",
-     "02 §6 (tokenization: the same text tokenized in pieces vs whole); 05 §1–3 (group 1, identical prefix: shared vs isolated outputs)",
+     "02 §6 (tokenization: the same text tokenized in pieces vs whole); 05 §1–4 (group 1, identical prefix: shared vs isolated outputs)",
      "compare token ids, never strings; fix the chat template and add_special_tokens; let the engine hash tokens"),
     ("outputs differ", "position encoding wrong", "print the position range", "fix the start position",
      "03 §2–3 and §5 (shifted prefix, suffix restarting at 0: identical-output fraction and per-layer key error); "
@@ -557,17 +557,17 @@ CHECKLIST = [
      "04 §3.1–3.2 (block-size sweep, aligned vs unaligned prefix); 04b (optional: radix tree vs blocks)",
      "at most block_size − 1 tokens of a prefix are lost to the partial block; measure before padding prompts"),
     ("high time to first token", "sharing not in effect", "look at the hit-rate metric", "make sure prefix sharing is on",
-     "05 §3–4 and 06 §2.2–3 (cached tokens, hit rate and TTFT with and without a cached prefix)",
+     "05 §4–5 and 06 §2.2–3 (cached tokens, hit rate and TTFT with and without a cached prefix)",
      "export cached tokens per request and the hit rate in tokens, with the reason of every miss"),
     ("small throughput gain", "concurrency too low", "—", "raise concurrency",
-     "05 §5 (prefix length and request count)",
+     "05 §6 (prefix length and request count)",
      "measure the gain at your real prefix length and concurrency; sharing saves prefill, not decode"),
 ]
 
 # The article's 5.4 strategy template, item by item.
 TEMPLATE = [
     ("keep the system prompt fixed: it is the body of the shared prefix",
-     "04 §2, 05 §4 (the headline workload: the recorded run or a small live one, printed there), "
+     "04 §2, 05 §5 (the headline workload: the recorded run or a small live one, printed there), "
      "07 §3 (the operator prompt under three policies)",
      "version the system prompt; changing one token early changes every later block's hash"),
     ("align the prefix length to a multiple of 16 tokens",
