@@ -126,6 +126,29 @@ def decision_table(evidence: Mapping[str, str] | None = None):
 QUICK_PARAMETERS = 10_000_000  # above this many parameters on a CPU, a notebook's sweeps use their small sizes
 
 
+class Reveal:
+    """Measured answer to a "predict first" question, shown collapsed: a participant opens it after predicting.
+
+    In JupyterLab and the HTML handout it renders as a closed ``<details>`` block; plain-text readers (papermill
+    logs, ``print``) get the summary line and the text. ``table`` is an optional pandas DataFrame shown inside.
+    """
+
+    def __init__(self, summary: str, text: str, table: Any = None):
+        self.summary, self.text, self.table = summary, text, table
+
+    def _repr_html_(self) -> str:
+        import html
+
+        inner = f"<pre>{html.escape(self.text)}</pre>"
+        if self.table is not None:
+            inner += self.table.to_html()
+        return f"<details><summary>{html.escape(self.summary)}</summary>{inner}</details>"
+
+    def __repr__(self) -> str:
+        table = "" if self.table is None else "\n" + self.table.to_string()
+        return f"{self.summary}\n{self.text}{table}"
+
+
 def quick_sizes(model: Any, smoke: bool = False) -> bool:
     """Whether a notebook should use its small (SMOKE) sizes for its sweeps.
 

@@ -235,3 +235,15 @@ def test_nb00_positions_restart_compares_right_and_restarted_positions(bundled):
 
     if not os.environ.get("KVLAB_TEST_MODEL"):  # what notebook 00 prints: the bundled model misses this position bug
         assert same == 3
+
+
+def test_reveal_is_collapsed_in_html_and_plain_in_text():
+    import pandas as pd
+
+    from kvlab.lessons.common import Reveal
+
+    r = Reveal("Predicted? Open: the measured answer", "recall 50% <of> 8", pd.DataFrame({"a": [1]}))
+    page = r._repr_html_()
+    assert page.startswith("<details><summary>Predicted? Open: the measured answer</summary>") and "open" not in page[:9]
+    assert "recall 50% &lt;of&gt; 8" in page and "<table" in page and page.endswith("</details>")
+    assert repr(r).splitlines()[:2] == ["Predicted? Open: the measured answer", "recall 50% <of> 8"]
