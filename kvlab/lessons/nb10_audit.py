@@ -313,7 +313,7 @@ def fig_dictionary(by_k: Sequence[dict], by_block: Sequence[dict]) -> Any:
     """Accuracy vs k (unsalted, salted, chance) and vs block size."""
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4.0))
     for salts in sorted({r["salts"] for r in by_k}):
         rs = [r for r in by_k if r["salts"] == salts]
         a.plot([r["k"] for r in rs], [r["accuracy"] for r in rs], "o-", label=f"salts: {salts}")
@@ -323,14 +323,17 @@ def fig_dictionary(by_k: Sequence[dict], by_block: Sequence[dict]) -> Any:
     a.set_xlabel("candidates k")
     a.set_ylabel("accuracy (fastest = secret)")
     a.set_title("over the wire (kvlab serve)")
-    a.legend(fontsize=8)
+    # legends below the axes: inside, they covered the chance line at small accuracies
+    a.set_ylim(0, 1.05)
+    a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
     b.plot([r["block size"] for r in by_block], [r["accuracy"] for r in by_block], "o-", label="accuracy")
     b.axhline(by_block[0]["chance (1/k)"], color="k", ls=":", label="chance")
     b.set_xscale("log", base=2)
     b.set_xlabel("block size (tokens)")
     b.set_ylabel("accuracy")
     b.set_title(f"k = {by_block[0]['k']}, in-process engine")
-    b.legend(fontsize=8)
+    b.set_ylim(0, 1.05)
+    b.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     fig.tight_layout()
     return fig
 
