@@ -1,4 +1,8 @@
-"""Rotary position embedding (RoPE) from scratch, and re-rotation of cached keys.
+"""Rotary position embedding (RoPE): the helpers around what notebook 03 writes in its cells.
+
+``inverse_frequencies``, ``cos_sin``, ``rotate_half``, ``apply_rope`` and ``rerotate`` are written in notebook 03
+and exported to ``kvlab.lessons.built``; this module re-exports them beside the config readers, the score and the
+model's own tables used to check them.
 
 RoPE (Su et al. 2021, "RoFormer") encodes position m by rotating each pair of dimensions of a query
 or key by the angle ``m * inv_freq[i]``. Two facts carry notebook 03:
@@ -20,8 +24,8 @@ from typing import Any
 
 import torch
 
-# the two building blocks live in the engine (the library never imports lessons); re-exported here
-from kvlab.engine.rope import inverse_frequencies, rotate_half
+# RoPE itself is written in notebook 03's cells and exported (scripts/export_notebooks.py); re-exported here
+from kvlab.lessons.built import apply_rope, cos_sin, inverse_frequencies, rerotate, rotate_half
 
 __all__ = [
     "apply_rope", "cos_sin", "head_dim_of", "hf_cos_sin", "inverse_frequencies", "rerotate", "rope_score",
@@ -43,40 +47,6 @@ def rope_theta(config: Any) -> float:
 def head_dim_of(config: Any) -> int:
     """Per-head dimension of an HF config."""
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-
-
-def cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
-            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for ``positions``: each (..., seq, head_dim), laid out as cat(freqs, freqs)."""
-    inv = inverse_frequencies(head_dim, theta, device=positions.device)  # (head_dim/2,)
-    freqs = positions[..., None].float() * inv  # (..., seq, head_dim/2): the angle of each pair
-    emb = torch.cat((freqs, freqs), dim=-1)  # (..., seq, head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor | int, theta: float = 10000.0) -> torch.Tensor:
-    """Rotate queries or keys x (batch, heads, seq, head_dim) to ``positions``.
-
-    ``positions`` is (seq,), (batch, seq) or a single int applied to every token (a uniform rotation).
-    """
-    seq, head_dim = x.shape[-2], x.shape[-1]
-    if isinstance(positions, int):
-        positions = torch.full((seq,), positions, device=x.device)
-    positions = torch.as_tensor(positions, device=x.device)
-    cos, sin = cos_sin(positions, head_dim, theta, dtype=x.dtype)  # (seq, D) or (batch, seq, D)
-    if cos.dim() == 3:  # per-row positions: broadcast over heads
-        cos, sin = cos[:, None], sin[:, None]  # (batch, 1, seq, D)
-    return x * cos + rotate_half(x) * sin
-
-
-def rerotate(keys: torch.Tensor, delta: int | torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Move RoPE'd keys (batch, kv_heads, seq, head_dim) from positions p to p + delta.
-
-    Rotations of a pair compose by adding angles, so rotating by ``delta`` more is exact: a key
-    computed at p and re-rotated equals the same pre-RoPE key computed at p + delta, up to float error.
-    It fixes *where* a key sits; it cannot fix *what* it encodes (see notebook 03, experiment 3).
-    """
-    return apply_rope(keys, delta, theta)  # R(delta) R(p) k = R(p + delta) k
 
 
 def rope_score(q: torch.Tensor, k: torch.Tensor, m: int, n: int, theta: float = 10000.0) -> float:

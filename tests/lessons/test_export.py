@@ -1,0 +1,64 @@
+"""The notebook is the source: ``#| export`` cells -> kvlab/lessons/built.py (scripts/export_notebooks.py)."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import export_notebooks  # noqa: E402
+
+
+def test_the_generated_module_equals_what_the_notebooks_say():
+    assert export_notebooks.TARGET.read_text(encoding="utf-8") == export_notebooks.build(), (
+        "kvlab/lessons/built.py is out of date: run `python scripts/export_notebooks.py`")
+    assert export_notebooks.main(["--check"]) == 0
+
+
+def test_an_edited_export_cell_is_caught(tmp_path):
+    for nb in export_notebooks.NOTEBOOKS.glob("*.ipynb"):
+        shutil.copy(nb, tmp_path / nb.name)
+    name, index, _ = export_notebooks.exported_cells(tmp_path)[0]
+    nb = json.loads((tmp_path / name).read_text(encoding="utf-8"))
+    nb["cells"][index]["source"].append("\nEDITED = True\n")
+    (tmp_path / name).write_text(json.dumps(nb), encoding="utf-8")
+    assert "EDITED = True" in export_notebooks.build(tmp_path)
+    assert export_notebooks.build(tmp_path) != export_notebooks.TARGET.read_text(encoding="utf-8")
+
+
+def test_imports_are_gathered_once_at_the_top(tmp_path):
+    cell = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}
+    cells = [dict(cell, source=["#| export\n", "import torch\n", "\n", "def f():\n", "    return 1\n"]),
+             dict(cell, source=["#| export\n", "import math\n", "import torch\n", "def g():\n", "    return 2\n"]),
+             dict(cell, source=["not exported = 1\n"])]
+    (tmp_path / "00_x.ipynb").write_text(json.dumps({"cells": cells}), encoding="utf-8")
+    text = export_notebooks.build(tmp_path)
+    assert text.count("import torch") == 1 and text.index("import math") < text.index("import torch")
+    assert "# --- 00_x.ipynb, cell 0 ---\ndef f():" in text and "not exported" not in text
+    namespace: dict = {}
+    exec(compile(text, "built", "exec"), namespace)
+    assert namespace["f"]() + namespace["g"]() == 3
+
+
+def test_notebooks_that_export_print_no_source():
+    """A notebook that writes its mechanism in cells does not also print library source with inspect.getsource."""
+    exporting = {name for name, _, _ in export_notebooks.exported_cells()}
+    assert exporting, "no notebook exports a cell"
+    for name in sorted(exporting):
+        text = (export_notebooks.NOTEBOOKS / name).read_text(encoding="utf-8")
+        assert "getsource" not in text, f"{name} prints source with inspect.getsource"
+
+
+@pytest.mark.parametrize("head_dim,theta", [(8, 10000.0), (64, 1e6), (128, 500000.0)])
+def test_the_notebooks_rope_agrees_with_the_library_copy(head_dim, theta):
+    """kvlab/engine/rope.py keeps its own copy (the library never imports lessons): the two must agree."""
+    from kvlab.engine import rope as engine_rope
+    from kvlab.lessons import built
+
+    assert torch.equal(built.inverse_frequencies(head_dim, theta), engine_rope.inverse_frequencies(head_dim, theta))
+    x = torch.randn(2, 3, 5, head_dim, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(built.rotate_half(x), engine_rope.rotate_half(x))
