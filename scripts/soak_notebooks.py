@@ -6,7 +6,7 @@
     python scripts/soak_notebooks.py --synthetic 40 --runs 3 --client stock   # ... with nbclient as it comes
 
 A *stall* is a cell that ran for ``--stall-s`` seconds or more (default: the runner's per-cell limit in
-SMOKE, 60 s, for the series; 10 s for the synthetic notebook), or a notebook that failed. The synthetic notebook isolates the pattern the series uses (a slider driving
+SMOKE, 120 s, for the series; 10 s for the synthetic notebook), or a notebook that failed. The synthetic notebook isolates the pattern the series uses (a slider driving
 ``widgets.interactive_output`` that draws a matplotlib figure); each of its cells takes well under a
 second when nothing stalls. ``--client`` picks which of the runner's two changes to nbclient are on
 (``run_notebooks.widget_registry``, ``run_notebooks.kernel_manager_class``): ``stock`` (neither; how the
@@ -74,14 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="notebooks to soak, e.g. 03,05 (default: the whole series)")
     ap.add_argument("--smoke", type=int, default=1)
     ap.add_argument("--stall-s", type=float, default=None,
-                    help="a cell this slow counts as a stall (default: 60 s, the SMOKE per-cell limit; 10 s for --synthetic)")
+                    help="a cell this slow counts as a stall (default: the SMOKE per-cell limit; 10 s for --synthetic)")
     ap.add_argument("--synthetic", type=int, default=0, metavar="CELLS",
                     help="soak a generated notebook of CELLS widget cells instead of the series")
     ap.add_argument("--client", choices=CLIENTS, default="both",
                     help="with --synthetic: which of the runner's changes to nbclient are on (stock reproduces the stall)")
     ap.add_argument("--cell-timeout", type=int, default=20, help="with --synthetic: seconds per cell")
     args = ap.parse_args(argv)
-    stall_s = args.stall_s if args.stall_s is not None else (10.0 if args.synthetic else 60.0)
+    stall_s = args.stall_s if args.stall_s is not None else (10.0 if args.synthetic else float(run_notebooks.CELL_LIMIT[True]))
 
     stalls, cells, walls, slowest = 0, 0, [], (0.0, "")
     with tempfile.TemporaryDirectory() as tmp:
