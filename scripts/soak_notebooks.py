@@ -6,9 +6,9 @@
     python scripts/soak_notebooks.py --synthetic 40 --runs 3 --client stock   # ... with nbclient as it comes
 
 A *stall* is a cell that ran for ``--stall-s`` seconds or more (default: the runner's per-cell limit in
-SMOKE, 120 s, for the series; 10 s for the synthetic notebook), or a notebook that failed. The synthetic notebook isolates the pattern the series uses (a slider driving
-``widgets.interactive_output`` that draws a matplotlib figure); each of its cells takes well under a
-second when nothing stalls. ``--client`` picks which of the runner's two changes to nbclient are on
+SMOKE, 120 s, for the series; 10 s for the synthetic notebook), or a notebook that failed. The
+synthetic notebook isolates the pattern the series uses (a slider driving ``widgets.interactive_output``
+that draws a matplotlib figure); each of its cells takes well under a second when nothing stalls. ``--client`` picks which of the runner's two changes to nbclient are on
 (``run_notebooks.widget_registry``, ``run_notebooks.kernel_manager_class``): ``stock`` (neither; how the
 stall is reproduced), ``quiet-output``, ``sliced`` or ``both`` (what ``make run`` uses).
 Prints one line per run and a summary; exits non-zero when any stall was seen.
