@@ -29,6 +29,7 @@ _LAZY = {
     "BUNDLED_MODEL": "kvlab.engine.models",
     "Engine": "kvlab.engine.engine",
     "RequestOutput": "kvlab.engine.engine",
+    "RequestError": "kvlab.engine.intake",
     "SamplingParams": "kvlab.engine.sampling",
     "PrefixKV": "kvlab.prefix",
     "generate": "kvlab.prefix",

@@ -147,10 +147,17 @@ class Engine:
         return self.intake.salt_for(tenant)
 
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
-                    request_id: Hashable | None = None, tenant: str | None = None, *,
+                    request_id: Hashable | None = None, tenant: str | None = None, *, cache_salt: str | None = None,
                     unsafe_salt: str | None = None) -> Hashable:
-        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing."""
-        checked = self.intake.check(prompt, sampling, tenant, unsafe_salt)  # before the lock: never stalls a step
+        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing.
+
+        ``cache_salt`` (vLLM's request field) splits the tenant's cache further: the engine derives the salt
+        from its secret, the tenant's scope and ``cache_salt`` (``tenants.request_salt``); the request keeps
+        its tenant. ``unsafe_salt`` sets the salt itself, without a tenant (tests and teaching only).
+        A refusal raises ``RequestError`` (a ``ValueError``) naming the field at fault.
+        """
+        # checked before the lock: tokenizing never stalls a step
+        checked = self.intake.check(prompt, sampling, tenant, cache_salt, unsafe_salt)
         with self._lock:
             return self._queue(checked, request_id).request_id
 
@@ -276,16 +283,20 @@ class Engine:
         return RequestOutput.of(seq, self.decode(seq.output_ids))
 
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 tenants: Sequence[str | None] | None = None, *,
+                 tenants: Sequence[str | None] | None = None, *, cache_salts: Sequence[str | None] | None = None,
                  unsafe_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
-        """Submit a list of prompts, step until they finish; outputs in prompt order (a refused one: ``"error"``)."""
-        batch = per_prompt(prompts, sampling, tenants, unsafe_salts)
+        """Submit a list of prompts, step until they finish; outputs in prompt order (a refused one: ``"error"``).
+
+        ``tenants``, ``cache_salts`` and ``unsafe_salts``: one per prompt, as ``add_request``'s keywords.
+        """
+        batch = per_prompt(prompts, sampling, tenants, cache_salts, unsafe_salts)
         results: dict[int, RequestOutput] = {}  # the outputs of refused prompts
         own: dict[int, Request] = {}  # this call's requests
         try:
-            for i, (prompt, sp, tenant, salt) in enumerate(batch):
+            for i, (prompt, sp, tenant, cache_salt, unsafe_salt) in enumerate(batch):
                 try:
-                    checked = self.intake.check(prompt, sp, tenant, salt)  # tokenized without the lock
+                    # tokenized without the lock
+                    checked = self.intake.check(prompt, sp, tenant, cache_salt, unsafe_salt)
                     with self._lock:  # held from the queueing to the claim: no other step() can return its output
                         seq = self._queue(checked, None)
                         self._held.add(seq.seq_id)

@@ -1,7 +1,13 @@
-"""Request intake: check a request without the engine lock, then build its ``Request`` under it."""
+"""Request intake: check a request without the engine lock, then build its ``Request`` under it.
+
+A refused request raises ``RequestError`` (a ``ValueError``; ``RequestTypeError`` is a ``TypeError`` too)
+whose ``field`` names the offending field ("prompt", "max_tokens", "temperature", "tenant",
+"cache_salt", ...), so a server can report it (OpenAI's error ``param``) without reading the message.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -15,12 +21,30 @@ from ..cache.block_manager import TenantScope
 from .models import encode
 from .sampling_params import SamplingParams
 from .sequence import Request
-from .tenants import SharedTenantsWarning, public_prefix_length, tenant_salt
+from .tenants import SharedTenantsWarning, public_prefix_length, request_salt, tenant_salt
 
-__all__ = ["Checked", "Intake", "check_sampling", "per_prompt"]
+__all__ = ["Checked", "Intake", "RequestError", "RequestTypeError", "check_sampling", "make_sampling", "per_prompt"]
 
 
-Checked = tuple[list[int], SamplingParams, str | None, str | None]  # Intake.check's: ids, sampling, tenant, salt
+# Intake.check's: ids, sampling, tenant, salt
+Checked = tuple[list[int], SamplingParams, str | None, str | None]
+
+
+class RequestError(ValueError):
+    """A request refused at intake; ``field`` names the offending field (None when no one field is at fault)."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class RequestTypeError(RequestError, TypeError):
+    """A request field of the wrong type: a ``RequestError`` that is also a ``TypeError`` (as it was before)."""
+
+
+def _refused(field: str | None, e: Exception) -> RequestError:
+    """``e`` (a ``TypeError`` or ``ValueError``) as a ``RequestError`` of ``field``, its message kept."""
+    return (RequestTypeError if isinstance(e, TypeError) else RequestError)(field, str(e))
 
 
 class Intake:
@@ -30,7 +54,8 @@ class Intake:
                  check_fits: Callable[[int, int], None], isolation: str, secret: bytes, device: torch.device,
                  seed: int) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.check_fits, self.isolation, self._secret, self.device = check_fits, isolation, secret, device
+        # the engine's secret: the one every salt is derived from (kvlab.engine.tenants)
+        self._fits, self.isolation, self._secret, self.device = check_fits, isolation, secret, device
         self.public_prefixes: list[tuple[int, ...]] = []  # token ids; used under "public-prefix"
         self._ids = itertools.count()
         self._rng = random.Random(seed)  # seeds of requests that give none
@@ -39,6 +64,21 @@ class Intake:
     def salt_for(self, tenant: str | None) -> str | None:
         """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
         return None if self.isolation == "shared" else tenant_salt(self._secret, tenant)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request that could not run even alone in an empty pool (``RequestError``).
+
+        Its field is "prompt" when the prompt alone does not fit, else "max_tokens".
+        """
+        try:
+            self._fits(num_prompt_tokens, max_tokens)
+        except ValueError as e:
+            try:
+                self._fits(num_prompt_tokens, 1)
+                field = "max_tokens"
+            except ValueError:
+                field = "prompt"
+            raise RequestError(field, str(e)) from None
 
     def check_prefix(self, prefix: str | Sequence[int]) -> tuple[int, ...]:
         """An operator's public prefix as token ids (``ValueError`` if empty)."""
@@ -54,30 +94,44 @@ class Intake:
         return len(ids)
 
     def check(self, prompt: str | Sequence[int], sampling: SamplingParams | None, tenant: str | None,
-              unsafe_salt: str | None) -> Checked:
-        """Tokenize and check one request; raise ``TypeError``/``ValueError`` naming the problem."""
+              cache_salt: str | None = None, unsafe_salt: str | None = None) -> Checked:
+        """Tokenize and check one request, and derive its salt; raise ``RequestError`` naming the field at fault."""
         sampling = check_sampling(SamplingParams() if sampling is None else sampling)
-        for name, value in (("tenant", tenant), ("unsafe_salt", unsafe_salt)):
+        for name, value in (("tenant", tenant), ("cache_salt", cache_salt), ("unsafe_salt", unsafe_salt)):
             if value is not None and not isinstance(value, str):
-                raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
-        if unsafe_salt is not None and tenant is not None:
-            raise ValueError("give a tenant (the engine derives its salt) or an unsafe_salt, not both")
-        ids = encode(self.tokenizer, prompt)  # text (with a tokenizer), or real int ids: floats, bools, bytes... raise
+                raise RequestTypeError(name, f"{name} must be a str or None, got {type(value).__name__}")
+        if cache_salt is not None:
+            check_cache_salt(cache_salt)
+        if unsafe_salt is not None and (tenant is not None or cache_salt is not None):
+            raise RequestError("unsafe_salt", "give a tenant (the engine derives its salt, with a cache_salt if "
+                                              "given) or an unsafe_salt, not both")
+        try:
+            # text (with a tokenizer), or real int ids: floats, bools, bytes... raise
+            ids = encode(self.tokenizer, prompt)
+        except (TypeError, ValueError) as e:
+            raise _refused("prompt", e) from None
         if not ids:
-            raise ValueError("the prompt is empty: a request needs at least one token")
+            raise RequestError("prompt", "the prompt is empty: a request needs at least one token")
         if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+            raise RequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
         if self.max_model_len is not None and len(ids) + sampling.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                             f"model's {self.max_model_len} positions")
-        self.check_fits(len(ids), sampling.max_tokens)  # the pool's size only: fixed at construction
+            raise RequestError("prompt" if len(ids) >= self.max_model_len else "max_tokens",
+                               f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                               f"model's {self.max_model_len} positions")
+        # the pool's size only: fixed at construction
+        self.check_fits(len(ids), sampling.max_tokens)
         if tenant is not None and self.isolation == "shared" and not self._warned_shared_tenants:
             self._warned_shared_tenants = True  # once per engine
             warnings.warn(SharedTenantsWarning(
                 f"tenant {tenant!r} on an engine with isolation='shared': tenants share every cached prefix "
                 "(one tenant's prompts can speed up, and so reveal themselves to, another's); use "
                 "isolation='tenant' or 'public-prefix' to keep them apart"), stacklevel=3)
-        return ids, sampling, tenant, unsafe_salt if unsafe_salt is not None else self.salt_for(tenant)
+        try:
+            salt = unsafe_salt if unsafe_salt is not None else request_salt(
+                self._secret, self.isolation, tenant, cache_salt)
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") in the tenant id
+            raise RequestError("tenant", f"the tenant id is not valid Unicode: {e}") from None
+        return ids, sampling, tenant, salt
 
     def admit(self, checked: Checked, request_id: Hashable | None, live: dict[Hashable, Request]) -> Request:
         """The ``Request`` of a checked request (call it under the engine lock): ids, scope, generator, arrival."""
@@ -106,26 +160,65 @@ class Intake:
         return torch.Generator(device=self.device).manual_seed(seed)
 
 
+def check_cache_salt(cache_salt: str) -> str:
+    """``cache_salt`` if it is a non-empty string of valid Unicode; else ``RequestError`` of "cache_salt"."""
+    if not isinstance(cache_salt, str):
+        raise RequestTypeError("cache_salt", f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        raise RequestError("cache_salt", "cache_salt must be a non-empty string if given")
+    try:
+        cache_salt.encode()
+    except UnicodeEncodeError as e:  # a lone surrogate: no bytes to hash
+        raise RequestError("cache_salt", f"cache_salt is not valid Unicode: {e}") from None
+    return cache_salt
+
+
+def _sampling_field(fields: dict[str, Any]) -> str | None:
+    """The first of ``fields`` that ``SamplingParams`` refuses on its own (every other field at its default)."""
+    for name, value in fields.items():
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError):
+            return name
+    return None
+
+
+def make_sampling(**fields: Any) -> SamplingParams:
+    """``SamplingParams(**fields)``; a refusal is a ``RequestError`` whose ``field`` is the parameter at fault."""
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise _refused(_sampling_field(fields), e) from None
+
+
 def check_sampling(sampling: Any) -> SamplingParams:
-    """``sampling`` if it is a valid ``SamplingParams``; else ``TypeError``/``ValueError``."""
+    """``sampling`` if it is a valid ``SamplingParams``; else ``RequestError`` naming the field at fault."""
     if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    sampling.validate()
+        raise RequestTypeError("sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    try:
+        sampling.validate()
+    except (TypeError, ValueError) as e:
+        fields = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)}
+        raise _refused(_sampling_field(fields), e) from None
     return sampling
 
 
 def per_prompt(prompts: Sequence[Any], sampling: Any, tenants: Sequence[str | None] | None,
-               unsafe_salts: Sequence[str | None] | None) -> list[tuple[Any, Any, str | None, str | None]]:
-    """``generate``'s arguments as ``(prompt, sampling, tenant, salt)`` per prompt (one sampling may serve all)."""
-    for name, value in (("prompts", prompts), ("tenants", tenants), ("unsafe_salts", unsafe_salts)):
+               cache_salts: Sequence[str | None] | None = None, unsafe_salts: Sequence[str | None] | None = None
+               ) -> list[tuple[Any, Any, str | None, str | None, str | None]]:
+    """``generate``'s arguments as ``(prompt, sampling, tenant, cache_salt, unsafe_salt)`` per prompt.
+
+    One sampling may serve all prompts; ``tenants``, ``cache_salts`` and ``unsafe_salts`` give one per prompt.
+    """
+    named = (("prompts", prompts), ("tenants", tenants), ("cache_salts", cache_salts), ("unsafe_salts", unsafe_salts))
+    for name, value in named:
         # a list or tuple: a lone string would run one request per character
         if not isinstance(value, (list, tuple)) and (name == "prompts" or value is not None):
             one = f"; for one, pass [{name[:-1]}]" if isinstance(value, (str, bytes)) else ""
             raise TypeError(f"{name} must be a list or tuple, one per prompt, got {type(value).__name__}{one}")
     n = len(prompts)
     samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-    tenants = [None] * n if tenants is None else list(tenants)
-    salts = [None] * n if unsafe_salts is None else list(unsafe_salts)
-    if len(samplings) != n or len(tenants) != n or len(salts) != n:
+    columns = [[None] * n if value is None else list(value) for _, value in named[1:]]
+    if len(samplings) != n or any(len(column) != n for column in columns):
         raise ValueError("give one sampling, tenant and salt per prompt (or one sampling for all)")
-    return list(zip(prompts, samplings, tenants, salts))
+    return list(zip(prompts, samplings, *columns))

@@ -1,4 +1,19 @@
-"""Tenants and isolation policies (pure Python): a tenant's salt is HMAC-SHA256(server secret, tenant id)."""
+"""Tenants and isolation policies (pure Python): every cache salt the engine uses is derived here, once.
+
+A tenant's salt is HMAC-SHA256(server secret, tenant id). A request's ``cache_salt`` (vLLM's request
+field) is combined with its tenant's scope, never used alone (``request_salt``):
+
+    no cache_salt  -> the tenant's salt (none under "shared": every request shares)
+    cache_salt=s   -> HMAC-SHA256(server secret, "kvlab-cache-salt" | tenant scope | s)
+
+where the tenant scope is the tenant's salt under the isolation policy ("" under "shared"). So under
+"shared" two requests with the same ``cache_salt`` share, whoever sends them (vLLM's behaviour: the salt
+alone is the boundary), and under "tenant"/"public-prefix" a salt only splits a tenant's own cache
+further: another tenant sending the same salt lands in another scope. A salted request never hits the
+unsalted cache of its tenant. Under "public-prefix" the operator's public prefixes stay shared by every
+salt (the engine salts only the blocks past them). The request keeps its tenant either way: abort and
+fork are scoped by it and per-tenant metrics count it.
+"""
 
 from __future__ import annotations
 
@@ -44,6 +59,22 @@ def tenant_salt(secret: bytes, tenant: str | None) -> str:
     if not isinstance(tenant, str):
         raise TypeError(f"a tenant id must be a str or None, got {type(tenant).__name__}")
     return hmac.new(bytes(secret), b"kvlab-tenant\x00" + tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def request_salt(secret: bytes, isolation: str, tenant: str | None, cache_salt: str | None = None) -> str | None:
+    """The cache salt of a request of ``tenant`` with ``cache_salt`` under ``isolation`` (see the module docstring).
+
+    Without a ``cache_salt``: the tenant's salt, or None under "shared". With one: HMAC-SHA256 under the
+    secret of ``b"kvlab-cache-salt\\0" + scope + b"\\0" + cache_salt``, the scope being the tenant's salt
+    ("" under "shared"): the bytes ``kvlab serve`` hashed before the engine derived it.
+    """
+    scope = None if isolation == "shared" else tenant_salt(secret, tenant)
+    if cache_salt is None:
+        return scope
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    msg = b"kvlab-cache-salt\x00" + (scope or "").encode() + b"\x00" + cache_salt.encode()
+    return hmac.new(bytes(secret), msg, hashlib.sha256).hexdigest()
 
 
 def check_policy(policy: str) -> str:

@@ -5,7 +5,7 @@
 
 Files: ``app`` (the FastAPI app factory and endpoints), ``runner`` (the engine's one background thread),
 ``generation`` (one request on the event loop), ``text`` (incremental detokenizing, stop strings),
-``protocol`` (request bodies, errors), ``tenancy`` (API keys -> tenants, ``cache_salt``), ``metrics``
+``protocol`` (request bodies, errors), ``tenancy`` (API keys -> tenants), ``metrics``
 (Prometheus, vLLM's names under ``kvlab:``), ``debug`` (invariants and leaked blocks for load tests).
 Needs the ``serve`` extra: ``pip install -e '.[serve]'``.
 """

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.public_prefix:
         engine.add_public_prefix(text)
     name = args.served_model_name or (BUNDLED_NAME if args.model is None else str(args.model))
-    config = ServeConfig(model_name=name, api_keys=keys, secret=secret, max_waiting=args.max_waiting,
+    # the secret is the engine's alone: it derives every salt, with or without a request's cache_salt
+    config = ServeConfig(model_name=name, api_keys=keys, max_waiting=args.max_waiting,
                          max_body_bytes=args.max_body_bytes, debug_endpoint=args.enable_debug_endpoint,
                          max_prompt_bytes=args.max_prompt_bytes)
     who = f"{len(set(keys.values()))} tenants" if keys else "open (no API keys)"

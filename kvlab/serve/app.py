@@ -26,15 +26,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..engine.engine import Engine
+from ..engine.intake import RequestError, make_sampling
 from ..engine.models import encode
 from ..engine.sampling import SamplingParams
-from ..engine.tenants import new_secret
 from .debug import engine_report
 from .generation import ClientGone, Generation, Piece, wait_or_disconnect
 from .metrics import ServeMetrics
 from .protocol import PROMPT_BYTES_PER_TOKEN, ApiError, ChatRequest, CompletionRequest, validation_message
 from .runner import EngineRunner, EngineStoppedError, Job, QueueFullError, new_request_id, now
-from .tenancy import AuthError, KeyTable, request_scope
+from .tenancy import AuthError, KeyTable
 from .text import TextStream
 
 __all__ = ["ServeConfig", "create_app"]
@@ -42,11 +42,10 @@ __all__ = ["ServeConfig", "create_app"]
 
 @dataclass
 class ServeConfig:
-    """Server settings that are not the engine's own."""
+    """Server settings that are not the engine's own (the server secret is the engine's alone)."""
 
     model_name: str
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty = open server
-    secret: bytes | None = None  # the engine's secret too (cache_salt HMAC); None = random
     max_waiting: int = 128  # requests queued beyond the engine's batch before 503
     max_body_bytes: int = 1 << 20
     completion_max_tokens: int = 16  # /v1/completions default (OpenAI's); chat defaults to the rest of the context
@@ -85,7 +84,6 @@ class _Server:
         self.engine, self.config = engine, config
         self.tokenizer = engine.tokenizer
         self.keys = KeyTable(config.api_keys)
-        self.secret = config.secret or new_secret()
         self.metrics = ServeMetrics(config.model_name)
         self.runner = EngineRunner(engine, config.max_waiting, on_step=self.metrics.on_step)
         self.vocab = engine.model.config.vocab_size
@@ -141,15 +139,15 @@ class _Server:
         if limit is not None and n_prompt + max_tokens > limit:
             raise ApiError(400, f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds this model's "
                                 f"context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+        top_k = body.top_k if body.top_k not in (None, -1) else 0
         try:
-            self.engine.scheduler.check_fits(n_prompt, max_tokens)
-            top_k = body.top_k if body.top_k not in (None, -1) else 0
-            return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                                  top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
-                                  ignore_eos=body.ignore_eos)
-        except ValueError as e:
-            param = next((p for p in ("temperature", "top_p", "top_k", "seed") if p in str(e)), "max_tokens")
-            raise ApiError(400, str(e), param=param, code="invalid_value") from None
+            self.engine.intake.check_fits(n_prompt, max_tokens)
+            return make_sampling(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                                 top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
+                                 ignore_eos=body.ignore_eos)
+        except RequestError as e:
+            # the engine's intake names the field at fault: OpenAI's param
+            raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
 
     def check_text_size(self, size: int, param: str) -> None:
         """Refuse (400 naming ``param``) prompt text of more than ``max_prompt_bytes`` UTF-8 bytes, untokenized."""
@@ -181,9 +179,8 @@ class _Server:
 
     def start(self, body, tenant: str | None, ids: list[int], sampling: SamplingParams, prefix: str,
               arrival: float) -> Generation:
-        """Queue the request for the engine (503 when the queue is full)."""
-        t, salt = request_scope(self.engine, self.secret, tenant, body.cache_salt)
-        job = Job(new_request_id(prefix), ids, sampling, t, salt)
+        """Queue the request for the engine (503 when the queue is full); the engine derives its cache salt."""
+        job = Job(new_request_id(prefix), ids, sampling, tenant, body.cache_salt)
         try:
             self.runner.submit(job)
         except QueueFullError as e:

@@ -73,7 +73,7 @@ class Generation:
         update = await self.job.queue.get()
         if update.refused:
             self._closed = True  # nothing reached the engine
-            raise ApiError(400, update.error or "request refused", code="invalid_request")
+            raise ApiError(400, update.error or "request refused", param=update.field, code="invalid_request")
         self._pending.append(update)
 
     async def pieces(self) -> AsyncIterator[Piece]:

@@ -72,7 +72,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    cache_salt: str | None = None  # vLLM extension, combined with the tenant (kvlab.serve.tenancy)
+    cache_salt: str | None = None  # vLLM extension, combined with the tenant by the engine (engine.tenants)
     ignore_eos: bool = False  # vLLM extension
     return_token_ids: bool = False  # vLLM extension: prompt_token_ids and token_ids in the response
     user: str | None = None  # accepted and ignored, as OpenAI's end-user id

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.engine import Engine, UnknownRequestError
+from ..engine.intake import RequestError
 from ..engine.sampling import SamplingParams
 
 __all__ = ["EngineRunner", "EngineStoppedError", "Job", "QueueFullError", "Update"]
@@ -49,6 +50,7 @@ class Update:
     finish_reason: str | None = None  # the engine's: "stop", "length", "abort", "error"
     error: str | None = None
     refused: bool = False  # add_request raised: nothing was queued
+    field: str | None = None  # the refused request's offending field (RequestError.field)
 
 
 @dataclass(slots=True)
@@ -58,8 +60,8 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    tenant: str | None  # passed to add_request / abort (None when a salt is given)
-    salt: str | None  # passed as unsafe_salt: the server's derived salt (see kvlab.serve.tenancy)
+    tenant: str | None  # passed to add_request and abort: the request's tenant, with or without a cache_salt
+    cache_salt: str | None  # passed to add_request: the engine derives the salt from it and the tenant
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = 0  # output tokens already handed to the event loop
     done: bool = False  # set on the event loop when the finishing update is delivered
@@ -205,9 +207,11 @@ class EngineRunner:
         for job in adds:
             try:
                 self.engine.add_request(job.prompt_ids, job.sampling, request_id=job.request_id, tenant=job.tenant,
-                                        unsafe_salt=job.salt)
+                                        cache_salt=job.cache_salt)
             except (ValueError, TypeError) as e:
-                out.append((job, Update([], finished=True, finish_reason="error", error=str(e), refused=True)))
+                field = e.field if isinstance(e, RequestError) else None
+                out.append((job, Update([], finished=True, finish_reason="error", error=str(e), refused=True,
+                                        field=field)))
                 continue
             self._running[job.request_id] = job
         return out

@@ -1,4 +1,4 @@
-"""API keys -> tenants, and how a request's ``cache_salt`` combines with the engine's tenant isolation.
+"""API keys -> tenants; a request's tenant and ``cache_salt`` go to the engine, which derives the salt.
 
 Keys come from a JSON file (``--api-keys FILE``) or the ``KVLAB_API_KEYS`` environment variable, both
 a JSON object ``{"<key>": "<tenant>", ...}``; several keys may name one tenant. A request presents its
@@ -6,30 +6,19 @@ key as ``Authorization: Bearer <key>``; a missing or unknown key is refused (401
 some other scope. With no keys configured the server is open: every request is the one anonymous
 tenant (``None``), whatever key it sends.
 
-``cache_salt`` (vLLM's request field) is combined with the tenant's scope, never used alone:
-
-    no cache_salt  -> the engine derives the salt from the tenant (none under "shared")
-    cache_salt=s   -> salt = HMAC-SHA256(server secret, "kvlab-cache-salt" | tenant scope | s)
-
-where the tenant scope is the engine's salt for the tenant under its isolation policy ("" under
-"shared"). So under "shared" two requests with the same ``cache_salt`` share, whoever sends them
-(vLLM's behaviour: the salt alone is the boundary), and under "tenant"/"public-prefix" a salt only
-splits a tenant's own cache further: another tenant sending the same salt lands in another scope.
-A salted request never hits the unsalted cache of its tenant. Under "public-prefix" the operator's
-public prefixes stay shared by every salt (the engine salts only the blocks past them).
+A request's tenant and its ``cache_salt`` (vLLM's request field) go to ``Engine.add_request`` as they
+are: the engine holds the one server secret and derives the salt (``kvlab.engine.tenants.request_salt``:
+a ``cache_salt`` is combined with the tenant's scope, never used alone). The server holds no secret.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import os
 from pathlib import Path
 
-from ..engine.engine import Engine
-
-__all__ = ["ENV_KEYS", "AuthError", "KeyTable", "load_api_keys", "request_scope"]
+__all__ = ["ENV_KEYS", "AuthError", "KeyTable", "load_api_keys"]
 
 ENV_KEYS = "KVLAB_API_KEYS"
 
@@ -102,17 +91,3 @@ class KeyTable:
             raise AuthError("incorrect API key provided")
         return found
 
-
-def request_scope(engine: Engine, secret: bytes, tenant: str | None,
-                  cache_salt: str | None) -> tuple[str | None, str | None]:
-    """``(tenant, unsafe_salt)`` to pass to ``Engine.add_request`` for a request of ``tenant`` with ``cache_salt``.
-
-    Without a salt the engine derives the scope from the tenant itself. With one, the salt is
-    HMAC(secret, tenant scope + cache_salt) and the request is added without a tenant (the engine
-    takes one or the other); see the module docstring.
-    """
-    if cache_salt is None:
-        return tenant, None
-    scope = engine.salt_for(tenant) or ""
-    msg = b"kvlab-cache-salt\x00" + scope.encode() + b"\x00" + cache_salt.encode()
-    return None, hmac.new(secret, msg, hashlib.sha256).hexdigest()

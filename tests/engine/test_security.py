@@ -149,3 +149,90 @@ def test_public_prefix_policy_in_the_engine(tiny):
     assert st["public_hits"] == 4 and st["cross_tenant_hits"] == 0
     ref = Engine(tiny, None, num_blocks=64, block_size=BS, enable_prefix_caching=False).generate(prompts, sp)
     assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
+
+
+# --- cache_salt: derived in the engine, the request keeps its tenant (issue 37) ------------------------
+SECRET = b"server-secret-0123456789abcdef!!"
+
+
+def _old_serve_salt(engine: Engine, secret: bytes, tenant, cache_salt: str) -> str:
+    """The salt ``kvlab serve`` derived before the engine did (``tenancy.request_scope``), byte for byte."""
+    scope = engine.salt_for(tenant) or ""
+    msg = b"kvlab-cache-salt\x00" + scope.encode() + b"\x00" + cache_salt.encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def test_a_salted_request_keeps_its_tenant(tiny):
+    from kvlab.engine import UnknownRequestError
+
+    engine = Engine(tiny, None, num_blocks=64, block_size=BS, isolation="tenant", secret=SECRET, debug=True)
+    prompt, sp = ids(11, 40), SamplingParams(max_tokens=3)
+    rid = engine.add_request(prompt, sp, tenant="acme", cache_salt="s1")
+    assert engine.requests[rid].tenant == "acme"
+    with pytest.raises(UnknownRequestError):  # abort is scoped by the tenant, salt or not
+        engine.abort(rid)
+    assert engine.abort(rid, tenant="acme").finish_reason == "abort"
+    first, again = (engine.generate([prompt], sp, tenants=["acme"], cache_salts=["s1"])[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 < again.num_cached_tokens
+    by = {row["tenant"]: row for row in engine.block_manager.metrics.tenant_table()}
+    assert by["acme"]["requests"] == 2 and by["acme"]["hit_tokens"] == again.num_cached_tokens
+    assert set(by) == {"acme"}  # counted for its tenant, never under a salt's hex
+
+
+@pytest.mark.filterwarnings("ignore::kvlab.engine.tenants.SharedTenantsWarning")
+@pytest.mark.parametrize("isolation", ["shared", "tenant", "public-prefix"])
+def test_the_engine_derives_the_salt_serve_derived(tiny, isolation):
+    from kvlab.engine.tenants import request_salt
+
+    engine = Engine(tiny, None, num_blocks=64, block_size=BS, isolation=isolation, secret=SECRET)
+    for tenant in ("acme", "globex", None, ""):
+        for cache_salt in ("s1", "my-team", "é"):
+            old = _old_serve_salt(engine, SECRET, tenant, cache_salt)
+            assert request_salt(SECRET, isolation, tenant, cache_salt) == old
+            rid = engine.add_request(ids(3, 20), tenant=tenant, cache_salt=cache_salt)
+            assert engine.requests[rid].scope.salt == old and engine.requests[rid].tenant == tenant
+            engine.abort(rid, tenant=tenant)
+        # without a cache_salt: the tenant's salt, as before
+        assert request_salt(SECRET, isolation, tenant) == engine.salt_for(tenant)
+
+
+@pytest.mark.filterwarnings("ignore::kvlab.engine.tenants.SharedTenantsWarning")
+@pytest.mark.parametrize("isolation, shares", [("tenant", False), ("public-prefix", False), ("shared", True)])
+def test_equal_cache_salts_share_across_tenants_only_under_shared(tiny, isolation, shares):
+    engine = Engine(tiny, None, num_blocks=64, block_size=BS, isolation=isolation, secret=SECRET, debug=True)
+    prompt, sp = ids(12, 48), SamplingParams(max_tokens=2)
+    engine.generate([prompt], sp, tenants=["acme"], cache_salts=["team"])
+    other = engine.generate([prompt], sp, tenants=["globex"], cache_salts=["team"])[0]
+    assert (other.num_cached_tokens > 0) == shares
+    # a salt never hits the unsalted cache of its own tenant, nor another salt's
+    assert engine.generate([prompt], sp, tenants=["acme"])[0].num_cached_tokens == 0
+    assert engine.generate([prompt], sp, tenants=["acme"], cache_salts=["other"])[0].num_cached_tokens == 0
+    assert engine.generate([prompt], sp, tenants=["acme"], cache_salts=["team"])[0].num_cached_tokens > 0
+    if not shares:
+        assert engine.stats()["cross_tenant_hits"] == 0
+
+
+def test_intake_errors_name_their_field(tiny):
+    from kvlab.engine.intake import RequestError, RequestTypeError, make_sampling
+
+    engine = Engine(tiny, None, num_blocks=4, block_size=BS, isolation="tenant", secret=SECRET)
+    cases = [(dict(prompt=[]), "prompt"), (dict(prompt=[1, 999]), "prompt"), (dict(prompt=[1.5]), "prompt"),
+             (dict(prompt=[1] * 70), "prompt"),  # the prompt alone needs 5 of the pool's 4 blocks
+             (dict(prompt=[1] * 40, sampling=SamplingParams(max_tokens=40)), "max_tokens"),  # it fits, its output not
+             (dict(prompt=[1] * 400, sampling=SamplingParams(max_tokens=200)), "max_tokens"),  # past 512 positions
+             (dict(prompt=[1, 2], sampling="greedy"), "sampling"), (dict(prompt=[1, 2], tenant=5), "tenant"),
+             (dict(prompt=[1, 2], cache_salt=""), "cache_salt"), (dict(prompt=[1, 2], cache_salt="\ud800"), "cache_salt"),
+             (dict(prompt=[1, 2], tenant="a", unsafe_salt="x"), "unsafe_salt")]
+    for kwargs, field in cases:
+        kwargs = {"sampling": None, **kwargs}
+        with pytest.raises(RequestError) as e:
+            engine.add_request(kwargs.pop("prompt"), kwargs.pop("sampling"), **kwargs)
+        assert e.value.field == field, (kwargs, str(e.value))
+    with pytest.raises(TypeError) as e:  # a wrong type is still a TypeError
+        engine.add_request([1, 2], tenant=5)
+    assert isinstance(e.value, RequestTypeError) and e.value.field == "tenant"
+    for field, value in (("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("seed", -1), ("max_tokens", 0)):
+        with pytest.raises(RequestError) as e:
+            make_sampling(**{"max_tokens": 4, "temperature": 0.5, field: value})
+        assert e.value.field == field
+    assert not engine.requests and not engine.scheduler.waiting  # nothing queued

@@ -27,7 +27,6 @@ from kvlab.engine import Engine, SamplingParams  # noqa: E402
 from kvlab.engine.models import encode  # noqa: E402
 from kvlab.lessons import passphrase as P  # noqa: E402
 from kvlab.serve import ServeConfig, create_app  # noqa: E402
-from kvlab.serve.tenancy import request_scope  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"kvlab-test-secret-0123456789"
@@ -204,9 +203,8 @@ def _sharing_run(c_for, engine: Engine, system: str) -> tuple[list[int], list[in
         extra = {} if salt is None else {"cache_salt": salt}
         out = c_for(key).completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
         http.append(out.usage.prompt_tokens_details.cached_tokens)
-        tenant, unsafe = request_scope(engine, SECRET, KEYS[key], salt)
-        local.append(engine.generate([prompt], SamplingParams(max_tokens=4), tenants=[tenant],
-                                     unsafe_salts=[unsafe])[0].num_cached_tokens)
+        local.append(engine.generate([prompt], SamplingParams(max_tokens=4), tenants=[KEYS[key]],
+                                     cache_salts=[salt])[0].num_cached_tokens)
     return http, local
 
 
@@ -232,7 +230,7 @@ def test_other_policies_in_process_match_the_engine(bundled, reference, isolatio
     if isolation == "public-prefix":  # the operator shares the system prompt with every tenant
         for e in (engine, local_engine):
             e.add_public_prefix(P.chatml("system", system))
-    app = create_app(engine, ServeConfig(model_name=MODEL, api_keys=KEYS, secret=SECRET))
+    app = create_app(engine, ServeConfig(model_name=MODEL, api_keys=KEYS))
     with TestClient(app) as http_client:
         def c_for(key):
             return openai.OpenAI(base_url="http://testserver/v1", api_key=key, max_retries=0, http_client=http_client)

@@ -181,3 +181,83 @@ def test_help_states_the_isolation_default(capsys):
     text = " ".join(build_parser().format_help().split())
     assert "default: tenant when API keys are configured" in text and "--isolation shared" in text
     assert "--max-prompt-bytes" in text
+
+
+# ----------------------------------------------------------------------------- tenancy in the engine (issue 37)
+def test_serve_holds_no_secret_and_no_request_scope(engine):
+    import dataclasses
+
+    import kvlab.serve.tenancy as tenancy
+
+    assert "secret" not in {f.name for f in dataclasses.fields(ServeConfig)}
+    with pytest.raises(TypeError):
+        ServeConfig(model_name=MODEL, secret=b"s" * 32)
+    assert not hasattr(tenancy, "request_scope")
+    assert not hasattr(create_app(engine, ServeConfig(model_name=MODEL)).state.server, "secret")
+
+
+def test_a_salted_request_is_served_under_its_tenant(bundled):
+    model, tok = bundled
+    engine = Engine(model, tok, isolation="tenant", secret=b"s" * 32, **ENGINE_KW)
+    added = []
+    real = engine.add_request
+
+    def spy(*args, **kwargs):
+        added.append(kwargs)
+        return real(*args, **kwargs)
+    engine.add_request = spy
+    with TestClient(create_app(engine, ServeConfig(model_name=MODEL, api_keys=KEYS))) as http:
+        body = {"prompt": "The passphrase is K7QX2M. " * 4, "max_tokens": 2, "temperature": 0, "cache_salt": "team"}
+        for _ in range(2):
+            r = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer key-a"})
+            assert r.status_code == 200, r.text
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert [(a["tenant"], a["cache_salt"]) for a in added] == [("acme", "team")] * 2
+    assert "unsafe_salt" not in added[0]  # the server derives no salt: the engine does
+    by = {row["tenant"]: row for row in engine.block_manager.metrics.tenant_table()}
+    assert set(by) == {"acme"} and by["acme"]["requests"] == 2 and by["acme"]["hit_tokens"] == cached > 0
+
+
+def test_an_intake_error_names_the_param(bundled):
+    model, tok = bundled
+    engine = Engine(model, tok, num_blocks=4, block_size=16, max_num_seqs=4)  # a pool of 64 tokens
+    with TestClient(create_app(engine, ServeConfig(model_name=MODEL))) as http:
+        # the prompt alone needs 5 blocks: the prompt is at fault (the old text search said max_tokens)
+        err = _error(http.post("/v1/completions", json={"prompt": [5] * 70, "max_tokens": 2}))
+        assert err["param"] == "prompt" and "pool" in err["message"]
+        err = _error(http.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 40}))
+        assert err["param"] == "max_tokens"
+        err = _error(http.post("/v1/completions", json={"prompt": "hi", "top_p": 0}))
+        assert err["param"] == "top_p"
+
+
+def test_a_refusal_in_the_engine_thread_names_the_param(bundled):
+    """A request the engine's intake refuses at ``add_request`` reaches the HTTP error with its field as param."""
+    from kvlab.engine import SamplingParams
+    from kvlab.serve.generation import Generation
+    from kvlab.serve.metrics import ServeMetrics
+    from kvlab.serve.protocol import ApiError
+    from kvlab.serve.runner import EngineRunner, Job
+    from kvlab.serve.text import TextStream
+
+    model, tok = bundled
+    engine = Engine(model, tok, **ENGINE_KW)
+
+    async def scenario() -> list[ApiError]:
+        runner = EngineRunner(engine)
+        runner.start(asyncio.get_running_loop())
+        errors = []
+        try:
+            for i, (ids, salt) in enumerate([([10 ** 9], None), ([5, 6], "")]):
+                job = Job(f"r{i}", ids, SamplingParams(max_tokens=2), None, salt)
+                runner.submit(job)
+                gen = Generation(runner, ServeMetrics(MODEL), job, TextStream(tok), arrival=0.0)
+                with pytest.raises(ApiError) as e:
+                    await asyncio.wait_for(gen.first(), 30)
+                errors.append(e.value)
+        finally:
+            runner.stop()
+        return errors
+
+    errors = asyncio.run(scenario())
+    assert [(e.status, e.param) for e in errors] == [(400, "prompt"), (400, "cache_salt")]
