@@ -64,12 +64,8 @@ def test_engine_imports_no_lesson_code():
     assert "kvlab.engine.engine" in out and "lessons" not in out and "kvlab.prefix" not in out
 
 
-def test_cache_and_engine_copied_together_run_a_random_llama(tmp_path):
-    (tmp_path / "mykv").mkdir()
-    (tmp_path / "mykv" / "__init__.py").write_text("")
-    for layer in ("cache", "engine"):
-        shutil.copytree(PKG / layer, tmp_path / "mykv" / layer, ignore=shutil.ignore_patterns("__pycache__"))
-    out = _run("""
+# The start of a script run on a copy: kvlab itself made unimportable, the copy's folder on the path.
+WITHOUT_KVLAB = """
         import sys
         class NoKvlab:
             def find_spec(self, name, path=None, target=None):
@@ -77,6 +73,20 @@ def test_cache_and_engine_copied_together_run_a_random_llama(tmp_path):
                     raise ImportError('kvlab is not installed here')
         sys.meta_path.insert(0, NoKvlab())
         sys.path.insert(0, '.')
+"""
+
+
+def _copy_as_mykv(tmp_path: Path) -> None:
+    """kvlab/cache and kvlab/engine copied into ``tmp_path/mykv`` (a package of their own)."""
+    (tmp_path / "mykv").mkdir()
+    (tmp_path / "mykv" / "__init__.py").write_text("")
+    for layer in ("cache", "engine"):
+        shutil.copytree(PKG / layer, tmp_path / "mykv" / layer, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def test_cache_and_engine_copied_together_run_a_random_llama(tmp_path):
+    _copy_as_mykv(tmp_path)
+    out = _run(WITHOUT_KVLAB + """
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
         from mykv.engine import Engine, SamplingParams
@@ -96,19 +106,9 @@ def test_cache_and_engine_copied_together_run_a_random_llama(tmp_path):
 
 def test_cache_and_engine_copied_with_data_beside_them_load_the_bundled_model(tmp_path):
     """The repository's layout copied (mykv/cache, mykv/engine, data/): the bundled model is found, not kvlab's."""
-    (tmp_path / "mykv").mkdir()
-    (tmp_path / "mykv" / "__init__.py").write_text("")
-    for layer in ("cache", "engine"):
-        shutil.copytree(PKG / layer, tmp_path / "mykv" / layer, ignore=shutil.ignore_patterns("__pycache__"))
+    _copy_as_mykv(tmp_path)
     shutil.copytree(PKG.parent / "data", tmp_path / "data", ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
-    out = _run("""
-        import sys
-        class NoKvlab:
-            def find_spec(self, name, path=None, target=None):
-                if name == 'kvlab' or name.startswith('kvlab.'):
-                    raise ImportError('kvlab is not installed here')
-        sys.meta_path.insert(0, NoKvlab())
-        sys.path.insert(0, '.')
+    out = _run(WITHOUT_KVLAB + """
         from mykv.engine import load_model
         from mykv.engine.models import BUNDLED_MODEL
         model, tok = load_model(None, device="cpu")
