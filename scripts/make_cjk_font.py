@@ -36,6 +36,22 @@ CJK_RANGES = ((0x2E80, 0x9FFF), (0xAC00, 0xD7AF), (0xF900, 0xFAFF), (0xFE30, 0xF
               (0x20000, 0x3FFFF))
 
 
+def _subset(font, chars, flavor: str | None = None) -> None:
+    """Cut ``font`` down to ``chars`` in place, keeping its layout features and every name record (the licence)."""
+    from fontTools import subset
+
+    options = subset.Options()
+    options.layout_features = ["*"]
+    options.name_IDs = ["*"]
+    options.name_languages = ["*"]
+    options.notdef_outline = True
+    options.hinting = False
+    options.flavor = flavor
+    sub = subset.Subsetter(options)
+    sub.populate(unicodes=[ord(c) for c in chars])
+    sub.subset(font)
+
+
 def is_cjk(c: str) -> bool:
     """True for a character of the CJK ranges above (not emoji, variation selectors or U+FFFD)."""
     return any(lo <= ord(c) <= hi for lo, hi in CJK_RANGES)
@@ -108,20 +124,11 @@ def _rename(font) -> None:
 
 def make(source: str | None = None, executed: list[Path] | tuple[Path, ...] = (EXECUTED,)) -> tuple[int, int]:
     """Write the subset and its licence; return (characters kept, bytes written)."""
-    from fontTools import subset
 
     font = _source_font(source)
     cmap = font.getBestCmap()
     chars = sorted(c for c in wanted_characters(executed) if ord(c) in cmap)
-    options = subset.Options()
-    options.layout_features = ["*"]
-    options.name_IDs = ["*"]
-    options.name_languages = ["*"]
-    options.notdef_outline = True
-    options.hinting = False
-    sub = subset.Subsetter(options)
-    sub.populate(unicodes=[ord(c) for c in chars])
-    sub.subset(font)
+    _subset(font, chars)
     _rename(font)
     FONTS.mkdir(parents=True, exist_ok=True)
     font.save(str(OUT))
@@ -148,7 +155,6 @@ def font_face_css(text: str, selector_vars: dict[str, str]) -> tuple[str, list[s
     page's own value), so Latin text keeps its fonts. The OFL notice travels in a comment, and in the
     font's own name table.
     """
-    from fontTools import subset
     from fontTools.ttLib import TTFont
 
     font = TTFont(str(OUT))
@@ -158,16 +164,7 @@ def font_face_css(text: str, selector_vars: dict[str, str]) -> tuple[str, list[s
     lacking = [c for c in chars if ord(c) not in cmap]
     if not have:
         return "", lacking
-    options = subset.Options()
-    options.layout_features = ["*"]
-    options.name_IDs = ["*"]
-    options.name_languages = ["*"]
-    options.notdef_outline = True
-    options.hinting = False
-    options.flavor = "woff"  # zlib, in the standard library (WOFF2 would need brotli)
-    sub = subset.Subsetter(options)
-    sub.populate(unicodes=[ord(c) for c in have])
-    sub.subset(font)
+    _subset(font, have, flavor="woff")  # zlib, in the standard library (WOFF2 would need brotli)
     buf = io.BytesIO()
     font.flavor = "woff"
     font.save(buf)
