@@ -6,7 +6,265 @@ named above each block, then run ``python scripts/export_notebooks.py`` (CI chec
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from math import sqrt
+from statistics import median
+from time import perf_counter
+from typing import Any
+
 import torch
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 5 ---
+def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean (q_len, k_len) mask, True where query i may look at key j.
+
+    The queries are the *last* ``q_len`` of ``k_len`` positions (a decode step has q_len=1 and sees
+    every cached key), so query i sits at absolute position ``k_len - q_len + i``.
+    """
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]   # (q_len, 1): where each query sits
+    k_pos = torch.arange(k_len, device=device)[None, :]                  # (1, k_len)
+    return k_pos <= q_pos                                                # a key at or before the query
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention; returns ``(output, weights)``.
+
+    q: (batch, heads, q_len, head_dim); k, v: (batch, heads, k_len, head_dim).
+    output: (batch, heads, q_len, head_dim); weights: (batch, heads, q_len, k_len).
+    """
+    # how well each query matches each key, scaled by sqrt(head_dim) so the softmax does not saturate
+    scores = q @ k.transpose(-2, -1) / sqrt(q.shape[-1])   # (B, H, Tq, Tk)
+    if causal:
+        mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device)   # (Tq, Tk)
+        scores = scores.masked_fill(~mask, float("-inf"))                # the future gets weight exp(-inf) = 0
+    weights = scores.softmax(dim=-1)   # (B, H, Tq, Tk), each row sums to 1
+    return weights @ v, weights        # output (B, H, Tq, D): a weighted sum of the values
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 11 ---
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Grouped-query attention: let ``n_rep`` query heads share each KV head.
+
+    (batch, kv_heads, seq, head_dim) -> (batch, kv_heads * n_rep, seq, head_dim); query head h
+    reads KV head ``h // n_rep``, the convention of Llama, Qwen2 and transformers.
+    """
+    if n_rep == 1:
+        return x
+    b, kvh, t, d = x.shape
+    # a new axis of n_rep copies right after each KV head (a view, no copy yet), then fold it into the heads
+    return x[:, :, None].expand(b, kvh, n_rep, t, d).reshape(b, kvh * n_rep, t, d)
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 19 ---
+@dataclass
+class KVCache:
+    """Per-layer K and V, appended along the sequence axis; nothing else (no Q, no positions)."""
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)     # per layer (B, kv_heads, seq, D)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new K, V of ``layer`` after the old ones; return all K, V of that layer."""
+        while len(self.keys) <= layer:   # first visit of this layer: make room for it
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:   # the new positions go after the cached ones, on the sequence axis
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)   # (B, kv_heads, seq + new, D)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
+        return self.keys[layer], self.values[layer]
+
+    def seq_len(self) -> int:
+        """Tokens cached (the same in every layer)."""
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-2]
+
+    def crop(self, n: int) -> None:
+        """Keep only the first ``n`` tokens of every layer."""
+        self.keys = [k[..., :n, :] for k in self.keys]
+        self.values = [v[..., :n, :] for v in self.values]
+
+    def nbytes(self) -> int:
+        """Bytes held by all K and V tensors."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+
+@torch.no_grad()
+def decode_logits(model: torch.nn.Module, ids: torch.Tensor, use_cache: bool) -> torch.Tensor:
+    """Logits of every position computed one step at a time, with the KV cache or by recomputation.
+
+    ``model(ids, cache)`` is a TinyDecoder: it appends each layer's new K, V to ``cache``.
+    ids: (batch, T) -> (batch, T, vocab). Without the cache, step t runs the whole prefix 0..t again.
+    """
+    steps = []
+    cache = KVCache() if use_cache else None
+    for t in range(ids.shape[1]):
+        if use_cache:
+            steps.append(model(ids[:, t:t + 1], cache)[:, -1])   # one new token; K, V of the rest are cached
+        else:
+            steps.append(model(ids[:, : t + 1])[:, -1])          # everything again
+    return torch.stack(steps, dim=1)
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 29 ---
+def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None,
+                      use_cache: bool = True) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one attention layer's decode step at context length ``n``.
+
+    With the cache the step projects 1 token and compares 1 query with n keys; without it the step
+    projects all n tokens again and fills the whole n x n score matrix (what ``attention`` computes).
+    """
+    head_dim = head_dim or d_model // n_heads
+    proj_per_token = 2 * d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)   # Q, O and K, V
+    tokens = 1 if use_cache else n   # queries computed this step
+    # scores (QK^T) and weighted sum (AV): 2 * 2 * heads * head_dim per (query, key) pair
+    return tokens * proj_per_token + 4 * n_heads * head_dim * tokens * n
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 31 ---
+OUTLIER = "outlier — re-run"
+BELOW_IDEAL = "below the ideal — re-run"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The seconds one variant took in each repeat, and what its last run returned."""
+
+    name: str
+    seconds: tuple[float, ...]
+    result: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def median(self) -> float:
+        return median(self.seconds)
+
+    @property
+    def lo(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def hi(self) -> float:
+        return max(self.seconds)
+
+
+def time_interleaved(variants: Mapping[str, Callable[[], Any] | tuple[Callable[[], Any], Callable[[Any], Any]]],
+                     repeats: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None,
+                     clock: Callable[[], float] = perf_counter) -> dict[str, Timing]:
+    """Time several variants of one computation against each other: ``{name: Timing}``.
+
+    A variant is ``fn`` (timed: ``fn()``) or ``(setup, fn)`` (``setup()`` untimed, then ``fn(its result)`` timed).
+    Each variant runs ``warmup`` times untimed (first-call costs: allocation, caches), then ``repeats`` rounds
+    run every variant once, the order reversed every other round (a, b, b, a, a, b ...): a machine that slows
+    down or speeds up during the run hits every variant alike. ``sync`` waits for queued GPU work.
+    """
+    def split(variant):
+        return variant if isinstance(variant, tuple) else (None, lambda _: variant())
+
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            setup, fn = split(variants[name])
+            fn(setup() if setup else None)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    last: dict[str, Any] = {}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):   # alternate who goes first
+            setup, fn = split(variants[name])
+            arg = setup() if setup else None                   # not timed
+            if sync:
+                sync()
+            t0 = clock()
+            last[name] = fn(arg)
+            if sync:
+                sync()
+            seconds[name].append(clock() - t0)
+    return {name: Timing(name, tuple(seconds[name]), last.get(name)) for name in names}
+
+
+@dataclass(frozen=True)
+class TimingVerdict:
+    """The guard's word on a measurement: ``ok``, or a flag ("outlier — re-run") and why.
+
+    ``value``, ``lo``, ``hi``: a ratio's median and its min–max (NaN for a curve). Print a sentence through
+    ``says(sentence)``: the sentence when the measurement is clean, the flag instead of it when it is not.
+    """
+
+    ok: bool
+    flag: str = ""
+    why: str = ""
+    value: float = float("nan")
+    lo: float = float("nan")
+    hi: float = float("nan")
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def text(self) -> str:
+        return "ok" if self.ok else f"{self.flag} ({self.why})"
+
+    def says(self, sentence: str) -> str:
+        return sentence if self.ok else self.text
+
+
+def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: float = 1.5) -> TimingVerdict:
+    """``num / den`` (medians) with its min–max (num.lo / den.hi to num.hi / den.lo), judged.
+
+    Flagged when the ratio is below ``ideal`` (faster than the work removed allows), above ``high`` (when an
+    ideal is given: the saving path took much longer than the full one), or when the min–max of the two
+    variants overlap (the run did not tell them apart). A flag is a reason to re-run, not a result.
+    """
+    value, lo, hi = num.median / den.median, num.lo / den.hi, num.hi / den.lo
+    found = dict(value=value, lo=lo, hi=hi)
+    if ideal is not None and value < ideal:
+        return TimingVerdict(False, BELOW_IDEAL, f"ratio {value:.3g} under the ideal {ideal:.3g}", **found)
+    if ideal is not None and value > high:
+        return TimingVerdict(False, OUTLIER, f"ratio {value:.3g} above {high:g}", **found)
+    if num.lo <= den.hi and den.lo <= num.hi:
+        return TimingVerdict(False, OUTLIER, f"{num.name} {num.lo:.3g}–{num.hi:.3g} s and {den.name} "
+                                             f"{den.lo:.3g}–{den.hi:.3g} s overlap", **found)
+    return TimingVerdict(True, **found)
+
+
+def curve_verdict(sizes: Sequence[float], seconds: Sequence[float], expected: Sequence[float] | None = None,
+                  jump: float = 3.0) -> TimingVerdict:
+    """A timed curve (one median per size, sizes increasing), judged step by step between neighbours.
+
+    Flagged when one step grows ``jump`` times or more beyond ``expected`` (a count, e.g. FLOPs, of the same sizes;
+    without one, ``jump`` times or more at all), or when the time falls while the count says it should have grown
+    ``jump`` times more than it did: more work does not take less time, noise does.
+    """
+    sizes, seconds = list(sizes), list(seconds)
+    counts = list(expected) if expected is not None else [1.0] * len(sizes)   # no count: a flat curve
+    for i in range(len(sizes) - 1):
+        grew = seconds[i + 1] / seconds[i]
+        counted = counts[i + 1] / counts[i]
+        says = f", the count says x{counted:.1f}" if expected is not None else ""
+        if grew >= jump * counted:   # a jump up
+            return TimingVerdict(False, OUTLIER, f"x{grew:.1f} from {sizes[i]:g} to {sizes[i + 1]:g}{says}")
+        if grew < 1 and grew * jump <= counted:   # a fall
+            return TimingVerdict(False, OUTLIER, f"falls x{1 / grew:.1f} from {sizes[i]:g} to {sizes[i + 1]:g}{says}")
+    return TimingVerdict(True)
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 36 ---
+def kv_bytes_per_token_by_hand(config, dtype: str | torch.dtype = "float32") -> int:
+    """KV-cache bytes per token of a model: 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+
+    ``config``: a transformers config or a config.json dict; ``dtype``: a name ("bfloat16") or a torch dtype.
+    """
+    def get(key):
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    layers, heads = get("num_hidden_layers"), get("num_attention_heads")
+    kv_heads = get("num_key_value_heads") or heads            # no GQA: one KV head per query head
+    head_dim = get("head_dim") or get("hidden_size") // heads  # usually hidden_size / heads
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    bytes_per_element = torch.finfo(dtype).bits // 8           # float32: 4, bfloat16 and float16: 2
+    return 2 * layers * kv_heads * head_dim * bytes_per_element
 
 
 # --- 03_position_encoding_pitfalls.ipynb, cell 5 ---

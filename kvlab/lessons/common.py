@@ -7,8 +7,6 @@ notebook 04's can use ``verdict`` and ``decision_table`` without loading torch.
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -200,11 +198,14 @@ def share_word(k: int, n: int) -> str:
 
 
 def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5
-                 ) -> dict[str, float]:
-    """Median seconds to the first token's logits: full prefill vs suffix-only on a cached prefix.
+                 ) -> dict[str, Any]:
+    """Median seconds to the first token's logits: full prefill vs suffix-only on a cached prefix, judged.
 
-    Runs are interleaved (full, cached, full, ...) so a busy machine slows both alike. ``ideal`` is
-    the uncached share of the tokens; ``max_abs_logit_diff`` checks both paths agree.
+    Timed by notebook 01's harness (``kvlab.lessons.built.time_interleaved``: warm-up, runs interleaved in
+    alternating order so a busy machine slows both alike). ``ideal`` is the uncached share of the tokens;
+    ``ratio`` = cached / full (medians), ``ratio_min``/``ratio_max`` its range over the runs; ``verdict`` is the
+    guard's word ("ok", or "outlier — re-run (...)" / "below the ideal — re-run (...)": a ratio outside
+    [ideal, 1.5] or overlapping min–max); ``max_abs_logit_diff`` checks both paths agree.
     """
     import torch
 
@@ -212,11 +213,12 @@ def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int
         return _time_prefill(model, prefix_ids, suffix_ids, repeats)
 
 
-def _time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int) -> dict[str, float]:
+def _time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int) -> dict[str, Any]:
     import torch
     from transformers import DynamicCache
 
     from kvlab.engine.models import model_device_dtype, synchronize
+    from kvlab.lessons.built import ratio_verdict, time_interleaved
 
     device, _ = model_device_dtype(model)
     prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
@@ -232,35 +234,22 @@ def _time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[in
     def cached(cache: Any) -> torch.Tensor:
         return model(input_ids=suf, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
 
-    full(), cached(copy.deepcopy(prefix_cache))  # warm-up
-    t_full, t_cached, diff = [], [], 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a = full()
-        synchronize(device)
-        t_full.append(time.perf_counter() - t0)
-        fork = copy.deepcopy(prefix_cache)  # not timed: a paged cache would share, not copy
-        t0 = time.perf_counter()
-        b = cached(fork)
-        synchronize(device)
-        t_cached.append(time.perf_counter() - t0)
-        diff = max(diff, float((a.float() - b.float()).abs().max()))
-    f, c = statistics.median(t_full), statistics.median(t_cached)
-    return {"prefix_tokens": len(prefix_ids), "suffix_tokens": len(suffix_ids), "full_s": f, "cached_s": c,
-            "ratio": c / f, "ideal": len(suffix_ids) / (len(prefix_ids) + len(suffix_ids)),
-            "max_abs_logit_diff": diff}
+    t = time_interleaved({"full": full,
+                          "cached": (lambda: copy.deepcopy(prefix_cache), cached)},  # the copy is not timed:
+                         repeats=repeats, warmup=1, sync=lambda: synchronize(device))  # a paged cache would share
+    ideal = len(suffix_ids) / (len(prefix_ids) + len(suffix_ids))
+    judged = ratio_verdict(t["cached"], t["full"], ideal=ideal)
+    diff = float((t["full"].result.float() - t["cached"].result.float()).abs().max())
+    return {"prefix_tokens": len(prefix_ids), "suffix_tokens": len(suffix_ids),
+            "full_s": t["full"].median, "cached_s": t["cached"].median, "ratio": judged.value, "ideal": ideal,
+            "max_abs_logit_diff": diff, "ratio_min": judged.lo, "ratio_max": judged.hi, "verdict": judged.text}
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs (notebook 01's harness)."""
+    from kvlab.lessons.built import time_interleaved
+
+    return time_interleaved({"fn": fn}, repeats=repeats, warmup=warmup)["fn"].median
 
 
 GIB = 2**30

@@ -1,31 +1,27 @@
-"""Causal self-attention from scratch, with the smallest possible KV cache.
+"""Notebook 01's helpers around the attention and KV cache it writes in its cells.
 
-The lesson of notebook 01 in code:
+Notebook 01 writes the mechanism itself in ``#| export`` cells, exported to ``kvlab.lessons.built``
+(scripts/export_notebooks.py) and re-exported here: ``causal_mask`` and ``attention`` (softmax(Q K^T / sqrt(d)) V
+under a causal mask), ``repeat_kv`` (grouped-query attention), ``KVCache`` (per-layer K and V, appended one step
+at a time; Q is never stored), ``decode_logits`` (token-by-token decoding, cached or recomputed),
+``decode_step_flops`` (the count of one decode step) and the timing harness (``time_interleaved``,
+``ratio_verdict``, ``curve_verdict``). Kept here:
 
-* ``attention`` is softmax(Q K^T / sqrt(d)) V with a causal mask, nothing else.
 * ``SelfAttention`` projects x to Q, K, V with any number of query heads and of key/value heads
   (multi-head when they are equal, grouped-query attention when there are fewer KV heads).
-* ``KVCache`` keeps K and V per layer and appends one step at a time. Q is never stored: a
-  decode step only needs the *new* token's query (see ``last_row_ignores_past_queries``).
 * ``TinyDecoder`` stacks a few such layers so that "cached decode == recompute" is checked through
   several layers, as in a real model.
-* ``decode_step_cost`` times one decode step with and without the cache; ``decode_step_flops``
-  counts the same work.
+* ``decode_step_cost`` times one decode step with and without the cache through the harness.
+* the build exercise's reference and checker, the exercise checkers and the figures.
 
 No position encoding here on purpose (notebook 03 is about RoPE): causality alone orders tokens.
-``random_model`` builds a random-initialised Hugging Face model of a public model's shape from the
-config JSON shipped in ``data/configs`` (for timing, where compute must dominate Python overhead).
 
 References: Vaswani et al. 2017 (attention); Ainslie et al. 2023 (GQA); nanoGPT's ``model.py``.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -35,48 +31,21 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 from torch import nn
 
-from kvlab.engine.models import model_device_dtype
+from kvlab.engine.models import model_device_dtype, synchronize
+from kvlab.lessons.built import (  # noqa: F401 (re-exported: written in notebook 01's cells)
+    KVCache,
+    attention,
+    causal_mask,
+    curve_verdict,
+    decode_logits,
+    decode_step_flops,
+    ratio_verdict,
+    repeat_kv,
+    time_interleaved,
+)
 from kvlab.lessons.common import GIB, Verdict, as_number, call_answer, label, unanswered, verdict
 
 # ----------------------------------------------------------------------------- attention itself
-
-def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean (q_len, k_len) mask, True where query i may look at key j.
-
-    The queries are the *last* ``q_len`` of ``k_len`` positions (a decode step has q_len=1 and sees
-    every cached key), so query i sits at absolute position ``k_len - q_len + i``.
-    """
-    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (q_len, 1)
-    k_pos = torch.arange(k_len, device=device)[None, :]  # (1, k_len)
-    return k_pos <= q_pos
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention; returns ``(output, weights)``.
-
-    q: (batch, heads, q_len, head_dim); k, v: (batch, heads, k_len, head_dim).
-    output: (batch, heads, q_len, head_dim); weights: (batch, heads, q_len, k_len).
-    """
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-    if causal:
-        mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device)  # (Tq, Tk)
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = scores.softmax(dim=-1)  # (B, H, Tq, Tk), each row sums to 1
-    return weights @ v, weights  # (B, H, Tq, D)
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Grouped-query attention: let ``n_rep`` query heads share each KV head.
-
-    (batch, kv_heads, seq, head_dim) -> (batch, kv_heads * n_rep, seq, head_dim); query head h
-    reads KV head ``h // n_rep``, the convention of Llama, Qwen2 and transformers.
-    """
-    if n_rep == 1:
-        return x
-    b, kvh, t, d = x.shape
-    return x[:, :, None].expand(b, kvh, n_rep, t, d).reshape(b, kvh * n_rep, t, d)
-
 
 def last_row_ignores_past_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
     """Perturb past Q, then past K and V, and report how much the last position's output moves.
@@ -96,41 +65,6 @@ def last_row_ignores_past_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         "past K changed": float((last(attention(q, k2, v)[0]) - last(base)).abs().max()),
         "past V changed": float((last(attention(q, k, v2)[0]) - last(base)).abs().max()),
     }
-
-
-# ----------------------------------------------------------------------------- a minimal KV cache
-
-@dataclass
-class KVCache:
-    """Per-layer K and V, appended along the sequence axis; nothing else (no Q, no positions)."""
-
-    keys: list[torch.Tensor | None] = field(default_factory=list)  # per layer (B, kv_heads, seq, D)
-    values: list[torch.Tensor | None] = field(default_factory=list)
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new K, V of ``layer`` after the old ones; return all K, V of that layer."""
-        while len(self.keys) <= layer:
-            self.keys.append(None)
-            self.values.append(None)
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)  # (B, kv_heads, seq+new, D)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
-        return self.keys[layer], self.values[layer]
-
-    def seq_len(self) -> int:
-        """Tokens cached (the same in every layer)."""
-        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-2]
-
-    def crop(self, n: int) -> None:
-        """Keep only the first ``n`` tokens of every layer."""
-        self.keys = [k[..., :n, :] for k in self.keys]
-        self.values = [v[..., :n, :] for v in self.values]
-
-    def nbytes(self) -> int:
-        """Bytes held by all K and V tensors."""
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 
 # ----------------------------------------------------------------------------- layers and a tiny model
@@ -189,22 +123,6 @@ class TinyDecoder(nn.Module):
             x = x + attn(n1(x), cache, layer=i)
             x = x + mlp(n2(x))
         return self.head(x)
-
-
-@torch.no_grad()
-def decode_logits(model: TinyDecoder, ids: torch.Tensor, use_cache: bool) -> torch.Tensor:
-    """Logits of every position computed one step at a time, with the KV cache or by recomputation.
-
-    ids: (batch, T) -> (batch, T, vocab). Without the cache, step t runs the whole prefix 0..t again.
-    """
-    steps = []
-    cache = KVCache() if use_cache else None
-    for t in range(ids.shape[1]):
-        if use_cache:
-            steps.append(model(ids[:, t:t + 1], cache)[:, -1])  # one new token; K, V of the rest cached
-        else:
-            steps.append(model(ids[:, : t + 1])[:, -1])  # everything again
-    return torch.stack(steps, dim=1)
 
 
 # ----------------------------------------------------------------------------- build exercise 01.B: the decode step
@@ -331,20 +249,6 @@ def cached_vs_recompute(n_heads: int, n_kv_heads: int, d_model: int = 32, n_laye
 
 # ----------------------------------------------------------------------------- cost of one decode step
 
-def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None,
-                      use_cache: bool = True) -> int:
-    """Multiply-add FLOPs (2 per MAC) of one attention layer's decode step at context length ``n``.
-
-    With the cache the step projects 1 token and compares 1 query with n keys; without it the step
-    projects all n tokens again and fills the whole n x n score matrix (what ``attention`` computes).
-    """
-    head_dim = head_dim or d_model // n_heads
-    proj_per_token = 2 * d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)  # Q, O and K, V
-    tokens = 1 if use_cache else n
-    # scores (QK^T) and weighted sum (AV): 2 * 2 * heads * head_dim per (query, key) pair
-    return tokens * proj_per_token + 4 * n_heads * head_dim * tokens * n
-
-
 def quadratic_crossover(d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None) -> float:
     """Context length at which recomputation's n x n attention costs as much as its n projections.
 
@@ -355,32 +259,16 @@ def quadratic_crossover(d_model: int, n_heads: int, n_kv_heads: int, head_dim: i
     return proj_per_token / (4 * n_heads * head_dim)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def _median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, n_kv_heads: int = 2,
                      repeats: int = 5, seed: int = 0, device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32) -> list[dict[str, float]]:
+                     dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
     """Median seconds of one decode step of one attention layer, with and without the KV cache.
 
-    Defaults are one layer of Qwen2.5-0.5B (896 wide, 14 query heads, 2 KV heads). Returns one row
-    per length: ``n``, ``cached_s``, ``recompute_s`` and the FLOPs of each.
+    Defaults are one layer of Qwen2.5-0.5B (896 wide, 14 query heads, 2 KV heads). The two steps are timed
+    against each other by ``time_interleaved`` (warm-up, alternating order). Returns one row per length:
+    ``n``, ``cached_s``, ``recompute_s`` (medians), the FLOPs of each, and ``timings``
+    (``{"cached": Timing, "recompute": Timing}``, with min and max, for the guard).
     """
     torch.manual_seed(seed)
     device = torch.device(device)
@@ -398,18 +286,17 @@ def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, 
         def recompute_step(x=x):
             layer(x)  # all n tokens again
 
-        layer(x)  # warm-up
+        t = time_interleaved({"cached": cached_step, "recompute": recompute_step}, repeats=repeats, warmup=1,
+                             sync=lambda: synchronize(device))
         rows.append({
             "n": n,
-            "cached_s": _median_seconds(cached_step, repeats, device),
-            "recompute_s": _median_seconds(recompute_step, repeats, device),
+            "cached_s": t["cached"].median,
+            "recompute_s": t["recompute"].median,
             "cached_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=True),
             "recompute_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=False),
+            "timings": t,
         })
     return rows
-
-
-# ----------------------------------------------------------------------------- realistic-shape models
 
 
 # ----------------------------------------------------------------------------- exercise checkers
@@ -419,7 +306,9 @@ def slope_report(cost: Any, crossover: float, tolerance: float = 0.1) -> list[st
 
     ``cost`` is ``decode_step_cost``'s table (a DataFrame with n, recompute_s/_flops, cached_s/_flops).
     A slope is d log(y) / d log(n): 1 is linear, 2 quadratic. Two slopes "agree" within ``tolerance``
-    (0.1: over a 32-fold range of n, growth factors within 32 ** 0.1 = 1.4x of each other).
+    (0.1: over a 32-fold range of n, growth factors within 32 ** 0.1 = 1.4x of each other). Each curve goes
+    through the harness's guard first (``curve_verdict`` against its FLOP count): a flagged range prints
+    "outlier — re-run" instead of a slope and a cause.
     """
     lines = ["slope = k in cost ~ n^k, fitted per range (1 linear, 2 quadratic); growth = cost at the largest n / "
              f"at the smallest; slopes within {tolerance} count as agreeing"]
@@ -433,6 +322,10 @@ def slope_report(cost: Any, crossover: float, tolerance: float = 0.1) -> list[st
             continue
         lines.append(f"{part} (n = {', '.join(str(n) for n in cost.n[mask])}):")
         for name, col in (("no cache", "recompute"), ("with cache", "cached")):
+            guard = curve_verdict(cost.n[mask], cost[f"{col}_s"][mask], expected=cost[f"{col}_flops"][mask])
+            if not guard:
+                lines.append(f"   {name}: {guard.text}")
+                continue
             ms, cs = slope(f"{col}_s", mask), slope(f"{col}_flops", mask)
             t, f = cost[f"{col}_s"][mask], cost[f"{col}_flops"][mask]
             head = (f"   {name}: time slope {ms:.2f} (growth x{t.iloc[-1] / t.iloc[0]:.1f}), counted-FLOP slope {cs:.2f} "

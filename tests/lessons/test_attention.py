@@ -195,3 +195,55 @@ def test_slope_report_does_not_call_slopes_far_apart_agreeing():
                          "cached_flops": n ** 0.18, "cached_s": n ** 0.30 * 1e-6})
     cached = next(s for s in A.slope_report(cost, 4096) if "with cache" in s)
     assert "time slope 0.30" in cached and "as the FLOP count says" not in cached
+
+
+def test_notebook_01_is_the_source_of_what_it_teaches():
+    """nb01_attention re-exports what notebook 01 writes in its '#| export' cells (kvlab.lessons.built)."""
+    from kvlab.lessons import built
+
+    for name in ("causal_mask", "attention", "repeat_kv", "KVCache", "decode_logits", "decode_step_flops",
+                 "time_interleaved", "ratio_verdict", "curve_verdict"):
+        assert getattr(A, name) is getattr(built, name), name
+    assert A.attention.__module__ == "kvlab.lessons.built"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", torch.bfloat16])
+def test_kv_bytes_by_hand_equals_the_library_on_every_shipped_config(dtype):
+    from transformers import AutoConfig
+
+    from kvlab.engine.models import CONFIGS_DIR, kv_bytes_per_token, load_public_config
+    from kvlab.lessons.built import kv_bytes_per_token_by_hand
+
+    names = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+    assert len(names) >= 4
+    for name in names:
+        cfg = load_public_config(name)
+        assert kv_bytes_per_token_by_hand(cfg, dtype) == kv_bytes_per_token(cfg, dtype), name
+    hf = AutoConfig.for_model("qwen2", num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                              hidden_size=256)  # a transformers config object, no head_dim given
+    assert kv_bytes_per_token_by_hand(hf, dtype) == kv_bytes_per_token(hf, dtype)
+
+
+def test_decode_step_cost_is_timed_interleaved_with_min_max():
+    rows = A.decode_step_cost([4, 8], d_model=32, n_heads=4, n_kv_heads=2, repeats=3)
+    for r in rows:
+        t = r["timings"]
+        assert set(t) == {"cached", "recompute"} and len(t["cached"].seconds) == 3
+        assert r["cached_s"] == t["cached"].median and t["cached"].lo <= r["cached_s"] <= t["cached"].hi
+
+
+def test_slope_report_prints_re_run_instead_of_a_cause_for_an_outlier():
+    """Notebook 01's run: the cached step jumped 1.30e-03 -> 5.54e-02 s from n = 1024 to 2048, once printed as
+    'time slope 5.41 ... the count leaves out memory traffic'."""
+    import numpy as np
+    import pandas as pd
+
+    n = np.array([32, 64, 128, 256, 512, 1024, 2048])
+    cached_s = np.array([1.0e-3, 1.05e-3, 1.1e-3, 1.15e-3, 1.2e-3, 1.30e-3, 5.54e-2])
+    cost = pd.DataFrame({"n": n, "recompute_flops": n ** 2 * 1.0, "recompute_s": n ** 2 * 1e-8,
+                         "cached_flops": 1e6 + 1e3 * n, "cached_s": cached_s})
+    lines = A.slope_report(cost, 1024)
+    cached = [s for s in lines if "with cache" in s]
+    assert len(cached) == 2 and "time slope" in cached[0]  # n <= 1024: clean
+    assert cached[1].strip().startswith("with cache: outlier — re-run") and "memory traffic" not in cached[1]
+    assert all("outlier" not in s for s in lines if "no cache" in s)

@@ -334,6 +334,9 @@ def test_time_prefill_paths_agree(lm):
     r = time_prefill(model, encode(tok, ex.prefix_text), encode(tok, ex.suffix_text), repeats=1)
     assert r["max_abs_logit_diff"] <= 1e-4
     assert 0 < r["ideal"] < 1 and r["full_s"] > 0 and r["cached_s"] > 0
+    # timed by notebook 01's harness: the ratio, its min-max and the guard's word come with it
+    assert r["ratio"] == pytest.approx(r["cached_s"] / r["full_s"]) and r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+    assert r["verdict"] == "ok" or r["verdict"].startswith(("outlier — re-run", "below the ideal — re-run"))
 
 
 def test_exercise_checkers(lm):
