@@ -1,8 +1,8 @@
 """The two RoPE building blocks the library needs: inverse frequencies and the "rotate half" turn (torch only).
 
 The pairing convention is the one of transformers' Llama/Qwen2 code: dimension i is paired with dimension
-i + head_dim/2. ``kvlab.blend`` re-rotates cached keys with these; ``kvlab.lessons.rope`` builds the rest of
-RoPE on them for the notebooks (and re-exports both names).
+i + head_dim/2. ``kvlab.blend`` re-rotates cached keys with these.
+Notebook 03 writes RoPE in its own cells; a test checks its copy of these two agrees with this one.
 """
 
 from __future__ import annotations
