@@ -201,7 +201,7 @@ def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int
                  ) -> dict[str, Any]:
     """Median seconds to the first token's logits: full prefill vs suffix-only on a cached prefix, judged.
 
-    Timed by notebook 01's harness (``kvlab.lessons.built.time_interleaved``: warm-up, runs interleaved in
+    Timed by notebook 01's harness (``kvlab.built.nb01.time_interleaved``: warm-up, runs interleaved in
     alternating order so a busy machine slows both alike). ``ideal`` is the uncached share of the tokens;
     ``ratio`` = cached / full (medians), ``ratio_min``/``ratio_max`` its range over the runs; ``verdict`` is the
     guard's word ("ok", or "outlier — re-run (...)" / "below the ideal — re-run (...)": a ratio outside
@@ -218,7 +218,7 @@ def _time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[in
     from transformers import DynamicCache
 
     from kvlab.engine.models import model_device_dtype, synchronize
-    from kvlab.lessons.built import ratio_verdict, time_interleaved
+    from kvlab.built.nb01 import ratio_verdict, time_interleaved
 
     device, _ = model_device_dtype(model)
     prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
@@ -247,7 +247,7 @@ def _time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[in
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs (notebook 01's harness)."""
-    from kvlab.lessons.built import time_interleaved
+    from kvlab.built.nb01 import time_interleaved
 
     return time_interleaved({"fn": fn}, repeats=repeats, warmup=warmup)["fn"].median
 

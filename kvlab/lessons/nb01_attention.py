@@ -1,6 +1,6 @@
 """Notebook 01's helpers around the attention and KV cache it writes in its cells.
 
-Notebook 01 writes the mechanism itself in ``#| export`` cells, exported to ``kvlab.lessons.built``
+Notebook 01 writes the mechanism itself in ``#| export`` cells, exported to ``kvlab.built.nb01``
 (scripts/export_notebooks.py) and re-exported here: ``causal_mask`` and ``attention`` (softmax(Q K^T / sqrt(d)) V
 under a causal mask), ``repeat_kv`` (grouped-query attention), ``KVCache`` (per-layer K and V, appended one step
 at a time; Q is never stored), ``decode_logits`` (token-by-token decoding, cached or recomputed),
@@ -32,7 +32,7 @@ from matplotlib.ticker import NullFormatter
 from torch import nn
 
 from kvlab.engine.models import model_device_dtype, synchronize
-from kvlab.lessons.built import (  # noqa: F401 (re-exported: written in notebook 01's cells)
+from kvlab.built.nb01 import (  # noqa: F401 (re-exported: written in notebook 01's cells)
     KVCache,
     attention,
     causal_mask,

@@ -1,7 +1,7 @@
 """Rotary position embedding (RoPE): the helpers around what notebook 03 writes in its cells.
 
 ``inverse_frequencies``, ``cos_sin``, ``rotate_half``, ``apply_rope`` and ``rerotate`` are written in notebook 03
-and exported to ``kvlab.lessons.built``; this module re-exports them beside the config readers, the score and the
+and exported to ``kvlab.built.nb03``; this module re-exports them beside the config readers, the score and the
 model's own tables used to check them.
 
 RoPE (Su et al. 2021, "RoFormer") encodes position m by rotating each pair of dimensions of a query
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 # RoPE itself is written in notebook 03's cells and exported (scripts/export_notebooks.py); re-exported here
-from kvlab.lessons.built import apply_rope, cos_sin, inverse_frequencies, rerotate, rotate_half
+from kvlab.built.nb03 import apply_rope, cos_sin, inverse_frequencies, rerotate, rotate_half
 
 __all__ = [
     "apply_rope", "cos_sin", "head_dim_of", "hf_cos_sin", "inverse_frequencies", "rerotate", "rope_score",

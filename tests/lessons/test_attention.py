@@ -198,13 +198,13 @@ def test_slope_report_does_not_call_slopes_far_apart_agreeing():
 
 
 def test_notebook_01_is_the_source_of_what_it_teaches():
-    """nb01_attention re-exports what notebook 01 writes in its '#| export' cells (kvlab.lessons.built)."""
-    from kvlab.lessons import built
+    """nb01_attention re-exports what notebook 01 writes in its '#| export' cells (kvlab.built.nb01)."""
+    from kvlab.built import nb01 as built
 
     for name in ("causal_mask", "attention", "repeat_kv", "KVCache", "decode_logits", "decode_step_flops",
                  "time_interleaved", "ratio_verdict", "curve_verdict"):
         assert getattr(A, name) is getattr(built, name), name
-    assert A.attention.__module__ == "kvlab.lessons.built"
+    assert A.attention.__module__ == "kvlab.built.nb01"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", torch.bfloat16])
@@ -212,7 +212,7 @@ def test_kv_bytes_by_hand_equals_the_library_on_every_shipped_config(dtype):
     from transformers import AutoConfig
 
     from kvlab.engine.models import CONFIGS_DIR, kv_bytes_per_token, load_public_config
-    from kvlab.lessons.built import kv_bytes_per_token_by_hand
+    from kvlab.built.nb01 import kv_bytes_per_token_by_hand
 
     names = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
     assert len(names) >= 4

@@ -1,4 +1,4 @@
-"""The notebook is the source: ``#| export`` cells -> kvlab/lessons/built.py (scripts/export_notebooks.py)."""
+"""The notebook is the source: ``#| export`` cells -> kvlab/built/nbNN.py (scripts/export_notebooks.py)."""
 
 import json
 import shutil
@@ -14,8 +14,8 @@ import export_notebooks  # noqa: E402
 
 
 def test_the_generated_module_equals_what_the_notebooks_say():
-    assert export_notebooks.TARGET.read_text(encoding="utf-8") == export_notebooks.build(), (
-        "kvlab/lessons/built.py is out of date: run `python scripts/export_notebooks.py`")
+    assert export_notebooks.generated_files() == export_notebooks.build(), (
+        "kvlab/built/ is out of date: run `python scripts/export_notebooks.py`")
     assert export_notebooks.main(["--check"]) == 0
 
 
@@ -26,8 +26,30 @@ def test_an_edited_export_cell_is_caught(tmp_path):
     nb = json.loads((tmp_path / name).read_text(encoding="utf-8"))
     nb["cells"][index]["source"].append("\nEDITED = True\n")
     (tmp_path / name).write_text(json.dumps(nb), encoding="utf-8")
-    assert "EDITED = True" in export_notebooks.build(tmp_path)
-    assert export_notebooks.build(tmp_path) != export_notebooks.TARGET.read_text(encoding="utf-8")
+    module = export_notebooks.module_name(name) + ".py"
+    built = export_notebooks.build(tmp_path)
+    assert "EDITED = True" in built[module]
+    assert built[module] != export_notebooks.generated_files()[module]
+    assert {f: t for f, t in built.items() if f != module} == {
+        f: t for f, t in export_notebooks.generated_files().items() if f != module}, "only its notebook's module changes"
+
+
+def test_check_fails_on_a_differing_or_stale_module(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "built"
+    target.mkdir()
+    for f, text in export_notebooks.build().items():
+        (target / f).write_text(text, encoding="utf-8")
+    monkeypatch.setattr(export_notebooks, "TARGET_DIR", target)
+    monkeypatch.setattr(export_notebooks, "ROOT", tmp_path)
+    assert export_notebooks.main(["--check"]) == 0
+    (target / "nb99.py").write_text("x = 1\n", encoding="utf-8")
+    assert export_notebooks.main(["--check"]) == 1
+    assert "nb99.py is generated from no notebook" in capsys.readouterr().err
+    (target / "nb99.py").unlink()
+    first = sorted(target.glob("nb*.py"))[0]
+    first.write_text(first.read_text(encoding="utf-8") + "# hand edit\n", encoding="utf-8")
+    assert export_notebooks.main(["--check"]) == 1
+    assert f"{first.name} differs" in capsys.readouterr().err
 
 
 def test_imports_are_gathered_once_at_the_top(tmp_path):
@@ -36,7 +58,7 @@ def test_imports_are_gathered_once_at_the_top(tmp_path):
              dict(cell, source=["#| export\n", "import math\n", "import torch\n", "def g():\n", "    return 2\n"]),
              dict(cell, source=["not exported = 1\n"])]
     (tmp_path / "00_x.ipynb").write_text(json.dumps({"cells": cells}), encoding="utf-8")
-    text = export_notebooks.build(tmp_path)
+    text = export_notebooks.build(tmp_path)["nb00.py"]
     assert text.count("import torch") == 1 and text.index("import math") < text.index("import torch")
     assert "# --- 00_x.ipynb, cell 0 ---\ndef f():" in text and "not exported" not in text
     namespace: dict = {}
@@ -57,7 +79,7 @@ def test_notebooks_that_export_print_no_source():
 def test_the_notebooks_rope_agrees_with_the_library_copy(head_dim, theta):
     """kvlab/engine/rope.py keeps its own copy (the library never imports lessons): the two must agree."""
     from kvlab.engine import rope as engine_rope
-    from kvlab.lessons import built
+    from kvlab.built import nb03 as built
 
     assert torch.equal(built.inverse_frequencies(head_dim, theta), engine_rope.inverse_frequencies(head_dim, theta))
     x = torch.randn(2, 3, 5, head_dim, generator=torch.Generator().manual_seed(0))

@@ -1,10 +1,10 @@
-"""Notebook 01's timing harness (exported to kvlab.lessons.built): interleaving, median/min-max, and the guard."""
+"""Notebook 01's timing harness (exported to kvlab.built.nb01): interleaving, median/min-max, and the guard."""
 
 import math
 
 import pytest
 
-from kvlab.lessons.built import BELOW_IDEAL, OUTLIER, Timing, curve_verdict, ratio_verdict, time_interleaved
+from kvlab.built.nb01 import BELOW_IDEAL, OUTLIER, Timing, curve_verdict, ratio_verdict, time_interleaved
 
 
 class FakeClock:
@@ -134,7 +134,8 @@ def test_a_clean_curve_says_its_sentence():
 
 
 def test_median_seconds_goes_through_the_harness(monkeypatch):
-    from kvlab.lessons import built, common
+    from kvlab.built import nb01 as built
+    from kvlab.lessons import common
 
     calls = []
     real = built.time_interleaved

@@ -1,0 +1,6 @@
+"""Generated modules: what each notebook writes in the open (its ``#| export`` cells), one module per notebook.
+
+``kvlab.built.nb01`` is notebook 01's attention, K/V cache and timing harness; ``nb03`` its RoPE; and so on.
+Written by ``scripts/export_notebooks.py`` and checked against the notebooks in CI; never edited by hand.
+Lessons, later notebooks and the tests import them; ``kvlab.cache`` and ``kvlab.engine`` never do.
+"""
