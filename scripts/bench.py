@@ -10,7 +10,11 @@ One run measures, with repetitions interleaved and medians kept (``kvlab.lessons
   ratio for HF manual reuse and HF ``generate_batch`` (block sharing on / off);
 * throughput with / without prefix caching, and kvlab's throughput relative to ``generate_batch``;
 * KV bytes shared vs isolated vs the block-granular ideal;
-* the decode step against the weight-bytes bound and against the bound with every sequence's K/V read once too.
+* the decode step against the weight-bytes bound and against the bound with every sequence's K/V read once too;
+* the floor of a decode step, shared and isolated, at 1 and 2 torch threads (``--floor-threads``): the larger of
+  (weights + the K/V bytes the step must read) / the read bandwidth (half the measured copy bandwidth) and the
+  step's FLOPs / the measured ``F.linear`` peak, beside kvlab's decode step (median and range of interleaved
+  repeats; the peaks are measured between the steps, so they see the same load).
 
 It prints a table and the issue's goals (met or not, with the measured value), and writes everything to
 JSON. A model of realistic shape is random-initialised (no download); on a CPU the default keeps 4 of
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,7 +37,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab.engine.models import kv_bytes_per_token, load_model, random_model, resolve_device  # noqa: E402
+from kvlab.cache.block_manager import cdiv  # noqa: E402
+from kvlab.engine import Engine, SamplingParams  # noqa: E402
+from kvlab.engine.models import kv_bytes_per_token, kv_shape, load_model, random_model, resolve_device, synchronize  # noqa: E402
 from kvlab.lessons import bench as B  # noqa: E402
 from kvlab.lessons.workloads import ideal_prefill_fraction, sys512  # noqa: E402
 
@@ -54,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--systems", nargs="*", default=None, metavar="KEY",
                     help=f"a subset of the systems (default: all): {', '.join(B.SYSTEMS)}")
+    ap.add_argument("--floor-threads", type=int, nargs="*", default=[1, 2], metavar="N",
+                    help="torch thread counts of the decode-floor table (none: skip it)")
+    ap.add_argument("--decode-kernel", choices=["eager", "cpp"], default="eager",
+                    help="paged decode attention: eager torch ops, or the C++ kernel (compiled once, then cached)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "bench.json"))
     args = ap.parse_args(argv)
 
@@ -141,6 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         rel = float(iso["throughput (tok/s)"].iloc[0] / hf_batch["throughput (tok/s)"].iloc[0])
         speed_goals.append({"goal": "kvlab isolated throughput >= HF generate (one batch)", "measured": f"{rel:.2f}x",
                             "met": bool(rel >= 1.0)})
+    floor = None
+    if args.floor_threads:
+        print("\ndecode step against its floor (max of bytes / read bandwidth and FLOPs / F.linear peak), "
+              f"{args.repeats} interleaved repeats of {steps} steps:", flush=True)
+        floor = decode_floor(model, wl, args.floor_threads, repeats=args.repeats, steps=steps)
+        with pd.option_context("display.width", 200, "display.float_format", "{:.3g}".format):
+            print(floor.to_string(index=False))
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        for _, row in floor.iterrows():
+            speed_goals.append({"goal": f"decode step <= 1.5x its floor ({row['mode']}, {row.threads} threads)",
+                                "measured": f"{row['step / floor']:.2f}x", "met": bool(row["step / floor"] <= 1.5)})
     speed_goals = pd.DataFrame(speed_goals)
     with pd.option_context("display.width", 200, "display.max_colwidth", 80):
         print("\n" + speed_goals.to_string(index=False))
@@ -164,12 +187,76 @@ def main(argv: list[str] | None = None) -> int:
         "engine_speed": speed,
         "vllm": vllm,
         "speed_goals": json.loads(speed_goals.to_json(orient="records")),
+        "decode_floor": None if floor is None else json.loads(floor.to_json(orient="records")),
+        "decode_kernel": args.decode_kernel,
         "seconds": time.perf_counter() - t0,
         "load_average_end": _loadavg(),
     }
     out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out} ({report['seconds']:.0f} s)")
     return 0
+
+
+def _decode_engine(model, wl, caching: bool, new_tokens: int, block_size: int = 16) -> Engine:
+    """An engine with every prompt of ``wl`` prefilled (one step) and one decode step run: ready to time decodes."""
+    num_blocks = sum(cdiv(len(p) + new_tokens + 2, block_size) for p in wl.prompts) + 4
+    engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
+                    max_num_seqs=len(wl), max_num_batched_tokens=max(2048, wl.prompt_tokens))
+    for p in wl.prompts:
+        engine.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    engine.step()  # every prompt in one step
+    engine.step()  # a warm-up decode
+    return engine
+
+
+@torch.no_grad()
+def decode_floor(model, wl, threads_list, repeats: int = 3, steps: int = 8) -> pd.DataFrame:
+    """kvlab's decode step, shared and isolated, at each thread count, against the floor of that step.
+
+    The floor is the larger of the bytes bound (weights + the K/V the step must read, each distinct block once,
+    over half the measured copy bandwidth) and the FLOP bound (2 FLOPs per weight per sequence plus the
+    attention's ``4 * heads * head_dim`` per layer and key, over the ``F.linear`` peak). Per thread count, one
+    engine per mode is prefilled once; then ``repeats`` rounds each measure the peaks and ``steps`` decode steps
+    of every mode, interleaved. The step column is the median, the range the fastest and slowest step.
+    """
+    device = next(model.parameters()).device
+    cfg, shape = model.config, kv_shape(model.config)
+    body, head = B._linear_params(model)
+    esize = next(model.parameters()).element_size()
+    kv_tok = kv_bytes_per_token(cfg, model.dtype)
+    bs, n_seq, old, rows = 16, len(wl), torch.get_num_threads(), []
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        engines = {"shared": _decode_engine(model, wl, True, repeats * steps + 4),
+                   "isolated": _decode_engine(model, wl, False, repeats * steps + 4)}
+        times: dict[str, list[float]] = {m: [] for m in engines}
+        peaks, bandwidths = [], []
+        for _ in range(repeats):
+            peaks.append(B.linear_peak_flops(cfg.hidden_size, cfg.intermediate_size, device, model.dtype))
+            bandwidths.append(B.memory_bandwidth(device))
+            for mode, engine in engines.items():
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    synchronize(device)
+                    times[mode].append(time.perf_counter() - t0)
+        peak, read_bw = max(peaks), max(bandwidths) / 2
+        ctx = [len(p) + 1 + repeats * steps // 2 for p in wl.prompts]  # keys of each sequence mid-way
+        shared_prefix = (wl.shared_prefix_tokens // bs) * bs  # full blocks of the prefix: read once when shared
+        for mode, ts in times.items():
+            kv_tokens = sum(ctx) - (shared_prefix * (n_seq - 1) if mode == "shared" else 0)
+            weight_bytes, kv_bytes = (body + head) * esize, kv_tokens * kv_tok
+            flops = 2 * n_seq * (body + head) + shape["layers"] * cfg.num_attention_heads * 4 * shape["head_dim"] * sum(ctx)
+            bytes_ms, flop_ms = 1e3 * (weight_bytes + kv_bytes) / read_bw, 1e3 * flops / peak
+            step = statistics.median(ts)
+            rows.append({"threads": threads, "mode": mode, "decode step (ms)": 1e3 * step,
+                         "range (ms)": f"{1e3 * min(ts):.0f}-{1e3 * max(ts):.0f}", "K/V MiB": kv_bytes / 2 ** 20,
+                         "bytes bound (ms)": bytes_ms, "FLOP bound (ms)": flop_ms, "floor (ms)": max(bytes_ms, flop_ms),
+                         "step / floor": 1e3 * step / max(bytes_ms, flop_ms), "read GB/s": read_bw / 1e9,
+                         "peak GFLOP/s": peak / 1e9})
+        del engines
+    torch.set_num_threads(old)
+    return pd.DataFrame(rows)
 
 
 def _loadavg() -> str:

@@ -1,4 +1,5 @@
-"""Continuous batching (pure Python): decodes first, preempting by recompute, then FCFS prefills (docs/engine.md)."""
+"""Continuous batching (pure Python): decodes and prompt chunks first, preempting by recompute, then FCFS prefills
+under one token budget per step (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -38,14 +39,31 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting and running queues; one ``schedule()`` per engine step."""
+    """Waiting and running queues; one ``schedule()`` per engine step.
 
-    def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+    ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the step's token
+    budget is computed in chunks over several steps, beside the running decodes, instead of in a step of its
+    own; an item whose ``end < seq.num_tokens`` is such a chunk (the step samples no token for it).
+
+    The block manager caches a prompt's full blocks when it allocates them, before their K/V is written (safe
+    within a step: a step writes before it reads). A chunk ends before its sequence's tokens only when it takes
+    the rest of the step's budget, and running sequences are scheduled before any admission, so no request is
+    ever admitted (and hits) while a prompt's cached blocks are unwritten; a sequence preempted or finished
+    half-way takes its unwritten blocks out of the cache (``_free``).
+    """
+
+    # the default of every new scheduler (an engine's, a replay's); off until the runner samples no token for a chunk
+    enable_chunked_prefill: bool = False
+
+    def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
                              f"(got {max_num_seqs}, {max_num_batched_tokens})")
         self.block_manager, self.max_num_seqs = block_manager, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        if enable_chunked_prefill is not None:
+            self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.num_preemptions = 0
@@ -69,13 +87,25 @@ class Scheduler:
         seq.status = RequestStatus.WAITING
         self.waiting.append(seq)
 
+    def is_prefilling(self, seq: Request) -> bool:
+        """Whether a running sequence holds blocks for tokens not computed yet (a prompt in chunks)."""
+        return seq.num_computed_tokens < len(self.block_manager.seqs[seq.seq_id].token_ids)
+
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's decodes and prefills; preempt the youngest when blocks run out."""
+        """Pick this step's decodes, prefill chunks and prefills; preempt the youngest when blocks run out."""
         bm, out = self.block_manager, SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:  # 1. one decode token for each running sequence
+        while i < len(self.running) and budget > 0:  # 1. running: a decode token, or the next chunk of a prompt
             seq = self.running[i]
+            if self.is_prefilling(seq):  # its blocks are allocated: compute the next chunk
+                start = seq.num_computed_tokens
+                end = min(seq.num_tokens, start + budget)
+                out.items.append(ScheduledSeq(seq, start, end, True))
+                seq.num_computed_tokens = end
+                budget -= end - start
+                i += 1
+                continue
             while not bm.can_append(seq.seq_id):
                 victim = self.running[-1]  # the youngest
                 self._preempt(victim)
@@ -87,12 +117,14 @@ class Scheduler:
                 if result.cow is not None:
                     out.cow_pairs.append(result.cow)
                 out.items.append(ScheduledSeq(seq, seq.num_tokens - 1, seq.num_tokens, False))
+                seq.num_computed_tokens = seq.num_tokens
                 budget -= 1
                 i += 1
-        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:  # 2. admit
+        chunked = self.enable_chunked_prefill
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:  # 2. admit
             seq = self.waiting[0]
             n = seq.num_tokens
-            if n > budget and out.items:  # too long for what is left; a long prompt runs alone
+            if n > budget and out.items and not chunked:  # too long for what is left; a long prompt runs alone
                 break
             plan = bm.can_allocate(seq.token_ids, seq.scope)
             if not plan:
@@ -103,8 +135,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
-            out.items.append(ScheduledSeq(seq, cached, n, True))
-            budget -= n - cached
+            end = min(n, cached + budget) if chunked else n
+            out.items.append(ScheduledSeq(seq, cached, end, True))
+            seq.num_computed_tokens = end
+            budget -= end - cached
         self.last_output = out
         return out
 
@@ -118,27 +152,35 @@ class Scheduler:
         self.check_fork(parent)
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.status = RequestStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
         self.running.append(child)
 
-    @staticmethod
-    def check_fork(parent: Request) -> None:
-        """Raise ``ValueError`` unless ``parent`` runs and has generated a token (what ``fork`` needs)."""
-        if parent.status is not RequestStatus.RUNNING or not parent.output_ids:
-            raise ValueError("only a running sequence that has generated a token can be forked")
+    def check_fork(self, parent: Request) -> None:
+        """Raise ``ValueError`` unless ``parent`` runs, has generated a token and is not mid-prefill (``fork`` needs it)."""
+        if parent.status is not RequestStatus.RUNNING or not parent.output_ids or self.is_prefilling(parent):
+            raise ValueError("only a running sequence that has generated a token (and is not being prefilled again "
+                             "after a preemption) can be forked")
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
         if seq.status is not RequestStatus.RUNNING:
             raise ValueError("only a running sequence can be requeued")
-        self.block_manager.free(seq.seq_id, uncache_from)
+        self._free(seq, uncache_from)
         self.running.remove(seq)
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _free(self, seq: Request, uncache_from: int | None) -> None:
+        """Free a running sequence's blocks; those past its computed tokens (a prompt in chunks) leave the cache."""
+        if self.is_prefilling(seq):  # cached at allocation, never written: no request may hit them later
+            uncache_from = seq.num_computed_tokens if uncache_from is None else min(uncache_from, seq.num_computed_tokens)
+        self.block_manager.free(seq.seq_id, uncache_from)
+        seq.num_computed_tokens = 0
+
     def finish(self, seq: Request, reason: str, uncache_from: int | None = None) -> None:
         """Take a sequence out of the queues for good, free its blocks (from ``uncache_from`` on: out of the cache)."""
         if seq.status is RequestStatus.RUNNING:
-            self.block_manager.free(seq.seq_id, uncache_from)
+            self._free(seq, uncache_from)
             self.running.remove(seq)
         elif seq.status is RequestStatus.WAITING:
             self.waiting.remove(seq)
@@ -151,9 +193,13 @@ class Scheduler:
         bm.check_invariants()
         running = {s.seq_id for s in self.running}
         check(running == set(bm.seqs), f"running {sorted(running)} but the block manager holds {sorted(bm.seqs)}")
-        for seq in self.running:
-            check(seq.status is RequestStatus.RUNNING and bm.seqs[seq.seq_id].token_ids == seq.token_ids[:-1],
+        for seq in self.running:  # all but its last token; a prompt in chunks: all its tokens, some not computed yet
+            held = bm.seqs[seq.seq_id].token_ids
+            check(seq.status is RequestStatus.RUNNING
+                  and held == (seq.token_ids if self.is_prefilling(seq) else seq.token_ids[:-1]),
                   f"sequence {seq.seq_id}: its blocks hold other tokens than all but its last")
+            check(0 < seq.num_computed_tokens <= len(held) <= seq.num_tokens,
+                  f"sequence {seq.seq_id}: {seq.num_computed_tokens} tokens computed of {len(held)} held")
         for seq in self.waiting:
             check(seq.status is RequestStatus.WAITING and seq.seq_id not in bm.seqs,
                   f"waiting sequence {seq.seq_id} still holds blocks")

@@ -34,6 +34,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int | None = None  # prompt tokens served by the cache at the first admission
     num_preemptions: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V the scheduled steps write (the scheduler's; 0 while waiting)
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"

@@ -106,6 +106,8 @@ class ScriptedScheduler:
         res = ScriptedStep(out, self.cache.num_blocks - self.cache.num_free_blocks)
         for item in out.items:
             seq = item.seq
+            if item.end < seq.num_tokens:  # a chunk of a prompt: no token yet
+                continue
             seq.output_ids.append(self._replies[seq.seq_id][len(seq.output_ids)])
             if len(seq.output_ids) == 1:
                 res.first_token.append(seq)

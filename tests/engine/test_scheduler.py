@@ -20,6 +20,8 @@ def _run_step(sched, token=7):
     """A stand-in for the model: every scheduled sequence gets ``token``; finish at max_tokens."""
     out = sched.schedule()
     for it in out.items:
+        if it.end < it.seq.num_tokens:  # a chunk of a prompt: no token yet
+            continue
         it.seq.output_ids.append(token)
         if len(it.seq.output_ids) >= it.seq.sampling.max_tokens:
             sched.finish(it.seq, "length")
@@ -68,7 +70,8 @@ def test_prefill_and_decode_share_a_step():
 
 
 def test_token_budget_and_max_num_seqs():
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=3, max_num_batched_tokens=25)
+    """Whole prompts (chunked prefill off); tests/engine/test_chunked_prefill.py has the chunked budget."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=3, max_num_batched_tokens=25, enable_chunked_prefill=False)
     for i in range(5):
         sched.add(_seq(i, 10, first=20 * i))
     out = sched.schedule()
@@ -76,7 +79,7 @@ def test_token_budget_and_max_num_seqs():
     out = sched.schedule()
     assert [(it.seq.seq_id, it.is_prefill) for it in out.items] == [(0, False), (1, False), (2, True)]
     assert len(sched.running) == 3  # max_num_seqs
-    long = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8)
+    long = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
     long.add(_seq(9, 30))
     assert [it.end for it in long.schedule().items] == [30]  # longer than the budget: runs alone
     with pytest.raises(ValueError):
