@@ -61,6 +61,28 @@ def _split_imports(source: str) -> tuple[list[str], str]:
     return imports, "\n".join(lines[k:]).strip("\n")
 
 
+def _merge_imports(lines: list[str]) -> list[str]:
+    """One line per module, in ruff's isort order: ``import x`` lines first, then ``from x import a, B, C``
+    (names: constants, classes, then the rest), so the generated module passes ``ruff check``."""
+    plain, froms = set(), {}
+    for line in (line.split("#")[0].strip() for line in lines):  # a comment after an import is dropped
+        if line.startswith("import "):
+            plain.add(line)
+        else:
+            module, _, names = line[len("from "):].partition(" import ")
+            froms.setdefault(module, set()).update(n.strip() for n in names.split(","))
+
+    def by_type(name: str) -> tuple:
+        bare = name.split(" as ")[0]
+        return (0 if bare.isupper() else 1 if bare[:1].isupper() else 2, bare.lower(), name)
+    out = sorted(plain, key=lambda line: line.split()[1].lower())
+    for m in sorted(froms, key=str.lower):
+        names = sorted(froms[m], key=by_type)
+        line = f"from {m} import {', '.join(names)}"
+        out.append(line if len(line) <= 120 else f"from {m} import (\n" + "".join(f"    {n},\n" for n in names) + ")")
+    return out
+
+
 def build_module(name: str, cells: list[tuple[int, str]]) -> str:
     """The text of the generated module of notebook ``name`` from its ``(cell index, source)`` export cells."""
     imports: list[str] = ["from __future__ import annotations"]
@@ -69,12 +91,15 @@ def build_module(name: str, cells: list[tuple[int, str]]) -> str:
         cell_imports, body = _split_imports(source)
         imports += [line for line in cell_imports if line not in imports]
         blocks.append(f"# --- {name}, cell {index} ---\n{body}")
-    stdlib = [line for line in imports[1:] if line.split()[1].split(".")[0] in sys.stdlib_module_names]
-    others = [line for line in imports[1:] if line not in stdlib]
-    groups = [[imports[0]], sorted(stdlib), sorted(line for line in others if " kvlab" not in line),
-              sorted(line for line in others if " kvlab" in line)]
+    merged = _merge_imports(imports[1:])
+    stdlib = [line for line in merged if line.split()[1].split(".")[0] in sys.stdlib_module_names]
+    others = [line for line in merged if line not in stdlib]
+    groups = [[imports[0]], stdlib, [line for line in others if " kvlab" not in line],
+              [line for line in others if " kvlab" in line]]
     head = "\n\n".join("\n".join(group) for group in groups if group)
-    return HEADER.format(name=name) + "\n" + head + "\n\n\n" + "\n\n\n".join(blocks) + "\n"
+    first = cells[0][1] if cells else ""
+    after = "\n\n\n" if _split_imports(first)[1].startswith(("def ", "class ", "@", "async def ")) else "\n\n"
+    return HEADER.format(name=name) + "\n" + head + after + "\n\n\n".join(blocks) + "\n"
 
 
 def build(notebooks_dir: Path = NOTEBOOKS) -> dict[str, str]:
