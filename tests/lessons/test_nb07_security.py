@@ -1,4 +1,4 @@
-"""Notebook 07 on the engine: the isolation cost, the timing probe (by the cached-token counts that cause
+"""Notebook 07 (its exported cells, ``kvlab.built.nb07``, and its lesson module) on the engine: the isolation cost, the timing probe (by the cached-token counts that cause
 the timing), its statistics, and a fast concurrency stress test (hundreds of requests, outputs equal to HF
 generate alone).
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvlab.engine import Engine, SamplingParams
+from kvlab.built import nb07 as N
 from kvlab.lessons import nb07_security as S
 
 BS = 16
@@ -19,7 +20,7 @@ BS = 16
 
 def test_isolation_cost_matches_the_formula(lm):
     model, tok = lm
-    rows = {r["policy"]: r for r in S.isolation_cost(model, tok, n_tenants=4, per_tenant=1, block_size=BS)}
+    rows = {r["policy"]: r for r in N.isolation_cost(model, tok, 4, S.operator_system_prompt(), per_tenant=1, block_size=BS)}
     assert rows["shared"]["outputs"] == rows["tenant"]["outputs"] == rows["public-prefix"]["outputs"]
     n, computed = rows["tenant"]["prompt tokens"], {p: r["prefill tokens computed"] for p, r in rows.items()}
     assert computed["tenant"] == n and rows["tenant"]["hit tokens"] == 0
@@ -35,7 +36,7 @@ def test_isolation_cost_matches_the_formula(lm):
 def test_the_probe_hits_only_without_isolation(lm, policy):
     model, tok = lm
     engine = Engine(model, tok, num_blocks=256, block_size=BS, isolation=policy, debug=True)
-    probes = S.run_attack(engine, tok, n_trials=2, n_wrong=2, seed=1)
+    probes = N.run_attack(engine, tok, 2, 2, S.operator_system_prompt(seed=1), seed=1)
     right = {p.cached_tokens for p in probes if p.is_secret}
     wrong = {p.cached_tokens for p in probes if not p.is_secret}
     if policy == "shared":
@@ -56,12 +57,12 @@ def test_roc_auc_is_the_mann_whitney_statistic():
         pos = [rng.randint(0, 9) for _ in range(rng.randint(1, 15))]
         neg = [rng.randint(0, 9) for _ in range(rng.randint(1, 15))]
         u = mannwhitneyu(pos, neg, alternative="two-sided").statistic
-        assert S.roc_auc(pos, neg) == pytest.approx(u / (len(pos) * len(neg)))
-    assert S.roc_auc([3, 4], [1, 2]) == 1.0 and S.roc_auc([1, 2], [3, 4]) == 0.0 and S.roc_auc([1], [1]) == 0.5
-    fpr, tpr = S.roc_curve([3, 4], [1, 2])
+        assert N.roc_auc(pos, neg) == pytest.approx(u / (len(pos) * len(neg)))
+    assert N.roc_auc([3, 4], [1, 2]) == 1.0 and N.roc_auc([1, 2], [3, 4]) == 0.0 and N.roc_auc([1], [1]) == 0.5
+    fpr, tpr = N.roc_curve([3, 4], [1, 2])
     assert fpr[0] == tpr[0] == 0 and fpr[-1] == tpr[-1] == 1 and (0.0, 1.0) in zip(fpr, tpr)
     with pytest.raises(ValueError):
-        S.roc_auc([], [1.0])
+        N.roc_auc([], [1.0])
 
 
 def test_ks_detects_a_shift_and_not_noise():
@@ -69,10 +70,10 @@ def test_ks_detects_a_shift_and_not_noise():
     miss = [rng.gauss(100, 5) for _ in range(200)]
     hit = [rng.gauss(80, 5) for _ in range(200)]
     same = [rng.gauss(100, 5) for _ in range(200)]
-    d, p = S.ks_test(hit, miss)
-    assert d > 0.8 and p < 1e-8 and S.roc_auc([-x for x in hit], [-x for x in miss]) > 0.95
-    d, p = S.ks_test(same, miss)  # the case that must fail to detect anything
-    assert p > 0.01 and abs(S.roc_auc(same, miss) - 0.5) < 0.1
+    d, p = N.ks_test(hit, miss)
+    assert d > 0.8 and p < 1e-8 and N.roc_auc([-x for x in hit], [-x for x in miss]) > 0.95
+    d, p = N.ks_test(same, miss)  # the case that must fail to detect anything
+    assert p > 0.01 and abs(N.roc_auc(same, miss) - 0.5) < 0.1
 
 
 def test_the_lesson_uses_the_audits_ks_test_with_the_same_numbers():
@@ -82,15 +83,15 @@ def test_the_lesson_uses_the_audits_ks_test_with_the_same_numbers():
 
     from kvlab.audit.procedure import ks_test
 
-    assert S.ks_test is ks_test
+    assert N.ks_test is ks_test
     rng = random.Random(7)
     for n, m, ties in ((3, 4, False), (20, 25, False), (200, 150, True), (600, 700, False)):
         a = [round(rng.gauss(100, 5)) if ties else rng.gauss(100, 5) for _ in range(n)]
         b = [round(rng.gauss(98, 5)) if ties else rng.gauss(98, 5) for _ in range(m)]
         res = ks_2samp(a, b, alternative="two-sided")
-        assert S.ks_test(a, b) == (float(res.statistic), float(res.pvalue))
+        assert N.ks_test(a, b) == (float(res.statistic), float(res.pvalue))
     with pytest.raises(ValueError):
-        S.ks_test([], [1.0])
+        N.ks_test([], [1.0])
 
 
 def test_exercise_checkers_accept_right_and_reject_wrong():
@@ -113,14 +114,14 @@ def test_exercise_checkers_accept_right_and_reject_wrong():
 def stress_load(lm):
     model, tok = lm
     workload = S.stress_workload(tok, 300, seed=3)
-    return workload, S.isolated_outputs(model, tok, workload[0])
+    return workload, N.isolated_outputs(model, tok, workload[0])
 
 
 @pytest.mark.parametrize("policy", ["public-prefix", "tenant", "shared"])
 def test_stress_outputs_equal_isolated(lm, stress_load, policy):
     model, tok = lm
     workload, reference = stress_load
-    rep = S.stress_test(model, tok, 300, policy=policy, seed=3, workload=workload, reference=reference)
+    rep = N.stress_test(model, tok, workload, reference, policy=policy, seed=3)
     assert rep.mismatches == 0, f"requests {rep.mismatched[:5]} differ from HF generate alone"
     assert rep.leaked_blocks == 0 and rep.evictions > 0 and rep.preemptions > 0
     assert (rep.cross_tenant_hits == 0) == (policy != "shared")  # shared: tenants hit each other's blocks
@@ -140,11 +141,11 @@ def test_tenant_table_counts_requests_not_lookups():
     reqs = [S.StressRequest([1] * 20, "a", sp, 0), S.StressRequest([1] * 40, "a", sp, 0), S.StressRequest([2] * 16, "b", sp, 1)]
     outs = {0: SimpleNamespace(num_cached_tokens=0, num_preemptions=2), 1: SimpleNamespace(num_cached_tokens=16, num_preemptions=0),
             2: SimpleNamespace(num_cached_tokens=0, num_preemptions=0)}
-    rows = S.tenant_table(reqs, outs, [{"tenant": "a", "requests": 2}, {"tenant": "b", "requests": 1}])
+    rows = N.tenant_table(reqs, outs, [{"tenant": "a", "requests": 2}, {"tenant": "b", "requests": 1}])
     assert [(r["tenant"], r["requests"], r["re-admissions"]) for r in rows] == [("a", 2, 2), ("b", 1, 0)]
     assert rows[0]["hit rate (first admission)"] == 16 / 60
     with pytest.raises(ValueError, match="the block manager counted 4 requests"):
-        S.tenant_table(reqs, outs, [{"tenant": "a", "requests": 4}, {"tenant": "b", "requests": 1}])
+        N.tenant_table(reqs, outs, [{"tenant": "a", "requests": 4}, {"tenant": "b", "requests": 1}])
 
 
 @pytest.mark.parametrize("name", ["Qwen2.5-0.5B-Instruct", "Qwen1.5-7B-Chat"])
@@ -156,28 +157,48 @@ def test_param_count_matches_transformers(name):
     cfg = load_public_config(name)
     with torch.device("meta"):
         model = T.Qwen2ForCausalLM(T.Qwen2Config(**{k: v for k, v in cfg.items() if not k.startswith("_")}))
-    assert S.param_count(cfg) == sum(p.numel() for p in model.parameters())
+    assert N.param_count(cfg) == sum(p.numel() for p in model.parameters())
 
 
 def test_memory_column_of_qwen15_7b():
     from kvlab.engine.models import load_public_config
 
     cfg = load_public_config("Qwen1.5-7B-Chat")
-    mem = S.memory_column(cfg)
+    mem = N.memory_column(cfg)
     assert mem["parameters"] == 7_721_324_544 and round(mem["weights GB (1e9 bytes)"], 2) == 15.44
     assert mem["weights exceed the article's total"] and mem["KV bytes per token"] == 2 * 32 * 32 * 128 * 2
 
 
+def _table_rows(markdown: str, header: str) -> list[list[str]]:
+    """The rows of the markdown table whose header starts with ``header`` (cells split on unescaped pipes)."""
+    import re
+
+    lines = markdown.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {header}"))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", ln)[1:-1]])
+    return rows
+
+
 def test_takeaway_tables_cover_the_article():
-    assert len(S.takeaways("checklist")) == 8 and len(S.takeaways("template")) == 8
-    fw = S.takeaways("frameworks")
-    assert list(fw["framework"]) == ["HF Transformers", "vLLM", "kvlab", "TensorRT-LLM", "TGI"]
-    assert all("not run here" in s for s in fw.loc[fw.framework.isin(["TensorRT-LLM", "TGI"]), "source"])
-    assert all(s.startswith("measured in this series") for s in fw.loc[~fw.framework.isin(["TensorRT-LLM", "TGI"]), "source"])
-    ev = S.takeaways("checklist", {"ref-count leak": "0 leaked"})
-    assert ev.loc[ev["cause (article)"] == "ref-count leak", "measured here (07)"].item() == "0 leaked"
-    with pytest.raises(ValueError):
-        S.takeaways("nope")
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "07_isolation_and_security.ipynb").read_text())
+    md = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    checklist, template = _table_rows(md, "symptom"), _table_rows(md, "template item")
+    assert len(checklist) == 8 and len(template) == 8 and all(len(r) == 6 for r in checklist)
+    fw = {r[0]: r[1] for r in _table_rows(md, "framework")}
+    assert list(fw) == ["HF Transformers", "vLLM", "kvlab", "TensorRT-LLM", "TGI"]
+    assert all("not run here" in fw[f] for f in ("TensorRT-LLM", "TGI"))
+    assert all(fw[f].startswith("measured in this series") for f in ("HF Transformers", "vLLM", "kvlab"))
+    # the "measured here" cells name checklist causes and template items that exist
+    here = "".join("".join(c["source"]) for c in nb["cells"] if "here = {" in "".join(c["source"]))
+    for cause in ("position encoding wrong", "cache block written", "ref-count leak", "prefix not exactly identical"):
+        assert f'"{cause}"' in here and any(r[1] == cause for r in checklist)
 
 
 def test_the_shared_baseline_runs_without_repeating_the_engines_warning(lm):
@@ -191,7 +212,55 @@ def test_the_shared_baseline_runs_without_repeating_the_engines_warning(lm):
     engine = Engine(model, tok, num_blocks=64, block_size=BS, isolation="shared")
     with warnings.catch_warnings():
         warnings.simplefilter("error", SharedTenantsWarning)
-        S.timing_probe(engine, tok("口令是什么？")["input_ids"], "attacker")
+        N.timing_probe(engine, tok("口令是什么？")["input_ids"], "attacker")
     with pytest.warns(SharedTenantsWarning):
         Engine(model, tok, num_blocks=64, block_size=BS).generate([[1, 2, 3]], SamplingParams(max_tokens=1),
                                                                    tenants=["acme"])
+
+
+# --- section 1: the salt written in the notebook, and build exercise 07.B (the salted chain) ----------------------
+def test_the_notebooks_salt_and_salted_block_are_the_engines():
+    from kvlab.engine import tenants as T
+
+    secret = T.new_secret()
+    for tenant in ("acme", "globex", "acme ", "", "租户"):
+        assert N.tenant_salt(secret, tenant) == T.tenant_salt(secret, tenant)
+    assert N.tenant_salt(secret, "acme") != N.tenant_salt(T.new_secret(), "acme")
+    for public in (0, 15, 16, 40, 56, 64):
+        assert N.salted_block(public, 16) == T.salted_block(public, 16)
+
+
+def test_build_07_salted_hashes_passes_and_slips_fail():
+    from kvlab.cache.hashing import hash_block
+
+    assert S.check_salted_hashes(S.build_07_salted_hashes)
+    assert not S.check_salted_hashes(None) and not S.check_salted_hashes(lambda *a: (_ for _ in ()).throw(NotImplementedError))
+
+    def salt_everywhere(ids, bs, salt, salt_block=0):
+        hashes, parent = [], None
+        for i in range(len(ids) // bs):
+            parent = hash_block(parent, ids[i * bs:(i + 1) * bs], (("salt", salt),))
+            hashes.append(parent)
+        return hashes
+
+    def always_block_0(ids, bs, salt, salt_block=0):
+        return S.build_07_salted_hashes(ids, bs, salt, 0)
+
+    def unchained(ids, bs, salt, salt_block=0):
+        return [hash_block(None, ids[i * bs:(i + 1) * bs], (("salt", salt),) if i == salt_block else ())
+                for i in range(len(ids) // bs)]
+
+    for slip in (salt_everywhere, always_block_0, unchained, lambda ids, bs, salt, k=0: []):
+        assert not S.check_salted_hashes(slip), slip
+
+
+def test_the_salted_chain_keeps_tenants_apart_except_whole_public_blocks():
+    import random as rnd
+
+    rng = rnd.Random(0)
+    ids = [rng.randrange(1000) for _ in range(86)]
+    sa, sb = "salt-a", "salt-b"
+    for public in (0, 40, 56):
+        k = N.salted_block(public, BS)
+        a, b = S.build_07_salted_hashes(ids, BS, sa, k), S.build_07_salted_hashes(ids, BS, sb, k)
+        assert [x == y for x, y in zip(a, b)] == [i < k for i in range(len(a))]
