@@ -1,183 +1,23 @@
-"""Notebook 02 (manual prefix reuse): cache pollution, tokenization pitfalls, figures, exercise checkers.
+"""Notebook 02 (manual prefix reuse): figures, workloads and the exercises' checkers and reference.
 
-The reusable machinery (``PrefixKV``, ``generate``, ``continue_from_cache``) lives in ``kvlab.prefix``;
-this module holds what the lesson measures with it.
+The mechanisms (the article's two functions, ``continue_from_cache``, ``check_compatible``, ``generate``, the
+tokenization checks) are written in notebook 02's cells and exported to ``kvlab.built.nb02``.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
+from kvlab.built.nb02 import check_prefix_tokens, token_pieces  # noqa: F401  (00, 01 and solutions import them here)
 from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
 from kvlab.lessons.common import Verdict, call_answer, label, unanswered, verdict
-from kvlab.prefix import PrefixKV, generate_with_prefix_cache, get_prefix_cache
-
-
-def pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max_new_tokens: int = 16
-                    ) -> list[dict[str, Any]]:
-    """Run request A (the passphrase was changed in its history) then request B on one shared cache.
-
-    B asks for the system prompt's passphrase. Per pair: B's answer isolated, B's answer after A
-    polluted the shared cache (the article's code), and the cache length at each stage.
-    """
-    from kvlab.lessons.passphrase import make_example, normalize_answer, with_question
-
-    rows = []
-    for seed in range(start, start + n):
-        a = make_example(seed, "heldout", history="update")
-        b = with_question(make_example(seed, "heldout", history="none"), "What is the passphrase?")
-        cache, plen = get_prefix_cache(model, tokenizer, a.prefix_text)
-        a_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, a.suffix_text, max_new_tokens)
-        after_a = int(cache.get_seq_length())
-        b_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, b.suffix_text, max_new_tokens)
-        isolated = hf_generate(model, tokenizer, b.prompt_text, max_new_tokens)
-        dec = lambda ids: normalize_answer(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
-        rows.append({"seed": seed, "prefix_tokens": plen, "cache_after_A": after_a,
-                     "cache_after_B": int(cache.get_seq_length()), "A_answer": dec(a_ids), "A_expected": a.answer,
-                     "B_expected": b.answer, "B_isolated": dec(isolated), "B_polluted": dec(b_ids)})
-    return rows
-
-
-@dataclass
-class TokenCheck:
-    """Is the prefix's own tokenization a prefix of the full text's tokenization? Where does it break?"""
-
-    ok: bool
-    prefix_ids: list[int]
-    full_ids: list[int]
-    first_diff: int | None  # first token index where they differ (None when ok)
-    prefix_around: list[str]  # decoded tokens around first_diff, prefix tokenized alone
-    full_around: list[str]  # the same positions, full text tokenized
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"ok: the prefix's {len(self.prefix_ids)} tokens are the first tokens of the full text"
-        return (f"mismatch at token {self.first_diff} of {len(self.prefix_ids)}: "
-                f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, reversed: the character a token string uses -> the byte it stands for."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_BYTES = _byte_decoder()
-
-
-def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """Each token as the text it stands for, for display: a newline as "\\n"; a token that holds only part
-    of a character's bytes (CJK text in byte-level BPE) as its whole characters with "…" where a character
-    is cut, or as its bytes in hex ("<e4 bb>") when it holds no whole character -- never mojibake."""
-    pieces = []
-    for t in ids:
-        text = tokenizer.decode([t])
-        if "\ufffd" in text:
-            raw = tokenizer.convert_ids_to_tokens(t)
-            if all(ch in _BYTES for ch in raw):
-                data = bytes(_BYTES[ch] for ch in raw)
-                whole = data.decode("utf-8", errors="ignore")  # the whole characters inside the token
-                lead = len(data) - len(data.lstrip(bytes(range(0x80, 0xC0))))  # continuation bytes of the last char
-                cut_end = lead + len(whole.encode()) < len(data)  # a character's first bytes at the end
-                text = ("…" * bool(lead) + whole + "…" * cut_end) if whole else "<" + " ".join(f"{b:02x}" for b in data) + ">"
-            else:
-                text = "<?>"
-        pieces.append(text.replace("\n", "\\n"))
-    return pieces
-
-
-def check_prefix_tokens(tokenizer: Any, prefix: str | Sequence[int], full: str | Sequence[int],
-                        context: int = 2) -> TokenCheck:
-    """Report whether ``prefix`` tokenized alone is a token prefix of ``full``, and the first difference."""
-    p, f = encode(tokenizer, prefix), encode(tokenizer, full)
-    first = next((i for i, (a, b) in enumerate(zip(p, f)) if a != b), None)
-    if first is None and len(p) > len(f):
-        first = len(f)
-    if first is None:
-        return TokenCheck(True, p, f, None, [], [])
-    lo = max(0, first - context)
-    return TokenCheck(False, p, f, first, token_pieces(tokenizer, p[lo:first + context + 1]),
-                      token_pieces(tokenizer, f[lo:first + context + 1]))
-
-
-def boundary_merge_cases(tokenizer: Any, texts: Sequence[str], limit: int = 10, stride: int = 1
-                         ) -> list[tuple[str, str, TokenCheck]]:
-    """Cut points in ``texts`` where the prefix tokenized alone is *not* a prefix of the whole text's tokens.
-
-    Returns up to ``limit`` triples ``(prefix, suffix, check)`` with distinct merged pieces: real
-    cases where BPE merges characters across the boundary of a text split.
-    """
-    cases, seen = [], set()
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    specials = {t.content for t in added.values()} | set(tokenizer.all_special_tokens)
-    for text in texts:
-        full_ids = encode(tokenizer, text)
-        inside = {i for s in specials for start in _find_all(text, s) for i in range(start + 1, start + len(s))}
-        for cut in range(1, len(text), stride):
-            if cut in inside:  # cutting a special token in half is not a tokenization subtlety
-                continue
-            check = check_prefix_tokens(tokenizer, text[:cut], full_ids)
-            if not check.ok:
-                key = tuple(check.full_around)
-                if key not in seen:
-                    seen.add(key)
-                    cases.append((text[:cut], text[cut:], check))
-                    if len(cases) >= limit:
-                        return cases
-    return cases
-
-
-def _find_all(text: str, sub: str) -> list[int]:
-    out, i = [], text.find(sub)
-    while i != -1:
-        out.append(i)
-        i = text.find(sub, i + 1)
-    return out
-
-
-def common_prefix_ids(tokenizer: Any, prompts: Sequence[str | Sequence[int]]) -> list[int]:
-    """The longest run of token ids that every prompt starts with, each prompt tokenized whole.
-
-    Building the prefix cache from these ids (not from the prefix text tokenized alone) can never
-    hit a BPE merge across the boundary.
-    """
-    seqs = [encode(tokenizer, p) for p in prompts]
-    if not seqs:
-        raise ValueError("no prompts")
-    n = 0
-    while all(len(s) > n for s in seqs) and len({s[n] for s in seqs}) == 1:
-        n += 1
-    return seqs[0][:n]
-
-
-def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
-    """A copy of a fast tokenizer that, like Llama's, prepends ``bos`` when ``add_special_tokens=True``.
-
-    Qwen-style tokenizers add nothing, so ``add_special_tokens`` seems harmless until the tokenizer
-    changes; this copy makes the pitfall visible with the bundled vocabulary.
-    """
-    from tokenizers.processors import TemplateProcessing
-
-    tok = copy.deepcopy(tokenizer)
-    bos_id = tok.convert_tokens_to_ids(bos)
-    tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
-    return tok
+from kvlab.prefix import PrefixKV
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -295,8 +135,6 @@ def fig_token_boundary(prefix_pieces: Sequence[str], full_pieces: Sequence[str],
     return fig
 
 
-# ----------------------------------------------------------------------------- the real chat model (SmolLM2)
-
 def real_prompts(tokenizer: Any, n: int, start: int = 0) -> tuple[list[str], list[str], list[str]]:
     """``n`` held-out passphrase prompts for a chat model: (full prompts, their system turns, passphrases)."""
     from kvlab.lessons import passphrase as P
@@ -306,39 +144,6 @@ def real_prompts(tokenizer: Any, n: int, start: int = 0) -> tuple[list[str], lis
                for i, e in enumerate(examples)]
     systems = [tokenizer.apply_chat_template(P.real_model_messages(e)[:1], tokenize=False) for e in examples]
     return prompts, systems, [e.passphrase for e in examples]
-
-
-def real_pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max_new_tokens: int = 16
-                         ) -> list[dict[str, Any]]:
-    """The article's code on a chat model: request A changes the passphrase, then B runs on the same cache.
-
-    A's user turn says 'The passphrase is now "<new>". What is the passphrase?'; B asks "What is the
-    passphrase?" of the system prompt. Both go through ``generate_with_prefix_cache`` on ONE cache object
-    (the article's code), and B also alone through ``model.generate`` (isolated).
-    """
-    from kvlab.lessons import passphrase as P
-
-    rows = []
-    for seed in range(start, start + n):
-        a = P.make_example(seed, "heldout", history="update")
-        new = a.answer
-        system = tokenizer.apply_chat_template(P.real_model_messages(a)[:1], tokenize=False)
-        full_a = P.real_model_prompt(tokenizer, a, f'The passphrase is now "{new}". What is the passphrase?')
-        full_b = P.real_model_prompt(tokenizer, a, "What is the passphrase?")
-        cache, plen = get_prefix_cache(model, tokenizer, system)
-        a_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, full_a[len(system):], max_new_tokens)
-        after_a = int(cache.get_seq_length())
-        b_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, full_b[len(system):], max_new_tokens)
-        isolated = hf_generate(model, tokenizer, full_b, max_new_tokens)
-        dec = lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
-        rows.append({"system passphrase": a.passphrase, "A's new passphrase": new, "A answered": dec(a_ids),
-                     "B isolated": dec(isolated), "B on A's cache": dec(b_ids),
-                     "B changed": b_ids != isolated, "prefix tokens": plen, "cache after A": after_a,
-                     "cache after B": int(cache.get_seq_length()),
-                     "B isolated recalls": P.mentions(dec(isolated), a.passphrase),
-                     "B polluted recalls": P.mentions(dec(b_ids), a.passphrase),
-                     "B polluted gives new": P.mentions(dec(b_ids), new)})
-    return rows
 
 
 def suffix_positions(prefix: PrefixKV, suffix_len: int, restart: bool = False) -> list[int]:
@@ -382,15 +187,12 @@ def fig_position_ids(prefix: PrefixKV, suffix_ids: Sequence[int], tokenizer: Any
     return fig
 
 
-# ----------------------------------------------------------------------------- build exercise 02.B: the loop
-
 def reference_continue(model: Any, cache: Any, suffix_ids: Sequence[int], start_pos: int, max_new_tokens: int,
                        stop_ids: set[int]) -> list[int]:
-    """kvlab's loop (``continue_from_cache``), greedy: the new token ids after ``suffix_ids`` on top of ``cache``."""
-    from kvlab.prefix import continue_from_cache
+    """Notebook 02's ``continue_from_cache``, greedy: the new token ids after ``suffix_ids`` on top of ``cache``."""
+    from kvlab.built.nb02 import continue_from_cache
 
-    return continue_from_cache(model, cache, suffix_ids, start_pos, max_new_tokens=max_new_tokens,
-                               stop_ids=stop_ids)[0]
+    return continue_from_cache(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids)[0]
 
 
 class PositionSpy:

@@ -15,24 +15,22 @@ from kvlab.engine.models import BUNDLED_MODEL, encode, eos_ids, load_model
 from kvlab.engine.reference import hf_generate
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import time_prefill
-from kvlab.lessons.nb02_prefix import (
+from kvlab.built.nb02 import (  # written in notebook 02's cells
     boundary_merge_cases,
-    check_boundary_case,
-    check_crop_reuse,
-    check_generate_fn,
     check_prefix_tokens,
     common_prefix_ids,
+    generate_with_prefix_cache,
+    get_prefix_cache,
     with_bos_tokenizer,
 )
-from kvlab.prefix import (
+from kvlab.lessons.nb02_prefix import check_boundary_case, check_crop_reuse, check_generate_fn
+from kvlab.prefix import (  # the library
     PrefixKV,
     PrefixMismatchError,
     cache_nbytes,
     compare_with_hf,
     continue_from_cache,
     generate,
-    generate_with_prefix_cache,
-    get_prefix_cache,
 )
 
 TRANSLATE_ZH = "你是一个专业的翻译助手，请将以下内容翻译成英文："
