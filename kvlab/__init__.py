@@ -28,6 +28,7 @@ _LAZY = {
     "resolve_device": "kvlab.engine.models",
     "BUNDLED_MODEL": "kvlab.engine.models",
     "Engine": "kvlab.engine.engine",
+    "EngineConfig": "kvlab.engine.config",
     "RequestOutput": "kvlab.engine.engine",
     "RequestError": "kvlab.engine.intake",
     "SamplingParams": "kvlab.engine.sampling",

@@ -6,14 +6,14 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..cache.block_pool import check
-from ..cache.hashing import DEFAULT_BLOCK_SIZE
 from ..cache.interface import CacheManager
 from ..cache.kv_events import EventBatch
+from .config import EngineConfig
 from .intake import Checked, Intake, check_sampling, per_prompt
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype, model_fingerprint
@@ -23,9 +23,10 @@ from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Request
-from .tenants import check_policy, check_secret
+from .tenants import check_secret
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "UnknownRequestError"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "StepRecord", "UnknownRequestError",
+           "default_positions"]
 
 
 def _config_eos(model: Any) -> set[int]:
@@ -35,6 +36,25 @@ def _config_eos(model: Any) -> set[int]:
 
 class UnknownRequestError(LookupError):
     """Raised for a request id the engine does not hold (or that belongs to another tenant)."""
+
+
+def default_positions(item: ScheduledSeq) -> range:
+    """The positions of the tokens ``item`` computes (what RoPE sees): where they sit in the sequence."""
+    return range(item.start, item.end)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step ran, item by item: the argument of a step observer (``Engine.add_step_observer``)."""
+
+    # the engine's step counter before this step (0 for the first)
+    step: int
+    # (request_id, start, end, is_prefill) per scheduled item: it computed positions [start, end)
+    items: tuple[tuple[Hashable, int, int, bool], ...]
+    tables: tuple[tuple[int, ...], ...]
+    positions: tuple[range, ...]
+    # the token sampled per item; None for a prompt chunk (end < its length) and for a failed item
+    tokens: tuple[int | None, ...]
 
 
 def _locked(method):
@@ -102,39 +122,64 @@ class KVEventLog:
 class Engine:
     """Paged K/V store + block manager + scheduler around one Hugging Face causal LM."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, debug: bool = False, seed: int = 0,
-                 isolation: str = "shared", secret: bytes | str | None = None, cache: str | CacheManager = "blocks",
-                 page_size: int = 1, enable_kv_events: bool = False, host_tier_bytes: int | None = None,
-                 offload_evicted: bool = True) -> None:
-        secret = check_secret(secret)  # bytes/str of >= 16 bytes; None -> a random one for this engine
-        self.model, self.tokenizer, self.debug = model, tokenizer, debug
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None, *,
+                 cache: str | CacheManager | None = None,
+                 positions: Callable[[ScheduledSeq], range] = default_positions,
+                 observers: Iterable[Callable[[StepRecord], None]] = (), **overrides: Any) -> None:
+        """Build the cache, K/V store, scheduler and runner around ``model``.
+
+        ``config`` (default ``EngineConfig()``) with ``overrides`` (its field names, e.g. ``num_blocks=64``)
+        changed. ``cache``: "blocks", "radix", or a caller's own ``kvlab.cache.CacheManager`` (it brings its
+        sizes). ``positions(item)`` numbers the tokens a scheduled item computes (``default_positions``);
+        ``observers`` see one ``StepRecord`` per step (``add_step_observer``).
+        """
+        if isinstance(cache, str):
+            overrides["cache"] = cache
+        self.config = cfg = (config or EngineConfig()).replace(**overrides)
+        self.model, self.tokenizer, self.debug = model, tokenizer, cfg.debug
+        self.positions = positions
+        self.observers: list[Callable[[StepRecord], None]] = list(observers)
         self.device, self.dtype = model_device_dtype(model)
-        if isinstance(cache, str):  # "blocks" or "radix" (radix_adapter), sized here
-            if num_blocks is None and kv_cache_bytes is not None:
-                num_blocks = PagedKVStore.blocks_for_bytes(model, kv_cache_bytes, block_size)
+        if cache is None or isinstance(cache, str):
+            num_blocks = cfg.num_blocks
+            if num_blocks is None and cfg.kv_cache_bytes is not None:
+                num_blocks = PagedKVStore.blocks_for_bytes(model, cfg.kv_cache_bytes, cfg.block_size)
+            fingerprint = model_fingerprint(model, tokenizer, every_weight=False)
             self.block_manager: CacheManager = make_cache_manager(
-                cache, 512 if num_blocks is None else num_blocks, block_size, page_size, isolation,
-                model_fingerprint(model, tokenizer, every_weight=False), enable_prefix_caching, enable_kv_events)
-        else:  # the caller's own kvlab.cache.CacheManager: it brings its sizes
-            self.block_manager = adopt_cache(cache, num_blocks, kv_cache_bytes)
-        self.store = PagedKVStore.for_model(model, self.block_manager.num_blocks, self.block_manager.block_size)
-        self.host_tier = None if host_tier_bytes is None else HostOffload(
-            self.store, self.block_manager, host_tier_bytes, offload=offload_evicted)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+                cfg.cache, 512 if num_blocks is None else num_blocks, cfg.block_size, cfg.page_size,
+                cfg.isolation, fingerprint, cfg.enable_prefix_caching, cfg.enable_kv_events)
+        else:
+            self.block_manager = adopt_cache(cache, cfg.num_blocks, cfg.kv_cache_bytes)
+        bm = self.block_manager
+        self.store = PagedKVStore.for_model(model, bm.num_blocks, bm.block_size)
+        self.host_tier = None
+        if cfg.host_tier_bytes is not None:
+            self.host_tier = HostOffload(self.store, bm, cfg.host_tier_bytes, offload=cfg.offload_evicted)
+        self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
-        self.requests: dict[Hashable, Request] = {}  # unfinished requests by id
-        self.num_steps = self.num_mixed_steps = self.peak_kv_bytes = 0  # mixed: prefills and decodes together
-        self.isolation = check_policy(isolation)  # "shared", "tenant" or "public-prefix"
-        self._lock = threading.RLock()  # add_request / abort / fork / step from several threads
-        self._pending: list[RequestOutput] = []  # finished during a generate() that did not own them
-        self._held: set[int] = set()  # seq ids whose outputs a running generate() collects itself
-        self.kv_events = KVEventLog(self.block_manager, enable_kv_events)
-        self.runner = ModelRunner(model, self.store)  # probes the model: may refuse it
-        self.intake = Intake(tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler.check_fits,
-                             self.isolation, secret, self.device, seed)
+        # unfinished requests by id
+        self.requests: dict[Hashable, Request] = {}
+        # mixed: steps that ran prefills and decodes together
+        self.num_steps = self.num_mixed_steps = self.peak_kv_bytes = 0
+        self.isolation = cfg.isolation
+        # add_request / abort / fork / step may come from several threads
+        self._lock = threading.RLock()
+        # finished during a generate() that did not own them
+        self._pending: list[RequestOutput] = []
+        # seq ids whose outputs a running generate() collects itself
+        self._held: set[int] = set()
+        self.kv_events = KVEventLog(bm, cfg.enable_kv_events)
+        # probes the model: may refuse it
+        self.runner = ModelRunner(model, self.store)
+        # None -> a random secret for this engine
+        secret = check_secret(cfg.secret)
+        self.intake = Intake(tokenizer, model.config.vocab_size, self.max_model_len,
+                             self.scheduler.check_fits, self.isolation, secret, self.device, cfg.seed)
+
+    def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
+        """Call ``observer(record)`` once per step from now on, after the forward (a ``StepRecord``)."""
+        self.observers.append(observer)
 
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
@@ -228,51 +273,63 @@ class Engine:
         return self.block_manager.reset_prefix_cache()  # the radix cache raises NotImplementedError
 
     def _run(self, sched: SchedulerOutput) -> list[Request]:
-        self.runner.attach()  # once per busy period: set_attn_implementation only when the model is not switched
+        items = sched.items
+        # once per busy period: set_attn_implementation only when the model is not switched
+        self.runner.attach()
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
         self.store.copy_blocks(sched.cow_pairs)
-        if self.host_tier is not None:  # the host tier's restores were copied in at admission: count them
-            for it in sched.items:
-                if it.is_prefill and it.seq.num_restored_tokens is None:
-                    it.seq.num_restored_tokens = self.block_manager.seqs[it.seq.seq_id].num_restored_tokens
-        tables = [self.block_manager.block_table(it.seq.seq_id) for it in sched.items]
-        tokens, errors, untrusted = self.runner.compute(sched.items, tables, lambda its: self._forward(SchedulerOutput(its)))
+        if self.host_tier is not None:
+            self._count_restored(items)
+        tables = [self.block_manager.block_table(it.seq.seq_id) for it in items]
+        positions = [self.positions(it) for it in items]
+        tokens, errors, untrusted = self.runner.compute(items, tables, positions)
+        if self.observers:
+            self._observe(items, tables, positions, tokens)
         now, finished = time.perf_counter(), []
-        for i in reversed(range(len(sched.items))):  # latest first: a block leaves the cache once nobody holds it
-            seq, start = sched.items[i].seq, sched.items[i].start
-            uncache_from = start if i in untrusted else None  # K/V of [start, end) was never (reliably) written
+        # latest first: a block leaves the cache once nobody holds it
+        for i in reversed(range(len(items))):
+            seq = items[i].seq
+            # the K/V of [start, end) was never (reliably) written
+            uncache_from = items[i].start if i in untrusted else None
             if i in errors:
                 seq.error = errors[i]
                 self._finish(seq, "error", now, uncache_from)
                 finished.append(seq)
-            elif i in untrusted:  # it read blocks a failed request never wrote: prefill it again later
+            elif i in untrusted:
+                # it read blocks a failed request never wrote: prefill it again later
                 self.scheduler.requeue(seq, uncache_from)
                 if not seq.output_ids:
-                    seq.num_cached_tokens = None  # counted at its next admission instead
+                    # counted at its next admission instead
+                    seq.num_cached_tokens = None
         finished.reverse()
-        for item, token in zip(sched.items, tokens):
-            if token is None:
-                continue
-            seq = item.seq
-            seq.output_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = seq.stop_reason(token, self.eos_ids)
-            if reason is not None:
-                self._finish(seq, reason, now)
-                finished.append(seq)
+        for item, token in zip(items, tokens):
+            if token is not None:
+                self._append(item.seq, token, now, finished)
         self.num_steps += 1
-        self.num_mixed_steps += len({it.is_prefill for it in sched.items}) == 2
+        self.num_mixed_steps += len({it.is_prefill for it in items}) == 2
         return finished
 
-    def _positions(self, item: ScheduledSeq) -> range:
-        """Positions of the tokens ``item`` computes (what RoPE sees; notebook 05's ``PositionRestartEngine`` breaks it)."""
-        return range(item.start, item.end)
+    def _count_restored(self, items: list[ScheduledSeq]) -> None:
+        """At a sequence's first admission: how many of its cached tokens the host tier copied back."""
+        for it in items:
+            if it.is_prefill and it.seq.num_restored_tokens is None:
+                it.seq.num_restored_tokens = self.block_manager.seqs[it.seq.seq_id].num_restored_tokens
 
-    def _forward(self, sched: SchedulerOutput) -> Any:
-        """``(len(sched.items), vocab)`` logits of each scheduled item's last position (``ModelRunner.forward``)."""
-        tables = [self.block_manager.block_table(it.seq.seq_id) for it in sched.items]
-        return self.runner.forward(sched.items, tables, self._positions)
+    def _observe(self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range],
+                 tokens: list[int | None]) -> None:
+        spans = tuple((it.seq.request_id, it.start, it.end, it.is_prefill) for it in items)
+        record = StepRecord(self.num_steps, spans, tuple(map(tuple, tables)), tuple(positions), tuple(tokens))
+        for observer in self.observers:
+            observer(record)
+
+    def _append(self, seq: Request, token: int, now: float, finished: list[Request]) -> None:
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason = seq.stop_reason(token, self.eos_ids)
+        if reason is not None:
+            self._finish(seq, reason, now)
+            finished.append(seq)
 
     def _finish(self, seq: Request, reason: str, now: float | None = None, uncache_from: int | None = None) -> None:
         self.scheduler.finish(seq, reason, uncache_from)

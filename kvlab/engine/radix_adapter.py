@@ -5,10 +5,9 @@ from __future__ import annotations
 from ..cache.block_manager import BlockManager
 from ..cache.interface import CacheManager, check_cache
 from ..cache.radix import RadixCache
+from .config import CACHES
 
 __all__ = ["CACHES", "RadixCacheManager", "adopt_cache", "make_cache_manager"]
-
-CACHES = ("blocks", "radix")
 
 
 class RadixCacheManager(RadixCache):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,18 +21,11 @@ from .paged_attention import MissingBatchError, build_batch, check_config, paged
 from .sampling import sample_next
 from .scheduler import ScheduledSeq
 
-__all__ = ["ModelRunner", "describe"]
-
-Positions = Callable[[ScheduledSeq], range]
-
+__all__ = ["ModelRunner", "describe", "samples"]
 
 def describe(e: BaseException) -> str:
     """``"TypeError: message"``: how a failed request's error reads."""
     return f"{type(e).__name__}: {e}"
-
-
-def _positions(item: ScheduledSeq) -> range:
-    return range(item.start, item.end)
 
 
 class ModelRunner:
@@ -150,77 +142,104 @@ class ModelRunner:
         cap = getattr(cfg, "final_logit_softcapping", None)  # e.g. Gemma 2
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    @torch.no_grad()  # no autograd graph: it would chain every step through the K/V store and keep it all alive
-    def forward(self, items: list[ScheduledSeq], tables: list[list[int]], positions: Positions = _positions,
-                ) -> torch.Tensor:
-        """One packed forward of the scheduled tokens: ``(len(items), vocab)`` logits of each item's last position.
+    # no autograd graph: it would chain every step through the K/V store and keep it all alive
+    @torch.no_grad()
+    def forward(self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range]) -> torch.Tensor:
+        """One packed forward of the scheduled tokens: the logits of each sampling item's last position.
 
-        ``tables[i]`` is item i's block table; ``positions(item)`` numbers the tokens it computes (what RoPE sees).
+        ``tables[i]`` is item i's block table, ``positions[i]`` the positions of the tokens it computes (what
+        RoPE sees). Returns ``(number of sampling items, vocab)`` logits; a prompt chunk (``samples``) only
+        writes its K/V and gets no row.
         """
         ids, pos = [], []
-        for it in items:
-            ids.extend(it.seq.token_ids[it.start:it.end])
-            pos.extend(positions(it))
+        for it, p in zip(items, positions):
+            ids.extend(it.seq.token_ids[it.start : it.end])
+            pos.extend(p)
         batch = build_batch(self.store, [(it.start, it.end, table) for it, table in zip(items, tables)])
-        last = torch.tensor(list(itertools.accumulate(it.end - it.start for it in items)), device=self.device) - 1
-        kwargs = dict(input_ids=torch.tensor([ids], device=self.device),  # (1, T)
-                      position_ids=torch.tensor([pos], device=self.device),  # (1, T)
-                      use_cache=False, kvlab_batch=batch)
+        ends = itertools.accumulate(it.end - it.start for it in items)
+        last = [end - 1 for end, it in zip(ends, items) if samples(it)]
+        last = torch.tensor(last, dtype=torch.long, device=self.device)
+        kwargs = dict(
+            input_ids=torch.tensor([ids], device=self.device),  # (1, T)
+            position_ids=torch.tensor([pos], device=self.device),  # (1, T)
+            use_cache=False,
+            kvlab_batch=batch,
+        )
         with paged_step():
             if self.head_seam:
-                return self.lm_head(self.decoder(**kwargs)[0][0, last])  # hidden (1, T, H) -> (num_items, vocab)
-            return self.model(**kwargs, logits_to_keep=last).logits[0]  # (num_items, vocab)
+                # hidden (1, T, H) -> (num_sampling, vocab)
+                return self.lm_head(self.decoder(**kwargs)[0][0, last])
+            return self.model(**kwargs, logits_to_keep=last).logits[0]
 
-    def compute(self, items: list[ScheduledSeq], tables: list[list[int]],
-                forward: Callable[[list[ScheduledSeq]], torch.Tensor]) -> tuple[list[int | None], dict[int, str], set[int]]:
-        """One token per scheduled item, without letting one request's failure reach the others.
+    def compute(self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range],
+                ) -> tuple[list[int | None], dict[int, str], set[int]]:
+        """One token per scheduled item that samples, without letting one request's failure reach the others.
 
-        Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` None where item i got no token, ``errors[i]`` why,
-        ``untrusted`` the items whose K/V of this step must never be read (their forward failed or gave NaN, or
-        they read such K/V through a same-step prefix hit). When the packed forward raises or gives NaN for some
-        item (NaN spreads to the step's other rows: 0 * NaN is NaN), each item runs alone, in order, to find the
-        culprits; untrusted blocks are zeroed. ``forward(items)`` runs the model; ``tables[i]`` is item i's table.
+        Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` None where item i got no token (a prompt chunk, or
+        an error), ``errors[i]`` why, ``untrusted`` the items whose K/V of this step must never be read (their
+        forward failed or gave NaN, or they read such K/V through a same-step prefix hit). When the packed
+        forward raises or gives NaN for some item (NaN spreads to the step's other rows: 0 * NaN is NaN), each
+        item runs alone, in order, to find the culprits; untrusted blocks are zeroed. ``tables[i]`` and
+        ``positions[i]`` are item i's block table and positions (``forward``).
         """
         bs = self.store.block_size
         tokens: list[int | None] = [None] * len(items)
         errors: dict[int, str] = {}
         untrusted: set[int] = set()
-        bad: set[int] = set()  # blocks whose K/V this step did not reliably write
+        # blocks whose K/V this step did not reliably write
+        bad: set[int] = set()
+        # item i's row of the packed logits (items that sample only)
+        row_of = list(itertools.accumulate(map(samples, items), initial=-1))[1:]
         try:
-            logits = forward(items)  # (num_scheduled, vocab)
-            top = logits.argmax(-1)  # (num_scheduled,): argmax treats NaN as the largest, so a row with NaN points at one
-            greedy, nan = top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()
-            if any(nan) and len(items) > 1:
-                logits = None
+            packed = _read(self.forward(items, tables, positions))
+            if any(packed[2]) and len(items) > 1:
+                packed = None
         # broad on purpose: one request's failure (any error of the model's forward) must not reach the others
         except Exception:  # noqa: BLE001
-            logits = None  # find the culprits: each item alone
+            # find the culprits: each item alone
+            packed = None
         for i, it in enumerate(items):
             if bad and any(b in bad for b in tables[i][: it.start // bs]):
                 untrusted.add(i)
-                bad.update(tables[i][it.start // bs:])
+                bad.update(tables[i][it.start // bs :])
                 continue
             try:
-                if logits is not None:
-                    row, top, is_nan = logits[i], greedy[i], nan[i]
+                if packed is not None:
+                    (logits, top, nan), j = packed, row_of[i]
                 else:
-                    row = forward([it])[0]
-                    top, is_nan = int(row.argmax()), bool(row.isnan().any())
-                if is_nan:
+                    (logits, top, nan), j = _read(self.forward([it], [tables[i]], [positions[i]])), 0
+                if samples(it) and nan[j]:
                     raise FloatingPointError("the model's logits for this request are NaN")
             # broad on purpose: whatever this request's forward raises becomes its error, the others go on
             except Exception as e:  # noqa: BLE001
                 errors[i] = describe(e)
                 untrusted.add(i)
-                bad.update(tables[i][it.start // bs:])
+                bad.update(tables[i][it.start // bs :])
+                continue
+            if not samples(it):
                 continue
             sp = it.seq.sampling
             try:
-                tokens[i] = top if sp.greedy else sample_next(row, True, sp.temperature, sp.top_p, sp.top_k,
-                                                              it.seq.generator)
+                tokens[i] = top[j] if sp.greedy else sample_next(
+                    logits[j], True, sp.temperature, sp.top_p, sp.top_k, it.seq.generator)
             # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
             except Exception as e:  # noqa: BLE001
                 errors[i] = describe(e)
-        if bad:  # never read again, not even as a masked or padding slot
+        if bad:
+            # never read again, not even as a masked or padding slot
             self.store.clear_blocks(sorted(bad))
         return tokens, errors, untrusted
+
+
+def samples(item: ScheduledSeq) -> bool:
+    """Whether a step samples a token for ``item``: it computes up to the sequence's end (not a prompt chunk)."""
+    return item.end >= item.seq.num_tokens
+
+
+def _read(logits: torch.Tensor) -> tuple[torch.Tensor, list[int], list[bool]]:
+    """``(logits, greedy token per row, whether the row's top logit is NaN)``.
+
+    ``argmax`` treats NaN as the largest, so a row with a NaN points at one.
+    """
+    top = logits.argmax(-1)
+    return logits, top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()

@@ -1,45 +1,25 @@
-"""The article's table 3.6, measured: isolated, shared (correct) and shared (wrong) for its three groups.
+"""Notebook 05's lesson code: the article's table 3.6 workloads, scores, figures and exercise checkers.
 
-Every row runs the group's workload (``kvlab.lessons.workloads.seed_groups``) through kvlab's paged
-engine (``kvlab.engine.Engine``), all requests submitted at once:
-
-* **isolated**: prefix caching off, every request computes its whole prompt;
-* **shared (correct)**: prefix caching on: whole blocks whose chained hash (all tokens before them, the
-  model) matches are reused, read-only;
-* **shared (wrong)**: the engine with one actual bug, a different one per group:
-
-  1. ``PositionRestartEngine``: the cached prefix is reused, but the positions of the uncached tokens
-     are counted from 0 instead of from the cached length (the article's section 3.4 warning);
-  2. ``content_keyed_engine``: a block's cache key is its own token ids only (no parent hash, no
-     position), so B's blocks hit the same text that donor A computed at a later start;
-  3. ``beyond_prefix``: B is served on top of A's cached conversation (the cache keyed on the system
-     prompt and handed A's history along with it), i.e. B's question appended to A's context.
-
-Scores (per served request, against its isolated output): token agreement, identical, passphrase
-recall; timing: TTFT and latency (arrival to first / last token), peak KV bytes of the engine.
-The article's own figures are kept in ``ARTICLE_TABLE_36`` as *its claims*, never as our numbers.
+The engines of the table's rows (isolated, shared correctly, shared with one bug per group) and its run loop are
+written in notebook 05's ``#| export`` cells (``kvlab.built.nb05``); this module scores their outputs
+(``score_row``), compares them with the article's claims (``ARTICLE_TABLE_36``: its numbers, never ours), draws
+them and checks the exercises. ``real_groups`` builds the three groups in real text for a ChatML chat model.
 """
 
 from __future__ import annotations
 
-import hashlib
 import statistics
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
+from kvlab.built.nb01 import Timing, ratio_verdict
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
-from kvlab.cache.block_manager import BlockManager
-from kvlab.cache.block_pool import Block, BlockPool
 from kvlab.engine import Engine, SamplingParams
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verdict
 from kvlab.lessons.nb03_position import token_agreement
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
 
-__all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "ContentKeyedBlockManager", "ContentKeyedPool", "PositionRestartEngine", "WRONG_MODES", "article_table",
-           "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "content_hash",
-           "content_keyed_engine", "evidence", "ttft_ratios", "ttft_text", "fig_table36", "make_engine", "run_mode", "table_36",
            "TRANSLATION", "TracingEngine", "answers_table", "bench_tables", "format_step", "groups_for",
            "is_real_chat_model", "latest_bench", "pick_model", "real_groups", "trace_three_requests"]
 
@@ -70,198 +50,50 @@ def article_table():
                          for g, m, t, tot, mem, ok in ARTICLE_TABLE_36])
 
 
-# ----------------------------------------------------------------------------- bug 1: positions restart
-
-class PositionRestartEngine(Engine):
-    """The engine with one line changed: positions count only the tokens computed, not the cached ones.
-
-    A request that hits the prefix cache prefills its uncached tokens at positions 0, 1, ... (as when
-    a loop passes only the new tokens and lets the model number them from 0); a request without a hit
-    is unaffected.
-    """
-
-    def _positions(self, item: Any) -> range:
-        skipped = item.seq.num_cached_tokens or 0
-        return range(item.start - skipped, item.end - skipped)  # the bug: Engine._positions is range(start, end)
-
-
-# ----------------------------------------------------------------------------- bug 2: content-only keys
-
-def content_hash(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
-    """The bug's block key: sha256 of the block's own token ids (parent, position and model ignored)."""
-    return hashlib.sha256(array("q", token_ids).tobytes()).digest()
-
-
-class ContentKeyedPool(BlockPool):
-    """A pool whose lookup trusts equal token ids alone (no parent check): the same text anywhere hits."""
-
-    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent_serial: int, *args: Any,
-               **kwargs: Any) -> Block | None:
-        """A cached block with this hash and these tokens, wherever and after whatever it was computed."""
-        return next((b for b in self.cached.get(block_hash, ()) if b.token_ids == list(token_ids)), None)
-
-
-class ContentKeyedBlockManager(BlockManager):
-    """kvlab's ``BlockManager`` keyed on each block's own tokens (``content_hash``, ``ContentKeyedPool``): the bug."""
-
-    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        super().__init__(num_blocks, block_size, hash_fn=content_hash)
-        self.pool = ContentKeyedPool(num_blocks, block_size)  # built here, before any engine sees the manager
-
-
-def content_keyed_engine(model: Any, tokenizer: Any, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, **kwargs: Any) -> Engine:
-    """An engine whose prefix cache is keyed on each block's tokens only (no chain, no position)."""
-    return Engine(model, tokenizer, cache=ContentKeyedBlockManager(num_blocks, block_size), **kwargs)
-
-
-# ----------------------------------------------------------------------------- running one mode
-
-def _num_blocks(workload: Workload, block_size: int) -> int:
-    return sum(cdiv(len(p) + workload.max_tokens, block_size) for p in workload.prompts) + 8
-
-
-def make_engine(model: Any, tokenizer: Any, group: int, mode: str, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                **kwargs: Any) -> Engine:
-    """The engine of one row: "isolated", "shared (correct)" or "shared (wrong)" (the group's bug)."""
-    kw = dict(num_blocks=num_blocks, block_size=block_size, **kwargs)
-    if mode == "isolated":
-        return Engine(model, tokenizer, enable_prefix_caching=False, **kw)
-    if mode == "shared (correct)" or (mode == "shared (wrong)" and group == 3):
-        return Engine(model, tokenizer, enable_prefix_caching=True, **kw)
-    if mode == "shared (wrong)" and group == 1:
-        return PositionRestartEngine(model, tokenizer, enable_prefix_caching=True, **kw)
-    if mode == "shared (wrong)" and group == 2:
-        return content_keyed_engine(model, tokenizer, **kw)
-    raise ValueError(f"unknown mode {mode!r} for group {group}")
-
-
-def _prompts(workload: Workload, group: int, mode: str) -> list[list[int]]:
-    if group == 3 and mode == "shared (wrong)":  # B's question on top of A's conversation
-        return [m.get("beyond_prompt", p) for p, m in zip(workload.prompts, workload.meta)]
-    return workload.prompts
-
-
-def run_mode(model: Any, tokenizer: Any, workload: Workload, group: int, mode: str, block_size: int = DEFAULT_BLOCK_SIZE,
-             max_num_batched_tokens: int = 4096, max_tokens: int | None = None, donors: bool = True) -> dict[str, Any]:
-    """Run one row once: the engine's outputs (prompt order), peak KV bytes and the engine's stats.
-
-    Donors (they only fill the cache) get one new token; ``donors=False`` leaves them out (their outputs are None),
-    for a row whose answers alone count. ``max_tokens=1`` makes a prefill-only run, whose TTFT is the full run's
-    (every request is admitted in the first step)."""
-    engine = make_engine(model, tokenizer, group, mode, _num_blocks(workload, block_size), block_size,
-                         max_num_batched_tokens=max_num_batched_tokens)
-    new = workload.max_tokens if max_tokens is None else max_tokens
-    meta = workload.meta or [{}] * len(workload)
-    keep = [i for i, m in enumerate(meta) if donors or m.get("role") != "donor"]
-    prompts = _prompts(workload, group, mode)
-    sampling = [SamplingParams(max_tokens=1 if meta[i].get("role") == "donor" else new) for i in keep]
-    got = engine.generate([prompts[i] for i in keep], sampling)
-    bad = [o.error for o in got if o.finish_reason == "error"]
-    if bad:
-        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
-    outs: list[Any] = [None] * len(workload)
-    for i, o in zip(keep, got):
-        outs[i] = o
-    return {"outputs": outs, "peak_kv_bytes": engine.peak_kv_bytes, "stats": engine.stats()}
-
-
-def _recalled(meta: dict[str, Any], text: str, key: str = "expected") -> bool:
-    return (P.mentions if meta.get("lenient") else P.recalled)(text, meta[key])
-
-
-def _score_rows(workload: Workload, reference: list[Any], run: dict[str, Any]) -> dict[str, float]:
+def score_row(workload: Workload, reference: list[Any], outputs: list[Any]) -> dict[str, float]:
+    """One row's scores over the served requests, against the isolated row's outputs ``reference``."""
     served = workload.served()
-    outs = run["outputs"]
-    agree = [token_agreement(reference[i].output_ids, outs[i].output_ids) for i in served]
-    same = [reference[i].output_ids == outs[i].output_ids for i in served]
+
+    def said(i: int, key: str) -> bool:
+        meta = workload.meta[i]
+        return (P.mentions if meta.get("lenient") else P.recalled)(outputs[i].text, meta[key])
+
     asked = [i for i in served if "expected" in workload.meta[i]]  # translations have no expected answer
-    recall = [_recalled(workload.meta[i], outs[i].text) for i in asked]
-    other = [_recalled(workload.meta[i], outs[i].text, "other_answer") for i in served
-             if "other_answer" in workload.meta[i]]
-    return {"token agreement": statistics.mean(agree), "identical": statistics.mean(same),
-            "recall": statistics.mean(recall) if recall else float("nan"),
-            "answered A's passphrase": statistics.mean(other) if other else float("nan"),
-            "cached tokens": statistics.mean(outs[i].num_cached_tokens for i in served)}
+    other = [i for i in served if "other_answer" in workload.meta[i]]
+    nan = float("nan")
+    return {"token agreement": statistics.mean(token_agreement(reference[i].output_ids, outputs[i].output_ids)
+                                               for i in served),
+            "identical": statistics.mean(reference[i].output_ids == outputs[i].output_ids for i in served),
+            "recall": statistics.mean(said(i, "expected") for i in asked) if asked else nan,
+            "answered A's passphrase": statistics.mean(said(i, "other_answer") for i in other) if other else nan,
+            "cached tokens": statistics.mean(outputs[i].num_cached_tokens for i in served)}
 
 
-MODES = ("isolated", "shared (correct)", "shared (wrong)")
-
-
-def _mean_ttft_ms(run: dict[str, Any], served: list[int]) -> float:
-    return statistics.mean(run["outputs"][i].ttft for i in served) * 1e3
-
-
-def table_36(model: Any, tokenizer: Any, groups: dict[int, Workload], repeats: int = 3, block_size: int = DEFAULT_BLOCK_SIZE,
-             progress: bool = False, timed: Sequence[int] | None = None, warmup: bool = True):
-    """The table: per group, isolated / shared (correct) / shared (wrong).
-
-    Each row runs once in full (answers, scores, latency, peak KV, the first TTFT); the groups in ``timed`` (default:
-    all) run ``repeats - 1`` more prefill-only times per mode, the modes interleaved, for the TTFT's median and
-    spread. The other groups are scored on their answers only: their isolated row runs without the donors (which
-    change no scored answer) and their time and KV columns are NaN (``timed runs`` 0). Returns ``(table, runs)``:
-    a DataFrame with one row per (group, mode) (``TTFT runs (ms)``: each run's mean TTFT), and the full run of
-    each row (outputs and stats) keyed by ``(group, mode)``.
-    """
-    import pandas as pd
-
-    timed = set(groups) if timed is None else set(timed)
-    if warmup:
-        first = next(iter(groups.values()))
-        warm = Workload(first.name, first.prompts[:2], 2, first.meta[:2])
-        run_mode(model, tokenizer, warm, 1, "isolated", block_size)  # warm-up (first-call costs), not timed
-    todo = [(g, m, None) for g in groups for m in MODES]
-    todo += [(g, m, 1) for g in groups if g in timed for _ in range(repeats - 1) for m in MODES]
-    if progress:
-        from tqdm.auto import tqdm
-
-        todo = tqdm(todo, desc="table 3.6 runs")
-    runs, ttft = {}, {(g, m): [] for g in groups for m in MODES}
-    for group, mode, new in todo:
-        donors = group in timed or mode != "isolated"
-        run = run_mode(model, tokenizer, groups[group], group, mode, block_size, max_tokens=new, donors=donors)
-        runs.setdefault((group, mode), run)
-        if group in timed:
-            ttft[(group, mode)].append(_mean_ttft_ms(run, groups[group].served()))
-    rows, nan = [], float("nan")
-    for group in groups:
-        wl = groups[group]
-        reference = runs[(group, "isolated")]["outputs"]
-        for mode in MODES:
-            run, times = runs[(group, mode)], ttft[(group, mode)]
-            latency = statistics.mean(run["outputs"][i].latency for i in wl.served()) * 1e3 if times else nan
-            rows.append({"group": group, "condition": GROUP_CONDITIONS[group][0], "mode": mode,
-                         "bug": WRONG_MODES[group] if mode == "shared (wrong)" else "",
-                         "requests": len(wl.served()), "TTFT (ms)": statistics.median(times) if times else nan,
-                         "TTFT min (ms)": min(times, default=nan), "TTFT max (ms)": max(times, default=nan),
-                         "timed runs": len(times), "TTFT runs (ms)": tuple(times), "total latency (ms)": latency,
-                         "peak KV (KiB)": run["peak_kv_bytes"] / 1024 if times else nan,
-                         **_score_rows(wl, reference, run)})
-    return pd.DataFrame(rows), runs
-
-
-def ttft_ratios(table: Any, group: int, mode: str) -> list[float]:
-    """Per run, ``mode``'s mean TTFT over the isolated row's in the same repeat (the runs are interleaved)."""
+def ttft_verdict(table: Any, group: int, mode: str) -> Any:
+    """``mode``'s TTFT over the isolated row's, judged by notebook 01's guard (``ratio_verdict``): the ratio of the
+    median TTFTs, its min-max, and a flag below the ideal (the row's computed share of prompt tokens) or above 1.5.
+    The one definition of the ratio: the table's "TTFT ratio, ours" and every sentence use it. None: not timed."""
     d = table.set_index(["group", "mode"])
-    if "TTFT runs (ms)" not in d.columns:
-        return [d.loc[(group, mode), "TTFT (ms)"] / d.loc[(group, "isolated"), "TTFT (ms)"]]
-    return [a / b for a, b in zip(d.loc[(group, mode), "TTFT runs (ms)"], d.loc[(group, "isolated"), "TTFT runs (ms)"])]
+    num, den = d.loc[(group, mode), "TTFT runs (ms)"], d.loc[(group, "isolated"), "TTFT runs (ms)"]
+    if not num or not den:
+        return None
+    return ratio_verdict(Timing(mode, tuple(num)), Timing("isolated", tuple(den)), ideal=d.loc[(group, mode), "ideal"])
 
 
-def ttft_text(table: Any, group: int, mode: str, repeats: int | None = None) -> str:
-    """``TTFT x0.71 (x0.66-x0.80 over 3 paired runs)``, or one run's ratio marked as not evidence."""
-    ratios = ttft_ratios(table, group, mode)
-    if not ratios or ratios[0] != ratios[0]:  # an answers-only group: no timing
+def ttft_text(table: Any, group: int, mode: str) -> str:
+    """``TTFT x0.71 (x0.66-x0.80 over 3 interleaved runs, ideal x0.40)``, the guard's flag instead when it has one."""
+    v = ttft_verdict(table, group, mode)
+    if v is None:
         return "TTFT not timed (answers only)"
-    n = len(ratios) if repeats is None or len(ratios) > 1 else repeats
-    mid = statistics.median(ratios)
+    n = len(table.set_index(["group", "mode"]).loc[(group, mode), "TTFT runs (ms)"])
     if n < 3:
-        return f"TTFT x{mid:.2f} ({n} run{'s' if n > 1 else ''}: a timing, not evidence)"
-    spread = f"x{min(ratios):.2f}-x{max(ratios):.2f} over {n} paired runs" if len(ratios) > 1 else f"median of {n} runs"
-    return f"TTFT x{mid:.2f} ({spread})"
+        return f"TTFT x{v.value:.2f} ({n} run{'s' if n > 1 else ''}: a timing, not evidence)"
+    ideal = table.set_index(["group", "mode"]).loc[(group, mode), "ideal"]
+    return v.says(f"TTFT x{v.value:.2f} (x{v.lo:.2f}-x{v.hi:.2f} over {n} interleaved runs, ideal x{ideal:.2f})")
 
 
 def compare_with_article(table: Any):
-    """Per group: shared/isolated ratios of TTFT, latency and memory, ours beside the article's claims."""
+    """Per group: shared/isolated ratios of TTFT (as ``ttft_verdict``), latency and memory, ours beside the article's."""
     import pandas as pd
 
     art = {(g, m): (t, tot, mem, ok) for g, m, t, tot, mem, ok in ARTICLE_TABLE_36}
@@ -270,19 +102,17 @@ def compare_with_article(table: Any):
         d = table[table.group == group].set_index("mode")
         iso = d.loc["isolated"]
         for mode in ("shared (correct)", "shared (wrong)"):
-            ours = d.loc[mode]
-            a_iso, a = art.get((group, "isolated")), art.get((group, mode))
+            ours, a_iso, a = d.loc[mode], art.get((group, "isolated")), art.get((group, mode))
+            v = ttft_verdict(table, group, mode)
             rows.append({
-                "group": group, "mode": mode,
-                "TTFT ratio, ours": ours["TTFT (ms)"] / iso["TTFT (ms)"],
+                "group": group, "mode": mode, "TTFT ratio, ours": v.value if v else float("nan"),
                 "TTFT ratio, article": a[0] / a_iso[0] if a else float("nan"),
-                "latency ratio, ours": ours["total latency (ms)"] / iso["total latency (ms)"],
+                "latency ratio, ours (1 run)": ours["total latency (ms)"] / iso["total latency (ms)"],
                 "latency ratio, article": a[1] / a_iso[1] if a else float("nan"),
                 "KV ratio, ours": ours["peak KV (KiB)"] / iso["peak KV (KiB)"],
                 "memory ratio, article": a[2] / a_iso[2] if a else float("nan"),
-                "identical, ours": ours["identical"],
-                "consistent, article": a[3] if a else None,
-                "timed runs": int(min(ours.get("timed runs", 1), iso.get("timed runs", 1))),  # 0: answers only
+                "identical, ours": ours["identical"], "consistent, article": a[3] if a else None,
+                "timed runs": int(min(ours["timed runs"], iso["timed runs"])),  # 0: answers only
             })
     return pd.DataFrame(rows)
 
@@ -311,60 +141,29 @@ def fig_table36(table: Any):
     return fig
 
 
-def evidence(table: Any, repeats: int | None = None) -> dict[str, str]:
-    """Decision-table evidence (row name -> text) from a measured table 3.6: answers from the scored requests, a
-    TTFT ratio with its spread over the paired runs (fewer than three runs are marked as not evidence)."""
+def evidence(table: Any) -> dict[str, str]:
+    """Decision-table evidence (row name -> text) from a measured table 3.6: answers from the scored requests, the
+    TTFT ratio as ``ttft_text`` prints it."""
     d = table.set_index(["group", "mode"])
 
     def row(g: int, m: str) -> str:
         r = d.loc[(g, m)]
         recall = "" if r["recall"] != r["recall"] else f", recall {r['recall']:.0%}"
-        n = f"{int(r['requests'])} requests: " if "requests" in r else ""
-        timing = ttft_text(table, g, m, repeats)
-        return f"{n}{r['identical']:.0%} identical{recall}" + ("" if timing.startswith("TTFT not timed") else f", {timing}")
+        timing = ttft_text(table, g, m)
+        return (f"{int(r['requests'])} requests: {r['identical']:.0%} identical{recall}"
+                + ("" if timing.startswith("TTFT not timed") else f", {timing}"))
 
+    cached = {m: d.loc[(2, m), "cached tokens"] for m in ("shared (correct)", "shared (wrong)")}
     return {
         "identical-prefix": f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
-        "same-start": f"nb05 group 2, B after donor A's other start: chained keys "
-                      f"{d.loc[(2, 'shared (correct)'), 'cached tokens']:.1f} cached tokens per request; "
-                      f"content-only keys: {d.loc[(2, 'shared (wrong)'), 'cached tokens']:.1f}, {row(2, 'shared (wrong)')}",
+        "same-start": f"nb05 group 2, B after donor A's other start: chained keys {cached['shared (correct)']:.1f} "
+                      f"cached tokens per request; content-only keys: {cached['shared (wrong)']:.1f}, "
+                      f"{row(2, 'shared (wrong)')}",
         "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
-        "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, "
-                               f"answered A's passphrase {d.loc[(3, 'shared (wrong)'), 'answered A' + chr(39) + 's passphrase']:.0%}",
+        "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, answered A's "
+                               f"passphrase {d.loc[(3, 'shared (wrong)'), chr(39).join(['answered A', 's passphrase'])]:.0%}",
         "overlap-different-start": f"nb05 group 2 served with another start's K/V: {row(2, 'shared (wrong)')}",
     }
-
-
-def end_of_turn_note(detail: dict[str, dict], end_ids: int | Sequence[int] | None,
-                     reference: str = "HF generate (batch)/isolated") -> str:
-    """Why a headline row's token agreement with HF generate is below 1, read off the outputs.
-
-    The engines run with ``ignore_eos`` and keep emitting an end-of-turn token the model picks; HF
-    generate's reference is forced to the full length (``min_new_tokens`` masks the end tokens), so
-    after a chosen end token the two continue differently. Returns "" when nothing ended early.
-    """
-    ref = detail.get(reference, {}).get("outputs")
-    end = {end_ids} if isinstance(end_ids, int) else set(end_ids or ())
-    if not ref or not end:
-        return ""
-    ends, before, agree = [], 0, 0
-    for key, run in detail.items():
-        if key == reference or "outputs" not in run:
-            continue
-        for r, out in zip(ref, run["outputs"]):
-            stop = next((i for i, t in enumerate(out) if t in end), None)
-            if stop is None:
-                continue
-            ends.append(stop + 1)
-            before += stop
-            agree += sum(a == b for a, b in zip(r[:stop], out[:stop]))
-    if not ends:
-        return ""
-    n = len(ref[0])
-    tail = f" Before the end token, agreement is {agree / before:.2f}." if before else ""
-    return (f"token agreement below 1 is the end of turn: in {len(ends)} request runs the model chose an end token "
-            f"as token {min(ends)}{'' if min(ends) == max(ends) else f' to {max(ends)}'} of {n}; every other system keeps emitting it, HF generate is forced "
-            f"past it (min_new_tokens masks it), so from there on the tokens differ.{tail}")
 
 
 # ----------------------------------------------------------------------------- exercise checkers
@@ -373,10 +172,7 @@ BUG_ROWS = {1: {"positions-agree"}, 2: {"same-start", "overlap-different-start"}
 
 
 def check_bug_for_group(answer: dict[int, str] | None) -> Verdict:
-    """Exercise 05.1: which decision-table row does each group's bug break? ``{group: row name}``.
-
-    Row names as in the decision table's index (``kvlab.lessons.common.ROW_NAMES``), e.g. "same-start".
-    """
+    """Exercise 05.1: ``{group: row name}``, the decision-table row (``common.ROW_NAMES``) each group's bug breaks."""
     hint = "give a dict {group: row name}, the names in the first column of the decision table"
     if not answer:
         return unanswered(hint)
@@ -392,20 +188,21 @@ def check_bug_for_group(answer: dict[int, str] | None) -> Verdict:
                    f"group(s) {wrong}: re-read which condition the bug violates")
 
 
-def check_position_fix(engine_cls: type | None, model: Any, tokenizer: Any, workload: Workload,
+def check_position_fix(positions: Any, model: Any, tokenizer: Any, workload: Workload,
                        block_size: int = DEFAULT_BLOCK_SIZE) -> Verdict:
-    """Exercise 05.3: an ``Engine`` subclass that keeps the prefix cache on and numbers positions right."""
-    hint = "positions must continue after the cached tokens, and the prefix cache must stay on"
-    if engine_cls is None:
-        return unanswered("define a subclass of T.PositionRestartEngine whose _positions numbers the computed tokens right; "
-                          + hint)
-    kw = dict(num_blocks=_num_blocks(workload, block_size), block_size=block_size)
+    """Exercise 05.3: ``positions(item) -> range`` for ``Engine(..., positions=)`` that numbers the computed tokens
+    right with the prefix cache on: every answer equal to isolated, with cached tokens."""
+    hint = "positions must continue after the cached tokens: the item computes tokens item.start .. item.end - 1"
+    if positions is None:
+        return unanswered("write a function item -> range for Engine(..., positions=); " + hint)
+    kw = dict(num_blocks=sum(cdiv(len(p) + workload.max_tokens, block_size) for p in workload.prompts) + 8,
+              block_size=block_size)
     sp = SamplingParams(max_tokens=workload.max_tokens)
     reference = Engine(model, tokenizer, enable_prefix_caching=False, **kw).generate(workload.prompts, sp)
     try:
-        outs = engine_cls(model, tokenizer, enable_prefix_caching=True, **kw).generate(workload.prompts, sp)
-    except Exception as err:  # the learner's code may fail in any way
-        return verdict(False, hint=f"your engine raised {type(err).__name__}: {err}")
+        outs = Engine(model, tokenizer, positions=positions, **kw).generate(workload.prompts, sp)
+    except Exception as err:  # noqa: BLE001 (the learner's code may fail in any way)
+        return verdict(False, hint=f"your positions raised {type(err).__name__}: {err}")
     same = sum(a.output_ids == b.output_ids for a, b in zip(outs, reference))
     cached = sum(o.num_cached_tokens for o in outs)
     return verdict(same == len(outs) and cached > 0, f"{same}/{len(outs)} identical with {cached} cached tokens",
@@ -414,11 +211,8 @@ def check_position_fix(engine_cls: type | None, model: Any, tokenizer: Any, work
 
 def check_kv_ratio(answer: float | None, num_requests: int, prefix_tokens: int, private_tokens: int,
                    block_size: int = DEFAULT_BLOCK_SIZE) -> Verdict:
-    """Exercise 05.2: the block-granular shared/isolated KV ratio for ``num_requests`` sharing a prefix.
-
-    ``private_tokens`` per request (suffix + new tokens whose K/V is stored); full prefix blocks are
-    stored once, everything else (partial prefix block included) per request.
-    """
+    """Exercise 05.2: shared/isolated K/V in blocks, ``num_requests`` sharing the prefix's full blocks, each with
+    ``private_tokens`` of its own (a partial prefix block is private)."""
     hint = "compute (shared blocks + private blocks) / isolated blocks; count blocks, not tokens (a partial block is a whole block)"
     if answer is None:
         return unanswered(hint)
@@ -476,16 +270,9 @@ def _turns(system: str, *turns: tuple[str, str], question: str) -> str:
 def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 16,
                 split: str = "heldout", start: int = 0, translations: int = 2, n_wrong: int | None = None,
                 wrong_questions: int = 1) -> dict[int, Workload]:
-    """The article's three groups in real text for a ChatML chat model (SmolLM2), as token-id workloads.
-
-    Group 1: ``n`` passphrase system prompts (``passphrase.REAL_SYSTEM``), ``questions`` different questions
-    each, plus the article's translation prefix in Chinese and in English with two texts each. Group 2: B's
-    passphrase prompt, and donor A = a block-aligned extra system turn + B's whole text. Group 3: the same
-    system prompt; A's history changes the passphrase, B asks without that history. Answers are scored with
-    ``passphrase.mentions`` (a chat model answers in a sentence); translations have no expected answer.
-    Groups 2 and 3 score ``n_wrong`` requests each (default ``n``): group 2 one per passphrase (each its own donor, so
-    no two scored requests share a start), group 3 ``wrong_questions`` per passphrase (the donor asks the first).
-    """
+    """The article's three groups in ChatML text (SmolLM2), as token ids. 1: ``n`` passphrase system prompts x
+    ``questions``, and the translation prefix (zh, en); 2: B, and donor A = a block-aligned extra turn + B's text;
+    3: one system prompt, A's history changes the passphrase. Groups 2 and 3 score ``n_wrong`` requests each."""
     groups: dict[int, Workload] = {}
     prompts, meta = [], []
     examples = [P.make_example(seed, split, history="none") for seed in range(start, start + n)]
@@ -579,105 +366,36 @@ def answers_table(groups: dict[int, Workload], runs: dict, tokenizer: Any, per_g
     return pd.DataFrame(rows)
 
 
-# ----------------------------------------------------------------------------- the engine, opened: one traced step
+def three_requests(tokenizer: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> list[list[int]]:
+    """Three prompts (token ids) on one passphrase system prompt, three different questions (group 1, one passphrase)."""
+    from kvlab.lessons.workloads import seed_groups
 
-class TracingEngine(Engine):
-    """The engine unchanged, plus a record of what every step sends to the model (for printing)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.trace: list[dict[str, Any]] = []
-
-    def _forward(self, sched: Any) -> Any:
-        from kvlab.engine.paged_attention import build_batch
-
-        bm, bs = self.block_manager, self.block_manager.block_size
-        spans = [(it.start, it.end, bm.block_table(it.seq.seq_id)) for it in sched.items]
-        batch = build_batch(self.store, spans)
-        rows = []
-        for it, (s, e, table) in zip(sched.items, spans):
-            cached = (it.seq.num_cached_tokens or 0) if it.is_prefill else 0
-            rows.append({"request": it.seq.request_id, "kind": "prefill" if it.is_prefill else "decode",
-                         "positions": (s, e), "query rows": e - s, "block table": list(table),
-                         "hit blocks": list(table[: cached // bs]), "cached tokens": cached})
-        self.trace.append({"step": self.num_steps, "rows": rows, "slot_mapping": batch.slot_mapping.tolist(),
-                           "attention groups": [g.query_index.shape for g in batch.groups]})
-        return super()._forward(sched)
-
-
-def _runs(values: Sequence[int]) -> str:
-    """``[3, 4, 5, 9]`` -> ``"3..5, 9"``: contiguous runs of a slot mapping."""
-    out, i = [], 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        out.append(f"{values[i]}..{values[j]}" if j > i else f"{values[i]}")
-        i = j + 1
-    return ", ".join(out)
-
-
-def trace_three_requests(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], first: Sequence[int],
-                         block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 2) -> list[dict[str, Any]]:
-    """Serve ``first`` alone (it fills the prefix cache), then ``prompts`` (three) at once; return their steps.
-
-    The trace of the second ``generate``: its first step is the three prefills (with their prefix-cache
-    hits), the next ones are decodes.
-    """
-    blocks = sum(cdiv(len(p) + max_tokens, block_size) for p in [first, *prompts]) + 4
-    engine = TracingEngine(model, tokenizer, num_blocks=blocks, block_size=block_size, enable_prefix_caching=True)
-    engine.generate([list(first)], SamplingParams(max_tokens=max_tokens))
-    engine.trace.clear()
-    engine.generate([list(p) for p in prompts], SamplingParams(max_tokens=max_tokens))
-    return engine.trace
-
-
-def format_step(step: dict[str, Any], block_size: int = DEFAULT_BLOCK_SIZE) -> str:
-    """One traced step as text: per request its positions, block table, hit blocks; then the slot mapping."""
-    lines = [f"step {step['step']}: {sum(r['query rows'] for r in step['rows'])} query rows in one packed forward"]
-    off = 0
-    for r in step["rows"]:
-        s, e = r["positions"]
-        slots = step["slot_mapping"][off:off + r["query rows"]]
-        off += r["query rows"]
-        lines.append(f"  request {r['request']!s:>3} {r['kind']:7s} positions {s}..{e - 1} ({r['query rows']} query rows), "
-                     f"block table {r['block table']}")
-        if r["kind"] == "prefill":
-            lines.append(f"      prefix-cache hits: blocks {r['hit blocks']} ({r['cached tokens']} tokens, not computed)")
-        lines.append(f"      slot mapping (block x {block_size} + offset) of its new K/V: {_runs(slots)}")
-    lines.append(f"  attention groups (sequences x padded query rows): {[tuple(s) for s in step['attention groups']]}")
-    return "\n".join(lines)
+    if is_real_chat_model(tokenizer):
+        return real_groups(tokenizer, n=1, questions=3, block_size=block_size, translations=0)[1].prompts
+    return seed_groups(tokenizer, n=1, questions=3, block_size=block_size)[1].prompts
 
 
 # ----------------------------------------------------------------------------- the recorded benchmark
 
-def latest_bench(model_name: Any, path: Any = None) -> dict | None:
-    """``build/bench/bench.json`` (written by ``scripts/bench.py``) if it was run on ``model_name`` at full size, else None."""
+def latest_bench(model_name: Any, path: Any = None) -> tuple | None:
+    """``build/bench/bench.json`` (``scripts/bench.py``) run on ``model_name`` at 512 prefix tokens: ``(report,
+    system table, ratio table)``, else None."""
     import json
     from pathlib import Path
 
+    import pandas as pd
+
     path = Path(path) if path is not None else Path(__file__).resolve().parents[2] / "build" / "bench" / "bench.json"
-    if not path.exists():
-        return None
     try:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    want = str(model_name or "bundled").lower()
-    got = str(report.get("model", {}).get("config", "")).lower()
-    if got != want or report.get("workload", {}).get("prefix_tokens") != 512:
+    if (str(report.get("model", {}).get("config", "")).lower() != str(model_name or "bundled").lower()
+            or report.get("workload", {}).get("prefix_tokens") != 512):
         return None
-    report["path"] = str(path)
-    return report
-
-
-def bench_tables(report: dict):
-    """The recorded benchmark's system table and ratio table as DataFrames (``error`` filled with "")."""
-    import pandas as pd
-
     table = pd.DataFrame(report["systems"])
     table["error"] = table.get("error", pd.Series([""] * len(table))).fillna("")
-    return table, pd.DataFrame(report["ratios"])
+    return dict(report, path=str(path)), table, pd.DataFrame(report["ratios"])
 
 
 def request_path(engine: Engine, request_id: Any) -> dict[str, Any]:
@@ -713,17 +431,3 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
                 gid="slot")
     for j in range(lo // bs, cdiv(hi, bs)):
         x0, x1 = max(j * bs, lo) - lo, min((j + 1) * bs, hi) - lo
-        ax.add_patch(Rectangle((x0, 1), x1 - x0 - 0.05, 0.6, facecolor="#fdd0a2", edgecolor="black"))
-        text = f"logical {j} → physical {table[j]}" if x1 - x0 >= 8 else f"{j}→{table[j]}"  # a cut-off block
-        ax.text((x0 + x1) / 2, 1.3, text, ha="center", va="center", fontsize=7 if x1 - x0 >= 3 else 5, gid="block")
-    for y, name in ((2.3, "token position\n(shaded: from cache)"), (1.3, "block table"),
-                    (0.3, "slot in K/V store\n= block x size + offset")):
-        ax.text(-0.4, y, name, ha="right", va="center", fontsize=8)
-    ax.set_xlim(-0.2, hi - lo)
-    ax.set_ylim(-0.2, 2.8)
-    ax.axis("off")
-    shown = "" if (lo, hi) == (0, total) else f" (positions {lo}–{hi - 1} shown)"
-    ax.set_title(f"request {path['request_id']!r}: {total} tokens, block size {bs}, "
-                 f"{cached} tokens from the cache{shown}", fontsize=10)
-    fig.tight_layout()
-    return fig

@@ -163,10 +163,10 @@ def test_bench_core_on_a_tiny_model():
 
 
 def test_position_bug_is_one_line_off_the_engine():
-    """The buggy engine overrides only Engine._positions, and its body differs from the engine's in the return line."""
+    """The buggy engine is the engine with another positions function, differing from the default in the return line."""
     import inspect
 
-    from kvlab.engine import Engine
+    from kvlab.engine.engine import default_positions
 
     own = {k for k in vars(T.PositionRestartEngine) if not k.startswith("__")}
     assert own == {"_positions"}, own
@@ -175,7 +175,7 @@ def test_position_bug_is_one_line_off_the_engine():
         lines = [ln.split("#")[0].strip() for ln in inspect.getsource(fn).splitlines()[1:]]
         return [ln for ln in lines if ln and not ln.startswith(('"""', "A subclass", "to run", "kvlab"))]
 
-    ours, theirs = code(T.PositionRestartEngine._positions), code(Engine._positions)
+    ours, theirs = code(T.restart_positions), code(default_positions)
     assert ours[-1].startswith("return range(") and theirs[-1] == "return range(item.start, item.end)"
     assert ours[-1] != theirs[-1]
 
@@ -188,6 +188,8 @@ def test_position_fix_checker(lm, groups):
             return range(item.start, item.end)
 
     assert T.check_position_fix(Fixed, model, tok, groups[1])
+    assert T.check_position_fix(lambda item: range(item.start, item.end), model, tok, groups[1])
+    assert not T.check_position_fix(T.restart_positions, model, tok, groups[1])
     assert not T.check_position_fix(None, model, tok, groups[1])
 
 
