@@ -1,26 +1,31 @@
-"""Notebook 04 (the paged block manager): exercise checkers and the block figures (``fig_*``).
+"""Notebook 04 (the paged block manager): exercise checkers, the block figures (``fig_*``), the build solution.
 
-A checker runs the reader's function against the real manager and returns a ``Verdict`` (shown as
-"correct: ..." or "not yet: ..."); it never raises, and an exercise still left as ``raise
-NotImplementedError`` is reported as not answered yet, with a hint. Pure Python and matplotlib: no torch.
+A checker runs the reader's function against kvlab's ``BlockManager`` and returns a ``Verdict``; it never raises.
+``ToyBlocks`` and the step-by-step replay are written in notebook 04 (``kvlab.built.nb04``).
 """
 
 from __future__ import annotations
 
 import random
-import textwrap
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from kvlab.built.nb04 import ToyBlocks, block_trace, replay_against_block_manager
 from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.hashing import first_block_extra_keys, hash_block, hash_token_blocks
 from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
 from kvlab.lessons.traces import replay, timestamp_trace
 
+__all__ = ["ToyBlocks", "block_state", "block_trace", "check_allocate", "check_block_hashes", "check_cached_tokens",
+           "check_find_leaks", "check_timestamp_prompt", "fig_block_tables", "fig_hash_chain", "fig_logical_physical",
+           "reference_allocate", "replay_against_block_manager"]
+
+
+# ----------------------------------------------------------------------------- exercises 04.1-3
 
 def check_cached_tokens(predict: Callable[[int, int], int] | None) -> Verdict:
     """Exercise 04.1: ``predict(n, block_size)`` = cached tokens when an identical n-token prompt repeats."""
@@ -39,45 +44,37 @@ def check_cached_tokens(predict: Callable[[int, int], int] | None) -> Verdict:
     return verdict(True, "right for every n and block size tried")
 
 
-def _leaky_manager(rng: random.Random) -> tuple[BlockManager, set[int]]:
-    m = BlockManager(32, 4)
-    system = [rng.randrange(1000) for _ in range(rng.randint(4, 20))]
-    for i in range(rng.randint(3, 6)):
-        m.allocate(i, system + [rng.randrange(1000) for _ in range(rng.randint(1, 9))])
-    for i in list(m.seqs)[::2]:
-        m.free(i)
-    in_use = sorted({b for s in m.seqs.values() for b in s.block_table})
-    leaked = set(rng.sample(in_use, rng.randint(1, min(3, len(in_use)))))
-    for b in leaked:  # a reference that no block table holds
-        m.pool.share(m.pool.blocks[b], "nobody")
-    return m, leaked
-
-
 def check_find_leaks(find_leaks: Callable[[BlockManager], set[int]] | None) -> Verdict:
     """Exercise 04.2: ``find_leaks(manager)`` returns the ids of blocks with more refs than table entries."""
     hint = "count, per block id, the block tables (manager.seqs) that hold it, and compare with its ref_count"
     rng = random.Random(4)
     for trial in range(20):
-        m, leaked = _leaky_manager(rng)
+        m = BlockManager(32, 4)
+        system = [rng.randrange(1000) for _ in range(rng.randint(4, 20))]
+        for i in range(rng.randint(3, 6)):
+            m.allocate(i, system + [rng.randrange(1000) for _ in range(rng.randint(1, 9))])
+        for i in list(m.seqs)[::2]:
+            m.free(i)
+        in_use = sorted({b for s in m.seqs.values() for b in s.block_table})
+        leaked = set(rng.sample(in_use, rng.randint(1, min(3, len(in_use)))))
+        for b in leaked:  # a reference that no block table holds
+            m.pool.share(m.pool.blocks[b], "nobody")
         found, failed = call_answer(find_leaks, m, hint=hint, name="find_leaks")
         if failed is not None:
             return failed
         found = set(found or ())
         if found != leaked:
-            extra, missed = len(found - leaked), len(leaked - found)
-            return verdict(False, hint=f"trial {trial}: you found {sorted(found)}; {extra} of them are not leaked and "
-                                       f"you missed {missed}; {hint}")
+            return verdict(False, hint=f"trial {trial}: you found {sorted(found)}; {len(found - leaked)} of them are "
+                                       f"not leaked and you missed {len(leaked - found)}; {hint}")
     return verdict(True, "right on 20 managers with planted leaks")
 
 
 def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], list[int]] | None) -> Verdict:
     """Exercise 04.3: ``build(system, timestamp, question)`` keeps every part and hits >= 95 % of the ideal."""
     hint = "a block is reused only if every token before it is the same: where can a changing part go?"
-    base = timestamp_trace(24, where="none", seed=1)
-    stamped = timestamp_trace(24, where="start", seed=1)
+    base, stamped = timestamp_trace(24, where="none", seed=1), timestamp_trace(24, where="start", seed=1)
     ideal = replay(BlockManager(4096, 16), base)["hit_tokens"]
-    system = base[0].prompt[:256]
-    built = []
+    system, built = base[0].prompt[:256], []
     for b, s in zip(base, stamped, strict=True):
         stamp, question = s.prompt[:8], b.prompt[256:]
         prompt, failed = call_answer(build, list(system), list(stamp), list(question), hint=hint, name="build")
@@ -96,67 +93,56 @@ def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], li
                    f"{got} cached tokens, need at least 95% of the {ideal} a timestamp-free prompt gets; {hint}")
 
 
+# ----------------------------------------------------------------------------- figures
+
 REF_COLORS = ["#ffffff", "#9ecae1", "#fdae6b", "#e6550d", "#a63603"]  # ref count 0, 1, 2, 3, >=4
-
-
 CACHED_FREE = "#d9d9d9"
 
 
-def _ref_color(ref: int) -> str:
-    return REF_COLORS[min(ref, len(REF_COLORS) - 1)]
+def _color(ref: int, cached: bool = False) -> str:
+    return REF_COLORS[min(ref, 4)] if ref else (CACHED_FREE if cached else "white")
 
 
 def block_state(manager: BlockManager) -> dict:
     """A plain-data snapshot of the tables, the blocks and the free list (LRU order, victim first)."""
-    return {
-        "block_size": manager.block_size,
-        "seqs": {s.seq_id: {"table": list(s.block_table), "num_tokens": len(s.token_ids)} for s in manager.seqs.values()},
-        "blocks": [{"id": b.block_id, "ref_count": b.ref_count, "tokens": len(b.token_ids),
-                    "cached": b.block_hash is not None} for b in manager.pool.blocks],
-        "free_order": list(manager.pool.free),
-    }
+    return {"block_size": manager.block_size, "free_order": list(manager.pool.free),
+            "seqs": {s.seq_id: {"table": list(s.block_table), "num_tokens": len(s.token_ids)}
+                     for s in manager.seqs.values()},
+            "blocks": [{"id": b.block_id, "ref_count": b.ref_count, "cached": b.block_hash is not None}
+                       for b in manager.pool.blocks]}
 
 
-def fig_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] | None = None) -> Figure:
+def fig_block_tables(state: dict, title: str = "") -> Figure:
     """Sequences x logical blocks (physical id, colour = ref count), and the pool with its LRU order."""
     bs, seqs, blocks = state["block_size"], state["seqs"], state["blocks"]
-    width = max([len(s["table"]) for s in seqs.values()] + [1])
-    per_row = min(len(blocks), 16)
+    width, per_row = max([len(s["table"]) for s in seqs.values()] + [1]), min(len(blocks), 16)
     pool_rows = cdiv(len(blocks), per_row)
-    fig, (ax, axp) = plt.subplots(
-        2, 1, figsize=(max(6.0, 0.55 * max(width, per_row) + 2), 0.5 * (len(seqs) + pool_rows) + 2.4),
-        gridspec_kw={"height_ratios": [max(len(seqs), 1), pool_rows]})
+    fig, (ax, axp) = plt.subplots(2, 1, figsize=(max(6.0, 0.55 * max(width, per_row) + 2),
+                                                 0.5 * (len(seqs) + pool_rows) + 2.4),
+                                  gridspec_kw={"height_ratios": [max(len(seqs), 1), pool_rows]})
     for row, s in enumerate(seqs.values()):
         y = len(seqs) - 1 - row
         for j, pid in enumerate(s["table"]):
-            fill = min(bs, s["num_tokens"] - j * bs) / bs
-            ax.add_patch(Rectangle((j, y), 1, 0.8, facecolor="white", edgecolor="black"))
-            ax.add_patch(Rectangle((j, y), fill, 0.8, facecolor=_ref_color(blocks[pid]["ref_count"]), edgecolor="none"))
+            fill = min(bs, s["num_tokens"] - j * bs) / bs  # the shaded part: slots written
+            ax.add_patch(Rectangle((j, y), fill, 0.8, facecolor=_color(blocks[pid]["ref_count"]), edgecolor="none"))
             ax.add_patch(Rectangle((j, y), 1, 0.8, facecolor="none", edgecolor="black"))
             ax.text(j + 0.5, y + 0.4, str(pid), ha="center", va="center", fontsize=8)
-    ax.set_yticks([len(seqs) - 1 - r + 0.4 for r in range(len(seqs))],
-                  [(labels or {}).get(s, str(s)) for s in seqs])
-    ax.set_xlim(0, max(width, 1))
-    ax.set_ylim(-0.2, max(len(seqs), 1))
-    ax.set_xlabel(f"logical block (block size {bs} tokens; shaded part = slots written)")
-    ax.set_title(title or "block tables: cell text = physical block id, colour = ref count")
+    ax.set_yticks([len(seqs) - 1 - r + 0.4 for r in range(len(seqs))], [str(s) for s in seqs])
+    ax.set(xlim=(0, width), ylim=(-0.2, max(len(seqs), 1)),
+           xlabel=f"logical block (block size {bs} tokens; shaded part = slots written)",
+           title=title or "block tables: cell text = physical block id, colour = ref count")
     rank = {b: i + 1 for i, b in enumerate(state["free_order"])}
     for b in blocks:
-        x, y = b["id"] % per_row, pool_rows - 1 - b["id"] // per_row
-        free = b["ref_count"] == 0
-        color = (CACHED_FREE if b["cached"] else "white") if free else _ref_color(b["ref_count"])
+        x, y, free = b["id"] % per_row, pool_rows - 1 - b["id"] // per_row, b["ref_count"] == 0
         victim = free and rank.get(b["id"]) == 1
-        axp.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor=color, edgecolor="red" if victim else "black",
-                                linewidth=2.5 if victim else 0.8))
+        axp.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor=_color(b["ref_count"], b["cached"]),
+                                edgecolor="red" if victim else "black", linewidth=2.5 if victim else 0.8))
         axp.text(x + 0.45, y + 0.55, str(b["id"]), ha="center", va="center", fontsize=8)
         if free:
             axp.text(x + 0.45, y + 0.18, f"LRU{rank[b['id']]}", ha="center", va="center", fontsize=6)
-    axp.set_xlim(0, per_row)
-    axp.set_ylim(-0.1, pool_rows)
-    axp.set_yticks([])
-    axp.set_xticks([])
+    axp.set(xlim=(0, per_row), ylim=(-0.1, pool_rows), xticks=[], yticks=[])
     axp.set_title("physical pool: LRUk = k-th in the free list (red edge = next victim)", fontsize=9)
-    handles = [Patch(facecolor=_ref_color(r), edgecolor="black", label=f"ref {r}" + ("+" if r == 4 else ""))
+    handles = [Patch(facecolor=_color(r), edgecolor="black", label=f"ref {r}" + ("+" if r == 4 else ""))
                for r in range(1, 5)]
     handles += [Patch(facecolor=CACHED_FREE, edgecolor="black", label="free, still cached"),
                 Patch(facecolor="white", edgecolor="black", label="free, empty")]
@@ -167,87 +153,33 @@ def fig_block_tables(state: dict, title: str = "", labels: dict[Hashable, str] |
     return fig
 
 
-def fig_block_size_sweep(rows: list[dict], title: str = "") -> Figure:
-    """Hit rate, wasted slots, hash calls and miss reasons against block size (one row per size)."""
-    bs = [r["block_size"] for r in rows]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
-    (a, b), (c, d) = axes
-    a.plot(bs, [100 * r["hit_rate"] for r in rows], "o-")
-    a.set(ylabel="prefix-cache hit rate (% of prompt tokens)", title="hit rate")
-    b.plot(bs, [r["wasted_slots_mean"] for r in rows], "o-", color="C1")
-    b.set(ylabel="empty slots (mean per step)", title="wasted slots in partial blocks")
-    c.plot(bs, [r["hashed_blocks"] for r in rows], "o-", color="C2", label="hash calls")
-    c.plot(bs, [r["hashed_tokens"] for r in rows], "s--", color="C3", label="tokens hashed")
-    c.set(yscale="log", ylabel="count (log scale)", title="hash work")
-    c.legend(fontsize=8)
-    bottom = [0.0] * len(rows)
-    for reason, color in (("short", "C4"), ("no_prefix", "C5"), ("evicted", "C6")):
-        vals = [100 * r[f"miss_{reason}"] / r["query_tokens"] for r in rows]
-        d.bar([str(x) for x in bs], vals, bottom=bottom, color=color, label=reason)
-        bottom = [p + v for p, v in zip(bottom, vals, strict=True)]
-    d.set(ylabel="missed prompt tokens (%)", title="why tokens missed", xlabel="block size (tokens)")
-    d.legend(fontsize=8)
-    for ax in (a, b, c):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("block size (tokens)")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title or "block-size sweep at a fixed KV capacity")
-    fig.tight_layout()
-    return fig
-
-
-def fig_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
-    """The article's three requests run to the end; the last state drawn (a refusal is shown, not raised)."""
-    from kvlab.cache.block_manager import NoFreeBlocksError
-    from kvlab.lessons.traces import three_requests
-
-    caption, manager = "", None
-    try:
-        for step in three_requests(block_size, num_blocks):
-            caption, manager = step
-    except NoFreeBlocksError as err:
-        caption = f"refused: {err}"
-    if manager is None:  # even the first request did not fit
-        manager = BlockManager(num_blocks, block_size)
-    s = manager.stats()
-    title = (textwrap.fill(f"block size {block_size}, {num_blocks} blocks — {caption}", 80) + "\n"
-             f"hit rate {100 * s['hit_rate']:.0f}%, {s['num_free_blocks']} free, "
-             f"{s['num_cached_blocks']} cached, wasted slots {s['wasted_slots']}")
-    return fig_block_tables(block_state(manager), title)
-
-
 def fig_logical_physical(manager: BlockManager, labels: dict[Hashable, str] | None = None) -> Figure:
     """Each sequence's logical blocks (left) and the physical pool (right), one line per block-table entry."""
-    seqs = list(manager.seqs.values())
-    pool = manager.pool.blocks
-    rows = sum(len(s.block_table) for s in seqs) + len(seqs) - 1
-    height = max(rows, len(pool))
+    seqs, pool = list(manager.seqs.values()), manager.pool.blocks
+    height = max(sum(len(s.block_table) for s in seqs) + len(seqs) - 1, len(pool))
     fig, ax = plt.subplots(figsize=(7.0, 0.28 * height + 1.6))
-    scale = height / max(len(pool), 1)
-    y = height
+    scale, y = height / max(len(pool), 1), height
     for s in seqs:
         name = (labels or {}).get(s.seq_id, str(s.seq_id))
         for j, pid in enumerate(s.block_table):
             y -= 1
             ax.add_patch(Rectangle((0, y), 1.4, 0.8, facecolor="#c6dbef", edgecolor="black"))
             ax.text(0.7, y + 0.4, f"{name} · {j}", ha="center", va="center", fontsize=7)
-            py = height - (pid + 1) * scale + 0.4 * scale
-            ax.plot([1.4, 3.6], [y + 0.4, py], color="grey", lw=0.8, gid=f"map {s.seq_id} {j} {pid}")
+            ax.plot([1.4, 3.6], [y + 0.4, height - (pid + 0.6) * scale], color="grey", lw=0.8,
+                    gid=f"map {s.seq_id} {j} {pid}")
         y -= 1
     for b in pool:
         py = height - (b.block_id + 1) * scale
-        color = _ref_color(b.ref_count) if b.ref_count else (CACHED_FREE if b.block_hash is not None else "white")
-        ax.add_patch(Rectangle((3.6, py), 1.0, 0.8 * scale, facecolor=color, edgecolor="black"))
+        ax.add_patch(Rectangle((3.6, py), 1.0, 0.8 * scale, facecolor=_color(b.ref_count, b.block_hash is not None),
+                               edgecolor="black"))
         ax.text(4.1, py + 0.4 * scale, f"{b.block_id}", ha="center", va="center", fontsize=7)
         ax.text(4.7, py + 0.4 * scale, f"ref {b.ref_count}", ha="left", va="center", fontsize=6)
     ax.text(0.7, height + 0.3, "logical (sequence · block)", ha="center", fontsize=8)
     ax.text(4.1, height + 0.3, "physical pool (block id)", ha="center", fontsize=8)
-    ax.set_xlim(-0.1, 5.5)
-    ax.set_ylim(-0.2, height + 1)
+    ax.set(xlim=(-0.1, 5.5), ylim=(-0.2, height + 1))
     ax.axis("off")
     ax.set_title("block tables map logical blocks to physical ones; a shared block has several lines in\n"
-                 "(colour = ref count, as in the block-table figures; grey = free but still cached)",
-                 fontsize=9)
+                 "(colour = ref count, as in the block-table figures; grey = free but still cached)", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -256,9 +188,8 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
                    labels: dict[Hashable, str] | None = None) -> Figure:
     """Each sequence's full-block hashes as a chain (each hash takes its parent's), the salt entering its block."""
     seqs = [manager.seqs[s] for s in (seq_ids if seq_ids is not None else list(manager.seqs))]
-    width = max([len(s.block_hashes) for s in seqs] + [1])
+    width, bs = max([len(s.block_hashes) for s in seqs] + [1]), manager.block_size
     fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * width + 1.5), 1.3 * len(seqs) + 1.3))
-    bs = manager.block_size
     for r, s in enumerate(seqs):
         y = len(seqs) - 1 - r
         for j, h in enumerate(s.block_hashes):
@@ -270,11 +201,9 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
             ax.text(1.9 * j + 0.75, y + 0.22, f"tokens {j * bs}–{(j + 1) * bs - 1}"
                     + (f"\n+ salt {s.salt!r}" if salted else ""), ha="center", va="center", fontsize=6)
             if j:
-                ax.annotate("", xy=(1.9 * j, y + 0.37), xytext=(1.9 * j - 0.4, y + 0.37),
-                            arrowprops={"arrowstyle": "->"})
+                ax.annotate("", xy=(1.9 * j, y + 0.37), xytext=(1.9 * j - 0.4, y + 0.37), arrowprops={"arrowstyle": "->"})
         ax.text(-0.2, y + 0.37, (labels or {}).get(s.seq_id, str(s.seq_id)), ha="right", va="center", fontsize=8)
-    ax.set_xlim(-2.2, 1.9 * width)
-    ax.set_ylim(-0.3, len(seqs) + 0.1)
+    ax.set(xlim=(-2.2, 1.9 * width), ylim=(-0.3, len(seqs) + 0.1))
     ax.axis("off")
     ax.set_title("hash chain: a block's hash = sha256(parent hash, its tokens, extra keys); the salt (shaded) "
                  "changes\nits block's hash and so every hash after it — same tokens, no shared blocks", fontsize=9)
@@ -282,15 +211,10 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
     return fig
 
 
-# ----------------------------------------------------------------------------- build exercises 04.B: hashes, allocate
+# ----------------------------------------------------------------------------- build exercises 04.B1-B2
 
 def check_block_hashes(fn: Callable[..., list[bytes]] | None) -> Verdict:
-    """Build exercise 04.B1: ``fn(token_ids, block_size, extra_keys)`` = the chained hashes of the full blocks.
-
-    Compared with ``kvlab.cache.hashing.hash_token_blocks`` with and without extra keys. Never raises.
-    """
-    from kvlab.cache.hashing import first_block_extra_keys, hash_block, hash_token_blocks
-
+    """Build 04.B1: ``fn(token_ids, block_size, extra_keys)`` = kvlab's ``hash_token_blocks``, with and without keys."""
     hint = ("one hash per full block: hash_block(parent, the block's tokens, extra keys), parent None for block 0 "
             "and the previous block's hash after it; the extra keys go into block 0 only")
     rng = random.Random(7)
@@ -304,70 +228,22 @@ def check_block_hashes(fn: Callable[..., list[bytes]] | None) -> Verdict:
             got = list(got) if isinstance(got, list | tuple) else got
             where = f"{n} tokens in blocks of {bs}" + (", with extra keys" if keys else "")
             if not isinstance(got, list) or len(got) != len(want):
-                return verdict(False, hint=f"{where}: expected one hash per full block, got "
-                                           f"{len(got) if isinstance(got, list) else type(got).__name__}; the partial "
+                size = len(got) if isinstance(got, list) else type(got).__name__
+                return verdict(False, hint=f"{where}: expected one hash per full block, got {size}; the partial "
                                            "tail block gets no hash")
             for i, (g, w) in enumerate(zip(got, want)):
-                if g == w:
-                    continue
                 block = tokens[i * bs:(i + 1) * bs]
-                why = ("not chained: give each block its parent's hash" if g == hash_block(None, block, ()) and i else
-                       "the extra keys belong to block 0 only" if i and g == hash_block(want[i - 1], block, keys) else
-                       "block 0 needs the extra keys" if not i and keys and g == hash_block(None, block, ()) else hint)
-                return verdict(False, hint=f"{where}: block {i}'s hash differs: {why}")
+                if g != w:
+                    why = ("not chained: give each block its parent's hash" if i and g == hash_block(None, block) else
+                           "the extra keys belong to block 0 only" if i and g == hash_block(want[i - 1], block, keys)
+                           else "block 0 needs the extra keys" if not i and keys and g == hash_block(None, block)
+                           else hint)
+                    return verdict(False, hint=f"{where}: block {i}'s hash differs: {why}")
     return verdict(True, "the same chain as kvlab's hash_token_blocks, with and without extra keys")
 
 
-class ToyBlocks:
-    """A block manager's state, small enough to write ``allocate`` against (no model, no K/V).
-
-    ``ref[b]``: block b's ref count; ``cached``: hash -> the block cached under it; ``free``: the blocks with ref
-    count 0, next to be taken first (a cached one keeps its hash until taken); ``tables``: seq id -> block ids.
-    ``take`` and ``register`` do what kvlab's ``BlockPool`` does; ``free_seq`` is ``BlockManager.free``.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.ref = [0] * num_blocks
-        self.hash_of: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.tables: dict[Hashable, list[int]] = {}
-        self._twins: dict[bytes, list[int]] = {}  # every block cached under a hash, oldest first
-
-    def take(self) -> int:
-        """The next free block, its cached contents evicted, with ref count 1."""
-        b, _ = self.free.popitem(last=False)
-        h = self.hash_of[b]
-        if h is not None:
-            twins = self._twins[h]
-            twins.remove(b)
-            if twins:
-                self.cached[h] = twins[0]
-            else:
-                del self.cached[h], self._twins[h]
-            self.hash_of[b] = None
-        self.ref[b] = 1
-        return b
-
-    def register(self, b: int, h: bytes) -> None:
-        """Cache the full block ``b`` under hash ``h`` (a block already cached under ``h`` stays the one found)."""
-        self.hash_of[b] = h
-        self._twins.setdefault(h, []).append(b)
-        self.cached.setdefault(h, b)
-
-    def free_seq(self, seq_id: Hashable) -> None:
-        """Drop a sequence's references, tail first; a block at 0 joins the free list (uncached ones go first)."""
-        for b in reversed(self.tables.pop(seq_id)):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free[b] = None
-                if self.hash_of[b] is None:
-                    self.free.move_to_end(b, last=False)
-
-
 def reference_allocate(blocks: ToyBlocks, seq_id: Hashable, token_ids: list[int], hashes: list[bytes]) -> int:
-    """kvlab's allocate on a ``ToyBlocks``: reuse the longest cached prefix (never the last token), take the rest."""
+    """The solution of build 04.B2: reuse the longest cached prefix (never the last token), take the rest."""
     bs, n, table = blocks.block_size, len(token_ids), []
     for h in hashes[: (n - 1) // bs]:
         b = blocks.cached.get(h)
@@ -386,74 +262,16 @@ def reference_allocate(blocks: ToyBlocks, seq_id: Hashable, token_ids: list[int]
     return hits * bs
 
 
-def block_trace(n_ops: int = 40, block_size: int = 4, num_blocks: int = 24, seed: int = 0) -> list[tuple]:
-    """A trace of ``("allocate", seq id, tokens)`` and ``("free", seq id)`` on the article's prompts, with repeats
-    and a pool small enough to evict; every allocation fits (checked on a real ``BlockManager``)."""
-    from kvlab.lessons.traces import ARTICLE_QUESTIONS, SYSTEM_PROMPTS, toy_tokenize
-
-    rng = random.Random(seed)
-    m, ops, live = BlockManager(num_blocks, block_size), [], []
-    for k in range(n_ops):
-        lang = rng.choice(("zh", "en"))
-        prompt = toy_tokenize(SYSTEM_PROMPTS[lang]) + toy_tokenize(rng.choice(ARTICLE_QUESTIONS[lang]))
-        prompt = prompt[: rng.randint(len(prompt) // 2, len(prompt))] + [rng.randrange(5000)] * rng.randint(0, 5)
-        if ops and rng.random() < 0.3:  # the same prompt again, as the article's second request
-            prompt = list(rng.choice([op[2] for op in ops if op[0] == "allocate"]))
-        while live and (len(live) >= 3 or rng.random() < 0.3 or not m.can_allocate(prompt)):
-            seq = live.pop(rng.randrange(len(live)))
-            m.free(seq)
-            ops.append(("free", seq))
-        m.allocate(f"r{k}", prompt)
-        live.append(f"r{k}")
-        ops.append(("allocate", f"r{k}", prompt))
-    return ops
-
-
-def replay_against_block_manager(allocate: Callable[..., int], hashes: Callable[..., list[bytes]], ops: list[tuple],
-                                 block_size: int = 4, num_blocks: int = 24) -> tuple[list[dict], str | None]:
-    """Replay ``ops`` on kvlab's ``BlockManager`` and on a ``ToyBlocks`` run by ``allocate``: one row per step, and
-    what first went wrong (None when every step had the same hits, block table and free blocks). May raise."""
-    m, toy, rows = BlockManager(num_blocks, block_size), ToyBlocks(num_blocks, block_size), []
-    for op in ops:
-        if op[0] == "free":
-            m.free(op[1])
-            toy.free_seq(op[1])
-            got = want = None
-        else:
-            _, seq, tokens = op
-            want = m.allocate(seq, tokens)
-            got = allocate(toy, seq, list(tokens), list(hashes(tokens, block_size, ())))
-        rows.append({"step": op[0], "seq": op[1], "tokens": len(op[2]) if len(op) > 2 else None,
-                     "cached (ToyBlocks)": got, "cached (BlockManager)": want,
-                     "free (ToyBlocks)": len(toy.free), "free (BlockManager)": m.num_free_blocks})
-        at = f"step {len(rows) - 1} ({op[0]} {op[1]!r}" + (f", {len(op[2])} tokens)" if len(op) > 2 else ")")
-        if got != want:
-            why = ("stop at the first miss, and never take the block of the last prompt token from the cache"
-                   if isinstance(got, int) and got > want else "a cached block whose ref count is 0 (in blocks.free) "
-                   "is still a hit" if isinstance(got, int) else "return the number of cached tokens")
-            return rows, f"{at}: you report {got!r} cached tokens, kvlab's BlockManager {want}: {why}"
-        if op[0] == "allocate" and toy.tables.get(op[1]) != m.block_table(op[1]):
-            return rows, (f"{at}: block table {toy.tables.get(op[1])} but kvlab's is {m.block_table(op[1])}: the hits "
-                          "first, then one blocks.take() per remaining block, in order, stored in blocks.tables")
-        if len(toy.free) != m.num_free_blocks:
-            return rows, (f"{at}: {len(toy.free)} free blocks, kvlab's BlockManager has {m.num_free_blocks}: a hit "
-                          "adds one reference, and a hit on a block with ref count 0 takes it out of blocks.free")
-    return rows, None
-
-
 def check_allocate(fn: Callable[..., int] | None, hashes: Callable[..., list[bytes]] | None = None) -> Verdict:
-    """Build exercise 04.B2: ``fn(blocks, seq_id, token_ids, hashes) -> cached tokens`` on a ``ToyBlocks``, replayed
-    step for step against kvlab's ``BlockManager`` (same hits, block tables and free blocks). Never raises."""
-    from kvlab.cache.hashing import hash_token_blocks
-
+    """Build 04.B2: ``fn(blocks, seq_id, token_ids, hashes)`` on a ``ToyBlocks``, replayed step for step against
+    kvlab's ``BlockManager`` (same hits, block tables and free blocks). Never raises."""
     hint = ("look up the full blocks' hashes in blocks.cached, in order, up to (n - 1) // block_size blocks, "
             "stopping at the first miss; each hit gets one more reference (and leaves blocks.free at ref count 0); "
             "take the other blocks with blocks.take(), register the full ones; store the table in blocks.tables")
     if fn is None:
         return unanswered(hint)
-    ops = block_trace()
     try:
-        rows, problem = replay_against_block_manager(fn, hashes or hash_token_blocks, ops)
+        rows, problem = replay_against_block_manager(fn, hashes or hash_token_blocks, block_trace())
     except NotImplementedError:
         return unanswered(hint)
     except Exception as err:  # the reader's code may fail in any way
