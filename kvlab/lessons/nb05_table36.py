@@ -9,7 +9,6 @@ them and checks the exercises. ``real_groups`` builds the three groups in real t
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
 from typing import Any
 
 from kvlab.built.nb01 import Timing, ratio_verdict
@@ -20,8 +19,10 @@ from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verd
 from kvlab.lessons.nb03_position import token_agreement
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
 
-           "TRANSLATION", "TracingEngine", "answers_table", "bench_tables", "format_step", "groups_for",
-           "is_real_chat_model", "latest_bench", "pick_model", "real_groups", "trace_three_requests"]
+__all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "TRANSLATION", "WRONG_MODES", "answers_table", "article_table",
+           "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "evidence",
+           "fig_request_path", "fig_table36", "groups_for", "is_real_chat_model", "latest_bench", "pick_model",
+           "real_groups", "request_path", "score_row", "three_requests", "ttft_text", "ttft_verdict"]
 
 # The article's table 3.6 as it prints it: (group, policy, TTFT ms, total ms, GPU memory GB, output consistent).
 # Its claims, on Qwen1.5-7B-Chat and a GPU; kept only to print beside our measurements.
@@ -105,7 +106,7 @@ def compare_with_article(table: Any):
             ours, a_iso, a = d.loc[mode], art.get((group, "isolated")), art.get((group, mode))
             v = ttft_verdict(table, group, mode)
             rows.append({
-                "group": group, "mode": mode, "TTFT ratio, ours": v.value if v else float("nan"),
+                "group": group, "mode": mode, "TTFT ratio, ours": float("nan") if v is None else v.value,
                 "TTFT ratio, article": a[0] / a_iso[0] if a else float("nan"),
                 "latency ratio, ours (1 run)": ours["total latency (ms)"] / iso["total latency (ms)"],
                 "latency ratio, article": a[1] / a_iso[1] if a else float("nan"),
@@ -431,3 +432,17 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
                 gid="slot")
     for j in range(lo // bs, cdiv(hi, bs)):
         x0, x1 = max(j * bs, lo) - lo, min((j + 1) * bs, hi) - lo
+        ax.add_patch(Rectangle((x0, 1), x1 - x0 - 0.05, 0.6, facecolor="#fdd0a2", edgecolor="black"))
+        text = f"logical {j} → physical {table[j]}" if x1 - x0 >= 8 else f"{j}→{table[j]}"  # a cut-off block
+        ax.text((x0 + x1) / 2, 1.3, text, ha="center", va="center", fontsize=7 if x1 - x0 >= 3 else 5, gid="block")
+    for y, name in ((2.3, "token position\n(shaded: from cache)"), (1.3, "block table"),
+                    (0.3, "slot in K/V store\n= block x size + offset")):
+        ax.text(-0.4, y, name, ha="right", va="center", fontsize=8)
+    ax.set_xlim(-0.2, hi - lo)
+    ax.set_ylim(-0.2, 2.8)
+    ax.axis("off")
+    shown = "" if (lo, hi) == (0, total) else f" (positions {lo}–{hi - 1} shown)"
+    ax.set_title(f"request {path['request_id']!r}: {total} tokens, block size {bs}, "
+                 f"{cached} tokens from the cache{shown}", fontsize=10)
+    fig.tight_layout()
+    return fig

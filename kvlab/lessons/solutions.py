@@ -166,14 +166,11 @@ def ex05_2_kv_ratio(num_requests: int = 16, prefix_tokens: int = 512, private_to
 
 
 def ex05_3_position_fix():
-    """05.3: a subclass of the buggy engine that numbers the computed tokens from where they sit (cache kept on)."""
-    from kvlab.lessons.nb05_table36 import PositionRestartEngine
+    """05.3: a positions function for ``Engine(..., positions=)`` numbering the computed tokens where they sit."""
+    def fixed_positions(item):
+        return range(item.start, item.end)  # after the cached prefix, not from 0
 
-    class FixedPositions(PositionRestartEngine):
-        def _positions(self, item):
-            return range(item.start, item.end)
-
-    return FixedPositions
+    return fixed_positions
 
 # ----------------------------------------------------------------------------- 06 vLLM side by side
 

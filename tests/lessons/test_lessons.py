@@ -87,27 +87,21 @@ def test_index_sentence_compares_the_router_index_with_the_replicas_caches():
     assert "DIFFERENT on replica(s) [0]" in R.index_sentence(res, replicas)
 
 
-def test_end_of_turn_note_explains_agreement_below_one():
-    from kvlab.lessons import nb05_table36 as T
-
-    ref = [[865, 854, 854, 854], [42, 990, 52, 990]]
-    detail = {"HF generate (batch)/isolated": {"outputs": ref},
-              "kvlab/shared": {"outputs": [[865, 2, 2, 2], [42, 990, 52, 990]]}}
-    note = T.end_of_turn_note(detail, [2, 0])
-    assert "as token 2 of 4" in note and "agreement is 1.00" in note
-    assert T.end_of_turn_note({**detail, "kvlab/shared": {"outputs": ref}}, 2) == ""
-
-
 def test_decision_table_evidence_does_not_call_one_timing_run_evidence():
     from kvlab.lessons import nb05_table36 as T
 
-    rows = [{"group": g, "mode": m, "identical": 1.0, "recall": float("nan") if g == 2 else 1.0, "TTFT (ms)": t,
-             "cached tokens": 0.0, "answered A's passphrase": 0.0}
-            for g in (1, 2, 3) for m, t in (("isolated", 10.0), ("shared (correct)", 11.4), ("shared (wrong)", 8.2))]
-    one = T.evidence(pd.DataFrame(rows), repeats=1)
+    def rows(n):
+        return pd.DataFrame([{"group": g, "mode": m, "requests": 4, "identical": 1.0, "cached tokens": 0.0,
+                              "recall": float("nan") if g == 2 else 1.0, "answered A's passphrase": 0.0,
+                              "TTFT runs (ms)": (t,) * n, "ideal": 1.0 if m == "isolated" else 0.5}
+                             for g in (1, 2, 3) for m, t in (("isolated", 10.0), ("shared (correct)", 11.4),
+                                                             ("shared (wrong)", 8.2))])
+
+    one = T.evidence(rows(1))
     assert "TTFT x1.14 (1 run: a timing, not evidence)" in one["identical-prefix"]
     assert "recall nan" not in one["same-start"]
-    assert "not evidence" not in T.evidence(pd.DataFrame(rows), repeats=3)["identical-prefix"]
+    assert "not evidence" not in T.evidence(rows(3))["identical-prefix"]
+    assert "TTFT x0.82 (x0.82-x0.82 over 3 interleaved runs, ideal x0.50)" in T.evidence(rows(3))["positions-agree"]
 
 
 def test_fix_labels_tell_two_fixes_of_one_kind_apart():

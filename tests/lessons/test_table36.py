@@ -1,26 +1,24 @@
 """Named workloads and the table 3.6 modes: shapes, shared (correct) == isolated, every wrong mode disagrees.
 
-Correctness runs on the bundled model (``KVLAB_TEST_MODEL`` overrides it); the claim that each wrong
-mode changes answers is only asserted on the trained bundled model, where answers mean something.
+The modes and the run loop are notebook 05's export cells (``kvlab.built.nb05``); the scores, figures and
+checkers its lesson module. Correctness runs on the bundled model (``KVLAB_TEST_MODEL`` overrides it); the claim
+that each wrong mode changes answers is only asserted on the trained bundled model, where answers mean something.
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvlab.built import nb05 as N
+from kvlab.engine import Engine
 from kvlab.engine.models import BUNDLED_MODEL
 from kvlab.lessons import nb05_table36 as T
 from kvlab.lessons import workloads as W
 from kvlab.lessons.common import decision_table
 
 BLOCK = 16
-
-
-
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +64,8 @@ def test_seed_groups_shapes(lm, groups):
 
 
 def test_content_hash_ignores_parent_and_position():
-    assert T.content_hash(None, [1, 2, 3]) == T.content_hash(b"x" * 32, [1, 2, 3], ("model", "m"))
-    assert T.content_hash(None, [1, 2, 3]) != T.content_hash(None, [1, 2, 4])
+    assert N.content_hash(None, [1, 2, 3]) == N.content_hash(b"x" * 32, [1, 2, 3], ("model", "m"))
+    assert N.content_hash(None, [1, 2, 3]) != N.content_hash(None, [1, 2, 4])
 
 
 # --- the modes on the model ----------------------------------------------------------------------
@@ -75,7 +73,7 @@ def test_content_hash_ignores_parent_and_position():
 @pytest.fixture(scope="module")
 def measured(lm, groups):
     model, tok = lm
-    return T.table_36(model, tok, groups, repeats=1, block_size=BLOCK)
+    return N.table_36(model, tok, groups, repeats=1, block_size=BLOCK)
 
 
 def test_shared_correct_is_identical_to_isolated(measured, groups):
@@ -162,58 +160,24 @@ def test_bench_core_on_a_tiny_model():
     assert len(goals) == 6 and goals["met"].dtype == bool  # generate_batch ran: its throughput goal is in
 
 
-def test_position_bug_is_one_line_off_the_engine():
-    """The buggy engine is the engine with another positions function, differing from the default in the return line."""
-    import inspect
-
-    from kvlab.engine.engine import default_positions
-
-    own = {k for k in vars(T.PositionRestartEngine) if not k.startswith("__")}
-    assert own == {"_positions"}, own
-
-    def code(fn):  # the body, docstring and comments dropped
-        lines = [ln.split("#")[0].strip() for ln in inspect.getsource(fn).splitlines()[1:]]
-        return [ln for ln in lines if ln and not ln.startswith(('"""', "A subclass", "to run", "kvlab"))]
-
-    ours, theirs = code(T.restart_positions), code(default_positions)
-    assert ours[-1].startswith("return range(") and theirs[-1] == "return range(item.start, item.end)"
-    assert ours[-1] != theirs[-1]
+def test_position_bug_numbers_the_computed_tokens_from_zero():
+    """restart_positions: a request with a cache hit computes its tokens at 0, 1, ...; one without is unaffected."""
+    hit = SimpleNamespace(start=32, end=40, seq=SimpleNamespace(num_cached_tokens=32))
+    miss = SimpleNamespace(start=0, end=40, seq=SimpleNamespace(num_cached_tokens=0))
+    decode = SimpleNamespace(start=45, end=46, seq=SimpleNamespace(num_cached_tokens=32))
+    assert N.restart_positions(hit) == range(0, 8) and N.restart_positions(miss) == range(0, 40)
+    assert N.restart_positions(decode) == range(13, 14)  # every later token of the request too
 
 
 def test_position_fix_checker(lm, groups):
     model, tok = lm
-
-    class Fixed(T.PositionRestartEngine):
-        def _positions(self, item):
-            return range(item.start, item.end)
-
-    assert T.check_position_fix(Fixed, model, tok, groups[1])
     assert T.check_position_fix(lambda item: range(item.start, item.end), model, tok, groups[1])
-    assert not T.check_position_fix(T.restart_positions, model, tok, groups[1])
+    assert not T.check_position_fix(N.restart_positions, model, tok, groups[1])
     assert not T.check_position_fix(None, model, tok, groups[1])
+    assert "raised ZeroDivisionError" in str(T.check_position_fix(lambda item: 1 / 0, model, tok, groups[1]))
 
 
 # --- notebook 05's opened engine, real-text groups, recorded benchmark ------------------------------------------
-
-def test_traced_step_shows_block_tables_slots_and_hits(lm, groups):
-    model, tok = lm
-    g1 = groups[1]
-    first, same = g1.prompts[0], g1.prompts[6]  # question 0 and question 1 of the same system prompt
-    steps = T.trace_three_requests(model, tok, [same, g1.prompts[1], g1.prompts[2]], first, block_size=BLOCK)
-    prefill, decode = steps[0], steps[1]
-    assert [r["kind"] for r in prefill["rows"]] == ["prefill"] * 3 and [r["kind"] for r in decode["rows"]] == ["decode"] * 3
-    hit = prefill["rows"][0]
-    shared = g1.meta[0]["prefix_tokens"] // BLOCK
-    assert len(hit["hit blocks"]) >= min(shared, 1) and hit["cached tokens"] == len(hit["hit blocks"]) * BLOCK
-    assert hit["query rows"] == len(same) - hit["cached tokens"] and hit["positions"] == (hit["cached tokens"], len(same))
-    # the slot mapping puts each new token at block_table[pos // B] * B + pos % B
-    s, e = hit["positions"]
-    assert prefill["slot_mapping"][: e - s] == [hit["block table"][p // BLOCK] * BLOCK + p % BLOCK for p in range(s, e)]
-    assert len(prefill["slot_mapping"]) == sum(r["query rows"] for r in prefill["rows"])
-    text = T.format_step(prefill, BLOCK)
-    assert "prefix-cache hits" in text and "slot mapping" in text
-    assert T._runs([3, 4, 5, 9]) == "3..5, 9"
-
 
 def test_pick_model_and_bench_record(tmp_path):
     import json
@@ -224,9 +188,8 @@ def test_pick_model_and_bench_record(tmp_path):
     assert T.latest_bench("smollm2", path) is None
     path.write_text(json.dumps({"model": {"config": "smollm2"}, "workload": {"prefix_tokens": 512},
                                 "systems": [{"system": "kvlab", "mode": "shared", "error": None}], "ratios": []}))
-    report = T.latest_bench("smollm2", path)
-    assert report and T.latest_bench(None, path) is None
-    table, _ = T.bench_tables(report)
+    report, table, _ = T.latest_bench("smollm2", path)
+    assert report["path"] == str(path) and T.latest_bench(None, path) is None
     assert table["error"].tolist() == [""]
 
 
@@ -247,30 +210,38 @@ def test_real_groups_on_a_chatml_tokenizer(lm):
 
 def test_content_keyed_cache_goes_in_through_the_engines_cache_argument(lm):
     model, tok = lm
-    engine = T.content_keyed_engine(model, tok, num_blocks=16, block_size=BLOCK)
+    engine = Engine(model, tok, cache=N.ContentKeyedBlockManager(16, BLOCK))
     bm = engine.block_manager
-    assert isinstance(bm, T.ContentKeyedBlockManager) and isinstance(bm.pool, T.ContentKeyedPool)
-    assert engine.scheduler.block_manager is bm and bm.hash_fn is T.content_hash
+    assert isinstance(bm, N.ContentKeyedBlockManager) and isinstance(bm.pool, N.ContentKeyedPool)
+    assert engine.scheduler.block_manager is bm and bm.hash_fn is N.content_hash
     # the bug itself: the same 16 tokens hit after another first block (no parent in the key)
     a, b = list(range(1, 17)), list(range(40, 56))
-    engine.generate([b + a + [7]], T.SamplingParams(max_tokens=1))
-    out = engine.generate([a + [9]], T.SamplingParams(max_tokens=1))
+    engine.generate([b + a + [7]], N.SamplingParams(max_tokens=1))
+    out = engine.generate([a + [9]], N.SamplingParams(max_tokens=1))
     assert out[0].num_cached_tokens == BLOCK
 
 
 def test_timing_repeats_give_a_spread_and_evidence_says_how_many_runs(lm):
     model, tok = lm
     small = W.seed_groups(tok, n=2, block_size=BLOCK, max_tokens=2)
-    table, runs = T.table_36(model, tok, small, repeats=3, block_size=BLOCK, timed=[1], warmup=False)
+    table, runs = N.table_36(model, tok, small, repeats=3, block_size=BLOCK, timed=[1])
     d = table.set_index(["group", "mode"])
     assert (d.loc[1, "timed runs"] == 3).all() and (d.loc[2, "timed runs"] == 0).all()
     assert all(len(r) == 3 for r in d.loc[1, "TTFT runs (ms)"])
     t1 = d.loc[1]
     assert (t1["TTFT min (ms)"] <= t1["TTFT (ms)"]).all() and (t1["TTFT (ms)"] <= t1["TTFT max (ms)"]).all()
     assert d.loc[2, ["TTFT (ms)", "total latency (ms)", "peak KV (KiB)"]].isna().all().all()  # answers only
-    assert len(T.ttft_ratios(table, 1, "shared (correct)")) == 3
+    v = T.ttft_verdict(table, 1, "shared (correct)")  # one definition: the ratio of the medians, the guard's range
+    assert v.value == pytest.approx(t1.loc["shared (correct)", "TTFT (ms)"] / t1.loc["isolated", "TTFT (ms)"])
+    assert v.lo <= v.value <= v.hi and 0 < t1.loc["shared (correct)", "ideal"] < 1 == t1.loc["isolated", "ideal"]
+    cmp = T.compare_with_article(table).set_index(["group", "mode"])
+    assert cmp.loc[(1, "shared (correct)"), "TTFT ratio, ours"] == v.value  # the table and the sentence agree
+    text = T.ttft_text(table, 1, "shared (correct)")
+    assert (f"TTFT x{v.value:.2f} (x{v.lo:.2f}-x{v.hi:.2f} over 3 interleaved runs" in text) == v.ok
+    assert v.ok or "re-run" in text
+    assert T.ttft_verdict(table, 2, "shared (wrong)") is None
     ev = T.evidence(table)
-    assert "over 3 paired runs" in ev["identical-prefix"] and "not evidence" not in ev["identical-prefix"]
+    assert text in ev["identical-prefix"]
     assert "TTFT" not in ev["overlap-different-start"] and "requests: " in ev["overlap-different-start"]
     # the answers-only isolated row ran without the donors, the scored requests all have outputs
     iso2 = runs[(2, "isolated")]["outputs"]
