@@ -2,7 +2,7 @@
 
     python scripts/bench_doctor.py [--requests 10000] [--unique] [--smoke]
 
-Writes the log (``kvlab.lessons.doctor_log.make_log``, the same generator notebook 08 uses, sized up) to
+Writes the log (``kvlab.doctor.sample_log.make_log``, the same generator notebook 08 uses, sized up) to
 ``build/bench/doctor_log.jsonl``, runs ``python -m kvlab.doctor`` on it in a fresh process (so the
 tokenizer load and every import are counted), and writes the wall time, the doctor's own phase times
 and the prompt sizes to ``build/bench/doctor.json``. ``--unique`` instead makes every prompt a
@@ -33,7 +33,7 @@ OUT = ROOT / "build" / "bench"
 def make(requests: int, unique: bool, seed: int = 0) -> list[dict]:
     """A chat log of about ``requests`` requests (two apps, multi-turn), or unique plain prompts."""
     sys.path.insert(0, str(ROOT))
-    from kvlab.lessons.doctor_log import SENTENCES, make_log
+    from kvlab.doctor.sample_log import SENTENCES, make_log
 
     if unique:
         rng = random.Random(seed)

@@ -22,6 +22,7 @@ sim-vs-Ray check relies on this). ``EngineReplica`` wraps a real ``Engine``. ``r
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Hashable, Sequence
@@ -333,6 +334,24 @@ def ray_available() -> bool:
     return True
 
 
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropRayTokenNotice(logging.Filter):
+    """Drops Ray's one-line notice that a new local cluster uses token authentication (its default)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_TOKEN_NOTICE)
+
+
+def quiet_ray_token_notice() -> None:
+    """Silence that notice only (a reader takes it for an error). Setting ``RAY_AUTH_MODE=token`` instead
+    (Ray's advice) made ``ray.init`` fail with InvalidAuthToken, so Ray keeps its default."""
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropRayTokenNotice) for f in log.filters):
+        log.addFilter(_DropRayTokenNotice())
+
+
 def start_ray(num_cpus: int | None = 2, address: str | None = None, **kwargs: Any) -> None:
     """``ray.init`` for kvlab: a local instance (``num_cpus``, no dashboard) or an existing cluster (``address``).
 
@@ -344,6 +363,7 @@ def start_ray(num_cpus: int | None = 2, address: str | None = None, **kwargs: An
     variables are used. On a busy machine the raylet can give up waiting (about 30 s, not configurable in Ray
     2.60) for its dashboard agent to report its port, even when the port is fixed (``ray start
     --dashboard-agent-listen-port``); the start is then tried again, three times in all.
+    Ray's notice that a local cluster uses token authentication is silenced (``quiet_ray_token_notice``).
     """
     import ray
 
@@ -352,6 +372,7 @@ def start_ray(num_cpus: int | None = 2, address: str | None = None, **kwargs: An
     if address is not None:
         ray.init(address=address, **kwargs)
         return
+    quiet_ray_token_notice()
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")

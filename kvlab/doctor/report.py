@@ -271,19 +271,35 @@ def fig_divergence(d: Any):
     return fig
 
 
+def fix_labels(chain: list[dict]) -> list[str]:
+    """One label per step of the fix chain; a kind that occurs twice is told apart by its field or title."""
+    kinds = [r["kind"] for r in chain]
+    out = []
+    for k, r in enumerate(chain):
+        if k == 0:
+            out.append("as logged")
+        elif kinds.count(r["kind"]) == 1:
+            out.append(f"+ {r['kind']}")
+        else:
+            what = r["step"].rsplit(": ", 1)[-1].strip() if ": " in r["step"] else r["step"]
+            out.append(f"+ {r['kind']}: {what[:28]}")
+    return out
+
+
 def fig_fixes(d: Any):
-    """Hit rate after each fix, applied one after the other."""
+    """Hit rate after each fix, applied one after the other; two fixes of one kind labelled apart."""
     import matplotlib.pyplot as plt
     data = d if isinstance(d, dict) else d.data()  # a Diagnosis or its data()
     if len(chain := data["chain"]) < 2:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 0.5 + 0.42 * len(chain)))
+    fig, ax = plt.subplots(figsize=(7.2, 0.8 + 0.42 * len(chain)))
     vals = [100 * r[f"{data['cap_key']}_hit_rate"] for r in chain]
     ax.barh(range(len(vals)), vals, color=["0.6"] + ["C0"] * (len(vals) - 1))
     for y, v in enumerate(vals):
         ax.text(v + 0.5, y, f"{v:.1f} %", va="center", fontsize=8)
-    ax.set_yticks(range(len(vals)), [("as logged" if k == 0 else f"+ {r['kind']}") for k, r in enumerate(chain)])
+    ax.set_yticks(range(len(vals)), fix_labels(chain))
     ax.invert_yaxis()
-    ax.set(xlabel=f"hit rate (%), block size {data['block_size']}", xlim=(0, 105),
+    ax.set(xlabel=f"hit rate (%), block size {data['block_size']}", xlim=(0, 110),
            title="fixes applied one after the other")
+    fig.tight_layout()
     return fig

@@ -365,16 +365,17 @@ def test_nb10_checkers_and_solutions():
 
 
 def test_nb10_record_round_trip_and_table_rows(tmp_path):
+    from kvlab.built import nb10 as B
     from kvlab.lessons import nb10_audit as L
 
-    assert L.load_record(tmp_path) is None
-    L.save_record({"rows": [{"p-value": 0.5}], "model": "m"}, tmp_path)
-    rec = L.load_record(tmp_path)
+    assert B.load_record(tmp_path) is None
+    B.save_record({"rows": [{"p-value": 0.5}], "model": "m"}, tmp_path)
+    rec = B.load_record(tmp_path)
     assert rec["rows"] == [{"p-value": 0.5}] and rec["recorded_at"] and rec["path"].endswith("audit_vllm.json")
-    rows = L.table_rows({m: URL for m in L.MODES}, "m", "System: a b\n")
+    rows = B.table_rows({m: URL for m in L.MODES}, "m", "System: a b\n")
     assert len(rows) == 9 and sum(r.expect for r in rows) == 5
     assert {r.attacker.cache_salt for r in rows if r.isolation == "per-user cache_salt"} == {"carol", "bob"}
-    assert [r.expect for r in L.vllm_rows(URL, "m")] == [True, False]
+    assert [r.expect for r in B.vllm_rows(URL, "m")] == [True, False]
 
 
 def test_notebook_10_exercises_start_blank():
@@ -409,8 +410,8 @@ def _vllm_missing() -> str | None:
 def test_vllm_serve_shares_without_cache_salt_and_not_with_per_user_salts(tmp_path):
     """The notebook's live vLLM path (start, audit, record), on the bundled model folder; about a minute of start-up."""
     from kvlab.audit.local import start_vllm
+    from kvlab.built import nb10 as L
     from kvlab.engine.models import BUNDLED_MODEL
-    from kvlab.lessons import nb10_audit as L
 
     server = start_vllm(BUNDLED_MODEL, max_model_len=1024)
     try:

@@ -56,9 +56,9 @@ def test_share_word_names_all_most_half_and_none():
 
 
 def test_policy_sentences_name_a_tie_instead_of_one_policy():
-    from kvlab.lessons import nb09_routing as R
+    from kvlab.built import nb09 as R
 
-    df = pd.DataFrame([{"policy": p, "replicas": 2, "hit_rate": h, "ttft_p99": 0.03, "imbalance": 1.0}
+    df = pd.DataFrame([{"policy": p, "replicas": 2, "hit_rate": h, "ttft_p99": 0.03, "ttft_mean": 0.01, "imbalance": 1.0}
                        for p, h in (("round_robin", 0.824), ("least_loaded", 0.824), ("kv_aware", 0.824),
                                     ("prefix_tree", 0.882))])
     line = R.policy_sentences(df)[0]
@@ -67,7 +67,7 @@ def test_policy_sentences_name_a_tie_instead_of_one_policy():
 
 
 def test_weight_sentence_reads_the_whole_sweep_not_its_two_ends():
-    from kvlab.lessons import nb09_routing as R
+    from kvlab.built import nb09 as R
 
     df = pd.DataFrame({"weight": [0, 0.25, 1, 4, 16], "hit_rate": [0.68, 0.76, 0.79, 0.808, 0.804],
                        "imbalance": [1.636, 1.245, 1.343, 2.0, 2.27]})
@@ -79,9 +79,10 @@ def test_weight_sentence_reads_the_whole_sweep_not_its_two_ends():
 
 
 def test_index_sentence_compares_the_router_index_with_the_replicas_caches():
-    from kvlab.lessons import nb09_routing as R
+    from kvlab.built import nb09 as R
+    from kvlab.lessons.nb09_routing import chat_workload
 
-    res, replicas = R.simulate_with_replicas(R.chat_workload(True, 0), 2, "kv_aware", num_blocks=64)
+    res, replicas = R.simulate_with_replicas(chat_workload(True, 0), 2, "kv_aware", num_blocks=64)
     assert "the same hashes on every replica" in R.index_sentence(res, replicas)
     replicas[0].block_manager.pool.cached.clear()  # a replica that lost its cache behind the router's back
     assert "DIFFERENT on replica(s) [0]" in R.index_sentence(res, replicas)
@@ -105,7 +106,7 @@ def test_decision_table_evidence_does_not_call_one_timing_run_evidence():
 
 
 def test_fix_labels_tell_two_fixes_of_one_kind_apart():
-    from kvlab.lessons import nb08_doctor as D
+    from kvlab.doctor import report as D
 
     chain = [{"step": "as logged", "kind": ""},
              {"step": "per-request field (timestamp) in system message: Current time:", "kind": "volatile"},
@@ -181,10 +182,10 @@ def test_layer_error_figure_leaves_room_around_its_y_label_and_thins_30_layer_ti
 def test_rays_token_notice_is_filtered_and_nothing_else():
     import logging
 
-    from kvlab.lessons import nb09_routing as R
+    from kvlab.cluster import replica as R
 
-    R._quiet_ray_token_notice()
-    R._quiet_ray_token_notice()  # twice: still one filter
+    R.quiet_ray_token_notice()
+    R.quiet_ray_token_notice()  # twice: still one filter
     log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     assert sum(isinstance(f, R._DropRayTokenNotice) for f in log.filters) == 1
 

@@ -1,4 +1,4 @@
-"""A realistic request log with the dynamic content the article's 4.3 and 5.4 warn about.
+"""A realistic request log to try the doctor on: the dynamic content the article's 4.3 and 5.4 warn about.
 
 Two apps share one server:
 
@@ -12,8 +12,9 @@ Two apps share one server:
   sends its tools in a different order every time; the conversation keeps only the last two
   exchanges (a sliding window), so the history is rebuilt on every turn.
 
-``make_log`` returns JSON-able dicts in arrival order and ``truth``, what was planted where, so tests
-and the notebook can check what the doctor finds.
+``make_log`` returns JSON-able dicts in arrival order and ``truth``, what was planted where, so tests,
+benchmarks (scripts/bench_doctor.py) and notebook 08 can check what the doctor finds; write it with
+``kvlab.doctor.logio`` or as JSON lines and run ``python -m kvlab.doctor`` on it.
 """
 
 from __future__ import annotations
