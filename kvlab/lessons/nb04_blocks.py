@@ -1,4 +1,4 @@
-"""Notebook 04 (the paged block manager): exercise checkers, the block figures (``fig_*``), the build solution.
+"""Notebook 04 (the paged block manager): exercise checkers and the block figures (``fig_*``).
 
 A checker runs the reader's function against kvlab's ``BlockManager`` and returns a ``Verdict``; it never raises.
 ``ToyBlocks`` and the step-by-step replay are written in notebook 04 (``kvlab.built.nb04``).
@@ -18,15 +18,15 @@ from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.hashing import first_block_extra_keys, hash_block, hash_token_blocks
 from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
+from kvlab.lessons.solutions import build_04_allocate as reference_allocate  # the worked solution of 04.B2
 from kvlab.lessons.traces import replay, timestamp_trace
 
 __all__ = ["ToyBlocks", "block_state", "block_trace", "check_allocate", "check_block_hashes", "check_cached_tokens",
            "check_find_leaks", "check_timestamp_prompt", "fig_block_tables", "fig_hash_chain", "fig_logical_physical",
-           "reference_allocate", "replay_against_block_manager"]
+           "reference_allocate", "replay_against_block_manager"]  # ToyBlocks, the replay: notebook 04's cells
 
 
 # ----------------------------------------------------------------------------- exercises 04.1-3
-
 def check_cached_tokens(predict: Callable[[int, int], int] | None) -> Verdict:
     """Exercise 04.1: ``predict(n, block_size)`` = cached tokens when an identical n-token prompt repeats."""
     hint = "only whole blocks are cached, and the last prompt token is always computed again"
@@ -94,7 +94,6 @@ def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], li
 
 
 # ----------------------------------------------------------------------------- figures
-
 REF_COLORS = ["#ffffff", "#9ecae1", "#fdae6b", "#e6550d", "#a63603"]  # ref count 0, 1, 2, 3, >=4
 CACHED_FREE = "#d9d9d9"
 
@@ -212,7 +211,6 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
 
 
 # ----------------------------------------------------------------------------- build exercises 04.B1-B2
-
 def check_block_hashes(fn: Callable[..., list[bytes]] | None) -> Verdict:
     """Build 04.B1: ``fn(token_ids, block_size, extra_keys)`` = kvlab's ``hash_token_blocks``, with and without keys."""
     hint = ("one hash per full block: hash_block(parent, the block's tokens, extra keys), parent None for block 0 "
@@ -240,26 +238,6 @@ def check_block_hashes(fn: Callable[..., list[bytes]] | None) -> Verdict:
                            else hint)
                     return verdict(False, hint=f"{where}: block {i}'s hash differs: {why}")
     return verdict(True, "the same chain as kvlab's hash_token_blocks, with and without extra keys")
-
-
-def reference_allocate(blocks: ToyBlocks, seq_id: Hashable, token_ids: list[int], hashes: list[bytes]) -> int:
-    """The solution of build 04.B2: reuse the longest cached prefix (never the last token), take the rest."""
-    bs, n, table = blocks.block_size, len(token_ids), []
-    for h in hashes[: (n - 1) // bs]:
-        b = blocks.cached.get(h)
-        if b is None:
-            break
-        if blocks.ref[b] == 0:
-            del blocks.free[b]
-        blocks.ref[b] += 1
-        table.append(b)
-    hits = len(table)
-    for i in range(hits, cdiv(n, bs)):
-        table.append(blocks.take())
-        if i < len(hashes):
-            blocks.register(table[-1], hashes[i])
-    blocks.tables[seq_id] = table
-    return hits * bs
 
 
 def check_allocate(fn: Callable[..., int] | None, hashes: Callable[..., list[bytes]] | None = None) -> Verdict:

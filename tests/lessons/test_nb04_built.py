@@ -26,11 +26,26 @@ def test_toyblocks_replay_matches_the_block_manager_and_catches_a_wrong_allocate
         rows, problem = nb04.replay_against_block_manager(L.reference_allocate, hashing.hash_token_blocks, ops)
         assert problem is None and len(rows) == len(ops)
 
-    def no_cap(blocks, seq_id, token_ids, hashes):  # takes the last prompt token's block from the cache too
-        return L.reference_allocate(blocks, seq_id, token_ids + [0] * blocks.block_size, hashes)
+    def no_cap(blocks, seq_id, token_ids, hashes):  # hits every full block, the last prompt token's too
+        bs, table = blocks.block_size, []
+        for h in hashes:
+            b = blocks.cached.get(h)
+            if b is None:
+                break
+            if blocks.ref[b] == 0:
+                del blocks.free[b]
+            blocks.ref[b] += 1
+            table.append(b)
+        hits = len(table)
+        for i in range(hits, -(-len(token_ids) // bs)):
+            table.append(blocks.take())
+            if i < len(hashes):
+                blocks.register(table[-1], hashes[i])
+        blocks.tables[seq_id] = table
+        return hits * bs
 
     _, problem = nb04.replay_against_block_manager(no_cap, hashing.hash_token_blocks, nb04.block_trace())
-    assert problem is not None
+    assert problem is not None and "never take the block of the last prompt token" in problem
 
 
 def test_toyblocks_take_evicts_a_cached_block_and_free_puts_uncached_first():
