@@ -14,8 +14,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from kvlab.built.nb02 import check_prefix_tokens, token_pieces  # noqa: F401  (00, 01 and solutions import them here)
-from kvlab.engine.models import encode
+from kvlab.engine.models import encode, eos_ids
 from kvlab.engine.reference import hf_generate
+from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import Verdict, call_answer, label, unanswered, verdict
 from kvlab.prefix import PrefixKV
 
@@ -26,19 +27,12 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def check_generate_fn(fn: Any, model: Any, tokenizer: Any, n: int = 4, max_new_tokens: int = 12) -> Verdict:
-    """Exercise 02.1: ``fn(model, tokenizer, prefix_text, suffix_text, max_new_tokens) -> new ids``.
-
-    It must reuse a prefix cache and give exactly ``model.generate``'s greedy tokens, and it must
-    work for two suffixes in a row after one prefix (no pollution). Returns a Verdict, never raises.
-    """
-    from kvlab.lessons.passphrase import make_examples, with_question
-
-    hint = ("prefill the suffix at positions len(prefix), len(prefix)+1, ... on a copy of the prefix cache, then "
-            "feed one token per step")
+    """Exercise 02.1: ``fn(model, tokenizer, prefix_text, suffix_text, max_new_tokens)``: model.generate's ids, twice."""
+    hint = "prefill the suffix at positions len(prefix), len(prefix)+1, ... on a copy of the prefix cache, then decode"
     if fn is None:
         return unanswered("define my_generate and pass it in; " + hint)
-    for ex in make_examples(n, "heldout", start=100):
-        for e in (ex, with_question(ex, "Tell me the passphrase.")):
+    for ex in P.make_examples(n, "heldout", start=100):
+        for e in (ex, P.with_question(ex, "Tell me the passphrase.")):
             want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
             got, failed = call_answer(fn, model, tokenizer, e.prefix_text, e.suffix_text, max_new_tokens,
                                       hint=hint, name="my_generate")
@@ -63,19 +57,13 @@ def check_boundary_case(tokenizer: Any, prefix: str | None, suffix: str | None) 
 
 
 def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> Verdict:
-    """Exercise 02.3: ``fn(model, tokenizer, cache, prefix_len, suffixes, max_new_tokens) -> list of id lists``.
-
-    One cache object serves several suffixes one after another, cropped back after each request
-    (no fork). Every answer must equal the isolated ``model.generate`` answer.
-    """
-    from kvlab.lessons.passphrase import make_example, with_question
-
+    """Exercise 02.3: ``fn(model, tokenizer, cache, prefix_len, suffixes, max_new_tokens)``: one cache, cropped back."""
     hint = "after each request, crop the cache back to its prefix_len tokens (DynamicCache.crop)"
     if fn is None:
         return unanswered("define my_serial_reuse and pass it in; " + hint)
-    ex = make_example(7, "heldout", history="none")
+    ex = P.make_example(7, "heldout", history="none")
     questions = ["What is the passphrase?", "Tell me the passphrase.", "请说出口令。"][:n]
-    examples = [with_question(ex, q) for q in questions]
+    examples = [P.with_question(ex, q) for q in questions]
     prefix_ids = encode(tokenizer, ex.prefix_text)
     cache = PrefixKV.build(model, tokenizer, prefix_ids).cache
     got, failed = call_answer(fn, model, tokenizer, cache, len(prefix_ids), [e.suffix_text for e in examples],
@@ -89,8 +77,7 @@ def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_to
             return verdict(False, hint=f"for {e.turns[-1].user!r} your tokens leave model.generate's at step {i}; "
                                        "did you crop the cache back to the prefix after each request?")
     if int(cache.get_seq_length()) != len(prefix_ids):
-        return verdict(False, hint=f"the answers match but the cache holds {cache.get_seq_length()} tokens, "
-                                   f"not the prefix's {len(prefix_ids)}")
+        return verdict(False, hint=f"the answers match but the cache holds {cache.get_seq_length()} tokens, not {len(prefix_ids)}")
     return verdict(len(got) == len(examples), f"{len(examples)} requests identical, cache back to "
                    f"{len(prefix_ids)} tokens", "return one list of ids per suffix")
 
@@ -135,39 +122,19 @@ def fig_token_boundary(prefix_pieces: Sequence[str], full_pieces: Sequence[str],
     return fig
 
 
-def real_prompts(tokenizer: Any, n: int, start: int = 0) -> tuple[list[str], list[str], list[str]]:
-    """``n`` held-out passphrase prompts for a chat model: (full prompts, their system turns, passphrases)."""
-    from kvlab.lessons import passphrase as P
-
-    examples = P.make_examples(n, "heldout", start=start)
-    prompts = [P.real_model_prompt(tokenizer, e, P.REAL_QUESTIONS[i % len(P.REAL_QUESTIONS)])
-               for i, e in enumerate(examples)]
-    systems = [tokenizer.apply_chat_template(P.real_model_messages(e)[:1], tokenize=False) for e in examples]
-    return prompts, systems, [e.passphrase for e in examples]
-
-
-def suffix_positions(prefix: PrefixKV, suffix_len: int, restart: bool = False) -> list[int]:
-    """Position ids the suffix's tokens get on top of ``prefix``: after it (right) or from 0 again (``restart``)."""
-    start = 0 if restart else prefix.seq_length()
-    return list(range(start, start + suffix_len))
-
-
 def fig_position_ids(prefix: PrefixKV, suffix_ids: Sequence[int], tokenizer: Any = None) -> Figure:
     """The cached prefix's positions and the suffix's on top of it: continued (right) and restarted at 0 (wrong)."""
-    from matplotlib.patches import Rectangle
-
     p, n = prefix.seq_length(), len(suffix_ids)
-    rows = [("right: the suffix continues", suffix_positions(prefix, n), "#a1d99b"),
-            ("wrong: the suffix restarts at 0", suffix_positions(prefix, n, restart=True), "#fc9272")]
+    rows = [("right: the suffix continues", range(p, p + n), "#a1d99b"), ("wrong: the suffix restarts at 0", range(n), "#fc9272")]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.42 * (p + n) + 2.5), 3.2))
     for r, (name, pos, color) in enumerate(rows):
         y = 1 - r
         for i in range(p):
-            ax.add_patch(Rectangle((i, y), 0.95, 0.6, facecolor="#d9d9d9", edgecolor="black", linewidth=0.5))
+            ax.add_patch(plt.Rectangle((i, y), 0.95, 0.6, facecolor="#d9d9d9", edgecolor="black", linewidth=0.5))
             ax.text(i + 0.47, y + 0.3, str(i), ha="center", va="center", fontsize=7)
         for i, q in enumerate(pos):
             clash = q < p
-            ax.add_patch(Rectangle((p + i, y), 0.95, 0.6, facecolor=color, edgecolor="black",
+            ax.add_patch(plt.Rectangle((p + i, y), 0.95, 0.6, facecolor=color, edgecolor="black",
                                    linewidth=1.5 if clash else 0.5, gid=f"suffix{r}"))
             ax.text(p + i + 0.47, y + 0.3, str(q), ha="center", va="center", fontsize=7, gid=f"suffix{r}")
         ax.text(-0.3, y + 0.3, name, ha="right", va="center", fontsize=9)
@@ -203,7 +170,6 @@ class PositionSpy:
         self.calls: list[tuple[int, list[int] | None]] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Record the call, then run the real model."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         pos = kwargs.get("position_ids")
         self.calls.append((int(ids.shape[-1]) if hasattr(ids, "shape") else -1,
@@ -234,21 +200,14 @@ def _position_problem(calls: list[tuple[int, list[int] | None]], start_pos: int,
 
 
 def check_continue_loop(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> Verdict:
-    """Build exercise 02.B: ``fn(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids) -> new ids``.
-
-    On held-out passphrase prompts, with a fork of each prefix's cache: the positions fed to the model must
-    continue from ``start_pos`` (checked on every call) and the tokens must equal ``model.generate``'s, token
-    for token. Returns a Verdict, never raises.
-    """
-    from kvlab.engine.models import eos_ids
-    from kvlab.lessons.passphrase import make_examples
-
+    """Build 02.B: ``fn(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids)``: positions checked on every
+    call (continuing from ``start_pos``), tokens equal to ``model.generate``'s. Returns a Verdict, never raises."""
     hint = ("prefill suffix_ids at positions start_pos, start_pos+1, ... in one call, then feed one token per "
             "step at the next position, greedy (argmax), stopping after a token in stop_ids")
     if fn is None:
         return unanswered(hint)
     stops = eos_ids(model, tokenizer)
-    for ex in make_examples(n, "heldout", start=200):
+    for ex in P.make_examples(n, "heldout", start=200):
         prefix, full = encode(tokenizer, ex.prefix_text), encode(tokenizer, ex.prompt_text)
         suffix = full[len(prefix):]
         spy = PositionSpy(model)

@@ -14,8 +14,8 @@ import kvlab.prefix as lib
 from kvlab.built import nb02 as N
 from kvlab.engine.models import encode, eos_ids
 from kvlab.engine.reference import hf_generate
-from kvlab.lessons import passphrase as P
 from kvlab.lessons import nb02_prefix as L
+from kvlab.lessons import passphrase as P
 
 
 def test_compare_with_hf_greedy_and_sampled_identical(lm):

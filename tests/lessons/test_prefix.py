@@ -11,10 +11,6 @@ import random
 import pytest
 import torch
 
-from kvlab.engine.models import BUNDLED_MODEL, encode, eos_ids, load_model
-from kvlab.engine.reference import hf_generate
-from kvlab.lessons import passphrase as P
-from kvlab.lessons.common import time_prefill
 from kvlab.built.nb02 import (  # written in notebook 02's cells
     boundary_merge_cases,
     check_prefix_tokens,
@@ -23,6 +19,10 @@ from kvlab.built.nb02 import (  # written in notebook 02's cells
     get_prefix_cache,
     with_bos_tokenizer,
 )
+from kvlab.engine.models import BUNDLED_MODEL, encode, eos_ids, load_model
+from kvlab.engine.reference import hf_generate
+from kvlab.lessons import passphrase as P
+from kvlab.lessons.common import time_prefill
 from kvlab.lessons.nb02_prefix import check_boundary_case, check_crop_reuse, check_generate_fn
 from kvlab.prefix import (  # the library
     PrefixKV,

@@ -1,9 +1,10 @@
-"""kvlab.lessons.rope against transformers' RoPE, re-rotation, and notebook 03's experiment functions."""
+"""Notebook 03's RoPE (kvlab.built.nb03, re-exported by kvlab.lessons.rope) against transformers', re-rotation, its experiments."""
 
 
 import pytest
 import torch
 
+from kvlab.built import nb03 as B
 from kvlab.lessons import nb03_position as X
 from kvlab.lessons import passphrase as P
 from kvlab.lessons import rope
@@ -93,27 +94,27 @@ def test_positions_from_mask_and_its_checker():
 def test_position_sweep(lm):
     model, tok = lm
     exs = P.make_examples(4, "heldout", start=500, history="none")
-    df = X.run_position_sweep(model, tok, exs, shifts=[0, 1024])
+    df = B.run_position_sweep(model, tok, exs, shifts=[0, 1024])
     assert len(df) == 4 * 7
     at0 = df[df["shift"] == 0]
-    assert at0[at0["kind"] != X.SWEEP_KINDS[3]]["identical"].all()  # shift 0 is the isolated run
-    assert df[df["kind"] == X.SWEEP_KINDS[2]]["identical"].all()  # everything shifted: distances kept
-    far = df[(df["shift"] == 1024) & df["kind"].isin(X.SWEEP_KINDS[:2])]
+    assert at0[at0["kind"] != B.SWEEP_KINDS[3]]["identical"].all()  # shift 0 is the isolated run
+    assert df[df["kind"] == B.SWEEP_KINDS[2]]["identical"].all()  # everything shifted: distances kept
+    far = df[(df["shift"] == 1024) & df["kind"].isin(B.SWEEP_KINDS[:2])]
     assert not far["identical"].all(), "distances 1024 positions off should change some answers"
-    restart = df[df["kind"] == X.SWEEP_KINDS[3]]
+    restart = df[df["kind"] == B.SWEEP_KINDS[3]]
     assert (restart["suffix start"] == 0).all()
 
 
 def test_restarting_positions_at_0_changes_the_logits(lm):
     model, tok = lm
     ex = P.make_example(3, "heldout", n_filler=2)
-    assert X.last_logits_gap(model, tok, ex.prefix_text, ex.suffix_text) < 1e-3
-    assert X.last_logits_gap(model, tok, ex.prefix_text, ex.suffix_text, suffix_start=0) > 0.1
+    assert B.last_logits_gap(model, tok, ex.prefix_text, ex.suffix_text) < 1e-3
+    assert B.last_logits_gap(model, tok, ex.prefix_text, ex.suffix_text, suffix_start=0) > 0.1
 
 
 def test_uniform_shift_keys_rerotate_back_exactly(lm):
     model, tok = lm
-    errs = X.shift_key_errors(model, tok, P.make_example(7, "heldout", n_filler=2), [5, 200])
+    errs = B.shift_key_errors(model, tok, P.make_example(7, "heldout", n_filler=2), [5, 200])
     for s in (5, 200):
         assert errs[s]["as is"].max() > 0.1
         assert errs[s]["re-rotated"].max() < 1e-3  # relative positions unchanged: every layer moves back
@@ -121,7 +122,7 @@ def test_uniform_shift_keys_rerotate_back_exactly(lm):
 
 def test_overlap_layer0_exact_deeper_wrong(lm):
     model, tok = lm
-    outcomes, errors = X.run_overlap(model, tok, seeds=[0, 1])
+    outcomes, errors = B.run_overlap(model, tok, seeds=[0, 1])
     rec = outcomes[outcomes["treatment"] == "recomputed"]
     assert rec["identical"].all()  # the composed cache with B's own K/V is the isolated run
     assert (outcomes["delta"] != 0).all()
@@ -135,16 +136,16 @@ def test_overlap_layer0_exact_deeper_wrong(lm):
 
 def test_random_deep_model_shows_the_trend(lm):
     _, tok = lm
-    deep = X.random_deep_model(tok, num_layers=4, hidden_size=32)
+    deep = B.random_deep_model(tok, num_layers=4, hidden_size=32)
     assert deep.config.num_hidden_layers == 4
-    errs = X.layer_errors(X.overlap_caches(deep, X.overlap_pair(tok, 3)))
+    errs = B.layer_errors(B.overlap_caches(deep, B.overlap_pair(tok, 3)))
     k = errs[(errs["tensor"] == "K") & (errs["treatment"] == "A's K/V re-rotated")].set_index("layer")["relative error"]
     assert k[0] < 1e-5 and (k[1:] > 1e-3).all()
 
 
 def test_group3_prefix_sharing_is_exact_and_wrong_ways_are_run(lm):
     model, tok = lm
-    df = X.run_group3(model, tok, seeds=[0, 1, 2])
+    df = B.run_group3(model, tok, seeds=[0, 1, 2])
     right = df[df["way"].str.contains("shared prefix")]
     assert right["identical"].all() and len(right) == 6
     wrong = df[~df["way"].str.contains("shared prefix")]
@@ -153,10 +154,10 @@ def test_group3_prefix_sharing_is_exact_and_wrong_ways_are_run(lm):
 
 def test_left_padding_right_way_matches_isolated(lm):
     model, tok = lm
-    df = X.run_left_padding(model, tok, seeds=[0], size=4, extra_pads=64)
-    right = df[df["way"] == X.PADDING_WAYS[0][0]]
+    df = B.run_left_padding(model, tok, seeds=[0], size=4, extra_pads=64)
+    right = df[df["way"] == B.PADDING_WAYS[0][0]]
     assert right["identical"].all()
-    assert (df["pads"] >= 64).all() and len(df) == 4 * len(X.PADDING_WAYS)
+    assert (df["pads"] >= 64).all() and len(df) == 4 * len(B.PADDING_WAYS)
 
 
 # ----------------------------------------------------------------------------- a real chat model's prompts
@@ -176,11 +177,11 @@ def _smollm2_tokenizer():
 def test_real_prompt_and_overlap_pair_split_where_a_server_would_cache():
     tok = _smollm2_tokenizer()
     ex = P.make_example(100, "heldout", history="none")
-    ids, n = X.real_prompt_ids(tok, ex)
+    ids, n = B.real_prompt_ids(tok, ex)
     assert tok.decode(ids[:n]).endswith("<|im_end|>\n") and ex.passphrase in tok.decode(ids[:n])
     assert tok.decode(ids[n:]).startswith("<|im_start|>user") and ids == tok(P.real_model_prompt(tok, ex),
                                                                               add_special_tokens=False)["input_ids"]
-    pair = X.real_overlap_pair(tok, 3)
+    pair = B.real_overlap_pair(tok, 3)
     assert len(pair["head_a"]) < len(pair["head_b"]) and tok.decode(pair["segment"]).startswith("You are")
     assert pair["example"].passphrase in tok.decode(pair["segment"])
     assert tok.decode(pair["tail"]).endswith("<|im_start|>assistant\n")
@@ -188,9 +189,9 @@ def test_real_prompt_and_overlap_pair_split_where_a_server_would_cache():
 
 def test_bug_rows_reads_the_sweep_and_the_overlap(lm):
     model, tok = lm
-    sweep = X.run_position_sweep(model, tok, P.make_examples(2, "heldout", start=500, history="none"), [0, 16])
-    overlap, _ = X.run_overlap(model, tok, seeds=[0])
-    rows = X.bug_rows(sweep, overlap, [16])
+    sweep = B.run_position_sweep(model, tok, P.make_examples(2, "heldout", start=500, history="none"), [0, 16])
+    overlap, _ = B.run_overlap(model, tok, seeds=[0])
+    rows = B.bug_rows(sweep, overlap, [16])
     assert list(rows.index)[:2] == ["isolated (no cache): the reference", "cached prefix, right positions"]
     assert rows.loc["cached prefix, right positions", "identical"] == 1.0
     assert rows.loc["control: everything shifted by 16", "identical"] == 1.0
@@ -199,18 +200,18 @@ def test_bug_rows_reads_the_sweep_and_the_overlap(lm):
 
 
 def test_sensitivity_line_names_the_model_a_bug_changes_more():
-    line = X.sensitivity_line("restart at 0", {"bundled model": (1.0, 24), "SmolLM2": (0.25, 4)})
+    line = B.sensitivity_line("restart at 0", {"bundled model": (1.0, 24), "SmolLM2": (0.25, 4)})
     assert "bundled model 100% of 24, SmolLM2 25% of 4" in line and line.endswith("changes SmolLM2's answers more often")
-    assert "no answer changed" in X.sensitivity_line("x", {"a": (1.0, 2), "b": (1.0, 2)})
-    assert "equally often" in X.sensitivity_line("x", {"a": (0.5, 2), "b": (0.5, 4)})
+    assert "no answer changed" in B.sensitivity_line("x", {"a": (1.0, 2), "b": (1.0, 2)})
+    assert "equally often" in B.sensitivity_line("x", {"a": (0.5, 2), "b": (0.5, 4)})
     with pytest.raises(ValueError):
-        X.sensitivity_line("x", {})
+        B.sensitivity_line("x", {})
 
 
 def test_position_checks_run_every_bug_on_n_prompts(lm):
     model, tok = lm
-    sweep, overlap = X.run_position_checks(model, tok, 1, 64)
+    sweep, overlap = B.run_position_checks(model, tok, 1, 64)
     kinds = set(zip(sweep["kind"], sweep["shift"]))
-    assert kinds == {(k, s) for k in X.SWEEP_KINDS[:3] for s in (64,)} | {(X.SWEEP_KINDS[3], 0)}
+    assert kinds == {(k, s) for k in B.SWEEP_KINDS[:3] for s in (64,)} | {(B.SWEEP_KINDS[3], 0)}
     assert sorted(overlap["treatment"]) == sorted(["recomputed", "A's K/V as is", "A's K/V re-rotated"])
     assert overlap.loc[overlap["treatment"] == "recomputed", "identical"].all()
