@@ -27,6 +27,7 @@ References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -62,19 +63,76 @@ class DuplicateSequenceError(ValueError):
 
 
 @dataclass(slots=True)
-class SeqBlocks:
-    """A live sequence: its tokens, its block table and the hashes of its full blocks."""
+class SeqState:
+    """What every cache keeps of a live sequence (``kvlab.cache.CacheSeq``): tokens, table, counts, tenant."""
 
     seq_id: Hashable
     token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)  # logical block i -> physical block id
-    block_hashes: list[BlockHash] = field(default_factory=list)  # one per full block
-    extra_keys: ExtraKeys = ()  # first block's: model fingerprint, salt
+    # logical block i -> physical block id
+    block_table: list[int] = field(default_factory=list)
     salt: str | None = None
+    # who this sequence serves (metrics, cross-tenant accounting)
+    tenant: Hashable = None
+    # prompt tokens hit in the cache at allocate
     num_cached_tokens: int = 0
-    salt_block: int = 0  # the block whose hash takes the salt: the first past the public prefix
-    tenant: Hashable = None  # who this sequence serves (metrics, cross-tenant accounting)
-    num_restored_tokens: int = 0  # prompt tokens copied back from the second tier at allocate (not computed)
+    # prompt tokens copied back from a second tier at allocate (not computed; 0 without one)
+    num_restored_tokens: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class SeqBlocks(SeqState):
+    """A live sequence of the block manager: also the hashes of its full blocks and where its salt enters."""
+
+    # one per full block
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # the first block's: model fingerprint, salt
+    extra_keys: ExtraKeys = ()
+    # the block whose hash takes the salt: the first past the public prefix
+    salt_block: int = 0
+
+
+class SequenceTables:
+    """The per-sequence API every cache shares: ``seqs`` by id, block tables, slots, the new-id and token checks.
+
+    A cache sets ``seqs`` (id -> ``SeqState``) and ``block_size``; ``BlockManager`` and ``RadixCache`` inherit this.
+    """
+
+    seqs: dict[Hashable, SeqState]
+    block_size: int
+
+    def _seq(self, seq_id: Hashable) -> SeqState:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never allocated, or already freed)") from None
+
+    def _check_new(self, seq_id: Hashable) -> None:
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+
+    @staticmethod
+    def _check_token(token_id: int) -> None:
+        if type(token_id) is not int:
+            raise TypeError("token ids must be ints")
+        if not 0 <= token_id < MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """Physical block ids of a sequence, in logical order."""
+        return list(self._seq(seq_id).block_table)
+
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        """Prompt tokens this sequence took from the cache at ``allocate``."""
+        return self._seq(seq_id).num_cached_tokens
+
+    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
+        """Physical slot (block_id * block_size + offset) of each position in ``[start, end)``."""
+        seq, bs = self._seq(seq_id), self.block_size
+        n = len(seq.token_ids)
+        end = n if end is None else end
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= n:
+            raise ValueError(f"positions [{start!r}, {end!r}) are not within the sequence's {n} tokens")
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 def cdiv(n: int, d: int) -> int:
@@ -161,7 +219,7 @@ class AppendResult:
     cow: tuple[int, int] | None = None
 
 
-class BlockManager:
+class BlockManager(SequenceTables):
     """Block tables for many sequences sharing one pool, with prefix caching and copy-on-write."""
 
     def __init__(
@@ -206,28 +264,6 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks referenced by a live sequence."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
-
-    def _seq(self, seq_id: Hashable) -> SeqBlocks:
-        try:
-            return self.seqs[seq_id]
-        except KeyError:
-            raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never allocated, or already freed)") from None
-
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        """Physical block ids of a sequence, in logical order."""
-        return list(self._seq(seq_id).block_table)
-
-    def num_cached_tokens(self, seq_id: Hashable) -> int:
-        """Prompt tokens this sequence took from the cache at ``allocate``."""
-        return self._seq(seq_id).num_cached_tokens
-
-    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
-        """Physical slot (block_id * block_size + offset) of each position in ``[start, end)``."""
-        seq, bs = self._seq(seq_id), self.block_size
-        end = len(seq.token_ids) if end is None else end
-        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= len(seq.token_ids):
-            raise ValueError(f"positions [{start!r}, {end!r}) are not within the sequence's {len(seq.token_ids)} tokens")
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def read_tokens(self, seq_id: Hashable) -> list[int | None]:
         """What the sequence reads back through its block table (None for an empty slot)."""
@@ -310,16 +346,42 @@ class BlockManager:
                  plan: AllocationPlan | None = None, preempted: bool = False) -> int:
         """Give a new sequence its blocks, reusing the longest cached prefix; return the tokens not to compute.
 
-        Those are the cached tokens, plus any restored from ``second_tier`` right after them.
-
-        ``scope.salt`` enters the hash of block ``scope.public_tokens // block_size``; ``scope.label``
-        names the sequence in per-tenant metrics and in the cross-tenant hit count. ``plan``: what
-        ``can_allocate`` returned for the same prompt and scope (reused if nothing changed since, planned
-        again if stale); a plan of another manager raises ``ValueError``, as a refusal changes nothing.
-        ``preempted``: the sequence was preempted before (its lookup is counted apart, as vLLM does).
+        Those are the cached tokens, plus any restored from ``second_tier`` right after them
+        (``SeqBlocks.num_restored_tokens``). ``scope.salt`` enters the hash of block
+        ``scope.public_tokens // block_size``; ``scope.label`` names the sequence in per-tenant metrics and
+        in the cross-tenant hit count. ``plan``: what ``can_allocate`` returned for the same prompt and scope
+        (reused if nothing changed since, planned again if stale); a plan of another manager raises
+        ``ValueError``, as a refusal changes nothing. ``preempted``: the sequence was preempted before (its
+        lookup is counted apart, as vLLM does).
         """
-        if seq_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+        plan = self._checked_plan(seq_id, token_ids, scope, plan)
+        tokens, hashes, hits, bs = list(plan.tokens), list(plan.hashes), plan.hits, self.block_size
+        # before this request fills the cache
+        misses = self._classify_misses(len(tokens), hashes, len(hits))
+        self.pool.tick()
+        seq = SeqBlocks(seq_id, tokens, salt=scope.salt, tenant=scope.label, num_cached_tokens=len(hits) * bs,
+                        salt_block=salted_block(scope.public_tokens, bs), block_hashes=hashes)
+        seq.extra_keys = self._keys(0, seq.salt, seq.salt_block)
+        for i, block in enumerate(hits):
+            self.pool.hit(block, seq_id)
+            seq.block_table.append(block.block_id)
+            self._count_foreign_hit(seq, i, block)
+        restoring = self.enable_caching and self.second_tier is not None
+        for i in range(len(hits), cdiv(len(tokens), bs)):
+            block = self._take(seq, tokens[i * bs : (i + 1) * bs])
+            # the chain continues in the second tier? copy it back; its first miss ends it
+            restoring = restoring and i < (len(tokens) - 1) // bs and self._restore(seq, i, block)
+            if self.enable_caching and i < len(tokens) // bs:
+                self._cache_block(seq, i, block, hashes[i])
+        self.seqs[seq_id] = seq
+        self._emit_stored(seq, len(hits), len(tokens) // bs)
+        self._record_allocation(seq, len(hits), misses, preempted)
+        return seq.num_cached_tokens + seq.num_restored_tokens
+
+    def _checked_plan(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope,
+                      plan: AllocationPlan | None) -> AllocationPlan:
+        """``plan`` if it is this manager's and still holds, else a fresh one; raise unless it fits now."""
+        self._check_new(seq_id)
         if plan is not None and (not isinstance(plan, AllocationPlan) or plan.owner is not self._plan_token):
             raise ValueError("this plan was not made by this manager's can_allocate (plans do not travel between "
                              "managers: another pool's free blocks and cached hits are not this one's)")
@@ -329,58 +391,62 @@ class BlockManager:
             raise NoFreeBlocksError(
                 f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, {self.pool.num_free_blocks} of "
                 f"{self.pool.num_blocks} are free")
-        tokens, hashes, hits = list(plan.tokens), list(plan.hashes), plan.hits
-        bs, n, pool = self.block_size, len(tokens), self.pool
-        salt, tenant, salt_block = scope.salt, scope.label, salted_block(scope.public_tokens, bs)
+        return plan
 
-        misses = self._classify_misses(n, hashes, len(hits))  # before this request fills the cache
-        pool.tick()
-        seq = SeqBlocks(seq_id, tokens, extra_keys=self._keys(0, salt, salt_block), salt=salt,
-                        num_cached_tokens=len(hits) * bs, salt_block=salt_block, tenant=tenant)
-        for i, block in enumerate(hits):
-            pool.hit(block, seq_id)
-            seq.block_table.append(block.block_id)
-            if self.registered_by.get(block.block_id, tenant) != tenant:  # served another tenant's block
-                if i < salt_block:
-                    self.metrics.public_hits += 1
-                else:
-                    self.metrics.cross_tenant_hits += 1
-        parent_serial = hits[-1].serial if hits else 0
-        tier = self.second_tier if self.enable_caching else None
-        for i in range(len(hits), cdiv(n, bs)):
-            block = pool.take(seq_id)
-            self.registered_by.pop(block.block_id, None)  # taking a block evicts what it cached
-            block.token_ids = tokens[i * bs : (i + 1) * bs]
-            seq.block_table.append(block.block_id)
-            if tier is not None and i < (n - 1) // bs:  # the chain continues in the second tier? copy it back
-                source = tier.load(hashes[i], tuple(block.token_ids), self._keys(i, salt, salt_block),
-                                   hashes[i - 1] if i else None, block.block_id)
-                if source is None:
-                    tier = None  # a miss ends the chain: the rest is computed
-                else:
-                    seq.num_restored_tokens += bs
-                    self.restored_tokens[source] += bs
-            if self.enable_caching and i < n // bs:
-                # Register before compute: the block is hittable now, before the engine has written its
-                # K/V. That is correct because an engine step writes every new token's K/V before any
-                # sequence reads (kvlab.engine.paged_attention), so a request that hits this block in the
-                # same step reads what this one writes (tests/engine/test_engine.py checks it).
-                pool.register(block, hashes[i], hashes[i - 1] if i else None, parent_serial,
-                              self._keys(i, salt, salt_block), seq_id)
-                self.registered_by[block.block_id] = tenant
-                parent_serial = block.serial
-        if self.enable_caching and len(hits) < n // bs:  # one event for the blocks this call cached (vLLM's order)
-            first = len(hits)
-            pool.emit_event(BlockStored(tuple(hashes[first : n // bs]), hashes[first - 1] if first else None,
-                                   tuple(tokens[first * bs : (n // bs) * bs]), bs))
-        seq.block_hashes = hashes
-        self.seqs[seq_id] = seq
-        self.metrics.hashed_blocks += len(hashes)
-        self.metrics.hashed_tokens += len(hashes) * bs
-        self.metrics.blocks_hit += len(hits)
-        self.metrics.blocks_taken += len(seq.block_table) - len(hits)
-        self.metrics.record_lookup(tenant, n, seq.num_cached_tokens, misses, preempted)
-        return seq.num_cached_tokens + seq.num_restored_tokens
+    def _count_foreign_hit(self, seq: SeqBlocks, i: int, block: Block) -> None:
+        """A hit on another tenant's block ``i``: a public hit inside the public prefix, else cross-tenant."""
+        if self.registered_by.get(block.block_id, seq.tenant) == seq.tenant:
+            return
+        if i < seq.salt_block:
+            self.metrics.public_hits += 1
+        else:
+            self.metrics.cross_tenant_hits += 1
+
+    def _take(self, seq: SeqBlocks, tokens: list[int], event: str = "take") -> Block:
+        """A free block for ``seq`` holding ``tokens`` (taking it evicts what it cached), at its table's end."""
+        block = self.pool.take(seq.seq_id, event=event)
+        self.registered_by.pop(block.block_id, None)
+        block.token_ids = tokens
+        seq.block_table.append(block.block_id)
+        return block
+
+    def _restore(self, seq: SeqBlocks, i: int, block: Block) -> bool:
+        """Copy prompt block ``i`` back from the second tier into ``block``; whether the tier had it."""
+        h = seq.block_hashes
+        source = self.second_tier.load(h[i], tuple(block.token_ids), self._keys(i, seq.salt, seq.salt_block), h[i - 1] if i else None,
+                                       block.block_id)
+        if source is not None:
+            seq.num_restored_tokens += self.block_size
+            self.restored_tokens[source] += self.block_size
+        return source is not None
+
+    def _cache_block(self, seq: SeqBlocks, i: int, block: Block, h: BlockHash) -> None:
+        """Register ``seq``'s full block ``i`` under hash ``h``: other requests can hit it from now on.
+
+        Register before compute: the block is hittable now, before the engine has written its K/V. That is
+        correct because an engine step writes every new token's K/V before any sequence reads
+        (kvlab.engine.paged_attention), so a request that hits this block in the same step reads what this
+        one writes (tests/engine/test_engine.py checks it).
+        """
+        parent = seq.block_hashes[i - 1] if i else None
+        parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
+        self.pool.register(block, h, parent, parent_serial, self._keys(i, seq.salt, seq.salt_block), seq.seq_id)
+        self.registered_by[block.block_id] = seq.tenant
+
+    def _emit_stored(self, seq: SeqBlocks, first: int, end: int) -> None:
+        """One ``BlockStored`` event for the full blocks ``[first, end)`` just cached (vLLM's order)."""
+        if self.enable_caching and first < end:
+            h, bs = seq.block_hashes, self.block_size
+            self.pool.emit_event(BlockStored(tuple(h[first:end]), h[first - 1] if first else None,
+                                             tuple(seq.token_ids[first * bs : end * bs]), bs))
+
+    def _record_allocation(self, seq: SeqBlocks, num_hits: int, misses: dict[str, int], preempted: bool) -> None:
+        m, hashed = self.metrics, len(seq.block_hashes)
+        m.hashed_blocks += hashed
+        m.hashed_tokens += hashed * self.block_size
+        m.blocks_hit += num_hits
+        m.blocks_taken += len(seq.block_table) - num_hits
+        m.record_lookup(seq.tenant, len(seq.token_ids), seq.num_cached_tokens, misses, preempted)
 
     def _classify_misses(self, n: int, hashes: list[BlockHash], n_hits: int) -> dict[str, int]:
         bs, pool = self.block_size, self.pool
@@ -403,26 +469,23 @@ class BlockManager:
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
         """Write one decoded token: take a block if the last is full, copy it first if it is shared."""
         seq = self._seq(seq_id)
-        if type(token_id) is not int:
-            raise TypeError("token ids must be ints")
-        if not 0 <= token_id < MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
+        self._check_token(token_id)
         if not self.can_append(seq_id):
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs a block and none is free")
         pool, bs = self.pool, self.block_size
         pos = len(seq.token_ids)
         offset = pos % bs
         full_hash = None
-        if offset == bs - 1 and self.enable_caching:  # this token fills its block: hash it before changing anything
+        # this token fills its block: hash it before changing anything
+        if offset == bs - 1 and self.enable_caching:
             i = pos // bs
             content = ([] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]) + [token_id]
-            full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, content, self._keys(i, seq.salt, seq.salt_block))
+            keys = self._keys(i, seq.salt, seq.salt_block)
+            full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, content, keys)
         pool.tick()
         new_block = cow = None
         if offset == 0:
-            block = pool.take(seq_id)
-            self.registered_by.pop(block.block_id, None)
-            seq.block_table.append(block.block_id)
+            block = self._take(seq, [])
             new_block = block.block_id
         else:
             block = pool.blocks[seq.block_table[-1]]
@@ -430,34 +493,31 @@ class BlockManager:
                 block, shared = self._copy_on_write(seq, block), block
                 cow = (shared.block_id, block.block_id)
         if offset < len(block.token_ids):
-            block.token_ids[offset] = token_id  # only reachable with cow=False: overwrites a shared slot
+            # only reachable with cow=False: overwrites a shared slot
+            block.token_ids[offset] = token_id
         else:
             block.token_ids.append(token_id)
         seq.token_ids.append(token_id)
         if offset == bs - 1 and self.enable_caching and block.block_hash is None:
-            self._register_decoded(seq, block, full_hash)
+            self._cache_decoded(seq, block, full_hash)
         return AppendResult(new_block, cow)
 
     def _copy_on_write(self, seq: SeqBlocks, shared: Block) -> Block:
         """Move ``seq`` off a shared partial block onto a private copy of it."""
-        copy = self.pool.take(seq.seq_id, event="cow-copy")
-        self.registered_by.pop(copy.block_id, None)
-        copy.token_ids = shared.token_ids[: len(seq.token_ids) % self.block_size]
-        seq.block_table[-1] = copy.block_id
+        seq.block_table.pop()
+        copy = self._take(seq, shared.token_ids[: len(seq.token_ids) % self.block_size], event="cow-copy")
         self.pool.release(shared, seq.seq_id)
         self.metrics.cow_copies += 1
         return copy
 
-    def _register_decoded(self, seq: SeqBlocks, block: Block, h: BlockHash) -> None:
+    def _cache_decoded(self, seq: SeqBlocks, block: Block, h: BlockHash) -> None:
+        """Cache the block a decoded token filled (``h``: its hash, computed by ``append``)."""
         i = len(seq.block_table) - 1
-        parent = seq.block_hashes[-1] if i else None
-        keys = self._keys(i, seq.salt, seq.salt_block)  # h: hash_fn(parent, block.token_ids, keys), computed by append
+        self._cache_block(seq, i, block, h)
+        seq.block_hashes.append(h)
         self.metrics.hashed_blocks += 1
         self.metrics.hashed_tokens += self.block_size
-        parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
-        self.pool.register(block, h, parent, parent_serial, keys, seq.seq_id)
-        self.registered_by[block.block_id] = seq.tenant
-        seq.block_hashes.append(h)
+        parent = seq.block_hashes[i - 1] if i else None
         self.pool.emit_event(BlockStored((h,), parent, tuple(block.token_ids), self.block_size))
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -485,14 +545,13 @@ class BlockManager:
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` that shares every block (no copying yet)."""
         parent = self._seq(parent_id)
-        if child_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {child_id!r} is already allocated")
+        self._check_new(child_id)
         self.pool.tick()
         for block_id in parent.block_table:
             self.pool.share(self.pool.blocks[block_id], child_id)
-        self.seqs[child_id] = SeqBlocks(
-            child_id, list(parent.token_ids), list(parent.block_table), list(parent.block_hashes),
-            parent.extra_keys, parent.salt, parent.num_cached_tokens, parent.salt_block, parent.tenant)
+        self.seqs[child_id] = dataclasses.replace(
+            parent, seq_id=child_id, token_ids=list(parent.token_ids), block_table=list(parent.block_table),
+            block_hashes=list(parent.block_hashes), num_restored_tokens=0)
 
     def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
         """Release a finished sequence's blocks, tail first, so chain tails are evicted first.

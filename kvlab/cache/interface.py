@@ -33,7 +33,10 @@ __all__ = ["CACHE_MEMBERS", "CacheManager", "CacheSeq", "check_cache", "missing_
 
 
 class CacheSeq(Protocol):
-    """What the engine reads of one entry of ``CacheManager.seqs`` (see the module docstring)."""
+    """What the engine reads of one entry of ``CacheManager.seqs`` (see the module docstring).
+
+    kvlab's two caches keep a ``kvlab.cache.block_manager.SeqState`` (their shared sequence base) per entry.
+    """
 
     token_ids: Sequence[int]
     num_restored_tokens: int

@@ -43,12 +43,11 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .block_manager import (
-    MAX_TOKEN_ID,
     NO_SCOPE,
     AppendResult,
-    DuplicateSequenceError,
+    SeqState,
+    SequenceTables,
     TenantScope,
-    UnknownSequenceError,
     cdiv,
     check_prompt,
     check_token_ids,
@@ -128,24 +127,22 @@ class RadixPlan:
         return self.pages_needed
 
 
-@dataclass(slots=True)
-class RadixSeq:
-    """A live sequence: its tokens, page table, the pages only it owns, and the tree node it locks."""
+@dataclass(slots=True, kw_only=True)
+class RadixSeq(SeqState):
+    """A live sequence of the radix cache: also the pages only it owns and the tree node it locks.
 
-    seq_id: Hashable
-    token_ids: list[int]
-    block_table: list[int]  # logical page i -> physical page id
-    private: set[int]  # pages of block_table that are not in the tree (written by this sequence only)
-    node: RadixNode  # the deepest tree node this sequence uses; locked (with its path) while it lives
-    salt: str | None = None
-    tenant: Hashable = None
-    num_cached_tokens: int = 0
-    # what ``kvlab.cache.CacheSeq`` declares: the radix tree has no second tier, so nothing is ever restored
-    num_restored_tokens: int = 0
-    pending_cow: tuple[int, int] | None = None  # (src, dst) page copy its first append reports (fork)
+    Its ``block_table`` is its page table; ``num_restored_tokens`` stays 0 (the radix tree has no second tier).
+    """
+
+    # pages of block_table that are not in the tree (written by this sequence only)
+    private: set[int]
+    # the deepest tree node this sequence uses; locked (with its path) while it lives
+    node: RadixNode
+    # (src, dst) page copy its first append reports (fork)
+    pending_cow: tuple[int, int] | None = None
 
 
-class RadixCache:
+class RadixCache(SequenceTables):
     """A radix tree of cached token sequences over a pool of K/V pages, with locks and LRU leaf eviction."""
 
     def __init__(self, num_pages: int, page_size: int = 1, *, model_fingerprint: str = "",
@@ -478,28 +475,6 @@ class RadixCache:
         return "\n".join(lines)
 
     # --- the sequence API (the block manager's names) -----------------------------------------------------
-    def _seq(self, seq_id: Hashable) -> RadixSeq:
-        try:
-            return self.seqs[seq_id]
-        except KeyError:
-            raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never allocated, or already freed)") from None
-
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        """Physical page ids of a sequence, in logical order."""
-        return list(self._seq(seq_id).block_table)
-
-    def num_cached_tokens(self, seq_id: Hashable) -> int:
-        """Prompt tokens this sequence took from the cache at ``allocate``."""
-        return self._seq(seq_id).num_cached_tokens
-
-    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
-        """Physical slot (page * page_size + offset) of each position in ``[start, end)``."""
-        seq, size = self._seq(seq_id), self.page_size
-        end = len(seq.token_ids) if end is None else end
-        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= len(seq.token_ids):
-            raise ValueError(f"positions [{start!r}, {end!r}) are not within the sequence's {len(seq.token_ids)} tokens")
-        return [seq.block_table[p // size] * size + p % size for p in range(start, end)]
-
     def wasted_slots(self) -> int:
         """Empty slots in the partial last pages of live sequences."""
         return sum(-len(s.token_ids) % self.page_size for s in self.seqs.values())
@@ -542,8 +517,7 @@ class RadixCache:
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
                  plan: RadixPlan | None = None, preempted: bool = False) -> int:
         """Give a new sequence its pages, reusing the longest cached prefix (< n tokens); return cached tokens."""
-        if seq_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+        self._check_new(seq_id)
         if plan is not None and (not isinstance(plan, RadixPlan) or plan.owner is not self._plan_token):
             raise ValueError("this plan was not made by this cache's can_allocate (plans do not travel between "
                              "caches: another tree's pages are not this one's)")
@@ -571,7 +545,7 @@ class RadixCache:
         except NoFreeBlocksError:  # cannot happen with a current plan; never leave the path locked
             self._unlock(node)
             raise
-        seq = RadixSeq(seq_id, tokens, hits + new, set(new), node, salt, tenant, m)
+        seq = RadixSeq(seq_id, tokens, hits + new, salt, tenant, m, private=set(new), node=node)
         if self.enable_caching:
             self._adopt(seq, n // size * size)
         self.seqs[seq_id] = seq
@@ -601,10 +575,7 @@ class RadixCache:
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
         """Write one decoded token: take a page when the last is full (evicting an LRU leaf if needed)."""
         seq = self._seq(seq_id)
-        if type(token_id) is not int:
-            raise TypeError("token ids must be ints")
-        if not 0 <= token_id < MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
+        self._check_token(token_id)
         if not self.can_append(seq_id):
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs a page and none can be had")
         self.clock += 1
@@ -625,8 +596,7 @@ class RadixCache:
         ``append`` reports the ``(src, dst)`` copy.
         """
         parent = self._seq(parent_id)
-        if child_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {child_id!r} is already allocated")
+        self._check_new(child_id)
         size, n = self.page_size, len(parent.token_ids)
         length, tail = n // size * size, n % size != 0
         if tail:
@@ -642,8 +612,8 @@ class RadixCache:
                 parent.private.discard(page)
                 self.free_pages.append(page)
                 parent.block_table[i] = existing[i]
-        child = RadixSeq(child_id, list(parent.token_ids), parent.block_table[: length // size], set(), parent.node,
-                         parent.salt, parent.tenant, parent.num_cached_tokens)
+        child = RadixSeq(child_id, list(parent.token_ids), parent.block_table[: length // size], parent.salt,
+                         parent.tenant, parent.num_cached_tokens, private=set(), node=parent.node)
         self._lock(parent.node)
         if tail:
             (copy,) = self._take(1)
