@@ -13,7 +13,12 @@ from statistics import median
 from time import perf_counter
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
+from transformers import DynamicCache
+
+from kvlab.engine.models import model_device_dtype, synchronize
 
 
 # --- 01_qkv_and_kv_cache.ipynb, cell 5 ---
@@ -58,7 +63,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kvh, n_rep, t, d).reshape(b, kvh * n_rep, t, d)
 
 
-# --- 01_qkv_and_kv_cache.ipynb, cell 19 ---
+# --- 01_qkv_and_kv_cache.ipynb, cell 17 ---
 @dataclass
 class KVCache:
     """Per-layer K and V, appended along the sequence axis; nothing else (no Q, no positions)."""
@@ -109,7 +114,124 @@ def decode_logits(model: torch.nn.Module, ids: torch.Tensor, use_cache: bool) ->
     return torch.stack(steps, dim=1)
 
 
-# --- 01_qkv_and_kv_cache.ipynb, cell 29 ---
+# --- 01_qkv_and_kv_cache.ipynb, cell 19 ---
+class SelfAttention(nn.Module):
+    """Causal self-attention with ``n_heads`` query heads and ``n_kv_heads`` key/value heads (GQA when fewer)."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None):
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = head_dim or d_model // n_heads
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+
+    def split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, heads, self.head_dim).transpose(1, 2)   # (B, heads, T, D)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        """x: (batch, new_tokens, d_model) -> (batch, new_tokens, d_model); appends K, V to ``cache``."""
+        q = self.split(self.q_proj(x), self.n_heads)      # (B, H, T_new, D): used once, never cached
+        k = self.split(self.k_proj(x), self.n_kv_heads)   # (B, KVH, T_new, D)
+        v = self.split(self.v_proj(x), self.n_kv_heads)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)              # (B, KVH, T_past + T_new, D)
+        n_rep = self.n_heads // self.n_kv_heads
+        out, _ = attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))   # (B, H, T_new, D)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class TinyDecoder(nn.Module):
+    """Embedding -> n x (pre-norm attention + MLP, residuals) -> logits. No position encoding (notebook 03 adds it)."""
+
+    def __init__(self, vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
+                 n_kv_heads: int | None = None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.norms1 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
+        self.attns = nn.ModuleList(SelfAttention(d_model, n_heads, n_kv_heads) for _ in range(n_layers))
+        self.norms2 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                                nn.Linear(4 * d_model, d_model)) for _ in range(n_layers))
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """ids: (batch, new_tokens) -> logits (batch, new_tokens, vocab)."""
+        x = self.embed(ids)   # (B, T, d_model)
+        for i, (n1, attn, n2, mlp) in enumerate(zip(self.norms1, self.attns, self.norms2, self.mlps)):
+            x = x + attn(n1(x), cache, layer=i)
+            x = x + mlp(n2(x))
+        return self.head(x)
+
+
+@torch.no_grad()
+def decode_with_step(model: TinyDecoder, ids: torch.Tensor, step) -> torch.Tensor:
+    """TinyDecoder's logits one token at a time, each layer's attention done by ``step(cache, layer, q, k, v)``.
+
+    ids: (batch, T) -> (batch, T, vocab); the cache is a dict ``{layer: (K, V)}`` that ``step`` fills.
+    """
+    cache, rows = {}, []
+    for t in range(ids.shape[1]):
+        x = model.embed(ids[:, t:t + 1])   # (B, 1, d_model): only the new token
+        for i, (n1, attn, n2, mlp) in enumerate(zip(model.norms1, model.attns, model.norms2, model.mlps)):
+            h = n1(x)
+            q = attn.split(attn.q_proj(h), attn.n_heads)                       # (B, H, 1, D)
+            k, v = (attn.split(p(h), attn.n_kv_heads) for p in (attn.k_proj, attn.v_proj))   # (B, KVH, 1, D)
+            out = step(cache, i, q, k, v)                                      # (B, H, 1, D)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], 1, -1))
+            x = x + mlp(n2(x))
+        rows.append(model.head(x)[:, -1])
+    return torch.stack(rows, dim=1)
+
+
+@torch.no_grad()
+def cached_vs_recompute(n_heads: int, n_kv_heads: int, d_model: int = 32, n_layers: int = 2, seq: int = 12,
+                        seed: int = 0, step=None) -> float:
+    """Largest |logit difference| from one full pass of a random TinyDecoder, decoding token by token with the
+    cache (``KVCache``, or ``step`` as in ``decode_with_step``) and by recomputing everything each step."""
+    torch.manual_seed(seed)
+    model = TinyDecoder(64, d_model, n_layers, n_heads, n_kv_heads).eval()
+    ids = torch.randint(0, 64, (2, seq))
+    full = model(ids)   # (B, T, vocab): one causal pass over everything, the reference
+    cached = decode_logits(model, ids, use_cache=True) if step is None else decode_with_step(model, ids, step)
+    recomputed = decode_logits(model, ids, use_cache=False)
+    return float(max((cached - full).abs().max(), (recomputed - full).abs().max()))
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 23 ---
+@torch.no_grad()
+def stepwise_logits(model, ids: list[int], use_cache: bool = True) -> torch.Tensor:
+    """(T, vocab) logits of a transformers model fed one token at a time: with its cache, or a fresh cache each step."""
+    device, _ = model_device_dtype(model)
+    cache, rows = DynamicCache(config=model.config), []
+    for t, tok_id in enumerate(ids):
+        step_cache = cache if use_cache else DynamicCache(config=model.config)   # a fresh one = no memory
+        out = model(input_ids=torch.tensor([[tok_id]], device=device), position_ids=torch.tensor([[t]], device=device),
+                    cache=step_cache, use_cache=True)
+        rows.append(out.logits[0, -1].float())
+    return torch.stack(rows)
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 26 ---
+def last_row_ignores_past_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
+    """Add noise to the past (all but the last position) of Q, then of K, then of V: how far does the last output move?"""
+    base = attention(q, k, v)[0][..., -1, :]   # the last position's output, (B, H, D)
+    moved = {}
+    for name in ("Q", "K", "V"):
+        qkv = [q.clone(), k.clone(), v.clone()]
+        x = qkv["QKV".index(name)]
+        x[..., :-1, :] += torch.randn_like(x[..., :-1, :])   # every earlier position changed, the last one kept
+        moved[f"past {name} changed"] = float((attention(*qkv)[0][..., -1, :] - base).abs().max())
+    return moved
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 32 ---
 def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None,
                       use_cache: bool = True) -> int:
     """Multiply-add FLOPs (2 per MAC) of one attention layer's decode step at context length ``n``.
@@ -124,7 +246,13 @@ def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, head_
     return tokens * proj_per_token + 4 * n_heads * head_dim * tokens * n
 
 
-# --- 01_qkv_and_kv_cache.ipynb, cell 31 ---
+def quadratic_crossover(d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None) -> float:
+    """Context length at which recomputation's n x n attention costs as much as its n projections."""
+    head_dim = head_dim or d_model // n_heads
+    return 2 * d_model * head_dim * (2 * n_heads + 2 * n_kv_heads) / (4 * n_heads * head_dim)
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 34 ---
 OUTLIER = "outlier — re-run"
 BELOW_IDEAL = "below the ideal — re-run"
 
@@ -250,7 +378,59 @@ def curve_verdict(sizes: Sequence[float], seconds: Sequence[float], expected: Se
     return TimingVerdict(True)
 
 
-# --- 01_qkv_and_kv_cache.ipynb, cell 36 ---
+# --- 01_qkv_and_kv_cache.ipynb, cell 35 ---
+@torch.no_grad()
+def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, n_kv_heads: int = 2,
+                     repeats: int = 5, seed: int = 0, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
+    """One decode step of one attention layer (default: Qwen2.5-0.5B's shape), with and without the cache, timed
+    against each other by ``time_interleaved``. One row per n: medians ``cached_s``, ``recompute_s``, the FLOPs of
+    each, and ``timings`` ({"cached": Timing, "recompute": Timing}, with min and max, for the guard)."""
+    torch.manual_seed(seed)
+    device = torch.device(device)
+    layer = SelfAttention(d_model, n_heads, n_kv_heads).to(device).eval()
+    rows = []
+    for n in lengths:
+        x = torch.randn(1, n, d_model, device=device)   # (1, n, d_model)
+        cache = KVCache()
+        layer(x[:, :-1], cache)                         # K, V of the first n-1 tokens
+
+        def cached_step(x=x, cache=cache, n=n):
+            layer(x[:, -1:], cache)   # 1 new token against n-1 cached ones
+            cache.crop(n - 1)         # undo the append: every repeat times the same step
+
+        t = time_interleaved({"cached": cached_step, "recompute": lambda x=x: layer(x)}, repeats=repeats,
+                             sync=lambda: synchronize(device))
+        rows.append({"n": n, "cached_s": t["cached"].median, "recompute_s": t["recompute"].median,
+                     "cached_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=True),
+                     "recompute_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=False),
+                     "timings": t})
+    return rows
+
+
+def slope_report(cost, crossover: float, tolerance: float = 0.1) -> list[str]:
+    """Measured against counted growth of a decode step, per range of n, every line through ``curve_verdict``.
+
+    ``cost``: ``decode_step_cost``'s rows as a DataFrame. A slope is d log(y) / d log(n) (1 linear, 2 quadratic);
+    two slopes within ``tolerance`` agree. A curve the guard flags prints "outlier — re-run" instead of its slope.
+    """
+    lines = []
+    for part, mask in (("n <= crossover", cost.n <= crossover), ("n >= crossover", cost.n >= crossover)):
+        if mask.sum() < 2:
+            lines.append(f"{part}: fewer than two measured lengths, no slope")
+            continue
+        n = cost.n[mask]
+        for name, col in (("no cache", "recompute"), ("with cache", "cached")):
+            t, f = cost[f"{col}_s"][mask], cost[f"{col}_flops"][mask]
+            ms, cs = (float(np.polyfit(np.log(n), np.log(y), 1)[0]) for y in (t, f))
+            how = ("as the FLOP count says" if abs(ms - cs) <= tolerance else
+                   "FASTER than the FLOP count" if ms > cs else "SLOWER than the FLOP count")
+            lines.append(f"{part} (n = {', '.join(map(str, n))}), {name}: " + curve_verdict(n, t, expected=f).says(
+                f"time slope {ms:.2f} (x{t.iloc[-1] / t.iloc[0]:.1f}), counted slope {cs:.2f} "
+                f"(x{f.iloc[-1] / f.iloc[0]:.1f}): the time grows {how}"))
+    return lines
+
+
+# --- 01_qkv_and_kv_cache.ipynb, cell 40 ---
 def kv_bytes_per_token_by_hand(config, dtype: str | torch.dtype = "float32") -> int:
     """KV-cache bytes per token of a model: 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
 

@@ -1,12 +1,11 @@
 """Helpers every lesson uses: exercise verdicts, the article's decision table, timing, CJK labels (a shipped font).
 
-Torch-free at import (``time_prefill`` imports it when called), so a pure-Python lesson such as
+Torch-free at import (``time_prefill`` imports notebook 00's when called), so a pure-Python lesson such as
 notebook 04's can use ``verdict`` and ``decision_table`` without loading torch.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -148,13 +147,8 @@ class Reveal:
 
 
 def quick_sizes(model: Any, smoke: bool = False) -> bool:
-    """Whether a notebook should use its small (SMOKE) sizes for its sweeps.
-
-    True in SMOKE mode, and for a model much larger than the bundled 0.7M-parameter one (more than
-    ``QUICK_PARAMETERS``) running on a CPU: a sweep sized for the bundled model takes many minutes on
-    SmolLM2's 135M parameters and 30 layers (notebook 03's took 12 min on 2 cores). On a GPU, or with
-    the bundled model, the full sizes stay.
-    """
+    """Whether a notebook's sweeps use their small sizes: in SMOKE mode, and for a model of more than
+    ``QUICK_PARAMETERS`` on a CPU (notebook 03's sweep took 12 min on SmolLM2 on 2 cores); else the full sizes."""
     if smoke:
         return True
     first = next(model.parameters(), None)
@@ -197,59 +191,13 @@ def share_word(k: int, n: int) -> str:
     return "most" if 2 * k > n else "half" if 2 * k == n else "a minority"
 
 
-def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5
+def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5, **kw: Any
                  ) -> dict[str, Any]:
-    """Median seconds to the first token's logits: full prefill vs suffix-only on a cached prefix, judged.
+    """Full prefill against suffix-only on the cached prefix, timed and judged: notebook 00 writes it
+    (``kvlab.built.nb00.time_prefill``; ``ratio`` = suffix-only / full, ``ideal`` = the suffix's token share)."""
+    from kvlab.built.nb00 import time_prefill as written_in_nb00
 
-    Timed by notebook 01's harness (``kvlab.built.nb01.time_interleaved``: warm-up, runs interleaved in
-    alternating order so a busy machine slows both alike). ``ideal`` is the uncached share of the tokens;
-    ``ratio`` = cached / full (medians), ``ratio_min``/``ratio_max`` its range over the runs; ``verdict`` is the
-    guard's word ("ok", or "outlier — re-run (...)" / "below the ideal — re-run (...)": a ratio outside
-    [ideal, 1.5] or overlapping min–max); ``max_abs_logit_diff`` checks both paths agree.
-    """
-    import torch
-
-    with torch.no_grad():
-        return _time_prefill(model, prefix_ids, suffix_ids, repeats)
-
-
-def _time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int) -> dict[str, Any]:
-    import torch
-    from transformers import DynamicCache
-
-    from kvlab.engine.models import model_device_dtype, synchronize
-    from kvlab.built.nb01 import ratio_verdict, time_interleaved
-
-    device, _ = model_device_dtype(model)
-    prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
-    all_ids = torch.tensor([prefix_ids + suffix_ids], device=device)  # (1, P+S)
-    suf = torch.tensor([suffix_ids], device=device)  # (1, S)
-    pos = torch.arange(len(prefix_ids), len(prefix_ids) + len(suffix_ids), device=device)[None]  # (1, S)
-    prefix_cache = model(input_ids=torch.tensor([prefix_ids], device=device), use_cache=True, logits_to_keep=1).cache
-
-    def full() -> torch.Tensor:
-        return model(input_ids=all_ids, cache=DynamicCache(config=model.config), use_cache=True,
-                     logits_to_keep=1).logits[0, -1]
-
-    def cached(cache: Any) -> torch.Tensor:
-        return model(input_ids=suf, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-
-    t = time_interleaved({"full": full,
-                          "cached": (lambda: copy.deepcopy(prefix_cache), cached)},  # the copy is not timed:
-                         repeats=repeats, warmup=1, sync=lambda: synchronize(device))  # a paged cache would share
-    ideal = len(suffix_ids) / (len(prefix_ids) + len(suffix_ids))
-    judged = ratio_verdict(t["cached"], t["full"], ideal=ideal)
-    diff = float((t["full"].result.float() - t["cached"].result.float()).abs().max())
-    return {"prefix_tokens": len(prefix_ids), "suffix_tokens": len(suffix_ids),
-            "full_s": t["full"].median, "cached_s": t["cached"].median, "ratio": judged.value, "ideal": ideal,
-            "max_abs_logit_diff": diff, "ratio_min": judged.lo, "ratio_max": judged.hi, "verdict": judged.text}
-
-
-def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs (notebook 01's harness)."""
-    from kvlab.built.nb01 import time_interleaved
-
-    return time_interleaved({"fn": fn}, repeats=repeats, warmup=warmup)["fn"].median
+    return written_in_nb00(model, prefix_ids, suffix_ids, repeats, **kw)
 
 
 GIB = 2**30

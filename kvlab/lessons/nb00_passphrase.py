@@ -1,54 +1,21 @@
-"""Notebook 00 (the passphrase experiment): first shares, the swapped-prefix mistake, recall, exercise checkers.
+"""Notebook 00 (the passphrase experiment): its exercise checkers, the build exercise, workloads and a figure.
 
-Notebook 00 uses these to show, on a real model, that sharing an identical prefix's K/V gives the
-same tokens as recomputing it (and saves prefill work), and that serving a request with another
-request's prefix K/V gives the other request's passphrase. The decision table it starts (and later
-notebooks fill with more evidence) and ``time_prefill`` live in ``kvlab.lessons.common``.
+The mechanisms notebook 00 runs (the client's ``ask``, the suffix-only prefill and its timing, answering on a
+cached prefix) are written in its ``#| export`` cells (``kvlab.built.nb00``); a few are re-exported here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from kvlab.cache import DEFAULT_BLOCK_SIZE
-from kvlab.engine.models import encode, eos_ids
+import torch
+
+from kvlab.built.nb00 import ask, cache_counters, full_prefill, positions_restart  # noqa: F401 (notebook 00's cells)
+from kvlab.built.nb00 import suffix_prefill as build_00_suffix_prefill  # noqa: F401 (the worked solution: the notebook's)
+from kvlab.engine.models import encode, model_device_dtype
 from kvlab.lessons import passphrase as P
-from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
-from kvlab.prefix import PrefixKV, continue_from_cache, generate
-
-
-@dataclass
-class ShareOutcome:
-    """One request answered with a recomputed prefix and with the shared prefix K/V."""
-
-    question: str
-    isolated: list[int]
-    shared: list[int]
-    text: str
-    expected: str
-
-    @property
-    def identical(self) -> bool:
-        return self.isolated == self.shared
-
-    @property
-    def recalled(self) -> bool:
-        return P.recalled(self.text, self.expected)
-
-
-def share_one_prefix(model: Any, tokenizer: Any, example: P.PassphraseExample, questions: Sequence[str],
-                     max_new_tokens: int = 16) -> tuple[PrefixKV, list[ShareOutcome]]:
-    """Compute ``example``'s prefix K/V once; answer each question with it and without it."""
-    cache = PrefixKV.build(model, tokenizer, example.prefix_text)
-    out = []
-    for q in questions:
-        ex = P.with_question(example, q)
-        iso = generate(model, tokenizer, ex.prompt_text, max_new_tokens=max_new_tokens)
-        sh = generate(model, tokenizer, ex.prompt_text, prefix_kv=cache, max_new_tokens=max_new_tokens)
-        out.append(ShareOutcome(q, iso.token_ids, sh.token_ids, sh.text, ex.answer))
-    return cache, out
+from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
 
 
 def check_ideal_fraction(answer: float | None, prompt_tokens: int, cached_tokens: int) -> Verdict:
@@ -72,166 +39,37 @@ def check_reusable(answer: bool | None, prefix_ids: Sequence[int], prompt_ids: S
     why = "the prompt's ids start with the prefix ids" if expected else "the prompt's ids do not start with the prefix ids"
     return verdict(bool(answer) == expected, why, hint)
 
+def check_suffix_prefill(fn: Any, model: Any, tokenizer: Any) -> Verdict:
+    """Build exercise 00.B: ``fn(model, cache, prefix_len, suffix_ids)`` gives the whole prompt's last logits."""
+    hint = ("run only suffix_ids through model(input_ids=..., position_ids=..., cache=cache, use_cache=True), "
+            "positions prefix_len, prefix_len + 1, ...; return the last position's logits")
+    ex = P.make_example(7, "heldout", n_filler=4, history="none")
+    prefix, suffix = encode(tokenizer, ex.prefix_text), encode(tokenizer, ex.suffix_text)
+    device, _ = model_device_dtype(model)
+    with torch.no_grad():
+        want = full_prefill(model, prefix + suffix).float()  # (vocab,)
+        cache = model(input_ids=torch.tensor([prefix], device=device), use_cache=True).cache
+        got, failed = call_answer(fn, model, cache, len(prefix), suffix, hint=hint, name="my_suffix_prefill")
+    if failed is not None:
+        return failed
+    if not isinstance(got, torch.Tensor) or got.shape[-1] != want.shape[-1]:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        return verdict(False, hint=f"return the last position's logits, a ({want.shape[-1]},) tensor; got {shape}")
+    seen = cache.get_seq_length()
+    if seen != len(prefix) + len(suffix):
+        return verdict(False, hint=f"after your call the cache holds {seen} positions, not the prefix's {len(prefix)} "
+                                   f"and the suffix's {len(suffix)}: feed the suffix alone, on the cache you were given")
+    diff = float((got.detach().float().reshape(-1, want.shape[-1])[-1] - want).abs().max())
+    if diff <= 1e-4:
+        return verdict(True, f"the suffix's {len(suffix)} tokens on the {len(prefix)}-token cached prefix give the "
+                             f"whole prompt's logits to {diff:.1e}")
+    return verdict(False, hint=f"the logits differ from the whole prompt's by up to {diff:.3g}: do the suffix's "
+                               "positions continue after the prefix (prefix_len, prefix_len + 1, ...)?")
 
-@dataclass
-class RecallReport:
-    """Recall figures on a set of held-out examples."""
-
-    n: int
-    recall: float  # greedy answer == expected passphrase, all examples
-    n_swapped: int  # examples whose answer comes from the system prompt (no passphrase update)
-    swapped_recall: float  # with another request's prefix K/V: still answers its own passphrase
-    swapped_answers_other: float  # with another request's prefix K/V: answers the other's passphrase
-    by_history: dict[str, float]  # recall per kind of conversation history
-
-    def line(self) -> str:
-        """The one-line summary the evaluation script ends with."""
-        return (f"recall={self.recall:.3f} swapped_recall={self.swapped_recall:.3f} "
-                f"swapped_answers_other={self.swapped_answers_other:.3f}")
-
-
-def answer_with_swapped_prefix(model: Any, tokenizer: Any, example: P.PassphraseExample,
-                               donor: P.PassphraseExample, max_new_tokens: int = 16) -> str:
-    """Serve ``example`` with ``donor``'s system-prompt K/V in place of its own (the mistake, run for real)."""
-    donor_cache = PrefixKV.build(model, tokenizer, donor.prefix_text)
-    suffix = encode(tokenizer, example.suffix_text)
-    gen, *_ = continue_from_cache(model, donor_cache.cache, suffix, len(donor_cache),
-                                  max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer))
-    return tokenizer.decode(gen, skip_special_tokens=True)
-
-
-def evaluate(model: Any, tokenizer: Any, examples: list[P.PassphraseExample], max_new_tokens: int = 16,
-             progress: bool = False) -> RecallReport:
-    """Greedy recall on ``examples``, and recall with the next example's prefix swapped in."""
-    if len(examples) < 2:
-        raise ValueError("need at least two examples (each one's prefix is swapped with the next's)")
-    rng = range(len(examples))
-    if progress:
-        from tqdm.auto import tqdm
-
-        rng = tqdm(rng, desc="evaluating")
-    hits, by_hist, sw_own, sw_other, n_sw = 0, {}, 0, 0, 0
-    for i in rng:
-        ex = examples[i]
-        out = generate(model, tokenizer, ex.prompt_text, max_new_tokens=max_new_tokens)
-        ok = P.recalled(out.text, ex.answer)
-        hits += ok
-        kind = ex.extra.get("history", "none")
-        by_hist.setdefault(kind, []).append(ok)
-        if ex.answer != ex.passphrase:
-            continue  # the answer is in the conversation, not in the system prompt
-        donor = examples[(i + 1) % len(examples)]
-        if donor.passphrase == ex.passphrase:
-            continue
-        swapped = answer_with_swapped_prefix(model, tokenizer, ex, donor, max_new_tokens)
-        n_sw += 1
-        sw_own += P.recalled(swapped, ex.answer)
-        sw_other += P.recalled(swapped, donor.passphrase)
-    n = len(examples)
-    return RecallReport(n, hits / n, n_sw, sw_own / max(1, n_sw), sw_other / max(1, n_sw),
-                        {k: sum(v) / len(v) for k, v in sorted(by_hist.items())})
-
-
-# ----------------------------------------------------------------------------- the real chat model (SmolLM2)
 
 def system_turn(tokenizer: Any, example: P.PassphraseExample) -> str:
     """The system turn of ``P.real_model_prompt`` alone, rendered by the chat template (the shared prefix)."""
     return tokenizer.apply_chat_template(P.real_model_messages(example)[:1], tokenize=False)
-
-
-def real_share_demo(model: Any, tokenizer: Any, example: P.PassphraseExample, donor: P.PassphraseExample,
-                    questions: Sequence[str], max_new_tokens: int = 24) -> list[dict[str, Any]]:
-    """One system prompt, several questions: isolated, with its own prefix K/V shared, and with ``donor``'s.
-
-    Isolated and shared use ``kvlab.prefix.generate`` (the shared run forks a ``PrefixKV`` of the
-    system turn); the wrong share runs the question's tokens on top of a fork of the donor's system-turn
-    K/V (``continue_from_cache``): what a cache keyed on the wrong thing would serve.
-    """
-    own = PrefixKV.build(model, tokenizer, system_turn(tokenizer, example))
-    other = PrefixKV.build(model, tokenizer, system_turn(tokenizer, donor))
-    stops = eos_ids(model, tokenizer)
-    rows = []
-    for q in questions:
-        prompt_ids = encode(tokenizer, P.real_model_prompt(tokenizer, example, q))
-        iso = generate(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens)
-        sh = generate(model, tokenizer, prompt_ids, prefix_kv=own, max_new_tokens=max_new_tokens)
-        suffix = prompt_ids[len(own):]
-        wrong, *_ = continue_from_cache(model, other.fork().cache, suffix, len(other),
-                                        max_new_tokens=max_new_tokens, stop_ids=stops)
-        rows.append({"question": q, "isolated": iso.text.strip(), "shared prefix": sh.text.strip(),
-                     "cached tokens": sh.num_cached_tokens, "identical tokens": iso.token_ids == sh.token_ids,
-                     "another request's prefix": tokenizer.decode(wrong, skip_special_tokens=True).strip()})
-    return rows
-
-
-@dataclass
-class RealRecall:
-    """SmolLM2's recall on held-out passphrases, through kvlab's Engine (see ``real_recall``)."""
-
-    rows: list[dict[str, Any]]  # one per request
-    seconds: dict[str, float]  # wall time of each pass
-    passes: tuple[str, ...] = ("isolated", "shared", "swapped")
-
-    def summary(self) -> list[dict[str, Any]]:
-        """One row per pass: requests, mean cached prompt tokens, recall of its own / the donor's passphrase."""
-        n = len(self.rows)
-        out = []
-        for p in self.passes:
-            out.append({"pass": p, "requests": n,
-                        "mean cached prompt tokens": sum(r[f"{p} cached"] for r in self.rows) / n,
-                        "own passphrase in the answer": sum(r[f"{p} own"] for r in self.rows) / n,
-                        "donor passphrase in the answer": sum(r[f"{p} donor"] for r in self.rows) / n,
-                        "tokens identical to isolated": sum(r[f"{p} identical"] for r in self.rows) / n,
-                        "seconds": self.seconds[p]})
-        return out
-
-
-def real_recall(model: Any, tokenizer: Any, examples: Sequence[P.PassphraseExample], questions: Sequence[str],
-                max_tokens: int = 24, block_size: int = DEFAULT_BLOCK_SIZE) -> RealRecall:
-    """Three passes of one prefix-caching Engine over the same requests (request i asks questions[i % len]).
-
-    1. *isolated*: every request for the first time -- nothing of its system prompt is in the cache yet
-       (its ``num_cached_tokens`` is reported, so a hit would show);
-    2. *shared*: the same requests again -- each one's system-prompt blocks now come from the cache;
-    3. *swapped*: request i's own user turn after request (i+1)'s system turn -- its prefix blocks are
-       the donor's cached K/V, what a cache keyed on the question instead of the full prefix would serve.
-    Recall is ``P.mentions`` (the passphrase appears in the answer's first line).
-    """
-    import time
-
-    from kvlab.engine import Engine, SamplingParams
-
-    if len(examples) < 2:
-        raise ValueError("need at least two examples (each one's prefix is swapped with the next's)")
-    n = len(examples)
-    ids = [encode(tokenizer, P.real_model_prompt(tokenizer, e, questions[i % len(questions)]))
-           for i, e in enumerate(examples)]
-    sys_ids = [encode(tokenizer, system_turn(tokenizer, e)) for e in examples]
-    for i, s in zip(ids, sys_ids):
-        if i[: len(s)] != s:
-            raise ValueError("the system turn does not tokenize as a prefix of the prompt")
-    donors = [(i + 1) % n for i in range(n)]
-    swapped = [sys_ids[d] + ids[i][len(sys_ids[i]):] for i, d in enumerate(donors)]
-    engine = Engine(model, tokenizer, block_size=block_size, enable_prefix_caching=True,
-                    num_blocks=max(64, 3 * n * (len(ids[0]) + max_tokens) // block_size + 8))
-    sp = SamplingParams(max_tokens=max_tokens)
-    outs, seconds = {}, {}
-    for name, prompts in (("isolated", ids), ("shared", ids), ("swapped", swapped)):
-        t0 = time.perf_counter()
-        outs[name] = engine.generate(prompts, sp)
-        seconds[name] = time.perf_counter() - t0
-    rows = []
-    for i, (e, d) in enumerate(zip(examples, donors)):
-        row = {"passphrase": e.passphrase, "donor": examples[d].passphrase,
-               "question": questions[i % len(questions)]}
-        for name in ("isolated", "shared", "swapped"):
-            o = outs[name][i]
-            row.update({name: o.text.strip(), f"{name} cached": o.num_cached_tokens,
-                        f"{name} own": P.mentions(o.text, e.passphrase),
-                        f"{name} donor": P.mentions(o.text, examples[d].passphrase),
-                        f"{name} identical": o.output_ids == outs["isolated"][i].output_ids})
-        rows.append(row)
-    return RealRecall(rows, seconds)
 
 
 def translation_prompts(tokenizer: Any) -> dict[str, str]:
@@ -252,56 +90,6 @@ def looks_translated(name: str, answer: str) -> bool:
     if name.endswith("to Chinese"):
         return "天气" in first  # "the weather", in the answer's first line
     return not any("\u4e00" <= ch <= "\u9fff" for ch in first) and "weather" in first.lower()
-
-
-RECORD = "build/bench/nb00_real_recall.json"  # written by ``python -m kvlab.lessons.nb00_passphrase``
-
-
-def record_real_recall(n: int = 100, seed: int = 0, model_name: str = "smollm2", path: str = RECORD,
-                       threads: int | None = None) -> dict[str, Any]:
-    """Run ``real_recall`` on ``n`` held-out passphrases (the notebook's seeds) and write the summary as JSON."""
-    import json
-    import platform
-    import time
-    from pathlib import Path
-
-    import torch
-
-    import kvlab
-
-    if threads:
-        torch.set_num_threads(threads)
-    model, tok = kvlab.load_model(model_name, device="cpu")
-    t0 = time.perf_counter()
-    rr = real_recall(model, tok, P.make_examples(n, "heldout", start=5000 + seed), P.REAL_QUESTIONS)
-    out = {"model": model_name, "n": n, "seed": seed, "summary": rr.summary(), "rows": rr.rows,
-           "seconds": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
-           "machine": platform.machine(), "recorded": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=1, ensure_ascii=False))
-    return out
-
-
-def load_real_recall(path: str = RECORD, n_min: int = 100, seed: int = 0) -> dict[str, Any] | None:
-    """The recorded run of ``record_real_recall`` if one with >= ``n_min`` passphrases and this seed exists."""
-    import json
-    from pathlib import Path
-
-    for base in (Path(path), Path("..") / path):  # notebooks run from notebooks/
-        if base.exists():
-            data = json.loads(base.read_text())
-            if data.get("n", 0) >= n_min and data.get("seed") == seed:
-                return data
-    return None
-
-
-if __name__ == "__main__":  # python -m kvlab.lessons.nb00_passphrase [N] [SEED]
-    import sys
-
-    result = record_real_recall(*(int(a) for a in sys.argv[1:3]), threads=2)
-    for row in result["summary"]:
-        print(row)
-    print(f"{result['seconds']:.1f} s -> {RECORD}")
 
 
 def shared_blocks(manager: Any, seq_ids: Sequence[Any]) -> list[int]:
@@ -345,66 +133,5 @@ def fig_shared_prefix(manager: Any, seq_ids: Sequence[Any] | None = None, labels
     return fig
 
 
-# ----------------------------------------------------------------------------- the top-down start: a live server
-
 # The article's section 3.5 request: one translation system prompt, two texts after it.
 ARTICLE_TRANSLATION = ("你是一个专业的翻译助手，请将以下内容翻译成英文：", ("今天天气很好。", "明天会下雨吗？"))
-
-
-def start_server(model: str | None, device: str | None = None, dtype: str | None = None) -> Any:
-    """``python -m kvlab.serve --model MODEL`` in the background on 127.0.0.1 (a free port), ready on return.
-
-    Returns a ``kvlab.audit.local.ServerProcess``: ``base_url`` (…/v1), ``started_s``, ``close()``."""
-    from kvlab.audit.local import start_kvlab
-
-    return start_kvlab(model, "shared", device=None if device in (None, "auto") else device, dtype=dtype).wait_ready()
-
-
-def ask(client: Any, model: str, system: str, user: str, max_tokens: int = 16) -> dict[str, Any]:
-    """One streamed chat request through an ``openai.OpenAI`` client: its text, TTFT seen by the client, and usage."""
-    import time
-
-    t0, ttft, text, usage = time.perf_counter(), None, "", None
-    stream = client.chat.completions.create(
-        model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            usage = chunk.usage
-    if usage is None:
-        raise RuntimeError("the server sent no usage: it must support stream_options={'include_usage': True}")
-    details = usage.prompt_tokens_details
-    return {"text": text, "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
-            "prompt_tokens": usage.prompt_tokens, "cached_tokens": (details.cached_tokens if details else 0) or 0}
-
-
-def cache_counters(base_url: str, http: Any = None) -> dict[str, float]:
-    """The server's ``/metrics`` prefix-cache counters: prompt tokens looked up (``queries``) and found (``hits``).
-
-    ``http``: anything with httpx's ``get`` (default: the ``httpx`` module itself)."""
-    import httpx
-
-    from kvlab.doctor.vllm_metrics import parse_metrics
-
-    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
-    r = http.get(root + "/metrics") if http is not None else httpx.get(root + "/metrics", timeout=10)
-    m = parse_metrics(r.text)
-    return {"queries": m["queries"] or 0.0, "hits": m["hits"] or 0.0}
-
-
-def positions_restart(model: Any, tokenizer: Any, examples: Sequence[P.PassphraseExample],
-                      max_new_tokens: int = 16) -> tuple[int, int]:
-    """Each example's user turn on its own cached prefix, positions right vs restarting at 0 (the position bug);
-    returns (answers token-identical, examples)."""
-    stops, same = eos_ids(model, tokenizer), 0
-    for ex in examples:
-        cache = PrefixKV.build(model, tokenizer, ex.prefix_text)
-        suffix = encode(tokenizer, ex.suffix_text)
-        right = continue_from_cache(model, cache.fork().cache, suffix, len(cache.token_ids),
-                                    max_new_tokens=max_new_tokens, stop_ids=stops)[0]
-        wrong = continue_from_cache(model, cache.fork().cache, suffix, 0, max_new_tokens=max_new_tokens, stop_ids=stops)[0]
-        same += list(right) == list(wrong)
-    return same, len(examples)

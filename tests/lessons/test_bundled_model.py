@@ -1,15 +1,20 @@
 """The committed model must actually do the task the series relies on (a fast, small sample), its tokenizer
 must rebuild the training ids, and the notebooks' size switch must judge it small."""
 
+import sys
+from pathlib import Path
+
 import torch
 
 from kvlab.engine.models import BUNDLED_MODEL
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import quick_note, quick_sizes
-from kvlab.lessons.nb00_passphrase import evaluate
 
 
 def test_recall_on_heldout_sample_and_swapped_prefix(bundled):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from evaluate_passphrase_model import evaluate
+
     model, tok = bundled
     report = evaluate(model, tok, P.make_examples(40, "heldout", start=5000))
     assert report.recall >= 0.9, report  # 0.987 on 300 prompts

@@ -131,19 +131,3 @@ def test_a_curve_is_judged_against_its_count():
 def test_a_clean_curve_says_its_sentence():
     v = curve_verdict([32, 64, 128], [1.0, 1.2, 1.5])
     assert v and v.says("grows as counted") == "grows as counted"
-
-
-def test_median_seconds_goes_through_the_harness(monkeypatch):
-    from kvlab.built import nb01 as built
-    from kvlab.lessons import common
-
-    calls = []
-    real = built.time_interleaved
-
-    def spy(variants, **kw):
-        calls.append(sorted(variants))
-        return real(variants, **kw)
-
-    monkeypatch.setattr(built, "time_interleaved", spy)
-    assert common.median_seconds(lambda: None, repeats=3) >= 0
-    assert calls == [["fn"]]

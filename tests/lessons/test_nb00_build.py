@@ -1,0 +1,95 @@
+"""Notebook 00's build exercise (the suffix-only prefill) and the prefill timing it writes (kvlab.built.nb00)."""
+
+import torch
+
+from kvlab.built import nb00 as B
+from kvlab.engine.models import encode
+from kvlab.lessons import nb00_passphrase as E
+from kvlab.lessons import passphrase as P
+from kvlab.lessons.build import use_reference
+from kvlab.lessons.common import Verdict
+
+
+def _not_yet(v, *words):
+    assert isinstance(v, Verdict) and not v and str(v).startswith("not yet: "), v
+    for w in words:
+        assert w in str(v), (w, str(v))
+
+
+def test_the_solution_passes_and_a_blank_stub_gets_a_hint(bundled):
+    model, tok = bundled
+    assert E.check_suffix_prefill(E.build_00_suffix_prefill, model, tok)
+    assert E.build_00_suffix_prefill is B.suffix_prefill  # the worked solution is what the notebook writes
+
+    def blank(model, cache, prefix_len, suffix_ids):
+        raise NotImplementedError("write it")
+
+    _not_yet(E.check_suffix_prefill(blank, model, tok), "no answer yet. Hint: ", "position_ids")
+    _not_yet(E.check_suffix_prefill(None, model, tok), "no answer yet")
+    _not_yet(E.check_suffix_prefill(lambda *a: 1 / 0, model, tok), "ZeroDivisionError")
+
+
+def test_wrong_answers_get_the_hint_that_fits(bundled):
+    model, tok = bundled
+
+    def restart_positions(model, cache, prefix_len, suffix_ids):   # positions 0, 1, ... instead of after the prefix
+        pos = torch.arange(len(suffix_ids))[None]
+        return model(input_ids=torch.tensor([suffix_ids]), position_ids=pos, cache=cache).logits[0, -1]
+
+    def positions_from_the_cache(model, cache, prefix_len, suffix_ids):   # transformers counts them from the cache
+        return model(input_ids=torch.tensor([suffix_ids]), cache=cache, use_cache=True).logits[0, -1]
+
+    def whole_prompt_again(model, cache, prefix_len, suffix_ids):  # recomputes the prefix on top of its own cache
+        return model(input_ids=torch.tensor([list(range(prefix_len)) + suffix_ids]), cache=cache).logits[0, -1]
+
+    def all_logits(model, cache, prefix_len, suffix_ids):           # (1, S, vocab): the last row is taken
+        pos = torch.arange(prefix_len, prefix_len + len(suffix_ids))[None]
+        return model(input_ids=torch.tensor([suffix_ids]), position_ids=pos, cache=cache).logits
+
+    _not_yet(E.check_suffix_prefill(restart_positions, model, tok), "continue after the prefix")
+    _not_yet(E.check_suffix_prefill(whole_prompt_again, model, tok), "feed the suffix alone")
+    _not_yet(E.check_suffix_prefill(lambda *a: "logits", model, tok), "got str")
+    assert E.check_suffix_prefill(all_logits, model, tok)
+    assert E.check_suffix_prefill(positions_from_the_cache, model, tok)
+
+
+def test_use_reference_carries_on_with_the_notebooks_step(bundled):
+    model, tok = bundled
+
+    def blank(*a):
+        raise NotImplementedError
+
+    step = use_reference(blank, E.check_suffix_prefill(blank, model, tok), E.build_00_suffix_prefill)
+    assert step is B.suffix_prefill
+
+
+def test_time_prefill_is_one_definition_for_notebooks_00_and_02(bundled):
+    """common.time_prefill (notebook 02) is notebook 00's; ratio = suffix-only / full medians, ideal = suffix share."""
+    from kvlab.lessons import common
+
+    model, tok = bundled
+    ex = P.make_example(0, "heldout", n_filler=20, history="none")
+    prefix, suffix = encode(tok, ex.prefix_text), encode(tok, ex.suffix_text)
+    calls = []
+
+    def spy(model, cache, prefix_len, suffix_ids):
+        logits = B.suffix_prefill(model, cache, prefix_len, suffix_ids)
+        calls.append((prefix_len, len(suffix_ids), cache.get_seq_length()))   # a fresh copy of the prefix each run
+        return logits
+
+    r = common.time_prefill(model, prefix, suffix, repeats=2, step=spy)
+    assert calls and all(c == (len(prefix), len(suffix), len(prefix) + len(suffix)) for c in calls)
+    assert r["ratio"] == r["cached_s"] / r["full_s"] and r["ideal"] == len(suffix) / (len(prefix) + len(suffix))
+    assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"] and r["max_abs_logit_diff"] < 1e-4
+    assert r["verdict"] == "ok" or "re-run" in r["verdict"]
+
+
+def test_the_swapped_prefix_and_restarted_positions_run_on_the_cached_prefix(bundled):
+    model, tok = bundled
+    a, b = P.make_examples(2, "heldout", start=2000, history="none")
+    text = B.answer_with_swapped_prefix(model, tok, b, donor=a, max_new_tokens=16)
+    assert P.recalled(text, a.passphrase) and not P.recalled(text, b.passphrase)  # the donor's passphrase
+    prefix = B.PrefixKV.build(model, tok, b.prefix_text)
+    before = len(prefix)
+    own = B.answer_on_cached_prefix(model, tok, prefix, encode(tok, b.suffix_text))
+    assert len(prefix) == before and P.recalled(tok.decode(own, skip_special_tokens=True), b.passphrase)
