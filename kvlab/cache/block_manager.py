@@ -292,15 +292,8 @@ class BlockManager(SequenceTables):
         }
 
     # --- prefix lookup ------------------------------------------------------------------------------
-    def _check_prompt(self, token_ids: Sequence[int], scope: TenantScope) -> list[int]:
-        return check_prompt(token_ids, scope)
-
     def _keys(self, i: int, salt: str | None, salt_block: int) -> ExtraKeys:
         return block_extra_keys(i, self.model_fingerprint, salt, salt_block)
-
-    def _hash_full_blocks(self, tokens: list[int], salt: str | None, salt_block: int, limit: int) -> list[BlockHash]:
-        return prompt_block_hashes(tokens[: limit * self.block_size], self.block_size, self.model_fingerprint, salt,
-                                   salt_block, self.hash_fn)
 
     def _longest_hit(self, tokens: list[int], hashes: list[BlockHash], salt: str | None, salt_block: int) -> list[Block]:
         """Cached blocks of the longest prefix, capped so the last prompt token is recomputed."""
@@ -321,25 +314,19 @@ class BlockManager(SequenceTables):
         ``allocate(..., plan=plan)`` so the prompt is not hashed twice (it is used only while the pool is
         exactly as it was when planned; a plan is this manager's only: another manager refuses it).
         """
-        tokens = self._check_prompt(token_ids, scope)
+        tokens = check_prompt(token_ids, scope)
         bs, n = self.block_size, len(tokens)
         salt_block = salted_block(scope.public_tokens, bs)
         hashes: list[BlockHash] = []
         hits: list[Block] = []
         if self.enable_caching:
-            hashes = self._hash_full_blocks(tokens, scope.salt, salt_block, n // bs)
+            hashes = prompt_block_hashes(tokens[: n // bs * bs], bs, self.model_fingerprint, scope.salt, salt_block,
+                                         self.hash_fn)
             hits = self._longest_hit(tokens, hashes, scope.salt, salt_block)
         # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
         needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
         return AllocationPlan(tuple(tokens), scope, tuple(hashes), tuple(hits), needed, self.num_free_blocks,
                               self.pool.clock, self._plan_token)
-
-    def _plan_holds(self, plan: AllocationPlan, token_ids: Sequence[int], scope: TenantScope) -> bool:
-        """Whether ``plan`` (this manager's) still describes the pool: same clock, free count and cached hits."""
-        return (plan.clock == self.pool.clock and plan.num_free_blocks == self.num_free_blocks
-                and plan.scope == scope and plan.tokens == tuple(token_ids)
-                and all(self.pool.blocks[b.block_id] is b and b.block_hash == h
-                        for b, h in zip(plan.hits, plan.hashes)))
 
     # --- mutations ----------------------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
@@ -385,7 +372,12 @@ class BlockManager(SequenceTables):
         if plan is not None and (not isinstance(plan, AllocationPlan) or plan.owner is not self._plan_token):
             raise ValueError("this plan was not made by this manager's can_allocate (plans do not travel between "
                              "managers: another pool's free blocks and cached hits are not this one's)")
-        if plan is None or not self._plan_holds(plan, token_ids, scope):
+        # a plan holds while it still describes the pool: same clock, free count and cached hits
+        holds = plan is not None and (
+            plan.clock == self.pool.clock and plan.num_free_blocks == self.num_free_blocks
+            and plan.scope == scope and plan.tokens == tuple(token_ids)
+            and all(self.pool.blocks[b.block_id] is b and b.block_hash == h for b, h in zip(plan.hits, plan.hashes)))
+        if not holds:
             plan = self.can_allocate(token_ids, scope)
         if not plan:
             raise NoFreeBlocksError(
