@@ -63,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"a subset of the systems (default: all): {', '.join(B.SYSTEMS)}")
     ap.add_argument("--floor-threads", type=int, nargs="*", default=[1, 2], metavar="N",
                     help="torch thread counts of the decode-floor table (none: skip it)")
-    ap.add_argument("--decode-kernel", choices=["eager", "cpp"], default="eager",
-                    help="paged decode attention: eager torch ops, or the C++ kernel (compiled once, then cached)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "bench.json"))
     args = ap.parse_args(argv)
 
@@ -188,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": vllm,
         "speed_goals": json.loads(speed_goals.to_json(orient="records")),
         "decode_floor": None if floor is None else json.loads(floor.to_json(orient="records")),
-        "decode_kernel": args.decode_kernel,
         "seconds": time.perf_counter() - t0,
         "load_average_end": _loadavg(),
     }

