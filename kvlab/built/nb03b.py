@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab import blend as B
+from kvlab.built.nb01 import Timing, ratio_verdict
 from kvlab.engine.models import encode, eos_ids, model_device_dtype, synchronize
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import progress_bar
@@ -325,7 +325,8 @@ def ttft_methods(ratios: Sequence[float]) -> list[str]:
 @torch.no_grad()
 def run_ttft(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float] = RATIOS,
              repeats: int = 3, progress: bool = False) -> Any:
-    """Median seconds to the first token's logits per request and method, the methods interleaved.
+    """Seconds to the first token's logits in each run, per request and method; the methods interleaved (their
+    order reversed every other run), after one untimed warm-up each.
 
     Every method runs through ``blend_prefill``: full prefill (nothing cached), the system prompt from a
     prefix cache and the rest computed, and blending (prefix cache + chunk cache, hits only: the chunks
@@ -340,30 +341,40 @@ def run_ttft(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Seque
         runs = {names[0]: (full, 1.0, None), names[1]: (full, 1.0, prefix)}  # (pieces, r, prefix cache)
         runs.update({name: (req.pieces, r, prefix) for name, r in zip(names[2:], ratios)})
         times: dict[str, list[float]] = {n: [] for n in names}
+        select: dict[str, list[float]] = {n: [] for n in names}
         for pieces, r, pre in runs.values():
             blend_prefill(chunks, pieces, r, prefix=pre)  # warm-up, and every chunk is in the cache from here on
-        for _ in range(repeats):
-            for name, (pieces, r, pre) in runs.items():
+        for k in range(repeats):
+            for name in (names if k % 2 == 0 else names[::-1]):
+                pieces, r, pre = runs[name]
                 b = blend_prefill(chunks, pieces, r, prefix=pre)
                 times[name].append(b.seconds["ttft"])
-                if name.startswith("blend"):
-                    times.setdefault(name + " select", []).append(b.seconds["select"])
-        for name in names:
-            row = {"request": i, "method": name, "prompt tokens": len(req.prompt_ids),
-                   "ttft_s": statistics.median(times[name])}
-            if name + " select" in times:
-                row["select_s"] = statistics.median(times[name + " select"])
-            rows.append(row)
+                select[name].append(b.seconds["select"])
+        rows += [{"request": i, "method": name, "prompt tokens": len(req.prompt_ids),
+                  "computed tokens": len(req.prompt_ids) - (len(req.pieces[0][0]) if runs[name][2] else 0),
+                  "runs_s": tuple(times[name]), "select_runs_s": tuple(select[name])} for name in names]
     return pd.DataFrame(rows)
 
 
-def ttft_table(ttft: Any) -> Any:
-    """Per method: median TTFT (ms) over requests and its ratio to the full prefill of the same request."""
-    full = ttft[ttft["method"] == "full prefill"].set_index("request")["ttft_s"]
-    t = ttft.assign(ratio=ttft["ttft_s"] / ttft["request"].map(full))
-    g = t.groupby("method", sort=False)
-    out = g["ttft_s"].median().mul(1000).rename("median TTFT ms").to_frame()
-    out["vs full prefill"] = g["ratio"].median()
-    if "select_s" in t:
-        out["selection ms"] = g["select_s"].median().mul(1000)
+def ttft_timings(ttft: Any, column: str = "runs_s") -> dict[str, Timing]:
+    """Per method, the mean seconds per request in each run, as a ``Timing`` for notebook 01's harness."""
+    out = {}
+    for method, g in ttft.groupby("method", sort=False):
+        per_run = [sum(x) / len(g) for x in zip(*g[column])]
+        out[method] = Timing(method, tuple(per_run))
     return out
+
+
+def ttft_table(ttft: Any) -> Any:
+    """Per method: TTFT per request (median of runs, min–max), and the ratio to a full prefill with its range:
+    the same ``ratio_verdict`` numbers the sentences below the table print."""
+    import pandas as pd
+
+    timings, select = ttft_timings(ttft), ttft_timings(ttft, "select_runs_s")
+    rows = {}
+    for method, t in timings.items():
+        v = ratio_verdict(t, timings["full prefill"])
+        rows[method] = {"median TTFT ms": 1000 * t.median, "min ms": 1000 * t.lo, "max ms": 1000 * t.hi,
+                        "vs full prefill": v.value, "ratio lo": v.lo, "ratio hi": v.hi,
+                        "selection ms": 1000 * select[method].median}
+    return pd.DataFrame(rows).T

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvlab.built.nb01 import Timing
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.cache.block_manager import BlockManager, TenantScope
 from kvlab.cache.radix import RadixCache
@@ -254,25 +255,26 @@ def tenant_sharing(num_tenants: int = 4, requests_per_tenant: int = 4, system_le
 
 
 # --- 04b_radix_vs_blocks.ipynb, cell 27 ---
-def engine_ttft(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], cache: str, max_tokens: int = 4,
-                num_tokens: int = 16384, block_size: int = DEFAULT_BLOCK_SIZE, page_size: int = 1, repeats: int = 3,
-                **engine_kw: Any) -> dict:
-    """Median TTFT and outputs of ``prompts`` through a fresh ``Engine(..., cache=cache)``, one request after another.
+def engine_ttft(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], caches: dict[str, dict],
+                max_tokens: int = 4, num_tokens: int = 16384, block_size: int = DEFAULT_BLOCK_SIZE,
+                repeats: int = 3) -> dict[str, dict]:
+    """Per cache (name -> the Engine's cache arguments): ``prompts`` through a fresh engine, one request after
+    another, the runs of every cache interleaved (their order reversed every other run).
 
-    Each prompt waits for the previous one, so every request finds the cache the earlier ones left:
-    TTFT is then its own prefill of the uncached part (plus one forward), not queueing.
+    Each prompt waits for the previous one, so every request finds the cache the earlier ones left: its TTFT is
+    its own prefill of the uncached part (plus one forward), not queueing. ``timing``: the group's total TTFT
+    in each run, for the timing harness of notebook 01.
     """
     from kvlab.engine import Engine, SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens)
-    runs = []
-    for _ in range(repeats):
-        kw = {"cache": cache, "page_size": page_size} if cache == "radix" else {}
-        engine = Engine(model, tokenizer, num_blocks=num_tokens // block_size, block_size=block_size, **kw, **engine_kw)
-        outs = [engine.generate([p], sp)[0] for p in prompts]
-        runs.append(outs)
-    ttfts = [statistics.median(run[i].ttft for run in runs) for i in range(len(prompts))]
-    outs = runs[-1]
-    return {"cache": f"radix page {page_size}" if cache == "radix" else f"blocks {block_size}", "ttft": ttfts,
-            "cached": [o.num_cached_tokens for o in outs], "outputs": [o.output_ids for o in outs],
-            "stats": engine.stats()}
+    sp, names = SamplingParams(max_tokens=max_tokens), list(caches)
+    runs: dict[str, list] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            engine = Engine(model, tokenizer, num_blocks=num_tokens // block_size, block_size=block_size,
+                            **caches[name])
+            runs[name].append([engine.generate([p], sp)[0] for p in prompts])
+    return {name: {"cache": name, "ttft": [statistics.median(run[i].ttft for run in rs) for i in range(len(prompts))],
+                   "cached": [o.num_cached_tokens for o in rs[-1]], "outputs": [o.output_ids for o in rs[-1]],
+                   "timing": Timing(name, tuple(sum(o.ttft for o in run) for run in rs))}
+            for name, rs in runs.items()}

@@ -286,3 +286,18 @@ def test_the_notebooks_blend_prefill_equals_kvlabs(lm):
     assert ga.token_ids == gb.token_ids
     full = N.blend_generate(mine, [(ids, False) for ids, _ in pieces], 1.0, max_new_tokens=8)
     assert N.blend_generate(mine, pieces, 1.0, prefix=prefix, max_new_tokens=8).token_ids == full.token_ids
+
+
+def test_the_ttft_table_and_the_sentences_read_one_ratio(lm):
+    """03b's TTFT table and the sentences under it take the same ratio_verdict numbers."""
+    from kvlab.built import nb03b as N
+    from kvlab.built.nb01 import ratio_verdict
+
+    model, tok = lm
+    req = N.rag_requests(tok, [0], per_docset=1)[0]
+    ttft = N.run_ttft(B.ChunkCache(model, tok), [req], [0.0, 0.5], repeats=2)
+    table, timings = N.ttft_table(ttft), N.ttft_timings(ttft)
+    assert list(table.index) == N.ttft_methods([0.0, 0.5]) and table.loc["full prefill", "vs full prefill"] == 1.0
+    v = ratio_verdict(timings["blend r=50%"], timings["full prefill"])
+    assert (table.loc["blend r=50%", ["vs full prefill", "ratio lo", "ratio hi"]].tolist() == [v.value, v.lo, v.hi])
+    assert all(len(t.seconds) == 2 for t in timings.values())

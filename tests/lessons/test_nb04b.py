@@ -48,3 +48,17 @@ def test_checkers():
         assert not blank and "no answer yet" in str(blank)
     wrong = L.check_radix_cached(lambda n, p: n)
     assert not wrong and "predicted" in str(wrong)
+
+
+def test_engine_ttft_interleaves_the_caches_and_keeps_the_outputs():
+    import kvlab
+
+    model, tok = kvlab.load_model(None)
+    prompts = [list(range(1, 40)), list(range(1, 30)) + [50, 51]]
+    caches = {"blocks 16": {}, "radix page 1": {"cache": "radix", "page_size": 1}}
+    res = N.engine_ttft(model, tok, prompts, caches, max_tokens=3, num_tokens=1024, repeats=2)
+    assert list(res) == list(caches)
+    assert res["blocks 16"]["outputs"] == res["radix page 1"]["outputs"]
+    assert res["radix page 1"]["cached"][1] == 29 > res["blocks 16"]["cached"][1] == 16
+    for r in res.values():
+        assert len(r["timing"].seconds) == 2 and all(s > 0 for s in r["timing"].seconds)
