@@ -377,7 +377,7 @@ def overlap_pair(tokenizer: Any, seed: int, split: str = "heldout", lang: str | 
     return {**parts, "example": ex}
 
 
-# --- 03_position_encoding_pitfalls.ipynb, cell 50 ---
+# --- 03_position_encoding_pitfalls.ipynb, cell 49 ---
 @torch.no_grad()
 def overlap_caches(model: Any, pair: dict) -> dict:
     """K/V of the shared segment: as B computes it, as A computed it, and A's re-rotated by Δ = start_b - start_a.
@@ -429,7 +429,7 @@ def mean_layer_error(errors: Any, treatment: str, tensor: str, layer: int) -> fl
     return float(d["relative error"].mean())
 
 
-# --- 03_position_encoding_pitfalls.ipynb, cell 53 ---
+# --- 03_position_encoding_pitfalls.ipynb, cell 52 ---
 def cache_from_layers(model: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """A transformers DynamicCache holding the given per-layer (keys, values), each (batch, kv_heads, seq, head_dim)."""
     from transformers import DynamicCache
@@ -478,7 +478,7 @@ def run_overlap(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "
     return pd.DataFrame(rows), pd.concat(errs, ignore_index=True)
 
 
-# --- 03_position_encoding_pitfalls.ipynb, cell 57 ---
+# --- 03_position_encoding_pitfalls.ipynb, cell 56 ---
 def random_deep_model(tokenizer: Any, num_layers: int = 8, hidden_size: int = 64, seed: int = 0,
                       device: str | torch.device | None = None) -> Any:
     """A random-initialised Qwen2 with more layers than the bundled model, same tokenizer and RoPE base."""
@@ -493,7 +493,7 @@ def random_deep_model(tokenizer: Any, num_layers: int = 8, hidden_size: int = 64
     return model.to(device or "cpu").eval()
 
 
-# --- 03_position_encoding_pitfalls.ipynb, cell 63 ---
+# --- 03_position_encoding_pitfalls.ipynb, cell 62 ---
 def real_overlap_pair(tokenizer: Any, seed: int, split: str = "heldout", question: str = P.REAL_QUESTIONS[0],
                       preamble_lines: tuple[int, int] = (1, 4)) -> dict:
     """The article's group 2 in a chat model's template: one plain system text after two different preambles.
@@ -518,7 +518,7 @@ def real_overlap_pair(tokenizer: Any, seed: int, split: str = "heldout", questio
     return {**parts, "example": ex}
 
 
-# --- 03_position_encoding_pitfalls.ipynb, cell 66 ---
+# --- 03_position_encoding_pitfalls.ipynb, cell 65 ---
 def group3_pair(seed: int, split: str = "heldout", lang: str | None = None) -> tuple[P.PassphraseExample, P.PassphraseExample]:
     """Two requests with the same system prompt and different conversations (the article's group 3).
 
@@ -584,7 +584,7 @@ def run_group3(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "h
     return pd.DataFrame(rows)
 
 
-# --- 03_position_encoding_pitfalls.ipynb, cell 72 ---
+# --- 03_position_encoding_pitfalls.ipynb, cell 71 ---
 def padding_batch(seed: int, split: str = "heldout", size: int = 4) -> list[P.PassphraseExample]:
     """``size`` requests on one system prompt whose suffixes differ in length (histories and questions)."""
     lang = "zh" if seed % 2 else "en"
@@ -596,7 +596,7 @@ def padding_batch(seed: int, split: str = "heldout", size: int = 4) -> list[P.Pa
     return out
 
 
-# --- 03_position_encoding_pitfalls.ipynb, cell 74 ---
+# --- 03_position_encoding_pitfalls.ipynb, cell 73 ---
 PADDING_WAYS = (
     ("mask + positions from the mask", True, True),
     ("mask, positions count the pads", True, False),
@@ -647,7 +647,7 @@ def run_left_padding(model: Any, tokenizer: Any, seeds: Sequence[int], split: st
     return pd.DataFrame(rows)
 
 
-# --- 03_position_encoding_pitfalls.ipynb, cell 80 ---
+# --- 03_position_encoding_pitfalls.ipynb, cell 79 ---
 def bug_rows(sweep: Any, overlap: Any, shifts: Sequence[int]) -> Any:
     """One row per position bug (and the references) from a model's sweep and group-2 outcomes.
 
