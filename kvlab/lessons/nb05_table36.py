@@ -19,10 +19,10 @@ from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verd
 from kvlab.lessons.nb03_position import token_agreement
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
 
-__all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "TRANSLATION", "WRONG_MODES", "answers_table", "article_table",
+__all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "TRANSLATION", "WRONG_MODES", "article_table",
            "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "evidence",
            "fig_request_path", "fig_table36", "groups_for", "is_real_chat_model", "latest_bench", "pick_model",
-           "real_groups", "request_path", "score_row", "three_requests", "ttft_text", "ttft_verdict"]
+           "real_groups", "score_row", "three_requests", "ttft_text", "ttft_verdict"]
 
 # The article's table 3.6 as it prints it: (group, policy, TTFT ms, total ms, GPU memory GB, output consistent).
 # Its claims, on Qwen1.5-7B-Chat and a GPU; kept only to print beside our measurements.
@@ -60,8 +60,7 @@ def score_row(workload: Workload, reference: list[Any], outputs: list[Any]) -> d
         return (P.mentions if meta.get("lenient") else P.recalled)(outputs[i].text, meta[key])
 
     asked = [i for i in served if "expected" in workload.meta[i]]  # translations have no expected answer
-    other = [i for i in served if "other_answer" in workload.meta[i]]
-    nan = float("nan")
+    other, nan = [i for i in served if "other_answer" in workload.meta[i]], float("nan")
     return {"token agreement": statistics.mean(token_agreement(reference[i].output_ids, outputs[i].output_ids)
                                                for i in served),
             "identical": statistics.mean(reference[i].output_ids == outputs[i].output_ids for i in served),
@@ -76,9 +75,8 @@ def ttft_verdict(table: Any, group: int, mode: str) -> Any:
     The one definition of the ratio: the table's "TTFT ratio, ours" and every sentence use it. None: not timed."""
     d = table.set_index(["group", "mode"])
     num, den = d.loc[(group, mode), "TTFT runs (ms)"], d.loc[(group, "isolated"), "TTFT runs (ms)"]
-    if not num or not den:
-        return None
-    return ratio_verdict(Timing(mode, tuple(num)), Timing("isolated", tuple(den)), ideal=d.loc[(group, mode), "ideal"])
+    return ratio_verdict(Timing(mode, tuple(num)), Timing("isolated", tuple(den)),
+                         ideal=d.loc[(group, mode), "ideal"]) if len(num) and len(den) else None
 
 
 def ttft_text(table: Any, group: int, mode: str) -> str:
@@ -86,10 +84,10 @@ def ttft_text(table: Any, group: int, mode: str) -> str:
     v = ttft_verdict(table, group, mode)
     if v is None:
         return "TTFT not timed (answers only)"
-    n = len(table.set_index(["group", "mode"]).loc[(group, mode), "TTFT runs (ms)"])
+    row = table.set_index(["group", "mode"]).loc[(group, mode)]
+    n, ideal = len(row["TTFT runs (ms)"]), row["ideal"]
     if n < 3:
         return f"TTFT x{v.value:.2f} ({n} run{'s' if n > 1 else ''}: a timing, not evidence)"
-    ideal = table.set_index(["group", "mode"]).loc[(group, mode), "ideal"]
     return v.says(f"TTFT x{v.value:.2f} (x{v.lo:.2f}-x{v.hi:.2f} over {n} interleaved runs, ideal x{ideal:.2f})")
 
 
@@ -97,21 +95,20 @@ def compare_with_article(table: Any):
     """Per group: shared/isolated ratios of TTFT (as ``ttft_verdict``), latency and memory, ours beside the article's."""
     import pandas as pd
 
-    art = {(g, m): (t, tot, mem, ok) for g, m, t, tot, mem, ok in ARTICLE_TABLE_36}
-    rows = []
+    art, nan, rows = {(g, m): (t, tot, mem, ok) for g, m, t, tot, mem, ok in ARTICLE_TABLE_36}, float("nan"), []
     for group in sorted(table["group"].unique()):
         d = table[table.group == group].set_index("mode")
         iso = d.loc["isolated"]
         for mode in ("shared (correct)", "shared (wrong)"):
-            ours, a_iso, a = d.loc[mode], art.get((group, "isolated")), art.get((group, mode))
-            v = ttft_verdict(table, group, mode)
+            ours, a_iso, a, v = d.loc[mode], art.get((group, "isolated")), art.get((group, mode)), ttft_verdict(
+                table, group, mode)
             rows.append({
-                "group": group, "mode": mode, "TTFT ratio, ours": float("nan") if v is None else v.value,
-                "TTFT ratio, article": a[0] / a_iso[0] if a else float("nan"),
+                "group": group, "mode": mode, "TTFT ratio, ours": nan if v is None else v.value,
+                "TTFT ratio, article": a[0] / a_iso[0] if a else nan,
                 "latency ratio, ours (1 run)": ours["total latency (ms)"] / iso["total latency (ms)"],
-                "latency ratio, article": a[1] / a_iso[1] if a else float("nan"),
+                "latency ratio, article": a[1] / a_iso[1] if a else nan,
                 "KV ratio, ours": ours["peak KV (KiB)"] / iso["peak KV (KiB)"],
-                "memory ratio, article": a[2] / a_iso[2] if a else float("nan"),
+                "memory ratio, article": a[2] / a_iso[2] if a else nan,
                 "identical, ours": ours["identical"], "consistent, article": a[3] if a else None,
                 "timed runs": int(min(ours["timed runs"], iso["timed runs"])),  # 0: answers only
             })
@@ -240,9 +237,7 @@ UPDATE_TURN = ("From now on the passphrase is {p}.", "Understood. The passphrase
 
 def pick_model(model: Any, smoke: bool) -> Any:
     """The notebook's ``MODEL="auto"``: SmolLM2 on a full run, the bundled tiny model (None) under SMOKE."""
-    if model == "auto":
-        return None if smoke else "smollm2"
-    return model
+    return (None if smoke else "smollm2") if model == "auto" else model
 
 
 def is_real_chat_model(tokenizer: Any) -> bool:
@@ -258,7 +253,7 @@ def is_real_chat_model(tokenizer: Any) -> bool:
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template's text, as is
 
 
 def _turns(system: str, *turns: tuple[str, str], question: str) -> str:
@@ -291,32 +286,23 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
                          "kind": "translation", "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
     groups[1] = Workload("real-groups/1", prompts, max_tokens, meta)
 
-    prompts, meta, donors = [], [], {}
     from kvlab.lessons.workloads import _aligned_preamble
 
     m = n if n_wrong is None else n_wrong
     if wrong_questions < 1 or m % wrong_questions:
         raise ValueError(f"n_wrong={m} must be a multiple of wrong_questions={wrong_questions} (>= 1)")
-
-    def passphrases(k: int) -> list[tuple[int, Any]]:
-        return [(seed, P.make_example(seed, split, history="none")) for seed in range(start, start + k)]
-
-    for seed, ex in passphrases(m):
-        b = _ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0]))
-        pre = _aligned_preamble(tokenizer, seed, block_size, split)
-        donors[seed] = len(prompts)
-        prompts.append(pre + b)
-        meta.append({"group": 2, "seed": seed, "role": "donor", "expected": ex.answer, "lenient": True,
-                     "offset": len(pre)})
-    for seed, ex in passphrases(m):
-        prompts.append(_ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0])))
-        meta.append({"group": 2, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
-                     "donor": donors[seed], "offset": meta[donors[seed]]["offset"]})
-    groups[2] = Workload("real-groups/2", prompts, max_tokens, meta)
+    passphrases = [(seed, P.make_example(seed, split, history="none")) for seed in range(start, start + m)]
+    served = [_ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0]))
+              for _, ex in passphrases]
+    pres = [_aligned_preamble(tokenizer, seed, block_size, split) for seed, _ in passphrases]
+    meta = [{"group": 2, "seed": seed, "role": role, "expected": ex.answer, "lenient": True, "offset": len(pre),
+             **({"donor": k} if role == "served" else {})}
+            for role in ("donor", "served") for k, ((seed, ex), pre) in enumerate(zip(passphrases, pres))]
+    groups[2] = Workload("real-groups/2", [pre + b for pre, b in zip(pres, served)] + served, max_tokens, meta)
 
     prompts, meta = [], []
     asked = P.REAL_QUESTIONS[:wrong_questions]
-    for seed, ex in passphrases(m // wrong_questions):
+    for seed, ex in passphrases[:m // wrong_questions]:
         new = P.make_example(seed + 10_000, split, history="none").passphrase
         system = P.REAL_SYSTEM.format(p=ex.passphrase)
         update = tuple(t.format(p=new) for t in UPDATE_TURN)
@@ -344,27 +330,6 @@ def groups_for(tokenizer: Any, n: int, block_size: int = DEFAULT_BLOCK_SIZE, max
         return real_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, translations=translations,
                            n_wrong=n_wrong, wrong_questions=wrong_questions)
     return seed_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens)
-
-
-def answers_table(groups: dict[int, Workload], runs: dict, tokenizer: Any, per_group: int = 3):
-    """Real answers side by side: per group, a few served requests isolated / shared (correct) / shared (wrong)."""
-    import pandas as pd
-
-    rows = []
-    for g, wl in groups.items():
-        served = wl.served()
-        picks = served[:per_group]
-        if g == 1:  # show the translations too
-            picks += [i for i in served if wl.meta[i].get("kind") == "translation"]
-        for i in dict.fromkeys(picks):
-            m = wl.meta[i]
-            q = m.get("question")
-            rows.append({"group": g, "request": q[:40] if g == 1 and isinstance(q, str) else f"seed {m['seed']}",
-                         "expected": m.get("expected", "(translation)"),
-                         **{mode: runs[(g, mode)]["outputs"][i].text.strip().split("\n")[0][:70]
-                            for mode in ("isolated", "shared (correct)", "shared (wrong)")},
-                         "A's passphrase": m.get("other_answer", "")})
-    return pd.DataFrame(rows)
 
 
 def three_requests(tokenizer: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> list[list[int]]:
@@ -399,22 +364,9 @@ def latest_bench(model_name: Any, path: Any = None) -> tuple | None:
     return dict(report, path=str(path)), table, pd.DataFrame(report["ratios"])
 
 
-def request_path(engine: Engine, request_id: Any) -> dict[str, Any]:
-    """A running request's path through the engine now: its tokens, block table, slot mapping, cached tokens."""
-    if request_id not in engine.requests:
-        raise KeyError(f"request {request_id!r} is not running (finished or never added): step() it first, "
-                       "and give it max_tokens > 1 so it is still there")
-    seq_id = engine.requests[request_id].seq_id
-    bm = engine.block_manager
-    return {"request_id": request_id, "block_size": bm.block_size, "num_tokens": len(bm.seqs[seq_id].token_ids),
-            "block_table": bm.block_table(seq_id), "slot_mapping": bm.slot_mapping(seq_id),
-            "cached_tokens": bm.num_cached_tokens(seq_id)}
-
-
 def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
-    """One request through the engine: token position -> logical block -> physical block -> slot in the K/V store.
-
-    A long request is drawn in a window of ``max_tokens`` positions around where its cached part ends."""
+    """Token position -> logical block -> physical block -> K/V slot of one request (``path``: its ``block_size``,
+    ``block_table``, ``slot_mapping``, ``num_tokens``, ``cached_tokens``), ``max_tokens`` around the cache's end."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -442,7 +394,6 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
     ax.set_ylim(-0.2, 2.8)
     ax.axis("off")
     shown = "" if (lo, hi) == (0, total) else f" (positions {lo}–{hi - 1} shown)"
-    ax.set_title(f"request {path['request_id']!r}: {total} tokens, block size {bs}, "
-                 f"{cached} tokens from the cache{shown}", fontsize=10)
+    ax.set_title(f"{total} tokens, block size {bs}, {cached} tokens from the cache{shown}", fontsize=10)
     fig.tight_layout()
     return fig

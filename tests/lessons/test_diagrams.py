@@ -137,7 +137,9 @@ def test_request_path_draws_the_engines_slot_mapping_and_cached_tokens(bundled):
     engine.step()
     engine.add_request("You are a helpful assistant. The passphrase is swordfish. Q: again?", sp, request_id="b")
     engine.step()
-    path = N.request_path(engine, "b")
+    seq_id, bm = engine.requests["b"].seq_id, engine.block_manager  # as notebook 05 reads it
+    path = {"block_size": 8, "num_tokens": len(bm.seqs[seq_id].token_ids), "block_table": bm.block_table(seq_id),
+            "slot_mapping": bm.slot_mapping(seq_id), "cached_tokens": bm.num_cached_tokens(seq_id)}
     assert path["cached_tokens"] > 0
     fig = N.fig_request_path(path)
     assert [int(t.get_text()) for t in _gid(fig, "slot")] == path["slot_mapping"]
@@ -150,5 +152,3 @@ def test_request_path_draws_the_engines_slot_mapping_and_cached_tokens(bundled):
     assert [int(t.get_text()) for t in _gid(window, "slot")] == [path["slot_mapping"][p] for p in shown]
     assert len(_gid(window, "cached")) == sum(p < path["cached_tokens"] for p in shown)
     _done(window)
-    with pytest.raises(KeyError, match="not running"):
-        N.request_path(engine, "nope")

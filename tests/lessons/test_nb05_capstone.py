@@ -27,9 +27,9 @@ def test_slot_mapping_checker_passes_the_solutions_and_names_each_mistake():
         raise NotImplementedError
 
     not_yet(AS.check_slot_mapping(blank), "no answer yet")
-    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: list(range(s, e))), "logical -> physical")
+    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: list(range(s, e))), "logical position")
     not_yet(AS.check_slot_mapping(lambda t, bs, s, e: [t[p // bs] + p % bs for p in range(s, e)]), "multiply")
-    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: AS.solution_slot_mapping(t, bs, 0, e)), "already in the cache")
+    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: AS.solution_slot_mapping(t, bs, 0, e)), "below start are cached")
     not_yet(AS.check_slot_mapping(lambda t, bs, s, e: AS.solution_slot_mapping(t, bs, s, e - 1)), "one slot per position")
     not_yet(AS.check_slot_mapping(lambda *a: 1 / 0), "ZeroDivisionError")
 
