@@ -23,8 +23,8 @@ def solution_gather(pages: Any, block_table: Sequence[int], length: int, block_s
     return pages[solution_slot_mapping(block_table, block_size, 0, length)]  # (length, kv_heads, D)
 
 
-def _cases(seed: int) -> list[tuple[list[int], int, int, int]]:
-    rng = random.Random(seed)  # (block table: physical blocks anywhere, out of order; block size; start; end)
+def _cases(seed: int) -> list[tuple[list[int], int, int, int]]:  # (table: blocks anywhere, out of order; size; start; end)
+    rng = random.Random(seed)
     return [(rng.sample(range(40), cdiv(e, bs)), bs, s, e) for bs, s, e in ((4, 0, 9), (4, 8, 13), (16, 35, 36), (2, 3, 7))]
 
 
@@ -73,8 +73,7 @@ def check_gather(fn: Callable[..., Any] | None) -> Verdict:
 
 def check_capstone(results: Sequence[tuple[list[int], int]], reference: Sequence[Sequence[int]]) -> Verdict:
     """``paged_generate``'s ``(tokens, cached prompt tokens)`` per request against isolated ``generate``'s tokens."""
-    same = [list(tokens) == list(ref) for (tokens, _), ref in zip(results, reference)]
-    cached = sum(c for _, c in results)
+    same, cached = [list(tokens) == list(ref) for (tokens, _), ref in zip(results, reference)], sum(c for _, c in results)
     return verdict(len(results) == len(reference) and all(same) and cached > 0,
                    f"{sum(same)}/{len(same)} requests token for token equal to isolated generate, with {cached} "
                    "prompt tokens read from shared blocks instead of computed",

@@ -1,10 +1,6 @@
-"""Notebook 05's lesson code: the article's table 3.6 workloads, scores, figures and exercise checkers.
+"""Notebook 05's table 3.6: its workloads (``real_groups``), scores, figures, checkers, the article's claims.
 
-The engines of the table's rows (isolated, shared correctly, shared with one bug per group) and its run loop are
-written in notebook 05's ``#| export`` cells (``kvlab.built.nb05``); this module scores their outputs
-(``score_row``), compares them with the article's claims (``ARTICLE_TABLE_36``: its numbers, never ours), draws
-them and checks the exercises. ``real_groups`` builds the three groups in real text for a ChatML chat model.
-"""
+The row engines and the run loop are notebook 05's ``#| export`` cells (``kvlab.built.nb05``)."""
 
 from __future__ import annotations
 
@@ -17,15 +13,14 @@ from kvlab.engine import Engine, SamplingParams
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verdict
 from kvlab.lessons.nb03_position import token_agreement
-from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload
+from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload, seed_groups
 
 __all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "TRANSLATION", "WRONG_MODES", "article_table",
            "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "evidence",
-           "fig_request_path", "fig_table36", "groups_for", "is_real_chat_model", "latest_bench", "pick_model",
+           "fig_request_path", "fig_table36", "groups_for", "is_real_chat_model", "latest_bench", "pick_model", "bench_tables",
            "real_groups", "score_row", "three_requests", "ttft_text", "ttft_verdict"]
 
-# The article's table 3.6 as it prints it: (group, policy, TTFT ms, total ms, GPU memory GB, output consistent).
-# Its claims, on Qwen1.5-7B-Chat and a GPU; kept only to print beside our measurements.
+# The article's table 3.6, its claims (Qwen1.5-7B-Chat, a GPU): group, policy, TTFT ms, total ms, memory GB, consistent
 ARTICLE_TABLE_36 = (
     (1, "isolated", 320, 580, 14.2, True),
     (1, "shared (correct)", 185, 410, 13.8, True),
@@ -35,11 +30,8 @@ ARTICLE_TABLE_36 = (
     (3, "shared (wrong)", 188, 415, 13.8, False),
 )
 
-WRONG_MODES = {
-    1: "positions restart after the cached prefix",
-    2: "cache key = a block's own tokens (another start's K/V)",
-    3: "shared beyond the prefix (A's conversation K/V)",
-}
+WRONG_MODES = {1: "positions restart after the cached prefix", 2: "cache key = a block's own tokens (another start's K/V)",
+               3: "shared beyond the prefix (A's conversation K/V)"}
 
 
 def article_table():
@@ -126,10 +118,9 @@ def fig_table36(table: Any):
     a.bar(range(len(timed)), [table["TTFT (ms)"].iloc[i] for i in timed],
           color=[colors[table["mode"].iloc[i]] for i in timed])
     a.set_xticks(range(len(timed)), [labels[i] for i in timed], rotation=60, ha="right", fontsize=8)
-    untimed = sorted({int(g) for i, g in enumerate(table["group"]) if i not in timed})
-    note = f" (groups {', '.join(map(str, untimed))}: answers only, not timed)" if untimed else ""
-    a.set(ylabel="mean TTFT (ms)", title="time to first token" + note)
-    a.title.set_fontsize(9)
+    untimed = ", ".join(sorted({str(g) for i, g in enumerate(table["group"]) if i not in timed}))
+    a.set_title("time to first token" + (f" (groups {untimed}: answers only, not timed)" if untimed else ""), fontsize=9)
+    a.set_ylabel("mean TTFT (ms)")
     b.plot(range(len(table)), table["token agreement"], "o", label="token agreement with isolated")
     b.plot(range(len(table)), table["recall"], "s", mfc="none", label="passphrase recall")
     b.set_xticks(range(len(table)), labels, rotation=60, ha="right", fontsize=8)
@@ -140,8 +131,7 @@ def fig_table36(table: Any):
 
 
 def evidence(table: Any) -> dict[str, str]:
-    """Decision-table evidence (row name -> text) from a measured table 3.6: answers from the scored requests, the
-    TTFT ratio as ``ttft_text`` prints it."""
+    """Decision-table evidence (row name -> text): the scored requests' answers, the TTFT ratio as ``ttft_text``."""
     d = table.set_index(["group", "mode"])
 
     def row(g: int, m: str) -> str:
@@ -151,12 +141,11 @@ def evidence(table: Any) -> dict[str, str]:
         return (f"{int(r['requests'])} requests: {r['identical']:.0%} identical{recall}"
                 + ("" if timing.startswith("TTFT not timed") else f", {timing}"))
 
-    cached = {m: d.loc[(2, m), "cached tokens"] for m in ("shared (correct)", "shared (wrong)")}
+    cached = [d.loc[(2, m), "cached tokens"] for m in ("shared (correct)", "shared (wrong)")]
     return {
         "identical-prefix": f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
-        "same-start": f"nb05 group 2, B after donor A's other start: chained keys {cached['shared (correct)']:.1f} "
-                      f"cached tokens per request; content-only keys: {cached['shared (wrong)']:.1f}, "
-                      f"{row(2, 'shared (wrong)')}",
+        "same-start": f"nb05 group 2, B after donor A's other start: chained keys {cached[0]:.1f} cached tokens per "
+                      f"request; content-only keys: {cached[1]:.1f}, {row(2, 'shared (wrong)')}",
         "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
         "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, answered A's "
                                f"passphrase {d.loc[(3, 'shared (wrong)'), chr(39).join(['answered A', 's passphrase'])]:.0%}",
@@ -195,14 +184,13 @@ def check_position_fix(positions: Any, model: Any, tokenizer: Any, workload: Wor
         return unanswered("write a function item -> range for Engine(..., positions=); " + hint)
     kw = dict(num_blocks=sum(cdiv(len(p) + workload.max_tokens, block_size) for p in workload.prompts) + 8,
               block_size=block_size)
-    sp = SamplingParams(max_tokens=workload.max_tokens)
-    reference = Engine(model, tokenizer, enable_prefix_caching=False, **kw).generate(workload.prompts, sp)
+    sp, prompts = SamplingParams(max_tokens=workload.max_tokens), workload.prompts
+    reference = Engine(model, tokenizer, enable_prefix_caching=False, **kw).generate(prompts, sp)
     try:
-        outs = Engine(model, tokenizer, positions=positions, **kw).generate(workload.prompts, sp)
+        outs = Engine(model, tokenizer, positions=positions, **kw).generate(prompts, sp)
     except Exception as err:  # noqa: BLE001 (the learner's code may fail in any way)
         return verdict(False, hint=f"your positions raised {type(err).__name__}: {err}")
-    same = sum(a.output_ids == b.output_ids for a, b in zip(outs, reference))
-    cached = sum(o.num_cached_tokens for o in outs)
+    same, cached = sum(a.output_ids == b.output_ids for a, b in zip(outs, reference)), sum(o.num_cached_tokens for o in outs)
     return verdict(same == len(outs) and cached > 0, f"{same}/{len(outs)} identical with {cached} cached tokens",
                    f"{same}/{len(outs)} requests identical to isolated, {cached} cached tokens: {hint}")
 
@@ -235,21 +223,15 @@ TRANSLATION = {
 UPDATE_TURN = ("From now on the passphrase is {p}.", "Understood. The passphrase is now {p}.")
 
 
-def pick_model(model: Any, smoke: bool) -> Any:
-    """The notebook's ``MODEL="auto"``: SmolLM2 on a full run, the bundled tiny model (None) under SMOKE."""
-    return (None if smoke else "smollm2") if model == "auto" else model
-
-
 def is_real_chat_model(tokenizer: Any) -> bool:
     """True for a general chat model with its own chat template (SmolLM2), False for the bundled passphrase model."""
     from pathlib import Path
 
     from kvlab.engine.models import BUNDLED_MODEL
 
-    name = getattr(tokenizer, "name_or_path", "") or ""
-    if name and Path(name).expanduser().resolve() == BUNDLED_MODEL.resolve():
-        return False  # the bundled model speaks ChatML too, but only its training prompts
-    return bool(getattr(tokenizer, "chat_template", None)) and "im_start" in str(tokenizer.chat_template)
+    name = getattr(tokenizer, "name_or_path", "") or ""  # the bundled model speaks ChatML too, but only its prompts
+    bundled = bool(name) and Path(name).expanduser().resolve() == BUNDLED_MODEL.resolve()
+    return not bundled and "im_start" in str(getattr(tokenizer, "chat_template", None) or "")
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -324,8 +306,6 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
 def groups_for(tokenizer: Any, n: int, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 12, translations: int = 2,
                n_wrong: int | None = None, wrong_questions: int = 1) -> dict[int, Workload]:
     """``real_groups`` for a chat model with a ChatML template, else the bundled model's ``seed_groups`` (``n``)."""
-    from kvlab.lessons.workloads import seed_groups
-
     if is_real_chat_model(tokenizer):
         return real_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, translations=translations,
                            n_wrong=n_wrong, wrong_questions=wrong_questions)
@@ -334,34 +314,41 @@ def groups_for(tokenizer: Any, n: int, block_size: int = DEFAULT_BLOCK_SIZE, max
 
 def three_requests(tokenizer: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> list[list[int]]:
     """Three prompts (token ids) on one passphrase system prompt, three different questions (group 1, one passphrase)."""
-    from kvlab.lessons.workloads import seed_groups
-
-    if is_real_chat_model(tokenizer):
-        return real_groups(tokenizer, n=1, questions=3, block_size=block_size, translations=0)[1].prompts
-    return seed_groups(tokenizer, n=1, questions=3, block_size=block_size)[1].prompts
+    make = real_groups if is_real_chat_model(tokenizer) else seed_groups
+    return make(tokenizer, n=1, questions=3, block_size=block_size, **({"translations": 0} if make is real_groups
+                                                                          else {}))[1].prompts
 
 
 # ----------------------------------------------------------------------------- the recorded benchmark
 
-def latest_bench(model_name: Any, path: Any = None) -> tuple | None:
-    """``build/bench/bench.json`` (``scripts/bench.py``) run on ``model_name`` at 512 prefix tokens: ``(report,
-    system table, ratio table)``, else None."""
+def latest_bench(model_name: Any, path: Any = None) -> dict | None:
+    """``build/bench/bench.json`` (``scripts/bench.py``) if run on ``model_name`` at 512 prefix tokens, else None."""
     import json
     from pathlib import Path
 
-    import pandas as pd
-
-    path = Path(path) if path is not None else Path(__file__).resolve().parents[2] / "build" / "bench" / "bench.json"
+    path = Path(path or Path(__file__).resolve().parents[2] / "build" / "bench" / "bench.json")
     try:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if (str(report.get("model", {}).get("config", "")).lower() != str(model_name or "bundled").lower()
-            or report.get("workload", {}).get("prefix_tokens") != 512):
+    if (str(report.get("model", {}).get("config", "")).lower(), report.get("workload", {}).get("prefix_tokens")) != (
+            str(model_name or "bundled").lower(), 512):
         return None
+    return dict(report, path=str(path))
+
+
+def bench_tables(report: dict):
+    """The recorded benchmark's system table and ratio table as DataFrames (``error`` filled with "")."""
+    import pandas as pd
+
     table = pd.DataFrame(report["systems"])
     table["error"] = table.get("error", pd.Series([""] * len(table))).fillna("")
-    return dict(report, path=str(path)), table, pd.DataFrame(report["ratios"])
+    return table, pd.DataFrame(report["ratios"])
+
+
+def pick_model(model: Any, smoke: bool) -> Any:
+    """A notebook's ``MODEL="auto"``: SmolLM2 on a full run, the bundled tiny model (None) under SMOKE."""
+    return (None if smoke else "smollm2") if model == "auto" else model
 
 
 def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:

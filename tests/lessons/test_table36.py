@@ -182,14 +182,15 @@ def test_position_fix_checker(lm, groups):
 def test_pick_model_and_bench_record(tmp_path):
     import json
 
+    path = tmp_path / "bench.json"
     assert T.pick_model("auto", True) is None and T.pick_model("auto", False) == "smollm2"
     assert T.pick_model("x", True) == "x"
-    path = tmp_path / "bench.json"
     assert T.latest_bench("smollm2", path) is None
     path.write_text(json.dumps({"model": {"config": "smollm2"}, "workload": {"prefix_tokens": 512},
                                 "systems": [{"system": "kvlab", "mode": "shared", "error": None}], "ratios": []}))
-    report, table, _ = T.latest_bench("smollm2", path)
+    report = T.latest_bench("smollm2", path)
     assert report["path"] == str(path) and T.latest_bench(None, path) is None
+    table, _ = T.bench_tables(report)
     assert table["error"].tolist() == [""]
 
 
