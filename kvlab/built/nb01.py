@@ -422,11 +422,11 @@ def slope_report(cost, crossover: float, tolerance: float = 0.1) -> list[str]:
         for name, col in (("no cache", "recompute"), ("with cache", "cached")):
             t, f = cost[f"{col}_s"][mask], cost[f"{col}_flops"][mask]
             ms, cs = (float(np.polyfit(np.log(n), np.log(y), 1)[0]) for y in (t, f))
-            how = ("as the FLOP count says" if abs(ms - cs) <= tolerance else
-                   "FASTER than the FLOP count" if ms > cs else "SLOWER than the FLOP count")
+            how = ("as counted" if abs(ms - cs) <= tolerance else
+                   "FASTER than counted" if ms > cs else "SLOWER than counted")
             lines.append(f"{part} (n = {', '.join(map(str, n))}), {name}: " + curve_verdict(n, t, expected=f).says(
-                f"time slope {ms:.2f} (x{t.iloc[-1] / t.iloc[0]:.1f}), counted slope {cs:.2f} "
-                f"(x{f.iloc[-1] / f.iloc[0]:.1f}): the time grows {how}"))
+                f"time x{t.iloc[-1] / t.iloc[0]:.1f} (slope {ms:.2f}) where the FLOP count says "
+                f"x{f.iloc[-1] / f.iloc[0]:.1f} (slope {cs:.2f}): {how}"))
     return lines
 
 

@@ -178,9 +178,9 @@ def test_slope_report_compares_measured_and_counted_growth():
                          "cached_flops": n * 1.0, "cached_s": n * 1e-6})
     lines = N.slope_report(cost, 512)
     assert len(lines) == 4
-    assert any("no cache: time slope 2.00" in s and "counted slope 1.00" in s and "FASTER than the FLOP count" in s
-               for s in lines)
-    assert all("with cache" not in s or "as the FLOP count says" in s for s in lines)
+    assert any("no cache: time x" in s and "(slope 2.00) where the FLOP count says" in s and "(slope 1.00): FASTER"
+               in s for s in lines)
+    assert all("with cache" not in s or s.endswith(": as counted") for s in lines)
     assert not any(word in s for s in lines for word in ("memory traffic", "per-call", "because"))  # no causes
 
 
@@ -192,7 +192,7 @@ def test_slope_report_does_not_call_slopes_far_apart_agreeing():
     cost = pd.DataFrame({"n": n, "recompute_flops": n * 1.0, "recompute_s": n * 1e-6,
                          "cached_flops": n ** 0.18, "cached_s": n ** 0.30 * 1e-6})
     cached = next(s for s in N.slope_report(cost, 4096) if "with cache" in s)
-    assert "time slope 0.30" in cached and "as the FLOP count says" not in cached
+    assert "(slope 0.30)" in cached and cached.endswith("FASTER than counted")
 
 
 def test_notebook_01_is_the_source_of_what_it_teaches():
@@ -242,6 +242,6 @@ def test_slope_report_prints_re_run_instead_of_a_cause_for_an_outlier():
                          "cached_flops": 1e6 + 1e3 * n, "cached_s": cached_s})
     lines = N.slope_report(cost, 1024)
     cached = [s for s in lines if "with cache" in s]
-    assert len(cached) == 2 and "time slope" in cached[0]  # n <= 1024: clean
+    assert len(cached) == 2 and "(slope " in cached[0]  # n <= 1024: clean
     assert "with cache: outlier — re-run (x42.6 from 1024 to 2048" in cached[1] and "slope" not in cached[1]
     assert all("outlier" not in s for s in lines if "no cache" in s)
