@@ -3,11 +3,9 @@ whole (``kvlab.built.nb05.paged_generate`` on the reader's pieces) checked again
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvlab.cache import cdiv
 from kvlab.lessons.common import Verdict, call_answer, verdict
 
 __all__ = ["check_capstone", "check_gather", "check_slot_mapping", "solution_gather", "solution_slot_mapping"]
@@ -23,16 +21,15 @@ def solution_gather(pages: Any, block_table: Sequence[int], length: int, block_s
     return pages[solution_slot_mapping(block_table, block_size, 0, length)]  # (length, kv_heads, D)
 
 
-def _cases(seed: int) -> list[tuple[list[int], int, int, int]]:  # (table: blocks anywhere, out of order; size; start; end)
-    rng = random.Random(seed)
-    return [(rng.sample(range(40), cdiv(e, bs)), bs, s, e) for bs, s, e in ((4, 0, 9), (4, 8, 13), (16, 35, 36), (2, 3, 7))]
+# (block table: physical blocks anywhere, out of order; block size; start; end)
+CASES = (([7, 2, 31], 4, 0, 9), ([5, 0, 12, 39], 4, 8, 13), ([17, 3, 26], 16, 35, 36), ([9, 30, 1, 22], 2, 3, 7))
 
 
 def check_slot_mapping(fn: Callable[..., list[int]] | None) -> Verdict:
     """``fn(block_table, block_size, start, end)``: the K/V slot of each position in ``[start, end)``. Never raises."""
     hint = ("one slot per position p from start to end - 1: the physical block block_table[p // block_size], times "
             "block_size, plus the offset p % block_size")
-    for table, bs, start, end in _cases(5):
+    for table, bs, start, end in CASES:
         got, failed = call_answer(fn, list(table), bs, start, end, hint=hint, name="my_slot_mapping")
         if failed is not None:
             return failed
@@ -55,10 +52,10 @@ def check_gather(fn: Callable[..., Any] | None) -> Verdict:
 
     hint = ("position p sits in slot block_table[p // block_size] * block_size + p % block_size of pages: index "
             "pages with the slots of positions 0 .. length - 1 (your slot mapping gives them)")
-    for table, bs, _, end in _cases(6):
+    for table, bs, _, end in CASES:
         pages = torch.randn(40 * bs, 2, 3)  # (slots, kv_heads, head_dim)
-        want = solution_gather(pages, table, end, bs)
         got, failed = call_answer(fn, pages, list(table), end, bs, hint=hint, name="my_gather")
+        want = solution_gather(pages, table, end, bs)
         if failed is not None:
             return failed
         if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want):

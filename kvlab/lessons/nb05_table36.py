@@ -5,11 +5,13 @@ The row engines and the run loop are notebook 05's ``#| export`` cells (``kvlab.
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
 from kvlab.built.nb01 import Timing, ratio_verdict
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.engine import Engine, SamplingParams
+from kvlab.engine.models import BUNDLED_MODEL
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verdict
 from kvlab.lessons.nb03_position import token_agreement
@@ -135,9 +137,8 @@ def evidence(table: Any) -> dict[str, str]:
     d = table.set_index(["group", "mode"])
 
     def row(g: int, m: str) -> str:
-        r = d.loc[(g, m)]
+        r, timing = d.loc[(g, m)], ttft_text(table, g, m)
         recall = "" if r["recall"] != r["recall"] else f", recall {r['recall']:.0%}"
-        timing = ttft_text(table, g, m)
         return (f"{int(r['requests'])} requests: {r['identical']:.0%} identical{recall}"
                 + ("" if timing.startswith("TTFT not timed") else f", {timing}"))
 
@@ -153,8 +154,6 @@ def evidence(table: Any) -> dict[str, str]:
     }
 
 
-# ----------------------------------------------------------------------------- exercise checkers
-
 BUG_ROWS = {1: {"positions-agree"}, 2: {"same-start", "overlap-different-start"}, 3: {"independent-context"}}
 
 
@@ -167,8 +166,7 @@ def check_bug_for_group(answer: dict[int, str] | None) -> Verdict:
         got = {int(k): v for k, v in dict(answer).items()}
     except (TypeError, ValueError):
         return verdict(False, hint=hint)
-    unknown = sorted(str(v) for v in got.values() if v not in ROW_NAMES)
-    if unknown:
+    if unknown := sorted(str(v) for v in got.values() if v not in ROW_NAMES):
         return verdict(False, hint=f"{unknown} is not a row name; the rows are {list(ROW_NAMES)}")
     wrong = [g for g in BUG_ROWS if got.get(g) not in BUG_ROWS[g]]
     return verdict(not wrong, "each bug breaks the row its group tests",
@@ -200,21 +198,15 @@ def check_kv_ratio(answer: float | None, num_requests: int, prefix_tokens: int, 
     """Exercise 05.2: shared/isolated K/V in blocks, ``num_requests`` sharing the prefix's full blocks, each with
     ``private_tokens`` of its own (a partial prefix block is private)."""
     hint = "compute (shared blocks + private blocks) / isolated blocks; count blocks, not tokens (a partial block is a whole block)"
-    if answer is None:
-        return unanswered(hint)
     value = as_number(answer)
     if value is None:
-        return verdict(False, hint=f"give a number, not {answer!r}")
-    full = prefix_tokens // block_size
-    per_request = cdiv(prefix_tokens + private_tokens, block_size)
+        return unanswered(hint) if answer is None else verdict(False, hint=f"give a number, not {answer!r}")
+    full, per_request = prefix_tokens // block_size, cdiv(prefix_tokens + private_tokens, block_size)
     want = (full + num_requests * (per_request - full)) / (num_requests * per_request)
     return verdict(abs(value - want) < 1e-3, f"{want:.4f}", f"not {value:.4f}: {hint}")
 
 
-# ----------------------------------------------------------------------------- the real chat model (SmolLM2)
-
-# The article's translation example (its 2.2 and 3.3-3.5): one prefix, several texts to translate.
-TRANSLATION = {
+TRANSLATION = {  # the article's translation example (its 2.2, 3.3-3.5): one prefix, several texts
     "zh": ("你是一个专业的翻译助手，请将以下内容翻译成英文。", ("今天天气很好。", "明天会下雨吗？")),
     # the same request in English; a 135M model does not translate into Chinese, so the target is French
     "en": ("You are a professional translation assistant. Please translate the following into French.",
@@ -225,10 +217,6 @@ UPDATE_TURN = ("From now on the passphrase is {p}.", "Understood. The passphrase
 
 def is_real_chat_model(tokenizer: Any) -> bool:
     """True for a general chat model with its own chat template (SmolLM2), False for the bundled passphrase model."""
-    from pathlib import Path
-
-    from kvlab.engine.models import BUNDLED_MODEL
-
     name = getattr(tokenizer, "name_or_path", "") or ""  # the bundled model speaks ChatML too, but only its prompts
     bundled = bool(name) and Path(name).expanduser().resolve() == BUNDLED_MODEL.resolve()
     return not bundled and "im_start" in str(getattr(tokenizer, "chat_template", None) or "")
@@ -319,12 +307,9 @@ def three_requests(tokenizer: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> list
                                                                           else {}))[1].prompts
 
 
-# ----------------------------------------------------------------------------- the recorded benchmark
-
 def latest_bench(model_name: Any, path: Any = None) -> dict | None:
     """``build/bench/bench.json`` (``scripts/bench.py``) if run on ``model_name`` at 512 prefix tokens, else None."""
     import json
-    from pathlib import Path
 
     path = Path(path or Path(__file__).resolve().parents[2] / "build" / "bench" / "bench.json")
     try:
@@ -358,7 +343,7 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
     from matplotlib.patches import Rectangle
 
     bs, table, total, cached = path["block_size"], path["block_table"], path["num_tokens"], path["cached_tokens"]
-    lo = min(max(0, (cached - max_tokens // 2) // bs * bs), max(0, total - max_tokens))
+    lo = min(max(0, (cached - max_tokens // 2) // bs * bs), max(0, total - max_tokens))  # positions lo .. hi - 1
     hi = min(total, lo + max_tokens)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * (hi - lo) + 2.5), 3.4))
     for p in range(lo, hi):
@@ -377,8 +362,7 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
     for y, name in ((2.3, "token position\n(shaded: from cache)"), (1.3, "block table"),
                     (0.3, "slot in K/V store\n= block x size + offset")):
         ax.text(-0.4, y, name, ha="right", va="center", fontsize=8)
-    ax.set_xlim(-0.2, hi - lo)
-    ax.set_ylim(-0.2, 2.8)
+    ax.set(xlim=(-0.2, hi - lo), ylim=(-0.2, 2.8))
     ax.axis("off")
     shown = "" if (lo, hi) == (0, total) else f" (positions {lo}–{hi - 1} shown)"
     ax.set_title(f"{total} tokens, block size {bs}, {cached} tokens from the cache{shown}", fontsize=10)
