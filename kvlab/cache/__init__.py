@@ -12,12 +12,39 @@ Copy this folder under any name and ``from mykv import BlockManager`` works with
 
 from .block_manager import NO_SCOPE, AllocationPlan, BlockManager, TenantScope, cdiv
 from .block_pool import Block, BlockPool, InvariantError, NoFreeBlocksError
-from .hashing import DEFAULT_BLOCK_SIZE, hash_block, hash_token_blocks, prompt_block_hashes, salted_block
+from .hashing import (
+    DEFAULT_BLOCK_SIZE,
+    hash_block,
+    hash_token_blocks,
+    prompt_block_hashes,
+    salted_block,
+)
 from .interface import CacheManager, CacheSeq, check_cache, missing_members
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from .metrics import PrefixCacheMetrics
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "NO_SCOPE", "AllBlocksCleared", "AllocationPlan", "Block", "BlockManager", "BlockRemoved", "BlockStored",
-           "CacheManager", "CacheSeq", "EventBatch", "TenantScope", "cdiv", "check_cache", "missing_members", "BlockPool",
-           "InvariantError", "NoFreeBlocksError", "PrefixCacheMetrics", "hash_block", "hash_token_blocks",
-           "prompt_block_hashes", "salted_block"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "NO_SCOPE",
+    "AllBlocksCleared",
+    "AllocationPlan",
+    "Block",
+    "BlockManager",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheManager",
+    "CacheSeq",
+    "EventBatch",
+    "TenantScope",
+    "cdiv",
+    "check_cache",
+    "missing_members",
+    "BlockPool",
+    "InvariantError",
+    "NoFreeBlocksError",
+    "PrefixCacheMetrics",
+    "hash_block",
+    "hash_token_blocks",
+    "prompt_block_hashes",
+    "salted_block",
+]

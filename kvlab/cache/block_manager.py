@@ -47,11 +47,22 @@ from .host_tier import SecondTier
 from .kv_events import BlockStored, KVCacheEvent
 from .metrics import PrefixCacheMetrics
 
-__all__ = ["NO_SCOPE", "AllocationPlan", "AppendResult", "BlockManager", "DuplicateSequenceError",
-           "NoFreeBlocksError", "SeqBlocks", "TenantScope", "UnknownSequenceError", "cdiv"]
+__all__ = [
+    "NO_SCOPE",
+    "AllocationPlan",
+    "AppendResult",
+    "BlockManager",
+    "DuplicateSequenceError",
+    "NoFreeBlocksError",
+    "SeqBlocks",
+    "TenantScope",
+    "UnknownSequenceError",
+    "cdiv",
+]
 
 
-MAX_TOKEN_ID = 2 ** 63  # token ids are hashed as int64: every id must be in [0, MAX_TOKEN_ID)
+# token ids are hashed as int64: every id must be in [0, MAX_TOKEN_ID)
+MAX_TOKEN_ID = 2**63
 
 
 class UnknownSequenceError(LookupError):
@@ -104,7 +115,9 @@ class SequenceTables:
         try:
             return self.seqs[seq_id]
         except KeyError:
-            raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never allocated, or already freed)") from None
+            raise UnknownSequenceError(
+                f"unknown sequence {seq_id!r} (never allocated, or already freed)"
+            ) from None
 
     def _check_new(self, seq_id: Hashable) -> None:
         if seq_id in self.seqs:
@@ -131,7 +144,9 @@ class SequenceTables:
         n = len(seq.token_ids)
         end = n if end is None else end
         if type(start) is not int or type(end) is not int or not 0 <= start <= end <= n:
-            raise ValueError(f"positions [{start!r}, {end!r}) are not within the sequence's {n} tokens")
+            raise ValueError(
+                f"positions [{start!r}, {end!r}) are not within the sequence's {n} tokens"
+            )
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
@@ -158,7 +173,9 @@ def check_prompt(token_ids: Sequence[int], scope: TenantScope) -> list[int]:
         raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
     tokens = check_token_ids(token_ids)
     if not 0 <= scope.public_tokens <= len(tokens):
-        raise ValueError(f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}")
+        raise ValueError(
+            f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}"
+        )
     return tokens
 
 
@@ -181,7 +198,8 @@ class TenantScope:
         if type(self.public_tokens) is not int or self.public_tokens < 0:
             raise ValueError(f"public_tokens must be an int >= 0, got {self.public_tokens!r}")
         try:
-            hash(self.tenant)  # a key of the per-tenant metrics
+            # a key of the per-tenant metrics
+            hash(self.tenant)
         except TypeError:
             raise TypeError(f"tenant must be hashable, got {type(self.tenant).__name__}") from None
 
@@ -191,7 +209,8 @@ class TenantScope:
         return self.salt if self.tenant is None else self.tenant
 
 
-NO_SCOPE = TenantScope()  # no salt, no public prefix: every request may hit every cached block
+# no salt, no public prefix: every request may hit every cached block
+NO_SCOPE = TenantScope()
 
 
 @dataclass(slots=True, frozen=True)
@@ -200,12 +219,17 @@ class AllocationPlan:
 
     tokens: tuple[int, ...]
     scope: TenantScope
-    hashes: tuple[BlockHash, ...]  # one per full block of the prompt
-    hits: tuple[Block, ...]  # cached blocks of the longest prefix (capped at n - 1 tokens)
-    blocks_needed: int  # free blocks allocation takes (new ones + hits revived from the free list)
+    # one per full block of the prompt
+    hashes: tuple[BlockHash, ...]
+    # cached blocks of the longest prefix (capped at n - 1 tokens)
+    hits: tuple[Block, ...]
+    # free blocks allocation takes (new ones + hits revived from the free list)
+    blocks_needed: int
     num_free_blocks: int
-    clock: int  # the pool's clock when planned: the plan is stale once anything changed
-    owner: object = field(default=None, repr=False, compare=False)  # the planning manager's token
+    # the pool's clock when planned: the plan is stale once anything changed
+    clock: int
+    # the planning manager's token
+    owner: object = field(default=None, repr=False, compare=False)
 
     def __bool__(self) -> bool:
         return self.blocks_needed <= self.num_free_blocks
@@ -235,19 +259,30 @@ class BlockManager(SequenceTables):
         free_order: str = "vllm",
         enable_kv_events: bool = False,
     ) -> None:
-        self.pool = BlockPool(num_blocks, block_size, trace=trace, free_order=free_order,
-                              enable_kv_events=enable_kv_events)  # validates the sizes
+        # BlockPool validates the sizes
+        self.pool = BlockPool(
+            num_blocks,
+            block_size,
+            trace=trace,
+            free_order=free_order,
+            enable_kv_events=enable_kv_events,
+        )
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
         self.hash_fn = hash_fn
         self.enable_caching = enable_caching
-        self.cow = cow  # False = the article's "writable shared block" bug, kept for teaching
+        # False = the article's "writable shared block" bug, kept for teaching
+        self.cow = cow
         self.seqs: dict[Hashable, SeqBlocks] = {}
         self.metrics = PrefixCacheMetrics()
-        self.registered_by: dict[int, Hashable] = {}  # cached block id -> tenant whose sequence registered it
-        self._plan_token = object()  # binds a plan to this manager: another one's plan is refused
-        self.second_tier: SecondTier | None = None  # where evicted/fetched blocks wait (kvlab.cache.host_tier)
-        self.restored_tokens: Counter = Counter()  # tokens restored from the second tier, by source
+        # cached block id -> tenant whose sequence registered it
+        self.registered_by: dict[int, Hashable] = {}
+        # binds a plan to this manager: another one's plan is refused
+        self._plan_token = object()
+        # where evicted/fetched blocks wait (kvlab.cache.host_tier)
+        self.second_tier: SecondTier | None = None
+        # tokens restored from the second tier, by source
+        self.restored_tokens: Counter = Counter()
 
     # --- queries ----------------------------------------------------------------------------------
     @property
@@ -295,19 +330,27 @@ class BlockManager(SequenceTables):
     def _keys(self, i: int, salt: str | None, salt_block: int) -> ExtraKeys:
         return block_extra_keys(i, self.model_fingerprint, salt, salt_block)
 
-    def _longest_hit(self, tokens: list[int], hashes: list[BlockHash], salt: str | None, salt_block: int) -> list[Block]:
+    def _longest_hit(
+        self, tokens: list[int], hashes: list[BlockHash], salt: str | None, salt_block: int
+    ) -> list[Block]:
         """Cached blocks of the longest prefix, capped so the last prompt token is recomputed."""
         bs, hits, parent_serial = self.block_size, [], 0
         for i in range((len(tokens) - 1) // bs):
-            block = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs], parent_serial,
-                                     self._keys(i, salt, salt_block))
+            block = self.pool.lookup(
+                hashes[i],
+                tokens[i * bs : (i + 1) * bs],
+                parent_serial,
+                self._keys(i, salt, salt_block),
+            )
             if block is None:
                 break
             hits.append(block)
             parent_serial = block.serial
         return hits
 
-    def can_allocate(self, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE) -> AllocationPlan:
+    def can_allocate(
+        self, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE
+    ) -> AllocationPlan:
         """What ``allocate`` would do, changing nothing: a plan that is truthy when enough blocks are free.
 
         The plan holds the prompt's full-block hashes and the cached blocks it would hit; pass it to
@@ -320,17 +363,38 @@ class BlockManager(SequenceTables):
         hashes: list[BlockHash] = []
         hits: list[Block] = []
         if self.enable_caching:
-            hashes = prompt_block_hashes(tokens[: n // bs * bs], bs, self.model_fingerprint, scope.salt, salt_block,
-                                         self.hash_fn)
+            hashes = prompt_block_hashes(
+                tokens[: n // bs * bs],
+                bs,
+                self.model_fingerprint,
+                scope.salt,
+                salt_block,
+                self.hash_fn,
+            )
             hits = self._longest_hit(tokens, hashes, scope.salt, salt_block)
         # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
         needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
-        return AllocationPlan(tuple(tokens), scope, tuple(hashes), tuple(hits), needed, self.num_free_blocks,
-                              self.pool.clock, self._plan_token)
+        return AllocationPlan(
+            tuple(tokens),
+            scope,
+            tuple(hashes),
+            tuple(hits),
+            needed,
+            self.num_free_blocks,
+            self.pool.clock,
+            self._plan_token,
+        )
 
     # --- mutations ----------------------------------------------------------------------------------
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
-                 plan: AllocationPlan | None = None, preempted: bool = False) -> int:
+    def allocate(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        scope: TenantScope = NO_SCOPE,
+        *,
+        plan: AllocationPlan | None = None,
+        preempted: bool = False,
+    ) -> int:
         """Give a new sequence its blocks, reusing the longest cached prefix; return the tokens not to compute.
 
         Those are the cached tokens, plus any restored from ``second_tier`` right after them
@@ -346,8 +410,15 @@ class BlockManager(SequenceTables):
         # before this request fills the cache
         misses = self._classify_misses(len(tokens), hashes, len(hits))
         self.pool.tick()
-        seq = SeqBlocks(seq_id, tokens, salt=scope.salt, tenant=scope.label, num_cached_tokens=len(hits) * bs,
-                        salt_block=salted_block(scope.public_tokens, bs), block_hashes=hashes)
+        seq = SeqBlocks(
+            seq_id,
+            tokens,
+            salt=scope.salt,
+            tenant=scope.label,
+            num_cached_tokens=len(hits) * bs,
+            salt_block=salted_block(scope.public_tokens, bs),
+            block_hashes=hashes,
+        )
         seq.extra_keys = self._keys(0, seq.salt, seq.salt_block)
         for i, block in enumerate(hits):
             self.pool.hit(block, seq_id)
@@ -365,24 +436,40 @@ class BlockManager(SequenceTables):
         self._record_allocation(seq, len(hits), misses, preempted)
         return seq.num_cached_tokens + seq.num_restored_tokens
 
-    def _checked_plan(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope,
-                      plan: AllocationPlan | None) -> AllocationPlan:
+    def _checked_plan(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        scope: TenantScope,
+        plan: AllocationPlan | None,
+    ) -> AllocationPlan:
         """``plan`` if it is this manager's and still holds, else a fresh one; raise unless it fits now."""
         self._check_new(seq_id)
-        if plan is not None and (not isinstance(plan, AllocationPlan) or plan.owner is not self._plan_token):
-            raise ValueError("this plan was not made by this manager's can_allocate (plans do not travel between "
-                             "managers: another pool's free blocks and cached hits are not this one's)")
+        if plan is not None and (
+            not isinstance(plan, AllocationPlan) or plan.owner is not self._plan_token
+        ):
+            raise ValueError(
+                "this plan was not made by this manager's can_allocate (plans do not travel between "
+                "managers: another pool's free blocks and cached hits are not this one's)"
+            )
         # a plan holds while it still describes the pool: same clock, free count and cached hits
         holds = plan is not None and (
-            plan.clock == self.pool.clock and plan.num_free_blocks == self.num_free_blocks
-            and plan.scope == scope and plan.tokens == tuple(token_ids)
-            and all(self.pool.blocks[b.block_id] is b and b.block_hash == h for b, h in zip(plan.hits, plan.hashes)))
+            plan.clock == self.pool.clock
+            and plan.num_free_blocks == self.num_free_blocks
+            and plan.scope == scope
+            and plan.tokens == tuple(token_ids)
+            and all(
+                self.pool.blocks[b.block_id] is b and b.block_hash == h
+                for b, h in zip(plan.hits, plan.hashes)
+            )
+        )
         if not holds:
             plan = self.can_allocate(token_ids, scope)
         if not plan:
             raise NoFreeBlocksError(
                 f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, {self.pool.num_free_blocks} of "
-                f"{self.pool.num_blocks} are free")
+                f"{self.pool.num_blocks} are free"
+            )
         return plan
 
     def _count_foreign_hit(self, seq: SeqBlocks, i: int, block: Block) -> None:
@@ -405,8 +492,13 @@ class BlockManager(SequenceTables):
     def _restore(self, seq: SeqBlocks, i: int, block: Block) -> bool:
         """Copy prompt block ``i`` back from the second tier into ``block``; whether the tier had it."""
         h = seq.block_hashes
-        source = self.second_tier.load(h[i], tuple(block.token_ids), self._keys(i, seq.salt, seq.salt_block), h[i - 1] if i else None,
-                                       block.block_id)
+        source = self.second_tier.load(
+            h[i],
+            tuple(block.token_ids),
+            self._keys(i, seq.salt, seq.salt_block),
+            h[i - 1] if i else None,
+            block.block_id,
+        )
         if source is not None:
             seq.num_restored_tokens += self.block_size
             self.restored_tokens[source] += self.block_size
@@ -422,17 +514,27 @@ class BlockManager(SequenceTables):
         """
         parent = seq.block_hashes[i - 1] if i else None
         parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
-        self.pool.register(block, h, parent, parent_serial, self._keys(i, seq.salt, seq.salt_block), seq.seq_id)
+        self.pool.register(
+            block, h, parent, parent_serial, self._keys(i, seq.salt, seq.salt_block), seq.seq_id
+        )
         self.registered_by[block.block_id] = seq.tenant
 
     def _emit_stored(self, seq: SeqBlocks, first: int, end: int) -> None:
         """One ``BlockStored`` event for the full blocks ``[first, end)`` just cached (vLLM's order)."""
         if self.enable_caching and first < end:
             h, bs = seq.block_hashes, self.block_size
-            self.pool.emit_event(BlockStored(tuple(h[first:end]), h[first - 1] if first else None,
-                                             tuple(seq.token_ids[first * bs : end * bs]), bs))
+            self.pool.emit_event(
+                BlockStored(
+                    tuple(h[first:end]),
+                    h[first - 1] if first else None,
+                    tuple(seq.token_ids[first * bs : end * bs]),
+                    bs,
+                )
+            )
 
-    def _record_allocation(self, seq: SeqBlocks, num_hits: int, misses: dict[str, int], preempted: bool) -> None:
+    def _record_allocation(
+        self, seq: SeqBlocks, num_hits: int, misses: dict[str, int], preempted: bool
+    ) -> None:
         m, hashed = self.metrics, len(seq.block_hashes)
         m.hashed_blocks += hashed
         m.hashed_tokens += hashed * self.block_size
@@ -442,11 +544,14 @@ class BlockManager(SequenceTables):
 
     def _classify_misses(self, n: int, hashes: list[BlockHash], n_hits: int) -> dict[str, int]:
         bs, pool = self.block_size, self.pool
-        eligible = (n - 1) // bs  # full blocks that may hit; the rest is "short"
+        # full blocks that may hit; the rest is "short"
+        eligible = (n - 1) // bs
         misses = {"short": n - eligible * bs, "no_prefix": 0, "evicted": 0}
         for i in range(n_hits, eligible):
             # evicted before, or still cached but cut off from its chain because its parent was evicted
-            seen = i < len(hashes) and (hashes[i] in pool.evicted_hashes or hashes[i] in pool.cached)
+            seen = i < len(hashes) and (
+                hashes[i] in pool.evicted_hashes or hashes[i] in pool.cached
+            )
             misses["evicted" if seen else "no_prefix"] += bs
         return misses
 
@@ -471,7 +576,9 @@ class BlockManager(SequenceTables):
         # this token fills its block: hash it before changing anything
         if offset == bs - 1 and self.enable_caching:
             i = pos // bs
-            content = ([] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]) + [token_id]
+            content = (
+                [] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]
+            ) + [token_id]
             keys = self._keys(i, seq.salt, seq.salt_block)
             full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, content, keys)
         pool.tick()
@@ -497,7 +604,9 @@ class BlockManager(SequenceTables):
     def _copy_on_write(self, seq: SeqBlocks, shared: Block) -> Block:
         """Move ``seq`` off a shared partial block onto a private copy of it."""
         seq.block_table.pop()
-        copy = self._take(seq, shared.token_ids[: len(seq.token_ids) % self.block_size], event="cow-copy")
+        copy = self._take(
+            seq, shared.token_ids[: len(seq.token_ids) % self.block_size], event="cow-copy"
+        )
         self.pool.release(shared, seq.seq_id)
         self.metrics.cow_copies += 1
         return copy
@@ -520,7 +629,9 @@ class BlockManager(SequenceTables):
         """Queue a KV event of a tier attached to this cache, in one stream with the pool's (dropped if events are off)."""
         self.pool.emit_event(event)
 
-    def attach_second_tier(self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None) -> None:
+    def attach_second_tier(
+        self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None
+    ) -> None:
         """Ask ``tier`` when a prompt misses the pool (``second_tier``); ``on_evict`` sees each cached block evicted."""
         self.second_tier = tier
         self.pool.on_evict = on_evict
@@ -542,8 +653,13 @@ class BlockManager(SequenceTables):
         for block_id in parent.block_table:
             self.pool.share(self.pool.blocks[block_id], child_id)
         self.seqs[child_id] = dataclasses.replace(
-            parent, seq_id=child_id, token_ids=list(parent.token_ids), block_table=list(parent.block_table),
-            block_hashes=list(parent.block_hashes), num_restored_tokens=0)
+            parent,
+            seq_id=child_id,
+            token_ids=list(parent.token_ids),
+            block_table=list(parent.block_table),
+            block_hashes=list(parent.block_hashes),
+            num_restored_tokens=0,
+        )
 
     def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
         """Release a finished sequence's blocks, tail first, so chain tails are evicted first.
@@ -556,13 +672,17 @@ class BlockManager(SequenceTables):
         doomed = []
         if uncache_from is not None:
             if type(uncache_from) is not int or not 0 <= uncache_from <= len(seq.token_ids):
-                raise ValueError(f"uncache_from must be an int in [0, {len(seq.token_ids)}], got {uncache_from!r}")
-            for block_id in seq.block_table[uncache_from // self.block_size:]:
+                raise ValueError(
+                    f"uncache_from must be an int in [0, {len(seq.token_ids)}], got {uncache_from!r}"
+                )
+            for block_id in seq.block_table[uncache_from // self.block_size :]:
                 block = self.pool.blocks[block_id]
                 if block.block_hash is not None:
                     if block.ref_count > 1:
-                        raise ValueError(f"block {block_id} (positions from {uncache_from} on) is still used by "
-                                         "another sequence: free that sequence first")
+                        raise ValueError(
+                            f"block {block_id} (positions from {uncache_from} on) is still used by "
+                            "another sequence: free that sequence first"
+                        )
                     doomed.append(block)
         self.pool.tick()
         for block in doomed:
@@ -578,22 +698,35 @@ class BlockManager(SequenceTables):
         self.pool.check_invariants(self.hash_fn)
         refs = Counter(b for seq in self.seqs.values() for b in seq.block_table)
         for block in self.pool.blocks:
-            check(block.ref_count == refs[block.block_id],
-                  f"block {block.block_id}: ref count {block.ref_count} but {refs[block.block_id]} "
-                  f"block-table references (leak or double free)")
+            check(
+                block.ref_count == refs[block.block_id],
+                f"block {block.block_id}: ref count {block.ref_count} but {refs[block.block_id]} "
+                f"block-table references (leak or double free)",
+            )
         for block in self.pool.blocks:
-            check(block.block_hash is None or block.block_id in self.registered_by,
-                  f"cached block {block.block_id} has no registering tenant")
+            check(
+                block.block_hash is None or block.block_id in self.registered_by,
+                f"cached block {block.block_id} has no registering tenant",
+            )
         bs = self.block_size
         for seq in self.seqs.values():
             n = len(seq.token_ids)
-            check(len(seq.block_table) == cdiv(n, bs),
-                  f"sequence {seq.seq_id!r}: {len(seq.block_table)} blocks for {n} tokens")
-            check(self.read_tokens(seq.seq_id) == seq.token_ids,
-                  f"sequence {seq.seq_id!r} reads other tokens than it wrote (a shared block was written)")
+            check(
+                len(seq.block_table) == cdiv(n, bs),
+                f"sequence {seq.seq_id!r}: {len(seq.block_table)} blocks for {n} tokens",
+            )
+            check(
+                self.read_tokens(seq.seq_id) == seq.token_ids,
+                f"sequence {seq.seq_id!r} reads other tokens than it wrote (a shared block was written)",
+            )
             if self.enable_caching:
-                check(len(seq.block_hashes) == n // bs, f"sequence {seq.seq_id!r}: wrong number of block hashes")
+                check(
+                    len(seq.block_hashes) == n // bs,
+                    f"sequence {seq.seq_id!r}: wrong number of block hashes",
+                )
                 for i in range(n // bs):
                     block = self.pool.blocks[seq.block_table[i]]
-                    check(block.block_hash == seq.block_hashes[i],
-                          f"sequence {seq.seq_id!r}: full block {i} is not cached under its hash")
+                    check(
+                        block.block_hash == seq.block_hashes[i],
+                        f"sequence {seq.seq_id!r}: full block {i} is not cached under its hash",
+                    )

@@ -25,8 +25,10 @@ from .hashing import BlockHash, ExtraKeys
 from .kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 FREE_ORDERS = ("vllm", "lru")
-EVICTED_HASHES_PER_BLOCK = 4  # remembered evicted hashes per block of the pool ...
-MIN_EVICTED_HASHES = 1024  # ... and at least this many
+# remembered evicted hashes per block of the pool ...
+EVICTED_HASHES_PER_BLOCK = 4
+# ... and at least this many
+MIN_EVICTED_HASHES = 1024
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -49,14 +51,20 @@ class Block:
 
     block_id: int
     ref_count: int = 0
-    token_ids: list[int] = field(default_factory=list)  # slot i holds token_ids[i]
-    block_hash: BlockHash | None = None  # set while the block is registered in the cache
+    # slot i holds token_ids[i]
+    token_ids: list[int] = field(default_factory=list)
+    # set while the block is registered in the cache
+    block_hash: BlockHash | None = None
     parent_hash: BlockHash | None = None
     extra_keys: ExtraKeys = ()
-    serial: int = 0  # names this exact content (prefix included); 0 = not cached
-    parent_serial: int = 0  # serial of the block before it; 0 for a first block
-    created_at: int = 0  # pool clock when last taken from the free list
-    last_access: int = 0  # pool clock of the last take, hit, share or release
+    # names this exact content (prefix included); 0 = not cached
+    serial: int = 0
+    # serial of the block before it; 0 for a first block
+    parent_serial: int = 0
+    # pool clock when last taken from the free list
+    created_at: int = 0
+    # pool clock of the last take, hit, share or release
+    last_access: int = 0
 
     def reset(self) -> None:
         """Forget the contents and the hash (the block is about to hold new data)."""
@@ -72,9 +80,12 @@ class TraceEvent:
 
     t: int
     block_id: int
-    event: str  # take | cow-copy | hit | share | release | evict | register | uncache
-    ref_count: int  # after the event
-    owner: Hashable  # the sequence that caused it
+    # take | cow-copy | hit | share | release | evict | register | uncache
+    event: str
+    # after the event
+    ref_count: int
+    # the sequence that caused it
+    owner: Hashable
 
 
 class BlockPool:
@@ -86,12 +97,22 @@ class BlockPool:
     long-running pool's memory stays flat; a block evicted longer ago than that counts as ``no_prefix``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, trace: bool = False, free_order: str = "vllm",
-                 enable_kv_events: bool = False, max_evicted_hashes: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        trace: bool = False,
+        free_order: str = "vllm",
+        enable_kv_events: bool = False,
+        max_evicted_hashes: int | None = None,
+    ) -> None:
         if max_evicted_hashes is None and type(num_blocks) is int:
             max_evicted_hashes = max(EVICTED_HASHES_PER_BLOCK * num_blocks, MIN_EVICTED_HASHES)
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("max_evicted_hashes", max_evicted_hashes)):
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("max_evicted_hashes", max_evicted_hashes),
+        ):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if free_order not in FREE_ORDERS:
@@ -99,7 +120,8 @@ class BlockPool:
         self.free_order = free_order
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next victim
+        # head = next victim
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, list[Block]] = {}
         # for classifying misses: the latest evicted hashes, oldest first, at most max_evicted_hashes of them
         self.evicted_hashes: OrderedDict[BlockHash, None] = OrderedDict()
@@ -142,7 +164,8 @@ class BlockPool:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
         head = self.blocks[next(iter(self.free))]
         if head.block_hash is not None and self.on_evict is not None:
-            self.on_evict(head)  # before anything changes: a hook that raises leaves the pool as it was
+            # before anything changes: a hook that raises leaves the pool as it was
+            self.on_evict(head)
         block = self.blocks[self.free.popitem(last=False)[0]]
         if block.block_hash is not None:
             self._uncache(block)
@@ -160,18 +183,24 @@ class BlockPool:
         self.evicted_hashes[block_hash] = None
         self.evicted_hashes.move_to_end(block_hash)
         if len(self.evicted_hashes) > self.max_evicted_hashes:
-            self.evicted_hashes.popitem(last=False)  # forget the oldest eviction
+            # forget the oldest eviction
+            self.evicted_hashes.popitem(last=False)
 
     def _check_own(self, block: Block) -> None:
-        if not (isinstance(block, Block) and 0 <= block.block_id < len(self.blocks)
-                and self.blocks[block.block_id] is block):
+        if not (
+            isinstance(block, Block)
+            and 0 <= block.block_id < len(self.blocks)
+            and self.blocks[block.block_id] is block
+        ):
             raise ValueError(f"{block!r} is not a block of this pool")
 
     def hit(self, block: Block, owner: Hashable = None) -> None:
         """Reference a cached block found by ``lookup``; a free one leaves the free list."""
         self._check_own(block)
         if block.block_hash is None:
-            raise ValueError(f"block {block.block_id} is not cached; only a cached block can be hit")
+            raise ValueError(
+                f"block {block.block_id} is not cached; only a cached block can be hit"
+            )
         if block.ref_count == 0:
             del self.free[block.block_id]
         block.ref_count += 1
@@ -194,12 +223,16 @@ class BlockPool:
         """
         self._check_own(block)
         if block.ref_count <= 0:
-            raise ValueError(f"block {block.block_id} has ref count {block.ref_count}; double free?")
+            raise ValueError(
+                f"block {block.block_id} has ref count {block.ref_count}; double free?"
+            )
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free[block.block_id] = None  # the tail: evicted last
+            # the tail: evicted last
+            self.free[block.block_id] = None
             if block.block_hash is None and self.free_order == "vllm":
-                self.free.move_to_end(block.block_id, last=False)  # can never be hit: reuse it first
+                # can never be hit: reuse it first
+                self.free.move_to_end(block.block_id, last=False)
         self._record(block, "release", owner)
 
     def next_victim(self) -> int | None:
@@ -208,7 +241,11 @@ class BlockPool:
 
     # --- the prefix cache ----------------------------------------------------------------------
     def lookup(
-        self, block_hash: BlockHash, token_ids: Sequence[int], parent_serial: int, extra_keys: ExtraKeys = ()
+        self,
+        block_hash: BlockHash,
+        token_ids: Sequence[int],
+        parent_serial: int,
+        extra_keys: ExtraKeys = (),
     ) -> Block | None:
         """A cached block with this hash *and* these tokens, parent and extra keys, else None."""
         for block in self.cached.get(block_hash, ()):
@@ -236,7 +273,8 @@ class BlockPool:
         twin = self.lookup(block_hash, block.token_ids, parent_serial, extra_keys)
         if twin is None:
             block.serial, self._next_serial = self._next_serial, self._next_serial + 1
-        else:  # same content computed twice: one serial, so children of either twin match
+        # same content computed twice: one serial, so children of either twin match
+        else:
             block.serial = twin.serial
         block.block_hash, block.parent_hash = block_hash, parent_hash
         block.parent_serial, block.extra_keys = parent_serial, extra_keys
@@ -319,23 +357,33 @@ class BlockPool:
 
     def check_invariants(self, hash_fn=None) -> None:
         """Free list == blocks with ref 0; cache entries consistent (recomputed with ``hash_fn``)."""
-        check(len(self.free) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks,
-              "blocks not conserved: free + in use != num_blocks")
+        check(
+            len(self.free) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks,
+            "blocks not conserved: free + in use != num_blocks",
+        )
         for b in self.blocks:
             check(b.ref_count >= 0, f"block {b.block_id} has negative ref count {b.ref_count}")
-            check((b.ref_count == 0) == (b.block_id in self.free),
-                  f"block {b.block_id}: ref count {b.ref_count} but free={b.block_id in self.free}")
+            check(
+                (b.ref_count == 0) == (b.block_id in self.free),
+                f"block {b.block_id}: ref count {b.ref_count} but free={b.block_id in self.free}",
+            )
             check(len(b.token_ids) <= self.block_size, f"block {b.block_id} overfull")
         n_cached = 0
         for h, bucket in self.cached.items():
             check(len(bucket) > 0, "empty cache bucket")
             for b in bucket:
                 n_cached += 1
-                check(b.block_hash == h, f"block {b.block_id} cached under a hash it does not carry")
+                check(
+                    b.block_hash == h, f"block {b.block_id} cached under a hash it does not carry"
+                )
                 check(len(b.token_ids) == self.block_size, f"cached block {b.block_id} is not full")
                 check(b.serial > 0, f"cached block {b.block_id} has no serial")
                 if hash_fn is not None:
-                    check(hash_fn(b.parent_hash, b.token_ids, b.extra_keys) == h,
-                          f"cached block {b.block_id}: tokens do not match its hash")
-        check(n_cached == sum(b.block_hash is not None for b in self.blocks),
-              "a block carries a hash but is not in the cache")
+                    check(
+                        hash_fn(b.parent_hash, b.token_ids, b.extra_keys) == h,
+                        f"cached block {b.block_id}: tokens do not match its hash",
+                    )
+        check(
+            n_cached == sum(b.block_hash is not None for b in self.blocks),
+            "a block carries a hash but is not in the cache",
+        )

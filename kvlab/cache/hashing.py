@@ -31,7 +31,8 @@ HashFn = Callable[[BlockHash | None, Sequence[int], ExtraKeys], BlockHash]
 # The parent hash of every first block; a fixed seed keeps hashes reproducible across runs.
 NONE_HASH: BlockHash = hashlib.sha256(b"kvlab-root").digest()
 
-DEFAULT_BLOCK_SIZE = 16  # tokens per block when none is given: vLLM's default on GPUs
+# tokens per block when none is given: vLLM's default on GPUs
+DEFAULT_BLOCK_SIZE = 16
 
 
 def salted_block(public_tokens: int, block_size: int) -> int:
@@ -42,7 +43,9 @@ def salted_block(public_tokens: int, block_size: int) -> int:
     return public_tokens // block_size
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> BlockHash:
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
+) -> BlockHash:
     """sha256 over the parent hash, the block's token ids (int64) and its extra keys."""
     h = hashlib.sha256(NONE_HASH if parent is None else parent)
     h.update(array("q", token_ids).tobytes())
@@ -51,7 +54,9 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: E
     return h.digest()
 
 
-def builtin_hash(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> BlockHash:
+def builtin_hash(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
+) -> BlockHash:
     """Python's ``hash()`` of a tuple, 8 bytes: fast, but collisions can be crafted (benchmarks only)."""
     return hash((parent, tuple(token_ids), extra_keys)).to_bytes(8, "little", signed=True)
 
@@ -66,8 +71,9 @@ def first_block_extra_keys(model_fingerprint: str = "", salt: str | None = None)
     return keys
 
 
-def block_extra_keys(index: int, model_fingerprint: str = "", salt: str | None = None,
-                     salt_block: int = 0) -> ExtraKeys:
+def block_extra_keys(
+    index: int, model_fingerprint: str = "", salt: str | None = None, salt_block: int = 0
+) -> ExtraKeys:
     """Extra keys of block ``index``: the fingerprint on block 0, the salt on block ``salt_block``."""
     keys: tuple = ()
     if index == 0 and model_fingerprint:

@@ -43,25 +43,38 @@ class TierEntry:
     extra_keys: ExtraKeys
     payload: Any
     nbytes: int
-    source: str = "offload"  # "offload" (evicted here) or "peer" (fetched from another replica)
+    # "offload" (evicted here) or "peer" (fetched from another replica)
+    source: str = "offload"
     pins: int = field(default=0, compare=False)
 
-    def matches(self, token_ids: tuple[int, ...], extra_keys: ExtraKeys, parent_hash: BlockHash | None) -> bool:
+    def matches(
+        self, token_ids: tuple[int, ...], extra_keys: ExtraKeys, parent_hash: BlockHash | None
+    ) -> bool:
         """Whether this entry is exactly the block a prompt asks for (not just the same hash)."""
-        return self.token_ids == token_ids and self.extra_keys == extra_keys and self.parent_hash == parent_hash
+        return (
+            self.token_ids == token_ids
+            and self.extra_keys == extra_keys
+            and self.parent_hash == parent_hash
+        )
 
 
 class HostTier:
     """Entries by block hash in LRU order (head = next victim), at most ``capacity_bytes`` of them in bytes."""
 
-    def __init__(self, capacity_bytes: int, block_size: int, emit: Callable[[KVCacheEvent], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_size: int,
+        emit: Callable[[KVCacheEvent], None] | None = None,
+    ) -> None:
         for name, value in (("capacity_bytes", capacity_bytes), ("block_size", block_size)):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.capacity_bytes, self.block_size = capacity_bytes, block_size
         self.entries: OrderedDict[BlockHash, TierEntry] = OrderedDict()
         self.nbytes = 0
-        self.emit = emit  # where events go (``BlockManager.emit_event``: both tiers share one stream)
+        # where events go (``BlockManager.emit_event``: both tiers share one stream)
+        self.emit = emit
         self.num_puts = self.num_evictions = self.num_refused = 0
 
     def __len__(self) -> int:
@@ -80,14 +93,23 @@ class HostTier:
             raise TypeError(f"entry must be a TierEntry, got {type(entry).__name__}")
         if entry.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {entry.source!r}")
-        if len(entry.token_ids) != self.block_size or type(entry.nbytes) is not int or entry.nbytes <= 0:
-            raise ValueError(f"a tier entry is one full block of {self.block_size} tokens with nbytes > 0")
+        if (
+            len(entry.token_ids) != self.block_size
+            or type(entry.nbytes) is not int
+            or entry.nbytes <= 0
+        ):
+            raise ValueError(
+                f"a tier entry is one full block of {self.block_size} tokens with nbytes > 0"
+            )
         old = self.entries.get(entry.block_hash)
         if old is not None and old.pins:
             self.num_refused += 1
-            return False  # someone is reading the old copy: keep it
+            # someone is reading the old copy: keep it
+            return False
         free = self.capacity_bytes - self.nbytes + (old.nbytes if old is not None else 0)
-        free += sum(e.nbytes for h, e in self.entries.items() if not e.pins and h != entry.block_hash)
+        free += sum(
+            e.nbytes for h, e in self.entries.items() if not e.pins and h != entry.block_hash
+        )
         if entry.nbytes > free:
             self.num_refused += 1
             return False
@@ -102,12 +124,24 @@ class HostTier:
         self.nbytes += entry.nbytes
         self.num_puts += 1
         if old is None:
-            self._emit(BlockStored((entry.block_hash,), entry.parent_hash, entry.token_ids, self.block_size,
-                                   medium=MEDIUM_CPU))
+            self._emit(
+                BlockStored(
+                    (entry.block_hash,),
+                    entry.parent_hash,
+                    entry.token_ids,
+                    self.block_size,
+                    medium=MEDIUM_CPU,
+                )
+            )
         return True
 
-    def get(self, block_hash: BlockHash, token_ids: tuple[int, ...], extra_keys: ExtraKeys,
-            parent_hash: BlockHash | None) -> TierEntry | None:
+    def get(
+        self,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        extra_keys: ExtraKeys,
+        parent_hash: BlockHash | None,
+    ) -> TierEntry | None:
         """The entry for exactly this block (hash, tokens, extra keys, parent), now most recently used; else None."""
         entry = self.entries.get(block_hash)
         if entry is None or not entry.matches(tuple(token_ids), extra_keys, parent_hash):
@@ -146,16 +180,30 @@ class HostTier:
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` unless the bytes add up and stay within the bound."""
-        check(self.nbytes == sum(e.nbytes for e in self.entries.values()), "tier bytes do not add up")
-        check(self.nbytes <= self.capacity_bytes, f"tier holds {self.nbytes} > {self.capacity_bytes} bytes")
-        check(all(h == e.block_hash for h, e in self.entries.items()), "a tier entry is filed under another hash")
+        check(
+            self.nbytes == sum(e.nbytes for e in self.entries.values()), "tier bytes do not add up"
+        )
+        check(
+            self.nbytes <= self.capacity_bytes,
+            f"tier holds {self.nbytes} > {self.capacity_bytes} bytes",
+        )
+        check(
+            all(h == e.block_hash for h, e in self.entries.items()),
+            "a tier entry is filed under another hash",
+        )
 
 
 class SecondTier(Protocol):
     """What a ``BlockManager`` asks of a second tier (its ``second_tier`` seam)."""
 
-    def load(self, block_hash: BlockHash, token_ids: tuple[int, ...], extra_keys: ExtraKeys,
-             parent_hash: BlockHash | None, block_id: int) -> str | None:
+    def load(
+        self,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        extra_keys: ExtraKeys,
+        parent_hash: BlockHash | None,
+        block_id: int,
+    ) -> str | None:
         """Copy this exact block into pool block ``block_id``; its source ("offload"/"peer"), or None on a miss."""
 
     def clear(self) -> None:
@@ -171,14 +219,21 @@ class TierLink:
     tier as a staging area for fetched blocks only (evictions are not saved).
     """
 
-    def __init__(self, tier: HostTier, bytes_per_block: int = 1, *, offload: bool = True,
-                 save_payload: Callable[[int], tuple[Any, int]] | None = None,
-                 load_payload: Callable[[Any, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        tier: HostTier,
+        bytes_per_block: int = 1,
+        *,
+        offload: bool = True,
+        save_payload: Callable[[int], tuple[Any, int]] | None = None,
+        load_payload: Callable[[Any, int], None] | None = None,
+    ) -> None:
         self.tier, self.offload = tier, offload
         self.save_payload = save_payload or (lambda block_id: (None, bytes_per_block))
         self.load_payload = load_payload or (lambda payload, block_id: None)
         self.saved_blocks = 0
-        self.loaded: dict[str, int] = dict.fromkeys(SOURCES, 0)  # blocks loaded back, by source
+        # blocks loaded back, by source
+        self.loaded: dict[str, int] = dict.fromkeys(SOURCES, 0)
         self.load_failures = 0
 
     def on_evict(self, block: Any) -> None:
@@ -189,7 +244,14 @@ class TierLink:
             payload, nbytes = self.save_payload(block.block_id)
         except Exception:  # noqa: BLE001 - a failed copy loses a tier entry, never the pool's state
             return
-        entry = TierEntry(block.block_hash, block.parent_hash, tuple(block.token_ids), block.extra_keys, payload, nbytes)
+        entry = TierEntry(
+            block.block_hash,
+            block.parent_hash,
+            tuple(block.token_ids),
+            block.extra_keys,
+            payload,
+            nbytes,
+        )
         if self.tier.put(entry):
             self.saved_blocks += 1
 
@@ -202,8 +264,11 @@ class TierLink:
         """
         n = 0
         for e in entries:
-            if (not isinstance(e, TierEntry) or len(e.token_ids) != self.tier.block_size
-                    or hash_fn(e.parent_hash, list(e.token_ids), e.extra_keys) != e.block_hash):
+            if (
+                not isinstance(e, TierEntry)
+                or len(e.token_ids) != self.tier.block_size
+                or hash_fn(e.parent_hash, list(e.token_ids), e.extra_keys) != e.block_hash
+            ):
                 break
             e.source = "peer"
             if not self.tier.put(e):
@@ -211,8 +276,14 @@ class TierLink:
             n += 1
         return n
 
-    def load(self, block_hash: BlockHash, token_ids: tuple[int, ...], extra_keys: ExtraKeys,
-             parent_hash: BlockHash | None, block_id: int) -> str | None:
+    def load(
+        self,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        extra_keys: ExtraKeys,
+        parent_hash: BlockHash | None,
+        block_id: int,
+    ) -> str | None:
         """``SecondTier.load``: the entry's source after copying it into ``block_id``, or None (miss or failed copy)."""
         entry = self.tier.get(block_hash, tuple(token_ids), extra_keys, parent_hash)
         if entry is None:
@@ -236,15 +307,27 @@ class TierLink:
     def stats(self) -> dict[str, Hashable]:
         """Blocks saved and loaded back (by source), entries and bytes held, evictions and refusals."""
         t = self.tier
-        return {"tier_blocks": len(t), "tier_bytes": t.nbytes, "tier_capacity_bytes": t.capacity_bytes,
-                "tier_saved_blocks": self.saved_blocks, "tier_loaded_blocks": self.loaded["offload"],
-                "peer_loaded_blocks": self.loaded["peer"], "tier_evictions": t.num_evictions,
-                "tier_refused": t.num_refused, "tier_load_failures": self.load_failures}
+        return {
+            "tier_blocks": len(t),
+            "tier_bytes": t.nbytes,
+            "tier_capacity_bytes": t.capacity_bytes,
+            "tier_saved_blocks": self.saved_blocks,
+            "tier_loaded_blocks": self.loaded["offload"],
+            "peer_loaded_blocks": self.loaded["peer"],
+            "tier_evictions": t.num_evictions,
+            "tier_refused": t.num_refused,
+            "tier_load_failures": self.load_failures,
+        }
 
 
-def collect_blocks(block_manager: Any, tier: HostTier | None, hashes: list[BlockHash],
-                   read: Callable[[int], tuple[Any, int]] | None = None,
-                   parent: BlockHash | None = None, wire: Callable[[Any], Any] | None = None) -> list[TierEntry]:
+def collect_blocks(
+    block_manager: Any,
+    tier: HostTier | None,
+    hashes: list[BlockHash],
+    read: Callable[[int], tuple[Any, int]] | None = None,
+    parent: BlockHash | None = None,
+    wire: Callable[[Any], Any] | None = None,
+) -> list[TierEntry]:
     """The leading blocks of ``hashes`` that this replica holds (its ``BlockManager``'s pool, then its tier), as entries.
 
     ``read(block_id) -> (payload, nbytes)`` copies a pool block's K/V (None: model-free, one byte each);
@@ -258,11 +341,23 @@ def collect_blocks(block_manager: Any, tier: HostTier | None, hashes: list[Block
         block = next(iter(cached.get(h, ())), None)
         if block is not None and block.parent_hash == parent:
             payload, nbytes = read(block.block_id) if read is not None else (None, 1)
-            out.append(TierEntry(h, block.parent_hash, tuple(block.token_ids), block.extra_keys, payload, nbytes, "peer"))
+            out.append(
+                TierEntry(
+                    h,
+                    block.parent_hash,
+                    tuple(block.token_ids),
+                    block.extra_keys,
+                    payload,
+                    nbytes,
+                    "peer",
+                )
+            )
         elif tier is not None and h in tier and tier.entries[h].parent_hash == parent:
             e = tier.entries[h]
             payload = wire(e.payload) if wire is not None and e.payload is not None else e.payload
-            out.append(TierEntry(h, e.parent_hash, e.token_ids, e.extra_keys, payload, e.nbytes, "peer"))
+            out.append(
+                TierEntry(h, e.parent_hash, e.token_ids, e.extra_keys, payload, e.nbytes, "peer")
+            )
         else:
             break
         parent = h

@@ -54,8 +54,15 @@ class CacheManager(Protocol):
     def can_allocate(self, token_ids: Sequence[int], scope: Any = ...) -> Any:
         """A plan for ``allocate`` (falsy when the prompt does not fit now)."""
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: Any = ..., *, plan: Any = ...,
-                 preempted: bool = ...) -> int:
+    def allocate(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        scope: Any = ...,
+        *,
+        plan: Any = ...,
+        preempted: bool = ...,
+    ) -> int:
         """Give ``seq_id`` blocks for ``token_ids``; return the prompt tokens served from the cache."""
 
     def can_append(self, seq_id: Hashable) -> bool:
@@ -89,8 +96,13 @@ class CacheManager(Protocol):
 # the data members are the Protocol's annotations, the rest its public methods: both read from the class, so
 # adding a member to CacheManager adds it here (and to what ``check_cache`` asks of a caller's cache)
 _DATA_MEMBERS = frozenset(CacheManager.__annotations__)
-_METHODS = frozenset(name for name, value in vars(CacheManager).items() if callable(value) and not name.startswith("_"))
-CACHE_MEMBERS = tuple(sorted(_DATA_MEMBERS | _METHODS))  # every member of CacheManager, sorted
+_METHODS = frozenset(
+    name
+    for name, value in vars(CacheManager).items()
+    if callable(value) and not name.startswith("_")
+)
+# every member of CacheManager, sorted
+CACHE_MEMBERS = tuple(sorted(_DATA_MEMBERS | _METHODS))
 
 
 def missing_members(obj: object) -> list[str]:
@@ -108,6 +120,8 @@ def check_cache(obj: object) -> CacheManager:
     """Return ``obj`` if it implements ``CacheManager``; else raise ``TypeError`` naming the missing members."""
     missing = missing_members(obj)
     if missing:
-        raise TypeError(f"cache must be 'blocks', 'radix' or an object implementing kvlab.cache.CacheManager; "
-                        f"{type(obj).__name__} lacks {', '.join(missing)}")
+        raise TypeError(
+            f"cache must be 'blocks', 'radix' or an object implementing kvlab.cache.CacheManager; "
+            f"{type(obj).__name__} lacks {', '.join(missing)}"
+        )
     return obj

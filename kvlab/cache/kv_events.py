@@ -37,10 +37,20 @@ from dataclasses import dataclass, field
 
 from .hashing import BlockHash
 
-__all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVCacheEvent"]
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVCacheEvent",
+]
 
-MEDIUM_GPU = "GPU"  # vLLM's name for the device tier, whatever the device (kvlab's blocks live with the model)
-MEDIUM_CPU = "CPU"  # the host tier (kvlab.cache.host_tier): evicted blocks kept in host memory, fetched blocks staged
+# vLLM's name for the device tier, whatever the device (kvlab's blocks live with the model)
+MEDIUM_GPU = "GPU"
+# the host tier (kvlab.cache.host_tier): evicted blocks kept in host memory, fetched blocks staged
+MEDIUM_CPU = "CPU"
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,15 +59,18 @@ class BlockStored:
 
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]  # len(block_hashes) * block_size tokens
+    # len(block_hashes) * block_size tokens
+    token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.block_hashes) * self.block_size:
-            raise ValueError(f"{len(self.block_hashes)} blocks of {self.block_size} need "
-                             f"{len(self.block_hashes) * self.block_size} token ids, got {len(self.token_ids)}")
+            raise ValueError(
+                f"{len(self.block_hashes)} blocks of {self.block_size} need "
+                f"{len(self.block_hashes) * self.block_size} token ids, got {len(self.token_ids)}"
+            )
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,8 +103,10 @@ def describe(event: KVCacheEvent, short: int = 4) -> str:
     """One line for a notebook: the event's kind, hashes (first ``short`` hex digits) and token count."""
     hx = lambda h: "None" if h is None else h.hex()[:short]  # noqa: E731
     if isinstance(event, BlockStored):
-        return (f"BlockStored(blocks=[{', '.join(map(hx, event.block_hashes))}], parent={hx(event.parent_block_hash)}, "
-                f"tokens={len(event.token_ids)}{_medium(event)})")
+        return (
+            f"BlockStored(blocks=[{', '.join(map(hx, event.block_hashes))}], parent={hx(event.parent_block_hash)}, "
+            f"tokens={len(event.token_ids)}{_medium(event)})"
+        )
     if isinstance(event, BlockRemoved):
         return f"BlockRemoved(blocks=[{', '.join(map(hx, event.block_hashes))}]{_medium(event)})"
     return "AllBlocksCleared()"

@@ -28,8 +28,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 MISS_REASONS = ("short", "no_prefix", "evicted")
-MAX_TENANTS = 1024  # rows of the per-tenant table; older tenants are summed into one "other" row
-OTHER_TENANTS = "(other tenants)"  # the tenant column of that row
+# rows of the per-tenant table; older tenants are summed into one "other" row
+MAX_TENANTS = 1024
+# the tenant column of that row
+OTHER_TENANTS = "(other tenants)"
 
 
 @dataclass(slots=True)
@@ -37,8 +39,10 @@ class CacheCounts:
     """Queries and hits in tokens, and misses by reason, for one tenant or in total."""
 
     requests: int = 0
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # prompt tokens served from the cache
+    # prompt tokens looked up
+    queries: int = 0
+    # prompt tokens served from the cache
+    hits: int = 0
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
     @property
@@ -67,26 +71,41 @@ class CacheCounts:
 class PrefixCacheMetrics:
     """Everything the block manager counts: lookups, hash work, allocation, copy-on-write."""
 
-    total: CacheCounts = field(default_factory=CacheCounts)  # first lookups only, as vLLM's PrefixCacheStats
-    preempted: CacheCounts = field(default_factory=CacheCounts)  # lookups again after a preemption
+    # first lookups only, as vLLM's PrefixCacheStats
+    total: CacheCounts = field(default_factory=CacheCounts)
+    # lookups again after a preemption
+    preempted: CacheCounts = field(default_factory=CacheCounts)
     # key: the salt (None = no salt); least recently seen first, at most max_tenants of them
     by_tenant: OrderedDict[Hashable, CacheCounts] = field(default_factory=OrderedDict)
-    other: CacheCounts = field(default_factory=CacheCounts)  # tenants pushed out of by_tenant, summed
+    # tenants pushed out of by_tenant, summed
+    other: CacheCounts = field(default_factory=CacheCounts)
     max_tenants: int = MAX_TENANTS
-    hashed_blocks: int = 0  # hash function calls
-    hashed_tokens: int = 0  # tokens fed to the hash function
-    blocks_taken: int = 0  # blocks taken from the free list (new data)
-    blocks_hit: int = 0  # blocks served by the cache
+    # hash function calls
+    hashed_blocks: int = 0
+    # tokens fed to the hash function
+    hashed_tokens: int = 0
+    # blocks taken from the free list (new data)
+    blocks_taken: int = 0
+    # blocks served by the cache
+    blocks_hit: int = 0
     cow_copies: int = 0
-    public_hits: int = 0  # blocks of a public prefix registered by one tenant and served to another
-    cross_tenant_hits: int = 0  # any other block registered by one tenant and served to another
+    # blocks of a public prefix registered by one tenant and served to another
+    public_hits: int = 0
+    # any other block registered by one tenant and served to another
+    cross_tenant_hits: int = 0
 
     def __post_init__(self) -> None:
         if type(self.max_tenants) is not int or self.max_tenants < 1:
             raise ValueError(f"max_tenants must be a positive int, got {self.max_tenants!r}")
 
-    def record_lookup(self, tenant: Hashable, queries: int, hits: int, misses: dict[str, int],
-                      preempted: bool = False) -> None:
+    def record_lookup(
+        self,
+        tenant: Hashable,
+        queries: int,
+        hits: int,
+        misses: dict[str, int],
+        preempted: bool = False,
+    ) -> None:
         """Count one request's prefix lookup, in total and for its tenant.
 
         ``preempted``: the request was preempted and is looked up again. As in vLLM, such lookups are
@@ -140,9 +159,17 @@ class PrefixCacheMetrics:
 
     def tenant_table(self) -> list[dict]:
         """One row per tenant (and one ``OTHER_TENANTS`` row once tenants were pushed out): requests, tokens, misses."""
-        rows = list(self.by_tenant.items()) + ([(OTHER_TENANTS, self.other)] if self.other.requests else [])
+        rows = list(self.by_tenant.items()) + (
+            [(OTHER_TENANTS, self.other)] if self.other.requests else []
+        )
         return [
-            {"tenant": k, "requests": c.requests, "query_tokens": c.queries, "hit_tokens": c.hits,
-             "hit_rate": c.hit_rate, **{f"miss_{r}": n for r, n in c.misses.items()}}
+            {
+                "tenant": k,
+                "requests": c.requests,
+                "query_tokens": c.queries,
+                "hit_tokens": c.hits,
+                "hit_rate": c.hit_rate,
+                **{f"miss_{r}": n for r, n in c.misses.items()},
+            }
             for k, c in rows
         ]

@@ -61,24 +61,52 @@ __all__ = ["MatchResult", "RadixCache", "RadixNode", "RadixPlan", "RadixSeq"]
 class RadixNode:
     """One edge of the tree: its token ids (whole pages), their physical pages, lock count and LRU time."""
 
-    __slots__ = ("children", "key", "last_access", "lock_ref", "node_id", "pages", "parent", "salt", "tenant")
+    __slots__ = (
+        "children",
+        "key",
+        "last_access",
+        "lock_ref",
+        "node_id",
+        "pages",
+        "parent",
+        "salt",
+        "tenant",
+    )
 
-    def __init__(self, key: list[int], pages: list[int], parent: RadixNode | None, salt: str | None,
-                 tenant: Hashable = None, last_access: int = 0, node_id: int = 0) -> None:
-        self.key = key  # token ids on the edge into this node
-        self.pages = pages  # one physical page per page_size tokens of key
-        self.parent = parent  # None for a root
-        self.children: dict[Hashable, RadixNode] = {}  # first token (page 1) or first page (tuple) -> child
-        self.lock_ref = 0  # running sequences (and lock() calls) using this node or a node below it
-        self.last_access = last_access  # logical clock of the last match or insert through this node
-        self.salt = salt  # the root this node hangs under
-        self.tenant = tenant  # who inserted it (cross-tenant accounting)
+    def __init__(
+        self,
+        key: list[int],
+        pages: list[int],
+        parent: RadixNode | None,
+        salt: str | None,
+        tenant: Hashable = None,
+        last_access: int = 0,
+        node_id: int = 0,
+    ) -> None:
+        # token ids on the edge into this node
+        self.key = key
+        # one physical page per page_size tokens of key
+        self.pages = pages
+        # None for a root
+        self.parent = parent
+        # first token (page 1) or first page (tuple) -> child
+        self.children: dict[Hashable, RadixNode] = {}
+        # running sequences (and lock() calls) using this node or a node below it
+        self.lock_ref = 0
+        # logical clock of the last match or insert through this node
+        self.last_access = last_access
+        # the root this node hangs under
+        self.salt = salt
+        # who inserted it (cross-tenant accounting)
+        self.tenant = tenant
         self.node_id = node_id
 
     def __repr__(self) -> str:
         head = self.key[:6]
-        return (f"RadixNode(#{self.node_id}, {len(self.key)} tokens {head}{'...' if len(self.key) > 6 else ''}, "
-                f"lock_ref={self.lock_ref}, last_access={self.last_access})")
+        return (
+            f"RadixNode(#{self.node_id}, {len(self.key)} tokens {head}{'...' if len(self.key) > 6 else ''}, "
+            f"lock_ref={self.lock_ref}, last_access={self.last_access})"
+        )
 
     def path(self) -> tuple[list[int], list[int]]:
         """Token ids and pages from the root down to the end of this node."""
@@ -114,9 +142,12 @@ class RadixPlan:
     scope: TenantScope
     cached_tokens: int
     pages_needed: int
-    pages_available: int  # free pages + evictable pages not on the matched path
-    clock: int  # the cache's clock when planned: stale once anything changed
-    owner: object = field(default=None, repr=False, compare=False)  # the planning cache's token
+    # free pages + evictable pages not on the matched path
+    pages_available: int
+    # the cache's clock when planned: stale once anything changed
+    clock: int
+    # the planning cache's token
+    owner: object = field(default=None, repr=False, compare=False)
 
     def __bool__(self) -> bool:
         return self.pages_needed <= self.pages_available
@@ -145,33 +176,50 @@ class RadixSeq(SeqState):
 class RadixCache(SequenceTables):
     """A radix tree of cached token sequences over a pool of K/V pages, with locks and LRU leaf eviction."""
 
-    def __init__(self, num_pages: int, page_size: int = 1, *, model_fingerprint: str = "",
-                 enable_caching: bool = True, track_misses: bool = True, trace: bool = False) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 1,
+        *,
+        model_fingerprint: str = "",
+        enable_caching: bool = True,
+        track_misses: bool = True,
+        trace: bool = False,
+    ) -> None:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.page_size = page_size
         self.num_pages = num_pages
-        self.model_fingerprint = model_fingerprint  # one cache serves one model; kept for the record
+        # one cache serves one model; kept for the record
+        self.model_fingerprint = model_fingerprint
         self.enable_caching = enable_caching
         self.free_pages: deque[int] = deque(range(num_pages))
-        self.roots: dict[str | None, RadixNode] = {}  # one per salt (None = no salt)
+        # one per salt (None = no salt)
+        self.roots: dict[str | None, RadixNode] = {}
         self.seqs: dict[Hashable, RadixSeq] = {}
         self.metrics = PrefixCacheMetrics()
         self.clock = 0
-        self.tree_pages = 0  # pages owned by tree nodes
-        self.evictable_pages = 0  # pages of unlocked tree nodes
+        # pages owned by tree nodes
+        self.tree_pages = 0
+        # pages of unlocked tree nodes
+        self.evictable_pages = 0
         self.num_evicted_pages = 0
         self.num_evicted_nodes = 0
         self.num_splits = 0
         self._ids = itertools.count(1)
-        self._leaves: set[RadixNode] = set()  # evictable leaves: unlocked, childless, not a root
-        self._ext_locks: Counter[RadixNode] = Counter()  # locks taken through lock(), not by a sequence
-        self._plan_token = object()  # binds a plan to this cache: another one's plan is refused
+        # evictable leaves: unlocked, childless, not a root
+        self._leaves: set[RadixNode] = set()
+        # locks taken through lock(), not by a sequence
+        self._ext_locks: Counter[RadixNode] = Counter()
+        # binds a plan to this cache: another one's plan is refused
+        self._plan_token = object()
         # every sequence ever inserted (page-less nodes, never evicted): tells "evicted" misses from new text
         self._history: dict[str | None, RadixNode] | None = {} if track_misses else None
         # trace: one (salt, path tokens, edge tokens, last access) per evicted node
-        self.evict_log: list[tuple[str | None, tuple[int, ...], int, int]] | None = [] if trace else None
+        self.evict_log: list[tuple[str | None, tuple[int, ...], int, int]] | None = (
+            [] if trace else None
+        )
 
     # --- the page pool, under the block manager's names ------------------------------------------------
     @property
@@ -213,15 +261,16 @@ class RadixCache(SequenceTables):
     # --- tree internals ---------------------------------------------------------------------------------
     def _ck(self, tokens: Sequence[int], pos: int = 0) -> Hashable:
         """A child's key in its parent: its first token, or its first page."""
-        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
+        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
 
     def _common(self, key: list[int], tokens: list[int], pos: int, limit: int) -> int:
         """Length of the common prefix of ``key`` and ``tokens[pos:limit]``, rounded down to a page."""
         n = min(len(key), limit - pos)
-        seg = tokens[pos:pos + n]
+        seg = tokens[pos : pos + n]
         if (key if n == len(key) else key[:n]) == seg:
             m = n
-        else:  # binary search on slice equality: a few C-level comparisons instead of a Python loop
+        # binary search on slice equality: a few C-level comparisons instead of a Python loop
+        else:
             lo, hi = 0, n - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -232,8 +281,15 @@ class RadixCache(SequenceTables):
             m = lo
         return m - m % self.page_size
 
-    def _walk(self, root: RadixNode, tokens: list[int], limit: int, split: bool, touch: bool,
-              account: bool = True) -> tuple[int, list[int], RadixNode, list[tuple[RadixNode, int]]]:
+    def _walk(
+        self,
+        root: RadixNode,
+        tokens: list[int],
+        limit: int,
+        split: bool,
+        touch: bool,
+        account: bool = True,
+    ) -> tuple[int, list[int], RadixNode, list[tuple[RadixNode, int]]]:
         """Match ``tokens[:limit]`` from ``root``: (length, pages, last node, [(node, tokens matched in it)]).
 
         With ``split`` a match ending inside an edge splits that node, so the last node ends exactly at
@@ -266,18 +322,32 @@ class RadixCache(SequenceTables):
     def _split(self, child: RadixNode, m: int, account: bool = True) -> RadixNode:
         """Cut ``child``'s edge after ``m`` tokens: a new upper node, ``child`` keeps the rest (and its id)."""
         size = self.page_size
-        upper = RadixNode(child.key[:m], child.pages[: m // size], child.parent, child.salt, child.tenant,
-                          child.last_access, next(self._ids))
-        upper.lock_ref = child.lock_ref  # every lock below passes through both parts
+        upper = RadixNode(
+            child.key[:m],
+            child.pages[: m // size],
+            child.parent,
+            child.salt,
+            child.tenant,
+            child.last_access,
+            next(self._ids),
+        )
+        # every lock below passes through both parts
+        upper.lock_ref = child.lock_ref
         child.parent.children[self._ck(upper.key)] = upper
-        child.key, child.pages, child.parent = child.key[m:], child.pages[m // size:], upper
+        child.key, child.pages, child.parent = child.key[m:], child.pages[m // size :], upper
         upper.children[self._ck(child.key)] = child
         if account:
             self.num_splits += 1
         return upper
 
-    def _add_leaf(self, parent: RadixNode, key: list[int], pages: list[int], tenant: Hashable,
-                  account: bool = True) -> RadixNode:
+    def _add_leaf(
+        self,
+        parent: RadixNode,
+        key: list[int],
+        pages: list[int],
+        tenant: Hashable,
+        account: bool = True,
+    ) -> RadixNode:
         leaf = RadixNode(key, pages, parent, parent.salt, tenant, self.clock, next(self._ids))
         parent.children[self._ck(key)] = leaf
         if account:
@@ -287,12 +357,22 @@ class RadixCache(SequenceTables):
             self.evictable_pages += len(pages)
         return leaf
 
-    def _insert(self, root: RadixNode, tokens: list[int], pages: list[int], tenant: Hashable,
-                account: bool = True) -> tuple[int, list[int], RadixNode]:
+    def _insert(
+        self,
+        root: RadixNode,
+        tokens: list[int],
+        pages: list[int],
+        tenant: Hashable,
+        account: bool = True,
+    ) -> tuple[int, list[int], RadixNode]:
         """Insert page-aligned ``tokens`` with their ``pages``: (tokens already there, their pages, last node)."""
-        k, existing, node, _ = self._walk(root, tokens, len(tokens), split=True, touch=True, account=account)
+        k, existing, node, _ = self._walk(
+            root, tokens, len(tokens), split=True, touch=True, account=account
+        )
         if k < len(tokens):
-            node = self._add_leaf(node, tokens[k:], pages[k // self.page_size:] if account else [], tenant, account)
+            node = self._add_leaf(
+                node, tokens[k:], pages[k // self.page_size :] if account else [], tenant, account
+            )
         return k, existing, node
 
     def _lock(self, node: RadixNode) -> None:
@@ -333,7 +413,8 @@ class RadixCache(SequenceTables):
                     self.evict_log.append((n.salt, tuple(n.path()[0]), len(n.key), n.last_access))
         parent = node.parent
         del parent.children[self._ck(node.key)]
-        node.parent = None  # a detached node is no node of this tree (lock() refuses it)
+        # a detached node is no node of this tree (lock() refuses it)
+        node.parent = None
         if parent.parent is not None and parent.lock_ref == 0 and not parent.children:
             self._leaves.add(parent)
 
@@ -342,14 +423,17 @@ class RadixCache(SequenceTables):
         if len(self.free_pages) < k:
             self._evict(k - len(self.free_pages))
         if len(self.free_pages) < k:
-            raise NoFreeBlocksError(f"need {k} pages, {len(self.free_pages)} free and nothing left to evict")
+            raise NoFreeBlocksError(
+                f"need {k} pages, {len(self.free_pages)} free and nothing left to evict"
+            )
         return [self.free_pages.popleft() for _ in range(k)]
 
     def _root(self, salt: str | None) -> RadixNode:
         root = self.roots.get(salt)
         if root is None:
             root = self.roots[salt] = RadixNode([], [], None, salt, node_id=next(self._ids))
-            root.lock_ref = 1  # never evicted (SGLang's root_node.lock_ref = 1)
+            # never evicted (SGLang's root_node.lock_ref = 1)
+            root.lock_ref = 1
         return root
 
     def _history_insert(self, salt: str | None, tokens: list[int]) -> None:
@@ -361,17 +445,26 @@ class RadixCache(SequenceTables):
 
     def _history_match(self, salt: str | None, tokens: list[int], limit: int) -> int:
         root = None if self._history is None else self._history.get(salt)
-        return 0 if root is None else self._walk(root, tokens, limit, split=False, touch=False, account=False)[0]
+        return (
+            0
+            if root is None
+            else self._walk(root, tokens, limit, split=False, touch=False, account=False)[0]
+        )
 
     def _check_tokens(self, token_ids: Sequence[int], what: str = "a prompt") -> list[int]:
-        return check_token_ids(token_ids, what)  # the block manager's check, so lookups time alike
+        # the block manager's check, so lookups time alike
+        return check_token_ids(token_ids, what)
 
     def _check_salt(self, salt: str | None) -> None:
         if salt is not None and not isinstance(salt, str):
             raise TypeError(f"salt must be a str or None, got {type(salt).__name__}")
 
     def _check_node(self, node: RadixNode) -> None:
-        if not isinstance(node, RadixNode) or node.parent is None or self.roots.get(node.salt) is not node.root():
+        if (
+            not isinstance(node, RadixNode)
+            or node.parent is None
+            or self.roots.get(node.salt) is not node.root()
+        ):
             raise ValueError(f"{node!r} is not a node of this tree (or is a root)")
 
     # --- the tree API (SGLang's names) --------------------------------------------------------------------
@@ -386,7 +479,9 @@ class RadixCache(SequenceTables):
         m, pages, node, _ = self._walk(root, tokens, len(tokens), split=True, touch=True)
         return MatchResult(m, pages, node)
 
-    def insert(self, token_ids: Sequence[int], salt: str | None = None, tenant: Hashable = None) -> int:
+    def insert(
+        self, token_ids: Sequence[int], salt: str | None = None, tenant: Hashable = None
+    ) -> int:
         """Cache ``token_ids`` (cut to whole pages), taking pages for the new part; return tokens already cached."""
         tokens = self._check_tokens(token_ids, "a key")
         self._check_salt(salt)
@@ -394,16 +489,21 @@ class RadixCache(SequenceTables):
         tokens = tokens[: len(tokens) // size * size]
         k, visited = 0, []
         if salt in self.roots:
-            k, _, _, visited = self._walk(self.roots[salt], tokens, len(tokens), split=False, touch=False)
+            k, _, _, visited = self._walk(
+                self.roots[salt], tokens, len(tokens), split=False, touch=False
+            )
         needed = (len(tokens) - k) // size
         unlocked = sum(m // size for v, m in visited if v.lock_ref == 0)
         if needed > len(self.free_pages) + self.evictable_pages - unlocked:
-            raise NoFreeBlocksError(f"inserting {len(tokens) - k} new tokens needs {needed} pages, "
-                                    f"{len(self.free_pages) + self.evictable_pages - unlocked} can be freed")
+            raise NoFreeBlocksError(
+                f"inserting {len(tokens) - k} new tokens needs {needed} pages, "
+                f"{len(self.free_pages) + self.evictable_pages - unlocked} can be freed"
+            )
         self.clock += 1
         root = self._root(salt)
         k, _, node, _ = self._walk(root, tokens, len(tokens), split=True, touch=True)
-        self._lock(node)  # evicting for the new pages must not take the path we extend
+        # evicting for the new pages must not take the path we extend
+        self._lock(node)
         pages = self._take(needed)
         self._unlock(node)
         self._insert(root, tokens, [0] * (k // size) + pages, tenant)
@@ -437,7 +537,8 @@ class RadixCache(SequenceTables):
         """
         if type(num_pages) is not int or num_pages < 0:
             raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
-        self.clock += 1  # a mutation like any other: a plan made before it is stale
+        # a mutation like any other: a plan made before it is stale
+        self.clock += 1
         return self._evict(num_pages)
 
     def _evict(self, num_pages: int) -> int:
@@ -455,8 +556,12 @@ class RadixCache(SequenceTables):
 
     def resident(self) -> list[tuple[str | None, tuple[int, ...]]]:
         """Every cached sequence (root-to-leaf path) with its salt."""
-        return [(salt, tuple(n.path()[0])) for salt, root in self.roots.items()
-                for n in self._subtree(root) if n is not root and not n.children]
+        return [
+            (salt, tuple(n.path()[0]))
+            for salt, root in self.roots.items()
+            for n in self._subtree(root)
+            if n is not root and not n.children
+        ]
 
     def dump(self, max_tokens: int = 8, show=str) -> str:
         """The tree as indented text: tokens of each edge (``show`` maps ids to text), lock count, last access."""
@@ -466,7 +571,9 @@ class RadixCache(SequenceTables):
             for child in sorted(node.children.values(), key=lambda c: c.node_id):
                 head = " ".join(show(t) for t in child.key[:max_tokens])
                 more = f" … (+{len(child.key) - max_tokens})" if len(child.key) > max_tokens else ""
-                lines.append(f"{'  ' * depth}[{len(child.key)}] {head}{more}   lock={child.lock_ref} t={child.last_access}")
+                lines.append(
+                    f"{'  ' * depth}[{len(child.key)}] {head}{more}   lock={child.lock_ref} t={child.last_access}"
+                )
                 rec(child, depth + 1)
 
         for salt, root in self.roots.items():
@@ -498,8 +605,10 @@ class RadixCache(SequenceTables):
     def _check_prompt(self, token_ids: Sequence[int], scope: TenantScope) -> list[int]:
         tokens = check_prompt(token_ids, scope)
         if scope.salt is not None and scope.public_tokens:
-            raise ValueError("the radix cache keeps each salt in its own tree: a public prefix cannot be shared "
-                             "across salts (the block manager can)")
+            raise ValueError(
+                "the radix cache keeps each salt in its own tree: a public prefix cannot be shared "
+                "across salts (the block manager can)"
+            )
         return tokens
 
     def can_allocate(self, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE) -> RadixPlan:
@@ -509,23 +618,52 @@ class RadixCache(SequenceTables):
         m, unlocked = 0, 0
         root = self.roots.get(scope.salt)
         if self.enable_caching and root is not None:
-            m, _, _, visited = self._walk(root, tokens, (n - 1) // size * size, split=False, touch=False)
-            unlocked = sum(c // size for v, c in visited if v.lock_ref == 0)  # locking them takes them off the table
+            m, _, _, visited = self._walk(
+                root, tokens, (n - 1) // size * size, split=False, touch=False
+            )
+            # locking them takes them off the table
+            unlocked = sum(c // size for v, c in visited if v.lock_ref == 0)
         available = len(self.free_pages) + self.evictable_pages - unlocked
-        return RadixPlan(tuple(tokens), scope, m, cdiv(n, size) - m // size, available, self.clock, self._plan_token)
+        return RadixPlan(
+            tuple(tokens),
+            scope,
+            m,
+            cdiv(n, size) - m // size,
+            available,
+            self.clock,
+            self._plan_token,
+        )
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, *,
-                 plan: RadixPlan | None = None, preempted: bool = False) -> int:
+    def allocate(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        scope: TenantScope = NO_SCOPE,
+        *,
+        plan: RadixPlan | None = None,
+        preempted: bool = False,
+    ) -> int:
         """Give a new sequence its pages, reusing the longest cached prefix (< n tokens); return cached tokens."""
         self._check_new(seq_id)
-        if plan is not None and (not isinstance(plan, RadixPlan) or plan.owner is not self._plan_token):
-            raise ValueError("this plan was not made by this cache's can_allocate (plans do not travel between "
-                             "caches: another tree's pages are not this one's)")
-        if plan is None or plan.clock != self.clock or plan.scope != scope or plan.tokens != tuple(token_ids):
+        if plan is not None and (
+            not isinstance(plan, RadixPlan) or plan.owner is not self._plan_token
+        ):
+            raise ValueError(
+                "this plan was not made by this cache's can_allocate (plans do not travel between "
+                "caches: another tree's pages are not this one's)"
+            )
+        if (
+            plan is None
+            or plan.clock != self.clock
+            or plan.scope != scope
+            or plan.tokens != tuple(token_ids)
+        ):
             plan = self.can_allocate(token_ids, scope)
         if not plan:
-            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {plan.pages_needed} pages, "
-                                    f"{plan.pages_available} of {self.num_pages} can be had")
+            raise NoFreeBlocksError(
+                f"sequence {seq_id!r} needs {plan.pages_needed} pages, "
+                f"{plan.pages_available} of {self.num_pages} can be had"
+            )
         tokens, size = list(plan.tokens), self.page_size
         n, salt, tenant = len(tokens), scope.salt, scope.label
         cap = (n - 1) // size * size
@@ -534,7 +672,9 @@ class RadixCache(SequenceTables):
         m, hits, node = 0, [], root
         if self.enable_caching:
             m, hits, node, visited = self._walk(root, tokens, cap, split=True, touch=True)
-            self.metrics.cross_tenant_hits += sum(len(v.pages) for v, _ in visited if v.tenant != tenant)
+            self.metrics.cross_tenant_hits += sum(
+                len(v.pages) for v, _ in visited if v.tenant != tenant
+            )
             seen = max(m, min(self._history_match(salt, tokens, cap), cap))
             misses = {"short": n - cap, "no_prefix": cap - seen, "evicted": seen - m}
         else:
@@ -542,7 +682,8 @@ class RadixCache(SequenceTables):
         self._lock(node)
         try:
             new = self._take(cdiv(n, size) - len(hits))
-        except NoFreeBlocksError:  # cannot happen with a current plan; never leave the path locked
+        # cannot happen with a current plan; never leave the path locked
+        except NoFreeBlocksError:
             self._unlock(node)
             raise
         seq = RadixSeq(seq_id, tokens, hits + new, salt, tenant, m, private=set(new), node=node)
@@ -557,9 +698,14 @@ class RadixCache(SequenceTables):
     def _adopt(self, seq: RadixSeq, length: int) -> tuple[int, list[int]]:
         """Insert the sequence's first ``length`` tokens with its pages; lock the new path instead of the old."""
         size = self.page_size
-        k, existing, last = self._insert(self._root(seq.salt), seq.token_ids[:length], seq.block_table[: length // size],
-                                         seq.tenant)
-        seq.private.difference_update(seq.block_table[k // size: length // size])  # now the tree's
+        k, existing, last = self._insert(
+            self._root(seq.salt),
+            seq.token_ids[:length],
+            seq.block_table[: length // size],
+            seq.tenant,
+        )
+        # now the tree's
+        seq.private.difference_update(seq.block_table[k // size : length // size])
         self._history_insert(seq.salt, seq.token_ids[:length])
         if last is not seq.node:
             self._lock(last)
@@ -600,10 +746,14 @@ class RadixCache(SequenceTables):
         size, n = self.page_size, len(parent.token_ids)
         length, tail = n // size * size, n % size != 0
         if tail:
-            _, _, _, visited = self._walk(self._root(parent.salt), parent.token_ids, length, split=False, touch=False)
+            _, _, _, visited = self._walk(
+                self._root(parent.salt), parent.token_ids, length, split=False, touch=False
+            )
             unlocked = sum(c // size for v, c in visited if v.lock_ref == 0)
             if len(self.free_pages) + self.evictable_pages - unlocked < 1:
-                raise NoFreeBlocksError(f"forking {parent_id!r} needs a page for its partial last page; none can be had")
+                raise NoFreeBlocksError(
+                    f"forking {parent_id!r} needs a page for its partial last page; none can be had"
+                )
         self.clock += 1
         k, existing = self._adopt(parent, length)
         for i in range(k // size):
@@ -612,8 +762,16 @@ class RadixCache(SequenceTables):
                 parent.private.discard(page)
                 self.free_pages.append(page)
                 parent.block_table[i] = existing[i]
-        child = RadixSeq(child_id, list(parent.token_ids), parent.block_table[: length // size], parent.salt,
-                         parent.tenant, parent.num_cached_tokens, private=set(), node=parent.node)
+        child = RadixSeq(
+            child_id,
+            list(parent.token_ids),
+            parent.block_table[: length // size],
+            parent.salt,
+            parent.tenant,
+            parent.num_cached_tokens,
+            private=set(),
+            node=parent.node,
+        )
         self._lock(parent.node)
         if tail:
             (copy,) = self._take(1)
@@ -635,17 +793,21 @@ class RadixCache(SequenceTables):
         cut = None
         if uncache_from is not None:
             if type(uncache_from) is not int or not 0 <= uncache_from <= len(seq.token_ids):
-                raise ValueError(f"uncache_from must be an int in [0, {len(seq.token_ids)}], got {uncache_from!r}")
+                raise ValueError(
+                    f"uncache_from must be an int in [0, {len(seq.token_ids)}], got {uncache_from!r}"
+                )
             cut = self._uncache_point(seq, uncache_from)
         self.clock += 1
         if cut is not None:
             self._unlock(seq.node)
             node, offset = cut
             if offset:
-                self._split(node, offset)  # node keeps the part from the cut on
+                # node keeps the part from the cut on
+                self._split(node, offset)
             self._detach(node, evicted=False)
         elif uncache_from is None and self.enable_caching:
-            self._adopt(seq, len(seq.token_ids) // size * size)  # cache_finished_req; its duplicates stay private
+            # cache_finished_req; its duplicates stay private
+            self._adopt(seq, len(seq.token_ids) // size * size)
             self._unlock(seq.node)
         else:
             self._unlock(seq.node)
@@ -656,8 +818,14 @@ class RadixCache(SequenceTables):
         """Where the tree pages this sequence contributed from ``position`` on start: (node, offset in its edge)."""
         size = self.page_size
         path_pages = seq.node.path()[1]
-        first = next((i for i in range(position // size, len(path_pages))
-                      if seq.block_table[i] == path_pages[i] and seq.block_table[i] not in seq.private), None)
+        first = next(
+            (
+                i
+                for i in range(position // size, len(path_pages))
+                if seq.block_table[i] == path_pages[i] and seq.block_table[i] not in seq.private
+            ),
+            None,
+        )
         if first is None:
             return None
         node, depth = seq.node, len(seq.node.path()[0])
@@ -665,8 +833,10 @@ class RadixCache(SequenceTables):
             depth -= len(node.key)
             node = node.parent
         if node.lock_ref != 1:
-            raise ValueError(f"page {seq.block_table[first]} (positions from {first * size} on) is still used by "
-                             "another sequence: free that sequence first")
+            raise ValueError(
+                f"page {seq.block_table[first]} (positions from {first * size} on) is still used by "
+                "another sequence: free that sequence first"
+            )
         return node, first * size - (depth - len(node.key))
 
     # --- invariants -------------------------------------------------------------------------------------
@@ -675,7 +845,10 @@ class RadixCache(SequenceTables):
         size, owner = self.page_size, {}
 
         def claim(page: int, who: str) -> None:
-            check(type(page) is int and 0 <= page < self.num_pages, f"{who}: {page!r} is not a page of the pool")
+            check(
+                type(page) is int and 0 <= page < self.num_pages,
+                f"{who}: {page!r} is not a page of the pool",
+            )
             check(page not in owner, f"page {page} owned by {owner.get(page)} and by {who}")
             owner[page] = who
 
@@ -684,24 +857,34 @@ class RadixCache(SequenceTables):
         seq_locks = Counter(s.node for s in self.seqs.values())
         leaves, tree_pages, evictable = set(), 0, 0
         for salt, root in self.roots.items():
-            check(root.parent is None and not root.key and not root.pages and root.salt == salt,
-                  f"root of salt {salt!r} is malformed")
+            check(
+                root.parent is None and not root.key and not root.pages and root.salt == salt,
+                f"root of salt {salt!r} is malformed",
+            )
             for node in self._subtree(root):
                 below = 0
                 for ck, child in node.children.items():
                     check(child.parent is node, f"{child!r} does not point back to its parent")
                     check(ck == self._ck(child.key), f"{child!r} is filed under the wrong key")
                     check(child.salt == salt, f"{child!r} hangs under another salt's root")
-                    check(node is root or child.last_access <= node.last_access,
-                          f"{child!r} was used more recently than its parent (LRU would evict the parent first)")
+                    check(
+                        node is root or child.last_access <= node.last_access,
+                        f"{child!r} was used more recently than its parent (LRU would evict the parent first)",
+                    )
                     below += child.lock_ref
                 if node is root:
                     continue
-                check(len(node.key) > 0 and len(node.key) % size == 0 and len(node.pages) == len(node.key) // size,
-                      f"{node!r}: an edge must be whole pages with one physical page each")
-                check(node.lock_ref == seq_locks[node] + self._ext_locks[node] + below,
-                      f"{node!r}: lock_ref {node.lock_ref} but {seq_locks[node]} sequences, "
-                      f"{self._ext_locks[node]} lock() calls and {below} from below")
+                check(
+                    len(node.key) > 0
+                    and len(node.key) % size == 0
+                    and len(node.pages) == len(node.key) // size,
+                    f"{node!r}: an edge must be whole pages with one physical page each",
+                )
+                check(
+                    node.lock_ref == seq_locks[node] + self._ext_locks[node] + below,
+                    f"{node!r}: lock_ref {node.lock_ref} but {seq_locks[node]} sequences, "
+                    f"{self._ext_locks[node]} lock() calls and {below} from below",
+                )
                 for page in node.pages:
                     claim(page, f"tree node #{node.node_id}")
                 tree_pages += len(node.pages)
@@ -709,26 +892,53 @@ class RadixCache(SequenceTables):
                     evictable += len(node.pages)
                     if not node.children:
                         leaves.add(node)
-        check(tree_pages == self.tree_pages, f"tree holds {tree_pages} pages, counted {self.tree_pages}")
-        check(evictable == self.evictable_pages, f"{evictable} evictable pages, counted {self.evictable_pages}")
+        check(
+            tree_pages == self.tree_pages,
+            f"tree holds {tree_pages} pages, counted {self.tree_pages}",
+        )
+        check(
+            evictable == self.evictable_pages,
+            f"{evictable} evictable pages, counted {self.evictable_pages}",
+        )
         check(leaves == self._leaves, "the evictable-leaf set is stale")
         for node in self._ext_locks:
-            check(self.roots.get(node.salt) is node.root(), f"lock() holds {node!r}, which left the tree")
+            check(
+                self.roots.get(node.salt) is node.root(),
+                f"lock() holds {node!r}, which left the tree",
+            )
         for seq in self.seqs.values():
             n = len(seq.token_ids)
-            check(len(seq.block_table) == cdiv(n, size), f"sequence {seq.seq_id!r}: {len(seq.block_table)} pages for {n} tokens")
-            check(self.roots.get(seq.salt) is seq.node.root(), f"sequence {seq.seq_id!r} locks a node outside its salt's tree")
+            check(
+                len(seq.block_table) == cdiv(n, size),
+                f"sequence {seq.seq_id!r}: {len(seq.block_table)} pages for {n} tokens",
+            )
+            check(
+                self.roots.get(seq.salt) is seq.node.root(),
+                f"sequence {seq.seq_id!r} locks a node outside its salt's tree",
+            )
             path_tokens, path_pages = seq.node.path()
-            check(path_tokens == seq.token_ids[: len(path_tokens)],
-                  f"sequence {seq.seq_id!r} locks a path that spells other tokens than its own")
-            check(seq.private <= set(seq.block_table), f"sequence {seq.seq_id!r} owns pages outside its table")
+            check(
+                path_tokens == seq.token_ids[: len(path_tokens)],
+                f"sequence {seq.seq_id!r} locks a path that spells other tokens than its own",
+            )
+            check(
+                seq.private <= set(seq.block_table),
+                f"sequence {seq.seq_id!r} owns pages outside its table",
+            )
             for i, page in enumerate(seq.block_table):
                 if page in seq.private:
                     claim(page, f"sequence {seq.seq_id!r}")
                 else:
-                    check(i < len(path_pages) and path_pages[i] == page,
-                          f"sequence {seq.seq_id!r}: page {i} is neither its own nor on its locked path")
+                    check(
+                        i < len(path_pages) and path_pages[i] == page,
+                        f"sequence {seq.seq_id!r}: page {i} is neither its own nor on its locked path",
+                    )
             if seq.pending_cow is not None:
-                check(seq.pending_cow[1] == seq.block_table[-1] and seq.pending_cow[1] in seq.private,
-                      f"sequence {seq.seq_id!r}: its pending copy is not its own last page")
-        check(len(owner) == self.num_pages, f"{self.num_pages - len(owner)} pages are neither free, cached nor held (leak)")
+                check(
+                    seq.pending_cow[1] == seq.block_table[-1] and seq.pending_cow[1] in seq.private,
+                    f"sequence {seq.seq_id!r}: its pending copy is not its own last page",
+                )
+        check(
+            len(owner) == self.num_pages,
+            f"{self.num_pages - len(owner)} pages are neither free, cached nor held (leak)",
+        )

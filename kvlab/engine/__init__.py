@@ -16,9 +16,15 @@ Importing the package loads no torch: the names below load on first use, so ``kv
 import importlib
 
 _LAZY = {
-    "Engine": "engine", "RequestOutput": "engine", "StepRecord": "engine", "UnknownRequestError": "engine",
+    "Engine": "engine",
+    "RequestOutput": "engine",
+    "StepRecord": "engine",
+    "UnknownRequestError": "engine",
     "EngineConfig": "config",
-    "load_model": "models", "random_model": "models", "resolve_device": "models", "seed_everything": "models",
+    "load_model": "models",
+    "random_model": "models",
+    "resolve_device": "models",
+    "seed_everything": "models",
     "SamplingParams": "sampling_params",
 }
 

@@ -17,7 +17,9 @@ def _check_int(name: str, value: object, low: int, optional: bool = False) -> No
     if optional and value is None:
         return
     if type(value) is not int or value < low:
-        raise ValueError(f"{name} must be an int >= {low}{' or None' if optional else ''}, got {value!r}")
+        raise ValueError(
+            f"{name} must be an int >= {low}{' or None' if optional else ''}, got {value!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,8 @@ class EngineConfig:
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - names)
         if unknown:
-            raise TypeError(f"unknown engine setting(s) {', '.join(map(repr, unknown))}: "
-                            f"EngineConfig has {', '.join(sorted(names))}")
+            raise TypeError(
+                f"unknown engine setting(s) {', '.join(map(repr, unknown))}: "
+                f"EngineConfig has {', '.join(sorted(names))}"
+            )
         return dataclasses.replace(self, **overrides) if overrides else self

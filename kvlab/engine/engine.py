@@ -25,8 +25,15 @@ from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Request
 from .tenants import check_secret
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "StepRecord", "UnknownRequestError",
-           "default_positions"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "StepRecord",
+    "UnknownRequestError",
+    "default_positions",
+]
 
 
 def _config_eos(model: Any) -> set[int]:
@@ -59,10 +66,12 @@ class StepRecord:
 
 def _locked(method):
     """Run ``method`` holding the engine's lock (re-entrant: ``generate`` calls ``add_request`` and ``step``)."""
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
+
     return wrapper
 
 
@@ -75,13 +84,18 @@ class RequestOutput:
     output_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", "error"
-    num_cached_tokens: int  # prompt tokens served from the prefix cache (first admission)
+    # "stop", "length", "abort", "error"
+    finish_reason: str | None
+    # prompt tokens served from the prefix cache (first admission)
+    num_cached_tokens: int
     num_preemptions: int = 0
-    ttft: float | None = None  # arrival -> first token
-    latency: float | None = None  # arrival -> finished
+    # arrival -> first token
+    ttft: float | None = None
+    # arrival -> finished
+    latency: float | None = None
     error: str | None = None
-    num_restored_tokens: int = 0  # of num_cached_tokens: copied back from the host tier (evicted or fetched)
+    # of num_cached_tokens: copied back from the host tier (evicted or fetched)
+    num_restored_tokens: int = 0
 
     @classmethod
     def refused(cls, prompt: Any, error: Exception) -> RequestOutput:
@@ -93,10 +107,20 @@ class RequestOutput:
     def of(cls, seq: Request, text: str) -> RequestOutput:
         """The output of ``seq`` now (finished or not), with ``text`` its decoded output."""
         t0, first, done = seq.arrival_time, seq.first_token_time, seq.finish_time
-        return cls(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), text, seq.is_finished,
-                   seq.finish_reason, seq.num_cached_tokens or 0, seq.num_preemptions,
-                   None if first is None else first - t0, None if done is None else done - t0, seq.error,
-                   seq.num_restored_tokens or 0)
+        return cls(
+            seq.request_id,
+            list(seq.prompt_ids),
+            list(seq.output_ids),
+            text,
+            seq.is_finished,
+            seq.finish_reason,
+            seq.num_cached_tokens or 0,
+            seq.num_preemptions,
+            None if first is None else first - t0,
+            None if done is None else done - t0,
+            seq.error,
+            seq.num_restored_tokens or 0,
+        )
 
 
 class KVEventLog:
@@ -122,10 +146,17 @@ class KVEventLog:
 class Engine:
     """Paged K/V store + block manager + scheduler around one Hugging Face causal LM."""
 
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None, *,
-                 cache: str | CacheManager | None = None,
-                 positions: Callable[[ScheduledSeq], range] = default_positions,
-                 observers: Iterable[Callable[[StepRecord], None]] = (), **overrides: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig | None = None,
+        *,
+        cache: str | CacheManager | None = None,
+        positions: Callable[[ScheduledSeq], range] = default_positions,
+        observers: Iterable[Callable[[StepRecord], None]] = (),
+        **overrides: Any,
+    ) -> None:
         """Build the cache, K/V store, scheduler and runner around ``model``.
 
         ``config`` (default ``EngineConfig()``) with ``overrides`` (its field names, e.g. ``num_blocks=64``)
@@ -143,18 +174,29 @@ class Engine:
         if cache is None or isinstance(cache, str):
             num_blocks = cfg.num_blocks
             if num_blocks is None and cfg.kv_cache_bytes is not None:
-                num_blocks = PagedKVStore.blocks_for_bytes(model, cfg.kv_cache_bytes, cfg.block_size)
+                num_blocks = PagedKVStore.blocks_for_bytes(
+                    model, cfg.kv_cache_bytes, cfg.block_size
+                )
             fingerprint = model_fingerprint(model, tokenizer, every_weight=False)
             self.block_manager: CacheManager = make_cache_manager(
-                cfg.cache, 512 if num_blocks is None else num_blocks, cfg.block_size, cfg.page_size,
-                cfg.isolation, fingerprint, cfg.enable_prefix_caching, cfg.enable_kv_events)
+                cfg.cache,
+                512 if num_blocks is None else num_blocks,
+                cfg.block_size,
+                cfg.page_size,
+                cfg.isolation,
+                fingerprint,
+                cfg.enable_prefix_caching,
+                cfg.enable_kv_events,
+            )
         else:
             self.block_manager = adopt_cache(cache, cfg.num_blocks, cfg.kv_cache_bytes)
         bm = self.block_manager
         self.store = PagedKVStore.for_model(model, bm.num_blocks, bm.block_size)
         self.host_tier = None
         if cfg.host_tier_bytes is not None:
-            self.host_tier = HostOffload(self.store, bm, cfg.host_tier_bytes, offload=cfg.offload_evicted)
+            self.host_tier = HostOffload(
+                self.store, bm, cfg.host_tier_bytes, offload=cfg.offload_evicted
+            )
         self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
@@ -174,8 +216,16 @@ class Engine:
         self.runner = ModelRunner(model, self.store)
         # None -> a random secret for this engine
         secret = check_secret(cfg.secret)
-        self.intake = Intake(tokenizer, model.config.vocab_size, self.max_model_len,
-                             self.scheduler.check_fits, self.isolation, secret, self.device, cfg.seed)
+        self.intake = Intake(
+            tokenizer,
+            model.config.vocab_size,
+            self.max_model_len,
+            self.scheduler.check_fits,
+            self.isolation,
+            secret,
+            self.device,
+            cfg.seed,
+        )
 
     def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
         """Call ``observer(record)`` once per step from now on, after the forward (a ``StepRecord``)."""
@@ -183,7 +233,8 @@ class Engine:
 
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
-        ids = self.intake.check_prefix(prefix)  # tokenized before the lock, as in add_request
+        # tokenized before the lock, as in add_request
+        ids = self.intake.check_prefix(prefix)
         with self._lock:
             return self.intake.add_public_prefix(ids)
 
@@ -191,9 +242,16 @@ class Engine:
         """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
         return self.intake.salt_for(tenant)
 
-    def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
-                    request_id: Hashable | None = None, tenant: str | None = None, *, cache_salt: str | None = None,
-                    unsafe_salt: str | None = None) -> Hashable:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        request_id: Hashable | None = None,
+        tenant: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        unsafe_salt: str | None = None,
+    ) -> Hashable:
         """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing.
 
         ``cache_salt`` (vLLM's request field) splits the tenant's cache further: the engine derives the salt
@@ -220,29 +278,43 @@ class Engine:
         return self._output(seq)
 
     @_locked
-    def fork(self, request_id: Hashable, child_id: Hashable | None = None,
-             sampling: SamplingParams | None = None, *, tenant: str | None = None) -> Hashable:
+    def fork(
+        self,
+        request_id: Hashable,
+        child_id: Hashable | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> Hashable:
         """Continue a running request of ``tenant`` as two sharing every block; a refused fork changes nothing."""
         parent = self._get(request_id, tenant)
         sampling = check_sampling(parent.sampling if sampling is None else sampling)
         self.scheduler.check_fork(parent)
         seq_id, child_id = self.intake.new_ids(child_id, self.requests)
-        child = parent.forked(seq_id, child_id, sampling, self.intake.generator(sampling))  # drawn after every check
+        # drawn after every check
+        child = parent.forked(seq_id, child_id, sampling, self.intake.generator(sampling))
         self.scheduler.fork(parent, child)
         self.requests[child_id] = child
         return child_id
 
     def _get(self, request_id: Hashable, tenant: str | None = None) -> Request:
         seq = self.requests.get(request_id)
-        if seq is None or seq.tenant != tenant:  # another tenant's request looks like an unknown one
+        # another tenant's request looks like an unknown one
+        if seq is None or seq.tenant != tenant:
             who = "" if tenant is None else f" of tenant {tenant!r}"
-            raise UnknownRequestError(f"unknown request id {request_id!r}{who} (never added, already finished, "
-                                      "or added with another tenant)")
+            raise UnknownRequestError(
+                f"unknown request id {request_id!r}{who} (never added, already finished, "
+                "or added with another tenant)"
+            )
         return seq
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of generated ids (special tokens dropped); empty without a tokenizer."""
-        return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return (
+            ""
+            if self.tokenizer is None
+            else self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        )
 
     @_locked
     def has_unfinished(self) -> bool:
@@ -253,8 +325,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward, sample a token per sequence; return what finished (and pending outputs)."""
         sched = self.scheduler.schedule()
-        finished = self._run(sched) if sched.items else []  # empty only when a lone sequence preempted itself
-        if not self.scheduler.has_unfinished():  # idle: the model is HF's own again (ModelRunner.detach)
+        # empty only when a lone sequence preempted itself
+        finished = self._run(sched) if sched.items else []
+        # idle: the model is HF's own again (ModelRunner.detach)
+        if not self.scheduler.has_unfinished():
             self.runner.detach()
         if self.debug:
             self.check_invariants()
@@ -270,7 +344,8 @@ class Engine:
     @_locked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused, False, while a request holds blocks); emits ``AllBlocksCleared``."""
-        return self.block_manager.reset_prefix_cache()  # the radix cache raises NotImplementedError
+        # the radix cache raises NotImplementedError
+        return self.block_manager.reset_prefix_cache()
 
     def _run(self, sched: SchedulerOutput) -> list[Request]:
         items = sched.items
@@ -313,12 +388,21 @@ class Engine:
         """At a sequence's first admission: how many of its cached tokens the host tier copied back."""
         for it in items:
             if it.is_prefill and it.seq.num_restored_tokens is None:
-                it.seq.num_restored_tokens = self.block_manager.seqs[it.seq.seq_id].num_restored_tokens
+                it.seq.num_restored_tokens = self.block_manager.seqs[
+                    it.seq.seq_id
+                ].num_restored_tokens
 
-    def _observe(self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range],
-                 tokens: list[int | None]) -> None:
+    def _observe(
+        self,
+        items: list[ScheduledSeq],
+        tables: list[list[int]],
+        positions: list[range],
+        tokens: list[int | None],
+    ) -> None:
         spans = tuple((it.seq.request_id, it.start, it.end, it.is_prefill) for it in items)
-        record = StepRecord(self.num_steps, spans, tuple(map(tuple, tables)), tuple(positions), tuple(tokens))
+        record = StepRecord(
+            self.num_steps, spans, tuple(map(tuple, tables)), tuple(positions), tuple(tokens)
+        )
         for observer in self.observers:
             observer(record)
 
@@ -331,7 +415,9 @@ class Engine:
             self._finish(seq, reason, now)
             finished.append(seq)
 
-    def _finish(self, seq: Request, reason: str, now: float | None = None, uncache_from: int | None = None) -> None:
+    def _finish(
+        self, seq: Request, reason: str, now: float | None = None, uncache_from: int | None = None
+    ) -> None:
         self.scheduler.finish(seq, reason, uncache_from)
         seq.finish_time = time.perf_counter() if now is None else now
         del self.requests[seq.request_id]
@@ -339,22 +425,31 @@ class Engine:
     def _output(self, seq: Request) -> RequestOutput:
         return RequestOutput.of(seq, self.decode(seq.output_ids))
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 tenants: Sequence[str | None] | None = None, *, cache_salts: Sequence[str | None] | None = None,
-                 unsafe_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        tenants: Sequence[str | None] | None = None,
+        *,
+        cache_salts: Sequence[str | None] | None = None,
+        unsafe_salts: Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
         """Submit a list of prompts, step until they finish; outputs in prompt order (a refused one: ``"error"``).
 
         ``tenants``, ``cache_salts`` and ``unsafe_salts``: one per prompt, as ``add_request``'s keywords.
         """
         batch = per_prompt(prompts, sampling, tenants, cache_salts, unsafe_salts)
-        results: dict[int, RequestOutput] = {}  # the outputs of refused prompts
-        own: dict[int, Request] = {}  # this call's requests
+        # the outputs of refused prompts
+        results: dict[int, RequestOutput] = {}
+        # this call's requests
+        own: dict[int, Request] = {}
         try:
             for i, (prompt, sp, tenant, cache_salt, unsafe_salt) in enumerate(batch):
                 try:
                     # tokenized without the lock
                     checked = self.intake.check(prompt, sp, tenant, cache_salt, unsafe_salt)
-                    with self._lock:  # held from the queueing to the claim: no other step() can return its output
+                    # held from the queueing to the claim: no other step() can return its output
+                    with self._lock:
                         seq = self._queue(checked, None)
                         self._held.add(seq.seq_id)
                     own[i] = seq
@@ -364,9 +459,11 @@ class Engine:
                 with self._lock:
                     if all(seq.is_finished for seq in own.values()):
                         break
-                    self._pending = self.step()  # others' outputs (and earlier pending ones): for the next step()
+                    # others' outputs (and earlier pending ones): for the next step()
+                    self._pending = self.step()
         except BaseException:
-            with self._lock:  # this call returns nothing: hand what finished to the next step() instead
+            # this call returns nothing: hand what finished to the next step() instead
+            with self._lock:
                 self._pending.extend(self._output(seq) for seq in own.values() if seq.is_finished)
             raise
         finally:
@@ -377,7 +474,9 @@ class Engine:
     @property
     def kv_bytes_in_use(self) -> int:
         """K/V bytes of the blocks referenced by live sequences now."""
-        return (self.block_manager.num_blocks - self.block_manager.num_free_blocks) * self.store.bytes_per_block
+        return (
+            self.block_manager.num_blocks - self.block_manager.num_free_blocks
+        ) * self.store.bytes_per_block
 
     @property
     def num_preemptions(self) -> int:
@@ -387,16 +486,24 @@ class Engine:
     @_locked
     def stats(self) -> dict:
         """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps, block-manager stats."""
-        return {**self.block_manager.stats(), "kv_bytes_in_use": self.kv_bytes_in_use,
-                "peak_kv_bytes": self.peak_kv_bytes, "kv_bytes_total": self.store.nbytes,
-                "num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
-                "num_mixed_steps": self.num_mixed_steps,
-                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
-                **(self.host_tier.stats() if self.host_tier is not None else {})}
+        return {
+            **self.block_manager.stats(),
+            "kv_bytes_in_use": self.kv_bytes_in_use,
+            "peak_kv_bytes": self.peak_kv_bytes,
+            "kv_bytes_total": self.store.nbytes,
+            "num_preemptions": self.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_mixed_steps": self.num_mixed_steps,
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
+        }
 
     @_locked
     def check_invariants(self) -> None:
         """Raise unless the block manager, the queues and the request table agree (``Scheduler.check_invariants``)."""
         self.scheduler.check_invariants()
-        live = {s.request_id for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)}
+        live = {
+            s.request_id for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)
+        }
         check(live == set(self.requests), "the engine's request table and the queues disagree")

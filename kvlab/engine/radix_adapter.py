@@ -22,39 +22,66 @@ class RadixCacheManager(RadixCache):
         raise NotImplementedError("reset_prefix_cache needs cache='blocks'")
 
 
-def make_cache_manager(cache: str, num_blocks: int, block_size: int, page_size: int, isolation: str,
-                       model_fingerprint: str = "", enable_caching: bool = True,
-                       enable_kv_events: bool = False) -> BlockManager | RadixCacheManager:
+def make_cache_manager(
+    cache: str,
+    num_blocks: int,
+    block_size: int,
+    page_size: int,
+    isolation: str,
+    model_fingerprint: str = "",
+    enable_caching: bool = True,
+    enable_kv_events: bool = False,
+) -> BlockManager | RadixCacheManager:
     """The engine's cache manager: ``BlockManager(num_blocks, block_size)`` or a radix tree of the same slots."""
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     if cache == "blocks":
-        return BlockManager(num_blocks, block_size, model_fingerprint=model_fingerprint, enable_caching=enable_caching,
-                            enable_kv_events=enable_kv_events)
+        return BlockManager(
+            num_blocks,
+            block_size,
+            model_fingerprint=model_fingerprint,
+            enable_caching=enable_caching,
+            enable_kv_events=enable_kv_events,
+        )
     if enable_kv_events:
-        raise ValueError("KV events (vLLM's schema) describe hash blocks: use cache='blocks' with enable_kv_events=True")
+        raise ValueError(
+            "KV events (vLLM's schema) describe hash blocks: use cache='blocks' with enable_kv_events=True"
+        )
     if type(page_size) is not int or page_size <= 0:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if isolation == "public-prefix":  # each salt has a root of its own: a public prefix cannot be shared
-        raise ValueError("the radix cache keeps each tenant's salt in its own tree and cannot share a public "
-                         "prefix across tenants: use cache='blocks' with isolation='public-prefix'")
+    # each salt has a root of its own: a public prefix cannot be shared
+    if isolation == "public-prefix":
+        raise ValueError(
+            "the radix cache keeps each tenant's salt in its own tree and cannot share a public "
+            "prefix across tenants: use cache='blocks' with isolation='public-prefix'"
+        )
     slots = num_blocks * block_size
     if slots < page_size:
-        raise ValueError(f"{num_blocks} blocks of {block_size} slots hold no page of {page_size} slots")
-    return RadixCacheManager(slots // page_size, page_size, model_fingerprint=model_fingerprint,
-                             enable_caching=enable_caching)
+        raise ValueError(
+            f"{num_blocks} blocks of {block_size} slots hold no page of {page_size} slots"
+        )
+    return RadixCacheManager(
+        slots // page_size,
+        page_size,
+        model_fingerprint=model_fingerprint,
+        enable_caching=enable_caching,
+    )
 
 
 def adopt_cache(cache: object, num_blocks: int | None, kv_cache_bytes: int | None) -> CacheManager:
     """A caller's own cache for ``Engine(cache=obj)``: a ``CacheManager`` (else ``TypeError``), empty, sized."""
     check_cache(cache)
     if num_blocks is not None or kv_cache_bytes is not None:
-        raise ValueError("a cache object brings its own size: leave num_blocks and kv_cache_bytes unset "
-                         f"(it has {cache.num_blocks} blocks of {cache.block_size} slots)")
+        raise ValueError(
+            "a cache object brings its own size: leave num_blocks and kv_cache_bytes unset "
+            f"(it has {cache.num_blocks} blocks of {cache.block_size} slots)"
+        )
     for name in ("num_blocks", "block_size"):
         value = getattr(cache, name)
         if type(value) is not int or value <= 0:
             raise ValueError(f"the cache's {name} must be a positive int, got {value!r}")
     if len(cache.seqs):
-        raise ValueError(f"the cache already holds {len(cache.seqs)} sequences: give each engine a fresh cache")
+        raise ValueError(
+            f"the cache already holds {len(cache.seqs)} sequences: give each engine a fresh cache"
+        )
     return cache

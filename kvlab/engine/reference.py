@@ -14,9 +14,17 @@ from .models import encode, eos_ids, model_device_dtype
 
 
 @torch.no_grad()
-def hf_generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], max_new_tokens: int = 32,
-                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int | None = None) -> list[int]:
+def hf_generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    max_new_tokens: int = 32,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+) -> list[int]:
     """The reference: transformers' own ``model.generate`` on the same ids, new tokens only."""
     device, _ = model_device_dtype(model)
     ids = torch.tensor([encode(tokenizer, prompt)], device=device)
@@ -24,23 +32,42 @@ def hf_generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], max_new
     if do_sample:
         torch.manual_seed(0 if seed is None else seed)
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         eos_token_id=sorted(eos_ids(model, tokenizer)), pad_token_id=tokenizer.pad_token_id,
-                         **kwargs)
-    return out[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(eos_ids(model, tokenizer)),
+        pad_token_id=tokenizer.pad_token_id,
+        **kwargs,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 @torch.no_grad()
-def hf_generate_with_logits(model: Any, tokenizer: Any, prompt: str | Sequence[int], max_new_tokens: int = 32,
-                            **sampling: Any) -> tuple[list[int], list[torch.Tensor]]:
+def hf_generate_with_logits(
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    max_new_tokens: int = 32,
+    **sampling: Any,
+) -> tuple[list[int], list[torch.Tensor]]:
     """``hf_generate`` that also returns the raw (vocab,) logits of every step, before any warper."""
     device, _ = model_device_dtype(model)
-    ids = torch.tensor([encode(tokenizer, prompt)], device=device)  # (1, T)
+    # (1, T)
+    ids = torch.tensor([encode(tokenizer, prompt)], device=device)
     do_sample = sampling.pop("do_sample", False)
     seed = sampling.pop("seed", None)
     if do_sample:
         torch.manual_seed(0 if seed is None else seed)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         eos_token_id=sorted(eos_ids(model, tokenizer)), pad_token_id=tokenizer.pad_token_id,
-                         do_sample=do_sample, return_dict_in_generate=True, output_logits=True, **sampling)
-    return out.sequences[0, ids.shape[1]:].tolist(), [step[0].float().cpu() for step in out.logits]
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(eos_ids(model, tokenizer)),
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=do_sample,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **sampling,
+    )
+    return out.sequences[0, ids.shape[1] :].tolist(), [step[0].float().cpu() for step in out.logits]

@@ -10,11 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float = 10000.0, device: torch.device | str | None = None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float = 10000.0, device: torch.device | str | None = None
+) -> torch.Tensor:
     """``theta ** (-2i / head_dim)`` for i = 0 .. head_dim/2 - 1: fast rotation first, slow last. (head_dim/2,)"""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    return 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from .scheduler import ScheduledSeq
 
 __all__ = ["ModelRunner", "describe", "samples"]
 
+
 def describe(e: BaseException) -> str:
     """``"TypeError: message"``: how a failed request's error reads."""
     return f"{type(e).__name__}: {e}"
@@ -43,26 +44,39 @@ class ModelRunner:
         self.device = store.device
         self.name = getattr(model.config, "model_type", None) or type(model).__name__
         if not isinstance(getattr(model.config, "vocab_size", None), int):
-            self._refuse("its config has no int vocab_size (a multimodal wrapper? load its language model alone)")
-        self.own_attention, self.attention = register(model)  # once; switched by attach() / detach()
+            self._refuse(
+                "its config has no int vocab_size (a multimodal wrapper? load its language model alone)"
+            )
+        # once; switched by attach() / detach()
+        self.own_attention, self.attention = register(model)
         try:
             if not self.attach():
-                self._refuse("its attention does not go through transformers' AttentionInterface (transformers "
-                             "cannot switch it), so the paged attention would never run and its K/V never reach "
-                             "the paged store")
-            self.head, self.decoder, self.fast_head = model.get_output_embeddings(), model.base_model, False
-            self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+                self._refuse(
+                    "its attention does not go through transformers' AttentionInterface (transformers "
+                    "cannot switch it), so the paged attention would never run and its K/V never reach "
+                    "the paged store"
+                )
+            self.head, self.decoder = model.get_output_embeddings(), model.base_model
+            self.fast_head = False
+            self.text_config = (
+                model.config.get_text_config()
+                if hasattr(model.config, "get_text_config")
+                else model.config
+            )
             self.head_seam = self._probe()
             self.fast_head = type(self.head) is torch.nn.Linear
         except BaseException:
-            model.set_attn_implementation(self.own_attention)  # also the sub-configs a refused switch changed
+            # also the sub-configs a refused switch changed
+            model.set_attn_implementation(self.own_attention)
             raise
-        self.detach()  # given back until the engine has work
+        # given back until the engine has work
+        self.detach()
 
     def attach(self) -> bool:
         """Switch the model to the paged attention (``set_attn_implementation``) unless it is; whether it is now."""
         if self.model.config._attn_implementation != self.attention:
-            self.model.set_attn_implementation(self.attention)  # a no-op where transformers cannot switch it
+            # a no-op where transformers cannot switch it
+            self.model.set_attn_implementation(self.attention)
         return self.model.config._attn_implementation == self.attention
 
     def detach(self) -> None:
@@ -80,14 +94,22 @@ class ModelRunner:
         batch = build_batch(self.store, [(0, 1, [0])])
         try:
             with paged_step():
-                want = self.model(input_ids=zero, position_ids=zero, use_cache=False, kvlab_batch=batch,
-                                  logits_to_keep=torch.zeros(1, dtype=torch.long, device=self.device)).logits[0]
+                want = self.model(
+                    input_ids=zero,
+                    position_ids=zero,
+                    use_cache=False,
+                    kvlab_batch=batch,
+                    logits_to_keep=torch.zeros(1, dtype=torch.long, device=self.device),
+                ).logits[0]
         except MissingBatchError:
-            self._refuse("its layers do not pass the forward keyword kvlab_batch down to the attention function")
+            self._refuse(
+                "its layers do not pass the forward keyword kvlab_batch down to the attention function"
+            )
         except NotImplementedError as e:
             self._refuse(str(e))
         except torch.OutOfMemoryError:
-            raise  # a full device says nothing about the model: not a refusal
+            # a full device says nothing about the model: not a refusal
+            raise
         # broad on purpose: whatever the model's own forward raises under the paged attention (a shape it does
         # not expect, a keyword it rejects, ...) means kvlab cannot serve it, said by name (NotImplementedError)
         except Exception as e:  # noqa: BLE001
@@ -97,23 +119,37 @@ class ModelRunner:
         layers = self.store.num_layers
         if sorted(batch.layers_run) != list(range(layers)):
             missing = sorted(set(range(layers)) - set(batch.layers_run))
-            self._refuse(f"it never ran for layers {missing} of {layers} (calls: {batch.layers_run}); the model's "
-                         "attention does not go through transformers' AttentionInterface (e.g. ALiBi or custom "
-                         "attention code), so its K/V would never reach the paged store and the outputs would be wrong")
+            self._refuse(
+                f"it never ran for layers {missing} of {layers} (calls: {batch.layers_run}); the model's "
+                "attention does not go through transformers' AttentionInterface (e.g. ALiBi or custom "
+                "attention code), so its K/V would never reach the paged store and the outputs would be wrong"
+            )
         if "position_ids" not in inspect.signature(self.model.forward).parameters:
-            self._refuse("its forward takes no position_ids, so the tokens of a packed step would get positions from "
-                         "their place in the step instead of their place in the sequence")
+            self._refuse(
+                "its forward takes no position_ids, so the tokens of a packed step would get positions from "
+                "their place in the step instead of their place in the sequence"
+            )
         try:
             check_config(self.model.config, dict(zip(batch.layers_run, batch.windows_run)))
         except NotImplementedError as e:
             self._refuse(str(e))
-        try:  # the head seam: the decoder's last hidden state through lm_head() gives exactly the model's logits?
+        # the head seam: the decoder's last hidden state through lm_head() gives exactly the model's logits?
+        try:
             with paged_step():
-                hidden = self.decoder(input_ids=zero, position_ids=zero, use_cache=False,
-                                      kvlab_batch=build_batch(self.store, [(0, 1, [0])]))[0][0]  # (1, hidden)
-                return bool(self.decoder is not self.model and torch.equal(self.lm_head(hidden).float(), want.float()))
+                # (1, hidden)
+                hidden = self.decoder(
+                    input_ids=zero,
+                    position_ids=zero,
+                    use_cache=False,
+                    kvlab_batch=build_batch(self.store, [(0, 1, [0])]),
+                )[0][0]
+                return bool(
+                    self.decoder is not self.model
+                    and torch.equal(self.lm_head(hidden).float(), want.float())
+                )
         except torch.OutOfMemoryError:
-            raise  # a RuntimeError, but no answer about the seam
+            # a RuntimeError, but no answer about the seam
+            raise
         # The decoder's output does not go through the head as the model's own forward does: no seam, every step
         # runs the model's whole forward (its output is no tensor of hidden states, or the head does not take it:
         # torch's shape and dtype errors are RuntimeErrors, e.g. mllama's decoder output vs its head). Anything
@@ -130,21 +166,27 @@ class ModelRunner:
         """
         head = self.head
         if self.fast_head:
-            logits = (head.weight @ hidden.T).T  # (vocab, hidden) @ (hidden, N) -> (N, vocab)
+            # (vocab, hidden) @ (hidden, N) -> (N, vocab)
+            logits = (head.weight @ hidden.T).T
             logits = (logits if head.bias is None else logits + head.bias).contiguous()
         else:
             logits = head(hidden)
         cfg = self.text_config
-        if getattr(cfg, "logit_scale", None) is not None:  # e.g. Cohere
+        # e.g. Cohere
+        if getattr(cfg, "logit_scale", None) is not None:
             logits = logits * cfg.logit_scale
-        if getattr(cfg, "logits_scaling", None) is not None:  # e.g. Granite
+        # e.g. Granite
+        if getattr(cfg, "logits_scaling", None) is not None:
             logits = logits / cfg.logits_scaling
-        cap = getattr(cfg, "final_logit_softcapping", None)  # e.g. Gemma 2
+        # e.g. Gemma 2
+        cap = getattr(cfg, "final_logit_softcapping", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # no autograd graph: it would chain every step through the K/V store and keep it all alive
     @torch.no_grad()
-    def forward(self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range]) -> torch.Tensor:
+    def forward(
+        self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range]
+    ) -> torch.Tensor:
         """One packed forward of the scheduled tokens: the logits of each sampling item's last position.
 
         ``tables[i]`` is item i's block table, ``positions[i]`` the positions of the tokens it computes (what
@@ -155,13 +197,17 @@ class ModelRunner:
         for it, p in zip(items, positions):
             ids.extend(it.seq.token_ids[it.start : it.end])
             pos.extend(p)
-        batch = build_batch(self.store, [(it.start, it.end, table) for it, table in zip(items, tables)])
+        batch = build_batch(
+            self.store, [(it.start, it.end, table) for it, table in zip(items, tables)]
+        )
         ends = itertools.accumulate(it.end - it.start for it in items)
         last = [end - 1 for end, it in zip(ends, items) if samples(it)]
         last = torch.tensor(last, dtype=torch.long, device=self.device)
         kwargs = dict(
-            input_ids=torch.tensor([ids], device=self.device),  # (1, T)
-            position_ids=torch.tensor([pos], device=self.device),  # (1, T)
+            # (1, T)
+            input_ids=torch.tensor([ids], device=self.device),
+            # (1, T)
+            position_ids=torch.tensor([pos], device=self.device),
             use_cache=False,
             kvlab_batch=batch,
         )
@@ -171,8 +217,12 @@ class ModelRunner:
                 return self.lm_head(self.decoder(**kwargs)[0][0, last])
             return self.model(**kwargs, logits_to_keep=last).logits[0]
 
-    def compute(self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range],
-                ) -> tuple[list[int | None], dict[int, str], set[int]]:
+    def compute(
+        self,
+        items: list[ScheduledSeq],
+        tables: list[list[int]],
+        positions: list[range],
+    ) -> tuple[list[int | None], dict[int, str], set[int]]:
         """One token per scheduled item that samples, without letting one request's failure reach the others.
 
         Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` None where item i got no token (a prompt chunk, or
@@ -207,7 +257,8 @@ class ModelRunner:
                 if packed is not None:
                     (logits, top, nan), j = packed, row_of[i]
                 else:
-                    (logits, top, nan), j = _read(self.forward([it], [tables[i]], [positions[i]])), 0
+                    logits, top, nan = _read(self.forward([it], [tables[i]], [positions[i]]))
+                    j = 0
                 if samples(it) and nan[j]:
                     raise FloatingPointError("the model's logits for this request are NaN")
             # broad on purpose: whatever this request's forward raises becomes its error, the others go on
@@ -220,8 +271,13 @@ class ModelRunner:
                 continue
             sp = it.seq.sampling
             try:
-                tokens[i] = top[j] if sp.greedy else sample_next(
-                    logits[j], True, sp.temperature, sp.top_p, sp.top_k, it.seq.generator)
+                tokens[i] = (
+                    top[j]
+                    if sp.greedy
+                    else sample_next(
+                        logits[j], True, sp.temperature, sp.top_p, sp.top_k, it.seq.generator
+                    )
+                )
             # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
             except Exception as e:  # noqa: BLE001
                 errors[i] = describe(e)

@@ -11,21 +11,31 @@ __all__ = ["STOP_ID_COLLECTIONS", "SamplingParams", "sample_next"]
 
 def _limit_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Scores as the temperature goes to 0: ``(logits - max) / temperature`` in float64 (+inf logits share it all)."""
-    top = logits.max()  # NaN if any logit is NaN
+    # NaN if any logit is NaN
+    top = logits.max()
     if bool(top.isnan()) or bool(top == float("-inf")):
         raise ValueError("the logits are NaN or all -inf: no token can be sampled")
-    if bool(top.isposinf()):  # a half-precision overflow: the most likely token
+    # a half-precision overflow: the most likely token
+    if bool(top.isposinf()):
         return torch.where(logits == top, 0.0, float("-inf")).float()
-    return ((logits - top) / temperature).float()  # 0 at the maximum, -inf (or very negative) elsewhere
+    # 0 at the maximum, -inf (or very negative) elsewhere
+    return ((logits - top) / temperature).float()
 
 
-def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, top_k: int,
-                generator: torch.Generator | None) -> int:
+def sample_next(
+    logits: torch.Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator | None,
+) -> int:
     """Pick the next token from (vocab,) logits: argmax, or transformers' temperature, top-k, top-p warpers."""
     if not do_sample:
         return int(torch.argmax(logits))
     scores = logits.float() / temperature
-    if not bool(scores.max().isfinite()):  # NaN, +inf, or all -inf: overflowed, sample the t -> 0 limit stably
+    # NaN, +inf, or all -inf: overflowed, sample the t -> 0 limit stably
+    if not bool(scores.max().isfinite()):
         scores = _limit_scores(logits.double(), temperature)
     if top_k and top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
@@ -33,6 +43,7 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
     if top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=False)
         remove = sorted_scores.softmax(-1).cumsum(-1) <= (1 - top_p)
-        remove[-1] = False  # always keep the most likely token: the probabilities are never NaN
+        # always keep the most likely token: the probabilities are never NaN
+        remove[-1] = False
         scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
     return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))

@@ -44,9 +44,13 @@ def check_secret(secret: bytes | bytearray | str | None) -> bytes:
     if isinstance(secret, str):
         secret = secret.encode()
     if not isinstance(secret, (bytes, bytearray)):
-        raise TypeError(f"the server secret must be bytes or str (or None for a random one), got {type(secret).__name__}")
+        raise TypeError(
+            f"the server secret must be bytes or str (or None for a random one), got {type(secret).__name__}"
+        )
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the server secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+        raise ValueError(
+            f"the server secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}"
+        )
     return bytes(secret)
 
 
@@ -54,14 +58,19 @@ def tenant_salt(secret: bytes, tenant: str | None) -> str:
     """The cache salt of ``tenant``: HMAC-SHA256 of its id under the server secret, in hex."""
     if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the server secret must be at least {MIN_SECRET_BYTES} bytes")
-    if tenant is None:  # a scope of its own: no tenant id's message, not even "", equals this one
+    # a scope of its own: no tenant id's message, not even "", equals this one
+    if tenant is None:
         return hmac.new(bytes(secret), b"kvlab-no-tenant", hashlib.sha256).hexdigest()
     if not isinstance(tenant, str):
         raise TypeError(f"a tenant id must be a str or None, got {type(tenant).__name__}")
-    return hmac.new(bytes(secret), b"kvlab-tenant\x00" + tenant.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(
+        bytes(secret), b"kvlab-tenant\x00" + tenant.encode(), hashlib.sha256
+    ).hexdigest()
 
 
-def request_salt(secret: bytes, isolation: str, tenant: str | None, cache_salt: str | None = None) -> str | None:
+def request_salt(
+    secret: bytes, isolation: str, tenant: str | None, cache_salt: str | None = None
+) -> str | None:
     """The cache salt of a request of ``tenant`` with ``cache_salt`` under ``isolation`` (see the module docstring).
 
     Without a ``cache_salt``: the tenant's salt, or None under "shared". With one: HMAC-SHA256 under the
@@ -87,7 +96,10 @@ def check_policy(policy: str) -> str:
 def public_prefix_length(token_ids: Sequence[int], public_prefixes: Sequence[Sequence[int]]) -> int:
     """Tokens of the longest registered public prefix that ``token_ids`` starts with (0 if none)."""
     ids = list(token_ids)
-    return max((len(p) for p in public_prefixes if len(p) <= len(ids) and ids[: len(p)] == list(p)), default=0)
+    return max(
+        (len(p) for p in public_prefixes if len(p) <= len(ids) and ids[: len(p)] == list(p)),
+        default=0,
+    )
 
 
 def shared_public_tokens(public_tokens: int, block_size: int) -> int:
