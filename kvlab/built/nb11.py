@@ -275,7 +275,7 @@ def real_sentences(out: dict) -> list[str]:
     if "error" in out:
         return [out["error"] + ": no real run."]
     a = out["agreement"]
-    return [f"{out['backend']}, {out['seconds']:.1f} s in all. Pull on real engines vs its model-free replay: "
+    return [f"{out['backend'].capitalize()}, {out['seconds']:.1f} s in all. Pull on real engines vs its model-free replay: "
             f"{a['same_replica']}/{a['requests']} requests on the same replica, {a['same_cached_tokens']}/{a['requests']} "
             "with the same cached tokens: " + ("they agree." if a["all_agree"] else "they DISAGREE (a bug)."),
             "Every policy's replies are " + ("the same tokens: fetched K/V changes no output." if out["same_tokens"]
