@@ -7,7 +7,8 @@ Lines: the non-blank lines of ``ENGINE_PATH`` (the files a request's path runs t
 counts them; a file that does not exist is reported and counted as 0). Functions: ``sys.setprofile``
 over one ``Engine.generate`` of two prompts (8 new tokens each, greedy) on the bundled model, after a
 warm-up call on the same engine; a function is counted once per (file, qualified name), for every
-file under ``kvlab/``. Goals: <= 1,400 lines, <= 60 functions.
+file under ``kvlab/`` (comprehensions and generator expressions are listed apart: Python 3.11 gives them
+code objects of their own, 3.12 inlines most). Goals: <= 1,400 lines, <= 60 functions.
 """
 
 from __future__ import annotations
@@ -20,11 +21,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ENGINE_PATH = [
-    *(f"kvlab/engine/{name}.py" for name in (
-        "engine", "runner", "scheduler", "sequence", "intake", "tenants", "kv_store", "paged_attention",
-        "sampling", "sampling_params", "models", "config")),
+    *(
+        f"kvlab/engine/{name}.py"
+        for name in (
+            "engine",
+            "runner",
+            "scheduler",
+            "sequence",
+            "intake",
+            "tenants",
+            "kv_store",
+            "paged_attention",
+            "sampling",
+            "sampling_params",
+            "models",
+            "config",
+        )
+    ),
     *(f"kvlab/cache/{name}.py" for name in ("block_manager", "block_pool", "hashing", "interface")),
 ]
+
+
+INLINE = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
 
 
 def count_lines(paths: list[str] = ENGINE_PATH) -> dict[str, int]:
@@ -32,7 +50,9 @@ def count_lines(paths: list[str] = ENGINE_PATH) -> dict[str, int]:
     out = {}
     for rel in paths:
         path = ROOT / rel
-        out[rel] = sum(1 for ln in path.read_text().splitlines() if ln.strip()) if path.exists() else -1
+        out[rel] = (
+            sum(1 for ln in path.read_text().splitlines() if ln.strip()) if path.exists() else -1
+        )
     return out
 
 
@@ -75,12 +95,19 @@ def main() -> None:
     for rel, n in lines.items():
         print(f"{n:6d}  {rel}" if n >= 0 else f"   n/a  {rel} (missing)")
     total = sum(n for n in lines.values() if n > 0)
-    print(f"{total:6d}  engine path, non-blank lines ({sum(n >= 0 for n in lines.values())} files; goal <= 1,400)")
+    print(
+        f"{total:6d}  engine path, non-blank lines ({sum(n >= 0 for n in lines.values())} files; goal <= 1,400)"
+    )
     if args.lines:
         return
-    funcs = count_functions()
+    codes = count_functions()
+    # comprehensions and generator expressions are code objects of their own in Python 3.11, not functions
+    funcs = [c for c in codes if not c.endswith(INLINE)]
     files = sorted({f.split(":")[0] for f in funcs})
-    print(f"\none Engine.generate passes {len(funcs)} distinct kvlab functions in {len(files)} files (goal <= 60):")
+    print(
+        f"\none Engine.generate passes {len(funcs)} distinct kvlab functions in {len(files)} files "
+        f"(goal <= 60; {len(codes)} code objects with comprehensions and generator expressions):"
+    )
     for f in funcs:
         print(f"  {f}")
 

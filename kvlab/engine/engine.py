@@ -164,6 +164,8 @@ class Engine:
         sizes). ``positions(item)`` numbers the tokens a scheduled item computes (``default_positions``);
         ``observers`` see one ``StepRecord`` per step (``add_step_observer``).
         """
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig or None, got {type(config).__name__}")
         if isinstance(cache, str):
             overrides["cache"] = cache
         self.config = cfg = (config or EngineConfig()).replace(**overrides)

@@ -29,14 +29,25 @@ def test_config_keywords_and_overrides(lm):
     assert engine.block_manager.num_blocks == 24 and engine.block_manager.block_size == 8
     base = EngineConfig(num_blocks=32, max_num_seqs=4)
     engine = Engine(model, tok, base, block_size=8)
-    assert engine.config == dataclasses.replace(base, block_size=8) and engine.scheduler.max_num_seqs == 4
+    assert (
+        engine.config == dataclasses.replace(base, block_size=8)
+        and engine.scheduler.max_num_seqs == 4
+    )
     assert Engine(model, tok, cache="radix").config.cache == "radix"
     with pytest.raises(TypeError, match="'num_block'"):
         Engine(model, tok, num_block=8)
+    with pytest.raises(TypeError, match="EngineConfig"):
+        Engine(model, tok, 64)
     with pytest.raises(TypeError, match="'bogus'"):
         base.replace(bogus=1)
-    for bad in (dict(num_blocks=0), dict(block_size=1.5), dict(max_num_seqs=8, max_num_batched_tokens=4),
-                dict(host_tier_bytes=-1), dict(cache="lru"), dict(isolation="salted")):
+    for bad in (
+        dict(num_blocks=0),
+        dict(block_size=1.5),
+        dict(max_num_seqs=8, max_num_batched_tokens=4),
+        dict(host_tier_bytes=-1),
+        dict(cache="lru"),
+        dict(isolation="salted"),
+    ):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
     with pytest.raises(TypeError, match="debug"):
@@ -55,18 +66,32 @@ def test_positions_hook_and_step_observer(lm):
         return default_positions(item)
 
     records: list[StepRecord] = []
-    engine = Engine(model, tok, num_blocks=64, block_size=8, positions=positions, observers=[records.append])
+    engine = Engine(
+        model, tok, num_blocks=64, block_size=8, positions=positions, observers=[records.append]
+    )
     outs = engine.generate(prompts, sp)
-    assert [o.output_ids for o in outs] == [hf_generate(model, tok, p, max_new_tokens=4) for p in prompts]
-    assert len(records) == engine.num_steps and [r.step for r in records] == list(range(engine.num_steps))
+    assert [o.output_ids for o in outs] == [
+        hf_generate(model, tok, p, max_new_tokens=4) for p in prompts
+    ]
+    assert len(records) == engine.num_steps and [r.step for r in records] == list(
+        range(engine.num_steps)
+    )
     first = records[0]
-    assert [(s, e, pre) for _, s, e, pre in first.items] == [(0, len(prompts[0]), True), (0, len(prompts[1]), True)]
+    assert [(s, e, pre) for _, s, e, pre in first.items] == [
+        (0, len(prompts[0]), True),
+        (0, len(prompts[1]), True),
+    ]
     assert first.positions == (range(0, len(prompts[0])), range(0, len(prompts[1])))
     assert [len(t) for t in first.tables] == [-(-len(p) // 8) for p in prompts]
     assert seen[:2] == [(0, len(prompts[0])), (0, len(prompts[1]))]
     # every sampled token is one the request output holds, in order
     for out in outs:
-        got = [tok_ for r in records for (rid, *_), tok_ in zip(r.items, r.tokens) if rid == out.request_id]
+        got = [
+            tok_
+            for r in records
+            for (rid, *_), tok_ in zip(r.items, r.tokens)
+            if rid == out.request_id
+        ]
         assert got == out.output_ids
 
 
@@ -90,7 +115,9 @@ def test_a_prompt_chunk_samples_no_token(lm):
             mid = (it.start + it.end) // 2
             rest = [x for x in out.items if x is not it]
             queued.append(SchedulerOutput([ScheduledSeq(it.seq, mid, it.end, True)]))
-            return SchedulerOutput(rest + [ScheduledSeq(it.seq, it.start, mid, True)], out.cow_pairs)
+            return SchedulerOutput(
+                rest + [ScheduledSeq(it.seq, it.start, mid, True)], out.cow_pairs
+            )
         return out
 
     engine.scheduler.schedule = schedule
@@ -102,5 +129,10 @@ def test_a_prompt_chunk_samples_no_token(lm):
     assert outs["b"].output_ids == hf_generate(model, tok, b, max_new_tokens=5)
     chunk_step = records[1]
     assert [(rid, pre) for rid, _, _, pre in chunk_step.items] == [("a", False), ("b", True)]
-    assert chunk_step.tokens[0] is not None and chunk_step.tokens[1] is None  # the chunk got no token
-    assert records[2].items[0][1:3] == (len(b) // 2, len(b)) and records[2].tokens[0] == outs["b"].output_ids[0]
+    assert (
+        chunk_step.tokens[0] is not None and chunk_step.tokens[1] is None
+    )  # the chunk got no token
+    assert (
+        records[2].items[0][1:3] == (len(b) // 2, len(b))
+        and records[2].tokens[0] == outs["b"].output_ids[0]
+    )
