@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from kvlab.built import nb07 as N
 from kvlab.engine.models import load_model
 from kvlab.engine.tenants import POLICIES
-from kvlab.built import nb07 as N
 from kvlab.lessons import nb07_security as S
 
 

@@ -73,7 +73,10 @@ def run_attack(engine, tokenizer, n_trials, n_wrong, system_text, n_document_lin
     if engine.isolation == "public-prefix":
         engine.add_public_prefix(system_text)
     system_ids = encode(tokenizer, system_text)
-    prompt = lambda secret: system_ids + encode(tokenizer, victim_message(secret, n_document_lines))
+
+    def prompt(secret):
+        return system_ids + encode(tokenizer, victim_message(secret, n_document_lines))
+
     timing_probe(engine, prompt(random_secret(rng)), "attacker")  # warm-up, not recorded
     probes = []
     for trial in range(n_trials):

@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from kvlab.engine import Engine, SamplingParams
 from kvlab.built import nb07 as N
+from kvlab.engine import Engine, SamplingParams
 from kvlab.lessons import nb07_security as S
 
 BS = 16

@@ -8,14 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.cache import AllBlocksCleared, BlockManager, BlockStored
-from kvlab.lessons.nb06_vllm import (
+from kvlab.built.nb06 import (
     bench_block_pools,
-    check_cached_tokens,
-    check_ttft_ideal,
     compare_runs,
     divergence_rows,
-    feature_table,
     first_difference,
     generate_job,
     hit_rate,
@@ -23,6 +19,8 @@ from kvlab.lessons.nb06_vllm import (
     ttft_rows,
     workload_job,
 )
+from kvlab.cache import AllBlocksCleared, BlockManager, BlockStored
+from kvlab.lessons.nb06_vllm import check_cached_tokens, check_ttft_ideal
 from kvlab.vllm import bridge as vb
 
 # --- always: no vLLM needed ----------------------------------------------------------------------
@@ -117,9 +115,15 @@ def test_tables_and_checkers():
 
 
 def test_feature_table_names_both_sides():
-    table = feature_table()
-    assert list(table.columns) == ["feature", "vLLM", "kvlab"]
-    assert (table["vLLM"] == "no").any() and (table["kvlab"] == "no").any()
+    import json
+
+    nb = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "06_vllm_side_by_side.ipynb").read_text())
+    md = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    lines = md.splitlines()
+    start = lines.index("| feature | vLLM | kvlab |")
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in lines[start + 2:] if ln.startswith("|")]
+    assert len(rows) >= 10 and all(len(r) == 3 for r in rows)
+    assert any(r[1] == "no" for r in rows) and any(r[2] == "no" for r in rows)
 
 
 # --- with real vLLM (skipped without the venv) -----------------------------------------------------
@@ -145,7 +149,7 @@ def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
     ours = vb.run_kvlab(model, tok, prompts, block_size=32, max_tokens=12, stop_token_ids=stop, repeat=False)
     # one worker, two jobs: the workload job takes the generate job's engine settings, so it reuses its engine
     gen = generate_job(BUNDLED_MODEL, prompts, 32, 12, stop_token_ids=stop, repeat=False)
-    theirs, wl = run_many([gen, workload_job(BUNDLED_MODEL, prompts[:3], 4, 32, like=gen)])
+    theirs, wl = run_many([gen, workload_job(prompts[:3], 4, like=gen)])
     hf = [hf_generate(model, tok, p, max_new_tokens=12) for p in prompts]
     assert theirs["output_ids"] == ours["output_ids"] == hf
     assert theirs["num_cached_tokens"] == ours["num_cached_tokens"]
@@ -195,8 +199,8 @@ def test_worker_file_is_standalone():
 def test_comparison_words_call_close_numbers_a_tie():
     import pandas as pd
 
+    from kvlab.built.nb06 import kvlab_vs_vllm_sentences
     from kvlab.lessons.common import ratio_word
-    from kvlab.lessons.nb06_vllm import kvlab_vs_vllm_sentences
 
     assert ratio_word(1.04, "higher", "lower").startswith("about the same")
     assert ratio_word(0.96, "higher", "lower").startswith("about the same")
