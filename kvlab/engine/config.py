@@ -30,6 +30,7 @@ class EngineConfig:
     slots; ``cache`` is "blocks" (vLLM's hash blocks) or "radix" (SGLang's tree of ``page_size`` pages).
     Tenancy: ``isolation`` ("shared", "tenant", "public-prefix") and the ``secret`` every salt is derived
     from (None: a random one per engine). ``host_tier_bytes``: a host-memory second tier of that size.
+    ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` go to the ``Scheduler``.
     """
 
     num_blocks: int | None = None
@@ -40,6 +41,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # prompts longer than a step's token budget run in chunks; None: the Scheduler's default (on)
+    enable_chunked_prefill: bool | None = None
     isolation: str = "shared"
     secret: bytes | str | None = field(default=None, repr=False)
     seed: int = 0
@@ -66,6 +69,10 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_kv_events", "offload_evicted", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.enable_chunked_prefill, (bool, type(None))):
+            raise TypeError(
+                f"enable_chunked_prefill must be a bool or None, got {self.enable_chunked_prefill!r}"
+            )
 
     def replace(self, **overrides: object) -> EngineConfig:
         """A copy with ``overrides`` (field names) changed; an unknown name raises ``TypeError`` naming it."""

@@ -199,7 +199,9 @@ class Engine:
             self.host_tier = HostOffload(
                 self.store, bm, cfg.host_tier_bytes, offload=cfg.offload_evicted
             )
-        self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill
+        )
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
         # unfinished requests by id

@@ -34,6 +34,9 @@ def test_config_keywords_and_overrides(lm):
         and engine.scheduler.max_num_seqs == 4
     )
     assert Engine(model, tok, cache="radix").config.cache == "radix"
+    assert (
+        Engine(model, tok, enable_chunked_prefill=False).scheduler.enable_chunked_prefill is False
+    )
     with pytest.raises(TypeError, match="'num_block'"):
         Engine(model, tok, num_block=8)
     with pytest.raises(TypeError, match="EngineConfig"):
