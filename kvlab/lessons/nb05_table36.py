@@ -69,7 +69,7 @@ def ttft_verdict(table: Any, group: int, mode: str) -> Any:
     The one definition of the ratio: the table's "TTFT ratio, ours" and every sentence use it. None: not timed."""
     d = table.set_index(["group", "mode"])
     num, den = d.loc[(group, mode), "TTFT runs (ms)"], d.loc[(group, "isolated"), "TTFT runs (ms)"]
-    return ratio_verdict(Timing(mode, tuple(num)), Timing("isolated", tuple(den)),
+    return ratio_verdict(Timing(mode, tuple(x / 1e3 for x in num)), Timing("isolated", tuple(x / 1e3 for x in den)),
                          ideal=d.loc[(group, mode), "ideal"]) if len(num) and len(den) else None
 
 
