@@ -193,6 +193,21 @@ def greedy_rows(model: Any, cache: Any, input_ids: torch.Tensor, positions: torc
     return [trim_at_stop(r, stop_ids) for r in rows]
 
 
+def cache_from_layers(model: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A transformers DynamicCache holding the given per-layer (keys, values), each (batch, kv_heads, seq, head_dim)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The per-layer (keys, values) of a transformers cache."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
 SWEEP_KINDS = ("prefix shifted, suffix at len(prefix)", "suffix after a gap", "everything shifted",
                "suffix restarts at 0")
 
@@ -242,14 +257,16 @@ def run_position_sweep(model: Any, tokenizer: Any, examples: Sequence[P.Passphra
     for ex in progress_bar(examples, progress, "shift sweep"):
         ids, n = prompt(tokenizer, ex)
         reference = isolated(model, tokenizer, ids, max_new_tokens)
-        pre = torch.tensor([ids[:n]] * len(variants), device=device)  # (R, P)
-        suf = torch.tensor([ids[n:]] * len(variants), device=device)  # (R, T)
         starts = [variant_starts(kind, s, n) for kind, s in variants]
-        pre_start = torch.tensor([a for a, _ in starts], device=device)
+        firsts = sorted({a for a, _ in starts})  # distinct prefix starts: the prefix is computed once at each
+        pre_pos = torch.tensor(firsts, device=device)[:, None] + torch.arange(n, device=device)  # (F, P)
+        computed = model(input_ids=torch.tensor([ids[:n]] * len(firsts), device=device), position_ids=pre_pos,
+                         use_cache=True, logits_to_keep=1).cache
+        row = torch.tensor([firsts.index(a) for a, _ in starts], device=device)  # each variant's prefix row
+        cache = cache_from_layers(model, [(k[row], v[row]) for k, v in cache_layers(computed)])
+        suf = torch.tensor([ids[n:]] * len(variants), device=device)  # (R, T)
         suf_start = torch.tensor([b for _, b in starts], device=device)
-        pre_pos = pre_start[:, None] + torch.arange(n, device=device)  # (R, P)
         suf_pos = suf_start[:, None] + torch.arange(suf.shape[1], device=device)  # (R, T)
-        cache = model(input_ids=pre, position_ids=pre_pos, use_cache=True, logits_to_keep=1).cache
         gens = greedy_rows(model, cache, suf, suf_pos, stop, max_new_tokens)
         for (kind, s), st, gen in zip(variants, suf_start.tolist(), gens):
             rows.append({"seed": ex.seed, "lang": ex.lang, "kind": kind, "shift": s, "prefix tokens": n,
@@ -317,11 +334,6 @@ def sensitivity_line(bug: str, identical: dict[str, tuple[float, int]]) -> str:
 
 
 # --- 03_position_encoding_pitfalls.ipynb, cell 42 ---
-def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The per-layer (keys, values) of a transformers cache."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 def _rel_per_token(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Relative error per token of (kv_heads, P, head_dim) tensors -> (P,)."""
     return (x - ref).norm(dim=(0, 2)) / ref.norm(dim=(0, 2)).clamp(min=1e-12)
@@ -430,16 +442,6 @@ def mean_layer_error(errors: Any, treatment: str, tensor: str, layer: int) -> fl
 
 
 # --- 03_position_encoding_pitfalls.ipynb, cell 52 ---
-def cache_from_layers(model: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """A transformers DynamicCache holding the given per-layer (keys, values), each (batch, kv_heads, seq, head_dim)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    return cache
-
-
 @torch.no_grad()
 def run_overlap(model: Any, tokenizer: Any, seeds: Sequence[int], split: str = "heldout",
                 max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False,
