@@ -242,6 +242,6 @@ def test_slope_report_prints_re_run_instead_of_a_cause_for_an_outlier():
                          "cached_flops": 1e6 + 1e3 * n, "cached_s": cached_s})
     lines = N.slope_report(cost, 1024)
     cached = [s for s in lines if "with cache" in s]
-    assert len(cached) == 2 and "(slope " in cached[0]  # n <= 1024: clean
-    assert "with cache: outlier — re-run (x42.6 from 1024 to 2048" in cached[1] and "slope" not in cached[1]
-    assert all("outlier" not in s for s in lines if "no cache" in s)
+    assert len(cached) == 2  # the jump sits at the edge of the n >= 1024 range: no slope in either range
+    assert all("with cache: outlier — re-run (x42.6 from 1024 to 2048" in s and "slope" not in s for s in cached)
+    assert all("outlier" not in s and "(slope " in s for s in lines if "no cache" in s)
