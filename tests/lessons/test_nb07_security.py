@@ -264,3 +264,17 @@ def test_the_salted_chain_keeps_tenants_apart_except_whole_public_blocks():
         k = N.salted_block(public, BS)
         a, b = S.build_07_salted_hashes(ids, BS, sa, k), S.build_07_salted_hashes(ids, BS, sb, k)
         assert [x == y for x, y in zip(a, b)] == [i < k for i in range(len(a))]
+
+
+def test_use_reference_picks_the_readers_chain_only_when_it_passes(capsys):
+    from kvlab.lessons.build import use_reference
+
+    def blank(*args):
+        raise NotImplementedError("write it")
+
+    check = S.check_salted_hashes(blank)
+    assert not check and str(check).startswith("not yet: ") and "salt_block" in str(check)
+    assert use_reference(blank, check, S.reference_salted_hashes) is S.reference_salted_hashes
+    good = S.check_salted_hashes(S.build_07_salted_hashes)
+    assert use_reference(S.build_07_salted_hashes, good, S.reference_salted_hashes) is S.build_07_salted_hashes
+    assert "YOUR build_07_salted_hashes" in capsys.readouterr().out
