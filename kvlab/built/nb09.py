@@ -17,10 +17,14 @@ import pandas as pd
 from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.cache.kv_events import AllBlocksCleared, BlockStored, describe
 from kvlab.cluster import POLICIES, CostModel, FleetResult, agree, simulate
-from kvlab.lessons.nb09_routing import pct
 
 
 # --- 09_beyond_one_replica.ipynb, cell 5 ---
+def pct(x: float) -> str:
+    """A fraction as a percentage with one decimal."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
+
+
 def events_of_one_request(model: Any, tokenizer: Any, prompt: Sequence[int], max_tokens: int = 20,
                           block_size: int = DEFAULT_BLOCK_SIZE) -> list:
     """Run one request on a fresh engine with KV events on, then reset its cache: the event batches."""

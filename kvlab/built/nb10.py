@@ -32,10 +32,13 @@ from kvlab.audit import (
 from kvlab.audit.local import ServerProcess, start_kvlab
 from kvlab.audit.procedure import Probe
 from kvlab.audit.prompts import letters_for, random_letters
-from kvlab.lessons.nb10_audit import KEYS, MODES, RECORD
-
 
 # --- 10_is_this_endpoint_sharing.ipynb, cell 4 ---
+KEYS = {"sk-alice": "acme", "sk-carol": "acme", "sk-bob": "globex"}  # API key -> organisation (tenant)
+MODES = {"shared": "no isolation", "tenant": "per-tenant keys", "public-prefix": "public prefix"}
+RECORD = "build/bench/audit_vllm.json"  # the last live vLLM audit, relative to the repository root
+
+
 def start_servers(model: Any, system_prompt: str, modes: Sequence[str] = tuple(MODES), device: str | None = None,
                   dtype: str | None = None) -> dict[str, ServerProcess]:
     """One ``kvlab serve`` per isolation mode, all started at once, each ready on return (keys: ``KEYS``)."""

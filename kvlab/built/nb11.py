@@ -6,6 +6,7 @@ named above each block, then run ``python scripts/export_notebooks.py`` (CI chec
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -19,10 +20,26 @@ from kvlab.cache.hashing import prompt_block_hashes
 from kvlab.cache.host_tier import collect_blocks
 from kvlab.cluster import CostModel, EngineReplica, LocalHandle, agree, pd_summary, run_fleet, run_pd, simulate
 from kvlab.cluster.object_store import LocalObjectStore, PickleObjectStore
-from kvlab.lessons.nb11_tiers import BS, ms, pct, random_tokens
-
 
 # --- 11_tiers_and_transfer.ipynb, cell 3 ---
+BS = 16  # the block size of every engine in this notebook
+
+
+def pct(x: float) -> str:
+    """A fraction as a percentage with one decimal."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
+
+
+def ms(x: float) -> str:
+    """Seconds as milliseconds with two decimals."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1000 * x:.2f} ms"
+
+
+def random_tokens(n: int, rng: random.Random) -> list[int]:
+    """``n`` random token ids (above the bundled model's special tokens)."""
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
 def tiers_are_ram(device: Any) -> str:
     """Say what "host tier" and "transfer" mean on this machine."""
     import torch

@@ -6,18 +6,13 @@ notebook's ``#| export`` cells (``kvlab.built.nb09``); the router, replicas and 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import pandas as pd
 
+from kvlab.built.nb09 import pct
 from kvlab.cluster import POLICIES, FleetResult, chat, from_prompts, simulate
 from kvlab.lessons.common import Verdict, call_answer, verdict
-
-
-def pct(x: float) -> str:
-    """A fraction as a percentage with one decimal."""
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
 
 
 def chat_workload(smoke: bool, seed: int = 0):

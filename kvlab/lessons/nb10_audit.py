@@ -17,10 +17,6 @@ from kvlab.audit import AuditResult
 from kvlab.audit.prompts import letters_for, random_letters
 from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
 
-KEYS = {"sk-alice": "acme", "sk-carol": "acme", "sk-bob": "globex"}  # API key -> organisation (tenant)
-MODES = {"shared": "no isolation", "tenant": "per-tenant keys", "public-prefix": "public prefix"}
-RECORD = "build/bench/audit_vllm.json"  # the last live vLLM audit, relative to the repository root
-
 
 def public_system_prompt(tokens: int, tokens_per_letter: float = 1.0, seed: int = 0) -> str:
     """The operator's public system prompt: about ``tokens`` tokens of spaced letters and a newline."""

@@ -7,26 +7,14 @@ the prefill/decode split) are written in the notebook's ``#| export`` cells (``k
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 
 import pandas as pd
 
+from kvlab.built.nb11 import random_tokens
 from kvlab.cluster import from_prompts
 from kvlab.lessons.common import Verdict, call_answer, verdict
-
-BS = 16
-
-
-def pct(x: float) -> str:
-    """A fraction as a percentage with one decimal."""
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
-
-
-def ms(x: float) -> str:
-    """Seconds as milliseconds with two decimals."""
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1000 * x:.2f} ms"
 
 
 def fig_crossover(df: pd.DataFrame):
@@ -94,11 +82,6 @@ def fig_policies(df: pd.DataFrame, ttft: str = "ttft_p99"):
             ax.set_xlabel("")
     fig.tight_layout()
     return fig
-
-
-def random_tokens(n: int, rng: random.Random) -> list[int]:
-    """``n`` random token ids (above the bundled model's special tokens)."""
-    return [rng.randrange(3, 500) for _ in range(n)]
 
 
 def pd_workload(smoke: bool, seed: int = 0, vocab: int = 500):

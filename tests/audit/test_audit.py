@@ -366,13 +366,12 @@ def test_nb10_checkers_and_solutions():
 
 def test_nb10_record_round_trip_and_table_rows(tmp_path):
     from kvlab.built import nb10 as B
-    from kvlab.lessons import nb10_audit as L
 
     assert B.load_record(tmp_path) is None
     B.save_record({"rows": [{"p-value": 0.5}], "model": "m"}, tmp_path)
     rec = B.load_record(tmp_path)
     assert rec["rows"] == [{"p-value": 0.5}] and rec["recorded_at"] and rec["path"].endswith("audit_vllm.json")
-    rows = B.table_rows({m: URL for m in L.MODES}, "m", "System: a b\n")
+    rows = B.table_rows({m: URL for m in B.MODES}, "m", "System: a b\n")
     assert len(rows) == 9 and sum(r.expect for r in rows) == 5
     assert {r.attacker.cache_salt for r in rows if r.isolation == "per-user cache_salt"} == {"carol", "bob"}
     assert [r.expect for r in B.vllm_rows(URL, "m")] == [True, False]
