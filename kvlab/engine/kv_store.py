@@ -15,14 +15,25 @@ __all__ = ["PagedKVStore"]
 class PagedKVStore:
     """K and V blocks for every layer of one model, on the model's device and in its dtype."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
         if min(num_layers, num_blocks, block_size, kv_heads, head_dim) < 1:
             raise ValueError("every size of the store must be >= 1")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)  # head-major: a gather is contiguous per head
-        self.k_pages, self.v_pages = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        # head-major: a gather is contiguous per head
+        shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)
+        self.k_pages, self.v_pages = (
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)
+        )
         # k, v: token-major views (L, blocks, block_size, kv_heads, head_dim); zeros keep a padded read finite
         self.k, self.v = (pages.permute(0, 2, 3, 1, 4) for pages in (self.k_pages, self.v_pages))
 
@@ -30,12 +41,16 @@ class PagedKVStore:
     def for_model(cls, model: Any, num_blocks: int, block_size: int) -> PagedKVStore:
         """A store shaped for ``model``'s config, on its device and in its dtype."""
         s, p = kv_shape(model.config), next(model.parameters())
-        return cls(s["layers"], num_blocks, block_size, s["kv_heads"], s["head_dim"], p.dtype, p.device)
+        return cls(
+            s["layers"], num_blocks, block_size, s["kv_heads"], s["head_dim"], p.dtype, p.device
+        )
 
     @staticmethod
     def blocks_for_bytes(model: Any, nbytes: int, block_size: int) -> int:
         """How many blocks of ``block_size`` tokens fit in ``nbytes`` of K/V for ``model``."""
-        return nbytes // (block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype))
+        return nbytes // (
+            block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+        )
 
     @property
     def device(self) -> torch.device:
@@ -52,29 +67,47 @@ class PagedKVStore:
         """Bytes of the whole store (K and V, every layer)."""
         return self.num_blocks * self.bytes_per_block
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
         """Store one layer's new K/V, two ``(T, kv_heads, head_dim)``: token i goes to slot ``slot_mapping[i]`` (T,)."""
         self.write_heads(layer, slot_mapping, key.transpose(0, 1), value.transpose(0, 1))
 
-    def write_heads(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write_heads(
+        self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
         """``write`` for head-major K/V, two ``(kv_heads, T, head_dim)`` (the layout the model computes them in)."""
         for pages, new in ((self.k_pages, key), (self.v_pages, value)):
-            flat = pages[layer].view(self.kv_heads, -1, self.head_dim)  # (kv_heads, blocks * block_size, D)
+            # (kv_heads, blocks * block_size, D)
+            flat = pages[layer].view(self.kv_heads, -1, self.head_dim)
             flat.index_copy_(1, slot_mapping, new.to(flat.dtype))
 
-    def gather_heads(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_heads(
+        self, layer: int, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V of the blocks ``block_ids`` (n,), in order: two contiguous ``(kv_heads, n * block_size, head_dim)``."""
-        n = block_ids.shape[0]  # each block's rows of one head: (kv_heads, blocks, block_size * D)
-        return tuple(pages[layer].view(self.kv_heads, self.num_blocks, -1).index_select(1, block_ids)
-                     .view(self.kv_heads, n * self.block_size, self.head_dim) for pages in (self.k_pages, self.v_pages))
+        # each block's rows of one head: (kv_heads, blocks, block_size * D)
+        n = block_ids.shape[0]
+        return tuple(
+            pages[layer]
+            .view(self.kv_heads, self.num_blocks, -1)
+            .index_select(1, block_ids)
+            .view(self.kv_heads, n * self.block_size, self.head_dim)
+            for pages in (self.k_pages, self.v_pages)
+        )
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one layer's K/V through block tables: ``(B, max_blocks)`` -> two ``(B, max_blocks * block_size, kv_heads, head_dim)``."""
         b, m = block_tables.shape
-        return tuple(t.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3)
-                     for t in self.gather_heads(layer, block_tables.reshape(-1)))  # t: (kv_heads, B * Kmax, D)
+        return tuple(
+            t.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3)
+            # t: (kv_heads, B * Kmax, D)
+            for t in self.gather_heads(layer, block_tables.reshape(-1))
+        )
 
-    def read(self, layer: int, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, block_table: Sequence[int], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first ``length`` K/V entries of one layer: two ``(length, kv_heads, head_dim)``."""
         table = torch.as_tensor(list(block_table), dtype=torch.long, device=self.device)[None]
         return tuple(t[0, :length] for t in self.gather(layer, table))

@@ -17,51 +17,86 @@ import torch.nn.functional as F
 from ..cache.block_manager import cdiv
 from .kv_store import PagedKVStore
 
-__all__ = ["ATTN_NAME", "IMPLEMENTED_KWARGS", "METADATA_KWARGS", "AttnGroup", "MissingBatchError", "PagedBatch",
-           "build_batch", "check_attention_call", "check_config", "group_by_query_length", "paged_attention_forward",
-           "paged_step", "register"]
+__all__ = [
+    "ATTN_NAME",
+    "IMPLEMENTED_KWARGS",
+    "METADATA_KWARGS",
+    "AttnGroup",
+    "MissingBatchError",
+    "PagedBatch",
+    "build_batch",
+    "check_attention_call",
+    "check_config",
+    "group_by_query_length",
+    "paged_attention_forward",
+    "paged_step",
+    "register",
+]
 
 ATTN_NAME = "kvlab_paged"
-_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
+# SDPA's enable_gqa
+_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 @dataclass(slots=True)
 class AttnGroup:
     """Sequences attended together, padded to the longest query and the longest block table."""
 
-    query_index: torch.Tensor  # (B, Qmax) index of each query token in the packed row (padding -> 0)
-    query_valid: torch.Tensor  # (B, Qmax) bool
-    query_pos: torch.Tensor  # (B, Qmax) absolute position of each query token
-    block_tables: torch.Tensor  # (B, max_blocks) physical block ids (padding -> 0)
-    context: torch.Tensor  # (B,) context length of each sequence after this step
+    # (B, Qmax) index of each query token in the packed row (padding -> 0)
+    query_index: torch.Tensor
+    # (B, Qmax) bool
+    query_valid: torch.Tensor
+    # (B, Qmax) absolute position of each query token
+    query_pos: torch.Tensor
+    # (B, max_blocks) physical block ids (padding -> 0)
+    block_tables: torch.Tensor
+    # (B,) context length of each sequence after this step
+    context: torch.Tensor
     block_size: int
-    dense: bool = False  # no padding and packed in order: the group is the whole step, (B * Qmax) rows
-    fresh: bool = False  # every sequence starts at position 0: its keys are this step's, attention is plain causal
-    masks: dict = field(default_factory=dict)  # (union, group, window, dtype) -> the mask as attended
-    tables: list[list[int]] = field(default_factory=list)  # the block tables as lists (``_plan_union`` reads them)
-    union: bool | None = None  # attend over the union of the group's blocks (``_plan_union``; None: not decided yet)
-    union_blocks: torch.Tensor | None = None  # (U,) the distinct blocks of the group, when ``union``
-    union_pos: torch.Tensor | None = None  # (B, U * block_size) position of each union key in each sequence (-1: not its)
+    # no padding and packed in order: the group is the whole step, (B * Qmax) rows
+    dense: bool = False
+    # every sequence starts at position 0: its keys are this step's, attention is plain causal
+    fresh: bool = False
+    # (union, group, window, dtype) -> the mask as attended
+    masks: dict = field(default_factory=dict)
+    # the block tables as lists (``_plan_union`` reads them)
+    tables: list[list[int]] = field(default_factory=list)
+    # attend over the union of the group's blocks (``_plan_union``; None: not decided yet)
+    union: bool | None = None
+    # (U,) the distinct blocks of the group, when ``union``
+    union_blocks: torch.Tensor | None = None
+    # (B, U * block_size) position of each union key in each sequence (-1: not its)
+    union_pos: torch.Tensor | None = None
 
-    def attn_mask(self, group: int, window: int | None, dtype: torch.dtype, union: bool = False) -> torch.Tensor:
+    def attn_mask(
+        self, group: int, window: int | None, dtype: torch.dtype, union: bool = False
+    ) -> torch.Tensor:
         """Additive mask (0 or -inf) of GQA's stacked query rows (SDPA would convert a bool one per layer), once a step.
 
         ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)`` over its keys."""
         key = (union, group, window, dtype)
         if key not in self.masks:
             if union:
-                k_pos = self.union_pos[:, None, :]  # (B, 1, Ku): -1 where the key is not the sequence's
+                # (B, 1, Ku): -1 where the key is not the sequence's
+                k_pos = self.union_pos[:, None, :]
             else:
-                k_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_pos.device)
-            q_pos = self.query_pos[:, :, None]  # (B, Qmax, 1)
-            ok = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos < self.context[:, None, None])  # (B, Qmax, K)
+                k_pos = torch.arange(
+                    self.block_tables.shape[1] * self.block_size, device=self.query_pos.device
+                )
+            # (B, Qmax, 1)
+            q_pos = self.query_pos[:, :, None]
+            # (B, Qmax, K)
+            ok = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos < self.context[:, None, None])
             if window is not None:
                 ok &= k_pos > q_pos - window
-            ok |= ~ok.any(-1, keepdim=True)  # a row that sees nothing (padding) sees every key: finite, never read
+            # a row that sees nothing (padding) sees every key: finite, never read
+            ok |= ~ok.any(-1, keepdim=True)
             b, q_len, k_len = ok.shape
             shape = (1, 1, b * group * q_len, k_len) if union else (b, 1, group * q_len, k_len)
             ok = ok[:, None].expand(b, group, q_len, k_len).reshape(shape)
-            self.masks[key] = torch.zeros(shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
+            self.masks[key] = torch.zeros(shape, dtype=dtype, device=ok.device).masked_fill_(
+                ~ok, float("-inf")
+            )
         return self.masks[key]
 
 
@@ -70,33 +105,52 @@ class PagedBatch:
     """Everything the attention function needs for one packed forward."""
 
     store: PagedKVStore
-    slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
+    # (T,) where each new token's K/V is written
+    slot_mapping: torch.Tensor
     groups: list[AttnGroup]
     num_tokens: int
-    layers_run: list[int] = field(default_factory=list)  # layer index of each call, in order (the engine checks it)
-    windows_run: list[int | None] = field(default_factory=list)  # the sliding window each of those calls was given
+    # layer index of each call, in order (the engine checks it)
+    layers_run: list[int] = field(default_factory=list)
+    # the sliding window each of those calls was given
+    windows_run: list[int | None] = field(default_factory=list)
 
 
 class MissingBatchError(RuntimeError):
     """The paged attention was called without its ``kvlab_batch`` keyword."""
 
 
-def _group(spans: Sequence[tuple[int, int, Sequence[int]]], offsets: Sequence[int], block_size: int,
-           device: torch.device) -> AttnGroup:
+def _group(
+    spans: Sequence[tuple[int, int, Sequence[int]]],
+    offsets: Sequence[int],
+    block_size: int,
+    device: torch.device,
+) -> AttnGroup:
     b, q_max, m = len(spans), max(e - s for s, e, _ in spans), max(len(t) for _, _, t in spans)
     q_idx, q_pos, bt = (torch.zeros(b, n, dtype=torch.long) for n in (q_max, q_max, m))
     for i, ((s, e, table), off) in enumerate(zip(spans, offsets)):
-        q_idx[i, :e - s] = torch.arange(off, off + e - s)
-        q_pos[i, :e - s] = torch.arange(s, e)
+        q_idx[i, : e - s] = torch.arange(off, off + e - s)
+        q_pos[i, : e - s] = torch.arange(s, e)
         bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.long)
-    valid = torch.arange(q_max) < torch.tensor([e - s for s, e, _ in spans])[:, None]  # (B, Qmax)
-    ctx = torch.tensor([e for _, e, _ in spans], dtype=torch.long)  # context length of each sequence after this step
+    # (B, Qmax)
+    valid = torch.arange(q_max) < torch.tensor([e - s for s, e, _ in spans])[:, None]
+    # context length of each sequence after this step
+    ctx = torch.tensor([e for _, e, _ in spans], dtype=torch.long)
     dense = bool(valid.all()) and all(o == i * q_max for i, o in enumerate(offsets))
-    return AttnGroup(q_idx.to(device), valid.to(device), q_pos.to(device), bt.to(device), ctx.to(device),
-                     block_size, dense, all(s == 0 for s, _, _ in spans), tables=[list(t) for _, _, t in spans])
+    return AttnGroup(
+        q_idx.to(device),
+        valid.to(device),
+        q_pos.to(device),
+        bt.to(device),
+        ctx.to(device),
+        block_size,
+        dense,
+        all(s == 0 for s, _, _ in spans),
+        tables=[list(t) for _, _, t in spans],
+    )
 
 
-FLOPS_PER_BYTE = 8  # small-batch attention FLOPs a CPU does while it moves one byte (~100 GFLOP/s, ~12 GB/s)
+# small-batch attention FLOPs a CPU does while it moves one byte (~100 GFLOP/s, ~12 GB/s)
+FLOPS_PER_BYTE = 8
 
 
 def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
@@ -105,10 +159,13 @@ def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
     # attention FLOPs (4 * query rows * head_dim) of the keys a query may not see; a repeated block: no union
     if g.union is None:
         b, m = g.block_tables.shape
-        q_rows = g.query_index.shape[1] * group  # query rows of one sequence per KV head
+        # query rows of one sequence per KV head
+        q_rows = g.query_index.shape[1] * group
         distinct = sorted({blk for t in g.tables for blk in t})
-        u, gather = len(distinct), FLOPS_PER_BYTE * element_size * 2 * 3  # per key and head_dim
-        per_seq = gather * b * m + 4 * q_rows * b * m  # (in blocks: block_size cancels)
+        # per key and head_dim
+        u, gather = len(distinct), FLOPS_PER_BYTE * element_size * 2 * 3
+        # (in blocks: block_size cancels)
+        per_seq = gather * b * m + 4 * q_rows * b * m
         union = gather * u + 4 * b * q_rows * u
         g.union = b > 1 and union < per_seq and all(len(set(t)) == len(t) for t in g.tables)
         if g.union:
@@ -116,7 +173,9 @@ def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
             col = {blk: i for i, blk in enumerate(distinct)}
             pos = torch.full((b, u, bs), -1, dtype=torch.long)
             for i, table in enumerate(g.tables):
-                pos[i, [col[blk] for blk in table]] = torch.arange(len(table))[:, None] * bs + torch.arange(bs)
+                pos[i, [col[blk] for blk in table]] = torch.arange(len(table))[
+                    :, None
+                ] * bs + torch.arange(bs)
             g.union_blocks = torch.tensor(distinct, dtype=torch.long, device=g.block_tables.device)
             g.union_pos = pos.view(b, u * bs).to(g.block_tables.device)
     return g.union
@@ -131,9 +190,13 @@ def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         offsets.append(off)
         off += end - start
-    groups = [_group([seqs[i] for i in idx], [offsets[i] for i in idx], bs, store.device)
-              for idx in group_by_query_length([e - s for s, e, _ in seqs])]
-    return PagedBatch(store, torch.tensor(slots, dtype=torch.long, device=store.device), groups, off)
+    groups = [
+        _group([seqs[i] for i in idx], [offsets[i] for i in idx], bs, store.device)
+        for idx in group_by_query_length([e - s for s, e, _ in seqs])
+    ]
+    return PagedBatch(
+        store, torch.tensor(slots, dtype=torch.long, device=store.device), groups, off
+    )
 
 
 def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> list[list[int]]:
@@ -142,7 +205,9 @@ def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> l
     groups: list[list[int]] = []
     real = 0
     for i in order:
-        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= max_padding * (real + lengths[i]):
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= max_padding * (
+            real + lengths[i]
+        ):
             groups[-1].append(i)
             real += lengths[i]
         else:
@@ -151,26 +216,49 @@ def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> l
     return groups
 
 
-IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})  # the allow-list
+# the allow-list
+IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
 # transformers' bookkeeping keywords that carry no attention semantics (positions come from ``kvlab_batch``):
-METADATA_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
-                             "output_router_logits", "return_dict", "logits_to_keep"})
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})  # the config.layer_types it implements
+METADATA_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "logits_to_keep",
+    }
+)
+# the config.layer_types it implements
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # What a refusal calls some keywords (any other one is named as the keyword itself):
-_FEATURES = {"s_aux": "per-head attention sink logits (s_aux)", "softcap": "attention logit soft-capping (softcap)",
-             "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
-             "encoder_hidden_states": "cross-attention (encoder_hidden_states)"}
+_FEATURES = {
+    "s_aux": "per-head attention sink logits (s_aux)",
+    "softcap": "attention logit soft-capping (softcap)",
+    "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
+    "encoder_hidden_states": "cross-attention (encoder_hidden_states)",
+}
 
 
 def _refuse(feature: str) -> None:
     raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
 
 
-def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor | None, dropout: float,
-                         sliding_window: int | None, is_causal: bool | None, kwargs: dict[str, Any]) -> None:
+def check_attention_call(
+    module: torch.nn.Module,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    sliding_window: int | None,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> None:
     """Raise ``NotImplementedError`` naming the feature when a call asks for more than causal (+window) SDPA."""
     if attention_mask is not None:
-        _refuse(f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)")
+        _refuse(
+            f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)"
+        )
     if is_causal is False or getattr(module, "is_causal", True) is False:
         _refuse("non-causal (bidirectional) attention")
     if dropout:
@@ -180,8 +268,13 @@ def check_attention_call(module: torch.nn.Module, attention_mask: torch.Tensor |
     if kwargs.get("output_attentions"):
         _refuse("returning attention weights (output_attentions=True)")
     for name, value in kwargs.items():
-        if name not in METADATA_KWARGS and value is not None:  # an unknown keyword is accepted only when off (None)
-            _refuse(_FEATURES.get(name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"))
+        # an unknown keyword is accepted only when off (None)
+        if name not in METADATA_KWARGS and value is not None:
+            _refuse(
+                _FEATURES.get(
+                    name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"
+                )
+            )
 
 
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
@@ -189,113 +282,199 @@ def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = getattr(cfg, "layer_types", None)
     if types is not None and set(types) - ATTENTION_LAYER_TYPES:
-        _refuse(f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} (only {sorted(ATTENTION_LAYER_TYPES)})")
+        _refuse(
+            f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} (only {sorted(ATTENTION_LAYER_TYPES)})"
+        )
     if getattr(cfg, "attention_chunk_size", None) is not None:
         _refuse(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
     if getattr(cfg, "use_bidirectional_attention", None):
-        _refuse(f"bidirectional attention (use_bidirectional_attention={cfg.use_bidirectional_attention!r})")
-    window = getattr(cfg, "sliding_window", None)  # the window the config asks of each layer (None: full causal)
-    want = [None if getattr(cfg, "use_sliding_window", True) is False else window] * len(windows_run)
+        _refuse(
+            f"bidirectional attention (use_bidirectional_attention={cfg.use_bidirectional_attention!r})"
+        )
+    # the window the config asks of each layer (None: full causal)
+    window = getattr(cfg, "sliding_window", None)
+    want = [None if getattr(cfg, "use_sliding_window", True) is False else window] * len(
+        windows_run
+    )
     if types is not None:
         want = [window if t == "sliding_attention" else None for t in types]
-    for layer, got in sorted(windows_run.items()):  # a window the model applies only in its own mask would be lost
+    # a window the model applies only in its own mask would be lost
+    for layer, got in sorted(windows_run.items()):
         if layer < len(want) and want[layer] != got:
             raise NotImplementedError(
                 f"layer {layer}'s sliding window is {want[layer]} in the config but its attention call was given "
-                f"{got}: the model applies the window in its own mask, which kvlab's paged attention does not build")
+                f"{got}: the model applies the window in its own mask, which kvlab's paged attention does not build"
+            )
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            kvlab_batch: PagedBatch | None = None, sliding_window: int | None = None,
-                            is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kvlab_batch: PagedBatch | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's pages."""
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
     if kvlab_batch is None:
-        raise MissingBatchError(f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
-                           "kvlab.engine.Engine, or inside `paged_step()` on a model switched to it)")
+        raise MissingBatchError(
+            f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
+            "kvlab.engine.Engine, or inside `paged_step()` on a model switched to it)"
+        )
     check_attention_call(module, attention_mask, dropout, sliding_window, is_causal, kwargs)
     batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
-        raise NotImplementedError(f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
-                                  "paged attention stores K/V per layer")
+        raise NotImplementedError(
+            f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
+            "paged attention stores K/V per layer"
+        )
     batch.layers_run.append(layer)
     batch.windows_run.append(sliding_window)
     if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
-        raise ValueError(f"expected a packed (1, heads, {batch.num_tokens}, D) query, got {tuple(query.shape)}")
+        raise ValueError(
+            f"expected a packed (1, heads, {batch.num_tokens}, D) query, got {tuple(query.shape)}"
+        )
     store = batch.store
-    if key.shape[1] != store.kv_heads or {key.shape[-1], value.shape[-1], query.shape[-1]} != {store.head_dim}:
+    if key.shape[1] != store.kv_heads or {key.shape[-1], value.shape[-1], query.shape[-1]} != {
+        store.head_dim
+    }:
         raise NotImplementedError(
             f"layer {layer} has {key.shape[1]} KV heads with key/value/query widths {key.shape[-1]}/{value.shape[-1]}/"
             f"{query.shape[-1]}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
-            "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented")
-    batch.store.write_heads(layer, batch.slot_mapping, key[0], value[0])  # (kv_heads, T, D)
-    q_all, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, heads, D)
+            "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented"
+        )
+    # (kv_heads, T, D)
+    batch.store.write_heads(layer, batch.slot_mapping, key[0], value[0])
+    # (T, heads, D)
+    q_all, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     heads, d = q_all.shape[1:]
-    whole = len(batch.groups) == 1 and batch.groups[0].dense  # e.g. a decode-only step: no gather, no scatter
-    out = None if whole else torch.empty_like(q_all)  # (T, heads, D)
+    # e.g. a decode-only step: no gather, no scatter
+    whole = len(batch.groups) == 1 and batch.groups[0].dense
+    # (T, heads, D)
+    out = None if whole else torch.empty_like(q_all)
     for g in batch.groups:
         b, q_len = g.query_index.shape
-        q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]  # (B, Qmax, heads, D)
-        o = _group_attention(q, key, value, store, layer, g, whole, sliding_window, scaling)  # (B, Qmax, heads, D)
+        # (B, Qmax, heads, D)
+        q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]
+        # (B, Qmax, heads, D)
+        o = _group_attention(q, key, value, store, layer, g, whole, sliding_window, scaling)
         if whole:
-            return o.reshape(1, b * q_len, heads, d).contiguous(), None  # (1, T, heads, D), contiguous as from SDPA
+            # (1, T, heads, D), contiguous as from SDPA
+            return o.reshape(1, b * q_len, heads, d).contiguous(), None
         out[g.query_index[g.query_valid]] = o[g.query_valid]
-    return out.unsqueeze(0), None  # (1, T, heads, D)
+    # (1, T, heads, D)
+    return out.unsqueeze(0), None
 
 
-KV_CHUNK_BYTES = 2 * 2 ** 20  # K/V gathered per attention call: small enough to stay in a core's cache (issue 31)
+# K/V gathered per attention call: small enough to stay in a core's cache (issue 31)
+KV_CHUNK_BYTES = 2 * 2**20
 
 
-def _group_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, store: PagedKVStore, layer: int,
-                     g: AttnGroup, whole: bool, sliding_window: int | None, scaling: float | None) -> torch.Tensor:
+def _group_attention(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    store: PagedKVStore,
+    layer: int,
+    g: AttnGroup,
+    whole: bool,
+    sliding_window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
     """Attend one group's ``q`` (B, Qmax, heads, D): over its new K/V alone, the union of its blocks, or each table."""
     b, q_len, heads, d = q.shape
-    kv_heads = key.shape[1]  # key, value: the step's new (T, kv_heads, D)
-    group = heads // kv_heads  # query heads per KV head (grouped-query attention)
+    # key, value: the step's new (T, kv_heads, D)
+    kv_heads = key.shape[1]
+    # query heads per KV head (grouped-query attention)
+    group = heads // kv_heads
     if g.fresh and (sliding_window is None or sliding_window >= q_len):
         # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
         # (a padded query row is past every real one, so causality alone keeps real rows exact)
-        k = key.reshape(b, q_len, kv_heads, d) if whole else key[g.query_index]  # (B, Qmax, kv_heads, D)
+        # (B, Qmax, kv_heads, D)
+        k = key.reshape(b, q_len, kv_heads, d) if whole else key[g.query_index]
         v = value.reshape(b, q_len, kv_heads, d) if whole else value[g.query_index]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads or kv_heads, Qmax, D)
-        if group > 1 and not _SDPA_GQA:  # torch < 2.5: no enable_gqa
+        # (B, heads or kv_heads, Qmax, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # torch < 2.5: no enable_gqa
+        if group > 1 and not _SDPA_GQA:
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, **gqa).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scaling, **gqa
+        ).transpose(1, 2)
     # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
     # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
-    q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, d)
-    if _plan_union(g, group, store.k.element_size()):  # every row reading KV head j: one attention over j's keys
-        k, v = store.gather_heads(layer, g.union_blocks)  # (kv_heads, U * block_size, D)
-        mask = g.attn_mask(group, sliding_window, q.dtype, union=True)  # (1, 1, B * group * Qmax, U * block_size)
+    q = (
+        q.view(b, q_len, kv_heads, group, d)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(b, kv_heads, group * q_len, d)
+    )
+    # every row reading KV head j: one attention over j's keys
+    if _plan_union(g, group, store.k.element_size()):
+        # (kv_heads, U * block_size, D)
+        k, v = store.gather_heads(layer, g.union_blocks)
+        # (1, 1, B * group * Qmax, U * block_size)
+        mask = g.attn_mask(group, sliding_window, q.dtype, union=True)
         q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype)[None], v.to(q.dtype)[None], attn_mask=mask, scale=scaling)
-        o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)  # (B, kv_heads, group * Qmax, D)
-    else:  # a few sequences at a time, so their gathered K/V is still in cache when the attention reads it
-        mask = g.attn_mask(group, sliding_window, q.dtype)  # (B, 1, group * Qmax, Kmax)
-        step = max(1, KV_CHUNK_BYTES // (2 * g.block_tables.shape[1] * store.block_size * kv_heads * d
-                                         * store.k.element_size()))
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype)[None], v.to(q.dtype)[None], attn_mask=mask, scale=scaling
+        )
+        # (B, kv_heads, group * Qmax, D)
+        o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)
+    # a few sequences at a time, so their gathered K/V is still in cache when the attention reads it
+    else:
+        # (B, 1, group * Qmax, Kmax)
+        mask = g.attn_mask(group, sliding_window, q.dtype)
+        step = max(
+            1,
+            KV_CHUNK_BYTES
+            // (
+                2
+                * g.block_tables.shape[1]
+                * store.block_size
+                * kv_heads
+                * d
+                * store.k.element_size()
+            ),
+        )
         outs = []
         for i in range(0, b, step):
             n = min(step, b - i)
-            k, v = store.gather_heads(layer, g.block_tables[i:i + n].reshape(-1))  # (kv_heads, n * Kmax, D)
-            k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, Kmax, D)
+            # (kv_heads, n * Kmax, D)
+            k, v = store.gather_heads(layer, g.block_tables[i : i + n].reshape(-1))
+            # (n, kv_heads, Kmax, D)
+            k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
             v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
-            outs.append(F.scaled_dot_product_attention(q[i:i + n], k, v, attn_mask=mask[i:i + n], scale=scaling))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, kv_heads, group * Qmax, D)
-    return o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[i : i + n], k, v, attn_mask=mask[i : i + n], scale=scaling
+                )
+            )
+        # (B, kv_heads, group * Qmax, D)
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return (
+        o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)
+    )
 
 
-_IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)  # our own state, like nano-vllm's context
+# our own state, like nano-vllm's context
+_IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)
 
 
 def register(model: Any) -> tuple[str, str]:
     """Register kvlab's attention and mask for ``model`` (transformers' public interfaces); return ``(own, name)``."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    own = model.config._attn_implementation.removeprefix(ATTN_NAME + "_")  # switched by another engine
-    name = f"{ATTN_NAME}_{own}"  # it carries the model's own implementation, run outside paged_step()
+    # switched by another engine
+    own = model.config._attn_implementation.removeprefix(ATTN_NAME + "_")
+    # it carries the model's own implementation, run outside paged_step()
+    name = f"{ATTN_NAME}_{own}"
     AttentionInterface.register(name, functools.partial(_attention, own))
     AttentionMaskInterface.register(name, functools.partial(_mask, own))
     return own, name
@@ -311,25 +490,40 @@ def paged_step() -> Iterator[None]:
         _IN_STEP.reset(token)
 
 
-def _attention(own: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+def _attention(
+    own: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
     if _IN_STEP.get():
         return paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if kwargs.get("kvlab_batch") is not None:
-        raise RuntimeError("a forward with kvlab_batch runs inside kvlab.engine.paged_attention.paged_step()")
+        raise RuntimeError(
+            "a forward with kvlab_batch runs inside kvlab.engine.paged_attention.paged_step()"
+        )
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     # "eager" is no registered function: each model runs its modeling module's own eager_attention_forward
-    fn = vars(sys.modules[type(module).__module__]).get("eager_attention_forward") if own == "eager" else \
-        ALL_ATTENTION_FUNCTIONS[own]
+    fn = (
+        vars(sys.modules[type(module).__module__]).get("eager_attention_forward")
+        if own == "eager"
+        else ALL_ATTENTION_FUNCTIONS[own]
+    )
     if fn is None:
-        raise NotImplementedError(f"{type(module).__name__}: no eager_attention_forward to fall back on")
+        raise NotImplementedError(
+            f"{type(module).__name__}: no eager_attention_forward to fall back on"
+        )
     return fn(module, query, key, value, attention_mask, **kwargs)
 
 
 def _mask(own: str, **kwargs: Any) -> Any:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    if _IN_STEP.get() or own not in ALL_MASK_ATTENTION_FUNCTIONS:  # an implementation without one gets no mask
+    # an implementation without one gets no mask
+    if _IN_STEP.get() or own not in ALL_MASK_ATTENTION_FUNCTIONS:
         return None
     return ALL_MASK_ATTENTION_FUNCTIONS[own](**kwargs)

@@ -29,7 +29,8 @@ class SchedulerOutput:
     """What one step runs, and the block copies (copy-on-write) to do before it."""
 
     items: list[ScheduledSeq] = field(default_factory=list)
-    cow_pairs: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block)
+    # (src block, dst block)
+    cow_pairs: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -55,19 +56,28 @@ class Scheduler:
     # the default of every new scheduler (an engine's, a replay's): on, as in vLLM V1
     enable_chunked_prefill: bool = True
 
-    def __init__(self, block_manager: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool | None = None) -> None:
+    def __init__(
+        self,
+        block_manager: CacheManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool | None = None,
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
-            raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
-                             f"(got {max_num_seqs}, {max_num_batched_tokens})")
+            raise ValueError(
+                "need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
+                f"(got {max_num_seqs}, {max_num_batched_tokens})"
+            )
         self.block_manager, self.max_num_seqs = block_manager, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         if enable_chunked_prefill is not None:
             self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: oldest first
+        # admission order: oldest first
+        self.running: list[Request] = []
         self.num_preemptions = 0
-        self.last_output: SchedulerOutput | None = None  # what the latest schedule() picked (a replica reports it)
+        # what the latest schedule() picked (a replica reports it)
+        self.last_output: SchedulerOutput | None = None
 
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -76,11 +86,13 @@ class Scheduler:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``ValueError`` if a request could not run even alone in an empty pool."""
         bm = self.block_manager
-        need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)  # K/V of every token but the last generated
+        # K/V of every token but the last generated
+        need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)
         if need > bm.num_blocks:
             raise ValueError(
                 f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens, block size "
-                f"{bm.block_size}) but the pool has {bm.num_blocks}: it can never run")
+                f"{bm.block_size}) but the pool has {bm.num_blocks}: it can never run"
+            )
 
     def add(self, seq: Request) -> None:
         """Queue a new sequence at the back of the waiting queue."""
@@ -96,9 +108,11 @@ class Scheduler:
         bm, out = self.block_manager, SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:  # 1. running: a decode token, or the next chunk of a prompt
+        # 1. running: a decode token, or the next chunk of a prompt
+        while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self.is_prefilling(seq):  # its blocks are allocated: compute the next chunk
+            # its blocks are allocated: compute the next chunk
+            if self.is_prefilling(seq):
                 start = seq.num_computed_tokens
                 end = min(seq.num_tokens, start + budget)
                 out.items.append(ScheduledSeq(seq, start, end, True))
@@ -107,7 +121,8 @@ class Scheduler:
                 i += 1
                 continue
             while not bm.can_append(seq.seq_id):
-                victim = self.running[-1]  # the youngest
+                # the youngest
+                victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -121,15 +136,24 @@ class Scheduler:
                 budget -= 1
                 i += 1
         chunked = self.enable_chunked_prefill
-        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:  # 2. admit
+        # 2. admit
+        while (
+            self.waiting
+            and not out.preempted
+            and len(self.running) < self.max_num_seqs
+            and budget > 0
+        ):
             seq = self.waiting[0]
             n = seq.num_tokens
-            if n > budget and out.items and not chunked:  # too long for what is left; a long prompt runs alone
+            # too long for what is left; a long prompt runs alone
+            if n > budget and out.items and not chunked:
                 break
             plan = bm.can_allocate(seq.token_ids, seq.scope)
             if not plan:
                 break
-            cached = bm.allocate(seq.seq_id, seq.token_ids, seq.scope, plan=plan, preempted=seq.num_preemptions > 0)
+            cached = bm.allocate(
+                seq.seq_id, seq.token_ids, seq.scope, plan=plan, preempted=seq.num_preemptions > 0
+            )
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             self.waiting.popleft()
@@ -157,9 +181,15 @@ class Scheduler:
 
     def check_fork(self, parent: Request) -> None:
         """Raise ``ValueError`` unless ``parent`` runs, has generated a token and is not mid-prefill (``fork`` needs it)."""
-        if parent.status is not RequestStatus.RUNNING or not parent.output_ids or self.is_prefilling(parent):
-            raise ValueError("only a running sequence that has generated a token (and is not being prefilled again "
-                             "after a preemption) can be forked")
+        if (
+            parent.status is not RequestStatus.RUNNING
+            or not parent.output_ids
+            or self.is_prefilling(parent)
+        ):
+            raise ValueError(
+                "only a running sequence that has generated a token (and is not being prefilled again "
+                "after a preemption) can be forked"
+            )
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
@@ -172,8 +202,13 @@ class Scheduler:
 
     def _free(self, seq: Request, uncache_from: int | None) -> None:
         """Free a running sequence's blocks; those past its computed tokens (a prompt in chunks) leave the cache."""
-        if self.is_prefilling(seq):  # cached at allocation, never written: no request may hit them later
-            uncache_from = seq.num_computed_tokens if uncache_from is None else min(uncache_from, seq.num_computed_tokens)
+        # cached at allocation, never written: no request may hit them later
+        if self.is_prefilling(seq):
+            uncache_from = (
+                seq.num_computed_tokens
+                if uncache_from is None
+                else min(uncache_from, seq.num_computed_tokens)
+            )
         self.block_manager.free(seq.seq_id, uncache_from)
         seq.num_computed_tokens = 0
 
@@ -192,14 +227,24 @@ class Scheduler:
         bm = self.block_manager
         bm.check_invariants()
         running = {s.seq_id for s in self.running}
-        check(running == set(bm.seqs), f"running {sorted(running)} but the block manager holds {sorted(bm.seqs)}")
-        for seq in self.running:  # all but its last token; a prompt in chunks: all its tokens, some not computed yet
+        check(
+            running == set(bm.seqs),
+            f"running {sorted(running)} but the block manager holds {sorted(bm.seqs)}",
+        )
+        # all but its last token; a prompt in chunks: all its tokens, some not computed yet
+        for seq in self.running:
             held = bm.seqs[seq.seq_id].token_ids
-            check(seq.status is RequestStatus.RUNNING
-                  and held == (seq.token_ids if self.is_prefilling(seq) else seq.token_ids[:-1]),
-                  f"sequence {seq.seq_id}: its blocks hold other tokens than all but its last")
-            check(0 < seq.num_computed_tokens <= len(held) <= seq.num_tokens,
-                  f"sequence {seq.seq_id}: {seq.num_computed_tokens} tokens computed of {len(held)} held")
+            check(
+                seq.status is RequestStatus.RUNNING
+                and held == (seq.token_ids if self.is_prefilling(seq) else seq.token_ids[:-1]),
+                f"sequence {seq.seq_id}: its blocks hold other tokens than all but its last",
+            )
+            check(
+                0 < seq.num_computed_tokens <= len(held) <= seq.num_tokens,
+                f"sequence {seq.seq_id}: {seq.num_computed_tokens} tokens computed of {len(held)} held",
+            )
         for seq in self.waiting:
-            check(seq.status is RequestStatus.WAITING and seq.seq_id not in bm.seqs,
-                  f"waiting sequence {seq.seq_id} still holds blocks")
+            check(
+                seq.status is RequestStatus.WAITING and seq.seq_id not in bm.seqs,
+                f"waiting sequence {seq.seq_id} still holds blocks",
+            )

