@@ -21,7 +21,6 @@ from kvlab.engine.models import encode
 from kvlab.engine.reference import hf_generate
 from kvlab.engine.tenants import POLICIES, SharedTenantsWarning
 from kvlab.lessons import passphrase as P
-from kvlab.lessons.nb07_security import random_secret, victim_message
 
 
 # --- 07_isolation_and_security.ipynb, cell 5 ---
@@ -35,7 +34,19 @@ def salted_block(public_tokens: int, block_size: int) -> int:
     return public_tokens // block_size
 
 
-# --- 07_isolation_and_security.ipynb, cell 21 ---
+# --- 07_isolation_and_security.ipynb, cell 19 ---
+def victim_message(secret: str, n_document_lines: int = 8) -> str:
+    """The victim's user turn and the assistant header: the secret first, then a document the attacker knows."""
+    doc = "\n".join(P.FILLER_EN[i % len(P.FILLER_EN)] for i in range(n_document_lines))
+    return P.chatml("user", f'My passphrase is "{secret}". Keep it safe.\n{doc}') + f"{P.IM_START}assistant\n"
+
+
+def random_secret(rng: random.Random) -> str:
+    """A 6-character passphrase from A-Z2-9 (every candidate the attacker tries has this form)."""
+    return "".join(rng.choice(P.ALPHABET) for _ in range(6))
+
+
+# --- 07_isolation_and_security.ipynb, cell 22 ---
 @dataclass(slots=True)
 class Probe:
     """One timed request of the attacker."""
@@ -91,7 +102,7 @@ def run_attack(engine, tokenizer, n_trials, n_wrong, system_text, n_document_lin
     return probes
 
 
-# --- 07_isolation_and_security.ipynb, cell 24 ---
+# --- 07_isolation_and_security.ipynb, cell 25 ---
 def roc_auc(positive_scores, negative_scores):
     """P(a positive scores above a negative), ties counting 1/2: the Mann-Whitney U over n_pos * n_neg.
 
@@ -130,7 +141,7 @@ def attack_summary(probes, alpha=0.01):
             f"sharing detected (p < {alpha})": pvalue < alpha}
 
 
-# --- 07_isolation_and_security.ipynb, cell 34 ---
+# --- 07_isolation_and_security.ipynb, cell 35 ---
 def isolation_cost(model, tokenizer, n_tenants, system_text, per_tenant=1, policies=POLICIES, block_size=16, seed=0):
     """One row per policy: prefill tokens computed, hits, peak KV blocks, wall time, and the outputs.
 
@@ -163,7 +174,7 @@ def isolation_cost(model, tokenizer, n_tenants, system_text, per_tenant=1, polic
     return rows
 
 
-# --- 07_isolation_and_security.ipynb, cell 41 ---
+# --- 07_isolation_and_security.ipynb, cell 42 ---
 def isolated_outputs(model, tokenizer, requests):
     """Each request generated alone by transformers' ``model.generate`` (``hf_generate``): the reference.
 
@@ -275,7 +286,7 @@ def stress_test(model, tokenizer, workload, reference, policy="public-prefix", s
                         tenant_table(requests, outs, bm.metrics.tenant_table()), bm.metrics.preempted.requests)
 
 
-# --- 07_isolation_and_security.ipynb, cell 52 ---
+# --- 07_isolation_and_security.ipynb, cell 53 ---
 def param_count(config):
     """Parameters of a Llama/Qwen2-style decoder from its ``config.json`` (no weights needed).
 

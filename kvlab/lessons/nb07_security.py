@@ -27,17 +27,6 @@ def operator_system_prompt(n_lines: int = 12, seed: int = 0) -> str:
     return P.chatml("system", "\n".join(rng.choice(P.FILLER_EN + P.FILLER_ZH) for _ in range(n_lines)))
 
 
-def victim_message(secret: str, n_document_lines: int = 8) -> str:
-    """The victim's user turn and the assistant header: the secret first, then a document the attacker knows."""
-    doc = "\n".join(P.FILLER_EN[i % len(P.FILLER_EN)] for i in range(n_document_lines))
-    return P.chatml("user", f'My passphrase is "{secret}". Keep it safe.\n{doc}') + f"{P.IM_START}assistant\n"
-
-
-def random_secret(rng: random.Random) -> str:
-    """A 6-character passphrase from A-Z2-9 (all candidates have this form)."""
-    return "".join(rng.choice(P.ALPHABET) for _ in range(6))
-
-
 @dataclass(slots=True)
 class StressRequest:
     """One request of the stress workload: its prompt, tenant, sampling and the step it arrives at."""
