@@ -5,7 +5,8 @@
 
 The glyphs are collected from every string the figures and the HTML handout can show: the notebooks'
 sources, the executed copies' markdown and outputs (``build/notebooks/*.ipynb`` when present, and any
-``--executed DIR``), the lessons' modules (prompts, passphrases, the article's decision table) and every
+``--executed DIR``), the lessons' modules and the notebooks' generated ones in ``kvlab/built`` (prompts, passphrases, the
+article's decision table) and every
 piece the bundled tokenizer decodes to (token labels in notebooks 01 and 02). The subset goes to
 ``data/fonts/`` with its licence; ``kvlab.lessons.common`` registers it with matplotlib at import, and
 ``scripts/run_notebooks.py`` embeds a per-page subset of it in each HTML page (``font_face_css``). Run it
@@ -82,7 +83,8 @@ def wanted_characters(executed: list[Path] | tuple[Path, ...] = (EXECUTED,)) -> 
     ``executed``: folders of executed notebooks (``*.ipynb``) whose outputs count too; a missing folder is skipped.
     """
     texts = [_notebook_text(p) for p in sorted((ROOT / "notebooks").glob("*.ipynb"))]
-    texts += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "kvlab" / "lessons").glob("*.py"))]
+    texts += [p.read_text(encoding="utf-8") for folder in ("lessons", "built")
+              for p in sorted((ROOT / "kvlab" / folder).glob("*.py"))]
     texts += [_executed_text(p) for folder in executed for p in sorted(Path(folder).glob("*.ipynb"))]
     texts.append(_tokenizer_pieces())
     return {c for text in texts for c in text if is_cjk(c)}
