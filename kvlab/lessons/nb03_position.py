@@ -19,15 +19,13 @@ from kvlab.lessons import passphrase as P
 from kvlab.lessons import rope
 from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
 
+# exercise 03.3's reference
+from kvlab.lessons.solutions import ex03_3_positions_from_mask as positions_from_mask
+
 
 def __getattr__(name: str) -> Any:
     """The experiments written in notebook 03 (``kvlab.built.nb03``)."""
     return getattr(nb03, name)
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Exercise 03.3's solution: position ids from a padding mask (batch, seq), real tokens counted per row, pads 0."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0) * mask.long()
 
 
 def fig_shift_sweep(sweep: Any):

@@ -1,7 +1,8 @@
 """Worked solutions of the notebooks' exercises, one function per exercise.
 
-Tested against the checkers in ``tests/lessons/test_exercises.py``; never imported by a notebook (each exercise
-starts blank there). One block per notebook, in notebook order.
+Tested against the checkers in ``tests/lessons/test_exercises.py``. A notebook never shows one above its exercise
+(each exercise starts blank there); a checker and an experiment that must run before the exercise is done (03's
+left padding, 04's allocate) use one as the reference. One block per notebook, in notebook order.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def ex03b_1_rerotate(keys, delta: int, theta: float):
     """03b.1: turn pair (i, i + d/2) of every key by delta * inv_freq[i]: k * cos + rotate_half(k) * sin."""
     import torch
 
-    from kvlab.lessons.rope import inverse_frequencies, rotate_half
+    from kvlab.engine.rope import inverse_frequencies, rotate_half
 
     angle = delta * inverse_frequencies(keys.shape[-1], theta, device=keys.device)  # (head_dim/2,)
     angle = torch.cat((angle, angle))  # (head_dim,): the layout of rotate_half
