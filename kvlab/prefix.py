@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from kvlab.engine.models import cache_nbytes, encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
+from kvlab.engine.models import (
+    cache_nbytes,
+    encode,
+    eos_ids,
+    model_device_dtype,
+    model_fingerprint,
+    synchronize,
+)
 from kvlab.engine.reference import hf_generate_with_logits
 from kvlab.engine.sampling import sample_next
 

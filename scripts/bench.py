@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench.py --smoke    # a quick pass with small sizes
     .venv/bin/python scripts/bench.py --device cuda --dtype bfloat16 --layers 24
 
-One run measures, with repetitions interleaved and medians kept (``kvlab.lessons.bench``):
+One run measures, with repetitions interleaved and medians kept (``kvlab.bench.peers``):
 
 * TTFT shared / isolated for kvlab, beside the ideal (uncached tokens / all tokens) and beside the same
   ratio for HF manual reuse and HF ``generate_batch`` (block sharing on / off);
@@ -37,11 +37,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvlab.bench import peers as B  # noqa: E402
+from kvlab.bench.workload import ideal_prefill_fraction, sys512  # noqa: E402
 from kvlab.cache.block_manager import cdiv  # noqa: E402
 from kvlab.engine import Engine, SamplingParams  # noqa: E402
-from kvlab.engine.models import kv_bytes_per_token, kv_shape, load_model, random_model, resolve_device, synchronize  # noqa: E402
-from kvlab.lessons import bench as B  # noqa: E402
-from kvlab.lessons.workloads import ideal_prefill_fraction, sys512  # noqa: E402
+from kvlab.engine.models import (  # noqa: E402
+    kv_bytes_per_token,
+    kv_shape,
+    load_model,
+    random_model,
+    resolve_device,
+    synchronize,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

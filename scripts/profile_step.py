@@ -3,12 +3,12 @@
     .venv/bin/python scripts/profile_step.py                 # SmolLM2-135M, float32, CPU, 2 threads
     .venv/bin/python scripts/profile_step.py --caching       # prefix cache on: the shared prefill, then decodes
 
-It builds the engine ``kvlab.lessons.bench.kvlab_steps`` builds (16 requests of a 512-token shared prefix +
+It builds the engine ``kvlab.bench.peers.kvlab_steps`` builds (16 requests of a 512-token shared prefix +
 32 unique tokens), runs the prefill step of every prompt and one warm-up decode step, then profiles one
 decode step (16 sequences) and, on a fresh engine, the prefill step. For each it prints the top ops by self
 CPU time, the share of the step's wall time spent outside ATen ops (Python and dispatch overhead) and,
 beside them, the weight-bytes bound of a decode step (bytes of weights it reads / half the measured copy
-bandwidth) and the peak FLOP/s of ``F.linear`` on the model's shapes (``kvlab.lessons.bench``). The
+bandwidth) and the peak FLOP/s of ``F.linear`` on the model's shapes (``kvlab.bench.peers``). The
 tables go to ``build/bench/profile_{decode,prefill}.txt``.
 """
 
@@ -25,11 +25,11 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvlab.bench import peers as B  # noqa: E402
+from kvlab.bench.workload import sys512  # noqa: E402
 from kvlab.cache.block_manager import cdiv  # noqa: E402
 from kvlab.engine import Engine, SamplingParams  # noqa: E402
 from kvlab.engine.models import load_model  # noqa: E402
-from kvlab.lessons import bench as B  # noqa: E402
-from kvlab.lessons.workloads import sys512  # noqa: E402
 
 
 def make_engine(model, wl, caching: bool, steps: int, block_size: int = 16) -> Engine:

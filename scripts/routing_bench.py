@@ -24,7 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab.cluster import ALL_POLICIES, agree, ray_available, ray_replicas, run_fleet, simulate, start_ray  # noqa: E402
+from kvlab.cluster import (  # noqa: E402
+    ALL_POLICIES,
+    agree,
+    ray_available,
+    ray_replicas,
+    run_fleet,
+    simulate,
+    start_ray,
+)
 from kvlab.lessons import nb09_routing as L  # noqa: E402
 
 

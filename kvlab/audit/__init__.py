@@ -15,7 +15,14 @@ Model APIs", ICML 2025 (arXiv 2502.07776). The code here is written from the pap
 """
 
 from .client import AuditHTTPError, Endpoint, Timing, first_model, measure
-from .dictionary import Guess, Template, accuracy, chance_pvalue, make_template, run_dictionary_attack
+from .dictionary import (
+    Guess,
+    Template,
+    accuracy,
+    chance_pvalue,
+    make_template,
+    run_dictionary_attack,
+)
 from .procedure import (
     AuditConfig,
     AuditResult,

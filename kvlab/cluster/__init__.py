@@ -17,7 +17,15 @@ Ray is optional (``pip install kvlab[cluster]``): nothing here imports it until 
 from .cost import CostModel
 from .driver import FleetResult, percentile, run_fleet
 from .pd import pd_summary, run_pd
-from .replica import EngineReplica, LocalHandle, RayHandle, SimReplica, ray_available, ray_replicas, start_ray
+from .replica import (
+           EngineReplica,
+           LocalHandle,
+           RayHandle,
+           SimReplica,
+           ray_available,
+           ray_replicas,
+           start_ray,
+)
 from .router import ALL_POLICIES, POLICIES, HashRing, KVIndex, PrefixTree, Router, RouteRequest
 from .sim import agree, simulate
 from .workloads import FleetWorkload, Session, chat, from_prompts

@@ -15,7 +15,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from kvlab.built.nb01 import TinyDecoder, attention, cached_vs_recompute, decode_with_step, repeat_kv  # noqa: F401
+from kvlab.built.nb01 import TinyDecoder, attention, decode_with_step, repeat_kv
 from kvlab.lessons.common import GIB, Verdict, as_number, call_answer, label, unanswered, verdict
 
 DecodeStep = Callable[[dict, int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

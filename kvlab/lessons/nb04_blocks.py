@@ -18,7 +18,7 @@ from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.hashing import first_block_extra_keys, hash_block, hash_token_blocks
 from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
-from kvlab.lessons.solutions import build_04_allocate as reference_allocate  # the worked solution of 04.B2
+from kvlab.lessons.solutions import build_04_allocate as reference_allocate  # 04.B2's solution
 from kvlab.lessons.traces import replay, timestamp_trace
 
 __all__ = ["ToyBlocks", "block_state", "block_trace", "check_allocate", "check_block_hashes", "check_cached_tokens",

@@ -32,7 +32,13 @@ from ..engine.sampling import SamplingParams
 from .debug import engine_report
 from .generation import ClientGone, Generation, Piece, wait_or_disconnect
 from .metrics import ServeMetrics
-from .protocol import PROMPT_BYTES_PER_TOKEN, ApiError, ChatRequest, CompletionRequest, validation_message
+from .protocol import (
+    PROMPT_BYTES_PER_TOKEN,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    validation_message,
+)
 from .runner import EngineRunner, EngineStoppedError, Job, QueueFullError, new_request_id, now
 from .tenancy import AuthError, KeyTable
 from .text import TextStream

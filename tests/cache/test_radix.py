@@ -9,7 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, TenantScope, UnknownSequenceError
+from kvlab.cache.block_manager import (
+    BlockManager,
+    DuplicateSequenceError,
+    TenantScope,
+    UnknownSequenceError,
+)
 from kvlab.cache.block_pool import InvariantError, NoFreeBlocksError
 from kvlab.cache.radix import RadixCache
 

@@ -6,7 +6,16 @@ import time
 import pytest
 
 from kvlab.cache.hashing import prompt_block_hashes
-from kvlab.cluster import LocalHandle, Router, RouteRequest, SimReplica, agree, chat, run_fleet, simulate
+from kvlab.cluster import (
+    LocalHandle,
+    Router,
+    RouteRequest,
+    SimReplica,
+    agree,
+    chat,
+    run_fleet,
+    simulate,
+)
 from kvlab.cluster.object_store import LocalObjectStore, ObjectLost
 
 # One worker runs every test that uses Ray (tests/cluster/conftest.py starts it once per session).

@@ -1,6 +1,12 @@
 """The pair diff (kvlab.doctor.culprits.textdiff): each difference is named by kind, key and token position."""
 
-from kvlab.doctor.culprits.textdiff import common_suffix, realign, scan_pairs, stable_key, unit_bounds
+from kvlab.doctor.culprits.textdiff import (
+    common_suffix,
+    realign,
+    scan_pairs,
+    stable_key,
+    unit_bounds,
+)
 
 RULES = "Rules: be kind, be brief, never invent a policy, and always cite the documents you used."
 

@@ -23,7 +23,12 @@ from hypothesis import strategies as st
 from passphrase_prompts import ASK_EN, example_prompts, question_prompts
 
 import kvlab.engine.runner as runner_module  # where the step samples (sample_next)
-from kvlab.cache.block_manager import BlockManager, DuplicateSequenceError, TenantScope, UnknownSequenceError
+from kvlab.cache.block_manager import (
+    BlockManager,
+    DuplicateSequenceError,
+    TenantScope,
+    UnknownSequenceError,
+)
 from kvlab.cache.block_pool import BlockPool, NoFreeBlocksError
 from kvlab.engine import Engine, SamplingParams, UnknownRequestError
 from kvlab.engine.models import encode

@@ -1,4 +1,4 @@
-"""The sys512 benchmark's measurement of transformers' ``generate_batch`` (``kvlab.lessons.bench``)."""
+"""The sys512 benchmark's measurement of transformers' ``generate_batch`` (``kvlab.bench.peers``)."""
 
 import logging
 
@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvlab.lessons import bench as B  # noqa: E402
+from kvlab.bench import peers as B  # noqa: E402
 from kvlab.lessons import workloads as W  # noqa: E402
 
 CB_LOGGER = "ContinuousBatchingLogger"  # where transformers' continuous batching logs its prefix matches

@@ -1,9 +1,7 @@
 """The build exercises (notebooks 01, 02, 04): the worked solution passes its checker, a blank stub gets
 "not yet" with a hint, a deliberately wrong answer gets a hint, and ``use_reference`` picks the right piece."""
 
-import pytest
-
-from kvlab.engine import SamplingParams
+from kvlab.built import nb01 as N
 from kvlab.lessons import nb01_attention as A
 from kvlab.lessons import nb02_prefix as R
 from kvlab.lessons import nb04_blocks as L
@@ -27,7 +25,7 @@ def assert_not_yet(v, *words):
 def test_01_decode_step_solution_and_reference_pass():
     assert A.check_decode_step(SOL.build_01_decode_step)
     assert A.check_decode_step(A.reference_decode_step)
-    assert A.cached_vs_recompute(4, 2, seq=6, step=SOL.build_01_decode_step) <= 1e-5
+    assert N.cached_vs_recompute(4, 2, seq=6, step=SOL.build_01_decode_step) <= 1e-5
 
 
 def test_01_decode_step_blank_gets_a_hint():

@@ -12,7 +12,15 @@ from kvlab.lessons import nb04_blocks as L
 from kvlab.lessons import nb05_table36 as T
 from kvlab.lessons import nb06_vllm as V
 from kvlab.lessons import nb07_security as S
-from kvlab.lessons.common import DECISION_ROWS, ROW_NAMES, Verdict, call_answer, decision_table, unanswered, verdict
+from kvlab.lessons.common import (
+    DECISION_ROWS,
+    ROW_NAMES,
+    Verdict,
+    call_answer,
+    decision_table,
+    unanswered,
+    verdict,
+)
 
 
 def test_verdict_is_truthy_when_correct_and_shows_its_message():
@@ -120,7 +128,7 @@ def test_decision_rows_are_named_and_keep_the_article_text():
 def test_every_lesson_figure_is_named_fig():
     import inspect
 
-    from kvlab.lessons import bench as B
+    from kvlab.bench import peers as B
 
     for module in (E, A, R, X, L, T, V, S, B):
         for name, fn in inspect.getmembers(module, inspect.isfunction):

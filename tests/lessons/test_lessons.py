@@ -147,11 +147,11 @@ def test_radix_ttft_figure_shows_at_most_twelve_request_ticks():
 
 
 def test_sweep_figure_ticks_are_whole_requests():
-    from kvlab.lessons import bench as B
+    from kvlab.lessons import nb05_table36 as T
 
     grid = pd.DataFrame([{"prefix tokens": p, "requests": n, "TTFT ratio": 0.8, "ideal": 0.6,
                           "KV isolated (MiB)": 1.0, "KV shared (MiB)": 0.5} for p in (32, 64) for n in (2, 4)])
-    fig = B.fig_sweep(grid, 64, 4)
+    fig = T.fig_sweep(grid, 64, 4)
     assert list(fig.axes[1].get_xticks()) == [2, 4]
     plt.close(fig)
 

@@ -136,7 +136,7 @@ def test_checkers():
 def test_bench_core_on_a_tiny_model():
     import transformers
 
-    from kvlab.lessons import bench as B
+    from kvlab.bench import peers as B
 
     cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)

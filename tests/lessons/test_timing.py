@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from kvlab.built.nb01 import BELOW_IDEAL, OUTLIER, Timing, curve_verdict, ratio_verdict, time_interleaved
+from kvlab.built.nb01 import (
+    BELOW_IDEAL,
+    OUTLIER,
+    Timing,
+    curve_verdict,
+    ratio_verdict,
+    time_interleaved,
+)
 
 
 class FakeClock:

@@ -9,7 +9,13 @@ from ..tokenization import PromptEncoder
 from .base import Culprit, record_segments, with_contents
 from .blocks import alignment_culprit, padded, public_prefixes, tenant_culprit
 from .fields import FieldPattern, field_culprits, move_fields, token_span_culprits
-from .structure import multiturn_culprit, order_culprits, template_culprit, tools_culprit, whitespace_culprit
+from .structure import (
+    multiturn_culprit,
+    order_culprits,
+    template_culprit,
+    tools_culprit,
+    whitespace_culprit,
+)
 from .textdiff import Finding, scan_pairs
 
 __all__ = ["Culprit", "FieldPattern", "Finding", "find_culprits", "move_fields", "padded", "public_prefixes",

@@ -16,7 +16,7 @@ systems it is the request's own time to first token (queueing behind earlier req
 Throughput is generated tokens per wall second of the whole workload. Repetitions are interleaved
 (one of each system, then again) and the median is kept, so a busy machine slows all alike.
 
-The ideal TTFT ratio is ``kvlab.lessons.workloads.ideal_prefill_fraction``: uncached prompt tokens over all.
+The ideal TTFT ratio is ``kvlab.bench.workload.ideal_prefill_fraction``: uncached prompt tokens over all.
 The ideal KV bytes count whole blocks: the prefix's full blocks once, everything else per request.
 """
 
@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
+from kvlab.bench.workload import Workload, ideal_prefill_fraction, sys512
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import model_device_dtype, synchronize
-from kvlab.lessons.workloads import Workload, ideal_prefill_fraction, sys512
 from kvlab.prefix import continue_from_cache
 
-__all__ = ["SYSTEMS", "engine_speed", "fig_sweep", "fig_sys512", "goals", "kv_ideal_bytes", "measure_sys512", "prefill_padding", "ratios",
+__all__ = ["SYSTEMS", "engine_speed", "goals", "kv_ideal_bytes", "measure_sys512", "prefill_padding", "ratios",
            "run_generate_batch", "run_hf_generate", "run_hf_manual", "run_kvlab", "sweep"]
 
 
@@ -390,66 +390,6 @@ def sweep(model: Any, vocab_size: int, prefix_lens: Sequence[int], request_count
                      "KV shared (MiB)": sh["peak_kv_bytes"] / 2 ** 20, "KV isolated (MiB)": iso["peak_kv_bytes"] / 2 ** 20})
     return pd.DataFrame(rows)
 
-
-def fig_sys512(table: Any, title: str = "sys512"):
-    """Three panels: mean TTFT, throughput and peak KV bytes per system, shared beside isolated.
-
-    Horizontal bars, one row per system (names never overlap); a log time axis when the TTFTs span
-    more than a factor of 30, so no bar vanishes.
-    """
-    import matplotlib.pyplot as plt
-
-    ok = table[table["error"] == ""]
-    systems = list(dict.fromkeys(ok["system"]))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 0.55 * len(systems) + 2.2), gridspec_kw={"width_ratios": [1, 1, 0.7]})
-    for ax, col, label in ((axes[0], "TTFT (ms)", "mean TTFT (ms)"), (axes[1], "throughput (tok/s)", "generated tokens / s")):
-        for j, mode in enumerate(("isolated", "shared")):
-            vals = [ok[(ok.system == s) & (ok["mode"] == mode)][col] for s in systems]
-            ax.barh([i + (j - 0.5) * 0.38 for i in range(len(systems))], [v.iloc[0] if len(v) else 0 for v in vals],
-                    0.38, label=mode, color=("tab:gray", "tab:blue")[j])
-        ax.set_yticks(range(len(systems)), systems if ax is axes[0] else [""] * len(systems), fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel(label)
-        vals = ok[col].dropna()
-        if col == "TTFT (ms)" and len(vals) and vals.min() > 0 and vals.max() / vals.min() > 30:
-            ax.set_xscale("log")
-    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="mode")
-    kv = ok[ok.system == "kvlab"].set_index("mode")["peak KV (MiB)"]
-    axes[2].bar(["isolated", "shared"], [kv.get("isolated", 0), kv.get("shared", 0)], color=["tab:gray", "tab:blue"])
-    axes[2].set_ylabel("peak KV bytes (MiB)")
-    axes[0].set_title("time to first token")
-    axes[1].set_title("throughput")
-    axes[2].set_title("kvlab: KV cache in use at the peak")
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
-def fig_sweep(sweep_table: Any, prefix_tokens: int, num_requests: int):
-    """TTFT ratio vs prefix length (at ``num_requests``) and KV bytes vs requests (at ``prefix_tokens``)."""
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    d = sweep_table[sweep_table.requests == num_requests].sort_values("prefix tokens")
-    a.plot(d["prefix tokens"], d["TTFT ratio"], "o-", label="measured shared/isolated")
-    a.plot(d["prefix tokens"], d["ideal"], "k--", label="ideal (uncached tokens / all)")
-    a.axvline(prefix_tokens, color="tab:red", alpha=0.4)
-    top = max(1.1, 1.08 * float(max(d["TTFT ratio"].max(), d["ideal"].max()))) if len(d) else 1.1
-    a.set(xlabel="shared prefix (tokens)", ylabel="TTFT shared / isolated", title=f"{num_requests} requests", ylim=(0, top))
-    a.legend()
-    d = sweep_table[sweep_table["prefix tokens"] == prefix_tokens].sort_values("requests")
-    b.plot(d["requests"], d["KV isolated (MiB)"], "o-", color="tab:gray", label="isolated")
-    b.plot(d["requests"], d["KV shared (MiB)"], "o-", color="tab:blue", label="shared")
-    b.axvline(num_requests, color="tab:red", alpha=0.4)
-    b.set(xlabel="requests", ylabel="peak KV (MiB)", title=f"{prefix_tokens}-token prefix")
-    b.set_xticks(sorted(sweep_table["requests"].unique()))  # whole requests only, the counts measured
-    a.set_xticks(sorted(sweep_table["prefix tokens"].unique()))
-    b.legend()
-    fig.tight_layout()
-    return fig
-
-
-# ----------------------------------------------------------------------------- engine speed against the machine
 
 def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
     fn()  # warm-up
