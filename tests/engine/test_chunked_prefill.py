@@ -222,8 +222,9 @@ def _chunk_counter(engine):
 
 def test_engine_chunks_are_token_identical_to_hf_generate(lm, workload):
     """The bundled model, 40 passphrase prompts, a budget of 48 tokens a step: most prompts run in chunks."""
-    from kvlab.engine import Engine, SamplingParams
     from conftest import ENGINE_MAX_NEW
+
+    from kvlab.engine import Engine, SamplingParams
 
     model, tok = lm
     ids, ref = workload
@@ -239,8 +240,9 @@ def test_engine_chunks_are_token_identical_to_hf_generate(lm, workload):
 
 def test_engine_chunks_under_preemption_are_token_identical(lm, workload):
     """A small pool: half-prefilled requests are preempted, prefilled again in chunks, and still match HF."""
-    from kvlab.engine import Engine, SamplingParams
     from conftest import ENGINE_MAX_NEW
+
+    from kvlab.engine import Engine, SamplingParams
 
     model, tok = lm
     ids, ref = workload
