@@ -424,8 +424,8 @@ def slope_report(cost, crossover: float, tolerance: float = 0.1) -> list[str]:
         for name, col in (("no cache", "recompute"), ("with cache", "cached")):
             t, f = cost[f"{col}_s"][mask], cost[f"{col}_flops"][mask]
             ms, cs = (float(np.polyfit(np.log(n), np.log(y), 1)[0]) for y in (t, f))
-            how = ("as counted" if abs(ms - cs) <= tolerance else
-                   "FASTER than counted" if ms > cs else "SLOWER than counted")
+            how = ("grew as counted" if abs(ms - cs) <= tolerance else
+                   "grew MORE than counted" if ms > cs else "grew LESS than counted")
             whole = curve_verdict(cost.n, cost[f"{col}_s"], expected=cost[f"{col}_flops"])
             lines.append(f"{part} (n = {', '.join(map(str, n))}), {name}: " + whole.says(
                 f"time x{t.iloc[-1] / t.iloc[0]:.1f} (slope {ms:.2f}) where the FLOP count says "

@@ -178,9 +178,9 @@ def test_slope_report_compares_measured_and_counted_growth():
                          "cached_flops": n * 1.0, "cached_s": n * 1e-6})
     lines = N.slope_report(cost, 512)
     assert len(lines) == 4
-    assert any("no cache: time x" in s and "(slope 2.00) where the FLOP count says" in s and "(slope 1.00): FASTER"
+    assert any("no cache: time x" in s and "(slope 2.00) where the FLOP count says" in s and "(slope 1.00): grew MORE"
                in s for s in lines)
-    assert all("with cache" not in s or s.endswith(": as counted") for s in lines)
+    assert all("with cache" not in s or s.endswith(": grew as counted") for s in lines)
     assert not any(word in s for s in lines for word in ("memory traffic", "per-call", "because"))  # no causes
 
 
@@ -192,7 +192,7 @@ def test_slope_report_does_not_call_slopes_far_apart_agreeing():
     cost = pd.DataFrame({"n": n, "recompute_flops": n * 1.0, "recompute_s": n * 1e-6,
                          "cached_flops": n ** 0.18, "cached_s": n ** 0.30 * 1e-6})
     cached = next(s for s in N.slope_report(cost, 4096) if "with cache" in s)
-    assert "(slope 0.30)" in cached and cached.endswith("FASTER than counted")
+    assert "(slope 0.30)" in cached and cached.endswith("grew MORE than counted")
 
 
 def test_notebook_01_is_the_source_of_what_it_teaches():
