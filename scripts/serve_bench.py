@@ -114,6 +114,8 @@ def kvlab_phases(args) -> tuple[list, list]:
     """(before vLLM, after vLLM): the overhead phase and the default round (chunked prefill on at ``--budget``)
     run before vLLM's round, the others after it, so the two servers' main rounds run close in time."""
     rest = [("load", False, args.budget)]
+    # ABBA: on, off, then off, on again, so neither setting always runs first (order and drifting load cancel)
+    rest += [("load", False, args.budget), ("load", True, args.budget)] * args.abba
     if args.compare_budget:
         rest += [("load", True, args.compare_budget), ("load", False, args.compare_budget)]
     return [("overhead", True, args.budget), ("load", True, args.budget)], rest
@@ -192,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=2048, help="kvlab's --max-num-batched-tokens (its default)")
     p.add_argument("--compare-budget", type=int, default=None,
                    help="also run kvlab with chunked prefill on and off at this smaller token budget")
+    p.add_argument("--abba", type=int, default=0,
+                   help="add this many (off, on) pairs at --budget after the (on, off) pair, and print each "
+                        "setting's median over its rounds")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--out", default=str(ROOT / "build" / "bench" / "serve.json"))
     args = p.parse_args(argv)
@@ -222,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in kv["rounds"]:
         print(f"{str(r['chunked_prefill']):>8}{r['max_num_batched_tokens']:>8}{r['output_tokens_per_s']:>9.1f}"
               f"{r['ttft_p50_ms']:>10}{r['ttft_p99_ms']:>10}{r['tpot_p50_ms']:>10}{r['tpot_p99_ms']:>10}")
+    main_rounds = [r for r in kv["rounds"] if r["max_num_batched_tokens"] == args.budget]
+    if args.abba:
+        for on in (True, False):
+            rs = [r for r in main_rounds if r["chunked_prefill"] is on]
+            print(f"chunked={on} at {args.budget}, median of {len(rs)} rounds: "
+                  + ", ".join(f"{k} {statistics.median(r[k] for r in rs):.1f} ({min(r[k] for r in rs):.1f}-"
+                              f"{max(r[k] for r in rs):.1f})" for k in ("output_tokens_per_s", "ttft_p99_ms",
+                                                                         "tpot_p99_ms")))
     o = kv["http_vs_inprocess"]
     print(f"\nkvlab TTFT, one request at a time on {o['prompts']} prompts: HTTP p50 {o['ttft_http_p50_ms']} ms, "
           f"in-process p50 {o['ttft_inprocess_p50_ms']} ms, HTTP/in-process x{o['ratio_of_medians']:.2f} "
