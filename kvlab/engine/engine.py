@@ -368,8 +368,10 @@ class Engine:
         # latest first: a block leaves the cache once nobody holds it
         for i in reversed(range(len(items))):
             seq = items[i].seq
-            # the K/V of [start, end) was never (reliably) written
-            uncache_from = items[i].start if i in untrusted else None
+            # the K/V of [start, end) was never (reliably) written; a prompt in chunks: nor its earlier
+            # chunks', which sampled nothing, so nothing checked them
+            first = seq.prefill_start if items[i].is_prefill else items[i].start
+            uncache_from = first if i in untrusted else None
             if i in errors:
                 seq.error = errors[i]
                 self._finish(seq, "error", now, uncache_from)

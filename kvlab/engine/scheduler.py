@@ -156,6 +156,7 @@ class Scheduler:
             )
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
+            seq.prefill_start = cached
             self.waiting.popleft()
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)

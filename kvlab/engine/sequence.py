@@ -42,6 +42,9 @@ class Request:
     num_preemptions: int = 0
     # tokens whose K/V the scheduled steps write (the scheduler's; 0 while waiting)
     num_computed_tokens: int = 0
+    # the first prompt token this admission computes (its cache hits end there): a failed prefill
+    # takes every block from here on out of the cache, the earlier chunks' too
+    prefill_start: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
     # "stop" (eos / stop token), "length", "abort", "error"

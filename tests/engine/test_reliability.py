@@ -211,6 +211,30 @@ def test_nan_logits_fail_only_their_request(tiny):
     assert drained(engine)
 
 
+def test_a_chunked_prompt_that_fails_takes_all_its_chunks_out_of_the_cache(tiny):
+    """NaN K/V written by an early chunk (chunks sample nothing, so nothing checks them) shows only in the last
+    chunk's logits: every block the failed admission computed leaves the cache, not only the last chunk's."""
+    prompt = ids(30, 6) + [250] + ids(31, 40)
+    sp = SamplingParams(max_tokens=4)
+
+    def hook(module, args, output):
+        output[args[0] == 250] = float("nan")
+        return output
+
+    engine = Engine(tiny, None, num_blocks=32, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                    debug=True)
+    handle = tiny.model.embed_tokens.register_forward_hook(hook)
+    try:
+        failed = engine.generate([prompt], sp)[0]
+    finally:
+        handle.remove()
+    assert failed.finish_reason == "error" and "NaN" in failed.error
+    assert engine.stats()["num_steps"] >= 3  # the prompt ran in chunks
+    again = engine.generate([prompt], sp)[0]
+    assert again.num_cached_tokens == 0 and again.output_ids == solo(tiny, prompt, sp, block_size=4)
+    assert drained(engine)
+
+
 def test_generate_survives_a_step_where_every_request_fails(tiny, poison):
     poison.add(3)
     engine = Engine(tiny, None, num_blocks=16, block_size=4, debug=True)
