@@ -54,14 +54,12 @@ def kvlab_args(num_blocks: int, budget: int = 2048) -> list[str]:
 
 
 def start_kvlab_server(port: int, args: list[str], chunked: bool, threads: int, log: Path) -> subprocess.Popen:
-    """``kvlab serve`` with chunked prefill on or off (the scheduler's class default, set before the engine is built)."""
-    code = ("import runpy, sys; from kvlab.engine.scheduler import Scheduler; "
-            f"Scheduler.enable_chunked_prefill = {bool(chunked)}; "
-            "runpy.run_module('kvlab.serve', run_name='__main__', alter_sys=True)")
+    """``kvlab serve`` with chunked prefill on (its default) or off (``--no-chunked-prefill``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     out = open(log, "w")  # noqa: SIM115 (the child owns it)
-    return subprocess.Popen([sys.executable, "-c", code, "--port", str(port), *args], env=env, stdout=out,
-                            stderr=subprocess.STDOUT)
+    flags = [] if chunked else ["--no-chunked-prefill"]
+    return subprocess.Popen([sys.executable, "-m", "kvlab.serve", "--port", str(port), *args, *flags], env=env,
+                            stdout=out, stderr=subprocess.STDOUT)
 
 
 def tpot(results: list) -> list[float]:

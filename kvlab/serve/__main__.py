@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="run each prompt's prefill whole instead of in chunks of the step's token budget "
+                        "(--max-num-batched-tokens); chunked is the default, as in vLLM V1")
     p.add_argument("--max-waiting", type=int, default=128, help="queued requests beyond the batch before 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-prompt-bytes", type=int, default=None,
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(model, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret)
+                    enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret,
+                    enable_chunked_prefill=False if args.no_chunked_prefill else None)
     for text in args.public_prefix:
         engine.add_public_prefix(text)
     name = args.served_model_name or (BUNDLED_NAME if args.model is None else str(args.model))

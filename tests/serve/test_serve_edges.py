@@ -175,6 +175,13 @@ def test_keys_without_isolation_isolate_tenants(started, capsys):
     assert started("--max-prompt-bytes", "0") == (2, None)
 
 
+def test_chunked_prefill_is_on_unless_switched_off(started):
+    rc, app = started()
+    assert rc == 0 and app.state.server.engine.scheduler.enable_chunked_prefill is True
+    rc, app = started("--no-chunked-prefill")
+    assert rc == 0 and app.state.server.engine.scheduler.enable_chunked_prefill is False
+
+
 def test_help_states_the_isolation_default(capsys):
     from kvlab.serve.__main__ import build_parser
 
