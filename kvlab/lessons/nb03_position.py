@@ -1,8 +1,7 @@
 """Notebook 03 (position encoding): figures, exercise checkers and solutions.
 
 The experiments (the shift sweep, the restart, group 2's overlap and re-rotation, group 3, left padding, the
-per-bug table) are written in notebook 03's cells, exported to ``kvlab.built.nb03``, and served from here too
-(``X.overlap_pair`` in 03b, ``X.run_position_checks`` in 07): see ``__getattr__``.
+per-bug table) and RoPE are written in notebook 03's cells: import them from ``kvlab.built.nb03``.
 """
 
 from __future__ import annotations
@@ -16,16 +15,10 @@ import torch
 
 from kvlab.built import nb03
 from kvlab.lessons import passphrase as P
-from kvlab.lessons import rope
 from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
 
 # exercise 03.3's reference
 from kvlab.lessons.solutions import ex03_3_positions_from_mask as positions_from_mask
-
-
-def __getattr__(name: str) -> Any:
-    """The experiments written in notebook 03 (``kvlab.built.nb03``)."""
-    return getattr(nb03, name)
 
 
 def fig_shift_sweep(sweep: Any):
@@ -103,8 +96,8 @@ def rotation_pairs(key: torch.Tensor, shift: int, theta: float = 10000.0,
     """Some (i, i + head_dim/2) pairs of a RoPE'd ``key`` (head_dim,) before and after ``rerotate`` by ``shift``."""
     key = key.detach().float().cpu().reshape(-1)
     half = key.numel() // 2
-    moved = rope.rerotate(key.reshape(1, 1, 1, -1), shift, theta).reshape(-1)
-    inv = rope.inverse_frequencies(key.numel(), theta)
+    moved = nb03.rerotate(key.reshape(1, 1, 1, -1), shift, theta).reshape(-1)
+    inv = nb03.inverse_frequencies(key.numel(), theta)
     pairs = [0, half // 2, half - 1] if pairs is None else list(pairs)
     return [{"pair": i, "before": (float(key[i]), float(key[i + half])),
              "after": (float(moved[i]), float(moved[i + half])), "angle": float(shift * inv[i])} for i in pairs]
@@ -208,7 +201,7 @@ def keys_before_rope(model: Any, ids: Sequence[int]) -> torch.Tensor:
     """Layer 0's keys of ``ids`` before RoPE, (1, kv_heads, T, head_dim): at layer 0 a key depends on its token only."""
     m, device = model.model, next(model.parameters()).device
     x = m.layers[0].input_layernorm(m.embed_tokens(torch.tensor([list(ids)], device=device)))
-    return m.layers[0].self_attn.k_proj(x).view(1, len(ids), -1, rope.head_dim_of(model.config)).transpose(1, 2)
+    return m.layers[0].self_attn.k_proj(x).view(1, len(ids), -1, nb03.head_dim_of(model.config)).transpose(1, 2)
 
 
 def solution_rope_suffix(k: torch.Tensor, prefix_len: int, theta: float = 10000.0) -> torch.Tensor:
@@ -226,7 +219,7 @@ def check_rope_suffix(fn: Callable[..., torch.Tensor] | None, model: Any, tokeni
             "at position p by p * theta ** (-2i / head_dim): (a, b) -> (a cos - b sin, b cos + a sin)")
     if fn is None:
         return unanswered(hint)
-    theta = rope.rope_theta(model.config)
+    theta = nb03.rope_theta(model.config)
     for ex in P.make_examples(n, "heldout", start=300, history="none"):
         ids, p = nb03.prompt_ids(tokenizer, ex)
         k = keys_before_rope(model, ids[p:])
@@ -239,7 +232,7 @@ def check_rope_suffix(fn: Callable[..., torch.Tensor] | None, model: Any, tokeni
         if got.shape != want.shape:
             return verdict(False, hint=f"return the keys' shape {tuple(want.shape)}, not {tuple(got.shape)}")
         if not torch.allclose(got.to(want.dtype), want, atol=1e-4, rtol=1e-4):
-            at0 = torch.allclose(got.to(want.dtype), rope.apply_rope(k, torch.arange(len(ids) - p, device=k.device), theta),
+            at0 = torch.allclose(got.to(want.dtype), nb03.apply_rope(k, torch.arange(len(ids) - p, device=k.device), theta),
                                  atol=1e-4, rtol=1e-4)
             return verdict(False, hint=("your keys sit at positions 0, 1, ...: the prefix already holds those; "
                                         if at0 else f"on example {ex.seed} your keys differ from the model's by up to "

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.built.nb01 import Timing, ratio_verdict
+from kvlab.built.nb03 import token_agreement
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import BUNDLED_MODEL
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verdict
-from kvlab.lessons.nb03_position import token_agreement
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload, seed_groups
 
 __all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "TRANSLATION", "WRONG_MODES", "article_table",

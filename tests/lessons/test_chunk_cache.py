@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvlab import blend as B
+from kvlab.built import nb03
 from kvlab.engine.models import encode
 from kvlab.lessons import nb03b_blend as Z
 from kvlab.lessons import passphrase as P
-from kvlab.lessons import rope
 from kvlab.prefix import PrefixKV, continue_from_cache, generate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_zero_recompute_equals_naive_reuse_built_by_hand(lm, chunks):
     model, tok = lm
     pieces = _pieces(tok)
     ids = _ids(pieces)
-    theta = rope.rope_theta(model.config)
+    theta = nb03.rope_theta(model.config)
     with torch.no_grad():  # by hand: the system turn computed, each chunk alone at 0 and rotated to its place
         layers = [list(kv) for kv in ((lay.keys, lay.values) for lay in
                                       model(input_ids=torch.tensor([pieces[0][0]]), use_cache=True).cache.layers)]
@@ -81,7 +81,7 @@ def test_zero_recompute_equals_naive_reuse_built_by_hand(lm, chunks):
         for chunk, _ in pieces[1:-1]:
             alone = model(input_ids=torch.tensor([chunk]), use_cache=True).cache
             for i, lay in enumerate(alone.layers):
-                layers[i][0] = torch.cat([layers[i][0], rope.rerotate(lay.keys, pos, theta)], 2)
+                layers[i][0] = torch.cat([layers[i][0], nb03.rerotate(lay.keys, pos, theta)], 2)
                 layers[i][1] = torch.cat([layers[i][1], lay.values], 2)
             pos += len(chunk)
         from transformers import DynamicCache
@@ -158,7 +158,7 @@ def test_rerotate_keys_composes_and_leaves_the_unrotated_dims(lm):
     moved = B.rerotate_keys(keys, 40, 10000.0, rotary_dim=16)
     assert torch.equal(moved[..., 16:], keys[..., 16:])
     assert torch.allclose(B.rerotate_keys(moved, -40, 10000.0, rotary_dim=16), keys, atol=1e-5)
-    assert torch.allclose(B.rerotate_keys(keys, 40, 10000.0), rope.rerotate(keys, 40), atol=1e-5)
+    assert torch.allclose(B.rerotate_keys(keys, 40, 10000.0), nb03.rerotate(keys, 40), atol=1e-5)
 
 
 def test_a_put_entry_moves_from_where_it_was_computed(lm):

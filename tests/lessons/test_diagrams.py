@@ -73,12 +73,12 @@ def test_position_ids_figure_continues_after_the_prefix_or_restarts(bundled, pre
 
 @pytest.mark.parametrize("shift", [1, 16, 300])
 def test_rope_rotation_turns_each_pair_by_shift_times_its_frequency(prefix, shift):
+    from kvlab.built import nb03
     from kvlab.lessons import nb03_position as N
-    from kvlab.lessons import rope
 
     key = prefix.cache.layers[0].keys[0, 0, 3]
     fig = N.fig_rope_rotation(key, 3, shift)
-    inv = rope.inverse_frequencies(key.numel())
+    inv = nb03.inverse_frequencies(key.numel())
     before, after = _gid(fig, "before"), _gid(fig, "after")
     assert len(before) == len(after) == 3
     for (b, a), i in zip(zip(before, after), (0, key.numel() // 4, key.numel() // 2 - 1)):

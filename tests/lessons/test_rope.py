@@ -1,4 +1,4 @@
-"""Notebook 03's RoPE (kvlab.built.nb03, re-exported by kvlab.lessons.rope) against transformers', re-rotation, its experiments."""
+"""Notebook 03's RoPE (kvlab.built.nb03) against transformers', re-rotation, its experiments."""
 
 
 import pytest
@@ -25,10 +25,10 @@ def tiny_qwen2(theta=10000.0, head_dim=16, layers=2):
 @pytest.mark.parametrize("theta,head_dim", [(10000.0, 16), (1_000_000.0, 32)])
 def test_cos_sin_equal_the_hf_rotary_embedding(theta, head_dim):
     model = tiny_qwen2(theta, head_dim)
-    assert rope.rope_theta(model.config) == theta and rope.head_dim_of(model.config) == head_dim
+    assert B.rope_theta(model.config) == theta and B.head_dim_of(model.config) == head_dim
     pos = torch.tensor([[0, 1, 2, 7, 100, 999], [5, 5, 6, 300, 301, 302]])
     hf_cos, hf_sin = rope.hf_cos_sin(model, pos)
-    cos, sin = rope.cos_sin(pos, head_dim, theta)
+    cos, sin = B.cos_sin(pos, head_dim, theta)
     torch.testing.assert_close(cos, hf_cos, rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, hf_sin, rtol=0, atol=1e-6)
 
@@ -39,31 +39,31 @@ def test_apply_rope_equals_hf_apply_rotary_pos_emb():
     torch.manual_seed(1)
     q, k = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16)  # (batch, heads, seq, head_dim)
     pos = torch.arange(3, 12)[None].repeat(2, 1)
-    cos, sin = rope.cos_sin(pos, 16)
+    cos, sin = B.cos_sin(pos, 16)
     hq, hk = apply_rotary_pos_emb(q, k, cos, sin)
-    torch.testing.assert_close(rope.apply_rope(q, pos), hq)
-    torch.testing.assert_close(rope.apply_rope(k, pos[0]), hk)
-    assert torch.equal(rope.rotate_half(rope.rotate_half(k)), -k)  # two quarter turns = a half turn
+    torch.testing.assert_close(B.apply_rope(q, pos), hq)
+    torch.testing.assert_close(B.apply_rope(k, pos[0]), hk)
+    assert torch.equal(B.rotate_half(B.rotate_half(k)), -k)  # two quarter turns = a half turn
 
 
 def test_rerotate_moves_keys_to_new_positions():
     torch.manual_seed(2)
     k = torch.randn(1, 2, 20, 16)
-    at_p = rope.apply_rope(k, torch.arange(20))
+    at_p = B.apply_rope(k, torch.arange(20))
     for delta in (0, 1, 13, -5, 400):
-        moved = rope.rerotate(at_p, delta)
-        torch.testing.assert_close(moved, rope.apply_rope(k, torch.arange(20) + delta), rtol=0, atol=2e-5)
-    torch.testing.assert_close(rope.rerotate(rope.rerotate(at_p, 37), -37), at_p, rtol=0, atol=1e-5)
-    assert (rope.rerotate(at_p, 1) - at_p).abs().max() > 0.1  # it really moves them
+        moved = B.rerotate(at_p, delta)
+        torch.testing.assert_close(moved, B.apply_rope(k, torch.arange(20) + delta), rtol=0, atol=2e-5)
+    torch.testing.assert_close(B.rerotate(B.rerotate(at_p, 37), -37), at_p, rtol=0, atol=1e-5)
+    assert (B.rerotate(at_p, 1) - at_p).abs().max() > 0.1  # it really moves them
 
 
 def test_scores_depend_only_on_relative_distance():
     torch.manual_seed(3)
     q, k = torch.randn(16), torch.randn(16)
-    base = rope.rope_score(q, k, 10, 3)
+    base = B.rope_score(q, k, 10, 3)
     for shift in (1, 50, 500):
-        assert abs(rope.rope_score(q, k, 10 + shift, 3 + shift) - base) < 1e-4
-    assert abs(rope.rope_score(q, k, 11, 3) - base) > 1e-3
+        assert abs(B.rope_score(q, k, 10 + shift, 3 + shift) - base) < 1e-4
+    assert abs(B.rope_score(q, k, 11, 3) - base) > 1e-3
 
 
 def test_rerotation_is_exact_at_layer_0_of_a_real_model_only():
@@ -72,11 +72,11 @@ def test_rerotation_is_exact_at_layer_0_of_a_real_model_only():
     with torch.no_grad():
         c0 = model(input_ids=ids, use_cache=True).cache  # positions 0..11
         c9 = model(input_ids=ids, position_ids=torch.arange(9, 21)[None], use_cache=True).cache
-    theta = rope.rope_theta(model.config)
+    theta = B.rope_theta(model.config)
     k0, k9 = c0.layers[0].keys, c9.layers[0].keys
-    torch.testing.assert_close(rope.rerotate(k0, 9, theta), k9, rtol=0, atol=1e-5)  # layer 0: exact
+    torch.testing.assert_close(B.rerotate(k0, 9, theta), k9, rtol=0, atol=1e-5)  # layer 0: exact
     # A whole-sequence shift keeps every relative distance, so deeper layers move exactly too.
-    torch.testing.assert_close(rope.rerotate(c0.layers[2].keys, 9, theta), c9.layers[2].keys, rtol=0, atol=1e-4)
+    torch.testing.assert_close(B.rerotate(c0.layers[2].keys, 9, theta), c9.layers[2].keys, rtol=0, atol=1e-4)
 
 
 def test_positions_from_mask_and_its_checker():
