@@ -43,7 +43,10 @@ def exported_cells(notebooks_dir: Path = NOTEBOOKS) -> list[tuple[str, int, str]
     """``(notebook name, cell index, source without the marker line)`` of every export cell, in series order."""
     found = []
     for path in sorted(notebooks_dir.glob("[0-9][0-9]*_*.ipynb")):
-        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        try:
+            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        except (ValueError, KeyError, TypeError) as e:  # not JSON, or no list of cells: name the file
+            raise SystemExit(f"{path}: not a notebook this script can read ({type(e).__name__}: {e})") from None
         for i, cell in enumerate(cells):
             source = "".join(cell["source"])
             first, _, rest = source.partition("\n")

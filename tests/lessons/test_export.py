@@ -52,6 +52,13 @@ def test_check_fails_on_a_differing_or_stale_module(tmp_path, monkeypatch, capsy
     assert f"{first.name} differs" in capsys.readouterr().err
 
 
+def test_a_broken_notebook_is_named_and_nothing_is_written(tmp_path):
+    (tmp_path / "00_bad.ipynb").write_text('{"cells": [', encoding="utf-8")
+    with pytest.raises(SystemExit, match="00_bad.ipynb: not a notebook"):
+        export_notebooks.build(tmp_path)
+    assert (tmp_path / "00_bad.ipynb").read_text(encoding="utf-8") == '{"cells": ['
+
+
 def test_imports_are_gathered_once_at_the_top(tmp_path):
     cell = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}
     cells = [dict(cell, source=["#| export\n", "import torch\n", "\n", "def f():\n", "    return 1\n"]),
