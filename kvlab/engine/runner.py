@@ -29,6 +29,24 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _checked_positions(p: Any, it: ScheduledSeq) -> range | list[int]:
+    """The positions a ``positions`` hook gave ``it``: one int >= 0 per computed token, else ValueError."""
+    n = it.end - it.start
+    # the usual case, checked without a pass over the tokens
+    if isinstance(p, range) and len(p) == n and (n == 0 or min(p[0], p[-1]) >= 0):
+        return p
+    try:
+        got = [int(x) for x in p] if not isinstance(p, (str, bytes)) else None
+    except (TypeError, ValueError):
+        got = None
+    if got is None or len(got) != n or any(x < 0 for x in got):
+        raise ValueError(
+            f"the engine's positions hook gave {p!r} for tokens [{it.start}, {it.end}): it must give "
+            f"{n} non-negative int positions, one per computed token"
+        )
+    return got
+
+
 class ModelRunner:
     """One HF causal LM switched to kvlab's paged attention: batches in, last-position logits and tokens out."""
 
@@ -196,7 +214,7 @@ class ModelRunner:
         ids, pos = [], []
         for it, p in zip(items, positions):
             ids.extend(it.seq.token_ids[it.start : it.end])
-            pos.extend(p)
+            pos.extend(_checked_positions(p, it))
         batch = build_batch(
             self.store, [(it.start, it.end, table) for it, table in zip(items, tables)]
         )

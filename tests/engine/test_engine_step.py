@@ -139,3 +139,14 @@ def test_a_prompt_chunk_samples_no_token(lm):
         records[2].items[0][1:3] == (len(b) // 2, len(b))
         and records[2].tokens[0] == outs["b"].output_ids[0]
     )
+
+
+@pytest.mark.parametrize("hook", [lambda it: range(0), lambda it: "x", lambda it: range(-1, it.end - it.start - 1)])
+def test_a_wrong_positions_hook_fails_each_request_by_name(hook):
+    from kvlab.engine.models import load_model
+
+    model, tok = load_model()
+    engine = Engine(model, tok, positions=hook, num_blocks=64)
+    outs = engine.generate(["hello there", [1, 2, 3, 4, 5]], SamplingParams(max_tokens=3))
+    assert all(o.finish_reason == "error" and "positions hook" in o.error for o in outs)
+    assert engine.stats()["num_running"] == 0 and engine.kv_bytes_in_use == 0
