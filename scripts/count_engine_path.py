@@ -3,17 +3,21 @@
     .venv/bin/python scripts/count_engine_path.py            # both numbers, and the list of functions
     .venv/bin/python scripts/count_engine_path.py --lines    # lines only (no model is loaded)
 
-Lines: the non-blank lines of ``ENGINE_PATH`` (the files a request's path runs through, as the issue
-counts them; a file that does not exist is reported and counted as 0). Functions: ``sys.setprofile``
-over one ``Engine.generate`` of two prompts (8 new tokens each, greedy) on the bundled model, after a
-warm-up call on the same engine; a function is counted once per (file, qualified name), for every
-file under ``kvlab/`` (comprehensions and generator expressions are listed apart: Python 3.11 gives them
-code objects of their own, 3.12 inlines most). Goals: <= 1,400 lines, <= 60 functions.
+Lines: the code lines of ``ENGINE_PATH`` -- lines that are not blank, not a comment and not part of a
+docstring -- the measure issue 37 used: at 473906c these files (config.py did not exist yet) give
+1,662, the issue's "1,663". ``config.py`` is counted because ``EngineConfig`` took the engine's
+constructor keywords out of ``engine.py``. The non-blank lines (comments and docstrings included) are
+printed beside them. A file that does not exist is reported and counted as 0. Functions:
+``sys.setprofile`` over one ``Engine.generate`` of two prompts (8 new tokens each, greedy) on the
+bundled model, after a warm-up call on the same engine; a function is counted once per (file,
+qualified name), for every file under ``kvlab/`` (comprehensions and generator expressions are
+listed apart: Python 3.11 gives them code objects of their own, 3.12 inlines most). Goals: <= 1,400 lines, <= 60 functions.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
@@ -28,31 +32,47 @@ ENGINE_PATH = [
             "runner",
             "scheduler",
             "sequence",
-            "intake",
-            "tenants",
-            "kv_store",
             "paged_attention",
+            "kv_store",
             "sampling",
             "sampling_params",
-            "models",
             "config",
         )
     ),
-    *(f"kvlab/cache/{name}.py" for name in ("block_manager", "block_pool", "hashing", "interface")),
+    *(f"kvlab/cache/{name}.py" for name in ("block_manager", "block_pool", "hashing")),
 ]
 
 
 INLINE = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
 
 
-def count_lines(paths: list[str] = ENGINE_PATH) -> dict[str, int]:
-    """Non-blank lines of each file in ``paths`` (relative to the repository root); -1 for a missing file."""
+def code_lines(source: str) -> int:
+    """Lines of ``source`` that are not blank, not a comment and not inside a docstring."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        if isinstance(node, kinds) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    docstrings.update(range(first.lineno, first.end_lineno + 1))
+    return sum(
+        1
+        for i, line in enumerate(source.splitlines(), 1)
+        if line.strip() and not line.lstrip().startswith("#") and i not in docstrings
+    )
+
+
+def count_lines(paths: list[str] = ENGINE_PATH) -> dict[str, tuple[int, int]]:
+    """(code lines, non-blank lines) of each file in ``paths``; (-1, -1) for a missing file."""
     out = {}
     for rel in paths:
         path = ROOT / rel
-        out[rel] = (
-            sum(1 for ln in path.read_text().splitlines() if ln.strip()) if path.exists() else -1
-        )
+        if not path.exists():
+            out[rel] = (-1, -1)
+            continue
+        text = path.read_text()
+        out[rel] = (code_lines(text), sum(1 for ln in text.splitlines() if ln.strip()))
     return out
 
 
@@ -92,12 +112,17 @@ def main() -> None:
     ap.add_argument("--lines", action="store_true", help="count lines only (no model)")
     args = ap.parse_args()
     lines = count_lines()
-    for rel, n in lines.items():
-        print(f"{n:6d}  {rel}" if n >= 0 else f"   n/a  {rel} (missing)")
-    total = sum(n for n in lines.values() if n > 0)
-    print(
-        f"{total:6d}  engine path, non-blank lines ({sum(n >= 0 for n in lines.values())} files; goal <= 1,400)"
-    )
+    print("  code  non-blank  file")
+    for rel, (code, nonblank) in lines.items():
+        print(
+            f"{code:6d} {nonblank:10d}  {rel}"
+            if code >= 0
+            else f"   n/a        n/a  {rel} (missing)"
+        )
+    code = sum(c for c, _ in lines.values() if c > 0)
+    nonblank = sum(n for _, n in lines.values() if n > 0)
+    found = sum(c >= 0 for c, _ in lines.values())
+    print(f"{code:6d} {nonblank:10d}  engine path, {found} files (goal: <= 1,400 code lines)")
     if args.lines:
         return
     codes = count_functions()
