@@ -205,7 +205,7 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
                     continue
                 try:
                     lost = handles[r].call("fail")
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:  # noqa: BLE001 - any error of a replica is that replica's failure
                     crash(r, t, err)
                     continue
                 router.remove_replica(r)
@@ -230,7 +230,7 @@ def run_fleet(workload: FleetWorkload, handles: Sequence[Any], policy: str, *, c
         r = r_next
         try:
             res = handles[r].call("step")
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - any error of a replica is that replica's failure
             crash(r, clocks[r], err)
             continue
         steps.append((r, res.prefill_tokens, res.decodes, res.seconds))

@@ -384,7 +384,7 @@ def start_ray(num_cpus: int | None = 2, address: str | None = None, **kwargs: An
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": env}, **kwargs)
             return
-        except Exception:
+        except Exception:  # noqa: BLE001 - Ray raises several kinds for a missed start; the third re-raises
             ray.shutdown()
             if attempt == 2:
                 raise

@@ -1,4 +1,10 @@
-"""Read a JSONL request log (chat messages, a prompt or token ids a line) into records; every bad line is a BadLine."""
+"""Read a JSONL request log (chat messages, a prompt or token ids a line) into records; every bad line is a BadLine.
+
+Chat messages and tools are read through the pydantic models the server uses for its requests
+(``kvlab.chat``: ``LoggedMessage`` is ``Message`` widened to what a log of real traffic holds); the
+checks here are the ones the analysis needs beyond that shape (one prompt field, token ids in range,
+who-sent-it fields that can be hashed, JSON a UTF-8 writer can write back).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..chat import log_messages, log_tools
+
 MAX_TOKEN_ID = 0x10FFFF  # token ids are stored as str code points (see ``kvlab.doctor.tokenization``)
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_DEPTH = 64  # JSON nesting a line may have (tools' JSON schemas nest about 10 deep)
 IDENTITY_FIELDS = ("user", "session")  # read as who sent a request: a string, a number or null
 SCALARS = (str, int, float, bool, type(None))
@@ -64,21 +71,6 @@ class BadLine:
         return f"line {self.line}: {self.error}: {self.text!r}"
 
 
-def _content_text(content: Any, where: str) -> str:
-    """A message's content as one string (OpenAI text parts are joined); raise ValueError otherwise."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            is_text = isinstance(part, dict) and part.get("type", "text") == "text"
-            if not is_text or not isinstance(part.get("text"), str):
-                raise ValueError(f"{where}.content[{j}] is not a text part ({{'type': 'text', 'text': str}})")
-        return "".join(part["text"] for part in content)
-    if content is None:
-        return ""  # an assistant message that only called tools
-    raise ValueError(f"{where}.content is {type(content).__name__}, not a string or a list of text parts")
-
-
 def check_value(obj: Any) -> None:
     """Raise ValueError if a decoded line nests deeper than ``MAX_DEPTH`` or holds a lone surrogate."""
     stack = [(obj, 1)]
@@ -126,7 +118,7 @@ def parse_line(obj: Any, line: int) -> Record:
     meta = {k: v for k, v in obj.items() if k not in (*PROMPT_FIELDS, "tools")}
     key, value = shapes[0], obj[shapes[0]]
     if key == "messages":
-        return Record(line, "messages", messages=_messages(value), tools=_tools(obj.get("tools")), meta=meta)
+        return Record(line, "messages", messages=log_messages(value), tools=log_tools(obj.get("tools")), meta=meta)
     if key == "prompt":
         if not isinstance(value, str) or not value:
             raise ValueError(f"'prompt' is {type(value).__name__}, not a string" if not isinstance(value, str)
@@ -138,34 +130,6 @@ def parse_line(obj: Any, line: int) -> Record:
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
             raise ValueError(f"'{key}'[{j}] = {_short(t)} is not a token id (an int in [0, {MAX_TOKEN_ID}])")
     return Record(line, "token_ids", token_ids=value, meta=meta)
-
-
-def _messages(msgs: Any) -> list[dict]:
-    """Checked chat messages, each content one string."""
-    if not isinstance(msgs, list) or not msgs:
-        raise ValueError("'messages' must be a non-empty list")
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} is {type(m).__name__}, not an object")
-        if not isinstance(m.get("role"), str) or not m["role"]:
-            raise ValueError(f"{where} has no 'role'")
-        if m["role"] not in ROLES:
-            raise ValueError(f"{where}.role {m['role']!r} is not one of {sorted(ROLES)}")
-        if "content" not in m:
-            raise ValueError(f"{where} has no 'content'")
-        out.append({**m, "content": _content_text(m["content"], where)})
-    return out
-
-
-def _tools(tools: Any) -> list[dict] | None:
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ValueError("'tools' must be a list of objects")
-    for j, t in enumerate(tools or []):
-        if not isinstance(t.get("function", {}), dict):
-            raise ValueError(f"tools[{j}].function is {type(t['function']).__name__}, not an object")
-    return tools
 
 
 def _no_constant(name: str) -> None:

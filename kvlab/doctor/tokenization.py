@@ -136,7 +136,8 @@ class PromptEncoder:
         """``render``, or None for a record the chat template refuses (jinja raises TemplateError and friends)."""
         try:
             return self.render(rec, **kwargs)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a template's own raise (jinja's TemplateError, or any error
+            # its Python callbacks raise) means "this record does not render": the caller skips it
             return None
 
     # --- tokenizing ---------------------------------------------------------------------------------

@@ -13,7 +13,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["PROMPT_BYTES_PER_TOKEN", "ApiError", "ChatRequest", "CompletionRequest", "error_body", "validation_message"]
+from ..chat import Message, TextPart
+
+__all__ = [
+    "PROMPT_BYTES_PER_TOKEN",
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "Message",
+    "TextPart",
+    "error_body",
+    "validation_message",
+]
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256
@@ -130,27 +141,6 @@ class CompletionRequest(_Body):
         if not v:
             raise ValueError("the prompt is empty")
         return v
-
-
-class TextPart(BaseModel):
-    """One part of a message's content; only text."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    """One chat message."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def text(self) -> str:
-        """The content as one string."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Body):

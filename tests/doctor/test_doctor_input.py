@@ -270,3 +270,39 @@ def test_kv_bytes_of_the_shipped_configs_are_unchanged():
         heads = cfg["num_attention_heads"]
         kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
         assert core.kv_bytes_per_token_of(config, "bfloat16") == 2 * cfg["num_hidden_layers"] * kv * hd * 2, path
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]},
+     "messages[0].content[1] is not a text part"),
+    ({"role": "user", "content": 5}, "messages[0].content is int, not a string or a list of text parts"),
+    ({"role": "wizard", "content": "hi"}, "messages[0].role 'wizard' is not one of"),
+    ({"content": "hi"}, "messages[0] has no 'role'"),
+    ("hi", "messages[0] is str, not an object"),
+])
+def test_chat_lines_are_read_through_the_servers_message_schema(tmp_path, message, words):
+    # the doctor's reading of a logged message is the server's pydantic Message, widened to logs
+    from pydantic import ValidationError
+
+    from kvlab.serve.protocol import ChatRequest
+
+    path = write(tmp_path / "log.jsonl", [GOOD, json.dumps({"messages": [message]})])
+    records, bad = read_log(path)
+    assert len(records) == 1 and [b.line for b in bad] == [2] and words in bad[0].error, bad
+    with pytest.raises(ValidationError):  # what the doctor refuses, the server refuses too
+        ChatRequest(messages=[message])
+
+
+def test_a_log_keeps_what_real_traffic_holds_that_a_request_may_not():
+    # tool turns, content null on a tool-calling assistant turn, text parts without "type", extra keys
+    line = {"messages": [
+        {"role": "system", "content": "S"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+        {"role": "tool", "content": [{"text": "4"}, {"type": "text", "text": "2"}], "tool_call_id": "c1"},
+    ], "tools": [{"type": "function", "function": {"name": "f"}}], "user": "u"}
+    records, bad = read_log([line])
+    assert not bad
+    (rec,) = records
+    assert [m["content"] for m in rec.messages] == ["S", "", "42"]
+    assert rec.messages[1]["tool_calls"] == [{"id": "c1"}] and rec.messages[2]["tool_call_id"] == "c1"
+    assert list(rec.messages[2]) == ["role", "content", "tool_call_id"]  # the log's key order
