@@ -19,6 +19,9 @@ public prefix before it stay shared (a block straddling the boundary is private)
 remembers the tenant that registered it; a hit on another tenant's block is counted as a *public*
 hit when it lies inside the public prefix and as a *cross-tenant* hit otherwise (0 under salting).
 
+What a default ``Engine.generate`` never runs lives in ``kvlab.cache.extras.ManagerExtras``: fork and
+copy-on-write, the second tier's restore, the KV-event queue, debug reports and ``check_invariants``.
+
 References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``,
 ``free``) and ``vllm/v1/core/single_type_kv_cache_manager.py`` (``cache_blocks``); vLLM v0
 ``vllm/core/block/cpu_gpu_block_allocator.py`` (copy-on-write); nano-vllm
@@ -27,12 +30,12 @@ References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, 
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import Block, BlockPool, NoFreeBlocksError, check
+from .block_pool import Block, BlockPool, NoFreeBlocksError
+from .extras import ManagerExtras
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
     BlockHash,
@@ -41,10 +44,9 @@ from .hashing import (
     block_extra_keys,
     hash_block,
     prompt_block_hashes,
-    salted_block,
 )
 from .host_tier import SecondTier
-from .kv_events import BlockStored, KVCacheEvent
+from .kv_events import BlockStored
 from .metrics import PrefixCacheMetrics
 
 __all__ = [
@@ -155,30 +157,6 @@ def cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def check_token_ids(token_ids: Sequence[int], what: str = "a prompt") -> list[int]:
-    """``token_ids`` as a list, or a clear error: at least one token, plain ints in [0, MAX_TOKEN_ID)."""
-    tokens = list(token_ids)
-    if not tokens:
-        raise ValueError(f"{what} needs at least one token")
-    if any(type(t) is not int for t in tokens):
-        raise TypeError("token ids must be ints")
-    if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
-        raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
-    return tokens
-
-
-def check_prompt(token_ids: Sequence[int], scope: TenantScope) -> list[int]:
-    """The prompt checks every cache runs before it looks anything up (block manager and radix cache alike)."""
-    if not isinstance(scope, TenantScope):
-        raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
-    tokens = check_token_ids(token_ids)
-    if not 0 <= scope.public_tokens <= len(tokens):
-        raise ValueError(
-            f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}"
-        )
-    return tokens
-
-
 @dataclass(slots=True, frozen=True)
 class TenantScope:
     """Whose cached blocks a sequence may share: its salt, the public prefix before it, and its label.
@@ -213,6 +191,27 @@ class TenantScope:
 NO_SCOPE = TenantScope()
 
 
+def check_prompt(
+    token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, what: str = "a prompt"
+) -> list[int]:
+    """``token_ids`` as a list, or a clear error: at least one token, plain ints in [0, MAX_TOKEN_ID), and
+    ``scope``'s public prefix within it (every cache runs this before it looks anything up)."""
+    if not isinstance(scope, TenantScope):
+        raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
+    tokens = list(token_ids)
+    if not tokens:
+        raise ValueError(f"{what} needs at least one token")
+    if any(type(t) is not int for t in tokens):
+        raise TypeError("token ids must be ints")
+    if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
+        raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
+    if not 0 <= scope.public_tokens <= len(tokens):
+        raise ValueError(
+            f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}"
+        )
+    return tokens
+
+
 @dataclass(slots=True, frozen=True)
 class AllocationPlan:
     """What ``allocate`` would do for one prompt: its hashes, the blocks it would hit, the blocks it needs."""
@@ -243,7 +242,7 @@ class AppendResult:
     cow: tuple[int, int] | None = None
 
 
-class BlockManager(SequenceTables):
+class BlockManager(SequenceTables, ManagerExtras):
     """Block tables for many sequences sharing one pool, with prefix caching and copy-on-write."""
 
     def __init__(
@@ -267,16 +266,14 @@ class BlockManager(SequenceTables):
             free_order=free_order,
             enable_kv_events=enable_kv_events,
         )
-        self.block_size = block_size
-        self.model_fingerprint = model_fingerprint
-        self.hash_fn = hash_fn
+        # blocks in the pool (``kvlab.cache.CacheManager``)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.model_fingerprint, self.hash_fn = model_fingerprint, hash_fn
         self.enable_caching = enable_caching
         # False = the article's "writable shared block" bug, kept for teaching
         self.cow = cow
         self.seqs: dict[Hashable, SeqBlocks] = {}
         self.metrics = PrefixCacheMetrics()
-        # cached block id -> tenant whose sequence registered it
-        self.registered_by: dict[int, Hashable] = {}
         # binds a plan to this manager: another one's plan is refused
         self._plan_token = object()
         # where evicted/fetched blocks wait (kvlab.cache.host_tier)
@@ -284,69 +281,10 @@ class BlockManager(SequenceTables):
         # tokens restored from the second tier, by source
         self.restored_tokens: Counter = Counter()
 
-    # --- queries ----------------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool (``kvlab.cache.CacheManager``; the same as ``pool.num_blocks``)."""
-        return self.pool.num_blocks
-
     @property
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0 (empty or cached-but-evictable)."""
-        return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by a live sequence."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
-
-    def read_tokens(self, seq_id: Hashable) -> list[int | None]:
-        """What the sequence reads back through its block table (None for an empty slot)."""
-        seq, bs, blocks = self._seq(seq_id), self.block_size, self.pool.blocks
-        out = []
-        for p in range(len(seq.token_ids)):
-            slots = blocks[seq.block_table[p // bs]].token_ids
-            out.append(slots[p % bs] if p % bs < len(slots) else None)
-        return out
-
-    def wasted_slots(self) -> int:
-        """Empty slots in blocks that are in use (the partial tail blocks)."""
-        return sum(self.block_size - len(b.token_ids) for b in self.pool.blocks if b.ref_count > 0)
-
-    def stats(self) -> dict:
-        """Metrics plus the pool's state: usage, free and cached blocks, evictions, wasted slots."""
-        return {
-            **self.metrics.as_dict(),
-            "usage": self.usage,
-            "num_free_blocks": self.num_free_blocks,
-            "num_cached_blocks": sum(len(v) for v in self.pool.cached.values()),
-            "evictions": self.pool.num_evictions,
-            "wasted_slots": self.wasted_slots(),
-            "restored_tokens": self.restored_tokens["offload"],
-            "fetched_tokens": self.restored_tokens["peer"],
-        }
-
-    # --- prefix lookup ------------------------------------------------------------------------------
-    def _keys(self, i: int, salt: str | None, salt_block: int) -> ExtraKeys:
-        return block_extra_keys(i, self.model_fingerprint, salt, salt_block)
-
-    def _longest_hit(
-        self, tokens: list[int], hashes: list[BlockHash], salt: str | None, salt_block: int
-    ) -> list[Block]:
-        """Cached blocks of the longest prefix, capped so the last prompt token is recomputed."""
-        bs, hits, parent_serial = self.block_size, [], 0
-        for i in range((len(tokens) - 1) // bs):
-            block = self.pool.lookup(
-                hashes[i],
-                tokens[i * bs : (i + 1) * bs],
-                parent_serial,
-                self._keys(i, salt, salt_block),
-            )
-            if block is None:
-                break
-            hits.append(block)
-            parent_serial = block.serial
-        return hits
+        return len(self.pool.free)
 
     def can_allocate(
         self, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE
@@ -358,20 +296,21 @@ class BlockManager(SequenceTables):
         exactly as it was when planned; a plan is this manager's only: another manager refuses it).
         """
         tokens = check_prompt(token_ids, scope)
-        bs, n = self.block_size, len(tokens)
-        salt_block = salted_block(scope.public_tokens, bs)
+        bs, n, pool, fp = self.block_size, len(tokens), self.pool, self.model_fingerprint
+        salt_block = scope.public_tokens // bs
         hashes: list[BlockHash] = []
         hits: list[Block] = []
         if self.enable_caching:
-            hashes = prompt_block_hashes(
-                tokens[: n // bs * bs],
-                bs,
-                self.model_fingerprint,
-                scope.salt,
-                salt_block,
-                self.hash_fn,
-            )
-            hits = self._longest_hit(tokens, hashes, scope.salt, salt_block)
+            hashes = prompt_block_hashes(tokens, bs, fp, scope.salt, salt_block, self.hash_fn)
+            # the longest cached prefix, capped so that the last prompt token is recomputed
+            for i in range((n - 1) // bs):
+                keys = block_extra_keys(i, fp, scope.salt, salt_block)
+                block = pool.lookup(
+                    hashes[i], tokens[i * bs : (i + 1) * bs], hits[-1].serial if i else 0, keys
+                )
+                if block is None:
+                    break
+                hits.append(block)
         # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
         needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
         return AllocationPlan(
@@ -380,12 +319,11 @@ class BlockManager(SequenceTables):
             tuple(hashes),
             tuple(hits),
             needed,
-            self.num_free_blocks,
-            self.pool.clock,
+            len(pool.free),
+            pool.clock,
             self._plan_token,
         )
 
-    # --- mutations ----------------------------------------------------------------------------------
     def allocate(
         self,
         seq_id: Hashable,
@@ -405,46 +343,8 @@ class BlockManager(SequenceTables):
         ``ValueError``, as a refusal changes nothing. ``preempted``: the sequence was preempted before (its
         lookup is counted apart, as vLLM does).
         """
-        plan = self._checked_plan(seq_id, token_ids, scope, plan)
-        tokens, hashes, hits, bs = list(plan.tokens), list(plan.hashes), plan.hits, self.block_size
-        # before this request fills the cache
-        misses = self._classify_misses(len(tokens), hashes, len(hits))
-        self.pool.tick()
-        seq = SeqBlocks(
-            seq_id,
-            tokens,
-            salt=scope.salt,
-            tenant=scope.label,
-            num_cached_tokens=len(hits) * bs,
-            salt_block=salted_block(scope.public_tokens, bs),
-            block_hashes=hashes,
-        )
-        seq.extra_keys = self._keys(0, seq.salt, seq.salt_block)
-        for i, block in enumerate(hits):
-            self.pool.hit(block, seq_id)
-            seq.block_table.append(block.block_id)
-            self._count_foreign_hit(seq, i, block)
-        restoring = self.enable_caching and self.second_tier is not None
-        for i in range(len(hits), cdiv(len(tokens), bs)):
-            block = self._take(seq, tokens[i * bs : (i + 1) * bs])
-            # the chain continues in the second tier? copy it back; its first miss ends it
-            restoring = restoring and i < (len(tokens) - 1) // bs and self._restore(seq, i, block)
-            if self.enable_caching and i < len(tokens) // bs:
-                self._cache_block(seq, i, block, hashes[i])
-        self.seqs[seq_id] = seq
-        self._emit_stored(seq, len(hits), len(tokens) // bs)
-        self._record_allocation(seq, len(hits), misses, preempted)
-        return seq.num_cached_tokens + seq.num_restored_tokens
-
-    def _checked_plan(
-        self,
-        seq_id: Hashable,
-        token_ids: Sequence[int],
-        scope: TenantScope,
-        plan: AllocationPlan | None,
-    ) -> AllocationPlan:
-        """``plan`` if it is this manager's and still holds, else a fresh one; raise unless it fits now."""
-        self._check_new(seq_id)
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
         if plan is not None and (
             not isinstance(plan, AllocationPlan) or plan.owner is not self._plan_token
         ):
@@ -452,57 +352,75 @@ class BlockManager(SequenceTables):
                 "this plan was not made by this manager's can_allocate (plans do not travel between "
                 "managers: another pool's free blocks and cached hits are not this one's)"
             )
+        pool, bs = self.pool, self.block_size
         # a plan holds while it still describes the pool: same clock, free count and cached hits
-        holds = plan is not None and (
-            plan.clock == self.pool.clock
-            and plan.num_free_blocks == self.num_free_blocks
+        if plan is None or not (
+            plan.clock == pool.clock
+            and plan.num_free_blocks == len(pool.free)
             and plan.scope == scope
             and plan.tokens == tuple(token_ids)
-            and all(
-                self.pool.blocks[b.block_id] is b and b.block_hash == h
-                for b, h in zip(plan.hits, plan.hashes)
-            )
-        )
-        if not holds:
+            and all(b.block_hash == h for b, h in zip(plan.hits, plan.hashes))
+        ):
             plan = self.can_allocate(token_ids, scope)
         if not plan:
             raise NoFreeBlocksError(
-                f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, {self.pool.num_free_blocks} of "
-                f"{self.pool.num_blocks} are free"
+                f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, {len(pool.free)} of "
+                f"{self.num_blocks} are free"
             )
-        return plan
-
-    def _count_foreign_hit(self, seq: SeqBlocks, i: int, block: Block) -> None:
-        """A hit on another tenant's block ``i``: a public hit inside the public prefix, else cross-tenant."""
-        if self.registered_by.get(block.block_id, seq.tenant) == seq.tenant:
-            return
-        if i < seq.salt_block:
-            self.metrics.public_hits += 1
-        else:
-            self.metrics.cross_tenant_hits += 1
-
-    def _take(self, seq: SeqBlocks, tokens: list[int], event: str = "take") -> Block:
-        """A free block for ``seq`` holding ``tokens`` (taking it evicts what it cached), at its table's end."""
-        block = self.pool.take(seq.seq_id, event=event)
-        self.registered_by.pop(block.block_id, None)
-        block.token_ids = tokens
-        seq.block_table.append(block.block_id)
-        return block
-
-    def _restore(self, seq: SeqBlocks, i: int, block: Block) -> bool:
-        """Copy prompt block ``i`` back from the second tier into ``block``; whether the tier had it."""
-        h = seq.block_hashes
-        source = self.second_tier.load(
-            h[i],
-            tuple(block.token_ids),
-            self._keys(i, seq.salt, seq.salt_block),
-            h[i - 1] if i else None,
-            block.block_id,
+        tokens, hashes, hits, n = list(plan.tokens), list(plan.hashes), plan.hits, len(plan.tokens)
+        # missed tokens by reason, before this request fills the cache: a full block that could have hit
+        # was evicted (or cut off from its chain by an evicted parent) or never cached; the rest is short
+        eligible = (n - 1) // bs
+        seen = sum(
+            h in pool.evicted_hashes or h in pool.cached for h in hashes[len(hits) : eligible]
         )
-        if source is not None:
-            seq.num_restored_tokens += self.block_size
-            self.restored_tokens[source] += self.block_size
-        return source is not None
+        misses = {
+            "short": n - eligible * bs,
+            "no_prefix": (eligible - len(hits) - seen) * bs,
+            "evicted": seen * bs,
+        }
+        pool.clock += 1
+        seq = SeqBlocks(
+            seq_id,
+            tokens,
+            salt=scope.salt,
+            tenant=scope.salt if scope.tenant is None else scope.tenant,
+            num_cached_tokens=len(hits) * bs,
+            salt_block=scope.public_tokens // bs,
+            block_hashes=hashes,
+        )
+        for i, block in enumerate(hits):
+            pool.hit(block, seq_id)
+            seq.block_table.append(block.block_id)
+            # another tenant's block: a public hit inside the public prefix, else a cross-tenant one
+            if block.tenant != seq.tenant:
+                if i < seq.salt_block:
+                    self.metrics.public_hits += 1
+                else:
+                    self.metrics.cross_tenant_hits += 1
+        restoring = self.enable_caching and self.second_tier is not None
+        for i in range(len(hits), cdiv(n, bs)):
+            block = pool.take(seq_id)
+            block.token_ids = tokens[i * bs : (i + 1) * bs]
+            seq.block_table.append(block.block_id)
+            # the chain continues in the second tier? copy it back; its first miss ends it
+            restoring = restoring and i < eligible and self._restore(seq, i, block)
+            if self.enable_caching and i < n // bs:
+                self._cache_block(seq, i, block, hashes[i])
+        self.seqs[seq_id] = seq
+        first, end = len(hits), len(hashes)
+        if pool.enable_kv_events and first < end:
+            # one BlockStored for the full blocks just cached (vLLM's order)
+            parent = hashes[first - 1] if first else None
+            stored = tuple(tokens[first * bs : end * bs])
+            pool.emit_event(BlockStored(tuple(hashes[first:end]), parent, stored, bs))
+        m = self.metrics
+        m.hashed_blocks += len(hashes)
+        m.hashed_tokens += len(hashes) * bs
+        m.blocks_hit += len(hits)
+        m.blocks_taken += len(seq.block_table) - len(hits)
+        m.record_lookup(seq.tenant, n, seq.num_cached_tokens, misses, preempted)
+        return seq.num_cached_tokens + seq.num_restored_tokens
 
     def _cache_block(self, seq: SeqBlocks, i: int, block: Block, h: BlockHash) -> None:
         """Register ``seq``'s full block ``i`` under hash ``h``: other requests can hit it from now on.
@@ -514,78 +432,42 @@ class BlockManager(SequenceTables):
         """
         parent = seq.block_hashes[i - 1] if i else None
         parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
-        self.pool.register(
-            block, h, parent, parent_serial, self._keys(i, seq.salt, seq.salt_block), seq.seq_id
-        )
-        self.registered_by[block.block_id] = seq.tenant
-
-    def _emit_stored(self, seq: SeqBlocks, first: int, end: int) -> None:
-        """One ``BlockStored`` event for the full blocks ``[first, end)`` just cached (vLLM's order)."""
-        if self.enable_caching and first < end:
-            h, bs = seq.block_hashes, self.block_size
-            self.pool.emit_event(
-                BlockStored(
-                    tuple(h[first:end]),
-                    h[first - 1] if first else None,
-                    tuple(seq.token_ids[first * bs : end * bs]),
-                    bs,
-                )
-            )
-
-    def _record_allocation(
-        self, seq: SeqBlocks, num_hits: int, misses: dict[str, int], preempted: bool
-    ) -> None:
-        m, hashed = self.metrics, len(seq.block_hashes)
-        m.hashed_blocks += hashed
-        m.hashed_tokens += hashed * self.block_size
-        m.blocks_hit += num_hits
-        m.blocks_taken += len(seq.block_table) - num_hits
-        m.record_lookup(seq.tenant, len(seq.token_ids), seq.num_cached_tokens, misses, preempted)
-
-    def _classify_misses(self, n: int, hashes: list[BlockHash], n_hits: int) -> dict[str, int]:
-        bs, pool = self.block_size, self.pool
-        # full blocks that may hit; the rest is "short"
-        eligible = (n - 1) // bs
-        misses = {"short": n - eligible * bs, "no_prefix": 0, "evicted": 0}
-        for i in range(n_hits, eligible):
-            # evicted before, or still cached but cut off from its chain because its parent was evicted
-            seen = i < len(hashes) and (
-                hashes[i] in pool.evicted_hashes or hashes[i] in pool.cached
-            )
-            misses["evicted" if seen else "no_prefix"] += bs
-        return misses
+        keys = block_extra_keys(i, self.model_fingerprint, seq.salt, seq.salt_block)
+        self.pool.register(block, h, parent, parent_serial, keys, seq.seq_id)
+        block.tenant = seq.tenant
 
     def can_append(self, seq_id: Hashable) -> bool:
         """Whether the next ``append`` has the free block it may need."""
-        seq = self._seq(seq_id)
-        if len(seq.token_ids) % self.block_size == 0:
-            return self.num_free_blocks > 0
-        last = self.pool.blocks[seq.block_table[-1]]
-        return not (self.cow and last.ref_count > 1) or self.num_free_blocks > 0
+        seq, pool = self._seq(seq_id), self.pool
+        # a block is needed when the last one is full, or shared (copy-on-write)
+        return bool(pool.free) or not (
+            len(seq.token_ids) % self.block_size == 0
+            or self.cow
+            and pool.blocks[seq.block_table[-1]].ref_count > 1
+        )
 
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
         """Write one decoded token: take a block if the last is full, copy it first if it is shared."""
         seq = self._seq(seq_id)
-        self._check_token(token_id)
+        if type(token_id) is not int:
+            raise TypeError("token ids must be ints")
+        if not 0 <= token_id < MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
         if not self.can_append(seq_id):
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs a block and none is free")
         pool, bs = self.pool, self.block_size
-        pos = len(seq.token_ids)
-        offset = pos % bs
+        i, offset = divmod(len(seq.token_ids), bs)
         full_hash = None
         # this token fills its block: hash it before changing anything
         if offset == bs - 1 and self.enable_caching:
-            i = pos // bs
-            content = (
-                [] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]
-            ) + [token_id]
-            keys = self._keys(i, seq.salt, seq.salt_block)
-            full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, content, keys)
-        pool.tick()
+            last = [] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]
+            keys = block_extra_keys(i, self.model_fingerprint, seq.salt, seq.salt_block)
+            full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, last + [token_id], keys)
+        pool.clock += 1
         new_block = cow = None
         if offset == 0:
-            block = self._take(seq, [])
-            new_block = block.block_id
+            block = pool.take(seq_id)
+            seq.block_table.append(new_block := block.block_id)
         else:
             block = pool.blocks[seq.block_table[-1]]
             if block.ref_count > 1 and self.cow:
@@ -597,69 +479,16 @@ class BlockManager(SequenceTables):
         else:
             block.token_ids.append(token_id)
         seq.token_ids.append(token_id)
-        if offset == bs - 1 and self.enable_caching and block.block_hash is None:
-            self._cache_decoded(seq, block, full_hash)
+        if full_hash is not None and block.block_hash is None:
+            # cache the block this token filled
+            self._cache_block(seq, i, block, full_hash)
+            seq.block_hashes.append(full_hash)
+            self.metrics.hashed_blocks += 1
+            self.metrics.hashed_tokens += bs
+            if pool.enable_kv_events:
+                parent = seq.block_hashes[i - 1] if i else None
+                pool.emit_event(BlockStored((full_hash,), parent, tuple(block.token_ids), bs))
         return AppendResult(new_block, cow)
-
-    def _copy_on_write(self, seq: SeqBlocks, shared: Block) -> Block:
-        """Move ``seq`` off a shared partial block onto a private copy of it."""
-        seq.block_table.pop()
-        copy = self._take(
-            seq, shared.token_ids[: len(seq.token_ids) % self.block_size], event="cow-copy"
-        )
-        self.pool.release(shared, seq.seq_id)
-        self.metrics.cow_copies += 1
-        return copy
-
-    def _cache_decoded(self, seq: SeqBlocks, block: Block, h: BlockHash) -> None:
-        """Cache the block a decoded token filled (``h``: its hash, computed by ``append``)."""
-        i = len(seq.block_table) - 1
-        self._cache_block(seq, i, block, h)
-        seq.block_hashes.append(h)
-        self.metrics.hashed_blocks += 1
-        self.metrics.hashed_tokens += self.block_size
-        parent = seq.block_hashes[i - 1] if i else None
-        self.pool.emit_event(BlockStored((h,), parent, tuple(block.token_ids), self.block_size))
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """KV events queued since the last call (needs ``enable_kv_events=True``; vLLM's ``take_events``)."""
-        return self.pool.take_events()
-
-    def emit_event(self, event: KVCacheEvent) -> None:
-        """Queue a KV event of a tier attached to this cache, in one stream with the pool's (dropped if events are off)."""
-        self.pool.emit_event(event)
-
-    def attach_second_tier(
-        self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None
-    ) -> None:
-        """Ask ``tier`` when a prompt misses the pool (``second_tier``); ``on_evict`` sees each cached block evicted."""
-        self.second_tier = tier
-        self.pool.on_evict = on_evict
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False, while a sequence holds blocks."""
-        if self.seqs or not self.pool.reset():
-            return False
-        self.registered_by.clear()
-        if self.second_tier is not None:
-            self.second_tier.clear()
-        return True
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Start ``child_id`` as a copy of ``parent_id`` that shares every block (no copying yet)."""
-        parent = self._seq(parent_id)
-        self._check_new(child_id)
-        self.pool.tick()
-        for block_id in parent.block_table:
-            self.pool.share(self.pool.blocks[block_id], child_id)
-        self.seqs[child_id] = dataclasses.replace(
-            parent,
-            seq_id=child_id,
-            token_ids=list(parent.token_ids),
-            block_table=list(parent.block_table),
-            block_hashes=list(parent.block_hashes),
-            num_restored_tokens=0,
-        )
 
     def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
         """Release a finished sequence's blocks, tail first, so chain tails are evicted first.
@@ -668,65 +497,24 @@ class BlockManager(SequenceTables):
         failed). The blocks holding them leave the prefix cache too, so no request can ever hit them;
         none of them may still be shared with another sequence (free that one first).
         """
-        seq = self._seq(seq_id)
+        seq, pool = self._seq(seq_id), self.pool
         doomed = []
         if uncache_from is not None:
-            if type(uncache_from) is not int or not 0 <= uncache_from <= len(seq.token_ids):
-                raise ValueError(
-                    f"uncache_from must be an int in [0, {len(seq.token_ids)}], got {uncache_from!r}"
-                )
-            for block_id in seq.block_table[uncache_from // self.block_size :]:
-                block = self.pool.blocks[block_id]
-                if block.block_hash is not None:
-                    if block.ref_count > 1:
-                        raise ValueError(
-                            f"block {block_id} (positions from {uncache_from} on) is still used by "
-                            "another sequence: free that sequence first"
-                        )
-                    doomed.append(block)
-        self.pool.tick()
-        for block in doomed:
-            self.pool.uncache(block, seq_id)
-            self.registered_by.pop(block.block_id, None)
-        for block_id in reversed(seq.block_table):
-            self.pool.release(self.pool.blocks[block_id], seq_id)
-        del self.seqs[seq_id]
-
-    # --- invariants -------------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Raise ``InvariantError`` unless every ref count, table, cache entry and slot is consistent."""
-        self.pool.check_invariants(self.hash_fn)
-        refs = Counter(b for seq in self.seqs.values() for b in seq.block_table)
-        for block in self.pool.blocks:
-            check(
-                block.ref_count == refs[block.block_id],
-                f"block {block.block_id}: ref count {block.ref_count} but {refs[block.block_id]} "
-                f"block-table references (leak or double free)",
-            )
-        for block in self.pool.blocks:
-            check(
-                block.block_hash is None or block.block_id in self.registered_by,
-                f"cached block {block.block_id} has no registering tenant",
-            )
-        bs = self.block_size
-        for seq in self.seqs.values():
             n = len(seq.token_ids)
-            check(
-                len(seq.block_table) == cdiv(n, bs),
-                f"sequence {seq.seq_id!r}: {len(seq.block_table)} blocks for {n} tokens",
-            )
-            check(
-                self.read_tokens(seq.seq_id) == seq.token_ids,
-                f"sequence {seq.seq_id!r} reads other tokens than it wrote (a shared block was written)",
-            )
-            if self.enable_caching:
-                check(
-                    len(seq.block_hashes) == n // bs,
-                    f"sequence {seq.seq_id!r}: wrong number of block hashes",
-                )
-                for i in range(n // bs):
-                    block = self.pool.blocks[seq.block_table[i]]
-                    check(
-                        block.block_hash == seq.block_hashes[i],
-                        f"sequence {seq.seq_id!r}: full block {i} is not cached under its hash",
+            if type(uncache_from) is not int or not 0 <= uncache_from <= n:
+                raise ValueError(f"uncache_from must be an int in [0, {n}], got {uncache_from!r}")
+            for block_id in seq.block_table[uncache_from // self.block_size :]:
+                block = pool.blocks[block_id]
+                if block.block_hash is not None and block.ref_count > 1:
+                    raise ValueError(
+                        f"block {block_id} (positions from {uncache_from} on) is still used by "
+                        "another sequence: free that sequence first"
                     )
+                if block.block_hash is not None:
+                    doomed.append(block)
+        pool.clock += 1
+        for block in doomed:
+            pool.uncache(block, seq_id)
+        for block_id in reversed(seq.block_table):
+            pool.release(pool.blocks[block_id], seq_id)
+        del self.seqs[seq_id]
