@@ -35,18 +35,16 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError
-from .extras import ManagerExtras
+from .extras import ManagerExtras, TableExtras
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
     BlockHash,
-    ExtraKeys,
     HashFn,
     block_extra_keys,
     hash_block,
     prompt_block_hashes,
 )
 from .host_tier import SecondTier
-from .kv_events import BlockStored
 from .metrics import PrefixCacheMetrics
 
 __all__ = [
@@ -98,14 +96,13 @@ class SeqBlocks(SeqState):
 
     # one per full block
     block_hashes: list[BlockHash] = field(default_factory=list)
-    # the first block's: model fingerprint, salt
-    extra_keys: ExtraKeys = ()
     # the block whose hash takes the salt: the first past the public prefix
     salt_block: int = 0
 
 
-class SequenceTables:
-    """The per-sequence API every cache shares: ``seqs`` by id, block tables, slots, the new-id and token checks.
+class SequenceTables(TableExtras):
+    """The per-sequence API every cache shares: ``seqs`` by id, block tables, slots, the new-id and token checks
+    (those off the default path in ``kvlab.cache.extras.TableExtras``).
 
     A cache sets ``seqs`` (id -> ``SeqState``) and ``block_size``; ``BlockManager`` and ``RadixCache`` inherit this.
     """
@@ -121,35 +118,9 @@ class SequenceTables:
                 f"unknown sequence {seq_id!r} (never allocated, or already freed)"
             ) from None
 
-    def _check_new(self, seq_id: Hashable) -> None:
-        if seq_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
-
-    @staticmethod
-    def _check_token(token_id: int) -> None:
-        if type(token_id) is not int:
-            raise TypeError("token ids must be ints")
-        if not 0 <= token_id < MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
-
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block ids of a sequence, in logical order."""
         return list(self._seq(seq_id).block_table)
-
-    def num_cached_tokens(self, seq_id: Hashable) -> int:
-        """Prompt tokens this sequence took from the cache at ``allocate``."""
-        return self._seq(seq_id).num_cached_tokens
-
-    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
-        """Physical slot (block_id * block_size + offset) of each position in ``[start, end)``."""
-        seq, bs = self._seq(seq_id), self.block_size
-        n = len(seq.token_ids)
-        end = n if end is None else end
-        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= n:
-            raise ValueError(
-                f"positions [{start!r}, {end!r}) are not within the sequence's {n} tokens"
-            )
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 def cdiv(n: int, d: int) -> int:
@@ -394,10 +365,7 @@ class BlockManager(SequenceTables, ManagerExtras):
             seq.block_table.append(block.block_id)
             # another tenant's block: a public hit inside the public prefix, else a cross-tenant one
             if block.tenant != seq.tenant:
-                if i < seq.salt_block:
-                    self.metrics.public_hits += 1
-                else:
-                    self.metrics.cross_tenant_hits += 1
+                self._count_foreign_hit(i < seq.salt_block)
         restoring = self.enable_caching and self.second_tier is not None
         for i in range(len(hits), cdiv(n, bs)):
             block = pool.take(seq_id)
@@ -408,12 +376,8 @@ class BlockManager(SequenceTables, ManagerExtras):
             if self.enable_caching and i < n // bs:
                 self._cache_block(seq, i, block, hashes[i])
         self.seqs[seq_id] = seq
-        first, end = len(hits), len(hashes)
-        if pool.enable_kv_events and first < end:
-            # one BlockStored for the full blocks just cached (vLLM's order)
-            parent = hashes[first - 1] if first else None
-            stored = tuple(tokens[first * bs : end * bs])
-            pool.emit_event(BlockStored(tuple(hashes[first:end]), parent, stored, bs))
+        if pool.enable_kv_events:
+            self._emit_stored(hashes, len(hits), tokens[len(hits) * bs : len(hashes) * bs])
         m = self.metrics
         m.hashed_blocks += len(hashes)
         m.hashed_tokens += len(hashes) * bs
@@ -486,8 +450,7 @@ class BlockManager(SequenceTables, ManagerExtras):
             self.metrics.hashed_blocks += 1
             self.metrics.hashed_tokens += bs
             if pool.enable_kv_events:
-                parent = seq.block_hashes[i - 1] if i else None
-                pool.emit_event(BlockStored((full_hash,), parent, tuple(block.token_ids), bs))
+                self._emit_stored(seq.block_hashes, i, block.token_ids)
         return AppendResult(new_block, cow)
 
     def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
@@ -498,20 +461,7 @@ class BlockManager(SequenceTables, ManagerExtras):
         none of them may still be shared with another sequence (free that one first).
         """
         seq, pool = self._seq(seq_id), self.pool
-        doomed = []
-        if uncache_from is not None:
-            n = len(seq.token_ids)
-            if type(uncache_from) is not int or not 0 <= uncache_from <= n:
-                raise ValueError(f"uncache_from must be an int in [0, {n}], got {uncache_from!r}")
-            for block_id in seq.block_table[uncache_from // self.block_size :]:
-                block = pool.blocks[block_id]
-                if block.block_hash is not None and block.ref_count > 1:
-                    raise ValueError(
-                        f"block {block_id} (positions from {uncache_from} on) is still used by "
-                        "another sequence: free that sequence first"
-                    )
-                if block.block_hash is not None:
-                    doomed.append(block)
+        doomed = [] if uncache_from is None else self._uncached_blocks(seq, uncache_from)
         pool.clock += 1
         for block in doomed:
             pool.uncache(block, seq_id)

@@ -26,10 +26,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .extras import InvariantError, PoolExtras, TraceEvent, check
-from .hashing import BlockHash, ExtraKeys
-from .kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 __all__ = ["Block", "BlockPool", "InvariantError", "NoFreeBlocksError", "TraceEvent", "check"]
+from .hashing import BlockHash, ExtraKeys
+from .kv_events import BlockRemoved, KVCacheEvent
 
 FREE_ORDERS = ("vllm", "lru")
 # remembered evicted hashes per block of the pool ...
@@ -120,11 +120,6 @@ class BlockPool(PoolExtras):
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0 (empty or cached-but-evictable)."""
         return len(self.free)
-
-    def tick(self) -> int:
-        """Advance the logical clock (one tick per manager operation) and return it."""
-        self.clock += 1
-        return self.clock
 
     # --- taking and returning blocks -------------------------------------------------------------
     def take(self, owner: Hashable = None, event: str = "take") -> Block:
@@ -235,17 +230,6 @@ class BlockPool(PoolExtras):
         if self.trace is not None:
             self._record(block, "register", owner)
 
-    def uncache(self, block: Block, owner: Hashable = None) -> None:
-        """Take a block out of the cache now, keeping its tokens and references (its K/V was never computed).
-
-        The engine calls this (through ``BlockManager.free(..., uncache_from=...)``) for the blocks of a
-        step that failed, so no later request can hit K/V that was never written. The hash is not
-        remembered as evicted: the content was never really cached.
-        """
-        if block is not self.blocks[block.block_id % self.num_blocks] or block.block_hash is None:
-            raise ValueError(f"{block!r} is not a cached block of this pool")
-        self._uncache(block, "uncache", owner)
-
     def _uncache(self, block: Block, event: str, owner: Hashable) -> None:
         """Drop ``block`` from the cache (``event``: evict or uncache), with its ``BlockRemoved``."""
         bucket = self.cached[block.block_hash]
@@ -258,16 +242,3 @@ class BlockPool(PoolExtras):
         block.last_access = self.clock
         if self.trace is not None:
             self._record(block, event, owner)
-
-    def reset(self) -> bool:
-        """Drop every cached hash, keeping the free list's order; refused (False) while any block is in use."""
-        if any(b.ref_count for b in self.blocks):
-            return False
-        self.clock += 1
-        for block in self.blocks:
-            block.reset()
-            block.token_ids = []
-        self.cached.clear()
-        self.evicted_hashes.clear()
-        self.emit_event(AllBlocksCleared())
-        return True

@@ -18,9 +18,16 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from .kv_events import KVCacheEvent
+from .kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 
-__all__ = ["InvariantError", "ManagerExtras", "PoolExtras", "TraceEvent", "check"]
+__all__ = [
+    "InvariantError",
+    "ManagerExtras",
+    "PoolExtras",
+    "TableExtras",
+    "TraceEvent",
+    "check",
+]
 
 
 class InvariantError(AssertionError):
@@ -47,12 +54,74 @@ class TraceEvent:
     owner: Hashable
 
 
+class TableExtras:
+    """``SequenceTables``' queries for lessons and diagrams: cached tokens and slots of one sequence."""
+
+    def _check_new(self, seq_id: Hashable) -> None:
+        from .block_manager import DuplicateSequenceError
+
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+
+    @staticmethod
+    def _check_token(token_id: int) -> None:
+        if type(token_id) is not int:
+            raise TypeError("token ids must be ints")
+        if not 0 <= token_id < 2**63:
+            # kvlab.cache.block_manager.MAX_TOKEN_ID
+            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
+
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        """Prompt tokens this sequence took from the cache at ``allocate``."""
+        return self._seq(seq_id).num_cached_tokens
+
+    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
+        """Physical slot (block_id * block_size + offset) of each position in ``[start, end)``."""
+        seq, bs = self._seq(seq_id), self.block_size
+        n = len(seq.token_ids)
+        end = n if end is None else end
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= n:
+            raise ValueError(
+                f"positions [{start!r}, {end!r}) are not within the sequence's {n} tokens"
+            )
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
 class PoolExtras:
     """``BlockPool``'s trace, reports, fork reference, KV-event queue and invariant check."""
 
     def _record(self, block: Any, event: str, owner: Hashable) -> None:
         """Trace one event of ``block`` (the pool calls this only with ``trace=True``)."""
         self.trace.append(TraceEvent(self.clock, block.block_id, event, block.ref_count, owner))
+
+    def tick(self) -> int:
+        """Advance the logical clock (one tick per manager operation) and return it."""
+        self.clock += 1
+        return self.clock
+
+    def uncache(self, block: Any, owner: Hashable = None) -> None:
+        """Take a block out of the cache now, keeping its tokens and references (its K/V was never computed).
+
+        The engine calls this (through ``BlockManager.free(..., uncache_from=...)``) for the blocks of a
+        step that failed, so no later request can hit K/V that was never written. The hash is not
+        remembered as evicted: the content was never really cached.
+        """
+        if block is not self.blocks[block.block_id % self.num_blocks] or block.block_hash is None:
+            raise ValueError(f"{block!r} is not a cached block of this pool")
+        self._uncache(block, "uncache", owner)
+
+    def reset(self) -> bool:
+        """Drop every cached hash, keeping the free list's order; refused (False) while any block is in use."""
+        if any(b.ref_count for b in self.blocks):
+            return False
+        self.clock += 1
+        for block in self.blocks:
+            block.reset()
+            block.token_ids = []
+        self.cached.clear()
+        self.evicted_hashes.clear()
+        self.emit_event(AllBlocksCleared())
+        return True
 
     def share(self, block: Any, owner: Hashable = None) -> None:
         """Add a reference to a block that is already in use (fork)."""
@@ -188,6 +257,22 @@ class ManagerExtras:
         self.second_tier = tier
         self.pool.on_evict = on_evict
 
+    def _count_foreign_hit(self, public: bool) -> None:
+        """A hit on a block another tenant registered: a public hit inside the public prefix, else cross-tenant."""
+        if public:
+            self.metrics.public_hits += 1
+        else:
+            self.metrics.cross_tenant_hits += 1
+
+    def _emit_stored(self, hashes: list, first: int, tokens: list[int]) -> None:
+        """One ``BlockStored`` for full blocks ``first, first + 1, ...`` just cached, holding ``tokens`` (vLLM's
+        order; the manager calls this only with ``enable_kv_events=True``)."""
+        end = first + len(tokens) // self.block_size
+        if first < end:
+            parent = hashes[first - 1] if first else None
+            stored = BlockStored(tuple(hashes[first:end]), parent, tuple(tokens), self.block_size)
+            self.pool.emit_event(stored)
+
     def _restore(self, seq: Any, i: int, block: Any) -> bool:
         """Copy prompt block ``i`` back from the second tier into ``block``; whether the tier had it."""
         from .hashing import block_extra_keys
@@ -204,6 +289,22 @@ class ManagerExtras:
             seq.num_restored_tokens += self.block_size
             self.restored_tokens[source] += self.block_size
         return source is not None
+
+    def _uncached_blocks(self, seq: Any, uncache_from: int) -> list:
+        """``free(..., uncache_from=)``: the cached blocks from that position on, none shared (else raise)."""
+        n, doomed = len(seq.token_ids), []
+        if type(uncache_from) is not int or not 0 <= uncache_from <= n:
+            raise ValueError(f"uncache_from must be an int in [0, {n}], got {uncache_from!r}")
+        for block_id in seq.block_table[uncache_from // self.block_size :]:
+            block = self.pool.blocks[block_id]
+            if block.block_hash is not None and block.ref_count > 1:
+                raise ValueError(
+                    f"block {block_id} (positions from {uncache_from} on) is still used by "
+                    "another sequence: free that sequence first"
+                )
+            if block.block_hash is not None:
+                doomed.append(block)
+        return doomed
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False, while a sequence holds blocks."""

@@ -63,12 +63,7 @@ def builtin_hash(
 
 def first_block_extra_keys(model_fingerprint: str = "", salt: str | None = None) -> ExtraKeys:
     """Extra keys of a sequence's first block: the model fingerprint and the tenant salt, if any."""
-    keys: tuple = ()
-    if model_fingerprint:
-        keys += (("model", model_fingerprint),)
-    if salt is not None:
-        keys += (("salt", salt),)
-    return keys
+    return block_extra_keys(0, model_fingerprint, salt)
 
 
 def block_extra_keys(
