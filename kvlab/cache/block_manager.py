@@ -198,7 +198,7 @@ class AllocationPlan:
     num_free_blocks: int
     # the pool's clock when planned: the plan is stale once anything changed
     clock: int
-    # the planning manager's token
+    # the planning manager: another one refuses the plan
     owner: object = field(default=None, repr=False, compare=False)
 
     def __bool__(self) -> bool:
@@ -231,11 +231,7 @@ class BlockManager(SequenceTables, ManagerExtras):
     ) -> None:
         # BlockPool validates the sizes
         self.pool = BlockPool(
-            num_blocks,
-            block_size,
-            trace=trace,
-            free_order=free_order,
-            enable_kv_events=enable_kv_events,
+            num_blocks, block_size, trace, free_order=free_order, enable_kv_events=enable_kv_events
         )
         # blocks in the pool (``kvlab.cache.CacheManager``)
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -245,8 +241,6 @@ class BlockManager(SequenceTables, ManagerExtras):
         self.cow = cow
         self.seqs: dict[Hashable, SeqBlocks] = {}
         self.metrics = PrefixCacheMetrics()
-        # binds a plan to this manager: another one's plan is refused
-        self._plan_token = object()
         # where evicted/fetched blocks wait (kvlab.cache.host_tier)
         self.second_tier: SecondTier | None = None
         # tokens restored from the second tier, by source
@@ -269,8 +263,8 @@ class BlockManager(SequenceTables, ManagerExtras):
         tokens = check_prompt(token_ids, scope)
         bs, n, pool, fp = self.block_size, len(tokens), self.pool, self.model_fingerprint
         salt_block = scope.public_tokens // bs
-        hashes: list[BlockHash] = []
-        hits: list[Block] = []
+        # one hash per full block; the cached blocks of the longest prefix
+        hashes, hits = [], []
         if self.enable_caching:
             hashes = prompt_block_hashes(tokens, bs, fp, scope.salt, salt_block, self.hash_fn)
             # the longest cached prefix, capped so that the last prompt token is recomputed
@@ -284,6 +278,7 @@ class BlockManager(SequenceTables, ManagerExtras):
                 hits.append(block)
         # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
         needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
+        # owner: another manager refuses this plan
         return AllocationPlan(
             tuple(tokens),
             scope,
@@ -292,7 +287,7 @@ class BlockManager(SequenceTables, ManagerExtras):
             needed,
             len(pool.free),
             pool.clock,
-            self._plan_token,
+            self,
         )
 
     def allocate(
@@ -316,9 +311,7 @@ class BlockManager(SequenceTables, ManagerExtras):
         """
         if seq_id in self.seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
-        if plan is not None and (
-            not isinstance(plan, AllocationPlan) or plan.owner is not self._plan_token
-        ):
+        if plan is not None and (not isinstance(plan, AllocationPlan) or plan.owner is not self):
             raise ValueError(
                 "this plan was not made by this manager's can_allocate (plans do not travel between "
                 "managers: another pool's free blocks and cached hits are not this one's)"
@@ -437,11 +430,8 @@ class BlockManager(SequenceTables, ManagerExtras):
             if block.ref_count > 1 and self.cow:
                 block, shared = self._copy_on_write(seq, block), block
                 cow = (shared.block_id, block.block_id)
-        if offset < len(block.token_ids):
-            # only reachable with cow=False: overwrites a shared slot
-            block.token_ids[offset] = token_id
-        else:
-            block.token_ids.append(token_id)
+        # appends; with cow=False a shared block may already hold this slot: it is overwritten
+        block.token_ids[offset : offset + 1] = [token_id]
         seq.token_ids.append(token_id)
         if full_hash is not None and block.block_hash is None:
             # cache the block this token filled

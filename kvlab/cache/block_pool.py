@@ -26,10 +26,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .extras import InvariantError, PoolExtras, TraceEvent, check
-
-__all__ = ["Block", "BlockPool", "InvariantError", "NoFreeBlocksError", "TraceEvent", "check"]
 from .hashing import BlockHash, ExtraKeys
 from .kv_events import BlockRemoved, KVCacheEvent
+
+__all__ = ["Block", "BlockPool", "InvariantError", "NoFreeBlocksError", "TraceEvent", "check"]
 
 FREE_ORDERS = ("vllm", "lru")
 # remembered evicted hashes per block of the pool ...

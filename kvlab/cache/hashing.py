@@ -117,5 +117,4 @@ def config_fingerprint(name: str, **config: object) -> str:
 
     Not ``kvlab.engine.models.model_fingerprint``, which hashes the weights and the tokenizer themselves.
     """
-    text = repr((name, sorted(config.items())))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(repr((name, sorted(config.items()))).encode()).hexdigest()[:16]
