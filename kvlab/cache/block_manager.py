@@ -118,6 +118,10 @@ class SequenceTables(TableExtras):
                 f"unknown sequence {seq_id!r} (never allocated, or already freed)"
             ) from None
 
+    def _check_new(self, seq_id: Hashable) -> None:
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block ids of a sequence, in logical order."""
         return list(self._seq(seq_id).block_table)
@@ -140,6 +144,8 @@ class TenantScope:
     salt: str | None = None
     public_tokens: int = 0
     tenant: Hashable = None
+    # the name metrics use: the tenant, or the salt when no tenant is given (set from the fields)
+    label: Hashable = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.salt is not None and not isinstance(self.salt, str):
@@ -151,11 +157,7 @@ class TenantScope:
             hash(self.tenant)
         except TypeError:
             raise TypeError(f"tenant must be hashable, got {type(self.tenant).__name__}") from None
-
-    @property
-    def label(self) -> Hashable:
-        """The name metrics use: the tenant, or the salt when no tenant is given."""
-        return self.salt if self.tenant is None else self.tenant
+        object.__setattr__(self, "label", self.salt if self.tenant is None else self.tenant)
 
 
 # no salt, no public prefix: every request may hit every cached block
@@ -236,9 +238,8 @@ class BlockManager(SequenceTables, ManagerExtras):
         # blocks in the pool (``kvlab.cache.CacheManager``)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.model_fingerprint, self.hash_fn = model_fingerprint, hash_fn
-        self.enable_caching = enable_caching
-        # False = the article's "writable shared block" bug, kept for teaching
-        self.cow = cow
+        # cow=False: the article's "writable shared block" bug, kept for teaching
+        self.enable_caching, self.cow = enable_caching, cow
         self.seqs: dict[Hashable, SeqBlocks] = {}
         self.metrics = PrefixCacheMetrics()
         # where evicted/fetched blocks wait (kvlab.cache.host_tier)
@@ -348,7 +349,7 @@ class BlockManager(SequenceTables, ManagerExtras):
             seq_id,
             tokens,
             salt=scope.salt,
-            tenant=scope.salt if scope.tenant is None else scope.tenant,
+            tenant=scope.label,
             num_cached_tokens=len(hits) * bs,
             salt_block=scope.public_tokens // bs,
             block_hashes=hashes,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from .hashing import block_extra_keys
 from .kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 
 __all__ = [
@@ -55,13 +56,7 @@ class TraceEvent:
 
 
 class TableExtras:
-    """``SequenceTables``' queries for lessons and diagrams: cached tokens and slots of one sequence."""
-
-    def _check_new(self, seq_id: Hashable) -> None:
-        from .block_manager import DuplicateSequenceError
-
-        if seq_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+    """``SequenceTables``' token check (``RadixCache.append``) and the queries of lessons and diagrams."""
 
     @staticmethod
     def _check_token(token_id: int) -> None:
@@ -275,8 +270,6 @@ class ManagerExtras:
 
     def _restore(self, seq: Any, i: int, block: Any) -> bool:
         """Copy prompt block ``i`` back from the second tier into ``block``; whether the tier had it."""
-        from .hashing import block_extra_keys
-
         h = seq.block_hashes
         source = self.second_tier.load(
             h[i],
