@@ -1,11 +1,15 @@
 """What the block pool and block manager do off a default ``Engine.generate``: each part runs only when its
-feature is used.
+feature is used (a step failed, ``n > 1`` samples, a second tier, KV events, tracing, a reset, a debug query).
 
-- ``PoolExtras`` (``BlockPool``): the per-block trace (``trace=True``), ``history``, ``block_report``,
-  ``next_victim``, ``share`` (fork), the KV-event queue (``enable_kv_events=True``) and ``check_invariants``.
-- ``ManagerExtras`` (``BlockManager``): fork and copy-on-write (``n > 1`` samples), the second tier
-  (``attach_second_tier``: restore on a pool miss), the KV-event queue, ``reset_prefix_cache``, the debug
-  reports (``usage``, ``read_tokens``, ``wasted_slots``, ``stats``) and ``check_invariants``.
+- ``TableExtras`` (``SequenceTables``, so also ``RadixCache``): the radix cache's token check,
+  ``num_cached_tokens`` and ``slot_mapping`` (lessons and diagrams).
+- ``PoolExtras`` (``BlockPool``): the per-block trace (``trace=True``), ``tick``, ``uncache`` (a failed step),
+  ``reset``, ``share`` (fork), ``next_victim``, the KV-event queue (``enable_kv_events=True``), ``history``,
+  ``block_report`` and ``check_invariants``.
+- ``ManagerExtras`` (``BlockManager``): the debug reports (``usage``, ``read_tokens``, ``wasted_slots``,
+  ``stats``), the KV-event queue and ``BlockStored``, the second tier (``attach_second_tier``, restore on a
+  pool miss), a hit on another tenant's block, ``free(..., uncache_from=)``, ``reset_prefix_cache``, fork and
+  copy-on-write, and ``check_invariants``.
 
 They are mixins: ``kvlab.cache.block_pool`` and ``kvlab.cache.block_manager`` define the state they read.
 """
