@@ -19,6 +19,9 @@ public prefix before it stay shared (a block straddling the boundary is private)
 remembers the tenant that registered it; a hit on another tenant's block is counted as a *public*
 hit when it lies inside the public prefix and as a *cross-tenant* hit otherwise (0 under salting).
 
+What a default ``Engine.generate`` never runs lives in ``kvlab.cache.extras.ManagerExtras``: fork and
+copy-on-write, the second tier's restore, the KV-event queue, debug reports and ``check_invariants``.
+
 References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``,
 ``free``) and ``vllm/v1/core/single_type_kv_cache_manager.py`` (``cache_blocks``); vLLM v0
 ``vllm/core/block/cpu_gpu_block_allocator.py`` (copy-on-write); nano-vllm
@@ -27,24 +30,21 @@ References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, 
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import Block, BlockPool, NoFreeBlocksError, check
+from .block_pool import Block, BlockPool, NoFreeBlocksError
+from .extras import ManagerExtras, TableExtras
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
     BlockHash,
-    ExtraKeys,
     HashFn,
     block_extra_keys,
     hash_block,
     prompt_block_hashes,
-    salted_block,
 )
 from .host_tier import SecondTier
-from .kv_events import BlockStored, KVCacheEvent
 from .metrics import PrefixCacheMetrics
 
 __all__ = [
@@ -96,14 +96,13 @@ class SeqBlocks(SeqState):
 
     # one per full block
     block_hashes: list[BlockHash] = field(default_factory=list)
-    # the first block's: model fingerprint, salt
-    extra_keys: ExtraKeys = ()
     # the block whose hash takes the salt: the first past the public prefix
     salt_block: int = 0
 
 
-class SequenceTables:
-    """The per-sequence API every cache shares: ``seqs`` by id, block tables, slots, the new-id and token checks.
+class SequenceTables(TableExtras):
+    """The per-sequence API every cache shares: ``seqs`` by id, block tables, slots, the new-id and token checks
+    (those off the default path in ``kvlab.cache.extras.TableExtras``).
 
     A cache sets ``seqs`` (id -> ``SeqState``) and ``block_size``; ``BlockManager`` and ``RadixCache`` inherit this.
     """
@@ -123,60 +122,14 @@ class SequenceTables:
         if seq_id in self.seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
 
-    @staticmethod
-    def _check_token(token_id: int) -> None:
-        if type(token_id) is not int:
-            raise TypeError("token ids must be ints")
-        if not 0 <= token_id < MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
-
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block ids of a sequence, in logical order."""
         return list(self._seq(seq_id).block_table)
-
-    def num_cached_tokens(self, seq_id: Hashable) -> int:
-        """Prompt tokens this sequence took from the cache at ``allocate``."""
-        return self._seq(seq_id).num_cached_tokens
-
-    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
-        """Physical slot (block_id * block_size + offset) of each position in ``[start, end)``."""
-        seq, bs = self._seq(seq_id), self.block_size
-        n = len(seq.token_ids)
-        end = n if end is None else end
-        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= n:
-            raise ValueError(
-                f"positions [{start!r}, {end!r}) are not within the sequence's {n} tokens"
-            )
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 def cdiv(n: int, d: int) -> int:
     """Ceiling division: the blocks of ``d`` slots needed for ``n`` tokens."""
     return -(-n // d)
-
-
-def check_token_ids(token_ids: Sequence[int], what: str = "a prompt") -> list[int]:
-    """``token_ids`` as a list, or a clear error: at least one token, plain ints in [0, MAX_TOKEN_ID)."""
-    tokens = list(token_ids)
-    if not tokens:
-        raise ValueError(f"{what} needs at least one token")
-    if any(type(t) is not int for t in tokens):
-        raise TypeError("token ids must be ints")
-    if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
-        raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
-    return tokens
-
-
-def check_prompt(token_ids: Sequence[int], scope: TenantScope) -> list[int]:
-    """The prompt checks every cache runs before it looks anything up (block manager and radix cache alike)."""
-    if not isinstance(scope, TenantScope):
-        raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
-    tokens = check_token_ids(token_ids)
-    if not 0 <= scope.public_tokens <= len(tokens):
-        raise ValueError(
-            f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}"
-        )
-    return tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -191,6 +144,8 @@ class TenantScope:
     salt: str | None = None
     public_tokens: int = 0
     tenant: Hashable = None
+    # the name metrics use: the tenant, or the salt when no tenant is given (set from the fields)
+    label: Hashable = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.salt is not None and not isinstance(self.salt, str):
@@ -202,15 +157,32 @@ class TenantScope:
             hash(self.tenant)
         except TypeError:
             raise TypeError(f"tenant must be hashable, got {type(self.tenant).__name__}") from None
-
-    @property
-    def label(self) -> Hashable:
-        """The name metrics use: the tenant, or the salt when no tenant is given."""
-        return self.salt if self.tenant is None else self.tenant
+        object.__setattr__(self, "label", self.salt if self.tenant is None else self.tenant)
 
 
 # no salt, no public prefix: every request may hit every cached block
 NO_SCOPE = TenantScope()
+
+
+def check_prompt(
+    token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, what: str = "a prompt"
+) -> list[int]:
+    """``token_ids`` as a list, or a clear error: at least one token, plain ints in [0, MAX_TOKEN_ID), and
+    ``scope``'s public prefix within it (every cache runs this before it looks anything up)."""
+    if not isinstance(scope, TenantScope):
+        raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
+    tokens = list(token_ids)
+    if not tokens:
+        raise ValueError(f"{what} needs at least one token")
+    if any(type(t) is not int for t in tokens):
+        raise TypeError("token ids must be ints")
+    if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
+        raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
+    if not 0 <= scope.public_tokens <= len(tokens):
+        raise ValueError(
+            f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}"
+        )
+    return tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -228,7 +200,7 @@ class AllocationPlan:
     num_free_blocks: int
     # the pool's clock when planned: the plan is stale once anything changed
     clock: int
-    # the planning manager's token
+    # the planning manager: another one refuses the plan
     owner: object = field(default=None, repr=False, compare=False)
 
     def __bool__(self) -> bool:
@@ -243,7 +215,7 @@ class AppendResult:
     cow: tuple[int, int] | None = None
 
 
-class BlockManager(SequenceTables):
+class BlockManager(SequenceTables, ManagerExtras):
     """Block tables for many sequences sharing one pool, with prefix caching and copy-on-write."""
 
     def __init__(
@@ -261,92 +233,24 @@ class BlockManager(SequenceTables):
     ) -> None:
         # BlockPool validates the sizes
         self.pool = BlockPool(
-            num_blocks,
-            block_size,
-            trace=trace,
-            free_order=free_order,
-            enable_kv_events=enable_kv_events,
+            num_blocks, block_size, trace, free_order=free_order, enable_kv_events=enable_kv_events
         )
-        self.block_size = block_size
-        self.model_fingerprint = model_fingerprint
-        self.hash_fn = hash_fn
-        self.enable_caching = enable_caching
-        # False = the article's "writable shared block" bug, kept for teaching
-        self.cow = cow
+        # blocks in the pool (``kvlab.cache.CacheManager``)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.model_fingerprint, self.hash_fn = model_fingerprint, hash_fn
+        # cow=False: the article's "writable shared block" bug, kept for teaching
+        self.enable_caching, self.cow = enable_caching, cow
         self.seqs: dict[Hashable, SeqBlocks] = {}
         self.metrics = PrefixCacheMetrics()
-        # cached block id -> tenant whose sequence registered it
-        self.registered_by: dict[int, Hashable] = {}
-        # binds a plan to this manager: another one's plan is refused
-        self._plan_token = object()
         # where evicted/fetched blocks wait (kvlab.cache.host_tier)
         self.second_tier: SecondTier | None = None
         # tokens restored from the second tier, by source
         self.restored_tokens: Counter = Counter()
 
-    # --- queries ----------------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool (``kvlab.cache.CacheManager``; the same as ``pool.num_blocks``)."""
-        return self.pool.num_blocks
-
     @property
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0 (empty or cached-but-evictable)."""
-        return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by a live sequence."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
-
-    def read_tokens(self, seq_id: Hashable) -> list[int | None]:
-        """What the sequence reads back through its block table (None for an empty slot)."""
-        seq, bs, blocks = self._seq(seq_id), self.block_size, self.pool.blocks
-        out = []
-        for p in range(len(seq.token_ids)):
-            slots = blocks[seq.block_table[p // bs]].token_ids
-            out.append(slots[p % bs] if p % bs < len(slots) else None)
-        return out
-
-    def wasted_slots(self) -> int:
-        """Empty slots in blocks that are in use (the partial tail blocks)."""
-        return sum(self.block_size - len(b.token_ids) for b in self.pool.blocks if b.ref_count > 0)
-
-    def stats(self) -> dict:
-        """Metrics plus the pool's state: usage, free and cached blocks, evictions, wasted slots."""
-        return {
-            **self.metrics.as_dict(),
-            "usage": self.usage,
-            "num_free_blocks": self.num_free_blocks,
-            "num_cached_blocks": sum(len(v) for v in self.pool.cached.values()),
-            "evictions": self.pool.num_evictions,
-            "wasted_slots": self.wasted_slots(),
-            "restored_tokens": self.restored_tokens["offload"],
-            "fetched_tokens": self.restored_tokens["peer"],
-        }
-
-    # --- prefix lookup ------------------------------------------------------------------------------
-    def _keys(self, i: int, salt: str | None, salt_block: int) -> ExtraKeys:
-        return block_extra_keys(i, self.model_fingerprint, salt, salt_block)
-
-    def _longest_hit(
-        self, tokens: list[int], hashes: list[BlockHash], salt: str | None, salt_block: int
-    ) -> list[Block]:
-        """Cached blocks of the longest prefix, capped so the last prompt token is recomputed."""
-        bs, hits, parent_serial = self.block_size, [], 0
-        for i in range((len(tokens) - 1) // bs):
-            block = self.pool.lookup(
-                hashes[i],
-                tokens[i * bs : (i + 1) * bs],
-                parent_serial,
-                self._keys(i, salt, salt_block),
-            )
-            if block is None:
-                break
-            hits.append(block)
-            parent_serial = block.serial
-        return hits
+        return len(self.pool.free)
 
     def can_allocate(
         self, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE
@@ -358,34 +262,35 @@ class BlockManager(SequenceTables):
         exactly as it was when planned; a plan is this manager's only: another manager refuses it).
         """
         tokens = check_prompt(token_ids, scope)
-        bs, n = self.block_size, len(tokens)
-        salt_block = salted_block(scope.public_tokens, bs)
-        hashes: list[BlockHash] = []
-        hits: list[Block] = []
+        bs, n, pool, fp = self.block_size, len(tokens), self.pool, self.model_fingerprint
+        salt_block = scope.public_tokens // bs
+        # one hash per full block; the cached blocks of the longest prefix
+        hashes, hits = [], []
         if self.enable_caching:
-            hashes = prompt_block_hashes(
-                tokens[: n // bs * bs],
-                bs,
-                self.model_fingerprint,
-                scope.salt,
-                salt_block,
-                self.hash_fn,
-            )
-            hits = self._longest_hit(tokens, hashes, scope.salt, salt_block)
+            hashes = prompt_block_hashes(tokens, bs, fp, scope.salt, salt_block, self.hash_fn)
+            # the longest cached prefix, capped so that the last prompt token is recomputed
+            for i in range((n - 1) // bs):
+                keys = block_extra_keys(i, fp, scope.salt, salt_block)
+                block = pool.lookup(
+                    hashes[i], tokens[i * bs : (i + 1) * bs], hits[-1].serial if i else 0, keys
+                )
+                if block is None:
+                    break
+                hits.append(block)
         # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
         needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
+        # owner: another manager refuses this plan
         return AllocationPlan(
             tuple(tokens),
             scope,
             tuple(hashes),
             tuple(hits),
             needed,
-            self.num_free_blocks,
-            self.pool.clock,
-            self._plan_token,
+            len(pool.free),
+            pool.clock,
+            self,
         )
 
-    # --- mutations ----------------------------------------------------------------------------------
     def allocate(
         self,
         seq_id: Hashable,
@@ -405,104 +310,75 @@ class BlockManager(SequenceTables):
         ``ValueError``, as a refusal changes nothing. ``preempted``: the sequence was preempted before (its
         lookup is counted apart, as vLLM does).
         """
-        plan = self._checked_plan(seq_id, token_ids, scope, plan)
-        tokens, hashes, hits, bs = list(plan.tokens), list(plan.hashes), plan.hits, self.block_size
-        # before this request fills the cache
-        misses = self._classify_misses(len(tokens), hashes, len(hits))
-        self.pool.tick()
+        if seq_id in self.seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+        if plan is not None and (not isinstance(plan, AllocationPlan) or plan.owner is not self):
+            raise ValueError(
+                "this plan was not made by this manager's can_allocate (plans do not travel between "
+                "managers: another pool's free blocks and cached hits are not this one's)"
+            )
+        pool, bs = self.pool, self.block_size
+        # a plan holds while it still describes the pool: same clock, free count and cached hits
+        if plan is None or not (
+            plan.clock == pool.clock
+            and plan.num_free_blocks == len(pool.free)
+            and plan.scope == scope
+            and plan.tokens == tuple(token_ids)
+            and all(b.block_hash == h for b, h in zip(plan.hits, plan.hashes))
+        ):
+            plan = self.can_allocate(token_ids, scope)
+        if not plan:
+            raise NoFreeBlocksError(
+                f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, {len(pool.free)} of "
+                f"{self.num_blocks} are free"
+            )
+        tokens, hashes, hits, n = list(plan.tokens), list(plan.hashes), plan.hits, len(plan.tokens)
+        # missed tokens by reason, before this request fills the cache: a full block that could have hit
+        # was evicted (or cut off from its chain by an evicted parent) or never cached; the rest is short
+        eligible = (n - 1) // bs
+        seen = sum(
+            h in pool.evicted_hashes or h in pool.cached for h in hashes[len(hits) : eligible]
+        )
+        misses = {
+            "short": n - eligible * bs,
+            "no_prefix": (eligible - len(hits) - seen) * bs,
+            "evicted": seen * bs,
+        }
+        pool.clock += 1
         seq = SeqBlocks(
             seq_id,
             tokens,
             salt=scope.salt,
             tenant=scope.label,
             num_cached_tokens=len(hits) * bs,
-            salt_block=salted_block(scope.public_tokens, bs),
+            salt_block=scope.public_tokens // bs,
             block_hashes=hashes,
         )
-        seq.extra_keys = self._keys(0, seq.salt, seq.salt_block)
         for i, block in enumerate(hits):
-            self.pool.hit(block, seq_id)
+            pool.hit(block, seq_id)
             seq.block_table.append(block.block_id)
-            self._count_foreign_hit(seq, i, block)
+            # another tenant's block: a public hit inside the public prefix, else a cross-tenant one
+            if block.tenant != seq.tenant:
+                self._count_foreign_hit(i < seq.salt_block)
         restoring = self.enable_caching and self.second_tier is not None
-        for i in range(len(hits), cdiv(len(tokens), bs)):
-            block = self._take(seq, tokens[i * bs : (i + 1) * bs])
+        for i in range(len(hits), cdiv(n, bs)):
+            block = pool.take(seq_id)
+            block.token_ids = tokens[i * bs : (i + 1) * bs]
+            seq.block_table.append(block.block_id)
             # the chain continues in the second tier? copy it back; its first miss ends it
-            restoring = restoring and i < (len(tokens) - 1) // bs and self._restore(seq, i, block)
-            if self.enable_caching and i < len(tokens) // bs:
+            restoring = restoring and i < eligible and self._restore(seq, i, block)
+            if self.enable_caching and i < n // bs:
                 self._cache_block(seq, i, block, hashes[i])
         self.seqs[seq_id] = seq
-        self._emit_stored(seq, len(hits), len(tokens) // bs)
-        self._record_allocation(seq, len(hits), misses, preempted)
+        if pool.enable_kv_events:
+            self._emit_stored(hashes, len(hits), tokens[len(hits) * bs : len(hashes) * bs])
+        m = self.metrics
+        m.hashed_blocks += len(hashes)
+        m.hashed_tokens += len(hashes) * bs
+        m.blocks_hit += len(hits)
+        m.blocks_taken += len(seq.block_table) - len(hits)
+        m.record_lookup(seq.tenant, n, seq.num_cached_tokens, misses, preempted)
         return seq.num_cached_tokens + seq.num_restored_tokens
-
-    def _checked_plan(
-        self,
-        seq_id: Hashable,
-        token_ids: Sequence[int],
-        scope: TenantScope,
-        plan: AllocationPlan | None,
-    ) -> AllocationPlan:
-        """``plan`` if it is this manager's and still holds, else a fresh one; raise unless it fits now."""
-        self._check_new(seq_id)
-        if plan is not None and (
-            not isinstance(plan, AllocationPlan) or plan.owner is not self._plan_token
-        ):
-            raise ValueError(
-                "this plan was not made by this manager's can_allocate (plans do not travel between "
-                "managers: another pool's free blocks and cached hits are not this one's)"
-            )
-        # a plan holds while it still describes the pool: same clock, free count and cached hits
-        holds = plan is not None and (
-            plan.clock == self.pool.clock
-            and plan.num_free_blocks == self.num_free_blocks
-            and plan.scope == scope
-            and plan.tokens == tuple(token_ids)
-            and all(
-                self.pool.blocks[b.block_id] is b and b.block_hash == h
-                for b, h in zip(plan.hits, plan.hashes)
-            )
-        )
-        if not holds:
-            plan = self.can_allocate(token_ids, scope)
-        if not plan:
-            raise NoFreeBlocksError(
-                f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, {self.pool.num_free_blocks} of "
-                f"{self.pool.num_blocks} are free"
-            )
-        return plan
-
-    def _count_foreign_hit(self, seq: SeqBlocks, i: int, block: Block) -> None:
-        """A hit on another tenant's block ``i``: a public hit inside the public prefix, else cross-tenant."""
-        if self.registered_by.get(block.block_id, seq.tenant) == seq.tenant:
-            return
-        if i < seq.salt_block:
-            self.metrics.public_hits += 1
-        else:
-            self.metrics.cross_tenant_hits += 1
-
-    def _take(self, seq: SeqBlocks, tokens: list[int], event: str = "take") -> Block:
-        """A free block for ``seq`` holding ``tokens`` (taking it evicts what it cached), at its table's end."""
-        block = self.pool.take(seq.seq_id, event=event)
-        self.registered_by.pop(block.block_id, None)
-        block.token_ids = tokens
-        seq.block_table.append(block.block_id)
-        return block
-
-    def _restore(self, seq: SeqBlocks, i: int, block: Block) -> bool:
-        """Copy prompt block ``i`` back from the second tier into ``block``; whether the tier had it."""
-        h = seq.block_hashes
-        source = self.second_tier.load(
-            h[i],
-            tuple(block.token_ids),
-            self._keys(i, seq.salt, seq.salt_block),
-            h[i - 1] if i else None,
-            block.block_id,
-        )
-        if source is not None:
-            seq.num_restored_tokens += self.block_size
-            self.restored_tokens[source] += self.block_size
-        return source is not None
 
     def _cache_block(self, seq: SeqBlocks, i: int, block: Block, h: BlockHash) -> None:
         """Register ``seq``'s full block ``i`` under hash ``h``: other requests can hit it from now on.
@@ -514,152 +390,59 @@ class BlockManager(SequenceTables):
         """
         parent = seq.block_hashes[i - 1] if i else None
         parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
-        self.pool.register(
-            block, h, parent, parent_serial, self._keys(i, seq.salt, seq.salt_block), seq.seq_id
-        )
-        self.registered_by[block.block_id] = seq.tenant
-
-    def _emit_stored(self, seq: SeqBlocks, first: int, end: int) -> None:
-        """One ``BlockStored`` event for the full blocks ``[first, end)`` just cached (vLLM's order)."""
-        if self.enable_caching and first < end:
-            h, bs = seq.block_hashes, self.block_size
-            self.pool.emit_event(
-                BlockStored(
-                    tuple(h[first:end]),
-                    h[first - 1] if first else None,
-                    tuple(seq.token_ids[first * bs : end * bs]),
-                    bs,
-                )
-            )
-
-    def _record_allocation(
-        self, seq: SeqBlocks, num_hits: int, misses: dict[str, int], preempted: bool
-    ) -> None:
-        m, hashed = self.metrics, len(seq.block_hashes)
-        m.hashed_blocks += hashed
-        m.hashed_tokens += hashed * self.block_size
-        m.blocks_hit += num_hits
-        m.blocks_taken += len(seq.block_table) - num_hits
-        m.record_lookup(seq.tenant, len(seq.token_ids), seq.num_cached_tokens, misses, preempted)
-
-    def _classify_misses(self, n: int, hashes: list[BlockHash], n_hits: int) -> dict[str, int]:
-        bs, pool = self.block_size, self.pool
-        # full blocks that may hit; the rest is "short"
-        eligible = (n - 1) // bs
-        misses = {"short": n - eligible * bs, "no_prefix": 0, "evicted": 0}
-        for i in range(n_hits, eligible):
-            # evicted before, or still cached but cut off from its chain because its parent was evicted
-            seen = i < len(hashes) and (
-                hashes[i] in pool.evicted_hashes or hashes[i] in pool.cached
-            )
-            misses["evicted" if seen else "no_prefix"] += bs
-        return misses
+        keys = block_extra_keys(i, self.model_fingerprint, seq.salt, seq.salt_block)
+        self.pool.register(block, h, parent, parent_serial, keys, seq.seq_id)
+        block.tenant = seq.tenant
 
     def can_append(self, seq_id: Hashable) -> bool:
         """Whether the next ``append`` has the free block it may need."""
-        seq = self._seq(seq_id)
-        if len(seq.token_ids) % self.block_size == 0:
-            return self.num_free_blocks > 0
-        last = self.pool.blocks[seq.block_table[-1]]
-        return not (self.cow and last.ref_count > 1) or self.num_free_blocks > 0
+        seq, pool = self._seq(seq_id), self.pool
+        # a block is needed when the last one is full, or shared (copy-on-write)
+        return bool(pool.free) or not (
+            len(seq.token_ids) % self.block_size == 0
+            or self.cow
+            and pool.blocks[seq.block_table[-1]].ref_count > 1
+        )
 
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
         """Write one decoded token: take a block if the last is full, copy it first if it is shared."""
         seq = self._seq(seq_id)
-        self._check_token(token_id)
+        if type(token_id) is not int:
+            raise TypeError("token ids must be ints")
+        if not 0 <= token_id < MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
         if not self.can_append(seq_id):
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs a block and none is free")
         pool, bs = self.pool, self.block_size
-        pos = len(seq.token_ids)
-        offset = pos % bs
+        i, offset = divmod(len(seq.token_ids), bs)
         full_hash = None
         # this token fills its block: hash it before changing anything
         if offset == bs - 1 and self.enable_caching:
-            i = pos // bs
-            content = (
-                [] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]
-            ) + [token_id]
-            keys = self._keys(i, seq.salt, seq.salt_block)
-            full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, content, keys)
-        pool.tick()
+            last = [] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]
+            keys = block_extra_keys(i, self.model_fingerprint, seq.salt, seq.salt_block)
+            full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, last + [token_id], keys)
+        pool.clock += 1
         new_block = cow = None
         if offset == 0:
-            block = self._take(seq, [])
-            new_block = block.block_id
+            block = pool.take(seq_id)
+            seq.block_table.append(new_block := block.block_id)
         else:
             block = pool.blocks[seq.block_table[-1]]
             if block.ref_count > 1 and self.cow:
                 block, shared = self._copy_on_write(seq, block), block
                 cow = (shared.block_id, block.block_id)
-        if offset < len(block.token_ids):
-            # only reachable with cow=False: overwrites a shared slot
-            block.token_ids[offset] = token_id
-        else:
-            block.token_ids.append(token_id)
+        # appends; with cow=False a shared block may already hold this slot: it is overwritten
+        block.token_ids[offset : offset + 1] = [token_id]
         seq.token_ids.append(token_id)
-        if offset == bs - 1 and self.enable_caching and block.block_hash is None:
-            self._cache_decoded(seq, block, full_hash)
+        if full_hash is not None and block.block_hash is None:
+            # cache the block this token filled
+            self._cache_block(seq, i, block, full_hash)
+            seq.block_hashes.append(full_hash)
+            self.metrics.hashed_blocks += 1
+            self.metrics.hashed_tokens += bs
+            if pool.enable_kv_events:
+                self._emit_stored(seq.block_hashes, i, block.token_ids)
         return AppendResult(new_block, cow)
-
-    def _copy_on_write(self, seq: SeqBlocks, shared: Block) -> Block:
-        """Move ``seq`` off a shared partial block onto a private copy of it."""
-        seq.block_table.pop()
-        copy = self._take(
-            seq, shared.token_ids[: len(seq.token_ids) % self.block_size], event="cow-copy"
-        )
-        self.pool.release(shared, seq.seq_id)
-        self.metrics.cow_copies += 1
-        return copy
-
-    def _cache_decoded(self, seq: SeqBlocks, block: Block, h: BlockHash) -> None:
-        """Cache the block a decoded token filled (``h``: its hash, computed by ``append``)."""
-        i = len(seq.block_table) - 1
-        self._cache_block(seq, i, block, h)
-        seq.block_hashes.append(h)
-        self.metrics.hashed_blocks += 1
-        self.metrics.hashed_tokens += self.block_size
-        parent = seq.block_hashes[i - 1] if i else None
-        self.pool.emit_event(BlockStored((h,), parent, tuple(block.token_ids), self.block_size))
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """KV events queued since the last call (needs ``enable_kv_events=True``; vLLM's ``take_events``)."""
-        return self.pool.take_events()
-
-    def emit_event(self, event: KVCacheEvent) -> None:
-        """Queue a KV event of a tier attached to this cache, in one stream with the pool's (dropped if events are off)."""
-        self.pool.emit_event(event)
-
-    def attach_second_tier(
-        self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None
-    ) -> None:
-        """Ask ``tier`` when a prompt misses the pool (``second_tier``); ``on_evict`` sees each cached block evicted."""
-        self.second_tier = tier
-        self.pool.on_evict = on_evict
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False, while a sequence holds blocks."""
-        if self.seqs or not self.pool.reset():
-            return False
-        self.registered_by.clear()
-        if self.second_tier is not None:
-            self.second_tier.clear()
-        return True
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Start ``child_id`` as a copy of ``parent_id`` that shares every block (no copying yet)."""
-        parent = self._seq(parent_id)
-        self._check_new(child_id)
-        self.pool.tick()
-        for block_id in parent.block_table:
-            self.pool.share(self.pool.blocks[block_id], child_id)
-        self.seqs[child_id] = dataclasses.replace(
-            parent,
-            seq_id=child_id,
-            token_ids=list(parent.token_ids),
-            block_table=list(parent.block_table),
-            block_hashes=list(parent.block_hashes),
-            num_restored_tokens=0,
-        )
 
     def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
         """Release a finished sequence's blocks, tail first, so chain tails are evicted first.
@@ -668,65 +451,11 @@ class BlockManager(SequenceTables):
         failed). The blocks holding them leave the prefix cache too, so no request can ever hit them;
         none of them may still be shared with another sequence (free that one first).
         """
-        seq = self._seq(seq_id)
-        doomed = []
-        if uncache_from is not None:
-            if type(uncache_from) is not int or not 0 <= uncache_from <= len(seq.token_ids):
-                raise ValueError(
-                    f"uncache_from must be an int in [0, {len(seq.token_ids)}], got {uncache_from!r}"
-                )
-            for block_id in seq.block_table[uncache_from // self.block_size :]:
-                block = self.pool.blocks[block_id]
-                if block.block_hash is not None:
-                    if block.ref_count > 1:
-                        raise ValueError(
-                            f"block {block_id} (positions from {uncache_from} on) is still used by "
-                            "another sequence: free that sequence first"
-                        )
-                    doomed.append(block)
-        self.pool.tick()
+        seq, pool = self._seq(seq_id), self.pool
+        doomed = [] if uncache_from is None else self._uncached_blocks(seq, uncache_from)
+        pool.clock += 1
         for block in doomed:
-            self.pool.uncache(block, seq_id)
-            self.registered_by.pop(block.block_id, None)
+            pool.uncache(block, seq_id)
         for block_id in reversed(seq.block_table):
-            self.pool.release(self.pool.blocks[block_id], seq_id)
+            pool.release(pool.blocks[block_id], seq_id)
         del self.seqs[seq_id]
-
-    # --- invariants -------------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Raise ``InvariantError`` unless every ref count, table, cache entry and slot is consistent."""
-        self.pool.check_invariants(self.hash_fn)
-        refs = Counter(b for seq in self.seqs.values() for b in seq.block_table)
-        for block in self.pool.blocks:
-            check(
-                block.ref_count == refs[block.block_id],
-                f"block {block.block_id}: ref count {block.ref_count} but {refs[block.block_id]} "
-                f"block-table references (leak or double free)",
-            )
-        for block in self.pool.blocks:
-            check(
-                block.block_hash is None or block.block_id in self.registered_by,
-                f"cached block {block.block_id} has no registering tenant",
-            )
-        bs = self.block_size
-        for seq in self.seqs.values():
-            n = len(seq.token_ids)
-            check(
-                len(seq.block_table) == cdiv(n, bs),
-                f"sequence {seq.seq_id!r}: {len(seq.block_table)} blocks for {n} tokens",
-            )
-            check(
-                self.read_tokens(seq.seq_id) == seq.token_ids,
-                f"sequence {seq.seq_id!r} reads other tokens than it wrote (a shared block was written)",
-            )
-            if self.enable_caching:
-                check(
-                    len(seq.block_hashes) == n // bs,
-                    f"sequence {seq.seq_id!r}: wrong number of block hashes",
-                )
-                for i in range(n // bs):
-                    block = self.pool.blocks[seq.block_table[i]]
-                    check(
-                        block.block_hash == seq.block_hashes[i],
-                        f"sequence {seq.seq_id!r}: full block {i} is not cached under its hash",
-                    )

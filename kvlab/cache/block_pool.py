@@ -1,14 +1,18 @@
 """The physical KV-cache blocks: ref counts, an LRU free list, lazy eviction, and a per-block trace.
 
 A block is taken from the head of the free list and comes back to its tail when its ref count drops
-to 0 (a block that carries no hash, which can never be hit, goes back to the head: vLLM's order). A full block keeps its hash while it sits in the free list, so a later request can revive it
-with a cache hit (``hit``); only when the block is taken for new data is its hash dropped (lazy
-eviction). The free list is therefore also the LRU eviction order, and it never holds a block that
-someone still references: LRU can only evict blocks with ref count 0.
+to 0 (a block that carries no hash, which can never be hit, goes back to the head: vLLM's order). A
+full block keeps its hash while it sits in the free list, so a later request can revive it with a
+cache hit (``hit``); only when the block is taken for new data is its hash dropped (lazy eviction).
+The free list is therefore also the LRU eviction order, and it never holds a block that someone
+still references: LRU can only evict blocks with ref count 0.
 
 The cache maps a hash to the blocks registered under it. A lookup accepts a block only if its token
 ids, its extra keys and its parent block (by ``serial``, a number given to each distinct cached
 content) match, so a hash collision can never hand out another prefix's K/V.
+
+The trace, ``block_report`` and ``check_invariants`` are debugging aids off the default path
+(``kvlab.cache.extras.PoolExtras``).
 
 References: vLLM ``vllm/v1/core/block_pool.py`` (``BlockPool``, ``get_new_blocks``, ``touch``,
 ``free_blocks``) and ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``);
@@ -21,8 +25,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from .extras import InvariantError, PoolExtras, TraceEvent, check
 from .hashing import BlockHash, ExtraKeys
-from .kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from .kv_events import BlockRemoved, KVCacheEvent
+
+__all__ = ["Block", "BlockPool", "InvariantError", "NoFreeBlocksError", "TraceEvent", "check"]
 
 FREE_ORDERS = ("vllm", "lru")
 # remembered evicted hashes per block of the pool ...
@@ -33,16 +40,6 @@ MIN_EVICTED_HASHES = 1024
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when a block is needed and every block is referenced."""
-
-
-class InvariantError(AssertionError):
-    """Raised by ``check_invariants`` when the block bookkeeping is inconsistent."""
-
-
-def check(condition: bool, message: str) -> None:
-    """Raise ``InvariantError(message)`` unless ``condition`` holds (kept under ``python -O``)."""
-    if not condition:
-        raise InvariantError(message)
 
 
 @dataclass(slots=True)
@@ -65,30 +62,17 @@ class Block:
     created_at: int = 0
     # pool clock of the last take, hit, share or release
     last_access: int = 0
+    # the tenant whose sequence registered it (set by the block manager; cross-tenant hit accounting)
+    tenant: Hashable = None
 
     def reset(self) -> None:
-        """Forget the contents and the hash (the block is about to hold new data)."""
-        self.token_ids = []
-        self.block_hash = self.parent_hash = None
+        """Forget the hash, keeping the tokens (the block leaves the cache); ``token_ids`` is the caller's."""
+        self.block_hash = self.parent_hash = self.tenant = None
         self.extra_keys = ()
         self.serial = self.parent_serial = 0
 
 
-@dataclass(slots=True, frozen=True)
-class TraceEvent:
-    """One change in a block's life, for debugging ref-count leaks."""
-
-    t: int
-    block_id: int
-    # take | cow-copy | hit | share | release | evict | register | uncache
-    event: str
-    # after the event
-    ref_count: int
-    # the sequence that caused it
-    owner: Hashable
-
-
-class BlockPool:
+class BlockPool(PoolExtras):
     """``num_blocks`` blocks, a free list in LRU order, and the hash -> block cache.
 
     ``evicted_hashes`` remembers the hashes of evicted blocks, so a miss on one counts as ``evicted``
@@ -108,95 +92,63 @@ class BlockPool:
     ) -> None:
         if max_evicted_hashes is None and type(num_blocks) is int:
             max_evicted_hashes = max(EVICTED_HASHES_PER_BLOCK * num_blocks, MIN_EVICTED_HASHES)
-        for name, value in (
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-            ("max_evicted_hashes", max_evicted_hashes),
-        ):
+        sizes = {"num_blocks": num_blocks, "block_size": block_size}
+        for name, value in {**sizes, "max_evicted_hashes": max_evicted_hashes}.items():
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if free_order not in FREE_ORDERS:
             raise ValueError(f"free_order must be one of {FREE_ORDERS}, got {free_order!r}")
-        self.free_order = free_order
-        self.block_size = block_size
+        self.free_order, self.block_size, self.num_blocks = free_order, block_size, num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         # head = next victim
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, list[Block]] = {}
-        # for classifying misses: the latest evicted hashes, oldest first, at most max_evicted_hashes of them
+        # for classifying misses: the latest evicted hashes, oldest first, at most max_evicted_hashes
         self.evicted_hashes: OrderedDict[BlockHash, None] = OrderedDict()
         self.max_evicted_hashes = max_evicted_hashes
         self.trace: list[TraceEvent] | None = [] if trace else None
-        self.clock = 0
-        self.num_evictions = 0
+        self.clock = self.num_evictions = 0
         self._next_serial = 1
         # KV events (vLLM's schema, kvlab.cache.kv_events): the pool queues removals and clears, the block
         # manager queues stores (it knows which blocks one call caches together)
         self.enable_kv_events = enable_kv_events
         self.kv_event_queue: list[KVCacheEvent] = []
-        # called with a cached block just before its eviction (its contents still readable): a host tier's seam
+        # called with a cached block just before its eviction (contents still readable): a host tier's seam
         self.on_evict: Callable[[Block], None] | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        """Total number of physical blocks."""
-        return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0 (empty or cached-but-evictable)."""
         return len(self.free)
 
-    def tick(self) -> int:
-        """Advance the logical clock (one tick per manager operation) and return it."""
-        self.clock += 1
-        return self.clock
-
-    def _record(self, block: Block, event: str, owner: Hashable) -> None:
-        block.last_access = self.clock
-        if self.trace is not None:
-            self.trace.append(TraceEvent(self.clock, block.block_id, event, block.ref_count, owner))
-
     # --- taking and returning blocks -------------------------------------------------------------
     def take(self, owner: Hashable = None, event: str = "take") -> Block:
         """Take the least recently used free block, evicting its cached contents, with ref count 1."""
         if not self.free:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
-        head = self.blocks[next(iter(self.free))]
-        if head.block_hash is not None and self.on_evict is not None:
-            # before anything changes: a hook that raises leaves the pool as it was
-            self.on_evict(head)
-        block = self.blocks[self.free.popitem(last=False)[0]]
+        block = self.blocks[next(iter(self.free))]
         if block.block_hash is not None:
-            self._uncache(block)
-            self.emit_event(BlockRemoved((block.block_hash,)))
-            self._remember_evicted(block.block_hash)
+            # before anything changes: a hook that raises leaves the pool as it was
+            if self.on_evict is not None:
+                self.on_evict(block)
+            self.evicted_hashes[block.block_hash] = None
+            self.evicted_hashes.move_to_end(block.block_hash)
+            if len(self.evicted_hashes) > self.max_evicted_hashes:
+                # forget the oldest eviction
+                self.evicted_hashes.popitem(last=False)
             self.num_evictions += 1
-            self._record(block, "evict", owner)
-        block.reset()
-        block.ref_count = 1
-        block.created_at = self.clock
-        self._record(block, event, owner)
+            self._uncache(block, "evict", owner)
+        del self.free[block.block_id]
+        block.token_ids, block.ref_count = [], 1
+        block.created_at = block.last_access = self.clock
+        if self.trace is not None:
+            self._record(block, event, owner)
         return block
-
-    def _remember_evicted(self, block_hash: BlockHash) -> None:
-        self.evicted_hashes[block_hash] = None
-        self.evicted_hashes.move_to_end(block_hash)
-        if len(self.evicted_hashes) > self.max_evicted_hashes:
-            # forget the oldest eviction
-            self.evicted_hashes.popitem(last=False)
-
-    def _check_own(self, block: Block) -> None:
-        if not (
-            isinstance(block, Block)
-            and 0 <= block.block_id < len(self.blocks)
-            and self.blocks[block.block_id] is block
-        ):
-            raise ValueError(f"{block!r} is not a block of this pool")
 
     def hit(self, block: Block, owner: Hashable = None) -> None:
         """Reference a cached block found by ``lookup``; a free one leaves the free list."""
-        self._check_own(block)
+        if block is not self.blocks[block.block_id % self.num_blocks]:
+            raise ValueError(f"{block!r} is not a block of this pool")
         if block.block_hash is None:
             raise ValueError(
                 f"block {block.block_id} is not cached; only a cached block can be hit"
@@ -204,15 +156,9 @@ class BlockPool:
         if block.ref_count == 0:
             del self.free[block.block_id]
         block.ref_count += 1
-        self._record(block, "hit", owner)
-
-    def share(self, block: Block, owner: Hashable = None) -> None:
-        """Add a reference to a block that is already in use (fork)."""
-        self._check_own(block)
-        if block.ref_count <= 0:
-            raise ValueError(f"block {block.block_id} is not in use; cannot share it")
-        block.ref_count += 1
-        self._record(block, "share", owner)
+        block.last_access = self.clock
+        if self.trace is not None:
+            self._record(block, "hit", owner)
 
     def release(self, block: Block, owner: Hashable = None) -> None:
         """Drop one reference; at 0 the block joins the free list: a cached block at the tail (evicted last).
@@ -221,7 +167,8 @@ class BlockPool:
         no hash (a partial tail, which no request can ever hit) goes to the *head* instead, so it is reused
         before any cached block is evicted; ``"lru"`` puts every block at the tail.
         """
-        self._check_own(block)
+        if block is not self.blocks[block.block_id % self.num_blocks]:
+            raise ValueError(f"{block!r} is not a block of this pool")
         if block.ref_count <= 0:
             raise ValueError(
                 f"block {block.block_id} has ref count {block.ref_count}; double free?"
@@ -233,11 +180,9 @@ class BlockPool:
             if block.block_hash is None and self.free_order == "vllm":
                 # can never be hit: reuse it first
                 self.free.move_to_end(block.block_id, last=False)
-        self._record(block, "release", owner)
-
-    def next_victim(self) -> int | None:
-        """The block id that the next ``take`` would reuse (None when nothing is free)."""
-        return next(iter(self.free), None)
+        block.last_access = self.clock
+        if self.trace is not None:
+            self._record(block, "release", owner)
 
     # --- the prefix cache ----------------------------------------------------------------------
     def lookup(
@@ -267,7 +212,8 @@ class BlockPool:
         owner: Hashable = None,
     ) -> None:
         """Put a full block in the cache under ``block_hash`` so later requests can hit it."""
-        self._check_own(block)
+        if block is not self.blocks[block.block_id % self.num_blocks]:
+            raise ValueError(f"{block!r} is not a block of this pool")
         if len(block.token_ids) != self.block_size or block.block_hash is not None:
             raise ValueError(f"block {block.block_id} is not a full, uncached block")
         twin = self.lookup(block_hash, block.token_ids, parent_serial, extra_keys)
@@ -280,110 +226,19 @@ class BlockPool:
         block.parent_serial, block.extra_keys = parent_serial, extra_keys
         self.cached.setdefault(block_hash, []).append(block)
         self.evicted_hashes.pop(block_hash, None)
-        self._record(block, "register", owner)
+        block.last_access = self.clock
+        if self.trace is not None:
+            self._record(block, "register", owner)
 
-    def uncache(self, block: Block, owner: Hashable = None) -> None:
-        """Take a block out of the cache now, keeping its tokens and references (its K/V was never computed).
-
-        The engine calls this (through ``BlockManager.free(..., uncache_from=...)``) for the blocks of a
-        step that failed, so no later request can hit K/V that was never written. The hash is not
-        remembered as evicted: the content was never really cached.
-        """
-        self._check_own(block)
-        if block.block_hash is None:
-            raise ValueError(f"block {block.block_id} is not cached")
-        self._uncache(block)
-        self.emit_event(BlockRemoved((block.block_hash,)))
-        block.block_hash = block.parent_hash = None
-        block.extra_keys = ()
-        block.serial = block.parent_serial = 0
-        self._record(block, "uncache", owner)
-
-    def reset(self) -> bool:
-        """Drop every cached hash, keeping the free list's order; refused (False) while any block is in use."""
-        if any(b.ref_count for b in self.blocks):
-            return False
-        self.clock += 1
-        for block in self.blocks:
-            block.reset()
-        self.cached.clear()
-        self.evicted_hashes.clear()
-        self.emit_event(AllBlocksCleared())
-        return True
-
-    # --- KV events ----------------------------------------------------------------------------------
-    def emit_event(self, event: KVCacheEvent) -> None:
-        """Queue a KV event for ``take_events`` (dropped when ``enable_kv_events`` is off).
-
-        The pool emits ``BlockRemoved`` and ``AllBlocksCleared`` itself; the block manager emits ``BlockStored``
-        through here when it registers blocks, and a second tier its own events, so all share one ordered stream.
-        """
-        if self.enable_kv_events:
-            self.kv_event_queue.append(event)
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """The queued KV events, oldest first, and an empty queue (vLLM's ``BlockPool.take_events``)."""
-        events, self.kv_event_queue = self.kv_event_queue, []
-        return events
-
-    def _uncache(self, block: Block) -> None:
+    def _uncache(self, block: Block, event: str, owner: Hashable) -> None:
+        """Drop ``block`` from the cache (``event``: evict or uncache), with its ``BlockRemoved``."""
         bucket = self.cached[block.block_hash]
         bucket.remove(block)
         if not bucket:
             del self.cached[block.block_hash]
-
-    # --- debugging -----------------------------------------------------------------------------
-    def history(self, block_id: int) -> list[TraceEvent]:
-        """Every traced event of one block, oldest first (needs ``trace=True``)."""
-        if self.trace is None:
-            raise RuntimeError("tracing is off: create the pool with trace=True")
-        return [e for e in self.trace if e.block_id == block_id]
-
-    def block_report(self) -> list[dict]:
-        """One row per block: ref count, created, last access, cached, free; the article's debug marks."""
-        return [
-            {
-                "block_id": b.block_id,
-                "ref_count": b.ref_count,
-                "created_at": b.created_at,
-                "last_access": b.last_access,
-                "idle_for": self.clock - b.last_access,
-                "cached": b.block_hash is not None,
-                "free": b.block_id in self.free,
-                "tokens": len(b.token_ids),
-            }
-            for b in self.blocks
-        ]
-
-    def check_invariants(self, hash_fn=None) -> None:
-        """Free list == blocks with ref 0; cache entries consistent (recomputed with ``hash_fn``)."""
-        check(
-            len(self.free) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks,
-            "blocks not conserved: free + in use != num_blocks",
-        )
-        for b in self.blocks:
-            check(b.ref_count >= 0, f"block {b.block_id} has negative ref count {b.ref_count}")
-            check(
-                (b.ref_count == 0) == (b.block_id in self.free),
-                f"block {b.block_id}: ref count {b.ref_count} but free={b.block_id in self.free}",
-            )
-            check(len(b.token_ids) <= self.block_size, f"block {b.block_id} overfull")
-        n_cached = 0
-        for h, bucket in self.cached.items():
-            check(len(bucket) > 0, "empty cache bucket")
-            for b in bucket:
-                n_cached += 1
-                check(
-                    b.block_hash == h, f"block {b.block_id} cached under a hash it does not carry"
-                )
-                check(len(b.token_ids) == self.block_size, f"cached block {b.block_id} is not full")
-                check(b.serial > 0, f"cached block {b.block_id} has no serial")
-                if hash_fn is not None:
-                    check(
-                        hash_fn(b.parent_hash, b.token_ids, b.extra_keys) == h,
-                        f"cached block {b.block_id}: tokens do not match its hash",
-                    )
-        check(
-            n_cached == sum(b.block_hash is not None for b in self.blocks),
-            "a block carries a hash but is not in the cache",
-        )
+        if self.enable_kv_events:
+            self.kv_event_queue.append(BlockRemoved((block.block_hash,)))
+        block.reset()
+        block.last_access = self.clock
+        if self.trace is not None:
+            self._record(block, event, owner)

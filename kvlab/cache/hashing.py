@@ -63,12 +63,7 @@ def builtin_hash(
 
 def first_block_extra_keys(model_fingerprint: str = "", salt: str | None = None) -> ExtraKeys:
     """Extra keys of a sequence's first block: the model fingerprint and the tenant salt, if any."""
-    keys: tuple = ()
-    if model_fingerprint:
-        keys += (("model", model_fingerprint),)
-    if salt is not None:
-        keys += (("salt", salt),)
-    return keys
+    return block_extra_keys(0, model_fingerprint, salt)
 
 
 def block_extra_keys(
@@ -122,5 +117,4 @@ def config_fingerprint(name: str, **config: object) -> str:
 
     Not ``kvlab.engine.models.model_fingerprint``, which hashes the weights and the tokenizer themselves.
     """
-    text = repr((name, sorted(config.items())))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(repr((name, sorted(config.items()))).encode()).hexdigest()[:16]

@@ -50,14 +50,6 @@ class CacheCounts:
         """Hit tokens / query tokens (0.0 before any query)."""
         return self.hits / self.queries if self.queries else 0.0
 
-    def add(self, queries: int, hits: int, misses: dict[str, int]) -> None:
-        """Count one request's lookup."""
-        self.requests += 1
-        self.queries += queries
-        self.hits += hits
-        for reason, n in misses.items():
-            self.misses[reason] += n
-
     def merge(self, other: CacheCounts) -> None:
         """Add another tenant's counts to these (requests included)."""
         self.requests += other.requests
@@ -114,21 +106,20 @@ class PrefixCacheMetrics:
         if queries != hits + sum(misses.values()):
             raise ValueError("every queried token must be a hit or a miss with a reason")
         if preempted:
-            self.preempted.add(queries, hits, misses)
-            return
-        self.total.add(queries, hits, misses)
-        self._tenant_counts(tenant).add(queries, hits, misses)
-
-    def _tenant_counts(self, tenant: Hashable) -> CacheCounts:
-        """``tenant``'s row, now the most recently seen; a new row pushes the least recent into ``other``."""
-        counts = self.by_tenant.get(tenant)
-        if counts is not None:
-            self.by_tenant.move_to_end(tenant)
-            return counts
-        if len(self.by_tenant) >= self.max_tenants:
-            self.other.merge(self.by_tenant.popitem(last=False)[1])
-        counts = self.by_tenant[tenant] = CacheCounts()
-        return counts
+            rows = [self.preempted]
+        else:
+            # the tenant's row, now the most recently seen; a new row pushes the least recent into other
+            row = self.by_tenant.pop(tenant, None)
+            if row is None and len(self.by_tenant) >= self.max_tenants:
+                self.other.merge(self.by_tenant.popitem(last=False)[1])
+            row = self.by_tenant[tenant] = row or CacheCounts()
+            rows = [self.total, row]
+        for c in rows:
+            c.requests += 1
+            c.queries += queries
+            c.hits += hits
+            for reason, n in misses.items():
+                c.misses[reason] += n
 
     @property
     def hit_rate(self) -> float:

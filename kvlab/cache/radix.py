@@ -50,7 +50,6 @@ from .block_manager import (
     TenantScope,
     cdiv,
     check_prompt,
-    check_token_ids,
 )
 from .block_pool import NoFreeBlocksError, check
 from .metrics import PrefixCacheMetrics
@@ -453,7 +452,7 @@ class RadixCache(SequenceTables):
 
     def _check_tokens(self, token_ids: Sequence[int], what: str = "a prompt") -> list[int]:
         # the block manager's check, so lookups time alike
-        return check_token_ids(token_ids, what)
+        return check_prompt(token_ids, NO_SCOPE, what)
 
     def _check_salt(self, salt: str | None) -> None:
         if salt is not None and not isinstance(salt, str):
