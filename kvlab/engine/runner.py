@@ -11,40 +11,22 @@ paged attention by ``attach`` (``set_attn_implementation``, when a step has work
 from __future__ import annotations
 
 import inspect
-import itertools
 from typing import Any
 
 import torch
 
+from .hooks import checked_positions
 from .kv_store import PagedKVStore
 from .paged_attention import MissingBatchError, build_batch, check_config, paged_step, register
 from .sampling import sample_next
 from .scheduler import ScheduledSeq
 
-__all__ = ["ModelRunner", "describe", "samples"]
+__all__ = ["ModelRunner", "describe"]
 
 
 def describe(e: BaseException) -> str:
     """``"TypeError: message"``: how a failed request's error reads."""
     return f"{type(e).__name__}: {e}"
-
-
-def _checked_positions(p: Any, it: ScheduledSeq) -> range | list[int]:
-    """The positions a ``positions`` hook gave ``it``: one int >= 0 per computed token, else ValueError."""
-    n = it.end - it.start
-    # the usual case, checked without a pass over the tokens
-    if isinstance(p, range) and len(p) == n and (n == 0 or min(p[0], p[-1]) >= 0):
-        return p
-    try:
-        got = [int(x) for x in p] if not isinstance(p, (str, bytes)) else None
-    except (TypeError, ValueError):
-        got = None
-    if got is None or len(got) != n or any(x < 0 for x in got):
-        raise ValueError(
-            f"the engine's positions hook gave {p!r} for tokens [{it.start}, {it.end}): it must give "
-            f"{n} non-negative int positions, one per computed token"
-        )
-    return got
 
 
 class ModelRunner:
@@ -109,16 +91,11 @@ class ModelRunner:
     def _probe(self) -> bool:
         """Run token 0 at position 0 through the model; check what it ran; return whether the head seam holds."""
         zero = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        run = dict(input_ids=zero, position_ids=zero, use_cache=False)
         batch = build_batch(self.store, [(0, 1, [0])])
         try:
             with paged_step():
-                want = self.model(
-                    input_ids=zero,
-                    position_ids=zero,
-                    use_cache=False,
-                    kvlab_batch=batch,
-                    logits_to_keep=torch.zeros(1, dtype=torch.long, device=self.device),
-                ).logits[0]
+                want = self.model(**run, kvlab_batch=batch, logits_to_keep=zero[0]).logits[0]
         except MissingBatchError:
             self._refuse(
                 "its layers do not pass the forward keyword kvlab_batch down to the attention function"
@@ -134,13 +111,13 @@ class ModelRunner:
             self._refuse(f"its forward failed under the paged attention ({describe(e)})")
         finally:
             self.store.clear_blocks([0])
-        layers = self.store.num_layers
-        if sorted(batch.layers_run) != list(range(layers)):
-            missing = sorted(set(range(layers)) - set(batch.layers_run))
+        layers = list(range(self.store.num_layers))
+        if sorted(batch.layers_run) != layers:
             self._refuse(
-                f"it never ran for layers {missing} of {layers} (calls: {batch.layers_run}); the model's "
-                "attention does not go through transformers' AttentionInterface (e.g. ALiBi or custom "
-                "attention code), so its K/V would never reach the paged store and the outputs would be wrong"
+                f"it never ran for layers {sorted(set(layers) - set(batch.layers_run))} of {len(layers)} "
+                f"(calls: {batch.layers_run}); the model's attention does not go through transformers' "
+                "AttentionInterface (e.g. ALiBi or custom attention code), so its K/V would never reach the "
+                "paged store and the outputs would be wrong"
             )
         if "position_ids" not in inspect.signature(self.model.forward).parameters:
             self._refuse(
@@ -155,16 +132,11 @@ class ModelRunner:
         try:
             with paged_step():
                 # (1, hidden)
-                hidden = self.decoder(
-                    input_ids=zero,
-                    position_ids=zero,
-                    use_cache=False,
-                    kvlab_batch=build_batch(self.store, [(0, 1, [0])]),
-                )[0][0]
-                return bool(
-                    self.decoder is not self.model
-                    and torch.equal(self.lm_head(hidden).float(), want.float())
-                )
+                hidden = self.decoder(**run, kvlab_batch=build_batch(self.store, [(0, 1, [0])]))[0][
+                    0
+                ]
+                got = self.lm_head(hidden).float()
+            return self.decoder is not self.model and torch.equal(got, want.float())
         except torch.OutOfMemoryError:
             # a RuntimeError, but no answer about the seam
             raise
@@ -203,23 +175,37 @@ class ModelRunner:
     # no autograd graph: it would chain every step through the K/V store and keep it all alive
     @torch.no_grad()
     def forward(
-        self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range]
-    ) -> torch.Tensor:
-        """One packed forward of the scheduled tokens: the logits of each sampling item's last position.
+        self,
+        items: list[ScheduledSeq],
+        tables: list[list[int]],
+        positions: list[Any] | None = None,
+    ) -> tuple[torch.Tensor, list[int], list[bool]]:
+        """One packed forward of the scheduled tokens: ``(logits, greedy token per row, row's top logit is NaN)``.
 
-        ``tables[i]`` is item i's block table, ``positions[i]`` the positions of the tokens it computes (what
-        RoPE sees). Returns ``(number of sampling items, vocab)`` logits; a prompt chunk (``samples``) only
-        writes its K/V and gets no row.
+        ``tables[i]`` is item i's block table, ``positions[i]`` what a positions hook gave it (None: each token
+        at its place in the sequence). The logits are ``(number of sampling items, vocab)``: a prompt chunk
+        (it ends before its sequence) only writes its K/V and gets no row. ``argmax`` treats NaN as the
+        largest, so a row with a NaN points at one.
         """
-        ids, pos = [], []
-        for it, p in zip(items, positions):
-            ids.extend(it.seq.token_ids[it.start : it.end])
-            pos.extend(_checked_positions(p, it))
+        ids, pos, last, end = [], [], [], 0
+        for i, it in enumerate(items):
+            seq, p = it.seq, len(it.seq.prompt_ids)
+            ids += (
+                seq.prompt_ids[it.start : it.end]
+                + seq.output_ids[max(it.start - p, 0) : max(it.end - p, 0)]
+            )
+            pos += (
+                range(it.start, it.end)
+                if positions is None
+                else checked_positions(positions[i], it)
+            )
+            end += it.end - it.start
+            # it samples: it computes up to its sequence's end
+            if it.end >= p + len(seq.output_ids):
+                last.append(end - 1)
         batch = build_batch(
             self.store, [(it.start, it.end, table) for it, table in zip(items, tables)]
         )
-        ends = itertools.accumulate(it.end - it.start for it in items)
-        last = [end - 1 for end, it in zip(ends, items) if samples(it)]
         last = torch.tensor(last, dtype=torch.long, device=self.device)
         kwargs = dict(
             # (1, T)
@@ -232,14 +218,17 @@ class ModelRunner:
         with paged_step():
             if self.head_seam:
                 # hidden (1, T, H) -> (num_sampling, vocab)
-                return self.lm_head(self.decoder(**kwargs)[0][0, last])
-            return self.model(**kwargs, logits_to_keep=last).logits[0]
+                logits = self.lm_head(self.decoder(**kwargs)[0][0, last])
+            else:
+                logits = self.model(**kwargs, logits_to_keep=last).logits[0]
+        top = logits.argmax(-1)
+        return logits, top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()
 
     def compute(
         self,
         items: list[ScheduledSeq],
         tables: list[list[int]],
-        positions: list[range],
+        positions: list[Any] | None = None,
     ) -> tuple[list[int | None], dict[int, str], set[int]]:
         """One token per scheduled item that samples, without letting one request's failure reach the others.
 
@@ -248,36 +237,41 @@ class ModelRunner:
         forward failed or gave NaN, or they read such K/V through a same-step prefix hit). When the packed
         forward raises or gives NaN for some item (NaN spreads to the step's other rows: 0 * NaN is NaN), each
         item runs alone, in order, to find the culprits; untrusted blocks are zeroed. ``tables[i]`` and
-        ``positions[i]`` are item i's block table and positions (``forward``).
+        ``positions[i]`` are item i's block table and positions (``forward``). The model is switched to the
+        paged attention first, once per busy period (``attach``).
         """
+        if self.model.config._attn_implementation != self.attention:
+            self.attach()
         bs = self.store.block_size
         tokens: list[int | None] = [None] * len(items)
         errors: dict[int, str] = {}
         untrusted: set[int] = set()
         # blocks whose K/V this step did not reliably write
         bad: set[int] = set()
-        # item i's row of the packed logits (items that sample only)
-        row_of = list(itertools.accumulate(map(samples, items), initial=-1))[1:]
         try:
-            packed = _read(self.forward(items, tables, positions))
+            packed = self.forward(items, tables, positions)
             if any(packed[2]) and len(items) > 1:
                 packed = None
         # broad on purpose: one request's failure (any error of the model's forward) must not reach the others
         except Exception:  # noqa: BLE001
             # find the culprits: each item alone
             packed = None
+        # the item's row of the packed logits (items that sample only)
+        row = -1
         for i, it in enumerate(items):
+            sample = it.end >= len(it.seq.prompt_ids) + len(it.seq.output_ids)
+            row += sample
             if bad and any(b in bad for b in tables[i][: it.start // bs]):
                 untrusted.add(i)
                 bad.update(tables[i][it.start // bs :])
                 continue
             try:
                 if packed is not None:
-                    (logits, top, nan), j = packed, row_of[i]
+                    (logits, top, nan), j = packed, row
                 else:
-                    logits, top, nan = _read(self.forward([it], [tables[i]], [positions[i]]))
-                    j = 0
-                if samples(it) and nan[j]:
+                    alone = None if positions is None else [positions[i]]
+                    (logits, top, nan), j = self.forward([it], [tables[i]], alone), 0
+                if sample and nan[j]:
                     raise FloatingPointError("the model's logits for this request are NaN")
             # broad on purpose: whatever this request's forward raises becomes its error, the others go on
             except Exception as e:  # noqa: BLE001
@@ -285,17 +279,16 @@ class ModelRunner:
                 untrusted.add(i)
                 bad.update(tables[i][it.start // bs :])
                 continue
-            if not samples(it):
-                continue
             sp = it.seq.sampling
             try:
-                tokens[i] = (
-                    top[j]
-                    if sp.greedy
-                    else sample_next(
-                        logits[j], True, sp.temperature, sp.top_p, sp.top_k, it.seq.generator
+                if sample:
+                    tokens[i] = (
+                        top[j]
+                        if sp.temperature == 0
+                        else sample_next(
+                            logits[j], True, sp.temperature, sp.top_p, sp.top_k, it.seq.generator
+                        )
                     )
-                )
             # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
             except Exception as e:  # noqa: BLE001
                 errors[i] = describe(e)
@@ -303,17 +296,3 @@ class ModelRunner:
             # never read again, not even as a masked or padding slot
             self.store.clear_blocks(sorted(bad))
         return tokens, errors, untrusted
-
-
-def samples(item: ScheduledSeq) -> bool:
-    """Whether a step samples a token for ``item``: it computes up to the sequence's end (not a prompt chunk)."""
-    return item.end >= item.seq.num_tokens
-
-
-def _read(logits: torch.Tensor) -> tuple[torch.Tensor, list[int], list[bool]]:
-    """``(logits, greedy token per row, whether the row's top logit is NaN)``.
-
-    ``argmax`` treats NaN as the largest, so a row with a NaN points at one.
-    """
-    top = logits.argmax(-1)
-    return logits, top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()

@@ -66,30 +66,6 @@ class Request:
         """Who sent it (it scopes ``abort``/``fork`` and labels per-tenant metrics); None if nobody was named."""
         return self.scope.tenant
 
-    def forked(
-        self, seq_id: int, request_id: Hashable, sampling: SamplingParams, generator: object
-    ) -> Request:
-        """A copy that continues from here with its own ids, sampling and generator (same scope, tokens, timing)."""
-        return Request(
-            seq_id,
-            request_id,
-            list(self.prompt_ids),
-            sampling,
-            self.scope,
-            self.arrival_time,
-            list(self.output_ids),
-            num_cached_tokens=self.num_cached_tokens,
-            first_token_time=self.first_token_time,
-            generator=generator,
-        )
-
-    def stop_reason(self, token: int, eos_ids: set[int]) -> str | None:
-        """Why the request stops after generating ``token``: ``"stop"``, ``"length"``, or None to go on."""
-        sp = self.sampling
-        if (token in eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            return "stop"
-        return "length" if len(self.output_ids) >= sp.max_tokens else None
-
     @property
     def token_ids(self) -> list[int]:
         """Prompt and generated tokens, in order."""
