@@ -11,6 +11,7 @@ from typing import Any
 from ..cache.interface import CacheManager
 from ..cache.kv_events import EventBatch
 from .config import EngineConfig
+from .fork import fork_request
 from .hooks import KVEventLog, StepRecord, default_positions, observe
 from .intake import Checked, Intake, per_prompt
 from .kv_store import PagedKVStore
@@ -201,19 +202,8 @@ class Engine:
             self._finish(seq, "abort", time.perf_counter())
             return self._output(seq)
 
-    def fork(
-        self,
-        request_id: Hashable,
-        child_id: Hashable | None = None,
-        sampling: SamplingParams | None = None,
-        *,
-        tenant: str | None = None,
-    ) -> Hashable:
-        """Continue a running request of ``tenant`` as two sharing every block; a refused fork changes nothing."""
-        from .fork import fork_request
-
-        with self._lock:
-            return fork_request(self, self._get(request_id, tenant), child_id, sampling)
+    # Engine.fork(request_id, child_id=None, sampling=None, *, tenant=None): kvlab.engine.fork
+    fork = fork_request
 
     def _get(self, request_id: Hashable, tenant: str | None = None) -> Request:
         seq = self.requests.get(request_id)

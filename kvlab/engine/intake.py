@@ -7,7 +7,6 @@ whose ``field`` names the offending field ("prompt", "max_tokens", "temperature"
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import time
@@ -159,8 +158,12 @@ class Intake:
                 f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"model's {self.max_model_len} positions",
             )
-        # the pool's size only: fixed at construction
-        self.check_fits(len(ids), sampling.max_tokens)
+        try:
+            # the pool's size only: fixed at construction
+            self._fits(len(ids), sampling.max_tokens)
+        except ValueError:
+            # raises the RequestError that names the field
+            self.check_fits(len(ids), sampling.max_tokens)
         if tenant is not None and self.isolation == "shared" and not self._warned_shared_tenants:
             # once per engine
             self._warned_shared_tenants = True
@@ -173,9 +176,11 @@ class Intake:
                 stacklevel=3,
             )
         try:
+            # nothing to derive: a shared cache without a cache_salt
+            shared = self.isolation == "shared" and cache_salt is None
             salt = (
                 unsafe_salt
-                if unsafe_salt is not None
+                if unsafe_salt is not None or shared
                 else request_salt(self._secret, self.isolation, tenant, cache_salt)
             )
         # a lone surrogate ("\ud800") in the tenant id
@@ -201,7 +206,8 @@ class Intake:
             sampling,
             TenantScope(salt, public, tenant),
             arrival_time=time.perf_counter(),
-            generator=self.generator(sampling),
+            # greedy: none
+            generator=None if sampling.temperature == 0 else self.generator(sampling),
         )
 
     def new_ids(
@@ -266,11 +272,7 @@ def check_sampling(sampling: Any) -> SamplingParams:
         raise RequestTypeError(
             "sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}"
         )
-    try:
-        sampling.validate()
-    except (TypeError, ValueError) as e:
-        fields = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)}
-        raise _refused(_sampling_field(fields), e) from None
+    # its fields were checked when it was made (frozen)
     return sampling
 
 

@@ -36,6 +36,10 @@ class PagedKVStore:
         )
         # k, v: token-major views (L, blocks, block_size, kv_heads, head_dim); zeros keep a padded read finite
         self.k, self.v = (pages.permute(0, 2, 3, 1, 4) for pages in (self.k_pages, self.v_pages))
+        # where the tensors live; K and V bytes of one block across all layers, and of the whole store
+        self.device = self.k.device
+        self.bytes_per_block = 2 * self.k[:, 0].numel() * self.k.element_size()
+        self.nbytes = num_blocks * self.bytes_per_block
 
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int) -> PagedKVStore:
@@ -51,21 +55,6 @@ class PagedKVStore:
         return nbytes // (
             block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
         )
-
-    @property
-    def device(self) -> torch.device:
-        """Where the tensors live."""
-        return self.k.device
-
-    @property
-    def bytes_per_block(self) -> int:
-        """K and V bytes of one block across all layers."""
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole store (K and V, every layer)."""
-        return self.num_blocks * self.bytes_per_block
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor

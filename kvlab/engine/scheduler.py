@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
 from ..cache.interface import CacheManager
+from .fork import ForkingScheduler
 from .invariants import check_scheduler
 from .sequence import Request, RequestStatus
 
@@ -39,7 +40,7 @@ class SchedulerOutput:
         return sum(it.end - it.start for it in self.items)
 
 
-class Scheduler:
+class Scheduler(ForkingScheduler):
     """Waiting and running queues; one ``schedule()`` per engine step.
 
     ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the step's token
@@ -167,26 +168,6 @@ class Scheduler:
         self.requeue(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Run ``child`` as a copy of the running ``parent`` that shares all its blocks."""
-        self.check_fork(parent)
-        self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.status = RequestStatus.RUNNING
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.running.append(child)
-
-    def check_fork(self, parent: Request) -> None:
-        """Raise ``ValueError`` unless ``parent`` runs, has generated a token and is not mid-prefill (``fork`` needs it)."""
-        if (
-            parent.status is not RequestStatus.RUNNING
-            or not parent.output_ids
-            or self.is_prefilling(parent)
-        ):
-            raise ValueError(
-                "only a running sequence that has generated a token (and is not being prefilled again "
-                "after a preemption) can be forked"
-            )
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
