@@ -22,7 +22,6 @@ from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Request, RequestStatus
-from .tenants import check_secret
 
 __all__ = [
     "Engine",
@@ -98,12 +97,8 @@ class Engine:
         if isinstance(cache, str):
             overrides["cache"] = cache
         self.config = cfg = (config or EngineConfig()).replace(**overrides)
-        self.model, self.tokenizer, self.debug, self.isolation = (
-            model,
-            tokenizer,
-            cfg.debug,
-            cfg.isolation,
-        )
+        self.model, self.tokenizer = model, tokenizer
+        self.debug, self.isolation = cfg.debug, cfg.isolation
         self.positions, self.observers = positions, list(observers)
         self.device, self.dtype = model_device_dtype(model)
         if cache is None or isinstance(cache, str):
@@ -140,17 +135,8 @@ class Engine:
         self.kv_events = KVEventLog(bm) if cfg.enable_kv_events else None
         # probes the model: may refuse it
         self.runner = ModelRunner(model, self.store)
-        # the secret: None -> a random one for this engine
-        self.intake = Intake(
-            tokenizer,
-            model.config.vocab_size,
-            self.max_model_len,
-            self.scheduler.check_fits,
-            self.isolation,
-            check_secret(cfg.secret),
-            self.device,
-            cfg.seed,
-        )
+        vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
+        self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
 
     def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
         """Call ``observer(record)`` once per step from now on, after the forward (a ``StepRecord``)."""
@@ -237,8 +223,9 @@ class Engine:
                         it.seq.num_restored_tokens = bm.seqs[it.seq.seq_id].num_restored_tokens
                 tables = [bm.block_table(it.seq.seq_id) for it in items]
                 # None: the default positions, which need no check
-                hook = None if self.positions is default_positions else self.positions
-                positions = None if hook is None else [hook(it) for it in items]
+                positions = None
+                if self.positions is not default_positions:
+                    positions = [self.positions(it) for it in items]
                 tokens, errors, untrusted = self.runner.compute(items, tables, positions)
                 if self.observers:
                     observe(self.observers, self.num_steps, items, tables, positions, tokens)
@@ -249,33 +236,31 @@ class Engine:
                     # the K/V of [start, end) was never (reliably) written; a prompt in chunks: nor its
                     # earlier chunks', which sampled nothing, so nothing checked them
                     first = seq.prefill_start if items[i].is_prefill else items[i].start
-                    uncache_from = first if i in untrusted else None
                     if i in errors:
                         seq.error = errors[i]
-                        self._finish(seq, "error", now, uncache_from)
+                        self._finish(seq, "error", now, first if i in untrusted else None)
                         finished.append(seq)
                     elif i in untrusted:
                         # it read blocks a failed request never wrote: prefill it again later
-                        self.scheduler.requeue(seq, uncache_from)
+                        self.scheduler.requeue(seq, first)
                         if not seq.output_ids:
                             # counted at its next admission instead
                             seq.num_cached_tokens = None
                 finished.reverse()
                 for item, token in zip(items, tokens):
-                    seq = item.seq
+                    seq, sp = item.seq, item.seq.sampling
                     if token is None:
                         continue
                     seq.output_ids.append(token)
                     if seq.first_token_time is None:
                         seq.first_token_time = now
-                    sp = seq.sampling
-                    if (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-                        self._finish(seq, "stop", now)
-                    elif len(seq.output_ids) >= sp.max_tokens:
-                        self._finish(seq, "length", now)
-                    else:
-                        continue
-                    finished.append(seq)
+                    # why it stops: an eos or stop token, or its length
+                    stop = (
+                        token in self.eos_ids and not sp.ignore_eos
+                    ) or token in sp.stop_token_ids
+                    if stop or len(seq.output_ids) >= sp.max_tokens:
+                        self._finish(seq, "stop" if stop else "length", now)
+                        finished.append(seq)
                 self.num_steps += 1
                 self.num_mixed_steps += len({it.is_prefill for it in items}) == 2
             # idle: the model is HF's own again (ModelRunner.detach)

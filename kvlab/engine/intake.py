@@ -20,7 +20,13 @@ from ..cache.block_manager import TenantScope
 from .models import encode
 from .sampling_params import SamplingParams
 from .sequence import Request
-from .tenants import SharedTenantsWarning, public_prefix_length, request_salt, tenant_salt
+from .tenants import (
+    SharedTenantsWarning,
+    check_secret,
+    public_prefix_length,
+    request_salt,
+    tenant_salt,
+)
 
 __all__ = [
     "Checked",
@@ -63,19 +69,15 @@ class Intake:
         vocab_size: int,
         max_model_len: int | None,
         check_fits: Callable[[int, int], None],
-        isolation: str,
-        secret: bytes,
+        config: Any,
         device: torch.device,
-        seed: int,
     ) -> None:
+        """``config``: the engine's ``EngineConfig`` (its ``isolation``, ``secret`` and ``seed``)."""
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        # the engine's secret: the one every salt is derived from (kvlab.engine.tenants)
-        self._fits, self.isolation, self._secret, self.device = (
-            check_fits,
-            isolation,
-            secret,
-            device,
-        )
+        self._fits, self.isolation, self.device = check_fits, config.isolation, device
+        # the engine's secret: the one every salt is derived from (kvlab.engine.tenants); None: a random one
+        self._secret = check_secret(config.secret)
+        seed = config.seed
         # token ids; used under "public-prefix"
         self.public_prefixes: list[tuple[int, ...]] = []
         self._ids = itertools.count()

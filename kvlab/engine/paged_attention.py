@@ -430,17 +430,10 @@ def paged_step() -> Iterator[None]:
         _IN_STEP.reset(token)
 
 
-def _attention(
-    own: str,
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:
+def _attention(own: str, module: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The registered attention: the paged one inside ``paged_step()``, the model's own (``own``) outside it."""
     if _IN_STEP.get():
-        return paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return paged_attention_forward(module, *args, **kwargs)
     if kwargs.get("kvlab_batch") is not None:
         raise RuntimeError(
             "a forward with kvlab_batch runs inside kvlab.engine.paged_attention.paged_step()"
@@ -448,16 +441,13 @@ def _attention(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     # "eager" is no registered function: each model runs its modeling module's own eager_attention_forward
-    fn = (
-        vars(sys.modules[type(module).__module__]).get("eager_attention_forward")
-        if own == "eager"
-        else ALL_ATTENTION_FUNCTIONS[own]
-    )
+    modeling = vars(sys.modules[type(module).__module__])
+    fn = modeling.get("eager_attention_forward") if own == "eager" else ALL_ATTENTION_FUNCTIONS[own]
     if fn is None:
         raise NotImplementedError(
             f"{type(module).__name__}: no eager_attention_forward to fall back on"
         )
-    return fn(module, query, key, value, attention_mask, **kwargs)
+    return fn(module, *args, **kwargs)
 
 
 def _mask(own: str, **kwargs: Any) -> Any:
