@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 ATTN_NAME = "kvlab_paged"
+_sdpa = F.scaled_dot_product_attention
 # SDPA's enable_gqa
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
@@ -76,12 +77,9 @@ class AttnGroup:
         key = (union, group, window, dtype)
         if key not in self.masks:
             # (B, 1, Ku) with -1 where the key is not the sequence's, or (K,)
+            n = self.block_tables.shape[1] * self.block_size
             k_pos = (
-                self.union_pos[:, None, :]
-                if union
-                else torch.arange(
-                    self.block_tables.shape[1] * self.block_size, device=self.context.device
-                )
+                self.union_pos[:, None] if union else torch.arange(n, device=self.context.device)
             )
             # (B, Qmax, 1)
             q_pos = self.query_pos[:, :, None]
@@ -94,9 +92,8 @@ class AttnGroup:
             b, q_len, k_len = ok.shape
             shape = (1, 1, b * group * q_len, k_len) if union else (b, 1, group * q_len, k_len)
             ok = ok[:, None].expand(b, group, q_len, k_len).reshape(shape)
-            self.masks[key] = torch.zeros(shape, dtype=dtype, device=ok.device).masked_fill_(
-                ~ok, float("-inf")
-            )
+            mask = torch.zeros(shape, dtype=dtype, device=ok.device)
+            self.masks[key] = mask.masked_fill_(~ok, float("-inf"))
         return self.masks[key]
 
 
@@ -163,45 +160,35 @@ def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int
     groups = []
     for idx in group_by_query_length([e - s for s, e, _ in seqs]):
         rows = [(offsets[i], *seqs[i]) for i in idx]
-        q_max, m = max(e - s for _, s, e, _ in rows), max(len(t) for *_, t in rows)
+        qm, m = max(e - s for _, s, e, _ in rows), max(len(t) for *_, t in rows)
         # padded with 0 to (B, Qmax) and (B, max_blocks)
-        q_idx = torch.tensor(
-            [[*range(o, o + e - s), *[0] * (q_max - e + s)] for o, s, e, _ in rows]
-        )
-        q_pos = torch.tensor([[*range(s, e), *[0] * (q_max - e + s)] for _, s, e, _ in rows])
+        q_idx = torch.tensor([[*range(o, o + e - s), *[0] * (qm - e + s)] for o, s, e, _ in rows])
+        q_pos = torch.tensor([[*range(s, e), *[0] * (qm - e + s)] for _, s, e, _ in rows])
         tables = [list(t) for *_, t in rows]
         bt = torch.tensor([[*t, *[0] * (m - len(t))] for t in tables])
-        valid = torch.tensor([[j < e - s for j in range(q_max)] for _, s, e, _ in rows])
+        valid = torch.tensor([[j < e - s for j in range(qm)] for _, s, e, _ in rows])
         # context length of each sequence after this step
         ctx = torch.tensor([e for *_, e, _ in rows])
-        dense = bool(valid.all()) and all(o == i * q_max for i, (o, *_) in enumerate(rows))
+        dense = bool(valid.all()) and all(o == i * qm for i, (o, *_) in enumerate(rows))
         fresh = all(s == 0 for _, s, _, _ in rows)
-        groups.append(
-            AttnGroup(
-                *(t.to(dev) for t in (q_idx, valid, q_pos, bt, ctx)),
-                bs,
-                dense,
-                fresh,
-                tables=tables,
-            )
-        )
+        tensors = (t.to(dev) for t in (q_idx, valid, q_pos, bt, ctx))
+        groups.append(AttnGroup(*tensors, bs, dense, fresh, tables=tables))
     return PagedBatch(store, torch.tensor(slots, dtype=torch.long, device=dev), groups, off)
 
 
 def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> list[list[int]]:
     """Groups of sequences, sorted by length and cut greedily so ``longest x count <= max_padding x sum`` in each."""
-    groups: list[list[int]] = []
-    real = 0
+    # real: the tokens of the last group
+    groups, real = [], 0
     # longest first; a stable sort keeps equal lengths in order
     for i in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
-        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= max_padding * (
-            real + lengths[i]
-        ):
+        n = lengths[i]
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= max_padding * (real + n):
             groups[-1].append(i)
-            real += lengths[i]
+            real += n
         else:
             groups.append([i])
-            real = lengths[i]
+            real = n
     return groups
 
 
@@ -303,11 +290,8 @@ def paged_attention_forward(
     for name, v in kwargs.items():
         # an unknown keyword is accepted only when off (None)
         if name not in METADATA_KWARGS and v is not None:
-            _refuse(
-                _FEATURES.get(
-                    name, f"the attention keyword {name!r} (a {type(v).__name__}, not None)"
-                )
-            )
+            what = f"the attention keyword {name!r} (a {type(v).__name__}, not None)"
+            _refuse(_FEATURES.get(name, what))
     if not isinstance(layer, int):
         raise NotImplementedError(
             f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
@@ -353,7 +337,7 @@ def paged_attention_forward(
             if group > 1 and not _SDPA_GQA:
                 k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, **gqa)
+            o = _sdpa(q, k, v, is_causal=True, scale=scaling, **gqa)
             # (B, Qmax, heads, D)
             o = o.transpose(1, 2)
         else:
@@ -369,7 +353,7 @@ def paged_attention_forward(
                 mask = g.attn_mask(group, sliding_window, q.dtype, union=True)
                 q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
                 k, v = k.to(q.dtype)[None], v.to(q.dtype)[None]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+                o = _sdpa(q, k, v, attn_mask=mask, scale=scaling)
                 # (B, kv_heads, group * Qmax, D)
                 o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)
             # a few sequences at a time, so their gathered K/V is still in cache when the attention reads it
@@ -385,11 +369,8 @@ def paged_attention_forward(
                     k, v = store.gather_heads(layer, g.block_tables[i : i + n].reshape(-1))
                     k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
                     v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
-                    outs.append(
-                        F.scaled_dot_product_attention(
-                            q[i : i + n], k, v, attn_mask=mask[i : i + n], scale=scaling
-                        )
-                    )
+                    part = slice(i, i + n)
+                    outs.append(_sdpa(q[part], k, v, attn_mask=mask[part], scale=scaling))
                 # (B, kv_heads, group * Qmax, D)
                 o = outs[0] if len(outs) == 1 else torch.cat(outs)
             # (B, Qmax, heads, D)

@@ -58,11 +58,8 @@ class ModelRunner:
                 )
             self.head, self.decoder = model.get_output_embeddings(), model.base_model
             self.fast_head = False
-            self.text_config = (
-                model.config.get_text_config()
-                if hasattr(model.config, "get_text_config")
-                else model.config
-            )
+            cfg = model.config
+            self.text_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             self.head_seam = self._probe()
             self.fast_head = type(self.head) is torch.nn.Linear
         except BaseException:
@@ -189,32 +186,19 @@ class ModelRunner:
         """
         ids, pos, last, end = [], [], [], 0
         for i, it in enumerate(items):
-            seq, p = it.seq, len(it.seq.prompt_ids)
-            ids += (
-                seq.prompt_ids[it.start : it.end]
-                + seq.output_ids[max(it.start - p, 0) : max(it.end - p, 0)]
-            )
-            pos += (
-                range(it.start, it.end)
-                if positions is None
-                else checked_positions(positions[i], it)
-            )
-            end += it.end - it.start
+            seq, s, e, p = it.seq, it.start, it.end, len(it.seq.prompt_ids)
+            ids += seq.prompt_ids[s:e] + seq.output_ids[max(s - p, 0) : max(e - p, 0)]
+            pos += range(s, e) if positions is None else checked_positions(positions[i], it)
+            end += e - s
             # it samples: it computes up to its sequence's end
-            if it.end >= p + len(seq.output_ids):
+            if e >= p + len(seq.output_ids):
                 last.append(end - 1)
-        batch = build_batch(
-            self.store, [(it.start, it.end, table) for it, table in zip(items, tables)]
-        )
-        last = torch.tensor(last, dtype=torch.long, device=self.device)
-        kwargs = dict(
-            # (1, T)
-            input_ids=torch.tensor([ids], device=self.device),
-            # (1, T)
-            position_ids=torch.tensor([pos], device=self.device),
-            use_cache=False,
-            kvlab_batch=batch,
-        )
+        batch = build_batch(self.store, [(it.start, it.end, t) for it, t in zip(items, tables)])
+        dev = self.device
+        last = torch.tensor(last, dtype=torch.long, device=dev)
+        # input_ids and position_ids (1, T)
+        kwargs = dict(input_ids=torch.tensor([ids], device=dev), use_cache=False, kvlab_batch=batch)
+        kwargs["position_ids"] = torch.tensor([pos], device=dev)
         with paged_step():
             if self.head_seam:
                 # hidden (1, T, H) -> (num_sampling, vocab)
@@ -242,19 +226,15 @@ class ModelRunner:
         """
         if self.model.config._attn_implementation != self.attention:
             self.attach()
-        bs = self.store.block_size
-        tokens: list[int | None] = [None] * len(items)
-        errors: dict[int, str] = {}
-        untrusted: set[int] = set()
-        # blocks whose K/V this step did not reliably write
-        bad: set[int] = set()
+        bs, tokens, errors = self.store.block_size, [None] * len(items), {}
+        # untrusted items, and the blocks whose K/V this step did not reliably write
+        untrusted, bad = set(), set()
         try:
             packed = self.forward(items, tables, positions)
-            if any(packed[2]) and len(items) > 1:
-                packed = None
+            # NaN for some item: find the culprits, each item alone
+            packed = None if any(packed[2]) and len(items) > 1 else packed
         # broad on purpose: one request's failure (any error of the model's forward) must not reach the others
         except Exception:  # noqa: BLE001
-            # find the culprits: each item alone
             packed = None
         # the item's row of the packed logits (items that sample only)
         row = -1
@@ -279,16 +259,13 @@ class ModelRunner:
                 untrusted.add(i)
                 bad.update(tables[i][it.start // bs :])
                 continue
-            sp = it.seq.sampling
+            seq, sp = it.seq, it.seq.sampling
             try:
-                if sample:
-                    tokens[i] = (
-                        top[j]
-                        if sp.temperature == 0
-                        else sample_next(
-                            logits[j], True, sp.temperature, sp.top_p, sp.top_k, it.seq.generator
-                        )
-                    )
+                if sample and sp.temperature == 0:
+                    tokens[i] = top[j]
+                elif sample:
+                    args = sp.temperature, sp.top_p, sp.top_k, seq.generator
+                    tokens[i] = sample_next(logits[j], True, *args)
             # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
             except Exception as e:  # noqa: BLE001
                 errors[i] = describe(e)
