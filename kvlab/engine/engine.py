@@ -14,6 +14,7 @@ from .config import EngineConfig
 from .fork import fork_request
 from .hooks import KVEventLog, StepRecord, default_positions, observe
 from .intake import Checked, Intake, per_prompt
+from .invariants import check_engine
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype, model_fingerprint
 from .offload import HostOffload
@@ -106,9 +107,7 @@ class Engine:
             if n is None and cfg.kv_cache_bytes is not None:
                 n = PagedKVStore.blocks_for_bytes(model, cfg.kv_cache_bytes, cfg.block_size)
             fingerprint = model_fingerprint(model, tokenizer, every_weight=False)
-            self.block_manager: CacheManager = make_cache_manager(
-                cfg, 512 if n is None else n, fingerprint
-            )
+            self.block_manager = make_cache_manager(cfg, 512 if n is None else n, fingerprint)
         else:
             self.block_manager = adopt_cache(cache, cfg.num_blocks, cfg.kv_cache_bytes)
         bm = self.block_manager
@@ -388,7 +387,5 @@ class Engine:
 
     def check_invariants(self) -> None:
         """Raise unless the block manager, the queues and the request table agree (``Scheduler.check_invariants``)."""
-        from .invariants import check_engine
-
         with self._lock:
             check_engine(self)

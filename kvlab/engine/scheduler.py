@@ -121,7 +121,9 @@ class Scheduler(ForkingScheduler):
                 while not bm.can_append(seq.seq_id):
                     # the youngest
                     victim = running[-1]
-                    self._preempt(victim)
+                    self.requeue(victim)
+                    victim.num_preemptions += 1
+                    self.num_preemptions += 1
                     out.preempted.append(victim)
                     if victim is seq:
                         break
@@ -163,11 +165,6 @@ class Scheduler(ForkingScheduler):
             budget -= end - cached
         self.last_output = out
         return out
-
-    def _preempt(self, seq: Request) -> None:
-        self.requeue(seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
