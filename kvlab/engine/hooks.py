@@ -8,7 +8,7 @@ does without one); ``Engine(observers=[...])`` / ``add_step_observer`` get one `
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,14 @@ class StepRecord:
     tokens: tuple[int | None, ...]
 
 
-def observe(observers, step: int, items, tables, positions, tokens) -> None:
+def observe(
+    observers: list[Callable[[StepRecord], None]],
+    step: int,
+    items: list[Any],
+    tables: list[list[int]],
+    positions: list[Any] | None,
+    tokens: list[int | None],
+) -> None:
     """Hand every observer the ``StepRecord`` of this step (``positions`` None: the default ones)."""
     if positions is None:
         positions = [default_positions(it) for it in items]

@@ -37,7 +37,7 @@ class ModelRunner:
 
         An allow-list: transformers can switch its attention, its forward takes ``position_ids``, its config has
         an int ``vocab_size``, the paged attention runs once per layer and is asked for nothing beyond causal SDPA
-        with a scale and an optional window (``check_attention_call``, ``check_config``). A refused model gets
+        with a scale and an optional window (``paged_attention_forward``, ``check_config``). A refused model gets
         its own attention back.
         """
         self.model, self.store = model, store

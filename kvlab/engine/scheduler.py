@@ -51,7 +51,7 @@ class Scheduler(ForkingScheduler):
     within a step: a step writes before it reads). A chunk ends before its sequence's tokens only when it takes
     the rest of the step's budget, and running sequences are scheduled before any admission, so no request is
     ever admitted (and hits) while a prompt's cached blocks are unwritten; a sequence preempted or finished
-    half-way takes its unwritten blocks out of the cache (``_free``).
+    half-way takes its unwritten blocks out of the cache (``finish``).
     """
 
     # the default of every new scheduler (an engine's, a replay's): on, as in vLLM V1
