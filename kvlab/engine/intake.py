@@ -269,7 +269,7 @@ def make_sampling(**fields: Any) -> SamplingParams:
 
 
 def check_sampling(sampling: Any) -> SamplingParams:
-    """``sampling`` if it is a valid ``SamplingParams``; else ``RequestError`` naming the field at fault."""
+    """``sampling`` if it is a ``SamplingParams`` (checked field by field when it was made), else ``RequestTypeError``."""
     if not isinstance(sampling, SamplingParams):
         raise RequestTypeError(
             "sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}"

@@ -346,7 +346,8 @@ def paged_attention_forward(
             q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4)
             q = q.reshape(b, kv_heads, group * q_len, d)
             # every row reading KV head j: one attention over j's keys
-            if _plan_union(g, group, store.k.element_size()):
+            # decided at the step's first layer
+            if g.union or (g.union is None and _plan_union(g, group, store.k.element_size())):
                 # (kv_heads, U * block_size, D)
                 k, v = store.gather_heads(layer, g.union_blocks)
                 # (1, 1, B * group * Qmax, U * block_size)
