@@ -128,11 +128,9 @@ class ModelRunner:
         # the head seam: the decoder's last hidden state through lm_head() gives exactly the model's logits?
         try:
             with paged_step():
-                # (1, hidden)
-                hidden = self.decoder(**run, kvlab_batch=build_batch(self.store, [(0, 1, [0])]))[0][
-                    0
-                ]
-                got = self.lm_head(hidden).float()
+                again = build_batch(self.store, [(0, 1, [0])])
+                # the last hidden state (1, hidden) -> (1, vocab)
+                got = self.lm_head(self.decoder(**run, kvlab_batch=again)[0][0]).float()
             return self.decoder is not self.model and torch.equal(got, want.float())
         except torch.OutOfMemoryError:
             # a RuntimeError, but no answer about the seam

@@ -57,11 +57,6 @@ class Request:
     num_restored_tokens: int | None = None
 
     @property
-    def salt(self) -> str | None:
-        """The cache salt (None: shares every prefix)."""
-        return self.scope.salt
-
-    @property
     def tenant(self) -> Hashable:
         """Who sent it (it scopes ``abort``/``fork`` and labels per-tenant metrics); None if nobody was named."""
         return self.scope.tenant
@@ -75,11 +70,6 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def last_token(self) -> int:
-        """The newest token (the one the next decode step feeds)."""
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def is_finished(self) -> bool:
