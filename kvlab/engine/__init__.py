@@ -7,7 +7,9 @@ and prefix hits) -> ``ModelRunner.forward`` (``runner``) packs the scheduled tok
 table -> the runner's LM head and ``sampling`` pick one token per request -> ``RequestOutput``.
 
 ``models`` loads the bundled model, SmolLM2 or any HF causal LM and builds random test models;
-``reference`` is the HF ``generate`` oracle; ``tenants`` derives cache salts.
+``reference`` is the HF ``generate`` oracle; ``tenants`` derives cache salts. Plug-ins a default step never
+runs: ``hooks`` (a positions hook, step observers, KV-event batches), ``fork`` (``Engine.fork``),
+``invariants`` (``debug=True``), ``offload`` (the host tier).
 
 Importing the package loads no torch: the names below load on first use, so ``kvlab.engine.scheduler``,
 ``sequence`` and ``sampling_params`` stay pure Python.

@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.block_pool import check
 from ..cache.interface import CacheManager
 from ..cache.kv_events import EventBatch
 from .config import EngineConfig
-from .intake import Checked, Intake, check_sampling, per_prompt
+from .fork import fork_request
+from .hooks import KVEventLog, StepRecord, default_positions, observe
+from .intake import Checked, Intake, per_prompt
+from .invariants import check_engine
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype, model_fingerprint
 from .offload import HostOffload
 from .radix_adapter import adopt_cache, make_cache_manager
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from .sequence import Request
-from .tenants import check_secret
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import Request, RequestStatus
 
 __all__ = [
     "Engine",
@@ -36,43 +35,8 @@ __all__ = [
 ]
 
 
-def _config_eos(model: Any) -> set[int]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
-
-
 class UnknownRequestError(LookupError):
     """Raised for a request id the engine does not hold (or that belongs to another tenant)."""
-
-
-def default_positions(item: ScheduledSeq) -> range:
-    """The positions of the tokens ``item`` computes (what RoPE sees): where they sit in the sequence."""
-    return range(item.start, item.end)
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """What one step ran, item by item: the argument of a step observer (``Engine.add_step_observer``)."""
-
-    # the engine's step counter before this step (0 for the first)
-    step: int
-    # (request_id, start, end, is_prefill) per scheduled item: it computed positions [start, end)
-    items: tuple[tuple[Hashable, int, int, bool], ...]
-    tables: tuple[tuple[int, ...], ...]
-    positions: tuple[range, ...]
-    # the token sampled per item; None for a prompt chunk (end < its length) and for a failed item
-    tokens: tuple[int | None, ...]
-
-
-def _locked(method):
-    """Run ``method`` holding the engine's lock (re-entrant: ``generate`` calls ``add_request`` and ``step``)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper
 
 
 @dataclass(slots=True)
@@ -103,48 +67,13 @@ class RequestOutput:
         clean = isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)
         return cls(None, list(prompt) if clean else [], [], "", True, "error", 0, error=str(error))
 
-    @classmethod
-    def of(cls, seq: Request, text: str) -> RequestOutput:
-        """The output of ``seq`` now (finished or not), with ``text`` its decoded output."""
-        t0, first, done = seq.arrival_time, seq.first_token_time, seq.finish_time
-        return cls(
-            seq.request_id,
-            list(seq.prompt_ids),
-            list(seq.output_ids),
-            text,
-            seq.is_finished,
-            seq.finish_reason,
-            seq.num_cached_tokens or 0,
-            seq.num_preemptions,
-            None if first is None else first - t0,
-            None if done is None else done - t0,
-            seq.error,
-            seq.num_restored_tokens or 0,
-        )
-
-
-class KVEventLog:
-    """The cache's KV events, numbered into one ``EventBatch`` per step that changed it (``enable_kv_events``)."""
-
-    def __init__(self, cache: CacheManager, enabled: bool) -> None:
-        self.cache, self.enabled, self.batches, self.next_seq = cache, enabled, [], 0
-
-    def close_batch(self) -> None:
-        """Wrap the events queued since the last batch in one ``EventBatch`` with the next sequence number."""
-        events = self.cache.take_events() if self.enabled else []
-        if events:
-            self.batches.append(EventBatch(time.time(), tuple(events), self.next_seq))
-            self.next_seq += 1
-
-    def take(self) -> list[EventBatch]:
-        """Every batch since the last call, oldest first (events from outside a step form a batch of their own)."""
-        self.close_batch()
-        batches, self.batches = self.batches, []
-        return batches
-
 
 class Engine:
-    """Paged K/V store + block manager + scheduler around one Hugging Face causal LM."""
+    """Paged K/V store + block manager + scheduler around one Hugging Face causal LM.
+
+    ``add_request`` / ``abort`` / ``fork`` / ``step`` may come from several threads: each holds the engine's
+    (re-entrant) lock while it changes the engine; ``generate`` calls ``add_request`` and ``step``.
+    """
 
     def __init__(
         self,
@@ -169,27 +98,16 @@ class Engine:
         if isinstance(cache, str):
             overrides["cache"] = cache
         self.config = cfg = (config or EngineConfig()).replace(**overrides)
-        self.model, self.tokenizer, self.debug = model, tokenizer, cfg.debug
-        self.positions = positions
-        self.observers: list[Callable[[StepRecord], None]] = list(observers)
+        self.model, self.tokenizer = model, tokenizer
+        self.debug, self.isolation = cfg.debug, cfg.isolation
+        self.positions, self.observers = positions, list(observers)
         self.device, self.dtype = model_device_dtype(model)
         if cache is None or isinstance(cache, str):
-            num_blocks = cfg.num_blocks
-            if num_blocks is None and cfg.kv_cache_bytes is not None:
-                num_blocks = PagedKVStore.blocks_for_bytes(
-                    model, cfg.kv_cache_bytes, cfg.block_size
-                )
+            n = cfg.num_blocks
+            if n is None and cfg.kv_cache_bytes is not None:
+                n = PagedKVStore.blocks_for_bytes(model, cfg.kv_cache_bytes, cfg.block_size)
             fingerprint = model_fingerprint(model, tokenizer, every_weight=False)
-            self.block_manager: CacheManager = make_cache_manager(
-                cfg.cache,
-                512 if num_blocks is None else num_blocks,
-                cfg.block_size,
-                cfg.page_size,
-                cfg.isolation,
-                fingerprint,
-                cfg.enable_prefix_caching,
-                cfg.enable_kv_events,
-            )
+            self.block_manager = make_cache_manager(cfg, 512 if n is None else n, fingerprint)
         else:
             self.block_manager = adopt_cache(cache, cfg.num_blocks, cfg.kv_cache_bytes)
         bm = self.block_manager
@@ -203,33 +121,21 @@ class Engine:
             bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill
         )
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
-        self.eos_ids = eos_ids(model, tokenizer) if tokenizer is not None else _config_eos(model)
+        self.eos_ids = eos_ids(model, tokenizer)
         # unfinished requests by id
         self.requests: dict[Hashable, Request] = {}
         # mixed: steps that ran prefills and decodes together
         self.num_steps = self.num_mixed_steps = self.peak_kv_bytes = 0
-        self.isolation = cfg.isolation
-        # add_request / abort / fork / step may come from several threads
         self._lock = threading.RLock()
         # finished during a generate() that did not own them
         self._pending: list[RequestOutput] = []
         # seq ids whose outputs a running generate() collects itself
         self._held: set[int] = set()
-        self.kv_events = KVEventLog(bm, cfg.enable_kv_events)
+        self.kv_events = KVEventLog(bm) if cfg.enable_kv_events else None
         # probes the model: may refuse it
         self.runner = ModelRunner(model, self.store)
-        # None -> a random secret for this engine
-        secret = check_secret(cfg.secret)
-        self.intake = Intake(
-            tokenizer,
-            model.config.vocab_size,
-            self.max_model_len,
-            self.scheduler.check_fits,
-            self.isolation,
-            secret,
-            self.device,
-            cfg.seed,
-        )
+        vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
+        self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
 
     def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
         """Call ``observer(record)`` once per step from now on, after the forward (a ``StepRecord``)."""
@@ -274,32 +180,15 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    @_locked
     def abort(self, request_id: Hashable, *, tenant: str | None = None) -> RequestOutput:
         """Stop an unfinished request of ``tenant`` (the one it was added with) now and free its blocks."""
-        seq = self._get(request_id, tenant)
-        self._finish(seq, "abort")
-        return self._output(seq)
+        with self._lock:
+            seq = self._get(request_id, tenant)
+            self._finish(seq, "abort", time.perf_counter())
+            return self._output(seq)
 
-    @_locked
-    def fork(
-        self,
-        request_id: Hashable,
-        child_id: Hashable | None = None,
-        sampling: SamplingParams | None = None,
-        *,
-        tenant: str | None = None,
-    ) -> Hashable:
-        """Continue a running request of ``tenant`` as two sharing every block; a refused fork changes nothing."""
-        parent = self._get(request_id, tenant)
-        sampling = check_sampling(parent.sampling if sampling is None else sampling)
-        self.scheduler.check_fork(parent)
-        seq_id, child_id = self.intake.new_ids(child_id, self.requests)
-        # drawn after every check
-        child = parent.forked(seq_id, child_id, sampling, self.intake.generator(sampling))
-        self.scheduler.fork(parent, child)
-        self.requests[child_id] = child
-        return child_id
+    # Engine.fork(request_id, child_id=None, sampling=None, *, tenant=None): kvlab.engine.fork
+    fork = fork_request
 
     def _get(self, request_id: Hashable, tenant: str | None = None) -> Request:
         seq = self.requests.get(request_id)
@@ -312,124 +201,117 @@ class Engine:
             )
         return seq
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of generated ids (special tokens dropped); empty without a tokenizer."""
-        return (
-            ""
-            if self.tokenizer is None
-            else self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-        )
-
-    @_locked
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running, or a finished output waits to be returned by ``step()``."""
-        return bool(self._pending) or self.scheduler.has_unfinished()
+        with self._lock:
+            return bool(self._pending or self.scheduler.waiting or self.scheduler.running)
 
-    @_locked
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward, sample a token per sequence; return what finished (and pending outputs)."""
-        sched = self.scheduler.schedule()
-        # empty only when a lone sequence preempted itself
-        finished = self._run(sched) if sched.items else []
-        # idle: the model is HF's own again (ModelRunner.detach)
-        if not self.scheduler.has_unfinished():
-            self.runner.detach()
-        if self.debug:
-            self.check_invariants()
-        self.kv_events.close_batch()
-        outputs, self._pending = self._pending, []
-        return outputs + [self._output(seq) for seq in finished if seq.seq_id not in self._held]
+        with self._lock:
+            sched = self.scheduler.schedule()
+            items, bm, finished = sched.items, self.block_manager, []
+            # empty only when a lone sequence preempted itself
+            if items:
+                self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
+                if sched.cow_pairs:
+                    self.store.copy_blocks(sched.cow_pairs)
+                # at a sequence's first admission: how many of its cached tokens the host tier copied back
+                for it in items if self.host_tier is not None else ():
+                    if it.is_prefill and it.seq.num_restored_tokens is None:
+                        it.seq.num_restored_tokens = bm.seqs[it.seq.seq_id].num_restored_tokens
+                tables = [bm.block_table(it.seq.seq_id) for it in items]
+                # None: the default positions, which need no check
+                positions = None
+                if self.positions is not default_positions:
+                    positions = [self.positions(it) for it in items]
+                tokens, errors, untrusted = self.runner.compute(items, tables, positions)
+                if self.observers:
+                    observe(self.observers, self.num_steps, items, tables, positions, tokens)
+                now = time.perf_counter()
+                # latest first: a block leaves the cache once nobody holds it
+                for i in reversed(range(len(items))):
+                    seq = items[i].seq
+                    # the K/V of [start, end) was never (reliably) written; a prompt in chunks: nor its
+                    # earlier chunks', which sampled nothing, so nothing checked them
+                    first = seq.prefill_start if items[i].is_prefill else items[i].start
+                    if i in errors:
+                        seq.error = errors[i]
+                        self._finish(seq, "error", now, first if i in untrusted else None)
+                        finished.append(seq)
+                    elif i in untrusted:
+                        # it read blocks a failed request never wrote: prefill it again later
+                        self.scheduler.requeue(seq, first)
+                        if not seq.output_ids:
+                            # counted at its next admission instead
+                            seq.num_cached_tokens = None
+                finished.reverse()
+                for item, token in zip(items, tokens):
+                    seq, sp = item.seq, item.seq.sampling
+                    if token is None:
+                        continue
+                    seq.output_ids.append(token)
+                    if seq.first_token_time is None:
+                        seq.first_token_time = now
+                    # why it stops: an eos or stop token, or its length
+                    stop = (
+                        token in self.eos_ids and not sp.ignore_eos
+                    ) or token in sp.stop_token_ids
+                    if stop or len(seq.output_ids) >= sp.max_tokens:
+                        self._finish(seq, "stop" if stop else "length", now)
+                        finished.append(seq)
+                self.num_steps += 1
+                self.num_mixed_steps += len({it.is_prefill for it in items}) == 2
+            # idle: the model is HF's own again (ModelRunner.detach)
+            if not (self.scheduler.waiting or self.scheduler.running):
+                self.runner.detach()
+            if self.debug:
+                self.check_invariants()
+            if self.kv_events is not None:
+                self.kv_events.close_batch()
+            outputs, self._pending = self._pending, []
+            return outputs + [self._output(s) for s in finished if s.seq_id not in self._held]
 
-    @_locked
     def take_kv_events(self) -> list[EventBatch]:
         """The KV-event batches since the last call, oldest first (for a router: ``kvlab.cluster.router``)."""
-        return self.kv_events.take()
+        with self._lock:
+            return [] if self.kv_events is None else self.kv_events.take()
 
-    @_locked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused, False, while a request holds blocks); emits ``AllBlocksCleared``."""
         # the radix cache raises NotImplementedError
-        return self.block_manager.reset_prefix_cache()
-
-    def _run(self, sched: SchedulerOutput) -> list[Request]:
-        items = sched.items
-        # once per busy period: set_attn_implementation only when the model is not switched
-        self.runner.attach()
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
-        self.store.copy_blocks(sched.cow_pairs)
-        if self.host_tier is not None:
-            self._count_restored(items)
-        tables = [self.block_manager.block_table(it.seq.seq_id) for it in items]
-        positions = [self.positions(it) for it in items]
-        tokens, errors, untrusted = self.runner.compute(items, tables, positions)
-        if self.observers:
-            self._observe(items, tables, positions, tokens)
-        now, finished = time.perf_counter(), []
-        # latest first: a block leaves the cache once nobody holds it
-        for i in reversed(range(len(items))):
-            seq = items[i].seq
-            # the K/V of [start, end) was never (reliably) written; a prompt in chunks: nor its earlier
-            # chunks', which sampled nothing, so nothing checked them
-            first = seq.prefill_start if items[i].is_prefill else items[i].start
-            uncache_from = first if i in untrusted else None
-            if i in errors:
-                seq.error = errors[i]
-                self._finish(seq, "error", now, uncache_from)
-                finished.append(seq)
-            elif i in untrusted:
-                # it read blocks a failed request never wrote: prefill it again later
-                self.scheduler.requeue(seq, uncache_from)
-                if not seq.output_ids:
-                    # counted at its next admission instead
-                    seq.num_cached_tokens = None
-        finished.reverse()
-        for item, token in zip(items, tokens):
-            if token is not None:
-                self._append(item.seq, token, now, finished)
-        self.num_steps += 1
-        self.num_mixed_steps += len({it.is_prefill for it in items}) == 2
-        return finished
-
-    def _count_restored(self, items: list[ScheduledSeq]) -> None:
-        """At a sequence's first admission: how many of its cached tokens the host tier copied back."""
-        for it in items:
-            if it.is_prefill and it.seq.num_restored_tokens is None:
-                it.seq.num_restored_tokens = self.block_manager.seqs[
-                    it.seq.seq_id
-                ].num_restored_tokens
-
-    def _observe(
-        self,
-        items: list[ScheduledSeq],
-        tables: list[list[int]],
-        positions: list[range],
-        tokens: list[int | None],
-    ) -> None:
-        spans = tuple((it.seq.request_id, it.start, it.end, it.is_prefill) for it in items)
-        record = StepRecord(
-            self.num_steps, spans, tuple(map(tuple, tables)), tuple(positions), tuple(tokens)
-        )
-        for observer in self.observers:
-            observer(record)
-
-    def _append(self, seq: Request, token: int, now: float, finished: list[Request]) -> None:
-        seq.output_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        reason = seq.stop_reason(token, self.eos_ids)
-        if reason is not None:
-            self._finish(seq, reason, now)
-            finished.append(seq)
+        with self._lock:
+            return self.block_manager.reset_prefix_cache()
 
     def _finish(
-        self, seq: Request, reason: str, now: float | None = None, uncache_from: int | None = None
+        self, seq: Request, reason: str, now: float, uncache_from: int | None = None
     ) -> None:
         self.scheduler.finish(seq, reason, uncache_from)
-        seq.finish_time = time.perf_counter() if now is None else now
+        seq.finish_time = now
         del self.requests[seq.request_id]
 
     def _output(self, seq: Request) -> RequestOutput:
-        return RequestOutput.of(seq, self.decode(seq.output_ids))
+        """The output of ``seq`` now (finished or not); its text is the decoded output, special tokens dropped."""
+        tok, t0, first, done = (
+            self.tokenizer,
+            seq.arrival_time,
+            seq.first_token_time,
+            seq.finish_time,
+        )
+        return RequestOutput(
+            seq.request_id,
+            list(seq.prompt_ids),
+            list(seq.output_ids),
+            "" if tok is None else tok.decode(seq.output_ids, skip_special_tokens=True),
+            seq.status is RequestStatus.FINISHED,
+            seq.finish_reason,
+            seq.num_cached_tokens or 0,
+            seq.num_preemptions,
+            None if first is None else first - t0,
+            None if done is None else done - t0,
+            seq.error,
+            seq.num_restored_tokens or 0,
+        )
 
     def generate(
         self,
@@ -445,10 +327,9 @@ class Engine:
         ``tenants``, ``cache_salts`` and ``unsafe_salts``: one per prompt, as ``add_request``'s keywords.
         """
         batch = per_prompt(prompts, sampling, tenants, cache_salts, unsafe_salts)
-        # the outputs of refused prompts
-        results: dict[int, RequestOutput] = {}
-        # this call's requests
+        # this call's requests, and the outputs of its refused prompts, by prompt index
         own: dict[int, Request] = {}
+        refused: dict[int, RequestOutput] = {}
         try:
             for i, (prompt, sp, tenant, cache_salt, unsafe_salt) in enumerate(batch):
                 try:
@@ -456,60 +337,55 @@ class Engine:
                     checked = self.intake.check(prompt, sp, tenant, cache_salt, unsafe_salt)
                     # held from the queueing to the claim: no other step() can return its output
                     with self._lock:
-                        seq = self._queue(checked, None)
-                        self._held.add(seq.seq_id)
-                    own[i] = seq
+                        own[i] = self._queue(checked, None)
+                        self._held.add(own[i].seq_id)
                 except (ValueError, TypeError) as e:
-                    results[i] = RequestOutput.refused(prompt, e)
+                    refused[i] = RequestOutput.refused(prompt, e)
             while True:
                 with self._lock:
-                    if all(seq.is_finished for seq in own.values()):
+                    if all(seq.status is RequestStatus.FINISHED for seq in own.values()):
                         break
                     # others' outputs (and earlier pending ones): for the next step()
                     self._pending = self.step()
         except BaseException:
             # this call returns nothing: hand what finished to the next step() instead
             with self._lock:
-                self._pending.extend(self._output(seq) for seq in own.values() if seq.is_finished)
+                done = [seq for seq in own.values() if seq.status is RequestStatus.FINISHED]
+                self._pending.extend(map(self._output, done))
             raise
         finally:
             with self._lock:
                 self._held.difference_update(seq.seq_id for seq in own.values())
-        return [self._output(own[i]) if i in own else results[i] for i in range(len(batch))]
+        return [self._output(own[i]) if i in own else refused[i] for i in range(len(batch))]
 
     @property
     def kv_bytes_in_use(self) -> int:
         """K/V bytes of the blocks referenced by live sequences now."""
-        return (
-            self.block_manager.num_blocks - self.block_manager.num_free_blocks
-        ) * self.store.bytes_per_block
+        bm = self.block_manager
+        return (bm.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
 
     @property
     def num_preemptions(self) -> int:
         """Sequences preempted (and later recomputed) so far."""
         return self.scheduler.num_preemptions
 
-    @_locked
     def stats(self) -> dict:
         """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps, block-manager stats."""
-        return {
-            **self.block_manager.stats(),
-            "kv_bytes_in_use": self.kv_bytes_in_use,
-            "peak_kv_bytes": self.peak_kv_bytes,
-            "kv_bytes_total": self.store.nbytes,
-            "num_preemptions": self.num_preemptions,
-            "num_steps": self.num_steps,
-            "num_mixed_steps": self.num_mixed_steps,
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            **(self.host_tier.stats() if self.host_tier is not None else {}),
-        }
+        with self._lock:
+            return {
+                **self.block_manager.stats(),
+                "kv_bytes_in_use": self.kv_bytes_in_use,
+                "peak_kv_bytes": self.peak_kv_bytes,
+                "kv_bytes_total": self.store.nbytes,
+                "num_preemptions": self.num_preemptions,
+                "num_steps": self.num_steps,
+                "num_mixed_steps": self.num_mixed_steps,
+                "num_waiting": len(self.scheduler.waiting),
+                "num_running": len(self.scheduler.running),
+                **(self.host_tier.stats() if self.host_tier is not None else {}),
+            }
 
-    @_locked
     def check_invariants(self) -> None:
         """Raise unless the block manager, the queues and the request table agree (``Scheduler.check_invariants``)."""
-        self.scheduler.check_invariants()
-        live = {
-            s.request_id for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)
-        }
-        check(live == set(self.requests), "the engine's request table and the queues disagree")
+        with self._lock:
+            check_engine(self)

@@ -7,7 +7,6 @@ whose ``field`` names the offending field ("prompt", "max_tokens", "temperature"
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import time
@@ -21,7 +20,13 @@ from ..cache.block_manager import TenantScope
 from .models import encode
 from .sampling_params import SamplingParams
 from .sequence import Request
-from .tenants import SharedTenantsWarning, public_prefix_length, request_salt, tenant_salt
+from .tenants import (
+    SharedTenantsWarning,
+    check_secret,
+    public_prefix_length,
+    request_salt,
+    tenant_salt,
+)
 
 __all__ = [
     "Checked",
@@ -64,19 +69,15 @@ class Intake:
         vocab_size: int,
         max_model_len: int | None,
         check_fits: Callable[[int, int], None],
-        isolation: str,
-        secret: bytes,
+        config: Any,
         device: torch.device,
-        seed: int,
     ) -> None:
+        """``config``: the engine's ``EngineConfig`` (its ``isolation``, ``secret`` and ``seed``)."""
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        # the engine's secret: the one every salt is derived from (kvlab.engine.tenants)
-        self._fits, self.isolation, self._secret, self.device = (
-            check_fits,
-            isolation,
-            secret,
-            device,
-        )
+        self._fits, self.isolation, self.device = check_fits, config.isolation, device
+        # the engine's secret: the one every salt is derived from (kvlab.engine.tenants); None: a random one
+        self._secret = check_secret(config.secret)
+        seed = config.seed
         # token ids; used under "public-prefix"
         self.public_prefixes: list[tuple[int, ...]] = []
         self._ids = itertools.count()
@@ -159,8 +160,12 @@ class Intake:
                 f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"model's {self.max_model_len} positions",
             )
-        # the pool's size only: fixed at construction
-        self.check_fits(len(ids), sampling.max_tokens)
+        try:
+            # the pool's size only: fixed at construction
+            self._fits(len(ids), sampling.max_tokens)
+        except ValueError:
+            # raises the RequestError that names the field
+            self.check_fits(len(ids), sampling.max_tokens)
         if tenant is not None and self.isolation == "shared" and not self._warned_shared_tenants:
             # once per engine
             self._warned_shared_tenants = True
@@ -173,9 +178,11 @@ class Intake:
                 stacklevel=3,
             )
         try:
+            # nothing to derive: a shared cache without a cache_salt
+            shared = self.isolation == "shared" and cache_salt is None
             salt = (
                 unsafe_salt
-                if unsafe_salt is not None
+                if unsafe_salt is not None or shared
                 else request_salt(self._secret, self.isolation, tenant, cache_salt)
             )
         # a lone surrogate ("\ud800") in the tenant id
@@ -201,7 +208,8 @@ class Intake:
             sampling,
             TenantScope(salt, public, tenant),
             arrival_time=time.perf_counter(),
-            generator=self.generator(sampling),
+            # greedy: none
+            generator=None if sampling.temperature == 0 else self.generator(sampling),
         )
 
     def new_ids(
@@ -261,16 +269,12 @@ def make_sampling(**fields: Any) -> SamplingParams:
 
 
 def check_sampling(sampling: Any) -> SamplingParams:
-    """``sampling`` if it is a valid ``SamplingParams``; else ``RequestError`` naming the field at fault."""
+    """``sampling`` if it is a ``SamplingParams`` (checked field by field when it was made), else ``RequestTypeError``."""
     if not isinstance(sampling, SamplingParams):
         raise RequestTypeError(
             "sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}"
         )
-    try:
-        sampling.validate()
-    except (TypeError, ValueError) as e:
-        fields = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)}
-        raise _refused(_sampling_field(fields), e) from None
+    # its fields were checked when it was made (frozen)
     return sampling
 
 

@@ -31,11 +31,14 @@ class PagedKVStore:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         # head-major: a gather is contiguous per head
         shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)
-        self.k_pages, self.v_pages = (
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)
-        )
+        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pages = torch.zeros_like(self.k_pages)
         # k, v: token-major views (L, blocks, block_size, kv_heads, head_dim); zeros keep a padded read finite
         self.k, self.v = (pages.permute(0, 2, 3, 1, 4) for pages in (self.k_pages, self.v_pages))
+        # where the tensors live; K and V bytes of one block across all layers, and of the whole store
+        self.device = self.k.device
+        self.bytes_per_block = 2 * self.k[:, 0].numel() * self.k.element_size()
+        self.nbytes = num_blocks * self.bytes_per_block
 
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int) -> PagedKVStore:
@@ -52,21 +55,6 @@ class PagedKVStore:
             block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
         )
 
-    @property
-    def device(self) -> torch.device:
-        """Where the tensors live."""
-        return self.k.device
-
-    @property
-    def bytes_per_block(self) -> int:
-        """K and V bytes of one block across all layers."""
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole store (K and V, every layer)."""
-        return self.num_blocks * self.bytes_per_block
-
     def write(
         self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
@@ -77,24 +65,19 @@ class PagedKVStore:
         self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
         """``write`` for head-major K/V, two ``(kv_heads, T, head_dim)`` (the layout the model computes them in)."""
-        for pages, new in ((self.k_pages, key), (self.v_pages, value)):
-            # (kv_heads, blocks * block_size, D)
-            flat = pages[layer].view(self.kv_heads, -1, self.head_dim)
-            flat.index_copy_(1, slot_mapping, new.to(flat.dtype))
+        # each layer as (kv_heads, blocks * block_size, D)
+        flat, dtype = (self.kv_heads, -1, self.head_dim), self.k_pages.dtype
+        self.k_pages[layer].view(flat).index_copy_(1, slot_mapping, key.to(dtype))
+        self.v_pages[layer].view(flat).index_copy_(1, slot_mapping, value.to(dtype))
 
     def gather_heads(
         self, layer: int, block_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V of the blocks ``block_ids`` (n,), in order: two contiguous ``(kv_heads, n * block_size, head_dim)``."""
         # each block's rows of one head: (kv_heads, blocks, block_size * D)
-        n = block_ids.shape[0]
-        return tuple(
-            pages[layer]
-            .view(self.kv_heads, self.num_blocks, -1)
-            .index_select(1, block_ids)
-            .view(self.kv_heads, n * self.block_size, self.head_dim)
-            for pages in (self.k_pages, self.v_pages)
-        )
+        blocks, out = (self.kv_heads, self.num_blocks, -1), (self.kv_heads, -1, self.head_dim)
+        k = self.k_pages[layer].view(blocks).index_select(1, block_ids)
+        return k.view(out), self.v_pages[layer].view(blocks).index_select(1, block_ids).view(out)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one layer's K/V through block tables: ``(B, max_blocks)`` -> two ``(B, max_blocks * block_size, kv_heads, head_dim)``."""

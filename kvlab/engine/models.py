@@ -359,10 +359,10 @@ def model_device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Token ids that end a turn: the generation config's eos ids and the tokenizer's."""
-    ids = model.generation_config.eos_token_id
+    """Token ids that end a turn: the generation config's eos ids and the tokenizer's (if there is one)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     out = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         out.add(int(tokenizer.eos_token_id))
     return out
 

@@ -25,7 +25,6 @@ __all__ = [
     "MissingBatchError",
     "PagedBatch",
     "build_batch",
-    "check_attention_call",
     "check_config",
     "group_by_query_length",
     "paged_attention_forward",
@@ -34,6 +33,7 @@ __all__ = [
 ]
 
 ATTN_NAME = "kvlab_paged"
+_sdpa = F.scaled_dot_product_attention
 # SDPA's enable_gqa
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
@@ -76,13 +76,11 @@ class AttnGroup:
         ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)`` over its keys."""
         key = (union, group, window, dtype)
         if key not in self.masks:
-            if union:
-                # (B, 1, Ku): -1 where the key is not the sequence's
-                k_pos = self.union_pos[:, None, :]
-            else:
-                k_pos = torch.arange(
-                    self.block_tables.shape[1] * self.block_size, device=self.query_pos.device
-                )
+            # (B, 1, Ku) with -1 where the key is not the sequence's, or (K,)
+            n = self.block_tables.shape[1] * self.block_size
+            k_pos = (
+                self.union_pos[:, None] if union else torch.arange(n, device=self.context.device)
+            )
             # (B, Qmax, 1)
             q_pos = self.query_pos[:, :, None]
             # (B, Qmax, K)
@@ -94,9 +92,8 @@ class AttnGroup:
             b, q_len, k_len = ok.shape
             shape = (1, 1, b * group * q_len, k_len) if union else (b, 1, group * q_len, k_len)
             ok = ok[:, None].expand(b, group, q_len, k_len).reshape(shape)
-            self.masks[key] = torch.zeros(shape, dtype=dtype, device=ok.device).masked_fill_(
-                ~ok, float("-inf")
-            )
+            mask = torch.zeros(shape, dtype=dtype, device=ok.device)
+            self.masks[key] = mask.masked_fill_(~ok, float("-inf"))
         return self.masks[key]
 
 
@@ -119,36 +116,6 @@ class MissingBatchError(RuntimeError):
     """The paged attention was called without its ``kvlab_batch`` keyword."""
 
 
-def _group(
-    spans: Sequence[tuple[int, int, Sequence[int]]],
-    offsets: Sequence[int],
-    block_size: int,
-    device: torch.device,
-) -> AttnGroup:
-    b, q_max, m = len(spans), max(e - s for s, e, _ in spans), max(len(t) for _, _, t in spans)
-    q_idx, q_pos, bt = (torch.zeros(b, n, dtype=torch.long) for n in (q_max, q_max, m))
-    for i, ((s, e, table), off) in enumerate(zip(spans, offsets)):
-        q_idx[i, : e - s] = torch.arange(off, off + e - s)
-        q_pos[i, : e - s] = torch.arange(s, e)
-        bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.long)
-    # (B, Qmax)
-    valid = torch.arange(q_max) < torch.tensor([e - s for s, e, _ in spans])[:, None]
-    # context length of each sequence after this step
-    ctx = torch.tensor([e for _, e, _ in spans], dtype=torch.long)
-    dense = bool(valid.all()) and all(o == i * q_max for i, o in enumerate(offsets))
-    return AttnGroup(
-        q_idx.to(device),
-        valid.to(device),
-        q_pos.to(device),
-        bt.to(device),
-        ctx.to(device),
-        block_size,
-        dense,
-        all(s == 0 for s, _, _ in spans),
-        tables=[list(t) for _, _, t in spans],
-    )
-
-
 # small-batch attention FLOPs a CPU does while it moves one byte (~100 GFLOP/s, ~12 GB/s)
 FLOPS_PER_BYTE = 8
 
@@ -162,57 +129,66 @@ def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
         # query rows of one sequence per KV head
         q_rows = g.query_index.shape[1] * group
         distinct = sorted({blk for t in g.tables for blk in t})
-        # per key and head_dim
+        # per key and head_dim (in blocks: block_size cancels)
         u, gather = len(distinct), FLOPS_PER_BYTE * element_size * 2 * 3
-        # (in blocks: block_size cancels)
-        per_seq = gather * b * m + 4 * q_rows * b * m
-        union = gather * u + 4 * b * q_rows * u
-        g.union = b > 1 and union < per_seq and all(len(set(t)) == len(t) for t in g.tables)
+        cheaper = gather * u + 4 * b * q_rows * u < gather * b * m + 4 * q_rows * b * m
+        g.union = b > 1 and cheaper and all(len(set(t)) == len(t) for t in g.tables)
         if g.union:
-            bs = g.block_size
-            col = {blk: i for i, blk in enumerate(distinct)}
+            bs, col = g.block_size, {blk: i for i, blk in enumerate(distinct)}
             pos = torch.full((b, u, bs), -1, dtype=torch.long)
             for i, table in enumerate(g.tables):
-                pos[i, [col[blk] for blk in table]] = torch.arange(len(table))[
-                    :, None
-                ] * bs + torch.arange(bs)
+                keys = torch.arange(len(table))[:, None] * bs + torch.arange(bs)
+                pos[i, [col[blk] for blk in table]] = keys
             g.union_blocks = torch.tensor(distinct, dtype=torch.long, device=g.block_tables.device)
             g.union_pos = pos.view(b, u * bs).to(g.block_tables.device)
     return g.union
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
-    """Metadata of one packed step from ``(start, end, block_table)`` per sequence (K/V before ``start`` is stored)."""
-    bs, slots, offsets, off = store.block_size, [], [], 0
+    """Metadata of one packed step from ``(start, end, block_table)`` per sequence (K/V before ``start`` is stored).
+
+    The sequences are attended in groups of similar query lengths (``group_by_query_length``), each padded
+    to its longest query and longest block table.
+    """
+    bs, dev, slots, offsets, off = store.block_size, store.device, [], [], 0
     for start, end, table in seqs:
         if not 0 <= start < end or cdiv(end, bs) > len(table):
             raise ValueError(f"bad span [{start}, {end}) for a block table of {len(table)} blocks")
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         offsets.append(off)
         off += end - start
-    groups = [
-        _group([seqs[i] for i in idx], [offsets[i] for i in idx], bs, store.device)
-        for idx in group_by_query_length([e - s for s, e, _ in seqs])
-    ]
-    return PagedBatch(
-        store, torch.tensor(slots, dtype=torch.long, device=store.device), groups, off
-    )
+    groups = []
+    for idx in group_by_query_length([e - s for s, e, _ in seqs]):
+        rows = [(offsets[i], *seqs[i]) for i in idx]
+        qm, m = max(e - s for _, s, e, _ in rows), max(len(t) for *_, t in rows)
+        # padded with 0 to (B, Qmax) and (B, max_blocks)
+        q_idx = torch.tensor([[*range(o, o + e - s), *[0] * (qm - e + s)] for o, s, e, _ in rows])
+        q_pos = torch.tensor([[*range(s, e), *[0] * (qm - e + s)] for _, s, e, _ in rows])
+        tables = [list(t) for *_, t in rows]
+        bt = torch.tensor([[*t, *[0] * (m - len(t))] for t in tables])
+        valid = torch.tensor([[j < e - s for j in range(qm)] for _, s, e, _ in rows])
+        # context length of each sequence after this step
+        ctx = torch.tensor([e for *_, e, _ in rows])
+        dense = bool(valid.all()) and all(o == i * qm for i, (o, *_) in enumerate(rows))
+        fresh = all(s == 0 for _, s, _, _ in rows)
+        tensors = (t.to(dev) for t in (q_idx, valid, q_pos, bt, ctx))
+        groups.append(AttnGroup(*tensors, bs, dense, fresh, tables=tables))
+    return PagedBatch(store, torch.tensor(slots, dtype=torch.long, device=dev), groups, off)
 
 
 def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> list[list[int]]:
     """Groups of sequences, sorted by length and cut greedily so ``longest x count <= max_padding x sum`` in each."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    real = 0
-    for i in order:
-        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= max_padding * (
-            real + lengths[i]
-        ):
+    # real: the tokens of the last group
+    groups, real = [], 0
+    # longest first; a stable sort keeps equal lengths in order
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
+        n = lengths[i]
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= max_padding * (real + n):
             groups[-1].append(i)
-            real += lengths[i]
+            real += n
         else:
             groups.append([i])
-            real = lengths[i]
+            real = n
     return groups
 
 
@@ -220,16 +196,8 @@ def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> l
 IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
 # transformers' bookkeeping keywords that carry no attention semantics (positions come from ``kvlab_batch``):
 METADATA_KWARGS = frozenset(
-    {
-        "position_ids",
-        "cache_position",
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "output_router_logits",
-        "return_dict",
-        "logits_to_keep",
-    }
+    "position_ids cache_position use_cache output_attentions output_hidden_states "
+    "output_router_logits return_dict logits_to_keep".split()
 )
 # the config.layer_types it implements
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -244,37 +212,6 @@ _FEATURES = {
 
 def _refuse(feature: str) -> None:
     raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
-
-
-def check_attention_call(
-    module: torch.nn.Module,
-    attention_mask: torch.Tensor | None,
-    dropout: float,
-    sliding_window: int | None,
-    is_causal: bool | None,
-    kwargs: dict[str, Any],
-) -> None:
-    """Raise ``NotImplementedError`` naming the feature when a call asks for more than causal (+window) SDPA."""
-    if attention_mask is not None:
-        _refuse(
-            f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)"
-        )
-    if is_causal is False or getattr(module, "is_causal", True) is False:
-        _refuse("non-causal (bidirectional) attention")
-    if dropout:
-        _refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
-    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
-        _refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
-    if kwargs.get("output_attentions"):
-        _refuse("returning attention weights (output_attentions=True)")
-    for name, value in kwargs.items():
-        # an unknown keyword is accepted only when off (None)
-        if name not in METADATA_KWARGS and value is not None:
-            _refuse(
-                _FEATURES.get(
-                    name, f"the attention keyword {name!r} (a {type(value).__name__}, not None)"
-                )
-            )
 
 
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
@@ -293,11 +230,12 @@ def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
         )
     # the window the config asks of each layer (None: full causal)
     window = getattr(cfg, "sliding_window", None)
-    want = [None if getattr(cfg, "use_sliding_window", True) is False else window] * len(
-        windows_run
-    )
     if types is not None:
         want = [window if t == "sliding_attention" else None for t in types]
+    else:
+        want = [None if getattr(cfg, "use_sliding_window", True) is False else window] * len(
+            windows_run
+        )
     # a window the model applies only in its own mask would be lost
     for layer, got in sorted(windows_run.items()):
         if layer < len(want) and want[layer] != got:
@@ -305,6 +243,10 @@ def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
                 f"layer {layer}'s sliding window is {want[layer]} in the config but its attention call was given "
                 f"{got}: the model applies the window in its own mask, which kvlab's paged attention does not build"
             )
+
+
+# K/V gathered per attention call: small enough to stay in a core's cache (issue 31)
+KV_CHUNK_BYTES = 2 * 2**20
 
 
 def paged_attention_forward(
@@ -320,15 +262,36 @@ def paged_attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's pages."""
+    """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's pages.
+
+    An allow-list: a call that asks for more than causal (+window) SDPA with a scale raises
+    ``NotImplementedError`` naming the feature. Each group of sequences attends over its new K/V alone
+    (nothing cached before it), over the union of its blocks, or over each sequence's block table.
+    """
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
-    if kvlab_batch is None:
+    batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
+    if batch is None:
         raise MissingBatchError(
             f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
             "kvlab.engine.Engine, or inside `paged_step()` on a model switched to it)"
         )
-    check_attention_call(module, attention_mask, dropout, sliding_window, is_causal, kwargs)
-    batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
+    if attention_mask is not None:
+        _refuse(
+            f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)"
+        )
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        _refuse("non-causal (bidirectional) attention")
+    if dropout:
+        _refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
+    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
+        _refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
+    if kwargs.get("output_attentions"):
+        _refuse("returning attention weights (output_attentions=True)")
+    for name, v in kwargs.items():
+        # an unknown keyword is accepted only when off (None)
+        if name not in METADATA_KWARGS and v is not None:
+            what = f"the attention keyword {name!r} (a {type(v).__name__}, not None)"
+            _refuse(_FEATURES.get(name, what))
     if not isinstance(layer, int):
         raise NotImplementedError(
             f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
@@ -340,20 +303,20 @@ def paged_attention_forward(
         raise ValueError(
             f"expected a packed (1, heads, {batch.num_tokens}, D) query, got {tuple(query.shape)}"
         )
-    store = batch.store
-    if key.shape[1] != store.kv_heads or {key.shape[-1], value.shape[-1], query.shape[-1]} != {
-        store.head_dim
-    }:
+    store, kv_heads, d = batch.store, key.shape[1], query.shape[-1]
+    if kv_heads != store.kv_heads or {key.shape[-1], value.shape[-1], d} != {store.head_dim}:
         raise NotImplementedError(
-            f"layer {layer} has {key.shape[1]} KV heads with key/value/query widths {key.shape[-1]}/{value.shape[-1]}/"
-            f"{query.shape[-1]}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
+            f"layer {layer} has {kv_heads} KV heads with key/value/query widths {key.shape[-1]}/{value.shape[-1]}/"
+            f"{d}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
             "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented"
         )
     # (kv_heads, T, D)
-    batch.store.write_heads(layer, batch.slot_mapping, key[0], value[0])
-    # (T, heads, D)
+    store.write_heads(layer, batch.slot_mapping, key[0], value[0])
+    # (T, heads, D), (T, kv_heads, D)
     q_all, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    heads, d = q_all.shape[1:]
+    heads = q_all.shape[1]
+    # query heads per KV head (grouped-query attention)
+    group = heads // kv_heads
     # e.g. a decode-only step: no gather, no scatter
     whole = len(batch.groups) == 1 and batch.groups[0].dense
     # (T, heads, D)
@@ -362,105 +325,64 @@ def paged_attention_forward(
         b, q_len = g.query_index.shape
         # (B, Qmax, heads, D)
         q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]
-        # (B, Qmax, heads, D)
-        o = _group_attention(q, key, value, store, layer, g, whole, sliding_window, scaling)
+        if g.fresh and (sliding_window is None or sliding_window >= q_len):
+            # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
+            # (a padded query row is past every real one, so causality alone keeps real rows exact)
+            # (B, Qmax, kv_heads, D)
+            k = key.reshape(b, q_len, kv_heads, d) if whole else key[g.query_index]
+            v = value.reshape(b, q_len, kv_heads, d) if whole else value[g.query_index]
+            # (B, heads or kv_heads, Qmax, D)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            # torch < 2.5: no enable_gqa
+            if group > 1 and not _SDPA_GQA:
+                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
+            o = _sdpa(q, k, v, is_causal=True, scale=scaling, **gqa)
+            # (B, Qmax, heads, D)
+            o = o.transpose(1, 2)
+        else:
+            # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
+            # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
+            q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4)
+            q = q.reshape(b, kv_heads, group * q_len, d)
+            # every row reading KV head j: one attention over j's keys
+            # decided at the step's first layer
+            if g.union or (g.union is None and _plan_union(g, group, store.k.element_size())):
+                # (kv_heads, U * block_size, D)
+                k, v = store.gather_heads(layer, g.union_blocks)
+                # (1, 1, B * group * Qmax, U * block_size)
+                mask = g.attn_mask(group, sliding_window, q.dtype, union=True)
+                q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
+                k, v = k.to(q.dtype)[None], v.to(q.dtype)[None]
+                o = _sdpa(q, k, v, attn_mask=mask, scale=scaling)
+                # (B, kv_heads, group * Qmax, D)
+                o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)
+            # a few sequences at a time, so their gathered K/V is still in cache when the attention reads it
+            else:
+                # (B, 1, group * Qmax, Kmax)
+                mask = g.attn_mask(group, sliding_window, q.dtype)
+                # K/V bytes of one sequence in one layer
+                per_seq = g.block_tables.shape[1] * store.bytes_per_block // store.num_layers
+                step, outs = max(1, KV_CHUNK_BYTES // per_seq), []
+                for i in range(0, b, step):
+                    n = min(step, b - i)
+                    # (kv_heads, n * Kmax, D) -> (n, kv_heads, Kmax, D)
+                    k, v = store.gather_heads(layer, g.block_tables[i : i + n].reshape(-1))
+                    k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
+                    v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
+                    part = slice(i, i + n)
+                    outs.append(_sdpa(q[part], k, v, attn_mask=mask[part], scale=scaling))
+                # (B, kv_heads, group * Qmax, D)
+                o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            # (B, Qmax, heads, D)
+            o = o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4)
+            o = o.reshape(b, q_len, heads, d)
         if whole:
             # (1, T, heads, D), contiguous as from SDPA
             return o.reshape(1, b * q_len, heads, d).contiguous(), None
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     # (1, T, heads, D)
     return out.unsqueeze(0), None
-
-
-# K/V gathered per attention call: small enough to stay in a core's cache (issue 31)
-KV_CHUNK_BYTES = 2 * 2**20
-
-
-def _group_attention(
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    store: PagedKVStore,
-    layer: int,
-    g: AttnGroup,
-    whole: bool,
-    sliding_window: int | None,
-    scaling: float | None,
-) -> torch.Tensor:
-    """Attend one group's ``q`` (B, Qmax, heads, D): over its new K/V alone, the union of its blocks, or each table."""
-    b, q_len, heads, d = q.shape
-    # key, value: the step's new (T, kv_heads, D)
-    kv_heads = key.shape[1]
-    # query heads per KV head (grouped-query attention)
-    group = heads // kv_heads
-    if g.fresh and (sliding_window is None or sliding_window >= q_len):
-        # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
-        # (a padded query row is past every real one, so causality alone keeps real rows exact)
-        # (B, Qmax, kv_heads, D)
-        k = key.reshape(b, q_len, kv_heads, d) if whole else key[g.query_index]
-        v = value.reshape(b, q_len, kv_heads, d) if whole else value[g.query_index]
-        # (B, heads or kv_heads, Qmax, D)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # torch < 2.5: no enable_gqa
-        if group > 1 and not _SDPA_GQA:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scaling, **gqa
-        ).transpose(1, 2)
-    # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
-    # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
-    q = (
-        q.view(b, q_len, kv_heads, group, d)
-        .permute(0, 2, 3, 1, 4)
-        .reshape(b, kv_heads, group * q_len, d)
-    )
-    # every row reading KV head j: one attention over j's keys
-    if _plan_union(g, group, store.k.element_size()):
-        # (kv_heads, U * block_size, D)
-        k, v = store.gather_heads(layer, g.union_blocks)
-        # (1, 1, B * group * Qmax, U * block_size)
-        mask = g.attn_mask(group, sliding_window, q.dtype, union=True)
-        q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype)[None], v.to(q.dtype)[None], attn_mask=mask, scale=scaling
-        )
-        # (B, kv_heads, group * Qmax, D)
-        o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)
-    # a few sequences at a time, so their gathered K/V is still in cache when the attention reads it
-    else:
-        # (B, 1, group * Qmax, Kmax)
-        mask = g.attn_mask(group, sliding_window, q.dtype)
-        step = max(
-            1,
-            KV_CHUNK_BYTES
-            // (
-                2
-                * g.block_tables.shape[1]
-                * store.block_size
-                * kv_heads
-                * d
-                * store.k.element_size()
-            ),
-        )
-        outs = []
-        for i in range(0, b, step):
-            n = min(step, b - i)
-            # (kv_heads, n * Kmax, D)
-            k, v = store.gather_heads(layer, g.block_tables[i : i + n].reshape(-1))
-            # (n, kv_heads, Kmax, D)
-            k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
-            v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[i : i + n], k, v, attn_mask=mask[i : i + n], scale=scaling
-                )
-            )
-        # (B, kv_heads, group * Qmax, D)
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return (
-        o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, heads, d)
-    )
 
 
 # our own state, like nano-vllm's context
@@ -490,17 +412,10 @@ def paged_step() -> Iterator[None]:
         _IN_STEP.reset(token)
 
 
-def _attention(
-    own: str,
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:
+def _attention(own: str, module: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The registered attention: the paged one inside ``paged_step()``, the model's own (``own``) outside it."""
     if _IN_STEP.get():
-        return paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return paged_attention_forward(module, *args, **kwargs)
     if kwargs.get("kvlab_batch") is not None:
         raise RuntimeError(
             "a forward with kvlab_batch runs inside kvlab.engine.paged_attention.paged_step()"
@@ -508,16 +423,13 @@ def _attention(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     # "eager" is no registered function: each model runs its modeling module's own eager_attention_forward
-    fn = (
-        vars(sys.modules[type(module).__module__]).get("eager_attention_forward")
-        if own == "eager"
-        else ALL_ATTENTION_FUNCTIONS[own]
-    )
+    modeling = vars(sys.modules[type(module).__module__])
+    fn = modeling.get("eager_attention_forward") if own == "eager" else ALL_ATTENTION_FUNCTIONS[own]
     if fn is None:
         raise NotImplementedError(
             f"{type(module).__name__}: no eager_attention_forward to fall back on"
         )
-    return fn(module, query, key, value, attention_mask, **kwargs)
+    return fn(module, *args, **kwargs)
 
 
 def _mask(own: str, **kwargs: Any) -> Any:

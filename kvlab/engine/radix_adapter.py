@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..cache.block_manager import BlockManager
 from ..cache.interface import CacheManager, check_cache
 from ..cache.radix import RadixCache
-from .config import CACHES
+from .config import CACHES, EngineConfig
 
 __all__ = ["CACHES", "RadixCacheManager", "adopt_cache", "make_cache_manager"]
 
@@ -23,18 +23,16 @@ class RadixCacheManager(RadixCache):
 
 
 def make_cache_manager(
-    cache: str,
-    num_blocks: int,
-    block_size: int,
-    page_size: int,
-    isolation: str,
-    model_fingerprint: str = "",
-    enable_caching: bool = True,
-    enable_kv_events: bool = False,
+    config: EngineConfig, num_blocks: int, model_fingerprint: str = ""
 ) -> BlockManager | RadixCacheManager:
-    """The engine's cache manager: ``BlockManager(num_blocks, block_size)`` or a radix tree of the same slots."""
-    if cache not in CACHES:
-        raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+    """The engine's cache manager: ``BlockManager(num_blocks, block_size)`` or a radix tree of the same slots.
+
+    ``config`` gives the kind (``cache``), ``block_size``, ``page_size``, ``isolation``,
+    ``enable_prefix_caching`` and ``enable_kv_events``.
+    """
+    cache, block_size, page_size = config.cache, config.block_size, config.page_size
+    enable_caching, enable_kv_events = config.enable_prefix_caching, config.enable_kv_events
+    # the config checked every field
     if cache == "blocks":
         return BlockManager(
             num_blocks,
@@ -47,10 +45,8 @@ def make_cache_manager(
         raise ValueError(
             "KV events (vLLM's schema) describe hash blocks: use cache='blocks' with enable_kv_events=True"
         )
-    if type(page_size) is not int or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     # each salt has a root of its own: a public prefix cannot be shared
-    if isolation == "public-prefix":
+    if config.isolation == "public-prefix":
         raise ValueError(
             "the radix cache keeps each tenant's salt in its own tree and cannot share a public "
             "prefix across tenants: use cache='blocks' with isolation='public-prefix'"

@@ -11,40 +11,22 @@ paged attention by ``attach`` (``set_attn_implementation``, when a step has work
 from __future__ import annotations
 
 import inspect
-import itertools
 from typing import Any
 
 import torch
 
+from .hooks import checked_positions
 from .kv_store import PagedKVStore
 from .paged_attention import MissingBatchError, build_batch, check_config, paged_step, register
 from .sampling import sample_next
 from .scheduler import ScheduledSeq
 
-__all__ = ["ModelRunner", "describe", "samples"]
+__all__ = ["ModelRunner", "describe"]
 
 
 def describe(e: BaseException) -> str:
     """``"TypeError: message"``: how a failed request's error reads."""
     return f"{type(e).__name__}: {e}"
-
-
-def _checked_positions(p: Any, it: ScheduledSeq) -> range | list[int]:
-    """The positions a ``positions`` hook gave ``it``: one int >= 0 per computed token, else ValueError."""
-    n = it.end - it.start
-    # the usual case, checked without a pass over the tokens
-    if isinstance(p, range) and len(p) == n and (n == 0 or min(p[0], p[-1]) >= 0):
-        return p
-    try:
-        got = [int(x) for x in p] if not isinstance(p, (str, bytes)) else None
-    except (TypeError, ValueError):
-        got = None
-    if got is None or len(got) != n or any(x < 0 for x in got):
-        raise ValueError(
-            f"the engine's positions hook gave {p!r} for tokens [{it.start}, {it.end}): it must give "
-            f"{n} non-negative int positions, one per computed token"
-        )
-    return got
 
 
 class ModelRunner:
@@ -55,7 +37,7 @@ class ModelRunner:
 
         An allow-list: transformers can switch its attention, its forward takes ``position_ids``, its config has
         an int ``vocab_size``, the paged attention runs once per layer and is asked for nothing beyond causal SDPA
-        with a scale and an optional window (``check_attention_call``, ``check_config``). A refused model gets
+        with a scale and an optional window (``paged_attention_forward``, ``check_config``). A refused model gets
         its own attention back.
         """
         self.model, self.store = model, store
@@ -76,11 +58,8 @@ class ModelRunner:
                 )
             self.head, self.decoder = model.get_output_embeddings(), model.base_model
             self.fast_head = False
-            self.text_config = (
-                model.config.get_text_config()
-                if hasattr(model.config, "get_text_config")
-                else model.config
-            )
+            cfg = model.config
+            self.text_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             self.head_seam = self._probe()
             self.fast_head = type(self.head) is torch.nn.Linear
         except BaseException:
@@ -109,16 +88,11 @@ class ModelRunner:
     def _probe(self) -> bool:
         """Run token 0 at position 0 through the model; check what it ran; return whether the head seam holds."""
         zero = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        run = dict(input_ids=zero, position_ids=zero, use_cache=False)
         batch = build_batch(self.store, [(0, 1, [0])])
         try:
             with paged_step():
-                want = self.model(
-                    input_ids=zero,
-                    position_ids=zero,
-                    use_cache=False,
-                    kvlab_batch=batch,
-                    logits_to_keep=torch.zeros(1, dtype=torch.long, device=self.device),
-                ).logits[0]
+                want = self.model(**run, kvlab_batch=batch, logits_to_keep=zero[0]).logits[0]
         except MissingBatchError:
             self._refuse(
                 "its layers do not pass the forward keyword kvlab_batch down to the attention function"
@@ -134,13 +108,13 @@ class ModelRunner:
             self._refuse(f"its forward failed under the paged attention ({describe(e)})")
         finally:
             self.store.clear_blocks([0])
-        layers = self.store.num_layers
-        if sorted(batch.layers_run) != list(range(layers)):
-            missing = sorted(set(range(layers)) - set(batch.layers_run))
+        layers = list(range(self.store.num_layers))
+        if sorted(batch.layers_run) != layers:
             self._refuse(
-                f"it never ran for layers {missing} of {layers} (calls: {batch.layers_run}); the model's "
-                "attention does not go through transformers' AttentionInterface (e.g. ALiBi or custom "
-                "attention code), so its K/V would never reach the paged store and the outputs would be wrong"
+                f"it never ran for layers {sorted(set(layers) - set(batch.layers_run))} of {len(layers)} "
+                f"(calls: {batch.layers_run}); the model's attention does not go through transformers' "
+                "AttentionInterface (e.g. ALiBi or custom attention code), so its K/V would never reach the "
+                "paged store and the outputs would be wrong"
             )
         if "position_ids" not in inspect.signature(self.model.forward).parameters:
             self._refuse(
@@ -154,17 +128,10 @@ class ModelRunner:
         # the head seam: the decoder's last hidden state through lm_head() gives exactly the model's logits?
         try:
             with paged_step():
-                # (1, hidden)
-                hidden = self.decoder(
-                    input_ids=zero,
-                    position_ids=zero,
-                    use_cache=False,
-                    kvlab_batch=build_batch(self.store, [(0, 1, [0])]),
-                )[0][0]
-                return bool(
-                    self.decoder is not self.model
-                    and torch.equal(self.lm_head(hidden).float(), want.float())
-                )
+                again = build_batch(self.store, [(0, 1, [0])])
+                # the last hidden state (1, hidden) -> (1, vocab)
+                got = self.lm_head(self.decoder(**run, kvlab_batch=again)[0][0]).float()
+            return self.decoder is not self.model and torch.equal(got, want.float())
         except torch.OutOfMemoryError:
             # a RuntimeError, but no answer about the seam
             raise
@@ -203,43 +170,47 @@ class ModelRunner:
     # no autograd graph: it would chain every step through the K/V store and keep it all alive
     @torch.no_grad()
     def forward(
-        self, items: list[ScheduledSeq], tables: list[list[int]], positions: list[range]
-    ) -> torch.Tensor:
-        """One packed forward of the scheduled tokens: the logits of each sampling item's last position.
+        self,
+        items: list[ScheduledSeq],
+        tables: list[list[int]],
+        positions: list[Any] | None = None,
+    ) -> tuple[torch.Tensor, list[int], list[bool]]:
+        """One packed forward of the scheduled tokens: ``(logits, greedy token per row, row's top logit is NaN)``.
 
-        ``tables[i]`` is item i's block table, ``positions[i]`` the positions of the tokens it computes (what
-        RoPE sees). Returns ``(number of sampling items, vocab)`` logits; a prompt chunk (``samples``) only
-        writes its K/V and gets no row.
+        ``tables[i]`` is item i's block table, ``positions[i]`` what a positions hook gave it (None: each token
+        at its place in the sequence). The logits are ``(number of sampling items, vocab)``: a prompt chunk
+        (it ends before its sequence) only writes its K/V and gets no row. ``argmax`` treats NaN as the
+        largest, so a row with a NaN points at one.
         """
-        ids, pos = [], []
-        for it, p in zip(items, positions):
-            ids.extend(it.seq.token_ids[it.start : it.end])
-            pos.extend(_checked_positions(p, it))
-        batch = build_batch(
-            self.store, [(it.start, it.end, table) for it, table in zip(items, tables)]
-        )
-        ends = itertools.accumulate(it.end - it.start for it in items)
-        last = [end - 1 for end, it in zip(ends, items) if samples(it)]
-        last = torch.tensor(last, dtype=torch.long, device=self.device)
-        kwargs = dict(
-            # (1, T)
-            input_ids=torch.tensor([ids], device=self.device),
-            # (1, T)
-            position_ids=torch.tensor([pos], device=self.device),
-            use_cache=False,
-            kvlab_batch=batch,
-        )
+        ids, pos, last, end = [], [], [], 0
+        for i, it in enumerate(items):
+            seq, s, e, p = it.seq, it.start, it.end, len(it.seq.prompt_ids)
+            ids += seq.prompt_ids[s:e] + seq.output_ids[max(s - p, 0) : max(e - p, 0)]
+            pos += range(s, e) if positions is None else checked_positions(positions[i], it)
+            end += e - s
+            # it samples: it computes up to its sequence's end
+            if e >= p + len(seq.output_ids):
+                last.append(end - 1)
+        batch = build_batch(self.store, [(it.start, it.end, t) for it, t in zip(items, tables)])
+        dev = self.device
+        last = torch.tensor(last, dtype=torch.long, device=dev)
+        # input_ids and position_ids (1, T)
+        kwargs = dict(input_ids=torch.tensor([ids], device=dev), use_cache=False, kvlab_batch=batch)
+        kwargs["position_ids"] = torch.tensor([pos], device=dev)
         with paged_step():
             if self.head_seam:
                 # hidden (1, T, H) -> (num_sampling, vocab)
-                return self.lm_head(self.decoder(**kwargs)[0][0, last])
-            return self.model(**kwargs, logits_to_keep=last).logits[0]
+                logits = self.lm_head(self.decoder(**kwargs)[0][0, last])
+            else:
+                logits = self.model(**kwargs, logits_to_keep=last).logits[0]
+        top = logits.argmax(-1)
+        return logits, top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()
 
     def compute(
         self,
         items: list[ScheduledSeq],
         tables: list[list[int]],
-        positions: list[range],
+        positions: list[Any] | None = None,
     ) -> tuple[list[int | None], dict[int, str], set[int]]:
         """One token per scheduled item that samples, without letting one request's failure reach the others.
 
@@ -248,36 +219,37 @@ class ModelRunner:
         forward failed or gave NaN, or they read such K/V through a same-step prefix hit). When the packed
         forward raises or gives NaN for some item (NaN spreads to the step's other rows: 0 * NaN is NaN), each
         item runs alone, in order, to find the culprits; untrusted blocks are zeroed. ``tables[i]`` and
-        ``positions[i]`` are item i's block table and positions (``forward``).
+        ``positions[i]`` are item i's block table and positions (``forward``). The model is switched to the
+        paged attention first, once per busy period (``attach``).
         """
-        bs = self.store.block_size
-        tokens: list[int | None] = [None] * len(items)
-        errors: dict[int, str] = {}
-        untrusted: set[int] = set()
-        # blocks whose K/V this step did not reliably write
-        bad: set[int] = set()
-        # item i's row of the packed logits (items that sample only)
-        row_of = list(itertools.accumulate(map(samples, items), initial=-1))[1:]
+        if self.model.config._attn_implementation != self.attention:
+            self.attach()
+        bs, tokens, errors = self.store.block_size, [None] * len(items), {}
+        # untrusted items, and the blocks whose K/V this step did not reliably write
+        untrusted, bad = set(), set()
         try:
-            packed = _read(self.forward(items, tables, positions))
-            if any(packed[2]) and len(items) > 1:
-                packed = None
+            packed = self.forward(items, tables, positions)
+            # NaN for some item: find the culprits, each item alone
+            packed = None if any(packed[2]) and len(items) > 1 else packed
         # broad on purpose: one request's failure (any error of the model's forward) must not reach the others
         except Exception:  # noqa: BLE001
-            # find the culprits: each item alone
             packed = None
+        # the item's row of the packed logits (items that sample only)
+        row = -1
         for i, it in enumerate(items):
+            sample = it.end >= len(it.seq.prompt_ids) + len(it.seq.output_ids)
+            row += sample
             if bad and any(b in bad for b in tables[i][: it.start // bs]):
                 untrusted.add(i)
                 bad.update(tables[i][it.start // bs :])
                 continue
             try:
                 if packed is not None:
-                    (logits, top, nan), j = packed, row_of[i]
+                    (logits, top, nan), j = packed, row
                 else:
-                    logits, top, nan = _read(self.forward([it], [tables[i]], [positions[i]]))
-                    j = 0
-                if samples(it) and nan[j]:
+                    alone = None if positions is None else [positions[i]]
+                    (logits, top, nan), j = self.forward([it], [tables[i]], alone), 0
+                if sample and nan[j]:
                     raise FloatingPointError("the model's logits for this request are NaN")
             # broad on purpose: whatever this request's forward raises becomes its error, the others go on
             except Exception as e:  # noqa: BLE001
@@ -285,17 +257,13 @@ class ModelRunner:
                 untrusted.add(i)
                 bad.update(tables[i][it.start // bs :])
                 continue
-            if not samples(it):
-                continue
-            sp = it.seq.sampling
+            seq, sp = it.seq, it.seq.sampling
             try:
-                tokens[i] = (
-                    top[j]
-                    if sp.greedy
-                    else sample_next(
-                        logits[j], True, sp.temperature, sp.top_p, sp.top_k, it.seq.generator
-                    )
-                )
+                if sample and sp.temperature == 0:
+                    tokens[i] = top[j]
+                elif sample:
+                    args = sp.temperature, sp.top_p, sp.top_k, seq.generator
+                    tokens[i] = sample_next(logits[j], True, *args)
             # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
             except Exception as e:  # noqa: BLE001
                 errors[i] = describe(e)
@@ -303,17 +271,3 @@ class ModelRunner:
             # never read again, not even as a masked or padding slot
             self.store.clear_blocks(sorted(bad))
         return tokens, errors, untrusted
-
-
-def samples(item: ScheduledSeq) -> bool:
-    """Whether a step samples a token for ``item``: it computes up to the sequence's end (not a prompt chunk)."""
-    return item.end >= item.seq.num_tokens
-
-
-def _read(logits: torch.Tensor) -> tuple[torch.Tensor, list[int], list[bool]]:
-    """``(logits, greedy token per row, whether the row's top logit is NaN)``.
-
-    ``argmax`` treats NaN as the largest, so a row with a NaN points at one.
-    """
-    top = logits.argmax(-1)
-    return logits, top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()

@@ -40,15 +40,7 @@ class SamplingParams:
             )
         # frozen: set once, here
         object.__setattr__(self, "stop_token_ids", tuple(stops))
-        self.validate()
-
-    @property
-    def greedy(self) -> bool:
-        """Whether decoding is argmax (temperature 0)."""
-        return self.temperature == 0
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first parameter that is out of range."""
+        # a ValueError names the first parameter that is out of range
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
@@ -63,9 +55,12 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if type(self.ignore_eos) is not bool:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not isinstance(self.stop_token_ids, tuple) or any(
-            type(t) is not int or t < 0 for t in self.stop_token_ids
-        ):
+        if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is argmax (temperature 0)."""
+        return self.temperature == 0

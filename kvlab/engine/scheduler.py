@@ -7,8 +7,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
-from ..cache.block_pool import check
 from ..cache.interface import CacheManager
+from .fork import ForkingScheduler
+from .invariants import check_scheduler
 from .sequence import Request, RequestStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -39,7 +40,7 @@ class SchedulerOutput:
         return sum(it.end - it.start for it in self.items)
 
 
-class Scheduler:
+class Scheduler(ForkingScheduler):
     """Waiting and running queues; one ``schedule()`` per engine step.
 
     ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the step's token
@@ -50,7 +51,7 @@ class Scheduler:
     within a step: a step writes before it reads). A chunk ends before its sequence's tokens only when it takes
     the rest of the step's budget, and running sequences are scheduled before any admission, so no request is
     ever admitted (and hits) while a prompt's cached blocks are unwritten; a sequence preempted or finished
-    half-way takes its unwritten blocks out of the cache (``_free``).
+    half-way takes its unwritten blocks out of the cache (``finish``).
     """
 
     # the default of every new scheduler (an engine's, a replay's): on, as in vLLM V1
@@ -105,118 +106,86 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's decodes, prefill chunks and prefills; preempt the youngest when blocks run out."""
-        bm, out = self.block_manager, SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        i = 0
+        bm, out, running = self.block_manager, SchedulerOutput(), self.running
+        budget, i = self.max_num_batched_tokens, 0
         # 1. running: a decode token, or the next chunk of a prompt
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            # its blocks are allocated: compute the next chunk
-            if self.is_prefilling(seq):
-                start = seq.num_computed_tokens
-                end = min(seq.num_tokens, start + budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = len(seq.prompt_ids) + len(seq.output_ids)
+            start = seq.num_computed_tokens
+            # its blocks are allocated (is_prefilling): compute the next chunk
+            if start < len(bm.seqs[seq.seq_id].token_ids):
+                end = min(n, start + budget)
                 out.items.append(ScheduledSeq(seq, start, end, True))
-                seq.num_computed_tokens = end
-                budget -= end - start
-                i += 1
-                continue
-            while not bm.can_append(seq.seq_id):
-                # the youngest
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
             else:
-                result = bm.append(seq.seq_id, seq.last_token)
-                if result.cow is not None:
-                    out.cow_pairs.append(result.cow)
-                out.items.append(ScheduledSeq(seq, seq.num_tokens - 1, seq.num_tokens, False))
-                seq.num_computed_tokens = seq.num_tokens
-                budget -= 1
-                i += 1
+                while not bm.can_append(seq.seq_id):
+                    # the youngest
+                    victim = running[-1]
+                    self.requeue(victim)
+                    victim.num_preemptions += 1
+                    self.num_preemptions += 1
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                else:
+                    cow = bm.append(seq.seq_id, (seq.output_ids or seq.prompt_ids)[-1]).cow
+                    if cow is not None:
+                        out.cow_pairs.append(cow)
+                    out.items.append(ScheduledSeq(seq, n - 1, n, False))
+                    start, end = n - 1, n
+                if seq.status is not RequestStatus.RUNNING:
+                    continue
+            seq.num_computed_tokens = end
+            budget -= end - start
+            i += 1
         chunked = self.enable_chunked_prefill
         # 2. admit
         while (
-            self.waiting
-            and not out.preempted
-            and len(self.running) < self.max_num_seqs
-            and budget > 0
+            self.waiting and not out.preempted and len(running) < self.max_num_seqs and budget > 0
         ):
             seq = self.waiting[0]
-            n = seq.num_tokens
+            ids = seq.prompt_ids + seq.output_ids
             # too long for what is left; a long prompt runs alone
-            if n > budget and out.items and not chunked:
+            if len(ids) > budget and out.items and not chunked:
                 break
-            plan = bm.can_allocate(seq.token_ids, seq.scope)
+            plan = bm.can_allocate(ids, seq.scope)
             if not plan:
                 break
-            cached = bm.allocate(
-                seq.seq_id, seq.token_ids, seq.scope, plan=plan, preempted=seq.num_preemptions > 0
-            )
+            preempted = seq.num_preemptions > 0
+            cached = bm.allocate(seq.seq_id, ids, seq.scope, plan=plan, preempted=preempted)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             seq.prefill_start = cached
             self.waiting.popleft()
             seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
-            end = min(n, cached + budget) if chunked else n
+            running.append(seq)
+            end = min(len(ids), cached + budget) if chunked else len(ids)
             out.items.append(ScheduledSeq(seq, cached, end, True))
             seq.num_computed_tokens = end
             budget -= end - cached
         self.last_output = out
         return out
 
-    def _preempt(self, seq: Request) -> None:
-        self.requeue(seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Run ``child`` as a copy of the running ``parent`` that shares all its blocks."""
-        self.check_fork(parent)
-        self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.status = RequestStatus.RUNNING
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.running.append(child)
-
-    def check_fork(self, parent: Request) -> None:
-        """Raise ``ValueError`` unless ``parent`` runs, has generated a token and is not mid-prefill (``fork`` needs it)."""
-        if (
-            parent.status is not RequestStatus.RUNNING
-            or not parent.output_ids
-            or self.is_prefilling(parent)
-        ):
-            raise ValueError(
-                "only a running sequence that has generated a token (and is not being prefilled again "
-                "after a preemption) can be forked"
-            )
-
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
         if seq.status is not RequestStatus.RUNNING:
             raise ValueError("only a running sequence can be requeued")
-        self._free(seq, uncache_from)
-        self.running.remove(seq)
+        self.finish(seq, None, uncache_from)
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _free(self, seq: Request, uncache_from: int | None) -> None:
-        """Free a running sequence's blocks; those past its computed tokens (a prompt in chunks) leave the cache."""
-        # cached at allocation, never written: no request may hit them later
-        if self.is_prefilling(seq):
-            uncache_from = (
-                seq.num_computed_tokens
-                if uncache_from is None
-                else min(uncache_from, seq.num_computed_tokens)
-            )
-        self.block_manager.free(seq.seq_id, uncache_from)
-        seq.num_computed_tokens = 0
+    def finish(self, seq: Request, reason: str | None, uncache_from: int | None = None) -> None:
+        """Take a sequence out of the queues for good, free its blocks (from ``uncache_from`` on: out of the cache).
 
-    def finish(self, seq: Request, reason: str, uncache_from: int | None = None) -> None:
-        """Take a sequence out of the queues for good, free its blocks (from ``uncache_from`` on: out of the cache)."""
+        A running sequence's blocks past its computed tokens (a prompt in chunks) leave the cache too: they
+        were cached at allocation and never written, so no request may hit them later.
+        """
         if seq.status is RequestStatus.RUNNING:
-            self._free(seq, uncache_from)
+            computed = seq.num_computed_tokens
+            if computed < len(self.block_manager.seqs[seq.seq_id].token_ids):
+                uncache_from = computed if uncache_from is None else min(uncache_from, computed)
+            self.block_manager.free(seq.seq_id, uncache_from)
+            seq.num_computed_tokens = 0
             self.running.remove(seq)
         elif seq.status is RequestStatus.WAITING:
             self.waiting.remove(seq)
@@ -224,28 +193,5 @@ class Scheduler:
         seq.finish_reason = reason
 
     def check_invariants(self) -> None:
-        """Raise unless the block manager and the queues agree: every running request holds its tokens' blocks."""
-        bm = self.block_manager
-        bm.check_invariants()
-        running = {s.seq_id for s in self.running}
-        check(
-            running == set(bm.seqs),
-            f"running {sorted(running)} but the block manager holds {sorted(bm.seqs)}",
-        )
-        # all but its last token; a prompt in chunks: all its tokens, some not computed yet
-        for seq in self.running:
-            held = bm.seqs[seq.seq_id].token_ids
-            check(
-                seq.status is RequestStatus.RUNNING
-                and held == (seq.token_ids if self.is_prefilling(seq) else seq.token_ids[:-1]),
-                f"sequence {seq.seq_id}: its blocks hold other tokens than all but its last",
-            )
-            check(
-                0 < seq.num_computed_tokens <= len(held) <= seq.num_tokens,
-                f"sequence {seq.seq_id}: {seq.num_computed_tokens} tokens computed of {len(held)} held",
-            )
-        for seq in self.waiting:
-            check(
-                seq.status is RequestStatus.WAITING and seq.seq_id not in bm.seqs,
-                f"waiting sequence {seq.seq_id} still holds blocks",
-            )
+        """Raise unless the block manager and the queues agree (``kvlab.engine.invariants.check_scheduler``)."""
+        check_scheduler(self)

@@ -57,38 +57,9 @@ class Request:
     num_restored_tokens: int | None = None
 
     @property
-    def salt(self) -> str | None:
-        """The cache salt (None: shares every prefix)."""
-        return self.scope.salt
-
-    @property
     def tenant(self) -> Hashable:
         """Who sent it (it scopes ``abort``/``fork`` and labels per-tenant metrics); None if nobody was named."""
         return self.scope.tenant
-
-    def forked(
-        self, seq_id: int, request_id: Hashable, sampling: SamplingParams, generator: object
-    ) -> Request:
-        """A copy that continues from here with its own ids, sampling and generator (same scope, tokens, timing)."""
-        return Request(
-            seq_id,
-            request_id,
-            list(self.prompt_ids),
-            sampling,
-            self.scope,
-            self.arrival_time,
-            list(self.output_ids),
-            num_cached_tokens=self.num_cached_tokens,
-            first_token_time=self.first_token_time,
-            generator=generator,
-        )
-
-    def stop_reason(self, token: int, eos_ids: set[int]) -> str | None:
-        """Why the request stops after generating ``token``: ``"stop"``, ``"length"``, or None to go on."""
-        sp = self.sampling
-        if (token in eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            return "stop"
-        return "length" if len(self.output_ids) >= sp.max_tokens else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -99,11 +70,6 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def last_token(self) -> int:
-        """The newest token (the one the next decode step feeds)."""
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def is_finished(self) -> bool:
