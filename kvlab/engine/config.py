@@ -31,6 +31,7 @@ class EngineConfig:
     Tenancy: ``isolation`` ("shared", "tenant", "public-prefix") and the ``secret`` every salt is derived
     from (None: a random one per engine). ``host_tier_bytes``: a host-memory second tier of that size.
     ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` go to the ``Scheduler``.
+    ``packed_linear``: oneDNN's prepacked GEMM for the linear layers (CPU float32; off by default).
     """
 
     num_blocks: int | None = None
@@ -50,6 +51,8 @@ class EngineConfig:
     host_tier_bytes: int | None = None
     offload_evicted: bool = True
     debug: bool = False
+    # oneDNN's prepacked GEMM for the linear layers (CPU, float32; kvlab.engine.packed_linear)
+    packed_linear: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
@@ -66,7 +69,13 @@ class EngineConfig:
         check_policy(self.isolation)
         if self.secret is not None:
             check_secret(self.secret)
-        for name in ("enable_prefix_caching", "enable_kv_events", "offload_evicted", "debug"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_kv_events",
+            "offload_evicted",
+            "debug",
+            "packed_linear",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.enable_chunked_prefill, (bool, type(None))):

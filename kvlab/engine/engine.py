@@ -18,6 +18,7 @@ from .invariants import check_engine
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype, model_fingerprint
 from .offload import HostOffload
+from .packed_linear import PackedLinears, packed_linear_available
 from .radix_adapter import adopt_cache, make_cache_manager
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -134,6 +135,11 @@ class Engine:
         self.kv_events = KVEventLog(bm) if cfg.enable_kv_events else None
         # probes the model: may refuse it
         self.runner = ModelRunner(model, self.store)
+        if cfg.packed_linear:
+            why = packed_linear_available(self.device, self.dtype)
+            if why is not None:
+                raise ValueError(f"packed_linear: {why}")
+            self.runner.packed = PackedLinears(model)
         vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
         self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
 

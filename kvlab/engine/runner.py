@@ -17,6 +17,7 @@ import torch
 
 from .hooks import checked_positions
 from .kv_store import PagedKVStore
+from .packed_linear import PackedLinears
 from .paged_attention import MissingBatchError, build_batch, check_config, paged_step, register
 from .sampling import sample_next
 from .scheduler import ScheduledSeq
@@ -42,6 +43,8 @@ class ModelRunner:
         """
         self.model, self.store = model, store
         self.device = store.device
+        # oneDNN's prepacked linear layers (EngineConfig.packed_linear), set by the engine after the probe
+        self.packed: PackedLinears | None = None
         self.name = getattr(model.config, "model_type", None) or type(model).__name__
         if not isinstance(getattr(model.config, "vocab_size", None), int):
             self._refuse(
@@ -74,12 +77,16 @@ class ModelRunner:
         if self.model.config._attn_implementation != self.attention:
             # a no-op where transformers cannot switch it
             self.model.set_attn_implementation(self.attention)
+            if self.packed is not None:
+                self.packed.attach()
         return self.model.config._attn_implementation == self.attention
 
     def detach(self) -> None:
         """Give the model back its own attention (HF's ``generate_batch`` and others check the name)."""
         if self.model.config._attn_implementation == self.attention:
             self.model.set_attn_implementation(self.own_attention)
+        if self.packed is not None:
+            self.packed.detach()
 
     def _refuse(self, why: str) -> None:
         raise NotImplementedError(f"kvlab's paged attention cannot run {self.name!r}: {why}")
@@ -150,7 +157,9 @@ class ModelRunner:
         ``W @ x.T`` for a plain ``nn.Linear`` (issue 15: 0.58x ``F.linear``'s time, 16 rows of Qwen2.5's head).
         """
         head = self.head
-        if self.fast_head:
+        if self.fast_head and self.packed is not None:
+            logits = self.packed.linear(head, hidden)
+        elif self.fast_head:
             # (vocab, hidden) @ (hidden, N) -> (N, vocab)
             logits = (head.weight @ hidden.T).T
             logits = (logits if head.bias is None else logits + head.bias).contiguous()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvlab.engine import Engine, SamplingParams
+from kvlab.engine.packed_linear import packed_linear_available
 
 VOCAB, NEW = 96, 8
 TINY = {  # attribute -> tiny value, set wherever the default config has an int there
@@ -182,3 +183,11 @@ def test_architecture_is_token_identical_to_hf_or_refused(model_type):
     assert [o.error for o in outs] == [None] * len(outs)
     assert [o.num_cached_tokens for o in outs] == [0, 12, 12, 12, 12, 0, 0], "the shared prefix missed the cache"
     assert [o.output_ids for o in outs] == want, f"{model_type} accepted but not token-identical to HF generate"
+    # oneDNN's prepacked linear layers (EngineConfig.packed_linear): other float32 rounding, the same tokens
+    if packed_linear_available(torch.device("cpu"), torch.float32) is None:
+        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, packed_linear=True)
+        outs = engine.generate(prompts[:1], sp) + engine.generate(prompts[1:], sp)
+        assert [o.output_ids for o in outs] == want, f"{model_type}: packed_linear changed the tokens"
+        assert [o.num_cached_tokens for o in outs] == [0, 12, 12, 12, 12, 0, 0]
+        # the model is the caller's own again: its layers run F.linear once the engine is idle
+        assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
