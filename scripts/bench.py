@@ -70,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"a subset of the systems (default: all): {', '.join(B.SYSTEMS)}")
     ap.add_argument("--floor-threads", type=int, nargs="*", default=[1, 2], metavar="N",
                     help="torch thread counts of the decode-floor table (none: skip it)")
+    ap.add_argument("--packed-linear", action="store_true",
+                    help="kvlab's engines use oneDNN's prepacked GEMM (EngineConfig.packed_linear; CPU float32)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "bench.json"))
     args = ap.parse_args(argv)
+    if args.packed_linear:
+        B.ENGINE_OPTIONS["packed_linear"] = True
 
     device = resolve_device(args.device)
     if args.smoke:
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     "platform": platform.platform(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "repeats": args.repeats,
+        "engine_options": dict(B.ENGINE_OPTIONS),
         "systems": json.loads(table.to_json(orient="records")),
         "ratios": json.loads(ratio_table.to_json(orient="records")),
         "kv_ideal_bytes": ideal,
@@ -205,7 +210,7 @@ def _decode_engine(model, wl, caching: bool, new_tokens: int, block_size: int = 
     """An engine with every prompt of ``wl`` prefilled (one step) and one decode step run: ready to time decodes."""
     num_blocks = sum(cdiv(len(p) + new_tokens + 2, block_size) for p in wl.prompts) + 4
     engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
-                    max_num_seqs=len(wl), max_num_batched_tokens=max(2048, wl.prompt_tokens))
+                    max_num_seqs=len(wl), max_num_batched_tokens=max(2048, wl.prompt_tokens), **B.ENGINE_OPTIONS)
     for p in wl.prompts:
         engine.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     engine.step()  # every prompt in one step

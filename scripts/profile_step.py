@@ -36,7 +36,7 @@ def make_engine(model, wl, caching: bool, steps: int, block_size: int = 16) -> E
     """The engine ``kvlab_steps`` builds, with every prompt queued."""
     num_blocks = sum(cdiv(len(p) + steps + 4, block_size) for p in wl.prompts) + 4
     engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
-                    max_num_seqs=len(wl), max_num_batched_tokens=max(2048, wl.prompt_tokens))
+                    max_num_seqs=len(wl), max_num_batched_tokens=max(2048, wl.prompt_tokens), **B.ENGINE_OPTIONS)
     for p in wl.prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
     return engine
@@ -80,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--caching", action="store_true", help="prefix caching on: the shared prefill, and decodes over the shared prefix")
     ap.add_argument("--steps", type=int, default=6, help="decode steps timed unprofiled (median)")
+    ap.add_argument("--packed-linear", action="store_true", help="oneDNN's prepacked GEMM (EngineConfig.packed_linear)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench"), help="folder of profile_{decode,prefill}.txt")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.packed_linear:
+        B.ENGINE_OPTIONS["packed_linear"] = True
     model, _ = load_model(args.model, device="cpu", dtype="float32")
     model.generation_config.eos_token_id = None
     wl = sys512(model.config.vocab_size)

@@ -52,12 +52,17 @@ def _result(system: str, mode: str, ttfts: Sequence[float], wall: float, outputs
 
 # ----------------------------------------------------------------------------- the systems
 
+# extra EngineConfig fields of every kvlab engine the benchmark builds (scripts/bench.py --packed-linear)
+ENGINE_OPTIONS: dict[str, Any] = {}
+
+
 def run_kvlab(model: Any, workload: Workload, caching: bool, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Any]:
     """kvlab's engine: all requests at once, prefix caching on (shared) or off (isolated)."""
     n = workload.max_tokens
     num_blocks = sum(cdiv(len(p) + n, block_size) for p in workload.prompts) + 4
     engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
-                    max_num_seqs=max(len(workload), 1), max_num_batched_tokens=max(2048, workload.prompt_tokens))
+                    max_num_seqs=max(len(workload), 1), max_num_batched_tokens=max(2048, workload.prompt_tokens),
+                    **ENGINE_OPTIONS)
     device, _ = model_device_dtype(model)
     t0 = time.perf_counter()
     outs = engine.generate(workload.prompts, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -406,13 +411,23 @@ def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> 
 @torch.no_grad()
 def linear_peak_flops(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
                       tokens: int = 2048, repeats: int = 3) -> float:
-    """FLOP/s of ``torch.nn.functional.linear`` on the model's own large shapes (the best of a few): the machine's peak here."""
+    """The machine's GEMM peak here: the best FLOP/s on the model's own large shapes of ``F.linear`` and,
+    where it runs, oneDNN's prepacked GEMM (``kvlab.engine.packed_linear``) -- the floor is the fastest
+    GEMM available, not only the one the eager path uses."""
+    from kvlab.engine.packed_linear import packed_linear_available
+
+    packed = packed_linear_available(device, dtype) is None
     best = 0.0
     for n_in, n_out in ((hidden, intermediate), (intermediate, hidden), (hidden, hidden)):
         x = torch.randn(tokens, n_in, device=device, dtype=dtype)
         w = torch.randn(n_out, n_in, device=device, dtype=dtype)
         s = _best_seconds(lambda x=x, w=w: torch.nn.functional.linear(x, w), device, repeats)
         best = max(best, 2 * tokens * n_in * n_out / s)
+        if packed:
+            wp = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            s = _best_seconds(
+                lambda x=x, wp=wp: torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], ""), device, repeats)
+            best = max(best, 2 * tokens * n_in * n_out / s)
     return best
 
 
@@ -472,7 +487,8 @@ def kvlab_steps(model: Any, workload: Workload, caching: bool, steps: int = 8, b
     device, _ = model_device_dtype(model)
     num_blocks = sum(cdiv(len(p) + steps + 2, block_size) for p in workload.prompts) + 4
     engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
-                    max_num_seqs=len(workload), max_num_batched_tokens=max(2048, workload.prompt_tokens))
+                    max_num_seqs=len(workload), max_num_batched_tokens=max(2048, workload.prompt_tokens),
+                    **ENGINE_OPTIONS)
     for p in workload.prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
     t0 = time.perf_counter()

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="run each prompt's prefill whole instead of in chunks of the step's token budget "
                         "(--max-num-batched-tokens); chunked is the default, as in vLLM V1")
+    p.add_argument("--no-packed-linear", action="store_true",
+                   help="keep F.linear for the linear layers; by default a float32 model on a CPU runs them on "
+                        "oneDNN's prepacked GEMM (EngineConfig.packed_linear: the same greedy tokens, faster)")
     p.add_argument("--max-waiting", type=int, default=128, help="queued requests beyond the batch before 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-prompt-bytes", type=int, default=None,
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from ..engine.engine import Engine
-    from ..engine.models import load_model
+    from ..engine.models import load_model, model_device_dtype
+    from ..engine.packed_linear import packed_linear_available
     from ..engine.tenants import check_secret
     from .app import ServeConfig, create_app
     from .tenancy import load_api_keys
@@ -94,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret,
-                    enable_chunked_prefill=False if args.no_chunked_prefill else None)
+                    enable_chunked_prefill=False if args.no_chunked_prefill else None,
+                    packed_linear=not args.no_packed_linear
+                    and packed_linear_available(*model_device_dtype(model)) is None)
     for text in args.public_prefix:
         engine.add_public_prefix(text)
     name = args.served_model_name or (BUNDLED_NAME if args.model is None else str(args.model))
