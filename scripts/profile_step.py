@@ -8,7 +8,7 @@ It builds the engine ``kvlab.bench.peers.kvlab_steps`` builds (16 requests of a 
 decode step (16 sequences) and, on a fresh engine, the prefill step. For each it prints the top ops by self
 CPU time, the share of the step's wall time spent outside ATen ops (Python and dispatch overhead) and,
 beside them, the weight-bytes bound of a decode step (bytes of weights it reads / half the measured copy
-bandwidth) and the peak FLOP/s of ``F.linear`` on the model's shapes (``kvlab.bench.peers``). The
+bandwidth) and the peak FLOP/s of the best GEMM (``F.linear`` or oneDNN's prepacked) on the model's shapes (``kvlab.bench.peers``). The
 tables go to ``build/bench/profile_{decode,prefill}.txt``.
 """
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     head_lines = [f"{args.model}: {cfg.num_hidden_layers} layers, float32, CPU, {torch.get_num_threads()} threads; "
                   f"{wl.name}: {len(wl)} x ({wl.shared_prefix_tokens} + {len(wl.prompts[0]) - wl.shared_prefix_tokens})",
                   f"load average {loadavg()} (at the start)",
-                  f"F.linear peak {peak / 1e9:.1f} GFLOP/s; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+                  f"GEMM peak {peak / 1e9:.1f} GFLOP/s; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
                   f"weight-bytes bound of a decode step {1e3 * bound:.1f} ms ({(body + head) * 4 / 2**20:.0f} MiB)"]
     print("\n".join(head_lines), flush=True)
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         pre = [f"prefill step ({'shared' if args.caching else 'isolated'}, {wl.prompt_tokens - sum(cached)} of "
                f"{wl.prompt_tokens} tokens computed): {1e3 * wall:.0f} ms profiled; unprofiled {1e3 * pre_s:.0f} ms "
                f"wall, {1e3 * pre_cpu:.0f} ms CPU; {flops / pre_s / 1e9:.1f} GFLOP/s = {flops / pre_s / peak:.2f} of "
-               f"the F.linear peak; outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"]
+               f"the GEMM peak; outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"]
         print(pre[0], flush=True)
         (out / "profile_prefill.txt").write_text("\n".join(head_lines + pre) + "\n\n" + table + "\n")
 

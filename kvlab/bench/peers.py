@@ -509,7 +509,7 @@ def engine_speed(model: Any, workload: Workload, repeats: int = 3, steps: int = 
     """kvlab's prefill and decode against the machine's peaks and against HF's own decode step, in one run.
 
     - prefill efficiency: model FLOPs of the isolated prefill / its time, over the peak FLOP/s of
-      ``F.linear`` on the model's shapes measured now on the same threads;
+      the best GEMM (``linear_peak_flops``) on the model's shapes measured now on the same threads;
     - decode step: kvlab's median step over 16 running sequences vs transformers' static-batch step on the
       same prompts, and vs the weight-bytes bound (bytes of weights a step must read / copy bandwidth).
     Repetitions are interleaved; medians kept.
