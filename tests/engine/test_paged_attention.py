@@ -290,7 +290,7 @@ def test_attention_keywords_outside_the_allow_list_are_refused(kwargs, feature):
 
 
 def test_allowed_keywords_and_unknown_keywords_left_off_change_nothing():
-    from kvlab.engine.paged_attention import IMPLEMENTED_KWARGS
+    from kvlab.engine.admission import IMPLEMENTED_KWARGS
 
     want = _one_token_call()
     same = _one_token_call(position_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False, output_attentions=False,
@@ -324,14 +324,14 @@ def test_non_causal_modules_and_mismatched_kv_shapes_are_refused():
     ({"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}, {0: 6, 1: 6}, "window"),
 ])
 def test_config_features_outside_the_allow_list_are_refused(config, windows, feature):
-    from kvlab.engine.paged_attention import check_config
+    from kvlab.engine.admission import check_config
 
     with pytest.raises(NotImplementedError, match=feature):
         check_config(SimpleNamespace(**config), windows)
 
 
 def test_config_features_it_implements_pass():
-    from kvlab.engine.paged_attention import check_config
+    from kvlab.engine.admission import check_config
 
     gemma3 = SimpleNamespace(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
     check_config(gemma3, {0: 6, 1: None})
