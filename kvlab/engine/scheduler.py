@@ -34,11 +34,6 @@ class SchedulerOutput:
     cow_pairs: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens computed in this step."""
-        return sum(it.end - it.start for it in self.items)
-
 
 class Scheduler(ForkingScheduler):
     """Waiting and running queues; one ``schedule()`` per engine step.

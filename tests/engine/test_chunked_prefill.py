@@ -44,7 +44,7 @@ class Shadow:
 def _step(sched, shadow=None, token=7):
     """Schedule; every item that ends its sequence's tokens samples ``token`` (a chunk samples nothing)."""
     out = sched.schedule()
-    assert out.num_tokens <= sched.max_num_batched_tokens
+    assert sum(it.end - it.start for it in out.items) <= sched.max_num_batched_tokens
     if shadow is not None:
         shadow.step(out)
     for it in out.items:
