@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
 from ..cache.interface import CacheManager
+from .extras import SchedulerExtras
 from .fork import ForkingScheduler
-from .invariants import check_scheduler
 from .sequence import Request, RequestStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -35,7 +35,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
 
-class Scheduler(ForkingScheduler):
+class Scheduler(ForkingScheduler, SchedulerExtras):
     """Waiting and running queues; one ``schedule()`` per engine step.
 
     ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the step's token
@@ -74,10 +74,6 @@ class Scheduler(ForkingScheduler):
         self.num_preemptions = 0
         # what the latest schedule() picked (a replica reports it)
         self.last_output: SchedulerOutput | None = None
-
-    def has_unfinished(self) -> bool:
-        """Whether any sequence is waiting or running."""
-        return bool(self.waiting or self.running)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``ValueError`` if a request could not run even alone in an empty pool."""
@@ -186,7 +182,3 @@ class Scheduler(ForkingScheduler):
             self.waiting.remove(seq)
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
-
-    def check_invariants(self) -> None:
-        """Raise unless the block manager and the queues agree (``kvlab.engine.invariants.check_scheduler``)."""
-        check_scheduler(self)
