@@ -147,8 +147,12 @@ class BlockPool(PoolExtras):
 
     def hit(self, block: Block, owner: Hashable = None) -> None:
         """Reference a cached block found by ``lookup``; a free one leaves the free list."""
-        # no re-check that it is this pool's and cached: ``lookup`` found it (``BlockManager.allocate`` hits only
-        # the blocks of its own plan, re-planned if the pool changed since)
+        if block is not self.blocks[block.block_id % self.num_blocks]:
+            raise ValueError(f"{block!r} is not a block of this pool")
+        if block.block_hash is None:
+            raise ValueError(
+                f"block {block.block_id} is not cached; only a cached block can be hit"
+            )
         if block.ref_count == 0:
             del self.free[block.block_id]
         block.ref_count += 1

@@ -159,8 +159,7 @@ class Scheduler(ForkingScheduler, SchedulerExtras):
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
-        if seq.status is not RequestStatus.RUNNING:
-            raise ValueError("only a running sequence can be requeued")
+        # both callers requeue a sequence this step scheduled: a running one
         self.finish(seq, None, uncache_from)
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
