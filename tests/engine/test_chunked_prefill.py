@@ -91,7 +91,7 @@ def test_chunk_boundaries_and_no_token_until_the_last_chunk():
     out = _step(sched)
     assert spans == [(0, 6, True), (6, 12, True), (12, 17, True)]
     assert [(it.start, it.end, it.is_prefill) for it in out.items] == [(17, 18, False)]
-    assert s.output_ids == [7, 7] and s.is_finished
+    assert s.output_ids == [7, 7] and s.status is RequestStatus.FINISHED
 
 
 def test_off_runs_a_long_prompt_alone():
