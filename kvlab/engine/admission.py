@@ -11,18 +11,18 @@ is that allow-list in one place, checked once, when a ``ModelRunner`` is built (
 - its config asks nothing beyond causal SDPA with a scale and an optional window (``check_config``).
 
 The paged attention checks its keywords at every call against the same lists (``IMPLEMENTED_KWARGS``,
-``METADATA_KWARGS``, ``_FEATURES``; ``paged_attention_forward``). Nothing here runs on a step.
+``METADATA_KWARGS``, ``_FEATURES``; ``paged_attention_forward``). Nothing here runs on a step. This module
+imports no other kvlab module (``paged_attention`` imports its lists): the runner hands ``admit`` the
+``paged_attention`` module to probe with.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .runner import ModelRunner
 
 __all__ = [
     "ATTENTION_LAYER_TYPES",
@@ -86,14 +86,13 @@ def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
             )
 
 
-def admit(runner: ModelRunner) -> bool:
+def admit(runner: Any, pa: ModuleType) -> bool:
     """Switch ``runner``'s model to the paged attention and probe it; refuse a model it does not fully serve.
 
-    Sets ``runner.own_attention`` and ``runner.attention`` (``register``) and returns whether the head seam
+    ``runner`` is the ``ModelRunner`` being built, ``pa`` the ``kvlab.engine.paged_attention`` module. Sets
+    ``runner.own_attention`` and ``runner.attention`` (``pa.register``) and returns whether the head seam
     holds (``_probe``). A refused model gets its own attention back.
     """
-    from .paged_attention import register
-
     model = runner.model
     name = getattr(model.config, "model_type", None) or type(model).__name__
 
@@ -105,7 +104,7 @@ def admit(runner: ModelRunner) -> bool:
             "its config has no int vocab_size (a multimodal wrapper? load its language model alone)"
         )
     # once; switched by attach() / detach()
-    runner.own_attention, runner.attention = register(model)
+    runner.own_attention, runner.attention = pa.register(model)
     try:
         if not runner.attach():
             refuse(
@@ -113,7 +112,7 @@ def admit(runner: ModelRunner) -> bool:
                 "cannot switch it), so the paged attention would never run and its K/V never reach "
                 "the paged store"
             )
-        return _probe(runner, refuse)
+        return _probe(runner, pa, refuse)
     except BaseException:
         # also the sub-configs a refused switch changed
         model.set_attn_implementation(runner.own_attention)
@@ -121,19 +120,16 @@ def admit(runner: ModelRunner) -> bool:
 
 
 @torch.no_grad()
-def _probe(runner: ModelRunner, refuse: Any) -> bool:
+def _probe(runner: Any, pa: ModuleType, refuse: Any) -> bool:
     """Run token 0 at position 0 through the model; check what it ran; return whether the head seam holds."""
-    from .paged_attention import MissingBatchError, build_batch, paged_step
-    from .runner import describe
-
     model, store = runner.model, runner.store
     zero = torch.zeros((1, 1), dtype=torch.long, device=runner.device)
     run = dict(input_ids=zero, position_ids=zero, use_cache=False)
-    batch = build_batch(store, [(0, 1, [0])])
+    batch = pa.build_batch(store, [(0, 1, [0])])
     try:
-        with paged_step():
+        with pa.paged_step():
             want = model(**run, kvlab_batch=batch, logits_to_keep=zero[0]).logits[0]
-    except MissingBatchError:
+    except pa.MissingBatchError:
         refuse(
             "its layers do not pass the forward keyword kvlab_batch down to the attention function"
         )
@@ -145,7 +141,7 @@ def _probe(runner: ModelRunner, refuse: Any) -> bool:
     # broad on purpose: whatever the model's own forward raises under the paged attention (a shape it does
     # not expect, a keyword it rejects, ...) means kvlab cannot serve it, said by name (NotImplementedError)
     except Exception as e:  # noqa: BLE001
-        refuse(f"its forward failed under the paged attention ({describe(e)})")
+        refuse(f"its forward failed under the paged attention ({type(e).__name__}: {e})")
     finally:
         store.clear_blocks([0])
     layers = list(range(store.num_layers))
@@ -167,8 +163,8 @@ def _probe(runner: ModelRunner, refuse: Any) -> bool:
         refuse(str(e))
     # the head seam: the decoder's last hidden state through lm_head() gives exactly the model's logits?
     try:
-        with paged_step():
-            again = build_batch(store, [(0, 1, [0])])
+        with pa.paged_step():
+            again = pa.build_batch(store, [(0, 1, [0])])
             # the last hidden state (1, hidden) -> (1, vocab)
             got = runner.lm_head(runner.decoder(**run, kvlab_batch=again)[0][0]).float()
         return runner.decoder is not model and torch.equal(got, want.float())

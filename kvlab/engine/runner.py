@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import paged_attention
 from .admission import admit
 from .hooks import checked_positions
 from .kv_store import PagedKVStore
@@ -47,7 +48,7 @@ class ModelRunner:
         # the probe checks the seam through the head module itself
         self.fast_head = False
         # sets own_attention and attention (switched by attach() / detach())
-        self.head_seam = admit(self)
+        self.head_seam = admit(self, paged_attention)
         self.fast_head = type(self.head) is torch.nn.Linear
         # given back until the engine has work
         self.detach()
