@@ -310,8 +310,7 @@ class BlockManager(SequenceTables, ManagerExtras):
         ``ValueError``, as a refusal changes nothing. ``preempted``: the sequence was preempted before (its
         lookup is counted apart, as vLLM does).
         """
-        if seq_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+        self._check_new(seq_id)
         if plan is not None and (not isinstance(plan, AllocationPlan) or plan.owner is not self):
             raise ValueError(
                 "this plan was not made by this manager's can_allocate (plans do not travel between "

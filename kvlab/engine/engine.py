@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache.interface import CacheManager
-from ..cache.kv_events import EventBatch
 from .config import EngineConfig
+from .extras import EngineExtras
 from .fork import fork_request
 from .hooks import KVEventLog, StepRecord, default_positions, observe
 from .intake import Checked, Intake, per_prompt
-from .invariants import check_engine
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype, model_fingerprint
 from .offload import HostOffload
@@ -62,14 +61,8 @@ class RequestOutput:
     # of num_cached_tokens: copied back from the host tier (evicted or fetched)
     num_restored_tokens: int = 0
 
-    @classmethod
-    def refused(cls, prompt: Any, error: Exception) -> RequestOutput:
-        """The output of a prompt refused before queueing (bad input): finished, ``finish_reason="error"``."""
-        clean = isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)
-        return cls(None, list(prompt) if clean else [], [], "", True, "error", 0, error=str(error))
 
-
-class Engine:
+class Engine(EngineExtras):
     """Paged K/V store + block manager + scheduler around one Hugging Face causal LM.
 
     ``add_request`` / ``abort`` / ``fork`` / ``step`` may come from several threads: each holds the engine's
@@ -142,10 +135,6 @@ class Engine:
             self.runner.packed = PackedLinears(model)
         vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
         self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
-
-    def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
-        """Call ``observer(record)`` once per step from now on, after the forward (a ``StepRecord``)."""
-        self.observers.append(observer)
 
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
@@ -278,17 +267,6 @@ class Engine:
             outputs, self._pending = self._pending, []
             return outputs + [self._output(s) for s in finished if s.seq_id not in self._held]
 
-    def take_kv_events(self) -> list[EventBatch]:
-        """The KV-event batches since the last call, oldest first (for a router: ``kvlab.cluster.router``)."""
-        with self._lock:
-            return [] if self.kv_events is None else self.kv_events.take()
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (refused, False, while a request holds blocks); emits ``AllBlocksCleared``."""
-        # the radix cache raises NotImplementedError
-        with self._lock:
-            return self.block_manager.reset_prefix_cache()
-
     def _finish(
         self, seq: Request, reason: str, now: float, uncache_from: int | None = None
     ) -> None:
@@ -345,8 +323,11 @@ class Engine:
                     with self._lock:
                         own[i] = self._queue(checked, None)
                         self._held.add(own[i].seq_id)
+                # refused before queueing (bad input): finished, finish_reason "error"
                 except (ValueError, TypeError) as e:
-                    refused[i] = RequestOutput.refused(prompt, e)
+                    ok = isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)
+                    ids = list(prompt) if ok else []
+                    refused[i] = RequestOutput(None, ids, [], "", True, "error", 0, error=str(e))
             while True:
                 with self._lock:
                     if all(seq.status is RequestStatus.FINISHED for seq in own.values()):
@@ -369,29 +350,3 @@ class Engine:
         """K/V bytes of the blocks referenced by live sequences now."""
         bm = self.block_manager
         return (bm.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
-
-    @property
-    def num_preemptions(self) -> int:
-        """Sequences preempted (and later recomputed) so far."""
-        return self.scheduler.num_preemptions
-
-    def stats(self) -> dict:
-        """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps, block-manager stats."""
-        with self._lock:
-            return {
-                **self.block_manager.stats(),
-                "kv_bytes_in_use": self.kv_bytes_in_use,
-                "peak_kv_bytes": self.peak_kv_bytes,
-                "kv_bytes_total": self.store.nbytes,
-                "num_preemptions": self.num_preemptions,
-                "num_steps": self.num_steps,
-                "num_mixed_steps": self.num_mixed_steps,
-                "num_waiting": len(self.scheduler.waiting),
-                "num_running": len(self.scheduler.running),
-                **(self.host_tier.stats() if self.host_tier is not None else {}),
-            }
-
-    def check_invariants(self) -> None:
-        """Raise unless the block manager, the queues and the request table agree (``Scheduler.check_invariants``)."""
-        with self._lock:
-            check_engine(self)

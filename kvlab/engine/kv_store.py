@@ -55,16 +55,11 @@ class PagedKVStore:
             block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
         )
 
-    def write(
-        self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> None:
-        """Store one layer's new K/V, two ``(T, kv_heads, head_dim)``: token i goes to slot ``slot_mapping[i]`` (T,)."""
-        self.write_heads(layer, slot_mapping, key.transpose(0, 1), value.transpose(0, 1))
-
     def write_heads(
         self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
-        """``write`` for head-major K/V, two ``(kv_heads, T, head_dim)`` (the layout the model computes them in)."""
+        """Store one layer's new K/V, two head-major ``(kv_heads, T, head_dim)`` (the layout the model computes them
+        in): token i goes to slot ``slot_mapping[i]`` (T,)."""
         # each layer as (kv_heads, blocks * block_size, D)
         flat, dtype = (self.kv_heads, -1, self.head_dim), self.k_pages.dtype
         self.k_pages[layer].view(flat).index_copy_(1, slot_mapping, key.to(dtype))
@@ -78,22 +73,6 @@ class PagedKVStore:
         blocks, out = (self.kv_heads, self.num_blocks, -1), (self.kv_heads, -1, self.head_dim)
         k = self.k_pages[layer].view(blocks).index_select(1, block_ids)
         return k.view(out), self.v_pages[layer].view(blocks).index_select(1, block_ids).view(out)
-
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read one layer's K/V through block tables: ``(B, max_blocks)`` -> two ``(B, max_blocks * block_size, kv_heads, head_dim)``."""
-        b, m = block_tables.shape
-        return tuple(
-            t.view(self.kv_heads, b, m * self.block_size, self.head_dim).permute(1, 2, 0, 3)
-            # t: (kv_heads, B * Kmax, D)
-            for t in self.gather_heads(layer, block_tables.reshape(-1))
-        )
-
-    def read(
-        self, layer: int, block_table: Sequence[int], length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's first ``length`` K/V entries of one layer: two ``(length, kv_heads, head_dim)``."""
-        table = torch.as_tensor(list(block_table), dtype=torch.long, device=self.device)[None]
-        return tuple(t[0, :length] for t in self.gather(layer, table))
 
     def clear_blocks(self, block_ids: Sequence[int]) -> None:
         """Zero whole blocks in every layer (K/V a failed step wrote, possibly NaN, must not be read back)."""

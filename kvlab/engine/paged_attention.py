@@ -1,5 +1,5 @@
 """Paged attention for any HF decoder via transformers' ``AttentionInterface``: per layer, write the step's new K/V,
-then attend each sequence's K/V through its block table. An allow-list: anything else is refused (docs/engine.md)."""
+then attend each sequence's K/V through its block table. An allow-list: anything else is refused (admission.py)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.block_manager import cdiv
+from .admission import _FEATURES, METADATA_KWARGS, _refuse
 from .kv_store import PagedKVStore
 
 __all__ = [
     "ATTN_NAME",
-    "IMPLEMENTED_KWARGS",
-    "METADATA_KWARGS",
     "AttnGroup",
     "MissingBatchError",
     "PagedBatch",
     "build_batch",
-    "check_config",
     "group_by_query_length",
     "paged_attention_forward",
     "paged_step",
@@ -190,59 +188,6 @@ def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> l
             groups.append([i])
             real = n
     return groups
-
-
-# the allow-list
-IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
-# transformers' bookkeeping keywords that carry no attention semantics (positions come from ``kvlab_batch``):
-METADATA_KWARGS = frozenset(
-    "position_ids cache_position use_cache output_attentions output_hidden_states "
-    "output_router_logits return_dict logits_to_keep".split()
-)
-# the config.layer_types it implements
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-# What a refusal calls some keywords (any other one is named as the keyword itself):
-_FEATURES = {
-    "s_aux": "per-head attention sink logits (s_aux)",
-    "softcap": "attention logit soft-capping (softcap)",
-    "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
-    "encoder_hidden_states": "cross-attention (encoder_hidden_states)",
-}
-
-
-def _refuse(feature: str) -> None:
-    raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
-
-
-def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
-    """Raise ``NotImplementedError`` naming a config feature beyond causal (+window) SDPA (windows: a probe's)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    types = getattr(cfg, "layer_types", None)
-    if types is not None and set(types) - ATTENTION_LAYER_TYPES:
-        _refuse(
-            f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} (only {sorted(ATTENTION_LAYER_TYPES)})"
-        )
-    if getattr(cfg, "attention_chunk_size", None) is not None:
-        _refuse(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
-    if getattr(cfg, "use_bidirectional_attention", None):
-        _refuse(
-            f"bidirectional attention (use_bidirectional_attention={cfg.use_bidirectional_attention!r})"
-        )
-    # the window the config asks of each layer (None: full causal)
-    window = getattr(cfg, "sliding_window", None)
-    if types is not None:
-        want = [window if t == "sliding_attention" else None for t in types]
-    else:
-        want = [None if getattr(cfg, "use_sliding_window", True) is False else window] * len(
-            windows_run
-        )
-    # a window the model applies only in its own mask would be lost
-    for layer, got in sorted(windows_run.items()):
-        if layer < len(want) and want[layer] != got:
-            raise NotImplementedError(
-                f"layer {layer}'s sliding window is {want[layer]} in the config but its attention call was given "
-                f"{got}: the model applies the window in its own mask, which kvlab's paged attention does not build"
-            )
 
 
 # K/V gathered per attention call: small enough to stay in a core's cache (issue 31)

@@ -10,15 +10,16 @@ paged attention by ``attach`` (``set_attn_implementation``, when a step has work
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
+from . import paged_attention
+from .admission import admit
 from .hooks import checked_positions
 from .kv_store import PagedKVStore
 from .packed_linear import PackedLinears
-from .paged_attention import MissingBatchError, build_batch, check_config, paged_step, register
+from .paged_attention import build_batch, paged_step
 from .sampling import sample_next
 from .scheduler import ScheduledSeq
 
@@ -36,39 +37,22 @@ class ModelRunner:
     def __init__(self, model: Any, store: PagedKVStore) -> None:
         """Attach the paged attention and probe one token through it; refuse a model it does not fully serve.
 
-        An allow-list: transformers can switch its attention, its forward takes ``position_ids``, its config has
-        an int ``vocab_size``, the paged attention runs once per layer and is asked for nothing beyond causal SDPA
-        with a scale and an optional window (``paged_attention_forward``, ``check_config``). A refused model gets
-        its own attention back.
+        The allow-list and the probe are ``admission.admit``: transformers can switch its attention, its forward
+        takes ``position_ids``, its config has an int ``vocab_size``, the paged attention runs once per layer and
+        is asked for nothing beyond causal SDPA with a scale and an optional window. A refused model gets its own
+        attention back.
         """
-        self.model, self.store = model, store
-        self.device = store.device
+        self.model, self.store, self.device = model, store, store.device
         # oneDNN's prepacked linear layers (EngineConfig.packed_linear), set by the engine after the probe
         self.packed: PackedLinears | None = None
-        self.name = getattr(model.config, "model_type", None) or type(model).__name__
-        if not isinstance(getattr(model.config, "vocab_size", None), int):
-            self._refuse(
-                "its config has no int vocab_size (a multimodal wrapper? load its language model alone)"
-            )
-        # once; switched by attach() / detach()
-        self.own_attention, self.attention = register(model)
-        try:
-            if not self.attach():
-                self._refuse(
-                    "its attention does not go through transformers' AttentionInterface (transformers "
-                    "cannot switch it), so the paged attention would never run and its K/V never reach "
-                    "the paged store"
-                )
-            self.head, self.decoder = model.get_output_embeddings(), model.base_model
-            self.fast_head = False
-            cfg = model.config
-            self.text_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-            self.head_seam = self._probe()
-            self.fast_head = type(self.head) is torch.nn.Linear
-        except BaseException:
-            # also the sub-configs a refused switch changed
-            model.set_attn_implementation(self.own_attention)
-            raise
+        self.head, self.decoder = model.get_output_embeddings(), model.base_model
+        cfg = model.config
+        self.text_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        # the probe checks the seam through the head module itself
+        self.fast_head = False
+        # sets own_attention and attention (switched by attach() / detach())
+        self.head_seam = admit(self, paged_attention)
+        self.fast_head = type(self.head) is torch.nn.Linear
         # given back until the engine has work
         self.detach()
 
@@ -87,69 +71,6 @@ class ModelRunner:
             self.model.set_attn_implementation(self.own_attention)
         if self.packed is not None:
             self.packed.detach()
-
-    def _refuse(self, why: str) -> None:
-        raise NotImplementedError(f"kvlab's paged attention cannot run {self.name!r}: {why}")
-
-    @torch.no_grad()
-    def _probe(self) -> bool:
-        """Run token 0 at position 0 through the model; check what it ran; return whether the head seam holds."""
-        zero = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        run = dict(input_ids=zero, position_ids=zero, use_cache=False)
-        batch = build_batch(self.store, [(0, 1, [0])])
-        try:
-            with paged_step():
-                want = self.model(**run, kvlab_batch=batch, logits_to_keep=zero[0]).logits[0]
-        except MissingBatchError:
-            self._refuse(
-                "its layers do not pass the forward keyword kvlab_batch down to the attention function"
-            )
-        except NotImplementedError as e:
-            self._refuse(str(e))
-        except torch.OutOfMemoryError:
-            # a full device says nothing about the model: not a refusal
-            raise
-        # broad on purpose: whatever the model's own forward raises under the paged attention (a shape it does
-        # not expect, a keyword it rejects, ...) means kvlab cannot serve it, said by name (NotImplementedError)
-        except Exception as e:  # noqa: BLE001
-            self._refuse(f"its forward failed under the paged attention ({describe(e)})")
-        finally:
-            self.store.clear_blocks([0])
-        layers = list(range(self.store.num_layers))
-        if sorted(batch.layers_run) != layers:
-            self._refuse(
-                f"it never ran for layers {sorted(set(layers) - set(batch.layers_run))} of {len(layers)} "
-                f"(calls: {batch.layers_run}); the model's attention does not go through transformers' "
-                "AttentionInterface (e.g. ALiBi or custom attention code), so its K/V would never reach the "
-                "paged store and the outputs would be wrong"
-            )
-        if "position_ids" not in inspect.signature(self.model.forward).parameters:
-            self._refuse(
-                "its forward takes no position_ids, so the tokens of a packed step would get positions from "
-                "their place in the step instead of their place in the sequence"
-            )
-        try:
-            check_config(self.model.config, dict(zip(batch.layers_run, batch.windows_run)))
-        except NotImplementedError as e:
-            self._refuse(str(e))
-        # the head seam: the decoder's last hidden state through lm_head() gives exactly the model's logits?
-        try:
-            with paged_step():
-                again = build_batch(self.store, [(0, 1, [0])])
-                # the last hidden state (1, hidden) -> (1, vocab)
-                got = self.lm_head(self.decoder(**run, kvlab_batch=again)[0][0]).float()
-            return self.decoder is not self.model and torch.equal(got, want.float())
-        except torch.OutOfMemoryError:
-            # a RuntimeError, but no answer about the seam
-            raise
-        # The decoder's output does not go through the head as the model's own forward does: no seam, every step
-        # runs the model's whole forward (its output is no tensor of hidden states, or the head does not take it:
-        # torch's shape and dtype errors are RuntimeErrors, e.g. mllama's decoder output vs its head). Anything
-        # else (an AssertionError, a NameError in kvlab) is a bug and propagates instead of quietly costing speed.
-        except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError):
-            return False
-        finally:
-            self.store.clear_blocks([0])
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head seam: ``(N, hidden)`` final hidden states -> ``(N, vocab)`` logits, post-processed as the model does.

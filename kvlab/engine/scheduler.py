@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
 from ..cache.interface import CacheManager
+from .extras import SchedulerExtras
 from .fork import ForkingScheduler
-from .invariants import check_scheduler
 from .sequence import Request, RequestStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -34,13 +34,8 @@ class SchedulerOutput:
     cow_pairs: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens computed in this step."""
-        return sum(it.end - it.start for it in self.items)
 
-
-class Scheduler(ForkingScheduler):
+class Scheduler(ForkingScheduler, SchedulerExtras):
     """Waiting and running queues; one ``schedule()`` per engine step.
 
     ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the step's token
@@ -79,10 +74,6 @@ class Scheduler(ForkingScheduler):
         self.num_preemptions = 0
         # what the latest schedule() picked (a replica reports it)
         self.last_output: SchedulerOutput | None = None
-
-    def has_unfinished(self) -> bool:
-        """Whether any sequence is waiting or running."""
-        return bool(self.waiting or self.running)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``ValueError`` if a request could not run even alone in an empty pool."""
@@ -168,8 +159,7 @@ class Scheduler(ForkingScheduler):
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
-        if seq.status is not RequestStatus.RUNNING:
-            raise ValueError("only a running sequence can be requeued")
+        # both callers requeue a sequence this step scheduled: a running one
         self.finish(seq, None, uncache_from)
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
@@ -191,7 +181,3 @@ class Scheduler(ForkingScheduler):
             self.waiting.remove(seq)
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
-
-    def check_invariants(self) -> None:
-        """Raise unless the block manager and the queues agree (``kvlab.engine.invariants.check_scheduler``)."""
-        check_scheduler(self)

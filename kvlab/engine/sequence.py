@@ -70,8 +70,3 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        """Whether the request is done (finished or aborted)."""
-        return self.status is RequestStatus.FINISHED

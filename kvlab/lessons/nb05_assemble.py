@@ -65,7 +65,7 @@ def check_gather(fn: Callable[..., Any] | None) -> Verdict:
                "those are the store's first slots, not the sequence's: go through block_table"
                if torch.equal(got, pages[:end]) else hint)
         return verdict(False, hint=f"block table {table}, block size {bs}, length {end}: {why}")
-    return verdict(True, "the same K/V rows as kvlab's PagedKVStore.read on 4 block tables")
+    return verdict(True, "the same K/V rows as kvlab's PagedKVStore reads through 4 block tables")
 
 
 def check_capstone(results: Sequence[tuple[list[int], int]], reference: Sequence[Sequence[int]]) -> Verdict:

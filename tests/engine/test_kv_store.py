@@ -19,21 +19,13 @@ def test_write_by_slot_read_by_block_table():
     k = torch.randn(n, 2, 3)  # (T, kv_heads, head_dim)
     v = torch.randn(n, 2, 3)
     slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(n)])
-    store.write(1, slots, k, v)
-    rk, rv = store.read(1, table, n)
+    store.write_heads(1, slots, k.transpose(0, 1), v.transpose(0, 1))
+    rk, rv = store.k[1, table].reshape(-1, 2, 3)[:n], store.v[1, table].reshape(-1, 2, 3)[:n]
     assert torch.equal(rk, k) and torch.equal(rv, v)
+    rk, rv = store.gather_heads(1, torch.tensor(table))  # the read the attention does, head-major
+    assert torch.equal(rk[:, :n], k.transpose(0, 1)) and torch.equal(rv[:, :n], v.transpose(0, 1))
     assert torch.count_nonzero(store.k[0]) == 0  # other layer untouched
     assert torch.count_nonzero(store.k[1, [0, 2, 4]]) == 0  # blocks outside the table untouched
-
-
-def test_gather_pads_with_block_tables():
-    store = _store()
-    store.k[0, 2] = 1.0
-    store.k[0, 4] = 2.0
-    keys, values = store.gather(0, torch.tensor([[2, 4], [4, 0]]))
-    assert keys.shape == values.shape == (2, 8, 2, 3)  # (B, max_blocks * block_size, kv_heads, head_dim)
-    assert keys[0, :4].eq(1).all() and keys[0, 4:].eq(2).all()
-    assert keys[1, :4].eq(2).all() and keys[1, 4:].eq(0).all()
 
 
 def test_gather_heads_reads_blocks_head_major_and_contiguous():

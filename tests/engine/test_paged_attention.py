@@ -12,6 +12,16 @@ from kvlab.engine.paged_attention import build_batch, paged_attention_forward, p
 BS, KVH, H, D = 4, 2, 4, 8
 
 
+def _write(store, slots, k, v):
+    """Store layer 0's K/V, two (T, kv_heads, D), at ``slots``."""
+    store.write_heads(0, slots, k.transpose(0, 1), v.transpose(0, 1))
+
+
+def _read(store, table, n):
+    """Layer 0's first ``n`` K/V entries of one sequence, two (n, kv_heads, D), through its block table."""
+    return store.k[0, table].reshape(-1, KVH, D)[:n], store.v[0, table].reshape(-1, KVH, D)[:n]
+
+
 def _reference(q, k, v, positions, window=None):
     """Plain attention of queries at ``positions`` over keys 0..p (GQA by repeating KV heads)."""
     # q (n, H, D); k, v (ctx, KVH, D)
@@ -39,7 +49,7 @@ def test_packed_mixed_batch_matches_reference(window):
         k, v = torch.randn(ctx, KVH, D), torch.randn(ctx, KVH, D)
         q = torch.randn(new, H, D)
         slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)], dtype=torch.long)
-        store.write(0, slots, k[:cached], v[:cached])  # what earlier steps left in the store
+        _write(store, slots, k[:cached], v[:cached])  # what earlier steps left in the store
         seqs.append((cached, ctx, table))
         full.append((q, k, v))
         packed_q.append(q)
@@ -58,7 +68,7 @@ def test_packed_mixed_batch_matches_reference(window):
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
     # every new token's K/V is now in the store at its slot
     for (_, ctx, table), (_, k, v) in zip(seqs, full):
-        rk, rv = store.read(0, table, ctx)
+        rk, rv = _read(store, table, ctx)
         assert torch.equal(rk, k) and torch.equal(rv, v)
 
 
@@ -69,7 +79,7 @@ def _shared_prefix_step(spans, window=None, seed=3):
     free = torch.randperm(40).tolist()
     prefix = [free.pop(), free.pop()]  # 8 tokens every sequence holds in the same physical blocks
     pk, pv = torch.randn(2 * BS, KVH, D), torch.randn(2 * BS, KVH, D)
-    store.write(0, torch.tensor([prefix[p // BS] * BS + p % BS for p in range(2 * BS)]), pk, pv)
+    _write(store, torch.tensor([prefix[p // BS] * BS + p % BS for p in range(2 * BS)]), pk, pv)
     seqs, full, qs, ks, vs = [], [], [], [], []
     for cached, new in spans:
         ctx = cached + new
@@ -77,7 +87,7 @@ def _shared_prefix_step(spans, window=None, seed=3):
         k = torch.cat([pk, torch.randn(ctx - 2 * BS, KVH, D)])
         v = torch.cat([pv, torch.randn(ctx - 2 * BS, KVH, D)])
         own = range(2 * BS, cached)
-        store.write(0, torch.tensor([table[p // BS] * BS + p % BS for p in own], dtype=torch.long), k[own], v[own])
+        _write(store, torch.tensor([table[p // BS] * BS + p % BS for p in own], dtype=torch.long), k[own], v[own])
         q = torch.randn(new, H, D)
         seqs.append((cached, ctx, table))
         full.append((q, k, v))
@@ -102,7 +112,7 @@ def test_decodes_sharing_a_prefix_attend_the_union_of_their_blocks(window):
     for (cached, new), (q, k, v), got in zip(spans, full, out[0].split([n for _, n in spans])):
         torch.testing.assert_close(got, _reference(q, k, v, range(cached, cached + new), window), rtol=1e-5, atol=1e-5)
     for (_, ctx, table), (_, k, v) in zip(seqs, full):  # the new tokens were written where they belong
-        rk, rv = store.read(0, table, ctx)
+        rk, rv = _read(store, table, ctx)
         assert torch.equal(rk, k) and torch.equal(rv, v)
 
 
@@ -290,7 +300,7 @@ def test_attention_keywords_outside_the_allow_list_are_refused(kwargs, feature):
 
 
 def test_allowed_keywords_and_unknown_keywords_left_off_change_nothing():
-    from kvlab.engine.paged_attention import IMPLEMENTED_KWARGS
+    from kvlab.engine.admission import IMPLEMENTED_KWARGS
 
     want = _one_token_call()
     same = _one_token_call(position_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False, output_attentions=False,
@@ -324,14 +334,14 @@ def test_non_causal_modules_and_mismatched_kv_shapes_are_refused():
     ({"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}, {0: 6, 1: 6}, "window"),
 ])
 def test_config_features_outside_the_allow_list_are_refused(config, windows, feature):
-    from kvlab.engine.paged_attention import check_config
+    from kvlab.engine.admission import check_config
 
     with pytest.raises(NotImplementedError, match=feature):
         check_config(SimpleNamespace(**config), windows)
 
 
 def test_config_features_it_implements_pass():
-    from kvlab.engine.paged_attention import check_config
+    from kvlab.engine.admission import check_config
 
     gemma3 = SimpleNamespace(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
     check_config(gemma3, {0: 6, 1: None})

@@ -165,7 +165,7 @@ def test_finish_waiting_and_running():
     sched.schedule()
     sched.finish(b, "abort")  # still waiting (max_num_seqs=1)
     sched.finish(a, "abort")
-    assert not sched.has_unfinished() and not bm.seqs and b.is_finished
+    assert not sched.has_unfinished() and not bm.seqs and b.status is RequestStatus.FINISHED
 
 
 @settings(max_examples=30, deadline=None)
