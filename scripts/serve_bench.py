@@ -92,6 +92,8 @@ def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int
     import torch
 
     from kvlab.engine import Engine, SamplingParams, load_model
+    from kvlab.engine.models import model_device_dtype
+    from kvlab.engine.packed_linear import packed_linear_available
 
     torch.set_num_threads(threads)  # as many as the server's engine
     jobs = [{"model": model, "prompt": p, "max_tokens": 1, "temperature": 0, "stream": True, "_prompt": i,
@@ -99,7 +101,9 @@ def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int
     res, _ = asyncio.run(run_clients(base, jobs, 1, lambda j: None, time.monotonic() + 900))
     http = [r.ttft for r in res]
     lm, tok = load_model("smollm2")
-    engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64)
+    # the server's own setting: prepacked linear layers where they run (kvlab serve's default)
+    packed = packed_linear_available(*model_device_dtype(lm)) is None
+    engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64, packed_linear=packed)
     local = [engine.generate([p], SamplingParams(max_tokens=1))[0].ttft for p in prompts]
     ratios = [h / loc for h, loc in zip(http, local) if h and loc]
     return {"prompts": len(prompts), "ttft_http_p50_ms": round(1000 * statistics.median(http), 2),
