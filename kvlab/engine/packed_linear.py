@@ -9,18 +9,22 @@ packed copy of every weight beside the original) and the order of the float32 su
 (``EngineConfig.packed_linear``) and the notebooks keep the eager path; the tests check that greedy
 tokens under it are still HF's on every test architecture.
 
-Nothing of transformers' is replaced: while the engine is attached, each packed ``nn.Linear`` gets an
-instance ``forward`` that calls the packed GEMM, and ``detach`` deletes it, so the model is the caller's
-own again between busy periods. A weight changed in place since it was packed (its ``_version`` or its
-storage moved) is packed again at the next attach.
+Nothing of the model is replaced or patched: the runner runs each step's forward inside ``active()``, a
+``TorchFunctionMode`` (torch's own dispatch hook, scoped like ``paged_step()``) that sends every
+``F.linear`` whose weight is one of the model's packed ``nn.Linear`` weights to the packed GEMM and lets
+every other call through. Outside a step the model runs ``F.linear`` as before. A weight changed in
+place since it was packed (its ``_version`` or its storage moved) is packed again at its next call.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["PackedLinears", "packed_linear_available"]
 
@@ -36,49 +40,60 @@ def packed_linear_available(device: torch.device, dtype: torch.dtype) -> str | N
     return None
 
 
-def _packed_forward(
-    packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _key(w: torch.Tensor) -> tuple[int, int]:
-    return w.data_ptr(), w._version
-
-
 class PackedLinears:
-    """The model's float32 CPU ``nn.Linear`` layers (plain ones, no subclasses), packed once."""
+    """The model's float32 CPU ``nn.Linear`` weights (plain layers, no subclasses), each packed once."""
 
     def __init__(self, model: Any) -> None:
-        self.modules = [
-            m
+        # id -> the weight itself (the identity check keeps a reused id from matching)
+        self._weights = {
+            id(m.weight): m.weight
             for m in model.modules()
             if type(m) is torch.nn.Linear
             and m.weight.dtype == torch.float32
             and m.weight.device.type == "cpu"
-        ]
-        # module -> (weight key when packed, packed weight)
-        self._packed: dict[torch.nn.Module, tuple[tuple[int, int], torch.Tensor]] = {}
+        }
+        # id -> ((data_ptr, _version) when packed, packed weight)
+        self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
 
-    def weight(self, m: torch.nn.Linear) -> torch.Tensor:
-        """``m``'s packed weight, packed now if it is new or changed since."""
-        got = self._packed.get(m)
-        if got is None or got[0] != _key(m.weight):
-            got = _key(m.weight), torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
-            self._packed[m] = got
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """The weights it packs."""
+        return list(self._weights.values())
+
+    def packed(self, w: torch.Tensor) -> torch.Tensor | None:
+        """``w``'s packed copy (packed now if new or changed in place since), or None if ``w`` is not one."""
+        if self._weights.get(id(w)) is not w:
+            return None
+        key = (w.data_ptr(), w._version)
+        got = self._packed.get(id(w))
+        if got is None or got[0] != key:
+            got = key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self._packed[id(w)] = got
         return got[1]
 
-    @torch.no_grad()
-    def attach(self) -> None:
-        """Route every packed layer's ``forward`` through its packed weight."""
-        for m in self.modules:
-            m.forward = functools.partial(_packed_forward, self.weight(m), m.bias)
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within the block, ``F.linear`` on a packed weight runs the packed GEMM."""
+        with torch.no_grad(), _PackedMode(self):
+            yield
 
-    def detach(self) -> None:
-        """Give every layer its own ``forward`` back."""
-        for m in self.modules:
-            m.__dict__.pop("forward", None)
 
-    def linear(self, m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``m(x)`` on the packed weight (the runner's head seam calls it directly)."""
-        return _packed_forward(self.weight(m), m.bias, x)
+class _PackedMode(TorchFunctionMode):
+    def __init__(self, linears: PackedLinears) -> None:
+        super().__init__()
+        self.linears = linears
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w, *rest = args
+            packed = self.linears.packed(w)
+            if packed is not None:
+                return _packed_linear(x, packed, rest[0] if rest else kwargs.get("bias"))
+        return func(*args, **kwargs)

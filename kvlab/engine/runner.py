@@ -10,6 +10,7 @@ paged attention by ``attach`` (``set_attn_implementation``, when a step has work
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -61,16 +62,12 @@ class ModelRunner:
         if self.model.config._attn_implementation != self.attention:
             # a no-op where transformers cannot switch it
             self.model.set_attn_implementation(self.attention)
-            if self.packed is not None:
-                self.packed.attach()
         return self.model.config._attn_implementation == self.attention
 
     def detach(self) -> None:
         """Give the model back its own attention (HF's ``generate_batch`` and others check the name)."""
         if self.model.config._attn_implementation == self.attention:
             self.model.set_attn_implementation(self.own_attention)
-        if self.packed is not None:
-            self.packed.detach()
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head seam: ``(N, hidden)`` final hidden states -> ``(N, vocab)`` logits, post-processed as the model does.
@@ -78,9 +75,8 @@ class ModelRunner:
         ``W @ x.T`` for a plain ``nn.Linear`` (issue 15: 0.58x ``F.linear``'s time, 16 rows of Qwen2.5's head).
         """
         head = self.head
-        if self.fast_head and self.packed is not None:
-            logits = self.packed.linear(head, hidden)
-        elif self.fast_head:
+        # under packed_linear the head's own F.linear goes to the packed GEMM (PackedLinears.active)
+        if self.fast_head and self.packed is None:
             # (vocab, hidden) @ (hidden, N) -> (N, vocab)
             logits = (head.weight @ hidden.T).T
             logits = (logits if head.bias is None else logits + head.bias).contiguous()
@@ -127,7 +123,8 @@ class ModelRunner:
         # input_ids and position_ids (1, T)
         kwargs = dict(input_ids=torch.tensor([ids], device=dev), use_cache=False, kvlab_batch=batch)
         kwargs["position_ids"] = torch.tensor([pos], device=dev)
-        with paged_step():
+        packed = contextlib.nullcontext() if self.packed is None else self.packed.active()
+        with paged_step(), packed:
             if self.head_seam:
                 # hidden (1, T, H) -> (num_sampling, vocab)
                 logits = self.lm_head(self.decoder(**kwargs)[0][0, last])

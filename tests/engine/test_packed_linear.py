@@ -29,20 +29,22 @@ def test_a_packed_layer_computes_its_linear_with_bias_and_repacks_a_changed_weig
     x = torch.randn(5, 64)
 
     def eager():
-        return F.linear(
-            torch.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias
-        )
+        return F.linear(torch.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias)
 
     packed = PackedLinears(model)
-    assert packed.modules == [model[0], model[2]]
+    assert packed.weights == [model[0].weight, model[2].weight]
     with torch.no_grad():
-        packed.attach()
-        assert all("forward" in vars(m) for m in packed.modules)
-        torch.testing.assert_close(model(x), eager(), rtol=1e-5, atol=1e-5)
+        want = eager()
+        with packed.active():
+            got = model(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert packed.packed(model[0].weight) is not None and packed.packed(torch.randn(96, 64)) is None
         model[2].weight.mul_(2)  # in place: the packed copy is stale and must be made again
-        packed.attach()
-        torch.testing.assert_close(model(x), eager(), rtol=1e-5, atol=1e-5)
-    packed.detach()
+        want = eager()
+        with packed.active():
+            got = model(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # nothing of the model was replaced
     assert not any("forward" in vars(m) for m in model.modules())
 
 
