@@ -85,7 +85,8 @@ class LoggedTool(BaseModel):
     """One entry of a logged request's ``tools``: an object whose ``function``, if any, is an object."""
 
     model_config = ConfigDict(strict=True, extra="allow")
-    function: dict[str, Any] | None = None
+    # absent is fine; given, it must be an object
+    function: dict[str, Any] = Field(default_factory=dict)
 
 
 _MESSAGES = TypeAdapter(list[LoggedMessage])
@@ -111,15 +112,15 @@ def field_error(e: ValidationError, root: str) -> str:
     err = max(errors, key=lambda x: len(x["loc"]))
     where = _path((root, *err["loc"]))
     kind, value = err["type"], err.get("input")
-    if kind == "missing":
-        parent, _, name = where.rpartition(".")
-        return f"{parent} has no '{name}'"
     if kind == "literal_error" and where.endswith(".role"):
         return f"{where} {value!r} is not one of {sorted(LOG_ROLES)}"
     head, part, _ = where.partition(".content[")
     if part:
         index = where[len(head) + len(part) :].split("]")[0]
         return f"{head}.content[{index}] is not a text part ({{'type': 'text', 'text': str}})"
+    if kind == "missing":
+        parent, _, name = where.rpartition(".")
+        return f"{parent} has no '{name}'"
     if where.endswith(".content"):
         return f"{where} is {type(value).__name__}, not a string or a list of text parts"
     expected = {"model_type": "an object", "dict_type": "an object", "list_type": "a list"}.get(

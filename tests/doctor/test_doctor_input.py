@@ -66,6 +66,8 @@ def test_a_stray_carriage_return_does_not_shift_line_numbers(tmp_path):
     ('{"token_ids": [1, 2, 3], "user": {"id": 7}}', "'user' is dict"),  # the culprit search hashes users
     ('{"token_ids": [1, 2, 3], "session": [7]}', "'session' is list"),
     ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": "f"}]}', "tools[0].function is str"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": null}]}', "tools[0].function is NoneType"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', "messages[0].content[0] is not a text part"),
 ])
 def test_values_the_analysis_cannot_use_are_bad_lines(tmp_path, line, words):
     path = write(tmp_path / "log.jsonl", [GOOD, line])
