@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab.cache.block_manager import BlockManager  # noqa: E402
-from kvlab.cache.hashing import builtin_hash, hash_block  # noqa: E402
+from kvlab.cache.hash_tools import builtin_hash
+from kvlab.cache.hashing import hash_block  # noqa: E402
 from kvlab.lessons.traces import realistic_trace, replay  # noqa: E402
 
 

@@ -12,13 +12,8 @@ Copy this folder under any name and ``from mykv import BlockManager`` works with
 
 from .block_manager import NO_SCOPE, AllocationPlan, BlockManager, TenantScope, cdiv
 from .block_pool import Block, BlockPool, InvariantError, NoFreeBlocksError
-from .hashing import (
-    DEFAULT_BLOCK_SIZE,
-    hash_block,
-    hash_token_blocks,
-    prompt_block_hashes,
-    salted_block,
-)
+from .hash_tools import hash_token_blocks, salted_block
+from .hashing import DEFAULT_BLOCK_SIZE, hash_block, prompt_block_hashes
 from .interface import CacheManager, CacheSeq, check_cache, missing_members
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from .metrics import PrefixCacheMetrics

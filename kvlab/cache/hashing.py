@@ -4,7 +4,7 @@ A block's hash covers its parent's hash, its own token ids and some extra keys, 
 alike only if everything before them matched too. The first block's extra keys carry the model
 fingerprint and, when given, a tenant salt: different models or tenants never share a block.
 Under a *public-prefix* policy the salt enters later instead: in the first block that extends past the
-operator's public prefix (block ``salted_block(public_tokens, block_size)``), so the
+operator's public prefix (block ``public_tokens // block_size``), so the
 public blocks are shared by every tenant and, because hashes chain, nothing after them is.
 Only *full* blocks get a hash; a partial tail block is never shared through the cache.
 
@@ -16,6 +16,9 @@ hit but never serve wrong K/V (see ``block_pool.BlockPool.lookup``).
 References: vLLM ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``, ``NONE_HASH``,
 ``generate_block_hash_extra_keys``); nano-vllm ``nanovllm/engine/block_manager.py``
 (``compute_hash``).
+
+Helpers the block manager does not use (hashing a token list with given extra keys, Python's ``hash()``,
+a config fingerprint, the salted block's index) are in ``kvlab.cache.hash_tools``.
 """
 
 from __future__ import annotations
@@ -35,14 +38,6 @@ NONE_HASH: BlockHash = hashlib.sha256(b"kvlab-root").digest()
 DEFAULT_BLOCK_SIZE = 16
 
 
-def salted_block(public_tokens: int, block_size: int) -> int:
-    """The index of the block whose hash takes a tenant's salt: the first one not wholly inside the public prefix.
-
-    0 without a public prefix (vLLM's ``cache_salt`` on the first block); the blocks before it are shared.
-    """
-    return public_tokens // block_size
-
-
 def hash_block(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
 ) -> BlockHash:
@@ -52,18 +47,6 @@ def hash_block(
     if extra_keys:
         h.update(repr(extra_keys).encode())
     return h.digest()
-
-
-def builtin_hash(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
-) -> BlockHash:
-    """Python's ``hash()`` of a tuple, 8 bytes: fast, but collisions can be crafted (benchmarks only)."""
-    return hash((parent, tuple(token_ids), extra_keys)).to_bytes(8, "little", signed=True)
-
-
-def first_block_extra_keys(model_fingerprint: str = "", salt: str | None = None) -> ExtraKeys:
-    """Extra keys of a sequence's first block: the model fingerprint and the tenant salt, if any."""
-    return block_extra_keys(0, model_fingerprint, salt)
 
 
 def block_extra_keys(
@@ -94,27 +77,3 @@ def prompt_block_hashes(
         parent = hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size], keys)
         hashes.append(parent)
     return hashes
-
-
-def hash_token_blocks(
-    token_ids: Sequence[int],
-    block_size: int,
-    extra_keys: ExtraKeys = (),
-    hash_fn: HashFn = hash_block,
-    parent: BlockHash | None = None,
-) -> list[BlockHash]:
-    """Hashes of every full block of ``token_ids``; the partial tail gets none."""
-    hashes: list[BlockHash] = []
-    for i in range(len(token_ids) // block_size):
-        keys = extra_keys if i == 0 and parent is None else ()
-        parent = hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size], keys)
-        hashes.append(parent)
-    return hashes
-
-
-def config_fingerprint(name: str, **config: object) -> str:
-    """A short, stable fingerprint of a model's name and the config values that change its K/V (no weights).
-
-    Not ``kvlab.engine.models.model_fingerprint``, which hashes the weights and the tokenizer themselves.
-    """
-    return hashlib.sha256(repr((name, sorted(config.items()))).encode()).hexdigest()[:16]

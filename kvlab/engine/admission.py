@@ -10,9 +10,9 @@ is that allow-list in one place, checked once, when a ``ModelRunner`` is built (
 - its forward takes ``position_ids`` (a packed step gives each token its place in its sequence);
 - its config asks nothing beyond causal SDPA with a scale and an optional window (``check_config``).
 
-The paged attention checks its keywords at every call against the same lists (``IMPLEMENTED_KWARGS``,
-``METADATA_KWARGS``, ``_FEATURES``; ``paged_attention_forward``). Nothing here runs on a step. This module
-imports no other kvlab module (``paged_attention`` imports its lists): the runner hands ``admit`` the
+The paged attention runs ``check_call`` at every call, against the same lists (``IMPLEMENTED_KWARGS``,
+``METADATA_KWARGS``, ``_FEATURES``): the one part of this file that runs on a step. This module imports no
+other kvlab module (``paged_attention`` imports ``check_call``): the runner hands ``admit`` the
 ``paged_attention`` module to probe with.
 """
 
@@ -29,6 +29,7 @@ __all__ = [
     "IMPLEMENTED_KWARGS",
     "METADATA_KWARGS",
     "admit",
+    "check_call",
     "check_config",
 ]
 
@@ -53,6 +54,41 @@ _FEATURES = {
 def _refuse(feature: str) -> None:
     """Refuse an attention feature by name (a call's keyword or a config's)."""
     raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
+
+
+def check_call(
+    module: Any,
+    attention_mask: Any,
+    is_causal: bool | None,
+    dropout: float,
+    sliding_window: Any,
+    kwargs: dict[str, Any],
+) -> None:
+    """Raise ``NotImplementedError`` naming what one attention call asks beyond causal (+window) SDPA.
+
+    Run by ``paged_attention_forward`` at every call (a layer may ask what the probe's call did not)."""
+    if attention_mask is not None:
+        _refuse(
+            f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)"
+        )
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        _refuse("non-causal (bidirectional) attention")
+    if dropout:
+        _refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
+    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
+        _refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
+    if kwargs.get("output_attentions"):
+        _refuse("returning attention weights (output_attentions=True)")
+    for name, v in kwargs.items():
+        # an unknown keyword is accepted only when off (None)
+        if name not in METADATA_KWARGS and v is not None:
+            what = f"the attention keyword {name!r} (a {type(v).__name__}, not None)"
+            _refuse(_FEATURES.get(name, what))
+    if not isinstance(getattr(module, "layer_idx", None), int):
+        raise NotImplementedError(
+            f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
+            "paged attention stores K/V per layer"
+        )
 
 
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:

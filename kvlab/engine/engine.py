@@ -19,6 +19,7 @@ from .models import eos_ids, model_device_dtype, model_fingerprint
 from .offload import HostOffload
 from .packed_linear import PackedLinears, packed_linear_available
 from .radix_adapter import adopt_cache, make_cache_manager
+from .recovery import settle
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
@@ -93,7 +94,7 @@ class Engine(EngineExtras):
             overrides["cache"] = cache
         self.config = cfg = (config or EngineConfig()).replace(**overrides)
         self.model, self.tokenizer = model, tokenizer
-        self.debug, self.isolation = cfg.debug, cfg.isolation
+        self.isolation = cfg.isolation
         self.positions, self.observers = positions, list(observers)
         self.device, self.dtype = model_device_dtype(model)
         if cache is None or isinstance(cache, str):
@@ -223,24 +224,9 @@ class Engine(EngineExtras):
                 tokens, errors, untrusted = self.runner.compute(items, tables, positions)
                 if self.observers:
                     observe(self.observers, self.num_steps, items, tables, positions, tokens)
+                if errors or untrusted:
+                    finished = settle(self, items, errors, untrusted)
                 now = time.perf_counter()
-                # latest first: a block leaves the cache once nobody holds it
-                for i in reversed(range(len(items))):
-                    seq = items[i].seq
-                    # the K/V of [start, end) was never (reliably) written; a prompt in chunks: nor its
-                    # earlier chunks', which sampled nothing, so nothing checked them
-                    first = seq.prefill_start if items[i].is_prefill else items[i].start
-                    if i in errors:
-                        seq.error = errors[i]
-                        self._finish(seq, "error", now, first if i in untrusted else None)
-                        finished.append(seq)
-                    elif i in untrusted:
-                        # it read blocks a failed request never wrote: prefill it again later
-                        self.scheduler.requeue(seq, first)
-                        if not seq.output_ids:
-                            # counted at its next admission instead
-                            seq.num_cached_tokens = None
-                finished.reverse()
                 for item, token in zip(items, tokens):
                     seq, sp = item.seq, item.seq.sampling
                     if token is None:
@@ -260,7 +246,7 @@ class Engine(EngineExtras):
             # idle: the model is HF's own again (ModelRunner.detach)
             if not (self.scheduler.waiting or self.scheduler.running):
                 self.runner.detach()
-            if self.debug:
+            if self.config.debug:
                 self.check_invariants()
             if self.kv_events is not None:
                 self.kv_events.close_batch()

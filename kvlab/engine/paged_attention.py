@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.block_manager import cdiv
-from .admission import _FEATURES, METADATA_KWARGS, _refuse
+from .admission import check_call
 from .kv_store import PagedKVStore
 
 __all__ = [
@@ -32,8 +32,6 @@ __all__ = [
 
 ATTN_NAME = "kvlab_paged"
 _sdpa = F.scaled_dot_product_attention
-# SDPA's enable_gqa
-_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 @dataclass(slots=True)
@@ -220,28 +218,7 @@ def paged_attention_forward(
             f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
             "kvlab.engine.Engine, or inside `paged_step()` on a model switched to it)"
         )
-    if attention_mask is not None:
-        _refuse(
-            f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)"
-        )
-    if is_causal is False or getattr(module, "is_causal", True) is False:
-        _refuse("non-causal (bidirectional) attention")
-    if dropout:
-        _refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
-    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
-        _refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
-    if kwargs.get("output_attentions"):
-        _refuse("returning attention weights (output_attentions=True)")
-    for name, v in kwargs.items():
-        # an unknown keyword is accepted only when off (None)
-        if name not in METADATA_KWARGS and v is not None:
-            what = f"the attention keyword {name!r} (a {type(v).__name__}, not None)"
-            _refuse(_FEATURES.get(name, what))
-    if not isinstance(layer, int):
-        raise NotImplementedError(
-            f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
-            "paged attention stores K/V per layer"
-        )
+    check_call(module, attention_mask, is_causal, dropout, sliding_window, kwargs)
     batch.layers_run.append(layer)
     batch.windows_run.append(sliding_window)
     if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
@@ -278,11 +255,7 @@ def paged_attention_forward(
             v = value.reshape(b, q_len, kv_heads, d) if whole else value[g.query_index]
             # (B, heads or kv_heads, Qmax, D)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            # torch < 2.5: no enable_gqa
-            if group > 1 and not _SDPA_GQA:
-                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
-            o = _sdpa(q, k, v, is_causal=True, scale=scaling, **gqa)
+            o = _sdpa(q, k, v, is_causal=True, scale=scaling, enable_gqa=group > 1)
             # (B, Qmax, heads, D)
             o = o.transpose(1, 2)
         else:

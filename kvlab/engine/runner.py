@@ -21,15 +21,11 @@ from .hooks import checked_positions
 from .kv_store import PagedKVStore
 from .packed_linear import PackedLinears
 from .paged_attention import build_batch, paged_step
-from .sampling import sample_next
+from .recovery import describe, recover
+from .sampling import sample
 from .scheduler import ScheduledSeq
 
 __all__ = ["ModelRunner", "describe"]
-
-
-def describe(e: BaseException) -> str:
-    """``"TypeError: message"``: how a failed request's error reads."""
-    return f"{type(e).__name__}: {e}"
 
 
 class ModelRunner:
@@ -142,59 +138,28 @@ class ModelRunner:
         """One token per scheduled item that samples, without letting one request's failure reach the others.
 
         Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` None where item i got no token (a prompt chunk, or
-        an error), ``errors[i]`` why, ``untrusted`` the items whose K/V of this step must never be read (their
-        forward failed or gave NaN, or they read such K/V through a same-step prefix hit). When the packed
-        forward raises or gives NaN for some item (NaN spreads to the step's other rows: 0 * NaN is NaN), each
-        item runs alone, in order, to find the culprits; untrusted blocks are zeroed. ``tables[i]`` and
-        ``positions[i]`` are item i's block table and positions (``forward``). The model is switched to the
+        an error), ``errors[i]`` why, ``untrusted`` the items whose K/V of this step must never be read. When the
+        packed forward raises or gives NaN, ``kvlab.engine.recovery.recover`` finds the culprits. ``tables[i]``
+        and ``positions[i]`` are item i's block table and positions (``forward``). The model is switched to the
         paged attention first, once per busy period (``attach``).
         """
         if self.model.config._attn_implementation != self.attention:
             self.attach()
-        bs, tokens, errors = self.store.block_size, [None] * len(items), {}
-        # untrusted items, and the blocks whose K/V this step did not reliably write
-        untrusted, bad = set(), set()
         try:
             packed = self.forward(items, tables, positions)
-            # NaN for some item: find the culprits, each item alone
-            packed = None if any(packed[2]) and len(items) > 1 else packed
         # broad on purpose: one request's failure (any error of the model's forward) must not reach the others
         except Exception:  # noqa: BLE001
             packed = None
-        # the item's row of the packed logits (items that sample only)
-        row = -1
+        if packed is None or any(packed[2]):
+            return recover(self, items, tables, positions, packed if len(items) == 1 else None)
+        (logits, top, _), tokens, errors, row = packed, [None] * len(items), {}, -1
         for i, it in enumerate(items):
-            sample = it.end >= len(it.seq.prompt_ids) + len(it.seq.output_ids)
-            row += sample
-            if bad and any(b in bad for b in tables[i][: it.start // bs]):
-                untrusted.add(i)
-                bad.update(tables[i][it.start // bs :])
-                continue
-            try:
-                if packed is not None:
-                    (logits, top, nan), j = packed, row
-                else:
-                    alone = None if positions is None else [positions[i]]
-                    (logits, top, nan), j = self.forward([it], [tables[i]], alone), 0
-                if sample and nan[j]:
-                    raise FloatingPointError("the model's logits for this request are NaN")
-            # broad on purpose: whatever this request's forward raises becomes its error, the others go on
-            except Exception as e:  # noqa: BLE001
-                errors[i] = describe(e)
-                untrusted.add(i)
-                bad.update(tables[i][it.start // bs :])
-                continue
-            seq, sp = it.seq, it.seq.sampling
-            try:
-                if sample and sp.temperature == 0:
-                    tokens[i] = top[j]
-                elif sample:
-                    args = sp.temperature, sp.top_p, sp.top_k, seq.generator
-                    tokens[i] = sample_next(logits[j], True, *args)
-            # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
-            except Exception as e:  # noqa: BLE001
-                errors[i] = describe(e)
-        if bad:
-            # never read again, not even as a masked or padding slot
-            self.store.clear_blocks(sorted(bad))
-        return tokens, errors, untrusted
+            # a prompt chunk that ends before its sequence samples nothing and has no row
+            if it.end >= it.seq.num_tokens:
+                row += 1
+                try:
+                    tokens[i] = sample(it.seq, logits[row], top[row])
+                # broad on purpose: its K/V is fine, only its sampling failed; it ends with this error
+                except Exception as e:  # noqa: BLE001
+                    errors[i] = describe(e)
+        return tokens, errors, set()

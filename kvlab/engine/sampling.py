@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .sampling_params import STOP_ID_COLLECTIONS, SamplingParams
 
-__all__ = ["STOP_ID_COLLECTIONS", "SamplingParams", "sample_next"]
+__all__ = ["STOP_ID_COLLECTIONS", "SamplingParams", "sample", "sample_next"]
 
 
 def _limit_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -47,3 +49,11 @@ def sample_next(
         remove[-1] = False
         scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
     return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+
+
+def sample(seq: Any, logits: torch.Tensor, top: int) -> int:
+    """The next token of request ``seq`` from its (vocab,) ``logits``: ``top`` (their argmax) when greedy."""
+    sp = seq.sampling
+    if sp.temperature == 0:
+        return top
+    return sample_next(logits, True, sp.temperature, sp.top_p, sp.top_k, seq.generator)

@@ -4,14 +4,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.cache.hashing import (
-    NONE_HASH,
+from kvlab.cache.hash_tools import (
     builtin_hash,
     config_fingerprint,
     first_block_extra_keys,
-    hash_block,
     hash_token_blocks,
 )
+from kvlab.cache.hashing import NONE_HASH, hash_block
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**40), max_size=40)
 
@@ -85,7 +84,8 @@ def test_hash_fn_is_deterministic(fn):
 @pytest.mark.parametrize("public, salted", [(0, 0), (15, 0), (16, 1), (40, 2), (48, 3)])
 def test_salted_block_is_the_first_block_not_wholly_public(public, salted):
     """A block straddling the public prefix's end is private; the whole blocks before it are shared."""
-    from kvlab.cache.hashing import DEFAULT_BLOCK_SIZE, salted_block
+    from kvlab.cache.hash_tools import salted_block
+    from kvlab.cache.hashing import DEFAULT_BLOCK_SIZE
 
     assert DEFAULT_BLOCK_SIZE == 16 and salted_block(public, DEFAULT_BLOCK_SIZE) == salted
     assert salted_block(public, 1) == public

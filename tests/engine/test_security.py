@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvlab.cache.block_manager import BlockManager, TenantScope
-from kvlab.cache.hashing import block_extra_keys, first_block_extra_keys
+from kvlab.cache.hash_tools import first_block_extra_keys
+from kvlab.cache.hashing import block_extra_keys
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.tenants import public_prefix_length, tenant_salt
 

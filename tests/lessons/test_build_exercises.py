@@ -113,7 +113,7 @@ class _DropPositions:
 # ----------------------------------------------------------------------------- 04.B the hash chain and allocate
 
 def test_04_solutions_pass_and_match_the_block_manager():
-    from kvlab.cache.hashing import hash_token_blocks
+    from kvlab.cache.hash_tools import hash_token_blocks
 
     assert L.check_block_hashes(SOL.build_04_block_hashes)
     assert L.check_allocate(SOL.build_04_allocate)

@@ -3,14 +3,14 @@
 import random
 
 from kvlab.built import nb04
-from kvlab.cache import hashing
+from kvlab.cache import hash_tools, hashing
 from kvlab.cache.block_manager import BlockManager
 from kvlab.lessons import nb04_blocks as L
 
 
 def test_the_notebooks_hash_block_is_kvlabs():
     rng = random.Random(0)
-    keys = hashing.first_block_extra_keys("toy-model", "tenant-a")
+    keys = hash_tools.first_block_extra_keys("toy-model", "tenant-a")
     parent = None
     for n in (1, 4, 16, 3):
         tokens = [rng.randrange(50_000) for _ in range(n)]
@@ -23,7 +23,7 @@ def test_the_notebooks_hash_block_is_kvlabs():
 def test_toyblocks_replay_matches_the_block_manager_and_catches_a_wrong_allocate():
     for seed in range(3):
         ops = nb04.block_trace(seed=seed)
-        rows, problem = nb04.replay_against_block_manager(L.reference_allocate, hashing.hash_token_blocks, ops)
+        rows, problem = nb04.replay_against_block_manager(L.reference_allocate, hash_tools.hash_token_blocks, ops)
         assert problem is None and len(rows) == len(ops)
 
     def no_cap(blocks, seq_id, token_ids, hashes):  # hits every full block, the last prompt token's too
@@ -44,7 +44,7 @@ def test_toyblocks_replay_matches_the_block_manager_and_catches_a_wrong_allocate
         blocks.tables[seq_id] = table
         return hits * bs
 
-    _, problem = nb04.replay_against_block_manager(no_cap, hashing.hash_token_blocks, nb04.block_trace())
+    _, problem = nb04.replay_against_block_manager(no_cap, hash_tools.hash_token_blocks, nb04.block_trace())
     assert problem is not None and "never take the block of the last prompt token" in problem
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvlab.built import nb05 as N
-from kvlab.cache.hashing import hash_token_blocks
+from kvlab.cache.hash_tools import hash_token_blocks
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import eos_ids
 from kvlab.lessons import nb05_assemble as AS
