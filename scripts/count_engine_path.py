@@ -12,6 +12,8 @@ printed beside them. A file that does not exist is reported and counted as 0. Fu
 bundled model, after a warm-up call on the same engine; a function is counted once per (file,
 qualified name), for every file under ``kvlab/`` (comprehensions and generator expressions are
 listed apart: Python 3.11 gives them code objects of their own, 3.12 inlines most). Goals: <= 1,400 lines, <= 60 functions.
+The functions that generate runs in kvlab files outside ``ENGINE_PATH`` are listed last with their code lines
+(intake, metrics, the per-call allow-list check), so code moved out of the listed files stays in view.
 """
 
 from __future__ import annotations
@@ -107,6 +109,26 @@ def count_functions(max_tokens: int = 8) -> list[str]:
     return sorted(seen)
 
 
+def function_lines(entry: str) -> int:
+    """Code lines of one ``file:qualname`` function (as ``code_lines`` counts them; -1 if not found)."""
+    import textwrap
+
+    rel, qualname = entry.split(":")
+    source = (ROOT / rel).read_text()
+    nodes = {(): ast.parse(source)}
+    want = tuple(qualname.split("."))
+    for depth in range(1, len(want) + 1):
+        parent = nodes.get(want[: depth - 1])
+        for node in getattr(parent, "body", []):
+            kinds = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            if isinstance(node, kinds) and node.name == want[depth - 1]:
+                nodes[want[:depth]] = node
+    node = nodes.get(want)
+    if node is None:
+        return -1
+    return code_lines(textwrap.dedent(ast.get_source_segment(source, node)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", action="store_true", help="count lines only (no model)")
@@ -135,6 +157,16 @@ def main() -> None:
     )
     for f in funcs:
         print(f"  {f}")
+    # the same generate's code outside ENGINE_PATH (intake, metrics, the per-call allow-list, ...): said
+    # beside the goal's number, so code moved out of the listed files stays in view
+    outside = [f for f in funcs if f.split(":")[0] not in ENGINE_PATH]
+    sizes = {f: function_lines(f) for f in outside}
+    print(
+        f"\noutside those {found} files, the same generate runs {len(outside)} functions of "
+        f"{sum(n for n in sizes.values() if n > 0)} code lines:"
+    )
+    for f, n in sizes.items():
+        print(f"  {n:4d}  {f}")
 
 
 if __name__ == "__main__":

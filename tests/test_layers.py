@@ -253,7 +253,7 @@ def test_the_engine_reads_only_what_the_cache_protocol_declares():
             isinstance(node, ast.Name) and node.id == "bm")
 
     read, of_seqs = set(), set()
-    for name in ("engine.py", "scheduler.py"):
+    for name in ("engine.py", "scheduler.py"):  # the scheduler reads num_restored_tokens at admission
         for node in ast.walk(ast.parse((PKG / "engine" / name).read_text())):
             if isinstance(node, ast.Attribute) and is_cache(node.value):
                 read.add(node.attr)

@@ -279,16 +279,10 @@ class BlockManager(SequenceTables, ManagerExtras):
                 hits.append(block)
         # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
         needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
-        # owner: another manager refuses this plan
+        free, clock = len(pool.free), pool.clock
+        # owner (self): another manager refuses this plan
         return AllocationPlan(
-            tuple(tokens),
-            scope,
-            tuple(hashes),
-            tuple(hits),
-            needed,
-            len(pool.free),
-            pool.clock,
-            self,
+            tuple(tokens), scope, tuple(hashes), tuple(hits), needed, free, clock, self
         )
 
     def allocate(
@@ -335,24 +329,13 @@ class BlockManager(SequenceTables, ManagerExtras):
         # missed tokens by reason, before this request fills the cache: a full block that could have hit
         # was evicted (or cut off from its chain by an evicted parent) or never cached; the rest is short
         eligible = (n - 1) // bs
-        seen = sum(
-            h in pool.evicted_hashes or h in pool.cached for h in hashes[len(hits) : eligible]
-        )
-        misses = {
-            "short": n - eligible * bs,
-            "no_prefix": (eligible - len(hits) - seen) * bs,
-            "evicted": seen * bs,
-        }
+        evicted, cached = pool.evicted_hashes, pool.cached
+        seen = sum(h in evicted or h in cached for h in hashes[len(hits) : eligible])
+        short, no_prefix = n - eligible * bs, (eligible - len(hits) - seen) * bs
+        misses = {"short": short, "no_prefix": no_prefix, "evicted": seen * bs}
         pool.clock += 1
-        seq = SeqBlocks(
-            seq_id,
-            tokens,
-            salt=scope.salt,
-            tenant=scope.label,
-            num_cached_tokens=len(hits) * bs,
-            salt_block=scope.public_tokens // bs,
-            block_hashes=hashes,
-        )
+        seq = SeqBlocks(seq_id, tokens, salt=scope.salt, tenant=scope.label, block_hashes=hashes)
+        seq.num_cached_tokens, seq.salt_block = len(hits) * bs, scope.public_tokens // bs
         for i, block in enumerate(hits):
             pool.hit(block, seq_id)
             seq.block_table.append(block.block_id)
@@ -371,12 +354,8 @@ class BlockManager(SequenceTables, ManagerExtras):
         self.seqs[seq_id] = seq
         if pool.enable_kv_events:
             self._emit_stored(hashes, len(hits), tokens[len(hits) * bs : len(hashes) * bs])
-        m = self.metrics
-        m.hashed_blocks += len(hashes)
-        m.hashed_tokens += len(hashes) * bs
-        m.blocks_hit += len(hits)
-        m.blocks_taken += len(seq.block_table) - len(hits)
-        m.record_lookup(seq.tenant, n, seq.num_cached_tokens, misses, preempted)
+        self.metrics.record_blocks(len(hashes), bs, len(hits), len(seq.block_table) - len(hits))
+        self.metrics.record_lookup(seq.tenant, n, seq.num_cached_tokens, misses, preempted)
         return seq.num_cached_tokens + seq.num_restored_tokens
 
     def _cache_block(self, seq: SeqBlocks, i: int, block: Block, h: BlockHash) -> None:
@@ -397,11 +376,9 @@ class BlockManager(SequenceTables, ManagerExtras):
         """Whether the next ``append`` has the free block it may need."""
         seq, pool = self._seq(seq_id), self.pool
         # a block is needed when the last one is full, or shared (copy-on-write)
-        return bool(pool.free) or not (
-            len(seq.token_ids) % self.block_size == 0
-            or self.cow
-            and pool.blocks[seq.block_table[-1]].ref_count > 1
-        )
+        full = len(seq.token_ids) % self.block_size == 0
+        shared = self.cow and pool.blocks[seq.block_table[-1]].ref_count > 1
+        return bool(pool.free) or not (full or shared)
 
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
         """Write one decoded token: take a block if the last is full, copy it first if it is shared."""
@@ -437,8 +414,7 @@ class BlockManager(SequenceTables, ManagerExtras):
             # cache the block this token filled
             self._cache_block(seq, i, block, full_hash)
             seq.block_hashes.append(full_hash)
-            self.metrics.hashed_blocks += 1
-            self.metrics.hashed_tokens += bs
+            self.metrics.record_blocks(1, bs)
             if pool.enable_kv_events:
                 self._emit_stored(seq.block_hashes, i, block.token_ids)
         return AppendResult(new_block, cow)

@@ -116,11 +116,6 @@ class BlockPool(PoolExtras):
         # called with a cached block just before its eviction (contents still readable): a host tier's seam
         self.on_evict: Callable[[Block], None] | None = None
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks with ref count 0 (empty or cached-but-evictable)."""
-        return len(self.free)
-
     # --- taking and returning blocks -------------------------------------------------------------
     def take(self, owner: Hashable = None, event: str = "take") -> Block:
         """Take the least recently used free block, evicting its cached contents, with ref count 1."""
@@ -141,8 +136,7 @@ class BlockPool(PoolExtras):
         del self.free[block.block_id]
         block.token_ids, block.ref_count = [], 1
         block.created_at = block.last_access = self.clock
-        if self.trace is not None:
-            self._record(block, event, owner)
+        self._record(block, event, owner)
         return block
 
     def hit(self, block: Block, owner: Hashable = None) -> None:
@@ -157,8 +151,7 @@ class BlockPool(PoolExtras):
             del self.free[block.block_id]
         block.ref_count += 1
         block.last_access = self.clock
-        if self.trace is not None:
-            self._record(block, "hit", owner)
+        self._record(block, "hit", owner)
 
     def release(self, block: Block, owner: Hashable = None) -> None:
         """Drop one reference; at 0 the block joins the free list: a cached block at the tail (evicted last).
@@ -181,8 +174,7 @@ class BlockPool(PoolExtras):
                 # can never be hit: reuse it first
                 self.free.move_to_end(block.block_id, last=False)
         block.last_access = self.clock
-        if self.trace is not None:
-            self._record(block, "release", owner)
+        self._record(block, "release", owner)
 
     # --- the prefix cache ----------------------------------------------------------------------
     def lookup(
@@ -227,8 +219,7 @@ class BlockPool(PoolExtras):
         self.cached.setdefault(block_hash, []).append(block)
         self.evicted_hashes.pop(block_hash, None)
         block.last_access = self.clock
-        if self.trace is not None:
-            self._record(block, "register", owner)
+        self._record(block, "register", owner)
 
     def _uncache(self, block: Block, event: str, owner: Hashable) -> None:
         """Drop ``block`` from the cache (``event``: evict or uncache), with its ``BlockRemoved``."""
@@ -236,9 +227,7 @@ class BlockPool(PoolExtras):
         bucket.remove(block)
         if not bucket:
             del self.cached[block.block_hash]
-        if self.enable_kv_events:
-            self.kv_event_queue.append(BlockRemoved((block.block_hash,)))
+        self.emit_event(BlockRemoved((block.block_hash,)))
         block.reset()
         block.last_access = self.clock
-        if self.trace is not None:
-            self._record(block, event, owner)
+        self._record(block, event, owner)

@@ -89,9 +89,15 @@ class TableExtras:
 class PoolExtras:
     """``BlockPool``'s trace, reports, fork reference, KV-event queue and invariant check."""
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (empty or cached-but-evictable)."""
+        return len(self.free)
+
     def _record(self, block: Any, event: str, owner: Hashable) -> None:
-        """Trace one event of ``block`` (the pool calls this only with ``trace=True``)."""
-        self.trace.append(TraceEvent(self.clock, block.block_id, event, block.ref_count, owner))
+        """Trace one event of ``block`` (a no-op unless the pool was made with ``trace=True``)."""
+        if self.trace is not None:
+            self.trace.append(TraceEvent(self.clock, block.block_id, event, block.ref_count, owner))
 
     def tick(self) -> int:
         """Advance the logical clock (one tick per manager operation) and return it."""
@@ -130,8 +136,7 @@ class PoolExtras:
             raise ValueError(f"block {block.block_id} is not in use; cannot share it")
         block.ref_count += 1
         block.last_access = self.clock
-        if self.trace is not None:
-            self._record(block, "share", owner)
+        self._record(block, "share", owner)
 
     def next_victim(self) -> int | None:
         """The block id that the next ``take`` would reuse (None when nothing is free)."""

@@ -18,8 +18,8 @@ Members, and who calls them:
 - ``block_table(seq_id)`` -> physical block ids: the engine's packed batch.
 - ``seqs``: a mapping seq id -> a ``CacheSeq`` entry: ``token_ids`` (the tokens whose K/V the cache holds), read
   by the engine's ``check_invariants``; ``num_restored_tokens`` (of what ``allocate`` returned, the prompt tokens
-  copied back from a second tier rather than hit on the device; 0 without one), read by the engine at a
-  sequence's first admission when it runs a host tier.
+  copied back from a second tier rather than hit on the device; 0 without one), read by the scheduler at a
+  sequence's first admission.
 - ``stats()``, ``check_invariants()``, ``take_events()`` (KV events, may be empty), ``reset_prefix_cache()``
   (True if cleared, False while a sequence holds blocks; may raise ``NotImplementedError``).
 """

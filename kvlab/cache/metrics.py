@@ -90,6 +90,13 @@ class PrefixCacheMetrics:
         if type(self.max_tenants) is not int or self.max_tenants < 1:
             raise ValueError(f"max_tenants must be a positive int, got {self.max_tenants!r}")
 
+    def record_blocks(self, hashed: int, block_size: int, hit: int = 0, taken: int = 0) -> None:
+        """Count full blocks hashed (of ``block_size`` tokens each), blocks hit in the cache, blocks taken."""
+        self.hashed_blocks += hashed
+        self.hashed_tokens += hashed * block_size
+        self.blocks_hit += hit
+        self.blocks_taken += taken
+
     def record_lookup(
         self,
         tenant: Hashable,

@@ -69,13 +69,9 @@ class EngineConfig:
         check_policy(self.isolation)
         if self.secret is not None:
             check_secret(self.secret)
-        for name in (
-            "enable_prefix_caching",
-            "enable_kv_events",
-            "offload_evicted",
-            "debug",
-            "packed_linear",
-        ):
+        for (
+            name
+        ) in "enable_prefix_caching enable_kv_events offload_evicted debug packed_linear".split():
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.enable_chunked_prefill, (bool, type(None))):

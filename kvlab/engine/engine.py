@@ -10,15 +10,14 @@ from typing import Any
 
 from ..cache.interface import CacheManager
 from .config import EngineConfig
-from .extras import EngineExtras
-from .fork import fork_request
+from .extras import EngineExtras, UnknownRequestError
 from .hooks import KVEventLog, StepRecord, default_positions, observe
 from .intake import Checked, Intake, per_prompt
 from .kv_store import PagedKVStore
-from .models import eos_ids, model_device_dtype, model_fingerprint
+from .models import eos_ids, model_device_dtype
 from .offload import HostOffload
 from .packed_linear import PackedLinears, packed_linear_available
-from .radix_adapter import adopt_cache, make_cache_manager
+from .radix_adapter import engine_cache
 from .recovery import settle
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -34,10 +33,6 @@ __all__ = [
     "UnknownRequestError",
     "default_positions",
 ]
-
-
-class UnknownRequestError(LookupError):
-    """Raised for a request id the engine does not hold (or that belongs to another tenant)."""
 
 
 @dataclass(slots=True)
@@ -97,15 +92,7 @@ class Engine(EngineExtras):
         self.isolation = cfg.isolation
         self.positions, self.observers = positions, list(observers)
         self.device, self.dtype = model_device_dtype(model)
-        if cache is None or isinstance(cache, str):
-            n = cfg.num_blocks
-            if n is None and cfg.kv_cache_bytes is not None:
-                n = PagedKVStore.blocks_for_bytes(model, cfg.kv_cache_bytes, cfg.block_size)
-            fingerprint = model_fingerprint(model, tokenizer, every_weight=False)
-            self.block_manager = make_cache_manager(cfg, 512 if n is None else n, fingerprint)
-        else:
-            self.block_manager = adopt_cache(cache, cfg.num_blocks, cfg.kv_cache_bytes)
-        bm = self.block_manager
+        self.block_manager = bm = engine_cache(model, tokenizer, cfg, cache)
         self.store = PagedKVStore.for_model(model, bm.num_blocks, bm.block_size)
         self.host_tier = None
         if cfg.host_tier_bytes is not None:
@@ -137,17 +124,6 @@ class Engine(EngineExtras):
         vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
         self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
 
-    def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
-        """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
-        # tokenized before the lock, as in add_request
-        ids = self.intake.check_prefix(prefix)
-        with self._lock:
-            return self.intake.add_public_prefix(ids)
-
-    def salt_for(self, tenant: str | None) -> str | None:
-        """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
-        return self.intake.salt_for(tenant)
-
     def add_request(
         self,
         prompt: str | Sequence[int],
@@ -176,27 +152,6 @@ class Engine(EngineExtras):
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: Hashable, *, tenant: str | None = None) -> RequestOutput:
-        """Stop an unfinished request of ``tenant`` (the one it was added with) now and free its blocks."""
-        with self._lock:
-            seq = self._get(request_id, tenant)
-            self._finish(seq, "abort", time.perf_counter())
-            return self._output(seq)
-
-    # Engine.fork(request_id, child_id=None, sampling=None, *, tenant=None): kvlab.engine.fork
-    fork = fork_request
-
-    def _get(self, request_id: Hashable, tenant: str | None = None) -> Request:
-        seq = self.requests.get(request_id)
-        # another tenant's request looks like an unknown one
-        if seq is None or seq.tenant != tenant:
-            who = "" if tenant is None else f" of tenant {tenant!r}"
-            raise UnknownRequestError(
-                f"unknown request id {request_id!r}{who} (never added, already finished, "
-                "or added with another tenant)"
-            )
-        return seq
-
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running, or a finished output waits to be returned by ``step()``."""
         with self._lock:
@@ -212,10 +167,6 @@ class Engine(EngineExtras):
                 self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
                 if sched.cow_pairs:
                     self.store.copy_blocks(sched.cow_pairs)
-                # at a sequence's first admission: how many of its cached tokens the host tier copied back
-                for it in items if self.host_tier is not None else ():
-                    if it.is_prefill and it.seq.num_restored_tokens is None:
-                        it.seq.num_restored_tokens = bm.seqs[it.seq.seq_id].num_restored_tokens
                 tables = [bm.block_table(it.seq.seq_id) for it in items]
                 # None: the default positions, which need no check
                 positions = None

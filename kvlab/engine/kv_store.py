@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .models import kv_bytes_per_token, kv_shape
+from .models import kv_shape
 
 __all__ = ["PagedKVStore"]
 
@@ -46,13 +46,6 @@ class PagedKVStore:
         s, p = kv_shape(model.config), next(model.parameters())
         return cls(
             s["layers"], num_blocks, block_size, s["kv_heads"], s["head_dim"], p.dtype, p.device
-        )
-
-    @staticmethod
-    def blocks_for_bytes(model: Any, nbytes: int, block_size: int) -> int:
-        """How many blocks of ``block_size`` tokens fit in ``nbytes`` of K/V for ``model``."""
-        return nbytes // (
-            block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
         )
 
     def write_heads(

@@ -252,6 +252,12 @@ def kv_bytes_per_token(config: Any, dtype: str | torch.dtype = "float32") -> int
     return 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * dtype_bytes(dtype)
 
 
+def blocks_for_bytes(model: Any, nbytes: int, block_size: int) -> int:
+    """How many K/V blocks of ``block_size`` tokens fit in ``nbytes`` for ``model`` (its dtype)."""
+    per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+    return nbytes // (block_size * per_token)
+
+
 def load_public_config(name: str) -> dict:
     """A public model's config.json shipped in ``data/configs`` (e.g. 'Qwen1.5-7B-Chat')."""
     path = CONFIGS_DIR / f"{name}.json"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..cache.block_manager import BlockManager
 from ..cache.interface import CacheManager, check_cache
 from ..cache.radix import RadixCache
 from .config import CACHES, EngineConfig
+from .models import blocks_for_bytes, model_fingerprint
 
-__all__ = ["CACHES", "RadixCacheManager", "adopt_cache", "make_cache_manager"]
+__all__ = ["CACHES", "RadixCacheManager", "adopt_cache", "engine_cache", "make_cache_manager"]
 
 
 class RadixCacheManager(RadixCache):
@@ -20,6 +23,20 @@ class RadixCacheManager(RadixCache):
     def reset_prefix_cache(self) -> bool:
         """Not offered by the radix tree: raise ``NotImplementedError``."""
         raise NotImplementedError("reset_prefix_cache needs cache='blocks'")
+
+
+def engine_cache(
+    model: Any, tokenizer: Any, config: EngineConfig, cache: object = None
+) -> CacheManager:
+    """An engine's cache: ``cache`` itself when it is an object (a ``CacheManager`` brings its own size), else
+    one made from ``config`` with ``num_blocks`` blocks, else the blocks that fit ``kv_cache_bytes``, else 512."""
+    if cache is not None and not isinstance(cache, str):
+        return adopt_cache(cache, config.num_blocks, config.kv_cache_bytes)
+    n = config.num_blocks
+    if n is None and config.kv_cache_bytes is not None:
+        n = blocks_for_bytes(model, config.kv_cache_bytes, config.block_size)
+    fingerprint = model_fingerprint(model, tokenizer, every_weight=False)
+    return make_cache_manager(config, 512 if n is None else n, fingerprint)
 
 
 def make_cache_manager(

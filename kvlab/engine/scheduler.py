@@ -145,7 +145,9 @@ class Scheduler(ForkingScheduler, SchedulerExtras):
             preempted = seq.num_preemptions > 0
             cached = bm.allocate(seq.seq_id, ids, seq.scope, plan=plan, preempted=preempted)
             if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = cached
+                # of those, copied back from a second tier (kvlab.cache.CacheSeq)
+                restored = bm.seqs[seq.seq_id].num_restored_tokens
+                seq.num_cached_tokens, seq.num_restored_tokens = cached, restored
             seq.prefill_start = cached
             self.waiting.popleft()
             seq.status = RequestStatus.RUNNING

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvlab.engine.kv_store import PagedKVStore
+from kvlab.engine.models import blocks_for_bytes
 
 
 def _store(**kw):
@@ -76,4 +77,4 @@ def test_for_model_matches_config():
     store = PagedKVStore.for_model(model, num_blocks=5, block_size=8)
     assert store.k.shape == (3, 5, 8, 2, 8)
     assert store.bytes_per_block == 8 * kv_bytes_per_token(cfg, torch.float32)
-    assert PagedKVStore.blocks_for_bytes(model, 3 * store.bytes_per_block + 1, 8) == 3
+    assert blocks_for_bytes(model, 3 * store.bytes_per_block + 1, 8) == 3
