@@ -16,8 +16,8 @@ from matplotlib.patches import Patch, Rectangle
 from kvlab.built.nb04 import ToyBlocks, block_trace, replay_against_block_manager
 from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
-from kvlab.cache.hashing import hash_block
 from kvlab.cache.hash_tools import first_block_extra_keys, hash_token_blocks
+from kvlab.cache.hashing import hash_block
 from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
 from kvlab.lessons.solutions import build_04_allocate as reference_allocate  # 04.B2's solution
 from kvlab.lessons.traces import replay, timestamp_trace
