@@ -112,6 +112,60 @@ def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int
             "ratio_p50": statistics.median(ratios), "ratio_p90": percentile(ratios, 0.9)}
 
 
+def inprocess_same_load(args, prompts: list[str], num_blocks: int, budget: int,
+                        chunked: bool = True) -> dict:
+    """The measured round's load without HTTP: a fresh ``Engine`` with the server's settings in
+    this process, ``--clients`` closed-loop clients (a request is added when one of theirs
+    finishes, in the round's order).
+
+    Its throughput is the most the server can reach on this load; the server's over it says what
+    HTTP, the event loop and streaming cost. TTFT and TPOT are the engine's (``RequestOutput``),
+    not a client's.
+    """
+    import torch
+
+    from kvlab.engine import Engine, SamplingParams, load_model
+    from kvlab.engine.models import encode, model_device_dtype
+    from kvlab.engine.packed_linear import packed_linear_available
+
+    torch.set_num_threads(args.threads)
+    lm, tok = load_model("smollm2")
+    packed = packed_linear_available(*model_device_dtype(lm)) is None
+    engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64,
+                    max_num_batched_tokens=budget,
+                    enable_chunked_prefill=None if chunked else False,
+                    packed_linear=packed)
+    ids = [encode(tok, p) for p in prompts]
+    # the same warm-up and the same jobs (prompt order) as ``measure``
+    warm = make_jobs(4, prompts, ["t"], 4, 99, "m", "kvlab")
+    engine.generate([prompts[j["_prompt"]] for j in warm], SamplingParams(max_tokens=4))
+    jobs = make_jobs(args.requests, prompts, ["t"], args.max_tokens, 0, "m", "kvlab")
+    order = [j["_prompt"] for j in jobs]
+    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    done, live, steps, t0 = [], 0, 0, time.perf_counter()
+    pending = iter(order)
+    while True:
+        while live < args.clients and (p := next(pending, None)) is not None:
+            engine.add_request(ids[p], sp)
+            live += 1
+        if not live:
+            break
+        for out in engine.step():
+            live -= 1
+            done.append(out)
+        steps += 1
+    secs = time.perf_counter() - t0
+    ttft = [o.ttft for o in done]
+    tpot = [(o.latency - o.ttft) / (len(o.output_ids) - 1) for o in done if len(o.output_ids) > 1]
+    def ms(xs: list[float], q: float) -> float | None:
+        return round(1000 * percentile(xs, q), 2) if xs else None
+
+    return {"chunked_prefill": chunked, "max_num_batched_tokens": budget, "seconds": secs,
+            "steps": steps, "output_tokens_per_s": sum(len(o.output_ids) for o in done) / secs,
+            "ttft_p50_ms": ms(ttft, 0.5), "ttft_p99_ms": ms(ttft, 0.99),
+            "tpot_p50_ms": ms(tpot, 0.5), "tpot_p99_ms": ms(tpot, 0.99)}
+
+
 def kvlab_phases(args) -> tuple[list, list]:
     """(before vLLM, after vLLM): the overhead phase and the default round (chunked prefill on at ``--budget``)
     run before vLLM's round, the others after it, so the two servers' main rounds run close in time."""
@@ -200,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="add this many (off, on) pairs at --budget after the (on, off) pair, and print each "
                         "setting's median over its rounds")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--skip-inprocess", action="store_true",
+                   help="no in-process round (the measured load on an Engine here, without HTTP)")
     p.add_argument("--out", default=str(ROOT / "build" / "bench" / "serve.json"))
     args = p.parse_args(argv)
     prompts = distinct_prompts(args.systems, args.questions)
@@ -208,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     kv = run_kvlab(args, prompts, tmp, before)
     vl = {"skipped": "--skip-vllm"} if args.skip_vllm else run_vllm(args, prompts, tmp)
     kv = run_kvlab(args, prompts, tmp, after, kv)
+    if not args.skip_inprocess:
+        kv["inprocess_same_load"] = inprocess_same_load(args, prompts, args.num_blocks, args.budget)
     report = {"model": "SmolLM2-135M-Instruct (float32, CPU)", "block_size": BLOCK, "clients": args.clients,
               "load_average_end": " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else None,
               "kvlab_threads": args.threads,
@@ -241,6 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nkvlab TTFT, one request at a time on {o['prompts']} prompts: HTTP p50 {o['ttft_http_p50_ms']} ms, "
           f"in-process p50 {o['ttft_inprocess_p50_ms']} ms, HTTP/in-process x{o['ratio_of_medians']:.2f} "
           f"(per-prompt ratio p50 x{o['ratio_p50']:.2f}, p90 x{o['ratio_p90']:.2f})")
+    if "inprocess_same_load" in kv:
+        ip, on = kv["inprocess_same_load"], [r for r in main_rounds if r["chunked_prefill"]]
+        served = statistics.median(r["output_tokens_per_s"] for r in on) if on else None
+        ratio = f"; served/in-process throughput x{served / ip['output_tokens_per_s']:.2f}" \
+            if served else ""
+        print(f"kvlab in-process on the same load (no HTTP; chunked, budget {args.budget}): "
+              f"{ip['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 {ip['ttft_p50_ms']}/"
+              f"{ip['ttft_p99_ms']} ms, TPOT p50/p99 {ip['tpot_p50_ms']}/{ip['tpot_p99_ms']} ms, "
+              f"{1000 * ip['seconds'] / ip['steps']:.1f} ms/step{ratio}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
