@@ -270,7 +270,7 @@ def paged_attention_forward(
     out = None if whole else torch.empty_like(q_all)
     for g in batch.groups:
         # the groups the C++ kernel takes: read K/V in place (kvlab.engine.paged_kernel)
-        if batch.kernel is not None and batch.kernel.takes(g):
+        if batch.kernel is not None and batch.kernel.takes(g, group):
             out = batch.kernel.attend(g, layer, q_all, out, scaling, sliding_window)
             continue
         b, q_len = g.query_index.shape

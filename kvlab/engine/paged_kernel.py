@@ -36,7 +36,7 @@ import torch
 __all__ = ["MAX_QUERY", "MODE", "KernelStep", "PagedKernel", "load", "paged_kernel_available"]
 
 # longest query (tokens of one sequence in a step) a group may have to be attended by the kernel
-MAX_QUERY = 16
+MAX_QUERY = 1
 # 0: online softmax (one pass, a running max per row); 1: two passes (scores, then values)
 MODE = 0
 
@@ -85,21 +85,37 @@ inline float exp_sub_sum(float* x, int64_t n, float sub) {
   return sum;
 }
 
-// sum of a[d] * b[d], in 16 lanes (vectorised without reassociating a float sum)
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[16] = {0};
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    for (int i = 0; i < 16; ++i) lanes[i] += a[d + i] * b[d + i];
+// scores s[t] = q . k[t] of nt keys (rows of n floats): four keys at a time, each an OpenMP simd
+// reduction (vector lanes over d, added up once per key)
+inline void dots(float* __restrict__ s, const float* __restrict__ q, const float* __restrict__ k,
+                 int64_t nt, int64_t n) {
+  int64_t t = 0;
+  for (; t + 4 <= nt; t += 4) {
+    const float* k0 = k + t * n;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t d = 0; d < n; ++d) {
+      s0 += q[d] * k0[d];
+      s1 += q[d] * k0[n + d];
+      s2 += q[d] * k0[2 * n + d];
+      s3 += q[d] * k0[3 * n + d];
+    }
+    s[t] = s0;
+    s[t + 1] = s1;
+    s[t + 2] = s2;
+    s[t + 3] = s3;
   }
-  float s = 0.0f;
-  for (; d < n; ++d) s += a[d] * b[d];
-  for (int i = 0; i < 16; ++i) s += lanes[i];
-  return s;
+  for (; t < nt; ++t) {
+    float s0 = 0.0f;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t d = 0; d < n; ++d) s0 += q[d] * k[t * n + d];
+    s[t] = s0;
+  }
 }
 
 // y[d] = y[d] * c + sum over t of p[t] * v[t][d]
-inline void scale_add(float* y, float c, const float* p, const float* v, int64_t nt, int64_t n) {
+inline void scale_add(float* __restrict__ y, float c, const float* __restrict__ p,
+                      const float* __restrict__ v, int64_t nt, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] *= c;
   for (int64_t t = 0; t < nt; ++t) {
     const float w = p[t];
@@ -183,8 +199,8 @@ void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Te
         const int64_t base = (kh * nb + table[blk]) * bs, t0 = blk * bs;
         for (int64_t r = 0; r < nrows; ++r) {
           const int64_t a = std::max(lo(r), t0), e = std::min(hi(r), t0 + bs);
-          for (int64_t t = a; t < e; ++t)
-            scores[r * span + t - lo_all] = dot(qs + r * dim, kp + (base + t - t0) * dim, dim);
+          if (a < e)
+            dots(scores + r * span + a - lo_all, qs + r * dim, kp + (base + a - t0) * dim, e - a, dim);
         }
       }
       for (int64_t r = 0; r < nrows; ++r) {
@@ -212,11 +228,9 @@ void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Te
         for (int64_t r = 0; r < nrows; ++r) {
           const int64_t a = std::max(lo(r), t0), e = std::min(hi(r), t0 + bs);
           if (a >= e) continue;
+          dots(scores, qs + r * dim, kp + (base + a - t0) * dim, e - a, dim);
           float top = mx[r];
-          for (int64_t t = a; t < e; ++t) {
-            scores[t - a] = dot(qs + r * dim, kp + (base + t - t0) * dim, dim);
-            top = std::max(top, scores[t - a]);
-          }
+          for (int64_t t = 0; t < e - a; ++t) top = std::max(top, scores[t]);
           // e^(old max - new max): 0 for the first block (old max -inf)
           const float c = mx[r] == -inf ? 0.0f : exp_nonpos(mx[r] - top);
           const float add = exp_sub_sum(scores, e - a, top);
@@ -302,9 +316,17 @@ class KernelStep:
                 qlens = g.query_valid.sum(1)
                 self.meta[id(g)] = (rows, qlens, qstarts, g.block_tables.contiguous())
 
-    def takes(self, g: Any) -> bool:
-        """Whether the kernel attends group ``g``."""
-        return id(g) in self.meta
+    def takes(self, g: Any, group: int) -> bool:
+        """Whether the kernel attends group ``g`` (``group`` query heads per KV head).
+
+        Not where the SDPA path attends the union of the group's blocks (sequences sharing a prefix: each
+        shared block read once for all of them, as one GEMM-shaped attention), which measured faster."""
+        from .paged_attention import _plan_union
+
+        if id(g) not in self.meta:
+            return False
+        # decided once per step, at its first layer, as the SDPA path would
+        return not (g.union or (g.union is None and _plan_union(g, group, 4)))
 
     def attend(
         self,
