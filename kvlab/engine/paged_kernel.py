@@ -319,14 +319,20 @@ class KernelStep:
     def takes(self, g: Any, group: int) -> bool:
         """Whether the kernel attends group ``g`` (``group`` query heads per KV head).
 
-        Not where the SDPA path attends the union of the group's blocks (sequences sharing a prefix: each
-        shared block read once for all of them, as one GEMM-shaped attention), which measured faster."""
+        Not where the sequences share most of their blocks (on average each block in two tables or more)
+        and the SDPA path attends the union of the group's blocks: each shared block read once for all of
+        them, one GEMM-shaped attention, measured faster than the kernel's read per sequence."""
         from .paged_attention import _plan_union
 
         if id(g) not in self.meta:
             return False
+        if g.union is False:
+            return True
+        total = sum(len(t) for t in g.tables)
+        if total < 2 * len({blk for t in g.tables for blk in t}):
+            return True
         # decided once per step, at its first layer, as the SDPA path would
-        return not (g.union or (g.union is None and _plan_union(g, group, 4)))
+        return not (g.union or _plan_union(g, group, self.kernel.store.k_pages.element_size()))
 
     def attend(
         self,
