@@ -93,10 +93,17 @@ def test_the_engine_gives_decodes_to_the_kernel_and_longer_queries_to_sdpa():
     taken = [plan.takes(g, 2) for g in batch.groups]
     assert [g.query_index.shape[1] for g in batch.groups] == [30, 5, 1]
     assert taken == [False, False, True]
-    # decodes that share a prefix: the SDPA path's union of blocks (measured faster there)
+    # decodes that share a prefix, on one thread: the SDPA path's union of blocks (measured faster there)
     store, seqs, _ = _step([(40 + i, 1) for i in range(8)], 9, 3, 64, 16, shared_blocks=2)
-    batch = build_batch(store, seqs)
-    assert not PagedKernel(store).plan(batch).takes(batch.groups[0], 3) and batch.groups[0].union
+    threads = torch.get_num_threads()
+    try:
+        for n, want in ((1, False), (2, True)):
+            torch.set_num_threads(n)
+            batch = build_batch(store, seqs)
+            assert PagedKernel(store).plan(batch).takes(batch.groups[0], 3) is want
+            assert batch.groups[0].union is (None if want else True)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_kernel_engine_gives_hf_greedy_tokens_on_the_passphrase_workload(lm, workload):
