@@ -108,7 +108,8 @@ class PagedBatch:
     layers_run: list[int] = field(default_factory=list)
     # the sliding window each of those calls was given
     windows_run: list[int | None] = field(default_factory=list)
-    # the C++ kernel's plan of this step (EngineConfig.paged_kernel; paged_kernel.KernelStep), set by the runner
+    # the C++ kernel's plan of this step (EngineConfig.paged_kernel; paged_kernel.KernelStep), set by
+    # the runner
     kernel: Any = None
 
 

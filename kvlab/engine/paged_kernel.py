@@ -54,8 +54,8 @@ _SOURCE = r"""
 
 namespace {
 
-// e^x for x <= 0 (a score minus its row's max), Cephes' polynomial: no call and no branch, so a loop
-// of it vectorises; within 2 ulp of expf, and e^x for x < -87 is taken as e^-87 (~1.6e-38)
+// e^x for x <= 0 (a score minus its row's max) by Cephes' expf polynomial: no call and no
+// branch, so a loop of it vectorises; e^x for x < -87 is taken as e^-87 (~1.6e-38)
 inline float exp_nonpos(float x) {
   x = std::max(x, -87.0f);
   float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -209,7 +209,8 @@ void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Te
         for (int64_t r = 0; r < nrows; ++r) {
           const int64_t a = std::max(lo(r), t0), e = std::min(hi(r), t0 + bs);
           if (a < e)
-            dots(scores + r * span + a - lo_all, qs + r * dim, kp + (base + a - t0) * dim, e - a, dim);
+            dots(scores + r * span + a - lo_all, qs + r * dim, kp + (base + a - t0) * dim, e - a,
+                 dim);
         }
       }
       for (int64_t r = 0; r < nrows; ++r) {
@@ -269,7 +270,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def build_directory() -> Path:
-    """Where the kernel is built: ``$TORCH_EXTENSIONS_DIR`` when set, else ``~/.cache/kvlab/torch_extensions``."""
+    """The build folder: ``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/kvlab/torch_extensions``."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     return Path(env) if env else Path.home() / ".cache" / "kvlab" / "torch_extensions"
 
@@ -304,8 +305,8 @@ def paged_kernel_available(device: torch.device, dtype: torch.dtype) -> str | No
         return f"it is written for float32 only (the model is {dtype})"
     try:
         load()
-    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error) is the reason
-    # the feature is refused; the engine raises it as a ValueError naming it
+    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error) is the
+    # reason the feature is refused; the engine raises it as a ValueError naming it
     except Exception as e:  # noqa: BLE001
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"its C++ build failed ({type(e).__name__}: {first[:300]})"
@@ -329,12 +330,12 @@ class KernelStep:
     def takes(self, g: Any, group: int) -> bool:
         """Whether the kernel attends group ``g`` (``group`` query heads per KV head).
 
-        On one thread, not where the sequences share most of their blocks (on average each block in two
-        tables or more) and the SDPA path attends the union of the group's blocks: each shared block read
-        once for all of them in one GEMM-shaped attention, measured faster there (16 decodes after a
-        512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer). On two threads the
-        kernel won that case too (0.8 ms against 1.03 ms): its (sequence, KV head) tasks share the
-        threads, the union's one attention of 3 KV heads did not get faster."""
+        On one thread, not where the sequences share most of their blocks (on average each block in
+        two tables or more) and the SDPA path attends the union of the group's blocks: each shared
+        block read once for all of them in one GEMM-shaped attention, measured faster there (16
+        decodes after a 512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer).
+        On two threads the kernel won that case too (0.8 ms against 1.03 ms): its (sequence, KV
+        head) tasks share the threads, the union's one attention of 3 KV heads did not speed up."""
         from .paged_attention import _plan_union
 
         if id(g) not in self.meta:
@@ -356,7 +357,7 @@ class KernelStep:
         scaling: float | None,
         window: int | None,
     ) -> torch.Tensor:
-        """Attend group ``g``'s query rows of ``q_all`` (T, heads, D) into ``out`` (allocated when None); return it."""
+        """Attend ``g``'s rows of ``q_all`` (T, heads, D) into ``out`` (made if None); return it."""
         store = self.kernel.store
         if out is None:
             out = torch.empty(q_all.shape, dtype=q_all.dtype, device=q_all.device)
