@@ -365,9 +365,11 @@ class KernelStep:
         scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
         rows, qlens, qstarts, tables = self.meta[id(g)]
         k, v = store.k_pages[layer], store.v_pages[layer]
-        self.kernel.module.attend(
-            q, out, k, v, rows, qlens, qstarts, tables, scale, window or 0, self.kernel.mode
-        )
+        # named in a profile's table (scripts/profile_step.py), beside the ATen ops
+        with torch.profiler.record_function("kvlab::paged_kernel"):
+            self.kernel.module.attend(
+                q, out, k, v, rows, qlens, qstarts, tables, scale, window or 0, self.kernel.mode
+            )
         return out
 
 
