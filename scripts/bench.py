@@ -72,10 +72,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch thread counts of the decode-floor table (none: skip it)")
     ap.add_argument("--packed-linear", action="store_true",
                     help="kvlab's engines use oneDNN's prepacked GEMM (EngineConfig.packed_linear; CPU float32)")
+    ap.add_argument("--paged-kernel", action="store_true",
+                    help="kvlab's engines attend decodes with the C++ paged-attention kernel (EngineConfig.paged_kernel)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "bench.json"))
     args = ap.parse_args(argv)
     if args.packed_linear:
         B.ENGINE_OPTIONS["packed_linear"] = True
+    if args.paged_kernel:
+        B.ENGINE_OPTIONS["paged_kernel"] = True
 
     device = resolve_device(args.device)
     if args.smoke:

@@ -32,6 +32,7 @@ class EngineConfig:
     from (None: a random one per engine). ``host_tier_bytes``: a host-memory second tier of that size.
     ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` go to the ``Scheduler``.
     ``packed_linear``: oneDNN's prepacked GEMM for the linear layers (CPU float32; off by default).
+    ``paged_kernel``: a C++ paged-attention kernel that reads K/V in place (CPU float32; off by default).
     """
 
     num_blocks: int | None = None
@@ -53,6 +54,8 @@ class EngineConfig:
     debug: bool = False
     # oneDNN's prepacked GEMM for the linear layers (CPU, float32; kvlab.engine.packed_linear)
     packed_linear: bool = False
+    # a C++ kernel reads K/V through the block tables in place for decodes (CPU, float32; paged_kernel.py)
+    paged_kernel: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
@@ -69,9 +72,8 @@ class EngineConfig:
         check_policy(self.isolation)
         if self.secret is not None:
             check_secret(self.secret)
-        for (
-            name
-        ) in "enable_prefix_caching enable_kv_events offload_evicted debug packed_linear".split():
+        flags = "enable_prefix_caching enable_kv_events offload_evicted debug packed_linear paged_kernel"
+        for name in flags.split():
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.enable_chunked_prefill, (bool, type(None))):

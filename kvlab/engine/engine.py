@@ -17,6 +17,7 @@ from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype
 from .offload import HostOffload
 from .packed_linear import PackedLinears, packed_linear_available
+from .paged_kernel import PagedKernel
 from .radix_adapter import engine_cache
 from .recovery import settle
 from .runner import ModelRunner
@@ -121,6 +122,9 @@ class Engine(EngineExtras):
             if why is not None:
                 raise ValueError(f"packed_linear: {why}")
             self.runner.packed = PackedLinears(model)
+        if cfg.paged_kernel:
+            # raises ValueError naming why where it cannot run (not CPU, not float32, no build)
+            self.runner.kernel = PagedKernel(self.store)
         vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
         self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
 

@@ -106,6 +106,9 @@ class PagedBatch:
     layers_run: list[int] = field(default_factory=list)
     # the sliding window each of those calls was given
     windows_run: list[int | None] = field(default_factory=list)
+    # the C++ kernel's plan of this step (EngineConfig.paged_kernel; paged_kernel.KernelStep), set by
+    # the runner
+    kernel: Any = None
 
 
 class MissingBatchError(RuntimeError):
@@ -244,6 +247,10 @@ def paged_attention_forward(
     # (T, heads, D)
     out = None if whole else torch.empty_like(q_all)
     for g in batch.groups:
+        # the groups the C++ kernel takes: read K/V in place (kvlab.engine.paged_kernel)
+        if batch.kernel is not None and batch.kernel.takes(g, group):
+            out = batch.kernel.attend(g, layer, q_all, out, scaling, sliding_window)
+            continue
         b, q_len = g.query_index.shape
         # (B, Qmax, heads, D)
         q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]

@@ -21,6 +21,7 @@ from .hooks import checked_positions
 from .kv_store import PagedKVStore
 from .packed_linear import PackedLinears
 from .paged_attention import build_batch, paged_step
+from .paged_kernel import PagedKernel
 from .recovery import describe, recover
 from .sampling import sample
 from .scheduler import ScheduledSeq
@@ -42,6 +43,8 @@ class ModelRunner:
         self.model, self.store, self.device = model, store, store.device
         # oneDNN's prepacked linear layers (EngineConfig.packed_linear), set by the engine after the probe
         self.packed: PackedLinears | None = None
+        # the C++ paged-attention kernel (EngineConfig.paged_kernel), set by the engine after the probe
+        self.kernel: PagedKernel | None = None
         self.head, self.decoder = model.get_output_embeddings(), model.base_model
         cfg = model.config
         self.text_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -114,6 +117,8 @@ class ModelRunner:
             if e >= p + len(seq.output_ids):
                 last.append(end - 1)
         batch = build_batch(self.store, [(it.start, it.end, t) for it, t in zip(items, tables)])
+        if self.kernel is not None:
+            batch.kernel = self.kernel.plan(batch)
         dev = self.device
         last = torch.tensor(last, dtype=torch.long, device=dev)
         # input_ids and position_ids (1, T)

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-packed-linear", action="store_true",
                    help="keep F.linear for the linear layers; by default a float32 model on a CPU runs them on "
                         "oneDNN's prepacked GEMM (EngineConfig.packed_linear: the same greedy tokens, faster)")
+    p.add_argument("--no-paged-kernel", action="store_true",
+                   help="keep the SDPA path for decodes; by default a float32 model on a CPU attends them with kvlab's "
+                        "C++ paged-attention kernel (EngineConfig.paged_kernel; built once per machine)")
     p.add_argument("--max-waiting", type=int, default=128, help="queued requests beyond the batch before 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-prompt-bytes", type=int, default=None,
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.engine import Engine
     from ..engine.models import load_model, model_device_dtype
     from ..engine.packed_linear import packed_linear_available
+    from ..engine.paged_kernel import paged_kernel_available
     from ..engine.tenants import check_secret
     from .app import ServeConfig, create_app
     from .tenancy import load_api_keys
@@ -95,12 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     isolation = default_isolation(args.isolation, keys)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    # the speed paths run where they can; where one cannot, the server says why and runs without it
+    speed = {}
+    for key, off, available in (("packed_linear", args.no_packed_linear, packed_linear_available),
+                                ("paged_kernel", args.no_paged_kernel, paged_kernel_available)):
+        why = None if off else available(*model_device_dtype(model))
+        speed[key] = not off and why is None
+        if why is not None:
+            print(f"kvlab serve: {key} off: {why}", file=sys.stderr)
     engine = Engine(model, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret,
-                    enable_chunked_prefill=False if args.no_chunked_prefill else None,
-                    packed_linear=not args.no_packed_linear
-                    and packed_linear_available(*model_device_dtype(model)) is None)
+                    enable_chunked_prefill=False if args.no_chunked_prefill else None, **speed)
     for text in args.public_prefix:
         engine.add_public_prefix(text)
     name = args.served_model_name or (BUNDLED_NAME if args.model is None else str(args.model))

@@ -1,0 +1,387 @@
+"""A C++ CPU kernel for paged attention that reads K/V in place: an opt-in speed path.
+
+``paged_attention_forward`` otherwise gathers each sequence's K/V out of the paged store
+(``index_select``: a copy of every block it reads) and runs SDPA on the copy. This kernel reads the
+blocks where they lie, through each sequence's block table: per (sequence, KV head) it scores every
+query row of the sequence against the keys it may see, takes the softmax and sums the values, and
+never writes the gathered K/V anywhere. It is built once per machine with
+``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja; the build is cached under
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/kvlab/torch_extensions``), runs in float32 on a CPU and is
+parallel (OpenMP) over (sequence, KV head).
+
+What it computes is exactly what the SDPA path computes, in another order of float32 sums: query row
+``j`` of a sequence whose step starts at position ``s`` sees the keys at positions ``p`` with
+``p <= s + j`` (and ``p > s + j - window`` under a sliding window); query head ``h`` reads KV head
+``h // (heads // kv_heads)``; scores are scaled by ``scale`` (default ``1 / sqrt(head_dim)``). The
+softmax is either online (one pass over the keys, a running max per row; the default, see
+``MODE``) or two passes (all scores, then the values).
+
+It is used per group of sequences (``paged_attention.AttnGroup``) where it is faster than the gather
++ SDPA path: groups whose longest query is at most ``MAX_QUERY`` tokens (decodes, speculative or
+short chunks). Longer queries (a prefill of hundreds of tokens) are GEMM-shaped: SDPA stays there.
+Enabled by ``EngineConfig.paged_kernel`` (off by default; ``kvlab serve`` turns it on for a float32
+CPU model).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_QUERY", "MODE", "KernelStep", "PagedKernel", "load", "paged_kernel_available"]
+
+# longest query (tokens of one sequence in a step) a group may have to be attended by the kernel
+MAX_QUERY = 1
+# 0: online softmax (one pass, a running max per row); 1: two passes (scores, then values)
+MODE = 0
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// e^x for x <= 0 (a score minus its row's max) by Cephes' expf polynomial: no call and no
+// branch, so a loop of it vectorises; e^x for x < -87 is taken as e^-87 (~1.6e-38)
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  // x - n * ln 2 in two parts (ln 2 = 0.693359375 - 2.12194440e-4)
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  // 2^n from its exponent bits
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float p;
+  std::memcpy(&p, &bits, sizeof p);
+  return y * p;
+}
+
+// x[i] = e^(x[i] - sub) for i < n; returns their sum
+inline float exp_sub_sum(float* x, int64_t n, float sub) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = exp_nonpos(x[i] - sub);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// scores s[t] = q . k[t] of nt keys (rows of n floats): four keys at a time, each an OpenMP simd
+// reduction (vector lanes over d, added up once per key)
+inline void dots(float* __restrict__ s, const float* __restrict__ q, const float* __restrict__ k,
+                 int64_t nt, int64_t n) {
+  int64_t t = 0;
+  for (; t + 4 <= nt; t += 4) {
+    const float* k0 = k + t * n;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t d = 0; d < n; ++d) {
+      s0 += q[d] * k0[d];
+      s1 += q[d] * k0[n + d];
+      s2 += q[d] * k0[2 * n + d];
+      s3 += q[d] * k0[3 * n + d];
+    }
+    s[t] = s0;
+    s[t + 1] = s1;
+    s[t + 2] = s2;
+    s[t + 3] = s3;
+  }
+  for (; t < nt; ++t) {
+    float s0 = 0.0f;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t d = 0; d < n; ++d) s0 += q[d] * k[t * n + d];
+    s[t] = s0;
+  }
+}
+
+// y[d] = y[d] * c + sum over t of p[t] * v[t][d]
+inline void scale_add(float* __restrict__ y, float c, const float* __restrict__ p,
+                      const float* __restrict__ v, int64_t nt, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] *= c;
+  for (int64_t t = 0; t < nt; ++t) {
+    const float w = p[t];
+    const float* vt = v + t * n;
+    for (int64_t d = 0; d < n; ++d) y[d] += w * vt[d];
+  }
+}
+
+// ask for a block's K and V (n floats each, from offset) ahead of their use: blocks lie anywhere in
+// the store, so the hardware prefetcher cannot guess the next one
+inline void prefetch_block(const float* k, const float* v, int64_t offset, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __builtin_prefetch(k + offset + i);
+    __builtin_prefetch(v + offset + i);
+  }
+}
+
+}  // namespace
+
+// q, out: (T, heads, D), any strides with D's stride 1; k_pages, v_pages: (kv_heads, blocks,
+// block_size, D) contiguous; rows, qlens, qstarts: (B,) the first packed row of each sequence, its
+// query length, the position of its first query token; tables: (B, M) block ids. window <= 0: none.
+void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Tensor v_pages,
+            torch::Tensor rows, torch::Tensor qlens, torch::Tensor qstarts, torch::Tensor tables,
+            double scale, int64_t window, int64_t mode) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(k_pages.scalar_type() == at::kFloat && v_pages.scalar_type() == at::kFloat,
+              "float32 pages only");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1,
+              "q and out: (T, heads, D) with unit stride in D");
+  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous() && k_pages.dim() == 4,
+              "pages: contiguous (kv_heads, blocks, block_size, D)");
+  TORCH_CHECK(tables.is_contiguous() && tables.dim() == 2, "tables: contiguous (B, M)");
+  for (const auto& t : {rows, qlens, qstarts, tables})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "metadata: contiguous int64");
+  const int64_t kvh = k_pages.size(0), nb = k_pages.size(1), bs = k_pages.size(2);
+  const int64_t dim = k_pages.size(3), heads = q.size(1), batch = rows.size(0);
+  const int64_t m = tables.size(1);
+  TORCH_CHECK(heads % kvh == 0 && q.size(2) == dim && out.size(2) == dim, "bad head shapes");
+  const int64_t group = heads / kvh;
+  const int64_t qs_t = q.stride(0), qs_h = q.stride(1), os_t = out.stride(0), os_h = out.stride(1);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* kp = k_pages.data_ptr<float>();
+  const float* vp = v_pages.data_ptr<float>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = qlens.data_ptr<int64_t>();
+  const int64_t* sp = qstarts.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  const int64_t ntask = batch * kvh;
+  const float inf = std::numeric_limits<float>::infinity();
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t task = 0; task < ntask; ++task) {
+    const int64_t b = task / kvh, kh = task % kvh;
+    const int64_t ql = lp[b], q0 = sp[b], row0 = rp[b];
+    const int64_t* table = tp + b * m;
+    // query rows of this KV head: (token j, head g) -> row j * group + g
+    const int64_t nrows = ql * group;
+    // keys any row sees: [lo_all, hi_all)
+    const int64_t hi_all = q0 + ql;
+    const int64_t lo_all = window > 0 ? std::max<int64_t>(0, q0 + 1 - window) : 0;
+    thread_local std::vector<float> buf;
+    const int64_t span = hi_all - lo_all;
+    const int64_t need = nrows * dim * 2 + nrows * 2 + (mode == 1 ? nrows * span : bs);
+    if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+    float* qs = buf.data();
+    float* acc = qs + nrows * dim;
+    float* mx = acc + nrows * dim;
+    float* sum = mx + nrows;
+    float* scores = sum + nrows;
+    for (int64_t r = 0; r < nrows; ++r) {
+      const int64_t j = r / group, h = kh * group + r % group;
+      const float* src = qp + (row0 + j) * qs_t + h * qs_h;
+      for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = src[d] * sc;
+      std::fill(acc + r * dim, acc + (r + 1) * dim, 0.0f);
+      mx[r] = -inf;
+      sum[r] = 0.0f;
+    }
+    const int64_t first = lo_all / bs, last = (hi_all + bs - 1) / bs;
+    // keys of row r: [lo(r), hi(r))
+    auto hi = [&](int64_t r) { return q0 + r / group + 1; };
+    auto lo = [&](int64_t r) {
+      return window > 0 ? std::max<int64_t>(0, q0 + r / group + 1 - window) : int64_t(0);
+    };
+    if (mode == 1) {
+      // pass 1: every score of every row, scores[r * span + key - lo_all]
+      for (int64_t blk = first; blk < last; ++blk) {
+        const int64_t base = (kh * nb + table[blk]) * bs, t0 = blk * bs;
+        for (int64_t r = 0; r < nrows; ++r) {
+          const int64_t a = std::max(lo(r), t0), e = std::min(hi(r), t0 + bs);
+          if (a < e)
+            dots(scores + r * span + a - lo_all, qs + r * dim, kp + (base + a - t0) * dim, e - a,
+                 dim);
+        }
+      }
+      for (int64_t r = 0; r < nrows; ++r) {
+        float* s = scores + r * span + lo(r) - lo_all;
+        const int64_t n = hi(r) - lo(r);
+        float top = -inf;
+        for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+        mx[r] = top;
+        sum[r] = exp_sub_sum(s, n, top);
+      }
+      // pass 2: the values, weighted
+      for (int64_t blk = first; blk < last; ++blk) {
+        const int64_t base = (kh * nb + table[blk]) * bs, t0 = blk * bs;
+        for (int64_t r = 0; r < nrows; ++r) {
+          const int64_t a = std::max(lo(r), t0), e = std::min(hi(r), t0 + bs);
+          if (a < e)
+            scale_add(acc + r * dim, 1.0f, scores + r * span + a - lo_all,
+                      vp + (base + a - t0) * dim, e - a, dim);
+        }
+      }
+    } else {
+      // one pass: per block, each row's scores, its running max and sum, its rescaled values
+      for (int64_t blk = first; blk < last; ++blk) {
+        const int64_t base = (kh * nb + table[blk]) * bs, t0 = blk * bs;
+        if (blk + 1 < last) prefetch_block(kp, vp, (kh * nb + table[blk + 1]) * bs * dim, bs * dim);
+        for (int64_t r = 0; r < nrows; ++r) {
+          const int64_t a = std::max(lo(r), t0), e = std::min(hi(r), t0 + bs);
+          if (a >= e) continue;
+          dots(scores, qs + r * dim, kp + (base + a - t0) * dim, e - a, dim);
+          float top = mx[r];
+          for (int64_t t = 0; t < e - a; ++t) top = std::max(top, scores[t]);
+          // e^(old max - new max): 0 for the first block (old max -inf)
+          const float c = mx[r] == -inf ? 0.0f : exp_nonpos(mx[r] - top);
+          const float add = exp_sub_sum(scores, e - a, top);
+          sum[r] = sum[r] * c + add;
+          mx[r] = top;
+          scale_add(acc + r * dim, c, scores, vp + (base + a - t0) * dim, e - a, dim);
+        }
+      }
+    }
+    for (int64_t r = 0; r < nrows; ++r) {
+      const int64_t j = r / group, h = kh * group + r % group;
+      float* dst = op + (row0 + j) * os_t + h * os_h;
+      const float inv = 1.0f / sum[r];
+      for (int64_t d = 0; d < dim; ++d) dst[d] = acc[r * dim + d] * inv;
+    }
+  }
+}
+"""
+
+_DECL = (
+    "void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Tensor v_pages, "
+    "torch::Tensor rows, torch::Tensor qlens, torch::Tensor qstarts, torch::Tensor tables, "
+    "double scale, int64_t window, int64_t mode);"
+)
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def build_directory() -> Path:
+    """The build folder: ``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/kvlab/torch_extensions``."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kvlab" / "torch_extensions"
+
+
+@functools.cache
+def load() -> Any:
+    """The compiled kernel module (built on first use, then loaded from the build directory)."""
+    from torch.utils import cpp_extension
+
+    # -march=native: a build is for the CPU that made it, so the CPU's kind is part of its name
+    cpu = torch.backends.cpu.get_cpu_capability()
+    key = "\n".join([_SOURCE, *_FLAGS, cpu, torch.__version__]).encode()
+    name = f"kvlab_paged_kernel_{hashlib.sha256(key).hexdigest()[:12]}"
+    path = build_directory() / name
+    path.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load_inline(
+        name,
+        cpp_sources=[_DECL, _SOURCE],
+        functions=["attend"],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(path),
+        verbose=False,
+    )
+
+
+def paged_kernel_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the kernel can run here (building it if needed), else why not (a sentence)."""
+    if device.type != "cpu":
+        return f"it runs on a CPU only (the model is on {device.type})"
+    if dtype != torch.float32:
+        return f"it is written for float32 only (the model is {dtype})"
+    try:
+        load()
+    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error) is the
+    # reason the feature is refused; the engine raises it as a ValueError naming it
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"its C++ build failed ({type(e).__name__}: {first[:300]})"
+    return None
+
+
+class KernelStep:
+    """One step's metadata for the groups the kernel attends (``PagedBatch.kernel``)."""
+
+    def __init__(self, kernel: PagedKernel, batch: Any) -> None:
+        self.kernel = kernel
+        # id(group) -> (rows, qlens, qstarts, tables); the groups live as long as the batch
+        self.meta: dict[int, tuple[torch.Tensor, ...]] = {}
+        for g in batch.groups:
+            if g.query_index.shape[1] <= kernel.max_query:
+                # (B,) each: first packed row, query length, position of the first query token
+                rows, qstarts = g.query_index[:, 0].contiguous(), g.query_pos[:, 0].contiguous()
+                qlens = g.query_valid.sum(1)
+                self.meta[id(g)] = (rows, qlens, qstarts, g.block_tables.contiguous())
+
+    def takes(self, g: Any, group: int) -> bool:
+        """Whether the kernel attends group ``g`` (``group`` query heads per KV head).
+
+        On one thread, not where the sequences share most of their blocks (on average each block in
+        two tables or more) and the SDPA path attends the union of the group's blocks: each shared
+        block read once for all of them in one GEMM-shaped attention, measured faster there (16
+        decodes after a 512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer).
+        On two threads the kernel won that case too (0.8 ms against 1.03 ms): its (sequence, KV
+        head) tasks share the threads, the union's one attention of 3 KV heads did not speed up."""
+        from .paged_attention import _plan_union
+
+        if id(g) not in self.meta:
+            return False
+        if g.union is False or torch.get_num_threads() > 1:
+            return True
+        total = sum(len(t) for t in g.tables)
+        if total < 2 * len({blk for t in g.tables for blk in t}):
+            return True
+        # decided once per step, at its first layer, as the SDPA path would
+        return not (g.union or _plan_union(g, group, self.kernel.store.k_pages.element_size()))
+
+    def attend(
+        self,
+        g: Any,
+        layer: int,
+        q_all: torch.Tensor,
+        out: torch.Tensor | None,
+        scaling: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Attend ``g``'s rows of ``q_all`` (T, heads, D) into ``out`` (made if None); return it."""
+        store = self.kernel.store
+        if out is None:
+            out = torch.empty(q_all.shape, dtype=q_all.dtype, device=q_all.device)
+        q = q_all if q_all.stride(-1) == 1 else q_all.contiguous()
+        scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        rows, qlens, qstarts, tables = self.meta[id(g)]
+        k, v = store.k_pages[layer], store.v_pages[layer]
+        # named in a profile's table (scripts/profile_step.py), beside the ATen ops
+        with torch.profiler.record_function("kvlab::paged_kernel"):
+            self.kernel.module.attend(
+                q, out, k, v, rows, qlens, qstarts, tables, scale, window or 0, self.kernel.mode
+            )
+        return out
+
+
+class PagedKernel:
+    """The kernel for one engine's store: ``plan(batch)`` gives a step the groups it attends."""
+
+    def __init__(self, store: Any, max_query: int = MAX_QUERY, mode: int = MODE) -> None:
+        why = paged_kernel_available(store.device, store.k_pages.dtype)
+        if why is not None:
+            raise ValueError(f"paged_kernel: {why}")
+        self.store, self.max_query, self.mode, self.module = store, max_query, mode, load()
+
+    def plan(self, batch: Any) -> KernelStep:
+        """The step's kernel: the metadata of the groups it attends."""
+        return KernelStep(self, batch)
