@@ -59,12 +59,14 @@ def test_packed_engine_gives_hf_greedy_tokens_on_the_passphrase_workload(lm, wor
     assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
 
 
+@pytest.mark.parametrize("option, why", [("packed_linear", "it is wired for float32 only"),
+                                         ("paged_kernel", "it is written for float32 only")])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_packed_linear_is_refused_where_it_cannot_run_naming_why(lm, dtype):
+def test_speed_paths_are_refused_where_they_cannot_run_naming_why(lm, dtype, option, why):
     model, tok = lm
     other = copy.deepcopy(model).to(dtype)  # the shared fixture stays float32
-    with pytest.raises(ValueError, match="packed_linear: it is wired for float32 only"):
-        Engine(other, tok, num_blocks=16, packed_linear=True)
+    with pytest.raises(ValueError, match=f"{option}: {why}"):
+        Engine(other, tok, num_blocks=16, **{option: True})
 
 
 def test_packed_linear_must_be_a_bool():

@@ -6,7 +6,6 @@ passphrase workload here and on every test architecture (tests/engine/test_archi
 it cannot run, the engine refuses at construction naming why. The first test on a fresh machine pays
 the kernel's one-time build (about 30 s on the project's 2-core machine)."""
 
-import copy
 import random
 from types import SimpleNamespace
 
@@ -116,12 +115,7 @@ def test_kernel_engine_gives_hf_greedy_tokens_on_the_passphrase_workload(lm, wor
         assert not mismatches, f"{len(mismatches)} of 48 differ from HF generate (packed_linear={packed})"
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_paged_kernel_is_refused_where_it_cannot_run_naming_why(lm, dtype):
-    model, tok = lm
-    other = copy.deepcopy(model).to(dtype)  # the shared fixture stays float32
-    with pytest.raises(ValueError, match="paged_kernel: it is written for float32 only"):
-        Engine(other, tok, num_blocks=16, paged_kernel=True)
+# another dtype: refused like packed_linear (tests/engine/test_packed_linear.py checks both)
 
 
 def test_a_failed_build_is_refused_naming_why(lm, monkeypatch):
