@@ -320,6 +320,8 @@ class KernelStep:
         self.kernel = kernel
         # id(group) -> (rows, qlens, qstarts, tables); the groups live as long as the batch
         self.meta: dict[int, tuple[torch.Tensor, ...]] = {}
+        # id(group) -> whether the kernel attends it (``takes``)
+        self.decided: dict[int, bool] = {}
         for g in batch.groups:
             if g.query_index.shape[1] <= kernel.max_query:
                 # (B,) each: first packed row, query length, position of the first query token
@@ -336,16 +338,22 @@ class KernelStep:
         decodes after a 512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer).
         On two threads the kernel won that case too (0.8 ms against 1.03 ms): its (sequence, KV
         head) tasks share the threads, the union's one attention of 3 KV heads did not speed up."""
-        from .paged_attention import _plan_union
-
         if id(g) not in self.meta:
             return False
+        # decided once per step, at its first layer (every layer asks the same question)
+        if id(g) not in self.decided:
+            self.decided[id(g)] = self._takes(g, group)
+        return self.decided[id(g)]
+
+    def _takes(self, g: Any, group: int) -> bool:
+        from .paged_attention import _plan_union
+
         if g.union is False or torch.get_num_threads() > 1:
             return True
         total = sum(len(t) for t in g.tables)
         if total < 2 * len({blk for t in g.tables for blk in t}):
             return True
-        # decided once per step, at its first layer, as the SDPA path would
+        # as the SDPA path would decide it
         return not (g.union or _plan_union(g, group, self.kernel.store.k_pages.element_size()))
 
     def attend(
