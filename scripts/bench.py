@@ -74,12 +74,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="kvlab's engines use oneDNN's prepacked GEMM (EngineConfig.packed_linear; CPU float32)")
     ap.add_argument("--paged-kernel", action="store_true",
                     help="kvlab's engines attend decodes with the C++ paged-attention kernel (EngineConfig.paged_kernel)")
+    ap.add_argument("--fused-layers", action="store_true",
+                    help="kvlab's engines run a Llama with fused prepacked GEMMs (EngineConfig.fused_layers)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "bench.json"))
     args = ap.parse_args(argv)
     if args.packed_linear:
         B.ENGINE_OPTIONS["packed_linear"] = True
     if args.paged_kernel:
         B.ENGINE_OPTIONS["paged_kernel"] = True
+    if args.fused_layers:
+        B.ENGINE_OPTIONS["fused_layers"] = True
 
     device = resolve_device(args.device)
     if args.smoke:

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--packed-linear", action="store_true", help="oneDNN's prepacked GEMM (EngineConfig.packed_linear)")
     ap.add_argument("--paged-kernel", action="store_true",
                     help="the C++ paged-attention kernel for decodes (EngineConfig.paged_kernel)")
+    ap.add_argument("--fused-layers", action="store_true",
+                    help="a Llama run with fused prepacked GEMMs (EngineConfig.fused_layers)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench"), help="folder of profile_{decode,prefill}.txt")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         B.ENGINE_OPTIONS["packed_linear"] = True
     if args.paged_kernel:
         B.ENGINE_OPTIONS["paged_kernel"] = True
+    if args.fused_layers:
+        B.ENGINE_OPTIONS["fused_layers"] = True
     model, _ = load_model(args.model, device="cpu", dtype="float32")
     model.generation_config.eos_token_id = None
     wl = sys512(model.config.vocab_size)

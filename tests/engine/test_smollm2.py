@@ -301,3 +301,19 @@ def test_engine_greedy_identical_to_hf_generate(smol, reference, caching):
         assert out.finish_reason == ("stop" if reference[name][-1] in engine.eos_ids else "length")
     shared = outs["passphrase-2"].num_cached_tokens  # the system prompt's whole blocks
     assert shared > 0 if caching else engine.stats()["hit_tokens"] == 0
+
+
+def test_the_servers_speed_paths_keep_hf_greedy_tokens(smol, reference):
+    """``kvlab serve``'s default on SmolLM2 (a float32 Llama on a CPU): packed linear, the kernel, fused layers."""
+    from kvlab.engine import Engine, SamplingParams
+    from kvlab.serve.__main__ import speed_paths
+
+    model, tok, prompts = smol
+    speed, whys = speed_paths(model)
+    assert speed == dict.fromkeys(("packed_linear", "paged_kernel", "fused_layers"), True), whys
+    engine = Engine(model, tok, num_blocks=64, block_size=16, **speed)
+    names = list(prompts)
+    outs = engine.generate([prompts[names[0]]], SamplingParams(max_tokens=MAX_NEW))
+    outs += engine.generate([prompts[n] for n in names[1:]], SamplingParams(max_tokens=MAX_NEW))
+    for name, out in zip(names, outs):
+        assert out.output_ids == reference[name], (name, tok.decode(out.output_ids), tok.decode(reference[name]))
