@@ -3,12 +3,12 @@
 transformers' ``LlamaModel.forward`` makes seven ``F.linear`` calls per layer and a few dozen Python calls
 around them. A decode step is bound by reading the weights: on this project's 2-core machine oneDNN's
 prepacked GEMM read them faster when q/k/v were one matrix and gate/up another (one call each, the same
-bytes), and the Python around the layers cost a few milliseconds a step (``scripts/bench.py
---fused-layers`` prints the measurement). So this path runs the model's own modules where they are cheap
-(the embedding, RMSNorm, the rotary embedding, the activation, the final norm), HF's own
-``apply_rotary_pos_emb``, kvlab's paged attention, and four prepacked GEMMs per layer: ``[q; k; v]``,
-``o``, ``[gate; up]``, ``down``. The model is not changed: the fused weights are packed copies beside it,
-packed again when a weight changed in place.
+bytes), and the Python around the layers cost a few milliseconds a step (A/B: ``scripts/profile_step.py``
+with and without ``--fused-layers``). So this path runs the model's own modules where they are cheap (the
+embedding, RMSNorm, the rotary embedding, the activation, the final norm), HF's RoPE formula (its
+``rotate_half``) on q's and k's heads at once, kvlab's paged attention, and four prepacked GEMMs per
+layer: ``[q; k; v]``, ``o``, ``[gate; up]``, ``down``. The model is not changed: the fused weights are
+packed copies beside it, packed again when a weight or bias changed in place.
 
 An allow-list: exactly transformers' ``LlamaForCausalLM`` with its own layer classes, no forward hooks on
 any module, a CPU float32 model with oneDNN. Anything else is refused at construction with the reason.
@@ -87,7 +87,7 @@ class FusedLlama:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kvlab_batch: Any,
                  use_cache: bool = False) -> tuple[torch.Tensor]:
         """``(hidden,)``: the final-norm hidden states ``(1, T, hidden)`` of the packed step."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        from transformers.models.llama.modeling_llama import rotate_half
 
         dec = self.decoder
         # (1, T, hidden)
@@ -97,10 +97,14 @@ class FusedLlama:
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = self._gemm(i, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj], layer.input_layernorm(x))
+            nq, nk = attn.q_proj.out_features, attn.k_proj.out_features
+            # RoPE on q's and k's heads at once, (1, T, heads + kv_heads, D): HF's elementwise formula, so
+            # every element is what apply_rotary_pos_emb gives it, in half the calls
+            qk = qkv[..., : nq + nk].view(1, t, -1, attn.head_dim)
+            qk = qk * cos[:, :, None] + rotate_half(qk) * sin[:, :, None]
             # (1, heads or kv_heads, T, D) each
-            q, k, v = (y.view(1, t, -1, attn.head_dim).transpose(1, 2) for y in qkv.split(
-                [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1))
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = qk[:, :, : nq // attn.head_dim].transpose(1, 2), qk[:, :, nq // attn.head_dim :].transpose(1, 2)
+            v = qkv[..., nq + nk :].view(1, t, -1, attn.head_dim).transpose(1, 2)
             o, _ = paged_attention_forward(attn, q, k, v, None, scaling=attn.scaling, kvlab_batch=kvlab_batch)
             x = x + self._gemm(i, "o", [attn.o_proj], o.reshape(1, t, -1).contiguous())
             gate, up = self._gemm(i, "gate_up", [mlp.gate_proj, mlp.up_proj], layer.post_attention_layernorm(x)
