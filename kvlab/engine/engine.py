@@ -17,7 +17,7 @@ from .intake import Checked, Intake, per_prompt
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype
 from .offload import HostOffload
-from .packed_linear import PackedLinears, packed_linear_available
+from .packed_linear import PackedLinears
 from .paged_kernel import PagedKernel
 from .radix_adapter import engine_cache
 from .recovery import settle
@@ -119,9 +119,7 @@ class Engine(EngineExtras):
         # probes the model: may refuse it
         self.runner = ModelRunner(model, self.store)
         if cfg.packed_linear:
-            why = packed_linear_available(self.device, self.dtype)
-            if why is not None:
-                raise ValueError(f"packed_linear: {why}")
+            # raises ValueError naming why where it cannot run (not CPU float32, no oneDNN)
             self.runner.packed = PackedLinears(model)
         if cfg.paged_kernel:
             # raises ValueError naming why where it cannot run (not CPU, not float32, no build)

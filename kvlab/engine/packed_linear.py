@@ -50,6 +50,11 @@ class PackedLinears:
     """The model's float32 CPU ``nn.Linear`` weights (plain layers, no subclasses), each packed once."""
 
     def __init__(self, model: Any) -> None:
+        """Refuses a model it cannot run (``ValueError`` naming why): its first parameter's device and dtype."""
+        p = next(model.parameters())
+        why = packed_linear_available(p.device, p.dtype)
+        if why is not None:
+            raise ValueError(f"packed_linear: {why}")
         # id -> the weight itself (the identity check keeps a reused id from matching)
         self._weights = {
             id(m.weight): m.weight
