@@ -11,7 +11,9 @@ layer: ``[q; k; v]``, ``o``, ``[gate; up]``, ``down``. The model is not changed:
 packed copies beside it, packed again when a weight or bias changed in place.
 
 An allow-list: exactly transformers' ``LlamaForCausalLM`` with its own layer classes, no forward hooks on
-any module, a CPU float32 model with oneDNN. Anything else is refused at construction with the reason.
+any module, a CPU float32 model with oneDNN. Anything else is refused at construction with the reason. A
+forward hook registered later (on a module, or globally) is seen at the next step: that step runs
+transformers' own layers, so the hook runs.
 The float32 sums of a fused GEMM may round differently from three separate ones; the tests check that
 greedy tokens still equal HF ``generate``'s.
 """
@@ -65,6 +67,7 @@ class FusedLlama:
             raise ValueError(f"fused_layers: {why}")
         self.decoder = model.model
         self.layers = list(self.decoder.layers[: model.config.num_hidden_layers])
+        self.modules = list(model.modules())
         # (layer, part) -> (the weights' and biases' (data_ptr, _version), packed weight, bias)
         self._packed: dict[tuple[int, str], tuple[tuple, torch.Tensor, torch.Tensor | None]] = {}
 
@@ -87,9 +90,15 @@ class FusedLlama:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kvlab_batch: Any,
                  use_cache: bool = False) -> tuple[torch.Tensor]:
         """``(hidden,)``: the final-norm hidden states ``(1, T, hidden)`` of the packed step."""
+        from torch.nn.modules import module as nn_module
         from transformers.models.llama.modeling_llama import rotate_half
 
         dec = self.decoder
+        # a hook registered since construction: transformers' own layers run it (this loop would skip it)
+        if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)):
+            return (dec(input_ids=input_ids, position_ids=position_ids, kvlab_batch=kvlab_batch,
+                        use_cache=use_cache)[0],)
         # (1, T, hidden)
         x = dec.embed_tokens(input_ids)
         t = x.shape[1]

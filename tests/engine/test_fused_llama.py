@@ -111,3 +111,20 @@ def test_fused_layers_are_refused_where_they_cannot_run_naming_why(llama, lm):
     assert fused_layers_available(llama) is None
     with pytest.raises(TypeError, match="fused_layers must be a bool"):
         EngineConfig(fused_layers=1)
+
+
+def test_a_hook_registered_after_construction_runs_through_transformers_own_layers(llama):
+    model = copy.deepcopy(llama)
+    prompts = _prompts()
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, fused_layers=True)
+    calls = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: calls.append(1))
+    try:
+        outs = engine.generate(prompts[:2], SamplingParams(max_tokens=NEW))
+    finally:
+        handle.remove()
+    assert [o.output_ids for o in outs] == _hf(llama, prompts[:2])
+    assert calls, "the hook did not run: the fused loop skipped it"
+    seen = len(calls)
+    outs = engine.generate(prompts[2:3], SamplingParams(max_tokens=NEW))  # removed: the fused loop again
+    assert len(calls) == seen and [o.output_ids for o in outs] == _hf(llama, prompts[2:3])
