@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from .packed_linear import packed_linear_available
 from .paged_attention import paged_attention_forward
@@ -51,11 +52,15 @@ def fused_layers_available(model: Any) -> str | None:
                  (layer.input_layernorm, norm_cls), (layer.post_attention_layernorm, norm_cls))
         if any(type(m) is not cls for m, cls in parts):
             return f"layer {i} is not transformers' own Llama layer"
-    hooked = [name or "the model" for name, m in model.named_modules()
-              if m._forward_hooks or m._forward_pre_hooks]
-    if hooked:
-        return f"forward hooks are registered on {hooked[0]}, and this path would skip them"
-    return None
+    hooked = _hooked(list(model.named_modules()))
+    return None if hooked is None else f"forward hooks are registered on {hooked}, and this path would skip them"
+
+
+def _hooked(named: list[tuple[str, torch.nn.Module]]) -> str | None:
+    """The first of ``named`` (name, module) with a forward hook ("every module": a global one), or None."""
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return "every module (globally)"
+    return next((name or "the model" for name, m in named if m._forward_hooks or m._forward_pre_hooks), None)
 
 
 class FusedLlama:
@@ -67,7 +72,7 @@ class FusedLlama:
             raise ValueError(f"fused_layers: {why}")
         self.decoder = model.model
         self.layers = list(self.decoder.layers[: model.config.num_hidden_layers])
-        self.modules = list(model.modules())
+        self.named_modules = list(model.named_modules())
         # (layer, part) -> (the weights' and biases' (data_ptr, _version), packed weight, bias)
         self._packed: dict[tuple[int, str], tuple[tuple, torch.Tensor, torch.Tensor | None]] = {}
 
@@ -90,13 +95,11 @@ class FusedLlama:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kvlab_batch: Any,
                  use_cache: bool = False) -> tuple[torch.Tensor]:
         """``(hidden,)``: the final-norm hidden states ``(1, T, hidden)`` of the packed step."""
-        from torch.nn.modules import module as nn_module
         from transformers.models.llama.modeling_llama import rotate_half
 
         dec = self.decoder
         # a hook registered since construction: transformers' own layers run it (this loop would skip it)
-        if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-                or any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)):
+        if _hooked(self.named_modules) is not None:
             return (dec(input_ids=input_ids, position_ids=position_ids, kvlab_batch=kvlab_batch,
                         use_cache=use_cache)[0],)
         # (1, T, hidden)

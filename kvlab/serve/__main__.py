@@ -86,16 +86,13 @@ def speed_paths(model, off: set[str] = frozenset()) -> tuple[dict[str, bool], di
     from ..engine.packed_linear import packed_linear_available
     from ..engine.paged_kernel import paged_kernel_available
 
-    speed, whys = {}, {}
-    on_device = lambda f: lambda m: f(*model_device_dtype(m))  # noqa: E731
-    for key, available in (("packed_linear", on_device(packed_linear_available)),
-                           ("paged_kernel", on_device(paged_kernel_available)),
-                           ("fused_layers", fused_layers_available)):
-        why = None if key in off else available(model)
-        speed[key] = key not in off and why is None
-        if why is not None:
-            whys[key] = why
-    return speed, whys
+    device, dtype = model_device_dtype(model)
+    # each: None where it runs, else why not
+    checks = {"packed_linear": lambda: packed_linear_available(device, dtype),
+              "paged_kernel": lambda: paged_kernel_available(device, dtype),
+              "fused_layers": lambda: fused_layers_available(model)}
+    whys = {key: why for key, check in checks.items() if key not in off and (why := check()) is not None}
+    return {key: key not in off and key not in whys for key in checks}, whys
 
 
 def main(argv: list[str] | None = None) -> int:
