@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="no in-process round (the measured load on an Engine here, without HTTP)")
     p.add_argument("--out", default=str(ROOT / "build" / "bench" / "serve.json"))
     args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error(f"--threads must be 0 (kvlab serve's default) or more, got {args.threads}")
     prompts = distinct_prompts(args.systems, args.questions)
     tmp = Path(tempfile.mkdtemp(prefix="kvlab-serve-bench-"))
     before, after = kvlab_phases(args)
