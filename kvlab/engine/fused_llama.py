@@ -66,6 +66,9 @@ def _hooked(named: list[tuple[str, torch.nn.Module]]) -> str | None:
 class FusedLlama:
     """The decoder of a ``LlamaForCausalLM``, called as the runner calls ``model.base_model``."""
 
+    # the runner need not send this decoder's F.linear calls to the packed GEMM (it makes none)
+    packs_own_gemms = True
+
     def __init__(self, model: Any) -> None:
         why = fused_layers_available(model)
         if why is not None:

@@ -74,8 +74,11 @@ class ModelRunner:
         ``W @ x.T`` for a plain ``nn.Linear`` (issue 15: 0.58x ``F.linear``'s time, 16 rows of Qwen2.5's head).
         """
         head = self.head
-        # under packed_linear the head's own F.linear goes to the packed GEMM (PackedLinears.active)
-        if self.fast_head and self.packed is None:
+        # under packed_linear: the head's packed GEMM (packed_linear.PackedLinears)
+        packed = self.packed.packed(head.weight) if self.fast_head and self.packed is not None else None
+        if packed is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, head.bias, "none", [], "")
+        elif self.fast_head:
             # (vocab, hidden) @ (hidden, N) -> (N, vocab)
             logits = (head.weight @ hidden.T).T
             logits = (logits if head.bias is None else logits + head.bias).contiguous()
@@ -117,15 +120,15 @@ class ModelRunner:
             if e >= p + len(seq.output_ids):
                 last.append(end - 1)
         batch = build_batch(self.store, [(it.start, it.end, t) for it, t in zip(items, tables)])
-        if self.kernel is not None:
-            batch.kernel = self.kernel.plan(batch)
+        batch.kernel = None if self.kernel is None else self.kernel.plan(batch)
         dev = self.device
         last = torch.tensor(last, dtype=torch.long, device=dev)
         # input_ids and position_ids (1, T)
         kwargs = dict(input_ids=torch.tensor([ids], device=dev), use_cache=False, kvlab_batch=batch)
         kwargs["position_ids"] = torch.tensor([pos], device=dev)
-        packed = contextlib.nullcontext() if self.packed is None else self.packed.active()
-        with paged_step(), packed:
+        # F.linear to the packed GEMM, unless the decoder packs its own GEMMs (FusedLlama)
+        bare = self.packed is None or (self.head_seam and getattr(self.decoder, "packs_own_gemms", False))
+        with paged_step(), contextlib.nullcontext() if bare else self.packed.active():
             if self.head_seam:
                 # hidden (1, T, H) -> (num_sampling, vocab)
                 logits = self.lm_head(self.decoder(**kwargs)[0][0, last])
@@ -148,8 +151,7 @@ class ModelRunner:
         and ``positions[i]`` are item i's block table and positions (``forward``). The model is switched to the
         paged attention first, once per busy period (``attach``).
         """
-        if self.model.config._attn_implementation != self.attention:
-            self.attach()
+        self.attach()
         try:
             packed = self.forward(items, tables, positions)
         # broad on purpose: one request's failure (any error of the model's forward) must not reach the others
