@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
+from . import fused_ops
 from .packed_linear import packed_linear_available
 from .paged_attention import paged_attention_forward
 
@@ -52,6 +53,16 @@ def fused_layers_available(model: Any) -> str | None:
                  (layer.input_layernorm, norm_cls), (layer.post_attention_layernorm, norm_cls))
         if any(type(m) is not cls for m, cls in parts):
             return f"layer {i} is not transformers' own Llama layer"
+    if type(model.model.norm) is not norm_cls:
+        return "its final norm is not transformers' LlamaRMSNorm"
+    if model.config.hidden_act != "silu":
+        return f"its MLP runs SiLU only (this one's activation is {model.config.hidden_act!r})"
+    try:
+        fused_ops.load()
+    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error) is the reason
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"its C++ ops' build failed ({type(e).__name__}: {first[:300]})"
     hooked = _hooked(list(model.named_modules()))
     return None if hooked is None else f"forward hooks are registered on {hooked}, and this path would skip them"
 
@@ -73,56 +84,72 @@ class FusedLlama:
         why = fused_layers_available(model)
         if why is not None:
             raise ValueError(f"fused_layers: {why}")
+        self.ops = fused_ops.load()
         self.decoder = model.model
         self.layers = list(self.decoder.layers[: model.config.num_hidden_layers])
         self.named_modules = list(model.named_modules())
-        # (layer, part) -> (the weights' and biases' (data_ptr, _version), packed weight, bias)
-        self._packed: dict[tuple[int, str], tuple[tuple, torch.Tensor, torch.Tensor | None]] = {}
+        # each layer's GEMMs: part -> the linear layers stacked into it
+        self.parts = [{"qkv": [a.q_proj, a.k_proj, a.v_proj], "o": [a.o_proj],
+                       "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj], "down": [layer.mlp.down_proj]}
+                      for layer in self.layers for a in [layer.self_attn]]
+        # every weight and bias packed (below); their (data_ptr, _version) when packed
+        self.tensors = [t for parts in self.parts for mods in parts.values() for m in mods
+                        for t in (m.weight, m.bias) if t is not None]
+        self.state: list[tuple[int, int]] = []
+        # (layer, part) -> (packed weight, bias), packed at first use after the state changed
+        self._packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _gemm(self, i: int, part: str, mods: list[torch.nn.Linear], x: torch.Tensor) -> torch.Tensor:
-        """``x`` times the stacked weights of ``mods`` plus their biases (one prepacked GEMM), packed again if
-        a weight or bias changed in place."""
-        key = tuple((t.data_ptr(), t._version) for m in mods for t in (m.weight, m.bias) if t is not None)
+    def _gemm(self, i: int, part: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times layer ``i``'s stacked weights of ``part`` plus their biases (one prepacked GEMM)."""
         got = self._packed.get((i, part))
-        if got is None or got[0] != key:
+        if got is None:
+            mods = self.parts[i][part]
             w = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
             biases = [m.bias for m in mods]
             bias = None if all(b is None for b in biases) else torch.cat([
                 b.detach() if b is not None else m.weight.new_zeros(m.out_features) for b, m in zip(biases, mods)
             ])
-            got = key, torch.ops.mkldnn._reorder_linear_weight(w, None), bias
-            self._packed[(i, part)] = got
-        return torch.ops.mkldnn._linear_pointwise(x, got[1], got[2], "none", [], "")
+            got = self._packed[(i, part)] = torch.ops.mkldnn._reorder_linear_weight(w, None), bias
+        return torch.ops.mkldnn._linear_pointwise(x, got[0], got[1], "none", [], "")
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kvlab_batch: Any,
                  use_cache: bool = False) -> tuple[torch.Tensor]:
         """``(hidden,)``: the final-norm hidden states ``(1, T, hidden)`` of the packed step."""
-        from transformers.models.llama.modeling_llama import rotate_half
-
-        dec = self.decoder
+        dec, ops = self.decoder, self.ops
         # a hook registered since construction: transformers' own layers run it (this loop would skip it)
         if _hooked(self.named_modules) is not None:
             return (dec(input_ids=input_ids, position_ids=position_ids, kvlab_batch=kvlab_batch,
                         use_cache=use_cache)[0],)
-        # (1, T, hidden)
+        # a weight or bias changed in place (or moved) since it was packed: pack them all again
+        state = [(t.data_ptr(), t._version) for t in self.tensors]
+        if state != self.state:
+            self._packed.clear()
+            self.state = state
+        # (1, T, hidden): a new tensor, so the residual sums below update it in place
         x = dec.embed_tokens(input_ids)
         t = x.shape[1]
         cos, sin = dec.rotary_emb(x, position_ids=position_ids)
+        # (T, D) each; x (T, hidden) and the normed h
+        cos, sin, x = cos[0].contiguous(), sin[0].contiguous(), x.view(t, -1)
+        norm = self.layers[0].input_layernorm
+        h = ops.rms_norm(x, norm.weight, norm.variance_epsilon)
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = self._gemm(i, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj], layer.input_layernorm(x))
+            attn, d = layer.self_attn, layer.self_attn.head_dim
+            qkv = self._gemm(i, "qkv", h)
             nq, nk = attn.q_proj.out_features, attn.k_proj.out_features
-            # RoPE on q's and k's heads at once, (1, T, heads + kv_heads, D): HF's elementwise formula, so
-            # every element is what apply_rotary_pos_emb gives it, in half the calls
-            qk = qkv[..., : nq + nk].view(1, t, -1, attn.head_dim)
-            qk = qk * cos[:, :, None] + rotate_half(qk) * sin[:, :, None]
-            # (1, heads or kv_heads, T, D) each
-            q, k = qk[:, :, : nq // attn.head_dim].transpose(1, 2), qk[:, :, nq // attn.head_dim :].transpose(1, 2)
-            v = qkv[..., nq + nk :].view(1, t, -1, attn.head_dim).transpose(1, 2)
+            # RoPE in place on q's and k's heads: every value what apply_rotary_pos_emb gives (fused_ops)
+            ops.rope(qkv, cos, sin, (nq + nk) // d, d)
+            # (1, heads or kv_heads, T, D) views of qkv
+            q, k, v = (qkv[:, a:b].view(1, t, -1, d).transpose(1, 2) for a, b in
+                       ((0, nq), (nq, nq + nk), (nq + nk, qkv.shape[1])))
             o, _ = paged_attention_forward(attn, q, k, v, None, scaling=attn.scaling, kvlab_batch=kvlab_batch)
-            x = x + self._gemm(i, "o", [attn.o_proj], o.reshape(1, t, -1).contiguous())
-            gate, up = self._gemm(i, "gate_up", [mlp.gate_proj, mlp.up_proj], layer.post_attention_layernorm(x)
-                                  ).chunk(2, -1)
-            x = x + self._gemm(i, "down", [mlp.down_proj], mlp.act_fn(gate) * up)
-        return (dec.norm(x),)
+            # x += o_proj(o); h = the post-attention norm of x
+            norm = layer.post_attention_layernorm
+            h = ops.add_rms_norm(x, self._gemm(i, "o", o.reshape(t, -1).contiguous()), norm.weight,
+                                 norm.variance_epsilon)
+            # x += down(silu(gate) * up); h = the next layer's input norm of x (after the last: the final norm)
+            norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else dec.norm
+            h = ops.add_rms_norm(x, self._gemm(i, "down", ops.silu_mul(self._gemm(i, "gate_up", h))), norm.weight,
+                                 norm.variance_epsilon)
+        return (h.view(1, t, -1),)

@@ -26,12 +26,11 @@ CPU model).
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from .cpp_build import build
 
 __all__ = ["MAX_QUERY", "MODE", "KernelStep", "PagedKernel", "load", "paged_kernel_available"]
 
@@ -269,50 +268,10 @@ _DECL = (
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def build_directory() -> Path:
-    """The build folder: ``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/kvlab/torch_extensions``."""
-    env = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "kvlab" / "torch_extensions"
-
-
 @functools.cache
 def load() -> Any:
-    """The compiled kernel module (built on first use, then loaded from the build directory).
-
-    A build made before under the same name (same source, flags, CPU kind and torch version) is imported
-    as it is. ``load_inline`` would build it again whenever its command line changed, and that line holds
-    the torch installation's include paths: each venv on the machine (a fresh clone's, for one) would
-    rebuild it, about 30 s, and the next venv again.
-    """
-    import importlib.util
-
-    from torch.utils import cpp_extension
-
-    # -march=native: a build is for the CPU that made it, so the CPU's kind is part of its name
-    cpu = torch.backends.cpu.get_cpu_capability()
-    key = "\n".join([_SOURCE, *_FLAGS, cpu, torch.__version__]).encode()
-    name = f"kvlab_paged_kernel_{hashlib.sha256(key).hexdigest()[:12]}"
-    path = build_directory() / name
-    built = path / f"{name}.so"
-    if built.is_file():
-        try:
-            spec = importlib.util.spec_from_file_location(name, built)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        # a partial or foreign file (e.g. a build under way in another process): build it here instead
-        except ImportError:
-            pass
-    path.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load_inline(
-        name,
-        cpp_sources=[_DECL, _SOURCE],
-        functions=["attend"],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(path),
-        verbose=False,
-    )
+    """The compiled kernel module (built on first use, then imported: ``kvlab.engine.cpp_build``)."""
+    return build("kvlab_paged_kernel", _DECL, _SOURCE, ["attend"], _FLAGS)
 
 
 def paged_kernel_available(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -1,0 +1,189 @@
+"""C++ CPU ops for the elementwise parts of a Llama layer, one pass each: used by ``FusedLlama``.
+
+transformers' Llama layer spends a few dozen ATen calls a layer between its GEMMs: RMSNorm is six (square,
+mean, add, rsqrt, two products), RoPE five over q and five over k, SwiGLU two, each residual one. Each call
+reads and writes whole tensors (in a 16-prompt prefill of 544 tokens, tens of MB a call) or, in a decode
+step, costs its dispatch. These ops do the same arithmetic in one pass over the rows (OpenMP over rows
+through ``at::parallel_for``), built once per machine (``kvlab.engine.cpp_build``):
+
+- ``rms_norm(x, w, eps)`` -> ``w * (x * (1 / sqrt(mean(x^2) + eps)))`` per row, as ``LlamaRMSNorm``; the
+  sum of squares is added up in another order than ATen's, so a result can differ in its last bit;
+- ``add_rms_norm(x, d, w, eps)``: ``x += d`` in place (the residual), then ``rms_norm`` of the new ``x``;
+- ``rope(qkv, cos, sin, heads, dim)``: in place, the first ``heads`` heads of each row rotated as HF's
+  ``apply_rotary_pos_emb`` does (``x * cos + rotate_half(x) * sin``); built without contracting a product
+  and a sum into one FMA, so every value equals HF's bit for bit;
+- ``silu_mul(gu)`` -> ``silu(gu[:, :n]) * gu[:, n:]``: SwiGLU on the ``[gate; up]`` GEMM's output; ``e^x`` is
+  Cephes' float polynomial (no call, so the loop vectorises), within a few ulp of ATen's.
+
+Rows are contiguous float32 (the checks raise ``RuntimeError`` naming what is not).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .cpp_build import build
+
+__all__ = ["load"]
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// rows of about this many floats per thread task: a decode step's few rows stay on one thread
+constexpr int64_t kGrainFloats = 1 << 15;
+
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, what, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, " must be 2-D with contiguous rows");
+}
+
+// e^x by Cephes' expf polynomial: e^-87 (~1.6e-38) for x below -87, inf from about 88.4 up (as the float
+// e^x overflows from 88.72), NaN for NaN
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 89.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  // x - n * ln 2 in two parts (ln 2 = 0.693359375 - 2.12194440e-4)
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  // 2^n from its exponent bits (n is in [-126, 128] after the clamp, 2^128 the bits of inf; NaN gives NaN
+  // through y)
+  int32_t bits = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;
+  float p;
+  std::memcpy(&p, &bits, sizeof p);
+  return y * p;
+}
+
+// y = w * (x * (1 / sqrt(mean(x^2) + eps))), one row of n
+inline void norm_row(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ w,
+                     int64_t n, float eps) {
+  float part[16] = {0.0f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += x[i + l] * x[i + l];
+  float sum = 0.0f;
+  for (int l = 0; l < 16; ++l) sum += part[l];
+  for (; i < n; ++i) sum += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) y[j] = w[j] * (x[j] * r);
+}
+
+torch::Tensor norm_rows(torch::Tensor x, const torch::Tensor* d, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  check_rows(w.view({1, -1}), "the weight");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(w.numel() == n, "the weight has ", w.numel(), " values for rows of ", n);
+  if (d != nullptr) {
+    check_rows(*d, "the residual's delta");
+    TORCH_CHECK(d->sizes() == x.sizes(), "the delta's shape differs from x's");
+  }
+  auto y = torch::empty({rows, n}, x.options());
+  float* xp = x.data_ptr<float>();
+  const float* dp = d == nullptr ? nullptr : d->data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t xs = x.stride(0), ds = d == nullptr ? 0 : d->stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = xp + r * xs;
+      if (dp != nullptr) {
+        const float* dr = dp + r * ds;
+        for (int64_t j = 0; j < n; ++j) row[j] += dr[j];
+      }
+      norm_row(yp + r * n, row, wp, n, e);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) { return norm_rows(x, nullptr, w, eps); }
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor d, torch::Tensor w, double eps) {
+  return norm_rows(x, &d, w, eps);
+}
+
+void rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t dim) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t rows = qkv.size(0), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0 && heads * dim <= qkv.size(1), "rope: ", heads, " heads of ", dim,
+              " do not fit rows of ", qkv.size(1));
+  TORCH_CHECK(cos.size(0) == rows && sin.size(0) == rows && cos.size(1) == dim && sin.size(1) == dim,
+              "rope: cos and sin must be (", rows, ", ", dim, ")");
+  float* p = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t ps = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / (heads * dim)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* c = cp + r * cs;
+      const float* s = sp + r * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = p + r * ps + h * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x[i], b = x[i + half];
+          // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): two products, then their sum
+          x[i] = a * c[i] - b * s[i];
+          x[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  check_rows(gu, "gate_up");
+  const int64_t rows = gu.size(0), n = gu.size(1) / 2;
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even width (gate, then up)");
+  auto y = torch::empty({rows, n}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t gs = gu.stride(0);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* gr = g + r * gs;
+      const float* ur = gr + n;
+      float* yr = yp + r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        const float x = gr[j];
+        yr[j] = (x / (1.0f + exp_clamped(-x))) * ur[j];
+      }
+    }
+  });
+  return y;
+}
+"""
+
+_DECL = (
+    "torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);\n"
+    "torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor d, torch::Tensor w, double eps);\n"
+    "void rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t dim);\n"
+    "torch::Tensor silu_mul(torch::Tensor gu);"
+)
+# -ffp-contract=off: a product and a sum stay two roundings, as in ATen's separate ops (RoPE's bit-equality);
+# -fno-trapping-math: GCC 12 vectorises the e^x loop (its floor and selects) only under it; no value changes
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
+
+
+@functools.cache
+def load() -> Any:
+    """The compiled ops (built on first use, then imported: ``kvlab.engine.cpp_build``)."""
+    return build("kvlab_fused_ops", _DECL, _SOURCE, ["rms_norm", "add_rms_norm", "rope", "silu_mul"], _FLAGS)
