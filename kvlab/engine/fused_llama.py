@@ -45,6 +45,8 @@ def fused_layers_available(model: Any) -> str | None:
     why = packed_linear_available(p.device, p.dtype)
     if why is not None:
         return why
+    from transformers.activations import ACT2FN
+
     causal, base, layer_cls, attn_cls, mlp_cls, norm_cls = _llama_classes()
     if type(model) is not causal or type(model.model) is not base:
         return f"it runs transformers' LlamaForCausalLM only (this is {type(model).__name__})"
@@ -55,8 +57,10 @@ def fused_layers_available(model: Any) -> str | None:
             return f"layer {i} is not transformers' own Llama layer"
     if type(model.model.norm) is not norm_cls:
         return "its final norm is not transformers' LlamaRMSNorm"
-    if model.config.hidden_act != "silu":
-        return f"its MLP runs SiLU only (this one's activation is {model.config.hidden_act!r})"
+    silu = type(ACT2FN["silu"])
+    for i, layer in enumerate(model.model.layers):
+        if type(layer.mlp.act_fn) is not silu:
+            return f"its MLP runs SiLU only (layer {i}'s activation is {type(layer.mlp.act_fn).__name__})"
     try:
         fused_ops.load()
     # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error) is the reason

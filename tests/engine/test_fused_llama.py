@@ -2,8 +2,9 @@
 
 Greedy tokens under it are HF's (here on a tiny Llama with biases, in test_architectures.py on the default
 Llama, in test_smollm2.py on SmolLM2 with every server speed path on); the hidden states match HF's decoder
-to float32 rounding; a weight changed in place is packed again; anything but transformers' own Llama, a
-model with forward hooks, or another dtype is refused at construction, naming why."""
+to float32 rounding; a weight changed in place is packed again; anything but transformers' own Llama with
+SiLU, a model with forward hooks, or another dtype is refused at construction, naming why. Its C++ ops
+against transformers' own: tests/engine/test_fused_ops.py."""
 
 import copy
 
@@ -108,6 +109,10 @@ def test_fused_layers_are_refused_where_they_cannot_run_naming_why(llama, lm):
     hooked.model.layers[2].mlp.register_forward_hook(lambda m, i, o: o * 2)
     with pytest.raises(ValueError, match=r"fused_layers: forward hooks are registered on model\.layers\.2\.mlp"):
         Engine(hooked, None, num_blocks=16, fused_layers=True)
+    gelu = copy.deepcopy(llama)
+    gelu.model.layers[1].mlp.act_fn = transformers.activations.ACT2FN["gelu"]
+    with pytest.raises(ValueError, match="fused_layers: its MLP runs SiLU only .layer 1's activation is GELUActivation"):
+        Engine(gelu, None, num_blocks=16, fused_layers=True)
     assert fused_layers_available(llama) is None
     with pytest.raises(TypeError, match="fused_layers must be a bool"):
         EngineConfig(fused_layers=1)
