@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from kvlab.engine import Engine, SamplingParams
+from kvlab.engine import Engine, SamplingParams, fused_llama
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.fused_llama import FusedLlama, fused_layers_available
 from kvlab.engine.packed_linear import packed_linear_available
@@ -64,7 +64,9 @@ def test_fused_engine_gives_hf_greedy_tokens_and_shares_the_prefix(llama):
     assert not any("forward" in vars(m) for m in llama.modules())
 
 
-def test_fused_hidden_states_match_hf_and_a_weight_changed_in_place_is_packed_again(llama):
+@pytest.mark.parametrize("mlp_rows", [fused_llama.MLP_ROWS, 4])  # 4: the prompt's MLP in chunks, the last short
+def test_fused_hidden_states_match_hf_and_a_weight_changed_in_place_is_packed_again(llama, mlp_rows, monkeypatch):
+    monkeypatch.setattr(fused_llama, "MLP_ROWS", mlp_rows)
     model = copy.deepcopy(llama)
     prompt = _prompts()[3]
     engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, fused_layers=True)
