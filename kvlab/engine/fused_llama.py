@@ -1,21 +1,23 @@
 """A Llama decoder run layer by layer with fused GEMMs: an opt-in speed path (``EngineConfig.fused_layers``).
 
-transformers' ``LlamaModel.forward`` makes seven ``F.linear`` calls per layer and a few dozen Python calls
-around them. A decode step is bound by reading the weights: on this project's 2-core machine oneDNN's
-prepacked GEMM read them faster when q/k/v were one matrix and gate/up another (one call each, the same
-bytes), and the Python around the layers cost a few milliseconds a step (A/B: ``scripts/profile_step.py``
-with and without ``--fused-layers``). So this path runs the model's own modules where they are cheap (the
-embedding, RMSNorm, the rotary embedding, the activation, the final norm), HF's RoPE formula (its
-``rotate_half``) on q's and k's heads at once, kvlab's paged attention, and four prepacked GEMMs per
-layer: ``[q; k; v]``, ``o``, ``[gate; up]``, ``down``. The model is not changed: the fused weights are
-packed copies beside it, packed again when a weight or bias changed in place.
+transformers' ``LlamaModel.forward`` makes seven ``F.linear`` calls per layer and a few dozen ATen and
+Python calls around them. A decode step is bound by reading the weights: on this project's 2-core machine
+oneDNN's prepacked GEMM read them faster when q/k/v were one matrix and gate/up another (one call each, the
+same bytes), and the calls around the GEMMs cost milliseconds a step (A/B: ``scripts/profile_step.py``
+with and without ``--fused-layers``). So this path runs the model's own embedding and rotary embedding,
+kvlab's paged attention, four prepacked GEMMs per layer (``[q; k; v]``, ``o``, ``[gate; up]``, ``down``)
+and, between them, one-pass C++ ops (``kvlab.engine.fused_ops``) for RMSNorm with the residual sum before
+it, RoPE on q's and k's heads (HF's formula, bit for bit) and SwiGLU, each with the module's own weight
+and epsilon. The MLP runs ``MLP_ROWS`` rows at a time. The model is not changed: the fused weights are
+packed copies beside it, packed at construction and again when a weight or bias changed in place.
 
-An allow-list: exactly transformers' ``LlamaForCausalLM`` with its own layer classes, no forward hooks on
-any module, a CPU float32 model with oneDNN. Anything else is refused at construction with the reason. A
-forward hook registered later (on a module, or globally) is seen at the next step: that step runs
-transformers' own layers, so the hook runs.
-The float32 sums of a fused GEMM may round differently from three separate ones; the tests check that
-greedy tokens still equal HF ``generate``'s.
+An allow-list: exactly transformers' ``LlamaForCausalLM`` with its own layer classes and SiLU, no forward
+hooks on any module, a CPU float32 model with oneDNN, and the C++ ops built. Anything else is refused at
+construction with the reason. A forward hook registered later (on a module, or globally) is seen at the
+next step: that step runs transformers' own layers, so the hook runs.
+The float32 sums of a fused GEMM, of RMSNorm's squares, and SwiGLU's ``e^x`` round differently from
+transformers' calls; the tests check hidden states to float32 rounding and that greedy tokens still equal
+HF ``generate``'s.
 """
 
 from __future__ import annotations
