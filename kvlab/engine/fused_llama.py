@@ -64,6 +64,9 @@ def fused_layers_available(model: Any) -> str | None:
             return f"layer {i} is not transformers' own Llama layer"
     if type(model.model.norm) is not norm_cls:
         return "its final norm is not transformers' LlamaRMSNorm"
+    # the residual sums update the embedding's output in place: it must be a new tensor, as nn.Embedding's is
+    if type(model.model.embed_tokens) is not torch.nn.Embedding:
+        return f"its embedding is a {type(model.model.embed_tokens).__name__}, not an nn.Embedding"
     silu = type(ACT2FN["silu"])
     for i, layer in enumerate(model.model.layers):
         if type(layer.mlp.act_fn) is not silu:

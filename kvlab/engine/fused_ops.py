@@ -84,7 +84,8 @@ inline void norm_row(float* __restrict__ y, const float* __restrict__ x, const f
 
 torch::Tensor norm_rows(torch::Tensor x, const torch::Tensor* d, torch::Tensor w, double eps) {
   check_rows(x, "x");
-  check_rows(w.view({1, -1}), "the weight");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 1 && w.is_contiguous(),
+              "the weight must be a contiguous 1-D float32 CPU tensor");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(w.numel() == n, "the weight has ", w.numel(), " values for rows of ", n);
   if (d != nullptr) {

@@ -115,6 +115,10 @@ def test_fused_layers_are_refused_where_they_cannot_run_naming_why(llama, lm):
     gelu.model.layers[1].mlp.act_fn = transformers.activations.ACT2FN["gelu"]
     with pytest.raises(ValueError, match="fused_layers: its MLP runs SiLU only .layer 1's activation is GELUActivation"):
         Engine(gelu, None, num_blocks=16, fused_layers=True)
+    other_embedding = copy.deepcopy(llama)
+    other_embedding.model.embed_tokens = torch.nn.Sequential(other_embedding.model.embed_tokens)
+    with pytest.raises(ValueError, match="fused_layers: its embedding is a Sequential, not an nn.Embedding"):
+        Engine(other_embedding, None, num_blocks=16, fused_layers=True)
     assert fused_layers_available(llama) is None
     with pytest.raises(TypeError, match="fused_layers must be a bool"):
         EngineConfig(fused_layers=1)

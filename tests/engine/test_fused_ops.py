@@ -83,6 +83,8 @@ def test_input_they_do_not_take_is_refused_naming_it(ops):
         ops.rms_norm(torch.randn(3, 4).t(), torch.ones(3), 1e-6)
     with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
         ops.rms_norm(torch.randn(3, 4, dtype=torch.float64), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="the weight must be a contiguous 1-D float32 CPU tensor"):
+        ops.rms_norm(torch.randn(3, 4), torch.ones(4, 2)[:, 0], 1e-6)
     with pytest.raises(RuntimeError, match="the weight has 5 values for rows of 4"):
         ops.rms_norm(torch.randn(3, 4), torch.ones(5), 1e-6)
     with pytest.raises(RuntimeError, match="the delta's shape differs"):
