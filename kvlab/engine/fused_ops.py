@@ -23,11 +23,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .cpp_build import build
+from .cpp_build import EXP_SOURCE, build
 
 __all__ = ["load"]
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,28 +47,9 @@ void check_rows(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, " must be 2-D with contiguous rows");
 }
 
-// e^x by Cephes' expf polynomial: e^-87 (~1.6e-38) for x below -87, inf from about 88.4 up (as the float
-// e^x overflows from 88.72), NaN for NaN
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.0f), 89.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  // x - n * ln 2 in two parts (ln 2 = 0.693359375 - 2.12194440e-4)
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  // 2^n from its exponent bits (n is in [-126, 128] after the clamp, 2^128 the bits of inf; NaN gives NaN
-  // through y)
-  int32_t bits = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;
-  float p;
-  std::memcpy(&p, &bits, sizeof p);
-  return y * p;
-}
-
+"""
+    + EXP_SOURCE
+    + r"""
 // y = w * (x * (1 / sqrt(mean(x^2) + eps))), one row of n
 inline void norm_row(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ w,
                      int64_t n, float eps) {
@@ -172,6 +154,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return y;
 }
 """
+)
 
 _DECL = (
     "torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);\n"

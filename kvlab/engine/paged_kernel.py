@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .cpp_build import build
+from .cpp_build import EXP_SOURCE, build
 
 __all__ = ["MAX_QUERY", "MODE", "KernelStep", "PagedKernel", "load", "paged_kernel_available"]
 
@@ -39,7 +39,8 @@ MAX_QUERY = 1
 # 0: online softmax (one pass, a running max per row); 1: two passes (scores, then values)
 MODE = 0
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -53,31 +54,13 @@ _SOURCE = r"""
 
 namespace {
 
-// e^x for x <= 0 (a score minus its row's max) by Cephes' expf polynomial: no call and no
-// branch, so a loop of it vectorises; e^x for x < -87 is taken as e^-87 (~1.6e-38)
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  // x - n * ln 2 in two parts (ln 2 = 0.693359375 - 2.12194440e-4)
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  // 2^n from its exponent bits
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float p;
-  std::memcpy(&p, &bits, sizeof p);
-  return y * p;
-}
-
+"""
+    + EXP_SOURCE
+    + r"""
 // x[i] = e^(x[i] - sub) for i < n; returns their sum (added in order). Two loops: the first, with no
 // sum carried from one element to the next, vectorises
 inline float exp_sub_sum(float* x, int64_t n, float sub) {
-  for (int64_t i = 0; i < n; ++i) x[i] = exp_nonpos(x[i] - sub);
+  for (int64_t i = 0; i < n; ++i) x[i] = exp_clamped(x[i] - sub);
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) sum += x[i];
   return sum;
@@ -256,7 +239,7 @@ void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Te
           float top = mx[r];
           for (int64_t t = 0; t < e - a; ++t) top = std::max(top, scores[t]);
           // e^(old max - new max): 0 for the first block (old max -inf)
-          const float c = mx[r] == -inf ? 0.0f : exp_nonpos(mx[r] - top);
+          const float c = mx[r] == -inf ? 0.0f : exp_clamped(mx[r] - top);
           const float add = exp_sub_sum(scores, e - a, top);
           sum[r] = sum[r] * c + add;
           mx[r] = top;
@@ -273,6 +256,7 @@ void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Te
   }
 }
 """
+)
 
 _DECL = (
     "void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Tensor v_pages, "
