@@ -106,9 +106,9 @@ class FusedLlama:
         self.parts = [{"qkv": [a.q_proj, a.k_proj, a.v_proj], "o": [a.o_proj],
                        "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj], "down": [layer.mlp.down_proj]}
                       for layer in self.layers for a in [layer.self_attn]]
-        # every weight and bias packed (below); their (data_ptr, _version) when packed
-        self.tensors = [t for parts in self.parts for mods in parts.values() for m in mods
-                        for t in (m.weight, m.bias) if t is not None]
+        self.linears = [m for parts in self.parts for mods in parts.values() for m in mods]
+        # the (data_ptr, _version) of every weight and bias when packed (read through the modules, so a
+        # parameter replaced or added since shows too)
         self.state: list[tuple[int, int]] = []
         # (layer, part) -> (packed weight, bias): all packed here, as a server packs at load (not in its
         # first step), and again at the first step after a weight or bias changed in place
@@ -117,7 +117,7 @@ class FusedLlama:
 
     def _pack_all(self) -> None:
         """Pack every layer's stacked weights (and stack their biases) as they are now."""
-        self.state = [(t.data_ptr(), t._version) for t in self.tensors]
+        self.state = self._state()
         for i, parts in enumerate(self.parts):
             for part, mods in parts.items():
                 w = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
@@ -126,6 +126,9 @@ class FusedLlama:
                     b.detach() if b is not None else m.weight.new_zeros(m.out_features) for b, m in zip(biases, mods)
                 ])
                 self._packed[(i, part)] = torch.ops.mkldnn._reorder_linear_weight(w, None), bias
+
+    def _state(self) -> list[tuple[int, int]]:
+        return [(t.data_ptr(), t._version) for m in self.linears for t in (m.weight, m.bias) if t is not None]
 
     def _gemm(self, i: int, part: str, x: torch.Tensor) -> torch.Tensor:
         """``x`` times layer ``i``'s stacked weights of ``part`` plus their biases (one prepacked GEMM)."""
@@ -141,9 +144,8 @@ class FusedLlama:
         if _hooked(self.named_modules) is not None:
             return (dec(input_ids=input_ids, position_ids=position_ids, kvlab_batch=kvlab_batch,
                         use_cache=use_cache)[0],)
-        # a weight or bias changed in place (or moved) since it was packed: pack them all again
-        state = [(t.data_ptr(), t._version) for t in self.tensors]
-        if state != self.state:
+        # a weight or bias changed in place, replaced or added since it was packed: pack them all again
+        if self._state() != self.state:
             self._pack_all()
         # (1, T, hidden): a new tensor, so the residual sums below update it in place
         x = dec.embed_tokens(input_ids)

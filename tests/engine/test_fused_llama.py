@@ -98,6 +98,11 @@ def test_fused_hidden_states_match_hf_and_a_weight_changed_in_place_is_packed_ag
     got2, want2 = both()
     assert not torch.allclose(want2, want, atol=1e-3)
     torch.testing.assert_close(got2, want2, rtol=1e-4, atol=1e-4)
+    down = model.model.layers[0].mlp.down_proj  # replaced, not changed in place: packed again too
+    down.weight = torch.nn.Parameter(down.weight.detach() * 2)
+    got3, want3 = both()
+    assert not torch.allclose(want3, want2, atol=1e-3)
+    torch.testing.assert_close(got3, want3, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_layers_are_refused_where_they_cannot_run_naming_why(llama, lm):
