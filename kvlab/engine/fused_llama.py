@@ -9,7 +9,8 @@ kvlab's paged attention, four prepacked GEMMs per layer (``[q; k; v]``, ``o``, `
 and, between them, one-pass C++ ops (``kvlab.engine.fused_ops``) for RMSNorm with the residual sum before
 it, RoPE on q's and k's heads (HF's formula, bit for bit) and SwiGLU, each with the module's own weight
 and epsilon. The MLP runs ``MLP_ROWS`` rows at a time. The model is not changed: the fused weights are
-packed copies beside it, packed at construction and again when a weight or bias changed in place.
+packed copies beside it, packed at construction and again when a weight or bias changed in place or was
+replaced.
 
 An allow-list: exactly transformers' ``LlamaForCausalLM`` with its own layer classes and SiLU, no forward
 hooks on any module, a CPU float32 model with oneDNN, and the C++ ops built. Anything else is refused at
@@ -111,7 +112,7 @@ class FusedLlama:
         # parameter replaced or added since shows too)
         self.state: list[tuple[int, int]] = []
         # (layer, part) -> (packed weight, bias): all packed here, as a server packs at load (not in its
-        # first step), and again at the first step after a weight or bias changed in place
+        # first step), and again at the first step after a weight or bias changed in place or was replaced
         self._packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._pack_all()
 
