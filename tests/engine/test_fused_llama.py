@@ -129,6 +129,16 @@ def test_fused_layers_are_refused_where_they_cannot_run_naming_why(llama, lm):
         EngineConfig(fused_layers=1)
 
 
+def test_a_failed_build_of_the_ops_is_refused_naming_why(llama, monkeypatch):
+    def broken():
+        raise RuntimeError("Error building extension 'kvlab_fused_ops': no compiler")
+
+    # the ops' own loader, not the model: a machine without a compiler
+    monkeypatch.setattr(fused_llama.fused_ops, "load", broken)
+    with pytest.raises(ValueError, match=r"fused_layers: its C\+\+ ops' build failed \(RuntimeError: .*no compiler"):
+        Engine(llama, None, num_blocks=16, fused_layers=True)
+
+
 def test_a_hook_registered_after_construction_runs_through_transformers_own_layers(llama):
     model = copy.deepcopy(llama)
     prompts = _prompts()
