@@ -33,7 +33,8 @@ class EngineConfig:
     ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` go to the ``Scheduler``.
     ``packed_linear``: oneDNN's prepacked GEMM for the linear layers (CPU float32; off by default).
     ``paged_kernel``: a C++ paged-attention kernel that reads K/V in place (CPU float32; off by default).
-    ``fused_layers``: a Llama decoder run with four fused prepacked GEMMs a layer (CPU float32; off by default).
+    ``fused_layers``: a Llama decoder run with four fused prepacked GEMMs a layer and one-pass C++ RMSNorm,
+    RoPE and SwiGLU (CPU float32; off by default).
     """
 
     num_blocks: int | None = None

@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["EXP_SOURCE", "build", "build_directory"]
+__all__ = ["EXP_SOURCE", "build", "build_directory", "build_failure"]
 
 # C++ that both kernels paste into their sources (after <algorithm>, <cmath>, <cstdint> and <cstring>)
 EXP_SOURCE = r"""
@@ -51,6 +52,18 @@ def build_directory() -> Path:
     """The build folder: ``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/kvlab/torch_extensions``."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     return Path(env) if env else Path.home() / ".cache" / "kvlab" / "torch_extensions"
+
+
+def build_failure(load: Callable[[], Any]) -> str | None:
+    """None when ``load()`` (building if needed) succeeds, else the error: ``"<type>: <its first line>"``."""
+    try:
+        load()
+    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error) is the reason
+    # the feature is refused; the engine raises it as a ValueError naming it
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"{type(e).__name__}: {first[:300]}"
+    return None
 
 
 def build(stem: str, decl: str, source: str, functions: list[str], flags: list[str]) -> Any:

@@ -125,7 +125,7 @@ class Engine(EngineExtras):
             # raises ValueError naming why where it cannot run (not CPU, not float32, no build)
             self.runner.kernel = PagedKernel(self.store)
         if cfg.fused_layers:
-            # raises ValueError naming why where it cannot run (not Llama, hooks, not CPU float32)
+            # raises ValueError naming why where it cannot run (not Llama, hooks, not CPU float32, no build)
             self.runner.decoder = FusedLlama(model)
         vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
         self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)

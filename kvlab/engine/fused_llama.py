@@ -29,7 +29,8 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from . import fused_ops
-from .packed_linear import packed_linear_available
+from .cpp_build import build_failure
+from .packed_linear import packed_gemm, packed_linear_available
 from .paged_attention import paged_attention_forward
 
 __all__ = ["MLP_ROWS", "FusedLlama", "fused_layers_available"]
@@ -72,12 +73,9 @@ def fused_layers_available(model: Any) -> str | None:
     for i, layer in enumerate(model.model.layers):
         if type(layer.mlp.act_fn) is not silu:
             return f"its MLP runs SiLU only (layer {i}'s activation is {type(layer.mlp.act_fn).__name__})"
-    try:
-        fused_ops.load()
-    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error) is the reason
-    except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"its C++ ops' build failed ({type(e).__name__}: {first[:300]})"
+    failed = build_failure(fused_ops.load)
+    if failed is not None:
+        return f"its C++ ops' build failed ({failed})"
     hooked = _hooked(list(model.named_modules()))
     return None if hooked is None else f"forward hooks are registered on {hooked}, and this path would skip them"
 
@@ -133,8 +131,7 @@ class FusedLlama:
 
     def _gemm(self, i: int, part: str, x: torch.Tensor) -> torch.Tensor:
         """``x`` times layer ``i``'s stacked weights of ``part`` plus their biases (one prepacked GEMM)."""
-        packed, bias = self._packed[(i, part)]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed_gemm(x, *self._packed[(i, part)])
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kvlab_batch: Any,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PackedLinears", "packed_linear_available"]
+__all__ = ["PackedLinears", "packed_gemm", "packed_linear_available"]
 
 
 def packed_linear_available(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -40,9 +40,10 @@ def packed_linear_available(device: torch.device, dtype: torch.dtype) -> str | N
     return None
 
 
-def _packed_linear(
+def packed_gemm(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` on ``w``'s packed copy (``torch.ops.mkldnn._reorder_linear_weight``)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -100,5 +101,5 @@ class _PackedMode(TorchFunctionMode):
             x, w, *rest = args
             packed = self.linears.packed(w)
             if packed is not None:
-                return _packed_linear(x, packed, rest[0] if rest else kwargs.get("bias"))
+                return packed_gemm(x, packed, rest[0] if rest else kwargs.get("bias"))
         return func(*args, **kwargs)

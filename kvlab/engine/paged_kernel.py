@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .cpp_build import EXP_SOURCE, build
+from .cpp_build import EXP_SOURCE, build, build_failure
 
 __all__ = ["MAX_QUERY", "MODE", "KernelStep", "PagedKernel", "load", "paged_kernel_available"]
 
@@ -279,14 +279,8 @@ def paged_kernel_available(device: torch.device, dtype: torch.dtype) -> str | No
         return f"it runs on a CPU only (the model is on {device.type})"
     if dtype != torch.float32:
         return f"it is written for float32 only (the model is {dtype})"
-    try:
-        load()
-    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error) is the
-    # reason the feature is refused; the engine raises it as a ValueError naming it
-    except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"its C++ build failed ({type(e).__name__}: {first[:300]})"
-    return None
+    failed = build_failure(load)
+    return None if failed is None else f"its C++ build failed ({failed})"
 
 
 class KernelStep:

@@ -19,7 +19,7 @@ from . import paged_attention
 from .admission import admit
 from .hooks import checked_positions
 from .kv_store import PagedKVStore
-from .packed_linear import PackedLinears
+from .packed_linear import PackedLinears, packed_gemm
 from .paged_attention import build_batch, paged_step
 from .paged_kernel import PagedKernel
 from .recovery import describe, recover
@@ -77,7 +77,7 @@ class ModelRunner:
         # under packed_linear: the head's packed GEMM (packed_linear.PackedLinears)
         packed = self.packed.packed(head.weight) if self.fast_head and self.packed is not None else None
         if packed is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, head.bias, "none", [], "")
+            logits = packed_gemm(hidden, packed, head.bias)
         elif self.fast_head:
             # (vocab, hidden) @ (hidden, N) -> (N, vocab)
             logits = (head.weight @ hidden.T).T
