@@ -16,6 +16,12 @@ What it computes is exactly what the SDPA path computes, in another order of flo
 softmax is either online (one pass over the keys, a running max per row; the default, see
 ``MODE``) or two passes (all scores, then the values).
 
+Decodes (one query token per sequence) take a register path where the build has AVX-512 and the head
+dimension is 16, 32, 64 or 128 (``has_decode_path``), in the online softmax: the query rows of a KV
+head and their running sums of values stay in vector registers; each run of up to 16 keys is scored
+into one vector per row (each key's products, then a 16 x 16 transpose-and-add), and each key's
+values are loaded once for all the rows.
+
 It is used per group of sequences (``paged_attention.AttnGroup``) where it is faster than the gather
 + SDPA path: groups whose longest query is at most ``MAX_QUERY`` tokens (decodes, speculative or
 short chunks). Longer queries (a prefill of hundreds of tokens) are GEMM-shaped: SDPA stays there.
@@ -44,6 +50,9 @@ _SOURCE = (
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -129,7 +138,174 @@ inline void prefetch_block(const float* k, const float* v, int64_t offset, int64
   }
 }
 
+#if defined(__AVX512F__)
+// The decode path: one query token per sequence, its KV head's query rows (up to R at a time) held in
+// vector registers with their weighted sums of values. Per run of up to 16 keys: each row's 16 scores
+// in one vector (each key's partial products, then a 16 x 16 transpose-and-add), the online softmax on
+// that vector, then every key's values added into every row's sums, each value vector loaded once for
+// the R rows. Written for AVX-512 and a head dimension of 16 * DC floats.
+
+// s[t] = the sum of p[t]'s 16 lanes, for t < 16
+inline __m512 sum16(__m512* p) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                         _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  // a[i]'s 128-bit lane l: (p[2i] 0+2, p[2i+1] 0+2, p[2i] 1+3, p[2i+1] 1+3) of that lane
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // b[i]'s 128-bit lane l: the lane-l sums of keys 4i .. 4i+3, in order
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  // c[i]: keys 8i .. 8i+3 (lanes 0+2, then 1+3), keys 8i+4 .. 8i+7 (the same)
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+// exp_clamped on 16 lanes (the same polynomial)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  // a NaN's n becomes 0 (y carries the NaN)
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(n, n, _CMP_ORD_Q), n)),
+                       _mm512_set1_epi32(127)),
+      23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// rows q[0 .. R) (prescaled, 16 * DC floats each) against the keys [lo, hi) of one sequence's blocks
+// (table; block b's keys at kp + (base + b) * bs * dim); writes each row's output to dst[r]
+template <int R, int DC>
+void decode_rows(const float* q, float* const* dst, const float* kp, const float* vp, const int64_t* table,
+                 int64_t base, int64_t bs, int64_t lo, int64_t hi) {
+  constexpr int64_t dim = 16 * DC;
+  const float inf = std::numeric_limits<float>::infinity();
+  alignas(64) float accm[R][dim];
+  float mx[R], sum[R];
+  for (int r = 0; r < R; ++r) {
+    std::fill(accm[r], accm[r] + dim, 0.0f);
+    mx[r] = -inf;
+    sum[r] = 0.0f;
+  }
+  __m512 qr[R][DC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) qr[r][c] = _mm512_loadu_ps(q + r * dim + 16 * c);
+  const int64_t first = lo / bs, last = (hi + bs - 1) / bs;
+  for (int64_t blk = first; blk < last; ++blk) {
+    const int64_t off = (base + table[blk]) * bs * dim, t0 = blk * bs;
+    if (blk + 1 < last) prefetch_block(kp, vp, (base + table[blk + 1]) * bs * dim, bs * dim);
+    const int64_t a = std::max(lo, t0), e = std::min(hi, t0 + bs);
+    for (int64_t k0 = a; k0 < e; k0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, e - k0));
+      const float* kb = kp + off + (k0 - t0) * dim;
+      const float* vb = vp + off + (k0 - t0) * dim;
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+      // each key's partial products for every row (its K loaded once), then per row its 16 scores
+      __m512 part[R][16];
+      for (int t = 0; t < 16; ++t) {
+        if (t < n) {
+          __m512 kt[DC];
+          for (int c = 0; c < DC; ++c) kt[c] = _mm512_loadu_ps(kb + t * dim + 16 * c);
+          for (int r = 0; r < R; ++r) {
+            __m512 s = _mm512_mul_ps(qr[r][0], kt[0]);
+            for (int c = 1; c < DC; ++c) s = _mm512_fmadd_ps(qr[r][c], kt[c], s);
+            part[r][t] = s;
+          }
+        } else {
+          for (int r = 0; r < R; ++r) part[r][t] = _mm512_setzero_ps();
+        }
+      }
+      __m512 p[R];
+      float cr[R];
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = sum16(part[r]);
+        const float top = std::max(mx[r], _mm512_mask_reduce_max_ps(valid, s));
+        // e^(old max - new max): 0 for the first keys (old max -inf)
+        cr[r] = mx[r] == -inf ? 0.0f : exp_clamped(mx[r] - top);
+        p[r] = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+        sum[r] = sum[r] * cr[r] + _mm512_reduce_add_ps(p[r]);
+        mx[r] = top;
+      }
+      __m512 y[R][DC];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < DC; ++c) y[r][c] = _mm512_mul_ps(_mm512_load_ps(accm[r] + 16 * c), _mm512_set1_ps(cr[r]));
+      for (int t = 0; t < n; ++t) {
+        __m512 vt[DC];
+        for (int c = 0; c < DC; ++c) vt[c] = _mm512_loadu_ps(vb + t * dim + 16 * c);
+        const __m512i idx = _mm512_set1_epi32(t);
+        for (int r = 0; r < R; ++r) {
+          const __m512 w = _mm512_permutexvar_ps(idx, p[r]);
+          for (int c = 0; c < DC; ++c) y[r][c] = _mm512_fmadd_ps(w, vt[c], y[r][c]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < DC; ++c) _mm512_store_ps(accm[r] + 16 * c, y[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sum[r]);
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(dst[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(accm[r] + 16 * c), inv));
+  }
+}
+
+// the most rows decode_rows takes at once for a head dimension of 16 * DC: its sums in 24 registers
+constexpr int max_rows(int dc) { return std::min(4, 24 / dc); }
+
+template <int DC>
+void decode_rows_n(int rows, const float* q, float* const* dst, const float* kp, const float* vp,
+                   const int64_t* table, int64_t base, int64_t bs, int64_t lo, int64_t hi) {
+  switch (rows) {
+    case 1: return decode_rows<1, DC>(q, dst, kp, vp, table, base, bs, lo, hi);
+    case 2: return decode_rows<2, DC>(q, dst, kp, vp, table, base, bs, lo, hi);
+    case 3: return decode_rows<std::min(3, max_rows(DC)), DC>(q, dst, kp, vp, table, base, bs, lo, hi);
+    default: return decode_rows<max_rows(DC), DC>(q, dst, kp, vp, table, base, bs, lo, hi);
+  }
+}
+
+// whether decode_rows is built for this head dimension
+inline bool decode_path(int64_t dim) { return dim == 16 || dim == 32 || dim == 64 || dim == 128; }
+
+// a decode task's rows (group of them), max_rows at a time; qs: the rows, prescaled
+inline void decode_task(int64_t dim, int64_t group, const float* qs, float* const* dst, const float* kp,
+                        const float* vp, const int64_t* table, int64_t base, int64_t bs, int64_t lo, int64_t hi) {
+  const int step = max_rows(static_cast<int>(dim / 16));
+  for (int64_t r0 = 0; r0 < group; r0 += step) {
+    const int rows = static_cast<int>(std::min<int64_t>(step, group - r0));
+    const float* q = qs + r0 * dim;
+    float* const* d = dst + r0;
+    switch (dim) {
+      case 16: decode_rows_n<1>(rows, q, d, kp, vp, table, base, bs, lo, hi); break;
+      case 32: decode_rows_n<2>(rows, q, d, kp, vp, table, base, bs, lo, hi); break;
+      case 64: decode_rows_n<4>(rows, q, d, kp, vp, table, base, bs, lo, hi); break;
+      default: decode_rows_n<8>(rows, q, d, kp, vp, table, base, bs, lo, hi); break;
+    }
+  }
+}
+#else
+inline bool decode_path(int64_t) { return false; }
+inline void decode_task(int64_t, int64_t, const float*, float* const*, const float*, const float*,
+                        const int64_t*, int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
 }  // namespace
+
+// whether a decode (one query token) with this head dimension takes the register path (online softmax)
+bool has_decode_path(int64_t dim) { return decode_path(dim); }
 
 // q, out: (T, heads, D), any strides with D's stride 1; k_pages, v_pages: (kv_heads, blocks,
 // block_size, D) contiguous; rows, qlens, qstarts: (B,) the first packed row of each sequence, its
@@ -170,6 +346,20 @@ void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Te
     const int64_t b = task / kvh, kh = task % kvh;
     const int64_t ql = lp[b], q0 = sp[b], row0 = rp[b];
     const int64_t* table = tp + b * m;
+    if (mode == 0 && ql == 1 && decode_path(dim)) {
+      thread_local std::vector<float> qbuf;
+      thread_local std::vector<float*> dst;
+      qbuf.resize(group * dim);
+      dst.resize(group);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* src = qp + row0 * qs_t + (kh * group + g) * qs_h;
+        for (int64_t d = 0; d < dim; ++d) qbuf[g * dim + d] = src[d] * sc;
+        dst[g] = op + row0 * os_t + (kh * group + g) * os_h;
+      }
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, q0 + 1 - window) : 0;
+      decode_task(dim, group, qbuf.data(), dst.data(), kp, vp, table, kh * nb, bs, lo, q0 + 1);
+      continue;
+    }
     // query rows of this KV head: (token j, head g) -> row j * group + g
     const int64_t nrows = ql * group;
     // keys any row sees: [lo_all, hi_all)
@@ -261,7 +451,8 @@ void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Te
 _DECL = (
     "void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Tensor v_pages, "
     "torch::Tensor rows, torch::Tensor qlens, torch::Tensor qstarts, torch::Tensor tables, "
-    "double scale, int64_t window, int64_t mode);"
+    "double scale, int64_t window, int64_t mode);\n"
+    "bool has_decode_path(int64_t dim);"
 )
 # -fno-trapping-math: GCC 12 vectorises the e^x loop (its floor and max) only under it; no value changes
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
@@ -270,7 +461,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 @functools.cache
 def load() -> Any:
     """The compiled kernel module (built on first use, then imported: ``kvlab.engine.cpp_build``)."""
-    return build("kvlab_paged_kernel", _DECL, _SOURCE, ["attend"], _FLAGS)
+    return build("kvlab_paged_kernel", _DECL, _SOURCE, ["attend", "has_decode_path"], _FLAGS)
 
 
 def paged_kernel_available(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -302,12 +493,14 @@ class KernelStep:
     def takes(self, g: Any, group: int) -> bool:
         """Whether the kernel attends group ``g`` (``group`` query heads per KV head).
 
-        On one thread, not where the sequences share most of their blocks (on average each block in
-        two tables or more) and the SDPA path attends the union of the group's blocks: each shared
-        block read once for all of them in one GEMM-shaped attention, measured faster there (16
-        decodes after a 512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer).
-        On two threads the kernel won that case too (0.8 ms against 1.03 ms): its (sequence, KV
-        head) tasks share the threads, the union's one attention of 3 KV heads did not speed up."""
+        Every group of short queries, except one case: without the kernel's decode path (an AVX-512
+        build, a head dimension of 16, 32, 64 or 128 and the online softmax), on one thread, where the
+        sequences share most of their blocks (on average each block in two tables or more) and the SDPA
+        path attends the union of the group's blocks. There each shared block is read once for all of
+        them in one GEMM-shaped attention, measured faster than the plain loops (16 decodes after a
+        512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer). The decode path
+        won that case (16 such decodes, one step of SmolLM2 with the other speed paths: 84 ms against
+        97 ms), and on two threads the plain loops won it too (0.8 ms against 1.03 ms a layer)."""
         if id(g) not in self.meta:
             return False
         # decided once per step, at its first layer (every layer asks the same question)
@@ -318,7 +511,7 @@ class KernelStep:
     def _takes(self, g: Any, group: int) -> bool:
         from .paged_attention import _plan_union
 
-        if g.union is False or torch.get_num_threads() > 1:
+        if g.union is False or self.kernel.decode_path or torch.get_num_threads() > 1:
             return True
         total = sum(len(t) for t in g.tables)
         if total < 2 * len({blk for t in g.tables for blk in t}):
@@ -362,6 +555,8 @@ class PagedKernel:
         if why is not None:
             raise ValueError(f"paged_kernel: {why}")
         self.store, self.max_query, self.mode, self.module = store, max_query, mode, load()
+        # decodes take the kernel's register path (``attend``'s decode_rows)
+        self.decode_path = mode == 0 and self.module.has_decode_path(store.head_dim)
 
     def plan(self, batch: Any) -> KernelStep:
         """The step's kernel: the metadata of the groups it attends."""

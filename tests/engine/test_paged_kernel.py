@@ -60,12 +60,14 @@ def _attend(store, seqs, qkv, window, kernel=None):
     return out
 
 
-SHAPES = [(4, 2, 8), (9, 3, 64), (4, 1, 20), (2, 2, 16)]  # (heads, kv heads, head dim): GQA, MQA, MHA, D % 16
+# (heads, kv heads, head dim): GQA, MQA, MHA, D % 16; 8 query heads a KV head (the decode path takes them
+# 4 at a time) and D = 128 (3 at a time)
+SHAPES = [(4, 2, 8), (9, 3, 64), (4, 1, 20), (2, 2, 16), (8, 1, 32), (6, 2, 128)]
 
 
 @pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("window", [None, 3, 17])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_the_sdpa_path_on_random_stores(shape, block_size, window, mode):
     heads, kv_heads, dim = shape
@@ -85,6 +87,14 @@ def test_kernel_matches_the_sdpa_path_on_random_stores(shape, block_size, window
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dim", [8, 20, 16, 64, 128])
+def test_decodes_take_the_register_path_where_it_is_built(dim):
+    store = PagedKVStore(1, 4, 16, 1, dim)
+    built = torch.backends.cpu.get_cpu_capability() == "AVX512" and dim in (16, 32, 64, 128)
+    assert PagedKernel(store).decode_path is built
+    assert PagedKernel(store, mode=1).decode_path is False
+
+
 def test_the_engine_gives_decodes_to_the_kernel_and_longer_queries_to_sdpa():
     store, seqs, _ = _step([(40, 1), (7, 1), (0, 30), (8, 5)], 4, 2, 8, 4)
     batch = build_batch(store, seqs)
@@ -93,14 +103,17 @@ def test_the_engine_gives_decodes_to_the_kernel_and_longer_queries_to_sdpa():
     assert [g.query_index.shape[1] for g in batch.groups] == [30, 5, 1]
     assert taken == [False, False, True]
     # decodes that share a prefix, on one thread: the SDPA path's union of blocks (measured faster there)
+    # unless the kernel has its decode path (mode 1 has none)
     store, seqs, _ = _step([(40 + i, 1) for i in range(8)], 9, 3, 64, 16, shared_blocks=2)
     threads = torch.get_num_threads()
     try:
-        for n, want in ((1, False), (2, True)):
-            torch.set_num_threads(n)
-            batch = build_batch(store, seqs)
-            assert PagedKernel(store).plan(batch).takes(batch.groups[0], 3) is want
-            assert batch.groups[0].union is (None if want else True)
+        for mode in (0, 1):
+            kernel = PagedKernel(store, mode=mode)
+            for n, want in ((1, kernel.decode_path), (2, True)):
+                torch.set_num_threads(n)
+                batch = build_batch(store, seqs)
+                assert kernel.plan(batch).takes(batch.groups[0], 3) is want
+                assert batch.groups[0].union is (None if want else True)
     finally:
         torch.set_num_threads(threads)
 
