@@ -235,8 +235,8 @@ def paged_attention_forward(
             f"{d}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
             "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented"
         )
-    # (kv_heads, T, D)
-    store.write_heads(layer, batch.slot_mapping, key[0], value[0])
+    # (kv_heads, T, D); the kernel writes them in one call where it is on
+    (batch.kernel or store).write_heads(layer, batch.slot_mapping, key[0], value[0])
     # (T, heads, D), (T, kv_heads, D)
     q_all, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     heads = q_all.shape[1]

@@ -308,6 +308,41 @@ inline void decode_task(int64_t, int64_t, const float*, float* const*, const flo
 // whether a decode (one query token) with this head dimension takes the register path (online softmax)
 bool has_decode_path(int64_t dim) { return decode_path(dim); }
 
+// one layer's new K/V into its pages: token i of key and value (kv_heads, T, D; any strides with D's
+// stride 1) to slot slots[i] of k_pages and v_pages (kv_heads, slots, D; contiguous). What the store's
+// index_copy_ does, as one call (for a decode step's few tokens most of index_copy_'s time was its own)
+void write_kv(torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor slots, torch::Tensor key,
+              torch::Tensor value) {
+  TORCH_CHECK(k_pages.scalar_type() == at::kFloat && v_pages.scalar_type() == at::kFloat &&
+                  key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
+              "float32 only");
+  TORCH_CHECK(k_pages.dim() == 3 && k_pages.is_contiguous() && v_pages.is_contiguous() &&
+                  v_pages.sizes() == k_pages.sizes(),
+              "pages: contiguous (kv_heads, slots, D), K and V alike");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value: (kv_heads, T, D) alike, with unit stride in D");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              "slots: contiguous int64 (T,)");
+  const int64_t kvh = k_pages.size(0), ns = k_pages.size(1), dim = k_pages.size(2), t = slots.size(0);
+  TORCH_CHECK(key.size(0) == kvh && key.size(1) == t && key.size(2) == dim, "key/value shape ",
+              key.sizes(), " against pages ", k_pages.sizes(), " and ", t, " slots");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < ns, "slot ", sp[i], " is outside the pages' ", ns, " slots");
+  float* kp = k_pages.data_ptr<float>();
+  float* vp = v_pages.data_ptr<float>();
+  const float* ks = key.data_ptr<float>();
+  const float* vs = value.data_ptr<float>();
+  const int64_t kh_s = key.stride(0), kt_s = key.stride(1), vh_s = value.stride(0), vt_s = value.stride(1);
+  at::parallel_for(0, kvh * t, 1024, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t h = j / t, i = j % t, dst = (h * ns + sp[i]) * dim;
+      std::memcpy(kp + dst, ks + h * kh_s + i * kt_s, dim * sizeof(float));
+      std::memcpy(vp + dst, vs + h * vh_s + i * vt_s, dim * sizeof(float));
+    }
+  });
+}
+
 // q, out: (T, heads, D), any strides with D's stride 1; k_pages, v_pages: (kv_heads, blocks,
 // block_size, D) contiguous; rows, qlens, qstarts: (B,) the first packed row of each sequence, its
 // query length, the position of its first query token; tables: (B, M) block ids. window <= 0: none.
@@ -453,7 +488,9 @@ _DECL = (
     "void attend(torch::Tensor q, torch::Tensor out, torch::Tensor k_pages, torch::Tensor v_pages, "
     "torch::Tensor rows, torch::Tensor qlens, torch::Tensor qstarts, torch::Tensor tables, "
     "double scale, int64_t window, int64_t mode);\n"
-    "bool has_decode_path(int64_t dim);"
+    "bool has_decode_path(int64_t dim);\n"
+    "void write_kv(torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor slots, torch::Tensor key, "
+    "torch::Tensor value);"
 )
 # -fno-trapping-math: GCC 12 vectorises the e^x loop (its floor and max) only under it; no value changes
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
@@ -462,7 +499,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 @functools.cache
 def load() -> Any:
     """The compiled kernel module (built on first use, then imported: ``kvlab.engine.cpp_build``)."""
-    return build("kvlab_paged_kernel", _DECL, _SOURCE, ["attend", "has_decode_path"], _FLAGS)
+    return build("kvlab_paged_kernel", _DECL, _SOURCE, ["attend", "has_decode_path", "write_kv"], _FLAGS)
 
 
 def paged_kernel_available(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -519,6 +556,17 @@ class KernelStep:
             return True
         # as the SDPA path would decide it
         return not (g.union or _plan_union(g, group, self.kernel.store.k_pages.element_size()))
+
+    def write_heads(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The store's ``write_heads`` (the same values in the same slots) as one C++ call, where it takes them
+        (float32 rows with unit stride; else the store's own)."""
+        store = self.kernel.store
+        if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (key, value)):
+            store.write_heads(layer, slot_mapping, key, value)
+            return
+        flat = (store.kv_heads, -1, store.head_dim)
+        self.kernel.module.write_kv(store.k_pages[layer].view(flat), store.v_pages[layer].view(flat), slot_mapping,
+                                    key, value)
 
     def attend(
         self,

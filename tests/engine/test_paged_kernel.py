@@ -95,6 +95,24 @@ def test_decodes_take_the_register_path_where_it_is_built(dim):
     assert PagedKernel(store, mode=1).decode_path is False
 
 
+def test_the_kernels_kv_write_is_the_stores():
+    torch.manual_seed(0)
+    stores = [PagedKVStore(2, 6, 4, 3, 16) for _ in range(2)]
+    slots = torch.tensor([5, 0, 23, 9, 10])
+    # (kv_heads, T, D) views with strided heads and tokens, as the attention receives them
+    key, value = (torch.randn(5, 3, 16).transpose(0, 1) for _ in range(2))
+    stores[0].write_heads(1, slots, key, value)
+    batch = build_batch(stores[1], [(0, 5, [0, 1])])
+    PagedKernel(stores[1]).plan(batch).write_heads(1, slots, key, value)
+    assert torch.equal(stores[0].k_pages, stores[1].k_pages) and torch.equal(stores[0].v_pages, stores[1].v_pages)
+    assert stores[1].k_pages[1].view(3, -1, 16)[:, 23].eq(key[:, 2]).all()
+    # a slot outside the pages is refused by name, and nothing is written
+    before = stores[1].k_pages.clone()
+    with pytest.raises(RuntimeError, match="slot 24 is outside the pages' 24 slots"):
+        PagedKernel(stores[1]).plan(batch).write_heads(0, torch.tensor([1, 2, 3, 4, 24]), key, value)
+    assert torch.equal(stores[1].k_pages, before)
+
+
 def test_the_engine_gives_decodes_to_the_kernel_and_longer_queries_to_sdpa():
     store, seqs, _ = _step([(40, 1), (7, 1), (0, 30), (8, 5)], 4, 2, 8, 4)
     batch = build_batch(store, seqs)
