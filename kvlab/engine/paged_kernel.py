@@ -189,78 +189,99 @@ inline __m512 exp16(__m512 x) {
 }
 
 // rows q[0 .. R) (prescaled, 16 * DC floats each) against the keys [lo, hi) of one sequence's blocks
-// (table; block b's keys at kp + (base + b) * bs * dim); writes each row's output to dst[r]
+// (table; block b's keys at kp + (base + b) * bs * dim); writes each row's output to dst[r]. The
+// online softmax moves 64 keys at a time (4 vectors of scores a row): one rescale of the sums per 64.
 template <int R, int DC>
 void decode_rows(const float* q, float* const* dst, const float* kp, const float* vp, const int64_t* table,
                  int64_t base, int64_t bs, int64_t lo, int64_t hi) {
   constexpr int64_t dim = 16 * DC;
+  constexpr int W = 4;
   const float inf = std::numeric_limits<float>::infinity();
+  __m512 qr[R][DC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) qr[r][c] = _mm512_loadu_ps(q + r * dim + 16 * c);
   alignas(64) float accm[R][dim];
+  alignas(64) float pb[R][16 * W];
   float mx[R], sum[R];
   for (int r = 0; r < R; ++r) {
     std::fill(accm[r], accm[r] + dim, 0.0f);
     mx[r] = -inf;
     sum[r] = 0.0f;
   }
-  __m512 qr[R][DC];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < DC; ++c) qr[r][c] = _mm512_loadu_ps(q + r * dim + 16 * c);
-  const int64_t first = lo / bs, last = (hi + bs - 1) / bs;
-  for (int64_t blk = first; blk < last; ++blk) {
-    const int64_t off = (base + table[blk]) * bs * dim, t0 = blk * bs;
-    // no prefetch_block here: in the engine's steps (16 decodes of SmolLM2 after 512 tokens, shared or
-    // not, 1 or 2 threads) the step was fastest without it (isolated, 1 thread: 82 ms against 92 with it)
-    const int64_t a = std::max(lo, t0), e = std::min(hi, t0 + bs);
-    for (int64_t k0 = a; k0 < e; k0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, e - k0));
-      const float* kb = kp + off + (k0 - t0) * dim;
-      const float* vb = vp + off + (k0 - t0) * dim;
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  // each key's offset in the pages (K's and V's alike)
+  int64_t at[16 * W];
+  for (int64_t k0 = lo; k0 < hi; k0 += 16 * W) {
+    const int n = static_cast<int>(std::min<int64_t>(16 * W, hi - k0));
+    {
+      int64_t blk = k0 / bs, in = k0 % bs, row = (base + table[blk]) * bs;
+      for (int t = 0; t < n; ++t) {
+        at[t] = (row + in) * dim;
+        if (++in == bs && t + 1 < n) {
+          in = 0;
+          row = (base + table[++blk]) * bs;
+        }
+      }
+    }
+    // per row, 16 scores a vector (-inf past the n keys)
+    __m512 s[R][W];
+    __mmask16 valid[W];
+    for (int w = 0; w < W; ++w) {
+      const int nw = std::max(0, std::min(16, n - 16 * w));
+      valid[w] = static_cast<__mmask16>((1u << nw) - 1u);
       // each key's partial products for every row (its K loaded once), then per row its 16 scores
       __m512 part[R][16];
       for (int t = 0; t < 16; ++t) {
-        if (t < n) {
-          __m512 kt[DC];
-          for (int c = 0; c < DC; ++c) kt[c] = _mm512_loadu_ps(kb + t * dim + 16 * c);
+        if (t < nw) {
+          const float* kt = kp + at[16 * w + t];
+          __m512 kv[DC];
+          for (int c = 0; c < DC; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
           for (int r = 0; r < R; ++r) {
-            __m512 s = _mm512_mul_ps(qr[r][0], kt[0]);
-            for (int c = 1; c < DC; ++c) s = _mm512_fmadd_ps(qr[r][c], kt[c], s);
-            part[r][t] = s;
+            __m512 x = _mm512_mul_ps(qr[r][0], kv[0]);
+            for (int c = 1; c < DC; ++c) x = _mm512_fmadd_ps(qr[r][c], kv[c], x);
+            part[r][t] = x;
           }
         } else {
           for (int r = 0; r < R; ++r) part[r][t] = _mm512_setzero_ps();
         }
       }
-      __m512 p[R];
-      float cr[R];
-      for (int r = 0; r < R; ++r) {
-        const __m512 s = sum16(part[r]);
-        const float top = std::max(mx[r], _mm512_mask_reduce_max_ps(valid, s));
-        // e^(old max - new max): 0 for the first keys (old max -inf)
-        cr[r] = mx[r] == -inf ? 0.0f : exp_clamped(mx[r] - top);
-        p[r] = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-        sum[r] = sum[r] * cr[r] + _mm512_reduce_add_ps(p[r]);
-        mx[r] = top;
-      }
-      __m512 y[R][DC];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < DC; ++c) y[r][c] = _mm512_mul_ps(_mm512_load_ps(accm[r] + 16 * c), _mm512_set1_ps(cr[r]));
-      for (int t = 0; t < n; ++t) {
-        __m512 vt[DC];
-        for (int c = 0; c < DC; ++c) vt[c] = _mm512_loadu_ps(vb + t * dim + 16 * c);
-        const __m512i idx = _mm512_set1_epi32(t);
-        for (int r = 0; r < R; ++r) {
-          const __m512 w = _mm512_permutexvar_ps(idx, p[r]);
-          for (int c = 0; c < DC; ++c) y[r][c] = _mm512_fmadd_ps(w, vt[c], y[r][c]);
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < DC; ++c) _mm512_store_ps(accm[r] + 16 * c, y[r][c]);
+      for (int r = 0; r < R; ++r) s[r][w] = _mm512_mask_blend_ps(valid[w], _mm512_set1_ps(-inf), sum16(part[r]));
     }
+    float cr[R];
+    for (int r = 0; r < R; ++r) {
+      __m512 m = s[r][0];
+      for (int w = 1; w < W; ++w) m = _mm512_max_ps(m, s[r][w]);
+      const float top = std::max(mx[r], _mm512_reduce_max_ps(m));
+      // e^(old max - new max): 0 for the first keys (old max -inf)
+      cr[r] = mx[r] == -inf ? 0.0f : exp_clamped(mx[r] - top);
+      __m512 tot = _mm512_setzero_ps();
+      for (int w = 0; w < W; ++w) {
+        const __m512 p = _mm512_maskz_mov_ps(valid[w], exp16(_mm512_sub_ps(s[r][w], _mm512_set1_ps(top))));
+        _mm512_store_ps(pb[r] + 16 * w, p);
+        tot = _mm512_add_ps(tot, p);
+      }
+      sum[r] = sum[r] * cr[r] + _mm512_reduce_add_ps(tot);
+      mx[r] = top;
+    }
+    // each key's values loaded once for every row
+    __m512 y[R][DC];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < DC; ++c) y[r][c] = _mm512_mul_ps(_mm512_load_ps(accm[r] + 16 * c), _mm512_set1_ps(cr[r]));
+    for (int t = 0; t < n; ++t) {
+      const float* vt = vp + at[t];
+      __m512 v[DC];
+      for (int c = 0; c < DC; ++c) v[c] = _mm512_loadu_ps(vt + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(pb[r][t]);
+        for (int c = 0; c < DC; ++c) y[r][c] = _mm512_fmadd_ps(w, v[c], y[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < DC; ++c) _mm512_store_ps(accm[r] + 16 * c, y[r][c]);
   }
   for (int r = 0; r < R; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / sum[r]);
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(dst[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(accm[r] + 16 * c), inv));
+    for (int c = 0; c < DC; ++c)
+      _mm512_storeu_ps(dst[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(accm[r] + 16 * c), inv));
   }
 }
 
