@@ -87,6 +87,21 @@ def test_kernel_matches_the_sdpa_path_on_random_stores(shape, block_size, window
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("mode", [0, 1])
+def test_a_nan_query_gives_nan_where_the_sdpa_path_does(mode):
+    # decodes (the register path in mode 0) and a short prefill; one query value NaN, one key value inf
+    # (in the sequence alone in its SDPA group: where the SDPA path attends a union of blocks, an inf key's
+    # NaN reaches the other sequences' rows, masked or not)
+    store, seqs, qkv = _step([(40, 1), (70, 1), (8, 3)], 9, 3, 64, 16, seed=3)
+    qkv[0][0, 4, 0, 7] = float("nan")
+    store.k_pages[0, 1, seqs[1][2][1], 3, 0] = float("inf")
+    want = _attend(store, seqs, qkv, None)
+    got = _attend(store, seqs, qkv, None, PagedKernel(store, max_query=10**6, mode=mode))
+    assert want.isnan().any() and torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("dim", [8, 20, 16, 64, 128])
 def test_decodes_take_the_register_path_where_it_is_built(dim):
     store = PagedKVStore(1, 4, 16, 1, dim)
