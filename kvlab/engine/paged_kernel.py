@@ -18,9 +18,10 @@ softmax is either online (one pass over the keys, a running max per row; the def
 
 Decodes (one query token per sequence) take a register path where the build has AVX-512 and the head
 dimension is 16, 32, 64 or 128 (``has_decode_path``), in the online softmax: the query rows of a KV
-head and their running sums of values stay in vector registers; each run of up to 16 keys is scored
-into one vector per row (each key's products, then a 16 x 16 transpose-and-add), and each key's
-values are loaded once for all the rows.
+head and their running sums of values stay in vector registers; 16 keys are scored into one vector
+per row (each key's products, then a 16 x 16 transpose-and-add), the softmax moves 64 keys at a time,
+and each key's K and V are loaded once for all the rows. Where the kernel is on, it also writes each
+step's new K/V into the pages (``write_kv``, one call a layer, in place of two ``index_copy_``).
 
 It is used per group of sequences (``paged_attention.AttnGroup``) where it is faster than the gather
 + SDPA path: groups whose longest query is at most ``MAX_QUERY`` tokens (decodes, speculative or
@@ -140,10 +141,10 @@ inline void prefetch_block(const float* k, const float* v, int64_t offset, int64
 
 #if defined(__AVX512F__)
 // The decode path: one query token per sequence, its KV head's query rows (up to R at a time) held in
-// vector registers with their weighted sums of values. Per run of up to 16 keys: each row's 16 scores
-// in one vector (each key's partial products, then a 16 x 16 transpose-and-add), the online softmax on
-// that vector, then every key's values added into every row's sums, each value vector loaded once for
-// the R rows. Written for AVX-512 and a head dimension of 16 * DC floats.
+// vector registers. Per 64 keys: each row's scores, 16 to a vector (each key's partial products for
+// every row from one load of its K, then a 16 x 16 transpose-and-add per row); the online softmax on
+// those vectors; then every key's values added into every row's sums (in registers), each value vector
+// loaded once for the R rows. Written for AVX-512 and a head dimension of 16 * DC floats.
 
 // s[t] = the sum of p[t]'s 16 lanes, for t < 16
 inline __m512 sum16(__m512* p) {
