@@ -135,6 +135,11 @@ def test_the_engine_gives_decodes_to_the_kernel_and_longer_queries_to_sdpa():
     taken = [plan.takes(g, 2) for g in batch.groups]
     assert [g.query_index.shape[1] for g in batch.groups] == [30, 5, 1]
     assert taken == [False, False, True]
+    # with the register path (D = 64 here, where it is built), every group: prefills too
+    store, seqs, _ = _step([(40, 1), (7, 1), (0, 30), (8, 5)], 4, 2, 64, 4)
+    batch = build_batch(store, seqs)
+    kernel = PagedKernel(store)
+    assert [kernel.plan(batch).takes(g, 2) for g in batch.groups] == [kernel.decode_path] * 2 + [True]
     # decodes that share a prefix, on one thread: the SDPA path's union of blocks (measured faster there)
     # unless the kernel has its decode path (mode 1 has none)
     store, seqs, _ = _step([(40 + i, 1) for i in range(8)], 9, 3, 64, 16, shared_blocks=2)
