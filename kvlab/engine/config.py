@@ -56,7 +56,8 @@ class EngineConfig:
     debug: bool = False
     # oneDNN's prepacked GEMM for the linear layers (CPU, float32; kvlab.engine.packed_linear)
     packed_linear: bool = False
-    # a C++ kernel reads K/V through the block tables in place for decodes (CPU, float32; paged_kernel.py)
+    # a C++ kernel reads K/V through the block tables in place: decodes, and with its AVX-512 path every query
+    # (CPU, float32; paged_kernel.py)
     paged_kernel: bool = False
     # transformers' LlamaForCausalLM run layer by layer with fused GEMMs (CPU, float32; fused_llama.py)
     fused_layers: bool = False

@@ -562,12 +562,13 @@ class KernelStep:
     def takes(self, g: Any, group: int) -> bool:
         """Whether the kernel attends group ``g`` (``group`` query heads per KV head).
 
-        Every group of short queries, except one case: without the kernel's decode path (an AVX-512
-        build, a head dimension of 16, 32, 64 or 128 and the online softmax), on one thread, where the
+        Every group of queries of at most ``max_query`` tokens (with the register path: every group),
+        except one case: without the register path (an AVX-512 build, a head dimension of 16, 32, 64 or
+        128 and the online softmax), on one thread, where the
         sequences share most of their blocks (on average each block in two tables or more) and the SDPA
         path attends the union of the group's blocks. There each shared block is read once for all of
         them in one GEMM-shaped attention, measured faster than the plain loops (16 decodes after a
-        512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer). The decode path
+        512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer). The register path
         won that case (16 such decodes, one step of SmolLM2 with the other speed paths: 84 ms against
         97 ms), and on two threads the plain loops won it too (0.8 ms against 1.03 ms a layer)."""
         if id(g) not in self.meta:
