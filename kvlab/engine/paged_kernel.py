@@ -301,7 +301,7 @@ void decode_rows_n(int rows, const float* q, float* const* dst, const float* kp,
   switch (rows) {
     case 1: return decode_rows<1, DC>(q, dst, kp, vp, table, base, bs, lo, hi);
     case 2: return decode_rows<2, DC>(q, dst, kp, vp, table, base, bs, lo, hi);
-    case 3: return decode_rows<std::min(3, max_rows(DC)), DC>(q, dst, kp, vp, table, base, bs, lo, hi);
+    case 3: return decode_rows<3, DC>(q, dst, kp, vp, table, base, bs, lo, hi);
     default: return decode_rows<max_rows(DC), DC>(q, dst, kp, vp, table, base, bs, lo, hi);
   }
 }
