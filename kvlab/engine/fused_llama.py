@@ -30,7 +30,7 @@ from torch.nn.modules import module as nn_module
 
 from . import fused_ops
 from .cpp_build import build_failure
-from .packed_linear import packed_gemm, packed_linear_available
+from .packed_linear import PackedWeight, pack, packed_gemm, packed_linear_available
 from .paged_attention import paged_attention_forward
 
 __all__ = ["MLP_ROWS", "FusedLlama", "fused_layers_available"]
@@ -118,7 +118,7 @@ class FusedLlama:
         self.state: list[tuple[int, int]] = []
         # (layer, part) -> (packed weight, bias): all packed here, as a server packs at load (not in its
         # first step), and again at the first step after a weight or bias changed in place or was replaced
-        self._packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._packed: dict[tuple[int, str], tuple[PackedWeight, torch.Tensor | None]] = {}
         self._pack_all()
 
     def _pack_all(self) -> None:
@@ -131,7 +131,7 @@ class FusedLlama:
                 bias = None if all(b is None for b in biases) else torch.cat([
                     b.detach() if b is not None else m.weight.new_zeros(m.out_features) for b, m in zip(biases, mods)
                 ])
-                self._packed[(i, part)] = torch.ops.mkldnn._reorder_linear_weight(w, None), bias
+                self._packed[(i, part)] = pack(w), bias
 
     def _state(self) -> list[tuple[int, int]]:
         # through _parameters, not the modules' attribute lookup: a fifth of the time (~60 us a step)

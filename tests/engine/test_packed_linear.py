@@ -74,3 +74,62 @@ def test_packed_linear_must_be_a_bool():
         from kvlab.engine.config import EngineConfig
 
         EngineConfig(packed_linear="yes")
+
+
+def _panel_ops():
+    from kvlab.engine import packed_linear
+
+    ops = packed_linear._panel_ops()
+    if ops is None:
+        pytest.skip("the panel GEMM does not run here (no AVX-512 build of the C++ ops)")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 40])
+@pytest.mark.parametrize("n, k", [(5, 1), (16, 7), (33, 64), (200, 576)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_panel_gemm_computes_f_linear_for_any_rows_and_widths(rows, n, k, with_bias):
+    ops = _panel_ops()
+    torch.manual_seed(rows * 1000 + n + k)
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    bias = torch.randn(n) if with_bias else None
+    got = ops.panel_gemm(x, ops.pack_panels(w), bias if with_bias else torch.empty(0), n)
+    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_gemm_sends_few_rows_to_the_panels_and_more_to_onednn():
+    from kvlab.engine.packed_linear import PANEL_ROWS, PackedWeight, pack, packed_gemm
+
+    ops = _panel_ops()
+    torch.manual_seed(0)
+    w, bias = torch.randn(48, 32), torch.randn(48)
+    packed = pack(w)
+    assert packed.panels is not None and packed.out_features == 48
+    # panels of 2w: a call that uses them gives twice the product
+    marked = PackedWeight(packed.onednn, ops.pack_panels(2 * w), 48)
+    for shape in [(1, 32), (PANEL_ROWS, 32), (1, PANEL_ROWS, 32), (PANEL_ROWS + 1, 32), (2, PANEL_ROWS, 32)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(packed_gemm(x, packed, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+        rows = x.numel() // 32
+        factor = 2 if rows <= PANEL_ROWS else 1
+        torch.testing.assert_close(packed_gemm(x, marked, None), factor * F.linear(x, w), rtol=1e-5, atol=1e-4)
+        assert packed_gemm(x, packed, None).shape == (*shape[:-1], 48)
+
+
+def test_the_panel_gemm_keeps_a_nan_in_its_row_and_refuses_mismatched_shapes():
+    ops = _panel_ops()
+    w, x = torch.randn(20, 8), torch.randn(4, 8)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    got = ops.panel_gemm(x, ops.pack_panels(w), torch.empty(0), 20)
+    assert got[1].isnan().all() and not got[[0, 3]].isnan().any()
+    torch.testing.assert_close(got[[0, 3]], F.linear(x[[0, 3]], w))
+    assert not got[2].isfinite().any()  # inf times each weight: inf, -inf (or NaN where a weight is 0)
+    with pytest.raises(RuntimeError, match="panels must be pack_panels of an"):
+        ops.panel_gemm(torch.randn(2, 9), ops.pack_panels(w), torch.empty(0), 20)
+    with pytest.raises(RuntimeError, match="panels must be pack_panels of an"):
+        ops.panel_gemm(x, ops.pack_panels(w), torch.empty(0), 40)
+    with pytest.raises(RuntimeError, match="bias must be empty or a contiguous float32"):
+        ops.panel_gemm(x, ops.pack_panels(w), torch.randn(19), 20)
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+        ops.panel_gemm(x.double(), ops.pack_panels(w), torch.empty(0), 20)
