@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor-threads", type=int, nargs="*", default=[1, 2], metavar="N",
                     help="torch thread counts of the decode-floor table (none: skip it)")
     ap.add_argument("--packed-linear", action="store_true",
-                    help="kvlab's engines use oneDNN's prepacked GEMM (EngineConfig.packed_linear; CPU float32)")
+                    help="kvlab's engines use prepacked GEMMs: oneDNN's, and its panel GEMM for few rows (EngineConfig.packed_linear; CPU float32)")
     ap.add_argument("--paged-kernel", action="store_true",
                     help="kvlab's engines attend decodes with the C++ paged-attention kernel (EngineConfig.paged_kernel)")
     ap.add_argument("--fused-layers", action="store_true",

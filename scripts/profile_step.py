@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--caching", action="store_true", help="prefix caching on: the shared prefill, and decodes over the shared prefix")
     ap.add_argument("--steps", type=int, default=6, help="decode steps timed unprofiled (median)")
-    ap.add_argument("--packed-linear", action="store_true", help="oneDNN's prepacked GEMM (EngineConfig.packed_linear)")
+    ap.add_argument("--packed-linear", action="store_true", help="prepacked GEMMs: oneDNN's, and kvlab's panel GEMM for few rows (EngineConfig.packed_linear)")
     ap.add_argument("--paged-kernel", action="store_true",
                     help="the C++ paged-attention kernel for decodes (EngineConfig.paged_kernel)")
     ap.add_argument("--fused-layers", action="store_true",

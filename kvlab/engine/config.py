@@ -31,7 +31,7 @@ class EngineConfig:
     Tenancy: ``isolation`` ("shared", "tenant", "public-prefix") and the ``secret`` every salt is derived
     from (None: a random one per engine). ``host_tier_bytes``: a host-memory second tier of that size.
     ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` go to the ``Scheduler``.
-    ``packed_linear``: oneDNN's prepacked GEMM for the linear layers (CPU float32; off by default).
+    ``packed_linear``: prepacked GEMMs for the linear layers, oneDNN's and (few rows) kvlab's panel GEMM (CPU float32; off by default).
     ``paged_kernel``: a C++ paged-attention kernel that reads K/V in place (CPU float32; off by default).
     ``fused_layers``: a Llama decoder run with four fused prepacked GEMMs a layer and one-pass C++ RMSNorm,
     RoPE and SwiGLU (CPU float32; off by default).
@@ -54,7 +54,7 @@ class EngineConfig:
     host_tier_bytes: int | None = None
     offload_evicted: bool = True
     debug: bool = False
-    # oneDNN's prepacked GEMM for the linear layers (CPU, float32; kvlab.engine.packed_linear)
+    # prepacked GEMMs for the linear layers: oneDNN's, and for few rows kvlab's panels (CPU, float32; kvlab.engine.packed_linear)
     packed_linear: bool = False
     # a C++ kernel reads K/V through the block tables in place: decodes, and with its AVX-512 path every query
     # (CPU, float32; paged_kernel.py)

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--max-num-batched-tokens); chunked is the default, as in vLLM V1")
     p.add_argument("--no-packed-linear", action="store_true",
                    help="keep F.linear for the linear layers; by default a float32 model on a CPU runs them on "
-                        "oneDNN's prepacked GEMM (EngineConfig.packed_linear: the same greedy tokens, faster)")
+                        "prepacked GEMMs: oneDNN's, and kvlab's panel GEMM for a decode step's few rows (EngineConfig.packed_linear: the same greedy tokens, faster)")
     p.add_argument("--no-paged-kernel", action="store_true",
                    help="keep the SDPA path for decodes; by default a float32 model on a CPU attends them with kvlab's "
                         "C++ paged-attention kernel (EngineConfig.paged_kernel; built once per machine)")
