@@ -232,8 +232,17 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bi
   auto xt = torch::empty({chunks, k, 16}, x.options());
   const float* xp = x.data_ptr<float>();
   float* xtp = xt.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t kk = 0; kk < k; ++kk) xtp[((r / 16) * k + kk) * 16 + r % 16] = xp[r * k + kk];
+  TORCH_CHECK(16 * k <= INT32_MAX, "x's rows are too long for panel_gemm");
+  // one gather per k: the chunk's rows' k-th values (lanes past the last row: 0)
+  const __m512i row_starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(static_cast<int>(k)));
+  for (int64_t c = 0; c < chunks; ++c) {
+    const auto rows = static_cast<__mmask16>((1u << std::min<int64_t>(16, m - c * 16)) - 1u);
+    const float* base = xp + c * 16 * k;
+    for (int64_t kk = 0; kk < k; ++kk)
+      _mm512_storeu_ps(xtp + (c * k + kk) * 16,
+                       _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, row_starts, base + kk, 4));
+  }
   const float* wp = panels.data_ptr<float>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
