@@ -177,7 +177,8 @@ bool panel_gemm_available() {
 // w (N, K) -> panels (ceil(N / 16), K, 16): panel b holds columns 16b.. of the output, k by k (zero past N)
 // in 2 MiB pages where the kernel gives them (Linux's transparent huge pages on request, MADV_HUGEPAGE) when
 // they fill one: a decode step streams every panel, and with 4 KiB pages its TLB misses cost (one 16-decode step
-// of SmolLM2 at 2 threads, steps alternated with a second engine's: 42.2 ms, 36.2 with huge pages)
+// of SmolLM2 at 2 threads, 8 steps at a time alternated with a second engine's as scripts/bench.py does: 42.2 ms
+// with 4 KiB pages, 34.0 to 38.9 in three runs with huge pages)
 torch::Tensor pack_panels(torch::Tensor w) {
   check_rows(w, "w");
   const int64_t n = w.size(0), k = w.size(1), nb = (n + 15) / 16;

@@ -86,7 +86,8 @@ def _panel_ops():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 40])
-@pytest.mark.parametrize("n, k", [(5, 1), (16, 7), (33, 64), (200, 576)])
+# (1030, 576): panels of over 2 MiB, which pack_panels puts in memory of its own (huge pages)
+@pytest.mark.parametrize("n, k", [(5, 1), (16, 7), (33, 64), (200, 576), (1030, 576)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_the_panel_gemm_computes_f_linear_for_any_rows_and_widths(rows, n, k, with_bias):
     ops = _panel_ops()
@@ -133,3 +134,18 @@ def test_the_panel_gemm_keeps_a_nan_in_its_row_and_refuses_mismatched_shapes():
         ops.panel_gemm(x, ops.pack_panels(w), torch.randn(19), 20)
     with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
         ops.panel_gemm(x.double(), ops.pack_panels(w), torch.empty(0), 20)
+
+
+def test_large_panels_outlive_their_weight_and_free_cleanly():
+    ops = _panel_ops()
+    torch.manual_seed(1)
+    w, x = torch.randn(1030, 576), torch.randn(16, 576)
+    want = F.linear(x, w)
+    panels = ops.pack_panels(w)
+    assert panels.shape == (65, 576, 16) and panels.is_contiguous()
+    assert panels[-1, :, 6:].eq(0).all()  # the columns past 1,030 are zero
+    del w
+    torch.testing.assert_close(ops.panel_gemm(x, panels, torch.empty(0), 1030), want, rtol=1e-5, atol=1e-4)
+    for _ in range(3):  # packed and freed again: its own memory goes back each time
+        del panels
+        panels = ops.pack_panels(torch.randn(1030, 576))
