@@ -1,14 +1,16 @@
-"""Notebook 01's timing harness (exported to kvlab.built.nb01): interleaving, median/min-max, and the guard."""
+"""The series' one timing helper (kvlab.lessons.timing): interleaving, median/min-max, and the verdict words."""
 
 import math
 
 import pytest
 
-from kvlab.built.nb01 import (
-    BELOW_IDEAL,
-    OUTLIER,
+from kvlab.lessons.timing import (
+    DISTURBED,
+    DISTURBED_SPREAD,
+    UNEXPLAINED,
     Timing,
     curve_verdict,
+    loglog_slope,
     ratio_verdict,
     time_interleaved,
 )
@@ -90,35 +92,68 @@ def test_a_clean_ratio_is_not_flagged_and_says_its_sentence():
     assert v.lo == pytest.approx(0.40 / 1.02) and v.hi == pytest.approx(0.42 / 1.00)
 
 
-def test_a_ratio_below_the_ideal_is_flagged():
-    v = ratio_verdict(Timing("cached", (0.09, 0.1, 0.11)), Timing("full", (1.0, 1.0, 1.0)), ideal=0.33)
-    assert not v and v.flag == BELOW_IDEAL and v.says("x11 faster").startswith("below the ideal — re-run")
+def test_a_ratio_that_beats_its_ideal_is_a_result_with_a_note_not_a_re_run():
+    # notebook 08's case: ratio 0.668 where the token share says 0.77
+    v = ratio_verdict(Timing("fix", (0.66, 0.668, 0.67)), Timing("logged", (1.0, 1.0, 1.01)), ideal=0.77,
+                      ideal_is="the share of prompt tokens computed")
+    assert v and v.value == pytest.approx(0.668)
+    assert "beats the ideal 0.77" in v.note and "share of prompt tokens" in v.note
+    assert "re-run" not in v.says("x") and v.says("x").startswith("x — ratio 0.668")
+    assert ratio_verdict(Timing("fix", (0.8, 0.81)), Timing("logged", (1.0, 1.01)), ideal=0.77).note == ""
 
 
-def test_a_ratio_above_one_and_a_half_is_flagged_when_an_ideal_is_given():
+def test_a_slower_saving_path_is_a_result_not_a_flag():
     v = ratio_verdict(Timing("cached", (2.0, 2.0, 2.1)), Timing("full", (1.0, 1.0, 1.0)), ideal=0.5)
-    assert not v and v.flag == OUTLIER and "above 1.5" in v.why
+    assert v and "took longer than full" in v.note and "re-run" not in v.says("s")
 
 
-def test_overlapping_min_max_is_flagged():
-    # medians 0.8 vs 1.0, but one slow run of "cached" reaches into "full"'s range: not told apart
-    v = ratio_verdict(Timing("cached", (0.8, 0.79, 1.05)), Timing("full", (1.0, 1.01, 0.99)), ideal=0.5)
-    assert not v and v.flag == OUTLIER and "overlap" in v.why
-    assert v.says("saves 20 %") == v.text and "saves" not in v.text
-    # without an ideal (a speed-up), only the overlap rule applies
-    assert ratio_verdict(Timing("r", (5.0, 5.1)), Timing("c", (1.0, 1.1))).ok
-    assert not ratio_verdict(Timing("r", (5.0, 5.1)), Timing("c", (1.0, 5.05))).ok
+def test_overlapping_ranges_are_a_null_result_of_the_size_given():
+    # notebook 00's 52-token row: cached 0.00183-0.00238 s, full 0.00219-0.00329 s
+    cached, full = Timing("cached", (0.00183, 0.0021, 0.00238)), Timing("full", (0.00219, 0.0025, 0.00329))
+    v = ratio_verdict(cached, full, ideal=0.2, at="at 52 tokens")
+    assert not v and not v.disturbed
+    assert v.text.startswith("no measurable saving at 52 tokens: the ranges overlap")
+    assert "cached 0.00183–0.00238 s" in v.text and "full 0.00219–0.00329 s" in v.text
+    assert "re-run" not in v.text and v.says("saves 20 %") == v.text
+    # without an ideal the same overlap is "no measurable difference"; without a size, no size
+    assert ratio_verdict(cached, full).flag == "no measurable difference"
+    # the ranges that only touch still overlap; separated ranges are a result
+    assert not ratio_verdict(Timing("r", (5.0, 5.1)), Timing("c", (1.0, 5.0))).ok
+    assert ratio_verdict(Timing("r", (5.0, 5.1)), Timing("c", (1.0, 4.99))).ok
+
+
+def test_re_run_only_when_a_variants_own_spread_shows_a_disturbed_run():
+    calm, full = Timing("cached", (0.8, 0.85, 1.05)), Timing("full", (1.0, 1.01, 0.99))
+    assert calm.spread == pytest.approx(1.05 / 0.8) and not calm.disturbed
+    assert not ratio_verdict(calm, full).disturbed
+    shaken = Timing("cached", (0.5, 0.52, 1.5))   # one repeat three times the fastest
+    assert shaken.spread > DISTURBED_SPREAD and shaken.disturbed
+    v = ratio_verdict(shaken, full, ideal=0.5, at="at 52 tokens")
+    assert not v and v.disturbed and v.flag == DISTURBED
+    assert "x3.0" in v.why and "0.5–1.5 s" in v.why and v.text.startswith("disturbed run — re-run: cached's repeats")
+    # a disturbed variant whose range still clears the other's is a result: the spread did not change the answer
+    assert ratio_verdict(Timing("cached", (0.1, 0.35)), full).ok
 
 
 def test_a_curve_jumping_three_times_is_flagged():
     n = [256, 512, 1024, 2048]
     # notebook 01's run: the cached step 1.30e-03 -> 5.54e-02 s from 1024 to 2048
     v = curve_verdict(n, [1.2e-3, 1.25e-3, 1.30e-3, 5.54e-2])
-    assert not v and v.flag == OUTLIER and "1024" in v.why and "2048" in v.why
+    assert not v and v.flag == UNEXPLAINED and "1024" in v.why and "2048" in v.why and "re-run" not in v.text
     assert not curve_verdict([1, 2], [1.0, 3.0])  # exactly 3x
     assert curve_verdict([1, 2], [1.0, 2.9])
     assert not curve_verdict([1, 2, 4], [1.0, 1.1, 0.3])  # a curve that falls 3x
     assert math.isnan(v.value)
+
+
+def test_a_curve_of_timings_says_re_run_only_at_a_disturbed_step():
+    calm = [Timing("a", (1.0, 1.1)), Timing("b", (1.2, 1.3)), Timing("c", (42.0, 43.0))]
+    assert curve_verdict([1, 2, 4], calm).flag == UNEXPLAINED
+    shaken = calm[:2] + [Timing("c", (10.0, 42.0, 60.0))]
+    v = curve_verdict([1, 2, 4], shaken)
+    assert v.flag == DISTURBED and v.disturbed and "x6.0" in v.why and "10–60 s" in v.why
+    # a disturbed size whose step the count explains is no flag
+    assert curve_verdict([1, 2], [Timing("a", (1.0, 1.1, 9.0)), Timing("b", (1.5, 1.6))])
 
 
 def test_a_curve_is_judged_against_its_count():
@@ -138,3 +173,10 @@ def test_a_curve_is_judged_against_its_count():
 def test_a_clean_curve_says_its_sentence():
     v = curve_verdict([32, 64, 128], [1.0, 1.2, 1.5])
     assert v and v.says("grows as counted") == "grows as counted"
+
+
+def test_loglog_slope():
+    assert loglog_slope([1, 2, 4, 8], [3, 6, 12, 24]) == pytest.approx(1.0)
+    assert loglog_slope([10, 20, 40], [1, 4, 16]) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        loglog_slope([1], [1])
