@@ -4,8 +4,9 @@
 (special tokens dropped) gives, but each push decodes only a short window of recent ids, so a long answer costs
 linear, not quadratic, work. It holds back what could still change or be cut:
 
-- a trailing U+FFFD: an incomplete UTF-8 character whose next bytes are in a later token;
-- the longest tail that is the start of a stop string (it may become the stop string).
+- trailing U+FFFDs: an incomplete UTF-8 character whose next bytes are in a later token;
+- the longest tail before them that is the start of a stop string (it may become the stop string, once the
+  incomplete character is complete too).
 
 When a stop string appears the text ends before it (``stopped`` is set; the server then aborts the
 engine request, which frees its blocks). The text sent over a stream concatenates to exactly the text of
@@ -123,10 +124,14 @@ class TextStream:
     def _holdback(self) -> int:
         """Characters at the end of the text that must wait for the next token."""
         _, text = self._tail()
-        hold = 1 if text.endswith(_INCOMPLETE) else 0
+        # every trailing U+FFFD may still become a character; the text before them may start a stop string that
+        # character completes ("## " then the first bytes of 实 under the stop "# 实": hold "# " and the U+FFFD)
+        complete = text.rstrip(_INCOMPLETE)
+        incomplete = len(text) - len(complete)
+        hold = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):  # longest tail that starts s
-                if text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(complete)), 0, -1):  # longest tail that starts s
+                if complete.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        return hold
+        return incomplete + hold

@@ -35,12 +35,10 @@ class FullDecodeStream:
         if cut >= 0:
             self.stopped, self.num_tokens_at_stop, text, final = True, len(self.ids), text[:cut], True
         self.text = text
-        hold = 1 if text.endswith("\ufffd") else 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        complete = text.rstrip("\ufffd")  # trailing U+FFFDs may still become characters (issue 53, N3)
+        starts = [k for s in self.stop for k in range(1, min(len(s) - 1, len(complete)) + 1)
+                  if complete.endswith(s[:k])]
+        hold = len(text) - len(complete) + max(starts, default=0)
         end = len(text) if final else len(text) - hold
         if end <= self.sent:
             return ""
