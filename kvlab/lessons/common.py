@@ -1,4 +1,4 @@
-"""Helpers every lesson uses: exercise verdicts, the article's decision table, timing, CJK labels (a shipped font).
+"""Helpers every lesson uses: exercise verdicts, the article's decision table (with a verdict column), CJK labels.
 
 Torch-free at import (``time_prefill`` imports notebook 00's when called), so a pure-Python lesson such as
 notebook 04's can use ``verdict`` and ``decision_table`` without loading torch.
@@ -102,19 +102,43 @@ DECISION_ROWS: tuple[DecisionRow, ...] = (
 ROW_NAMES: tuple[str, ...] = tuple(r.name for r in DECISION_ROWS)
 
 
-def decision_table(evidence: Mapping[str, str] | None = None):
-    """The article's decision table as a DataFrame indexed by row name, with an ``evidence`` column.
+VERDICTS = ("confirmed", "refined", "contradicted")
 
-    ``evidence`` maps a row name (``ROW_NAMES``) to what a notebook measured; an unknown name raises.
+
+class Evidence(NamedTuple):
+    """A row's verdict on the article's yes/no, what was measured, and the cell that measured it ("07 §2, cell 24")."""
+
+    verdict: str  # one of VERDICTS
+    measured: str
+    cell: str
+
+
+def decision_table(evidence: Mapping[str, str | Evidence] | None = None):
+    """The article's decision table as a DataFrame indexed by row name, with what a notebook measured.
+
+    ``evidence`` maps a row name (``ROW_NAMES``) to a string, or to an ``Evidence`` (then the table gains the
+    ``verdict`` — confirmed / refined / contradicted — and ``measured in`` columns); an unknown name or verdict raises.
     """
     import pandas as pd
 
     evidence = dict(evidence or {})
-    unknown = sorted(set(evidence) - set(ROW_NAMES))
+    unknown = sorted(set(evidence) - set(ROW_NAMES), key=str)
     if unknown:
         raise KeyError(f"no decision-table row named {unknown}; the rows are {list(ROW_NAMES)}")
-    rows = [{"row": r.name, "condition": r.condition, "article (zh)": r.zh, "share?": r.share, "isolate?": r.isolate,
-             "evidence (measured here)": evidence.get(r.name, "")} for r in DECISION_ROWS]
+    judged = {k: v for k, v in evidence.items() if isinstance(v, Evidence)}
+    wrong = {k: v.verdict for k, v in judged.items() if v.verdict not in VERDICTS}
+    if wrong:
+        raise ValueError(f"verdicts must be one of {VERDICTS}, got {wrong}")
+    rows = []
+    for r in DECISION_ROWS:
+        e = evidence.get(r.name, "")
+        row = {"row": r.name, "condition": r.condition, "article (zh)": r.zh, "share?": r.share, "isolate?": r.isolate}
+        if judged:
+            row["verdict"] = e.verdict if isinstance(e, Evidence) else ""
+        row["evidence (measured here)"] = e.measured if isinstance(e, Evidence) else e
+        if judged:
+            row["measured in"] = e.cell if isinstance(e, Evidence) else ""
+        rows.append(row)
     return pd.DataFrame(rows).set_index("row")
 
 

@@ -336,3 +336,92 @@ def real_model_prompt(tokenizer, example: PassphraseExample, question: str = REA
 def mentions(completion: str, expected: str) -> bool:
     """Lenient recall for a chat model that answers in a sentence: the passphrase appears in the answer's first line."""
     return expected.lower() in normalize_answer(completion).lower()
+
+
+# ----------------------------------------------------------------------------- the article's memory column (table 3.6)
+
+ARTICLE_MEMORY_GB = {"isolated": 14.2, "shared": 13.8}   # table 3.6, group 1: the article's claims, typed in, not measured
+
+
+def param_count(config: dict) -> int:
+    """Parameters of a Llama/Qwen2-style decoder from its ``config.json`` (no weights needed): embedding + per layer
+    (q/k/v/o, q/k/v biases for qwen2, gate/up/down MLP, two norms) + final norm + the LM head unless tied."""
+    h, inter, layers, vocab = (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+                               config["vocab_size"])
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    bias = config.get("attention_bias", config.get("model_type") == "qwen2")
+    attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if bias else 0)
+    head = 0 if config.get("tie_word_embeddings", False) else vocab * h
+    return vocab * h + layers * (attn + 3 * h * inter + 2 * h) + h + head
+
+
+@dataclass(frozen=True)
+class MemoryColumn:
+    """The series' one reading of the article's memory column, with the numbers it rests on (``str``: the sentence).
+
+    The reading: the column is the whole GPU's memory, so the weights dominate it and its totals say nothing about
+    sharing; the difference between the isolated and shared rows is the only part that can be K/V."""
+
+    model: str
+    parameters: int
+    weights_bytes: int          # every parameter at ``dtype_bytes`` (2: fp16/bf16)
+    kv_bytes_per_token: int     # 2 (K, V) x layers x kv_heads x head_dim x dtype_bytes
+    isolated_gb: float          # the article's claims
+    shared_gb: float
+    prefix_tokens: int
+    requests: int
+
+    @property
+    def drop_bytes(self) -> float:
+        return (self.isolated_gb - self.shared_gb) * 1e9
+
+    @property
+    def drop_tokens(self) -> float:
+        """How many tokens of K/V the article's isolated - shared difference is."""
+        return self.drop_bytes / self.kv_bytes_per_token
+
+    @property
+    def sharing_saves_bytes(self) -> int:
+        """K/V that ``requests`` requests sharing one ``prefix_tokens`` prefix save: all copies but one."""
+        return (self.requests - 1) * self.prefix_tokens * self.kv_bytes_per_token
+
+    @property
+    def weights_exceed_total(self) -> bool:
+        return self.weights_bytes > self.isolated_gb * 1e9 and self.weights_bytes > self.isolated_gb * 2**30
+
+    def __str__(self) -> str:
+        w, bits = self.weights_bytes, 8 * self.weights_bytes // self.parameters
+        fits = ("already more than its {t:g} GB isolated total, which therefore cannot be reproduced; only"
+                if self.weights_exceed_total else
+                "inside its {t:g} GB isolated total read as GiB, leaving {r:.2f} GiB for K/V and workspace;").format(
+                    t=self.isolated_gb, r=(self.isolated_gb * 2**30 - w) / 2**30)
+        return (f"The article's memory column reads as the whole GPU's memory, weights first: {self.model}'s "
+                f"{self.parameters / 1e9:.2f} B parameters are {w / 1e9:.2f} GB at {bits} bits ({w / 2**30:.2f} GiB), "
+                f"{fits} the difference between rows reads as K/V: {self.drop_bytes / 1e9:.2f} GB is "
+                f"{self.drop_tokens:.0f} tokens at {self.kv_bytes_per_token / 2**20:.2f} MiB per token, "
+                f"{self.drop_tokens / self.prefix_tokens:.1f} copies of a {self.prefix_tokens}-token prefix, where "
+                f"{self.requests} requests sharing one such prefix would save {self.requests - 1} copies, "
+                f"{self.sharing_saves_bytes / 1e9:.2f} GB.")
+
+
+def memory_column(config: dict | str = "Qwen1.5-7B-Chat", dtype_bytes: int = 2, prefix_tokens: int = 512,
+                  requests: int = 16, isolated_gb: float = ARTICLE_MEMORY_GB["isolated"],
+                  shared_gb: float = ARTICLE_MEMORY_GB["shared"]) -> MemoryColumn:
+    """The reading of table 3.6's memory column that notebooks 01, 05 and 07 print (``print(memory_column())``).
+
+    ``config``: a config.json dict or the name of one shipped in data/configs. Everything is computed from it;
+    the article's GB figures only enter as the claims the sentence reads.
+    """
+    if isinstance(config, str):
+        from kvlab.engine.models import load_public_config
+
+        name, config = config, load_public_config(config)
+    else:
+        name = config.get("_name_or_path", "the model").rsplit("/", 1)[-1]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv = 2 * config["num_hidden_layers"] * (config.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
+    n = param_count(config)
+    return MemoryColumn(name, n, n * dtype_bytes, kv, isolated_gb, shared_gb, prefix_tokens, requests)

@@ -125,6 +125,19 @@ def test_decision_rows_are_named_and_keep_the_article_text():
     assert all(set(rows) <= set(ROW_NAMES) for rows in T.BUG_ROWS.values())
 
 
+def test_decision_table_verdict_column_names_the_cell_and_refuses_other_words():
+    from kvlab.lessons.common import Evidence
+
+    t = decision_table({"same-start": Evidence("refined", "equal distances, not equal starts: 100% of 24", "03 §4, cell 31"),
+                        "identical-prefix": "a string row has no verdict"})
+    assert list(t.columns) == ["condition", "article (zh)", "share?", "isolate?", "verdict", "evidence (measured here)",
+                               "measured in"]
+    assert (t.loc["same-start", "verdict"], t.loc["same-start", "measured in"]) == ("refined", "03 §4, cell 31")
+    assert t.loc["identical-prefix", "verdict"] == "" and t.loc["full-isolation", "measured in"] == ""
+    with pytest.raises(ValueError, match="confirmed"):
+        decision_table({"same-start": Evidence("yes", "x", "07")})
+
+
 def test_every_lesson_figure_is_named_fig():
     import inspect
 

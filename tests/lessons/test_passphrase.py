@@ -112,3 +112,34 @@ def test_the_engine_tests_stored_prompts_are_these_prompts():
     for args in [(), (1, 1), (2, 2), (1, 2), (4, 2, 1)]:
         assert E.question_prompts(*args) == P.question_prompts(*args)
     assert E.ASK_EN == list(P.ASK_EN) and E.ASK_ZH == list(P.ASK_ZH)
+
+
+def test_param_count_matches_a_real_qwen2_and_llama_model():
+    """The count from config.json equals the parameters transformers builds from the same (tiny) config."""
+    import transformers
+
+    from kvlab.lessons.passphrase import param_count
+
+    for cls, extra in ((transformers.Qwen2Config, {"model_type": "qwen2"}), (transformers.LlamaConfig, {})):
+        cfg = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+                   num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+        model = transformers.AutoModelForCausalLM.from_config(cls(**cfg))
+        assert param_count({**cfg, **extra}) == sum(p.numel() for p in model.parameters()), cls.__name__
+        tied = transformers.AutoModelForCausalLM.from_config(cls(**{**cfg, "tie_word_embeddings": True}))
+        assert param_count({**cfg, **extra, "tie_word_embeddings": True}) == sum(p.numel() for p in tied.parameters())
+
+
+def test_memory_column_states_one_reading_from_the_config():
+    from kvlab.lessons.passphrase import memory_column
+
+    m = memory_column("Qwen1.5-7B-Chat")
+    assert m.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2          # no GQA: 32 KV heads of 128, fp16
+    assert m.weights_bytes == 2 * m.parameters and m.weights_exceed_total
+    assert m.drop_tokens == pytest.approx(0.4e9 / m.kv_bytes_per_token)
+    assert m.sharing_saves_bytes == 15 * 512 * m.kv_bytes_per_token
+    text = str(m)
+    assert "whole GPU" in text and "cannot be reproduced" in text and f"{m.drop_tokens:.0f} tokens" in text
+    # a model with GQA reads differently from the same claims: more tokens in the same 0.4 GB
+    assert memory_column("Qwen2.5-7B-Instruct").drop_tokens > 5 * m.drop_tokens
+    small = memory_column("Qwen2.5-0.5B-Instruct")
+    assert not small.weights_exceed_total and "leaving" in str(small)
