@@ -30,18 +30,19 @@ from ..engine.intake import RequestError, make_sampling
 from ..engine.models import encode
 from ..engine.sampling import SamplingParams
 from .debug import engine_report
-from .generation import ClientGone, Generation, Piece, wait_or_disconnect
+from .generation import ClientGone, Generation, OutputText, wait_or_disconnect
 from .metrics import ServeMetrics
 from .protocol import (
     PROMPT_BYTES_PER_TOKEN,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     validation_message,
 )
 from .runner import EngineRunner, EngineStoppedError, Job, QueueFullError, new_request_id, now
 from .tenancy import AuthError, KeyTable
-from .text import TextStream
 
 __all__ = ["ServeConfig", "create_app"]
 
@@ -59,6 +60,8 @@ class ServeConfig:
     # UTF-8 bytes of prompt text (a completion's prompt, a chat's message contents) accepted for tokenizing;
     # None = PROMPT_BYTES_PER_TOKEN x the model's context (max_body_bytes when the model states no context)
     max_prompt_bytes: int | None = None
+    # prompt tokens whose log-probabilities one request may ask for (echo with logprobs, prompt_logprobs)
+    max_prompt_logprob_tokens: int = 8192
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -131,8 +134,12 @@ class _Server:
                                 f"{self.config.model_name!r}", param="model", code="model_not_found")
         return body, tenant
 
-    def sampling(self, body, n_prompt: int, max_tokens: int | None, default: int) -> SamplingParams:
-        """The engine's sampling parameters, with every limit checked (400 naming the parameter)."""
+    def sampling(self, body, n_prompt: int, max_tokens: int | None, default: int, *, index: int = 0,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's sampling parameters of choice ``index``, with every limit checked (400 naming the parameter).
+
+        Choice ``index`` of a seeded request gets seed + index, as vLLM's parallel sampling gives its children.
+        """
         limit = self.engine.max_model_len
         if max_tokens is not None and max_tokens < 1:
             raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
@@ -146,11 +153,23 @@ class _Server:
             raise ApiError(400, f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds this model's "
                                 f"context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
         top_k = body.top_k if body.top_k not in (None, -1) else 0
+        for name, ids in (("stop_token_ids", body.stop_token_ids or ()), ("logit_bias", body.logit_bias or ())):
+            if any(not 0 <= t < self.vocab for t in ids):
+                raise ApiError(400, f"{name}: token ids must be in [0, {self.vocab})", param=name, code="invalid_value")
+        if prompt_logprobs is not None and not self.engine.runner.head_seam:
+            raise ApiError(400, "prompt log-probabilities need the engine's LM-head seam, which this model lacks",
+                           param="prompt_logprobs", code="invalid_value")
+        fields = dict(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                      top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,
+                      seed=None if body.seed is None else body.seed + index, ignore_eos=bool(body.ignore_eos),
+                      stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs, logit_bias=body.logit_bias or {})
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"):
+            if getattr(body, name) is not None:
+                fields[name] = getattr(body, name)
         try:
             self.engine.intake.check_fits(n_prompt, max_tokens)
-            return make_sampling(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                                 top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
-                                 ignore_eos=body.ignore_eos)
+            return make_sampling(**fields)
         except RequestError as e:
             # the engine's intake names the field at fault: OpenAI's param
             raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
@@ -174,13 +193,26 @@ class _Server:
             raise ApiError(400, f"token ids must be in [0, {self.vocab})", param=param, code="invalid_value")
         return ids
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def check_prompt_logprob_size(self, num_tokens: int) -> None:
+        """Refuse (400) prompt log-probabilities (``echo`` with ``logprobs``, ``prompt_logprobs``) over more tokens
+        than ``max_prompt_logprob_tokens`` in one request: each costs a row of the LM head and a JSON record."""
+        limit = self.config.max_prompt_logprob_tokens
+        if num_tokens > limit:
+            raise ApiError(400, f"prompt log-probabilities (echo with logprobs, or prompt_logprobs) of {num_tokens} "
+                                f"prompt tokens; this server returns them for at most {limit} tokens a request",
+                           param="echo", code="invalid_value")
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 add_special_tokens: bool = False) -> list[int]:
         """Token ids of chat messages rendered with the model's chat template (blocking, as ``prompt_ids``)."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except Exception as e:  # a template that refuses these messages (e.g. roles out of order)
             raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
                            code="invalid_value") from None
+        if add_special_tokens:
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
         return self.prompt_ids(text, "messages")
 
     def start(self, body, tenant: str | None, ids: list[int], sampling: SamplingParams, prefix: str,
@@ -194,43 +226,86 @@ class _Server:
                            headers={"Retry-After": "1"}) from None
         except EngineStoppedError as e:
             raise ApiError(503, str(e), code="engine_down") from None
-        return Generation(self.runner, self.metrics, job, TextStream(self.tokenizer, body.stop or ()), arrival,
-                          want_ids=body.return_token_ids)
+        text = OutputText(self.tokenizer, body.stop or (), skip_special_tokens=body.skip_special_tokens is not False,
+                          include_stop=bool(body.include_stop_str_in_output))
+        return Generation(self.runner, self.metrics, job, text, arrival, want_ids=bool(body.return_token_ids))
 
-    async def answer(self, request: Request, gen: Generation, body, render_full, render_chunk):
-        """Wait for the first token, then a JSON answer or an SSE stream."""
+    def start_all(self, body, tenant: str | None, choices: list, prefix: str, arrival: float) -> list[Generation]:
+        """Queue every choice ``(ids, sampling)``; a refusal (503) ends the ones already queued."""
+        gens: list[Generation] = []
         try:
-            await wait_or_disconnect(request, gen.first())
+            for ids, sampling in choices:
+                gens.append(self.start(body, tenant, ids, sampling, prefix, arrival))
+        except BaseException:
+            for gen in gens:
+                gen.close()
+            raise
+        return gens
+
+    async def answer(self, request: Request, gens: list[Generation], body, render):
+        """Wait for every choice's first token, then one JSON answer or an SSE stream of all choices.
+
+        ``render(gens, pieces, first)``: pieces None = the whole answer (``gen.collect()``'s per choice), else
+        ``(index, piece)`` for a chunk (piece None = the usage chunk).
+        """
+        try:
+            await wait_or_disconnect(request, asyncio.gather(*(gen.first() for gen in gens)))
         except ClientGone:
-            gen.close()
+            for gen in gens:
+                gen.close()
             return Response(status_code=499)
         except BaseException:
-            gen.close()
+            for gen in gens:
+                gen.close()
             raise
         if not body.stream:
             try:
-                text, ids, reason = await wait_or_disconnect(request, gen.collect())
+                done = await wait_or_disconnect(request, asyncio.gather(*(gen.collect() for gen in gens)))
             except ClientGone:
                 return Response(status_code=499)
             finally:
-                gen.close()
-            return JSONResponse(render_full(gen, text, ids, reason))
-        return StreamingResponse(self.sse(gen, body, render_chunk), media_type="text/event-stream",
+                for gen in gens:
+                    gen.close()
+            return JSONResponse(render(gens, done, True))
+        return StreamingResponse(self.sse(gens, body, render), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    async def sse(self, gen: Generation, body, render_chunk) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per piece (the first with the first token), usage if asked, [DONE]."""
-        first = True
+    async def sse(self, gens: list[Generation], body, render) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per piece of any choice (each choice's first with its first token), usage
+        if asked, [DONE]. Choices are generated together; their chunks interleave, each naming its ``index``."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, gen: Generation) -> None:
+            try:
+                async for piece in gen.pieces():
+                    await queue.put((index, piece, None))
+            except ApiError as e:
+                await queue.put((index, None, e))
+            finally:
+                await queue.put((index, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
+        first = [True] * len(gens)
         try:
-            async for piece in gen.pieces():
-                yield _event(render_chunk(gen, piece, first))
-                first = False
-            if body.include_usage:
-                yield _event(render_chunk(gen, None, False))
-        except ApiError as e:
-            yield _event(e.body())
+            left = len(gens)
+            while left:
+                index, piece, error = await queue.get()
+                if error is not None:
+                    yield _event(error.body())
+                    break
+                if piece is None:
+                    left -= 1
+                    continue
+                yield _event(render(gens, (index, piece), first[index]))
+                first[index] = False
+            else:
+                if body.include_usage:
+                    yield _event(render(gens, (0, None), False))
         finally:
-            gen.close()  # finished, failed, or cancelled because the client went away: abort, free, count
+            for task in tasks:
+                task.cancel()
+            for gen in gens:
+                gen.close()  # finished, failed, or cancelled because the client went away: abort, free, count
         yield "data: [DONE]\n\n"
 
 
@@ -281,13 +356,27 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     async def completions(request: Request):
         arrival = now()
         body, tenant = await srv.parse(request, CompletionRequest)
-        if isinstance(body.prompt, str):
-            srv.check_text_size(len(body.prompt.encode("utf-8")), "prompt")
+        prompts = body.prompts
+        srv.check_text_size(sum(len(p.encode("utf-8")) for p in prompts if isinstance(p, str)), "prompt")
         # the tokenizer holds its thread for as long as the text takes: not the event loop's
-        ids = await asyncio.to_thread(srv.prompt_ids, body.prompt, "prompt")
-        sampling = srv.sampling(body, len(ids), body.max_tokens, config.completion_max_tokens)
-        gen = srv.start(body, tenant, ids, sampling, "cmpl", arrival)
-        return await srv.answer(request, gen, body, _completion_full, _completion_chunk)
+        ids_list = await asyncio.to_thread(lambda: [srv.prompt_ids(p, "prompt") for p in prompts])
+        n, k = body.n or 1, body.logprobs
+        # echo with logprobs: the prompt's own log-probabilities too (vLLM sets prompt_logprobs = logprobs)
+        prompt_k = body.prompt_logprobs
+        if body.echo and k is not None:
+            prompt_k = max(k, prompt_k or 0)
+        if prompt_k is not None:
+            srv.check_prompt_logprob_size(sum(map(len, ids_list)))
+        choices = []
+        for ids in ids_list:
+            for i in range(n):  # the prompt's log-probabilities once, with its first choice
+                sampling = srv.sampling(body, len(ids), body.max_tokens, config.completion_max_tokens, index=i,
+                                        logprobs=k, prompt_logprobs=prompt_k if i == 0 else None)
+                choices.append((ids, sampling))
+        gens = srv.start_all(body, tenant, choices, "cmpl", arrival)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        answer = _CompletionAnswer(srv, body, n, texts, prompt_k)
+        return await srv.answer(request, gens, body, answer.render)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -299,9 +388,37 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         ids = await asyncio.to_thread(srv.chat_ids, messages)
         limit = engine.max_model_len
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-        sampling = srv.sampling(body, len(ids), max_tokens, (limit - len(ids)) if limit else 16)
-        gen = srv.start(body, tenant, ids, sampling, "chatcmpl", arrival)
-        return await srv.answer(request, gen, body, _chat_full, _chat_chunk)
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        choices = [(ids, srv.sampling(body, len(ids), max_tokens, (limit - len(ids)) if limit else 16, index=i,
+                                      logprobs=k)) for i in range(body.n or 1)]
+        gens = srv.start_all(body, tenant, choices, "chatcmpl", arrival)
+        return await srv.answer(request, gens, body, _ChatAnswer(srv, body).render)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body, _ = await srv.parse(request, TokenizeRequest)
+        if body.prompt is not None:
+            srv.check_text_size(len(body.prompt.encode("utf-8")), "prompt")
+            add = body.add_special_tokens is not False
+            ids = await asyncio.to_thread(lambda: srv.tokenizer(body.prompt, add_special_tokens=add)["input_ids"])
+        else:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            srv.check_text_size(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
+            ids = await asyncio.to_thread(srv.chat_ids, messages, body.add_generation_prompt is not False,
+                                          bool(body.add_special_tokens))
+        strs = srv.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body, _ = await srv.parse(request, DetokenizeRequest)
+        if any(not 0 <= t < srv.vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {srv.vocab})", param="tokens", code="invalid_value")
+        return {"prompt": await asyncio.to_thread(srv.tokenizer.decode, body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -332,51 +449,182 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     return app
 
 
-# --- response bodies (OpenAI's shapes; token ids as vLLM's return_token_ids) ---------------------------
-def _completion_full(gen: Generation, text: str, ids: list[int], reason: str) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    if gen.want_ids:
-        choice.update(token_ids=ids, prompt_token_ids=gen.job.prompt_ids)
-    return {"id": gen.job.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": gen.metrics.model_name, "choices": [choice], "usage": gen.usage()}
+# --- response bodies (OpenAI's shapes, vLLM's logprobs; token ids as vLLM's return_token_ids) ----------------
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvlab")
+    except PackageNotFoundError:
+        return "unknown"
 
 
-def _completion_chunk(gen: Generation, piece: Piece | None, first: bool) -> dict:
-    out = {"id": gen.job.request_id, "object": "text_completion", "created": int(time.time()),
-           "model": gen.metrics.model_name, "choices": []}
-    if piece is None:
-        out["usage"] = gen.usage()
+def _usage(gens: list[Generation], n: int) -> dict:
+    """Usage of all choices: each prompt counted once (its first choice's), every choice's tokens (as vLLM)."""
+    firsts = gens[::n]
+    prompt = sum(g.prompt_tokens for g in firsts)
+    completion = sum(g.completion_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g.num_cached_tokens for g in firsts)}}
+
+
+class _Tokens:
+    """Token strings of log-probability answers: ``decode([id])`` per token (vLLM's), remembered."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.cache = tokenizer, {}
+
+    def __call__(self, token: int) -> str:
+        s = self.cache.get(token)
+        if s is None:
+            s = self.cache[token] = self.tokenizer.decode([token])
+        return s
+
+    def top(self, rec, k: int) -> list[tuple[int, float]]:
+        """vLLM's dict of a step: the chosen token first, then the top ``k`` (each once)."""
+        entries = {rec.token: rec.logprob}
+        for t, lp in rec.top[:k]:
+            entries.setdefault(t, lp)
+        return list(entries.items())
+
+
+class _CompletionAnswer:
+    """/v1/completions answers: choices in prompt order, ``n`` per prompt (index = prompt x n + i)."""
+
+    def __init__(self, srv: _Server, body: CompletionRequest, n: int, texts: list[str | None],
+                 prompt_k: int | None) -> None:
+        self.srv, self.body, self.n, self.texts, self.prompt_k = srv, body, n, texts, prompt_k
+        self.tok = _Tokens(srv.tokenizer)
+        self.offsets: dict[int, int] = {}  # characters of each choice's text sent so far (text_offset)
+
+    def render(self, gens: list[Generation], x, first: bool) -> dict:
+        out = {"id": gens[0].job.request_id, "object": "text_completion", "created": int(time.time()),
+               "model": gens[0].metrics.model_name, "choices": []}
+        if isinstance(x, list):  # the whole answer
+            for i, (gen, (text, ids, reason)) in enumerate(zip(gens, x)):
+                out["choices"].append(self.choice(gens, i, text, ids, reason, gen.logprobs, True))
+            out["usage"] = _usage(gens, self.n)
+            return out
+        index, piece = x
+        if piece is None:
+            out["usage"] = _usage(gens, self.n)
+            return out
+        out["choices"].append(self.choice(gens, index, piece.text, piece.token_ids, piece.finish_reason,
+                                          piece.logprobs, first))
         return out
-    choice = {"index": 0, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason}
-    if gen.want_ids:
-        choice["token_ids"] = piece.token_ids
-        if first:
-            choice["prompt_token_ids"] = gen.job.prompt_ids
-    out["choices"].append(choice)
-    return out
 
+    def _prompt_part(self, gens: list[Generation], index: int) -> tuple[list[int], list | None, str]:
+        """The prompt's ids, records (its first choice's) and text, for ``echo`` and ``prompt_logprobs``."""
+        head = gens[index - index % self.n]
+        ids = head.job.prompt_ids
+        text = self.texts[index // self.n]
+        if text is None:
+            text = self.srv.tokenizer.decode(ids)
+        return ids, head.prompt_logprobs, text
 
-def _chat_full(gen: Generation, text: str, ids: list[int], reason: str) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
-    out = {"id": gen.job.request_id, "object": "chat.completion", "created": int(time.time()),
-           "model": gen.metrics.model_name, "choices": [choice], "usage": gen.usage()}
-    if gen.want_ids:
-        choice["token_ids"] = ids
-        out["prompt_token_ids"] = gen.job.prompt_ids
-    return out
+    def choice(self, gens, index: int, text: str, ids: list[int], reason, records, first: bool) -> dict:
+        body, gen = self.body, gens[index]
+        k = body.logprobs
+        lp_ids, lp_recs, prefix = [], [], ""
+        if first and (body.echo or body.prompt_logprobs is not None):
+            p_ids, p_recs, p_text = self._prompt_part(gens, index)
+            if body.echo:
+                prefix = p_text
+                if k is not None:
+                    lp_ids, lp_recs = list(p_ids), list(p_recs or [None] * len(p_ids))
+        choice = {"index": index, "text": prefix + text, "logprobs": None, "finish_reason": reason}
+        if k is not None:
+            lp_ids += ids
+            lp_recs += list(records or [])
+            start = self.offsets.get(index, 0)
+            choice["logprobs"] = self.logprobs(lp_ids, lp_recs, k, start)
+        self.offsets[index] = self.offsets.get(index, 0) + len(prefix) + len(text)
+        if first and body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(p_recs or [], body.prompt_logprobs)
+        if gen.want_ids:
+            choice["token_ids"] = ids
+            if first:
+                choice["prompt_token_ids"] = gen.job.prompt_ids
+        return choice
 
+    def logprobs(self, ids: list[int], records: list, k: int, offset: int) -> dict:
+        """OpenAI's completion logprobs: tokens, token_logprobs, top_logprobs (the chosen + top k), text_offset."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for t, rec in zip(ids, records):
+            s = self.tok(t)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            if rec is None:
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(max(rec.logprob, -9999.0))
+                tops.append({self.tok(i): max(lp, -9999.0) for i, lp in self.tok.top(rec, k)})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-def _chat_chunk(gen: Generation, piece: Piece | None, first: bool) -> dict:
-    out = {"id": gen.job.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-           "model": gen.metrics.model_name, "choices": []}
-    if piece is None:
-        out["usage"] = gen.usage()
+    def vllm_prompt_logprobs(self, records: list, k: int) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}."""
+        out = []
+        for rec in records:
+            if rec is None:
+                out.append(None)
+                continue
+            entries = {}
+            for t, lp in self.tok.top(rec, k):
+                rank = rec.rank if t == rec.token else 1 + [i for i, _ in rec.top].index(t)
+                entries[str(t)] = {"logprob": lp, "rank": rank, "decoded_token": self.tok(t)}
+            out.append(entries)
         return out
-    delta = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
-    if gen.want_ids:
-        choice["token_ids"] = piece.token_ids
-        if first:
-            out["prompt_token_ids"] = gen.job.prompt_ids
-    out["choices"].append(choice)
-    return out
+
+
+class _ChatAnswer:
+    """/v1/chat/completions answers: ``n`` choices, OpenAI's chat logprobs (``content``) when asked."""
+
+    def __init__(self, srv: _Server, body: ChatRequest) -> None:
+        self.srv, self.body, self.n = srv, body, body.n or 1
+        self.tok = _Tokens(srv.tokenizer)
+
+    def render(self, gens: list[Generation], x, first: bool) -> dict:
+        gen0 = gens[0]
+        if isinstance(x, list):
+            choices = []
+            for i, (gen, (text, ids, reason)) in enumerate(zip(gens, x)):
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "logprobs": self.logprobs(gen.logprobs), "finish_reason": reason}
+                if gen.want_ids:
+                    choice["token_ids"] = ids
+                choices.append(choice)
+            out = {"id": gen0.job.request_id, "object": "chat.completion", "created": int(time.time()),
+                   "model": gen0.metrics.model_name, "choices": choices, "usage": _usage(gens, self.n)}
+            if gen0.want_ids:
+                out["prompt_token_ids"] = gen0.job.prompt_ids
+            return out
+        out = {"id": gen0.job.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+               "model": gen0.metrics.model_name, "choices": []}
+        index, piece = x
+        if piece is None:
+            out["usage"] = _usage(gens, self.n)
+            return out
+        delta = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+        choice = {"index": index, "delta": delta, "logprobs": self.logprobs(piece.logprobs),
+                  "finish_reason": piece.finish_reason}
+        if gens[index].want_ids:
+            choice["token_ids"] = piece.token_ids
+            if first:
+                out["prompt_token_ids"] = gens[index].job.prompt_ids
+        out["choices"].append(choice)
+        return out
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        s = self.tok(token)
+        return {"token": s, "logprob": max(logprob, -9999.0), "bytes": list(s.encode("utf-8", errors="replace"))}
+
+    def logprobs(self, records: list | None) -> dict | None:
+        """OpenAI's chat logprobs: per token, its entry and ``top_logprobs`` (vLLM's order: the chosen first)."""
+        if not self.body.logprobs:
+            return None
+        k = self.body.top_logprobs or 0
+        return {"content": [{**self._entry(rec.token, rec.logprob),
+                             "top_logprobs": [self._entry(t, lp) for t, lp in self.tok.top(rec, k)[:k]]}
+                            for rec in records or []]}

@@ -19,7 +19,7 @@ from .protocol import ApiError
 from .runner import EngineRunner, Job, now
 from .text import TextStream
 
-__all__ = ["ClientGone", "Generation", "Piece", "wait_or_disconnect"]
+__all__ = ["ClientGone", "Generation", "OutputText", "Piece", "wait_or_disconnect"]
 
 
 class ClientGone(Exception):
@@ -33,6 +33,28 @@ class Piece:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    # one kvlab.engine.logprobs.TokenLogprob per token id, when the request asked for logprobs
+    logprobs: list | None = None
+
+
+class OutputText(TextStream):
+    """``TextStream`` with vLLM's ``skip_special_tokens`` and ``include_stop_str_in_output``."""
+
+    def __init__(self, tokenizer, stop=(), skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+        super().__init__(tokenizer, stop)
+        self.skip_special_tokens, self.include_stop = skip_special_tokens, include_stop
+
+    def _decode(self, ids: list[int]) -> str:
+        self.num_decoded_ids += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _find_stop(self, checked: int) -> int:
+        """Where the text ends at a stop string: before it, or after it with ``include_stop``."""
+        cut = super()._find_stop(checked)
+        if cut < 0 or not self.include_stop:
+            return cut
+        text = self.text
+        return cut + max(len(s) for s in self.stop if text.startswith(s, cut))
 
 
 class Generation:
@@ -49,6 +71,8 @@ class Generation:
         self._last_token_at: float | None = None
         self._pending: list = []  # updates taken by first() and not yet turned into pieces
         self.finish_reason: str | None = None
+        self.logprobs: list = []  # records of the tokens answered so far (when asked)
+        self.prompt_logprobs: list | None = None  # the prompt's records (when asked), with the first tokens
         self._closed = False
 
     @property
@@ -91,6 +115,8 @@ class Generation:
                     self.metrics.itl.observe(t - self._last_token_at)
                 self._last_token_at = t
             self.num_generated += len(update.token_ids)
+            if update.prompt_logprobs is not None:
+                self.prompt_logprobs = update.prompt_logprobs
             if update.finished and update.finish_reason == "error":
                 self.finish_reason = "error"
                 raise ApiError(500, f"the request failed in the engine: {update.error}", code="engine_error")
@@ -105,10 +131,13 @@ class Generation:
                 self.finish_reason = "stop"
             elif update.finished:
                 self.finish_reason = update.finish_reason
-            yield Piece(delta, ids, self.finish_reason)
+            lps = None if update.logprobs is None else list(update.logprobs[: len(ids)])
+            if lps is not None:
+                self.logprobs += lps
+            yield Piece(delta, ids, self.finish_reason, lps)
 
     async def collect(self) -> tuple[str, list[int], str]:
-        """The whole answer: text, token ids, finish reason."""
+        """The whole answer: text, token ids, finish reason (its log-probabilities: ``self.logprobs``)."""
         ids: list[int] = []
         reason = None
         async for piece in self.pieces():

@@ -1,33 +1,45 @@
 """Request bodies of the OpenAI-compatible API (pydantic, strict) and OpenAI-style errors.
 
-Fields are an allow-list: a body with a field not listed here is refused (400) instead of being
+Fields are an allow-list: a body with a field not listed here is refused (400 naming it) instead of being
 silently ignored, so a client never believes a setting took effect when it did not. Types are strict
-(``"5"`` is not an int, ``true`` is not a number). Accepted beyond OpenAI's fields, as vLLM accepts
-them: ``cache_salt``, ``top_k``, ``ignore_eos``, ``return_token_ids``. Fields OpenAI has that kvlab
-does not implement (``n`` > 1, penalties, ``logprobs``) are accepted only at their neutral value.
+(``"5"`` is not an int, ``true`` is not a number). ``null`` for a nullable field means its default. Beyond
+OpenAI's fields, vLLM's sampling extensions are implemented with vLLM's meaning (``vllm/sampling_params.py``):
+``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``ignore_eos``, ``prompt_logprobs`` (completions), ``cache_salt`` and
+``return_token_ids``. The README lists what is implemented and what is refused.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..chat import Message, TextPart
 
 __all__ = [
+    "MAX_CHOICES",
+    "MAX_LOGPROBS",
+    "MAX_N",
     "PROMPT_BYTES_PER_TOKEN",
     "ApiError",
     "ChatRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "Message",
     "TextPart",
+    "TokenizeRequest",
     "error_body",
     "validation_message",
 ]
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256
+MAX_N = 16  # choices per prompt (n)
+MAX_CHOICES = 64  # choices per request: prompts x n
+MAX_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs (vLLM's default max_logprobs)
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 # The default prompt-text limit (ServeConfig.max_prompt_bytes, --max-prompt-bytes): this many UTF-8 bytes per
 # token of the model's context. Text tokenizes at about 4 bytes a token; 32 leaves room for long tokens (runs
 # of spaces, CJK) and still bounds the tokenizer's work to a fraction of a second (32 KiB for a 1,024-token
@@ -66,11 +78,13 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unsupported field (kvlab serve accepts only the fields it implements)"
+    if not loc and ": " in msg and msg.split(": ", 1)[0].isidentifier():  # a check across fields names its field
+        return msg, msg.split(": ", 1)[0]
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), (loc[0] if loc else None)
 
 
 class _Body(BaseModel):
-    """Fields and checks shared by both endpoints."""
+    """Fields and checks shared by both endpoints (``None`` = the field's default)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -79,18 +93,24 @@ class _Body(BaseModel):
     temperature: float | None = None  # None = 1.0 (OpenAI's default)
     top_p: float | None = None
     top_k: int | None = None  # vLLM extension; 0 or -1 = off
+    min_p: float | None = None  # vLLM extension
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    include_stop_str_in_output: bool | None = None  # vLLM extension
+    skip_special_tokens: bool | None = None  # vLLM extension (default true)
+    stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     cache_salt: str | None = None  # vLLM extension, combined with the tenant by the engine (engine.tenants)
-    ignore_eos: bool = False  # vLLM extension
-    return_token_ids: bool = False  # vLLM extension: prompt_token_ids and token_ids in the response
-    user: str | None = None  # accepted and ignored, as OpenAI's end-user id
-    n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
-    logprobs: Literal[False] | None = None
+    ignore_eos: bool | None = None  # vLLM extension
+    min_tokens: int | None = None  # vLLM extension
+    return_token_ids: bool | None = None  # vLLM extension: prompt_token_ids and token_ids in the response
+    user: str | None = None  # OpenAI's end-user id: an opaque label, as OpenAI uses it (no effect on the answer)
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -102,6 +122,13 @@ class _Body(BaseModel):
             if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
                 raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        return v
 
     @field_validator("cache_salt")
     @classmethod
@@ -117,6 +144,35 @@ class _Body(BaseModel):
             raise ValueError("only {'include_usage': bool} is supported")
         return v
 
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[int, float] | None:
+        if not v:
+            return None
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        out = {}
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+            out[int(key)] = float(bias)
+        return out
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
     @property
     def include_usage(self) -> bool:
         """Whether a streamed answer ends with a usage chunk."""
@@ -124,23 +180,56 @@ class _Body(BaseModel):
 
 
 class CompletionRequest(_Body):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: one prompt or a list of prompts, each as text or token ids."""
 
-    prompt: str | list[int] | list[str] = Field(...)
-    echo: Literal[False] = False
-    best_of: Literal[1] | None = None
-    suffix: None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
+    echo: bool | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM extension
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> None:
+        if v:
+            raise ValueError("not supported by kvlab serve (no insertion: the models it serves are not trained for it)")
+        return None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("give one prompt per request (a list of several prompts is not supported)")
-            v = v[0]
+    def _prompt(cls, v: str | list[int] | list[str] | list[list[int]]) -> str | list[int] | list[str] | list[list[int]]:
         if not v:
             raise ValueError("the prompt is empty")
+        if isinstance(v, list) and isinstance(v[0], (str, list)):
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts per request")
+            if any(not p for p in v):
+                raise ValueError("a prompt of the list is empty")
         return v
+
+    @field_validator("logprobs", "prompt_logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice group (a lone prompt is a list of one)."""
+        v = self.prompt
+        if isinstance(v, list) and isinstance(v[0], (str, list)):
+            return list(v)
+        return [v]
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of: only best_of = n is supported (kvlab returns every sequence it samples)")
+        if len(self.prompts) * (self.n or 1) > MAX_CHOICES:
+            raise ValueError(f"n: prompts x n must be at most {MAX_CHOICES}")
+        return self
 
 
 class ChatRequest(_Body):
@@ -148,6 +237,8 @@ class ChatRequest(_Body):
 
     messages: list[Message]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     @field_validator("messages")
     @classmethod
@@ -155,3 +246,48 @@ class ChatRequest(_Body):
         if not v:
             raise ValueError("messages must not be empty")
         return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool | None = None  # messages only; default true
+    return_token_strs: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: must not be empty")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise ValueError("add_generation_prompt: only with messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
