@@ -1,51 +1,36 @@
-"""Measure the engine path (issue 37): its non-blank lines, and the kvlab functions one ``generate`` passes.
+"""Measure the teaching path (issue 51): the kvlab functions one ``Engine.generate`` enters, and their files.
 
-    .venv/bin/python scripts/count_engine_path.py            # both numbers, and the list of functions
-    .venv/bin/python scripts/count_engine_path.py --lines    # lines only (no model is loaded)
+    .venv/bin/python scripts/count_engine_path.py             # functions, files and code lines, one row a file
+    .venv/bin/python scripts/count_engine_path.py --json out.json
 
-Lines: the code lines of ``ENGINE_PATH`` -- lines that are not blank, not a comment and not part of a
-docstring -- the measure issue 37 used: at 473906c these files (config.py did not exist yet) give
-1,662, the issue's "1,663". ``config.py`` is counted because ``EngineConfig`` took the engine's
-constructor keywords out of ``engine.py``. The non-blank lines (comments and docstrings included) are
-printed beside them. A file that does not exist is reported and counted as 0. Functions:
-``sys.setprofile`` over one ``Engine.generate`` of two prompts (8 new tokens each, greedy) on the
-bundled model, after a warm-up call on the same engine; a function is counted once per (file,
-qualified name), for every file under ``kvlab/`` (comprehensions and generator expressions are
-listed apart: Python 3.11 gives them code objects of their own, 3.12 inlines most). Goals: <= 1,400 lines, <= 60 functions.
-The functions that generate runs in kvlab files outside ``ENGINE_PATH`` are listed last with their code lines
-(intake, metrics, the per-call allow-list check), so code moved out of the listed files stays in view.
+Everything is counted from a profile, not from a list of files: ``sys.setprofile`` over one ``Engine.generate``
+of two prompts (8 new tokens each, greedy) on the bundled model, default ``EngineConfig`` (the teaching path:
+no speed path), after a warm-up call on the same engine.
+
+- **functions**: distinct ``(file, qualified name)`` entered under ``kvlab/`` (comprehensions and generator
+  expressions are left out: Python 3.11 gives them code objects of their own, 3.12 inlines most);
+- **files**: the files of those functions, plus the files that define a base class of an object whose method
+  was entered (a reader of a class reads its bases: a mixin is part of the path even when none of its own
+  methods ran);
+- **code lines**: of those files, whole, without blank lines, comments and docstrings (issue 37's measure).
+
+Goals (issue 51): <= 45 functions, <= 14 files, <= 1,600 code lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import inspect
+import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ENGINE_PATH = [
-    *(
-        f"kvlab/engine/{name}.py"
-        for name in (
-            "engine",
-            "runner",
-            "scheduler",
-            "sequence",
-            "paged_attention",
-            "kv_store",
-            "sampling",
-            "sampling_params",
-            "config",
-        )
-    ),
-    *(f"kvlab/cache/{name}.py" for name in ("block_manager", "block_pool", "hashing")),
-]
-
-
-INLINE = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
+GOALS = {"functions": 45, "files": 14, "code_lines": 1600}
+INLINE = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>", "<lambda>")
 
 
 def code_lines(source: str) -> int:
@@ -65,21 +50,8 @@ def code_lines(source: str) -> int:
     )
 
 
-def count_lines(paths: list[str] = ENGINE_PATH) -> dict[str, tuple[int, int]]:
-    """(code lines, non-blank lines) of each file in ``paths``; (-1, -1) for a missing file."""
-    out = {}
-    for rel in paths:
-        path = ROOT / rel
-        if not path.exists():
-            out[rel] = (-1, -1)
-            continue
-        text = path.read_text()
-        out[rel] = (code_lines(text), sum(1 for ln in text.splitlines() if ln.strip()))
-    return out
-
-
-def count_functions(max_tokens: int = 8) -> list[str]:
-    """The distinct kvlab functions one ``Engine.generate`` call enters, as ``file:qualname``, sorted."""
+def profile_generate(max_tokens: int = 8) -> tuple[set[str], set[str]]:
+    """``(functions, base-class files)`` that one ``Engine.generate`` enters, relative to the repository."""
     import torch
 
     from kvlab.engine import Engine, SamplingParams
@@ -90,83 +62,83 @@ def count_functions(max_tokens: int = 8) -> list[str]:
     engine = Engine(model, tok, num_blocks=64)
     prompts = ["The passphrase is", "Once upon a time"]
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    engine.generate(prompts, sp)  # warm-up: lazy imports and first-call set-up are not the path
+    # warm-up: lazy imports and first-call set-up are not the path
+    engine.generate(prompts, sp)
     kvlab = str(ROOT / "kvlab")
-    seen: set[str] = set()
+    functions: set[str] = set()
+    classes: set[type] = set()
 
     def profiler(frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            if code.co_filename.startswith(kvlab):
-                rel = Path(code.co_filename).relative_to(ROOT)
-                seen.add(f"{rel}:{getattr(code, 'co_qualname', code.co_name)}")
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(kvlab):
+            return
+        name = getattr(code, "co_qualname", code.co_name)
+        if name.endswith(INLINE):
+            return
+        rel = Path(code.co_filename).relative_to(ROOT)
+        functions.add(f"{rel}:{name}")
+        if code.co_argcount:
+            first = frame.f_locals.get(code.co_varnames[0])
+            if code.co_varnames[0] in ("self", "cls") and first is not None:
+                classes.add(first if isinstance(first, type) else type(first))
 
     sys.setprofile(profiler)
     try:
         engine.generate(prompts, sp)
     finally:
         sys.setprofile(None)
-    return sorted(seen)
+    bases = set()
+    for cls in classes:
+        for base in cls.__mro__:
+            try:
+                path = Path(inspect.getsourcefile(base) or "")
+            except TypeError:
+                continue
+            if str(path).startswith(kvlab):
+                bases.add(str(path.relative_to(ROOT)))
+    return functions, bases
 
 
-def function_lines(entry: str) -> int:
-    """Code lines of one ``file:qualname`` function (as ``code_lines`` counts them; -1 if not found)."""
-    import textwrap
-
-    rel, qualname = entry.split(":")
-    source = (ROOT / rel).read_text()
-    nodes = {(): ast.parse(source)}
-    want = tuple(qualname.split("."))
-    for depth in range(1, len(want) + 1):
-        parent = nodes.get(want[: depth - 1])
-        for node in getattr(parent, "body", []):
-            kinds = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-            if isinstance(node, kinds) and node.name == want[depth - 1]:
-                nodes[want[:depth]] = node
-    node = nodes.get(want)
-    if node is None:
-        return -1
-    return code_lines(textwrap.dedent(ast.get_source_segment(source, node)))
+def measure() -> dict:
+    """Functions, files (with their code lines) and totals of the profiled ``generate``."""
+    functions, bases = profile_generate()
+    files = sorted({f.split(":")[0] for f in functions} | bases)
+    lines = {rel: code_lines((ROOT / rel).read_text()) for rel in files}
+    return {
+        "functions": sorted(functions),
+        "files": lines,
+        "num_functions": len(functions),
+        "num_files": len(files),
+        "code_lines": sum(lines.values()),
+        "goals": GOALS,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lines", action="store_true", help="count lines only (no model)")
+    ap.add_argument("--json", type=Path, help="also write the measurement as JSON to this path")
     args = ap.parse_args()
-    lines = count_lines()
-    print("  code  non-blank  file")
-    for rel, (code, nonblank) in lines.items():
-        print(
-            f"{code:6d} {nonblank:10d}  {rel}"
-            if code >= 0
-            else f"   n/a        n/a  {rel} (missing)"
-        )
-    code = sum(c for c, _ in lines.values() if c > 0)
-    nonblank = sum(n for _, n in lines.values() if n > 0)
-    found = sum(c >= 0 for c, _ in lines.values())
-    print(f"{code:6d} {nonblank:10d}  engine path, {found} files (goal: <= 1,400 code lines)")
-    if args.lines:
-        return
-    codes = count_functions()
-    # comprehensions and generator expressions are code objects of their own in Python 3.11, not functions
-    funcs = [c for c in codes if not c.endswith(INLINE)]
-    files = sorted({f.split(":")[0] for f in funcs})
+    print("profiling one Engine.generate on the bundled model (about 10 s) ...", flush=True)
+    m = measure()
+    by_file: dict[str, list[str]] = {}
+    for f in m["functions"]:
+        rel, name = f.split(":")
+        by_file.setdefault(rel, []).append(name)
+    print("  code  funcs  file (functions entered)")
+    for rel, n in m["files"].items():
+        names = by_file.get(rel, [])
+        shown = ", ".join(names) if names else "(a base class only)"
+        print(f"{n:6d} {len(names):6d}  {rel}: {shown}")
+    verdict = {k: "met" if m[k2] <= v else "NOT met" for (k, v), k2 in
+               zip(GOALS.items(), ("num_functions", "num_files", "code_lines"))}
     print(
-        f"\none Engine.generate passes {len(funcs)} distinct kvlab functions in {len(files)} files "
-        f"(goal <= 60; {len(codes)} code objects with comprehensions and generator expressions):"
+        f"\none Engine.generate enters {m['num_functions']} kvlab functions (goal <= {GOALS['functions']}: "
+        f"{verdict['functions']}) in {m['num_files']} files (goal <= {GOALS['files']}: {verdict['files']}) "
+        f"holding {m['code_lines']:,} code lines (goal <= {GOALS['code_lines']:,}: {verdict['code_lines']})"
     )
-    for f in funcs:
-        print(f"  {f}")
-    # the same generate's code outside ENGINE_PATH (intake, metrics, the per-call allow-list, ...): said
-    # beside the goal's number, so code moved out of the listed files stays in view
-    outside = [f for f in funcs if f.split(":")[0] not in ENGINE_PATH]
-    sizes = {f: function_lines(f) for f in outside}
-    print(
-        f"\noutside those {found} files, the same generate runs {len(outside)} functions of "
-        f"{sum(n for n in sizes.values() if n > 0)} code lines:"
-    )
-    for f, n in sizes.items():
-        print(f"  {n:4d}  {f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(m, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,19 +2,22 @@
 
 - ``hashing``: chained full-block hashes with extra keys (model fingerprint, tenant salt), ``DEFAULT_BLOCK_SIZE``
 - ``block_pool``: blocks, reference counts, the LRU free list, lazy eviction
-- ``block_manager``: block tables, prefix hits (vLLM's rules), append, fork + copy-on-write, metrics
+- ``block_manager``: block tables, prefix hits (vLLM's rules), append, free
+- ``fork``: fork and copy-on-write; ``host_tier``: a second tier for evicted blocks; ``debug``: invariants, reports
 - ``metrics``: hit-rate counters
-- ``interface``: ``CacheManager``, the protocol the engine and scheduler use (``BlockManager`` implements it)
+- ``interface``: ``CacheManager``, the protocol the engine and scheduler use (``BlockManager`` implements it),
+  and what every cache shares: ``TenantScope`` (the ``cache_salt``), ``SeqState``, ``SequenceTables``
 - ``kv_events``: ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in vLLM's schema (``enable_kv_events=True``)
 
 Copy this folder under any name and ``from mykv import BlockManager`` works with a bare Python.
 """
 
-from .block_manager import NO_SCOPE, AllocationPlan, BlockManager, TenantScope, cdiv
-from .block_pool import Block, BlockPool, InvariantError, NoFreeBlocksError
-from .hash_tools import hash_token_blocks, salted_block
-from .hashing import DEFAULT_BLOCK_SIZE, hash_block, prompt_block_hashes
-from .interface import CacheManager, CacheSeq, check_cache, missing_members
+from .block_manager import AllocationPlan, BlockManager, cdiv
+from .block_pool import Block, BlockPool, NoFreeBlocksError
+from .debug import InvariantError
+from .hash_tools import hash_token_blocks
+from .hashing import DEFAULT_BLOCK_SIZE, hash_block, prompt_block_hashes, salted_block
+from .interface import NO_SCOPE, CacheManager, CacheSeq, TenantScope, check_cache, missing_members
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from .metrics import PrefixCacheMetrics
 

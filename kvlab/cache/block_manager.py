@@ -13,14 +13,14 @@ A second tier (``second_tier``, e.g. ``kvlab.cache.host_tier.TierLink``): when a
 takes for it instead of leaving it to be computed; it returns pool hits plus those restored tokens (both are
 served without a forward) and counts the restored ones apart (``SeqBlocks.num_restored_tokens``, ``stats``).
 
-Tenants: a ``salt`` enters the hash of block ``public_tokens // block_size`` (block 0 by default, as
-vLLM's ``cache_salt``), so a tenant's blocks from there on are its own while the blocks of an operator's
-public prefix before it stay shared (a block straddling the boundary is private). Each cached block
-remembers the tenant that registered it; a hit on another tenant's block is counted as a *public*
-hit when it lies inside the public prefix and as a *cross-tenant* hit otherwise (0 under salting).
+Tenants: a ``cache_salt`` enters the hash of one block (``hashing.salted_block``: block 0 by default, as
+vLLM's), so a tenant's blocks from there on are its own while the blocks of an operator's public prefix before it
+stay shared (a block straddling the boundary is private). Each cached block remembers the tenant that registered
+it; a hit on another tenant's block is counted as a *public* hit when it lies inside the public prefix and as a
+*cross-tenant* hit otherwise (0 under salting).
 
-What a default ``Engine.generate`` never runs lives in ``kvlab.cache.extras.ManagerExtras``: fork and
-copy-on-write, the second tier's restore, the KV-event queue, debug reports and ``check_invariants``.
+Beside this file: ``interface`` (``TenantScope``, ``SeqState``, the per-sequence queries), ``fork`` (fork and
+copy-on-write), ``host_tier`` (the second tier and its restore), ``debug`` (invariants and reports).
 
 References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``,
 ``free``) and ``vllm/v1/core/single_type_kv_cache_manager.py`` (``cache_blocks``); vLLM v0
@@ -31,11 +31,13 @@ References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError
-from .extras import ManagerExtras, TableExtras
+from .debug import check_manager, read_tokens
+from .fork import copy_on_write, fork_sequence
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
     BlockHash,
@@ -43,11 +45,25 @@ from .hashing import (
     block_extra_keys,
     hash_block,
     prompt_block_hashes,
+    salted_block,
 )
-from .host_tier import SecondTier
+from .host_tier import SecondTier, restore_block
+from .interface import (
+    MAX_TOKEN_ID,
+    NO_SCOPE,
+    DuplicateSequenceError,
+    SeqState,
+    SequenceTables,
+    TenantScope,
+    UnknownSequenceError,
+    check_prompt,
+    check_token,
+)
+from .kv_events import BlockStored, KVCacheEvent
 from .metrics import PrefixCacheMetrics
 
 __all__ = [
+    "MAX_TOKEN_ID",
     "NO_SCOPE",
     "AllocationPlan",
     "AppendResult",
@@ -55,39 +71,18 @@ __all__ = [
     "DuplicateSequenceError",
     "NoFreeBlocksError",
     "SeqBlocks",
+    "SeqState",
+    "SequenceTables",
     "TenantScope",
     "UnknownSequenceError",
     "cdiv",
+    "check_prompt",
 ]
 
 
-# token ids are hashed as int64: every id must be in [0, MAX_TOKEN_ID)
-MAX_TOKEN_ID = 2**63
-
-
-class UnknownSequenceError(LookupError):
-    """Raised for a sequence id the manager does not hold (never allocated, or already freed)."""
-
-
-class DuplicateSequenceError(ValueError):
-    """Raised when allocating or forking into a sequence id that is already live."""
-
-
-@dataclass(slots=True)
-class SeqState:
-    """What every cache keeps of a live sequence (``kvlab.cache.CacheSeq``): tokens, table, counts, tenant."""
-
-    seq_id: Hashable
-    token_ids: list[int]
-    # logical block i -> physical block id
-    block_table: list[int] = field(default_factory=list)
-    salt: str | None = None
-    # who this sequence serves (metrics, cross-tenant accounting)
-    tenant: Hashable = None
-    # prompt tokens hit in the cache at allocate
-    num_cached_tokens: int = 0
-    # prompt tokens copied back from a second tier at allocate (not computed; 0 without one)
-    num_restored_tokens: int = 0
+def cdiv(n: int, d: int) -> int:
+    """Ceiling division: the blocks of ``d`` slots needed for ``n`` tokens."""
+    return -(-n // d)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -96,93 +91,8 @@ class SeqBlocks(SeqState):
 
     # one per full block
     block_hashes: list[BlockHash] = field(default_factory=list)
-    # the block whose hash takes the salt: the first past the public prefix
+    # the block whose hash takes the salt (hashing.salted_block)
     salt_block: int = 0
-
-
-class SequenceTables(TableExtras):
-    """The per-sequence API every cache shares: ``seqs`` by id, block tables, slots, the new-id and token checks
-    (those off the default path in ``kvlab.cache.extras.TableExtras``).
-
-    A cache sets ``seqs`` (id -> ``SeqState``) and ``block_size``; ``BlockManager`` and ``RadixCache`` inherit this.
-    """
-
-    seqs: dict[Hashable, SeqState]
-    block_size: int
-
-    def _seq(self, seq_id: Hashable) -> SeqState:
-        try:
-            return self.seqs[seq_id]
-        except KeyError:
-            raise UnknownSequenceError(
-                f"unknown sequence {seq_id!r} (never allocated, or already freed)"
-            ) from None
-
-    def _check_new(self, seq_id: Hashable) -> None:
-        if seq_id in self.seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
-
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        """Physical block ids of a sequence, in logical order."""
-        return list(self._seq(seq_id).block_table)
-
-
-def cdiv(n: int, d: int) -> int:
-    """Ceiling division: the blocks of ``d`` slots needed for ``n`` tokens."""
-    return -(-n // d)
-
-
-@dataclass(slots=True, frozen=True)
-class TenantScope:
-    """Whose cached blocks a sequence may share: its salt, the public prefix before it, and its label.
-
-    ``salt`` enters the hash of block ``public_tokens // block_size`` (block 0 by default, like vLLM's
-    ``cache_salt``): from there on a tenant's blocks are its own, the whole blocks of an operator's public
-    prefix before it stay shared. ``tenant`` labels the sequence in per-tenant metrics (default: the salt).
-    """
-
-    salt: str | None = None
-    public_tokens: int = 0
-    tenant: Hashable = None
-    # the name metrics use: the tenant, or the salt when no tenant is given (set from the fields)
-    label: Hashable = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.salt is not None and not isinstance(self.salt, str):
-            raise TypeError(f"salt must be a str or None, got {type(self.salt).__name__}")
-        if type(self.public_tokens) is not int or self.public_tokens < 0:
-            raise ValueError(f"public_tokens must be an int >= 0, got {self.public_tokens!r}")
-        try:
-            # a key of the per-tenant metrics
-            hash(self.tenant)
-        except TypeError:
-            raise TypeError(f"tenant must be hashable, got {type(self.tenant).__name__}") from None
-        object.__setattr__(self, "label", self.salt if self.tenant is None else self.tenant)
-
-
-# no salt, no public prefix: every request may hit every cached block
-NO_SCOPE = TenantScope()
-
-
-def check_prompt(
-    token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, what: str = "a prompt"
-) -> list[int]:
-    """``token_ids`` as a list, or a clear error: at least one token, plain ints in [0, MAX_TOKEN_ID), and
-    ``scope``'s public prefix within it (every cache runs this before it looks anything up)."""
-    if not isinstance(scope, TenantScope):
-        raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
-    tokens = list(token_ids)
-    if not tokens:
-        raise ValueError(f"{what} needs at least one token")
-    if any(type(t) is not int for t in tokens):
-        raise TypeError("token ids must be ints")
-    if min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
-        raise ValueError(f"token ids must be in [0, 2**63), got {min(tokens)} .. {max(tokens)}")
-    if not 0 <= scope.public_tokens <= len(tokens):
-        raise ValueError(
-            f"public_tokens must be in [0, {len(tokens)}], got {scope.public_tokens!r}"
-        )
-    return tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -215,7 +125,7 @@ class AppendResult:
     cow: tuple[int, int] | None = None
 
 
-class BlockManager(SequenceTables, ManagerExtras):
+class BlockManager(SequenceTables):
     """Block tables for many sequences sharing one pool, with prefix caching and copy-on-write."""
 
     def __init__(
@@ -263,14 +173,14 @@ class BlockManager(SequenceTables, ManagerExtras):
         """
         tokens = check_prompt(token_ids, scope)
         bs, n, pool, fp = self.block_size, len(tokens), self.pool, self.model_fingerprint
-        salt_block = scope.public_tokens // bs
+        salt, salt_block = scope.cache_salt, salted_block(scope.public_tokens, bs)
         # one hash per full block; the cached blocks of the longest prefix
         hashes, hits = [], []
         if self.enable_caching:
-            hashes = prompt_block_hashes(tokens, bs, fp, scope.salt, salt_block, self.hash_fn)
+            hashes = prompt_block_hashes(tokens, bs, fp, salt, salt_block, self.hash_fn)
             # the longest cached prefix, capped so that the last prompt token is recomputed
             for i in range((n - 1) // bs):
-                keys = block_extra_keys(i, fp, scope.salt, salt_block)
+                keys = block_extra_keys(i, fp, salt, salt_block)
                 block = pool.lookup(
                     hashes[i], tokens[i * bs : (i + 1) * bs], hits[-1].serial if i else 0, keys
                 )
@@ -297,58 +207,41 @@ class BlockManager(SequenceTables, ManagerExtras):
         """Give a new sequence its blocks, reusing the longest cached prefix; return the tokens not to compute.
 
         Those are the cached tokens, plus any restored from ``second_tier`` right after them
-        (``SeqBlocks.num_restored_tokens``). ``scope.salt`` enters the hash of block
-        ``scope.public_tokens // block_size``; ``scope.label`` names the sequence in per-tenant metrics and
-        in the cross-tenant hit count. ``plan``: what ``can_allocate`` returned for the same prompt and scope
-        (reused if nothing changed since, planned again if stale); a plan of another manager raises
+        (``SeqBlocks.num_restored_tokens``). ``scope.cache_salt`` enters the hash of block
+        ``salted_block(scope.public_tokens, block_size)``; ``scope.label`` names the sequence in per-tenant
+        metrics and in the cross-tenant hit count. ``plan``: what ``can_allocate`` returned for the same prompt
+        and scope (reused if nothing changed since, planned again if stale); a plan of another manager raises
         ``ValueError``, as a refusal changes nothing. ``preempted``: the sequence was preempted before (its
         lookup is counted apart, as vLLM does).
         """
         self._check_new(seq_id)
-        if plan is not None and (not isinstance(plan, AllocationPlan) or plan.owner is not self):
-            raise ValueError(
-                "this plan was not made by this manager's can_allocate (plans do not travel between "
-                "managers: another pool's free blocks and cached hits are not this one's)"
-            )
-        pool, bs = self.pool, self.block_size
-        # a plan holds while it still describes the pool: same clock, free count and cached hits
-        if plan is None or not (
-            plan.clock == pool.clock
-            and plan.num_free_blocks == len(pool.free)
-            and plan.scope == scope
-            and plan.tokens == tuple(token_ids)
-            and all(b.block_hash == h for b, h in zip(plan.hits, plan.hashes))
-        ):
-            plan = self.can_allocate(token_ids, scope)
+        plan = self._current_plan(plan, token_ids, scope)
         if not plan:
             raise NoFreeBlocksError(
-                f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, {len(pool.free)} of "
-                f"{self.num_blocks} are free"
+                f"sequence {seq_id!r} needs {plan.blocks_needed} free blocks, "
+                f"{len(self.pool.free)} of {self.num_blocks} are free"
             )
-        tokens, hashes, hits, n = list(plan.tokens), list(plan.hashes), plan.hits, len(plan.tokens)
-        # missed tokens by reason, before this request fills the cache: a full block that could have hit
-        # was evicted (or cut off from its chain by an evicted parent) or never cached; the rest is short
-        eligible = (n - 1) // bs
-        evicted, cached = pool.evicted_hashes, pool.cached
-        seen = sum(h in evicted or h in cached for h in hashes[len(hits) : eligible])
-        short, no_prefix = n - eligible * bs, (eligible - len(hits) - seen) * bs
-        misses = {"short": short, "no_prefix": no_prefix, "evicted": seen * bs}
+        pool, bs, tokens, hits = self.pool, self.block_size, list(plan.tokens), plan.hits
+        n, hashes = len(tokens), list(plan.hashes)
+        # counted before this request fills the cache
+        misses = self._miss_reasons(plan)
         pool.clock += 1
-        seq = SeqBlocks(seq_id, tokens, salt=scope.salt, tenant=scope.label, block_hashes=hashes)
-        seq.num_cached_tokens, seq.salt_block = len(hits) * bs, scope.public_tokens // bs
-        for i, block in enumerate(hits):
+        seq = SeqBlocks(seq_id, tokens, cache_salt=scope.cache_salt, tenant=scope.label)
+        seq.block_hashes, seq.salt_block = hashes, salted_block(scope.public_tokens, bs)
+        # 1. the cached prefix: one more reference per hit block
+        for block in hits:
             pool.hit(block, seq_id)
             seq.block_table.append(block.block_id)
-            # another tenant's block: a public hit inside the public prefix, else a cross-tenant one
-            if block.tenant != seq.tenant:
-                self._count_foreign_hit(i < seq.salt_block)
+        seq.num_cached_tokens = len(hits) * bs
+        self._count_tenant_hits(seq, hits)
+        # 2. the rest: a fresh block each, copied back from the second tier while the tier has the chain
         restoring = self.enable_caching and self.second_tier is not None
         for i in range(len(hits), cdiv(n, bs)):
             block = pool.take(seq_id)
             block.token_ids = tokens[i * bs : (i + 1) * bs]
             seq.block_table.append(block.block_id)
-            # the chain continues in the second tier? copy it back; its first miss ends it
-            restoring = restoring and i < eligible and self._restore(seq, i, block)
+            restoring = restoring and i < (n - 1) // bs and restore_block(self, seq, i, block)
+            # 3. every full block is cached now, before its K/V is written (_cache_block)
             if self.enable_caching and i < n // bs:
                 self._cache_block(seq, i, block, hashes[i])
         self.seqs[seq_id] = seq
@@ -357,6 +250,46 @@ class BlockManager(SequenceTables, ManagerExtras):
         self.metrics.record_blocks(len(hashes), bs, len(hits), len(seq.block_table) - len(hits))
         self.metrics.record_lookup(seq.tenant, n, seq.num_cached_tokens, misses, preempted)
         return seq.num_cached_tokens + seq.num_restored_tokens
+
+    def _current_plan(
+        self, plan: AllocationPlan | None, token_ids: Sequence[int], scope: TenantScope
+    ) -> AllocationPlan:
+        """``plan`` while it still describes the pool (same clock, free count and cached hits), else a new one."""
+        if plan is None:
+            return self.can_allocate(token_ids, scope)
+        if not isinstance(plan, AllocationPlan) or plan.owner is not self:
+            raise ValueError(
+                "this plan was not made by this manager's can_allocate (plans do not travel between "
+                "managers: another pool's free blocks and cached hits are not this one's)"
+            )
+        pool = self.pool
+        if (
+            plan.clock == pool.clock
+            and plan.num_free_blocks == len(pool.free)
+            and plan.scope == scope
+            and plan.tokens == tuple(token_ids)
+            and all(b.block_hash == h for b, h in zip(plan.hits, plan.hashes))
+        ):
+            return plan
+        return self.can_allocate(token_ids, scope)
+
+    def _miss_reasons(self, plan: AllocationPlan) -> dict[str, int]:
+        """The prompt's missed tokens by reason (``kvlab.cache.metrics``): a full block that could have hit was
+        evicted (or cut off from its chain by an evicted parent) or never cached; the rest is short."""
+        bs, n, pool = self.block_size, len(plan.tokens), self.pool
+        eligible, found = (n - 1) // bs, len(plan.hits)
+        seen = sum(h in pool.evicted_hashes or h in pool.cached for h in plan.hashes[found:eligible])
+        no_prefix = (eligible - found - seen) * bs
+        return {"short": n - eligible * bs, "no_prefix": no_prefix, "evicted": seen * bs}
+
+    def _count_tenant_hits(self, seq: SeqBlocks, hits: Sequence[Block]) -> None:
+        """Count the hits on blocks another tenant registered: public inside the public prefix, else cross-tenant."""
+        for i, block in enumerate(hits):
+            if block.tenant != seq.tenant:
+                if i < seq.salt_block:
+                    self.metrics.public_hits += 1
+                else:
+                    self.metrics.cross_tenant_hits += 1
 
     def _cache_block(self, seq: SeqBlocks, i: int, block: Block, h: BlockHash) -> None:
         """Register ``seq``'s full block ``i`` under hash ``h``: other requests can hit it from now on.
@@ -368,7 +301,7 @@ class BlockManager(SequenceTables, ManagerExtras):
         """
         parent = seq.block_hashes[i - 1] if i else None
         parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
-        keys = block_extra_keys(i, self.model_fingerprint, seq.salt, seq.salt_block)
+        keys = block_extra_keys(i, self.model_fingerprint, seq.cache_salt, seq.salt_block)
         self.pool.register(block, h, parent, parent_serial, keys, seq.seq_id)
         block.tenant = seq.tenant
 
@@ -383,10 +316,7 @@ class BlockManager(SequenceTables, ManagerExtras):
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
         """Write one decoded token: take a block if the last is full, copy it first if it is shared."""
         seq = self._seq(seq_id)
-        if type(token_id) is not int:
-            raise TypeError("token ids must be ints")
-        if not 0 <= token_id < MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be in [0, 2**63), got {token_id}")
+        check_token(token_id)
         if not self.can_append(seq_id):
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs a block and none is free")
         pool, bs = self.pool, self.block_size
@@ -395,7 +325,7 @@ class BlockManager(SequenceTables, ManagerExtras):
         # this token fills its block: hash it before changing anything
         if offset == bs - 1 and self.enable_caching:
             last = [] if offset == 0 else pool.blocks[seq.block_table[-1]].token_ids[:offset]
-            keys = block_extra_keys(i, self.model_fingerprint, seq.salt, seq.salt_block)
+            keys = block_extra_keys(i, self.model_fingerprint, seq.cache_salt, seq.salt_block)
             full_hash = self.hash_fn(seq.block_hashes[-1] if i else None, last + [token_id], keys)
         pool.clock += 1
         new_block = cow = None
@@ -405,7 +335,7 @@ class BlockManager(SequenceTables, ManagerExtras):
         else:
             block = pool.blocks[seq.block_table[-1]]
             if block.ref_count > 1 and self.cow:
-                block, shared = self._copy_on_write(seq, block), block
+                block, shared = copy_on_write(self, seq, block), block
                 cow = (shared.block_id, block.block_id)
         # appends; with cow=False a shared block may already hold this slot: it is overwritten
         block.token_ids[offset : offset + 1] = [token_id]
@@ -434,3 +364,86 @@ class BlockManager(SequenceTables, ManagerExtras):
         for block_id in reversed(seq.block_table):
             pool.release(pool.blocks[block_id], seq_id)
         del self.seqs[seq_id]
+
+    def _uncached_blocks(self, seq: SeqBlocks, uncache_from: int) -> list[Block]:
+        """``free(..., uncache_from=)``: the cached blocks from that position on, none shared (else raise)."""
+        n, doomed = len(seq.token_ids), []
+        if type(uncache_from) is not int or not 0 <= uncache_from <= n:
+            raise ValueError(f"uncache_from must be an int in [0, {n}], got {uncache_from!r}")
+        for block_id in seq.block_table[uncache_from // self.block_size :]:
+            block = self.pool.blocks[block_id]
+            if block.block_hash is not None and block.ref_count > 1:
+                raise ValueError(
+                    f"block {block_id} (positions from {uncache_from} on) is still used by "
+                    "another sequence: free that sequence first"
+                )
+            if block.block_hash is not None:
+                doomed.append(block)
+        return doomed
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start ``child_id`` as a copy of ``parent_id`` that shares every block (``kvlab.cache.fork``)."""
+        fork_sequence(self, parent_id, child_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False, while a sequence holds blocks."""
+        if self.seqs or not self.pool.reset():
+            return False
+        if self.second_tier is not None:
+            self.second_tier.clear()
+        return True
+
+    def attach_second_tier(self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None) -> None:
+        """Ask ``tier`` when a prompt misses the pool (``host_tier.restore_block``); ``on_evict`` sees each
+        cached block evicted."""
+        self.second_tier = tier
+        self.pool.on_evict = on_evict
+
+    # --- KV events -----------------------------------------------------------------------------------
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events queued since the last call (needs ``enable_kv_events=True``; vLLM's ``take_events``)."""
+        return self.pool.take_events()
+
+    def emit_event(self, event: KVCacheEvent) -> None:
+        """Queue a KV event of a tier attached to this cache, in one stream with the pool's (dropped if events are off)."""
+        self.pool.emit_event(event)
+
+    def _emit_stored(self, hashes: list[BlockHash], first: int, tokens: list[int]) -> None:
+        """One ``BlockStored`` for full blocks ``first, first + 1, ...`` just cached, holding ``tokens`` (vLLM's
+        order; the manager calls this only with ``enable_kv_events=True``)."""
+        end = first + len(tokens) // self.block_size
+        if first < end:
+            parent = hashes[first - 1] if first else None
+            stored = BlockStored(tuple(hashes[first:end]), parent, tuple(tokens), self.block_size)
+            self.pool.emit_event(stored)
+
+    # --- reports and invariants (kvlab.cache.debug) ------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a live sequence."""
+        return 1.0 - len(self.pool.free) / self.num_blocks
+
+    def wasted_slots(self) -> int:
+        """Empty slots in blocks that are in use (the partial tail blocks)."""
+        return sum(self.block_size - len(b.token_ids) for b in self.pool.blocks if b.ref_count > 0)
+
+    def stats(self) -> dict[str, Any]:
+        """Metrics plus the pool's state: usage, free and cached blocks, evictions, wasted slots."""
+        return {
+            **self.metrics.as_dict(),
+            "usage": self.usage,
+            "num_free_blocks": self.num_free_blocks,
+            "num_cached_blocks": sum(len(v) for v in self.pool.cached.values()),
+            "evictions": self.pool.num_evictions,
+            "wasted_slots": self.wasted_slots(),
+            "restored_tokens": self.restored_tokens["offload"],
+            "fetched_tokens": self.restored_tokens["peer"],
+        }
+
+    def read_tokens(self, seq_id: Hashable) -> list[int | None]:
+        """What the sequence reads back through its block table (None for an empty slot)."""
+        return read_tokens(self, seq_id)
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` unless every ref count, table, cache entry and slot is consistent."""
+        check_manager(self)

@@ -11,8 +11,8 @@ The cache maps a hash to the blocks registered under it. A lookup accepts a bloc
 ids, its extra keys and its parent block (by ``serial``, a number given to each distinct cached
 content) match, so a hash collision can never hand out another prefix's K/V.
 
-The trace, ``block_report`` and ``check_invariants`` are debugging aids off the default path
-(``kvlab.cache.extras.PoolExtras``).
+The trace (``trace=True``), ``block_report`` and ``check_invariants`` are debugging aids, written in
+``kvlab.cache.debug``.
 
 References: vLLM ``vllm/v1/core/block_pool.py`` (``BlockPool``, ``get_new_blocks``, ``touch``,
 ``free_blocks``) and ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``);
@@ -25,9 +25,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from .extras import InvariantError, PoolExtras, TraceEvent, check
+from .debug import InvariantError, TraceEvent, block_report, check, check_pool
 from .hashing import BlockHash, ExtraKeys
-from .kv_events import BlockRemoved, KVCacheEvent
+from .kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 __all__ = ["Block", "BlockPool", "InvariantError", "NoFreeBlocksError", "TraceEvent", "check"]
 
@@ -72,7 +72,7 @@ class Block:
         self.serial = self.parent_serial = 0
 
 
-class BlockPool(PoolExtras):
+class BlockPool:
     """``num_blocks`` blocks, a free list in LRU order, and the hash -> block cache.
 
     ``evicted_hashes`` remembers the hashes of evicted blocks, so a miss on one counts as ``evicted``
@@ -115,6 +115,20 @@ class BlockPool(PoolExtras):
         self.kv_event_queue: list[KVCacheEvent] = []
         # called with a cached block just before its eviction (contents still readable): a host tier's seam
         self.on_evict: Callable[[Block], None] | None = None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (empty or cached-but-evictable)."""
+        return len(self.free)
+
+    def tick(self) -> int:
+        """Advance the logical clock (one tick per manager operation) and return it."""
+        self.clock += 1
+        return self.clock
+
+    def next_victim(self) -> int | None:
+        """The block id that the next ``take`` would reuse (None when nothing is free)."""
+        return next(iter(self.free), None)
 
     # --- taking and returning blocks -------------------------------------------------------------
     def take(self, owner: Hashable = None, event: str = "take") -> Block:
@@ -176,6 +190,16 @@ class BlockPool(PoolExtras):
         block.last_access = self.clock
         self._record(block, "release", owner)
 
+    def share(self, block: Block, owner: Hashable = None) -> None:
+        """Add a reference to a block that is already in use (fork)."""
+        if block is not self.blocks[block.block_id % self.num_blocks]:
+            raise ValueError(f"{block!r} is not a block of this pool")
+        if block.ref_count <= 0:
+            raise ValueError(f"block {block.block_id} is not in use; cannot share it")
+        block.ref_count += 1
+        block.last_access = self.clock
+        self._record(block, "share", owner)
+
     # --- the prefix cache ----------------------------------------------------------------------
     def lookup(
         self,
@@ -231,3 +255,62 @@ class BlockPool(PoolExtras):
         block.reset()
         block.last_access = self.clock
         self._record(block, event, owner)
+
+    def uncache(self, block: Block, owner: Hashable = None) -> None:
+        """Take a block out of the cache now, keeping its tokens and references (its K/V was never computed).
+
+        The engine calls this (through ``BlockManager.free(..., uncache_from=...)``) for the blocks of a
+        step that failed, so no later request can hit K/V that was never written. The hash is not
+        remembered as evicted: the content was never really cached.
+        """
+        if block is not self.blocks[block.block_id % self.num_blocks] or block.block_hash is None:
+            raise ValueError(f"{block!r} is not a cached block of this pool")
+        self._uncache(block, "uncache", owner)
+
+    def reset(self) -> bool:
+        """Drop every cached hash, keeping the free list's order; refused (False) while any block is in use."""
+        if any(b.ref_count for b in self.blocks):
+            return False
+        self.clock += 1
+        for block in self.blocks:
+            block.reset()
+            block.token_ids = []
+        self.cached.clear()
+        self.evicted_hashes.clear()
+        self.emit_event(AllBlocksCleared())
+        return True
+
+    # --- KV events -------------------------------------------------------------------------------
+    def emit_event(self, event: KVCacheEvent) -> None:
+        """Queue a KV event for ``take_events`` (dropped when ``enable_kv_events`` is off).
+
+        The pool emits ``BlockRemoved`` and ``AllBlocksCleared`` itself; the block manager emits ``BlockStored``
+        through here when it registers blocks, and a second tier its own events, so all share one ordered stream.
+        """
+        if self.enable_kv_events:
+            self.kv_event_queue.append(event)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The queued KV events, oldest first, and an empty queue (vLLM's ``BlockPool.take_events``)."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    # --- debugging (kvlab.cache.debug) -------------------------------------------------------------
+    def _record(self, block: Block, event: str, owner: Hashable) -> None:
+        """Trace one event of ``block`` (a no-op unless the pool was made with ``trace=True``)."""
+        if self.trace is not None:
+            self.trace.append(TraceEvent(self.clock, block.block_id, event, block.ref_count, owner))
+
+    def history(self, block_id: int) -> list[TraceEvent]:
+        """Every traced event of one block, oldest first (needs ``trace=True``)."""
+        if self.trace is None:
+            raise RuntimeError("tracing is off: create the pool with trace=True")
+        return [e for e in self.trace if e.block_id == block_id]
+
+    def block_report(self) -> list[dict]:
+        """One row per block: ref count, created, last access, cached, free (``debug.block_report``)."""
+        return block_report(self)
+
+    def check_invariants(self, hash_fn: Callable | None = None) -> None:
+        """Free list == blocks with ref 0; cache entries consistent (``debug.check_pool``)."""
+        check_pool(self, hash_fn)

@@ -1,7 +1,8 @@
 """Hashing helpers beside the block manager's own (``kvlab.cache.hashing``): for lessons, routers and benchmarks.
 
 ``hash_token_blocks`` hashes a token list with extra keys on its first block (notebook 04's chain),
-``first_block_extra_keys`` and ``salted_block`` name where the fingerprint and a tenant's salt enter,
+``first_block_extra_keys`` names the first block's fingerprint and salt (``hashing.salted_block`` says which
+block takes a salt),
 ``builtin_hash`` is Python's ``hash()`` (fast, collisions can be crafted: benchmarks only), and
 ``config_fingerprint`` names a model by its config.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from .hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block
+from .hashing import BlockHash, ExtraKeys, HashFn, block_extra_keys, hash_block, salted_block
 
 __all__ = [
     "builtin_hash",
@@ -22,14 +23,6 @@ __all__ = [
 ]
 
 
-def salted_block(public_tokens: int, block_size: int) -> int:
-    """The index of the block whose hash takes a tenant's salt: the first one not wholly inside the public prefix.
-
-    0 without a public prefix (vLLM's ``cache_salt`` on the first block); the blocks before it are shared.
-    """
-    return public_tokens // block_size
-
-
 def builtin_hash(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
 ) -> BlockHash:
@@ -37,9 +30,9 @@ def builtin_hash(
     return hash((parent, tuple(token_ids), extra_keys)).to_bytes(8, "little", signed=True)
 
 
-def first_block_extra_keys(model_fingerprint: str = "", salt: str | None = None) -> ExtraKeys:
-    """Extra keys of a sequence's first block: the model fingerprint and the tenant salt, if any."""
-    return block_extra_keys(0, model_fingerprint, salt)
+def first_block_extra_keys(model_fingerprint: str = "", cache_salt: str | None = None) -> ExtraKeys:
+    """Extra keys of a sequence's first block: the model fingerprint and the tenant's salt, if any."""
+    return block_extra_keys(0, model_fingerprint, cache_salt)
 
 
 def hash_token_blocks(

@@ -24,11 +24,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .block_pool import check
-from .hashing import BlockHash, ExtraKeys
+from .debug import check
+from .hashing import BlockHash, ExtraKeys, block_extra_keys
 from .kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["HostTier", "SecondTier", "TierEntry", "TierLink", "collect_blocks"]
+__all__ = ["HostTier", "SecondTier", "TierEntry", "TierLink", "collect_blocks", "restore_block"]
 
 SOURCES = ("offload", "peer")
 
@@ -208,6 +208,20 @@ class SecondTier(Protocol):
 
     def clear(self) -> None:
         """Forget everything (the prefix cache was reset)."""
+
+
+def restore_block(manager: Any, seq: Any, i: int, block: Any) -> bool:
+    """The block manager's side of the seam: copy ``seq``'s prompt block ``i`` back from the manager's second tier
+    into the fresh pool ``block``; whether the tier had it (the restored tokens are counted by source)."""
+    h = seq.block_hashes
+    keys = block_extra_keys(i, manager.model_fingerprint, seq.cache_salt, seq.salt_block)
+    source = manager.second_tier.load(
+        h[i], tuple(block.token_ids), keys, h[i - 1] if i else None, block.block_id
+    )
+    if source is not None:
+        seq.num_restored_tokens += manager.block_size
+        manager.restored_tokens[source] += manager.block_size
+    return source is not None
 
 
 class TierLink:

@@ -42,16 +42,10 @@ from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from .block_manager import (
-    NO_SCOPE,
-    AppendResult,
-    SeqState,
-    SequenceTables,
-    TenantScope,
-    cdiv,
-    check_prompt,
-)
-from .block_pool import NoFreeBlocksError, check
+from .block_manager import AppendResult, cdiv
+from .block_pool import NoFreeBlocksError
+from .debug import check
+from .interface import NO_SCOPE, SeqState, SequenceTables, TenantScope, check_prompt, check_token
 from .metrics import PrefixCacheMetrics
 
 __all__ = ["MatchResult", "RadixCache", "RadixNode", "RadixPlan", "RadixSeq"]
@@ -603,7 +597,7 @@ class RadixCache(SequenceTables):
 
     def _check_prompt(self, token_ids: Sequence[int], scope: TenantScope) -> list[int]:
         tokens = check_prompt(token_ids, scope)
-        if scope.salt is not None and scope.public_tokens:
+        if scope.cache_salt is not None and scope.public_tokens:
             raise ValueError(
                 "the radix cache keeps each salt in its own tree: a public prefix cannot be shared "
                 "across salts (the block manager can)"
@@ -615,7 +609,7 @@ class RadixCache(SequenceTables):
         tokens = self._check_prompt(token_ids, scope)
         n, size = len(tokens), self.page_size
         m, unlocked = 0, 0
-        root = self.roots.get(scope.salt)
+        root = self.roots.get(scope.cache_salt)
         if self.enable_caching and root is not None:
             m, _, _, visited = self._walk(
                 root, tokens, (n - 1) // size * size, split=False, touch=False
@@ -664,7 +658,7 @@ class RadixCache(SequenceTables):
                 f"{plan.pages_available} of {self.num_pages} can be had"
             )
         tokens, size = list(plan.tokens), self.page_size
-        n, salt, tenant = len(tokens), scope.salt, scope.label
+        n, salt, tenant = len(tokens), scope.cache_salt, scope.label
         cap = (n - 1) // size * size
         self.clock += 1
         root = self._root(salt)
@@ -698,14 +692,14 @@ class RadixCache(SequenceTables):
         """Insert the sequence's first ``length`` tokens with its pages; lock the new path instead of the old."""
         size = self.page_size
         k, existing, last = self._insert(
-            self._root(seq.salt),
+            self._root(seq.cache_salt),
             seq.token_ids[:length],
             seq.block_table[: length // size],
             seq.tenant,
         )
         # now the tree's
         seq.private.difference_update(seq.block_table[k // size : length // size])
-        self._history_insert(seq.salt, seq.token_ids[:length])
+        self._history_insert(seq.cache_salt, seq.token_ids[:length])
         if last is not seq.node:
             self._lock(last)
             self._unlock(seq.node)
@@ -720,7 +714,7 @@ class RadixCache(SequenceTables):
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
         """Write one decoded token: take a page when the last is full (evicting an LRU leaf if needed)."""
         seq = self._seq(seq_id)
-        self._check_token(token_id)
+        check_token(token_id)
         if not self.can_append(seq_id):
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs a page and none can be had")
         self.clock += 1
@@ -746,7 +740,7 @@ class RadixCache(SequenceTables):
         length, tail = n // size * size, n % size != 0
         if tail:
             _, _, _, visited = self._walk(
-                self._root(parent.salt), parent.token_ids, length, split=False, touch=False
+                self._root(parent.cache_salt), parent.token_ids, length, split=False, touch=False
             )
             unlocked = sum(c // size for v, c in visited if v.lock_ref == 0)
             if len(self.free_pages) + self.evictable_pages - unlocked < 1:
@@ -765,7 +759,7 @@ class RadixCache(SequenceTables):
             child_id,
             list(parent.token_ids),
             parent.block_table[: length // size],
-            parent.salt,
+            parent.cache_salt,
             parent.tenant,
             parent.num_cached_tokens,
             private=set(),
@@ -912,7 +906,7 @@ class RadixCache(SequenceTables):
                 f"sequence {seq.seq_id!r}: {len(seq.block_table)} pages for {n} tokens",
             )
             check(
-                self.roots.get(seq.salt) is seq.node.root(),
+                self.roots.get(seq.cache_salt) is seq.node.root(),
                 f"sequence {seq.seq_id!r} locks a node outside its salt's tree",
             )
             path_tokens, path_pages = seq.node.path()

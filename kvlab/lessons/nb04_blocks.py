@@ -1,30 +1,35 @@
-"""Notebook 04 (the paged block manager): exercise checkers and the block figures (``fig_*``).
+"""Notebook 04 (the paged block manager): the block figures (``fig_*``), exercise checkers, and the replay that
+checks the build exercises (04's hash chain, ``take``/``free`` and ``allocate``; 05's ``append``).
 
-A checker runs the reader's function against kvlab's ``BlockManager`` and returns a ``Verdict``; it never raises.
-``ToyBlocks`` and the step-by-step replay are written in notebook 04 (``kvlab.built.nb04``).
+A checker runs the reader's pieces on notebook 04's ``ToyBlocks`` (``kvlab.built.nb04``) beside kvlab's
+``BlockManager`` and returns a ``Verdict``; it never raises. The worked solutions: ``kvlab.lessons.solutions``.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable
+from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from kvlab.built.nb04 import ToyBlocks, block_trace, replay_against_block_manager
+from kvlab.built.nb04 import ToyBlocks
 from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.hash_tools import first_block_extra_keys, hash_token_blocks
 from kvlab.cache.hashing import hash_block
+from kvlab.lessons import solutions as SOL
+from kvlab.lessons import traces
 from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
-from kvlab.lessons.solutions import build_04_allocate as reference_allocate  # 04.B2's solution
-from kvlab.lessons.traces import replay, timestamp_trace
+from kvlab.lessons.traces import ARTICLE_QUESTIONS, SYSTEM_PROMPTS, timestamp_trace, toy_tokenize
+from kvlab.lessons.traces import replay as replay_trace
 
-__all__ = ["ToyBlocks", "block_state", "block_trace", "check_allocate", "check_block_hashes", "check_cached_tokens",
-           "check_find_leaks", "check_timestamp_prompt", "fig_block_tables", "fig_hash_chain", "fig_logical_physical",
-           "reference_allocate", "replay_against_block_manager"]  # ToyBlocks, the replay: notebook 04's cells
+__all__ = ["block_state", "block_trace", "check_allocate", "check_append", "check_block_hashes", "check_cached_tokens",
+           "check_find_leaks", "check_take_free", "check_timestamp_prompt", "fig_block_tables", "fig_hash_chain",
+           "fig_logical_physical", "kvlab_pieces", "replay", "replay_table", "block_size_sweep", "fig_block_size_sweep",
+           "say_block_size_sweep", "timestamp_table", "fig_three_requests"]
 
 
 # ----------------------------------------------------------------------------- exercises 04.1-3
@@ -74,7 +79,7 @@ def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], li
     """Exercise 04.3: ``build(system, timestamp, question)`` keeps every part and hits >= 95 % of the ideal."""
     hint = "a block is reused only if every token before it is the same: where can a changing part go?"
     base, stamped = timestamp_trace(24, where="none", seed=1), timestamp_trace(24, where="start", seed=1)
-    ideal = replay(BlockManager(4096, 16), base)["hit_tokens"]
+    ideal = replay_trace(BlockManager(4096, 16), base)["hit_tokens"]
     system, built = base[0].prompt[:256], []
     for b, s in zip(base, stamped, strict=True):
         stamp, question = s.prompt[:8], b.prompt[256:]
@@ -89,7 +94,7 @@ def check_timestamp_prompt(build: Callable[[list[int], list[int], list[int]], li
             return verdict(False, hint="the prompt must be a list of token ids holding the system prompt, the "
                                        "timestamp and the question, once each")
         built.append(type(b)(b.req_id, prompt, b.output))
-    got = replay(BlockManager(4096, 16), built)["hit_tokens"]
+    got = replay_trace(BlockManager(4096, 16), built)["hit_tokens"]
     return verdict(got >= 0.95 * ideal, f"{got} cached tokens vs {ideal} without any timestamp",
                    f"{got} cached tokens, need at least 95% of the {ideal} a timestamp-free prompt gets; {hint}")
 
@@ -193,13 +198,13 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
     for r, s in enumerate(seqs):
         y = len(seqs) - 1 - r
         for j, h in enumerate(s.block_hashes):
-            salted = s.salt is not None and j == s.salt_block
+            salted = s.cache_salt is not None and j == s.salt_block
             ax.add_patch(Rectangle((1.9 * j, y), 1.5, 0.75, facecolor="#fdd0a2" if salted else "white",
                                    edgecolor="black", gid="salted" if salted else "block"))
             ax.text(1.9 * j + 0.75, y + 0.52, f"#{h[:3].hex()}", ha="center", va="center", fontsize=8,
                     family="monospace", gid=f"hash {s.seq_id} {j}")
             ax.text(1.9 * j + 0.75, y + 0.22, f"tokens {j * bs}–{(j + 1) * bs - 1}"
-                    + (f"\n+ salt {s.salt!r}" if salted else ""), ha="center", va="center", fontsize=6)
+                    + (f"\n+ salt {s.cache_salt!r}" if salted else ""), ha="center", va="center", fontsize=6)
             if j:
                 ax.annotate("", xy=(1.9 * j, y + 0.37), xytext=(1.9 * j - 0.4, y + 0.37), arrowprops={"arrowstyle": "->"})
         ax.text(-0.2, y + 0.37, (labels or {}).get(s.seq_id, str(s.seq_id)), ha="right", va="center", fontsize=8)
@@ -211,7 +216,179 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
     return fig
 
 
-# ----------------------------------------------------------------------------- build exercises 04.B1-B2
+# ----------------------------------------------------------------------------- section 3's runners
+SWEEP_COLUMNS = ["block_size", "num_blocks", "hit_rate", "miss_short", "miss_no_prefix", "miss_evicted",
+                 "wasted_slots_mean", "hashed_blocks", "hashed_tokens", "evictions"]
+
+
+def block_size_sweep(trace: list, sizes: list[int], capacity_tokens: int = 32768):
+    """``traces.block_size_sweep`` as a DataFrame indexed by block size (the same KV capacity in tokens)."""
+    import pandas as pd
+
+    return pd.DataFrame(traces.block_size_sweep(trace, sizes, capacity_tokens=capacity_tokens))[
+        SWEEP_COLUMNS].set_index("block_size")
+
+
+def fig_block_size_sweep(df) -> Figure:
+    """Hit rate, why tokens missed, and the hash work against the block size."""
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.8))
+    a.plot(df.index, 100 * df.hit_rate, "o-")
+    a.set(ylabel="hit rate (% of prompt tokens)", title="hit rate")
+    missed = (df[["miss_short", "miss_no_prefix", "miss_evicted"]].T / df[
+        ["miss_short", "miss_no_prefix", "miss_evicted"]].sum(axis=1).where(lambda x: x > 0, 1)).T
+    missed.set_axis([str(x) for x in df.index]).mul(100).plot.bar(stacked=True, ax=b, rot=0)
+    b.set(ylabel="share of missed tokens (%)", title="why tokens missed")
+    c.plot(df.index, df.hashed_blocks, "o-", label="hash calls")
+    c.plot(df.index, df.wasted_slots_mean, "s--", label="empty slots (mean per step)")
+    c.set(yscale="log", ylabel="count (log scale)", title="hash work and wasted slots")
+    c.legend(fontsize=8)
+    for ax in (a, c):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    for ax in (a, b, c):
+        ax.set_xlabel("block size (tokens)")
+    fig.tight_layout()
+    return fig
+
+
+def say_block_size_sweep(df) -> None:
+    """The sweep's verdict lines, printed from its numbers."""
+    best, top = df.hit_rate.idxmax(), df.hit_rate.max()
+    flat = df.index[df.hit_rate >= top - 0.01].max()
+    print(f"hit rate {top:.1%} at block size {best}, {df.hit_rate.min():.1%} at {df.hit_rate.idxmin()}; the largest "
+          f"block size within 1 point of the best: {flat}")
+    print(f"from block size {df.index[0]} to {flat}: hash calls x{df.hashed_blocks.loc[flat] / df.hashed_blocks.iloc[0]:.3f}, "
+          f"empty slots per step {df.wasted_slots_mean.iloc[0]:.1f} -> {df.wasted_slots_mean.loc[flat]:.1f}")
+
+
+def timestamp_table(n_requests: int, seed: int = 0):
+    """Hit rate with no timestamp, one at the start and one at the end of the system prompt (blocks of 16)."""
+    import pandas as pd
+
+    rows = []
+    for where in ("none", "start", "end"):
+        r = replay_trace(BlockManager(4096, 16), timestamp_trace(n_requests, where=where, seed=seed))
+        rows.append({"timestamp": where, "hit rate": r["hit_rate"], "hit tokens": r["hit_tokens"],
+                     "miss_no_prefix": r["miss_no_prefix"], "miss_short": r["miss_short"]})
+    return pd.DataFrame(rows).set_index("timestamp")
+
+
+def fig_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
+    """The three-request run at these sizes (the pool's refusal in the title when it is too small)."""
+    from kvlab.cache.block_manager import NoFreeBlocksError
+
+    caption, manager = "", BlockManager(num_blocks, block_size)
+    try:
+        for caption, manager in traces.three_requests(block_size, num_blocks):
+            pass
+    except NoFreeBlocksError as err:
+        caption = f"refused: {err}"
+    s = manager.stats()
+    return fig_block_tables(block_state(manager), f"block size {block_size}, {num_blocks} blocks — {caption[:70]}\n"
+                            f"hit rate {s['hit_rate']:.0%}, {s['num_free_blocks']} free, {s['num_cached_blocks']} "
+                            f"cached, wasted slots {s['wasted_slots']}")
+
+
+# ----------------------------------------------------------------------------- build exercises 04.B1-B3, 05.B1
+def block_trace(n_ops: int = 40, block_size: int = 4, num_blocks: int = 24, seed: int = 0,
+                appends: bool = False) -> list[tuple]:
+    """``("allocate", seq, tokens)``, ``("free", seq)`` and, with ``appends``, ``("append", seq, token)`` on the
+    article's prompts: repeated prompts, second turns that repeat a whole earlier sequence, evictions."""
+    rng = random.Random(seed)
+    m, ops, live, done = BlockManager(num_blocks, block_size), [], [], []
+    for k in range(n_ops):
+        lang = rng.choice(("zh", "en"))
+        prompt = toy_tokenize(SYSTEM_PROMPTS[lang]) + toy_tokenize(rng.choice(ARTICLE_QUESTIONS[lang]))
+        prompt = prompt[: rng.randint(len(prompt) // 2, len(prompt))] + [rng.randrange(5000)] * rng.randint(0, 5)
+        if done and rng.random() < 0.4:  # the same prompt again, or an earlier sequence with what it generated
+            prompt = list(rng.choice(done)) + ([rng.randrange(5000)] if appends and rng.random() < 0.5 else [])
+        prompt = prompt[: num_blocks * block_size // 2]
+        while live and (len(live) >= 3 or rng.random() < 0.3 or not m.can_allocate(prompt)):
+            seq = live.pop(rng.randrange(len(live)))
+            done.append(list(m.seqs[seq].token_ids))
+            m.free(seq)
+            ops.append(("free", seq))
+        m.allocate(f"r{k}", prompt)
+        live.append(f"r{k}")
+        ops.append(("allocate", f"r{k}", prompt))
+        for _ in range(rng.randint(0, 2 * block_size) if appends else 0):
+            if not m.can_append(f"r{k}"):
+                break
+            ops.append(("append", f"r{k}", rng.randrange(5000)))
+            m.append(f"r{k}", ops[-1][2])
+    return ops
+
+
+def kvlab_pieces(**yours: Callable | None) -> SimpleNamespace:
+    """The pieces of a paged cache, kvlab's (the worked solutions) unless one of ``yours`` is given."""
+    ref = {"hashes": SOL.build_04_block_hashes, "take": SOL.build_04_take, "free": SOL.build_04_free,
+           "allocate": SOL.build_04_allocate, "append": SOL.build_05_append}
+    return SimpleNamespace(**{k: yours.get(k) or f for k, f in ref.items()})
+
+
+def _state(toy: ToyBlocks, m: BlockManager) -> dict[str, tuple]:
+    """What must agree between the toy and kvlab's manager: ref counts, cached blocks, the free list in order."""
+    pool = m.pool.blocks
+    return {"ref counts": (toy.ref, [b.ref_count for b in pool]),
+            "cached blocks": (sorted(b for b, h in enumerate(toy.hash_of) if h is not None),
+                              sorted(b.block_id for b in pool if b.block_hash is not None)),
+            "free list": (list(toy.free), list(m.pool.free))}
+
+
+def replay(ops: list[tuple], pieces: SimpleNamespace, block_size: int = 4,
+           num_blocks: int = 24) -> tuple[list[dict], tuple[str, str] | None]:
+    """Run ``ops`` on kvlab's ``BlockManager`` and on a ``ToyBlocks`` run by ``pieces``, comparing after every step:
+    one row per step, and ``(where, what differed)`` at the first difference (None when none). May raise."""
+    m, rows, tokens = BlockManager(num_blocks, block_size), [], {}
+    toy = ToyBlocks(num_blocks, block_size, pieces.take, pieces.free)
+    for op in ops:
+        kind, seq = op[0], op[1]
+        got = want = None
+        if kind == "free":
+            m.free(seq)
+            pieces.free(toy, seq)
+            del tokens[seq]
+        elif kind == "allocate":
+            tokens[seq] = list(op[2])
+            want = m.allocate(seq, op[2])
+            got = pieces.allocate(toy, seq, list(op[2]), list(pieces.hashes(list(op[2]), block_size, ())))
+        else:
+            tokens[seq].append(op[2])
+            m.append(seq, op[2])
+            pieces.append(toy, seq, list(tokens[seq]))
+        at = f"step {len(rows)} ({kind} {seq!r}" + (f", {len(op[2])} tokens)" if kind == "allocate" else ")")
+        rows.append({"step": kind, "seq": seq, "cached (yours)": got, "cached (kvlab)": want,
+                     "free (yours)": len(toy.free), "free (kvlab)": m.num_free_blocks,
+                     "evictions (kvlab)": m.pool.num_evictions})
+        if got != want:
+            return rows, (at, f"you report {got!r} cached tokens, kvlab's BlockManager {want}")
+        if kind != "free" and toy.tables.get(seq) != m.block_table(seq):
+            return rows, (at, f"block table {toy.tables.get(seq)}, kvlab's {m.block_table(seq)}")
+        for what, (yours, kvlab) in _state(toy, m).items():
+            if yours != kvlab:
+                diff = [f"block {b}: {x} vs {y}" for b, (x, y) in enumerate(zip(yours, kvlab)) if x != y][:3]
+                shown = ", ".join(diff) if what == "ref counts" else f"{yours} vs kvlab's {kvlab}"
+                return rows, (at, f"{what} differ: {shown}")
+    return rows, None
+
+
+def _check(pieces: SimpleNamespace, ops: list[tuple], name: str, hint: Callable[[str], str]) -> Verdict:
+    """Replay ``ops`` with ``pieces``; a verdict naming the first difference and ``hint(what differed)``."""
+    try:
+        rows, problem = replay(ops, pieces)
+    except NotImplementedError:
+        return unanswered(hint(""))
+    except Exception as err:  # noqa: BLE001 (the reader's code may fail in any way)
+        return verdict(False, hint=f"{name} raised {type(err).__name__}: {err}; {hint(str(err))}")
+    if problem is not None:
+        return verdict(False, hint=f"{problem[0]}: {problem[1]}: {hint(problem[1])}")
+    count = {k: sum(r["step"] == k for r in rows) for k in ("allocate", "append", "free")}
+    return verdict(True, f"{len(rows)} steps ({', '.join(f'{v} {k}' for k, v in count.items() if v)}; "
+                         f"{sum(r['cached (kvlab)'] or 0 for r in rows)} cached tokens, "
+                         f"{rows[-1]['evictions (kvlab)']} evictions) with the same hits, tables, ref counts, "
+                         "cached blocks and free list as kvlab's BlockManager")
+
+
 def check_block_hashes(fn: Callable[..., list[bytes]] | None) -> Verdict:
     """Build 04.B1: ``fn(token_ids, block_size, extra_keys)`` = kvlab's ``hash_token_blocks``, with and without keys."""
     hint = ("one hash per full block: hash_block(parent, the block's tokens, extra keys), parent None for block 0 "
@@ -241,23 +418,73 @@ def check_block_hashes(fn: Callable[..., list[bytes]] | None) -> Verdict:
     return verdict(True, "the same chain as kvlab's hash_token_blocks, with and without extra keys")
 
 
-def check_allocate(fn: Callable[..., int] | None, hashes: Callable[..., list[bytes]] | None = None) -> Verdict:
-    """Build 04.B2: ``fn(blocks, seq_id, token_ids, hashes)`` on a ``ToyBlocks``, replayed step for step against
-    kvlab's ``BlockManager`` (same hits, block tables and free blocks). Never raises."""
-    hint = ("look up the full blocks' hashes in blocks.cached, in order, up to (n - 1) // block_size blocks, "
-            "stopping at the first miss; each hit gets one more reference (and leaves blocks.free at ref count 0); "
-            "take the other blocks with blocks.take(), register the full ones; store the table in blocks.tables")
+def check_take_free(take: Callable | None, free: Callable | None) -> Verdict:
+    """Build 04.B2: ``take(blocks)`` and ``free(blocks, seq_id)`` on a ``ToyBlocks``, replayed with kvlab's
+    ``allocate`` against kvlab's ``BlockManager``: same ref counts, cached blocks (evictions) and free-list order."""
+    def hint(what: str) -> str:
+        return ("a block at ref count 0 goes to the TAIL of blocks.free when it holds a hash (it can still be hit, "
+                "so it is evicted last) and to the HEAD when it holds none (free.move_to_end(b, last=False)); "
+                "release the table tail first (reversed), so a chain's tail is evicted before its head"
+                if what.startswith("free list") else
+                "take the HEAD of blocks.free (next(iter(blocks.free))), remove it from the free list, evict what it "
+                "caches (blocks.uncache(b) when blocks.hash_of[b] is not None) and set its ref count to 1"
+                if what.startswith(("cached", "block table")) else
+                "free drops ONE reference per table entry (blocks.tables.pop(seq_id)); take sets the new block's "
+                "ref count to 1" if what.startswith("ref") else
+                "write both: take = the free list's head, evicted, ref count 1; free = one reference less per "
+                "block, tail first, a block at 0 back into blocks.free (cached ones at the tail)")
+    if take is None or free is None:
+        return unanswered(hint(""))
+    return _check(kvlab_pieces(take=take, free=free), block_trace(), "my_take or my_free", hint)
+
+
+def check_allocate(fn: Callable[..., int] | None, hashes: Callable | None = None, take: Callable | None = None,
+                   free: Callable | None = None) -> Verdict:
+    """Build 04.B3: ``fn(blocks, seq_id, token_ids, hashes)`` on a ``ToyBlocks`` (with ``take`` and ``free``),
+    replayed step for step against kvlab's ``BlockManager``: same hits, block tables, ref counts and free list."""
+    def hint(what: str) -> str:
+        return ("stop at the first miss, and never hit the block of the last prompt token: at most "
+                "(len(token_ids) - 1) // block_size blocks" if "you report" in what and _more(what) else
+                "a cached block with ref count 0 (in blocks.free) is still a hit: del blocks.free[b] as you add "
+                "its reference" if "you report" in what or what.startswith("free") else
+                "the hits first, then one blocks.take() per remaining block, in order; register each FULL new "
+                "block (blocks.register(b, hashes[i])); store the table in blocks.tables[seq_id]"
+                if what.startswith(("block table", "cached")) else
+                "look up the full blocks' hashes in order with blocks.lookup(h), up to (n - 1) // block_size blocks, "
+                "stopping at the first miss; each hit gets one more reference; take the other blocks, register "
+                "the full ones, store the table in blocks.tables[seq_id], return the cached tokens")
     if fn is None:
-        return unanswered(hint)
+        return unanswered(hint(""))
+    return _check(kvlab_pieces(allocate=fn, hashes=hashes, take=take, free=free), block_trace(), "my_allocate", hint)
+
+
+def _more(what: str) -> bool:
+    """'you report 12 cached tokens, kvlab's BlockManager 8': True when the reader found more."""
+    words = what.split()
     try:
-        rows, problem = replay_against_block_manager(fn, hashes or hash_token_blocks, block_trace())
-    except NotImplementedError:
-        return unanswered(hint)
-    except Exception as err:  # the reader's code may fail in any way
-        return verdict(False, hint=f"my_allocate raised {type(err).__name__}: {err}")
-    if problem is not None:
-        return verdict(False, hint=problem)
-    allocs = sum(r["step"] == "allocate" for r in rows)
-    hits = sum(r["cached (BlockManager)"] or 0 for r in rows)
-    return verdict(True, f"{len(rows)} steps ({allocs} allocations, {hits} cached tokens) with the same hits, block "
-                         "tables and free blocks as kvlab's BlockManager")
+        return int(words[2]) > int(words[-1])
+    except (ValueError, IndexError):
+        return False
+
+
+def check_append(fn: Callable | None, **pieces: Callable | None) -> Verdict:
+    """Build 05.B1: ``fn(blocks, seq_id, token_ids)`` (the new token last) on a ``ToyBlocks``, replayed with
+    decode steps and second turns against kvlab's ``BlockManager.append``: same tables, cached blocks, hits."""
+    def hint(what: str) -> str:
+        return ("take a new block (blocks.take()) only when the token starts one: (len(token_ids) - 1) % block_size "
+                "== 0" if what.startswith(("block table", "free", "ref")) else
+                "when the token fills its block (len(token_ids) % block_size == 0), register that block under "
+                "hash_block(parent, its tokens): the parent is the hash of the block before it "
+                "(blocks.hash_of[table[-2]]), None for block 0" if what else
+                "a new block when the last one is full; register the block this token fills under its chained hash")
+    if fn is None:
+        return unanswered(hint(""))
+    return _check(kvlab_pieces(append=fn, **pieces), block_trace(60, appends=True), "my_append", hint)
+
+
+def replay_table(pieces: SimpleNamespace, appends: bool = False):
+    """The replay behind the checkers as a DataFrame, one row per step (what the notebook shows)."""
+    import pandas as pd
+
+    rows, _ = replay(block_trace(60 if appends else 40, appends=appends), pieces)
+    return pd.DataFrame(rows).convert_dtypes()

@@ -117,7 +117,7 @@ def fig_roc(probes_by_policy: dict[str, Sequence[Any]]) -> Any:
 # --- build exercise 07.B: the salted chain --------------------------------------------------------------
 def reference_salted_hashes(token_ids: Sequence[int], block_size: int, salt: str, salt_block: int = 0) -> list[bytes]:
     """kvlab's chain with the exercise's arguments: ``kvlab.cache.hashing.prompt_block_hashes``."""
-    return prompt_block_hashes(token_ids, block_size, salt=salt, salt_block=salt_block)
+    return prompt_block_hashes(token_ids, block_size, cache_salt=salt, salt_block=salt_block)
 
 
 def build_07_salted_hashes(token_ids: Sequence[int], block_size: int, salt: str, salt_block: int = 0) -> list[bytes]:

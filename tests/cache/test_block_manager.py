@@ -145,10 +145,10 @@ def test_miss_reasons_short_no_prefix_evicted():
 # --- isolation: salts, model fingerprints, hash collisions ------------------------------------------
 def test_salts_isolate_tenants_and_are_counted_per_tenant():
     m = BlockManager(32, 4)
-    assert m.allocate("a1", SYS + [1], TenantScope(salt="tenant-a")) == 0
-    assert m.allocate("b1", SYS + [1], TenantScope(salt="tenant-b")) == 0
+    assert m.allocate("a1", SYS + [1], TenantScope(cache_salt="tenant-a")) == 0
+    assert m.allocate("b1", SYS + [1], TenantScope(cache_salt="tenant-b")) == 0
     assert m.allocate("n1", SYS + [1]) == 0
-    assert m.allocate("a2", SYS + [2], TenantScope(salt="tenant-a")) == 12
+    assert m.allocate("a2", SYS + [2], TenantScope(cache_salt="tenant-a")) == 12
     assert not set(m.block_table("a1")) & set(m.block_table("b1"))
     counts = m.metrics.by_tenant
     assert (counts["tenant-a"].requests, counts["tenant-a"].hits) == (2, 12)
@@ -238,7 +238,7 @@ def test_block_size_must_be_a_positive_int(bad):
 
 def _busy_manager():
     m = BlockManager(6, 4, trace=True)
-    m.allocate("a", SYS + [1], TenantScope(salt="t"))  # 4 blocks
+    m.allocate("a", SYS + [1], TenantScope(cache_salt="t"))  # 4 blocks
     m.fork("a", "b")
     return m
 
@@ -253,7 +253,7 @@ def _busy_manager():
         (lambda m: m.allocate("a", [1]), DuplicateSequenceError, "already allocated"),
         (lambda m: m.allocate("z", []), ValueError, "at least one token"),
         (lambda m: m.allocate("z", [1, "2"]), TypeError, "ints"),
-        (lambda m: m.allocate("z", [1], TenantScope(salt=3)), TypeError, "salt"),
+        (lambda m: m.allocate("z", [1], TenantScope(cache_salt=3)), TypeError, "salt"),
         (lambda m: m.append("a", 1.0), TypeError, "ints"),
         (lambda m: m.allocate("z", list(range(200, 220))), NoFreeBlocksError, "needs 5 free blocks, 2 of 6"),
         (lambda m: m.allocate("z", list(range(10**6))), NoFreeBlocksError, "free blocks"),
@@ -334,7 +334,7 @@ def test_random_interleavings_keep_every_invariant_and_leak_nothing(hash_fn, ops
         try:
             if o[0] == "alloc":
                 prompt = PREFIXES[o[1]] + o[2] or [0]
-                cached = m.allocate(next_id, prompt, TenantScope(salt=[None, "x", "y"][o[3]]))
+                cached = m.allocate(next_id, prompt, TenantScope(cache_salt=[None, "x", "y"][o[3]]))
                 assert cached % 3 == 0 and cached <= len(prompt) - 1
                 model[next_id] = list(prompt)
                 next_id += 1
@@ -468,9 +468,10 @@ def test_check_cache_names_missing_and_uncallable_members():
     assert check_cache(bm) is bm
 
 
-def test_cache_members_follow_the_protocol():
+def test_cache_members_follow_the_protocol(monkeypatch):
     """``CACHE_MEMBERS`` is read from ``CacheManager``: a member added to a copy of the Protocol shows up in it."""
     import inspect
+    import sys
     import types
 
     from kvlab.cache import interface
@@ -479,6 +480,8 @@ def test_cache_members_follow_the_protocol():
         "    def take_events(self) -> list:", "    extra_attr: int\n\n    def extra_method(self) -> None:\n"
         "        \"\"\"A member for this test.\"\"\"\n\n    def take_events(self) -> list:")
     copy = types.ModuleType("interface_copy")
+    # its dataclasses look their module up
+    monkeypatch.setitem(sys.modules, "interface_copy", copy)
     exec(compile(src, "interface_copy", "exec"), copy.__dict__)
     assert set(copy.CACHE_MEMBERS) == set(interface.CACHE_MEMBERS) | {"extra_attr", "extra_method"}
     assert copy.missing_members(BlockManager(4, 4)) == ["extra_attr", "extra_method"]

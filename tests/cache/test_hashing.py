@@ -49,11 +49,11 @@ def test_changing_one_token_changes_its_block_and_all_later_blocks(t, data):
 def test_extra_keys_only_enter_the_first_block_but_change_the_whole_chain():
     t = list(range(12))
     plain = hash_token_blocks(t, 4)
-    salted = hash_token_blocks(t, 4, first_block_extra_keys(salt="tenant-a"))
+    salted = hash_token_blocks(t, 4, first_block_extra_keys(cache_salt="tenant-a"))
     other_model = hash_token_blocks(t, 4, first_block_extra_keys("model-b"))
     assert all(x != y for x, y in zip(plain, salted, strict=True))
     assert all(x != y for x, y in zip(plain, other_model, strict=True))
-    other_salt = hash_token_blocks(t, 4, first_block_extra_keys(salt="tenant-b"))
+    other_salt = hash_token_blocks(t, 4, first_block_extra_keys(cache_salt="tenant-b"))
     assert all(x != y for x, y in zip(salted, other_salt, strict=True))
 
 

@@ -96,10 +96,10 @@ def test_duplicate_pages_past_the_capped_match_are_freed_with_the_sequence():
 # --- tenants -------------------------------------------------------------------------------------------
 def test_each_salt_is_its_own_root():
     c = RadixCache(256, 1)
-    c.allocate("a", SYS, TenantScope(salt="acme"))
-    assert c.allocate("b", SYS, TenantScope(salt="globex")) == 0
+    c.allocate("a", SYS, TenantScope(cache_salt="acme"))
+    assert c.allocate("b", SYS, TenantScope(cache_salt="globex")) == 0
     assert c.allocate("c", SYS) == 0
-    assert c.allocate("d", SYS, TenantScope(salt="acme")) == len(SYS) - 1
+    assert c.allocate("d", SYS, TenantScope(cache_salt="acme")) == len(SYS) - 1
     assert set(c.roots) == {"acme", "globex", None}
     assert c.metrics.cross_tenant_hits == 0
     c.check_invariants()
@@ -115,7 +115,7 @@ def test_unsalted_tenants_share_and_are_counted():
 def test_a_public_prefix_cannot_cross_salts():
     c = RadixCache(64, 1)
     with pytest.raises(ValueError, match="own tree"):
-        c.can_allocate(SYS, TenantScope(salt="acme", public_tokens=8))
+        c.can_allocate(SYS, TenantScope(cache_salt="acme", public_tokens=8))
     c.can_allocate(SYS, TenantScope(public_tokens=8))  # no salt: nothing to cross
 
 
@@ -387,17 +387,17 @@ def test_sequences_agree_with_brute_force_and_keep_invariants(page_size, num_pag
     ids = iter(range(10_000))
     for op, k, tokens, salt in ops:
         if op == "alloc":
-            plan = c.can_allocate(tokens, TenantScope(salt=salt))
+            plan = c.can_allocate(tokens, TenantScope(cache_salt=salt))
             expect = brute_force_hit(c, tokens, salt)
             assert plan.cached_tokens == expect
             before = snapshot(c)
             sid = next(ids)
             if plan:
-                assert c.allocate(sid, tokens, TenantScope(salt=salt), plan=plan) == expect
+                assert c.allocate(sid, tokens, TenantScope(cache_salt=salt), plan=plan) == expect
                 live.append(sid)
             else:
                 with pytest.raises(NoFreeBlocksError):
-                    c.allocate(sid, tokens, TenantScope(salt=salt))
+                    c.allocate(sid, tokens, TenantScope(cache_salt=salt))
                 assert snapshot(c) == before
         elif op == "append" and live:
             sid = live[k % len(live)]

@@ -441,7 +441,7 @@ def _busy(hash_fn=None):
     from kvlab.cache.hashing import hash_block
 
     m = BlockManager(8, 4, model_fingerprint="fp", hash_fn=hash_fn or hash_block, trace=True)
-    m.allocate("a", [1, 2, 3, 4, 5, 6], TenantScope(salt="s", tenant="t"))
+    m.allocate("a", [1, 2, 3, 4, 5, 6], TenantScope(cache_salt="s", tenant="t"))
     m.append("a", 7)
     m.fork("a", "b")
     return m
@@ -467,7 +467,7 @@ BAD_CALLS = [
     (lambda m: m.allocate("z", [1, -2]), ValueError),
     (lambda m: m.allocate("z", [1, True]), TypeError),
     (lambda m: m.allocate("z", [1, 2], TenantScope(public_tokens=True)), ValueError),
-    (lambda m: m.allocate("z", [1, 2], TenantScope(salt=b"s")), TypeError),
+    (lambda m: m.allocate("z", [1, 2], TenantScope(cache_salt=b"s")), TypeError),
     (lambda m: m.allocate(["z"], [1, 2]), TypeError),
     (lambda m: m.allocate("a", [1, 2]), DuplicateSequenceError),
     (lambda m: m.allocate("z", list(range(40))), NoFreeBlocksError),
@@ -745,7 +745,7 @@ def test_block_manager_memory_stays_flat_over_many_distinct_requests():
 
     def serve(start, n):  # each request: a new salt (tenant) and new text, so blocks are evicted
         for i in range(start, start + n):
-            m.allocate(i, [rng.randrange(1000) for _ in range(9)], TenantScope(salt=f"salt-{i}"))
+            m.allocate(i, [rng.randrange(1000) for _ in range(9)], TenantScope(cache_salt=f"salt-{i}"))
             m.free(i)
 
     tracemalloc.start()

@@ -57,11 +57,11 @@ def test_block_extra_keys_generalise_the_first_block_keys():
 def test_public_blocks_are_shared_and_nothing_after_them(public):
     m = BlockManager(64, BS, model_fingerprint="fp")
     system, rest = ids(0, public), ids(1, 30)
-    assert m.allocate("a1", system + rest, TenantScope(salt="A", public_tokens=public, tenant="a")) == 0
+    assert m.allocate("a1", system + rest, TenantScope(cache_salt="A", public_tokens=public, tenant="a")) == 0
     shared = public // BS * BS  # whole public blocks only: a block straddling the boundary is private
-    assert m.allocate("b1", system + rest, TenantScope(salt="B", public_tokens=public, tenant="b")) == shared
+    assert m.allocate("b1", system + rest, TenantScope(cache_salt="B", public_tokens=public, tenant="b")) == shared
     assert m.metrics.public_hits == public // BS and m.metrics.cross_tenant_hits == 0
-    assert m.allocate("a2", system + rest, TenantScope(salt="A", public_tokens=public, tenant="a")) == (public + 30 - 1) // BS * BS
+    assert m.allocate("a2", system + rest, TenantScope(cache_salt="A", public_tokens=public, tenant="a")) == (public + 30 - 1) // BS * BS
     assert m.metrics.public_hits == public // BS  # a's own blocks: not cross-tenant
     by = {row["tenant"]: row for row in m.metrics.tenant_table()}
     assert by["b"]["hit_tokens"] == shared and by["a"]["requests"] == 2
@@ -72,12 +72,12 @@ def test_salt_reaches_blocks_filled_by_decoding():
     m = BlockManager(64, BS)
     system = ids(2, 32)
     prompt = system + ids(3, 10)
-    m.allocate("a", prompt, TenantScope(salt="A", public_tokens=32, tenant="a"))
+    m.allocate("a", prompt, TenantScope(cache_salt="A", public_tokens=32, tenant="a"))
     for t in ids(4, 6):  # fills block 2 during decode: it must be registered with A's salt
         m.append("a", t)
     full = m.seqs["a"].token_ids
-    assert m.allocate("b", full + [1], TenantScope(salt="B", public_tokens=32, tenant="b")) == 32
-    assert m.allocate("a2", full + [1], TenantScope(salt="A", public_tokens=32, tenant="a")) == 48
+    assert m.allocate("b", full + [1], TenantScope(cache_salt="B", public_tokens=32, tenant="b")) == 32
+    assert m.allocate("a2", full + [1], TenantScope(cache_salt="A", public_tokens=32, tenant="a")) == 48
     assert m.metrics.cross_tenant_hits == 0
     m.check_invariants()
 
@@ -95,7 +95,7 @@ def test_public_prefix_length_and_bad_boundaries():
     assert public_prefix_length([1, 2], [[1, 2, 3]]) == 0
     m = BlockManager(8, BS)
     with pytest.raises(ValueError, match="public_tokens"):
-        m.allocate("x", [1, 2, 3], TenantScope(salt="s", public_tokens=4))
+        m.allocate("x", [1, 2, 3], TenantScope(cache_salt="s", public_tokens=4))
     assert not m.seqs
 
 
@@ -191,7 +191,7 @@ def test_the_engine_derives_the_salt_serve_derived(tiny, isolation):
             old = _old_serve_salt(engine, SECRET, tenant, cache_salt)
             assert request_salt(SECRET, isolation, tenant, cache_salt) == old
             rid = engine.add_request(ids(3, 20), tenant=tenant, cache_salt=cache_salt)
-            assert engine.requests[rid].scope.salt == old and engine.requests[rid].tenant == tenant
+            assert engine.requests[rid].scope.cache_salt == old and engine.requests[rid].tenant == tenant
             engine.abort(rid, tenant=tenant)
         # without a cache_salt: the tenant's salt, as before
         assert request_salt(SECRET, isolation, tenant) == engine.salt_for(tenant)
