@@ -18,11 +18,11 @@ import torch
 from transformers import DynamicCache
 
 from kvlab import blend as B
-from kvlab.built.nb01 import Timing, ratio_verdict
 from kvlab.built.nb03 import token_agreement
 from kvlab.engine.models import encode, eos_ids, model_device_dtype, synchronize
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import progress_bar
+from kvlab.lessons.timing import Timing, ratio_verdict
 from kvlab.prefix import PrefixKV, continue_from_cache
 
 

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvlab.built.nb01 import Timing
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.cache.block_manager import BlockManager, TenantScope
 from kvlab.cache.radix import RadixCache
+from kvlab.lessons.timing import Timing
 from kvlab.lessons.traces import (
     ARTICLE_QUESTIONS,
     SYSTEM_PROMPTS,

@@ -12,7 +12,6 @@ from typing import Any
 
 import pandas as pd
 
-from kvlab.built.nb01 import Timing, time_interleaved
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.doctor import Diagnosis
 from kvlab.doctor.culprits import Culprit, record_segments
@@ -20,6 +19,7 @@ from kvlab.doctor.prepare import prepare
 from kvlab.doctor.replay import replay_block_manager, replay_tokens
 from kvlab.doctor.report import pct
 from kvlab.doctor.tokenization import PromptEncoder, tokstr
+from kvlab.lessons.timing import Timing, time_interleaved
 
 
 # --- 08_why_is_my_hit_rate_low.ipynb, cell 5 ---

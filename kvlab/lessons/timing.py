@@ -6,7 +6,8 @@ Every printed ratio of the notebooks goes through ``time_interleaved`` and ``rat
 - ranges that overlap: a null result of that size, "no measurable saving at 52 tokens: the ranges overlap (...)";
 - "re-run" only when the repeats themselves show a disturbed run: the ranges overlap *and* one variant's slowest
   repeat took more than ``DISTURBED_SPREAD`` times its fastest (its spread is printed);
-- a ratio that beats its ``ideal`` is a result too: reported as such, with the caller's account of the ideal.
+- a ratio that beats its ``ideal`` is a result too: reported as such (in every repeat, or within the spread),
+  with the caller's account of the ideal.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: fl
     - ranges overlap otherwise: a null result, "no measurable saving{at}: the ranges overlap" (``at`` is the size,
       e.g. ``"at 52 tokens"``; "saving" when an ``ideal`` is given, else "difference");
     - otherwise a result. With an ``ideal`` (the ratio if time followed the work removed, described by
-      ``ideal_is``), a ratio under it is noted as beating the ideal (the work removed cost more than its share),
-      one above ``high`` as the saving path being slower than the full one.
+      ``ideal_is``), a ratio whose whole range lies under it is noted as beating the ideal (the work removed cost
+      more than its share), a median under it with the ideal inside the range as matching it within the spread,
+      a median above ``high`` as the saving path being slower than the full one.
     """
     value, lo, hi = num.median / den.median, num.lo / den.hi, num.hi / den.lo
     found = dict(value=value, lo=lo, hi=hi)
@@ -149,9 +151,12 @@ def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: fl
         return TimingVerdict(False, f"no measurable {what}{at}", f"the ranges overlap ({spans})", **found)
     note = ""
     described = f" ({ideal_is})" if ideal_is else ""
-    if ideal is not None and value < ideal:
-        note = (f"ratio {value:.3g} ({lo:.3g}–{hi:.3g}) beats the ideal {ideal:.3g}{described}: the work removed "
-                "cost more than its share of the time")
+    if ideal is not None and hi < ideal:
+        note = (f"ratio {value:.3g} ({lo:.3g}–{hi:.3g}) beats the ideal {ideal:.3g}{described} in every repeat: the "
+                "work removed cost more than its share of the time")
+    elif ideal is not None and value < ideal:
+        note = (f"ratio {value:.3g} under the ideal {ideal:.3g}{described}, which lies inside its range "
+                f"{lo:.3g}–{hi:.3g}: as fast as the ideal, within the spread of the repeats")
     elif ideal is not None and value > high:
         note = f"ratio {value:.3g}: {num.name} took longer than {den.name}, not a saving"
     return TimingVerdict(True, note=note, **found)

@@ -291,7 +291,7 @@ def test_the_notebooks_blend_prefill_equals_kvlabs(lm):
 def test_the_ttft_table_and_the_sentences_read_one_ratio(lm):
     """03b's TTFT table and the sentences under it take the same ratio_verdict numbers."""
     from kvlab.built import nb03b as N
-    from kvlab.built.nb01 import ratio_verdict
+    from kvlab.lessons.timing import ratio_verdict
 
     model, tok = lm
     req = N.rag_requests(tok, [0], per_docset=1)[0]
