@@ -28,9 +28,11 @@ test: setup
 	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
 ## lab: JupyterLab on the repository, opened at notebooks/; the executed copies from `make run` are under
-## build/notebooks/ (as root, e.g. in a container or a workshop VM, it adds --allow-root)
+## build/notebooks/ (as root, e.g. in a container or a workshop VM, it adds --allow-root). Its config lives in
+## .venv/etc/jupyter, whose custom/custom.css (scripts/setup.sh) draws Chinese with the shipped font.
 lab: setup
-	.venv/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks \
+	JUPYTER_CONFIG_DIR=$(CURDIR)/.venv/etc/jupyter .venv/bin/jupyter lab --ServerApp.root_dir=. \
+		--LabApp.default_url=/lab/tree/notebooks --LabApp.custom_css=True \
 		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## bench: block-manager microbenchmark and the engine benchmark (sys512 against HF peers) -> build/bench/

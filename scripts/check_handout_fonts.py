@@ -1,6 +1,7 @@
 """Check in headless Chromium, offline, that every CJK character of the HTML handout is drawn with its embedded font.
 
     python scripts/check_handout_fonts.py build/notebooks [PAGE.html ...] [--screenshots DIR] [--keep-system-cjk]
+    python scripts/check_handout_fonts.py --lab notebooks/00_passphrase_experiment.ipynb   # live, in `make lab`'s JupyterLab
 
 For each page (a folder means its ``NN_*.html``), Chromium opens the file with no network and, by default, with
 the machine's CJK fonts hidden from it (a fontconfig file that rejects every font ``fc-list :lang=zh/ja/ko``
@@ -153,15 +154,17 @@ def hide_system_cjk(workdir: Path) -> dict[str, str]:
     return env
 
 
-def start_browser(browser: str, driver: str, env: dict[str, str], profile: Path):
-    """Headless Chromium under chromedriver, offline, with a fresh profile and ``env`` (fontconfig)."""
+def start_browser(browser: str, driver: str, env: dict[str, str], profile: Path, loopback: bool = False):
+    """Headless Chromium under chromedriver, offline, with a fresh profile and ``env`` (fontconfig).
+
+    ``loopback``: pages on 127.0.0.1 load (a local JupyterLab); everything else stays unreachable."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = browser
     for flag in (*FLAGS, f"--user-data-dir={profile}", "--proxy-server=http://127.0.0.1:9",
-                 "--proxy-bypass-list=<-loopback>"):  # no network: any request beyond file:// fails at once
+                 *(() if loopback else ("--proxy-bypass-list=<-loopback>",))):  # no network beyond file:// (and loopback)
         opts.add_argument(flag)
     service = Service(executable_path=driver, env={**os.environ, **env})
     return webdriver.Chrome(service=service, options=opts)
@@ -212,15 +215,58 @@ def screenshots(drv, page: Path, folder: Path) -> list[Path]:
     return saved
 
 
-def check_page(drv, page: Path, shots: Path | None = None) -> dict:
-    """One page's result: CJK characters, fallbacks by character, the face's status, screenshots."""
-    drv.get(page.resolve().as_uri())
-    deadline = time.monotonic() + 20
+# A live JupyterLab notebook: drawn once its cells are attached and the markdown rendered; every cell is laid out
+# (JupyterLab's default windowing skips off-screen cells' layout with content-visibility).
+LAB_READY_JS = """
+const cells = document.querySelectorAll('.jp-Notebook .jp-Cell');
+const md = document.querySelectorAll('.jp-Notebook .jp-MarkdownCell .jp-RenderedMarkdown');
+if (cells.length < arguments[0] || !md.length) return false;
+if (!document.getElementById('kvlab-all-cells')) {
+  const st = document.createElement('style'); st.id = 'kvlab-all-cells';
+  st.textContent = '.jp-Cell, .jp-Notebook * {content-visibility: visible !important}';
+  document.head.appendChild(st);
+}
+return true;
+"""
+
+
+# One step down the notebook's scroller; true once it is at the bottom.
+SCROLL_JS = """
+const el = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer');
+if (!el) return true;
+const before = el.scrollTop;
+el.scrollTop = before + el.clientHeight * 0.8;
+return el.scrollTop === before;
+"""
+
+
+def check_page(drv, page: Path | str, shots: Path | None = None, min_cells: int = 0) -> dict:
+    """One page's result: CJK characters, fallbacks by character, the face's status, screenshots.
+
+    ``page``: an HTML file, or the URL of a notebook in a running JupyterLab (then ``min_cells`` cells must be
+    attached before the check)."""
+    live = isinstance(page, str)
+    drv.get(page if live else page.resolve().as_uri())
+    deadline = time.monotonic() + (90 if live else 20)
     while drv.execute_script("return document.readyState") != "complete" and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(0.5)  # the widget renderer draws its snapshots after load
+    while live and not drv.execute_script(LAB_READY_JS, min_cells):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"JupyterLab did not show the notebook's cells within 90 s: {page}")
+        time.sleep(0.5)
+    time.sleep(2.0 if live else 0.5)  # the widget renderer (handout) or JupyterLab's outputs draw after load
     faces = drv.execute_async_script(FACES_JS)
     groups = drv.execute_script(COLLECT_JS, CJK_RANGES)
+    if live:  # JupyterLab's editors draw only the lines near the viewport: scroll through, collecting as it goes
+        merged = {(g["family"], g["weight"], g["style"]): g for g in groups}
+        for _ in range(400):
+            if drv.execute_script(SCROLL_JS):
+                break
+            time.sleep(0.3)
+            for g in drv.execute_script(COLLECT_JS, CJK_RANGES):
+                have = merged.setdefault((g["family"], g["weight"], g["style"]), g)
+                have["chars"] = "".join(sorted(set(have["chars"]) | set(g["chars"])))
+        groups = list(merged.values())
     chars = "".join(sorted({c for g in groups for c in g["chars"]}))
     fallbacks: dict[str, str] = {}
     for g in groups:
@@ -234,7 +280,8 @@ def check_page(drv, page: Path, shots: Path | None = None) -> dict:
         problems.append(f"{len(fallbacks)} CJK characters drawn by a fallback: "
                         + "; ".join(f"{c} by {font}" for c, font in sorted(fallbacks.items())))
     return {"page": str(page), "cjk_chars": len(chars), "groups": len(groups), "face": ours,
-            "problems": problems, "screenshots": [str(p) for p in (screenshots(drv, page, shots) if shots else [])]}
+            "problems": problems,
+            "screenshots": [str(p) for p in (screenshots(drv, Path(str(page).rsplit("/", 1)[-1]), shots) if shots else [])]}
 
 
 def pages_of(paths: list[Path]) -> list[Path]:
@@ -262,6 +309,77 @@ def check(paths: list[Path], shots: Path | None = None, keep_system_cjk: bool = 
             drv.quit()
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_lab(root: Path, config_dir: Path, custom_css: bool = True, timeout: float = 90):
+    """A JupyterLab server on 127.0.0.1 (no token, no browser) over ``root``, with ``JUPYTER_CONFIG_DIR=config_dir``
+    as ``make lab`` runs it: ``(process, base URL)``. Stop it with ``stop_lab``."""
+    import urllib.request
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+           f"--ServerApp.root_dir={root}", "--IdentityProvider.token=", "--ServerApp.password=",
+           "--ServerApp.disable_check_xsrf=True", f"--LabApp.custom_css={custom_css}", "--allow-root"]
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config_dir)}
+    log = open(config_dir / "lab.log", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited with {proc.returncode}: see {config_dir / 'lab.log'}")
+        try:
+            with urllib.request.urlopen(url + "api/status", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    stop_lab(proc)
+    raise RuntimeError(f"jupyter lab did not answer within {timeout:.0f} s")
+
+
+def stop_lab(proc) -> None:
+    """Stop the server ``start_lab`` started, and its kernels (its own process group only)."""
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def check_lab(notebook: str, root: Path, config_dir: Path, custom_css: bool = True, min_cells: int = 10,
+              keep_system_cjk: bool = False, shots: Path | None = None) -> dict:
+    """Open ``notebook`` (a path under ``root``) in a running JupyterLab, as ``make lab`` starts it, and check its
+    CJK text as ``check_page`` checks a handout page: which font drew each character, and no box."""
+    browser, driver, why = find_tools()
+    if why:
+        raise RuntimeError(why)
+    proc, url = start_lab(root, config_dir, custom_css)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvlab-fonts-") as tmp:
+            env = {} if keep_system_cjk else hide_system_cjk(Path(tmp))
+            drv = start_browser(browser, driver, env, Path(tmp) / "profile", loopback=True)
+            try:
+                drv.execute_cdp_cmd("DOM.enable", {})
+                drv.execute_cdp_cmd("CSS.enable", {})
+                drv.set_script_timeout(60)
+                return check_page(drv, f"{url}lab/tree/{notebook}", shots, min_cells=min_cells)
+            finally:
+                drv.quit()
+    finally:
+        stop_lab(proc)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", type=Path, help="HTML pages, or folders of them (build/notebooks)")
@@ -270,9 +388,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-system-cjk", action="store_true",
                     help="let Chromium see the machine's CJK fonts (by default they are hidden)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--lab", action="store_true", help="the paths are notebooks (e.g. notebooks/00_*.ipynb): open each "
+                    "in a JupyterLab started as `make lab` starts it (config .venv/etc/jupyter) and check it there")
     args = ap.parse_args(argv)
     try:
-        results = check(args.paths, args.screenshots, args.keep_system_cjk)
+        if args.lab:
+            root = Path(__file__).resolve().parents[1]
+            results = [check_lab(p.resolve().relative_to(root).as_posix(), root, root / ".venv/etc/jupyter",
+                                 keep_system_cjk=args.keep_system_cjk, shots=args.screenshots) for p in args.paths]
+        else:
+            results = check(args.paths, args.screenshots, args.keep_system_cjk)
     except RuntimeError as e:
         print(f"cannot check: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ MODEL when given), from the ``notebooks/`` folder. Outputs go to ``build/noteboo
 kernel, status) and ``index.html``; ``--out DIR`` writes them elsewhere (e.g. a run on another model). One line is printed per notebook; the exit code is non-zero when
 any notebook fails.
 
-``--strip`` instead removes outputs and execution counts from the committed notebooks.
+``--strip`` instead removes outputs and execution counts from the committed notebooks; ``--lab-css DIR``
+writes JupyterLab's custom CSS that draws Chinese with the shipped font (``scripts/setup.sh``, ``make lab``).
 
 The HTML handout works offline: its widget snapshots (sliders, progress bars) are drawn by the
 ``@jupyter-widgets/html-manager`` bundle and require.js, which ``--fetch-widgets`` (run by
@@ -277,10 +278,23 @@ NO_MATHJAX = ("{% extends 'lab/index.html.j2' %}"
               "{% block html_head_css %}" + FONT_MARKER + "{% endblock html_head_css %}")
 
 
+def notebook_title(nb, default: str) -> str:
+    """The text of a notebook's first markdown heading, without its markdown (links, emphasis, code marks)."""
+    import re
+
+    for cell in nb.cells:
+        heading = re.search(r"^ {0,3}#{1,6}[ \t]+(.+?)[ \t#]*$", cell.source, re.M) if cell.cell_type == "markdown" else None
+        if heading:
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1))
+            return re.sub(r"[*_`]", "", text).strip() or default
+    return default
+
+
 def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
     """Render an executed notebook to HTML next to it (widget scripts from ``widgets`` URLs when given).
 
-    The page is titled by the notebook's first markdown heading, and embeds the subset of the shipped CJK font
+    The page is titled by the notebook's first markdown heading, leaves out papermill's injected parameters cell,
+    and embeds the subset of the shipped CJK font
     (``data/fonts/kvlab-cjk-sans.otf``, OFL) holding just the CJK characters on the page, as a data URL: Chinese
     text reads on a machine without a CJK font, and the file stands alone (``make_cjk_font.font_face_css``).
     """
@@ -295,14 +309,9 @@ def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
     from make_cjk_font import font_face_css
 
     nb = nbformat.read(executed, as_version=4)
-    title = Path(executed).stem
-    for cell in nb.cells:
-        heading = re.search(r"^ {0,3}#{1,6}[ \t]+(.+?)[ \t#]*$", cell.source, re.M) if cell.cell_type == "markdown" else None
-        if heading:  # the text of the heading, without its markdown: links, emphasis, code marks
-            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1))
-            title = re.sub(r"[*_`]", "", text).strip() or title
-            break
-    nb.metadata["title"] = title  # the template's <title> (in memory only: the executed copy is unchanged)
+    # papermill's injected "# Parameters" cell repeats the parameters cell above it: not on the page
+    nb.cells = [c for c in nb.cells if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+    nb.metadata["title"] = notebook_title(nb, Path(executed).stem)  # the template's <title> (in memory only)
     exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"kvlab.html.j2": NO_MATHJAX})],
                             template_file="kvlab.html.j2", **(widgets or {}))
     body, _ = exporter.from_notebook_node(nb)
@@ -321,23 +330,86 @@ def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
     return target
 
 
+# JupyterLab 4's font stacks (its light and dark themes), when the installed theme's CSS cannot be read
+LAB_STACKS = {"--jp-ui-font-family": "system-ui, -apple-system, blinkmacsystemfont, 'Segoe UI', helvetica, arial, "
+                                     "sans-serif, 'Apple Color Emoji', 'Segoe UI Emoji', 'Segoe UI Symbol'",
+              "--jp-code-font-family-default": "menlo, consolas, 'DejaVu Sans Mono', monospace"}
+LAB_STACKS["--jp-content-font-family"] = LAB_STACKS["--jp-ui-font-family"]
+
+
+def lab_css(dest: Path) -> Path:
+    """JupyterLab's custom CSS for ``make lab``: Chinese drawn with the shipped font on a machine without a CJK font.
+
+    Writes ``dest/custom.css`` with an ``@font-face`` on ``dest/kvlab-cjk-sans.otf`` (a copy of data/fonts', OFL,
+    whose text is copied beside it), covering CJK code points only, and put first in the theme's ui, content and
+    code font stacks (``:root:root`` outranks the theme's ``:root``). Jupyter serves the folder at ``/custom/``
+    when it is ``<JUPYTER_CONFIG_DIR>/custom`` and the server runs with ``--LabApp.custom_css=True``.
+    """
+    import re
+
+    if str(Path(__file__).parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).parent))
+    from make_cjk_font import CJK_RANGES, FAMILY
+    from make_cjk_font import OUT as FONT
+
+    theme = Path(sys.prefix) / "share/jupyter/lab/themes/@jupyterlab/theme-light-extension/index.css"
+    found = dict(re.findall(r"(--jp-(?:ui|content|code)-font-family(?:-default)?)\s*:\s*([^;{}]+);",
+                            theme.read_text(encoding="utf-8"))) if theme.is_file() else {}
+    stacks = {k: found.get(k, v).strip() for k, v in LAB_STACKS.items()}
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(FONT, dest / FONT.name)
+    shutil.copyfile(FONT.with_name("OFL.txt"), dest / "OFL.txt")
+    ranges = ",".join(f"U+{lo:X}-{hi:X}" for lo, hi in CJK_RANGES)
+    overrides = "".join(f"\n  {k}: '{FAMILY}', {v};" for k, v in stacks.items())
+    css = (f"/* kvlab (scripts/run_notebooks.py --lab-css): {FAMILY}, a subset of Noto Sans CJK SC under the SIL Open\n"
+           f"   Font License 1.1 (OFL.txt beside this file), for the CJK characters only. */\n"
+           f"@font-face {{\n  font-family: '{FAMILY}';\n  font-style: normal;\n  font-weight: normal;\n"
+           f"  font-display: block;\n  unicode-range: {ranges};\n  src: url('{FONT.name}') format('opentype');\n}}\n"
+           f":root:root {{{overrides}\n}}\n")
+    (dest / "custom.css").write_text(css, encoding="utf-8")
+    return dest / "custom.css"
+
+
 def write_report(rows: list[dict], out_dir: Path = OUT) -> None:
-    """timings.csv and an index.html linking every rendered notebook."""
+    """timings.csv and an index.html listing every notebook by its title, linked to its page."""
     fields = ["notebook", "status", "wall_s", "peak_mem_mb", "slowest_cell", "slowest_cell_s", "slowest_cell_line",
               "SMOKE", "DEVICE", "MODEL", "error"]
     with open(out_dir / "timings.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    items = "\n".join(
-        f"<tr><td><a href='{html.escape(Path(r['notebook']).with_suffix('.html').name)}'>{html.escape(r['notebook'])}</a></td>"
-        f"<td>{r['status']}</td><td>{r['wall_s']}</td><td>{r['peak_mem_mb']}</td><td>{html.escape(r['error'])}</td></tr>"
-        for r in rows)
+    import nbformat
+
+    def title(r: dict) -> str:
+        for path in (r.get("output"), NOTEBOOKS / r["notebook"]):
+            if path and Path(path).is_file():
+                return notebook_title(nbformat.read(path, as_version=4), Path(r["notebook"]).stem)
+        return Path(r["notebook"]).stem
+
+    def row(r: dict) -> str:
+        page = html.escape(Path(r["notebook"]).with_suffix(".html").name)
+        name = html.escape(title(r))
+        link = f"<a href='{page}'>{name}</a>" if r["status"] == "ok" else name
+        return (f"<tr class='{html.escape(r['status'])}'><td>{link}<div class='file'>{html.escape(r['notebook'])}</div></td>"
+                f"<td>{r['status']}</td><td class='n'>{r['wall_s']}</td><td class='n'>{r['peak_mem_mb']}</td>"
+                f"<td>{html.escape(r['error'])}</td></tr>")
+
+    style = ("body{font-family:system-ui,-apple-system,'Segoe UI',helvetica,arial,'kvlab CJK Sans',sans-serif;"
+             "max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}h1{font-weight:600}"
+             "table{border-collapse:collapse;width:100%}th,td{padding:.45rem .6rem;border-bottom:1px solid #ddd;"
+             "text-align:left;vertical-align:top}th{background:#f4f4f4}a{color:#0b5cad;text-decoration:none;"
+             "font-weight:500}a:hover{text-decoration:underline}.file{color:#777;font-size:.8rem}"
+             ".n{text-align:right;font-variant-numeric:tabular-nums}tr:not(.ok) td{background:#fff3f3}")
+    body = ("<h1>kvlab: the executed series</h1><table><tr><th>notebook</th><th>status</th><th class='n'>wall s</th>"
+            "<th class='n'>peak MB</th><th>error</th></tr>" + "\n".join(row(r) for r in rows) + "</table>")
+    if str(Path(__file__).parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).parent))
+    from make_cjk_font import font_face_css
+
+    font, _ = font_face_css(html.unescape(body), {})  # the titles' CJK characters, embedded as on every page
     (out_dir / "index.html").write_text(
-        "<html><head><meta charset='utf-8'><title>kvlab series</title></head><body>"
-        "<h1>kvlab: the executed series</h1><table border=1 cellpadding=4>"
-        "<tr><th>notebook</th><th>status</th><th>wall s</th><th>peak MB</th><th>error</th></tr>"
-        f"{items}</table></body></html>\n", encoding="utf-8")
+        f"<!doctype html><html><head><meta charset='utf-8'><title>kvlab: the executed series</title>"
+        f"<style>{font}{style}</style></head><body>{body}</body></html>\n", encoding="utf-8")
 
 
 def strip_outputs(paths: list[Path]) -> None:
@@ -371,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strip", action="store_true", help="strip outputs from notebooks/ and exit")
     ap.add_argument("--fetch-widgets", action="store_true",
                     help="fetch the offline widget renderer into build/vendor/widgets and exit")
+    ap.add_argument("--lab-css", type=Path, default=None, metavar="DIR",
+                    help="write JupyterLab's custom.css (the shipped CJK font) into DIR and exit (make lab)")
     ap.add_argument("--_execute", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -379,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.fetch_widgets:
         return 0 if fetch_widgets() else 1
+    if args.lab_css:
+        print(f"wrote {lab_css(args.lab_css)}")
+        return 0
     paths = notebooks(args.only)
     if args.strip:
         strip_outputs(paths)

@@ -69,5 +69,8 @@ cat > "$VENV/share/jupyter/lab/settings/overrides.json" <<'JSON'
   "@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": true}
 }
 JSON
+# make lab's custom CSS (served with --LabApp.custom_css=True from JUPYTER_CONFIG_DIR=.venv/etc/jupyter): Chinese in
+# JupyterLab drawn with the shipped font (data/fonts), also on a machine with no CJK font.
+"$VENV/bin/python" scripts/run_notebooks.py --lab-css "$VENV/etc/jupyter/custom" >/dev/null
 touch "$stamp"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
