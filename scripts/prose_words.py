@@ -15,8 +15,10 @@ Which notebooks are on the path: the bold notebook numbers (``**03**``) in the t
   not part of the limit, which is about what a participant reads in class.
 
 ``--outputs DIR`` also counts the words of printed output (streams and plain-text results, not
-images or HTML) in the executed copies found in DIR. Exit code 1 when the path's prose exceeds
-``--limit``.
+images or HTML) in the executed copies found in DIR. It also checks the path table's minutes: rows from 0 to
+at most 150 with a break, and every build stub (``def my_…`` raising ``NotImplementedError``) of a path
+notebook named in a row of its notebook ("build `my_…`") with its minutes. Exit code 1 when the path's prose
+exceeds ``--limit`` or the table does not add up.
 """
 
 from __future__ import annotations
@@ -94,6 +96,65 @@ def path_keys(workshop: Path = WORKSHOP) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+def path_rows(workshop: Path = WORKSHOP) -> list[dict]:
+    """The rows of the path table: ``start``, ``end`` (minutes), ``notebook`` (key, or 'break' / 'wrap-up'; a row
+    without one continues the notebook above), ``stubs`` (the ``my_…`` functions it builds) and ``ex`` minutes."""
+    text = workshop.read_text(encoding="utf-8")
+    match = re.search(r"^## The path\b.*?(?=^## )", text, re.S | re.M)
+    if not match:
+        raise SystemExit(f"{workshop}: no '## The path' section")
+    rows, current = [], None
+    for line in match.group(0).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        span = re.fullmatch(r"(\d+)[–-](\d+)", cells[0]) if line.startswith("|") else None
+        if not span:
+            continue
+        key = re.search(r"\*\*(\d\d[a-z]?)\*\*", cells[1])
+        current = key.group(1) if key else (cells[1].split()[0] if cells[1] else current)
+        ex = cells[-1]
+        rows.append({"start": int(span.group(1)), "end": int(span.group(2)), "notebook": current,
+                     "stubs": re.findall(r"build `(my_\w+)`", cells[2]), "ex": int(ex) if ex.isdigit() else 0})
+    return rows
+
+
+def notebook_stubs(path: Path) -> list[str]:
+    """The build stubs of a notebook: ``def my_…`` functions in code cells whose body raises NotImplementedError."""
+    found = []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] != "code":
+            continue
+        for m in re.finditer(r"^def (my_\w+)\(.*?(?=^\S|\Z)", src, re.S | re.M):
+            if "raise NotImplementedError" in m.group(0):
+                found.append(m.group(1))
+    return found
+
+
+def budget_problems(workshop: Path = WORKSHOP) -> list[str]:
+    """What is wrong with the path table's minutes and stubs (empty when nothing): the rows must run on from 0
+    without gaps to at most 150 minutes with a break, and list every path notebook's stubs, each with its minutes."""
+    rows, problems = path_rows(workshop), []
+    if not rows or rows[0]["start"] != 0:
+        problems.append("the path table does not start at minute 0")
+    problems += [f"minute {a['end']} is followed by a row starting at {b['start']}" for a, b in zip(rows, rows[1:])
+                 if a["end"] != b["start"]]
+    problems += [f"row {r['start']}–{r['end']} ends before it starts" for r in rows if r["end"] <= r["start"]]
+    if rows and rows[-1]["end"] > 150:
+        problems.append(f"the path takes {rows[-1]['end']} minutes, more than 150")
+    if not any(r["notebook"] == "break" for r in rows):
+        problems.append("no break in the path table")
+    listed = {(r["notebook"], s) for r in rows for s in r["stubs"]}
+    for r in rows:
+        if r["stubs"] and r["ex"] <= 0:
+            problems.append(f"{r['notebook']} {', '.join(r['stubs'])}: no minutes in the ex column")
+    for key in path_keys(workshop):
+        stubs = notebook_stubs(notebook_for(key))
+        problems += [f"{key}: stub {s} is not in the path table" for s in stubs if (key, s) not in listed]
+        problems += [f"{key}: the table lists {s}, the notebook has no such stub" for k, s in sorted(listed)
+                     if k == key and s not in stubs]
+    return problems
+
+
 def notebook_for(key: str) -> Path:
     """The notebook file whose name starts with ``key_``."""
     found = sorted(NOTEBOOKS.glob(f"{key}_*.ipynb"))
@@ -130,7 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(r["prose"] for r in rows if r["notebook"] in on)
     hidden = sum(r["details"] for r in rows if r["notebook"] in on)
     print(f"path ({', '.join(keys)}): {total} words of prose (limit {args.limit}), {hidden} more in collapsed <details>")
-    return 0 if total <= args.limit else 1
+    rows = path_rows()
+    stubs = [(r["notebook"], s, r["ex"]) for r in rows if r["stubs"] for s in r["stubs"][:1]]
+    print(f"path table: {rows[-1]['end']} minutes, {sum(len(r['stubs']) for r in rows)} build stubs in "
+          f"{sum(r['ex'] for r in rows)} exercise minutes: " + ", ".join(f"{k} {s} {m}" for k, s, m in stubs))
+    problems = budget_problems()
+    for p in problems:
+        print(f"workshop.md: {p}")
+    return 0 if total <= args.limit and not problems else 1
 
 
 if __name__ == "__main__":

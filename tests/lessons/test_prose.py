@@ -30,3 +30,27 @@ def test_path_prose_is_within_the_limit():
     total = sum(r["prose"] for r in rows)
     assert total <= prose_words.LIMIT, f"path prose {total} words > {prose_words.LIMIT}: " + ", ".join(
         f"{r['notebook'][:3]} {r['prose']}" for r in rows)
+
+
+def test_the_workshop_table_lists_every_path_stub_with_minutes_within_150():
+    problems = prose_words.budget_problems()
+    assert not problems, "docs/workshop.md's path table: " + "; ".join(problems)
+    rows = prose_words.path_rows()
+    assert rows[-1]["end"] <= 150 and sum(len(r["stubs"]) for r in rows) >= 10
+
+
+def test_the_budget_check_catches_gaps_overruns_and_unlisted_stubs(tmp_path):
+    doc = tmp_path / "workshop.md"
+    doc.write_text("## The path\n\n| min | notebook | what | checks | ex |\n|---|---|---|---|---|\n"
+                   "| 0–10 | **01** attention | §1 read | x | |\n"
+                   "| 12–20 | **01** | §3 build `my_decode_step` and build `my_nothing` | x | |\n"
+                   "| 20–151 | wrap-up | | | |\n\n## Next\n", encoding="utf-8")
+    problems = "\n".join(prose_words.budget_problems(doc))
+    assert "minute 10 is followed by a row starting at 12" in problems
+    assert "more than 150" in problems and "no break" in problems
+    assert "my_decode_step, my_nothing: no minutes" in problems
+    assert "the table lists my_nothing, the notebook has no such stub" in problems
+    stubs = prose_words.notebook_stubs(prose_words.notebook_for("01"))
+    assert "my_decode_step" in stubs
+    missing = [s for s in stubs if s != "my_decode_step"]
+    assert all(f"01: stub {s} is not in the path table" in problems for s in missing)
