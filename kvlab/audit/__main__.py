@@ -14,12 +14,13 @@ folder must exist and be writable, and it must not be a folder nor an input (``-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
-from .client import AuditHTTPError, Endpoint, first_model
+from .client import AuditHTTPError, Endpoint, list_models
 from .procedure import AuditConfig, Level, calibrate, run_audit, samples_to_detect
 
 
@@ -28,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kvlab.audit", description=__doc__.split("\n")[0])
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--keys", nargs="+", default=None, help="API keys: the victim first, then attackers")
-    ap.add_argument("--keys-file", default=None, help="a file with one API key per line (read only)")
+    ap.add_argument("--keys-file", default=None,
+                    help="a file with one API key per line (read only; a regular file of at most 1 MiB)")
     ap.add_argument("--levels", nargs="+", default=None,
                     help="names of the levels of the attacker keys after the first (default: key 2, key 3, ...)")
     ap.add_argument("--model", default=None, help="model name (default: the first that /v1/models lists)")
@@ -46,19 +48,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+MAX_KEYS_FILE_BYTES = 1 << 20
+
+
+def check_key(key: str, where: str) -> str:
+    """``key`` if an HTTP header can carry it (visible ASCII); else ``ValueError`` naming where it is, not the key."""
+    bad = next((c for c in key if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(f"{where} holds U+{ord(bad):04X} at character {key.index(bad) + 1}: an API key is sent in "
+                         "an HTTP header, which carries visible ASCII only (no spaces, no accents)")
+    return key
+
+
 def read_keys(args: argparse.Namespace) -> list[str | None]:
-    """The keys from ``--keys`` or ``--keys-file`` ([None] when neither: an open server, one user)."""
+    """The keys from ``--keys`` or ``--keys-file`` ([None] when neither: an open server, one user).
+
+    The file is a regular file of at most 1 MiB of UTF-8 (a leading BOM is skipped), one key a line; every key
+    must be visible ASCII. A refusal names the key by its place (line or position), never by its text.
+    """
+    from ..inputs import read_input
+
     if args.keys and args.keys_file:
         raise ValueError("give --keys or --keys-file, not both")
     if args.keys_file:
+        data = read_input(args.keys_file, "--keys-file", MAX_KEYS_FILE_BYTES)
         try:
-            keys = [line.strip() for line in Path(args.keys_file).read_text().splitlines() if line.strip()]
-        except OSError as e:
-            raise ValueError(f"cannot read --keys-file {args.keys_file}: {e}") from e
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--keys-file {args.keys_file} is not UTF-8 text (byte 0x{data[e.start]:02x} at byte "
+                             f"{e.start + 1})") from None
+        keys = [check_key(line.strip(), f"--keys-file {args.keys_file} line {n}: the key")
+                for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         if not keys:
             raise ValueError(f"--keys-file {args.keys_file} holds no key")
         return keys
-    return list(args.keys) if args.keys else [None]
+    return [check_key(k, f"--keys: key {i}") for i, k in enumerate(args.keys, 1)] if args.keys else [None]
+
+
+def check_context(config: AuditConfig, model: str, context: int | None) -> None:
+    """Refuse a prompt the server's advertised context (``max_model_len``) cannot hold with its one answer token."""
+    if context is not None and config.prompt_tokens >= context:
+        raise ValueError(f"--prompt-tokens {config.prompt_tokens} does not fit {model}'s context: GET /v1/models "
+                         f"says max_model_len {context}, and each probe adds one generated token (give at most "
+                         f"{context - 1})")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -120,11 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = check_json_target(args.json, args.overwrite, {"--keys-file": args.keys_file}) if args.json else None
         keys = read_keys(args)
-        probe_ep = Endpoint(args.base_url, keys[0])
-        model = args.model or first_model(probe_ep)
-        ratio = calibrate(Endpoint(args.base_url, keys[0], model), seed=args.seed)
+        # every count is bounded before a request, the prompt against the served context before one is measured
         config = AuditConfig(args.prompt_tokens, args.prefix_fraction, args.victim_requests, args.samples, args.alpha,
-                             args.seed, tokens_per_letter=ratio)
+                             args.seed)
+        probe_ep = Endpoint(args.base_url, keys[0])
+        cards = list_models(probe_ep)
+        model = args.model or cards[0].id
+        check_context(config, model, next((c.max_model_len for c in cards if c.id == model), None))
+        ratio = calibrate(Endpoint(args.base_url, keys[0], model), seed=args.seed)
+        config = dataclasses.replace(config, tokens_per_letter=ratio)
         levels = build_levels(args.base_url, keys, args.levels, model, args.salt_per_user)
     except (ValueError, AuditHTTPError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import AuditHTTPError
 
-__all__ = ["AuditHTTPError", "Endpoint", "Timing", "first_model", "measure"]
+__all__ = ["AuditHTTPError", "Endpoint", "Timing", "first_model", "list_models", "measure"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,11 @@ def _json(text: str, what: str) -> Any:
 
 def first_model(endpoint: Endpoint, http: Any = None) -> str:
     """The first model id that ``GET /v1/models`` lists."""
+    return list_models(endpoint, http)[0].id
+
+
+def list_models(endpoint: Endpoint, http: Any = None) -> list[Any]:
+    """The model cards ``GET /v1/models`` lists (``.id``, and ``.max_model_len`` where the server states it)."""
     import httpx
 
     from .wire import ModelList, parse
@@ -102,7 +107,7 @@ def first_model(endpoint: Endpoint, http: Any = None) -> str:
         models = parse(ModelList, _json(r.text, "GET /v1/models"), "GET /v1/models").data
         if not models:
             raise AuditHTTPError("GET /v1/models lists no model")
-        return models[0].id
+        return models
     finally:
         if http is None:
             client.close()

@@ -29,6 +29,11 @@ __all__ = ["AuditConfig", "AuditResult", "Level", "Probe", "calibrate", "ks_test
 Probe = Callable[[Endpoint, str], Timing]  # one timed request; ``measure`` over HTTP, or a stand-in in tests
 
 
+MAX_SAMPLES = 10_000  # per procedure: hours of requests already
+MAX_VICTIM_REQUESTS = 100
+MAX_PROMPT_TOKENS = 1 << 20  # beyond any served context; the server's own (max_model_len) is checked by the CLI
+
+
 @dataclass(frozen=True)
 class AuditConfig:
     """The audit's knobs, named after the paper's PROMPTLENGTH, PREFIXFRACTION, NUMVICTIMREQUESTS, NUMSAMPLES."""
@@ -44,14 +49,14 @@ class AuditConfig:
     head_in_miss: bool = True  # False: the cache-miss prompt starts with fresh letters instead (see prompt_pair)
 
     def __post_init__(self) -> None:
-        if type(self.prompt_tokens) is not int or self.prompt_tokens < 1:
-            raise ValueError(f"prompt_tokens must be an int >= 1, got {self.prompt_tokens!r}")
+        for name, low, high in (("prompt_tokens", 1, MAX_PROMPT_TOKENS), ("victim_requests", 1, MAX_VICTIM_REQUESTS),
+                                ("samples", 2, MAX_SAMPLES)):
+            value = getattr(self, name)
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an int in [{low}, {high:,}], got "
+                                 f"{value!r}")
         if not 0.0 <= self.prefix_fraction <= 1.0:
             raise ValueError(f"prefix_fraction must be in [0, 1], got {self.prefix_fraction!r}")
-        if type(self.victim_requests) is not int or self.victim_requests < 1:
-            raise ValueError(f"victim_requests must be an int >= 1, got {self.victim_requests!r}")
-        if type(self.samples) is not int or self.samples < 2:
-            raise ValueError(f"samples must be an int >= 2, got {self.samples!r}")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha!r}")
 

@@ -2,7 +2,7 @@
 
 Only the fields the audit uses are checked; any others are kept and ignored (servers add their own):
 
-- ``GET /v1/models``: ``{"data": [{"id": "<non-empty string>", ...}, ...], ...}``;
+- ``GET /v1/models``: ``{"data": [{"id": "<non-empty string>", "max_model_len": <int >= 1, optional>, ...}, ...]}``;
 - a streamed completion's chunk: a JSON object whose ``choices``, when present, is a list of objects, and whose
   ``usage``, when present, holds non-negative integer ``prompt_tokens`` and
   ``prompt_tokens_details.cached_tokens`` (either may be null or absent); a chunk with an ``error`` object
@@ -39,6 +39,7 @@ class ModelCard(_Wire):
     """One entry of ``GET /v1/models``."""
 
     id: Annotated[str, StringConstraints(strict=True, min_length=1)]
+    max_model_len: Annotated[int, Field(strict=True, ge=1)] | None = None  # the context (vLLM, kvlab serve)
 
 
 class ModelList(_Wire):
