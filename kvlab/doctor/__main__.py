@@ -23,7 +23,6 @@ import argparse
 import inspect
 import math
 import sys
-from pathlib import Path
 
 EXIT_OK, EXIT_NOTHING, EXIT_USAGE = 0, 1, 2
 
@@ -71,13 +70,18 @@ def _fail(msg: str, status: int = EXIT_USAGE) -> int:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments (checked before any work), or None."""
+    from ..inputs import file_kind
     from .core import input_paths
     from .outdir import OutDirError, check_out_dir
     from .tokenization import check_model
-    problems = [
-        (not Path(args.log).is_file(), f"no such file: {args.log}"),
-        (args.vllm_metrics is not None and not Path(args.vllm_metrics).is_file(),
-         f"--vllm-metrics: no such file: {args.vllm_metrics}"),
+    log_kind = file_kind(args.log)
+    metrics_kind = file_kind(args.vllm_metrics) if args.vllm_metrics is not None else None
+    problems = [  # a folder, /dev/null, a FIFO: said as what it is, never "no such file"
+        (log_kind is not None, f"no such file: {args.log}" if log_kind == "no such file"
+         else f"the log {args.log} is {log_kind}, not a regular file"),
+        (metrics_kind is not None, f"--vllm-metrics: no such file: {args.vllm_metrics}"
+         if metrics_kind == "no such file" else f"--vllm-metrics {args.vllm_metrics} is {metrics_kind}, "
+         "not a regular file"),
         (any(b < 1 for b in args.block_size), "block sizes must be positive"),
         (args.capacity_blocks is not None and args.capacity_blocks < 1, "--capacity-blocks must be at least 1"),
         (args.kv_gib is not None and not (math.isfinite(args.kv_gib) and args.kv_gib > 0),
@@ -100,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if problem := check_args(args):
         return _fail(problem)
+    from ..inputs import InputFileError
     from .core import diagnose, write_report
     from .report import nothing_why
     try:
         options = inspect.signature(diagnose).parameters  # the log, --model and every option named as in diagnose
         d = diagnose(block_sizes=tuple(args.block_size), **{k: v for k, v in vars(args).items() if k in options})
     except (OSError, ValueError, KeyError) as e:  # a missing file is named as such, anything else with its type
-        return _fail(str(e) if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}")
+        return _fail(str(e) if isinstance(e, (FileNotFoundError, InputFileError)) else f"{type(e).__name__}: {e}")
     if args.out is not None:
         try:
             paths = write_report(d, args.out, fixed=not args.no_fixed_logs)

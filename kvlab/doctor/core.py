@@ -220,6 +220,9 @@ def _capacities(block_sizes: list[int], capacity_blocks: int | None, kv_gib: flo
     return {bs: int(n) for bs, n in caps.items()}
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a model's config.json is a few KiB
+
+
 def _kv_config(kv_config: str | None, model: str | None) -> dict:
     """The config.json of --kv-config (a folder, a file or a shipped name), else of --model: a JSON object."""
     if not kv_config:
@@ -228,8 +231,10 @@ def _kv_config(kv_config: str | None, model: str | None) -> dict:
         path = Path(kv_config)
         path = path / "config.json" if path.is_dir() else path
         if path.exists():
+            from ..inputs import read_input
+            data = read_input(path, "--kv-config", MAX_CONFIG_BYTES)  # /dev/zero, a FIFO, a huge file: one line
             try:
-                config = json.loads(path.read_text())
+                config = json.loads(data.decode("utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"--kv-config {kv_config}: {path} is not valid JSON ({e})") from None
         else:

@@ -26,6 +26,10 @@ SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone surrogate: not text, cannot
 JSON_SPACE = " \t\r\n"  # a line of only these is blank (not a request)
 BOM = b"\xef\xbb\xbf"
 PROMPT_FIELDS = ("messages", "prompt", "token_ids", "prompt_token_ids")
+# UTF-8 bytes a line may hold (its "\n" not counted): about 500k tokens of text. A longer line is a BadLine,
+# read in pieces and never held whole: the tokenizer's memory grows with the line (a 5 MB prompt took 1 GB,
+# a 50 MB one aborted the process in the tokenizer's allocator)
+MAX_LINE_BYTES = 2 << 20
 
 
 @dataclass(slots=True)
@@ -139,8 +143,20 @@ def _no_constant(name: str) -> None:
 DECODER = json.JSONDecoder(parse_constant=_no_constant)  # strict JSON: NaN and Infinity are refused
 
 
+def _too_long(size: int, line: int, head: str | bytes) -> BadLine:
+    shown = head[:80].decode("utf-8", "backslashreplace") if isinstance(head, bytes) else head[:80]
+    return BadLine(line, f"a line of {size:,} bytes, over the limit of {MAX_LINE_BYTES:,} bytes a line", shown)
+
+
+def _utf8_size(text: str) -> int:
+    """UTF-8 bytes of ``text``, counted without encoding what is plainly over the cap."""
+    return len(text) if len(text) > MAX_LINE_BYTES else len(text.encode("utf-8", "surrogatepass"))
+
+
 def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
     """One line of a log (bytes or text) -> a Record, a BadLine saying what is wrong, or None when blank."""
+    if (size := len(raw) if isinstance(raw, bytes) else _utf8_size(raw)) > MAX_LINE_BYTES:
+        return _too_long(size, line, raw)
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -163,7 +179,9 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
 def _from_value(item: Any, line: int) -> Record | BadLine:
     """A value given in place of a line (a dict), held to what a JSON line may hold."""
     try:
-        json.dumps(item, ensure_ascii=False, allow_nan=False)  # what a line could not hold fails here
+        text = json.dumps(item, ensure_ascii=False, allow_nan=False)  # what a line could not hold fails here
+        if (size := _utf8_size(text)) > MAX_LINE_BYTES:
+            return _too_long(size, line, text)
     except RecursionError:
         return BadLine(line, f"JSON nested deeper than {MAX_DEPTH} levels", _preview(item))
     except (TypeError, ValueError) as e:
@@ -184,11 +202,25 @@ def read_log(source: str | Path | Iterable[dict | str | bytes]) -> tuple[list[Re
     if isinstance(source, (str, Path)):
         with open(source, "rb") as f:  # binary: lines end at b"\n" only, each decoded strictly
             items = [decode_line(raw[len(BOM):] if n == 1 and raw.startswith(BOM) else raw, n)
-                     for n, raw in enumerate(f, 1)]
+                     if isinstance(raw, bytes) else _too_long(raw[0], n, raw[1]) for n, raw in enumerate(_lines(f), 1)]
     else:
         items = [decode_line(x, n) if isinstance(x, (str, bytes)) else _from_value(x, n)
                  for n, x in enumerate(source, 1)]
     return [x for x in items if isinstance(x, Record)], [x for x in items if isinstance(x, BadLine)]
+
+
+def _lines(f) -> Iterable[bytes | tuple[int, bytes]]:
+    """The lines of a binary file without their b"\n"; a line over ``MAX_LINE_BYTES`` as (its size, its start),
+    read through in pieces and never held whole."""
+    while raw := f.readline(MAX_LINE_BYTES + 2):
+        if raw.endswith(b"\n") or len(raw) <= MAX_LINE_BYTES:
+            yield raw.removesuffix(b"\n")
+            continue
+        head, size = raw[:80], len(raw)
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+            size += len(raw)
+        yield size - raw.endswith(b"\n"), head
 
 
 def write_log(records: Iterable[Record | dict], path: str | Path, exclusive: bool = False) -> Path:

@@ -40,6 +40,10 @@ def parse_metrics(text: str) -> dict:
             "source_names": names}
 
 
+MAX_METRICS_BYTES = 64 << 20  # a /metrics dump is KiBs; a server with many series, a few MiB
+
+
 def read_metrics(path: str | Path) -> dict:
     """``parse_metrics`` of a file."""
-    return parse_metrics(Path(path).read_text(encoding="utf-8", errors="replace"))
+    from ..inputs import read_input
+    return parse_metrics(read_input(path, "--vllm-metrics", MAX_METRICS_BYTES).decode("utf-8", errors="replace"))
