@@ -8,13 +8,9 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 from __future__ import annotations
 
 import hashlib
-import random
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-
-from kvlab.cache.block_manager import BlockManager
-from kvlab.lessons.traces import ARTICLE_QUESTIONS, SYSTEM_PROMPTS, toy_tokenize
 
 # --- 04_paged_block_manager.ipynb, cell 7 ---
 NONE_HASH = hashlib.sha256(b"kvlab-root").digest()
@@ -31,100 +27,31 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = (
 
 # --- 04_paged_block_manager.ipynb, cell 22 ---
 class ToyBlocks:
-    """A block manager's state, small enough to write ``allocate`` against (no model, no K/V).
+    """A block manager's state; ``take`` and ``free_seq`` run the functions given (notebook 04's build)."""
 
-    ``ref[b]``: block b's ref count; ``cached``: hash -> the block cached under it; ``free``: the blocks with ref
-    count 0, next to be taken first (a cached one keeps its hash until taken); ``tables``: seq id -> block ids.
-    ``take`` and ``register`` do what kvlab's ``BlockPool`` does; ``free_seq`` is ``BlockManager.free``.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
+    def __init__(self, num_blocks: int, block_size: int, take: Callable, free_seq: Callable) -> None:
+        self.block_size, self.take_fn, self.free_fn = block_size, take, free_seq
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, list[int]] = {}
+        self.free = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[Hashable, list[int]] = {}
-        self._twins: dict[bytes, list[int]] = {}  # every block cached under a hash, oldest first
 
     def take(self) -> int:
-        """The next free block, its cached contents evicted, with ref count 1."""
-        b, _ = self.free.popitem(last=False)
-        h = self.hash_of[b]
-        if h is not None:
-            twins = self._twins[h]
-            twins.remove(b)
-            if twins:
-                self.cached[h] = twins[0]
-            else:
-                del self.cached[h], self._twins[h]
-            self.hash_of[b] = None
-        self.ref[b] = 1
-        return b
-
-    def register(self, b: int, h: bytes) -> None:
-        """Cache the full block ``b`` under hash ``h`` (a block already cached under ``h`` stays the one found)."""
-        self.hash_of[b] = h
-        self._twins.setdefault(h, []).append(b)
-        self.cached.setdefault(h, b)
+        return self.take_fn(self)
 
     def free_seq(self, seq_id: Hashable) -> None:
-        """Drop a sequence's references, tail first; a block at 0 joins the free list (uncached ones go first)."""
-        for b in reversed(self.tables.pop(seq_id)):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free[b] = None
-                if self.hash_of[b] is None:
-                    self.free.move_to_end(b, last=False)
+        self.free_fn(self, seq_id)
 
+    def lookup(self, h: bytes) -> int | None:
+        return self.cached[h][0] if h in self.cached else None   # the block cached first under h
 
-# --- 04_paged_block_manager.ipynb, cell 25 ---
-def block_trace(n_ops: int = 40, block_size: int = 4, num_blocks: int = 24, seed: int = 0) -> list[tuple]:
-    """``("allocate", seq, tokens)`` / ``("free", seq)`` on the article's prompts, with repeats and evictions."""
-    rng = random.Random(seed)
-    m, ops, live = BlockManager(num_blocks, block_size), [], []
-    for k in range(n_ops):
-        lang = rng.choice(("zh", "en"))
-        prompt = toy_tokenize(SYSTEM_PROMPTS[lang]) + toy_tokenize(rng.choice(ARTICLE_QUESTIONS[lang]))
-        prompt = prompt[: rng.randint(len(prompt) // 2, len(prompt))] + [rng.randrange(5000)] * rng.randint(0, 5)
-        if ops and rng.random() < 0.3:  # the same prompt again, as the article's second request
-            prompt = list(rng.choice([op[2] for op in ops if op[0] == "allocate"]))
-        while live and (len(live) >= 3 or rng.random() < 0.3 or not m.can_allocate(prompt)):
-            seq = live.pop(rng.randrange(len(live)))
-            m.free(seq)
-            ops.append(("free", seq))
-        m.allocate(f"r{k}", prompt)
-        live.append(f"r{k}")
-        ops.append(("allocate", f"r{k}", prompt))
-    return ops
+    def register(self, b: int, h: bytes) -> None:
+        self.hash_of[b] = h
+        self.cached.setdefault(h, []).append(b)
 
-
-def replay_against_block_manager(allocate: Callable[..., int], hashes: Callable[..., list[bytes]], ops: list[tuple],
-                                 block_size: int = 4, num_blocks: int = 24) -> tuple[list[dict], str | None]:
-    """Replay ``ops`` on kvlab's ``BlockManager`` and on a ``ToyBlocks`` run by ``allocate``: one row per step, and
-    what first went wrong (None when every step had the same hits, block table and free blocks). May raise."""
-    m, toy, rows = BlockManager(num_blocks, block_size), ToyBlocks(num_blocks, block_size), []
-    for op in ops:
-        got = want = None
-        if op[0] == "free":
-            m.free(op[1])
-            toy.free_seq(op[1])
-        else:
-            want = m.allocate(op[1], op[2])
-            got = allocate(toy, op[1], list(op[2]), list(hashes(op[2], block_size, ())))
-        rows.append({"step": op[0], "seq": op[1], "tokens": len(op[2]) if len(op) > 2 else None,
-                     "cached (ToyBlocks)": got, "cached (BlockManager)": want,
-                     "free (ToyBlocks)": len(toy.free), "free (BlockManager)": m.num_free_blocks})
-        at = f"step {len(rows) - 1} ({op[0]} {op[1]!r}" + (f", {len(op[2])} tokens)" if len(op) > 2 else ")")
-        if got != want:
-            why = ("stop at the first miss, and never take the block of the last prompt token from the cache"
-                   if isinstance(got, int) and got > want else "a cached block whose ref count is 0 (in blocks.free) "
-                   "is still a hit" if isinstance(got, int) else "return the number of cached tokens")
-            return rows, f"{at}: you report {got!r} cached tokens, kvlab's BlockManager {want}: {why}"
-        if op[0] == "allocate" and toy.tables.get(op[1]) != m.block_table(op[1]):
-            return rows, (f"{at}: block table {toy.tables.get(op[1])} but kvlab's is {m.block_table(op[1])}: the hits "
-                          "first, then one blocks.take() per remaining block, in order, stored in blocks.tables")
-        if len(toy.free) != m.num_free_blocks:
-            return rows, (f"{at}: {len(toy.free)} free blocks, kvlab's BlockManager has {m.num_free_blocks}: a hit "
-                          "adds one reference, and a hit on a block with ref count 0 takes it out of blocks.free")
-    return rows, None
+    def uncache(self, b: int) -> None:
+        h, self.hash_of[b] = self.hash_of[b], None
+        self.cached[h].remove(b)
+        if not self.cached[h]:
+            del self.cached[h]

@@ -8,197 +8,93 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 from __future__ import annotations
 
 import hashlib
-import statistics
 from array import array
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.block_pool import BlockPool
-from kvlab.engine import Engine, SamplingParams
-from kvlab.lessons.nb04_blocks import ToyBlocks
-from kvlab.lessons.nb05_table36 import WRONG_MODES, score_row
-from kvlab.lessons.workloads import GROUP_CONDITIONS
+from kvlab.engine import Engine
 
 
-# --- 05_shared_vs_isolated.ipynb, cell 6 ---
-@dataclass
-class YourSeq:
-    token_ids: list[int]           # the tokens whose K/V the sequence's blocks hold
-    num_restored_tokens: int = 0   # no second memory tier here
+# --- 05_shared_vs_isolated.ipynb, cell 13 ---
+def new_pages(model, num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged K/V store: K and V, (layers, num_blocks * block_size, kv_heads, head_dim)."""
+    cfg, p = model.config, next(model.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, head_dim)
+    return torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device)
 
 
-class YourManager:
-    """A cache for ``Engine(cache=...)`` run by your notebook-04 pieces on a ``ToyBlocks``.
-
-    ``block_hashes`` keys every full block, ``allocate`` finds the hits and takes the rest; the members are
-    those of ``kvlab.cache.CacheManager`` (no tenant salt, no fork: kvlab's ``BlockManager`` has them).
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, allocate: Callable, block_hashes: Callable) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.allocate_fn, self.block_hashes = allocate, block_hashes
-        self.blocks = ToyBlocks(num_blocks, block_size)   # ref counts, cached hashes, free list, block tables
-        self.seqs: dict[Hashable, YourSeq] = {}
-        self.queries = self.hits = 0
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.blocks.free)
-
-    def can_allocate(self, token_ids: Sequence[int], scope: Any = None) -> bool:
-        return cdiv(len(token_ids), self.block_size) <= len(self.blocks.free)
-
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: Any = None, **_: Any) -> int:
-        """Your allocate on your hash chain: the prompt tokens served from the cache (whole blocks)."""
-        if getattr(scope, "salt", None) is not None:
-            raise NotImplementedError("a tenant salt needs kvlab's BlockManager")
-        tokens = list(token_ids)
-        cached = self.allocate_fn(self.blocks, seq_id, tokens, list(self.block_hashes(tokens, self.block_size)))
-        assert cached % self.block_size == 0 and 0 <= cached < len(tokens), f"allocate returned {cached}"
-        self.seqs[seq_id] = YourSeq(tokens)
-        self.queries, self.hits = self.queries + len(tokens), self.hits + cached
-        return cached
-
-    def can_append(self, seq_id: Hashable) -> bool:
-        return len(self.seqs[seq_id].token_ids) % self.block_size != 0 or bool(self.blocks.free)
-
-    def append(self, seq_id: Hashable, token_id: int) -> SimpleNamespace:
-        """One decoded token: a new block when the last is full; a block the token fills is cached (as vLLM does)."""
-        seq, bs, table = self.seqs[seq_id], self.block_size, self.blocks.tables[seq_id]
-        if len(seq.token_ids) % bs == 0:
-            table.append(self.blocks.take())
-        seq.token_ids.append(token_id)
-        if len(seq.token_ids) % bs == 0:
-            self.blocks.register(table[-1], self.block_hashes(seq.token_ids, bs)[-1])
-        return SimpleNamespace(cow=None)   # a shared block is never written: no copy-on-write
-
-    def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
-        """Drop the sequence's references; blocks from token ``uncache_from`` on (never written) leave the cache."""
-        blocks = self.blocks
-        for b in blocks.tables[seq_id][len(blocks.tables[seq_id]) if uncache_from is None else
-                                        uncache_from // self.block_size:]:
-            h = blocks.hash_of[b]
-            if h is not None and blocks.ref[b] == 1:   # its K/V was never written: nobody may hit it
-                twins = blocks._twins[h]
-                twins.remove(b)
-                if twins:
-                    blocks.cached[h] = twins[0]
-                else:
-                    del blocks.cached[h], blocks._twins[h]
-                blocks.hash_of[b] = None
-        blocks.free_seq(seq_id)
-        del self.seqs[seq_id]
-
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self.blocks.tables[seq_id])
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        raise NotImplementedError("n > 1 needs kvlab's BlockManager (copy-on-write)")
-
-    def stats(self) -> dict:
-        return {"queries": self.queries, "hits": self.hits, "num_free_blocks": self.num_free_blocks}
-
-    def check_invariants(self) -> None:
-        held = [0] * self.num_blocks
-        for table in self.blocks.tables.values():
-            for b in table:
-                held[b] += 1
-        assert held == self.blocks.ref, "a ref count differs from the block tables"
-
-    def take_events(self) -> list:
-        return []   # no KV events
-
-    def reset_prefix_cache(self) -> bool:
-        return False
+@contextmanager
+def capstone_attention(model):
+    """The model's attention is paged_attention (below) inside the with-block, its own again after."""
+    own = model.config._attn_implementation
+    model.set_attn_implementation("kvlab_capstone")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
 
 
-# --- 05_shared_vs_isolated.ipynb, cell 12 ---
-class Pages:
-    """The paged K/V store: per layer, K and V of every slot, (num_blocks * block_size, kv_heads, head_dim)."""
-
-    def __init__(self, model, num_blocks: int, block_size: int) -> None:
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, head_dim)
-        p = next(model.parameters())
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.block_size = block_size
-
-
+# --- 05_shared_vs_isolated.ipynb, cell 14 ---
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, step=None, **kwargs):
-    """One layer: write the new K/V at step.slots, read the sequence's K/V back with step.gather, attend."""
-    # query (1, heads, T, D), key and value (1, kv_heads, T, D), RoPE applied; step: the request's pages and positions
-    pages, layer = step.pages, module.layer_idx
-    pages.k[layer, step.slots] = key[0].transpose(0, 1)      # (T, kv_heads, D) into their slots
-    pages.v[layer, step.slots] = value[0].transpose(0, 1)
-    k = step.gather(pages.k[layer], step.block_table, step.end, pages.block_size)  # (end, kv_heads, D)
-    v = step.gather(pages.v[layer], step.block_table, step.end, pages.block_size)
-    group = query.shape[1] // k.shape[1]                     # query heads per K/V head (grouped-query attention)
-    k = k.transpose(0, 1).repeat_interleave(group, 0)[None]  # (1, heads, end, D)
+    """One layer: write the new K/V at the slots step.write, gather the sequence's at step.read, attend."""
+    # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE applied
+    k_pages, v_pages = step.k[module.layer_idx], step.v[module.layer_idx]   # (slots, kv_heads, D)
+    k_pages[step.write] = key[0].transpose(0, 1)              # (T, kv_heads, D) into their slots
+    v_pages[step.write] = value[0].transpose(0, 1)
+    k, v = k_pages[step.read], v_pages[step.read]             # the gather: (end, kv_heads, D), position order
+    group = query.shape[1] // k.shape[1]                      # query heads per K/V head
+    k = k.transpose(0, 1).repeat_interleave(group, 0)[None]   # (1, heads, end, D)
     v = v.transpose(0, 1).repeat_interleave(group, 0)[None]
-    q_pos = torch.arange(step.start, step.end, device=query.device)[:, None]
-    causal = torch.arange(step.end, device=query.device)[None] <= q_pos  # (T, end): a query sees keys up to its position
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=causal, scale=scaling)  # (1, heads, T, D)
-    return out.transpose(1, 2).contiguous(), None          # (1, T, heads, D), as transformers expects
+    end, t = k.shape[2], query.shape[2]
+    causal = torch.arange(end, device=query.device)[None] <= torch.arange(end - t, end, device=query.device)[:, None]
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=causal, scale=scaling)   # (1, heads, T, D)
+    return out.transpose(1, 2).contiguous(), None             # (1, T, heads, D), as transformers expects
 
 
 AttentionInterface.register("kvlab_capstone", paged_attention)
 AttentionMaskInterface.register("kvlab_capstone", lambda *args, **kwargs: None)  # the causal mask is built above
 
 
-@torch.no_grad()
-def paged_generate(model, prompts, cache, slot_mapping, gather, max_tokens: int, eos: set = frozenset()):
-    """Greedy decoding, one request after another, through cache's block tables; returns (tokens, cached) each.
-
-    The cache decides what is reused (allocate returns the cached prompt tokens, which are never computed);
-    slot_mapping places each new token's K/V, gather reads a sequence's K/V back through its block table."""
-    pages, bs = Pages(model, cache.num_blocks, cache.block_size), cache.block_size
-    own = model.config._attn_implementation
-    model.set_attn_implementation("kvlab_capstone")
-    results = []
-    try:
+# --- 05_shared_vs_isolated.ipynb, cell 16 ---
+def paged_generate(model, prompts, cache, slot_mapping, max_tokens: int, eos: set = frozenset()):
+    """Greedy decoding, one request after another, through cache's block tables: (new tokens, cached) each."""
+    (k, v), bs, results = new_pages(model, cache.num_blocks, cache.block_size), cache.block_size, []
+    with torch.no_grad(), capstone_attention(model):
         for seq_id, prompt in enumerate(prompts):
             tokens, new = list(prompt), []
-            start = cached = cache.allocate(seq_id, tokens)    # the cached prefix is not computed again
+            start = cached = cache.allocate(seq_id, tokens)        # the cached prefix is not computed again
             while True:
-                end, table = len(tokens), cache.block_table(seq_id)
-                step = SimpleNamespace(pages=pages, block_table=table, start=start, end=end, gather=gather,
-                                       slots=torch.tensor(slot_mapping(table, bs, start, end), device=pages.k.device))
-                ids = torch.tensor([tokens[start:end]], device=pages.k.device)            # (1, T)
-                pos = torch.arange(start, end, device=pages.k.device)[None]               # (1, T)
-                logits = model(input_ids=ids, position_ids=pos, step=step, use_cache=False,
-                               logits_to_keep=1).logits[0, -1]
-                token = int(logits.argmax())
-                new.append(token)
-                if len(new) == max_tokens or token in eos:
+                table, end = cache.block_table(seq_id), len(tokens)
+                step = SimpleNamespace(k=k, v=v, write=slot_mapping(table, bs, start, end),
+                                       read=slot_mapping(table, bs, 0, end))
+                ids, pos = torch.tensor([tokens[start:end]]), torch.arange(start, end)[None]   # (1, T) each
+                out = model(input_ids=ids.to(k.device), position_ids=pos.to(k.device), step=step, use_cache=False)
+                new.append(int(out.logits[0, -1].argmax()))
+                if len(new) == max_tokens or new[-1] in eos:
                     break
-                cache.append(seq_id, token)                    # its K/V is written by the next forward
-                tokens.append(token)
+                cache.append(seq_id, new[-1])                      # its K/V is written by the next forward
+                tokens.append(new[-1])
                 start = end
-            cache.free(seq_id)                                 # its full blocks stay cached for the next request
+            cache.free(seq_id)                                     # its full blocks stay cached for the next
             results.append((new, cached))
-    finally:
-        model.set_attn_implementation(own)
     return results
 
 
-# --- 05_shared_vs_isolated.ipynb, cell 22 ---
+# --- 05_shared_vs_isolated.ipynb, cell 25 ---
 def restart_positions(item) -> range:
     """The bug: the tokens an item computes are numbered from 0, as if its cached prefix were not there."""
     skipped = item.seq.num_cached_tokens or 0           # prompt tokens served from the cache
     return range(item.start - skipped, item.end - skipped)   # right: range(item.start, item.end)
 
 
-# --- 05_shared_vs_isolated.ipynb, cell 24 ---
+# --- 05_shared_vs_isolated.ipynb, cell 27 ---
 def content_hash(parent, token_ids, extra_keys=()) -> bytes:
     """The bug's block key: the block's own token ids; no parent hash, so no position and no model."""
     return hashlib.sha256(array("q", token_ids).tobytes()).digest()
@@ -219,7 +115,7 @@ class ContentKeyedBlockManager(BlockManager):
         self.pool = ContentKeyedPool(num_blocks, block_size)
 
 
-# --- 05_shared_vs_isolated.ipynb, cell 26 ---
+# --- 05_shared_vs_isolated.ipynb, cell 29 ---
 def prompts_for(workload, group: int, mode: str) -> list[list[int]]:
     """The prompts a row serves: in group 3's wrong row, B's question appended to A's cached conversation."""
     if group == 3 and mode == "shared (wrong)":
@@ -227,10 +123,7 @@ def prompts_for(workload, group: int, mode: str) -> list[list[int]]:
     return workload.prompts
 
 
-# --- 05_shared_vs_isolated.ipynb, cell 28 ---
-MODES = ("isolated", "shared (correct)", "shared (wrong)")
-
-
+# --- 05_shared_vs_isolated.ipynb, cell 31 ---
 def make_engine(model, tok, group: int, mode: str, num_blocks: int, block_size: int) -> Engine:
     """The engine of one row of table 3.6: prefix caching off, on, or on with the group's bug."""
     kw = dict(max_num_batched_tokens=4096)   # every prompt of a group is admitted in the first step
@@ -242,52 +135,3 @@ def make_engine(model, tok, group: int, mode: str, num_blocks: int, block_size: 
     if mode == "shared (wrong)" and group == 1:
         return Engine(model, tok, positions=restart_positions, **kw)
     return Engine(model, tok, **kw)   # shared (correct), and group 3's wrong row: a right engine, a wrong prompt
-
-
-def run_mode(model, tok, workload, group: int, mode: str, block_size: int, max_tokens=None, donors=True) -> dict:
-    """One row, once: outputs in prompt order (None for a donor left out), peak K/V bytes, the computed share."""
-    prompts = prompts_for(workload, group, mode)
-    keep = [i for i, m in enumerate(workload.meta) if donors or m.get("role") != "donor"]
-    blocks = sum(cdiv(len(prompts[i]) + workload.max_tokens, block_size) for i in keep) + 8
-    engine = make_engine(model, tok, group, mode, blocks, block_size)
-    new = workload.max_tokens if max_tokens is None else max_tokens   # max_tokens=1: a prefill-only run
-    sampling = [SamplingParams(max_tokens=1 if workload.meta[i].get("role") == "donor" else new) for i in keep]
-    got = engine.generate([prompts[i] for i in keep], sampling)
-    assert all(o.finish_reason != "error" for o in got), [o.error for o in got if o.finish_reason == "error"]
-    outputs = [None] * len(workload)
-    for i, o in zip(keep, got):
-        outputs[i] = o
-    computed = sum(len(o.prompt_ids) - o.num_cached_tokens for o in got) / sum(len(o.prompt_ids) for o in got)
-    return {"outputs": outputs, "peak_kv_bytes": engine.peak_kv_bytes, "computed share": computed}
-
-
-def table_36(model, tok, groups: dict, repeats: int = 3, block_size: int = 16, timed=None, progress=False):
-    """Table 3.6: each (group, mode) runs once in full (answers, scores, latency, peak K/V; also the warm-up), then
-    the ``timed`` groups (default all) ``repeats`` prefill-only times, the modes interleaved: TTFT's median and
-    spread. Untimed groups are scored on answers only (their isolated row without the donors). (DataFrame, runs)"""
-    import pandas as pd
-    from tqdm.auto import tqdm
-
-    timed = set(groups) if timed is None else set(timed)
-    todo = [(g, m, None) for g in groups for m in MODES]
-    for r in range(repeats):   # the order reversed every other round, as notebook 01's time_interleaved
-        todo += [(g, m, 1) for g in sorted(timed) for m in (MODES[::-1] if r % 2 == 0 else MODES)]
-    runs, ttft = {}, {(g, m): [] for g in groups for m in MODES}
-    for g, m, new in tqdm(todo, desc="table 3.6 runs", disable=not progress):
-        run = run_mode(model, tok, groups[g], g, m, block_size, new, donors=g in timed or m != "isolated")
-        runs.setdefault((g, m), run)
-        if new == 1:   # the mean TTFT of the scored requests, in ms
-            ttft[(g, m)].append(statistics.mean(run["outputs"][i].ttft for i in groups[g].served()) * 1e3)
-    rows, nan = [], float("nan")
-    for g, wl in groups.items():
-        for m in MODES:
-            run, times = runs[(g, m)], ttft[(g, m)]
-            rows.append({"group": g, "condition": GROUP_CONDITIONS[g][0], "mode": m,
-                         "bug": WRONG_MODES[g] if m == "shared (wrong)" else "", "requests": len(wl.served()),
-                         "TTFT (ms)": statistics.median(times) if times else nan,
-                         "TTFT min (ms)": min(times, default=nan), "TTFT max (ms)": max(times, default=nan),
-                         "timed runs": len(times), "TTFT runs (ms)": tuple(times), "ideal": run["computed share"],
-                         "total latency (ms)": statistics.mean(run["outputs"][i].latency for i in wl.served()) * 1e3
-                         if times else nan, "peak KV (KiB)": run["peak_kv_bytes"] / 1024 if times else nan,
-                         **score_row(wl, runs[(g, "isolated")]["outputs"], run["outputs"])})
-    return pd.DataFrame(rows), runs

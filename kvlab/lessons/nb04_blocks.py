@@ -279,8 +279,8 @@ def fig_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
 
     caption, manager = "", BlockManager(num_blocks, block_size)
     try:
-        for caption, manager in traces.three_requests(block_size, num_blocks):
-            pass
+        for step in traces.three_requests(block_size, num_blocks):
+            caption, manager = step
     except NoFreeBlocksError as err:
         caption = f"refused: {err}"
     s = manager.stats()

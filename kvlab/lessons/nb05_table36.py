@@ -1,6 +1,6 @@
-"""Notebook 05's table 3.6: its workloads (``real_groups``), scores, figures, checkers, the article's claims.
-
-The row engines and the run loop are notebook 05's ``#| export`` cells (``kvlab.built.nb05``)."""
+"""Notebook 05's table 3.6 and headline workload: the groups (``real_groups``), the run loop (``table_36``) over the
+row engines notebook 05 writes (``kvlab.built.nb05.make_engine``), scores, figures, verdict lines, checkers, and
+the article's claims. Timing goes through the series' one helper, ``kvlab.lessons.timing``."""
 
 from __future__ import annotations
 
@@ -8,19 +8,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kvlab.built.nb01 import Timing, ratio_verdict
-from kvlab.built.nb03 import token_agreement
+from kvlab.built.nb05 import make_engine, prompts_for
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import BUNDLED_MODEL
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import ROW_NAMES, Verdict, as_number, unanswered, verdict
+from kvlab.lessons.timing import Timing, ratio_verdict
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload, seed_groups
 
-__all__ = ["ARTICLE_TABLE_36", "BUG_ROWS", "TRANSLATION", "WRONG_MODES", "article_table",
-           "check_bug_for_group", "check_kv_ratio", "check_position_fix", "compare_with_article", "evidence",
-           "fig_request_path", "fig_table36", "groups_for", "is_real_chat_model", "latest_bench", "pick_model", "bench_tables",
-           "real_groups", "score_row", "three_requests", "ttft_text", "ttft_verdict"]
+MODES = ("isolated", "shared (correct)", "shared (wrong)")
 
 # The article's table 3.6, its claims (Qwen1.5-7B-Chat, a GPU): group, policy, TTFT ms, total ms, memory GB, consistent
 ARTICLE_TABLE_36 = (
@@ -55,7 +52,10 @@ def score_row(workload: Workload, reference: list[Any], outputs: list[Any]) -> d
 
     asked = [i for i in served if "expected" in workload.meta[i]]  # translations have no expected answer
     other, nan = [i for i in served if "other_answer" in workload.meta[i]], float("nan")
-    return {"token agreement": statistics.mean(token_agreement(reference[i].output_ids, outputs[i].output_ids)
+    def agreement(ref: list[int], other: list[int]) -> float:  # the reference's tokens reproduced at the same step
+        return sum(a == b for a, b in zip(ref, other)) / max(len(ref), 1)
+
+    return {"token agreement": statistics.mean(agreement(reference[i].output_ids, outputs[i].output_ids)
                                                for i in served),
             "identical": statistics.mean(reference[i].output_ids == outputs[i].output_ids for i in served),
             "recall": statistics.mean(said(i, "expected") for i in asked) if asked else nan,
@@ -64,13 +64,15 @@ def score_row(workload: Workload, reference: list[Any], outputs: list[Any]) -> d
 
 
 def ttft_verdict(table: Any, group: int, mode: str) -> Any:
-    """``mode``'s TTFT over the isolated row's, judged by notebook 01's guard (``ratio_verdict``): the ratio of the
-    median TTFTs, its min-max, and a flag below the ideal (the row's computed share of prompt tokens) or above 1.5.
-    The one definition of the ratio: the table's "TTFT ratio, ours" and every sentence use it. None: not timed."""
+    """``mode``'s TTFT over the isolated row's, judged by the series' timing helper (``timing.ratio_verdict``): the
+    ratio of the median TTFTs, its min-max, a null result when the ranges overlap. The one definition of the ratio:
+    the table's "TTFT ratio, ours" and every sentence use it. None: not timed."""
     d = table.set_index(["group", "mode"])
     num, den = d.loc[(group, mode), "TTFT runs (ms)"], d.loc[(group, "isolated"), "TTFT runs (ms)"]
     return ratio_verdict(Timing(mode, tuple(x / 1e3 for x in num)), Timing("isolated", tuple(x / 1e3 for x in den)),
-                         ideal=d.loc[(group, mode), "ideal"]) if len(num) and len(den) else None
+                         ideal=d.loc[(group, mode), "ideal"], ideal_is="the share of prompt tokens it computed",
+                         at=f"with {d.loc[(group, mode), 'cached tokens']:.0f} cached tokens per request"
+                         ) if len(num) and len(den) else None
 
 
 def ttft_text(table: Any, group: int, mode: str) -> str:
@@ -110,19 +112,22 @@ def compare_with_article(table: Any):
 
 
 def fig_table36(table: Any):
-    """Two panels per row of the table: mean TTFT (bars) and token agreement / recall (markers)."""
+    """Two panels per row of the table: TTFT (bars: the median of the timed runs, whiskers their min–max) and
+    token agreement / recall (markers)."""
     import matplotlib.pyplot as plt
 
     labels = [f"g{g} {m}" for g, m in zip(table["group"], table["mode"])]
     colors = {"isolated": "tab:gray", "shared (correct)": "tab:blue", "shared (wrong)": "tab:red"}
     timed = [i for i, v in enumerate(table["TTFT (ms)"]) if v == v]  # groups scored on answers only have no TTFT
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [max(len(timed), 1), len(table)]})
-    a.bar(range(len(timed)), [table["TTFT (ms)"].iloc[i] for i in timed],
-          color=[colors[table["mode"].iloc[i]] for i in timed])
+    med = [table["TTFT (ms)"].iloc[i] for i in timed]
+    whiskers = [[m - table["TTFT min (ms)"].iloc[i] for m, i in zip(med, timed)],
+                [table["TTFT max (ms)"].iloc[i] - m for m, i in zip(med, timed)]]
+    a.bar(range(len(timed)), med, yerr=whiskers, capsize=4, color=[colors[table["mode"].iloc[i]] for i in timed])
     a.set_xticks(range(len(timed)), [labels[i] for i in timed], rotation=60, ha="right", fontsize=8)
     untimed = ", ".join(sorted({str(g) for i, g in enumerate(table["group"]) if i not in timed}))
     a.set_title("time to first token" + (f" (groups {untimed}: answers only, not timed)" if untimed else ""), fontsize=9)
-    a.set_ylabel("mean TTFT (ms)")
+    a.set_ylabel("TTFT (ms): median of the timed runs, whiskers min–max")
     b.plot(range(len(table)), table["token agreement"], "o", label="token agreement with isolated")
     b.plot(range(len(table)), table["recall"], "s", mfc="none", label="passphrase recall")
     b.set_xticks(range(len(table)), labels, rotation=60, ha="right", fontsize=8)
@@ -405,28 +410,212 @@ def fig_sys512(table: Any, title: str = "sys512"):
     return fig
 
 
-def fig_sweep(sweep_table: Any, prefix_tokens: int, num_requests: int):
-    """TTFT ratio vs prefix length (at ``num_requests``) and KV bytes vs requests (at ``prefix_tokens``)."""
-    import matplotlib.pyplot as plt
+# ----------------------------------------------------------------------------- the notebook's set-up and groups
+def load_for_notebook(model: Any, smoke: bool, device: str, dtype: str, threads: int | None):
+    """``MODEL="auto"`` loaded (the bundled model when SmolLM2 is missing), one torch thread on a CPU: (model, tok, name)."""
+    import torch
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    d = sweep_table[sweep_table.requests == num_requests].sort_values("prefix tokens")
-    a.plot(d["prefix tokens"], d["TTFT ratio"], "o-", label="measured shared/isolated")
-    a.plot(d["prefix tokens"], d["ideal"], "k--", label="ideal (uncached tokens / all)")
-    a.axvline(prefix_tokens, color="tab:red", alpha=0.4)
-    top = max(1.1, 1.08 * float(max(d["TTFT ratio"].max(), d["ideal"].max()))) if len(d) else 1.1
-    a.set(xlabel="shared prefix (tokens)", ylabel="TTFT shared / isolated", title=f"{num_requests} requests", ylim=(0, top))
-    a.legend()
-    d = sweep_table[sweep_table["prefix tokens"] == prefix_tokens].sort_values("requests")
-    b.plot(d["requests"], d["KV isolated (MiB)"], "o-", color="tab:gray", label="isolated")
-    b.plot(d["requests"], d["KV shared (MiB)"], "o-", color="tab:blue", label="shared")
-    b.axvline(num_requests, color="tab:red", alpha=0.4)
-    b.set(xlabel="requests", ylabel="peak KV (MiB)", title=f"{prefix_tokens}-token prefix")
-    b.set_xticks(sorted(sweep_table["requests"].unique()))  # whole requests only, the counts measured
-    a.set_xticks(sorted(sweep_table["prefix tokens"].unique()))
-    b.legend()
-    fig.tight_layout()
-    return fig
+    import kvlab
+
+    name = pick_model(model, smoke)
+    try:
+        m, tok = kvlab.load_model(name, device=device, dtype=dtype)
+    except OSError as err:  # SmolLM2 not converted on this machine: the bundled model instead
+        print(f"{name} is not available here ({err}); using the bundled model")
+        name = None
+        m, tok = kvlab.load_model(None, device=device, dtype=dtype)
+    if threads or smoke or next(m.parameters()).device.type == "cpu":
+        torch.set_num_threads(threads or 1)
+    print(f"{name or 'bundled passphrase model'}: {m.config.model_type}, {m.config.num_hidden_layers} layers, "
+          f"{next(m.parameters()).dtype} on {next(m.parameters()).device}, torch threads {torch.get_num_threads()}"
+          + (" - SMOKE: the bundled tiny model, whose answers and timings are not SmolLM2's" if smoke else ""))
+    return m, tok, name
 
 
-# ----------------------------------------------------------------------------- engine speed against the machine
+def show_groups(groups: dict[int, Workload], tok: Any) -> None:
+    """One prompt of each group, decoded: what the rows of the table serve."""
+    def show(ids: list[int]) -> str:
+        return tok.decode(ids).replace(chr(10), " | ")
+
+    g1, g2, g3 = groups[1], groups[2], groups[3]
+    print("group 1, a request:\n  " + show(g1.prompts[0]))
+    b = g2.served()[0]
+    a = g2.meta[b]["donor"]
+    print(f"group 2, donor A ({len(g2.prompts[a])} tokens) starts with an extra turn: "
+          f"{show(g2.prompts[a][:g2.meta[a]['offset']])[:100]!r}...\n  then B's whole text, at position "
+          f"{g2.meta[a]['offset']} in A and at 0 in B")
+    b3 = g3.served()[0]
+    print(f"group 3, B's prompt: ...{show(g3.prompts[b3][-40:])!r}\n  B's question on A's conversation: "
+          f"...{show(g3.meta[b3]['beyond_prompt'][-60:])!r}")
+
+
+# ----------------------------------------------------------------------------- table 3.6's run loop
+def run_mode(model, tok, workload: Workload, group: int, mode: str, block_size: int, max_tokens=None,
+             donors: bool = True) -> dict:
+    """One row, once: outputs in prompt order (None for a donor left out), peak K/V bytes, the computed share."""
+    prompts = prompts_for(workload, group, mode)
+    keep = [i for i, m in enumerate(workload.meta) if donors or m.get("role") != "donor"]
+    blocks = sum(cdiv(len(prompts[i]) + workload.max_tokens, block_size) for i in keep) + 8
+    engine = make_engine(model, tok, group, mode, blocks, block_size)
+    new = workload.max_tokens if max_tokens is None else max_tokens   # max_tokens=1: a prefill-only run
+    sampling = [SamplingParams(max_tokens=1 if workload.meta[i].get("role") == "donor" else new) for i in keep]
+    got = engine.generate([prompts[i] for i in keep], sampling)
+    assert all(o.finish_reason != "error" for o in got), [o.error for o in got if o.finish_reason == "error"]
+    outputs = [None] * len(workload)
+    for i, o in zip(keep, got):
+        outputs[i] = o
+    computed = sum(len(o.prompt_ids) - o.num_cached_tokens for o in got) / sum(len(o.prompt_ids) for o in got)
+    return {"outputs": outputs, "peak_kv_bytes": engine.peak_kv_bytes, "computed share": computed}
+
+
+def table_36(model, tok, groups: dict, repeats: int = 3, block_size: int = 16, timed=None, progress=False):
+    """Table 3.6: each (group, mode) runs once in full (answers, scores, latency, peak K/V; also the warm-up), then
+    the ``timed`` groups (default all) ``repeats`` prefill-only times, the modes interleaved (the order reversed
+    every other round, as ``timing.time_interleaved``): TTFT's median and min–max. Untimed groups are scored on
+    answers only (their isolated row without the donors). Returns (DataFrame, runs)."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    timed = set(groups) if timed is None else set(timed)
+    todo = [(g, m, None) for g in groups for m in MODES]
+    for r in range(repeats):
+        todo += [(g, m, 1) for g in sorted(timed) for m in (MODES[::-1] if r % 2 == 0 else MODES)]
+    runs, ttft = {}, {(g, m): [] for g in groups for m in MODES}
+    for g, m, new in tqdm(todo, desc="table 3.6 runs", disable=not progress):
+        run = run_mode(model, tok, groups[g], g, m, block_size, new, donors=g in timed or m != "isolated")
+        runs.setdefault((g, m), run)
+        if new == 1:   # the mean TTFT of the scored requests, in ms
+            ttft[(g, m)].append(statistics.mean(run["outputs"][i].ttft for i in groups[g].served()) * 1e3)
+    rows, nan = [], float("nan")
+    for g, wl in groups.items():
+        for m in MODES:
+            run, times = runs[(g, m)], ttft[(g, m)]
+            rows.append({"group": g, "condition": GROUP_CONDITIONS[g][0], "mode": m,
+                         "bug": WRONG_MODES[g] if m == "shared (wrong)" else "", "requests": len(wl.served()),
+                         "TTFT (ms)": statistics.median(times) if times else nan,
+                         "TTFT min (ms)": min(times, default=nan), "TTFT max (ms)": max(times, default=nan),
+                         "timed runs": len(times), "TTFT runs (ms)": tuple(times), "ideal": run["computed share"],
+                         "total latency (ms)": statistics.mean(run["outputs"][i].latency for i in wl.served()) * 1e3
+                         if times else nan, "peak KV (KiB)": run["peak_kv_bytes"] / 1024 if times else nan,
+                         **score_row(wl, runs[(g, "isolated")]["outputs"], run["outputs"])})
+    return pd.DataFrame(rows), runs
+
+
+def show_table(table: Any):
+    """The measured table, styled ("—": not applicable)."""
+    print("— : not applicable (recall: only requests that ask for a passphrase are scored; answered A's passphrase: "
+          "group 3 only; time and K/V: group 1 only, the others are scored on answers)")
+    fmt = {c: "{:.1f}" for c in ("TTFT (ms)", "TTFT min (ms)", "TTFT max (ms)", "total latency (ms)", "cached tokens")}
+    fmt.update({c: "{:.2f}" for c in ("ideal", "token agreement", "identical", "recall", "answered A's passphrase")})
+    return table.drop(columns=["condition", "TTFT runs (ms)"]).style.format(fmt | {"peak KV (KiB)": "{:.0f}"},
+                                                                             na_rep="—")
+
+
+def answers_table(groups: dict[int, Workload], runs: dict) -> Any:
+    """The first line of a few answers per group and mode (group 1: the translations too)."""
+    import pandas as pd
+
+    rows = []
+    for g, wl in groups.items():
+        picks = wl.served()[:3] + ([i for i in wl.served() if wl.meta[i].get("kind") == "translation"] if g == 1 else [])
+        for i in dict.fromkeys(picks):
+            m = wl.meta[i]
+            rows.append({"group": g, "request": str(m.get("question"))[:40] if g == 1 else f"seed {m['seed']}",
+                         "expected": m.get("expected", "(translation)"),
+                         **{mode: runs[(g, mode)]["outputs"][i].text.strip().split("\n")[0][:70] for mode in MODES},
+                         "A's passphrase": m.get("other_answer", "")})
+    return pd.DataFrame(rows).style.set_properties(**{"white-space": "pre-wrap", "text-align": "left"})
+
+
+def say_wrong_shares(table: Any) -> None:
+    """Per group: how many scored answers the wrong share changed, and recall (printed from the table)."""
+    d = table.set_index(["group", "mode"])
+    for g in sorted(table["group"].unique()):
+        iso, bad = d.loc[(g, "isolated")], d.loc[(g, "shared (wrong)")]
+        line = (f"group {g}, {WRONG_MODES[g]}: {1 - bad['identical']:.0%} of {bad['requests']} scored answers changed "
+                f"(token agreement with isolated {bad['token agreement']:.2f})")
+        if bad["recall"] == bad["recall"]:
+            line += f", passphrase recall {iso['recall']:.0%} isolated -> {bad['recall']:.0%}"
+        if bad["answered A's passphrase"] == bad["answered A's passphrase"]:
+            line += f", and {bad[chr(39).join(['answered A', 's passphrase'])]:.0%} answered A's passphrase instead"
+        print(line)
+
+
+def say_against_article(table: Any) -> None:
+    """The verdict lines beside the article's table 3.6 (agree / differ / note), printed from the numbers."""
+    from kvlab.lessons.passphrase import memory_column
+
+    d, art = table.set_index(["group", "mode"]), article_table().set_index(["group", "mode"])
+    art_ttft = art.loc[(1, "shared (correct)"), "TTFT (ms)"] / art.loc[(1, "isolated"), "TTFT (ms)"]
+    same = {g: d.loc[(g, "shared (correct)")] for g in sorted(table["group"].unique())}
+    print(("agree   " if all(r["identical"] == 1 for r in same.values()) else "DIFFER  ") + "correct sharing: identical "
+          "outputs in " + ", ".join(f"group {g} {r['identical']:.0%} of {r['requests']}" for g, r in same.items())
+          + " (the article: consistent)")
+    v = ttft_verdict(table, 1, "shared (correct)")
+    inside = v is not None and v.ok and v.lo <= art_ttft <= v.hi
+    tag = "note    " if v is None or not v.ok else "agree   " if inside else "partly  " if v.hi < 1 else "DIFFER  "
+    print(tag + f"group 1 shared/isolated {ttft_text(table, 1, 'shared (correct)')} (the article: x{art_ttft:.2f}), "
+          f"{d.loc[(1, 'shared (correct)'), 'cached tokens']:.0f} prompt tokens per request from the cache")
+    wrong = [d.loc[(g, "shared (wrong)")] for g in (2, 3) if (g, "shared (wrong)") in d.index]
+    print(("agree   " if all(r["identical"] < 1 for r in wrong) else "DIFFER  ") + "groups 2 and 3 shared wrongly: "
+          + " and ".join(f"{1 - r['identical']:.0%} of {r['requests']}" for r in wrong)
+          + " answers changed (the article: inconsistent)")
+    if (2, "shared (correct)") in d.index:
+        c, w = d.loc[(2, "shared (correct)"), "cached tokens"], d.loc[(2, "shared (wrong)"), "cached tokens"]
+        print(("differ  " if c == 0 else "note    ") + f"group 2: chained keys reuse {c:.1f} tokens per request, "
+              f"content-only keys {w:.1f}; the article's group-2 row shows a saving, which a correct cache "
+              + ("cannot give here: only the wrong share reuses the donor's blocks" if c == 0 else
+                 "gives here only for blocks with the same start (another B's), never the donor's"))
+    kv = d.loc[(1, "shared (correct)"), "peak KV (KiB)"] / d.loc[(1, "isolated"), "peak KV (KiB)"]
+    print(f"memory  {memory_column()} Ours counts K/V alone: group 1's peak K/V shared/isolated x{kv:.2f}.")
+
+
+# ----------------------------------------------------------------------------- the headline workload (sys512)
+LIVE_SYSTEMS = ["kvlab/shared", "kvlab/isolated", "HF generate_batch (one prefill per step)/shared",
+                "HF manual reuse/shared", "HF generate (batch)/isolated"]
+
+
+def run_sys512(model: Any, model_name: Any, use_recorded: bool = True):
+    """The sys512 comparison: ``build/bench/bench.json`` (scripts/bench.py) when it matches the model, else a small
+    live run of ``LIVE_SYSTEMS``. Returns (system table, ratio table, workload, repeats or None for the live run)."""
+    from kvlab.bench import peers as B
+    from kvlab.lessons import workloads as W
+
+    report = latest_bench(model_name) if use_recorded else None
+    vocab = model.config.vocab_size
+    if report:
+        bench, ratio_table = bench_tables(report)
+        w = report["workload"]
+        wl = W.sys512(vocab, num_requests=w["requests"], prefix_tokens=w["prefix_tokens"],
+                      suffix_tokens=w["suffix_tokens"], max_tokens=w["new_tokens"])
+        print(f"RECORDED: {report['path']} ({report['model']['config']}, {report['machine']['threads']} threads, "
+              f"median of {report['repeats']} runs)")
+    else:
+        wl = W.sys512(vocab, num_requests=4, prefix_tokens=64, suffix_tokens=8, max_tokens=4)
+        bench, _ = B.measure_sys512(model, wl, repeats=1, systems=LIVE_SYSTEMS)
+        bench["error"] = bench["error"].fillna("")
+        ratio_table = B.ratios(bench, wl, DEFAULT_BLOCK_SIZE)
+        print(f"LIVE, SMALL: no matching build/bench/bench.json, so one run of {len(LIVE_SYSTEMS)} systems "
+              "(scripts/bench.py records the full workload)")
+    print(f"workload {wl.name}: {len(wl)} requests x ({wl.shared_prefix_tokens} + "
+          f"{len(wl.prompts[0]) - wl.shared_prefix_tokens}) tokens, {wl.max_tokens} new each")
+    for _, r in bench[bench["error"] != ""].iterrows():
+        print(f"{r.system} ({r['mode']}) could not run: {r.error}")
+    return bench, ratio_table, wl, (report["repeats"] if report else None)
+
+
+def say_sys512(bench: Any, ratio_table: Any, repeats: int | None) -> None:
+    """kvlab's shared/isolated ratios beside their ideal and the article's, and kvlab against each peer."""
+    from kvlab.lessons.common import ratio_word
+
+    k = ratio_table.set_index("system").loc["kvlab"]
+    r, ideal, tp = k["TTFT shared/isolated"], k["ideal"], k["throughput shared/isolated"]
+    runs = f"median of {repeats} runs" if repeats else "one run each: a timing, not evidence"
+    print(f"kvlab TTFT shared/isolated {r:.3f} ({runs}); ideal {ideal:.3f} (the share of prompt tokens computed); "
+          f"the article: about 0.60 -> " + ("a saving" if r < 1 else "no saving") + " in this run")
+    print(f"kvlab throughput shared/isolated {tp:.2f}x (the article: nearly 2x; {runs})")
+    t = bench[bench["error"] == ""].set_index(["system", "mode"])
+    for (peer, mode) in t.index:
+        if peer != "kvlab" and ("kvlab", mode) in t.index:
+            rel = t.loc[("kvlab", mode), "throughput (tok/s)"] / t.loc[(peer, mode), "throughput (tok/s)"]
+            print(f"kvlab {mode} vs {peer}: throughput {rel:.2f}x ({ratio_word(rel, 'higher', 'lower')})")

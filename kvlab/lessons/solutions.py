@@ -21,6 +21,18 @@ def solution_00_2(prefix_ids, prompt_ids) -> bool:
     return len(prefix_ids) <= len(prompt_ids) and list(prompt_ids[: len(prefix_ids)]) == list(prefix_ids)
 
 
+def build_00_suffix_prefill(model, cache, prefix_len: int, suffix_ids):
+    """00.B: only the suffix through the model, on the prefix's cache, at the positions after the prefix."""
+    import torch
+
+    device = next(model.parameters()).device
+    positions = torch.arange(prefix_len, prefix_len + len(suffix_ids), device=device)[None]  # (1, S)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([list(suffix_ids)], device=device), position_ids=positions,
+                    cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]  # (vocab,)
+
+
 # ----------------------------------------------------------------------------- 01 QKV and the KV cache
 
 def solution_01_1(q, k, v):
@@ -53,34 +65,6 @@ def solution_01_3(config_name: str = "Llama-3.1-8B-Instruct", budget_gib: float 
 
 
 # ----------------------------------------------------------------------------- 02 manual prefix reuse
-
-def solution_02_1(model, tokenizer, prefix_text: str, suffix_text: str, max_new_tokens: int) -> list[int]:
-    """02.1: build the prefix cache, copy it, prefill the suffix at positions len(prefix)..., decode greedily."""
-    import copy
-
-    import torch
-
-    from kvlab.engine.models import encode, eos_ids
-
-    device = next(model.parameters()).device
-    prefix, suffix = encode(tokenizer, prefix_text), encode(tokenizer, suffix_text)
-    with torch.no_grad():
-        cache = model(input_ids=torch.tensor([prefix], device=device), use_cache=True).cache
-        cache = copy.deepcopy(cache)  # never write into the shared prefix
-        pos = len(prefix)
-        ids = torch.tensor([suffix], device=device)
-        out, new, stops = None, [], eos_ids(model, tokenizer)
-        for _ in range(max_new_tokens):
-            positions = torch.arange(pos, pos + ids.shape[1], device=device)[None]
-            out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-            pos += ids.shape[1]
-            tok = int(out.logits[0, -1].argmax())
-            new.append(tok)
-            if tok in stops:
-                break
-            ids = torch.tensor([[tok]], device=device)
-    return new
-
 
 def solution_02_2(tokenizer, text: str = "Please repeat the passphrase.") -> tuple[str, str]:
     """02.2: try each cut of a text; the first where the prefix's tokens are not the full text's first tokens."""
@@ -128,9 +112,20 @@ def ex03_3_positions_from_mask(mask):
 
 def ex03_4_exact_layers(errors, tol: float = 2e-2) -> list[int]:
     """03.4: the layers whose re-rotated keys match the recomputed ones up to float rounding."""
-    d = errors[(errors["treatment"] == "A's K/V re-rotated") & (errors["tensor"] == "K")]
+    d = errors[(errors["treatment"] == "group 2: A's segment K/V re-rotated by Δ") & (errors["tensor"] == "K")]
     worst = d.groupby("layer")["relative error"].max()
     return sorted(int(layer) for layer, e in worst.items() if e < tol)
+
+
+def build_03_rope_suffix(k, prefix_len: int, theta: float = 10000.0):
+    """Build 03: pair (i, i + D/2) is the complex number a + ib; turning it by φ multiplies it by e^(iφ)."""
+    import torch
+
+    half, t = k.shape[-1] // 2, k.shape[-2]
+    pos = torch.arange(prefix_len, prefix_len + t, dtype=torch.float64, device=k.device)  # after the cached prefix
+    angle = pos[:, None] * theta ** (-2 * torch.arange(half, dtype=torch.float64, device=k.device) / k.shape[-1])
+    z = torch.complex(k[..., :half].double(), k[..., half:].double()) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([z.real, z.imag], -1).to(k.dtype)
 
 # ----------------------------------------------------------------------------- 04 the paged block manager
 
@@ -305,11 +300,31 @@ def build_04_block_hashes(token_ids, block_size, extra_keys=()):
     return out
 
 
+def build_04_take(blocks):
+    """04.B2: the head of the free list (freed longest ago); what it caches is evicted now, lazily."""
+    b = next(iter(blocks.free))
+    del blocks.free[b]
+    if blocks.hash_of[b] is not None:
+        blocks.uncache(b)  # evicted: no request can hit it any more
+    blocks.ref[b] = 1
+    return b
+
+
+def build_04_free(blocks, seq_id):
+    """04.B2: one reference less per block, tail first; at 0 a cached block joins the tail, an uncached one the head."""
+    for b in reversed(blocks.tables.pop(seq_id)):
+        blocks.ref[b] -= 1
+        if blocks.ref[b] == 0:
+            blocks.free[b] = None  # the tail: evicted last, a later request may still hit it
+            if blocks.hash_of[b] is None:
+                blocks.free.move_to_end(b, last=False)  # no hash, never a hit: reuse it first (vLLM's order)
+
+
 def build_04_allocate(blocks, seq_id, token_ids, hashes):
-    """04.B2: hit the longest cached prefix (never the last token's block), one more reference per hit, take the rest."""
+    """04.B3: hit the longest cached prefix (never the last token's block), one more reference per hit, take the rest."""
     bs, n, table = blocks.block_size, len(token_ids), []
     for h in hashes[: (n - 1) // bs]:  # the last prompt token is always computed
-        b = blocks.cached.get(h)
+        b = blocks.lookup(h)
         if b is None:
             break  # the chain is broken: nothing after this block can be a hit
         if blocks.ref[b] == 0:
@@ -325,8 +340,20 @@ def build_04_allocate(blocks, seq_id, token_ids, hashes):
     return cached
 
 
-# ----------------------------------------------------------------------------- build exercise 05.B
+# ----------------------------------------------------------------------------- build exercises 05.B1-B2
+
+def build_05_append(blocks, seq_id, token_ids):
+    """05.B1: token_ids ends with the new token: a new block when it starts one; the block it fills is registered."""
+    from kvlab.built.nb04 import hash_block
+
+    bs, table, n = blocks.block_size, blocks.tables[seq_id], len(token_ids)
+    if (n - 1) % bs == 0:
+        table.append(blocks.take())  # the last block was full
+    if n % bs == 0:
+        parent = blocks.hash_of[table[-2]] if len(table) > 1 else None
+        blocks.register(table[-1], hash_block(parent, token_ids[-bs:]))  # a later request may hit it
+
 
 def build_05_slot_mapping(block_table, block_size, start, end):
-    """05.B: position p's K/V goes to physical block block_table[p // block_size], at offset p % block_size."""
+    """05.B2: position p's K/V goes to physical block block_table[p // block_size], at offset p % block_size."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -1,7 +1,6 @@
-"""The build exercises (notebooks 01, 02, 04): the worked solution passes its checker, a blank stub gets
+"""The build exercises (notebooks 01, 02, 04, 05's append): the worked solution passes its checker, a blank stub gets
 "not yet" with a hint, a deliberately wrong answer gets a hint, and ``use_reference`` picks the right piece."""
 
-from kvlab.built import nb01 as N
 from kvlab.lessons import nb01_attention as A
 from kvlab.lessons import nb02_prefix as R
 from kvlab.lessons import nb04_blocks as L
@@ -24,8 +23,7 @@ def assert_not_yet(v, *words):
 
 def test_01_decode_step_solution_and_reference_pass():
     assert A.check_decode_step(SOL.build_01_decode_step)
-    assert A.check_decode_step(A.reference_decode_step)
-    assert N.cached_vs_recompute(4, 2, seq=6, step=SOL.build_01_decode_step) <= 1e-5
+    assert A.cached_vs_recompute(SOL.build_01_decode_step, seq=6).iloc[:, -1].max() <= 1e-5
 
 
 def test_01_decode_step_blank_gets_a_hint():
@@ -36,14 +34,14 @@ def test_01_decode_step_blank_gets_a_hint():
 def test_01_decode_step_wrong_answers_get_hints():
     def no_append(cache, layer, q, k, v):  # stores only this step's K/V
         cache[layer] = (k, v)
-        return A.reference_decode_step({}, layer, q, k, v)
+        return SOL.build_01_decode_step({}, layer, q, k, v)
 
     def new_only(cache, layer, q, k, v):  # the cache grows, but attention sees only the new token
-        A.reference_decode_step(cache, layer, q, k, v)
-        return A.reference_decode_step({}, layer, q, k, v)
+        SOL.build_01_decode_step(cache, layer, q, k, v)
+        return SOL.build_01_decode_step({}, layer, q, k, v)
 
     def no_repeat(cache, layer, q, k, v):  # forgets the KV groups: one output head per KV head
-        out = A.reference_decode_step(cache, layer, q[:, : k.shape[1]], k, v)
+        out = SOL.build_01_decode_step(cache, layer, q[:, : k.shape[1]], k, v)
         return out
 
     def wrong_axis(cache, layer, q, k, v):  # concatenates along the heads axis
@@ -71,7 +69,6 @@ def _with_positions(shift):
 def test_02_continue_solution_and_reference_pass(bundled):
     model, tok = bundled
     assert R.check_continue_loop(SOL.build_02_continue, model, tok, n=2)
-    assert R.check_continue_loop(R.reference_continue, model, tok, n=1)
 
 
 def test_02_continue_blank_and_wrong_answers_get_hints(bundled):
@@ -110,19 +107,15 @@ class _DropPositions:
         return self.model.parameters()
 
 
-# ----------------------------------------------------------------------------- 04.B the hash chain and allocate
+# ----------------------------------------------------------------------------- 04.B, 05.B1 the paged cache's pieces
 
-def test_04_solutions_pass_and_match_the_block_manager():
-    from kvlab.cache.hash_tools import hash_token_blocks
-
+def test_04_05_solutions_pass_their_checkers():
     assert L.check_block_hashes(SOL.build_04_block_hashes)
+    assert L.check_take_free(SOL.build_04_take, SOL.build_04_free)
     assert L.check_allocate(SOL.build_04_allocate)
-    assert L.check_allocate(SOL.build_04_allocate, SOL.build_04_block_hashes)
-    assert L.check_allocate(L.reference_allocate)
-    for seed in range(3):  # the toy state with the reference allocate is kvlab's BlockManager, step for step
-        ops = L.block_trace(num_blocks=16, seed=seed)
-        rows, problem = L.replay_against_block_manager(L.reference_allocate, hash_token_blocks, ops, num_blocks=16)
-        assert problem is None and len(rows) == len(ops)
+    assert L.check_allocate(SOL.build_04_allocate, SOL.build_04_block_hashes, SOL.build_04_take, SOL.build_04_free)
+    assert L.check_append(SOL.build_05_append)
+    assert L.kvlab_pieces().take is SOL.build_04_take and L.kvlab_pieces(take=blank).take is blank
 
 
 def test_04_blank_and_wrong_hashes_get_hints():
@@ -149,14 +142,46 @@ def test_04_blank_and_wrong_hashes_get_hints():
     assert_not_yet(L.check_block_hashes(with_tail), "partial tail")
 
 
+def test_04_blank_and_wrong_take_free_get_hints():
+    assert_not_yet(L.check_take_free(blank, blank), "no answer yet. Hint: ")
+    assert_not_yet(L.check_take_free(None, SOL.build_04_free), "no answer yet")
+
+    def all_to_tail(blocks, seq_id):  # plain LRU: an uncached block is not reused first
+        for b in reversed(blocks.tables.pop(seq_id)):
+            blocks.ref[b] -= 1
+            if blocks.ref[b] == 0:
+                blocks.free[b] = None
+
+    def head_first(blocks, seq_id):  # releases the chain's head first, so the head is evicted first
+        blocks.tables[seq_id].reverse()
+        SOL.build_04_free(blocks, seq_id)
+
+    def no_evict(blocks):  # takes the head but leaves its hash: a later request hits overwritten K/V
+        b = next(iter(blocks.free))
+        del blocks.free[b]
+        blocks.ref[b] = 1
+        return b
+
+    def newest_first(blocks):  # takes the tail: the most recently freed cached block is evicted
+        b = next(reversed(blocks.free))
+        blocks.free.move_to_end(b, last=False)
+        return SOL.build_04_take(blocks)
+
+    assert_not_yet(L.check_take_free(SOL.build_04_take, all_to_tail), "free list differ", "HEAD when it holds none")
+    assert_not_yet(L.check_take_free(SOL.build_04_take, head_first), "free list differ", "tail first")
+    assert_not_yet(L.check_take_free(no_evict, SOL.build_04_free), "cached blocks differ", "blocks.uncache(b)")
+    assert_not_yet(L.check_take_free(newest_first, SOL.build_04_free), "HEAD of blocks.free")
+    assert_not_yet(L.check_take_free(lambda blocks: 1 / 0, SOL.build_04_free), "ZeroDivisionError")
+
+
 def test_04_blank_and_wrong_allocate_get_hints():
     assert_not_yet(L.check_allocate(blank), "no answer yet. Hint: ")
 
-    def hits_the_last_token(blocks, seq_id, token_ids, hashes):  # no n - 1 cap: a repeated prompt hits every block
+    def allocate(blocks, seq_id, token_ids, hashes, cap=True, revive=True):
         bs, n, table = blocks.block_size, len(token_ids), []
-        for h in hashes:
-            b = blocks.cached.get(h)
-            if b is None:
+        for h in hashes[: (n - 1) // bs] if cap else hashes:
+            b = blocks.lookup(h)
+            if b is None or (not revive and blocks.ref[b] == 0):
                 break
             if blocks.ref[b] == 0:
                 del blocks.free[b]
@@ -170,16 +195,28 @@ def test_04_blank_and_wrong_allocate_get_hints():
         blocks.tables[seq_id] = table
         return cached
 
-    def skips_free_blocks(blocks, seq_id, token_ids, hashes):  # a cached block with ref count 0 counted as a miss
-        real = blocks.cached
-        blocks.cached = {h: b for h, b in real.items() if blocks.ref[b] > 0}
-        try:
-            return SOL.build_04_allocate(blocks, seq_id, token_ids, hashes)
-        finally:
-            blocks.cached = real | {h: b for h, b in blocks.cached.items() if h not in real}
+    assert L.check_allocate(allocate)
+    assert_not_yet(L.check_allocate(lambda *a: allocate(*a, cap=False)), "last prompt token")
+    assert_not_yet(L.check_allocate(lambda *a: allocate(*a, revive=False)), "still a hit")
 
-    assert_not_yet(L.check_allocate(hits_the_last_token), "last prompt token")
-    assert_not_yet(L.check_allocate(skips_free_blocks), "still a hit")
+
+def test_05_blank_and_wrong_append_get_hints():
+    from kvlab.built.nb04 import hash_block
+
+    assert_not_yet(L.check_append(blank), "no answer yet. Hint: ")
+
+    def append(blocks, seq_id, token_ids, chained=True, register=True, every=False):
+        bs, table, n = blocks.block_size, blocks.tables[seq_id], len(token_ids)
+        if every or (n - 1) % bs == 0:
+            table.append(blocks.take())
+        if register and n % bs == 0:
+            parent = blocks.hash_of[table[-2]] if chained and len(table) > 1 else None
+            blocks.register(table[-1], hash_block(parent, token_ids[-bs:]))
+
+    assert L.check_append(append)
+    assert_not_yet(L.check_append(lambda *a: append(*a, register=False)), "cached blocks differ", "register")
+    assert_not_yet(L.check_append(lambda *a: append(*a, every=True)), "block table", "only when the token starts one")
+    assert_not_yet(L.check_append(lambda *a: append(*a, chained=False)), "parent")
 
 
 # ----------------------------------------------------------------------------- continue with kvlab's version

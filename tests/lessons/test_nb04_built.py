@@ -1,11 +1,12 @@
-"""Notebook 04's export cells (kvlab.built.nb04): the hash it writes is kvlab's, its ToyBlocks runs the solution."""
+"""Notebook 04's export cells (kvlab.built.nb04): the hash it writes is kvlab's; its ToyBlocks, run by the worked
+pieces, is kvlab's BlockManager step for step (allocations, decode appends, frees, evictions)."""
 
 import random
 
 from kvlab.built import nb04
 from kvlab.cache import hash_tools, hashing
-from kvlab.cache.block_manager import BlockManager
 from kvlab.lessons import nb04_blocks as L
+from kvlab.lessons import solutions as SOL
 
 
 def test_the_notebooks_hash_block_is_kvlabs():
@@ -20,40 +21,28 @@ def test_the_notebooks_hash_block_is_kvlabs():
     assert nb04.NONE_HASH == hashing.NONE_HASH
 
 
-def test_toyblocks_replay_matches_the_block_manager_and_catches_a_wrong_allocate():
+def test_toyblocks_with_the_worked_pieces_is_the_block_manager_step_for_step():
     for seed in range(3):
-        ops = nb04.block_trace(seed=seed)
-        rows, problem = nb04.replay_against_block_manager(L.reference_allocate, hash_tools.hash_token_blocks, ops)
-        assert problem is None and len(rows) == len(ops)
-
-    def no_cap(blocks, seq_id, token_ids, hashes):  # hits every full block, the last prompt token's too
-        bs, table = blocks.block_size, []
-        for h in hashes:
-            b = blocks.cached.get(h)
-            if b is None:
-                break
-            if blocks.ref[b] == 0:
-                del blocks.free[b]
-            blocks.ref[b] += 1
-            table.append(b)
-        hits = len(table)
-        for i in range(hits, -(-len(token_ids) // bs)):
-            table.append(blocks.take())
-            if i < len(hashes):
-                blocks.register(table[-1], hashes[i])
-        blocks.tables[seq_id] = table
-        return hits * bs
-
-    _, problem = nb04.replay_against_block_manager(no_cap, hash_tools.hash_token_blocks, nb04.block_trace())
-    assert problem is not None and "never take the block of the last prompt token" in problem
+        for appends in (False, True):
+            ops = L.block_trace(60, seed=seed, appends=appends)
+            rows, problem = L.replay(ops, L.kvlab_pieces())
+            assert problem is None and len(rows) == len(ops)
+            assert rows[-1]["evictions (kvlab)"] > 0  # the trace reaches eviction
+            if appends:
+                assert any(op[0] == "append" for op in ops)
+    ops = L.block_trace(num_blocks=16, seed=1)  # a smaller pool: more evictions
+    assert L.replay(ops, L.kvlab_pieces(), num_blocks=16)[1] is None
 
 
-def test_toyblocks_take_evicts_a_cached_block_and_free_puts_uncached_first():
-    toy = nb04.ToyBlocks(2, 4)
+def test_toyblocks_lookup_register_uncache():
+    toy = nb04.ToyBlocks(3, 4, SOL.build_04_take, SOL.build_04_free)
     toy.tables["a"] = [toy.take(), toy.take()]
     toy.register(toy.tables["a"][0], b"h0")
+    toy.tables["b"] = [toy.take()]
+    toy.register(toy.tables["b"][0], b"h0")  # a twin: the same hash computed twice
+    assert toy.lookup(b"h0") == 0 and toy.cached == {b"h0": [0, 2]} and toy.lookup(b"x") is None
     toy.free_seq("a")
-    assert list(toy.free) == [1, 0] and toy.cached == {b"h0": 0}  # the uncached block 1 goes first
-    toy.take(), toy.take()
-    assert toy.cached == {} and not toy.free
-    assert BlockManager(2, 4).num_free_blocks == 2
+    assert list(toy.free) == [1, 0]  # the uncached block 1 first, the cached block 0 at the tail
+    toy.uncache(0)
+    assert toy.lookup(b"h0") == 2 and toy.hash_of[0] is None
+    assert toy.take() == 1 and toy.take() == 0 and not toy.free

@@ -1,4 +1,5 @@
-"""Notebook 05's capstone: the slot mapping, the gather, YourManager and paged_generate (kvlab.built.nb05)."""
+"""Notebook 05's capstone: the slot mapping, YourManager over the reader's pieces, paged_generate (kvlab.built.nb05),
+whose piece ran, and the same cache under kvlab's engine."""
 
 import pytest
 import torch
@@ -7,10 +8,10 @@ from kvlab.built import nb05 as N
 from kvlab.cache.hash_tools import hash_token_blocks
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import eos_ids
+from kvlab.lessons import nb04_blocks as L04
 from kvlab.lessons import nb05_assemble as AS
 from kvlab.lessons import nb05_table36 as T
 from kvlab.lessons import solutions as SOL
-from kvlab.lessons.nb04_blocks import reference_allocate
 
 BLOCK = 16
 
@@ -19,29 +20,34 @@ def not_yet(v, *parts):
     assert not v and all(p in str(v) for p in parts), str(v)
 
 
-def test_slot_mapping_checker_passes_the_solutions_and_names_each_mistake():
-    assert AS.check_slot_mapping(AS.solution_slot_mapping) and AS.check_slot_mapping(SOL.build_05_slot_mapping)
+def test_slot_mapping_checker_passes_the_solution_and_names_each_mistake():
+    assert AS.check_slot_mapping(SOL.build_05_slot_mapping)
     not_yet(AS.check_slot_mapping(None), "no answer yet", "block_table[p // block_size]")
 
     def blank(table, bs, start, end):
         raise NotImplementedError
 
+    ref = SOL.build_05_slot_mapping
     not_yet(AS.check_slot_mapping(blank), "no answer yet")
     not_yet(AS.check_slot_mapping(lambda t, bs, s, e: list(range(s, e))), "logical position")
     not_yet(AS.check_slot_mapping(lambda t, bs, s, e: [t[p // bs] + p % bs for p in range(s, e)]), "multiply")
-    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: AS.solution_slot_mapping(t, bs, 0, e)), "below start are cached")
-    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: AS.solution_slot_mapping(t, bs, s, e - 1)), "one slot per position")
+    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: ref(t, bs, 0, e)), "below start are cached")
+    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: ref(t, bs, s, e - 1)), "one slot per position")
     not_yet(AS.check_slot_mapping(lambda *a: 1 / 0), "ZeroDivisionError")
 
 
-def test_gather_checker_passes_the_solution_and_names_each_mistake():
-    assert AS.check_gather(AS.solution_gather)
-    not_yet(AS.check_gather(None), "no answer yet")
-    not_yet(AS.check_gather(lambda pages, t, n, bs: pages[:n]), "go through block_table")
-    whole = lambda pages, t, n, bs: pages.view(-1, bs, *pages.shape[1:])[t].flatten(0, 1)  # noqa: E731
-    not_yet(AS.check_gather(whole), "keep the first length")
-    not_yet(AS.check_gather(lambda pages, t, n, bs: [1]), "return a tensor")
-    assert AS.check_gather(lambda pages, t, n, bs: whole(pages, t, n, bs)[:n])  # another right answer
+def test_pieces_from_04_takes_only_checked_pieces_and_says_whose(capsys):
+    def my_take(blocks):  # right, and defined here: __module__ is this test's, not "__main__"
+        return SOL.build_04_take(blocks)
+
+    pieces = AS.pieces_from_04(hashes=None, take=my_take, free=SOL.build_04_free, allocate=lambda *a: 0)
+    out = capsys.readouterr().out
+    assert pieces.take is my_take and pieces.hashes is SOL.build_04_block_hashes
+    assert pieces.allocate is SOL.build_04_allocate and "allocate: kvlab's (yours: not yet" in out
+    my_take.__module__ = "__main__"  # as a function typed in a notebook
+    AS.say_whose(pieces)
+    out = capsys.readouterr().out
+    assert "take: yours (my_take)" in out and "allocate: kvlab's (build_04_allocate)" in out
 
 
 @pytest.fixture(scope="module")
@@ -49,23 +55,13 @@ def three(lm):
     return T.three_requests(lm[1], BLOCK)
 
 
-def _isolated(model, prompts, new):
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                  do_sample=False)[0, len(p):].tolist())
-    return out
-
-
 def test_capstone_generates_what_isolated_generate_does_and_reuses_the_prefix(lm, three):
     model, tok = lm
     own = model.config._attn_implementation
-    cache = N.YourManager(64, BLOCK, SOL.build_04_allocate, SOL.build_04_block_hashes)
-    results = N.paged_generate(model, three, cache, AS.solution_slot_mapping, AS.solution_gather, 6,
-                               eos_ids(model, tok))
+    cache = AS.YourManager(64, BLOCK, L04.kvlab_pieces())
+    results = N.paged_generate(model, three, cache, SOL.build_05_slot_mapping, 6, eos_ids(model, tok))
     assert model.config._attn_implementation == own  # the model gets its own attention back
-    reference = _isolated(model, three, 6)
+    reference = AS.isolated_generate(model, three, 6)
     assert AS.check_capstone(results, reference)
     assert results[0][1] == 0 and all(c > 0 and c % BLOCK == 0 for _, c in results[1:])
     cache.check_invariants()
@@ -89,33 +85,49 @@ def tiny():
     return model, [prefix + [rng.randrange(256) for _ in range(8)] for _ in range(3)]
 
 
-def test_a_wrong_slot_mapping_gather_or_hash_chain_changes_the_tokens(tiny):
+def test_a_wrong_slot_mapping_append_or_hash_chain_changes_the_tokens(tiny):
     model, prompts = tiny
-    reference = _isolated(model, prompts, 8)
+    reference = AS.isolated_generate(model, prompts, 8)
 
-    def run(slots=AS.solution_slot_mapping, gather=AS.solution_gather, hashes=hash_token_blocks, ps=prompts):
-        cache = N.YourManager(64, BLOCK, reference_allocate, hashes)
+    def run(slots=SOL.build_05_slot_mapping, ps=prompts, **pieces):
+        cache = AS.YourManager(64, BLOCK, L04.kvlab_pieces(**pieces))
         cache.blocks.take()  # block 0 in use: no sequence's blocks sit at its logical slots
-        return N.paged_generate(model, ps, cache, slots, gather, 8)
+        return N.paged_generate(model, ps, cache, slots, 8)
 
     assert AS.check_capstone(run(), reference)
-    assert not AS.check_capstone(run(slots=lambda table, bs, start, end: list(range(start, end))), reference)
-    assert not AS.check_capstone(run(gather=lambda pages, table, n, bs: pages[:n]), reference)
+    # a block id not scaled by block_size: blocks overlap, positions overwrite each other's K/V
+    assert not AS.check_capstone(run(slots=lambda t, bs, start, end: [t[p // bs] + p % bs for p in range(start, end)]),
+                                 reference)
 
     def unchained(tokens, bs, extra_keys=()):  # every block keyed on its tokens alone: wrong hits
         return [hash_token_blocks(tokens[i * bs:(i + 1) * bs], bs)[0] for i in range(len(tokens) // bs)]
 
     moved = [prompts[0], prompts[1][BLOCK:2 * BLOCK] + prompts[1]]  # block 1's text first, then the whole prompt
     results = run(hashes=unchained, ps=moved)
-    assert results[1][1] > 0 and not AS.check_capstone(results, _isolated(model, moved, 8))
+    assert results[1][1] > 0 and not AS.check_capstone(results, AS.isolated_generate(model, moved, 8))
+
+    def no_new_block(blocks, seq_id, token_ids):  # registers filled blocks but never takes a new one
+        if len(token_ids) % blocks.block_size == 0:
+            SOL.build_05_append(blocks, seq_id, token_ids)
+
+    long = [p[:BLOCK * 3] for p in prompts]  # whole blocks: the first decoded token starts a new one
+    with pytest.raises(IndexError):  # its slot has no block in the table: the slot mapping cannot place it
+        run(ps=long, append=no_new_block)
 
 
-def test_your_manager_runs_under_the_engine(lm, three):
+def test_your_manager_runs_under_the_engine_and_caches_generated_blocks(lm, three):
     model, tok = lm
     sp = SamplingParams(max_tokens=6)
-    engine = Engine(model, tok, cache=N.YourManager(64, BLOCK, reference_allocate, hash_token_blocks))
+    cache = AS.YourManager(64, BLOCK, L04.kvlab_pieces())
+    engine = Engine(model, tok, cache=cache)
     outs = engine.generate(three, sp)
     iso = Engine(model, tok, enable_prefix_caching=False).generate(three, sp)
     assert [o.output_ids for o in outs] == [o.output_ids for o in iso]
     assert sum(o.num_cached_tokens for o in outs) > 0
+    engine.check_invariants()
+    # a second turn repeating the first request with its answer hits the blocks that its decode steps filled
+    first = engine.generate([three[0]], SamplingParams(max_tokens=BLOCK + 1, ignore_eos=True))[0]
+    turn = list(first.prompt_ids) + list(first.output_ids) + [0]
+    again = engine.generate([turn], SamplingParams(max_tokens=1))[0]
+    assert again.num_cached_tokens > len(first.prompt_ids) // BLOCK * BLOCK
     engine.check_invariants()
