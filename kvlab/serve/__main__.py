@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from ..engine.tenants import POLICIES
 from .protocol import PROMPT_BYTES_PER_TOKEN
@@ -95,14 +96,43 @@ def speed_paths(model, off: set[str] = frozenset()) -> tuple[dict[str, bool], di
     return {key: key not in off and key not in whys for key in checks}, whys
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line (checked before the model loads), or None."""
+    if args.public_prefix and args.isolation != "public-prefix":
+        return "--public-prefix needs --isolation public-prefix"
+    at_least = [("--max-waiting", args.max_waiting, 0), ("--num-blocks", args.num_blocks, 1),
+                ("--block-size", args.block_size, 1), ("--max-num-seqs", args.max_num_seqs, 1),
+                ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                ("--max-body-bytes", args.max_body_bytes, 1), ("--max-prompt-bytes", args.max_prompt_bytes, 1)]
+    for option, value, low in at_least:
+        if value is not None and value < low:
+            return f"{option} must be at least {low}, got {value}"
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
+    return check_model_path(args.model)
+
+
+def check_model_path(model: str | None) -> str | None:
+    """Why ``--model`` cannot be loaded, for a path that is missing or no model folder (cheap: loads nothing)."""
+    from ..engine.smollm2 import is_alias
+
+    if model is None or is_alias(model):
+        return None
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            return f"--model {model}: not a model folder (no config.json in it)"
+        return None
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
+        return f"--model {model}: no such folder"
+    return None  # a hub id: its cache is looked up when the model loads
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load the model, build the engine and serve until interrupted."""
     args = build_parser().parse_args(argv)
-    if args.public_prefix and args.isolation != "public-prefix":
-        print("--public-prefix needs --isolation public-prefix", file=sys.stderr)
-        return 2
-    if args.max_prompt_bytes is not None and args.max_prompt_bytes < 1:
-        print("kvlab serve: --max-prompt-bytes must be at least 1", file=sys.stderr)
+    if problem := check_args(args):
+        print(f"kvlab serve: {problem}", file=sys.stderr)
         return 2
     import uvicorn
 
@@ -119,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvlab serve: {e}", file=sys.stderr)
         return 2
     isolation = default_isolation(args.isolation, keys)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    try:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    except (OSError, ValueError) as e:  # a model that cannot be found or read: one line, no traceback
+        print(f"kvlab serve: cannot load the model {args.model or BUNDLED_NAME}: {e}", file=sys.stderr)
+        return 2
     # the speed paths run where they can; where one cannot, the server says why and runs without it
     off = {key for key in ("packed_linear", "paged_kernel", "fused_layers") if getattr(args, "no_" + key)}
     speed, whys = speed_paths(model, off)

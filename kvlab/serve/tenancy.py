@@ -16,11 +16,11 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from pathlib import Path
 
 __all__ = ["ENV_KEYS", "AuthError", "KeyTable", "load_api_keys"]
 
 ENV_KEYS = "KVLAB_API_KEYS"
+MAX_KEYS_FILE_BYTES = 1 << 20
 
 
 class AuthError(Exception):
@@ -42,12 +42,14 @@ def load_api_keys(path: str | os.PathLike | None = None, env: dict[str, str] | N
     """The key -> tenant table from ``path`` (JSON) or ``$KVLAB_API_KEYS``; ``{}`` (open server) if neither is set."""
     env = os.environ if env is None else env
     if path is not None:
-        p = Path(path)
+        from ..inputs import read_input
+
+        where = os.fspath(path)  # a regular file of at most 1 MiB: /dev/zero, a FIFO or a folder refused by name
+        data = read_input(where, "--api-keys", MAX_KEYS_FILE_BYTES)
         try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"cannot read the API key file {p}: {e}") from e
-        where = str(p)
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte {e.start + 1})") from None
     elif env.get(ENV_KEYS):
         text, where = env[ENV_KEYS], f"${ENV_KEYS}"
     else:

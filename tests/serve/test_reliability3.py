@@ -1,6 +1,9 @@
 """Reliability III (issue 53): streams equal their text, every input bounded, no request stalls another."""
 
+import os
 import random
+
+import pytest
 
 from kvlab.serve.text import TextStream
 
@@ -68,3 +71,55 @@ def test_the_smollm2_case_a_stop_string_completed_by_a_multibyte_character():
     sent = "".join(ts.push([i]) for i in range(len(pieces)))
     assert ts.text == "\n\n#"
     assert sent == "\n\n#"
+
+
+# --- N13, N9: kvlab serve's arguments and its key file, each refused in one line before the model loads ----------
+@pytest.fixture
+def serve_main(monkeypatch):
+    """``python -m kvlab.serve``'s ``main`` with a model loader that records whether it was called."""
+    import kvlab.engine.models
+    from kvlab.serve.__main__ import main
+
+    loads = []
+
+    def no_load(*args, **kwargs):
+        loads.append(args)
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(kvlab.engine.models, "load_model", no_load)
+    monkeypatch.delenv("KVLAB_API_KEYS", raising=False)
+    return main, loads
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--max-waiting", "-1"], "--max-waiting"),
+    (["--num-blocks", "0"], "--num-blocks"),
+    (["--block-size", "0"], "--block-size"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--port", "99999"], "--port"),
+    (["--port", "-1"], "--port"),
+    (["--model", "/nonexistent"], "/nonexistent"),
+    (["--model", "./no/such/model"], "./no/such/model"),
+    (["--api-keys", "/dev/zero"], "character device"),
+])
+def test_bad_serve_arguments_are_one_line_before_the_model_loads(serve_main, capsys, argv, named):
+    main, loads = serve_main
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and "\n" not in err and "Traceback" not in err, err
+    assert loads == []
+
+
+def test_api_keys_that_are_not_a_regular_file_or_too_big_are_refused(serve_main, capsys, tmp_path):
+    main, loads = serve_main
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "keys.json"
+    with open(big, "wb") as f:
+        f.truncate(64 << 20)  # sparse
+    for path, words in [(tmp_path, "a folder"), (fifo, "a FIFO"), (big, "bytes")]:
+        assert main(["--api-keys", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert str(path) in err and words in err and "\n" not in err, err
+    assert loads == []
