@@ -22,7 +22,7 @@ from kvlab.built.nb03 import token_agreement
 from kvlab.engine.models import encode, eos_ids, model_device_dtype, synchronize
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import progress_bar
-from kvlab.lessons.timing import Timing, ratio_verdict
+from kvlab.lessons.timing import Timing, ratio_verdict, time_interleaved
 from kvlab.prefix import PrefixKV, continue_from_cache
 
 
@@ -326,8 +326,8 @@ def ttft_methods(ratios: Sequence[float]) -> list[str]:
 @torch.no_grad()
 def run_ttft(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float] = RATIOS,
              repeats: int = 3, progress: bool = False) -> Any:
-    """Seconds to the first token's logits in each run, per request and method; the methods interleaved (their
-    order reversed every other run), after one untimed warm-up each.
+    """Seconds to the first token's logits (the wall time of ``blend_prefill``), per request and method, timed by
+    the series' ``time_interleaved``: a warm-up each (which also fills the chunk cache), the methods interleaved.
 
     Every method runs through ``blend_prefill``: full prefill (nothing cached), the system prompt from a
     prefix cache and the rest computed, and blending (prefix cache + chunk cache, hits only: the chunks
@@ -341,29 +341,18 @@ def run_ttft(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Seque
         full = full_pieces(req.pieces)
         runs = {names[0]: (full, 1.0, None), names[1]: (full, 1.0, prefix)}  # (pieces, r, prefix cache)
         runs.update({name: (req.pieces, r, prefix) for name, r in zip(names[2:], ratios)})
-        times: dict[str, list[float]] = {n: [] for n in names}
-        select: dict[str, list[float]] = {n: [] for n in names}
-        for pieces, r, pre in runs.values():
-            blend_prefill(chunks, pieces, r, prefix=pre)  # warm-up, and every chunk is in the cache from here on
-        for k in range(repeats):
-            for name in (names if k % 2 == 0 else names[::-1]):
-                pieces, r, pre = runs[name]
-                b = blend_prefill(chunks, pieces, r, prefix=pre)
-                times[name].append(b.seconds["ttft"])
-                select[name].append(b.seconds["select"])
+        t = time_interleaved({name: lambda a=a: blend_prefill(chunks, a[0], a[1], prefix=a[2])
+                              for name, a in runs.items()}, repeats=repeats)
         rows += [{"request": i, "method": name, "prompt tokens": len(req.prompt_ids),
                   "computed tokens": len(req.prompt_ids) - (len(req.pieces[0][0]) if runs[name][2] else 0),
-                  "runs_s": tuple(times[name]), "select_runs_s": tuple(select[name])} for name in names]
+                  "runs_s": t[name].seconds, "select_s": t[name].result.seconds["select"]} for name in names]
     return pd.DataFrame(rows)
 
 
-def ttft_timings(ttft: Any, column: str = "runs_s") -> dict[str, Timing]:
-    """Per method, the mean seconds per request in each run, as a ``Timing`` for notebook 01's harness."""
-    out = {}
-    for method, g in ttft.groupby("method", sort=False):
-        per_run = [sum(x) / len(g) for x in zip(*g[column])]
-        out[method] = Timing(method, tuple(per_run))
-    return out
+def ttft_timings(ttft: Any) -> dict[str, Timing]:
+    """Per method, the mean seconds per request in each run, as a ``Timing``."""
+    return {method: Timing(method, tuple(sum(x) / len(g) for x in zip(*g["runs_s"])))
+            for method, g in ttft.groupby("method", sort=False)}
 
 
 def ttft_table(ttft: Any) -> Any:
@@ -371,11 +360,11 @@ def ttft_table(ttft: Any) -> Any:
     the same ``ratio_verdict`` numbers the sentences below the table print."""
     import pandas as pd
 
-    timings, select = ttft_timings(ttft), ttft_timings(ttft, "select_runs_s")
+    timings, select = ttft_timings(ttft), ttft.groupby("method", sort=False)["select_s"].mean()
     rows = {}
     for method, t in timings.items():
         v = ratio_verdict(t, timings["full prefill"])
         rows[method] = {"median TTFT ms": 1000 * t.median, "min ms": 1000 * t.lo, "max ms": 1000 * t.hi,
                         "vs full prefill": v.value, "ratio lo": v.lo, "ratio hi": v.hi,
-                        "selection ms": 1000 * select[method].median}
+                        "selection ms": 1000 * select[method]}
     return pd.DataFrame(rows).T

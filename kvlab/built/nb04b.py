@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import re
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -115,26 +114,6 @@ def fewshot_trace(num_requests: int, pool: int = 8, shots: int = 4, header_len: 
     return out
 
 
-def branching_trace(num_trees: int, branches: int = 4, sub_branches: int = 2, system_len: int = 200,
-                    seed: int = 0) -> list[Request]:
-    """Several continuations of one conversation: a base turn, ``branches`` follow-ups, each with ``sub_branches``."""
-    rng = random.Random(seed)
-    system = _ids(rng, system_len)
-    out = []
-    for t in range(num_trees):
-        base = Request(f"b{t}", system + _ids(rng, rng.randint(20, 60)), _ids(rng, rng.randint(20, 40)),
-                       tags={"tree": t, "level": 0})
-        out.append(base)
-        for i in range(branches):
-            branch = Request(f"b{t}.{i}", base.prompt + base.output + _ids(rng, rng.randint(10, 30)),
-                             _ids(rng, rng.randint(16, 32)), after=base.req_id, tags={"tree": t, "level": 1})
-            out.append(branch)
-            for j in range(sub_branches):
-                out.append(Request(f"b{t}.{i}.{j}", branch.prompt + branch.output + _ids(rng, rng.randint(5, 20)),
-                                   _ids(rng, rng.randint(8, 16)), after=branch.req_id, tags={"tree": t, "level": 2}))
-    return out
-
-
 def short_prefix_trace(num_requests: int, seed: int = 0) -> list[Request]:
     """Prefixes shorter than a 16-token block (6, 10 or 14 tokens) before a unique question."""
     return shared_prefix_trace(num_requests, prefix_lens=(6, 10, 14), suffix_len=(8, 40), output_len=(4, 16), seed=seed)
@@ -145,42 +124,21 @@ def _round_up(n: int, m: int = 32) -> int:
     return cdiv(n, m) * m
 
 
-def _lookup_us(caches: dict[str, RadixCache | BlockManager], requests: Sequence[Request], repeats: int
-               ) -> dict[str, float]:
-    """Mean µs of one ``can_allocate`` (the prefix lookup) per cache: the fastest of ``repeats`` passes.
-
-    The caches take turns pass by pass, so a burst of load from other processes hits them alike; the
-    minimum is the pass least disturbed by it.
-    """
-    scopes = [TenantScope(salt=r.salt) for r in requests]
-    best = dict.fromkeys(caches, float("inf"))
-    for _ in range(repeats):
-        for name, cache in caches.items():
-            t0 = time.perf_counter_ns()
-            for r, scope in zip(requests, scopes):
-                cache.can_allocate(r.prompt, scope)
-            best[name] = min(best[name], (time.perf_counter_ns() - t0) / 1000 / len(requests))
-    return best
-
-
 def compare(traces: dict[str, list[Request]], caches: Iterable[str] = tuple(CACHES), max_running: int = 8,
-            pressure: float = 0.3, repeats: int = 5) -> list[dict]:
-    """One row per (workload, cache): cached tokens, hit rate, memory, evictions under a finite pool, lookup µs.
+            pressure: float = 0.3) -> list[dict]:
+    """One row per (workload, cache): cached tokens, hit rate, memory, evictions under a finite pool.
 
     Every cache of a workload gets the same capacity in tokens: room for everything (the ``ample`` run),
     then ``pressure`` x the tokens the token-granular tree held at the end of the ample run (at least two
-    of the longest request), rounded up to 32. Lookup: ``can_allocate`` of every prompt against the cache
-    the ample run left warm, fastest of ``repeats`` passes.
+    of the longest request), rounded up to 32.
     """
     rows = []
     caches = list(caches)
     for wname, reqs in traces.items():
         longest = max(len(r.prompt) + len(r.output) for r in reqs)
         ample = _round_up(sum(len(r.prompt) + len(r.output) for r in reqs) + 32 * max_running)
-        warm = {}
         for cname in caches:
-            cache = warm[cname] = make_cache(cname, ample)
-            a = replay(cache, reqs, max_running)
+            a = replay(make_cache(cname, ample), reqs, max_running)
             rows.append({"workload": wname, "cache": cname, "requests": a["requests"], "prompt tokens": a["query_tokens"],
                          "cached tokens": a["hit_tokens"], "hit rate": a["hit_rate"],
                          "cached per request": a["hit_tokens"] / a["requests"],
@@ -189,8 +147,6 @@ def compare(traces: dict[str, list[Request]], caches: Iterable[str] = tuple(CACH
                          "wasted slots (mean)": a["wasted_slots_mean"],
                          "miss short": a["miss_short"], "ample pool (tokens)": ample,
                          "nodes or blocks": a.get("tree_nodes", a["num_cached_blocks"]), "splits": a.get("splits", 0)})
-        for row, us in zip(rows[-len(caches):], _lookup_us(warm, reqs, repeats).values()):
-            row["lookup µs"] = us
         distinct = next((r["resident (tokens)"] for r in rows[-len(caches):] if r["cache"] == "radix page 1"), ample)
         finite = _round_up(max(int(pressure * distinct), 2 * longest))
         for row in rows[-len(caches):]:
@@ -224,8 +180,7 @@ def summary(rows: list[dict], token: str = "radix page 1", block: str = "blocks 
                         f"{p['cached tokens'] - b['cached tokens']:+d} against the blocks of the same size."))
         lines.append(f"   small pool ({t['small pool (tokens)']} tokens): {token} {100 * t['hit rate (small pool)']:.1f}% "
                      f"with {t['evicted tokens (small pool)']} tokens evicted, {block} "
-                     f"{100 * b['hit rate (small pool)']:.1f}% with {b['evicted tokens (small pool)']} evicted; "
-                     f"lookup {t['lookup µs']:.1f} µs vs {b['lookup µs']:.1f} µs per request.")
+                     f"{100 * b['hit rate (small pool)']:.1f}% with {b['evicted tokens (small pool)']} evicted.")
         gains[-1] = (*gains[-1], lines)
     out = [line for *_, lines in gains for line in lines]
     best, worst = max(gains), min(gains)
@@ -234,7 +189,7 @@ def summary(rows: list[dict], token: str = "radix page 1", block: str = "blocks 
     return out
 
 
-# --- 04b_radix_vs_blocks.ipynb, cell 24 ---
+# --- 04b_radix_vs_blocks.ipynb, cell 23 ---
 def tenant_sharing(num_tenants: int = 4, requests_per_tenant: int = 4, system_len: int = 200,
                    seed: int = 0) -> list[dict]:
     """Tenants behind one operator system prompt: hash blocks with a public prefix vs the radix tree's salted roots."""
@@ -255,7 +210,7 @@ def tenant_sharing(num_tenants: int = 4, requests_per_tenant: int = 4, system_le
     return rows
 
 
-# --- 04b_radix_vs_blocks.ipynb, cell 27 ---
+# --- 04b_radix_vs_blocks.ipynb, cell 26 ---
 def engine_ttft(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], caches: dict[str, dict],
                 max_tokens: int = 4, num_tokens: int = 16384, block_size: int = DEFAULT_BLOCK_SIZE,
                 repeats: int = 3) -> dict[str, dict]:

@@ -15,10 +15,9 @@ import pandas as pd
 from kvlab.cache import DEFAULT_BLOCK_SIZE, cdiv
 from kvlab.doctor import Diagnosis
 from kvlab.doctor.culprits import Culprit, record_segments
-from kvlab.doctor.prepare import prepare
 from kvlab.doctor.replay import replay_block_manager, replay_tokens
 from kvlab.doctor.report import pct
-from kvlab.doctor.tokenization import PromptEncoder, tokstr
+from kvlab.doctor.tokenization import tokstr
 from kvlab.lessons.timing import Timing, time_interleaved
 
 
@@ -178,76 +177,3 @@ def engine_ttft(model: Any, tok: Any, prompts: dict[str, list[list[int]]], block
 def fit_prompts(tokens, max_len: int, n: int) -> list[int]:
     """Indices of the first ``n`` prompts no longer than ``max_len`` tokens."""
     return [i for i, t in enumerate(tokens) if len(t) <= max_len][:n]
-
-
-# --- 08_why_is_my_hit_rate_low.ipynb, cell 47 ---
-ARTICLE_54 = [
-    ("系统提示词固定不变，作为共享前缀的主体", "keep the system prompt fixed: it is the body of the shared prefix"),
-    ("前缀长度对齐到16 token的整数倍", "align the prefix length to a multiple of 16 tokens"),
-    ("动态内容（时间、用户ID等）放到后缀", "put dynamic content (time, user id) in the suffix"),
-    ("多轮对话只共享系统提示词，对话历史不共享", "multi-turn: share only the system prompt, not the history"),
-    ("开启写时复制，确保共享块只读", "copy-on-write: shared blocks are read-only"),
-    ("监控前缀命中率和显存占用，设置告警阈值", "monitor the hit rate and KV memory, with alert thresholds"),
-    ("每次模型或tokenizer更新后重新验证前缀一致性", "re-verify prefix consistency after every model or tokenizer update"),
-]
-
-
-def template_54(d: Diagnosis, other_tokenizer: tuple[str, float, float] | None = None) -> pd.DataFrame:
-    """The article's 5.4 strategy template, each line with what this log measured."""
-    k = d.cap_key
-    base = d.baseline[k]["hit_rate"]
-    final = d.chain[-1][f"{k}_hit_rate"]
-
-    def gain(kinds: tuple[str, ...]) -> str:
-        cs = [c for c in d.kept if c.kind in kinds]
-        if not cs:
-            return "no such culprit kept in this log"
-        return "; ".join(f"{label(c)}: {pct(c.before[k]['hit_rate'])} -> {pct(c.chained[k]['hit_rate'])}" for c in cs)
-
-    def label(c) -> str:  # a field culprit is named by its line, e.g. 'Current time:'
-        if c.kind in ("volatile", "per-user", "per-session") and ": " in c.title:
-            return f"{KIND_NAMES[c.kind]} '{c.title.rsplit(': ', 1)[-1].strip()}'"
-        return KIND_NAMES[c.kind]
-
-    al = d.culprit("alignment")
-    if al is not None and al.chained is not None:
-        u0, u1 = al.before["unbounded"], al.chained["unbounded"]
-        align = (f"padding every shared prefix to a block boundary: {pct(u0['hit_rate'])} -> {pct(u1['hit_rate'])}, "
-                 f"prefill {u0['computed_tokens']} -> {u1['computed_tokens']} tokens"
-                 + (" (below the doctor's threshold: dropped)" if al.no_effect else ""))
-    else:
-        align = "no shared prefix ended inside a block"
-    sizes = ", ".join(f"{bs}: {pct(replay_tokens(d.final.tokens, bs).hit_rate)}" for bs in d.block_sizes)
-    so = d.system_only
-    multi = (f"on the fixed log, sharing only the system prompt: {pct(so['hit_rate_system_only'])}; sharing the "
-             f"(append-only) history too: {pct(so['hit_rate_history_shared'])}" if so else "no system prompts in the log")
-    fixed_system = gain(("template", "whitespace", "order", "tools-order"))
-    other = (f"the same fixed log tokenized for {other_tokenizer[0]}: {pct(other_tokenizer[2])} "
-             f"({pct(other_tokenizer[1])} with {d.model}; block size {d.block_size}, unbounded): the numbers belong "
-             "to one tokenizer and template, so the doctor runs again after every update") if other_tokenizer else \
-        "no second tokenizer available here to compare"
-    measured = [
-        f"as logged {pct(base)}; every fix in order: {pct(final)}. Fixes that made the system part stable: {fixed_system}",
-        f"{align}. The fixed log, unbounded cache, per block size: {sizes}",
-        gain(("volatile", "per-user", "per-session")),
-        multi,
-        "not a property of the traffic: kvlab's BlockManager copies a shared partial block before a write "
-        "(notebooks 04 and 07 show the bug without it)",
-        f"the replay is the number vLLM's prefix_cache_hits / prefix_cache_queries would show for this traffic "
-        f"({pct(base)}); its ceiling (token-granular, no eviction) is {pct(d.ceiling['hit_rate'])}",
-        other,
-    ]
-    return pd.DataFrame([{"article 5.4 (zh)": zh, "the advice": en, "measured on this log": m}
-                         for (zh, en), m in zip(ARTICLE_54, measured)])
-
-
-def retokenized_hit_rate(d: Diagnosis, model: str | None, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[str, float, float] | None:
-    """(model, hit rate here, hit rate with ``model``'s tokenizer) of the fixed log, unbounded; None if not available."""
-    try:
-        enc = PromptEncoder(model)
-    except Exception:  # noqa: BLE001 - that model is not installed here: the comparison is left out
-        return None
-    final = [r for r in d.final.records]
-    prep = prepare(final, enc)
-    here = replay_tokens(d.final.tokens, block_size).hit_rate
-    return enc.name, here, replay_tokens(prep.tokens, block_size).hit_rate

@@ -8,7 +8,6 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -18,14 +17,10 @@ import pandas as pd
 from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.cache.kv_events import AllBlocksCleared, BlockStored, describe
 from kvlab.cluster import POLICIES, CostModel, FleetResult, agree, simulate
+from kvlab.lessons.common import pct
 
 
 # --- 09_beyond_one_replica.ipynb, cell 5 ---
-def pct(x: float) -> str:
-    """A fraction as a percentage with one decimal."""
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
-
-
 def events_of_one_request(model: Any, tokenizer: Any, prompt: Sequence[int], max_tokens: int = 20,
                           block_size: int = DEFAULT_BLOCK_SIZE) -> list:
     """Run one request on a fresh engine with KV events on, then reset its cache: the event batches."""
@@ -76,15 +71,16 @@ def index_sentence(result: FleetResult, replicas: Sequence[Any]) -> str:
 def sweep(workload, replicas: Sequence[int] = (1, 2, 4), policies: Sequence[str] = POLICIES, *, num_blocks: int = 96,
           cost: CostModel | None = None, **router_kwargs) -> pd.DataFrame:
     """Simulate every (replica count, policy): one summary row each, plus the mean TTFT and the cold prefills
-    (requests that found nothing cached); ``slowest_cold``: the slowest request was one of them."""
+    (requests that found nothing cached or restored); ``slowest_cold``: the slowest request was one of them."""
     rows = []
     for n in replicas:
         for p in policies:
             res = simulate(workload, n, p, num_blocks=num_blocks, cost=cost, **router_kwargs)
             slowest = max(res.records, key=lambda r: r["ttft"])
+            cold = [r["cached_tokens"] + r.get("restored_tokens", 0) == 0 for r in res.records]  # found nothing
             rows.append({**res.summary(), "ttft_mean": statistics.mean(r["ttft"] for r in res.records),
-                         "cold_prefills": sum(r["cached_tokens"] == 0 for r in res.records),
-                         "slowest_cold": slowest["cached_tokens"] == 0, "workload": workload.name})
+                         "cold_prefills": sum(cold), "slowest_cold": cold[res.records.index(slowest)],
+                         "workload": workload.name})
     return pd.DataFrame(rows)
 
 
@@ -161,40 +157,6 @@ def weight_sentence(df: pd.DataFrame) -> str:
 
 
 # --- 09_beyond_one_replica.ipynb, cell 21 ---
-def failure_runs(workload, num_replicas: int = 4, policies: Sequence[str] = ("round_robin", "session_affinity", "kv_aware"),
-                 *, at: float = 3.0, rejoin_after: float | None = 2.0, num_blocks: int = 96, window: float = 1.0,
-                 cost: CostModel | None = None) -> pd.DataFrame:
-    """Replica 0 fails at ``at`` (its cache is lost) and rejoins empty: hit rate per arrival window, per policy."""
-    rows = []
-    for p in policies:
-        res = simulate(workload, num_replicas, p, num_blocks=num_blocks, cost=cost, fail=(at, 0, rejoin_after))
-        for t, h, n in res.hit_rate_over_time(window):
-            rows.append({"policy": p, "t": t, "hit_rate": h, "requests": n})
-    return pd.DataFrame(rows)
-
-
-def failure_sentences(df: pd.DataFrame, at: float, rejoin_after: float | None, window: float = 1.0) -> list[str]:
-    """Per policy: hit rate of the windows before the failure, the worst window after it, and the last windows."""
-    out = []
-    for p, d in df.groupby("policy", sort=False):
-        d = d.dropna()
-        before = d[(d.t + window <= at) & (d.t >= window)]  # skip the cold first window
-        after = d[(d.t >= at) & (d.t < at + (rejoin_after or 2.0) + window)]
-        if not len(before) or not len(after):
-            continue
-        b = (before.hit_rate * before.requests).sum() / before.requests.sum()
-        worst = after.hit_rate.min()
-        tail = d[d.t >= at + (rejoin_after or 2.0) + window]
-        rec = (tail.hit_rate * tail.requests).sum() / tail.requests.sum() if len(tail) and tail.requests.sum() else math.nan
-        dip = worst < b - 0.01  # a dip: at least a point below the level before
-        out.append(f"{p}: {pct(b)} before the failure, {pct(worst)} in the worst window after it "
-                   f"({'a dip' if dip else 'no dip of a point or more'}), {pct(rec)} once it has rejoined"
-                   + ("" if math.isnan(rec) else (" (recovered to at least the level before)" if rec >= b else
-                                                  " (not back to the level before)")) + ".")
-    return out
-
-
-# --- 09_beyond_one_replica.ipynb, cell 24 ---
 def ray_fleet_run(workload, num_replicas: int = 2, policies: Sequence[str] = ("round_robin", "kv_aware"), *,
                   num_blocks: int = 64, model: str | None = None) -> dict:
     """Real engines as Ray actors: each policy with the measured clock, then one modelled run checked by the sim.

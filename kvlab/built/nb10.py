@@ -7,23 +7,18 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import kvlab
 from kvlab.audit import (
     AuditConfig,
     AuditResult,
     Endpoint,
     Level,
     Template,
-    Timing,
     accuracy,
     chance_pvalue,
     run_audit,
@@ -33,6 +28,7 @@ from kvlab.audit import (
 from kvlab.audit.local import ServerProcess, start_kvlab
 from kvlab.audit.procedure import Probe
 from kvlab.audit.prompts import letters_for, random_letters
+from kvlab.lessons.common import record_files
 
 # --- 10_is_this_endpoint_sharing.ipynb, cell 4 ---
 KEYS = {"sk-alice": "acme", "sk-carol": "acme", "sk-bob": "globex"}  # API key -> organisation (tenant)
@@ -144,26 +140,7 @@ def vllm_audit(server: ServerProcess, config: AuditConfig, progress: Any = None,
     return table, path
 
 
-def _root(root: Any) -> Path:
-    return Path(root) if root is not None else Path(kvlab.__file__).resolve().parents[1]
-
-
-def save_record(record: dict, root: Any = None) -> str:
-    """Write the vLLM audit to ``build/bench/audit_vllm.json`` with the time, so a run without vLLM can show it."""
-    path = _root(root) / RECORD
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**record, "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
-                               indent=1, default=str))
-    return str(path)
-
-
-def load_record(root: Any = None) -> dict | None:
-    """The last recorded vLLM audit, or None when there is none (or it cannot be read)."""
-    path = _root(root) / RECORD
-    try:
-        return json.loads(path.read_text()) | {"path": str(path)}
-    except (OSError, json.JSONDecodeError):
-        return None
+save_record, load_record = record_files(RECORD)  # build/bench/audit_vllm.json, stamped with its time
 
 
 # --- 10_is_this_endpoint_sharing.ipynb, cell 20 ---
@@ -188,39 +165,6 @@ def _cached(guesses: Sequence[Any], right: bool) -> list[int]:
 
 
 # --- 10_is_this_endpoint_sharing.ipynb, cell 24 ---
-def engine_probe(engine: Any, tokenizer: Any) -> Probe:
-    """A probe that runs in-process on an ``Engine`` (its own TTFT; ``cache_salt`` as the raw salt): no HTTP."""
-    from kvlab.engine.models import encode
-    from kvlab.engine.sampling import SamplingParams
-
-    def probe(ep: Endpoint, prompt: str) -> Timing:
-        ids = encode(tokenizer, prompt)
-        out = engine.generate([ids], SamplingParams(max_tokens=1), unsafe_salts=[ep.cache_salt])[0]
-        return Timing(out.ttft, len(ids), out.num_cached_tokens)
-
-    return probe
-
-
-def dictionary_vs_block(model: Any, tokenizer: Any, block_sizes: Sequence[int], k: int, trials: int,
-                        template: Template, seed: int = 0) -> list[dict]:
-    """Accuracy per block size, in-process on a fresh engine each (a cache property: no server restart needed)."""
-    from kvlab.engine import Engine
-    from kvlab.engine.models import encode
-
-    before = len(encode(tokenizer, template.before))
-    rows = []
-    for bs in block_sizes:
-        engine = Engine(model, tokenizer, num_blocks=max(64, 8192 // bs), block_size=bs)
-        ep = Endpoint("http://in-process", None, "m")
-        g = run_dictionary_attack(ep, ep, k, trials, template, seed=seed, probe=engine_probe(engine, tokenizer))
-        right, wrong = _cached(g, True), _cached(g, False)
-        rows.append({"block size": bs, "k": k, "trials": trials, "accuracy": accuracy(g), "chance (1/k)": 1 / k,
-                     "p (binomial, vs chance)": chance_pvalue(g), "tokens before the secret": before,
-                     "cached right": statistics.median(right), "cached wrong": statistics.median(wrong)})
-    return rows
-
-
-# --- 10_is_this_endpoint_sharing.ipynb, cell 28 ---
 def power_grid(level: Level, lengths: Sequence[int], fractions: Sequence[float], config: AuditConfig,
                target: float = 0.9, reps: int = 50, progress: Any = None) -> list[dict]:
     """One audit per (prompt length, prefix fraction): p-value, decision, and samples to detect by subsampling."""
@@ -236,7 +180,7 @@ def power_grid(level: Level, lengths: Sequence[int], fractions: Sequence[float],
     return rows
 
 
-# --- 10_is_this_endpoint_sharing.ipynb, cell 32 ---
+# --- 10_is_this_endpoint_sharing.ipynb, cell 28 ---
 def defence_cost(urls: dict[str, str], model: str, system_prompt: str, n_users: int = 6, question_tokens: int = 16,
                  tokens_per_letter: float = 1.0, seed: int = 0) -> list[dict]:
     """Users of both orgs send the public system prompt and a question of their own, one after another, per mode.

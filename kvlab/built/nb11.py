@@ -7,15 +7,14 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 
 from __future__ import annotations
 
-import math
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
 
+from kvlab.built.nb09 import sweep
 from kvlab.cache.hashing import prompt_block_hashes
 from kvlab.cache.host_tier import collect_blocks
 from kvlab.cluster import (
@@ -29,38 +28,16 @@ from kvlab.cluster import (
     simulate,
 )
 from kvlab.cluster.object_store import LocalObjectStore, PickleObjectStore
+from kvlab.lessons.common import ms, pct
 from kvlab.lessons.timing import Timing, ratio_verdict
 
 # --- 11_tiers_and_transfer.ipynb, cell 3 ---
 BS = 16  # the block size of every engine in this notebook
 
 
-def pct(x: float) -> str:
-    """A fraction as a percentage with one decimal."""
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
-
-
-def ms(x: float) -> str:
-    """Seconds as milliseconds with two decimals."""
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1000 * x:.2f} ms"
-
-
 def random_tokens(n: int, rng: random.Random) -> list[int]:
     """``n`` random token ids (above the bundled model's special tokens)."""
     return [rng.randrange(3, 500) for _ in range(n)]
-
-
-def tiers_are_ram(device: Any) -> str:
-    """Say what "host tier" and "transfer" mean on this machine."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return ("The model runs on the CPU: the pool and the host tier are both RAM, so an offload or a restore is a "
-                "memcpy and a 'transfer' between replicas is a serialization in this process. The times below say "
-                "what a copy costs against a recompute here, not what PCIe or a network would.")
-    return (f"The model runs on {dev}: the host tier is CPU RAM, so an offload or a restore is a real device <-> host "
-            "copy; a transfer between replicas is a serialization in this process (no network).")
 
 
 # --- 11_tiers_and_transfer.ipynb, cell 6 ---
@@ -224,18 +201,10 @@ def tier_sentences(df: pd.DataFrame) -> list[str]:
 def policy_table(workloads: Sequence, replicas: Sequence[int] = (2, 4),
                  policies: Sequence[str] = ("round_robin", "kv_aware", "pull"), *, num_blocks: int = 96,
                  cost: CostModel | None = None) -> pd.DataFrame:
-    """Simulated rows (modelled clock) per workload x replicas x policy: served rate, fetched share, TTFT, imbalance."""
-    rows = []
-    for wl in workloads:
-        for n in replicas:
-            for p in policies:
-                res = simulate(wl, n, p, num_blocks=num_blocks, cost=cost)
-                slowest = max(res.records, key=lambda r: r["ttft"])
-                rows.append({"workload": wl.name, **res.summary(),
-                             "ttft_mean": statistics.mean(r["ttft"] for r in res.records),
-                             "slowest_cold": slowest["cached_tokens"] + slowest.get("restored_tokens", 0) == 0})
-    return pd.DataFrame(rows)[["workload", "replicas", "policy", "hit_rate", "restored_rate", "ttft_p50", "ttft_mean",
-                               "ttft_p99", "imbalance", "preemptions", "slowest_cold"]]
+    """Notebook 09's ``sweep`` (modelled clock) per workload, with pull among the policies."""
+    return pd.concat([sweep(wl, replicas, policies, num_blocks=num_blocks, cost=cost) for wl in workloads])[
+        ["workload", "replicas", "policy", "hit_rate", "restored_rate", "ttft_p50", "ttft_mean", "ttft_p99",
+         "imbalance", "preemptions", "slowest_cold"]]
 
 
 def policy_sentences(df: pd.DataFrame) -> list[str]:
@@ -259,28 +228,13 @@ def policy_sentences(df: pd.DataFrame) -> list[str]:
 
 # --- 11_tiers_and_transfer.ipynb, cell 19 ---
 def real_policy_table(workload, num_replicas: int = 2, policies: Sequence[str] = ("round_robin", "kv_aware", "pull"),
-                      *, num_blocks: int = 64, model: str | None = None, ray: bool = False, **engine_kw: Any) -> dict:
-    """Real engines (measured clock), then pull once on the modelled clock replayed by the simulation.
-
-    ``ray=False``: engine replicas in this process, blocks through an in-process object store; ``ray=True``: Ray
-    actors and Ray's object store (returns ``{"error": ...}`` when Ray is missing or will not start).
-    """
+                      *, num_blocks: int = 64, model: str | None = None, **engine_kw: Any) -> dict:
+    """Real engines in this process (measured clock; blocks through an in-process object store), then pull once on
+    the modelled clock replayed by the simulation. Notebook 09 runs such a fleet as Ray actors."""
     t0 = time.perf_counter()
-    if ray:
-        from kvlab.cluster import ray_available, ray_replicas, start_ray
-
-        if not ray_available():
-            return {"error": "Ray is not installed (pip install -e .[cluster])"}
-        try:
-            start_ray(num_cpus=2)
-        except Exception as e:  # noqa: BLE001 - installed but it would not start here
-            return {"error": f"Ray did not start ({type(e).__name__}: {e})"}
-        handles = ray_replicas(num_replicas, model=model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks,
-                               **engine_kw)
-    else:
-        store = LocalObjectStore()
-        handles = [LocalHandle(EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks,
-                                             object_store=store, **engine_kw)) for _ in range(num_replicas)]
+    store = LocalObjectStore()
+    handles = [LocalHandle(EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks,
+                                         object_store=store, **engine_kw)) for _ in range(num_replicas)]
     rows, replies = [], {}
     for p in policies:
         res = run_fleet(workload, handles, p, clock="measured")
@@ -291,12 +245,8 @@ def real_policy_table(workload, num_replicas: int = 2, policies: Sequence[str] =
     df = pd.DataFrame(rows)[["workload", "replicas", "policy", "hit_rate", "restored_rate", "ttft_p50", "ttft_p99",
                              "imbalance"]]
     same = all(r == replies[policies[0]] for r in replies.values())
-    if ray:
-        import ray as ray_mod
-
-        ray_mod.shutdown()
     return {"rows": df, "agreement": agree(real, sim), "same_tokens": same, "seconds": time.perf_counter() - t0,
-            "backend": "Ray actors" if ray else "engines in this process"}
+            "backend": "engines in this process"}
 
 
 def real_sentences(out: dict) -> list[str]:

@@ -1,6 +1,6 @@
 """Helpers every lesson uses: exercise verdicts, the article's decision table (with a verdict column), CJK labels.
 
-Torch-free at import (``time_prefill`` imports notebook 00's when called), so a pure-Python lesson such as
+Torch-free at import, so a pure-Python lesson such as
 notebook 04's can use ``verdict`` and ``decision_table`` without loading torch.
 """
 
@@ -70,6 +70,16 @@ def as_number(answer: Any, kind: type = float) -> Any:
         return kind(answer)
     except (TypeError, ValueError):
         return None
+
+
+def check_number(answer: Any, expected: float, good: str, hint: str, kind: type = float, tol: float = 0.0) -> Verdict:
+    """A checker for a numeric answer: blank -> the hint; not a ``kind`` -> says so; else right within ``tol``."""
+    if answer is None:
+        return unanswered(hint)
+    value = as_number(answer, kind)
+    if value is None:
+        return verdict(False, hint=f"give {'a whole number' if kind is int else 'a number'}, not {answer!r}")
+    return verdict(abs(value - expected) <= tol, good, hint)
 
 
 # ----------------------------------------------------------------------------- the decision table
@@ -142,6 +152,39 @@ def decision_table(evidence: Mapping[str, str | Evidence] | None = None):
     return pd.DataFrame(rows).set_index("row")
 
 
+# ----------------------------------------------------------------------------- records of live runs
+
+
+def record_files(relpath: str) -> tuple[Callable[..., str], Callable[..., dict | None]]:
+    """``(save_record, load_record)`` for the JSON file ``relpath`` under the repository (or a ``root`` given to
+    either): the last live run against a peer (vLLM), stamped with its time, so a run without the peer can show it.
+
+    ``save_record(record, root=None)`` returns the path written; ``load_record(root=None)`` the record with its
+    ``path``, or None when there is none or it cannot be read.
+    """
+    import json
+    import time
+    from pathlib import Path
+
+    def where(root: Any) -> Path:
+        return Path(root if root is not None else Path(__file__).resolve().parents[2]) / relpath
+
+    def save_record(record: dict, root: Any = None) -> str:
+        path = where(root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        path.write_text(json.dumps({**record, "recorded_at": stamp}, indent=1, default=str))
+        return str(path)
+
+    def load_record(root: Any = None) -> dict | None:
+        try:
+            return json.loads(where(root).read_text()) | {"path": str(where(root))}
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    return save_record, load_record
+
+
 # ----------------------------------------------------------------------------- sizes
 
 QUICK_PARAMETERS = 10_000_000  # above this many parameters on a CPU, a notebook's sweeps use their small sizes
@@ -204,6 +247,16 @@ def ratio_word(ratio: float, above: str, below: str, tie: float = TIE) -> str:
     return above if ratio > 1 else below
 
 
+def pct(x: float | None) -> str:
+    """A fraction as a percentage with one decimal (0.1234 -> '12.3 %'); 'n/a' for None or NaN."""
+    return "n/a" if x is None or x != x else f"{100 * x:.1f} %"
+
+
+def ms(x: float | None) -> str:
+    """Seconds as milliseconds with two decimals; 'n/a' for None or NaN."""
+    return "n/a" if x is None or x != x else f"{1000 * x:.2f} ms"
+
+
 def share_word(k: int, n: int) -> str:
     """How many of ``n`` cases ``k`` is, in a word: "all", "most", "half", "a minority" or "none"."""
     if n <= 0 or not 0 <= k <= n:
@@ -213,15 +266,6 @@ def share_word(k: int, n: int) -> str:
     if k == 0:
         return "none"
     return "most" if 2 * k > n else "half" if 2 * k == n else "a minority"
-
-
-def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5, **kw: Any
-                 ) -> dict[str, Any]:
-    """Full prefill against suffix-only on the cached prefix, timed and judged: notebook 00 writes it
-    (``kvlab.built.nb00.time_prefill``; ``ratio`` = suffix-only / full, ``ideal`` = the suffix's token share)."""
-    from kvlab.built.nb00 import time_prefill as written_in_nb00
-
-    return written_in_nb00(model, prefix_ids, suffix_ids, repeats, **kw)
 
 
 GIB = 2**30

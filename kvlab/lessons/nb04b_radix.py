@@ -14,7 +14,7 @@ from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.radix import RadixCache
 from kvlab.lessons.common import Verdict, call_answer, verdict
 
-__all__ = ["check_gain", "check_radix_cached", "fig_hit_rate", "fig_lookup", "fig_pressure", "fig_ttft"]
+__all__ = ["check_gain", "check_radix_cached", "fig_hit_rate", "fig_pressure", "fig_ttft"]
 
 
 # --- figures -----------------------------------------------------------------------------------------------
@@ -57,17 +57,6 @@ def fig_pressure(rows: list[dict]) -> Figure:
     _grouped(axes[2], rows, lambda r: r["peak memory (tokens)"], caches, workloads)
     axes[2].set(ylabel="K/V slots held by running requests (peak)", title="memory held (ample pool)")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def fig_lookup(rows: list[dict]) -> Figure:
-    """Prefix-lookup cost per request (pure Python ``can_allocate`` on a warm cache)."""
-    caches, workloads = _names(rows)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    _grouped(ax, rows, lambda r: r["lookup µs"], caches, workloads)
-    ax.set(ylabel="µs per request (fastest pass)", title="prefix lookup cost, pure Python")
-    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

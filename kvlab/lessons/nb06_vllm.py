@@ -6,17 +6,15 @@ The comparisons, the jobs sent to vLLM's worker and the block-pool race are writ
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
+from kvlab.lessons.common import Verdict, check_number, record_files, unanswered, verdict
 from kvlab.vllm.bridge import VllmNotFoundError, run_kvlab, vllm_python
 
 RECORD = "build/vllm/nb06_last.json"  # the last comparison with vLLM, relative to the repository root
+save_record, load_record = record_files(RECORD)
 
 
 def vllm_found(python: Any = None) -> tuple[bool, str]:
@@ -31,46 +29,18 @@ def vllm_found(python: Any = None) -> tuple[bool, str]:
     return True, f"a vLLM interpreter is at {path} (vLLM itself is imported once, by the worker in section 2)"
 
 
-def save_record(record: dict, root: Any = None) -> str:
-    """Write the comparison to ``build/vllm/nb06_last.json`` (with the time), so a run without vLLM can show it."""
-    path = Path(root or Path(__file__).resolve().parents[2]) / RECORD
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**record, "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
-                               indent=1, default=str))
-    return str(path)
-
-
-def load_record(root: Any = None) -> dict | None:
-    """The last recorded comparison (``save_record``), or None."""
-    path = Path(root or Path(__file__).resolve().parents[2]) / RECORD
-    try:
-        return json.loads(path.read_text()) | {"path": str(path)}
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def check_cached_tokens(answer: int | None, prompt_tokens: int, shared_tokens: int, block_size: int = 32) -> Verdict:
     """Exercise 06.1: the ``num_cached_tokens`` both engines report for a prompt sharing ``shared_tokens`` with a cached one."""
-    hint = "count only whole blocks of the shared tokens, and the last prompt token is always recomputed"
-    if answer is None:
-        return unanswered(hint)
-    value = as_number(answer, int)
-    if value is None:
-        return verdict(False, hint=f"give a whole number of tokens, not {answer!r}")
     expected = min(shared_tokens, prompt_tokens - 1) // block_size * block_size
-    return verdict(value == expected, f"{expected}: whole blocks of the shared part, never the last prompt token", hint)
+    return check_number(answer, expected, f"{expected}: whole blocks of the shared part, never the last prompt token",
+                        "count only whole blocks of the shared tokens, and the last prompt token is always recomputed", int)
 
 
 def check_ttft_ideal(answer: float | None, prompt_tokens: int, cached_tokens: int, tol: float = 0.01) -> Verdict:
     """Exercise 06.2: the ideal TTFT ratio cached/uncached when prefill cost is proportional to computed tokens."""
-    hint = "divide the tokens that still need a forward pass by all prompt tokens"
-    if answer is None:
-        return unanswered(hint)
-    value = as_number(answer)
-    if value is None:
-        return verdict(False, hint=f"give a number, not {answer!r}")
     expected = (prompt_tokens - cached_tokens) / prompt_tokens
-    return verdict(abs(value - expected) <= tol, f"{expected:.3f}: the share of prompt tokens still computed", hint)
+    return check_number(answer, expected, f"{expected:.3f}: the share of prompt tokens still computed",
+                        "divide the tokens that still need a forward pass by all prompt tokens", tol=tol)
 
 
 def check_batch_counts(answer: bool | None, model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],

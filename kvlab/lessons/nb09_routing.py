@@ -10,9 +10,8 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from kvlab.built.nb09 import pct
 from kvlab.cluster import POLICIES, FleetResult, chat, from_prompts, simulate
-from kvlab.lessons.common import Verdict, call_answer, verdict
+from kvlab.lessons.common import Verdict, call_answer, pct, verdict
 
 
 def chat_workload(smoke: bool, seed: int = 0):
@@ -123,23 +122,6 @@ def fig_weight(df: pd.DataFrame):
     ax.set_xlabel("load imbalance (max / mean requests per replica)")
     ax.set_ylabel("fleet hit rate")
     ax.set_title("kv_aware: weight x blocks to prefill + active blocks")
-    fig.tight_layout()
-    return fig
-
-
-def fig_failure(df: pd.DataFrame, at: float, rejoin_after: float | None):
-    """Hit rate per arrival window; the failure and the rejoin marked."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    for p, d in df.groupby("policy", sort=False):
-        ax.plot(d.t, d.hit_rate, "o-", label=p, ms=3)
-    ax.axvline(at, color="C3", ls="--", label="replica 0 fails")
-    if rejoin_after is not None:
-        ax.axvline(at + rejoin_after, color="C2", ls=":", label="it rejoins, empty")
-    ax.set_xlabel("arrival time (s, modelled clock)")
-    ax.set_ylabel("hit rate of the requests arriving")
-    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

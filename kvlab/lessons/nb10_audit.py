@@ -15,7 +15,7 @@ from typing import Any
 
 from kvlab.audit import AuditResult
 from kvlab.audit.prompts import letters_for, random_letters
-from kvlab.lessons.common import Verdict, as_number, unanswered, verdict
+from kvlab.lessons.common import Verdict, check_number
 
 
 def public_system_prompt(tokens: int, tokens_per_letter: float = 1.0, seed: int = 0) -> str:
@@ -45,31 +45,20 @@ def fig_ecdf(table: Sequence[dict], results: Sequence[AuditResult], cols: int = 
     return fig
 
 
-def fig_dictionary(by_k: Sequence[dict], by_block: Sequence[dict]) -> Any:
-    """Accuracy vs k (unsalted, salted, chance) and vs block size."""
+def fig_dictionary(by_k: Sequence[dict]) -> Any:
+    """Accuracy vs k: unsalted, salted, and chance."""
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4.0))
+    fig, a = plt.subplots(figsize=(5.5, 4.0))
     for salts in sorted({r["salts"] for r in by_k}):
         rs = [r for r in by_k if r["salts"] == salts]
         a.plot([r["k"] for r in rs], [r["accuracy"] for r in rs], "o-", label=f"salts: {salts}")
     ks = sorted({r["k"] for r in by_k})
     a.plot(ks, [1 / k for k in ks], "k:", label="chance (1/k)")
     a.set_xscale("log", base=2)
-    a.set_xlabel("candidates k")
-    a.set_ylabel("accuracy (fastest = secret)")
-    a.set_title("over the wire (kvlab serve)")
-    # legends below the axes: inside, they covered the chance line at small accuracies
-    a.set_ylim(0, 1.05)
-    a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
-    b.plot([r["block size"] for r in by_block], [r["accuracy"] for r in by_block], "o-", label="accuracy")
-    b.axhline(by_block[0]["chance (1/k)"], color="k", ls=":", label="chance")
-    b.set_xscale("log", base=2)
-    b.set_xlabel("block size (tokens)")
-    b.set_ylabel("accuracy")
-    b.set_title(f"k = {by_block[0]['k']}, in-process engine")
-    b.set_ylim(0, 1.05)
-    b.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
+    a.set(xlabel="candidates k", ylabel="accuracy (fastest = secret)", title="over the wire (kvlab serve)", ylim=(0, 1.05))
+    # the legend below the axes: inside, it covered the chance line at small accuracies
+    a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
     fig.tight_layout()
     return fig
 
@@ -96,29 +85,17 @@ def fig_power(grid: Sequence[dict]) -> Any:
 
 def check_min_samples(answer: int | None, alpha: float = 1e-3) -> Verdict:
     """Exercise 10.1: the fewest samples per procedure for which an exact two-sided KS p-value can fall below alpha."""
-    hint = ("the smallest p-value comes from D = 1 (no overlap at all): with n per side its exact two-sided p is "
-            "2 / C(2n, n); find the first n where that is below alpha")
-    if answer is None:
-        return unanswered(hint)
-    value = as_number(answer, int)
-    if value is None:
-        return verdict(False, hint=f"give a whole number of samples, not {answer!r}")
     n = 1
     while 2 / math.comb(2 * n, n) >= alpha:
         n += 1
-    return verdict(value == n, f"{n} samples per procedure: 2 / C({2 * n}, {n}) = {2 / math.comb(2 * n, n):.2g} < {alpha}",
-                   hint)
+    return check_number(answer, n, f"{n} samples per procedure: 2 / C({2 * n}, {n}) = {2 / math.comb(2 * n, n):.2g} "
+                        f"< {alpha}", "the smallest p-value comes from D = 1 (no overlap at all): with n per side its "
+                        "exact two-sided p is 2 / C(2n, n); find the first n where that is below alpha", int)
 
 
 def check_right_guess_gain(answer: int | None, before: int, secret: int, after: int, block_size: int) -> Verdict:
     """Exercise 10.2: cached tokens a right guess gains over a wrong one (whole blocks only)."""
-    hint = ("a wrong guess hits the whole blocks before the secret starts; a right one hits every whole block up to "
-            "the end of the known text after it (and never the prompt's last token)")
-    if answer is None:
-        return unanswered(hint)
-    value = as_number(answer, int)
-    if value is None:
-        return verdict(False, hint=f"give a whole number of tokens, not {answer!r}")
     want = (before + secret + after) // block_size * block_size - before // block_size * block_size
-    return verdict(value == want, f"{want} tokens: whole blocks through the known text, minus those before the secret",
-                   hint)
+    return check_number(answer, want, f"{want} tokens: whole blocks through the known text, minus those before the "
+                        "secret", "a wrong guess hits the whole blocks before the secret starts; a right one hits every "
+                        "whole block up to the end of the known text after it (and never the prompt's last token)", int)

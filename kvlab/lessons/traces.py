@@ -20,7 +20,6 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvlab.cache import DEFAULT_BLOCK_SIZE
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.interface import CacheManager
 from kvlab.engine.trace_replay import TraceRequest, replay_trace
@@ -128,23 +127,6 @@ def timestamp_trace(
     return out
 
 
-def aligned_prefix_trace(
-    num_requests: int,
-    prefix_len: int,
-    block_size: int,
-    align: bool,
-    suffix_len: tuple[int, int] = (16, 64),
-    seed: int = 0,
-) -> list[Request]:
-    """A shared prefix of ``prefix_len`` tokens, padded up to a block-size multiple when ``align``."""
-    rng = random.Random(seed)
-    prefix = _ids(rng, prefix_len)
-    if align:
-        prefix += [0] * (-prefix_len % block_size)  # pad with a filler token (e.g. a newline)
-    return [Request(f"r{i}", prefix + _ids(rng, rng.randint(*suffix_len)), _ids(rng, 8), tags={"prefix": len(prefix)})
-            for i in range(num_requests)]
-
-
 def realistic_trace(
     num_conversations: int = 400,
     num_system_prompts: int = 4,
@@ -200,25 +182,6 @@ def block_size_sweep(
         row = replay(BlockManager(capacity_tokens // bs, bs, **kw), requests, max_running)
         row.pop("cached_tokens")
         rows.append(row)
-    return rows
-
-
-def free_order_comparison(
-    requests: list[Request], pool_blocks: Iterable[int], block_size: int = DEFAULT_BLOCK_SIZE, max_running: int = 4
-) -> list[dict]:
-    """Replay one trace on pools of several sizes under both free orders of ``BlockPool``.
-
-    ``"vllm"`` (the default): a freed block without a hash (a partial tail, never hittable) goes to the
-    *front* of the free list, so it is reused before any cached block is evicted; ``"lru"``: every freed
-    block goes to the back. One row per (pool size, order): hit rate, hit tokens, evictions.
-    """
-    rows = []
-    for n in pool_blocks:
-        for order in ("vllm", "lru"):
-            r = replay(BlockManager(n, block_size, free_order=order), requests, max_running)
-            rows.append({"pool blocks": n, "free order": order, "hit rate": r["hit_rate"],
-                         "hit tokens": r["hit_tokens"], "evictions": r["evictions"],
-                         "miss_evicted": r["miss_evicted"]})
     return rows
 
 
