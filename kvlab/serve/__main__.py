@@ -59,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-bytes", type=int, default=None,
                    help="UTF-8 bytes of prompt text (or chat message contents) accepted before tokenizing; larger "
                         f"is refused with 400 (default: {PROMPT_BYTES_PER_TOKEN} x the model's context in tokens)")
+    p.add_argument("--head-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a whole request head (then it is closed: a slowloris "
+                        "client holds nothing); also an idle kept-alive connection's limit (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a POST's body may take to arrive after its head (408 after; default 30)")
+    p.add_argument("--open-metrics", action="store_true",
+                   help="serve GET /metrics without an API key on a server with keys (by default it needs one: its "
+                        "counters show every tenant's load)")
     p.add_argument("--enable-debug-endpoint", action="store_true", help="GET /debug/engine (invariants, leaks)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -107,6 +115,9 @@ def check_args(args: argparse.Namespace) -> str | None:
     for option, value, low in at_least:
         if value is not None and value < low:
             return f"{option} must be at least {low}, got {value}"
+    for option, value in (("--head-timeout", args.head_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < value < float("inf"):
+            return f"{option} must be a positive number of seconds, got {value}"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
     return check_model_path(args.model)
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.models import load_model
     from ..engine.tenants import check_secret
     from .app import ServeConfig, create_app
+    from .guard import head_timeout_protocol
     from .tenancy import load_api_keys
 
     try:
@@ -169,13 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     # the secret is the engine's alone: it derives every salt, with or without a request's cache_salt
     config = ServeConfig(model_name=name, api_keys=keys, max_waiting=args.max_waiting,
                          max_body_bytes=args.max_body_bytes, debug_endpoint=args.enable_debug_endpoint,
-                         max_prompt_bytes=args.max_prompt_bytes)
+                         max_prompt_bytes=args.max_prompt_bytes, body_timeout=args.body_timeout,
+                         metrics_open=args.open_metrics)
     who = f"{len(set(keys.values()))} tenants" if keys else "open (no API keys)"
     print(f"kvlab serve: {name} on http://{args.host}:{args.port}/v1, isolation {isolation}, {who}", flush=True)
     if keys and isolation == "shared":  # chosen by name (the default with keys is "tenant"): said once, at start
         print("kvlab serve: --isolation shared with API keys: every tenant hits every other's cached prefixes "
               "(and can time them); use --isolation tenant to keep them apart", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    # h11 with a deadline on each request head; a kept-alive idle connection is closed after at most 5 s
+    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level,
+                http=head_timeout_protocol(args.head_timeout), timeout_keep_alive=min(5, args.head_timeout))
     return 0
 
 

@@ -31,6 +31,7 @@ from ..engine.models import encode
 from ..engine.sampling import SamplingParams
 from .debug import engine_report
 from .generation import ClientGone, Generation, OutputText, wait_or_disconnect
+from .guard import RequestGuard
 from .metrics import ServeMetrics
 from .protocol import (
     PROMPT_BYTES_PER_TOKEN,
@@ -62,6 +63,8 @@ class ServeConfig:
     max_prompt_bytes: int | None = None
     # prompt tokens whose log-probabilities one request may ask for (echo with logprobs, prompt_logprobs)
     max_prompt_logprob_tokens: int = 8192
+    body_timeout: float = 30.0  # seconds a POST's body may take to arrive (408 after; kvlab.serve.guard)
+    metrics_open: bool = False  # GET /metrics without a key on a server with keys (--open-metrics)
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -334,6 +337,9 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="kvlab serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
+    # JSON content type on POSTs (415), a body deadline (408), /metrics behind the keys: before any handler
+    app.add_middleware(RequestGuard, keys=srv.keys, max_body_bytes=config.max_body_bytes,
+                       body_timeout=config.body_timeout, metrics_open=config.metrics_open)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

@@ -123,3 +123,141 @@ def test_api_keys_that_are_not_a_regular_file_or_too_big_are_refused(serve_main,
         err = capsys.readouterr().err.strip()
         assert str(path) in err and words in err and "\n" not in err, err
     assert loads == []
+
+
+# --- N16: slow clients, cross-site simple POSTs, /metrics behind the keys ------------------------------------
+KEYS = {"key-a": "tenant-a"}
+
+
+@pytest.fixture(scope="module")
+def engine(bundled):
+    from kvlab.engine import Engine
+
+    model, tok = bundled
+    return Engine(model, tok, num_blocks=64, block_size=16)
+
+
+def _client(engine, **config):
+    from starlette.testclient import TestClient
+
+    from kvlab.serve import ServeConfig, create_app
+
+    return TestClient(create_app(engine, ServeConfig(model_name="m", **config)))
+
+
+BODY = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x", None])
+def test_a_post_that_is_not_json_by_its_content_type_is_refused_with_415(engine, ctype):
+    import json
+
+    headers = {} if ctype is None else {"Content-Type": ctype}
+    with _client(engine) as c:
+        r = c.post("/v1/completions", content=json.dumps(BODY), headers=headers)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        r = c.post("/v1/completions", content=json.dumps(BODY),
+                   headers={"Content-Type": "Application/JSON; charset=utf-8"})
+        assert r.status_code == 200, r.text
+
+
+def test_metrics_need_a_key_when_keys_are_configured_unless_opened(engine):
+    with _client(engine, api_keys=KEYS) as c:
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/metrics", headers={"Authorization": "Bearer key-a"}).status_code == 200
+        assert c.get("/health").status_code == 200  # liveness stays open
+    with _client(engine, api_keys=KEYS, metrics_open=True) as c:
+        assert c.get("/metrics").status_code == 200
+    with _client(engine) as c:  # an open server: open metrics
+        assert c.get("/metrics").status_code == 200
+
+
+def test_a_body_that_does_not_arrive_in_time_is_refused_with_408():
+    """The guard in front of the app: one chunk, then nothing; the app is never called."""
+    import asyncio
+
+    from kvlab.serve.guard import RequestGuard
+    from kvlab.serve.tenancy import KeyTable
+
+    called, sent = [], []
+
+    async def app(scope, receive, send):
+        called.append(scope)
+
+    async def receive():
+        if not sent and not called and not getattr(receive, "gave", False):
+            receive.gave = True
+            return {"type": "http.request", "body": b'{"prompt":', "more_body": True}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    guard = RequestGuard(app, KeyTable({}), max_body_bytes=1 << 20, body_timeout=0.05)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(guard(scope, receive, send))
+    assert called == [] and sent[0]["status"] == 408
+    assert (b"connection", b"close") in sent[0]["headers"]
+
+
+def test_a_request_head_sent_byte_by_byte_is_cut_off():
+    """A slowloris connection (a head that never ends) is closed by the server; a whole request is served."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from kvlab.serve.guard import head_timeout_protocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off",
+                                           http=head_timeout_protocol(0.3)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            s.sendall(b"X-a: b\r\n")  # ... and never the blank line
+            assert s.recv(100) == b""  # closed by the server (the 20 s socket timeout would raise instead)
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := s.recv(100):  # until the server closes the kept-alive, idle connection
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_serve_runs_uvicorn_with_the_head_timeout_and_the_metrics_flag(bundled, monkeypatch, capsys, tmp_path):
+    import json
+
+    import uvicorn
+
+    import kvlab.engine.models
+    from kvlab.serve.__main__ import main
+
+    runs = []
+    monkeypatch.setattr(kvlab.engine.models, "load_model", lambda *a, **k: bundled)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
+    monkeypatch.delenv("KVLAB_API_KEYS", raising=False)
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    assert main(["--num-blocks", "64", "--api-keys", str(keys)]) == 0
+    app, kw = runs.pop()
+    assert kw["http"].__name__ == "HeadTimeoutH11Protocol" and kw["timeout_keep_alive"] <= 5
+    assert app.state.server.config.metrics_open is False
+    assert main(["--num-blocks", "64", "--api-keys", str(keys), "--open-metrics"]) == 0
+    assert runs.pop()[0].state.server.config.metrics_open is True
+    assert main(["--num-blocks", "64", "--head-timeout", "0"]) == 2
