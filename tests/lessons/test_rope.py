@@ -89,75 +89,41 @@ def test_positions_from_mask_and_its_checker():
     assert str(X.check_suffix_positions([0, 1, 2], 5, 3)).startswith("not yet: ")
 
 
-# ----------------------------------------------------------------------------- the experiments
+# ----------------------------------------------------------------------------- the experiment
 
-def test_position_sweep(lm):
+def test_position_experiment_scores_every_case_and_repeats_its_numbers(lm):
     model, tok = lm
-    exs = P.make_examples(4, "heldout", start=500, history="none")
-    df = B.run_position_sweep(model, tok, exs, shifts=[0, 1024])
-    assert len(df) == 4 * 7
-    at0 = df[df["shift"] == 0]
-    assert at0[at0["kind"] != B.SWEEP_KINDS[3]]["identical"].all()  # shift 0 is the isolated run
-    assert df[df["kind"] == B.SWEEP_KINDS[2]]["identical"].all()  # everything shifted: distances kept
-    far = df[(df["shift"] == 1024) & df["kind"].isin(B.SWEEP_KINDS[:2])]
-    assert not far["identical"].all(), "distances 1024 positions off should change some answers"
-    restart = df[df["kind"] == B.SWEEP_KINDS[3]]
-    assert (restart["suffix start"] == 0).all()
-
-
-def test_restarting_positions_at_0_changes_the_logits(lm):
-    model, tok = lm
-    ex = P.make_example(3, "heldout", n_filler=2)
-    assert B.last_logits_gap(model, tok, ex.prefix_text, ex.suffix_text) < 1e-3
-    assert B.last_logits_gap(model, tok, ex.prefix_text, ex.suffix_text, suffix_start=0) > 0.1
-
-
-def test_uniform_shift_keys_rerotate_back_exactly(lm):
-    model, tok = lm
-    errs = B.shift_key_errors(model, tok, P.make_example(7, "heldout", n_filler=2), [5, 200])
-    for s in (5, 200):
-        assert errs[s]["as is"].max() > 0.1
-        assert errs[s]["re-rotated"].max() < 1e-3  # relative positions unchanged: every layer moves back
-
-
-def test_overlap_layer0_exact_deeper_wrong(lm):
-    model, tok = lm
-    outcomes, errors = B.run_overlap(model, tok, seeds=[0, 1])
-    rec = outcomes[outcomes["treatment"] == "recomputed"]
-    assert rec["identical"].all()  # the composed cache with B's own K/V is the isolated run
-    assert (outcomes["delta"] != 0).all()
-    k = errors[errors["tensor"] == "K"].groupby(["treatment", "layer"])["relative error"].max()
-    assert k[("A's K/V re-rotated", 0)] < 1e-5 < 1e-2 < k[("A's K/V as is", 0)]
-    assert k[("A's K/V re-rotated", 1)] > 1e-3  # layer 1 depends on what came before the segment
+    rows, errors = X.position_experiment(model, tok, n=4, shift=1024, new_tokens=6)
+    table = X.position_table(rows)
+    assert list(table.index) == list(X.CASES) and (table["prompts"] == 4).all()
+    assert table.loc[X.RIGHT, "identical"] == 1.0  # the cache at the right positions is the isolated run
+    assert table.loc[X.RIGHT, "max |Δ logit|, first token"] < 1e-3
+    assert table.loc[X.ALL_SHIFTED, "identical"] == 1.0  # distances kept
+    assert table.loc[X.SHIFTED, "identical"] < 1.0  # distances 1024 positions off change answers
+    assert table.loc[X.RESTART, "max |Δ logit|, first token"] > 0.1
+    k = errors[errors["tensor"] == "K"].set_index(["treatment", "layer"])["relative error"]
+    assert k[(X.REROTATED, 0)] < 1e-5 < 1e-2 < k[(X.AS_IS, 0)]
+    assert k[(X.REROTATED, 1)] > 1e-3  # layer 1 depends on what came before the segment
     v0 = errors[(errors["tensor"] == "V") & (errors["layer"] == 0)]["relative error"]
     assert v0.max() < 1e-6  # layer-0 values carry no position and no context
-    assert X.check_exact_layers([0], errors)
+    assert X.check_exact_layers([0], errors) and not X.check_exact_layers([0, 1], errors)
+    lines = X.position_verdicts(table, errors, 1024)
+    assert len(lines) == 4 and "4/4 identical" in lines[0] and "equal distances" in lines[1]
+    again, _ = X.position_experiment(model, tok, n=4, shift=1024, new_tokens=6)  # 07 reruns it: the same numbers
+    assert X.position_table(again).equals(table)
 
 
-def test_random_deep_model_shows_the_trend(lm):
+def test_same_shape_examples_batch_without_padding(lm):
     _, tok = lm
-    deep = B.random_deep_model(tok, num_layers=4, hidden_size=32)
-    assert deep.config.num_hidden_layers == 4
-    errs = B.layer_errors(B.overlap_caches(deep, B.overlap_pair(tok, 3)))
-    k = errs[(errs["tensor"] == "K") & (errs["treatment"] == "A's K/V re-rotated")].set_index("layer")["relative error"]
-    assert k[0] < 1e-5 and (k[1:] > 1e-3).all()
+    exs = X.same_shape_examples(tok, 6, seed=1)
+    assert len(exs) == 6 and len({len(X.chat_prompt(tok, e)[0]) for e in exs}) == 1
+    assert len({tuple(len(v) for v in X.overlap_ids(tok, e).values()) for e in exs}) == 1
 
 
-def test_group3_prefix_sharing_is_exact_and_wrong_ways_are_run(lm):
-    model, tok = lm
-    df = B.run_group3(model, tok, seeds=[0, 1, 2])
-    right = df[df["way"].str.contains("shared prefix")]
-    assert right["identical"].all() and len(right) == 6
-    wrong = df[~df["way"].str.contains("shared prefix")]
-    assert len(wrong) == 6 and not wrong["answers A's"].isna().any()
-
-
-def test_left_padding_right_way_matches_isolated(lm):
-    model, tok = lm
-    df = B.run_left_padding(model, tok, seeds=[0], size=4, extra_pads=64)
-    right = df[df["way"] == B.PADDING_WAYS[0][0]]
-    assert right["identical"].all()
-    assert (df["pads"] >= 64).all() and len(df) == 4 * len(B.PADDING_WAYS)
+def test_03b_overlap_pair_splits_a_system_turn(lm):
+    _, tok = lm
+    pair = X.overlap_pair(tok, 3)
+    assert len(pair["head_a"]) < len(pair["head_b"]) and pair["example"].passphrase in tok.decode(pair["segment"])
 
 
 # ----------------------------------------------------------------------------- a real chat model's prompts
@@ -174,44 +140,13 @@ def _smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(str(S.ensure_smollm2()))
 
 
-def test_real_prompt_and_overlap_pair_split_where_a_server_would_cache():
+def test_chat_prompt_and_overlap_ids_split_where_a_server_would_cache():
     tok = _smollm2_tokenizer()
     ex = P.make_example(100, "heldout", history="none")
-    ids, n = B.real_prompt_ids(tok, ex)
+    ids, n = X.chat_prompt(tok, ex)
     assert tok.decode(ids[:n]).endswith("<|im_end|>\n") and ex.passphrase in tok.decode(ids[:n])
     assert tok.decode(ids[n:]).startswith("<|im_start|>user") and ids == tok(P.real_model_prompt(tok, ex),
                                                                               add_special_tokens=False)["input_ids"]
-    pair = B.real_overlap_pair(tok, 3)
-    assert len(pair["head_a"]) < len(pair["head_b"]) and tok.decode(pair["segment"]).startswith("You are")
-    assert pair["example"].passphrase in tok.decode(pair["segment"])
-    assert tok.decode(pair["tail"]).endswith("<|im_start|>assistant\n")
-
-
-def test_bug_rows_reads_the_sweep_and_the_overlap(lm):
-    model, tok = lm
-    sweep = B.run_position_sweep(model, tok, P.make_examples(2, "heldout", start=500, history="none"), [0, 16])
-    overlap, _ = B.run_overlap(model, tok, seeds=[0])
-    rows = B.bug_rows(sweep, overlap, [16])
-    assert list(rows.index)[:2] == ["isolated (no cache): the reference", "cached prefix, right positions"]
-    assert rows.loc["cached prefix, right positions", "identical"] == 1.0
-    assert rows.loc["control: everything shifted by 16", "identical"] == 1.0
-    assert rows.loc["restarted positions: suffix at 0", "requests"] == 2
-    assert 0 <= rows.loc["overlap segment from A, re-rotated by Δ", "recall"] <= 1
-
-
-def test_sensitivity_line_names_the_model_a_bug_changes_more():
-    line = B.sensitivity_line("restart at 0", {"bundled model": (1.0, 24), "SmolLM2": (0.25, 4)})
-    assert "bundled model 100% of 24, SmolLM2 25% of 4" in line and line.endswith("changes SmolLM2's answers more often")
-    assert "no answer changed" in B.sensitivity_line("x", {"a": (1.0, 2), "b": (1.0, 2)})
-    assert "equally often" in B.sensitivity_line("x", {"a": (0.5, 2), "b": (0.5, 4)})
-    with pytest.raises(ValueError):
-        B.sensitivity_line("x", {})
-
-
-def test_position_checks_run_every_bug_on_n_prompts(lm):
-    model, tok = lm
-    sweep, overlap = B.run_position_checks(model, tok, 1, 64)
-    kinds = set(zip(sweep["kind"], sweep["shift"]))
-    assert kinds == {(k, s) for k in B.SWEEP_KINDS[:3] for s in (64,)} | {(B.SWEEP_KINDS[3], 0)}
-    assert sorted(overlap["treatment"]) == sorted(["recomputed", "A's K/V as is", "A's K/V re-rotated"])
-    assert overlap.loc[overlap["treatment"] == "recomputed", "identical"].all()
+    for pair in (X.overlap_ids(tok, ex), X.real_overlap_pair(tok, 3)):
+        assert len(pair["head_a"]) < len(pair["head_b"]) and tok.decode(pair["segment"]).startswith("You are")
+        assert tok.decode(pair["tail"]).endswith("<|im_start|>assistant\n")
