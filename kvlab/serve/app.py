@@ -67,6 +67,9 @@ class ServeConfig:
     metrics_open: bool = False  # GET /metrics without a key on a server with keys (--open-metrics)
 
 
+MAX_ITEMS_WITHOUT_CONTEXT = 1 << 16  # token ids in a prompt, messages in a chat, for a model that states no context
+
+
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -114,6 +117,15 @@ class _Server:
         """Auth, body, JSON and fields: ``(body model, tenant)`` or ``ApiError``."""
         tenant = self.tenant(request)
         raw = await _read_body(request, self.config.max_body_bytes)
+        # a 1 MB body takes tens of ms to parse and validate: in a worker thread, never on the event loop
+        body = await asyncio.to_thread(self.decode, raw, model)
+        if body.model is not None and body.model != self.config.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.config.model_name!r}", param="model", code="model_not_found")
+        return body, tenant
+
+    def decode(self, raw: bytes, model: type):
+        """The body as ``model``: JSON, Unicode, the sizes of token-id lists and message lists, then the fields."""
         try:
             obj = json.loads(raw, parse_constant=_no_constants)
         except (ValueError, UnicodeDecodeError) as e:  # ValueError covers numbers past the int-digit limit
@@ -127,15 +139,27 @@ class _Server:
         except UnicodeEncodeError:
             raise ApiError(400, "the body is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)",
                            code="invalid_json") from None
+        self.check_counts(obj)
         try:
-            body = model.model_validate(obj)
+            return model.model_validate(obj)
         except ValidationError as e:
             message, param = validation_message(e)
             raise ApiError(400, message, param=param, code="invalid_value") from None
-        if body.model is not None and body.model != self.config.model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
-                                f"{self.config.model_name!r}", param="model", code="model_not_found")
-        return body, tenant
+
+    def check_counts(self, obj: dict) -> None:
+        """Refuse a token-id list or a message list longer than the context, before it is validated or tokenized:
+        no prompt can hold more tokens than the context, and every message templates to one token at least."""
+        limit = self.engine.max_model_len or MAX_ITEMS_WITHOUT_CONTEXT
+        prompt, messages = obj.get("prompt"), obj.get("messages")
+        if isinstance(prompt, list):
+            lists = [prompt] if prompt and isinstance(prompt[0], int) else [p for p in prompt if isinstance(p, list)]
+            if (n := max(map(len, lists), default=0)) > limit:
+                raise ApiError(400, f"the prompt has {n} token ids; this model's context is {limit}",
+                               param="prompt", code="context_length_exceeded")
+        if isinstance(messages, list) and len(messages) > limit:
+            raise ApiError(400, f"{len(messages)} messages: more than this model's context of {limit} tokens holds "
+                                "(each message is one token at least)", param="messages",
+                           code="context_length_exceeded")
 
     def sampling(self, body, n_prompt: int, max_tokens: int | None, default: int, *, index: int = 0,
                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -214,6 +238,11 @@ class _Server:
         except Exception as e:  # a template that refuses these messages (e.g. roles out of order)
             raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
                            code="invalid_value") from None
+        size = len(text.encode("utf-8"))
+        if size > self.max_prompt_bytes:  # the template's markup counts too (30k empty messages: 150k tokens)
+            raise ApiError(400, f"messages hold {size} bytes once the chat template is applied; this server "
+                                f"tokenizes at most {self.max_prompt_bytes} bytes of prompt text (max_prompt_bytes)",
+                           param="messages", code="context_length_exceeded")
         if add_special_tokens:
             return self.tokenizer(text, add_special_tokens=True)["input_ids"]
         return self.prompt_ids(text, "messages")

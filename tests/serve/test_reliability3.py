@@ -261,3 +261,83 @@ def test_serve_runs_uvicorn_with_the_head_timeout_and_the_metrics_flag(bundled, 
     assert main(["--num-blocks", "64", "--api-keys", str(keys), "--open-metrics"]) == 0
     assert runs.pop()[0].state.server.config.metrics_open is True
     assert main(["--num-blocks", "64", "--head-timeout", "0"]) == 2
+
+
+# --- N1: big bodies are bounded before the tokenizer, and parsed off the event loop --------------------------
+@pytest.fixture
+def encoded(monkeypatch):
+    """Every prompt (text or ids) the server hands to ``encode`` (the real one still does the work)."""
+    from kvlab.serve import app as app_module
+
+    seen = []
+    real = app_module.encode
+
+    def spy(tokenizer, prompt):
+        seen.append(prompt)
+        return real(tokenizer, prompt)
+    monkeypatch.setattr(app_module, "encode", spy)
+    return seen
+
+
+def test_a_token_id_prompt_longer_than_the_context_is_refused_before_tokenizing(engine, encoded):
+    limit = engine.max_model_len
+    with _client(engine) as c:
+        r = c.post("/v1/completions", json={**BODY, "prompt": [5] * (limit + 1)})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and err["code"] == "context_length_exceeded" and str(limit) in err["message"]
+        assert encoded == []
+        r = c.post("/v1/completions", json={**BODY, "prompt": [5] * 330000})  # the issue's ~1 MB body
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert encoded == []
+
+
+def test_more_messages_than_the_context_holds_are_refused_before_the_template(engine, encoded, monkeypatch):
+    rendered = []
+    real = engine.tokenizer.apply_chat_template
+
+    def spy(*args, **kwargs):
+        rendered.append(args)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", spy)
+    limit = engine.max_model_len
+    with _client(engine) as c:
+        for content in ("", "x"):
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}] * 30000,
+                                                     "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "messages" and str(limit) in err["message"]
+        assert rendered == [] and encoded == []
+
+
+def test_the_templated_chat_is_held_to_the_byte_limit_before_tokenizing(engine, encoded):
+    """20 one-character messages: 20 bytes of contents, several hundred once templated."""
+    with _client(engine, max_prompt_bytes=200) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}] * 20,
+                                                 "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and err["code"] == "context_length_exceeded" and "template" in err["message"]
+        assert encoded == []
+
+
+def test_json_parsing_and_validation_run_off_the_event_loop(engine, monkeypatch):
+    import asyncio
+
+    from kvlab.serve import protocol
+
+    on_loop = []
+    real = protocol.CompletionRequest.model_validate.__func__
+
+    def spy(cls, obj, *args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # a worker thread: no running loop
+            on_loop.append(False)
+        return real(cls, obj, *args, **kwargs)
+    monkeypatch.setattr(protocol.CompletionRequest, "model_validate", classmethod(spy))
+    with _client(engine) as c:
+        assert c.post("/v1/completions", json=BODY).status_code == 200
+    assert on_loop == [False]
