@@ -7,7 +7,6 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from kvlab.audit import (
 )
 from kvlab.audit.local import ServerProcess, start_kvlab
 from kvlab.audit.procedure import Probe
-from kvlab.audit.prompts import letters_for, random_letters
 from kvlab.lessons.common import record_files
 
 # --- 10_is_this_endpoint_sharing.ipynb, cell 4 ---
@@ -177,43 +175,4 @@ def power_grid(level: Level, lengths: Sequence[int], fractions: Sequence[float],
                      "samples to detect": need, "samples": len(res.hit),
                      "median TTFT hit (ms)": 1e3 * statistics.median(res.hit),
                      "median TTFT miss (ms)": 1e3 * statistics.median(res.miss)})
-    return rows
-
-
-# --- 10_is_this_endpoint_sharing.ipynb, cell 28 ---
-def defence_cost(urls: dict[str, str], model: str, system_prompt: str, n_users: int = 6, question_tokens: int = 16,
-                 tokens_per_letter: float = 1.0, seed: int = 0) -> list[dict]:
-    """Users of both orgs send the public system prompt and a question of their own, one after another, per mode.
-
-    Rows: the mode, requests, the hit rate (server-reported cached / prompt tokens) and the TTFTs (median,
-    min-max, each in ``ttfts``) of every user but the first (who always misses).
-    """
-    import httpx
-
-    from kvlab.audit import measure
-
-    keys = list(KEYS)
-    modes = [("shared", False, MODES["shared"]), ("shared", True, "per-user cache_salt"),
-             ("tenant", False, MODES["tenant"]), ("public-prefix", False, MODES["public-prefix"])]
-    rows = []
-    with httpx.Client(timeout=120.0) as http:
-        for mode, salted, label in modes:
-            if mode not in urls:
-                continue
-            rng = random.Random(f"kvlab-nb10-cost:{seed}:{label}")
-            sys_text = system_prompt.replace("System:", f"System ({label}):", 1)  # a copy of its own per row
-            if mode == "public-prefix":
-                sys_text = system_prompt  # the one the server registered as public
-            timings = []
-            for u in range(n_users):
-                key = keys[u % len(keys)]
-                ep = Endpoint(urls[mode], key, model, f"user-{u}" if salted else None)
-                q = " ".join(random_letters(rng, letters_for(question_tokens, tokens_per_letter)))
-                timings.append(measure(ep, sys_text + q, http))
-            later = timings[1:]
-            rows.append({"isolation": label, "requests": n_users,
-                         "hit rate": sum(t.cached_tokens or 0 for t in later) / sum(t.prompt_tokens or 1 for t in later),
-                         "median TTFT (ms)": 1e3 * statistics.median(t.ttft for t in later),
-                         "min (ms)": 1e3 * min(t.ttft for t in later), "max (ms)": 1e3 * max(t.ttft for t in later),
-                         "first user's TTFT (ms)": 1e3 * timings[0].ttft, "ttfts": [t.ttft for t in later]})
     return rows

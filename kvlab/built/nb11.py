@@ -188,8 +188,7 @@ def tier_sentences(df: pd.DataFrame) -> list[str]:
     out = [f"Without a tier {pct(base.served_rate)} of prompt tokens were served from the pool; with {int(best.tier_blocks)} "
            f"tier blocks {pct(best.served_rate)} ({pct(best.pool_hit_rate)} pool hits + {pct(best.restored_rate)} restored): "
            + ("the tier turned evictions into hits." if best.served_rate > base.served_rate else "no gain here.")]
-    # one run per tier size: a p99 is its slowest request or two, a direction of one run and no trend
-    p99 = ("lower" if best.ttft_p99 < base.ttft_p99 else "not lower") + " at p99, one run each: its slowest requests"
+    p99 = ("lower" if best.ttft_p99 < base.ttft_p99 else "not lower") + " at p99; one run per tier size: a p99 is its slowest request or two"
     out.append(f"TTFT p50 {ms(base.ttft_p50)} -> {ms(best.ttft_p50)}, p99 {ms(base.ttft_p99)} -> {ms(best.ttft_p99)} "
                f"({p99}); the tier moved "
                f"{best.bytes_to_host / 2**20:.1f} MiB out and {best.bytes_from_host / 2**20:.1f} MiB back in "
