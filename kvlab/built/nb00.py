@@ -7,23 +7,18 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 
 from __future__ import annotations
 
-import copy
 import time
 
 import httpx
-import torch
-from transformers import DynamicCache
 
-from kvlab.built.nb01 import ratio_verdict, time_interleaved
 from kvlab.doctor.vllm_metrics import parse_metrics
-from kvlab.engine.models import encode, eos_ids, model_device_dtype, synchronize
+from kvlab.engine.models import encode, eos_ids
 from kvlab.prefix import PrefixKV, continue_from_cache
 
 
 # --- 00_passphrase_experiment.ipynb, cell 7 ---
 def ask(client, model: str, system: str, user: str, max_tokens: int = 16) -> dict:
-    """One streamed chat request through an ``openai.OpenAI`` client: its text, the TTFT the client saw (request
-    sent -> first text chunk) and the server's ``usage``: prompt tokens, of which read from its cache."""
+    """One streamed chat request: its text, the client's TTFT and the server's usage (prompt and cached tokens)."""
     t0, ttft, text, usage = time.perf_counter(), None, "", None
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -32,84 +27,24 @@ def ask(client, model: str, system: str, user: str, max_tokens: int = 16) -> dic
         if chunk.choices and chunk.choices[0].delta.content:
             ttft = ttft if ttft is not None else time.perf_counter() - t0   # the first text arrived
             text += chunk.choices[0].delta.content
-        if chunk.usage is not None:   # the last chunk: the token counts
-            usage = chunk.usage
+        usage = chunk.usage if chunk.usage is not None else usage   # the last chunk: the token counts
     if usage is None:
         raise RuntimeError("the server sent no usage: it must support stream_options={'include_usage': True}")
-    details = usage.prompt_tokens_details
+    cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
     return {"text": text, "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
-            "prompt_tokens": usage.prompt_tokens, "cached_tokens": (details.cached_tokens if details else 0) or 0}
+            "prompt_tokens": usage.prompt_tokens, "cached_tokens": cached}
 
 
 def cache_counters(base_url: str, http=httpx) -> dict[str, float]:
-    """The server's ``/metrics`` prefix-cache counters: prompt tokens looked up (``queries``) and found (``hits``)."""
+    """The server's /metrics prefix-cache counters: prompt tokens looked up (queries) and found (hits)."""
     m = parse_metrics(http.get(base_url.removesuffix("/v1") + "/metrics").text)
     return {"queries": m["queries"] or 0.0, "hits": m["hits"] or 0.0}
 
 
-# --- 00_passphrase_experiment.ipynb, cell 32 ---
-def answer_on_cached_prefix(model, tokenizer, prefix: PrefixKV, suffix_ids: list[int], start: int | None = None,
-                            max_new_tokens: int = 16) -> list[int]:
-    """Greedy answer ids of ``suffix_ids`` run on a fork of ``prefix``'s cached K/V (``prefix`` stays as it is), at
-    positions from ``start``: right after the prefix by default; 0 restarts them (the article's 3.4 warning)."""
-    start = len(prefix) if start is None else start
-    ids, *_ = continue_from_cache(model, prefix.fork().cache, suffix_ids, start, max_new_tokens=max_new_tokens,
-                                  stop_ids=eos_ids(model, tokenizer))
-    return list(ids)
-
-
-def positions_restart(model, tokenizer, examples, max_new_tokens: int = 16) -> tuple[int, int]:
-    """(answers token-identical, examples): each user turn on its own cached prefix, positions right vs from 0."""
-    same = 0
-    for ex in examples:
-        prefix, suffix = PrefixKV.build(model, tokenizer, ex.prefix_text), encode(tokenizer, ex.suffix_text)
-        right = answer_on_cached_prefix(model, tokenizer, prefix, suffix, None, max_new_tokens)
-        same += right == answer_on_cached_prefix(model, tokenizer, prefix, suffix, 0, max_new_tokens)
-    return same, len(examples)
-
-
+# --- 00_passphrase_experiment.ipynb, cell 29 ---
 def answer_with_swapped_prefix(model, tokenizer, example, donor, max_new_tokens: int = 16) -> str:
     """``example``'s user turn served on ``donor``'s system-prompt K/V: the wrong share, run for real."""
-    prefix = PrefixKV.build(model, tokenizer, donor.prefix_text)
-    ids = answer_on_cached_prefix(model, tokenizer, prefix, encode(tokenizer, example.suffix_text),
-                                  max_new_tokens=max_new_tokens)
+    prefix = PrefixKV.build(model, tokenizer, donor.prefix_text)   # the donor's system turn, cached
+    ids, *_ = continue_from_cache(model, prefix.cache, encode(tokenizer, example.suffix_text), len(prefix),
+                                  max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer))
     return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-# --- 00_passphrase_experiment.ipynb, cell 40 ---
-@torch.no_grad()
-def full_prefill(model, ids: list[int]) -> torch.Tensor:
-    """Isolated: the whole prompt from scratch, on an empty cache. The last position's logits, (vocab,)."""
-    device, _ = model_device_dtype(model)
-    return model(input_ids=torch.tensor([ids], device=device), cache=DynamicCache(config=model.config),
-                 use_cache=True, logits_to_keep=1).logits[0, -1]
-
-
-@torch.no_grad()
-def suffix_prefill(model, cache, prefix_len: int, suffix_ids: list[int]) -> torch.Tensor:
-    """Shared: only the suffix, on ``cache`` (the prefix's K/V, appended to), at the positions after the prefix."""
-    device, _ = model_device_dtype(model)
-    positions = torch.arange(prefix_len, prefix_len + len(suffix_ids), device=device)[None]   # (1, S)
-    return model(input_ids=torch.tensor([suffix_ids], device=device), position_ids=positions, cache=cache,
-                 use_cache=True, logits_to_keep=1).logits[0, -1]
-
-
-@torch.no_grad()
-def time_prefill(model, prefix_ids: list[int], suffix_ids: list[int], repeats: int = 5, step=suffix_prefill) -> dict:
-    """Time to the first token's logits: ``full_prefill`` of the whole prompt against ``step`` (the suffix on a copy
-    of the cached prefix), interleaved by notebook 01's harness. ``ratio`` = suffix-only / full (medians; min–max
-    over the runs) judged by ``ratio_verdict`` against ``ideal`` = the suffix's share of the tokens."""
-    prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
-    device, _ = model_device_dtype(model)
-    prefix_cache = model(input_ids=torch.tensor([prefix_ids], device=device), use_cache=True, logits_to_keep=1).cache
-    t = time_interleaved({"full": lambda: full_prefill(model, prefix_ids + suffix_ids),
-                          # the copy is made off the clock: a paged cache shares the prefix's blocks instead
-                          "cached": (lambda: copy.deepcopy(prefix_cache),
-                                     lambda cache: step(model, cache, len(prefix_ids), suffix_ids))},
-                         repeats=repeats, sync=lambda: synchronize(device))
-    ideal = len(suffix_ids) / (len(prefix_ids) + len(suffix_ids))
-    judged = ratio_verdict(t["cached"], t["full"], ideal=ideal)
-    diff = (t["full"].result.float() - t["cached"].result.float().reshape(-1, t["full"].result.shape[-1])[-1]).abs()
-    return {"prefix_tokens": len(prefix_ids), "suffix_tokens": len(suffix_ids), "full_s": t["full"].median,
-            "cached_s": t["cached"].median, "ratio": judged.value, "ratio_min": judged.lo, "ratio_max": judged.hi,
-            "ideal": ideal, "verdict": judged.text, "max_abs_logit_diff": float(diff.max())}

@@ -7,28 +7,14 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from math import sqrt
-from statistics import median
-from time import perf_counter
-from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
-from transformers import DynamicCache
-
-from kvlab.engine.models import model_device_dtype, synchronize
 
 
 # --- 01_qkv_and_kv_cache.ipynb, cell 5 ---
 def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean (q_len, k_len) mask, True where query i may look at key j.
-
-    The queries are the *last* ``q_len`` of ``k_len`` positions (a decode step has q_len=1 and sees
-    every cached key), so query i sits at absolute position ``k_len - q_len + i``.
-    """
+    """(q_len, k_len), True where query i may look at key j; the queries are the LAST q_len of k_len positions."""
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]   # (q_len, 1): where each query sits
     k_pos = torch.arange(k_len, device=device)[None, :]                  # (1, k_len)
     return k_pos <= q_pos                                                # a key at or before the query
@@ -36,11 +22,7 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention; returns ``(output, weights)``.
-
-    q: (batch, heads, q_len, head_dim); k, v: (batch, heads, k_len, head_dim).
-    output: (batch, heads, q_len, head_dim); weights: (batch, heads, q_len, k_len).
-    """
+    """Scaled dot-product attention: q (B, H, Tq, D), k and v (B, H, Tk, D) -> (output, weights)."""
     # how well each query matches each key, scaled by sqrt(head_dim) so the softmax does not saturate
     scores = q @ k.transpose(-2, -1) / sqrt(q.shape[-1])   # (B, H, Tq, Tk)
     if causal:
@@ -50,13 +32,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return weights @ v, weights        # output (B, H, Tq, D): a weighted sum of the values
 
 
-# --- 01_qkv_and_kv_cache.ipynb, cell 11 ---
+# --- 01_qkv_and_kv_cache.ipynb, cell 9 ---
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Grouped-query attention: let ``n_rep`` query heads share each KV head.
-
-    (batch, kv_heads, seq, head_dim) -> (batch, kv_heads * n_rep, seq, head_dim); query head h
-    reads KV head ``h // n_rep``, the convention of Llama, Qwen2 and transformers.
-    """
+    """(B, kv_heads, seq, D) -> (B, kv_heads * n_rep, seq, D): query head h reads KV head h // n_rep."""
     if n_rep == 1:
         return x
     b, kvh, t, d = x.shape
@@ -64,162 +42,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kvh, n_rep, t, d).reshape(b, kvh * n_rep, t, d)
 
 
-# --- 01_qkv_and_kv_cache.ipynb, cell 17 ---
-@dataclass
-class KVCache:
-    """Per-layer K and V, appended along the sequence axis; nothing else (no Q, no positions)."""
-
-    keys: list[torch.Tensor | None] = field(default_factory=list)     # per layer (B, kv_heads, seq, D)
-    values: list[torch.Tensor | None] = field(default_factory=list)
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new K, V of ``layer`` after the old ones; return all K, V of that layer."""
-        while len(self.keys) <= layer:   # first visit of this layer: make room for it
-            self.keys.append(None)
-            self.values.append(None)
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        else:   # the new positions go after the cached ones, on the sequence axis
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)   # (B, kv_heads, seq + new, D)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
-        return self.keys[layer], self.values[layer]
-
-    def seq_len(self) -> int:
-        """Tokens cached (the same in every layer)."""
-        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-2]
-
-    def crop(self, n: int) -> None:
-        """Keep only the first ``n`` tokens of every layer."""
-        self.keys = [k[..., :n, :] for k in self.keys]
-        self.values = [v[..., :n, :] for v in self.values]
-
-    def nbytes(self) -> int:
-        """Bytes held by all K and V tensors."""
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
-
-
-@torch.no_grad()
-def decode_logits(model: torch.nn.Module, ids: torch.Tensor, use_cache: bool) -> torch.Tensor:
-    """Logits of every position computed one step at a time, with the KV cache or by recomputation.
-
-    ``model(ids, cache)`` is a TinyDecoder: it appends each layer's new K, V to ``cache``.
-    ids: (batch, T) -> (batch, T, vocab). Without the cache, step t runs the whole prefix 0..t again.
-    """
-    steps = []
-    cache = KVCache() if use_cache else None
-    for t in range(ids.shape[1]):
-        if use_cache:
-            steps.append(model(ids[:, t:t + 1], cache)[:, -1])   # one new token; K, V of the rest are cached
-        else:
-            steps.append(model(ids[:, : t + 1])[:, -1])          # everything again
-    return torch.stack(steps, dim=1)
-
-
-# --- 01_qkv_and_kv_cache.ipynb, cell 19 ---
-class SelfAttention(nn.Module):
-    """Causal self-attention with ``n_heads`` query heads and ``n_kv_heads`` key/value heads (GQA when fewer)."""
-
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None):
-        super().__init__()
-        n_kv_heads = n_kv_heads or n_heads
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
-        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.head_dim = head_dim or d_model // n_heads
-        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
-
-    def split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, heads, self.head_dim).transpose(1, 2)   # (B, heads, T, D)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        """x: (batch, new_tokens, d_model) -> (batch, new_tokens, d_model); appends K, V to ``cache``."""
-        q = self.split(self.q_proj(x), self.n_heads)      # (B, H, T_new, D): used once, never cached
-        k = self.split(self.k_proj(x), self.n_kv_heads)   # (B, KVH, T_new, D)
-        v = self.split(self.v_proj(x), self.n_kv_heads)
-        if cache is not None:
-            k, v = cache.append(layer, k, v)              # (B, KVH, T_past + T_new, D)
-        n_rep = self.n_heads // self.n_kv_heads
-        out, _ = attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))   # (B, H, T_new, D)
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-
-
-class TinyDecoder(nn.Module):
-    """Embedding -> n x (pre-norm attention + MLP, residuals) -> logits. No position encoding (notebook 03 adds it)."""
-
-    def __init__(self, vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
-                 n_kv_heads: int | None = None):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        self.norms1 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
-        self.attns = nn.ModuleList(SelfAttention(d_model, n_heads, n_kv_heads) for _ in range(n_layers))
-        self.norms2 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
-        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                                                nn.Linear(4 * d_model, d_model)) for _ in range(n_layers))
-        self.head = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """ids: (batch, new_tokens) -> logits (batch, new_tokens, vocab)."""
-        x = self.embed(ids)   # (B, T, d_model)
-        for i, (n1, attn, n2, mlp) in enumerate(zip(self.norms1, self.attns, self.norms2, self.mlps)):
-            x = x + attn(n1(x), cache, layer=i)
-            x = x + mlp(n2(x))
-        return self.head(x)
-
-
-@torch.no_grad()
-def decode_with_step(model: TinyDecoder, ids: torch.Tensor, step) -> torch.Tensor:
-    """TinyDecoder's logits one token at a time, each layer's attention done by ``step(cache, layer, q, k, v)``.
-
-    ids: (batch, T) -> (batch, T, vocab); the cache is a dict ``{layer: (K, V)}`` that ``step`` fills.
-    """
-    cache, rows = {}, []
-    for t in range(ids.shape[1]):
-        x = model.embed(ids[:, t:t + 1])   # (B, 1, d_model): only the new token
-        for i, (n1, attn, n2, mlp) in enumerate(zip(model.norms1, model.attns, model.norms2, model.mlps)):
-            h = n1(x)
-            q = attn.split(attn.q_proj(h), attn.n_heads)                       # (B, H, 1, D)
-            k, v = (attn.split(p(h), attn.n_kv_heads) for p in (attn.k_proj, attn.v_proj))   # (B, KVH, 1, D)
-            out = step(cache, i, q, k, v)                                      # (B, H, 1, D)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], 1, -1))
-            x = x + mlp(n2(x))
-        rows.append(model.head(x)[:, -1])
-    return torch.stack(rows, dim=1)
-
-
-@torch.no_grad()
-def cached_vs_recompute(n_heads: int, n_kv_heads: int, d_model: int = 32, n_layers: int = 2, seq: int = 12,
-                        seed: int = 0, step=None) -> float:
-    """Largest |logit difference| from one full pass of a random TinyDecoder, decoding token by token with the
-    cache (``KVCache``, or ``step`` as in ``decode_with_step``) and by recomputing everything each step."""
-    torch.manual_seed(seed)
-    model = TinyDecoder(64, d_model, n_layers, n_heads, n_kv_heads).eval()
-    ids = torch.randint(0, 64, (2, seq))
-    full = model(ids)   # (B, T, vocab): one causal pass over everything, the reference
-    cached = decode_logits(model, ids, use_cache=True) if step is None else decode_with_step(model, ids, step)
-    recomputed = decode_logits(model, ids, use_cache=False)
-    return float(max((cached - full).abs().max(), (recomputed - full).abs().max()))
-
-
-# --- 01_qkv_and_kv_cache.ipynb, cell 23 ---
-@torch.no_grad()
-def stepwise_logits(model, ids: list[int], use_cache: bool = True) -> torch.Tensor:
-    """(T, vocab) logits of a transformers model fed one token at a time: with its cache, or a fresh cache each step."""
-    device, _ = model_device_dtype(model)
-    cache, rows = DynamicCache(config=model.config), []
-    for t, tok_id in enumerate(ids):
-        step_cache = cache if use_cache else DynamicCache(config=model.config)   # a fresh one = no memory
-        out = model(input_ids=torch.tensor([[tok_id]], device=device), position_ids=torch.tensor([[t]], device=device),
-                    cache=step_cache, use_cache=True)
-        rows.append(out.logits[0, -1].float())
-    return torch.stack(rows)
-
-
-# --- 01_qkv_and_kv_cache.ipynb, cell 26 ---
+# --- 01_qkv_and_kv_cache.ipynb, cell 18 ---
 def last_row_ignores_past_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
     """Add noise to the past (all but the last position) of Q, then of K, then of V: how far does the last output move?"""
     base = attention(q, k, v)[0][..., -1, :]   # the last position's output, (B, H, D)
@@ -232,213 +55,19 @@ def last_row_ignores_past_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return moved
 
 
-# --- 01_qkv_and_kv_cache.ipynb, cell 32 ---
-def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None,
-                      use_cache: bool = True) -> int:
-    """Multiply-add FLOPs (2 per MAC) of one attention layer's decode step at context length ``n``.
-
-    With the cache the step projects 1 token and compares 1 query with n keys; without it the step
-    projects all n tokens again and fills the whole n x n score matrix (what ``attention`` computes).
-    """
-    head_dim = head_dim or d_model // n_heads
+# --- 01_qkv_and_kv_cache.ipynb, cell 23 ---
+def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, use_cache: bool = True) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one attention layer's decode step at context length n."""
+    head_dim = d_model // n_heads
     proj_per_token = 2 * d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)   # Q, O and K, V
     tokens = 1 if use_cache else n   # queries computed this step
-    # scores (QK^T) and weighted sum (AV): 2 * 2 * heads * head_dim per (query, key) pair
+    # scores (QK^T) and the weighted sum (AV): 2 * 2 * heads * head_dim per (query, key) pair
     return tokens * proj_per_token + 4 * n_heads * head_dim * tokens * n
 
 
-def quadratic_crossover(d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None) -> float:
-    """Context length at which recomputation's n x n attention costs as much as its n projections."""
-    head_dim = head_dim or d_model // n_heads
-    return 2 * d_model * head_dim * (2 * n_heads + 2 * n_kv_heads) / (4 * n_heads * head_dim)
-
-
-# --- 01_qkv_and_kv_cache.ipynb, cell 34 ---
-OUTLIER = "outlier — re-run"
-BELOW_IDEAL = "below the ideal — re-run"
-
-
-@dataclass(frozen=True)
-class Timing:
-    """The seconds one variant took in each repeat, and what its last run returned."""
-
-    name: str
-    seconds: tuple[float, ...]
-    result: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def median(self) -> float:
-        return median(self.seconds)
-
-    @property
-    def lo(self) -> float:
-        return min(self.seconds)
-
-    @property
-    def hi(self) -> float:
-        return max(self.seconds)
-
-
-def time_interleaved(variants: Mapping[str, Callable[[], Any] | tuple[Callable[[], Any], Callable[[Any], Any]]],
-                     repeats: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None,
-                     clock: Callable[[], float] = perf_counter) -> dict[str, Timing]:
-    """Time several variants of one computation against each other: ``{name: Timing}``.
-
-    A variant is ``fn`` (timed: ``fn()``) or ``(setup, fn)`` (``setup()`` untimed, then ``fn(its result)`` timed).
-    Each variant runs ``warmup`` times untimed (first-call costs: allocation, caches), then ``repeats`` rounds
-    run every variant once, the order reversed every other round (a, b, b, a, a, b ...): a machine that slows
-    down or speeds up during the run hits every variant alike. ``sync`` waits for queued GPU work.
-    """
-    def split(variant):
-        return variant if isinstance(variant, tuple) else (None, lambda _: variant())
-
-    names = list(variants)
-    for _ in range(warmup):
-        for name in names:
-            setup, fn = split(variants[name])
-            fn(setup() if setup else None)
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    last: dict[str, Any] = {}
-    for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):   # alternate who goes first
-            setup, fn = split(variants[name])
-            arg = setup() if setup else None                   # not timed
-            if sync:
-                sync()
-            t0 = clock()
-            last[name] = fn(arg)
-            if sync:
-                sync()
-            seconds[name].append(clock() - t0)
-    return {name: Timing(name, tuple(seconds[name]), last.get(name)) for name in names}
-
-
-@dataclass(frozen=True)
-class TimingVerdict:
-    """The guard's word on a measurement: ``ok``, or a flag ("outlier — re-run") and why.
-
-    ``value``, ``lo``, ``hi``: a ratio's median and its min–max (NaN for a curve). Print a sentence through
-    ``says(sentence)``: the sentence when the measurement is clean, the flag instead of it when it is not.
-    """
-
-    ok: bool
-    flag: str = ""
-    why: str = ""
-    value: float = float("nan")
-    lo: float = float("nan")
-    hi: float = float("nan")
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    @property
-    def text(self) -> str:
-        return "ok" if self.ok else f"{self.flag} ({self.why})"
-
-    def says(self, sentence: str) -> str:
-        return sentence if self.ok else self.text
-
-
-def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: float = 1.5) -> TimingVerdict:
-    """``num / den`` (medians) with its min–max (num.lo / den.hi to num.hi / den.lo), judged.
-
-    Flagged when the ratio is below ``ideal`` (faster than the work removed allows), above ``high`` (when an
-    ideal is given: the saving path took much longer than the full one), or when the min–max of the two
-    variants overlap (the run did not tell them apart). A flag is a reason to re-run, not a result.
-    """
-    value, lo, hi = num.median / den.median, num.lo / den.hi, num.hi / den.lo
-    found = dict(value=value, lo=lo, hi=hi)
-    if ideal is not None and value < ideal:
-        return TimingVerdict(False, BELOW_IDEAL, f"ratio {value:.3g} under the ideal {ideal:.3g}", **found)
-    if ideal is not None and value > high:
-        return TimingVerdict(False, OUTLIER, f"ratio {value:.3g} above {high:g}", **found)
-    if num.lo <= den.hi and den.lo <= num.hi:
-        return TimingVerdict(False, OUTLIER, f"{num.name} {num.lo:.3g}–{num.hi:.3g} s and {den.name} "
-                                             f"{den.lo:.3g}–{den.hi:.3g} s overlap", **found)
-    return TimingVerdict(True, **found)
-
-
-def curve_verdict(sizes: Sequence[float], seconds: Sequence[float], expected: Sequence[float] | None = None,
-                  jump: float = 3.0) -> TimingVerdict:
-    """A timed curve (one median per size, sizes increasing), judged step by step between neighbours.
-
-    Flagged when one step grows ``jump`` times or more beyond ``expected`` (a count, e.g. FLOPs, of the same sizes;
-    without one, ``jump`` times or more at all), or when the time falls while the count says it should have grown
-    ``jump`` times more than it did: more work does not take less time, noise does.
-    """
-    sizes, seconds = list(sizes), list(seconds)
-    counts = list(expected) if expected is not None else [1.0] * len(sizes)   # no count: a flat curve
-    for i in range(len(sizes) - 1):
-        grew = seconds[i + 1] / seconds[i]
-        counted = counts[i + 1] / counts[i]
-        says = f", the count says x{counted:.1f}" if expected is not None else ""
-        if grew >= jump * counted:   # a jump up
-            return TimingVerdict(False, OUTLIER, f"x{grew:.1f} from {sizes[i]:g} to {sizes[i + 1]:g}{says}")
-        if grew < 1 and grew * jump <= counted:   # a fall
-            return TimingVerdict(False, OUTLIER, f"falls x{1 / grew:.1f} from {sizes[i]:g} to {sizes[i + 1]:g}{says}")
-    return TimingVerdict(True)
-
-
-# --- 01_qkv_and_kv_cache.ipynb, cell 35 ---
-@torch.no_grad()
-def decode_step_cost(lengths: list[int], d_model: int = 896, n_heads: int = 14, n_kv_heads: int = 2,
-                     repeats: int = 5, seed: int = 0, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
-    """One decode step of one attention layer (default: Qwen2.5-0.5B's shape), with and without the cache, timed
-    against each other by ``time_interleaved``. One row per n: medians ``cached_s``, ``recompute_s``, the FLOPs of
-    each, and ``timings`` ({"cached": Timing, "recompute": Timing}, with min and max, for the guard)."""
-    torch.manual_seed(seed)
-    device = torch.device(device)
-    layer = SelfAttention(d_model, n_heads, n_kv_heads).to(device).eval()
-    rows = []
-    for n in lengths:
-        x = torch.randn(1, n, d_model, device=device)   # (1, n, d_model)
-        cache = KVCache()
-        layer(x[:, :-1], cache)                         # K, V of the first n-1 tokens
-
-        def cached_step(x=x, cache=cache, n=n):
-            layer(x[:, -1:], cache)   # 1 new token against n-1 cached ones
-            cache.crop(n - 1)         # undo the append: every repeat times the same step
-
-        t = time_interleaved({"cached": cached_step, "recompute": lambda x=x: layer(x)}, repeats=repeats,
-                             sync=lambda: synchronize(device))
-        rows.append({"n": n, "cached_s": t["cached"].median, "recompute_s": t["recompute"].median,
-                     "cached_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=True),
-                     "recompute_flops": decode_step_flops(n, d_model, n_heads, n_kv_heads, use_cache=False),
-                     "timings": t})
-    return rows
-
-
-def slope_report(cost, crossover: float, tolerance: float = 0.1) -> list[str]:
-    """Measured against counted growth of a decode step, per range of n, every line through ``curve_verdict``.
-
-    ``cost``: ``decode_step_cost``'s rows as a DataFrame. A slope is d log(y) / d log(n) (1 linear, 2 quadratic);
-    two slopes within ``tolerance`` agree. A curve the guard flags anywhere prints "outlier — re-run" in every range
-    instead of a slope: one outlier can sit at the edge of a range and bend its fit.
-    """
-    lines = []
-    for part, mask in (("n <= crossover", cost.n <= crossover), ("n >= crossover", cost.n >= crossover)):
-        if mask.sum() < 2:
-            lines.append(f"{part}: fewer than two measured lengths, no slope")
-            continue
-        n = cost.n[mask]
-        for name, col in (("no cache", "recompute"), ("with cache", "cached")):
-            t, f = cost[f"{col}_s"][mask], cost[f"{col}_flops"][mask]
-            ms, cs = (float(np.polyfit(np.log(n), np.log(y), 1)[0]) for y in (t, f))
-            how = ("grew as counted" if abs(ms - cs) <= tolerance else
-                   "grew MORE than counted" if ms > cs else "grew LESS than counted")
-            whole = curve_verdict(cost.n, cost[f"{col}_s"], expected=cost[f"{col}_flops"])
-            lines.append(f"{part} (n = {', '.join(map(str, n))}), {name}: " + whole.says(
-                f"time x{t.iloc[-1] / t.iloc[0]:.1f} (slope {ms:.2f}) where the FLOP count says "
-                f"x{f.iloc[-1] / f.iloc[0]:.1f} (slope {cs:.2f}): {how}"))
-    return lines
-
-
-# --- 01_qkv_and_kv_cache.ipynb, cell 40 ---
+# --- 01_qkv_and_kv_cache.ipynb, cell 27 ---
 def kv_bytes_per_token_by_hand(config, dtype: str | torch.dtype = "float32") -> int:
-    """KV-cache bytes per token of a model: 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
-
-    ``config``: a transformers config or a config.json dict; ``dtype``: a name ("bfloat16") or a torch dtype.
-    """
+    """KV-cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     def get(key):
         return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
@@ -446,5 +75,4 @@ def kv_bytes_per_token_by_hand(config, dtype: str | torch.dtype = "float32") -> 
     kv_heads = get("num_key_value_heads") or heads            # no GQA: one KV head per query head
     head_dim = get("head_dim") or get("hidden_size") // heads  # usually hidden_size / heads
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    bytes_per_element = torch.finfo(dtype).bits // 8           # float32: 4, bfloat16 and float16: 2
-    return 2 * layers * kv_heads * head_dim * bytes_per_element
+    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8

@@ -7,17 +7,9 @@ edit the notebook cell named above each block, then run ``python scripts/export_
 
 from __future__ import annotations
 
-import copy
-import time
-from dataclasses import dataclass, field
-
 import torch
 
-from kvlab.engine.models import encode, eos_ids, model_device_dtype, model_fingerprint, synchronize
-from kvlab.engine.reference import hf_generate, hf_generate_with_logits
-from kvlab.engine.sampling import sample_next
-from kvlab.lessons import passphrase as P
-from kvlab.prefix import PrefixKV, PrefixMismatchError
+from kvlab.engine.models import encode, eos_ids
 
 
 # --- 02_manual_prefix_reuse.ipynb, cell 5 ---
@@ -31,210 +23,21 @@ def get_prefix_cache(model, tokenizer, prefix):
 
 @torch.no_grad()
 def generate_with_prefix_cache(model, tokenizer, prefix_cache, prefix_len, suffix, max_new_tokens=20):
-    """The article's generate_with_prefix_cache, its "后续生成逻辑略" written the obvious way (greedy).
-
-    Positions are left to transformers (it counts the tokens already in the cache). It writes every new
-    token into prefix_cache: section 5 runs that on purpose.
-    """
+    """The article's generate_with_prefix_cache, "后续生成逻辑略" written the obvious way (greedy). Positions are
+    left to transformers (it counts the tokens in the cache); every new token is written into prefix_cache."""
     suffix_ids = tokenizer(suffix, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
     out = model(input_ids=suffix_ids, cache=prefix_cache, use_cache=True)
-    stop = eos_ids(model, tokenizer)
     generated = []
     for _ in range(max_new_tokens):
         tok = int(out.logits[0, -1].argmax())   # greedy
         generated.append(tok)
-        if tok in stop or len(generated) == max_new_tokens:
+        if tok in eos_ids(model, tokenizer) or len(generated) == max_new_tokens:
             break
         out = model(input_ids=torch.tensor([[tok]], device=model.device), cache=prefix_cache, use_cache=True)
     return generated
 
 
-# --- 02_manual_prefix_reuse.ipynb, cell 16 ---
-@torch.no_grad()
-def continue_from_cache(model, cache, input_ids, start_pos, max_new_tokens=32, stop_ids=None, do_sample=False,
-                        temperature=1.0, top_p=1.0, top_k=0, seed=None, keep_logits=False):
-    """Prefill input_ids at positions start_pos.. on top of cache, then decode one token per step.
-
-    cache is written into (pass a copy unless pollution is the point). Returns (new ids, seconds to the
-    first token's logits, total seconds, the (vocab,) logits of every step when keep_logits).
-    """
-    device, _ = model_device_dtype(model)
-    generator = torch.Generator(device=device).manual_seed(seed or 0) if do_sample else None
-    ids = torch.tensor([list(input_ids)], device=device)                          # (1, T)
-    pos = torch.arange(start_pos, start_pos + ids.shape[1], device=device)[None]  # (1, T): after the prefix
-    t0 = time.perf_counter()
-    logits = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-    synchronize(device)
-    prefill = time.perf_counter() - t0
-    generated, kept, next_pos = [], [], start_pos + ids.shape[1]
-    for _ in range(max_new_tokens):
-        if keep_logits:
-            kept.append(logits.float().cpu())
-        tok = sample_next(logits, do_sample, temperature, top_p, top_k, generator)
-        generated.append(tok)
-        if tok in (stop_ids or ()):
-            break
-        logits = model(input_ids=torch.tensor([[tok]], device=device), cache=cache, use_cache=True,
-                       position_ids=torch.tensor([[next_pos]], device=device)).logits[0, -1]
-        next_pos += 1
-    synchronize(device)
-    return generated, prefill, time.perf_counter() - t0, kept
-
-
-# --- 02_manual_prefix_reuse.ipynb, cell 18 ---
-def check_compatible(prefix_kv, model, tokenizer, prompt_ids):
-    """Raise PrefixMismatchError unless prefix_kv may serve prompt_ids on this model."""
-    device, dtype = model_device_dtype(model)
-    k = prefix_kv.cache.layers[0].keys                         # (1, kv_heads, seq, head_dim)
-    if (k.device, k.dtype) != (device, dtype):
-        raise PrefixMismatchError(f"the cache is {k.device}/{k.dtype}, the model {device}/{dtype}")
-    if model_fingerprint(model, tokenizer) != prefix_kv.fingerprint:   # every weight hashed, each time
-        raise PrefixMismatchError("this cache was built by another model or tokenizer")
-    if prefix_kv.seq_length() != len(prefix_kv):
-        raise PrefixMismatchError(f"the cache holds {prefix_kv.seq_length()} tokens but its prefix has "
-                                  f"{len(prefix_kv)}: it was written into (polluted); use fork() for each request")
-    n = len(prefix_kv)
-    if tuple(prompt_ids[:n]) != prefix_kv.token_ids:
-        first = next(i for i, (a, b) in enumerate(zip([*prompt_ids, None], prefix_kv.token_ids)) if a != b)
-        raise PrefixMismatchError(f"the cached prefix ({n} tokens) is not a prefix of the prompt "
-                                  f"({len(prompt_ids)} tokens): first difference at token {first}; tokenize the "
-                                  "full prompt once and cut the prefix from its ids (section 6)")
-
-
-@dataclass
-class Generation:
-    prompt_ids: list
-    token_ids: list          # the new ids, end of turn included when it came
-    text: str
-    num_cached_tokens: int   # prompt tokens whose K/V came from the PrefixKV
-    step_logits: list = field(default_factory=list, repr=False)
-
-
-def generate(model, tokenizer, prompt, prefix_kv=None, max_new_tokens=32, keep_logits=False, **sampling):
-    """Check, fork, prefill only the tokens after the cached prefix, decode. prefix_kv is never written into."""
-    prompt_ids = encode(tokenizer, prompt)
-    if prefix_kv is None:
-        from transformers import DynamicCache
-        cache, n = DynamicCache(config=model.config), 0
-    else:
-        check_compatible(prefix_kv, model, tokenizer, prompt_ids)
-        cache, n = prefix_kv.fork().cache, len(prefix_kv)
-        if n == len(prompt_ids):   # the prompt IS the prefix: recompute its last token, whose logits start the answer
-            cache.crop(-1)
-            n -= 1
-    new, _, _, logits = continue_from_cache(model, cache, prompt_ids[n:], n, max_new_tokens,
-                                            eos_ids(model, tokenizer), keep_logits=keep_logits, **sampling)
-    return Generation(prompt_ids, new, tokenizer.decode(new, skip_special_tokens=True), n, logits)
-
-
-# --- 02_manual_prefix_reuse.ipynb, cell 20 ---
-def compare_with_hf(model, tokenizer, prompts, prefixes, max_new_tokens=16, **sampling):
-    """One row per prompt: cached tokens, identical new ids?, steps compared, the largest logit difference."""
-    rows, built = [], {}
-    for prompt, prefix in zip(prompts, prefixes, strict=True):
-        key = prefix if isinstance(prefix, str) else tuple(prefix)
-        if key not in built:   # one PrefixKV per distinct prefix
-            built[key] = PrefixKV.build(model, tokenizer, prefix)
-        ours = generate(model, tokenizer, prompt, built[key], max_new_tokens, keep_logits=True, **sampling)
-        ref_ids, ref_logits = hf_generate_with_logits(model, tokenizer, prompt, max_new_tokens, **sampling)
-        steps = min(len(ours.step_logits), len(ref_logits))
-        diff = max((float((a - b).abs().max()) for a, b in zip(ours.step_logits[:steps], ref_logits[:steps])),
-                   default=0.0)
-        rows.append({"prompt_tokens": len(ours.prompt_ids), "cached_tokens": ours.num_cached_tokens,
-                     "identical": ours.token_ids == ref_ids, "new_tokens": len(ref_ids), "max_abs_logit_diff": diff,
-                     "ours": ours.text, "hf": tokenizer.decode(ref_ids, skip_special_tokens=True)})
-    return rows
-
-
-# --- 02_manual_prefix_reuse.ipynb, cell 35 ---
-def pollution_pairs(model, tokenizer, n, start=0, max_new_tokens=16):
-    """A (its history changes the passphrase) then B on ONE cache through the article's code; B also isolated."""
-    rows = []
-    for seed in range(start, start + n):
-        a = P.make_example(seed, "heldout", history="update")
-        b = P.with_question(P.make_example(seed, "heldout", history="none"), "What is the passphrase?")
-        cache, plen = get_prefix_cache(model, tokenizer, a.prefix_text)
-        a_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, a.suffix_text, max_new_tokens)
-        after_a = int(cache.get_seq_length())
-        b_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, b.suffix_text, max_new_tokens)
-        dec = lambda ids: P.normalize_answer(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
-        rows.append({"seed": seed, "prefix_tokens": plen, "cache_after_A": after_a,
-                     "cache_after_B": int(cache.get_seq_length()), "A_answer": dec(a_ids), "A_expected": a.answer,
-                     "B_expected": b.answer, "B_polluted": dec(b_ids),
-                     "B_isolated": dec(hf_generate(model, tokenizer, b.prompt_text, max_new_tokens))})
-    return rows
-
-
-# --- 02_manual_prefix_reuse.ipynb, cell 45 ---
-def _byte_decoder():
-    """GPT-2's byte-level BPE alphabet reversed: the character a token string uses -> the byte it stands for."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in bs]
-    return {chr(c): b for b, c in zip(bs + extra, bs + [256 + i for i in range(len(extra))])}
-
-
-_BYTES = _byte_decoder()
-
-
-def token_pieces(tokenizer, ids):
-    """Each token as the text it stands for: a newline as "\\n"; a token holding part of a character's bytes
-    (CJK in byte-level BPE) as its whole characters with "…" where one is cut, or its bytes in hex ("<e4 bb>")."""
-    pieces = []
-    for t in ids:
-        text, raw = tokenizer.decode([t]), tokenizer.convert_ids_to_tokens(t)
-        if "\ufffd" in text and all(ch in _BYTES for ch in raw):
-            data = bytes(_BYTES[ch] for ch in raw)
-            whole = data.decode("utf-8", errors="ignore")   # the whole characters inside the token
-            lead = len(data) - len(data.lstrip(bytes(range(0x80, 0xC0))))   # continuation bytes of a cut character
-            cut_end = lead + len(whole.encode()) < len(data)                  # a character's first bytes at the end
-            text = ("…" * bool(lead) + whole + "…" * cut_end) if whole else "<" + " ".join(f"{b:02x}" for b in data) + ">"
-        pieces.append(text.replace("\n", "\\n"))
-    return pieces
-
-
-@dataclass
-class TokenCheck:
-    ok: bool
-    prefix_ids: list
-    full_ids: list
-    first_diff: int | None   # first token index where they differ (None when ok)
-    prefix_around: list      # tokens around first_diff, the prefix tokenized alone
-    full_around: list        # the same positions, the full text tokenized
-
-    def __str__(self):
-        if self.ok:
-            return f"ok: the prefix's {len(self.prefix_ids)} tokens are the first tokens of the full text"
-        return (f"mismatch at token {self.first_diff} of {len(self.prefix_ids)}: "
-                f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
-
-
-def check_prefix_tokens(tokenizer, prefix, full, context=2):
-    """Is prefix, tokenized alone, a token prefix of full? Where does it break?"""
-    p, f = encode(tokenizer, prefix), encode(tokenizer, full)
-    first = next((i for i, (a, b) in enumerate(zip(p, f)) if a != b), len(f) if len(p) > len(f) else None)
-    if first is None:
-        return TokenCheck(True, p, f, None, [], [])
-    lo, hi = max(0, first - context), first + context + 1
-    return TokenCheck(False, p, f, first, token_pieces(tokenizer, p[lo:hi]), token_pieces(tokenizer, f[lo:hi]))
-
-
-def boundary_merge_cases(tokenizer, texts, limit=10):
-    """Up to limit (prefix, suffix, check) cuts of texts where BPE merges across the cut (distinct merges)."""
-    cases, seen = [], set()
-    specials = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
-    for text in texts:
-        full_ids = encode(tokenizer, text)
-        inside = {i for s in specials for j in range(len(text)) if text.startswith(s, j) for i in range(j + 1, j + len(s))}
-        for cut in range(1, len(text)):
-            check = None if cut in inside else check_prefix_tokens(tokenizer, text[:cut], full_ids)   # never halve a special token
-            if check and not check.ok and tuple(check.full_around) not in seen:
-                seen.add(tuple(check.full_around))
-                cases.append((text[:cut], text[cut:], check))
-                if len(cases) >= limit:
-                    return cases
-    return cases
-
-
+# --- 02_manual_prefix_reuse.ipynb, cell 30 ---
 def common_prefix_ids(tokenizer, prompts):
     """The longest run of ids every prompt starts with, each prompt tokenized whole: no merge across a cut."""
     seqs = [encode(tokenizer, p) for p in prompts]
@@ -242,15 +45,3 @@ def common_prefix_ids(tokenizer, prompts):
     while all(len(s) > n for s in seqs) and len({s[n] for s in seqs}) == 1:
         n += 1
     return seqs[0][:n]
-
-
-# --- 02_manual_prefix_reuse.ipynb, cell 56 ---
-def with_bos_tokenizer(tokenizer, bos="<|endoftext|>"):
-    """A copy of a fast tokenizer that, like Llama's, prepends bos when add_special_tokens=True."""
-    from tokenizers.processors import TemplateProcessing
-
-    tok = copy.deepcopy(tokenizer)
-    bos_id = tok.convert_tokens_to_ids(bos)
-    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                              special_tokens=[(bos, bos_id)])
-    return tok

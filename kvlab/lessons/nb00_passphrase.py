@@ -1,22 +1,134 @@
-"""Notebook 00 (the passphrase experiment): its exercise checkers, the build exercise, workloads and a figure.
+"""Notebook 00 (the passphrase experiment): its checkers, the build exercise, experiment runners and a figure.
 
-The mechanisms notebook 00 runs (the client's ``ask``, the suffix-only prefill and its timing, answering on a
-cached prefix) are written in its ``#| export`` cells (``kvlab.built.nb00``); a few are re-exported here.
+Notebook 00 writes the client's ``ask`` and the swapped-prefix mistake in ``#| export`` cells
+(``kvlab.built.nb00``); the reader writes the suffix-only prefill (worked solution:
+``solutions.build_00_suffix_prefill``). Here: the runs around them (the real model's three passes, the prefill
+timing through ``kvlab.lessons.timing``), the checkers and the shared-prefix figure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import pandas as pd
 import torch
 
-from kvlab.built.nb00 import ask, cache_counters, full_prefill, positions_restart  # noqa: F401 (notebook 00's cells)
-from kvlab.built.nb00 import suffix_prefill as build_00_suffix_prefill  # noqa: F401 (the worked solution: the notebook's)
-from kvlab.engine.models import encode, model_device_dtype
+from kvlab.engine.models import encode, model_device_dtype, synchronize
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
+from kvlab.lessons.solutions import build_00_suffix_prefill
+from kvlab.lessons.timing import ratio_verdict, time_interleaved
 
+
+def show_answers(frame: pd.DataFrame, **formats: Any) -> Any:
+    """A table of model answers as a Styler: every text cell HTML-escaped (a model may answer ``<img ...>``),
+    long text wrapped; ``formats`` as ``Styler.format``'s per-column formats."""
+    return frame.style.format(formats or None, escape="html").set_properties(**{"white-space": "pre-wrap"})
+
+
+# ----------------------------------------------------------------------------- what the shared prefill saves
+
+@torch.no_grad()
+def full_prefill(model: Any, ids: Sequence[int]) -> torch.Tensor:
+    """Isolated: the whole prompt from scratch, on an empty cache. The last position's logits, (vocab,)."""
+    from transformers import DynamicCache
+
+    device, _ = model_device_dtype(model)
+    return model(input_ids=torch.tensor([list(ids)], device=device), cache=DynamicCache(config=model.config),
+                 use_cache=True, logits_to_keep=1).logits[0, -1]
+
+
+@torch.no_grad()
+def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5,
+                 step: Callable[..., torch.Tensor] = build_00_suffix_prefill) -> dict[str, Any]:
+    """Time to the first token's logits: ``full_prefill`` of the whole prompt against ``step`` (the suffix alone on a
+    copy of the cached prefix, made off the clock), interleaved by ``kvlab.lessons.timing``. ``ratio`` = suffix-only
+    / full (medians, ``ratio_min``–``ratio_max`` over the repeats), judged against ``ideal`` = the suffix's share of
+    the tokens; ``sentence`` says what the run showed, printed from those numbers."""
+    prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
+    device, _ = model_device_dtype(model)
+    prefix_cache = model(input_ids=torch.tensor([prefix_ids], device=device), use_cache=True, logits_to_keep=1).cache
+    t = time_interleaved({"full": lambda: full_prefill(model, prefix_ids + suffix_ids),
+                          "cached": (lambda: copy.deepcopy(prefix_cache),
+                                     lambda cache: step(model, cache, len(prefix_ids), suffix_ids))},
+                         repeats=repeats, sync=lambda: synchronize(device))
+    ideal = len(suffix_ids) / (len(prefix_ids) + len(suffix_ids))
+    v = ratio_verdict(t["cached"], t["full"], ideal=ideal, at=f"with a {len(prefix_ids)}-token prefix",
+                      ideal_is="the suffix's share of the tokens")
+    if v and v.value >= 1:
+        sentence = f"NO saving: the suffix-only prefill took x{v.value:.2f} the full one ({v.lo:.2f}–{v.hi:.2f})"
+    else:
+        sentence = v.says(f"the suffix-only prefill took {v.value:.3f} of the full one ({v.lo:.3f}–{v.hi:.3f} over "
+                          f"{repeats} interleaved repeats), saving {1 - v.value:.0%} of the prefill time; the ideal "
+                          f"(only the suffix's tokens computed) saves {1 - ideal:.0%}")
+    last = t["cached"].result.float().reshape(-1, t["full"].result.shape[-1])[-1]
+    return {"prefix_tokens": len(prefix_ids), "suffix_tokens": len(suffix_ids), "full_s": t["full"].median,
+            "cached_s": t["cached"].median, "ratio": v.value, "ratio_min": v.lo, "ratio_max": v.hi, "ideal": ideal,
+            "saving_shown": bool(v) and v.value < 1, "verdict": v.text, "sentence": sentence,
+            "max_abs_logit_diff": float((t["full"].result.float() - last).abs().max())}
+
+
+def prefill_saving(model: Any, tokenizer: Any, example: P.PassphraseExample, long_prefix: int, repeats: int,
+                   step: Callable[..., torch.Tensor] = build_00_suffix_prefill) -> pd.DataFrame:
+    """``time_prefill`` on ``example``'s system turn as it is and lengthened with filler lines to ``long_prefix``
+    tokens: one row each."""
+    from dataclasses import replace
+
+    pool, lines, long_ex = P.FILLER_ZH + P.FILLER_EN, [], example
+    while len(encode(tokenizer, long_ex.prefix_text)) < long_prefix:
+        lines.append(pool[len(lines) % len(pool)])
+        long_ex = replace(example, system="\n".join(lines + [example.system]))
+    return pd.DataFrame([time_prefill(model, encode(tokenizer, e.prefix_text), encode(tokenizer, e.suffix_text),
+                                      repeats, step) for e in (example, long_ex)])
+
+
+# ----------------------------------------------------------------------------- the real chat model
+
+def real_model_passes(model: Any, tokenizer: Any, n: int, max_new_tokens: int, start: int = 5000
+                      ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """``n`` held-out passphrases through kvlab's ``Engine`` three ways: isolated (prefix caching off), shared (each
+    system turn computed once before) and swapped (request i's user turn after request i+1's system turn).
+    Returns (per pass: cached tokens, own / donor passphrase in the answer, identical to isolated), the answers
+    (one row per request) and the sentences printed from them."""
+    from kvlab.engine import Engine, SamplingParams
+
+    examples = P.make_examples(n, "heldout", start=start)
+    asked = [P.REAL_QUESTIONS[i % len(P.REAL_QUESTIONS)] for i in range(n)]
+    prompts = [encode(tokenizer, P.real_model_prompt(tokenizer, e, q)) for e, q in zip(examples, asked)]
+    systems = [encode(tokenizer, system_turn(tokenizer, e)) for e in examples]
+    if not all(p[:len(s)] == s for p, s in zip(prompts, systems)):
+        raise ValueError("the system turn is not a token prefix of the prompt")
+    donor = [(i + 1) % n for i in range(n)]
+    swapped = [systems[d] + prompts[i][len(systems[i]):] for i, d in enumerate(donor)]
+    sp, blocks = SamplingParams(max_tokens=max_new_tokens), max(64, 3 * n * (max(map(len, prompts)) + max_new_tokens) // 16 + 8)
+    shared = Engine(model, tokenizer, enable_prefix_caching=True, num_blocks=blocks)
+    shared.generate(systems, SamplingParams(max_tokens=1))  # each system turn computed once, now cached
+    passes = {"isolated": Engine(model, tokenizer, enable_prefix_caching=False, num_blocks=blocks).generate(prompts, sp),
+              "shared": shared.generate(prompts, sp), "swapped": shared.generate(swapped, sp)}
+    summary = pd.DataFrame({name: {
+        "mean cached prompt tokens": sum(o.num_cached_tokens for o in outs) / n,
+        "own passphrase in the answer": sum(P.mentions(o.text, e.passphrase) for o, e in zip(outs, examples)) / n,
+        "donor passphrase in the answer": sum(P.mentions(o.text, examples[d].passphrase) for o, d in zip(outs, donor)) / n,
+        "tokens identical to isolated": sum(o.output_ids == i.output_ids for o, i in zip(outs, passes["isolated"])) / n}
+        for name, outs in passes.items()}).T
+    answers = pd.DataFrame({"question": asked, "passphrase": [e.passphrase for e in examples],
+                            **{name: [o.text.strip() for o in outs] for name, outs in passes.items()}})
+    s, bs = summary, shared.config.block_size
+    lines = [f"cached prompt tokens per request: isolated {s.loc['isolated', 'mean cached prompt tokens']:.1f}, shared "
+             f"{s.loc['shared', 'mean cached prompt tokens']:.1f}, where the system turn ({sum(map(len, systems)) / n:.1f} "
+             f"tokens on average) holds {sum(len(x) // bs * bs for x in systems) / n:.1f} tokens in full {bs}-token "
+             "blocks, the unit a block cache shares",
+             f"recall on {n} passphrases: isolated {s.loc['isolated', 'own passphrase in the answer']:.1%}, shared "
+             f"{s.loc['shared', 'own passphrase in the answer']:.1%}; {s.loc['shared', 'tokens identical to isolated']:.1%} "
+             "of shared answers token-identical to isolated",
+             f"swapped prefix: own passphrase {s.loc['swapped', 'own passphrase in the answer']:.1%}, the donor's "
+             f"{s.loc['swapped', 'donor passphrase in the answer']:.1%}"]
+    return summary, answers, lines
+
+
+# ----------------------------------------------------------------------------- checkers
 
 def check_ideal_fraction(answer: float | None, prompt_tokens: int, cached_tokens: int) -> Verdict:
     """Exercise 00.1: the share of prefill tokens still computed when ``cached_tokens`` are reused."""
@@ -70,26 +182,6 @@ def check_suffix_prefill(fn: Any, model: Any, tokenizer: Any) -> Verdict:
 def system_turn(tokenizer: Any, example: P.PassphraseExample) -> str:
     """The system turn of ``P.real_model_prompt`` alone, rendered by the chat template (the shared prefix)."""
     return tokenizer.apply_chat_template(P.real_model_messages(example)[:1], tokenize=False)
-
-
-def translation_prompts(tokenizer: Any) -> dict[str, str]:
-    """The article's translation example (its 2.2 / 3.3) as chat prompts: its Chinese wording and an English one."""
-    pairs = {"article (zh)": ("你是一个专业的翻译助手，请将以下内容翻译成英文：", "今天天气很好。"),
-             "English version": ("You are a professional translation assistant. Translate the following text "
-                                 "into English.", "今天天气很好。"),
-             "English, to Chinese": ("You are a professional translation assistant. Translate the following text "
-                                     "into Chinese.", "The weather is nice today.")}
-    return {name: tokenizer.apply_chat_template([{"role": "system", "content": s}, {"role": "user", "content": u}],
-                                                add_generation_prompt=True, tokenize=False)
-            for name, (s, u) in pairs.items()}
-
-
-def looks_translated(name: str, answer: str) -> bool:
-    """A rough, printed test: did the answer switch language the way the prompt asked?"""
-    first = answer.strip().split("\n")[0]
-    if name.endswith("to Chinese"):
-        return "天气" in first  # "the weather", in the answer's first line
-    return not any("\u4e00" <= ch <= "\u9fff" for ch in first) and "weather" in first.lower()
 
 
 def shared_blocks(manager: Any, seq_ids: Sequence[Any]) -> list[int]:

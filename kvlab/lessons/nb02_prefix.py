@@ -1,50 +1,213 @@
-"""Notebook 02 (manual prefix reuse): figures, workloads and the exercises' checkers and reference.
+"""Notebook 02 (manual prefix reuse): the checkers of its build and exercises, its experiment runners and figures.
 
-The mechanisms (the article's two functions, ``continue_from_cache``, ``check_compatible``, ``generate``, the
-tokenization checks) are written in notebook 02's cells and exported to ``kvlab.built.nb02``.
+Notebook 02 writes the article's two functions and the tokenization fix in ``#| export`` cells
+(``kvlab.built.nb02``); the reader writes the continue-from-cache loop (worked solution:
+``solutions.build_02_continue``). The checked, forking loop around it is the library's ``kvlab.prefix``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 from matplotlib.figure import Figure
 
-from kvlab.built.nb02 import check_prefix_tokens, token_pieces  # noqa: F401  (00, 01 and solutions import them here)
+from kvlab.built.nb02 import generate_with_prefix_cache, get_prefix_cache
 from kvlab.engine.models import encode, eos_ids
 from kvlab.engine.reference import hf_generate
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import Verdict, call_answer, label, unanswered, verdict
-from kvlab.prefix import PrefixKV
+from kvlab.prefix import PrefixKV, compare_with_hf
+
+# ----------------------------------------------------------------------------- tokens as text
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet reversed: the character a token string uses -> the byte it stands for."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in bs]
+    return {chr(c): b for b, c in zip(bs + extra, bs + [256 + i for i in range(len(extra))])}
+
+
+_BYTES = _byte_decoder()
+
+
+def _utf8_length(lead: int) -> int:
+    return 1 if lead < 0x80 else 2 if lead >> 5 == 6 else 3 if lead >> 4 == 14 else 4 if lead >> 3 == 30 else 1
+
+
+def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token as the text it stands for, a newline as "\\n". A byte-level token holding only part of a
+    character's UTF-8 bytes (CJK) shows the whole character, "…" on the side where it goes on in a neighbouring
+    token: "翻…" then "…译". Only bytes that decode to no character show as hex ("<e4>")."""
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    spans: list[tuple[int, int] | None] = []
+    stream = b""
+    for t in map(int, ids):
+        raw = tokenizer.convert_ids_to_tokens(t)
+        if t in special or not raw or not all(ch in _BYTES for ch in raw):
+            spans.append(None)  # a special token, or not a byte-level vocabulary: decoded alone below
+            continue
+        data = bytes(_BYTES[ch] for ch in raw)
+        spans.append((len(stream), len(stream) + len(data)))
+        stream += data
+    chars, i = [], 0  # (first byte, end byte, text) of each character of the stream
+    while i < len(stream):
+        n = _utf8_length(stream[i])
+        try:
+            text = stream[i:i + n].decode("utf-8")
+        except UnicodeDecodeError:
+            text, n = f"<{stream[i]:02x}>", 1
+        chars.append((i, i + n, text))
+        i += n
+    pieces = []
+    for t, span in zip(map(int, ids), spans):
+        if span is None:
+            text = tokenizer.decode([t])
+        else:
+            inside = [c for c in chars if c[0] < span[1] and c[1] > span[0]]
+            text = ("…" * (bool(inside) and inside[0][0] < span[0]) + "".join(c[2] for c in inside)
+                    + "…" * (bool(inside) and inside[-1][1] > span[1]))
+        pieces.append(text.replace("\n", "\\n"))
+    return pieces
+
+
+@dataclass
+class TokenCheck:
+    """Is a prefix, tokenized alone, the start of the full text's tokens? Where do they part?"""
+
+    ok: bool
+    prefix_ids: list
+    full_ids: list
+    first_diff: int | None  # the first token index where they differ (None when ok)
+    prefix_around: list  # the tokens around first_diff, the prefix tokenized alone
+    full_around: list  # the same positions, the full text tokenized
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"ok: the prefix's {len(self.prefix_ids)} tokens are the first tokens of the full text"
+        return (f"mismatch at token {self.first_diff} of {len(self.prefix_ids)}: "
+                f"prefix alone {self.prefix_around} vs inside the full text {self.full_around}")
+
+
+def check_prefix_tokens(tokenizer: Any, prefix: Any, full: Any, context: int = 2) -> TokenCheck:
+    """Compare ``prefix`` tokenized alone with the start of ``full`` (texts or ids)."""
+    p, f = encode(tokenizer, prefix), encode(tokenizer, full)
+    first = next((i for i, (a, b) in enumerate(zip(p, f)) if a != b), len(f) if len(p) > len(f) else None)
+    if first is None:
+        return TokenCheck(True, p, f, None, [], [])
+    lo, hi = max(0, first - context), first + context + 1
+    return TokenCheck(False, p, f, first, token_pieces(tokenizer, p)[lo:hi], token_pieces(tokenizer, f)[lo:hi])
+
+
+def boundary_merge_cases(tokenizer: Any, texts: Sequence[str], limit: int = 10) -> list[tuple[str, str, TokenCheck]]:
+    """Up to ``limit`` (prefix, suffix, check) cuts of ``texts`` where BPE merges across the cut (distinct merges)."""
+    cases, seen = [], set()
+    specials = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
+    for text in texts:
+        full_ids = encode(tokenizer, text)
+        inside = {i for s in specials for j in range(len(text)) if text.startswith(s, j) for i in range(j + 1, j + len(s))}
+        for cut in range(1, len(text)):
+            if cut in inside:  # never halve a special token
+                continue
+            check = check_prefix_tokens(tokenizer, text[:cut], full_ids)
+            if not check.ok and tuple(check.full_around) not in seen:
+                seen.add(tuple(check.full_around))
+                cases.append((text[:cut], text[cut:], check))
+                if len(cases) >= limit:
+                    return cases
+    return cases
+
+
+def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
+    """A copy of a fast tokenizer that, like Llama's, prepends ``bos`` when add_special_tokens=True."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    bos_id = tok.convert_tokens_to_ids(bos)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                              special_tokens=[(bos, bos_id)])
+    return tok
+
+
+# ----------------------------------------------------------------------------- experiment runners
+
+
+def loop_equals_generate(model: Any, tokenizer: Any, n_greedy: int, n_sampled: int = 0, seed: int = 0,
+                         max_new_tokens: int = 16, chat: bool = False, start: int = 0) -> pd.DataFrame:
+    """The checked loop (``kvlab.prefix.generate`` on a cached system prompt) against ``model.generate`` on held-out
+    passphrase prompts, greedy then seeded sampling: one row per prompt (``compare_with_hf``'s columns, plus the
+    decoding and whether the answer holds the passphrase). ``chat``: the model's own chat template (SmolLM2)."""
+    examples = P.make_examples(max(n_greedy, n_sampled), "heldout", start=start)
+    if chat:
+        prompts = [P.real_model_prompt(tokenizer, e, P.REAL_QUESTIONS[i % len(P.REAL_QUESTIONS)])
+                   for i, e in enumerate(examples)]
+        prefixes = [tokenizer.apply_chat_template(P.real_model_messages(e)[:1], tokenize=False) for e in examples]
+    else:
+        prompts, prefixes = [e.prompt_text for e in examples], [e.prefix_text for e in examples]
+    frames = []
+    for name, n, sampling in (("greedy", n_greedy, {}),
+                              ("seeded sampling", n_sampled, dict(do_sample=True, temperature=0.8, top_p=0.9,
+                                                                  top_k=50, seed=seed))):
+        if n:
+            rows = compare_with_hf(model, tokenizer, prompts[:n], prefixes[:n], max_new_tokens, **sampling)
+            frame = pd.DataFrame(rows).assign(decoding=name)
+            frame["passphrase in the answer"] = [P.mentions(t, e.passphrase) for t, e in zip(frame.ours, examples)]
+            frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def equality_sentence(name: str, rows: pd.DataFrame) -> str:
+    """One printed line on ``loop_equals_generate``'s rows: identical answers (empty ones apart), logit difference."""
+    said = rows[rows.hf.str.strip() != ""]  # an empty answer compares one end-of-turn token only
+    worst = rows.max_abs_logit_diff.max()
+    return (f"{name}: {int(said.identical.sum())}/{len(said)} non-empty answers token-identical to model.generate "
+            f"({len(rows) - len(said)} empty on both sides, not counted; {int(rows.new_tokens.sum())} new tokens "
+            f"compared), {rows.cached_tokens.mean():.0f} of {rows.prompt_tokens.mean():.0f} prompt tokens cached on "
+            f"average, largest logit difference {worst:.1e} "
+            + ("(float32 rounding)" if worst < 1e-3 else "(more than float32 rounding: look at the rows)"))
+
+
+def pollution_pairs(model: Any, tokenizer: Any, n: int, start: int = 0, max_new_tokens: int = 16) -> pd.DataFrame:
+    """Request A (its history changes the passphrase) then B on ONE cache through the article's code; B also
+    isolated. One row per pair: the answers, what each expected, and the cache's length after each request."""
+    rows = []
+    for seed in range(start, start + n):
+        a = P.make_example(seed, "heldout", history="update")
+        b = P.with_question(P.make_example(seed, "heldout", history="none"), "What is the passphrase?")
+        cache, plen = get_prefix_cache(model, tokenizer, a.prefix_text)
+        a_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, a.suffix_text, max_new_tokens)
+        after_a = int(cache.get_seq_length())
+        b_ids = generate_with_prefix_cache(model, tokenizer, cache, plen, b.suffix_text, max_new_tokens)
+        answer = lambda ids: P.normalize_answer(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
+        rows.append({"prefix tokens": plen, "cache after A": after_a, "cache after B": int(cache.get_seq_length()),
+                     "A answered": answer(a_ids), "A expected": a.answer, "B expected": b.answer,
+                     "B on A's cache": answer(b_ids),
+                     "B isolated": answer(hf_generate(model, tokenizer, b.prompt_text, max_new_tokens))})
+    return pd.DataFrame(rows)
+
+
+def pollution_sentence(pairs: pd.DataFrame) -> str:
+    """One printed line on ``pollution_pairs``: how often B kept its own passphrase, gave A's, or changed."""
+    own = np.mean([P.recalled(x, e) for x, e in zip(pairs["B on A's cache"], pairs["B expected"])])
+    alone = np.mean([P.recalled(x, e) for x, e in zip(pairs["B isolated"], pairs["B expected"])])
+    took = np.mean([P.recalled(x, e) for x, e in zip(pairs["B on A's cache"], pairs["A expected"])])
+    changed = (pairs["B on A's cache"] != pairs["B isolated"]).mean()
+    grew = (pairs["cache after B"] - pairs["prefix tokens"]).mean()
+    return (f"{len(pairs)} pairs on one shared cache: B's answer changed in {changed:.0%}; B gave its own passphrase "
+            f"{own:.0%} of the time (isolated: {alone:.0%}) and A's new one {took:.0%}; the cache grew by "
+            f"{grew:.0f} tokens on average")
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     """Index of the first differing token (the shorter length if one is a prefix of the other)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def check_generate_fn(fn: Any, model: Any, tokenizer: Any, n: int = 4, max_new_tokens: int = 12) -> Verdict:
-    """Exercise 02.1: ``fn(model, tokenizer, prefix_text, suffix_text, max_new_tokens)``: model.generate's ids, twice."""
-    hint = "prefill the suffix at positions len(prefix), len(prefix)+1, ... on a copy of the prefix cache, then decode"
-    if fn is None:
-        return unanswered("define my_generate and pass it in; " + hint)
-    for ex in P.make_examples(n, "heldout", start=100):
-        for e in (ex, P.with_question(ex, "Tell me the passphrase.")):
-            want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
-            got, failed = call_answer(fn, model, tokenizer, e.prefix_text, e.suffix_text, max_new_tokens,
-                                      hint=hint, name="my_generate")
-            if failed is not None:
-                return failed
-            got = list(got)
-            if got != want:
-                i = _first_difference(got, want)
-                return verdict(False, hint=f"on example {e.seed} your tokens leave model.generate's at step {i} "
-                                           f"(yours from there: {got[i:i + 4]}); check the positions and that the "
-                                           "prefix cache is not written into")
-    return verdict(True, f"{2 * n} prompts identical to model.generate")
 
 
 def check_boundary_case(tokenizer: Any, prefix: str | None, suffix: str | None) -> Verdict:
@@ -82,25 +245,6 @@ def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_to
                    f"{len(prefix_ids)} tokens", "return one list of ids per suffix")
 
 
-def fig_prefill_ratio(rows: Sequence[Mapping[str, Any]], title: str = "prefill with a cached prefix") -> Figure:
-    """Bars: measured cached/full prefill time ratio beside the ideal (uncached share of tokens)."""
-    names = [r["setting"] for r in rows]
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(max(5, 1.8 * len(rows)), 3.8))
-    ax.bar(x - 0.2, [r["ratio"] for r in rows], 0.4, label="measured: cached / full")
-    ax.bar(x + 0.2, [r["ideal"] for r in rows], 0.4, label="ideal: uncached tokens / all tokens")
-    for i, r in enumerate(rows):
-        ax.annotate(f"{r['ratio']:.3f}", (i - 0.2, r["ratio"]), ha="center", va="bottom", fontsize=8)
-        ax.annotate(f"{r['ideal']:.3f}", (i + 0.2, r["ideal"]), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, names, fontsize=8)
-    ax.set_ylabel("time to first logits, relative to full prefill")
-    ax.set_ylim(0, max(1.05, max(r["ratio"] for r in rows) * 1.15))
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
 def fig_token_boundary(prefix_pieces: Sequence[str], full_pieces: Sequence[str], first_diff: int | None,
                        title: str = "") -> Figure:
     """Two rows of token boxes: the prefix tokenized alone and the full text; the first difference in red."""
@@ -126,7 +270,7 @@ def fig_position_ids(prefix: PrefixKV, suffix_ids: Sequence[int], tokenizer: Any
     """The cached prefix's positions and the suffix's on top of it: continued (right) and restarted at 0 (wrong)."""
     p, n = prefix.seq_length(), len(suffix_ids)
     rows = [("right: the suffix continues", range(p, p + n), "#a1d99b"), ("wrong: the suffix restarts at 0", range(n), "#fc9272")]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.42 * (p + n) + 2.5), 3.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.42 * (p + n) + 2.5), 3.4))
     for r, (name, pos, color) in enumerate(rows):
         y = 1 - r
         for i in range(p):
@@ -138,28 +282,19 @@ def fig_position_ids(prefix: PrefixKV, suffix_ids: Sequence[int], tokenizer: Any
                                    linewidth=1.5 if clash else 0.5, gid=f"suffix{r}"))
             ax.text(p + i + 0.47, y + 0.3, str(q), ha="center", va="center", fontsize=7, gid=f"suffix{r}")
         ax.text(-0.3, y + 0.3, name, ha="right", va="center", fontsize=9)
-    if tokenizer is not None and p + n <= 40:
-        words = [label(w) for w in token_pieces(tokenizer, [*prefix.token_ids, *suffix_ids])]
-        ax.set_xticks([i + 0.47 for i in range(p + n)], words, rotation=90, fontsize=7)
-    else:
-        ax.set_xticks([])
+    if tokenizer is not None and p + n <= 40:  # each box's token, decoded (a split character shows as "翻…", "…译")
+        for i, w in enumerate(token_pieces(tokenizer, [*prefix.token_ids, *suffix_ids])):
+            ax.text(i + 0.47, 1.75 + 0.15 * (i % 2), label(w), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([])
     ax.axvline(p - 0.025, color="black", linewidth=1)
     ax.set_xlim(-0.2, p + n)
-    ax.set_ylim(-0.15, 1.75)
+    ax.set_ylim(-0.15, 2.2)
     ax.set_yticks([])
     ax.spines[["top", "right", "left"]].set_visible(False)
     ax.set_title(f"position ids: {p} cached prefix tokens (grey) then {n} suffix tokens\n"
                  "wrong: the suffix reuses positions the prefix already holds", fontsize=10)
     fig.tight_layout()
     return fig
-
-
-def reference_continue(model: Any, cache: Any, suffix_ids: Sequence[int], start_pos: int, max_new_tokens: int,
-                       stop_ids: set[int]) -> list[int]:
-    """Notebook 02's ``continue_from_cache``, greedy: the new token ids after ``suffix_ids`` on top of ``cache``."""
-    from kvlab.built.nb02 import continue_from_cache
-
-    return continue_from_cache(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids)[0]
 
 
 class PositionSpy:

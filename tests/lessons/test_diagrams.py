@@ -53,8 +53,8 @@ def test_kv_cache_figure_draws_every_layer_and_kv_head_of_the_real_cache(bundled
     images = [im for ax in fig.axes for im in ax.get_images()]
     heads, seq, dim = kv[0][0].shape
     assert len(images) == len(kv) * heads * 2 == bundled[0].config.num_hidden_layers * 2 * heads
-    assert images[1].get_array().shape == (len(prefix), dim)
-    assert (images[1].get_array() == kv[0][1][0].numpy()).all()  # layer 0, V of head 0, as stored
+    assert images[heads].get_array().shape == (len(prefix), dim)
+    assert (images[heads].get_array() == kv[0][1][0].numpy()).all()  # layer 0, V of head 0 (after the K panels)
     _done(fig)
 
 
@@ -68,6 +68,11 @@ def test_position_ids_figure_continues_after_the_prefix_or_restarts(bundled, pre
     for row, want in ((0, list(range(p, p + len(suffix)))), (1, list(range(len(suffix))))):
         drawn = [int(t.get_text()) for t in _gid(fig, f"suffix{row}") if hasattr(t, "get_text")]
         assert drawn == want
+    _done(fig)
+    zh = N.PrefixKV.build(*bundled, "你是一个专业的翻译助手，")   # CJK split across byte-level tokens
+    fig = N.fig_position_ids(zh, encode(bundled[1], "今天天气很好。"), bundled[1])
+    words = [t.get_text() for t in fig.axes[0].texts if not t.get_text().isdigit()]
+    assert "".join(words).replace("…", "").count("翻") >= 1 and not any(w.startswith("<") and " " in w for w in words)
     _done(fig)
 
 

@@ -11,19 +11,22 @@ import random
 import pytest
 import torch
 
-from kvlab.built.nb02 import (  # written in notebook 02's cells
-    boundary_merge_cases,
-    check_prefix_tokens,
+from kvlab.built.nb02 import (  # notebook 02 writes them
     common_prefix_ids,
     generate_with_prefix_cache,
     get_prefix_cache,
-    with_bos_tokenizer,
 )
 from kvlab.engine.models import BUNDLED_MODEL, encode, eos_ids, load_model
 from kvlab.engine.reference import hf_generate
 from kvlab.lessons import passphrase as P
-from kvlab.lessons.common import time_prefill
-from kvlab.lessons.nb02_prefix import check_boundary_case, check_crop_reuse, check_generate_fn
+from kvlab.lessons.nb00_passphrase import time_prefill
+from kvlab.lessons.nb02_prefix import (
+    boundary_merge_cases,
+    check_boundary_case,
+    check_crop_reuse,
+    check_prefix_tokens,
+    with_bos_tokenizer,
+)
 from kvlab.prefix import (  # the library
     PrefixKV,
     PrefixMismatchError,
@@ -332,26 +335,13 @@ def test_time_prefill_paths_agree(lm):
     r = time_prefill(model, encode(tok, ex.prefix_text), encode(tok, ex.suffix_text), repeats=1)
     assert r["max_abs_logit_diff"] <= 1e-4
     assert 0 < r["ideal"] < 1 and r["full_s"] > 0 and r["cached_s"] > 0
-    # timed by notebook 01's harness: the ratio, its min-max and the guard's word come with it
+    # timed by kvlab.lessons.timing: the ratio, its min-max and the verdict's words come with it
     assert r["ratio"] == pytest.approx(r["cached_s"] / r["full_s"]) and r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
-    assert r["verdict"] == "ok" or r["verdict"].startswith(("outlier — re-run", "below the ideal — re-run"))
+    assert r["verdict"].startswith(("ok", "no measurable saving", "disturbed run — re-run"))
 
 
 def test_exercise_checkers(lm):
     model, tok = lm
-
-    def right(model, tokenizer, prefix, suffix, max_new_tokens):
-        pc = PrefixKV.build(model, tokenizer, prefix)
-        return generate(model, tokenizer, prefix + suffix, pc, max_new_tokens=max_new_tokens).token_ids
-
-    def article(model, tokenizer, prefix, suffix, max_new_tokens):  # shares one cache across calls
-        if not hasattr(article, "cache"):
-            article.cache = get_prefix_cache(model, tokenizer, prefix)
-        return generate_with_prefix_cache(model, tokenizer, *article.cache, suffix, max_new_tokens)
-
-    assert str(check_generate_fn(None, model, tok)).startswith("not yet: no answer")
-    assert check_generate_fn(right, model, tok, n=2)
-    assert not check_generate_fn(article, model, tok, n=2)
 
     def crop_right(model, tokenizer, cache, plen, suffixes, max_new_tokens):
         out = []
