@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvlab.built import nb09 as B  # noqa: E402  (notebook 09's sweeps, written in its cells)
 from kvlab.cluster import (  # noqa: E402
     ALL_POLICIES,
     agree,
@@ -33,7 +34,7 @@ from kvlab.cluster import (  # noqa: E402
     simulate,
     start_ray,
 )
-from kvlab.lessons import nb09_routing as L  # noqa: E402
+from kvlab.lessons import nb09_routing as L  # noqa: E402  (its workloads)
 
 
 def table(rows: list[dict]) -> str:
@@ -61,7 +62,7 @@ def agreement_lines(checks: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ray", action="store_true", help="also run real engines as Ray actors")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="small sizes (the chat workload's smoke size)")
     ap.add_argument("--num-blocks", type=int, default=96, help="KV blocks of 16 tokens per replica")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "routing.json"))
@@ -70,8 +71,10 @@ def main() -> None:
     workloads = [L.chat_workload(args.smoke, args.seed), L.sys512_workload(seed=args.seed)]
     rows = []
     for wl in workloads:
-        rows += L.sweep(wl, (1, 2, 4), ALL_POLICIES, num_blocks=args.num_blocks).to_dict("records")
-    weights = L.weight_sweep(workloads[0], 4, (0, 0.25, 1, 4, 16), num_blocks=args.num_blocks).to_dict("records")
+        print(f"simulating {wl.name}: 1, 2, 4 replicas x {len(ALL_POLICIES)} policies ...", flush=True)
+        rows += B.sweep(wl, (1, 2, 4), ALL_POLICIES, num_blocks=args.num_blocks).to_dict("records")
+    print("kv_aware weight sweep on 4 replicas ...", flush=True)
+    weights = B.weight_sweep(workloads[0], 4, (0, 0.25, 1, 4, 16), num_blocks=args.num_blocks).to_dict("records")
     print(table(rows))
     out = {"mode": "simulation", "num_blocks": args.num_blocks, "smoke": args.smoke, "seed": args.seed,
            "rows": rows, "weight_sweep": weights, "python": platform.python_version()}
@@ -84,6 +87,7 @@ def main() -> None:
             wl = L.chat_workload(True, args.seed)
             ray_rows, checks = [], []
             for n in (1, 2) if args.smoke else (1, 2, 4):
+                print(f"Ray: {n} replica(s) x {len(ALL_POLICIES)} policies ...", flush=True)
                 # a host tier on every actor stages what pull fetches (the other policies never fill it)
                 handles = ray_replicas(n, num_blocks=args.num_blocks, tier_blocks=args.num_blocks)
                 for p in ALL_POLICIES:

@@ -1,4 +1,8 @@
-"""Requests, tenants and the step loop around one HF causal LM (nano-vllm's ``llm_engine.py``; docs/engine.md)."""
+"""Requests, tenants and the step loop around one HF causal LM (nano-vllm's ``llm_engine.py``; docs/engine.md).
+
+``step`` is schedule -> run -> postprocess. Off the step: abort and fork, public prefixes, stats, KV-event
+retrieval, cache reset and ``check_invariants`` (run after every step of a ``debug`` engine).
+"""
 
 from __future__ import annotations
 
@@ -9,21 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache.interface import CacheManager
+from ..cache.kv_events import EventBatch
 from .config import EngineConfig
-from .extras import EngineExtras, UnknownRequestError
-from .fused_llama import FusedLlama
 from .hooks import KVEventLog, StepRecord, default_positions, observe
-from .intake import Checked, Intake, per_prompt
+from .intake import Checked, Intake, check_sampling, per_prompt
+from .invariants import check_engine
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype
 from .offload import HostOffload
-from .packed_linear import PackedLinears
-from .paged_kernel import PagedKernel
 from .radix_adapter import engine_cache
 from .recovery import settle
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Request, RequestStatus
 
 __all__ = [
@@ -35,6 +37,10 @@ __all__ = [
     "UnknownRequestError",
     "default_positions",
 ]
+
+
+class UnknownRequestError(LookupError):
+    """Raised for a request id the engine does not hold (or that belongs to another tenant)."""
 
 
 @dataclass(slots=True)
@@ -58,9 +64,12 @@ class RequestOutput:
     error: str | None = None
     # of num_cached_tokens: copied back from the host tier (evicted or fetched)
     num_restored_tokens: int = 0
+    # sampling.logprobs / prompt_logprobs: kvlab.engine.logprobs.TokenLogprob records (None if not asked)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
-class Engine(EngineExtras):
+class Engine:
     """Paged K/V store + block manager + scheduler around one Hugging Face causal LM.
 
     ``add_request`` / ``abort`` / ``fork`` / ``step`` may come from several threads: each holds the engine's
@@ -101,11 +110,15 @@ class Engine(EngineExtras):
             self.host_tier = HostOffload(
                 self.store, bm, cfg.host_tier_bytes, offload=cfg.offload_evicted
             )
-        self.scheduler = Scheduler(
-            bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill
-        )
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model, tokenizer)
+        self.scheduler = Scheduler(
+            bm,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.enable_chunked_prefill,
+            eos_ids=frozenset(self.eos_ids),
+        )
         # unfinished requests by id
         self.requests: dict[Hashable, Request] = {}
         # mixed: steps that ran prefills and decodes together
@@ -116,17 +129,16 @@ class Engine(EngineExtras):
         # seq ids whose outputs a running generate() collects itself
         self._held: set[int] = set()
         self.kv_events = KVEventLog(bm) if cfg.enable_kv_events else None
+        if self.kv_events is not None:
+            # one more step observer: each step's events become one batch
+            self.observers.append(self.kv_events)
         # probes the model: may refuse it
         self.runner = ModelRunner(model, self.store)
-        if cfg.packed_linear:
-            # raises ValueError naming why where it cannot run (not CPU float32, no oneDNN)
-            self.runner.packed = PackedLinears(model)
-        if cfg.paged_kernel:
-            # raises ValueError naming why where it cannot run (not CPU, not float32, no build)
-            self.runner.kernel = PagedKernel(self.store)
-        if cfg.fused_layers:
-            # raises ValueError naming why where it cannot run (not Llama, hooks, not CPU float32, no build)
-            self.runner.decoder = FusedLlama(model)
+        # what a request's min_tokens holds back
+        self.runner.eos_ids = frozenset(self.eos_ids)
+        if cfg.accelerator is not None:
+            # the speed paths; raises ValueError naming why one cannot run (kvlab.engine.accelerator)
+            self.runner.accelerate(cfg.accelerator.bind(model, self.store))
         vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
         self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
 
@@ -164,51 +176,41 @@ class Engine(EngineExtras):
             return bool(self._pending or self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one packed forward, sample a token per sequence; return what finished (and pending outputs)."""
+        """Schedule, run one packed forward, postprocess; return what finished (and pending outputs)."""
         with self._lock:
-            sched = self.scheduler.schedule()
-            items, bm, finished = sched.items, self.block_manager, []
+            scheduled = self.scheduler.schedule()
             # empty only when a lone sequence preempted itself
-            if items:
-                self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
-                if sched.cow_pairs:
-                    self.store.copy_blocks(sched.cow_pairs)
-                tables = [bm.block_table(it.seq.seq_id) for it in items]
-                # None: the default positions, which need no check
-                positions = None
-                if self.positions is not default_positions:
-                    positions = [self.positions(it) for it in items]
-                tokens, errors, untrusted = self.runner.compute(items, tables, positions)
-                if self.observers:
-                    observe(self.observers, self.num_steps, items, tables, positions, tokens)
-                if errors or untrusted:
-                    finished = settle(self, items, errors, untrusted)
-                now = time.perf_counter()
-                for item, token in zip(items, tokens):
-                    seq, sp = item.seq, item.seq.sampling
-                    if token is None:
-                        continue
-                    seq.output_ids.append(token)
-                    if seq.first_token_time is None:
-                        seq.first_token_time = now
-                    # why it stops: an eos or stop token, or its length
-                    stop = (
-                        token in self.eos_ids and not sp.ignore_eos
-                    ) or token in sp.stop_token_ids
-                    if stop or len(seq.output_ids) >= sp.max_tokens:
-                        self._finish(seq, "stop" if stop else "length", now)
-                        finished.append(seq)
-                self.num_steps += 1
-                self.num_mixed_steps += len({it.is_prefill for it in items}) == 2
+            finished = self._run(scheduled) if scheduled.items else []
+            for seq in finished:
+                self.requests.pop(seq.request_id, None)
             # idle: the model is HF's own again (ModelRunner.detach)
             if not (self.scheduler.waiting or self.scheduler.running):
                 self.runner.detach()
             if self.config.debug:
                 self.check_invariants()
-            if self.kv_events is not None:
-                self.kv_events.close_batch()
             outputs, self._pending = self._pending, []
             return outputs + [self._output(s) for s in finished if s.seq_id not in self._held]
+
+    def _run(self, scheduled: SchedulerOutput) -> list[Request]:
+        """One forward of the scheduled items and its postprocess; the requests it finished (or that failed)."""
+        items = scheduled.items
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
+        if scheduled.cow_pairs:
+            self.store.copy_blocks(scheduled.cow_pairs)
+        tables = [self.block_manager.block_table(it.seq.seq_id) for it in items]
+        # None: the default positions, which need no check
+        positions = None
+        if self.positions is not default_positions:
+            positions = [self.positions(it) for it in items]
+        tokens, errors, untrusted = self.runner.compute(items, tables, positions)
+        # a failed item ends with "error"; one that read K/V a failed item never wrote prefills again
+        failed = settle(self, items, errors, untrusted) if errors or untrusted else []
+        finished = failed + self.scheduler.postprocess(items, tokens, time.perf_counter())
+        if self.observers:
+            observe(self.observers, self.num_steps, items, tables, positions, tokens)
+        self.num_steps += 1
+        self.num_mixed_steps += len({it.is_prefill for it in items}) == 2
+        return finished
 
     def _finish(
         self, seq: Request, reason: str, now: float, uncache_from: int | None = None
@@ -238,6 +240,8 @@ class Engine(EngineExtras):
             None if done is None else done - t0,
             seq.error,
             seq.num_restored_tokens or 0,
+            None if seq.logprobs is None else list(seq.logprobs),
+            None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
         )
 
     def generate(
@@ -293,3 +297,109 @@ class Engine(EngineExtras):
         """K/V bytes of the blocks referenced by live sequences now."""
         bm = self.block_manager
         return (bm.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
+
+    # --- off the step: requests, tenants, observers, stats ---------------------------------------------
+    def abort(self, request_id: Hashable, *, tenant: str | None = None) -> RequestOutput:
+        """Stop an unfinished request of ``tenant`` (the one it was added with) now and free its blocks."""
+        with self._lock:
+            seq = self._get(request_id, tenant)
+            self._finish(seq, "abort", time.perf_counter())
+            return self._output(seq)
+
+    def fork(
+        self,
+        request_id: Hashable,
+        child_id: Hashable | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> Hashable:
+        """Continue a running request of ``tenant`` as two sharing every block; a refused fork changes nothing.
+
+        The child (``child_id``, or an automatic id) has its own ids, ``sampling`` (default: the parent's) and
+        generator; its scope, tokens and timing are the parent's (``kvlab.cache.fork``: copy-on-write).
+        """
+        with self._lock:
+            parent = self._get(request_id, tenant)
+            sampling = check_sampling(parent.sampling if sampling is None else sampling)
+            self.scheduler.check_fork(parent)
+            seq_id, child_id = self.intake.new_ids(child_id, self.requests)
+            # drawn after every check
+            child = Request(
+                seq_id,
+                child_id,
+                list(parent.prompt_ids),
+                sampling,
+                parent.scope,
+                parent.arrival_time,
+                list(parent.output_ids),
+                num_cached_tokens=parent.num_cached_tokens,
+                first_token_time=parent.first_token_time,
+                generator=self.intake.generator(sampling),
+            )
+            self.scheduler.fork(parent, child)
+            self.requests[child_id] = child
+            return child_id
+
+    def _get(self, request_id: Hashable, tenant: str | None = None) -> Request:
+        seq = self.requests.get(request_id)
+        # another tenant's request looks like an unknown one
+        if seq is None or seq.tenant != tenant:
+            who = "" if tenant is None else f" of tenant {tenant!r}"
+            raise UnknownRequestError(
+                f"unknown request id {request_id!r}{who} (never added, already finished, "
+                "or added with another tenant)"
+            )
+        return seq
+
+    def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
+        """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
+        # tokenized before the lock, as in add_request
+        ids = self.intake.check_prefix(prefix)
+        with self._lock:
+            return self.intake.add_public_prefix(ids)
+
+    def salt_for(self, tenant: str | None) -> str | None:
+        """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
+        return self.intake.salt_for(tenant)
+
+    def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
+        """Call ``observer(record)`` once per step from now on, after the forward (a ``StepRecord``)."""
+        self.observers.append(observer)
+
+    def take_kv_events(self) -> list[EventBatch]:
+        """The KV-event batches since the last call, oldest first (for a router: ``kvlab.cluster.router``)."""
+        with self._lock:
+            return [] if self.kv_events is None else self.kv_events.take()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (refused, False, while a request holds blocks); emits ``AllBlocksCleared``."""
+        # the radix cache raises NotImplementedError
+        with self._lock:
+            return self.block_manager.reset_prefix_cache()
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted (and later recomputed) so far."""
+        return self.scheduler.num_preemptions
+
+    def stats(self) -> dict[str, Any]:
+        """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps, block-manager stats."""
+        with self._lock:
+            return {
+                **self.block_manager.stats(),
+                "kv_bytes_in_use": self.kv_bytes_in_use,
+                "peak_kv_bytes": self.peak_kv_bytes,
+                "kv_bytes_total": self.store.nbytes,
+                "num_preemptions": self.num_preemptions,
+                "num_steps": self.num_steps,
+                "num_mixed_steps": self.num_mixed_steps,
+                "num_waiting": len(self.scheduler.waiting),
+                "num_running": len(self.scheduler.running),
+                **(self.host_tier.stats() if self.host_tier is not None else {}),
+            }
+
+    def check_invariants(self) -> None:
+        """Raise unless the block manager, the queues and the request table agree (``invariants.check_engine``)."""
+        with self._lock:
+            check_engine(self)

@@ -1,8 +1,9 @@
 """The engine's optional plug-ins, each run only when asked for: a positions hook, step observers, KV events.
 
 ``Engine(positions=f)`` numbers the tokens a scheduled item computes (``default_positions`` is what the engine
-does without one); ``Engine(observers=[...])`` / ``add_step_observer`` get one ``StepRecord`` per step; with
-``enable_kv_events`` a ``KVEventLog`` numbers the cache's events into one ``EventBatch`` per step.
+does without one); ``Engine(observers=[...])`` / ``add_step_observer`` get one ``StepRecord`` per step that ran
+a forward; with ``enable_kv_events`` a ``KVEventLog`` is one more such observer: it numbers the cache's events
+into one ``EventBatch`` per step. A step without observers builds no record.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class KVEventLog:
 
     def __init__(self, cache: CacheManager) -> None:
         self.cache, self.batches, self.next_seq = cache, [], 0
+
+    def __call__(self, record: StepRecord) -> None:
+        """A step observer: the step's events become one batch."""
+        self.close_batch()
 
     def close_batch(self) -> None:
         """Wrap the events queued since the last batch in one ``EventBatch`` with the next sequence number."""

@@ -12,12 +12,12 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..cache.block_manager import TenantScope
-from .models import encode
+from ..cache.interface import NO_SCOPE, TenantScope
+from .config import EngineConfig
 from .sampling_params import SamplingParams
 from .sequence import Request
 from .tenants import (
@@ -34,13 +34,20 @@ __all__ = [
     "RequestError",
     "RequestTypeError",
     "check_sampling",
+    "encode",
     "make_sampling",
     "per_prompt",
 ]
 
 
-# Intake.check's: ids, sampling, tenant, salt
-Checked = tuple[list[int], SamplingParams, str | None, str | None]
+class Checked(NamedTuple):
+    """A request ``Intake.check`` accepted: its tokens and sampling, its tenant and the salt derived for it."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    tenant: str | None
+    # what the engine derived from the request's cache_salt and tenant (tenants.request_salt); None: unsalted
+    cache_salt: str | None
 
 
 class RequestError(ValueError):
@@ -69,7 +76,7 @@ class Intake:
         vocab_size: int,
         max_model_len: int | None,
         check_fits: Callable[[int, int], None],
-        config: Any,
+        config: EngineConfig,
         device: torch.device,
     ) -> None:
         """``config``: the engine's ``EngineConfig`` (its ``isolation``, ``secret`` and ``seed``)."""
@@ -180,7 +187,7 @@ class Intake:
         try:
             # nothing to derive: a shared cache without a cache_salt
             shared = self.isolation == "shared" and cache_salt is None
-            salt = (
+            derived = (
                 unsafe_salt
                 if unsafe_salt is not None or shared
                 else request_salt(self._secret, self.isolation, tenant, cache_salt)
@@ -188,25 +195,26 @@ class Intake:
         # a lone surrogate ("\ud800") in the tenant id
         except UnicodeEncodeError as e:
             raise RequestError("tenant", f"the tenant id is not valid Unicode: {e}") from None
-        return ids, sampling, tenant, salt
+        return Checked(ids, sampling, tenant, derived)
 
     def admit(
         self, checked: Checked, request_id: Hashable | None, live: dict[Hashable, Request]
     ) -> Request:
         """The ``Request`` of a checked request (call it under the engine lock): ids, scope, generator, arrival."""
-        ids, sampling, tenant, salt = checked
+        ids, sampling, tenant, cache_salt = checked
         public = (
             public_prefix_length(ids, self.public_prefixes)
             if self.isolation == "public-prefix"
             else 0
         )
         seq_id, request_id = self.new_ids(request_id, live)
+        unscoped = cache_salt is None and tenant is None and public == 0
         return Request(
             seq_id,
             request_id,
             ids,
             sampling,
-            TenantScope(salt, public, tenant),
+            NO_SCOPE if unscoped else TenantScope(cache_salt, public, tenant),
             arrival_time=time.perf_counter(),
             # greedy: none
             generator=None if sampling.temperature == 0 else self.generator(sampling),
@@ -232,6 +240,52 @@ class Intake:
             return None
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         return torch.Generator(device=self.device).manual_seed(seed)
+
+
+def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
+    """Token ids of a text (no special tokens added: ChatML markup is spelled out in the text).
+
+    Ids pass through as Python ints when they are a sequence (list, tuple, range, 1-D numpy array or
+    torch tensor) of real integers: Python or numpy ints, never bools, floats, strings or bytes. Anything
+    else (bytes, a dict, a set, floats such as 1.7, digit strings such as "5") raises ``TypeError``
+    instead of being coerced into other tokens.
+    """
+    if isinstance(text_or_ids, str):
+        if tokenizer is None:
+            raise TypeError("a text prompt needs a tokenizer: pass token ids")
+        try:
+            text_or_ids.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"the prompt is not valid Unicode: a lone surrogate at character {e.start}"
+            ) from None
+        return list(tokenizer(text_or_ids, add_special_tokens=False)["input_ids"])
+    import numpy as np
+
+    if isinstance(text_or_ids, (np.ndarray, torch.Tensor)):
+        if isinstance(text_or_ids, torch.Tensor):
+            integer = not (
+                text_or_ids.is_floating_point()
+                or text_or_ids.is_complex()
+                or text_or_ids.dtype == torch.bool
+            )
+        else:
+            integer = bool(np.issubdtype(text_or_ids.dtype, np.integer))
+        if text_or_ids.ndim != 1 or not integer:
+            raise TypeError(
+                f"token ids must be a 1-D array of integers, got {text_or_ids.ndim}-D {text_or_ids.dtype}"
+            )
+        return [int(t) for t in text_or_ids.tolist()]
+    if not isinstance(text_or_ids, Sequence) or isinstance(text_or_ids, (bytes, bytearray)):
+        raise TypeError(
+            f"a prompt must be a str or a sequence of int token ids, got {type(text_or_ids).__name__}"
+        )
+    ids = []
+    for t in text_or_ids:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"token ids must be ints, got {type(t).__name__} {t!r}")
+        ids.append(int(t))
+    return ids
 
 
 def check_cache_salt(cache_salt: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from ..cache.block_pool import check
+from ..cache.debug import check
 from .sequence import RequestStatus
 
 __all__ = ["check_engine", "check_scheduler"]

@@ -15,11 +15,13 @@ import itertools
 import json
 import os
 import random
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# a prompt as checked token ids is the intake's: importable from here too
+from .intake import encode  # noqa: F401
 
 
 def package_data(*parts: str) -> Path:
@@ -182,9 +184,8 @@ def model_fingerprint(
     parameter and buffer names/shapes/dtypes, **every byte of every parameter and buffer** (sha256;
     buffers persistent or not, e.g. RoPE's ``inv_freq``), and the tokenizer's vocabulary and chat
     template, so changing any single weight or buffer value (in place, through ``.data``, or in a
-    copy) changes it. Cost, measured on one CPU core: about 6 ms for the bundled model (2.9 MB of
-    weights; 4 ms with ``every_weight=False``); sha256 runs at about 1 GB/s here, so roughly 1 s per
-    GB of weights (a GPU model is copied to the CPU parameter by parameter).
+    copy) changes it. Its cost grows with the weights' bytes (sha256 over all of them; a GPU model is
+    copied to the CPU parameter by parameter).
 
     ``every_weight=False`` hashes 64 sampled values per parameter instead: cheap, but blind to most
     single-weight changes; enough to tell different models apart, as the engine does for its own blocks.
@@ -310,52 +311,6 @@ def random_model(
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
     return model.to(resolve_device(device)).eval()
-
-
-def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
-    """Token ids of a text (no special tokens added: ChatML markup is spelled out in the text).
-
-    Ids pass through as Python ints when they are a sequence (list, tuple, range, 1-D numpy array or
-    torch tensor) of real integers: Python or numpy ints, never bools, floats, strings or bytes. Anything
-    else (bytes, a dict, a set, floats such as 1.7, digit strings such as "5") raises ``TypeError``
-    instead of being coerced into other tokens.
-    """
-    if isinstance(text_or_ids, str):
-        if tokenizer is None:
-            raise TypeError("a text prompt needs a tokenizer: pass token ids")
-        try:
-            text_or_ids.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"the prompt is not valid Unicode: a lone surrogate at character {e.start}"
-            ) from None
-        return list(tokenizer(text_or_ids, add_special_tokens=False)["input_ids"])
-    import numpy as np
-
-    if isinstance(text_or_ids, (np.ndarray, torch.Tensor)):
-        if isinstance(text_or_ids, torch.Tensor):
-            integer = not (
-                text_or_ids.is_floating_point()
-                or text_or_ids.is_complex()
-                or text_or_ids.dtype == torch.bool
-            )
-        else:
-            integer = bool(np.issubdtype(text_or_ids.dtype, np.integer))
-        if text_or_ids.ndim != 1 or not integer:
-            raise TypeError(
-                f"token ids must be a 1-D array of integers, got {text_or_ids.ndim}-D {text_or_ids.dtype}"
-            )
-        return [int(t) for t in text_or_ids.tolist()]
-    if not isinstance(text_or_ids, Sequence) or isinstance(text_or_ids, (bytes, bytearray)):
-        raise TypeError(
-            f"a prompt must be a str or a sequence of int token ids, got {type(text_or_ids).__name__}"
-        )
-    ids = []
-    for t in text_or_ids:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise TypeError(f"token ids must be ints, got {type(t).__name__} {t!r}")
-        ids.append(int(t))
-    return ids
 
 
 def model_device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:

@@ -20,7 +20,7 @@ __all__ = ["HostOffload", "to_wire"]
 
 
 def to_wire(t: torch.Tensor) -> np.ndarray:
-    """A host tensor as a numpy array for shipping (numpy pickles about 20x faster than torch tensors; bf16 as int16)."""
+    """A host tensor as a numpy array for shipping (numpy pickles faster than a torch tensor; bf16 as int16)."""
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 

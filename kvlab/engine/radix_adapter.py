@@ -1,16 +1,31 @@
-"""Which ``kvlab.cache.CacheManager`` an ``Engine`` runs on: hash blocks, a radix tree, or the caller's own."""
+"""Which ``kvlab.cache.CacheManager`` an ``Engine`` runs on: hash blocks, a radix tree, or the caller's own, and
+whether its K/V fits the device before anything is allocated (``check_kv_budget``)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import torch
 
 from ..cache.block_manager import BlockManager
 from ..cache.interface import CacheManager, check_cache
 from ..cache.radix import RadixCache
 from .config import CACHES, EngineConfig
-from .models import blocks_for_bytes, model_fingerprint
+from .models import blocks_for_bytes, kv_bytes_per_token, model_device_dtype, model_fingerprint
 
-__all__ = ["CACHES", "RadixCacheManager", "adopt_cache", "engine_cache", "make_cache_manager"]
+__all__ = [
+    "CACHES",
+    "RadixCacheManager",
+    "adopt_cache",
+    "available_memory",
+    "check_kv_budget",
+    "engine_cache",
+    "make_cache_manager",
+]
+
+# host bytes of one block's bookkeeping (its Block, free-list entry, list slot: 353 by tracemalloc)
+HOST_BYTES_PER_BLOCK = 512
 
 
 class RadixCacheManager(RadixCache):
@@ -31,12 +46,56 @@ def engine_cache(
     """An engine's cache: ``cache`` itself when it is an object (a ``CacheManager`` brings its own size), else
     one made from ``config`` with ``num_blocks`` blocks, else the blocks that fit ``kv_cache_bytes``, else 512."""
     if cache is not None and not isinstance(cache, str):
-        return adopt_cache(cache, config.num_blocks, config.kv_cache_bytes)
+        adopted = adopt_cache(cache, config.num_blocks, config.kv_cache_bytes)
+        check_kv_budget(model, adopted.num_blocks, adopted.block_size)
+        return adopted
     n = config.num_blocks
     if n is None and config.kv_cache_bytes is not None:
         n = blocks_for_bytes(model, config.kv_cache_bytes, config.block_size)
+    n = 512 if n is None else n
+    # before the pool's blocks exist: 10**12 of them would take the host's memory first
+    check_kv_budget(model, n, config.block_size)
     fingerprint = model_fingerprint(model, tokenizer, every_weight=False)
-    return make_cache_manager(config, 512 if n is None else n, fingerprint)
+    return make_cache_manager(config, n, fingerprint)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` (CPU: the host's MemAvailable); None where unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
+            return torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory()
+        if device.type == "cpu":
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None
+    return None
+
+
+def check_kv_budget(model: Any, num_blocks: int, block_size: int) -> int:
+    """The bytes ``num_blocks`` blocks of ``block_size`` slots need (the K/V store on the model's device and the
+    blocks' bookkeeping on the host); ``ValueError`` naming them, before anything is allocated, when the device
+    or the host has less available."""
+    device, dtype = model_device_dtype(model)
+    kv = num_blocks * block_size * kv_bytes_per_token(model.config, dtype)
+    host = num_blocks * HOST_BYTES_PER_BLOCK
+    need = {device.type: kv + (host if device.type == "cpu" else 0)}
+    if device.type != "cpu":
+        need["cpu"] = host
+    for kind, nbytes in need.items():
+        have = available_memory(torch.device(kind) if kind != device.type else device)
+        if have is not None and nbytes > have:
+            raise ValueError(
+                f"{num_blocks:,} blocks of {block_size:,} slots need {nbytes:,} bytes ({nbytes / 2**30:,.1f} GiB) "
+                f"of {kind} memory ({kv:,} of K/V, {host:,} of block bookkeeping) but {have:,} are "
+                f"available: lower num_blocks or block_size, or size the cache by kv_cache_bytes"
+            )
+    return kv + host
 
 
 def make_cache_manager(

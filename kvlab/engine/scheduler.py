@@ -1,5 +1,6 @@
 """Continuous batching (pure Python): decodes and prompt chunks first, preempting by recompute, then FCFS prefills
-under one token budget per step (docs/engine.md)."""
+under one token budget per step; ``postprocess`` appends the sampled tokens and finishes what stops (nano-vllm's
+``scheduler.py``; docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
 from ..cache.interface import CacheManager
-from .extras import SchedulerExtras
-from .fork import ForkingScheduler
+from .invariants import check_scheduler
 from .sequence import Request, RequestStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -35,7 +35,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
 
-class Scheduler(ForkingScheduler, SchedulerExtras):
+class Scheduler:
     """Waiting and running queues; one ``schedule()`` per engine step.
 
     ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the step's token
@@ -58,13 +58,17 @@ class Scheduler(ForkingScheduler, SchedulerExtras):
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool | None = None,
+        *,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """``eos_ids``: the tokens that end a sequence (unless its ``ignore_eos``) in ``postprocess``."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 "need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
                 f"(got {max_num_seqs}, {max_num_batched_tokens})"
             )
         self.block_manager, self.max_num_seqs = block_manager, max_num_seqs
+        self.eos_ids = frozenset(eos_ids)
         self.max_num_batched_tokens = max_num_batched_tokens
         if enable_chunked_prefill is not None:
             self.enable_chunked_prefill = bool(enable_chunked_prefill)
@@ -93,7 +97,7 @@ class Scheduler(ForkingScheduler, SchedulerExtras):
 
     def is_prefilling(self, seq: Request) -> bool:
         """Whether a running sequence holds blocks for tokens not computed yet (a prompt in chunks)."""
-        return seq.num_computed_tokens < len(self.block_manager.seqs[seq.seq_id].token_ids)
+        return seq.num_computed_tokens < self.block_manager.num_allocated_tokens(seq.seq_id)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's decodes, prefill chunks and prefills; preempt the youngest when blocks run out."""
@@ -105,7 +109,7 @@ class Scheduler(ForkingScheduler, SchedulerExtras):
             n = len(seq.prompt_ids) + len(seq.output_ids)
             start = seq.num_computed_tokens
             # its blocks are allocated (is_prefilling): compute the next chunk
-            if start < len(bm.seqs[seq.seq_id].token_ids):
+            if start < bm.num_allocated_tokens(seq.seq_id):
                 end = min(n, start + budget)
                 out.items.append(ScheduledSeq(seq, start, end, True))
             else:
@@ -146,7 +150,7 @@ class Scheduler(ForkingScheduler, SchedulerExtras):
             cached = bm.allocate(seq.seq_id, ids, seq.scope, plan=plan, preempted=preempted)
             if seq.num_cached_tokens is None:
                 # of those, copied back from a second tier (kvlab.cache.CacheSeq)
-                restored = bm.seqs[seq.seq_id].num_restored_tokens
+                restored = bm.num_restored_tokens(seq.seq_id)
                 seq.num_cached_tokens, seq.num_restored_tokens = cached, restored
             seq.prefill_start = cached
             self.waiting.popleft()
@@ -174,7 +178,7 @@ class Scheduler(ForkingScheduler, SchedulerExtras):
         """
         if seq.status is RequestStatus.RUNNING:
             computed = seq.num_computed_tokens
-            if computed < len(self.block_manager.seqs[seq.seq_id].token_ids):
+            if computed < self.block_manager.num_allocated_tokens(seq.seq_id):
                 uncache_from = computed if uncache_from is None else min(uncache_from, computed)
             self.block_manager.free(seq.seq_id, uncache_from)
             seq.num_computed_tokens = 0
@@ -183,3 +187,51 @@ class Scheduler(ForkingScheduler, SchedulerExtras):
             self.waiting.remove(seq)
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
+
+    def postprocess(
+        self, items: list[ScheduledSeq], tokens: list[int | None], now: float
+    ) -> list[Request]:
+        """Append each item's sampled token (None: a prompt chunk or a failed item); finish and return the
+        sequences that stop (an eos or stop token) or reach ``max_tokens``."""
+        finished = []
+        for item, token in zip(items, tokens):
+            seq, sp = item.seq, item.seq.sampling
+            if token is None:
+                continue
+            seq.output_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            stop = (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids
+            if stop or len(seq.output_ids) >= sp.max_tokens:
+                self.finish(seq, "stop" if stop else "length")
+                seq.finish_time = now
+                finished.append(seq)
+        return finished
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Run ``child`` as a copy of the running ``parent`` that shares all its blocks (``check_fork`` first)."""
+        self.check_fork(parent)
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.status = RequestStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.running.append(child)
+
+    def check_fork(self, parent: Request) -> None:
+        """Raise ``ValueError`` unless ``parent`` runs, has generated a token and is not mid-prefill."""
+        if (
+            parent.status is not RequestStatus.RUNNING
+            or not parent.output_ids
+            or self.is_prefilling(parent)
+        ):
+            raise ValueError(
+                "only a running sequence that has generated a token (and is not being prefilled again "
+                "after a preemption) can be forked"
+            )
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def check_invariants(self) -> None:
+        """Raise unless the block manager and the queues agree (``kvlab.engine.invariants.check_scheduler``)."""
+        check_scheduler(self)

@@ -6,7 +6,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from ..cache.block_manager import NO_SCOPE, TenantScope
+from ..cache.interface import NO_SCOPE, TenantScope
 
 # not .sampling: that one imports torch
 from .sampling_params import SamplingParams
@@ -32,7 +32,7 @@ class Request:
     request_id: Hashable
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    # salt (first salted block's hash), public prefix length, tenant label
+    # cache_salt (in the hash of its salted block), public prefix length, tenant label
     scope: TenantScope = NO_SCOPE
     arrival_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)
@@ -55,6 +55,12 @@ class Request:
     generator: object = None
     # of num_cached_tokens: copied back from a host tier (first admission)
     num_restored_tokens: int | None = None
+    # sampling.logprobs: one kvlab.engine.logprobs.TokenLogprob per output token
+    logprobs: list | None = None
+    # sampling.prompt_logprobs: one per prompt token (None for the first), and how many came from a
+    # forward over the cache hit instead of the step that read it
+    prompt_logprobs: list | None = None
+    prompt_logprobs_from_cache: int = 0
 
     @property
     def tenant(self) -> Hashable:

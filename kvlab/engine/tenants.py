@@ -22,7 +22,7 @@ import hmac
 import secrets
 from collections.abc import Sequence
 
-from ..cache.hash_tools import salted_block
+from ..cache.hashing import salted_block
 
 POLICIES = ("shared", "tenant", "public-prefix")
 MIN_SECRET_BYTES = 16

@@ -25,8 +25,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cache.block_manager import TenantScope, cdiv
-from ..cache.interface import CacheManager
+from ..cache.block_manager import cdiv
+from ..cache.interface import CacheManager, TenantScope
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request

@@ -129,12 +129,12 @@ def test_a_failing_sampler_fails_only_its_request(tiny, monkeypatch):
     real = runner_module.sample_next
     calls = []
 
-    def flaky(logits, do_sample, temperature, top_p, top_k, generator):
+    def flaky(logits, do_sample, temperature, top_p, top_k, generator, *more):  # more: min_p, ...
         if generator is not None and generator.initial_seed() == 666:
             calls.append(1)
             if len(calls) == 3:  # the third token of this request fails
                 raise FloatingPointError("probabilities are NaN")
-        return real(logits, do_sample, temperature, top_p, top_k, generator)
+        return real(logits, do_sample, temperature, top_p, top_k, generator, *more)
 
     monkeypatch.setattr(runner_module, "sample_next", flaky)
     engine = Engine(tiny, None, num_blocks=32, block_size=16, debug=True)
@@ -904,12 +904,12 @@ def _bad_requests_never_hurt_good_ones(bundled, pool_prompts, requests, block_si
     real = runner_module.sample_next
     sampler_calls = {}
 
-    def flaky(logits, do_sample, temperature, top_p, top_k, generator):
+    def flaky(logits, do_sample, temperature, top_p, top_k, generator, *more):  # more: min_p, ...
         if generator is not None and generator.initial_seed() == SAMPLER_FAILS:
             sampler_calls[id(generator)] = sampler_calls.get(id(generator), 0) + 1
             if sampler_calls[id(generator)] >= 2:  # ids of dead generators are reused: >=
                 raise FloatingPointError("NaN")
-        return real(logits, do_sample, temperature, top_p, top_k, generator)
+        return real(logits, do_sample, temperature, top_p, top_k, generator, *more)
 
     def hook(module, args):
         if (args[0] == POISON).any():
@@ -975,3 +975,31 @@ def test_property_bad_requests_never_hurt_good_ones_and_the_run_covers_preemptio
         PROPERTY_SEEN[key] = 0
     _bad_requests_never_hurt_good_ones(bundled=bundled, pool_prompts=pool_prompts)
     assert all(n > 0 for n in PROPERTY_SEEN.values()), PROPERTY_SEEN
+
+
+# --- issue 53 N12: a pool too big for the machine is refused before anything is allocated -------------------
+@pytest.mark.parametrize("sizes", [dict(num_blocks=10**12), dict(block_size=10**9), dict(num_blocks=10**12, cache="radix")])
+def test_a_pool_too_big_for_the_machine_is_refused_up_front_with_its_bytes(tiny, sizes):
+    """``Engine(model, None, num_blocks=10**12)`` (or ``block_size=10**9``) raises at once, naming the bytes it
+    would need, instead of building 10**12 blocks (22 GB of host memory) or a 393 TB tensor."""
+    tracemalloc.start()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match=r"need [\d,]+ bytes .* available") as e:
+            Engine(tiny, None, **sizes)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20, f"{peak:,} bytes traced before the refusal"
+    assert "num_blocks or block_size" in str(e.value) and time.perf_counter() - t0 < 30
+
+
+def test_the_budget_counts_the_store_it_guards(tiny):
+    """``check_kv_budget`` gives the K/V bytes the store then takes (plus the blocks' bookkeeping)."""
+    from kvlab.engine.radix_adapter import HOST_BYTES_PER_BLOCK, check_kv_budget
+
+    engine = Engine(tiny, None, num_blocks=8, block_size=4)
+    assert check_kv_budget(tiny, 8, 4) == engine.store.nbytes + 8 * HOST_BYTES_PER_BLOCK
+    with mock.patch("kvlab.engine.radix_adapter.available_memory", return_value=engine.store.nbytes):
+        with pytest.raises(ValueError, match=f"{engine.store.nbytes + 8 * HOST_BYTES_PER_BLOCK:,} bytes"):
+            Engine(tiny, None, num_blocks=8, block_size=4)
