@@ -1,20 +1,18 @@
-"""Notebook 00 (the passphrase experiment): its checkers, the build exercise, experiment runners and a figure.
-
-Notebook 00 writes the client's ``ask`` and the swapped-prefix mistake in ``#| export`` cells
-(``kvlab.built.nb00``); the reader writes the suffix-only prefill (worked solution:
-``solutions.build_00_suffix_prefill``). Here: the runs around them (the real model's three passes, the prefill
-timing through ``kvlab.lessons.timing``), the checkers and the shared-prefix figure.
-"""
+"""Notebook 00's runners (the real model's three passes, the prefill timing), checkers and shared-prefix figure;
+its cells write ``ask`` and the swapped prefix (``kvlab.built.nb00``), the reader the suffix-only prefill."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
 import torch
+from transformers import DynamicCache
 
+from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import encode, model_device_dtype, synchronize
 from kvlab.lessons import passphrase as P
 from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
@@ -33,8 +31,6 @@ def show_answers(frame: pd.DataFrame, **formats: Any) -> Any:
 @torch.no_grad()
 def full_prefill(model: Any, ids: Sequence[int]) -> torch.Tensor:
     """Isolated: the whole prompt from scratch, on an empty cache. The last position's logits, (vocab,)."""
-    from transformers import DynamicCache
-
     device, _ = model_device_dtype(model)
     return model(input_ids=torch.tensor([list(ids)], device=device), cache=DynamicCache(config=model.config),
                  use_cache=True, logits_to_keep=1).logits[0, -1]
@@ -74,8 +70,6 @@ def prefill_saving(model: Any, tokenizer: Any, example: P.PassphraseExample, lon
                    step: Callable[..., torch.Tensor] = build_00_suffix_prefill) -> pd.DataFrame:
     """``time_prefill`` on ``example``'s system turn as it is and lengthened with filler lines to ``long_prefix``
     tokens: one row each."""
-    from dataclasses import replace
-
     pool, lines, long_ex = P.FILLER_ZH + P.FILLER_EN, [], example
     while len(encode(tokenizer, long_ex.prefix_text)) < long_prefix:
         lines.append(pool[len(lines) % len(pool)])
@@ -92,14 +86,11 @@ def real_model_passes(model: Any, tokenizer: Any, n: int, max_new_tokens: int, s
     system turn computed once before) and swapped (request i's user turn after request i+1's system turn).
     Returns (per pass: cached tokens, own / donor passphrase in the answer, identical to isolated), the answers
     (one row per request) and the sentences printed from them."""
-    from kvlab.engine import Engine, SamplingParams
-
     examples = P.make_examples(n, "heldout", start=start)
     asked = [P.REAL_QUESTIONS[i % len(P.REAL_QUESTIONS)] for i in range(n)]
     prompts = [encode(tokenizer, P.real_model_prompt(tokenizer, e, q)) for e, q in zip(examples, asked)]
     systems = [encode(tokenizer, system_turn(tokenizer, e)) for e in examples]
-    if not all(p[:len(s)] == s for p, s in zip(prompts, systems)):
-        raise ValueError("the system turn is not a token prefix of the prompt")
+    assert all(p[:len(s)] == s for p, s in zip(prompts, systems)), "the system turn is a token prefix of the prompt"
     donor = [(i + 1) % n for i in range(n)]
     swapped = [systems[d] + prompts[i][len(systems[i]):] for i, d in enumerate(donor)]
     sp, blocks = SamplingParams(max_tokens=max_new_tokens), max(64, 3 * n * (max(map(len, prompts)) + max_new_tokens) // 16 + 8)
@@ -116,10 +107,8 @@ def real_model_passes(model: Any, tokenizer: Any, n: int, max_new_tokens: int, s
     answers = pd.DataFrame({"question": asked, "passphrase": [e.passphrase for e in examples],
                             **{name: [o.text.strip() for o in outs] for name, outs in passes.items()}})
     s, bs = summary, shared.config.block_size
-    lines = [f"cached prompt tokens per request: isolated {s.loc['isolated', 'mean cached prompt tokens']:.1f}, shared "
-             f"{s.loc['shared', 'mean cached prompt tokens']:.1f}, where the system turn ({sum(map(len, systems)) / n:.1f} "
-             f"tokens on average) holds {sum(len(x) // bs * bs for x in systems) / n:.1f} tokens in full {bs}-token "
-             "blocks, the unit a block cache shares",
+    lines = [f"shared pass: {s.loc['shared', 'mean cached prompt tokens']:.1f} cached prompt tokens per request, the "
+             f"system turn's {sum(len(x) // bs * bs for x in systems) / n:.1f} tokens in full {bs}-token blocks",
              f"recall on {n} passphrases: isolated {s.loc['isolated', 'own passphrase in the answer']:.1%}, shared "
              f"{s.loc['shared', 'own passphrase in the answer']:.1%}; {s.loc['shared', 'tokens identical to isolated']:.1%} "
              "of shared answers token-identical to isolated",

@@ -1,9 +1,5 @@
-"""Notebook 01's checkers, figures and experiment runners; the mechanism is written in its cells.
-
-Notebook 01 writes attention, ``repeat_kv``, the FLOP count of a decode step and the KV bytes per token in
-``#| export`` cells (``kvlab.built.nb01``); the reader writes the cached decode step. Here: a toy decoder that
-runs any decode step, the checkers, the timing of one decode step, and the figures.
-"""
+"""Notebook 01's toy decoder, checkers, decode-step timing and figures; its cells write the mechanism
+(``kvlab.built.nb01``) and the reader the cached decode step."""
 
 from __future__ import annotations
 
@@ -17,9 +13,15 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 from torch import nn
+from transformers import DynamicCache
 
 from kvlab.built.nb01 import attention, decode_step_flops, repeat_kv
-from kvlab.engine.models import model_device_dtype, synchronize
+from kvlab.engine.models import (
+    kv_bytes_per_token,
+    load_public_config,
+    model_device_dtype,
+    synchronize,
+)
 from kvlab.lessons.common import Verdict, as_number, call_answer, label, unanswered, verdict
 from kvlab.lessons.timing import curve_verdict, loglog_slope, ratio_verdict, time_interleaved
 
@@ -27,11 +29,8 @@ DecodeStep = Callable[[dict, int, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 
 class TinyDecoder(nn.Module):
-    """A random toy decoder (no positions) built on notebook 01's ``attention``: a test bench for decode steps.
-
-    ``model(ids)`` is one causal pass; ``model(ids, step, cache)`` hands each layer's new q, k, v to
-    ``step(cache, layer, q, k, v)`` instead (a cached decode step: ``cache`` is a dict it fills).
-    """
+    """A random toy decoder (no positions) on notebook 01's ``attention``: ``model(ids)`` is one causal pass;
+    ``model(ids, step, cache)`` hands each layer's q, k, v to ``step(cache, layer, q, k, v)`` (a decode step)."""
 
     def __init__(self, vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
                  n_kv_heads: int | None = None):
@@ -91,7 +90,6 @@ def cached_vs_recompute(step: DecodeStep, seq: int = 12, seed: int = 0) -> pd.Da
 def stepwise_vs_one_pass(model: Any, ids: Sequence[int]) -> dict[str, float]:
     """A transformers model fed ``ids`` one token at a time, with its cache and with a fresh cache each step
     (the cache forgotten), each against one pass: largest |logit difference| and the argmax agreement."""
-    from transformers import DynamicCache
 
     device, _ = model_device_dtype(model)
     full = model(input_ids=torch.tensor([list(ids)], device=device)).logits[0].float()  # (T, vocab)
@@ -142,11 +140,8 @@ def _step_shapes(fn: DecodeStep) -> Verdict | None:
 
 
 def check_decode_step(fn: DecodeStep | None, seq: int = 10) -> Verdict:
-    """Build exercise 01.B: ``fn(cache, layer, q, k, v)`` decodes a 2-layer GQA TinyDecoder like one full pass.
-
-    Checks the shapes of two steps first (with a hint on the first wrong one), then decodes ``seq`` tokens with
-    ``fn`` in every layer and compares the logits with one causal pass. Returns a Verdict, never raises.
-    """
+    """Build 01.B: ``fn(cache, layer, q, k, v)`` decodes a 2-layer GQA TinyDecoder like one full pass (the shapes of
+    two steps checked first, with a hint on the first wrong one). Returns a Verdict, never raises."""
     hint = ("append this step's k, v to cache[layer] along the sequence axis (dim=-2), then attend q over "
             "every cached key and value: softmax(q K^T / sqrt(head_dim)) V, K and V repeated for the query heads")
     if fn is None:
@@ -198,8 +193,6 @@ def check_gqa_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
 
 def check_kv_bytes(config_name: str, dtype: str, answer: int | None) -> Verdict:
     """Exercise 01.2: KV-cache bytes per token of a shipped public config, computed by hand."""
-    from kvlab.engine.models import kv_bytes_per_token, load_public_config
-
     hint = ("2 (K and V) x layers x kv_heads (the KV heads, not the query heads) x head_dim x bytes per element, "
             "all read from the config")
     if answer is None:
@@ -212,37 +205,13 @@ def check_kv_bytes(config_name: str, dtype: str, answer: int | None) -> Verdict:
                    f"{value:,} is too {'small' if value < want else 'large'}: {hint}")
 
 
-def max_context_tokens(config: Any, dtype: str, budget_gib: float, batch: int = 1) -> int:
-    """How many tokens of context per sequence fit in ``budget_gib`` of KV cache for ``batch`` sequences."""
-    from kvlab.engine.models import kv_bytes_per_token
-
-    return int(budget_gib * 2**30 // (kv_bytes_per_token(config, dtype) * batch))
-
-
-def check_max_context(config_name: str, dtype: str, budget_gib: float, batch: int, answer: int | None) -> Verdict:
-    """Exercise 01.3: the longest context that fits a KV budget (within 1%)."""
-    from kvlab.engine.models import load_public_config
-
-    hint = "divide the budget in bytes (1 GiB = 2**30 bytes) by (KV bytes per token x batch)"
-    if answer is None:
-        return unanswered(hint)
-    value = as_number(answer, int)
-    if value is None:
-        return verdict(False, hint=f"give a whole number of tokens, not {answer!r}")
-    want = max_context_tokens(load_public_config(config_name), dtype, budget_gib, batch)
-    return verdict(abs(value - want) <= 0.01 * want, f"about {want:,} tokens per sequence",
-                   f"{value:,} tokens is too {'few' if value < want else 'many'}: {hint}")
-
-
 # ----------------------------------------------------------------------------- what a decode step costs
 
 @torch.no_grad()
 def decode_step_cost(lengths: Sequence[int], d_model: int = 896, n_heads: int = 14, n_kv_heads: int = 2,
                      repeats: int = 5, seed: int = 0, device: str | torch.device = "cpu") -> pd.DataFrame:
-    """One decode step of one random attention layer (default: Qwen2.5-0.5B's shape) at each context length n:
-    with the K/V cache (project 1 token, attend over n keys) and by recomputing (project all n, n x n scores),
-    timed against each other by ``time_interleaved``. One row per n: median seconds, the FLOPs counted by
-    ``decode_step_flops``, and the ``Timing`` of each (column ``timings``, for the verdicts)."""
+    """One decode step of one random attention layer (Qwen2.5-0.5B's shape) at each context length n, with the K/V
+    cache and recomputing, interleaved: median seconds, ``decode_step_flops`` and the ``Timing``s, one row per n."""
     torch.manual_seed(seed)
     hd, rep = d_model // n_heads, n_heads // n_kv_heads
     qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * hd, bias=False).to(device)

@@ -1,12 +1,9 @@
-"""Notebook 02 (manual prefix reuse): the checkers of its build and exercises, its experiment runners and figures.
-
-Notebook 02 writes the article's two functions and the tokenization fix in ``#| export`` cells
-(``kvlab.built.nb02``); the reader writes the continue-from-cache loop (worked solution:
-``solutions.build_02_continue``). The checked, forking loop around it is the library's ``kvlab.prefix``.
-"""
+"""Notebook 02's checkers, runners (equality, pollution, tokenization) and figures; its cells write the article's
+code (``kvlab.built.nb02``), the reader the continue loop; the checked, forking loop is ``kvlab.prefix``'s."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from tokenizers.processors import TemplateProcessing
 
 from kvlab.built.nb02 import generate_with_prefix_cache, get_prefix_cache
 from kvlab.engine.models import encode, eos_ids
@@ -125,10 +123,6 @@ def boundary_merge_cases(tokenizer: Any, texts: Sequence[str], limit: int = 10) 
 
 def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
     """A copy of a fast tokenizer that, like Llama's, prepends ``bos`` when add_special_tokens=True."""
-    import copy
-
-    from tokenizers.processors import TemplateProcessing
-
     tok = copy.deepcopy(tokenizer)
     bos_id = tok.convert_tokens_to_ids(bos)
     tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
@@ -142,8 +136,8 @@ def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
 def loop_equals_generate(model: Any, tokenizer: Any, n_greedy: int, n_sampled: int = 0, seed: int = 0,
                          max_new_tokens: int = 16, chat: bool = False, start: int = 0) -> pd.DataFrame:
     """The checked loop (``kvlab.prefix.generate`` on a cached system prompt) against ``model.generate`` on held-out
-    passphrase prompts, greedy then seeded sampling: one row per prompt (``compare_with_hf``'s columns, plus the
-    decoding and whether the answer holds the passphrase). ``chat``: the model's own chat template (SmolLM2)."""
+    passphrase prompts, greedy then seeded sampling: ``compare_with_hf``'s rows and the decoding. ``chat``: the
+    model's own chat template (SmolLM2)."""
     examples = P.make_examples(max(n_greedy, n_sampled), "heldout", start=start)
     if chat:
         prompts = [P.real_model_prompt(tokenizer, e, P.REAL_QUESTIONS[i % len(P.REAL_QUESTIONS)])
@@ -157,9 +151,7 @@ def loop_equals_generate(model: Any, tokenizer: Any, n_greedy: int, n_sampled: i
                                                                   top_k=50, seed=seed))):
         if n:
             rows = compare_with_hf(model, tokenizer, prompts[:n], prefixes[:n], max_new_tokens, **sampling)
-            frame = pd.DataFrame(rows).assign(decoding=name)
-            frame["passphrase in the answer"] = [P.mentions(t, e.passphrase) for t, e in zip(frame.ours, examples)]
-            frames.append(frame)
+            frames.append(pd.DataFrame(rows).assign(decoding=name))
     return pd.concat(frames, ignore_index=True)
 
 

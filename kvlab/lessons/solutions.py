@@ -59,11 +59,6 @@ def solution_01_2(config_name: str = "Qwen2.5-7B-Instruct", bytes_per_element: i
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * bytes_per_element
 
 
-def solution_01_3(config_name: str = "Llama-3.1-8B-Instruct", budget_gib: float = 20, batch: int = 3) -> int:
-    """01.3: budget bytes // (bytes per token x batch)."""
-    return int(budget_gib * 2**30 // (solution_01_2(config_name, 2) * batch))
-
-
 # ----------------------------------------------------------------------------- 02 manual prefix reuse
 
 def solution_02_2(tokenizer, text: str = "Please repeat the passphrase.") -> tuple[str, str]:
