@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tenant gets cached tokens from another's prompt; shared on an open server, whose requests "
                         "are all one anonymous tenant). Give --isolation shared to share across keys on purpose")
     p.add_argument("--public-prefix", action="append", default=[],
-                   help="text every tenant may share under --isolation public-prefix (repeatable)")
+                   help="text every tenant may share under --isolation public-prefix (repeatable): completions "
+                        "that start with it, and chats whose system message is it (as the chat template renders it)")
     p.add_argument("--api-keys", default=None, help="JSON file {key: tenant} (else $KVLAB_API_KEYS; none = open)")
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
@@ -130,6 +131,31 @@ def check_model_path(model: str | None) -> str | None:
     if model is None or is_alias(model):
         return None
     path = Path(model).expanduser()
+def public_prefixes(tokenizer, text: str) -> list[str | list[int]]:
+    """What ``--public-prefix TEXT`` registers: the text, and the tokens every chat whose system message is
+    ``TEXT`` starts with.
+
+    A chat is rendered by the model's chat template, which puts markup before the system message
+    (``<|im_start|>system\n`` in ChatML): the text alone is no prefix of it. The chat prefix is what two chats
+    with this system message and different user messages have in common, as the server tokenizes them.
+    """
+    from ..engine.models import encode
+
+    out: list[str | list[int]] = [text]
+    if not getattr(tokenizer, "chat_template", None):
+        return out
+    try:
+        a, b = (encode(tokenizer, tokenizer.apply_chat_template(
+            [{"role": "system", "content": text}, {"role": "user", "content": user}], add_generation_prompt=True,
+            tokenize=False)) for user in ("a", "Zq 9"))
+    except Exception:  # a template without a system role: the text alone
+        return out
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if n:
+        out.append(a[:n])
+    return out
+
+
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             return f"--model {model}: not a model folder (no config.json in it)"
@@ -175,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret,
                     enable_chunked_prefill=False if args.no_chunked_prefill else None, **speed)
-    for text in args.public_prefix:
-        engine.add_public_prefix(text)
+    for text in args.public_prefix:  # as text (completions) and as a chat's system turn (the template's markup)
+        for prefix in public_prefixes(tokenizer, text):
+            engine.add_public_prefix(prefix)
     name = args.served_model_name or (BUNDLED_NAME if args.model is None else str(args.model))
     # the secret is the engine's alone: it derives every salt, with or without a request's cache_salt
     config = ServeConfig(model_name=name, api_keys=keys, max_waiting=args.max_waiting,

@@ -341,3 +341,45 @@ def test_json_parsing_and_validation_run_off_the_event_loop(engine, monkeypatch)
     with _client(engine) as c:
         assert c.post("/v1/completions", json=BODY).status_code == 200
     assert on_loop == [False]
+
+
+# --- N7: --public-prefix shares a chat's system turn, as the chat template renders it -------------------------
+SYSTEM = ("You are the help desk of a large hardware store. Answer in one short paragraph, be polite, never "
+          "invent prices, and point the customer to the right aisle when you know it.")
+
+
+def test_a_public_prefix_is_shared_by_chats_with_that_system_message(bundled, monkeypatch, tmp_path):
+    import json
+
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    import kvlab.engine.models
+    from kvlab.serve.__main__ import main
+
+    runs = []
+    monkeypatch.setattr(kvlab.engine.models, "load_model", lambda *a, **k: bundled)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(app))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"key-a": "tenant-a", "key-b": "tenant-b"}))
+    assert main(["--num-blocks", "64", "--api-keys", str(keys), "--isolation", "public-prefix",
+                 "--public-prefix", SYSTEM]) == 0
+
+    def chat(c, key, question):
+        r = c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+                         "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def complete(c, key, text):
+        r = c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"prompt": text, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with TestClient(runs.pop()) as c:
+        assert chat(c, "key-a", "Where are the screws?") == 0
+        assert chat(c, "key-b", "Do you sell paint?") >= 16  # tenant b shares tenant a's system turn
+        assert complete(c, "key-a", SYSTEM + " Where are the nails?") == 0
+        assert complete(c, "key-b", SYSTEM + " Ladders?") >= 16  # the raw text still shares too
