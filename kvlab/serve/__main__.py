@@ -131,6 +131,15 @@ def check_model_path(model: str | None) -> str | None:
     if model is None or is_alias(model):
         return None
     path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            return f"--model {model}: not a model folder (no config.json in it)"
+        return None
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
+        return f"--model {model}: no such folder"
+    return None  # a hub id: its cache is looked up when the model loads
+
+
 def public_prefixes(tokenizer, text: str) -> list[str | list[int]]:
     """What ``--public-prefix TEXT`` registers: the text, and the tokens every chat whose system message is
     ``TEXT`` starts with.
@@ -154,15 +163,6 @@ def public_prefixes(tokenizer, text: str) -> list[str | list[int]]:
     if n:
         out.append(a[:n])
     return out
-
-
-    if path.exists():
-        if not path.is_dir() or not (path / "config.json").is_file():
-            return f"--model {model}: not a model folder (no config.json in it)"
-        return None
-    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
-        return f"--model {model}: no such folder"
-    return None  # a hub id: its cache is looked up when the model loads
 
 
 def main(argv: list[str] | None = None) -> int:
