@@ -144,7 +144,7 @@ def engine_ttft(model: Any, tok: Any, prompts: dict[str, list[list[int]]], block
                 repeats: int = 3) -> tuple[pd.DataFrame, dict[str, Timing]]:
     """Each variant's prompts, one at a time, through a fresh paged engine with prefix caching.
 
-    ``max_tokens=1``: a request's time is its prefill. The variants are timed with notebook 01's harness
+    ``max_tokens=1``: a request's time is its prefill. The variants are timed with the series' timing helper
     (interleaved, ``repeats`` rounds, each on a fresh engine whose pool holds every prompt: no eviction, like
     the doctor's unbounded replay). Per variant: the engine's hit rate, the doctor's replay of the same prompts
     (they must agree) and the time of all its requests, median and min-max over the rounds.
