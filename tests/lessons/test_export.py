@@ -81,16 +81,19 @@ def test_no_notebook_prints_source():
     assert {name for name, _, _ in export_notebooks.exported_cells()}, "no notebook exports a cell"
 
 
-LESSON_LINES = 4000  # issue 38: kvlab/lessons keeps figures, checkers, workloads and solutions only
+LESSON_LINES = 7000  # issue 50: kvlab/lessons + kvlab/built together (8,277 before it); experiment runners moved
+# from the notebooks into kvlab/lessons, so the budget covers both layers
 
 
-def test_the_lesson_modules_stay_small():
-    """The mechanisms live in the notebooks (kvlab/built); kvlab/lessons stays within its line budget."""
-    lessons = export_notebooks.ROOT / "kvlab" / "lessons"
-    lines = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in sorted(lessons.glob("*.py"))}
+def test_the_lesson_layers_stay_small():
+    """kvlab/built (what the notebooks write) and kvlab/lessons (the floor, runners, figures, checkers) together stay
+    within their line budget: cut, don't just move."""
+    root = export_notebooks.ROOT / "kvlab"
+    lines = {f"{p.parent.name}/{p.name}": len(p.read_text(encoding="utf-8").splitlines())
+             for folder in ("lessons", "built") for p in sorted((root / folder).glob("*.py"))}
     assert sum(lines.values()) <= LESSON_LINES, (
-        f"kvlab/lessons has {sum(lines.values())} lines (budget {LESSON_LINES}); largest: "
-        f"{sorted(lines.items(), key=lambda kv: -kv[1])[:3]}")
+        f"kvlab/lessons + kvlab/built have {sum(lines.values())} lines (budget {LESSON_LINES}); largest: "
+        f"{sorted(lines.items(), key=lambda kv: -kv[1])[:4]}")
 
 
 @pytest.mark.parametrize("head_dim,theta", [(8, 10000.0), (64, 1e6), (128, 500000.0)])
