@@ -6,7 +6,7 @@ A random workload (``kvlab.lessons.nb07_security.stress_workload``: mixed tenant
 random lengths, arrivals over time, greedy and seeded sampling) runs through one engine whose pool is
 small enough that blocks are evicted and sequences preempted. Every output is compared with the same
 request generated alone by transformers' ``model.generate`` (``kvlab.engine.reference.hf_generate``); the
-runner is notebook 07's (``kvlab.built.nb07.stress_test``). The last
+runner is notebook 07's (``kvlab.lessons.nb07_security.stress_test``). The last
 line is ``requests=<n> mismatches=<m> cross_tenant_hits=<h> leaked_blocks=<b>``; the exit code is 0
 only when mismatches and leaked blocks are 0 and, under a salting policy, cross-tenant hits are 0 too.
 """
@@ -19,7 +19,6 @@ import time
 
 import torch
 
-from kvlab.built import nb07 as N
 from kvlab.engine.models import load_model
 from kvlab.engine.tenants import POLICIES
 from kvlab.lessons import nb07_security as S
@@ -38,9 +37,9 @@ def main() -> int:
     model, tok = load_model(args.model, device="cpu", dtype="float32")
     t0 = time.perf_counter()
     workload = S.stress_workload(tok, args.requests, seed=args.seed)
-    reference = N.isolated_outputs(model, tok, workload[0])
+    reference = S.isolated_outputs(model, tok, workload[0])
     t1 = time.perf_counter()
-    rep = N.stress_test(model, tok, workload, reference, policy=args.policy, seed=args.seed, num_blocks=args.num_blocks)
+    rep = S.stress_test(model, tok, workload, reference, policy=args.policy, seed=args.seed, num_blocks=args.num_blocks)
     print(f"policy={rep.policy} evictions={rep.evictions} preemptions={rep.preemptions} "
           f"public_hits={rep.public_hits} hit_rate={rep.hit_rate:.3f} "
           f"reference={t1 - t0:.1f}s engine={rep.seconds:.1f}s")

@@ -9,19 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import random
-import time
-import warnings
-from dataclasses import dataclass, field
-from statistics import median
 
-from kvlab.audit.procedure import ks_test
-from kvlab.cache import cdiv
-from kvlab.engine import Engine, SamplingParams
-from kvlab.engine.models import encode
-from kvlab.engine.reference import hf_generate
-from kvlab.engine.tenants import POLICIES, SharedTenantsWarning
-from kvlab.lessons import passphrase as P
+from kvlab.cache.hashing import hash_block
+from kvlab.engine import SamplingParams
 
 
 # --- 07_isolation_and_security.ipynb, cell 5 ---
@@ -30,80 +20,25 @@ def tenant_salt(secret: bytes, tenant: str) -> str:
     return hmac.new(secret, b"kvlab-tenant\x00" + tenant.encode(), hashlib.sha256).hexdigest()
 
 
-def salted_block(public_tokens: int, block_size: int) -> int:
-    """The block that takes the salt: the first one not wholly inside the public prefix (0 without one)."""
-    return public_tokens // block_size
+# --- 07_isolation_and_security.ipynb, cell 8 ---
+def salted_hashes(token_ids: list[int], block_size: int, salt: str, salt_block: int = 0) -> list[bytes]:
+    """The chained hashes of the full blocks of ``token_ids``; block ``salt_block`` also hashes ("salt", salt)."""
+    hashes, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        keys = (("salt", salt),) if i == salt_block else ()  # the salt enters one block; the chain carries it on
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], keys)
+        hashes.append(parent)
+    return hashes
 
 
-# --- 07_isolation_and_security.ipynb, cell 19 ---
-def victim_message(secret: str, n_document_lines: int = 8) -> str:
-    """The victim's user turn and the assistant header: the secret first, then a document the attacker knows."""
-    doc = "\n".join(P.FILLER_EN[i % len(P.FILLER_EN)] for i in range(n_document_lines))
-    return P.chatml("user", f'My passphrase is "{secret}". Keep it safe.\n{doc}') + f"{P.IM_START}assistant\n"
-
-
-def random_secret(rng: random.Random) -> str:
-    """A 6-character passphrase from A-Z2-9 (every candidate the attacker tries has this form)."""
-    return "".join(rng.choice(P.ALPHABET) for _ in range(6))
-
-
-# --- 07_isolation_and_security.ipynb, cell 22 ---
-@dataclass(slots=True)
-class Probe:
-    """One timed request of the attacker."""
-
-    trial: int
-    candidate: str
-    is_secret: bool  # the right guess: a hit if the cache is shared with the victim
-    ttft: float  # seconds, arrival -> first token, measured by the engine
-    cached_tokens: int
-    prompt_tokens: int
-
-
-def generate_quietly(engine, prompts, sampling, tenants):
-    """``engine.generate`` with tenants; on the "shared" baseline this notebook states the risk itself, so the
-    engine's SharedTenantsWarning (meant for operators who did not choose it knowingly) is not repeated."""
-    with warnings.catch_warnings():
-        if engine.isolation == "shared":
-            warnings.simplefilter("ignore", SharedTenantsWarning)
-        return engine.generate(prompts, sampling, tenants=tenants)
-
-
+# --- 07_isolation_and_security.ipynb, cell 14 ---
 def timing_probe(engine, prompt_ids, tenant):
     """Send one prompt alone as ``tenant``: (TTFT in seconds, prompt tokens served by the cache)."""
-    out = generate_quietly(engine, [list(prompt_ids)], SamplingParams(max_tokens=1), [tenant])[0]
+    out = engine.generate([list(prompt_ids)], SamplingParams(max_tokens=1), tenants=[tenant])[0]
     return out.ttft, out.num_cached_tokens
 
 
-def run_attack(engine, tokenizer, n_trials, n_wrong, system_text, n_document_lines=8, seed=0):
-    """Per trial the victim sends a fresh secret; the attacker probes it and ``n_wrong`` wrong guesses, in random order.
-
-    Each candidate is probed once (a repeated wrong guess would hit the attacker's own earlier probe).
-    Under "public-prefix" the operator's system prompt is registered as public.
-    """
-    rng = random.Random(seed)
-    if engine.isolation == "public-prefix":
-        engine.add_public_prefix(system_text)
-    system_ids = encode(tokenizer, system_text)
-
-    def prompt(secret):
-        return system_ids + encode(tokenizer, victim_message(secret, n_document_lines))
-
-    timing_probe(engine, prompt(random_secret(rng)), "attacker")  # warm-up, not recorded
-    probes = []
-    for trial in range(n_trials):
-        secret = random_secret(rng)
-        generate_quietly(engine, [prompt(secret)], SamplingParams(max_tokens=1), ["victim"])
-        candidates = [secret] + [c for c in (random_secret(rng) for _ in range(n_wrong)) if c != secret]
-        rng.shuffle(candidates)
-        for cand in candidates:
-            ids = prompt(cand)
-            ttft, cached = timing_probe(engine, ids, "attacker")
-            probes.append(Probe(trial, cand, cand == secret, ttft, cached, len(ids)))
-    return probes
-
-
-# --- 07_isolation_and_security.ipynb, cell 25 ---
+# --- 07_isolation_and_security.ipynb, cell 17 ---
 def roc_auc(positive_scores, negative_scores):
     """P(a positive scores above a negative), ties counting 1/2: the Mann-Whitney U over n_pos * n_neg.
 
@@ -112,207 +47,8 @@ def roc_auc(positive_scores, negative_scores):
     pos, neg = [float(x) for x in positive_scores], [float(x) for x in negative_scores]
     if not pos or not neg:
         raise ValueError("need at least one positive and one negative score")
-    pooled = sorted(pos + neg)
-    first = {}  # score -> (first 1-based rank, last rank) of its run of ties
-    for r, x in enumerate(pooled, start=1):
-        first[x] = (first.get(x, (r, r))[0], r)
-    u = sum((first[x][0] + first[x][1]) / 2 for x in pos) - len(pos) * (len(pos) + 1) / 2
+    ranks = {}  # score -> (first 1-based rank, last rank) of its run of ties
+    for r, x in enumerate(sorted(pos + neg), start=1):
+        ranks[x] = (ranks.get(x, (r, r))[0], r)
+    u = sum((ranks[x][0] + ranks[x][1]) / 2 for x in pos) - len(pos) * (len(pos) + 1) / 2
     return u / (len(pos) * len(neg))
-
-
-def roc_curve(positive_scores, negative_scores):
-    """(false-positive rates, true-positive rates) as the threshold sweeps down over every score."""
-    fpr, tpr = [0.0], [0.0]
-    for t in sorted(set(positive_scores) | set(negative_scores), reverse=True):
-        tpr.append(sum(p >= t for p in positive_scores) / len(positive_scores))
-        fpr.append(sum(n >= t for n in negative_scores) / len(negative_scores))
-    return fpr, tpr
-
-
-def attack_summary(probes, alpha=0.01):
-    """The classifier "faster means the secret was cached" (score = -TTFT): ROC AUC, KS test, medians, verdict."""
-    right = [p.ttft for p in probes if p.is_secret]
-    wrong = [p.ttft for p in probes if not p.is_secret]
-    d, pvalue = ks_test(right, wrong)
-    return {"probes": len(probes), "right guesses": len(right),
-            "median TTFT right (ms)": 1e3 * median(right), "median TTFT wrong (ms)": 1e3 * median(wrong),
-            "cached tokens right": median(p.cached_tokens for p in probes if p.is_secret),
-            "cached tokens wrong": median(p.cached_tokens for p in probes if not p.is_secret),
-            "ROC AUC": roc_auc([-t for t in right], [-t for t in wrong]), "KS D": d, "KS p-value": pvalue,
-            f"sharing detected (p < {alpha})": pvalue < alpha}
-
-
-# --- 07_isolation_and_security.ipynb, cell 35 ---
-def isolation_cost(model, tokenizer, n_tenants, system_text, per_tenant=1, policies=POLICIES, block_size=16, seed=0):
-    """One row per policy: prefill tokens computed, hits, peak KV blocks, wall time, and the outputs.
-
-    Every tenant sends ``per_tenant`` requests: the operator's system prompt (registered as public), then a
-    question of its own; all are submitted at once, on a pool big enough that nothing is evicted.
-    """
-    rng = random.Random(seed)
-    system_ids = encode(tokenizer, system_text)
-    prompts, tenants = [], []
-    for t in range(n_tenants):
-        for j in range(per_tenant):
-            user = P.chatml("user", f"Request {j} of tenant {t}. {rng.choice(P.ASK_EN + P.CHAT_EN)}")
-            prompts.append(system_ids + encode(tokenizer, user + f"{P.IM_START}assistant\n"))
-            tenants.append(f"tenant-{t}")
-    rows = []
-    for policy in policies:
-        engine = Engine(model, tokenizer, num_blocks=sum(cdiv(len(p) + 2, block_size) for p in prompts) + 8,
-                        block_size=block_size, isolation=policy, max_num_seqs=len(prompts),
-                        max_num_batched_tokens=sum(map(len, prompts)))
-        engine.add_public_prefix(system_ids)
-        t0 = time.perf_counter()
-        outs = generate_quietly(engine, prompts, SamplingParams(max_tokens=2), tenants)
-        wall, st = time.perf_counter() - t0, engine.stats()
-        rows.append({"policy": policy, "requests": len(prompts), "prompt tokens": sum(map(len, prompts)),
-                     "prefill tokens computed": sum(len(o.prompt_ids) - o.num_cached_tokens for o in outs),
-                     "hit tokens": st["hit_tokens"], "public hits (blocks)": st["public_hits"],
-                     "cross-tenant hits (blocks)": st["cross_tenant_hits"],
-                     "peak KV blocks": st["peak_kv_bytes"] // engine.store.bytes_per_block, "wall (s)": wall,
-                     "median TTFT (ms)": 1e3 * median(o.ttft for o in outs), "outputs": [o.output_ids for o in outs]})
-    return rows
-
-
-# --- 07_isolation_and_security.ipynb, cell 42 ---
-def isolated_outputs(model, tokenizer, requests):
-    """Each request generated alone by transformers' ``model.generate`` (``hf_generate``): the reference.
-
-    Requests with the same prompt and sampling share one run of the longest ``max_tokens`` (a shorter one is
-    its prefix: greedy and seeded sampling draw token by token).
-    """
-    def key(r):
-        sp = r.sampling
-        return (tuple(r.prompt_ids), sp.temperature, sp.top_p, sp.top_k, None if sp.greedy else sp.seed)
-
-    longest = {}
-    for r in requests:
-        longest[key(r)] = max(longest.get(key(r), 0), r.sampling.max_tokens)
-    ref = {}
-    for (ids, temperature, top_p, top_k, seed), n in longest.items():
-        sp = {} if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        ref[(ids, temperature, top_p, top_k, seed)] = hf_generate(model, tokenizer, list(ids), max_new_tokens=n, **sp)
-    return [ref[key(r)][: r.sampling.max_tokens] for r in requests]
-
-
-def run_stress(engine, requests, check_every=16):
-    """Add each request at its arrival step, step until drained, check the invariants every ``check_every`` steps."""
-    pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
-    outs, step, k, t0 = {}, 0, 0, time.perf_counter()
-    while k < len(pending) or engine.has_unfinished():
-        while k < len(pending) and requests[pending[k]].arrival_step <= step:
-            r = requests[pending[k]]
-            with warnings.catch_warnings():  # "shared" on purpose: see generate_quietly
-                warnings.simplefilter("ignore", SharedTenantsWarning)
-                engine.add_request(r.prompt_ids, r.sampling, request_id=pending[k], tenant=r.tenant)
-            k += 1
-        if engine.has_unfinished():
-            outs.update((out.request_id, out) for out in engine.step())
-        step += 1
-        if step % check_every == 0:
-            engine.check_invariants()
-    engine.check_invariants()
-    return outs, time.perf_counter() - t0
-
-
-def tenant_table(requests, outputs, lookups):
-    """Per tenant, per *request*: requests, prompt tokens, cached at first admission, re-admissions, hit rate.
-
-    The block manager counts a preempted request's later lookups apart (as vLLM does), so its per-tenant
-    request count (``lookups``) must equal the workload's: a ValueError says otherwise.
-    """
-    rows = {}
-    for i, r in enumerate(requests):
-        row = rows.setdefault(r.tenant, {"tenant": r.tenant, "requests": 0, "prompt tokens": 0,
-                                         "cached at first admission": 0, "re-admissions": 0})
-        out = outputs.get(i)
-        row["requests"] += 1
-        row["prompt tokens"] += len(r.prompt_ids)
-        row["cached at first admission"] += out.num_cached_tokens if out is not None else 0
-        row["re-admissions"] += out.num_preemptions if out is not None else 0
-    for row in rows.values():
-        row["hit rate (first admission)"] = row["cached at first admission"] / max(row["prompt tokens"], 1)
-    counted = {row["tenant"]: row["requests"] for row in lookups}
-    for t, n in counted.items():
-        if t in rows and n != rows[t]["requests"]:
-            raise ValueError(f"tenant {t}: the block manager counted {n} requests, the workload has {rows[t]['requests']}")
-    return sorted(rows.values(), key=lambda row: row["tenant"])
-
-
-@dataclass
-class StressReport:
-    """What the stress run found; ``line()`` is the one-line verdict scripts/stress.py prints last."""
-
-    requests: int
-    mismatches: int
-    cross_tenant_hits: int
-    leaked_blocks: int
-    public_hits: int
-    evictions: int
-    preemptions: int
-    hit_rate: float
-    policy: str
-    seconds: float
-    num_blocks: int = 0  # the pool's size: small, so blocks are evicted and sequences preempted
-    mismatched: list = field(default_factory=list)
-    tenant_table: list = field(default_factory=list)
-    preempted_lookups: int = 0  # the block manager's lookups of re-admitted (preempted) requests
-
-    @property
-    def ok(self):
-        """0 mismatches, 0 leaked blocks, 0 cross-tenant hits (unless nothing is salted)."""
-        return self.mismatches == 0 and self.leaked_blocks == 0 and (self.cross_tenant_hits == 0 or self.policy == "shared")
-
-    def line(self):
-        return (f"requests={self.requests} mismatches={self.mismatches} "
-                f"cross_tenant_hits={self.cross_tenant_hits} leaked_blocks={self.leaked_blocks}")
-
-
-def stress_test(model, tokenizer, workload, reference, policy="public-prefix", seed=0, num_blocks=48, block_size=16,
-                max_num_seqs=24, check_every=16):
-    """Run ``workload`` (requests, public prefixes) through one engine under ``policy``; compare with ``reference``."""
-    requests, publics = workload
-    engine = Engine(model, tokenizer, num_blocks=num_blocks, block_size=block_size, isolation=policy,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, seed=seed)
-    for ids in publics:
-        engine.add_public_prefix(ids)
-    outs, seconds = run_stress(engine, requests, check_every)
-    mismatched = [i for i in range(len(requests))
-                  if i not in outs or outs[i].finish_reason == "error" or outs[i].output_ids != reference[i]]
-    st, bm = engine.stats(), engine.block_manager
-    leaked = sum(b.ref_count > 0 for b in bm.pool.blocks) + len(bm.seqs)  # after the drain: none may be held
-    return StressReport(len(requests), len(mismatched), st["cross_tenant_hits"], leaked, st["public_hits"],
-                        st["evictions"], st["num_preemptions"], st["hit_rate"], policy, seconds, num_blocks, mismatched,
-                        tenant_table(requests, outs, bm.metrics.tenant_table()), bm.metrics.preempted.requests)
-
-
-# --- 07_isolation_and_security.ipynb, cell 53 ---
-def param_count(config):
-    """Parameters of a Llama/Qwen2-style decoder from its ``config.json`` (no weights needed).
-
-    Embedding + per layer (q/k/v/o projections, q/k/v biases for qwen2, gate/up/down MLP, two RMSNorms)
-    + final norm + the LM head (none extra when the embeddings are tied).
-    """
-    h, inter, layers, vocab = (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
-                               config["vocab_size"])
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-    bias = config.get("attention_bias", config.get("model_type") == "qwen2")
-    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if bias else 0)
-    head = 0 if config.get("tie_word_embeddings", False) else vocab * h
-    return vocab * h + layers * (attn + 3 * h * inter + 2 * h) + h + head
-
-
-def memory_column(config, article_total_gb=14.2, article_saved_gb=0.4, dtype_bytes=2):
-    """The weights' size against the article's total, and how many tokens of K/V the article's drop stands for."""
-    heads = config["num_attention_heads"]
-    kv_per_token = (2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads)
-                    * (config.get("head_dim") or config["hidden_size"] // heads) * dtype_bytes)
-    n = param_count(config)
-    weights = n * dtype_bytes
-    return {"parameters": n, "weights GB (1e9 bytes)": weights / 1e9, "weights GiB": weights / 2 ** 30,
-            "article total GB": article_total_gb,
-            "weights exceed the article's total": weights / 1e9 > article_total_gb and weights / 2 ** 30 > article_total_gb,
-            "KV bytes per token": kv_per_token, "tokens of K/V in the article's drop": article_saved_gb * 1e9 / kv_per_token}

@@ -1,5 +1,6 @@
-"""Notebook 07's workloads, figures, checkers and the build solution; the mechanisms (salt, attack, classifier,
-isolation cost, stress runner) are written in the notebook's ``#| export`` cells (``kvlab.built.nb07``).
+"""Notebook 07's experiment runners (the attack, the cost of isolation, the stress test, the closing decision table),
+figures and checkers. The mechanisms (the tenant's salt, the salted chain, the timing probe, the ROC AUC) are written
+in the notebook's ``#| export`` cells (``kvlab.built.nb07``).
 
 References: InputSnatch (arXiv 2411.18191); "The Early Bird Catches the Leak" (arXiv 2409.20002);
 "I Know What You Asked" (NDSS 2025); Gu et al., ICML 2025; vLLM ``cache_salt`` (CVE-2025-46570).
@@ -8,25 +9,199 @@ References: InputSnatch (arXiv 2411.18191); "The Early Bird Catches the Leak" (a
 from __future__ import annotations
 
 import random
+import time
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
-from kvlab.cache.hashing import hash_block, prompt_block_hashes
-from kvlab.engine import SamplingParams
+from kvlab.audit.procedure import ks_test
+from kvlab.built.nb07 import roc_auc, timing_probe
+from kvlab.cache import BlockManager, cdiv
+from kvlab.cache.block_pool import InvariantError
+from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.models import encode
-from kvlab.engine.tenants import salted_block
+from kvlab.engine.reference import hf_generate
+from kvlab.engine.tenants import POLICIES, SharedTenantsWarning, salted_block
+from kvlab.lessons import nb03_position as X
 from kvlab.lessons import passphrase as P
-from kvlab.lessons.common import Verdict, as_number, call_answer, unanswered, verdict
+from kvlab.lessons.common import Evidence, Verdict, as_number, call_answer, unanswered, verdict
 
 
-# --- workloads -----------------------------------------------------------------------------------------
+def quietly(fn, *args, **kwargs):
+    """Call ``fn`` without the engine's SharedTenantsWarning: the notebook runs "shared" on purpose and says why."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SharedTenantsWarning)
+        return fn(*args, **kwargs)
+
+
+# --- section 2: the attack -------------------------------------------------------------------------------
 def operator_system_prompt(n_lines: int = 12, seed: int = 0) -> str:
     """The operator's system turn (ChatML): filler lines, no secret. Every tenant's prompt starts with it."""
     rng = random.Random(f"kvlab-operator:{seed}")
     return P.chatml("system", "\n".join(rng.choice(P.FILLER_EN + P.FILLER_ZH) for _ in range(n_lines)))
 
 
+def victim_message(secret: str, n_document_lines: int = 8) -> str:
+    """The victim's user turn and the assistant header: the secret first, then a document the attacker knows."""
+    doc = "\n".join(P.FILLER_EN[i % len(P.FILLER_EN)] for i in range(n_document_lines))
+    return P.chatml("user", f'My passphrase is "{secret}". Keep it safe.\n{doc}') + f"{P.IM_START}assistant\n"
+
+
+def random_secret(rng: random.Random) -> str:
+    """A 6-character passphrase from A-Z2-9 (every candidate the attacker tries has this form)."""
+    return "".join(rng.choice(P.ALPHABET) for _ in range(6))
+
+
+@dataclass(slots=True)
+class Probe:
+    """One timed request of the attacker."""
+
+    trial: int
+    candidate: str
+    is_secret: bool  # the right guess: a hit if the cache is shared with the victim
+    ttft: float  # seconds, arrival -> first token, measured by the engine
+    cached_tokens: int
+    prompt_tokens: int
+
+
+def run_attack(engine: Engine, tokenizer: Any, n_trials: int, n_wrong: int, system_text: str,
+               n_document_lines: int = 8, seed: int = 0) -> list[Probe]:
+    """Per trial the victim sends a fresh secret; the attacker probes it and ``n_wrong`` wrong guesses, in random order.
+
+    Each candidate is probed once (a repeated wrong guess would hit the attacker's own earlier probe). Under
+    "public-prefix" the operator's system prompt is registered as public.
+    """
+    rng = random.Random(seed)
+    if engine.isolation == "public-prefix":
+        engine.add_public_prefix(system_text)
+    system_ids = encode(tokenizer, system_text)
+
+    def prompt(secret):
+        return system_ids + encode(tokenizer, victim_message(secret, n_document_lines))
+
+    quietly(timing_probe, engine, prompt(random_secret(rng)), "attacker")  # warm-up, not recorded
+    probes = []
+    for trial in range(n_trials):
+        secret = random_secret(rng)
+        quietly(engine.generate, [prompt(secret)], SamplingParams(max_tokens=1), tenants=["victim"])
+        candidates = [secret] + [c for c in (random_secret(rng) for _ in range(n_wrong)) if c != secret]
+        rng.shuffle(candidates)
+        for cand in candidates:
+            ids = prompt(cand)
+            ttft, cached = quietly(timing_probe, engine, ids, "attacker")
+            probes.append(Probe(trial, cand, cand == secret, ttft, cached, len(ids)))
+    return probes
+
+
+def attack_table(probes_by_policy: dict[str, Sequence[Probe]], alpha: float = 0.01) -> Any:
+    """Per policy, the classifier "faster means the secret was cached" (score = -TTFT): ROC AUC, KS test, medians."""
+    import pandas as pd
+
+    rows = []
+    for policy, probes in probes_by_policy.items():
+        right, wrong = _right_wrong(probes, 1.0)
+        d, pvalue = ks_test(right, wrong)
+        rows.append({"policy": policy, "probes": len(probes), "right guesses": len(right),
+                     "median TTFT right (ms)": 1e3 * median(right), "median TTFT wrong (ms)": 1e3 * median(wrong),
+                     "cached tokens right": median(p.cached_tokens for p in probes if p.is_secret),
+                     "cached tokens wrong": median(p.cached_tokens for p in probes if not p.is_secret),
+                     "ROC AUC": roc_auc([-t for t in right], [-t for t in wrong]), "KS D": d, "KS p-value": pvalue,
+                     f"sharing detected (p < {alpha})": pvalue < alpha})
+    return pd.DataFrame(rows).set_index("policy")
+
+
+def attack_verdicts(attack: Any, alpha: float = 0.01) -> list[str]:
+    """One line per policy, read from ``attack_table``: what the cached tokens say, and what the timing shows."""
+    lines = []
+    for policy, row in attack.iterrows():
+        more = row["cached tokens right"] > row["cached tokens wrong"]
+        if row[f"sharing detected (p < {alpha})"]:
+            says = "the timing separates right from wrong guesses: the secret leaks one guess at a time"
+        elif not more:
+            says = (f"no sharing detected at p < {alpha}; right and wrong guesses had the same cached tokens, so the "
+                    "AUC's distance from 0.5 is timing noise")
+        else:
+            says = f"no sharing detected at p < {alpha} with these few probes, although right guesses had more cached tokens"
+        lines.append(f"{policy:>14}: cached tokens {row['cached tokens right']:.0f} (right) vs {row['cached tokens wrong']:.0f} "
+                     f"(wrong); median TTFT {row['median TTFT right (ms)']:.1f} vs {row['median TTFT wrong (ms)']:.1f} ms; "
+                     f"AUC {row['ROC AUC']:.2f}, KS p = {row['KS p-value']:.2g} → {says}")
+    return lines
+
+
+def histogram_explorer(probes_by_policy: dict[str, Sequence[Probe]]) -> None:
+    """Draw every policy's TTFT histograms once (static, headless), then show a policy dropdown and a bins slider
+    that redraw one policy below them."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    fig_ttft_histogram(probes_by_policy)
+    plt.show()
+    policy = widgets.Dropdown(options=list(probes_by_policy), description="policy")
+    bins = widgets.IntSlider(value=20, min=5, max=60, description="bins", continuous_update=False)
+    out = widgets.Output()
+
+    def redraw(_change):
+        with out:
+            out.clear_output(wait=True)
+            fig_ttft_histogram({policy.value: probes_by_policy[policy.value]}, bins=bins.value)
+            plt.show()
+
+    policy.observe(redraw, "value")
+    bins.observe(redraw, "value")
+    display(widgets.HBox([policy, bins]), out)
+
+
+# --- section 3: the cost of isolation -------------------------------------------------------------------
+def isolation_cost(model: Any, tokenizer: Any, n_tenants: int, system_text: str, per_tenant: int = 1,
+                   policies: Sequence[str] = POLICIES, block_size: int = 16, seed: int = 0) -> Any:
+    """One row per policy: prefill tokens computed, hits, peak KV blocks, and whether the outputs equal "tenant"'s.
+
+    Every tenant sends ``per_tenant`` requests: the operator's system prompt (registered as public), then a question
+    of its own; all are submitted at once, on a pool big enough that nothing is evicted. Counts only, no clock.
+    """
+    import pandas as pd
+
+    rng = random.Random(seed)
+    system_ids = encode(tokenizer, system_text)
+    prompts, tenants = [], []
+    for t in range(n_tenants):
+        for j in range(per_tenant):
+            user = P.chatml("user", f"Request {j} of tenant {t}. {rng.choice(P.ASK_EN + P.CHAT_EN)}")
+            prompts.append(system_ids + encode(tokenizer, user + f"{P.IM_START}assistant\n"))
+            tenants.append(f"tenant-{t}")
+    rows, outputs = [], {}
+    for policy in policies:
+        engine = Engine(model, tokenizer, num_blocks=sum(cdiv(len(p) + 2, block_size) for p in prompts) + 8,
+                        block_size=block_size, isolation=policy, max_num_seqs=len(prompts),
+                        max_num_batched_tokens=sum(map(len, prompts)))
+        engine.add_public_prefix(system_ids)
+        outs = quietly(engine.generate, prompts, SamplingParams(max_tokens=2), tenants=tenants)
+        st, outputs[policy] = engine.stats(), [o.output_ids for o in outs]
+        rows.append({"policy": policy, "requests": len(prompts), "prompt tokens": sum(map(len, prompts)),
+                     "prefill tokens computed": sum(len(o.prompt_ids) - o.num_cached_tokens for o in outs),
+                     "hit tokens": st["hit_tokens"], "public hits (blocks)": st["public_hits"],
+                     "cross-tenant hits (blocks)": st["cross_tenant_hits"],
+                     "peak KV blocks": st["peak_kv_bytes"] // engine.store.bytes_per_block})
+    first = outputs[policies[0]]
+    return pd.DataFrame([r | {"outputs equal": outputs[r["policy"]] == first} for r in rows]).set_index("policy")
+
+
+def cost_verdict(cost: Any, block_size: int) -> str:
+    """How much of sharing's prefill saving the public-prefix policy recovers, read from ``isolation_cost``."""
+    pf = cost["prefill tokens computed"]
+    saving = pf["tenant"] - pf["shared"]
+    recovered = (pf["tenant"] - pf["public-prefix"]) / saving if saving else float("nan")
+    rest = pf["public-prefix"] - pf["shared"]
+    return (f"prefill tokens: per-tenant salt {pf['tenant']}, public-prefix {pf['public-prefix']}, shared {pf['shared']}: "
+            f"the public-prefix policy recovers {recovered:.0%} of the saving sharing everything gives; the rest, {rest} "
+            f"tokens, lies past the public prefix's last whole block of {block_size} (salted there) → "
+            + ("outputs equal under every policy" if cost["outputs equal"].all() else "the OUTPUTS differ: investigate"))
+
+
+# --- section 4: the concurrency stress test -------------------------------------------------------------
 @dataclass(slots=True)
 class StressRequest:
     """One request of the stress workload: its prompt, tenant, sampling and the step it arrives at."""
@@ -74,9 +249,199 @@ def stress_workload(tokenizer: Any, n_requests: int, n_tenants: int = 6, n_syste
     return requests, [encode(tokenizer, s) for s in systems]
 
 
+def isolated_outputs(model: Any, tokenizer: Any, requests: Sequence[StressRequest]) -> list[list[int]]:
+    """Each request generated alone by transformers' ``model.generate`` (``hf_generate``): the reference.
+
+    Requests with the same prompt and sampling share one run of the longest ``max_tokens`` (a shorter one is
+    its prefix: greedy and seeded sampling draw token by token).
+    """
+    def key(r):
+        sp = r.sampling
+        return (tuple(r.prompt_ids), sp.temperature, sp.top_p, sp.top_k, None if sp.greedy else sp.seed)
+
+    longest: dict = {}
+    for r in requests:
+        longest[key(r)] = max(longest.get(key(r), 0), r.sampling.max_tokens)
+    ref = {}
+    for (ids, temperature, top_p, top_k, seed), n in longest.items():
+        sp = {} if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        ref[(ids, temperature, top_p, top_k, seed)] = hf_generate(model, tokenizer, list(ids), max_new_tokens=n, **sp)
+    return [ref[key(r)][: r.sampling.max_tokens] for r in requests]
+
+
+def tenant_table(requests: Sequence[StressRequest], outputs: dict, lookups: Sequence[dict]) -> list[dict]:
+    """Per tenant, per *request*: requests, prompt tokens, cached at first admission, re-admissions, hit rate.
+
+    The block manager counts a preempted request's later lookups apart (as vLLM does), so its per-tenant
+    request count (``lookups``) must equal the workload's: a ValueError says otherwise.
+    """
+    rows: dict[str, dict] = {}
+    for i, r in enumerate(requests):
+        row = rows.setdefault(r.tenant, {"tenant": r.tenant, "requests": 0, "prompt tokens": 0,
+                                         "cached at first admission": 0, "re-admissions": 0})
+        out = outputs.get(i)
+        row["requests"] += 1
+        row["prompt tokens"] += len(r.prompt_ids)
+        row["cached at first admission"] += out.num_cached_tokens if out is not None else 0
+        row["re-admissions"] += out.num_preemptions if out is not None else 0
+    for row in rows.values():
+        row["hit rate (first admission)"] = row["cached at first admission"] / max(row["prompt tokens"], 1)
+    for t, n in ((row["tenant"], row["requests"]) for row in lookups):
+        if t in rows and n != rows[t]["requests"]:
+            raise ValueError(f"tenant {t}: the block manager counted {n} requests, the workload has {rows[t]['requests']}")
+    return sorted(rows.values(), key=lambda row: row["tenant"])
+
+
+@dataclass
+class StressReport:
+    """What the stress run found; ``line()`` is the one-line verdict scripts/stress.py prints last."""
+
+    requests: int
+    mismatches: int
+    cross_tenant_hits: int
+    leaked_blocks: int
+    public_hits: int
+    evictions: int
+    preemptions: int
+    hit_rate: float
+    policy: str
+    seconds: float
+    num_blocks: int = 0  # the pool's size: small, so blocks are evicted and sequences preempted
+    mismatched: list = field(default_factory=list)
+    tenant_table: list = field(default_factory=list)
+    preempted_lookups: int = 0  # the block manager's lookups of re-admitted (preempted) requests
+
+    @property
+    def ok(self) -> bool:
+        """0 mismatches, 0 leaked blocks, 0 cross-tenant hits (unless nothing is salted)."""
+        return self.mismatches == 0 and self.leaked_blocks == 0 and (self.cross_tenant_hits == 0 or self.policy == "shared")
+
+    def line(self) -> str:
+        return (f"requests={self.requests} mismatches={self.mismatches} "
+                f"cross_tenant_hits={self.cross_tenant_hits} leaked_blocks={self.leaked_blocks}")
+
+
+def stress_test(model: Any, tokenizer: Any, workload: tuple, reference: Sequence[list[int]], policy: str = "public-prefix",
+                seed: int = 0, num_blocks: int = 48, block_size: int = 16, max_num_seqs: int = 24,
+                check_every: int = 16) -> StressReport:
+    """Run ``workload`` (requests, public prefixes) through one engine under ``policy``, requests joining at their
+    arrival steps and the invariants checked as it goes; compare every output with ``reference``."""
+    requests, publics = workload
+    engine = Engine(model, tokenizer, num_blocks=num_blocks, block_size=block_size, isolation=policy,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, seed=seed)
+    for ids in publics:
+        engine.add_public_prefix(ids)
+    pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
+    outs, step, k, t0 = {}, 0, 0, time.perf_counter()
+    while k < len(pending) or engine.has_unfinished():
+        while k < len(pending) and requests[pending[k]].arrival_step <= step:
+            r = requests[pending[k]]
+            quietly(engine.add_request, r.prompt_ids, r.sampling, request_id=pending[k], tenant=r.tenant)
+            k += 1
+        if engine.has_unfinished():
+            outs.update((out.request_id, out) for out in engine.step())
+        step += 1
+        if step % check_every == 0:
+            engine.check_invariants()
+    engine.check_invariants()
+    seconds = time.perf_counter() - t0
+    mismatched = [i for i in range(len(requests))
+                  if i not in outs or outs[i].finish_reason == "error" or outs[i].output_ids != reference[i]]
+    st, bm = engine.stats(), engine.block_manager
+    leaked = sum(b.ref_count > 0 for b in bm.pool.blocks) + len(bm.seqs)  # after the drain: none may be held
+    return StressReport(len(requests), len(mismatched), st["cross_tenant_hits"], leaked, st["public_hits"],
+                        st["evictions"], st["num_preemptions"], st["hit_rate"], policy, seconds, num_blocks, mismatched,
+                        tenant_table(requests, outs, bm.metrics.tenant_table()), bm.metrics.preempted.requests)
+
+
+def stress_verdict(reports: dict[str, StressReport]) -> str:
+    """One line over every policy's report: did every output equal the request generated alone?"""
+    n, total, sh = next(iter(reports.values())).requests, sum(r.mismatches for r in reports.values()), reports["shared"]
+    pressure = sum(r.evictions for r in reports.values()), sum(r.preemptions for r in reports.values())
+    return (f"{n} requests under {len(reports)} policies ({pressure[0]} evictions, {pressure[1]} preemptions in all): "
+            + (f"every output equals the request generated alone, including 'shared', where {sh.cross_tenant_hits} block "
+               "hits crossed tenants" if total == 0 else f"{total} outputs differ from the request generated alone: investigate"))
+
+
+# --- section 5: the closing decision table --------------------------------------------------------------
+def write_shared_block(cow: bool) -> dict[str, bool]:
+    """Fork a sequence and let both continue differently: does the parent read its own tokens, do the invariants hold?"""
+    m = BlockManager(8, 4, cow=cow)
+    m.allocate("parent", [1, 2, 3, 4, 5, 6])
+    m.fork("parent", "child")
+    m.append("parent", 7)
+    m.append("child", 8)
+    try:
+        m.check_invariants()
+        ok = True
+    except InvariantError:
+        ok = False
+    return {"copy-on-write": cow, "parent reads its own tokens": m.read_tokens("parent") == m.seqs["parent"].token_ids,
+            "invariants hold": ok}
+
+
+def closing_evidence(table: Any, errors: Any, shift: int, attack: Any, cost: Any, reports: dict[str, StressReport],
+                     cow: Any) -> dict[str, Evidence]:
+    """The article's decision table, row by row: a verdict (confirmed / refined / contradicted) from the numbers
+    measured in notebooks 03 and 07, what they were, and the cell that measured them."""
+    ident, n = table["identical"], int(table["prompts"].min())
+
+    def k_of(case):
+        return f"{round(ident[case] * n)}/{n}"
+
+    rr_k = errors[(errors["tensor"] == "K") & (errors["treatment"] == X.REROTATED)].set_index("layer")["relative error"]
+    sh, tn, pp = reports["shared"], reports["tenant"], reports["public-prefix"]
+    a, pf = attack["ROC AUC"], cost["prefill tokens computed"]
+    cow_ok, bug = cow.set_index("copy-on-write").loc[True], cow.set_index("copy-on-write").loc[False]
+    distances = ident[X.ALL_SHIFTED] - ident[X.SHIFTED] >= 2 / n
+    held = ident[X.REROTATED] == 1
+    return {
+        "identical-prefix": Evidence("confirmed" if sh.mismatches == 0 else "contradicted",
+                                     f"{sh.requests} concurrent requests sharing every identical block (hit rate "
+                                     f"{sh.hit_rate:.0%}): {sh.mismatches} differ from the request run alone", "07 §4"),
+        "same-start": Evidence("refined" if distances else "confirmed",
+                               f"prefix at +{shift}, suffix at len(prefix): {k_of(X.SHIFTED)} answers identical; "
+                               f"everything at +{shift}: {k_of(X.ALL_SHIFTED)}"
+                               + (" → equal distances, not equal starts" if distances else ""), "03 §2 = 07 §5"),
+        "no-writes-to-shared": Evidence("confirmed" if cow_ok["parent reads its own tokens"] else "contradicted",
+                                        "with copy-on-write a forked parent reads its own tokens: "
+                                        f"{bool(cow_ok['parent reads its own tokens'])}", "07 §5"),
+        "positions-agree": Evidence("confirmed" if ident[X.RESTART] < 1 else "refined",
+                                    f"suffix restarting at 0: {k_of(X.RESTART)} answers identical, first-token logits off "
+                                    f"by up to {table.loc[X.RESTART, 'max |Δ logit|, first token']:.1f}", "03 §2 = 07 §5"),
+        "independent-context": Evidence("confirmed" if sh.mismatches + tn.mismatches + pp.mismatches == 0 else "contradicted",
+                                        f"tenants with different histories after shared system prompts, {sh.requests} "
+                                        f"requests: {pp.mismatches + tn.mismatches + sh.mismatches} outputs differ under "
+                                        "the three policies", "07 §4"),
+        "shared-may-be-written": Evidence("refined" if not bug["parent reads its own tokens"] else "contradicted",
+                                          f"written in place (cow=False): parent reads its own tokens "
+                                          f"{bool(bug['parent reads its own tokens'])}, invariants hold "
+                                          f"{bool(bug['invariants hold'])}; with copy-on-write such blocks stay shareable",
+                                          "07 §5"),
+        "overlap-different-start": Evidence("refined" if held else "confirmed",
+                                            f"A's segment as is: {k_of(X.AS_IS)} identical, re-rotated: {k_of(X.REROTATED)}; "
+                                            f"re-rotated keys exact at layer 0 ({rr_k[0]:.0e}), not deeper "
+                                            f"(up to {rr_k.drop(index=0).max():.2f})"
+                                            + (": the answers held, the K/V did not" if held else ""), "03 §3 = 07 §5"),
+        "full-isolation": Evidence("refined" if pf["public-prefix"] < pf["tenant"] else "confirmed",
+                                   f"timing attack AUC {a['shared']:.2f} shared → {a['tenant']:.2f} per-tenant salt, "
+                                   f"{a['public-prefix']:.2f} public-prefix; prefill tokens {pf['tenant']} salted vs "
+                                   f"{pf['public-prefix']} sharing a declared public prefix", "07 §2–3"),
+    }
+
+
 # --- figures (pure: data in, matplotlib Figure out) -----------------------------------------------------
 def _right_wrong(probes: Sequence[Any], scale: float) -> tuple[list[float], list[float]]:
     return ([scale * p.ttft for p in probes if p.is_secret], [scale * p.ttft for p in probes if not p.is_secret])
+
+
+def roc_curve(positive_scores: Sequence[float], negative_scores: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(false-positive rates, true-positive rates) as the threshold sweeps down over every score."""
+    fpr, tpr = [0.0], [0.0]
+    for t in sorted(set(positive_scores) | set(negative_scores), reverse=True):
+        tpr.append(sum(p >= t for p in positive_scores) / len(positive_scores))
+        fpr.append(sum(n >= t for n in negative_scores) / len(negative_scores))
+    return fpr, tpr
 
 
 def fig_ttft_histogram(probes_by_policy: dict[str, Sequence[Any]], bins: int = 20) -> Any:
@@ -97,10 +462,8 @@ def fig_ttft_histogram(probes_by_policy: dict[str, Sequence[Any]], bins: int = 2
 
 
 def fig_roc(probes_by_policy: dict[str, Sequence[Any]]) -> Any:
-    """ROC curves of the "faster means hit" classifier (notebook 07's ``roc_curve``), one line per policy."""
+    """ROC curves of the "faster means hit" classifier, one line per policy."""
     import matplotlib.pyplot as plt
-
-    from kvlab.built.nb07 import roc_auc, roc_curve
 
     fig, ax = plt.subplots(figsize=(4.2, 4))
     for policy, probes in probes_by_policy.items():
@@ -112,44 +475,6 @@ def fig_roc(probes_by_policy: dict[str, Sequence[Any]]) -> Any:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
-
-
-# --- build exercise 07.B: the salted chain --------------------------------------------------------------
-def reference_salted_hashes(token_ids: Sequence[int], block_size: int, salt: str, salt_block: int = 0) -> list[bytes]:
-    """kvlab's chain with the exercise's arguments: ``kvlab.cache.hashing.prompt_block_hashes``."""
-    return prompt_block_hashes(token_ids, block_size, cache_salt=salt, salt_block=salt_block)
-
-
-def build_07_salted_hashes(token_ids: Sequence[int], block_size: int, salt: str, salt_block: int = 0) -> list[bytes]:
-    """07.B worked solution: notebook 04's chain, with ``("salt", salt)`` hashed into block ``salt_block`` only."""
-    hashes, parent = [], None
-    for i in range(len(token_ids) // block_size):
-        keys = (("salt", salt),) if i == salt_block else ()
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], keys)
-        hashes.append(parent)
-    return hashes
-
-
-def check_salted_hashes(fn: Any) -> Verdict:
-    """Build exercise 07.B: ``fn(token_ids, block_size, salt, salt_block)`` equals kvlab's salted chain. Never raises."""
-    hint = ("notebook 04's chain: hash_block(parent, the block's tokens, keys) per full block, parent None for block 0; "
-            "keys = (('salt', salt),) in block salt_block only, () in the others")
-    rng = random.Random(7)
-    for bs, n, k in ((4, 13, 0), (16, 70, 0), (16, 70, 2), (4, 16, 3), (2, 1, 0)):
-        tokens = [rng.randrange(1000) for _ in range(n)]
-        want = reference_salted_hashes(tokens, bs, "salt-a", k)
-        got, failed = call_answer(fn, tokens, bs, "salt-a", k, hint=hint, name="my_salted_hashes")
-        if failed is not None:
-            return failed
-        got = list(got) if isinstance(got, list | tuple) else got
-        where = f"{n} tokens in blocks of {bs}, salt in block {k}"
-        if not isinstance(got, list) or len(got) != len(want):
-            return verdict(False, hint=f"{where}: expected {len(want)} hashes (one per full block), got "
-                                       f"{len(got) if isinstance(got, list) else type(got).__name__}")
-        bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
-        if bad is not None:
-            return verdict(False, hint=f"{where}: block {bad}'s hash differs from kvlab's; {hint}")
-    return verdict(True, "the same chain as kvlab's prompt_block_hashes, the salt in block 0 or further on")
 
 
 # --- exercise checkers ----------------------------------------------------------------------------------
@@ -179,8 +504,6 @@ def check_prefill_tokens(per_tenant_salt: int | None, public_prefix: int | None,
 
 def check_auc_fn(fn: Any) -> Verdict:
     """Exercise 07.3: ``fn(positives, negatives)`` must equal notebook 07's ``roc_auc`` (ties count one half)."""
-    from kvlab.built.nb07 import roc_auc
-
     hint = "AUC = P(positive > negative) + P(tie) / 2 over all positive-negative pairs"
     rng = random.Random(7)
     cases = [([3.0, 4.0], [1.0, 2.0]), ([1.0, 2.0], [3.0, 4.0]), ([1.0, 1.0], [1.0, 1.0]), ([2.0, 1.0, 3.0], [2.0])]
