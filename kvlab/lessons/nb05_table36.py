@@ -127,7 +127,7 @@ def fig_table36(table: Any):
     a.set_xticks(range(len(timed)), [labels[i] for i in timed], rotation=60, ha="right", fontsize=8)
     untimed = ", ".join(sorted({str(g) for i, g in enumerate(table["group"]) if i not in timed}))
     a.set_title("time to first token" + (f" (groups {untimed}: answers only, not timed)" if untimed else ""), fontsize=9)
-    a.set_ylabel("TTFT (ms): median of the timed runs, whiskers min–max")
+    a.set_ylabel("TTFT (ms): median, whiskers min–max")
     b.plot(range(len(table)), table["token agreement"], "o", label="token agreement with isolated")
     b.plot(range(len(table)), table["recall"], "s", mfc="none", label="passphrase recall")
     b.set_xticks(range(len(table)), labels, rotation=60, ha="right", fontsize=8)
@@ -375,41 +375,6 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
     return fig
 
 
-# --- figures of section 5 (the sys512 benchmark, kvlab.bench.peers) ---
-def fig_sys512(table: Any, title: str = "sys512"):
-    """Three panels: mean TTFT, throughput and peak KV bytes per system, shared beside isolated.
-
-    Horizontal bars, one row per system (names never overlap); a log time axis when the TTFTs span
-    more than a factor of 30, so no bar vanishes.
-    """
-    import matplotlib.pyplot as plt
-
-    ok = table[table["error"] == ""]
-    systems = list(dict.fromkeys(ok["system"]))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 0.55 * len(systems) + 2.2), gridspec_kw={"width_ratios": [1, 1, 0.7]})
-    for ax, col, label in ((axes[0], "TTFT (ms)", "mean TTFT (ms)"), (axes[1], "throughput (tok/s)", "generated tokens / s")):
-        for j, mode in enumerate(("isolated", "shared")):
-            vals = [ok[(ok.system == s) & (ok["mode"] == mode)][col] for s in systems]
-            ax.barh([i + (j - 0.5) * 0.38 for i in range(len(systems))], [v.iloc[0] if len(v) else 0 for v in vals],
-                    0.38, label=mode, color=("tab:gray", "tab:blue")[j])
-        ax.set_yticks(range(len(systems)), systems if ax is axes[0] else [""] * len(systems), fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel(label)
-        vals = ok[col].dropna()
-        if col == "TTFT (ms)" and len(vals) and vals.min() > 0 and vals.max() / vals.min() > 30:
-            ax.set_xscale("log")
-    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="mode")
-    kv = ok[ok.system == "kvlab"].set_index("mode")["peak KV (MiB)"]
-    axes[2].bar(["isolated", "shared"], [kv.get("isolated", 0), kv.get("shared", 0)], color=["tab:gray", "tab:blue"])
-    axes[2].set_ylabel("peak KV bytes (MiB)")
-    axes[0].set_title("time to first token")
-    axes[1].set_title("throughput")
-    axes[2].set_title("kvlab: KV cache in use at the peak")
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
 # ----------------------------------------------------------------------------- the notebook's set-up and groups
 def load_for_notebook(model: Any, smoke: bool, device: str, dtype: str, threads: int | None):
     """``MODEL="auto"`` loaded (the bundled model when SmolLM2 is missing), one torch thread on a CPU: (model, tok, name)."""
@@ -554,8 +519,9 @@ def say_against_article(table: Any) -> None:
     v = ttft_verdict(table, 1, "shared (correct)")
     inside = v is not None and v.ok and v.lo <= art_ttft <= v.hi
     tag = "note    " if v is None or not v.ok else "agree   " if inside else "partly  " if v.hi < 1 else "DIFFER  "
-    print(tag + f"group 1 shared/isolated {ttft_text(table, 1, 'shared (correct)')} (the article: x{art_ttft:.2f}), "
-          f"{d.loc[(1, 'shared (correct)'), 'cached tokens']:.0f} prompt tokens per request from the cache")
+    cached = "" if v is not None and not v.ok else f", {d.loc[(1, 'shared (correct)'), 'cached tokens']:.0f} prompt " \
+        "tokens per request from the cache"
+    print(tag + f"group 1 shared/isolated {ttft_text(table, 1, 'shared (correct)')} (the article: x{art_ttft:.2f}){cached}")
     wrong = [d.loc[(g, "shared (wrong)")] for g in (2, 3) if (g, "shared (wrong)") in d.index]
     print(("agree   " if all(r["identical"] < 1 for r in wrong) else "DIFFER  ") + "groups 2 and 3 shared wrongly: "
           + " and ".join(f"{1 - r['identical']:.0%} of {r['requests']}" for r in wrong)
@@ -568,54 +534,3 @@ def say_against_article(table: Any) -> None:
                  "gives here only for blocks with the same start (another B's), never the donor's"))
     kv = d.loc[(1, "shared (correct)"), "peak KV (KiB)"] / d.loc[(1, "isolated"), "peak KV (KiB)"]
     print(f"memory  {memory_column()} Ours counts K/V alone: group 1's peak K/V shared/isolated x{kv:.2f}.")
-
-
-# ----------------------------------------------------------------------------- the headline workload (sys512)
-LIVE_SYSTEMS = ["kvlab/shared", "kvlab/isolated", "HF generate_batch (one prefill per step)/shared",
-                "HF manual reuse/shared", "HF generate (batch)/isolated"]
-
-
-def run_sys512(model: Any, model_name: Any, use_recorded: bool = True):
-    """The sys512 comparison: ``build/bench/bench.json`` (scripts/bench.py) when it matches the model, else a small
-    live run of ``LIVE_SYSTEMS``. Returns (system table, ratio table, workload, repeats or None for the live run)."""
-    from kvlab.bench import peers as B
-    from kvlab.lessons import workloads as W
-
-    report = latest_bench(model_name) if use_recorded else None
-    vocab = model.config.vocab_size
-    if report:
-        bench, ratio_table = bench_tables(report)
-        w = report["workload"]
-        wl = W.sys512(vocab, num_requests=w["requests"], prefix_tokens=w["prefix_tokens"],
-                      suffix_tokens=w["suffix_tokens"], max_tokens=w["new_tokens"])
-        print(f"RECORDED: {report['path']} ({report['model']['config']}, {report['machine']['threads']} threads, "
-              f"median of {report['repeats']} runs)")
-    else:
-        wl = W.sys512(vocab, num_requests=4, prefix_tokens=64, suffix_tokens=8, max_tokens=4)
-        bench, _ = B.measure_sys512(model, wl, repeats=1, systems=LIVE_SYSTEMS)
-        bench["error"] = bench["error"].fillna("")
-        ratio_table = B.ratios(bench, wl, DEFAULT_BLOCK_SIZE)
-        print(f"LIVE, SMALL: no matching build/bench/bench.json, so one run of {len(LIVE_SYSTEMS)} systems "
-              "(scripts/bench.py records the full workload)")
-    print(f"workload {wl.name}: {len(wl)} requests x ({wl.shared_prefix_tokens} + "
-          f"{len(wl.prompts[0]) - wl.shared_prefix_tokens}) tokens, {wl.max_tokens} new each")
-    for _, r in bench[bench["error"] != ""].iterrows():
-        print(f"{r.system} ({r['mode']}) could not run: {r.error}")
-    return bench, ratio_table, wl, (report["repeats"] if report else None)
-
-
-def say_sys512(bench: Any, ratio_table: Any, repeats: int | None) -> None:
-    """kvlab's shared/isolated ratios beside their ideal and the article's, and kvlab against each peer."""
-    from kvlab.lessons.common import ratio_word
-
-    k = ratio_table.set_index("system").loc["kvlab"]
-    r, ideal, tp = k["TTFT shared/isolated"], k["ideal"], k["throughput shared/isolated"]
-    runs = f"median of {repeats} runs" if repeats else "one run each: a timing, not evidence"
-    print(f"kvlab TTFT shared/isolated {r:.3f} ({runs}); ideal {ideal:.3f} (the share of prompt tokens computed); "
-          f"the article: about 0.60 -> " + ("a saving" if r < 1 else "no saving") + " in this run")
-    print(f"kvlab throughput shared/isolated {tp:.2f}x (the article: nearly 2x; {runs})")
-    t = bench[bench["error"] == ""].set_index(["system", "mode"])
-    for (peer, mode) in t.index:
-        if peer != "kvlab" and ("kvlab", mode) in t.index:
-            rel = t.loc[("kvlab", mode), "throughput (tok/s)"] / t.loc[(peer, mode), "throughput (tok/s)"]
-            print(f"kvlab {mode} vs {peer}: throughput {rel:.2f}x ({ratio_word(rel, 'higher', 'lower')})")

@@ -120,6 +120,22 @@ def test_evidence_and_comparison(measured):
     assert list(T.article_table()["TTFT (ms)"]) == [320, 185, 315, 190, 318, 188]
 
 
+def test_verdict_lines_read_the_table(measured, capsys):
+    from kvlab.lessons.passphrase import memory_column
+
+    table, runs = measured
+    d = table.set_index(["group", "mode"])
+    T.say_wrong_shares(table)
+    T.say_against_article(table)
+    out = capsys.readouterr().out.splitlines()
+    changed = 1 - d.loc[(2, "shared (wrong)"), "identical"]
+    assert any(line.startswith(f"group 2, {T.WRONG_MODES[2]}: {changed:.0%} of") for line in out)
+    kv = d.loc[(1, "shared (correct)"), "peak KV (KiB)"] / d.loc[(1, "isolated"), "peak KV (KiB)"]
+    (memory,) = [line for line in out if line.startswith("memory  ")]
+    assert str(memory_column()) in memory and f"x{kv:.2f}" in memory  # the series' one reading, then ours
+    assert not any(word in line for line in out for word in ("outlier", "re-run"))
+
+
 def test_checkers():
     assert T.check_bug_for_group({1: "positions-agree", 2: "overlap-different-start", 3: "independent-context"})
     assert T.check_bug_for_group({1: "positions-agree", 2: "same-start", 3: "independent-context"})
