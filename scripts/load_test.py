@@ -13,6 +13,9 @@ Rounds (each bounded by its count and by --time-limit for the whole run; the scr
    well-behaved clients, whose outputs must stay correct.
 3. burst: more simultaneous requests than the server admits (kvlab: batch + wait queue); the excess gets
    503 + Retry-After, nobody crashes, and well-behaved clients (which honour Retry-After) stay correct.
+4. big-bodies (issue 53, N1): while one stream runs, waves of ~1 MB bodies (a 330,000-id prompt, chats of
+   30k empty and 25k one-character messages), each refused with 400; prints the stream's max inter-token
+   gap while they arrive (--big-bodies N of each per wave; 0 skips the round).
 
 Afterwards no block may be leaked: kvlab's GET /debug/engine (invariants, leaked blocks, live requests);
 for vLLM its /metrics (no running request, KV-cache usage 0). The isolated reference: kvlab's engine
@@ -146,10 +149,76 @@ def leak_check(base: str, target: str, timeout: float = 120, key: str | None = N
         time.sleep(0.2)
 
 
-def scrape(base: str) -> dict[str, float]:
-    """Prometheus series summed over labels: ``{name: value}``."""
+def big_bodies(model: str, n: int) -> list[tuple[str, bytes]]:
+    """Issue 53's N1 bodies, encoded once (the client's own JSON work must not show up as the server's gap):
+    ``n`` of each of a ~1 MB token-id prompt, a chat of 30k empty messages and one of 25k one-character ones."""
+    ids = {"model": model, "prompt": [5] * 330000, "max_tokens": 4}
+    empty = {"model": model, "messages": [{"role": "user", "content": ""}] * 30000, "max_tokens": 4}
+    short = {"model": model, "messages": [{"role": "user", "content": "x"}] * 25000, "max_tokens": 4}
+    return [(path, json.dumps(body).encode()) for _ in range(n)
+            for path, body in (("/v1/completions", ids), ("/v1/chat/completions", empty),
+                               ("/v1/chat/completions", short))]
+
+
+STREAM_READER = """
+import json, sys, time
+import httpx
+base, key, body = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+headers = {"Authorization": "Bearer " + key} if key else {}
+with httpx.Client(timeout=600) as http, http.stream("POST", base + "/v1/completions", json=body, headers=headers) as r:
+    for line in r.iter_lines():
+        if line.startswith("data: {"):
+            print(time.monotonic(), flush=True)
+"""
+
+
+async def big_body_round(base: str, model: str, key: str | None, n: int, stream_tokens: int = 400,
+                         waves: int = 3) -> dict:
+    """A running stream's inter-token gaps while ``waves`` x ``n`` of each N1 body arrive at once.
+
+    The stream (greedy, ``ignore_eos``) is read by a process of its own, which stamps each chunk with the
+    system-wide monotonic clock: the client's own work (sending 24 MB a wave) cannot delay the reading. After
+    its first 20 chunks the waves are sent one after another. Returns the stream's max gap alone and while
+    the bodies arrive, and the bodies' status codes.
+    """
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    bodies = big_bodies(model, n)
+    statuses: list[int] = []
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": stream_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    reader = await asyncio.create_subprocess_exec(sys.executable, "-c", STREAM_READER, base, key or "",
+                                                  json.dumps(body), stdout=asyncio.subprocess.PIPE)
+    arrivals: list[float] = []
+    while len(arrivals) < 20 and (line := await reader.stdout.readline()):
+        arrivals.append(float(line))
+    limits = httpx.Limits(max_connections=len(bodies) + 4)
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as http:
+        async def post(path: str, data: bytes) -> None:
+            r = await http.post(base + path, content=data, headers={**headers, "Content-Type": "application/json"})
+            statuses.append(r.status_code)
+        for _ in range(waves):
+            await asyncio.gather(*(post(path, data) for path, data in bodies))
+    end = time.monotonic()
+    arrivals += [float(line) for line in (await reader.stdout.read()).split()]
+    await reader.wait()
+    gaps = [(b - a, b) for a, b in zip(arrivals, arrivals[1:])]
+    during = [g for g, t in gaps if start <= t <= end + 0.5]
+    alone = [g for g, t in gaps if t < start]
+    return {"round": "big-bodies", "bodies": len(bodies) * waves, "status_counts": {
+                str(c): statuses.count(c) for c in sorted(set(statuses))},
+            "stream_tokens": len(arrivals), "flood_seconds": round(end - start, 2),
+            "stream_chunks_during_flood": len(during),
+            "max_gap_alone_s": round(max(alone, default=0.0), 4),
+            "max_gap_during_flood_s": round(max(during, default=0.0), 4),
+            "max_gap_s": round(max((g for g, _ in gaps), default=0.0), 4)}
+
+
+def scrape(base: str, key: str | None = None) -> dict[str, float]:
+    """Prometheus series summed over labels: ``{name: value}`` (/metrics needs a key on a server with keys)."""
     out: dict[str, float] = {}
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for line in httpx.get(base + "/metrics", timeout=30, headers=headers).text.splitlines():
         if line and not line.startswith("#"):
             series, value = line.rsplit(" ", 1)
             name = series.split("{")[0]
@@ -183,6 +252,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disconnects", type=int, default=200, help="clients that hang up mid-stream (0: no round)")
     p.add_argument("--burst", type=int, default=-1, help="simultaneous requests in the burst (-1: the server's "
                    "admission limit + 64; 0: no round)")
+    p.add_argument("--big-bodies", type=int, default=8,
+                   help="issue 53's N1 round: this many of each ~1 MB body (a token-id list, 30k empty and 25k "
+                        "one-character chat messages) at once, three times, while a stream runs; its max "
+                        "inter-token gap is printed (0: no round)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=128)
     p.add_argument("--time-limit", type=float, default=900, help="seconds for the whole run")
@@ -271,9 +344,17 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(summarize("burst-good", good, gres, gsecs, ref))
             print_round(rounds[-1])
 
+        if args.big_bodies and time.monotonic() < deadline:
+            big = asyncio.run(big_body_round(base, model, keys[0] if keys else None, args.big_bodies))
+            rounds.append(big)
+            print(f"  big-bodies {big['bodies']} bodies of ~1 MB (ids, 30k empty / 25k 1-char messages) in "
+                  f"{big['flood_seconds']} s, status {big['status_counts']}: a running stream's max inter-token gap "
+                  f"{big['max_gap_during_flood_s']} s during them ({big['stream_chunks_during_flood']} chunks), "
+                  f"{big['max_gap_alone_s']} s alone", flush=True)
+
         leaks = leak_check(base, args.target, key=keys[0] if keys else None)
         healthy = httpx.get(base + "/health", timeout=30).status_code == 200
-        metrics = scrape(base)
+        metrics = scrape(base, keys[0] if keys else None)
     finally:
         if proc is not None:
             stop(proc)
@@ -291,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
-    bad = any(r["lost"] or r["wrong"] or r["duplicates"] for r in rounds) or not healthy or not leaks.get("idle")
+    bad = any(r.get("lost") or r.get("wrong") or r.get("duplicates") for r in rounds) or not healthy \
+        or not leaks.get("idle")
     if args.target == "kvlab":
         bad = bad or leaks.get("leaked_blocks") or leaks.get("orphan_requests") or not leaks.get("invariants_ok")
     return 1 if bad else 0

@@ -19,6 +19,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -104,6 +105,7 @@ class _Server:
         self.vocab = engine.model.config.vocab_size
         self.created = int(time.time())
         self.max_prompt_bytes = prompt_byte_limit(config, engine.max_model_len)
+        self.decoder = ThreadPoolExecutor(1, thread_name_prefix="kvlab-decode")  # request bodies, one at a time
 
     def tenant(self, request: Request) -> str | None:
         """The tenant of the request's API key (``None`` on an open server), or 401."""
@@ -118,7 +120,8 @@ class _Server:
         tenant = self.tenant(request)
         raw = await _read_body(request, self.config.max_body_bytes)
         # a 1 MB body takes tens of ms to parse and validate: in a worker thread, never on the event loop
-        body = await asyncio.to_thread(self.decode, raw, model)
+        # one thread for every body: a parse holds the GIL, and several at once would starve the engine thread
+        body = await asyncio.get_running_loop().run_in_executor(self.decoder, self.decode, raw, model)
         if body.model is not None and body.model != self.config.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{self.config.model_name!r}", param="model", code="model_not_found")
@@ -134,12 +137,12 @@ class _Server:
             raise ApiError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        self.check_counts(obj)  # first: a refused body costs no more work
         try:  # JSON may spell lone surrogates ("\ud800"): text no tokenizer, salt or log can encode
             json.dumps(obj, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise ApiError(400, "the body is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)",
                            code="invalid_json") from None
-        self.check_counts(obj)
         try:
             return model.model_validate(obj)
         except ValidationError as e:
@@ -363,6 +366,7 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         srv.runner.start(asyncio.get_running_loop())
         yield
         srv.runner.stop()
+        srv.decoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvlab serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
