@@ -30,6 +30,7 @@ from kvlab.bench.workload import sys512  # noqa: E402
 from kvlab.cache.block_manager import cdiv  # noqa: E402
 from kvlab.engine import Engine, SamplingParams  # noqa: E402
 from kvlab.engine.models import load_model  # noqa: E402
+from kvlab.engine.speed import SpeedPaths  # noqa: E402
 
 
 def make_engine(model, wl, caching: bool, steps: int, block_size: int = 16) -> Engine:
@@ -80,20 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--caching", action="store_true", help="prefix caching on: the shared prefill, and decodes over the shared prefix")
     ap.add_argument("--steps", type=int, default=6, help="decode steps timed unprofiled (median)")
-    ap.add_argument("--packed-linear", action="store_true", help="prepacked GEMMs: oneDNN's, and kvlab's panel GEMM for few rows (EngineConfig.packed_linear)")
+    ap.add_argument("--packed-linear", action="store_true", help="prepacked GEMMs: oneDNN's, and kvlab's panel GEMM for few rows (SpeedPaths.packed_linear)")
     ap.add_argument("--paged-kernel", action="store_true",
-                    help="the C++ paged-attention kernel for decodes (EngineConfig.paged_kernel)")
+                    help="the C++ paged-attention kernel for decodes (SpeedPaths.paged_kernel)")
     ap.add_argument("--fused-layers", action="store_true",
-                    help="a Llama run with fused prepacked GEMMs (EngineConfig.fused_layers)")
+                    help="a Llama run with fused prepacked GEMMs (SpeedPaths.fused_layers)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench"), help="folder of profile_{decode,prefill}.txt")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.packed_linear:
-        B.ENGINE_OPTIONS["packed_linear"] = True
-    if args.paged_kernel:
-        B.ENGINE_OPTIONS["paged_kernel"] = True
-    if args.fused_layers:
-        B.ENGINE_OPTIONS["fused_layers"] = True
+    paths = SpeedPaths(args.packed_linear, args.paged_kernel, args.fused_layers)
+    if any(paths.on.values()):
+        B.ENGINE_OPTIONS["accelerator"] = paths
     model, _ = load_model(args.model, device="cpu", dtype="float32")
     model.generation_config.eos_token_id = None
     wl = sys512(model.config.vocab_size)

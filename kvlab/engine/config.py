@@ -6,11 +6,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..cache.hashing import DEFAULT_BLOCK_SIZE
+from .accelerator import Accelerator
 from .tenants import check_policy, check_secret
 
 __all__ = ["CACHES", "EngineConfig"]
 
 CACHES = ("blocks", "radix")
+# the booleans EngineConfig had before the speed paths moved behind ``accelerator``
+SPEED_FLAGS = ("packed_linear", "paged_kernel", "fused_layers")
 
 
 def _check_int(name: str, value: object, low: int, optional: bool = False) -> None:
@@ -31,10 +34,9 @@ class EngineConfig:
     Tenancy: ``isolation`` ("shared", "tenant", "public-prefix") and the ``secret`` every salt is derived
     from (None: a random one per engine). ``host_tier_bytes``: a host-memory second tier of that size.
     ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` go to the ``Scheduler``.
-    ``packed_linear``: prepacked GEMMs for the linear layers, oneDNN's and (few rows) kvlab's panel GEMM (CPU float32; off by default).
-    ``paged_kernel``: a C++ paged-attention kernel that reads K/V in place (CPU float32; off by default).
-    ``fused_layers``: a Llama decoder run with four fused prepacked GEMMs a layer and one-pass C++ RMSNorm,
-    RoPE and SwiGLU (CPU float32; off by default).
+    ``accelerator``: the speed paths (``kvlab.engine.accelerator``), e.g.
+    ``kvlab.engine.speed.SpeedPaths(packed_linear=True, paged_kernel=True)``; None (the default): the
+    teaching path, with nothing compiled.
     """
 
     num_blocks: int | None = None
@@ -54,13 +56,8 @@ class EngineConfig:
     host_tier_bytes: int | None = None
     offload_evicted: bool = True
     debug: bool = False
-    # prepacked GEMMs for the linear layers: oneDNN's, and for few rows kvlab's panels (CPU, float32; kvlab.engine.packed_linear)
-    packed_linear: bool = False
-    # a C++ kernel reads K/V through the block tables in place: decodes, and with its AVX-512 path every query
-    # (CPU, float32; paged_kernel.py)
-    paged_kernel: bool = False
-    # transformers' LlamaForCausalLM run layer by layer with fused GEMMs (CPU, float32; fused_llama.py)
-    fused_layers: bool = False
+    # the speed paths, bound once per engine (kvlab.engine.speed.SpeedPaths); None: the teaching path
+    accelerator: Accelerator | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
@@ -77,7 +74,12 @@ class EngineConfig:
         check_policy(self.isolation)
         if self.secret is not None:
             check_secret(self.secret)
-        flags = "enable_prefix_caching enable_kv_events offload_evicted debug packed_linear paged_kernel fused_layers"
+        if self.accelerator is not None and not isinstance(self.accelerator, Accelerator):
+            raise TypeError(
+                f"accelerator must have bind(model, store) and describe() (kvlab.engine.accelerator), "
+                f"got {self.accelerator!r}"
+            )
+        flags = "enable_prefix_caching enable_kv_events offload_evicted debug"
         for name in flags.split():
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -90,6 +92,13 @@ class EngineConfig:
         """A copy with ``overrides`` (field names) changed; an unknown name raises ``TypeError`` naming it."""
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - names)
+        moved = sorted(set(unknown) & set(SPEED_FLAGS))
+        if moved:
+            flags = ", ".join(f"{name}=True" for name in moved)
+            raise TypeError(
+                f"{', '.join(moved)}: the speed paths are one setting now, "
+                f"accelerator=kvlab.engine.speed.SpeedPaths({flags})"
+            )
         if unknown:
             raise TypeError(
                 f"unknown engine setting(s) {', '.join(map(repr, unknown))}: "

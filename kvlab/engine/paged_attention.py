@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.block_manager import cdiv
+from .accelerator import KernelPlan
 from .admission import check_call
 from .kv_store import PagedKVStore
 
@@ -23,6 +24,9 @@ __all__ = [
     "AttnGroup",
     "MissingBatchError",
     "PagedBatch",
+    "attend_fresh",
+    "attend_per_sequence",
+    "attend_union",
     "build_batch",
     "group_by_query_length",
     "paged_attention_forward",
@@ -106,9 +110,8 @@ class PagedBatch:
     layers_run: list[int] = field(default_factory=list)
     # the sliding window each of those calls was given
     windows_run: list[int | None] = field(default_factory=list)
-    # the C++ kernel's plan of this step (EngineConfig.paged_kernel; paged_kernel.KernelStep), set by
-    # the runner
-    kernel: Any = None
+    # the accelerator's kernel plan of this step (kvlab.engine.accelerator.KernelPlan), set by the runner
+    kernel: KernelPlan | None = None
 
 
 class MissingBatchError(RuntimeError):
@@ -211,11 +214,164 @@ def paged_attention_forward(
     """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's pages.
 
     An allow-list: a call that asks for more than causal (+window) SDPA with a scale raises
-    ``NotImplementedError`` naming the feature. Each group of sequences attends over its new K/V alone
-    (nothing cached before it), over the union of its blocks, or over each sequence's block table.
+    ``NotImplementedError`` naming the feature. Each group of sequences is attended by the accelerator's
+    kernel where it takes it (``PagedBatch.kernel``), else over its new K/V alone (``attend_fresh``: nothing
+    cached before it), over the union of its blocks (``attend_union``) or per sequence
+    (``attend_per_sequence``).
     """
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
     batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
+    _check_call(module, query, key, value, attention_mask, dropout, batch, sliding_window, is_causal, kwargs)
+    store, window = batch.store, sliding_window
+    # (kv_heads, T, D); the kernel writes them in one call where it is on
+    (batch.kernel or store).write_heads(layer, batch.slot_mapping, key[0], value[0])
+    # (T, heads, D), (T, kv_heads, D)
+    q_all, k_all, v_all = (x[0].transpose(0, 1) for x in (query, key, value))
+    _, heads, d = q_all.shape
+    # query heads per KV head (grouped-query attention)
+    group = heads // k_all.shape[1]
+    # e.g. a decode-only step: no gather, no scatter
+    whole = len(batch.groups) == 1 and batch.groups[0].dense
+    out = None if whole else torch.empty_like(q_all)
+    for g in batch.groups:
+        if batch.kernel is not None and batch.kernel.takes(g, group):
+            out = batch.kernel.attend(g, layer, q_all, out, scaling, window)
+            continue
+        b, q_len = g.query_index.shape
+        # (B, Qmax, heads, D)
+        q = _rows(g, q_all, whole)
+        if g.fresh and (window is None or window >= q_len):
+            o = attend_fresh(q, _rows(g, k_all, whole), _rows(g, v_all, whole), scaling)
+        elif g.union or (g.union is None and _plan_union(g, group, store.k.element_size())):
+            o = attend_union(g, store, layer, q, scaling, window)
+        else:
+            o = attend_per_sequence(g, store, layer, q, scaling, window)
+        if whole:
+            # (1, T, heads, D), contiguous as from SDPA
+            return o.reshape(1, b * q_len, heads, d).contiguous(), None
+        out[g.query_index[g.query_valid]] = o[g.query_valid]
+    # (1, T, heads, D)
+    return out.unsqueeze(0), None
+
+
+def attend_fresh(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Sequences with nothing cached before this step: plain causal SDPA over the step's own K/V, no mask.
+
+    ``q`` ``(B, Qmax, heads, D)``, ``k`` and ``v`` ``(B, Qmax, kv_heads, D)`` -> ``(B, Qmax, heads, D)``. A
+    padded query row is past every real one, so causality alone keeps the real rows exact.
+    """
+    group = q.shape[2] // k.shape[2]
+    # (B, heads or kv_heads, Qmax, D)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    o = _sdpa(q, k, v, is_causal=True, scale=scaling, enable_gqa=group > 1)
+    # (B, Qmax, heads, D)
+    return o.transpose(1, 2)
+
+
+def attend_union(
+    g: AttnGroup,
+    store: PagedKVStore,
+    layer: int,
+    q: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Every sequence of ``g`` against the union of its blocks, each block gathered once (``_plan_union``).
+
+    ``q`` ``(B, Qmax, heads, D)`` -> ``(B, Qmax, heads, D)``: one SDPA per KV head over all the group's
+    query rows, a mask (``attn_mask(union=True)``) keeping each row to its own sequence's keys.
+    """
+    b, q_len, heads, d = q.shape
+    kv_heads = store.kv_heads
+    # (B, kv_heads, group * Qmax, D)
+    q = _by_kv_head(q, kv_heads)
+    group = heads // kv_heads
+    # (kv_heads, U * block_size, D)
+    k, v = store.gather_heads(layer, g.union_blocks)
+    # (1, 1, B * group * Qmax, U * block_size)
+    mask = g.attn_mask(group, window, q.dtype, union=True)
+    q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
+    k, v = k.to(q.dtype)[None], v.to(q.dtype)[None]
+    o = _sdpa(q, k, v, attn_mask=mask, scale=scaling)
+    # (B, kv_heads, group * Qmax, D)
+    o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)
+    return _by_query_head(o, q_len, heads)
+
+
+def attend_per_sequence(
+    g: AttnGroup,
+    store: PagedKVStore,
+    layer: int,
+    q: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Each sequence of ``g`` against its own block table, a few sequences at a time (``KV_CHUNK_BYTES``),
+    so their gathered K/V is still in cache when the attention reads it.
+
+    ``q`` ``(B, Qmax, heads, D)`` -> ``(B, Qmax, heads, D)``.
+    """
+    b, q_len, heads, d = q.shape
+    kv_heads = store.kv_heads
+    # (B, kv_heads, group * Qmax, D)
+    q = _by_kv_head(q, kv_heads)
+    # (B, 1, group * Qmax, Kmax)
+    mask = g.attn_mask(heads // kv_heads, window, q.dtype)
+    # K/V bytes of one sequence in one layer
+    per_seq = g.block_tables.shape[1] * store.bytes_per_block // store.num_layers
+    step, outs = max(1, KV_CHUNK_BYTES // per_seq), []
+    for i in range(0, b, step):
+        n = min(step, b - i)
+        # (kv_heads, n * Kmax, D) -> (n, kv_heads, Kmax, D)
+        k, v = store.gather_heads(layer, g.block_tables[i : i + n].reshape(-1))
+        k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
+        v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
+        part = slice(i, i + n)
+        outs.append(_sdpa(q[part], k, v, attn_mask=mask[part], scale=scaling))
+    # (B, kv_heads, group * Qmax, D)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return _by_query_head(o, q_len, heads)
+
+
+def _rows(g: AttnGroup, x: torch.Tensor, whole: bool) -> torch.Tensor:
+    """``x`` ``(T, heads, D)`` as ``g``'s padded rows ``(B, Qmax, heads, D)`` (a view when ``whole``)."""
+    return x.reshape(*g.query_index.shape, *x.shape[1:]) if whole else x[g.query_index]
+
+
+def _by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """GQA without repeating K/V: ``(B, Qmax, heads, D)`` -> ``(B, kv_heads, group * Qmax, D)``.
+
+    Query head h reads KV head h // group, so the group's query heads become extra query rows of their KV
+    head: one attention per KV head over its keys.
+    """
+    b, q_len, heads, d = q.shape
+    q = q.view(b, q_len, kv_heads, heads // kv_heads, d).permute(0, 2, 3, 1, 4)
+    return q.reshape(b, kv_heads, heads // kv_heads * q_len, d)
+
+
+def _by_query_head(o: torch.Tensor, q_len: int, heads: int) -> torch.Tensor:
+    """``_by_kv_head`` undone: ``(B, kv_heads, group * Qmax, D)`` -> ``(B, Qmax, heads, D)``."""
+    b, kv_heads, _, d = o.shape
+    o = o.reshape(b, kv_heads, heads // kv_heads, q_len, d).permute(0, 3, 1, 2, 4)
+    return o.reshape(b, q_len, heads, d)
+
+
+def _check_call(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    batch: PagedBatch | None,
+    sliding_window: int | None,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> None:
+    """Refuse a call the paged attention does not serve (naming why); record its layer and window."""
+    layer = getattr(module, "layer_idx", None)
     if batch is None:
         raise MissingBatchError(
             f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
@@ -231,83 +387,11 @@ def paged_attention_forward(
     store, kv_heads, d = batch.store, key.shape[1], query.shape[-1]
     if kv_heads != store.kv_heads or {key.shape[-1], value.shape[-1], d} != {store.head_dim}:
         raise NotImplementedError(
-            f"layer {layer} has {kv_heads} KV heads with key/value/query widths {key.shape[-1]}/{value.shape[-1]}/"
-            f"{d}, but the store holds {store.kv_heads} x {store.head_dim} for every layer: per-layer "
-            "sizes, or keys and values of different widths (e.g. multi-head latent attention), are not implemented"
+            f"layer {layer} has {kv_heads} KV heads with key/value/query widths {key.shape[-1]}/"
+            f"{value.shape[-1]}/{d}, but the store holds {store.kv_heads} x {store.head_dim} for every "
+            "layer: per-layer sizes, or keys and values of different widths (e.g. multi-head latent "
+            "attention), are not implemented"
         )
-    # (kv_heads, T, D); the kernel writes them in one call where it is on
-    (batch.kernel or store).write_heads(layer, batch.slot_mapping, key[0], value[0])
-    # (T, heads, D), (T, kv_heads, D)
-    q_all, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    heads = q_all.shape[1]
-    # query heads per KV head (grouped-query attention)
-    group = heads // kv_heads
-    # e.g. a decode-only step: no gather, no scatter
-    whole = len(batch.groups) == 1 and batch.groups[0].dense
-    # (T, heads, D)
-    out = None if whole else torch.empty_like(q_all)
-    for g in batch.groups:
-        # the groups the C++ kernel takes: read K/V in place (kvlab.engine.paged_kernel)
-        if batch.kernel is not None and batch.kernel.takes(g, group):
-            out = batch.kernel.attend(g, layer, q_all, out, scaling, sliding_window)
-            continue
-        b, q_len = g.query_index.shape
-        # (B, Qmax, heads, D)
-        q = q_all.reshape(b, q_len, heads, d) if whole else q_all[g.query_index]
-        if g.fresh and (sliding_window is None or sliding_window >= q_len):
-            # nothing cached before these tokens: attend over this step's own K/V, plain causal, no mask
-            # (a padded query row is past every real one, so causality alone keeps real rows exact)
-            # (B, Qmax, kv_heads, D)
-            k = key.reshape(b, q_len, kv_heads, d) if whole else key[g.query_index]
-            v = value.reshape(b, q_len, kv_heads, d) if whole else value[g.query_index]
-            # (B, heads or kv_heads, Qmax, D)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            o = _sdpa(q, k, v, is_causal=True, scale=scaling, enable_gqa=group > 1)
-            # (B, Qmax, heads, D)
-            o = o.transpose(1, 2)
-        else:
-            # GQA without repeating K/V: query head h reads KV head h // group, so the group's query heads
-            # become extra query rows of their KV head: (B, kv_heads, group * Qmax, D)
-            q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4)
-            q = q.reshape(b, kv_heads, group * q_len, d)
-            # every row reading KV head j: one attention over j's keys
-            # decided at the step's first layer
-            if g.union or (g.union is None and _plan_union(g, group, store.k.element_size())):
-                # (kv_heads, U * block_size, D)
-                k, v = store.gather_heads(layer, g.union_blocks)
-                # (1, 1, B * group * Qmax, U * block_size)
-                mask = g.attn_mask(group, sliding_window, q.dtype, union=True)
-                q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
-                k, v = k.to(q.dtype)[None], v.to(q.dtype)[None]
-                o = _sdpa(q, k, v, attn_mask=mask, scale=scaling)
-                # (B, kv_heads, group * Qmax, D)
-                o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)
-            # a few sequences at a time, so their gathered K/V is still in cache when the attention reads it
-            else:
-                # (B, 1, group * Qmax, Kmax)
-                mask = g.attn_mask(group, sliding_window, q.dtype)
-                # K/V bytes of one sequence in one layer
-                per_seq = g.block_tables.shape[1] * store.bytes_per_block // store.num_layers
-                step, outs = max(1, KV_CHUNK_BYTES // per_seq), []
-                for i in range(0, b, step):
-                    n = min(step, b - i)
-                    # (kv_heads, n * Kmax, D) -> (n, kv_heads, Kmax, D)
-                    k, v = store.gather_heads(layer, g.block_tables[i : i + n].reshape(-1))
-                    k = k.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
-                    v = v.to(q.dtype).view(kv_heads, n, -1, d).transpose(0, 1)
-                    part = slice(i, i + n)
-                    outs.append(_sdpa(q[part], k, v, attn_mask=mask[part], scale=scaling))
-                # (B, kv_heads, group * Qmax, D)
-                o = outs[0] if len(outs) == 1 else torch.cat(outs)
-            # (B, Qmax, heads, D)
-            o = o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4)
-            o = o.reshape(b, q_len, heads, d)
-        if whole:
-            # (1, T, heads, D), contiguous as from SDPA
-            return o.reshape(1, b * q_len, heads, d).contiguous(), None
-        out[g.query_index[g.query_valid]] = o[g.query_valid]
-    # (1, T, heads, D)
-    return out.unsqueeze(0), None
 
 
 # our own state, like nano-vllm's context

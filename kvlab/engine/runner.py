@@ -16,12 +16,11 @@ from typing import Any
 import torch
 
 from . import paged_attention
+from .accelerator import BoundAccelerator
 from .admission import admit
 from .hooks import checked_positions
 from .kv_store import PagedKVStore
-from .packed_linear import PackedLinears, packed_gemm
 from .paged_attention import build_batch, paged_step
-from .paged_kernel import PagedKernel
 from .recovery import describe, recover
 from .sampling import sample
 from .scheduler import ScheduledSeq
@@ -41,10 +40,8 @@ class ModelRunner:
         attention back.
         """
         self.model, self.store, self.device = model, store, store.device
-        # oneDNN's prepacked linear layers (EngineConfig.packed_linear), set by the engine after the probe
-        self.packed: PackedLinears | None = None
-        # the C++ paged-attention kernel (EngineConfig.paged_kernel), set by the engine after the probe
-        self.kernel: PagedKernel | None = None
+        # the speed paths (EngineConfig.accelerator, bound), set by ``accelerate`` after the probe
+        self.accelerator: BoundAccelerator | None = None
         self.head, self.decoder = model.get_output_embeddings(), model.base_model
         cfg = model.config
         self.text_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -55,6 +52,12 @@ class ModelRunner:
         self.fast_head = type(self.head) is torch.nn.Linear
         # given back until the engine has work
         self.detach()
+
+    def accelerate(self, accelerator: BoundAccelerator) -> None:
+        """Run each step through ``accelerator``'s speed paths (its decoder, if it brings one, replaces the model's)."""
+        self.accelerator = accelerator
+        if accelerator.decoder is not None:
+            self.decoder = accelerator.decoder
 
     def attach(self) -> bool:
         """Switch the model to the paged attention (``set_attn_implementation``) unless it is; whether it is now."""
@@ -73,16 +76,15 @@ class ModelRunner:
 
         ``W @ x.T`` for a plain ``nn.Linear`` (issue 15: 0.58x ``F.linear``'s time, 16 rows of Qwen2.5's head).
         """
-        head = self.head
-        # under packed_linear: the head's packed GEMM (packed_linear.PackedLinears)
-        packed = self.packed.packed(head.weight) if self.fast_head and self.packed is not None else None
-        if packed is not None:
-            logits = packed_gemm(hidden, packed, head.bias)
-        elif self.fast_head:
+        head, logits = self.head, None
+        # the accelerator's GEMM for the head (e.g. a prepacked one), where it has one
+        if self.fast_head and self.accelerator is not None:
+            logits = self.accelerator.head(hidden, head)
+        if logits is None and self.fast_head:
             # (vocab, hidden) @ (hidden, N) -> (N, vocab)
             logits = (head.weight @ hidden.T).T
             logits = (logits if head.bias is None else logits + head.bias).contiguous()
-        else:
+        elif logits is None:
             logits = head(hidden)
         cfg = self.text_config
         # e.g. Cohere
@@ -120,15 +122,17 @@ class ModelRunner:
             if e >= p + len(seq.output_ids):
                 last.append(end - 1)
         batch = build_batch(self.store, [(it.start, it.end, t) for it, t in zip(items, tables)])
-        batch.kernel = None if self.kernel is None else self.kernel.plan(batch)
+        accel = self.accelerator
+        batch.kernel = None if accel is None else accel.plan(batch)
         dev = self.device
         last = torch.tensor(last, dtype=torch.long, device=dev)
         # input_ids and position_ids (1, T)
         kwargs = dict(input_ids=torch.tensor([ids], device=dev), use_cache=False, kvlab_batch=batch)
         kwargs["position_ids"] = torch.tensor([pos], device=dev)
-        # F.linear to the packed GEMM, unless the decoder packs its own GEMMs (FusedLlama)
-        bare = self.packed is None or (self.head_seam and getattr(self.decoder, "packs_own_gemms", False))
-        with paged_step(), contextlib.nullcontext() if bare else self.packed.active():
+        # e.g. F.linear sent to prepacked GEMMs, unless the accelerator's decoder (which runs under the head
+        # seam) packs its own
+        linear = contextlib.nullcontext() if accel is None else accel.linear(self.head_seam)
+        with paged_step(), linear:
             if self.head_seam:
                 # hidden (1, T, H) -> (num_sampling, vocab)
                 logits = self.lm_head(self.decoder(**kwargs)[0][0, last])

@@ -48,13 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--max-num-batched-tokens); chunked is the default, as in vLLM V1")
     p.add_argument("--no-packed-linear", action="store_true",
                    help="keep F.linear for the linear layers; by default a float32 model on a CPU runs them on "
-                        "prepacked GEMMs: oneDNN's, and kvlab's panel GEMM for a decode step's few rows (EngineConfig.packed_linear: the same greedy tokens, faster)")
+                        "prepacked GEMMs: oneDNN's, and kvlab's panel GEMM for a decode step's few rows (SpeedPaths.packed_linear: the same greedy tokens, faster)")
     p.add_argument("--no-paged-kernel", action="store_true",
                    help="keep the SDPA path for decodes; by default a float32 model on a CPU attends them with kvlab's "
-                        "C++ paged-attention kernel (EngineConfig.paged_kernel; built once per machine)")
+                        "C++ paged-attention kernel (SpeedPaths.paged_kernel; built once per machine)")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="run a Llama model through transformers' own layers; by default a float32 Llama on a CPU "
-                        "runs with four fused prepacked GEMMs a layer (EngineConfig.fused_layers: same greedy tokens)")
+                        "runs with four fused prepacked GEMMs a layer (SpeedPaths.fused_layers: same greedy tokens)")
     p.add_argument("--max-waiting", type=int, default=128, help="queued requests beyond the batch before 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-prompt-bytes", type=int, default=None,
@@ -85,24 +85,15 @@ def default_isolation(given: str | None, keys: dict[str, str]) -> str:
     return "tenant" if keys else "shared"
 
 
-def speed_paths(model, off: set[str] = frozenset()) -> tuple[dict[str, bool], dict[str, str]]:
-    """The server's speed paths for ``model``: ``({"packed_linear": on, ...}, why each one is off)``.
+def speed_paths(model, off: set[str] = frozenset()):
+    """The server's speed paths for ``model`` (a ``kvlab.engine.speed.SpeedPaths``): each on where it runs.
 
-    Each runs where it can (a float32 CPU model); ``off`` names those turned off by hand, which get no reason.
-    ``scripts/serve_bench.py`` builds its in-process engine with the same choice.
+    ``off`` names those turned off by hand. ``describe()`` says in one line which are on, and why the others
+    are off. ``scripts/serve_bench.py`` builds its in-process engine with the same choice.
     """
-    from ..engine.fused_llama import fused_layers_available
-    from ..engine.models import model_device_dtype
-    from ..engine.packed_linear import packed_linear_available
-    from ..engine.paged_kernel import paged_kernel_available
+    from ..engine.speed import SpeedPaths
 
-    device, dtype = model_device_dtype(model)
-    # each: None where it runs, else why not
-    checks = {"packed_linear": lambda: packed_linear_available(device, dtype),
-              "paged_kernel": lambda: paged_kernel_available(device, dtype),
-              "fused_layers": lambda: fused_layers_available(model)}
-    whys = {key: why for key, check in checks.items() if key not in off and (why := check()) is not None}
-    return {key: key not in off and key not in whys for key in checks}, whys
+    return SpeedPaths.auto(model, off)
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -194,13 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # the speed paths run where they can; where one cannot, the server says why and runs without it
     off = {key for key in ("packed_linear", "paged_kernel", "fused_layers") if getattr(args, "no_" + key)}
-    speed, whys = speed_paths(model, off)
-    for key, why in whys.items():
-        print(f"kvlab serve: {key} off: {why}", file=sys.stderr)
+    speed = speed_paths(model, off)
+    print(f"kvlab serve: {speed.describe()}", file=sys.stderr, flush=True)
     engine = Engine(model, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret,
-                    enable_chunked_prefill=False if args.no_chunked_prefill else None, **speed)
+                    enable_chunked_prefill=False if args.no_chunked_prefill else None,
+                    accelerator=speed)
     for text in args.public_prefix:  # as text (completions) and as a chat's system turn (the template's markup)
         for prefix in public_prefixes(tokenizer, text):
             engine.add_public_prefix(prefix)

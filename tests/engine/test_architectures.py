@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from kvlab.engine import Engine, SamplingParams
-from kvlab.engine.fused_llama import fused_layers_available
-from kvlab.engine.packed_linear import packed_linear_available
-from kvlab.engine.paged_kernel import paged_kernel_available
+from kvlab.engine.speed import SpeedPaths
+from kvlab.engine.speed.fused_llama import fused_layers_available
+from kvlab.engine.speed.packed_linear import packed_linear_available
+from kvlab.engine.speed.paged_kernel import paged_kernel_available
 
 VOCAB, NEW = 96, 8
 TINY = {  # attribute -> tiny value, set wherever the default config has an int there
@@ -187,7 +188,7 @@ def test_architecture_is_token_identical_to_hf_or_refused(model_type):
     assert [o.output_ids for o in outs] == want, f"{model_type} accepted but not token-identical to HF generate"
     # oneDNN's prepacked linear layers (EngineConfig.packed_linear): other float32 rounding, the same tokens
     if packed_linear_available(torch.device("cpu"), torch.float32) is None:
-        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, packed_linear=True)
+        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, accelerator=SpeedPaths(packed_linear=True))
         outs = engine.generate(prompts[:1], sp) + engine.generate(prompts[1:], sp)
         assert [o.output_ids for o in outs] == want, f"{model_type}: packed_linear changed the tokens"
         assert [o.num_cached_tokens for o in outs] == [0, 12, 12, 12, 12, 0, 0]
@@ -196,11 +197,11 @@ def test_architecture_is_token_identical_to_hf_or_refused(model_type):
     # the C++ paged-attention kernel for decodes (EngineConfig.paged_kernel): other float32 rounding, the same
     # tokens on every architecture (30.2 s -> 34.0 s for this file in one process, measured)
     if paged_kernel_available(torch.device("cpu"), torch.float32) is None:
-        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, paged_kernel=True)
+        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, accelerator=SpeedPaths(paged_kernel=True))
         outs = engine.generate(prompts[:1], sp) + engine.generate(prompts[1:], sp)
         assert [o.output_ids for o in outs] == want, f"{model_type}: paged_kernel changed the tokens"
     # a Llama run with fused prepacked GEMMs (EngineConfig.fused_layers): transformers' LlamaForCausalLM only
     if fused_layers_available(model) is None:
-        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, fused_layers=True)
+        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, accelerator=SpeedPaths(fused_layers=True))
         outs = engine.generate(prompts[:1], sp) + engine.generate(prompts[1:], sp)
         assert [o.output_ids for o in outs] == want, f"{model_type}: fused_layers changed the tokens"

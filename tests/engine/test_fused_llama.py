@@ -1,4 +1,4 @@
-"""EngineConfig.fused_layers: a Llama decoder run with four fused prepacked GEMMs a layer (kvlab.engine.fused_llama).
+"""EngineConfig.fused_layers: a Llama decoder run with four fused prepacked GEMMs a layer (kvlab.engine.speed.fused_llama).
 
 Greedy tokens under it are HF's (here on a tiny Llama with biases, in test_architectures.py on the default
 Llama, in test_smollm2.py on SmolLM2 with every server speed path on); the hidden states match HF's decoder
@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
-from kvlab.engine import Engine, SamplingParams, fused_llama
-from kvlab.engine.config import EngineConfig
-from kvlab.engine.fused_llama import FusedLlama, fused_layers_available
-from kvlab.engine.packed_linear import packed_linear_available
+from kvlab.engine import Engine, SamplingParams
+from kvlab.engine.speed import SpeedPaths, fused_llama
+from kvlab.engine.speed.fused_llama import FusedLlama, fused_layers_available
+from kvlab.engine.speed.packed_linear import packed_linear_available
 
 pytestmark = pytest.mark.skipif(
     packed_linear_available(torch.device("cpu"), torch.float32) is not None,
@@ -54,7 +54,7 @@ def _hf(model, prompts):
 def test_fused_engine_gives_hf_greedy_tokens_and_shares_the_prefix(llama):
     prompts = _prompts()
     want = _hf(llama, prompts)
-    engine = Engine(llama, None, num_blocks=64, block_size=4, max_num_seqs=4, fused_layers=True)
+    engine = Engine(llama, None, num_blocks=64, block_size=4, max_num_seqs=4, accelerator=SpeedPaths(fused_layers=True))
     assert isinstance(engine.runner.decoder, FusedLlama)
     outs = engine.generate(prompts[:1], SamplingParams(max_tokens=NEW))
     outs += engine.generate(prompts[1:], SamplingParams(max_tokens=NEW))
@@ -69,7 +69,7 @@ def test_fused_hidden_states_match_hf_and_a_weight_changed_in_place_is_packed_ag
     monkeypatch.setattr(fused_llama, "MLP_ROWS", mlp_rows)
     model = copy.deepcopy(llama)
     prompt = _prompts()[3]
-    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, fused_layers=True)
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, accelerator=SpeedPaths(fused_layers=True))
 
     def both():
         fused = engine.runner.decoder
@@ -108,25 +108,25 @@ def test_fused_hidden_states_match_hf_and_a_weight_changed_in_place_is_packed_ag
 def test_fused_layers_are_refused_where_they_cannot_run_naming_why(llama, lm):
     qwen, tok = lm  # the bundled model is a Qwen2
     with pytest.raises(ValueError, match="fused_layers: it runs transformers' LlamaForCausalLM only .*Qwen2"):
-        Engine(qwen, tok, num_blocks=16, fused_layers=True)
+        Engine(qwen, tok, num_blocks=16, accelerator=SpeedPaths(fused_layers=True))
     other = copy.deepcopy(llama).to(torch.float64)
     with pytest.raises(ValueError, match="fused_layers: it is wired for float32 only"):
-        Engine(other, None, num_blocks=16, fused_layers=True)
+        Engine(other, None, num_blocks=16, accelerator=SpeedPaths(fused_layers=True))
     hooked = copy.deepcopy(llama)
     hooked.model.layers[2].mlp.register_forward_hook(lambda m, i, o: o * 2)
     with pytest.raises(ValueError, match=r"fused_layers: forward hooks are registered on model\.layers\.2\.mlp"):
-        Engine(hooked, None, num_blocks=16, fused_layers=True)
+        Engine(hooked, None, num_blocks=16, accelerator=SpeedPaths(fused_layers=True))
     gelu = copy.deepcopy(llama)
     gelu.model.layers[1].mlp.act_fn = transformers.activations.ACT2FN["gelu"]
     with pytest.raises(ValueError, match="fused_layers: its MLP runs SiLU only .layer 1's activation is GELUActivation"):
-        Engine(gelu, None, num_blocks=16, fused_layers=True)
+        Engine(gelu, None, num_blocks=16, accelerator=SpeedPaths(fused_layers=True))
     other_embedding = copy.deepcopy(llama)
     other_embedding.model.embed_tokens = torch.nn.Sequential(other_embedding.model.embed_tokens)
     with pytest.raises(ValueError, match="fused_layers: its embedding is a Sequential, not an nn.Embedding"):
-        Engine(other_embedding, None, num_blocks=16, fused_layers=True)
+        Engine(other_embedding, None, num_blocks=16, accelerator=SpeedPaths(fused_layers=True))
     assert fused_layers_available(llama) is None
     with pytest.raises(TypeError, match="fused_layers must be a bool"):
-        EngineConfig(fused_layers=1)
+        SpeedPaths(fused_layers=1)
 
 
 def test_a_failed_build_of_the_ops_is_refused_naming_why(llama, monkeypatch):
@@ -136,13 +136,13 @@ def test_a_failed_build_of_the_ops_is_refused_naming_why(llama, monkeypatch):
     # the ops' own loader, not the model: a machine without a compiler
     monkeypatch.setattr(fused_llama.fused_ops, "load", broken)
     with pytest.raises(ValueError, match=r"fused_layers: its C\+\+ ops' build failed \(RuntimeError: .*no compiler"):
-        Engine(llama, None, num_blocks=16, fused_layers=True)
+        Engine(llama, None, num_blocks=16, accelerator=SpeedPaths(fused_layers=True))
 
 
 def test_a_hook_registered_after_construction_runs_through_transformers_own_layers(llama):
     model = copy.deepcopy(llama)
     prompts = _prompts()
-    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, fused_layers=True)
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, accelerator=SpeedPaths(fused_layers=True))
     calls = []
     handle = model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: calls.append(1))
     try:

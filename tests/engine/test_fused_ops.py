@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from kvlab.engine import fused_ops
+from kvlab.engine.speed import fused_ops
 
 
 @pytest.fixture(scope="module")

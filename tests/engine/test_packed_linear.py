@@ -1,4 +1,4 @@
-"""EngineConfig.packed_linear: oneDNN's prepacked GEMM for the linear layers (kvlab.engine.packed_linear).
+"""EngineConfig.packed_linear: oneDNN's prepacked GEMM for the linear layers (kvlab.engine.speed.packed_linear).
 
 Greedy tokens under it are HF's on every test architecture (tests/engine/test_architectures.py) and on
 the passphrase workload here; the model is the caller's own again when the engine is idle; a weight
@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.engine import Engine, SamplingParams
-from kvlab.engine.packed_linear import PackedLinears, packed_linear_available
+from kvlab.engine.speed import SpeedPaths
+from kvlab.engine.speed.packed_linear import PackedLinears, packed_linear_available
 
 MAX_NEW = 10  # the length of the shared `workload` fixture's references (conftest.ENGINE_MAX_NEW)
 
@@ -51,7 +52,7 @@ def test_a_packed_layer_computes_its_linear_with_bias_and_repacks_a_changed_weig
 def test_packed_engine_gives_hf_greedy_tokens_on_the_passphrase_workload(lm, workload):
     model, tok = lm
     ids, ref = workload
-    engine = Engine(model, tok, num_blocks=256, block_size=16, packed_linear=True)
+    engine = Engine(model, tok, num_blocks=256, block_size=16, accelerator=SpeedPaths(packed_linear=True))
     outs = engine.generate(ids[:48], SamplingParams(max_tokens=MAX_NEW))
     mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.output_ids != r]
     assert not mismatches, f"{len(mismatches)} of 48 differ from HF generate under packed_linear"
@@ -66,18 +67,17 @@ def test_speed_paths_are_refused_where_they_cannot_run_naming_why(lm, dtype, opt
     model, tok = lm
     other = copy.deepcopy(model).to(dtype)  # the shared fixture stays float32
     with pytest.raises(ValueError, match=f"{option}: {why}"):
-        Engine(other, tok, num_blocks=16, **{option: True})
+        Engine(other, tok, num_blocks=16, accelerator=SpeedPaths(**{option: True}))
 
 
 def test_packed_linear_must_be_a_bool():
     with pytest.raises(TypeError, match="packed_linear must be a bool"):
-        from kvlab.engine.config import EngineConfig
 
-        EngineConfig(packed_linear="yes")
+        SpeedPaths(packed_linear="yes")
 
 
 def _panel_ops():
-    from kvlab.engine import packed_linear
+    from kvlab.engine.speed import packed_linear
 
     ops = packed_linear._panel_ops()
     if ops is None:
@@ -99,7 +99,7 @@ def test_the_panel_gemm_computes_f_linear_for_any_rows_and_widths(rows, n, k, wi
 
 
 def test_packed_gemm_sends_few_rows_to_the_panels_and_more_to_onednn():
-    from kvlab.engine.packed_linear import PANEL_ROWS, PackedWeight, pack, packed_gemm
+    from kvlab.engine.speed.packed_linear import PANEL_ROWS, PackedWeight, pack, packed_gemm
 
     ops = _panel_ops()
     torch.manual_seed(0)
@@ -149,3 +149,4 @@ def test_large_panels_outlive_their_weight_and_free_cleanly():
     for _ in range(3):  # packed and freed again: its own memory goes back each time
         del panels
         panels = ops.pack_panels(torch.randn(1030, 576))
+    assert panels.shape == (65, 576, 16)

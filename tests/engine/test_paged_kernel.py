@@ -1,4 +1,4 @@
-"""EngineConfig.paged_kernel: the C++ paged-attention kernel (kvlab.engine.paged_kernel).
+"""EngineConfig.paged_kernel: the C++ paged-attention kernel (kvlab.engine.speed.paged_kernel).
 
 Its output is the SDPA path's on random stores (GQA, windows, padded groups, shared blocks, several
 query lengths, both softmax modes) to float32 rounding; greedy tokens with it on are HF's on the
@@ -15,7 +15,8 @@ import torch
 from kvlab.engine import Engine, SamplingParams
 from kvlab.engine.kv_store import PagedKVStore
 from kvlab.engine.paged_attention import build_batch, paged_attention_forward
-from kvlab.engine.paged_kernel import PagedKernel, paged_kernel_available
+from kvlab.engine.speed import SpeedPaths
+from kvlab.engine.speed.paged_kernel import PagedKernel, paged_kernel_available
 
 MAX_NEW = 10  # the length of the shared `workload` fixture's references (conftest.ENGINE_MAX_NEW)
 
@@ -160,7 +161,8 @@ def test_kernel_engine_gives_hf_greedy_tokens_on_the_passphrase_workload(lm, wor
     model, tok = lm
     ids, ref = workload
     for packed in (False, True):
-        engine = Engine(model, tok, num_blocks=256, block_size=16, paged_kernel=True, packed_linear=packed)
+        speed = SpeedPaths(paged_kernel=True, packed_linear=packed)
+        engine = Engine(model, tok, num_blocks=256, block_size=16, accelerator=speed)
         outs = engine.generate(ids[:48], SamplingParams(max_tokens=MAX_NEW))
         mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.output_ids != r]
         assert not mismatches, f"{len(mismatches)} of 48 differ from HF generate (packed_linear={packed})"
@@ -170,7 +172,7 @@ def test_kernel_engine_gives_hf_greedy_tokens_on_the_passphrase_workload(lm, wor
 
 
 def test_a_failed_build_is_refused_naming_why(lm, monkeypatch):
-    import kvlab.engine.paged_kernel as pk
+    import kvlab.engine.speed.paged_kernel as pk
 
     def broken():
         raise RuntimeError("Error building extension 'kvlab_paged_kernel': no compiler")
@@ -179,11 +181,10 @@ def test_a_failed_build_is_refused_naming_why(lm, monkeypatch):
     monkeypatch.setattr(pk, "load", broken)
     model, tok = lm
     with pytest.raises(ValueError, match="paged_kernel: its C\\+\\+ build failed .*no compiler"):
-        Engine(model, tok, num_blocks=16, paged_kernel=True)
+        Engine(model, tok, num_blocks=16, accelerator=SpeedPaths(paged_kernel=True))
 
 
 def test_paged_kernel_must_be_a_bool():
-    from kvlab.engine.config import EngineConfig
 
     with pytest.raises(TypeError, match="paged_kernel must be a bool"):
-        EngineConfig(paged_kernel="yes")
+        SpeedPaths(paged_kernel="yes")

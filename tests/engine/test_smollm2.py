@@ -309,9 +309,9 @@ def test_the_servers_speed_paths_keep_hf_greedy_tokens(smol, reference):
     from kvlab.serve.__main__ import speed_paths
 
     model, tok, prompts = smol
-    speed, whys = speed_paths(model)
-    assert speed == dict.fromkeys(("packed_linear", "paged_kernel", "fused_layers"), True), whys
-    engine = Engine(model, tok, num_blocks=64, block_size=16, **speed)
+    speed = speed_paths(model)
+    assert all(speed.on.values()), speed.describe()
+    engine = Engine(model, tok, num_blocks=64, block_size=16, accelerator=speed)
     names = list(prompts)
     outs = engine.generate([prompts[names[0]]], SamplingParams(max_tokens=MAX_NEW))
     outs += engine.generate([prompts[n] for n in names[1:]], SamplingParams(max_tokens=MAX_NEW))

@@ -1,4 +1,4 @@
-"""A Llama decoder run layer by layer with fused GEMMs: an opt-in speed path (``EngineConfig.fused_layers``).
+"""A Llama decoder run layer by layer with fused GEMMs: an opt-in speed path (``SpeedPaths.fused_layers``).
 
 transformers' ``LlamaModel.forward`` makes seven ``F.linear`` calls per layer and a few dozen ATen and
 Python calls around them. A decode step is bound by reading the weights: on this project's 2-core machine
@@ -6,7 +6,7 @@ oneDNN's prepacked GEMM read them faster when q/k/v were one matrix and gate/up 
 same bytes), and the calls around the GEMMs cost milliseconds a step (A/B: ``scripts/profile_step.py``
 with and without ``--fused-layers``). So this path runs the model's own embedding and rotary embedding,
 kvlab's paged attention, four prepacked GEMMs per layer (``[q; k; v]``, ``o``, ``[gate; up]``, ``down``)
-and, between them, one-pass C++ ops (``kvlab.engine.fused_ops``) for RMSNorm with the residual sum before
+and, between them, one-pass C++ ops (``fused_ops``, ``csrc/fused_ops.cpp``) for RMSNorm with the residual sum before
 it, RoPE on q's and k's heads (HF's formula, bit for bit) and SwiGLU, each with the module's own weight
 and epsilon. The MLP runs ``MLP_ROWS`` rows at a time. The model is not changed: the fused weights are
 packed copies beside it, packed at construction and again when a weight or bias changed in place or was
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
+from ..paged_attention import paged_attention_forward
 from . import fused_ops
 from .cpp_build import build_failure
 from .packed_linear import PackedWeight, pack, packed_gemm, packed_linear_available
-from .paged_attention import paged_attention_forward
 
 __all__ = ["MLP_ROWS", "FusedLlama", "fused_layers_available"]
 

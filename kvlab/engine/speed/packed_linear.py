@@ -6,12 +6,12 @@ call on the packed copy. On this project's 2-core machine that made a decode ste
 twice as fast (``scripts/bench.py --packed-linear`` prints the measurement). The price is memory (a
 packed copy of every weight beside the original) and the order of the float32 sums: results agree with
 ``F.linear`` to float32 rounding, not bit for bit, so this path is off by default
-(``EngineConfig.packed_linear``) and the notebooks keep the eager path; the tests check that greedy
+(``SpeedPaths.packed_linear``) and the notebooks keep the eager path; the tests check that greedy
 tokens under it are still HF's on every test architecture.
 
 A decode step's GEMMs have few rows (one per sequence), and they are bound by reading the weights: at 16
 rows oneDNN read SmolLM2's weights at about 9.5 GB/s on one core here, while the core streams 13-20. Where
-the C++ ops (``kvlab.engine.fused_ops``) are built with AVX-512, each weight is also laid out in panels of
+the C++ ops (``fused_ops``) are built with AVX-512, each weight is also laid out in panels of
 16 output columns, k by k (``pack_panels``), and calls of up to ``PANEL_ROWS`` rows run ``panel_gemm``: up
 to 16 rows' sums in registers per panel, one pass over the panels, each prefetched into L2 ahead of its
 use. Measured on this machine, all of SmolLM2's GEMMs at 16 rows (30 layers and the head), median ms:
