@@ -46,11 +46,8 @@ def chat_prompt(tokenizer: Any, example: P.PassphraseExample) -> tuple[list[int]
 
 
 def overlap_ids(tokenizer: Any, example: P.PassphraseExample) -> dict[str, list[int]]:
-    """Group 2: A's and B's system turns hold the same segment after different preambles.
-
-    Token ids of ``head_a``/``head_b`` (template header + preamble), ``segment`` (the system text with the
-    passphrase) and ``tail`` (end of the system turn, the question, the assistant header).
-    """
+    """Group 2: token ids of ``head_a``/``head_b`` (template header + a short/long preamble), ``segment`` (the system
+    text with the passphrase, the same in A and B) and ``tail`` (end of system turn, question, assistant header)."""
     text = P.real_model_prompt(tokenizer, example)
     content = P.REAL_SYSTEM.format(p=example.passphrase)
     at = text.index(content)
@@ -75,10 +72,8 @@ def same_shape_examples(tokenizer: Any, n: int, seed: int = 0) -> list[P.Passphr
 
 @torch.no_grad()
 def greedy_batch(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, new_tokens: int):
-    """Greedy decoding of a batch in lockstep on ``cache``, every row at its own positions (written into ``cache``).
-
-    ids, positions: (batch, T). Returns (generated ids (batch, new_tokens), first-token logits (batch, vocab)).
-    """
+    """Greedy decoding in lockstep on ``cache`` (written into), every row at its own positions: ids, positions (batch,
+    T) -> (generated ids (batch, new_tokens), first-token logits (batch, vocab))."""
     out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
     first, pos, toks = out.logits[:, -1].float(), positions[:, -1:], []
     for _ in range(new_tokens):
@@ -243,39 +238,39 @@ def fig_layer_errors(errors: Any, model_name: str):
     return fig
 
 
-def rotation_pairs(key: torch.Tensor, shift: int, theta: float = 10000.0,
-                   pairs: Sequence[int] | None = None) -> list[dict[str, Any]]:
-    """Some (i, i + head_dim/2) pairs of a RoPE'd ``key`` (head_dim,) before and after ``rerotate`` by ``shift``."""
+def fig_rope_rotation(key: torch.Tensor, position: int, shift: int, theta: float = 10000.0,
+                      pairs: Sequence[int] | None = None) -> Any:
+    """RoPE as a rotation: a cached key (head_dim,) at ``position`` moved by ``rerotate`` to ``position + shift``,
+    one panel per pair (i, i + head_dim/2)."""
     key = key.detach().float().cpu().reshape(-1)
     half = key.numel() // 2
     moved = nb03.rerotate(key.reshape(1, 1, 1, -1), shift, theta).reshape(-1)
     inv = nb03.inverse_frequencies(key.numel(), theta)
     pairs = [0, half // 2, half - 1] if pairs is None else list(pairs)
-    return [{"pair": i, "before": (float(key[i]), float(key[i + half])),
-             "after": (float(moved[i]), float(moved[i + half])), "angle": float(shift * inv[i])} for i in pairs]
-
-
-def fig_rope_rotation(key: torch.Tensor, position: int, shift: int, theta: float = 10000.0,
-                      pairs: Sequence[int] | None = None) -> Any:
-    """RoPE as a rotation: a cached key at ``position`` moved to ``position + shift``, one panel per pair."""
-    rows = rotation_pairs(key, shift, theta, pairs)
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.6), squeeze=False)
-    for ax, r in zip(axes[0], rows, strict=True):
-        lim = 1.15 * max(math.hypot(*r["before"]), 1e-6)
-        for (x, y), color, gid in ((r["before"], "C0", "before"), (r["after"], "C3", "after")):
+    fig, axes = plt.subplots(1, len(pairs), figsize=(3.2 * len(pairs), 3.6), squeeze=False)
+    for ax, i in zip(axes[0], pairs, strict=True):
+        before, after = (float(key[i]), float(key[i + half])), (float(moved[i]), float(moved[i + half]))
+        lim = 1.15 * max(math.hypot(*before), 1e-6)
+        for (x, y), color, gid in ((before, "C0", "before"), (after, "C3", "after")):
             ax.annotate("", xy=(x, y), xytext=(0, 0), arrowprops={"arrowstyle": "-|>", "color": color, "lw": 2})
             ax.plot([x], [y], "o", color=color, markersize=3, gid=gid)
-        ax.set_title(f"pair {r['pair']}: turned {math.degrees(r['angle']) % 360:.1f}°", fontsize=9)
+        ax.set_title(f"pair {i}: turned {math.degrees(shift * float(inv[i])) % 360:.1f}°", fontsize=9)
         ax.set(xlim=(-lim, lim), ylim=(-lim, lim), aspect="equal")
         ax.axhline(0, color="grey", lw=0.5)
         ax.axvline(0, color="grey", lw=0.5)
-        ax.set_xlabel(f"dim {r['pair']}", fontsize=8)
-        ax.set_ylabel(f"dim {r['pair'] + key.numel() // 2}", fontsize=8)
+        ax.set_xlabel(f"dim {i}", fontsize=8)
+        ax.set_ylabel(f"dim {i + half}", fontsize=8)
         ax.tick_params(labelsize=7)
     fig.suptitle(f"one cached key moved from position {position} (blue) to {position + shift} (red): "
                  "each pair turns by shift x its frequency; the length stays", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def hf_cos_sin(model: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin a Hugging Face Llama/Qwen2 model computes for ``positions`` (batch, seq), to check 03's RoPE."""
+    rotary, p = model.model.rotary_emb, next(model.parameters())
+    return rotary(torch.zeros(1, device=p.device, dtype=p.dtype), positions.to(p.device))  # each (batch, seq, head_dim)
 
 
 # ----------------------------------------------------------------------------- exercise checkers

@@ -68,11 +68,8 @@ class Probe:
 
 def run_attack(engine: Engine, tokenizer: Any, n_trials: int, n_wrong: int, system_text: str,
                n_document_lines: int = 8, seed: int = 0) -> list[Probe]:
-    """Per trial the victim sends a fresh secret; the attacker probes it and ``n_wrong`` wrong guesses, in random order.
-
-    Each candidate is probed once (a repeated wrong guess would hit the attacker's own earlier probe). Under
-    "public-prefix" the operator's system prompt is registered as public.
-    """
+    """Per trial the victim sends a fresh secret; the attacker probes it and ``n_wrong`` wrong guesses (each once:
+    a repeat would hit the attacker's own probe), shuffled. "public-prefix" registers the operator prompt as public."""
     rng = random.Random(seed)
     if engine.isolation == "public-prefix":
         engine.add_public_prefix(system_text)
@@ -115,24 +112,20 @@ def attack_table(probes_by_policy: dict[str, Sequence[Probe]], alpha: float = 0.
 def attack_verdicts(attack: Any, alpha: float = 0.01) -> list[str]:
     """One line per policy, read from ``attack_table``: what the cached tokens say, and what the timing shows."""
     lines = []
-    for policy, row in attack.iterrows():
-        more = row["cached tokens right"] > row["cached tokens wrong"]
-        if row[f"sharing detected (p < {alpha})"]:
-            says = "the timing separates right from wrong guesses: the secret leaks one guess at a time"
-        elif not more:
-            says = (f"no sharing detected at p < {alpha}; right and wrong guesses had the same cached tokens, so the "
-                    "AUC's distance from 0.5 is timing noise")
-        else:
-            says = f"no sharing detected at p < {alpha} with these few probes, although right guesses had more cached tokens"
-        lines.append(f"{policy:>14}: cached tokens {row['cached tokens right']:.0f} (right) vs {row['cached tokens wrong']:.0f} "
-                     f"(wrong); median TTFT {row['median TTFT right (ms)']:.1f} vs {row['median TTFT wrong (ms)']:.1f} ms; "
-                     f"AUC {row['ROC AUC']:.2f}, KS p = {row['KS p-value']:.2g} → {says}")
+    for policy, r in attack.iterrows():
+        says = ("the timing separates right from wrong guesses: the secret leaks one guess at a time"
+                if r[f"sharing detected (p < {alpha})"] else f"no sharing detected at p < {alpha}; " + (
+                    "right guesses had more cached tokens, these few probes did not show it" if
+                    r["cached tokens right"] > r["cached tokens wrong"] else "right and wrong guesses had the same "
+                    "cached tokens, so the AUC's distance from 0.5 is timing noise"))
+        lines.append(f"{policy:>14}: cached tokens {r['cached tokens right']:.0f} (right) vs {r['cached tokens wrong']:.0f} "
+                     f"(wrong); median TTFT {r['median TTFT right (ms)']:.1f} vs {r['median TTFT wrong (ms)']:.1f} ms; "
+                     f"AUC {r['ROC AUC']:.2f}, KS p = {r['KS p-value']:.2g} → {says}")
     return lines
 
 
 def histogram_explorer(probes_by_policy: dict[str, Sequence[Probe]]) -> None:
-    """Draw every policy's TTFT histograms once (static, headless), then show a policy dropdown and a bins slider
-    that redraw one policy below them."""
+    """Every policy's TTFT histograms drawn once (static, headless), then a policy dropdown and a bins slider."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
     from IPython.display import display
@@ -157,11 +150,8 @@ def histogram_explorer(probes_by_policy: dict[str, Sequence[Probe]]) -> None:
 # --- section 3: the cost of isolation -------------------------------------------------------------------
 def isolation_cost(model: Any, tokenizer: Any, n_tenants: int, system_text: str, per_tenant: int = 1,
                    policies: Sequence[str] = POLICIES, block_size: int = 16, seed: int = 0) -> Any:
-    """One row per policy: prefill tokens computed, hits, peak KV blocks, and whether the outputs equal "tenant"'s.
-
-    Every tenant sends ``per_tenant`` requests: the operator's system prompt (registered as public), then a question
-    of its own; all are submitted at once, on a pool big enough that nothing is evicted. Counts only, no clock.
-    """
+    """Per policy: prefill tokens computed, hits, peak KV blocks, outputs equal to the first policy's. Every tenant
+    sends ``per_tenant`` requests (the public operator prompt + its own question) at once, on a pool that never evicts."""
     import pandas as pd
 
     rng = random.Random(seed)
@@ -215,12 +205,8 @@ class StressRequest:
 def stress_workload(tokenizer: Any, n_requests: int, n_tenants: int = 6, n_systems: int = 3, seed: int = 0,
                     max_tokens: tuple[int, int] = (1, 16), sampled_fraction: float = 0.2,
                     arrivals_per_step: float = 3.0) -> tuple[list[StressRequest], list[list[int]]]:
-    """Mixed tenants, heavily overlapping prefixes, random lengths, arrivals over time.
-
-    Prompts = one of ``n_systems`` operator system prompts (public), 0-2 history turns drawn from turns
-    every tenant uses (identical text across tenants: the temptation to share) and the tenant's own
-    turns, an optional document of random length, and a question. Returns (requests, public prefixes).
-    """
+    """Mixed tenants, overlapping prefixes (public system prompts, history turns every tenant uses, private turns),
+    random lengths, arrivals over time, greedy and seeded sampling. Returns (requests, public prefixes)."""
     rng = random.Random(f"kvlab-stress:{seed}")
     systems = [P.make_example(seed * 100 + i, "heldout", n_filler=rng.randint(1, 14)).prefix_text
                for i in range(n_systems)]
@@ -250,11 +236,8 @@ def stress_workload(tokenizer: Any, n_requests: int, n_tenants: int = 6, n_syste
 
 
 def isolated_outputs(model: Any, tokenizer: Any, requests: Sequence[StressRequest]) -> list[list[int]]:
-    """Each request generated alone by transformers' ``model.generate`` (``hf_generate``): the reference.
-
-    Requests with the same prompt and sampling share one run of the longest ``max_tokens`` (a shorter one is
-    its prefix: greedy and seeded sampling draw token by token).
-    """
+    """Each request generated alone by transformers' ``model.generate`` (``hf_generate``): the reference. Requests
+    with the same prompt and sampling share one run of the longest ``max_tokens`` (a shorter one is its prefix)."""
     def key(r):
         sp = r.sampling
         return (tuple(r.prompt_ids), sp.temperature, sp.top_p, sp.top_k, None if sp.greedy else sp.seed)
@@ -267,29 +250,6 @@ def isolated_outputs(model: Any, tokenizer: Any, requests: Sequence[StressReques
         sp = {} if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         ref[(ids, temperature, top_p, top_k, seed)] = hf_generate(model, tokenizer, list(ids), max_new_tokens=n, **sp)
     return [ref[key(r)][: r.sampling.max_tokens] for r in requests]
-
-
-def tenant_table(requests: Sequence[StressRequest], outputs: dict, lookups: Sequence[dict]) -> list[dict]:
-    """Per tenant, per *request*: requests, prompt tokens, cached at first admission, re-admissions, hit rate.
-
-    The block manager counts a preempted request's later lookups apart (as vLLM does), so its per-tenant
-    request count (``lookups``) must equal the workload's: a ValueError says otherwise.
-    """
-    rows: dict[str, dict] = {}
-    for i, r in enumerate(requests):
-        row = rows.setdefault(r.tenant, {"tenant": r.tenant, "requests": 0, "prompt tokens": 0,
-                                         "cached at first admission": 0, "re-admissions": 0})
-        out = outputs.get(i)
-        row["requests"] += 1
-        row["prompt tokens"] += len(r.prompt_ids)
-        row["cached at first admission"] += out.num_cached_tokens if out is not None else 0
-        row["re-admissions"] += out.num_preemptions if out is not None else 0
-    for row in rows.values():
-        row["hit rate (first admission)"] = row["cached at first admission"] / max(row["prompt tokens"], 1)
-    for t, n in ((row["tenant"], row["requests"]) for row in lookups):
-        if t in rows and n != rows[t]["requests"]:
-            raise ValueError(f"tenant {t}: the block manager counted {n} requests, the workload has {rows[t]['requests']}")
-    return sorted(rows.values(), key=lambda row: row["tenant"])
 
 
 @dataclass
@@ -308,8 +268,6 @@ class StressReport:
     seconds: float
     num_blocks: int = 0  # the pool's size: small, so blocks are evicted and sequences preempted
     mismatched: list = field(default_factory=list)
-    tenant_table: list = field(default_factory=list)
-    preempted_lookups: int = 0  # the block manager's lookups of re-admitted (preempted) requests
 
     @property
     def ok(self) -> bool:
@@ -324,8 +282,7 @@ class StressReport:
 def stress_test(model: Any, tokenizer: Any, workload: tuple, reference: Sequence[list[int]], policy: str = "public-prefix",
                 seed: int = 0, num_blocks: int = 48, block_size: int = 16, max_num_seqs: int = 24,
                 check_every: int = 16) -> StressReport:
-    """Run ``workload`` (requests, public prefixes) through one engine under ``policy``, requests joining at their
-    arrival steps and the invariants checked as it goes; compare every output with ``reference``."""
+    """``workload`` through one engine under ``policy`` (arrivals by step, invariants checked), against ``reference``."""
     requests, publics = workload
     engine = Engine(model, tokenizer, num_blocks=num_blocks, block_size=block_size, isolation=policy,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, seed=seed)
@@ -350,8 +307,7 @@ def stress_test(model: Any, tokenizer: Any, workload: tuple, reference: Sequence
     st, bm = engine.stats(), engine.block_manager
     leaked = sum(b.ref_count > 0 for b in bm.pool.blocks) + len(bm.seqs)  # after the drain: none may be held
     return StressReport(len(requests), len(mismatched), st["cross_tenant_hits"], leaked, st["public_hits"],
-                        st["evictions"], st["num_preemptions"], st["hit_rate"], policy, seconds, num_blocks, mismatched,
-                        tenant_table(requests, outs, bm.metrics.tenant_table()), bm.metrics.preempted.requests)
+                        st["evictions"], st["num_preemptions"], st["hit_rate"], policy, seconds, num_blocks, mismatched)
 
 
 def stress_verdict(reports: dict[str, StressReport]) -> str:
@@ -382,8 +338,7 @@ def write_shared_block(cow: bool) -> dict[str, bool]:
 
 def closing_evidence(table: Any, errors: Any, shift: int, attack: Any, cost: Any, reports: dict[str, StressReport],
                      cow: Any) -> dict[str, Evidence]:
-    """The article's decision table, row by row: a verdict (confirmed / refined / contradicted) from the numbers
-    measured in notebooks 03 and 07, what they were, and the cell that measured them."""
+    """Each row of the article's decision table: a verdict from the numbers 03 and 07 measured, and where."""
     ident, n = table["identical"], int(table["prompts"].min())
 
     def k_of(case):
@@ -435,15 +390,6 @@ def _right_wrong(probes: Sequence[Any], scale: float) -> tuple[list[float], list
     return ([scale * p.ttft for p in probes if p.is_secret], [scale * p.ttft for p in probes if not p.is_secret])
 
 
-def roc_curve(positive_scores: Sequence[float], negative_scores: Sequence[float]) -> tuple[list[float], list[float]]:
-    """(false-positive rates, true-positive rates) as the threshold sweeps down over every score."""
-    fpr, tpr = [0.0], [0.0]
-    for t in sorted(set(positive_scores) | set(negative_scores), reverse=True):
-        tpr.append(sum(p >= t for p in positive_scores) / len(positive_scores))
-        fpr.append(sum(n >= t for n in negative_scores) / len(negative_scores))
-    return fpr, tpr
-
-
 def fig_ttft_histogram(probes_by_policy: dict[str, Sequence[Any]], bins: int = 20) -> Any:
     """One panel per policy: TTFT histograms (ms) of right guesses (hits if shared) and wrong guesses."""
     import matplotlib.pyplot as plt
@@ -457,22 +403,6 @@ def fig_ttft_histogram(probes_by_policy: dict[str, Sequence[Any]], bins: int = 2
         ax.hist(right, bins=edges, alpha=0.6, label=f"right guess (n={len(right)})", density=True)
         ax.set(title=f"policy: {policy}", xlabel="TTFT (ms)", ylabel="density")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def fig_roc(probes_by_policy: dict[str, Sequence[Any]]) -> Any:
-    """ROC curves of the "faster means hit" classifier, one line per policy."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.2, 4))
-    for policy, probes in probes_by_policy.items():
-        right, wrong = _right_wrong(probes, -1.0)
-        ax.plot(*roc_curve(right, wrong), label=f"{policy} (AUC {roc_auc(right, wrong):.2f})")
-    ax.plot([0, 1], [0, 1], "k:", lw=1, label="chance")
-    ax.set(xlabel="false-positive rate (wrong guess called a hit)", ylabel="true-positive rate (right guess called a hit)",
-           title="timing attack: ROC")
-    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

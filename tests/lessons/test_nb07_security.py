@@ -59,8 +59,6 @@ def test_roc_auc_is_the_mann_whitney_statistic():
         u = mannwhitneyu(pos, neg, alternative="two-sided").statistic
         assert N.roc_auc(pos, neg) == pytest.approx(u / (len(pos) * len(neg)))
     assert N.roc_auc([3, 4], [1, 2]) == 1.0 and N.roc_auc([1, 2], [3, 4]) == 0.0 and N.roc_auc([1], [1]) == 0.5
-    fpr, tpr = S.roc_curve([3, 4], [1, 2])
-    assert fpr[0] == tpr[0] == 0 and fpr[-1] == tpr[-1] == 1 and (0.0, 1.0) in zip(fpr, tpr)
     with pytest.raises(ValueError):
         N.roc_auc([], [1.0])
 
@@ -128,24 +126,6 @@ def test_stress_outputs_equal_isolated(lm, stress_load, policy):
     assert (rep.public_hits > 0) == (policy == "public-prefix")
     assert rep.ok and rep.line() == (f"requests=300 mismatches=0 cross_tenant_hits={rep.cross_tenant_hits} "
                                      "leaked_blocks=0")
-    # each request counted once in the per-tenant table and by the manager; re-admissions counted apart
-    table = rep.tenant_table
-    assert sum(r["requests"] for r in table) == 300
-    assert sum(r["re-admissions"] for r in table) == rep.preemptions == rep.preempted_lookups
-
-
-def test_tenant_table_counts_requests_not_lookups():
-    from types import SimpleNamespace
-
-    sp = SamplingParams(max_tokens=1)
-    reqs = [S.StressRequest([1] * 20, "a", sp, 0), S.StressRequest([1] * 40, "a", sp, 0), S.StressRequest([2] * 16, "b", sp, 1)]
-    outs = {0: SimpleNamespace(num_cached_tokens=0, num_preemptions=2), 1: SimpleNamespace(num_cached_tokens=16, num_preemptions=0),
-            2: SimpleNamespace(num_cached_tokens=0, num_preemptions=0)}
-    rows = S.tenant_table(reqs, outs, [{"tenant": "a", "requests": 2}, {"tenant": "b", "requests": 1}])
-    assert [(r["tenant"], r["requests"], r["re-admissions"]) for r in rows] == [("a", 2, 2), ("b", 1, 0)]
-    assert rows[0]["hit rate (first admission)"] == 16 / 60
-    with pytest.raises(ValueError, match="the block manager counted 4 requests"):
-        S.tenant_table(reqs, outs, [{"tenant": "a", "requests": 4}, {"tenant": "b", "requests": 1}])
 
 
 def _table_rows(markdown: str, header: str) -> list[list[str]]:

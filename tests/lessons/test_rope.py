@@ -7,7 +7,6 @@ import torch
 from kvlab.built import nb03 as B
 from kvlab.lessons import nb03_position as X
 from kvlab.lessons import passphrase as P
-from kvlab.lessons import rope
 
 
 def tiny_qwen2(theta=10000.0, head_dim=16, layers=2):
@@ -27,7 +26,7 @@ def test_cos_sin_equal_the_hf_rotary_embedding(theta, head_dim):
     model = tiny_qwen2(theta, head_dim)
     assert B.rope_theta(model.config) == theta and B.head_dim_of(model.config) == head_dim
     pos = torch.tensor([[0, 1, 2, 7, 100, 999], [5, 5, 6, 300, 301, 302]])
-    hf_cos, hf_sin = rope.hf_cos_sin(model, pos)
+    hf_cos, hf_sin = X.hf_cos_sin(model, pos)
     cos, sin = B.cos_sin(pos, head_dim, theta)
     torch.testing.assert_close(cos, hf_cos, rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, hf_sin, rtol=0, atol=1e-6)
