@@ -64,6 +64,8 @@ class Generation:
                  arrival: float, want_ids: bool = False) -> None:
         self.runner, self.metrics, self.job, self.text = runner, metrics, job, stream
         self.want_ids = want_ids  # vLLM's return_token_ids: answers carry token ids
+        # vLLM's include_stop_str_in_output also keeps the text of the stop token (or eos) that ended the answer
+        self.text_has_stop_token = bool(getattr(stream, "include_stop", False))
         self.arrival = arrival
         self.num_cached_tokens = 0
         self.num_generated = 0  # tokens the engine produced for this request
@@ -124,7 +126,11 @@ class Generation:
                 self.finish_reason = "abort"
                 raise ApiError(503, update.error or "the request was aborted", code="aborted",
                                headers={"Retry-After": "1"})
-            delta = self.text.push(update.token_ids, final=update.finished)
+            text_ids = update.token_ids
+            if update.finished and update.finish_reason == "stop" and text_ids and not self.text_has_stop_token:
+                # vLLM's detokenizer: the eos or stop token that ended the answer is not in its text
+                text_ids = text_ids[:-1]
+            delta = self.text.push(text_ids, final=update.finished)
             ids = list(update.token_ids)
             if self.text.stopped:
                 ids = ids[: max(0, self.text.num_tokens_at_stop - (self.num_generated - len(ids)))]

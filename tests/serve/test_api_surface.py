@@ -213,6 +213,8 @@ def test_stop_token_ids_end_the_answer(served):
     stop = base[3]
     got = _greedy(served, max_tokens=8, stop_token_ids=[stop])
     assert _tokens(got) == base[: base.index(stop) + 1] and got["choices"][0]["finish_reason"] == "stop"
+    # its text is left out of the answer, as vLLM's detokenizer does
+    assert got["choices"][0]["text"] == served[3].decode(base[: base.index(stop)], skip_special_tokens=True)
 
 
 def test_min_p_keeps_only_likely_tokens(served):
@@ -233,10 +235,17 @@ def test_include_stop_str_in_output_and_skip_special_tokens(served):
     assert cut["choices"][0]["text"] == full[: full.index(stop)]
     assert kept["choices"][0]["text"] == full[: full.index(stop) + len(stop)]
     tok = served[3]
-    ans = _post(served[0], prompt=PROMPT, max_tokens=10, temperature=0, return_token_ids=True,
+    # the bundled model repeats its eos (a special token) once ignore_eos lets it go on
+    ans = _post(served[0], prompt=PROMPT, max_tokens=6, temperature=0, return_token_ids=True, ignore_eos=True,
                 skip_special_tokens=False)["choices"][0]
-    assert ans["text"] == tok.decode(ans["token_ids"], skip_special_tokens=False)
-    assert ans["text"] != tok.decode(ans["token_ids"], skip_special_tokens=True)  # an eos is in there
+    assert EOS in ans["token_ids"] and ans["text"] == tok.decode(ans["token_ids"], skip_special_tokens=False)
+    assert ans["text"] != tok.decode(ans["token_ids"], skip_special_tokens=True)
+    # the eos or stop token that ends an answer is not in its text (vLLM), unless include_stop_str_in_output
+    for include in (False, True):
+        ans = _post(served[0], prompt=PROMPT, max_tokens=10, temperature=0, return_token_ids=True,
+                    skip_special_tokens=False, include_stop_str_in_output=include)["choices"][0]
+        ids = ans["token_ids"] if include else ans["token_ids"][:-1]
+        assert ans["finish_reason"] == "stop" and ans["text"] == tok.decode(ids, skip_special_tokens=False)
 
 
 # ------------------------------------------------------------------------ n, lists of prompts, logprobs, echo

@@ -286,7 +286,7 @@ def test_metrics_counters_equal_the_sums_over_responses(server):
     (b'{"prompt": "hi", "max_tokens": 100000000}', 400, "max_tokens"),  # beyond the context
     (json.dumps({"prompt": [5] * 1100}).encode(), 400, "prompt"),  # longer than the model's 1024 positions
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
-    (b'{"prompt": "hi", "n": 2}', 400, "n"),  # not implemented: refused, not ignored
+    (b'{"prompt": "hi", "n": 17}', 400, "n"),  # over the cap (protocol.MAX_N): refused, not clipped
     (b'{"prompt": "hi", "frobnicate": 1}', 400, "frobnicate"),
     (b'{"prompt": "hi", "cache_salt": ""}', 400, "cache_salt"),
     (b'{"prompt": "hi", "temperature": NaN}', 400, None),
