@@ -21,15 +21,13 @@ from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.hash_tools import first_block_extra_keys, hash_token_blocks
 from kvlab.cache.hashing import hash_block
 from kvlab.lessons import solutions as SOL
-from kvlab.lessons import traces
 from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
 from kvlab.lessons.traces import ARTICLE_QUESTIONS, SYSTEM_PROMPTS, timestamp_trace, toy_tokenize
 from kvlab.lessons.traces import replay as replay_trace
 
 __all__ = ["block_state", "block_trace", "check_allocate", "check_append", "check_block_hashes", "check_cached_tokens",
            "check_find_leaks", "check_take_free", "check_timestamp_prompt", "fig_block_tables", "fig_hash_chain",
-           "fig_logical_physical", "kvlab_pieces", "replay", "replay_table", "block_size_sweep", "fig_block_size_sweep",
-           "say_block_size_sweep", "timestamp_table", "fig_three_requests"]
+           "fig_logical_physical", "kvlab_pieces", "replay", "replay_table", "timestamp_table"]
 
 
 # ----------------------------------------------------------------------------- exercises 04.1-3
@@ -217,50 +215,6 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
 
 
 # ----------------------------------------------------------------------------- section 3's runners
-SWEEP_COLUMNS = ["block_size", "num_blocks", "hit_rate", "miss_short", "miss_no_prefix", "miss_evicted",
-                 "wasted_slots_mean", "hashed_blocks", "hashed_tokens", "evictions"]
-
-
-def block_size_sweep(trace: list, sizes: list[int], capacity_tokens: int = 32768):
-    """``traces.block_size_sweep`` as a DataFrame indexed by block size (the same KV capacity in tokens)."""
-    import pandas as pd
-
-    return pd.DataFrame(traces.block_size_sweep(trace, sizes, capacity_tokens=capacity_tokens))[
-        SWEEP_COLUMNS].set_index("block_size")
-
-
-def fig_block_size_sweep(df) -> Figure:
-    """Hit rate, why tokens missed, and the hash work against the block size."""
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.8))
-    a.plot(df.index, 100 * df.hit_rate, "o-")
-    a.set(ylabel="hit rate (% of prompt tokens)", title="hit rate")
-    missed = (df[["miss_short", "miss_no_prefix", "miss_evicted"]].T / df[
-        ["miss_short", "miss_no_prefix", "miss_evicted"]].sum(axis=1).where(lambda x: x > 0, 1)).T
-    missed.set_axis([str(x) for x in df.index]).mul(100).plot.bar(stacked=True, ax=b, rot=0)
-    b.set(ylabel="share of missed tokens (%)", title="why tokens missed")
-    c.plot(df.index, df.hashed_blocks, "o-", label="hash calls")
-    c.plot(df.index, df.wasted_slots_mean, "s--", label="empty slots (mean per step)")
-    c.set(yscale="log", ylabel="count (log scale)", title="hash work and wasted slots")
-    c.legend(fontsize=8)
-    for ax in (a, c):
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-    for ax in (a, b, c):
-        ax.set_xlabel("block size (tokens)")
-    fig.tight_layout()
-    return fig
-
-
-def say_block_size_sweep(df) -> None:
-    """The sweep's verdict lines, printed from its numbers."""
-    best, top = df.hit_rate.idxmax(), df.hit_rate.max()
-    flat = df.index[df.hit_rate >= top - 0.01].max()
-    print(f"hit rate {top:.1%} at block size {best}, {df.hit_rate.min():.1%} at {df.hit_rate.idxmin()}; the largest "
-          f"block size within 1 point of the best: {flat}")
-    print(f"from block size {df.index[0]} to {flat}: hash calls x{df.hashed_blocks.loc[flat] / df.hashed_blocks.iloc[0]:.3f}, "
-          f"empty slots per step {df.wasted_slots_mean.iloc[0]:.1f} -> {df.wasted_slots_mean.loc[flat]:.1f}")
-
-
 def timestamp_table(n_requests: int, seed: int = 0):
     """Hit rate with no timestamp, one at the start and one at the end of the system prompt (blocks of 16)."""
     import pandas as pd
@@ -271,22 +225,6 @@ def timestamp_table(n_requests: int, seed: int = 0):
         rows.append({"timestamp": where, "hit rate": r["hit_rate"], "hit tokens": r["hit_tokens"],
                      "miss_no_prefix": r["miss_no_prefix"], "miss_short": r["miss_short"]})
     return pd.DataFrame(rows).set_index("timestamp")
-
-
-def fig_three_requests(block_size: int = 4, num_blocks: int = 24) -> Figure:
-    """The three-request run at these sizes (the pool's refusal in the title when it is too small)."""
-    from kvlab.cache.block_manager import NoFreeBlocksError
-
-    caption, manager = "", BlockManager(num_blocks, block_size)
-    try:
-        for step in traces.three_requests(block_size, num_blocks):
-            caption, manager = step
-    except NoFreeBlocksError as err:
-        caption = f"refused: {err}"
-    s = manager.stats()
-    return fig_block_tables(block_state(manager), f"block size {block_size}, {num_blocks} blocks — {caption[:70]}\n"
-                            f"hit rate {s['hit_rate']:.0%}, {s['num_free_blocks']} free, {s['num_cached_blocks']} "
-                            f"cached, wasted slots {s['wasted_slots']}")
 
 
 # ----------------------------------------------------------------------------- build exercises 04.B1-B3, 05.B1
@@ -361,14 +299,16 @@ def replay(ops: list[tuple], pieces: SimpleNamespace, block_size: int = 4,
                      "free (yours)": len(toy.free), "free (kvlab)": m.num_free_blocks,
                      "evictions (kvlab)": m.pool.num_evictions})
         if got != want:
-            return rows, (at, f"you report {got!r} cached tokens, kvlab's BlockManager {want}")
+            how = ("more" if got > want else "fewer") if isinstance(got, int) else "not a count"
+            return rows, (at, f"you report {got!r} cached tokens, {how} than kvlab's BlockManager's {want}")
         if kind != "free" and toy.tables.get(seq) != m.block_table(seq):
             return rows, (at, f"block table {toy.tables.get(seq)}, kvlab's {m.block_table(seq)}")
         for what, (yours, kvlab) in _state(toy, m).items():
             if yours != kvlab:
-                diff = [f"block {b}: {x} vs {y}" for b, (x, y) in enumerate(zip(yours, kvlab)) if x != y][:3]
-                shown = ", ".join(diff) if what == "ref counts" else f"{yours} vs kvlab's {kvlab}"
-                return rows, (at, f"{what} differ: {shown}")
+                k = next((i for i, (x, y) in enumerate(zip(yours, kvlab)) if x != y), min(len(yours), len(kvlab)))
+                shown = (f"block {k}: {yours[k]} vs {kvlab[k]}" if what == "ref counts" else
+                         f"from position {k} on yours are {yours[k:k + 4]}, kvlab's {kvlab[k:k + 4]}")
+                return rows, (at, f"{what} differ{'s' if what == 'free list' else ''}: {shown}")
     return rows, None
 
 
@@ -444,7 +384,7 @@ def check_allocate(fn: Callable[..., int] | None, hashes: Callable | None = None
     replayed step for step against kvlab's ``BlockManager``: same hits, block tables, ref counts and free list."""
     def hint(what: str) -> str:
         return ("stop at the first miss, and never hit the block of the last prompt token: at most "
-                "(len(token_ids) - 1) // block_size blocks" if "you report" in what and _more(what) else
+                "(len(token_ids) - 1) // block_size blocks" if "more than" in what else
                 "a cached block with ref count 0 (in blocks.free) is still a hit: del blocks.free[b] as you add "
                 "its reference" if "you report" in what or what.startswith("free") else
                 "the hits first, then one blocks.take() per remaining block, in order; register each FULL new "
@@ -456,15 +396,6 @@ def check_allocate(fn: Callable[..., int] | None, hashes: Callable | None = None
     if fn is None:
         return unanswered(hint(""))
     return _check(kvlab_pieces(allocate=fn, hashes=hashes, take=take, free=free), block_trace(), "my_allocate", hint)
-
-
-def _more(what: str) -> bool:
-    """'you report 12 cached tokens, kvlab's BlockManager 8': True when the reader found more."""
-    words = what.split()
-    try:
-        return int(words[2]) > int(words[-1])
-    except (ValueError, IndexError):
-        return False
 
 
 def check_append(fn: Callable | None, **pieces: Callable | None) -> Verdict:

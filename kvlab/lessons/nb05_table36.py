@@ -398,20 +398,19 @@ def load_for_notebook(model: Any, smoke: bool, device: str, dtype: str, threads:
 
 
 def show_groups(groups: dict[int, Workload], tok: Any) -> None:
-    """One prompt of each group, decoded: what the rows of the table serve."""
+    """One scored prompt of each group, decoded (group 3 also as its wrong row serves it: on A's conversation)."""
     def show(ids: list[int]) -> str:
         return tok.decode(ids).replace(chr(10), " | ")
 
-    g1, g2, g3 = groups[1], groups[2], groups[3]
-    print("group 1, a request:\n  " + show(g1.prompts[0]))
-    b = g2.served()[0]
-    a = g2.meta[b]["donor"]
-    print(f"group 2, donor A ({len(g2.prompts[a])} tokens) starts with an extra turn: "
-          f"{show(g2.prompts[a][:g2.meta[a]['offset']])[:100]!r}...\n  then B's whole text, at position "
-          f"{g2.meta[a]['offset']} in A and at 0 in B")
-    b3 = g3.served()[0]
-    print(f"group 3, B's prompt: ...{show(g3.prompts[b3][-40:])!r}\n  B's question on A's conversation: "
-          f"...{show(g3.meta[b3]['beyond_prompt'][-60:])!r}")
+    for g, wl in groups.items():
+        i = wl.served()[0]
+        print(f"group {g} ({len(wl.served())} scored), {GROUP_CONDITIONS[g][0]}:\n  "
+              + (repr(show(wl.prompts[i])) if g == 1 else f"...{show(wl.prompts[i][-40:])!r}"))
+        if "donor" in wl.meta[i]:
+            a = wl.meta[i]["donor"]
+            print(f"  its donor A starts with another turn and holds B's text from position {wl.meta[a]['offset']}")
+        if "beyond_prompt" in wl.meta[i]:
+            print(f"  served wrongly, on A's conversation: ...{show(wl.meta[i]['beyond_prompt'][-40:])!r}")
 
 
 # ----------------------------------------------------------------------------- table 3.6's run loop
