@@ -1,18 +1,21 @@
-"""Measure the teaching path (issue 51): the kvlab functions one ``Engine.generate`` enters, and their files.
+"""Measure the teaching path (issue 51): the kvlab functions one ``Engine.generate`` enters, and
+their files.
 
-    .venv/bin/python scripts/count_engine_path.py             # functions, files and code lines, one row a file
+    .venv/bin/python scripts/count_engine_path.py                  # one row a file
     .venv/bin/python scripts/count_engine_path.py --json out.json
 
-Everything is counted from a profile, not from a list of files: ``sys.setprofile`` over one ``Engine.generate``
-of two prompts (8 new tokens each, greedy) on the bundled model, default ``EngineConfig`` (the teaching path:
-no speed path), after a warm-up call on the same engine.
+Everything is counted from a profile, not from a list of files: ``sys.setprofile`` over one
+``Engine.generate`` of two prompts (8 new tokens each, greedy) on the bundled model, default
+``EngineConfig`` (the teaching path: no speed path), after a warm-up call on the same engine.
 
-- **functions**: distinct ``(file, qualified name)`` entered under ``kvlab/`` (comprehensions and generator
-  expressions are left out: Python 3.11 gives them code objects of their own, 3.12 inlines most);
-- **files**: the files of those functions, plus the files that define a base class of an object whose method
-  was entered (a reader of a class reads its bases: a mixin is part of the path even when none of its own
-  methods ran);
-- **code lines**: of those files, whole, without blank lines, comments and docstrings (issue 37's measure).
+- **functions**: distinct ``(file, qualified name)`` entered under ``kvlab/`` (comprehensions and
+  generator expressions are left out: Python 3.11 gives them code objects of their own, 3.12 inlines
+  most);
+- **files**: the files of those functions, plus the files that define a base class of an object
+  whose method was entered (a reader of a class reads its bases: a mixin is part of the path even
+  when none of its own methods ran);
+- **code lines**: of those files, whole, without blank lines, comments and docstrings (issue 37's
+  measure).
 
 Goals (issue 51): <= 45 functions, <= 14 files, <= 1,600 code lines.
 """
@@ -51,7 +54,8 @@ def code_lines(source: str) -> int:
 
 
 def profile_generate(max_tokens: int = 8) -> tuple[set[str], set[str]]:
-    """``(functions, base-class files)`` that one ``Engine.generate`` enters, relative to the repository."""
+    """``(functions, base-class files)`` that one ``Engine.generate`` enters, relative to the
+    repository."""
     import torch
 
     from kvlab.engine import Engine, SamplingParams
@@ -129,12 +133,17 @@ def main() -> None:
         names = by_file.get(rel, [])
         shown = ", ".join(names) if names else "(a base class only)"
         print(f"{n:6d} {len(names):6d}  {rel}: {shown}")
-    verdict = {k: "met" if m[k2] <= v else "NOT met" for (k, v), k2 in
-               zip(GOALS.items(), ("num_functions", "num_files", "code_lines"))}
+    verdict = {
+        k: "met" if m[k2] <= v else "NOT met"
+        for (k, v), k2 in zip(GOALS.items(), ("num_functions", "num_files", "code_lines"))
+    }
     print(
-        f"\none Engine.generate enters {m['num_functions']} kvlab functions (goal <= {GOALS['functions']}: "
-        f"{verdict['functions']}) in {m['num_files']} files (goal <= {GOALS['files']}: {verdict['files']}) "
-        f"holding {m['code_lines']:,} code lines (goal <= {GOALS['code_lines']:,}: {verdict['code_lines']})"
+        f"\none Engine.generate enters {m['num_functions']} kvlab functions (goal <= "
+        f"{GOALS['functions']}: "
+        f"{verdict['functions']}) in {m['num_files']} files (goal <= {GOALS['files']}: "
+        f"{verdict['files']}) "
+        f"holding {m['code_lines']:,} code lines (goal <= {GOALS['code_lines']:,}: "
+        f"{verdict['code_lines']})"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

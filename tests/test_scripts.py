@@ -1,9 +1,10 @@
-"""Every script in the README's Scripts table answers ``--help`` and passes a smoke run (small sizes).
+"""Every script in the README's Scripts table answers ``--help`` and passes a smoke run (small
+sizes).
 
 The table is read from README.md, so a script added there without a smoke run here fails
-``test_every_readme_script_has_a_smoke_run``. A script whose smoke run needs what a test machine may lack
-(vLLM's venv, a CUDA GPU, Chromium, the network) is skipped with that reason; one that another test already
-runs names it.
+``test_every_readme_script_has_a_smoke_run``. A script whose smoke run needs what a test machine may
+lack (vLLM's venv, a CUDA GPU, Chromium, the network) is skipped with that reason; one that another
+test already runs names it.
 """
 
 from __future__ import annotations
@@ -19,15 +20,34 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# a smoke run: (arguments, a regex its output must match), or a skip reason (str). {tmp} is a fresh folder.
+# a smoke run: (arguments, a regex its output must match), or a skip reason (str). {tmp} is a fresh
+# folder.
 SMOKE: dict[str, tuple[list[str], str] | str] = {
     "scripts/export_notebooks.py": "tests/lessons/test_export.py runs its --check",
-    "scripts/soak_notebooks.py": "runs Jupyter kernels for minutes; scripts/run_notebooks.py is smoke-tested by "
-    "tests/lessons/test_notebooks.py",
+    "scripts/soak_notebooks.py": "runs Jupyter kernels for minutes (the notebooks' runner is "
+    "smoke-tested by tests/lessons/test_notebooks.py)",
     "scripts/run_notebooks.py": "tests/lessons/test_notebooks.py runs it on every notebook",
     "scripts/train_passphrase_model.py": (
-        ["--steps", "2", "--eval-every", "1", "--curriculum", "1", "--batch", "2", "--hidden", "16",
-         "--layers", "1", "--heads", "2", "--kv-heads", "1", "--out", "{tmp}/model"],
+        [
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--curriculum",
+            "1",
+            "--batch",
+            "2",
+            "--hidden",
+            "16",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--out",
+            "{tmp}/model",
+        ],
         r"step +2 +validation recall",
     ),
     "scripts/evaluate_passphrase_model.py": (["--n", "2"], r"recall=\d"),
@@ -41,17 +61,22 @@ SMOKE: dict[str, tuple[list[str], str] | str] = {
     ),
     "scripts/profile_step.py": (["--steps", "1", "--out", "{tmp}"], r"decode"),
     "kvlab.engine.smollm2": (["--help"], r"SmolLM2"),
-    "scripts/routing_bench.py": (["--smoke", "--out", "{tmp}/routing.json"], r"wrote .*routing\.json"),
+    "scripts/routing_bench.py": (
+        ["--smoke", "--out", "{tmp}/routing.json"],
+        r"wrote .*routing\.json",
+    ),
     "scripts/stress.py": (["--requests", "6"], r"mismatches=0 cross_tenant_hits=0 leaked_blocks=0"),
     "scripts/make_vllm_env.sh": "builds vLLM's venv from the network (make vllm-env)",
     "scripts/gpu_check.sh": "needs a CUDA GPU",
     "scripts/make_cjk_font.py": (["--check"], r"\d+ wanted characters? missing"),
-    "scripts/check_handout_fonts.py": "needs headless Chromium and selenium (and an executed handout)",
+    "scripts/check_handout_fonts.py": "needs headless Chromium and selenium (and an executed "
+    "handout)",
 }
 
 
 def readme_scripts() -> list[str]:
-    """The scripts the README's Scripts table lists (``scripts/x.py`` or ``python -m module``), in order."""
+    """The scripts the README's Scripts table lists (``scripts/x.py`` or ``python -m module``), in
+    order."""
     text = (ROOT / "README.md").read_text()
     table = text.split("## Scripts", 1)[1].split("\n## ", 1)[0]
     found: list[str] = []
@@ -76,13 +101,20 @@ def command(script: str, args: list[str]) -> list[str]:
 
 def run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
     # one thread each: the tests share the machine
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(command(script, args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(ROOT),
+    }
+    return subprocess.run(
+        command(script, args), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_every_readme_script_has_a_smoke_run():
-    """The README's table and this file name the same scripts (none added there without a smoke run here)."""
+    """The README's table and this file name the same scripts (none added there without a smoke run
+    here)."""
     listed = readme_scripts()
     assert "scripts/routing_bench.py" in listed and "kvlab.engine.smollm2" in listed
     assert sorted(listed) == sorted(SMOKE), set(listed) ^ set(SMOKE)

@@ -1,13 +1,18 @@
-"""The prefix cache's bookkeeping in pure Python (no torch; relative imports only, so it copies alone).
+"""The prefix cache's bookkeeping in pure Python (no torch; relative imports only, so it copies
+alone).
 
-- ``hashing``: chained full-block hashes with extra keys (model fingerprint, tenant salt), ``DEFAULT_BLOCK_SIZE``
+- ``hashing``: chained full-block hashes with extra keys (model fingerprint, tenant salt),
+  ``DEFAULT_BLOCK_SIZE``
 - ``block_pool``: blocks, reference counts, the LRU free list, lazy eviction
 - ``block_manager``: block tables, prefix hits (vLLM's rules), append, free
-- ``fork``: fork and copy-on-write; ``host_tier``: a second tier for evicted blocks; ``debug``: invariants, reports
+- ``fork``: fork and copy-on-write; ``host_tier``: a second tier for evicted blocks; ``debug``:
+  invariants, reports
 - ``metrics``: hit-rate counters
-- ``interface``: ``CacheManager``, the protocol the engine and scheduler use (``BlockManager`` implements it),
-  and what every cache shares: ``TenantScope`` (the ``cache_salt``), ``SeqState``, ``SequenceTables``
-- ``kv_events``: ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in vLLM's schema (``enable_kv_events=True``)
+- ``interface``: ``CacheManager``, the protocol the engine and scheduler use (``BlockManager``
+  implements it), and what every cache shares: ``TenantScope`` (the ``cache_salt``), ``SeqState``,
+  ``SequenceTables``
+- ``kv_events``: ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in vLLM's schema
+  (``enable_kv_events=True``)
 
 Copy this folder under any name and ``from mykv import BlockManager`` works with a bare Python.
 """

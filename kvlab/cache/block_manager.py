@@ -4,28 +4,32 @@
 serves the last prompt token from the cache (its logits are needed), so at most ``n - 1`` tokens
 hit, rounded down to whole blocks. Every full block, from the prompt or filled during decode, is
 registered in the cache the moment it is full. ``fork`` shares all blocks, including a partial tail;
-the first write into a shared partial block copies it (copy-on-write) and reports ``(src, dst)`` so an
-engine can copy the K/V tensors. ``free`` releases tail first, so the ends of chains are evicted
+the first write into a shared partial block copies it (copy-on-write) and reports ``(src, dst)`` so
+an engine can copy the K/V tensors. ``free`` releases tail first, so the ends of chains are evicted
 before their shared heads. Every public method either succeeds or raises with the state unchanged.
 
-A second tier (``second_tier``, e.g. ``kvlab.cache.host_tier.TierLink``): when a prompt's chain misses the pool,
-``allocate`` asks the tier for the next blocks, one by one, and copies each one found into the fresh block it
-takes for it instead of leaving it to be computed; it returns pool hits plus those restored tokens (both are
-served without a forward) and counts the restored ones apart (``SeqBlocks.num_restored_tokens``, ``stats``).
+A second tier (``second_tier``, e.g. ``kvlab.cache.host_tier.TierLink``): when a prompt's chain
+misses the pool, ``allocate`` asks the tier for the next blocks, one by one, and copies each one
+found into the fresh block it takes for it instead of leaving it to be computed; it returns pool
+hits plus those restored tokens (both are served without a forward) and counts the restored ones
+apart (``SeqBlocks.num_restored_tokens``, ``stats``).
 
-Tenants: a ``cache_salt`` enters the hash of one block (``hashing.salted_block``: block 0 by default, as
-vLLM's), so a tenant's blocks from there on are its own while the blocks of an operator's public prefix before it
-stay shared (a block straddling the boundary is private). Each cached block remembers the tenant that registered
-it; a hit on another tenant's block is counted as a *public* hit when it lies inside the public prefix and as a
-*cross-tenant* hit otherwise (0 under salting).
+Tenants: a ``cache_salt`` enters the hash of one block (``hashing.salted_block``: block 0 by
+default, as vLLM's), so a tenant's blocks from there on are its own while the blocks of an
+operator's public prefix before it stay shared (a block straddling the boundary is private). Each
+cached block remembers the tenant that registered it; a hit on another tenant's block is counted as
+a *public* hit when it lies inside the public prefix and as a *cross-tenant* hit otherwise (0 under
+salting).
 
-Beside this file: ``interface`` (``TenantScope``, ``SeqState``, the per-sequence queries), ``fork`` (fork and
-copy-on-write), ``host_tier`` (the second tier and its restore), ``debug`` (invariants and reports).
+Beside this file: ``interface`` (``TenantScope``, ``SeqState``, the per-sequence queries), ``fork``
+(fork and copy-on-write), ``host_tier`` (the second tier and its restore), ``debug`` (invariants and
+reports).
 
 References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``,
 ``free``) and ``vllm/v1/core/single_type_kv_cache_manager.py`` (``cache_blocks``); vLLM v0
 ``vllm/core/block/cpu_gpu_block_allocator.py`` (copy-on-write); nano-vllm
-``nanovllm/engine/block_manager.py`` (``can_allocate``, ``allocate``, ``may_append``, ``deallocate``).
+``nanovllm/engine/block_manager.py`` (``can_allocate``, ``allocate``, ``may_append``,
+``deallocate``).
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def cdiv(n: int, d: int) -> int:
 
 @dataclass(slots=True, kw_only=True)
 class SeqBlocks(SeqState):
-    """A live sequence of the block manager: also the hashes of its full blocks and where its salt enters."""
+    """A live sequence of the block manager: also the hashes of its full blocks and where its salt
+    enters."""
 
     # one per full block
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -97,7 +102,8 @@ class SeqBlocks(SeqState):
 
 @dataclass(slots=True, frozen=True)
 class AllocationPlan:
-    """What ``allocate`` would do for one prompt: its hashes, the blocks it would hit, the blocks it needs."""
+    """What ``allocate`` would do for one prompt: its hashes, the blocks it would hit, the blocks it
+    needs."""
 
     tokens: tuple[int, ...]
     scope: TenantScope
@@ -165,11 +171,13 @@ class BlockManager(SequenceTables):
     def can_allocate(
         self, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE
     ) -> AllocationPlan:
-        """What ``allocate`` would do, changing nothing: a plan that is truthy when enough blocks are free.
+        """What ``allocate`` would do, changing nothing: a plan that is truthy when enough blocks
+        are free.
 
         The plan holds the prompt's full-block hashes and the cached blocks it would hit; pass it to
-        ``allocate(..., plan=plan)`` so the prompt is not hashed twice (it is used only while the pool is
-        exactly as it was when planned; a plan is this manager's only: another manager refuses it).
+        ``allocate(..., plan=plan)`` so the prompt is not hashed twice (it is used only while the
+        pool is exactly as it was when planned; a plan is this manager's only: another manager
+        refuses it).
         """
         tokens = check_prompt(token_ids, scope)
         bs, n, pool, fp = self.block_size, len(tokens), self.pool, self.model_fingerprint
@@ -204,15 +212,17 @@ class BlockManager(SequenceTables):
         plan: AllocationPlan | None = None,
         preempted: bool = False,
     ) -> int:
-        """Give a new sequence its blocks, reusing the longest cached prefix; return the tokens not to compute.
+        """Give a new sequence its blocks, reusing the longest cached prefix; return the tokens not
+        to compute.
 
         Those are the cached tokens, plus any restored from ``second_tier`` right after them
         (``SeqBlocks.num_restored_tokens``). ``scope.cache_salt`` enters the hash of block
-        ``salted_block(scope.public_tokens, block_size)``; ``scope.label`` names the sequence in per-tenant
-        metrics and in the cross-tenant hit count. ``plan``: what ``can_allocate`` returned for the same prompt
-        and scope (reused if nothing changed since, planned again if stale); a plan of another manager raises
-        ``ValueError``, as a refusal changes nothing. ``preempted``: the sequence was preempted before (its
-        lookup is counted apart, as vLLM does).
+        ``salted_block(scope.public_tokens, block_size)``; ``scope.label`` names the sequence in
+        per-tenant metrics and in the cross-tenant hit count. ``plan``: what ``can_allocate``
+        returned for the same prompt and scope (reused if nothing changed since, planned again if
+        stale); a plan of another manager raises ``ValueError``, as a refusal changes nothing.
+        ``preempted``: the sequence was preempted before (its lookup is counted apart, as vLLM
+        does).
         """
         self._check_new(seq_id)
         plan = self._current_plan(plan, token_ids, scope)
@@ -229,12 +239,14 @@ class BlockManager(SequenceTables):
         seq = SeqBlocks(seq_id, tokens, cache_salt=scope.cache_salt, tenant=scope.label)
         seq.block_hashes, seq.salt_block = hashes, salted_block(scope.public_tokens, bs)
         # 1. the cached prefix: one more reference per hit block
-        for block in hits:
+        for i, block in enumerate(hits):
             pool.hit(block, seq_id)
             seq.block_table.append(block.block_id)
+            if block.tenant != seq.tenant:
+                self._count_foreign_hit(seq, i)
         seq.num_cached_tokens = len(hits) * bs
-        self._count_tenant_hits(seq, hits)
-        # 2. the rest: a fresh block each, copied back from the second tier while the tier has the chain
+        # 2. the rest: a fresh block each, copied back from the second tier while the tier has the
+        # chain
         restoring = self.enable_caching and self.second_tier is not None
         for i in range(len(hits), cdiv(n, bs)):
             block = pool.take(seq_id)
@@ -254,12 +266,14 @@ class BlockManager(SequenceTables):
     def _current_plan(
         self, plan: AllocationPlan | None, token_ids: Sequence[int], scope: TenantScope
     ) -> AllocationPlan:
-        """``plan`` while it still describes the pool (same clock, free count and cached hits), else a new one."""
+        """``plan`` while it still describes the pool (same clock, free count and cached hits), else
+        a new one."""
         if plan is None:
             return self.can_allocate(token_ids, scope)
         if not isinstance(plan, AllocationPlan) or plan.owner is not self:
             raise ValueError(
-                "this plan was not made by this manager's can_allocate (plans do not travel between "
+                "this plan was not made by this manager's can_allocate (plans do not travel "
+                "between "
                 "managers: another pool's free blocks and cached hits are not this one's)"
             )
         pool = self.pool
@@ -274,30 +288,34 @@ class BlockManager(SequenceTables):
         return self.can_allocate(token_ids, scope)
 
     def _miss_reasons(self, plan: AllocationPlan) -> dict[str, int]:
-        """The prompt's missed tokens by reason (``kvlab.cache.metrics``): a full block that could have hit was
-        evicted (or cut off from its chain by an evicted parent) or never cached; the rest is short."""
+        """The prompt's missed tokens by reason (``kvlab.cache.metrics``): a full block that could
+        have hit was evicted (or cut off from its chain by an evicted parent) or never cached; the
+        rest is short."""
         bs, n, pool = self.block_size, len(plan.tokens), self.pool
         eligible, found = (n - 1) // bs, len(plan.hits)
-        seen = sum(h in pool.evicted_hashes or h in pool.cached for h in plan.hashes[found:eligible])
+        seen = sum(
+            h in pool.evicted_hashes or h in pool.cached for h in plan.hashes[found:eligible]
+        )
         no_prefix = (eligible - found - seen) * bs
         return {"short": n - eligible * bs, "no_prefix": no_prefix, "evicted": seen * bs}
 
-    def _count_tenant_hits(self, seq: SeqBlocks, hits: Sequence[Block]) -> None:
-        """Count the hits on blocks another tenant registered: public inside the public prefix, else cross-tenant."""
-        for i, block in enumerate(hits):
-            if block.tenant != seq.tenant:
-                if i < seq.salt_block:
-                    self.metrics.public_hits += 1
-                else:
-                    self.metrics.cross_tenant_hits += 1
+    def _count_foreign_hit(self, seq: SeqBlocks, i: int) -> None:
+        """A hit of ``seq`` on block ``i`` that another tenant registered: a public hit inside the
+        public prefix (before the salted block), else a cross-tenant one (0 while tenants are
+        salted)."""
+        if i < seq.salt_block:
+            self.metrics.public_hits += 1
+        else:
+            self.metrics.cross_tenant_hits += 1
 
     def _cache_block(self, seq: SeqBlocks, i: int, block: Block, h: BlockHash) -> None:
-        """Register ``seq``'s full block ``i`` under hash ``h``: other requests can hit it from now on.
+        """Register ``seq``'s full block ``i`` under hash ``h``: other requests can hit it from now
+        on.
 
-        Register before compute: the block is hittable now, before the engine has written its K/V. That is
-        correct because an engine step writes every new token's K/V before any sequence reads
-        (kvlab.engine.paged_attention), so a request that hits this block in the same step reads what this
-        one writes (tests/engine/test_engine.py checks it).
+        Register before compute: the block is hittable now, before the engine has written its K/V.
+        That is correct because an engine step writes every new token's K/V before any sequence
+        reads (kvlab.engine.paged_attention), so a request that hits this block in the same step
+        reads what this one writes (tests/engine/test_engine.py checks it).
         """
         parent = seq.block_hashes[i - 1] if i else None
         parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
@@ -314,7 +332,8 @@ class BlockManager(SequenceTables):
         return bool(pool.free) or not (full or shared)
 
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
-        """Write one decoded token: take a block if the last is full, copy it first if it is shared."""
+        """Write one decoded token: take a block if the last is full, copy it first if it is
+        shared."""
         seq = self._seq(seq_id)
         check_token(token_id)
         if not self.can_append(seq_id):
@@ -353,8 +372,8 @@ class BlockManager(SequenceTables):
         """Release a finished sequence's blocks, tail first, so chain tails are evicted first.
 
         ``uncache_from``: the K/V of the positions from there on was never computed (an engine step
-        failed). The blocks holding them leave the prefix cache too, so no request can ever hit them;
-        none of them may still be shared with another sequence (free that one first).
+        failed). The blocks holding them leave the prefix cache too, so no request can ever hit
+        them; none of them may still be shared with another sequence (free that one first).
         """
         seq, pool = self._seq(seq_id), self.pool
         doomed = [] if uncache_from is None else self._uncached_blocks(seq, uncache_from)
@@ -366,7 +385,8 @@ class BlockManager(SequenceTables):
         del self.seqs[seq_id]
 
     def _uncached_blocks(self, seq: SeqBlocks, uncache_from: int) -> list[Block]:
-        """``free(..., uncache_from=)``: the cached blocks from that position on, none shared (else raise)."""
+        """``free(..., uncache_from=)``: the cached blocks from that position on, none shared (else
+        raise)."""
         n, doomed = len(seq.token_ids), []
         if type(uncache_from) is not int or not 0 <= uncache_from <= n:
             raise ValueError(f"uncache_from must be an int in [0, {n}], got {uncache_from!r}")
@@ -382,42 +402,48 @@ class BlockManager(SequenceTables):
         return doomed
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Start ``child_id`` as a copy of ``parent_id`` that shares every block (``kvlab.cache.fork``)."""
+        """Start ``child_id`` as a copy of ``parent_id`` that shares every block
+        (``kvlab.cache.fork``)."""
         fork_sequence(self, parent_id, child_id)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False, while a sequence holds blocks."""
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): refused, returning False,
+        while a sequence holds blocks."""
         if self.seqs or not self.pool.reset():
             return False
         if self.second_tier is not None:
             self.second_tier.clear()
         return True
 
-    def attach_second_tier(self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None) -> None:
-        """Ask ``tier`` when a prompt misses the pool (``host_tier.restore_block``); ``on_evict`` sees each
-        cached block evicted."""
+    def attach_second_tier(
+        self, tier: SecondTier, on_evict: Callable[[Block], None] | None = None
+    ) -> None:
+        """Ask ``tier`` when a prompt misses the pool (``host_tier.restore_block``); ``on_evict``
+        sees each cached block evicted."""
         self.second_tier = tier
         self.pool.on_evict = on_evict
 
-    # --- KV events -----------------------------------------------------------------------------------
+    # --- KV events --------------------------------------------------------------------------------
     def take_events(self) -> list[KVCacheEvent]:
-        """KV events queued since the last call (needs ``enable_kv_events=True``; vLLM's ``take_events``)."""
+        """KV events queued since the last call (needs ``enable_kv_events=True``; vLLM's
+        ``take_events``)."""
         return self.pool.take_events()
 
     def emit_event(self, event: KVCacheEvent) -> None:
-        """Queue a KV event of a tier attached to this cache, in one stream with the pool's (dropped if events are off)."""
+        """Queue a KV event of a tier attached to this cache, in one stream with the pool's (dropped
+        if events are off)."""
         self.pool.emit_event(event)
 
     def _emit_stored(self, hashes: list[BlockHash], first: int, tokens: list[int]) -> None:
-        """One ``BlockStored`` for full blocks ``first, first + 1, ...`` just cached, holding ``tokens`` (vLLM's
-        order; the manager calls this only with ``enable_kv_events=True``)."""
+        """One ``BlockStored`` for full blocks ``first, first + 1, ...`` just cached, holding
+        ``tokens`` (vLLM's order; the manager calls this only with ``enable_kv_events=True``)."""
         end = first + len(tokens) // self.block_size
         if first < end:
             parent = hashes[first - 1] if first else None
             stored = BlockStored(tuple(hashes[first:end]), parent, tuple(tokens), self.block_size)
             self.pool.emit_event(stored)
 
-    # --- reports and invariants (kvlab.cache.debug) ------------------------------------------------------
+    # --- reports and invariants (kvlab.cache.debug) -----------------------------------------------
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by a live sequence."""
@@ -445,5 +471,6 @@ class BlockManager(SequenceTables):
         return read_tokens(self, seq_id)
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` unless every ref count, table, cache entry and slot is consistent."""
+        """Raise ``InvariantError`` unless every ref count, table, cache entry and slot is
+        consistent."""
         check_manager(self)

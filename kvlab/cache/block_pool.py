@@ -15,8 +15,9 @@ The trace (``trace=True``), ``block_report`` and ``check_invariants`` are debugg
 ``kvlab.cache.debug``.
 
 References: vLLM ``vllm/v1/core/block_pool.py`` (``BlockPool``, ``get_new_blocks``, ``touch``,
-``free_blocks``) and ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``);
-nano-vllm ``nanovllm/engine/block_manager.py`` (``Block``, ``free_block_ids``, ``hash_to_block_id``).
+``free_blocks``) and ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``,
+``FreeKVCacheBlockQueue``); nano-vllm ``nanovllm/engine/block_manager.py`` (``Block``,
+``free_block_ids``, ``hash_to_block_id``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class NoFreeBlocksError(RuntimeError):
 
 @dataclass(slots=True)
 class Block:
-    """One physical block: ``block_size`` slots of K/V, represented here by the token ids written."""
+    """One physical block: ``block_size`` slots of K/V, represented here by the token ids
+    written."""
 
     block_id: int
     ref_count: int = 0
@@ -62,11 +64,13 @@ class Block:
     created_at: int = 0
     # pool clock of the last take, hit, share or release
     last_access: int = 0
-    # the tenant whose sequence registered it (set by the block manager; cross-tenant hit accounting)
+    # the tenant whose sequence registered it (set by the block manager; cross-tenant hit
+    # accounting)
     tenant: Hashable = None
 
     def reset(self) -> None:
-        """Forget the hash, keeping the tokens (the block leaves the cache); ``token_ids`` is the caller's."""
+        """Forget the hash, keeping the tokens (the block leaves the cache); ``token_ids`` is the
+        caller's."""
         self.block_hash = self.parent_hash = self.tenant = None
         self.extra_keys = ()
         self.serial = self.parent_serial = 0
@@ -75,10 +79,11 @@ class Block:
 class BlockPool:
     """``num_blocks`` blocks, a free list in LRU order, and the hash -> block cache.
 
-    ``evicted_hashes`` remembers the hashes of evicted blocks, so a miss on one counts as ``evicted``
-    rather than ``no_prefix`` (``kvlab.cache.metrics``). It is bounded: it keeps the most recent
-    ``max_evicted_hashes`` evictions (default ``max(4 * num_blocks, 1024)``, about 170 bytes each), so a
-    long-running pool's memory stays flat; a block evicted longer ago than that counts as ``no_prefix``.
+    ``evicted_hashes`` remembers the hashes of evicted blocks, so a miss on one counts as
+    ``evicted`` rather than ``no_prefix`` (``kvlab.cache.metrics``). It is bounded: it keeps the
+    most recent ``max_evicted_hashes`` evictions (default ``max(4 * num_blocks, 1024)``, about 170
+    bytes each), so a long-running pool's memory stays flat; a block evicted longer ago than that
+    counts as ``no_prefix``.
     """
 
     def __init__(
@@ -103,17 +108,19 @@ class BlockPool:
         # head = next victim
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, list[Block]] = {}
-        # for classifying misses: the latest evicted hashes, oldest first, at most max_evicted_hashes
+        # for classifying misses: the latest evicted hashes, oldest first, at most
+        # max_evicted_hashes
         self.evicted_hashes: OrderedDict[BlockHash, None] = OrderedDict()
         self.max_evicted_hashes = max_evicted_hashes
         self.trace: list[TraceEvent] | None = [] if trace else None
         self.clock = self.num_evictions = 0
         self._next_serial = 1
-        # KV events (vLLM's schema, kvlab.cache.kv_events): the pool queues removals and clears, the block
-        # manager queues stores (it knows which blocks one call caches together)
+        # KV events (vLLM's schema, kvlab.cache.kv_events): the pool queues removals and clears, the
+        # block manager queues stores (it knows which blocks one call caches together)
         self.enable_kv_events = enable_kv_events
         self.kv_event_queue: list[KVCacheEvent] = []
-        # called with a cached block just before its eviction (contents still readable): a host tier's seam
+        # called with a cached block just before its eviction (contents still readable): a host
+        # tier's seam
         self.on_evict: Callable[[Block], None] | None = None
 
     @property
@@ -132,7 +139,8 @@ class BlockPool:
 
     # --- taking and returning blocks -------------------------------------------------------------
     def take(self, owner: Hashable = None, event: str = "take") -> Block:
-        """Take the least recently used free block, evicting its cached contents, with ref count 1."""
+        """Take the least recently used free block, evicting its cached contents, with ref count
+        1."""
         if not self.free:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are referenced")
         block = self.blocks[next(iter(self.free))]
@@ -168,11 +176,12 @@ class BlockPool:
         self._record(block, "hit", owner)
 
     def release(self, block: Block, owner: Hashable = None) -> None:
-        """Drop one reference; at 0 the block joins the free list: a cached block at the tail (evicted last).
+        """Drop one reference; at 0 the block joins the free list: a cached block at the tail
+        (evicted last).
 
-        With ``free_order="vllm"`` (the default, as vLLM's ``BlockPool.free_blocks``) a block that carries
-        no hash (a partial tail, which no request can ever hit) goes to the *head* instead, so it is reused
-        before any cached block is evicted; ``"lru"`` puts every block at the tail.
+        With ``free_order="vllm"`` (the default, as vLLM's ``BlockPool.free_blocks``) a block that
+        carries no hash (a partial tail, which no request can ever hit) goes to the *head* instead,
+        so it is reused before any cached block is evicted; ``"lru"`` puts every block at the tail.
         """
         if block is not self.blocks[block.block_id % self.num_blocks]:
             raise ValueError(f"{block!r} is not a block of this pool")
@@ -246,7 +255,8 @@ class BlockPool:
         self._record(block, "register", owner)
 
     def _uncache(self, block: Block, event: str, owner: Hashable) -> None:
-        """Drop ``block`` from the cache (``event``: evict or uncache), with its ``BlockRemoved``."""
+        """Drop ``block`` from the cache (``event``: evict or uncache), with its
+        ``BlockRemoved``."""
         bucket = self.cached[block.block_hash]
         bucket.remove(block)
         if not bucket:
@@ -257,18 +267,20 @@ class BlockPool:
         self._record(block, event, owner)
 
     def uncache(self, block: Block, owner: Hashable = None) -> None:
-        """Take a block out of the cache now, keeping its tokens and references (its K/V was never computed).
+        """Take a block out of the cache now, keeping its tokens and references (its K/V was never
+        computed).
 
-        The engine calls this (through ``BlockManager.free(..., uncache_from=...)``) for the blocks of a
-        step that failed, so no later request can hit K/V that was never written. The hash is not
-        remembered as evicted: the content was never really cached.
+        The engine calls this (through ``BlockManager.free(..., uncache_from=...)``) for the blocks
+        of a step that failed, so no later request can hit K/V that was never written. The hash is
+        not remembered as evicted: the content was never really cached.
         """
         if block is not self.blocks[block.block_id % self.num_blocks] or block.block_hash is None:
             raise ValueError(f"{block!r} is not a cached block of this pool")
         self._uncache(block, "uncache", owner)
 
     def reset(self) -> bool:
-        """Drop every cached hash, keeping the free list's order; refused (False) while any block is in use."""
+        """Drop every cached hash, keeping the free list's order; refused (False) while any block is
+        in use."""
         if any(b.ref_count for b in self.blocks):
             return False
         self.clock += 1
@@ -284,18 +296,20 @@ class BlockPool:
     def emit_event(self, event: KVCacheEvent) -> None:
         """Queue a KV event for ``take_events`` (dropped when ``enable_kv_events`` is off).
 
-        The pool emits ``BlockRemoved`` and ``AllBlocksCleared`` itself; the block manager emits ``BlockStored``
-        through here when it registers blocks, and a second tier its own events, so all share one ordered stream.
+        The pool emits ``BlockRemoved`` and ``AllBlocksCleared`` itself; the block manager emits
+        ``BlockStored`` through here when it registers blocks, and a second tier its own events, so
+        all share one ordered stream.
         """
         if self.enable_kv_events:
             self.kv_event_queue.append(event)
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The queued KV events, oldest first, and an empty queue (vLLM's ``BlockPool.take_events``)."""
+        """The queued KV events, oldest first, and an empty queue (vLLM's
+        ``BlockPool.take_events``)."""
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 
-    # --- debugging (kvlab.cache.debug) -------------------------------------------------------------
+    # --- debugging (kvlab.cache.debug) ------------------------------------------------------------
     def _record(self, block: Block, event: str, owner: Hashable) -> None:
         """Trace one event of ``block`` (a no-op unless the pool was made with ``trace=True``)."""
         if self.trace is not None:
@@ -308,7 +322,8 @@ class BlockPool:
         return [e for e in self.trace if e.block_id == block_id]
 
     def block_report(self) -> list[dict]:
-        """One row per block: ref count, created, last access, cached, free (``debug.block_report``)."""
+        """One row per block: ref count, created, last access, cached, free
+        (``debug.block_report``)."""
         return block_report(self)
 
     def check_invariants(self, hash_fn: Callable | None = None) -> None:

@@ -1,8 +1,10 @@
-"""Invariants and reports of the block pool and block manager: debugging aids, never on a step (pure Python).
+"""Invariants and reports of the block pool and block manager: debugging aids, never on a step (pure
+Python).
 
-``check_pool`` and ``check_manager`` are what ``BlockPool.check_invariants`` and ``BlockManager.check_invariants``
-run (an engine with ``debug=True`` after every step, the tests after every operation); ``read_tokens`` and
-``block_report`` are the article's debug views; ``TraceEvent`` is one line of a pool's ``trace=True`` log.
+``check_pool`` and ``check_manager`` are what ``BlockPool.check_invariants`` and
+``BlockManager.check_invariants`` run (an engine with ``debug=True`` after every step, the tests
+after every operation); ``read_tokens`` and ``block_report`` are the article's debug views;
+``TraceEvent`` is one line of a pool's ``trace=True`` log.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class TraceEvent:
 
 
 def block_report(pool: Any) -> list[dict]:
-    """One row per block of ``pool``: ref count, created, last access, cached, free; the article's debug marks."""
+    """One row per block of ``pool``: ref count, created, last access, cached, free; the article's
+    debug marks."""
     return [
         {
             "block_id": b.block_id,
@@ -107,7 +110,8 @@ def read_tokens(manager: Any, seq_id: Hashable) -> list[int | None]:
 
 
 def check_manager(manager: Any) -> None:
-    """Raise ``InvariantError`` unless every ref count, table, cache entry and slot of a ``BlockManager`` agrees."""
+    """Raise ``InvariantError`` unless every ref count, table, cache entry and slot of a
+    ``BlockManager`` agrees."""
     pool, bs = manager.pool, manager.block_size
     check_pool(pool, manager.hash_fn)
     refs = Counter(b for seq in manager.seqs.values() for b in seq.block_table)
@@ -125,7 +129,8 @@ def check_manager(manager: Any) -> None:
         )
         check(
             read_tokens(manager, seq.seq_id) == seq.token_ids,
-            f"sequence {seq.seq_id!r} reads other tokens than it wrote (a shared block was written)",
+            f"sequence {seq.seq_id!r} reads other tokens than it wrote (a shared block was "
+            "written)",
         )
         if manager.enable_caching:
             check(

@@ -1,12 +1,13 @@
-"""Fork and copy-on-write for the block manager: two sequences share every block until one writes (pure Python).
+"""Fork and copy-on-write for the block manager: two sequences share every block until one writes
+(pure Python).
 
-``fork`` gives a child every block of its parent, the partial tail included (ref counts go up, nothing is
-copied). The first ``append`` into a shared partial block moves the writer onto a private copy of it
-(``copy_on_write``) and reports ``(src, dst)`` so an engine copies the K/V tensors. Full blocks are never
-written again, so they stay shared. A default ``Engine.generate`` never forks.
+``fork`` gives a child every block of its parent, the partial tail included (ref counts go up,
+nothing is copied). The first ``append`` into a shared partial block moves the writer onto a private
+copy of it (``copy_on_write``) and reports ``(src, dst)`` so an engine copies the K/V tensors. Full
+blocks are never written again, so they stay shared. A default ``Engine.generate`` never forks.
 
-References: vLLM v0 ``vllm/core/block/cpu_gpu_block_allocator.py`` (copy-on-write); vLLM v1 shares only full
-blocks and has no fork.
+References: vLLM v0 ``vllm/core/block/cpu_gpu_block_allocator.py`` (copy-on-write); vLLM v1 shares
+only full blocks and has no fork.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def fork_sequence(manager: Any, parent_id: Hashable, child_id: Hashable) -> None
 
 
 def copy_on_write(manager: Any, seq: Any, shared: Any) -> Any:
-    """Move ``seq`` off a shared partial block onto a private copy of it (``append`` writes into it)."""
+    """Move ``seq`` off a shared partial block onto a private copy of it (``append`` writes into
+    it)."""
     pool = manager.pool
     copy = pool.take(seq.seq_id, event="cow-copy")
     copy.token_ids = shared.token_ids[: len(seq.token_ids) % manager.block_size]

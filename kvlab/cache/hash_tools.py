@@ -1,10 +1,10 @@
-"""Hashing helpers beside the block manager's own (``kvlab.cache.hashing``): for lessons, routers and benchmarks.
+"""Hashing helpers beside the block manager's own (``kvlab.cache.hashing``): for lessons, routers
+and benchmarks.
 
 ``hash_token_blocks`` hashes a token list with extra keys on its first block (notebook 04's chain),
-``first_block_extra_keys`` names the first block's fingerprint and salt (``hashing.salted_block`` says which
-block takes a salt),
-``builtin_hash`` is Python's ``hash()`` (fast, collisions can be crafted: benchmarks only), and
-``config_fingerprint`` names a model by its config.
+``first_block_extra_keys`` names the first block's fingerprint and salt (``hashing.salted_block``
+says which block takes a salt), ``builtin_hash`` is Python's ``hash()`` (fast, collisions can be
+crafted: benchmarks only), and ``config_fingerprint`` names a model by its config.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ __all__ = [
 def builtin_hash(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
 ) -> BlockHash:
-    """Python's ``hash()`` of a tuple, 8 bytes: fast, but collisions can be crafted (benchmarks only)."""
+    """Python's ``hash()`` of a tuple, 8 bytes: fast, but collisions can be crafted (benchmarks
+    only)."""
     return hash((parent, tuple(token_ids), extra_keys)).to_bytes(8, "little", signed=True)
 
 
 def first_block_extra_keys(model_fingerprint: str = "", cache_salt: str | None = None) -> ExtraKeys:
-    """Extra keys of a sequence's first block: the model fingerprint and the tenant's salt, if any."""
+    """Extra keys of a sequence's first block: the model fingerprint and the tenant's salt, if
+    any."""
     return block_extra_keys(0, model_fingerprint, cache_salt)
 
 
@@ -52,8 +54,10 @@ def hash_token_blocks(
 
 
 def config_fingerprint(name: str, **config: object) -> str:
-    """A short, stable fingerprint of a model's name and the config values that change its K/V (no weights).
+    """A short, stable fingerprint of a model's name and the config values that change its K/V (no
+    weights).
 
-    Not ``kvlab.engine.models.model_fingerprint``, which hashes the weights and the tokenizer themselves.
+    Not ``kvlab.engine.models.model_fingerprint``, which hashes the weights and the tokenizer
+    themselves.
     """
     return hashlib.sha256(repr((name, sorted(config.items()))).encode()).hexdigest()[:16]

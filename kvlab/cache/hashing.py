@@ -2,10 +2,10 @@
 
 A block's hash covers its parent's hash, its own token ids and some extra keys, so two blocks hash
 alike only if everything before them matched too. The first block's extra keys carry the model
-fingerprint and, when given, a tenant's ``cache_salt``: different models or tenants never share a block.
-Under a *public-prefix* policy the salt enters later instead: in the first block that extends past the
-operator's public prefix (``salted_block``, the one place that says which block takes it), so the
-public blocks are shared by every tenant and, because hashes chain, nothing after them is.
+fingerprint and, when given, a tenant's ``cache_salt``: different models or tenants never share a
+block. Under a *public-prefix* policy the salt enters later instead: in the first block that extends
+past the operator's public prefix (``salted_block``, the one place that says which block takes it),
+so the public blocks are shared by every tenant and, because hashes chain, nothing after them is.
 Only *full* blocks get a hash; a partial tail block is never shared through the cache.
 
 sha256 is the default because collisions of Python's ``hash()`` can be crafted on purpose (vLLM
@@ -17,8 +17,8 @@ References: vLLM ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``, ``NO
 ``generate_block_hash_extra_keys``); nano-vllm ``nanovllm/engine/block_manager.py``
 (``compute_hash``).
 
-Helpers the block manager does not use (hashing a token list with given extra keys, Python's ``hash()``,
-a config fingerprint) are in ``kvlab.cache.hash_tools``.
+Helpers the block manager does not use (hashing a token list with given extra keys, Python's
+``hash()``, a config fingerprint) are in ``kvlab.cache.hash_tools``.
 """
 
 from __future__ import annotations
@@ -52,9 +52,11 @@ def hash_block(
 
 
 def salted_block(public_tokens: int, block_size: int) -> int:
-    """The index of the block whose hash takes the ``cache_salt``: the first not wholly inside the public prefix.
+    """The index of the block whose hash takes the ``cache_salt``: the first not wholly inside the
+    public prefix.
 
-    0 without a public prefix (vLLM's ``cache_salt`` on the first block); the blocks before it are shared.
+    0 without a public prefix (vLLM's ``cache_salt`` on the first block); the blocks before it are
+    shared.
     """
     return public_tokens // block_size
 
@@ -62,7 +64,8 @@ def salted_block(public_tokens: int, block_size: int) -> int:
 def block_extra_keys(
     index: int, model_fingerprint: str = "", cache_salt: str | None = None, salt_block: int = 0
 ) -> ExtraKeys:
-    """Extra keys of block ``index``: the fingerprint on block 0, the salt on block ``salt_block``."""
+    """Extra keys of block ``index``: the fingerprint on block 0, the salt on block
+    ``salt_block``."""
     keys: tuple = ()
     if index == 0 and model_fingerprint:
         keys += (("model", model_fingerprint),)
@@ -79,7 +82,8 @@ def prompt_block_hashes(
     salt_block: int = 0,
     hash_fn: HashFn = hash_block,
 ) -> list[BlockHash]:
-    """The hashes a ``BlockManager`` gives a prompt's full blocks (a router computes them the same way)."""
+    """The hashes a ``BlockManager`` gives a prompt's full blocks (a router computes them the same
+    way)."""
     hashes: list[BlockHash] = []
     parent = None
     for i in range(len(token_ids) // block_size):

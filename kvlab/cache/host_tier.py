@@ -1,20 +1,24 @@
-"""A second tier for evicted blocks: a bytes-bounded LRU store keyed by the same chained block hashes (pure Python).
+"""A second tier for evicted blocks: a bytes-bounded LRU store keyed by the same chained block
+hashes (pure Python).
 
-When the pool evicts a cached block (``BlockPool.on_evict``), ``TierLink`` copies it here: its hash, its
-parent's hash, its token ids, its extra keys (model fingerprint, tenant salt) and an opaque ``payload`` (the
-K/V, which ``kvlab.engine.offload`` copies; ``None`` in a model-free replica). When a later prompt misses the
-pool, the block manager asks the link for the next blocks of its chain (``load``): an entry is served only if
-its hash, tokens, extra keys and parent hash all match what the prompt asks for, so a collision or another
-tenant's salted block is never served (the salt is in the extra keys, and in the hash). The payload is copied
-into a fresh pool block instead of recomputing it: those prompt tokens are cached tokens of a second kind.
+When the pool evicts a cached block (``BlockPool.on_evict``), ``TierLink`` copies it here: its hash,
+its parent's hash, its token ids, its extra keys (model fingerprint, tenant salt) and an opaque
+``payload`` (the K/V, which ``kvlab.engine.offload`` copies; ``None`` in a model-free replica). When
+a later prompt misses the pool, the block manager asks the link for the next blocks of its chain
+(``load``): an entry is served only if its hash, tokens, extra keys and parent hash all match what
+the prompt asks for, so a collision or another tenant's salted block is never served (the salt is in
+the extra keys, and in the hash). The payload is copied into a fresh pool block instead of
+recomputing it: those prompt tokens are cached tokens of a second kind.
 
-The same store stages blocks fetched from another replica (``source="peer"``, ``kvlab.engine.offload``).
-``pin`` keeps an entry from being evicted while it is being read; a pinned store may exceed nothing: a put
-that cannot make room among unpinned entries is refused. Events (vLLM's schema, ``medium="CPU"``): a put
-emits ``BlockStored``, an eviction or removal ``BlockRemoved``.
+The same store stages blocks fetched from another replica (``source="peer"``,
+``kvlab.engine.offload``). ``pin`` keeps an entry from being evicted while it is being read; a
+pinned store may exceed nothing: a put that cannot make room among unpinned entries is refused.
+Events (vLLM's schema, ``medium="CPU"``): a put emits ``BlockStored``, an eviction or removal
+``BlockRemoved``.
 
-References: vLLM's CPU offloading connector (``vllm/v1/kv_offload``: ``OffloadingManager``, ``LRUOffloadingManager``,
-``lookup``/``prepare_store``/``prepare_load``) and LMCache's local CPU backend.
+References: vLLM's CPU offloading connector (``vllm/v1/kv_offload``: ``OffloadingManager``,
+``LRUOffloadingManager``, ``lookup``/``prepare_store``/``prepare_load``) and LMCache's local CPU
+backend.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class TierEntry:
 
 
 class HostTier:
-    """Entries by block hash in LRU order (head = next victim), at most ``capacity_bytes`` of them in bytes."""
+    """Entries by block hash in LRU order (head = next victim), at most ``capacity_bytes`` of them
+    in bytes."""
 
     def __init__(
         self,
@@ -88,7 +93,8 @@ class HostTier:
             self.emit(event)
 
     def put(self, entry: TierEntry) -> bool:
-        """Store ``entry`` (replacing one with the same hash), evicting LRU unpinned entries; False if it cannot fit."""
+        """Store ``entry`` (replacing one with the same hash), evicting LRU unpinned entries; False
+        if it cannot fit."""
         if not isinstance(entry, TierEntry):
             raise TypeError(f"entry must be a TierEntry, got {type(entry).__name__}")
         if entry.source not in SOURCES:
@@ -142,7 +148,8 @@ class HostTier:
         extra_keys: ExtraKeys,
         parent_hash: BlockHash | None,
     ) -> TierEntry | None:
-        """The entry for exactly this block (hash, tokens, extra keys, parent), now most recently used; else None."""
+        """The entry for exactly this block (hash, tokens, extra keys, parent), now most recently
+        used; else None."""
         entry = self.entries.get(block_hash)
         if entry is None or not entry.matches(tuple(token_ids), extra_keys, parent_hash):
             return None
@@ -174,7 +181,8 @@ class HostTier:
             self._emit(BlockRemoved((block_hash,), medium=MEDIUM_CPU))
 
     def clear(self) -> None:
-        """Drop every unpinned entry (with the prefix cache's reset: K/V of old weights must not come back)."""
+        """Drop every unpinned entry (with the prefix cache's reset: K/V of old weights must not
+        come back)."""
         for h in [h for h, e in self.entries.items() if not e.pins]:
             self._remove(h)
 
@@ -204,15 +212,17 @@ class SecondTier(Protocol):
         parent_hash: BlockHash | None,
         block_id: int,
     ) -> str | None:
-        """Copy this exact block into pool block ``block_id``; its source ("offload"/"peer"), or None on a miss."""
+        """Copy this exact block into pool block ``block_id``; its source ("offload"/"peer"), or
+        None on a miss."""
 
     def clear(self) -> None:
         """Forget everything (the prefix cache was reset)."""
 
 
 def restore_block(manager: Any, seq: Any, i: int, block: Any) -> bool:
-    """The block manager's side of the seam: copy ``seq``'s prompt block ``i`` back from the manager's second tier
-    into the fresh pool ``block``; whether the tier had it (the restored tokens are counted by source)."""
+    """The block manager's side of the seam: copy ``seq``'s prompt block ``i`` back from the
+    manager's second tier into the fresh pool ``block``; whether the tier had it (the restored
+    tokens are counted by source)."""
     h = seq.block_hashes
     keys = block_extra_keys(i, manager.model_fingerprint, seq.cache_salt, seq.salt_block)
     source = manager.second_tier.load(
@@ -225,12 +235,14 @@ def restore_block(manager: Any, seq: Any, i: int, block: Any) -> bool:
 
 
 class TierLink:
-    """Connects a block pool to a ``HostTier``: saves evicted blocks, loads them back; counts what moved.
+    """Connects a block pool to a ``HostTier``: saves evicted blocks, loads them back; counts what
+    moved.
 
-    ``save_payload(block_id) -> (payload, nbytes)`` reads a pool block's K/V; ``load_payload(payload, block_id)``
-    writes it back (may raise: the load then counts as a miss). Both default to a model-free stand-in
-    (no payload, ``bytes_per_block`` bytes), which is what ``SimReplica`` uses. ``offload=False`` keeps the
-    tier as a staging area for fetched blocks only (evictions are not saved).
+    ``save_payload(block_id) -> (payload, nbytes)`` reads a pool block's K/V;
+    ``load_payload(payload, block_id)`` writes it back (may raise: the load then counts as a miss).
+    Both default to a model-free stand-in (no payload, ``bytes_per_block`` bytes), which is what
+    ``SimReplica`` uses. ``offload=False`` keeps the tier as a staging area for fetched blocks only
+    (evictions are not saved).
     """
 
     def __init__(
@@ -270,11 +282,13 @@ class TierLink:
             self.saved_blocks += 1
 
     def stage(self, entries: list[TierEntry], hash_fn: Callable) -> int:
-        """Put blocks fetched from elsewhere into the tier (``source="peer"``); how many were accepted.
+        """Put blocks fetched from elsewhere into the tier (``source="peer"``); how many were
+        accepted.
 
-        Each block's hash is recomputed with ``hash_fn`` from its parent hash, tokens and extra keys (which carry
-        the model fingerprint and the salt): a block whose label does not match its content is refused, and
-        staging stops there (later blocks of the chain could never be reached).
+        Each block's hash is recomputed with ``hash_fn`` from its parent hash, tokens and extra keys
+        (which carry the model fingerprint and the salt): a block whose label does not match its
+        content is refused, and staging stops there (later blocks of the chain could never be
+        reached).
         """
         n = 0
         for e in entries:
@@ -298,7 +312,8 @@ class TierLink:
         parent_hash: BlockHash | None,
         block_id: int,
     ) -> str | None:
-        """``SecondTier.load``: the entry's source after copying it into ``block_id``, or None (miss or failed copy)."""
+        """``SecondTier.load``: the entry's source after copying it into ``block_id``, or None (miss
+        or failed copy)."""
         entry = self.tier.get(block_hash, tuple(token_ids), extra_keys, parent_hash)
         if entry is None:
             return None
@@ -319,7 +334,8 @@ class TierLink:
         self.tier.clear()
 
     def stats(self) -> dict[str, Hashable]:
-        """Blocks saved and loaded back (by source), entries and bytes held, evictions and refusals."""
+        """Blocks saved and loaded back (by source), entries and bytes held, evictions and
+        refusals."""
         t = self.tier
         return {
             "tier_blocks": len(t),
@@ -342,12 +358,14 @@ def collect_blocks(
     parent: BlockHash | None = None,
     wire: Callable[[Any], Any] | None = None,
 ) -> list[TierEntry]:
-    """The leading blocks of ``hashes`` that this replica holds (its ``BlockManager``'s pool, then its tier), as entries.
+    """The leading blocks of ``hashes`` that this replica holds (its ``BlockManager``'s pool, then
+    its tier), as entries.
 
-    ``read(block_id) -> (payload, nbytes)`` copies a pool block's K/V (None: model-free, one byte each);
-    ``parent``: the hash before ``hashes[0]`` (None when they start the prompt); ``wire(payload)`` converts a
-    tier entry's payload as ``read`` converts a pool block's (for shipping). Stops at the first hash it
-    holds neither place, or whose parent is not the previous hash (a broken chain).
+    ``read(block_id) -> (payload, nbytes)`` copies a pool block's K/V (None: model-free, one byte
+    each); ``parent``: the hash before ``hashes[0]`` (None when they start the prompt);
+    ``wire(payload)`` converts a tier entry's payload as ``read`` converts a pool block's (for
+    shipping). Stops at the first hash it holds neither place, or whose parent is not the previous
+    hash (a broken chain).
     """
     out: list[TierEntry] = []
     cached = block_manager.pool.cached

@@ -1,28 +1,33 @@
-"""The cache interface: exactly what ``kvlab.engine``'s scheduler and engine call on their cache, and the
-per-sequence state and tenant scope every cache shares (pure Python).
+"""The cache interface: exactly what ``kvlab.engine``'s scheduler and engine call on their cache,
+and the per-sequence state and tenant scope every cache shares (pure Python).
 
-``BlockManager`` (vLLM's hash blocks) and the engine's radix cache (``kvlab.engine.radix_adapter``) both
-implement it, and ``Engine(model, tok, cache=obj)`` takes any object that does (a participant's own block
-manager, a lesson's deliberately wrong one). Sizes are in blocks of ``block_size`` slots; ``seq_id`` is the
-engine's int id of one sequence; ``scope`` is a ``TenantScope`` (salt, public-prefix length, tenant).
+``BlockManager`` (vLLM's hash blocks) and the engine's radix cache (``kvlab.engine.radix_adapter``)
+both implement it, and ``Engine(model, tok, cache=obj)`` takes any object that does (a participant's
+own block manager, a lesson's deliberately wrong one). Sizes are in blocks of ``block_size`` slots;
+``seq_id`` is the engine's int id of one sequence; ``scope`` is a ``TenantScope`` (salt,
+public-prefix length, tenant).
 
 Members, and who calls them:
 
-- ``block_size``, ``num_blocks``: the engine sizes its K/V store by them; ``Scheduler.check_fits`` refuses
-  a request that could never fit ``num_blocks``.
+- ``block_size``, ``num_blocks``: the engine sizes its K/V store by them; ``Scheduler.check_fits``
+  refuses a request that could never fit ``num_blocks``.
 - ``num_free_blocks``: the engine's ``kv_bytes_in_use``.
-- ``can_allocate(token_ids, scope)`` -> a plan (falsy: not now), ``allocate(seq_id, token_ids, scope, plan=,
-  preempted=)`` -> prompt tokens served from the cache: the scheduler's admission.
-- ``can_append(seq_id)``, ``append(seq_id, token)`` -> a result with ``.cow`` (a ``(src, dst)`` block copy or
-  None): the scheduler's decode step.
-- ``fork(parent_id, child_id)``, ``free(seq_id, uncache_from=None)``: fork, preemption, finish, requeue.
+- ``can_allocate(token_ids, scope)`` -> a plan (falsy: not now), ``allocate(seq_id, token_ids,
+  scope, plan=, preempted=)`` -> prompt tokens served from the cache: the scheduler's admission.
+- ``can_append(seq_id)``, ``append(seq_id, token)`` -> a result with ``.cow`` (a ``(src, dst)``
+  block copy or None): the scheduler's decode step.
+- ``fork(parent_id, child_id)``, ``free(seq_id, uncache_from=None)``: fork, preemption, finish,
+  requeue.
 - ``block_table(seq_id)`` -> physical block ids: the engine's packed batch.
-- ``num_allocated_tokens(seq_id)``: the tokens whose K/V slots the cache holds for a sequence (the scheduler's
-  chunked prefill); ``num_restored_tokens(seq_id)``: of what ``allocate`` returned, the prompt tokens copied
-  back from a second tier rather than hit on the device (0 without one), read at a first admission.
-- ``seqs``: a mapping seq id -> a ``CacheSeq`` entry, read by the engine's ``check_invariants`` only.
-- ``stats()``, ``check_invariants()``, ``take_events()`` (KV events, may be empty), ``reset_prefix_cache()``
-  (True if cleared, False while a sequence holds blocks; may raise ``NotImplementedError``).
+- ``num_allocated_tokens(seq_id)``: the tokens whose K/V slots the cache holds for a sequence (the
+  scheduler's chunked prefill); ``num_restored_tokens(seq_id)``: of what ``allocate`` returned, the
+  prompt tokens copied back from a second tier rather than hit on the device (0 without one), read
+  at a first admission.
+- ``seqs``: a mapping seq id -> a ``CacheSeq`` entry, read by the engine's ``check_invariants``
+  only.
+- ``stats()``, ``check_invariants()``, ``take_events()`` (KV events, may be empty),
+  ``reset_prefix_cache()`` (True if cleared, False while a sequence holds blocks; may raise
+  ``NotImplementedError``).
 """
 
 from __future__ import annotations
@@ -62,12 +67,14 @@ class DuplicateSequenceError(ValueError):
 
 @dataclass(slots=True, frozen=True, init=False)
 class TenantScope:
-    """Whose cached blocks a sequence may share: its ``cache_salt``, the public prefix before it, and its label.
+    """Whose cached blocks a sequence may share: its ``cache_salt``, the public prefix before it,
+    and its label.
 
-    ``cache_salt`` enters the hash of one block (``kvlab.cache.hashing.salted_block``: block 0 by default, as in
-    vLLM): from there on a tenant's blocks are its own, the whole blocks of an operator's public prefix before it
-    stay shared. ``tenant`` labels the sequence in per-tenant metrics (default: the salt). An engine derives the
-    salt from the request's ``cache_salt`` and its tenant (``kvlab.engine.tenants.request_salt``).
+    ``cache_salt`` enters the hash of one block (``kvlab.cache.hashing.salted_block``: block 0 by
+    default, as in vLLM): from there on a tenant's blocks are its own, the whole blocks of an
+    operator's public prefix before it stay shared. ``tenant`` labels the sequence in per-tenant
+    metrics (default: the salt). An engine derives the salt from the request's ``cache_salt`` and
+    its tenant (``kvlab.engine.tenants.request_salt``).
     """
 
     cache_salt: str | None = None
@@ -84,7 +91,8 @@ class TenantScope:
         *,
         salt: str | None = None,
     ) -> None:
-        """``salt=``: the keyword's name before issue 51, still accepted from notebooks 04 and 04b."""
+        """``salt=``: the keyword's name before issue 51, still accepted from notebooks 04 and
+        04b."""
         if salt is not None:
             if cache_salt is not None:
                 raise TypeError("give cache_salt or its old name salt, not both")
@@ -93,7 +101,9 @@ class TenantScope:
         object.__setattr__(self, "public_tokens", public_tokens)
         object.__setattr__(self, "tenant", tenant)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {type(self.cache_salt).__name__}")
+            raise TypeError(
+                f"cache_salt must be a str or None, got {type(self.cache_salt).__name__}"
+            )
         if type(self.public_tokens) is not int or self.public_tokens < 0:
             raise ValueError(f"public_tokens must be an int >= 0, got {self.public_tokens!r}")
         try:
@@ -124,8 +134,9 @@ def check_token(token_id: int) -> None:
 def check_prompt(
     token_ids: Sequence[int], scope: TenantScope = NO_SCOPE, what: str = "a prompt"
 ) -> list[int]:
-    """``token_ids`` as a list, or a clear error: at least one token, plain ints in [0, MAX_TOKEN_ID), and
-    ``scope``'s public prefix within it (every cache runs this before it looks anything up)."""
+    """``token_ids`` as a list, or a clear error: at least one token, plain ints in [0,
+    MAX_TOKEN_ID), and ``scope``'s public prefix within it (every cache runs this before it looks
+    anything up)."""
     if not isinstance(scope, TenantScope):
         raise TypeError(f"scope must be a TenantScope, got {type(scope).__name__}")
     tokens = list(token_ids)
@@ -160,7 +171,8 @@ class SeqState:
 
 
 class SequenceTables:
-    """The per-sequence queries every cache shares (``BlockManager`` and ``RadixCache`` inherit them).
+    """The per-sequence queries every cache shares (``BlockManager`` and ``RadixCache`` inherit
+    them).
 
     A cache sets ``seqs`` (id -> ``SeqState``) and ``block_size``.
     """
@@ -193,7 +205,8 @@ class SequenceTables:
         return self._seq(seq_id).num_cached_tokens
 
     def num_restored_tokens(self, seq_id: Hashable) -> int:
-        """Of what ``allocate`` returned, the prompt tokens copied back from a second tier (0 without one)."""
+        """Of what ``allocate`` returned, the prompt tokens copied back from a second tier (0
+        without one)."""
         return self._seq(seq_id).num_restored_tokens
 
     def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
@@ -239,7 +252,8 @@ class CacheManager(Protocol):
         plan: Any = ...,
         preempted: bool = ...,
     ) -> int:
-        """Give ``seq_id`` blocks for ``token_ids``; return the prompt tokens served from the cache."""
+        """Give ``seq_id`` blocks for ``token_ids``; return the prompt tokens served from the
+        cache."""
 
     def can_append(self, seq_id: Hashable) -> bool:
         """Whether one more token of ``seq_id`` fits now."""
@@ -275,8 +289,9 @@ class CacheManager(Protocol):
         """Forget every cached block; False while a sequence holds blocks."""
 
 
-# the data members are the Protocol's annotations, the rest its public methods: both read from the class, so
-# adding a member to CacheManager adds it here (and to what ``check_cache`` asks of a caller's cache)
+# the data members are the Protocol's annotations, the rest its public methods: both read from the
+# class, so adding a member to CacheManager adds it here (and to what ``check_cache`` asks of a
+# caller's cache)
 _DATA_MEMBERS = frozenset(CacheManager.__annotations__)
 _METHODS = frozenset(
     name
@@ -288,7 +303,8 @@ CACHE_MEMBERS = tuple(sorted(_DATA_MEMBERS | _METHODS))
 
 
 def missing_members(obj: object) -> list[str]:
-    """The members of ``CacheManager`` that ``obj`` lacks or has as a non-callable where a method is due (sorted)."""
+    """The members of ``CacheManager`` that ``obj`` lacks or has as a non-callable where a method is
+    due (sorted)."""
     missing = []
     for name in CACHE_MEMBERS:
         if not hasattr(obj, name):
@@ -299,7 +315,8 @@ def missing_members(obj: object) -> list[str]:
 
 
 def check_cache(obj: object) -> CacheManager:
-    """Return ``obj`` if it implements ``CacheManager``; else raise ``TypeError`` naming the missing members."""
+    """Return ``obj`` if it implements ``CacheManager``; else raise ``TypeError`` naming the missing
+    members."""
     missing = missing_members(obj)
     if missing:
         raise TypeError(

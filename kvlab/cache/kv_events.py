@@ -1,30 +1,34 @@
 """KV-cache events in vLLM's schema: what a replica tells a router about the blocks it caches.
 
-A block manager created with ``enable_kv_events=True`` queues one event per change of its prefix cache,
-with vLLM's semantics (``vllm/v1/core/block_pool.py``):
+A block manager created with ``enable_kv_events=True`` queues one event per change of its prefix
+cache, with vLLM's semantics (``vllm/v1/core/block_pool.py``):
 
 - ``BlockStored``: full blocks were just put into the cache, one event per call that caches them (a
-  prompt's new full blocks at admission, each block filled during decode). ``block_hashes`` are those
-  blocks' hashes in order, ``parent_block_hash`` the hash of the block before the first of them (None
-  for a sequence's first block), ``token_ids`` the tokens of all of them together. A block the
-  request *hit* is not stored again (vLLM emits those only in its opt-in "full" report mode).
+  prompt's new full blocks at admission, each block filled during decode). ``block_hashes`` are
+  those blocks' hashes in order, ``parent_block_hash`` the hash of the block before the first of
+  them (None for a sequence's first block), ``token_ids`` the tokens of all of them together. A
+  block the request *hit* is not stored again (vLLM emits those only in its opt-in "full" report
+  mode).
 - ``BlockRemoved``: a cached block left the cache, one event per block (evicted when its slot was
-  taken for new data; kvlab also emits it when a failed step takes unwritten blocks out of the cache).
+  taken for new data; kvlab also emits it when a failed step takes unwritten blocks out of the
+  cache).
 - ``AllBlocksCleared``: ``reset_prefix_cache`` dropped everything.
 
-Each ``BlockStored`` / ``BlockRemoved`` names its tier in ``medium``, as vLLM's do: ``"GPU"`` for the pool
-(kvlab's name for the device tier, whatever the device) and ``"CPU"`` for the host tier of evicted or fetched
-blocks (``kvlab.cache.host_tier``). A consumer keeps the two apart: a block can sit in both.
+Each ``BlockStored`` / ``BlockRemoved`` names its tier in ``medium``, as vLLM's do: ``"GPU"`` for
+the pool (kvlab's name for the device tier, whatever the device) and ``"CPU"`` for the host tier of
+evicted or fetched blocks (``kvlab.cache.host_tier``). A consumer keeps the two apart: a block can
+sit in both.
 
-The same hash may be stored twice (two requests computed the same block in one step, or a prompt whose
-length is a multiple of the block size recomputes its last block): a consumer that wants the exact
-set of cached hashes counts stores minus removals per hash (``kvlab.cluster.router.KVIndex`` does).
+The same hash may be stored twice (two requests computed the same block in one step, or a prompt
+whose length is a multiple of the block size recomputes its last block): a consumer that wants the
+exact set of cached hashes counts stores minus removals per hash (``kvlab.cluster.router.KVIndex``
+does).
 
-``take_events()`` returns the queued events and empties the queue (vLLM's ``BlockPool.take_events``);
-an engine wraps each step's events in an ``EventBatch`` with a sequence number, so a consumer can tell
-that it missed a batch. Hash values are kvlab's (sha256 bytes), so they differ from vLLM's by design;
-the token ids, the parent links and the order are the same (``tests/cache/test_kv_events.py`` checks it
-against real vLLM when its venv is present).
+``take_events()`` returns the queued events and empties the queue (vLLM's
+``BlockPool.take_events``); an engine wraps each step's events in an ``EventBatch`` with a sequence
+number, so a consumer can tell that it missed a batch. Hash values are kvlab's (sha256 bytes), so
+they differ from vLLM's by design; the token ids, the parent links and the order are the same
+(``tests/cache/test_kv_events.py`` checks it against real vLLM when its venv is present).
 
 References: vLLM ``vllm/distributed/kv_events.py`` (``BlockStored``, ``BlockRemoved``,
 ``AllBlocksCleared``, ``KVEventBatch``), ``vllm/v1/core/block_pool.py`` (``cache_full_blocks``,
@@ -55,7 +59,8 @@ MEDIUM_CPU = "CPU"
 
 @dataclass(slots=True, frozen=True)
 class BlockStored:
-    """Full blocks just cached: their hashes, the parent of the first, their tokens (vLLM's ``BlockStored``)."""
+    """Full blocks just cached: their hashes, the parent of the first, their tokens (vLLM's
+    ``BlockStored``)."""
 
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
@@ -75,7 +80,8 @@ class BlockStored:
 
 @dataclass(slots=True, frozen=True)
 class BlockRemoved:
-    """Blocks that left the cache (vLLM's ``BlockRemoved``; one hash per event, as vLLM emits them)."""
+    """Blocks that left the cache (vLLM's ``BlockRemoved``; one hash per event, as vLLM emits
+    them)."""
 
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = MEDIUM_GPU
@@ -91,7 +97,8 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(slots=True, frozen=True)
 class EventBatch:
-    """The events of one engine step: a timestamp, the events in order, a sequence number (from 0)."""
+    """The events of one engine step: a timestamp, the events in order, a sequence number (from
+    0)."""
 
     ts: float
     events: tuple[KVCacheEvent, ...] = field(default_factory=tuple)
@@ -100,11 +107,13 @@ class EventBatch:
 
 
 def describe(event: KVCacheEvent, short: int = 4) -> str:
-    """One line for a notebook: the event's kind, hashes (first ``short`` hex digits) and token count."""
+    """One line for a notebook: the event's kind, hashes (first ``short`` hex digits) and token
+    count."""
     hx = lambda h: "None" if h is None else h.hex()[:short]  # noqa: E731
     if isinstance(event, BlockStored):
         return (
-            f"BlockStored(blocks=[{', '.join(map(hx, event.block_hashes))}], parent={hx(event.parent_block_hash)}, "
+            f"BlockStored(blocks=[{', '.join(map(hx, event.block_hashes))}], "
+            f"parent={hx(event.parent_block_hash)}, "
             f"tokens={len(event.token_ids)}{_medium(event)})"
         )
     if isinstance(event, BlockRemoved):

@@ -1,8 +1,8 @@
 """Prefix-cache metrics counted in tokens, with every miss given a reason.
 
-vLLM reports prefix-cache queries and hits in tokens (``PrefixCacheStats``) and a hit rate; a 0 % hit
-rate then looks the same whether the prompts were too short to fill a block, shared nothing, or were
-evicted before they came back. Here each missed token gets one of three reasons:
+vLLM reports prefix-cache queries and hits in tokens (``PrefixCacheStats``) and a hit rate; a 0 %
+hit rate then looks the same whether the prompts were too short to fill a block, shared nothing, or
+were evicted before they came back. Here each missed token gets one of three reasons:
 
 - ``short``: not inside a cacheable full block: a prompt shorter than one block, the partial tail
   block, or the block holding the last prompt token (always recomputed, its logits are needed);
@@ -10,12 +10,13 @@ evicted before they came back. Here each missed token gets one of three reasons:
 - ``evicted``: a full block whose hash was cached before but was evicted by LRU.
 
 Across tenants it counts blocks, not tokens: a hit on a block that another tenant's request
-registered is a ``public_hit`` inside an operator's public prefix and a ``cross_tenant_hit`` anywhere
-else -- the number that must stay 0 when tenants are salted.
+registered is a ``public_hit`` inside an operator's public prefix and a ``cross_tenant_hit``
+anywhere else -- the number that must stay 0 when tenants are salted.
 
-The per-tenant table is bounded: it keeps the ``max_tenants`` (default 1024) most recently seen tenants;
-the counts of a tenant pushed out are added to one ``other`` row (``OTHER_TENANTS``), so the rows still
-sum to the totals and a server that sees a new tenant (or unsafe salt) per request keeps flat memory.
+The per-tenant table is bounded: it keeps the ``max_tenants`` (default 1024) most recently seen
+tenants; the counts of a tenant pushed out are added to one ``other`` row (``OTHER_TENANTS``), so
+the rows still sum to the totals and a server that sees a new tenant (or unsafe salt) per request
+keeps flat memory.
 
 References: vLLM ``vllm/v1/metrics/stats.py`` (``PrefixCacheStats``) and
 ``vllm/v1/core/kv_cache_manager.py`` (``make_prefix_cache_stats``).
@@ -91,7 +92,8 @@ class PrefixCacheMetrics:
             raise ValueError(f"max_tenants must be a positive int, got {self.max_tenants!r}")
 
     def record_blocks(self, hashed: int, block_size: int, hit: int = 0, taken: int = 0) -> None:
-        """Count full blocks hashed (of ``block_size`` tokens each), blocks hit in the cache, blocks taken."""
+        """Count full blocks hashed (of ``block_size`` tokens each), blocks hit in the cache, blocks
+        taken."""
         self.hashed_blocks += hashed
         self.hashed_tokens += hashed * block_size
         self.blocks_hit += hit
@@ -107,15 +109,17 @@ class PrefixCacheMetrics:
     ) -> None:
         """Count one request's prefix lookup, in total and for its tenant.
 
-        ``preempted``: the request was preempted and is looked up again. As in vLLM, such lookups are
-        counted apart (``preempted``), so ``requests`` counts requests and the hit rate counts first lookups.
+        ``preempted``: the request was preempted and is looked up again. As in vLLM, such lookups
+        are counted apart (``preempted``), so ``requests`` counts requests and the hit rate counts
+        first lookups.
         """
         if queries != hits + sum(misses.values()):
             raise ValueError("every queried token must be a hit or a miss with a reason")
         if preempted:
             rows = [self.preempted]
         else:
-            # the tenant's row, now the most recently seen; a new row pushes the least recent into other
+            # the tenant's row, now the most recently seen; a new row pushes the least recent into
+            # other
             row = self.by_tenant.pop(tenant, None)
             if row is None and len(self.by_tenant) >= self.max_tenants:
                 self.other.merge(self.by_tenant.popitem(last=False)[1])
@@ -156,7 +160,8 @@ class PrefixCacheMetrics:
         return out
 
     def tenant_table(self) -> list[dict]:
-        """One row per tenant (and one ``OTHER_TENANTS`` row once tenants were pushed out): requests, tokens, misses."""
+        """One row per tenant (and one ``OTHER_TENANTS`` row once tenants were pushed out):
+        requests, tokens, misses."""
         rows = list(self.by_tenant.items()) + (
             [(OTHER_TENANTS, self.other)] if self.other.requests else []
         )

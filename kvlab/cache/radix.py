@@ -1,35 +1,40 @@
-"""A radix tree over token ids: SGLang's RadixAttention prefix cache, beside vLLM's hash blocks (pure Python).
+"""A radix tree over token ids: SGLang's RadixAttention prefix cache, beside vLLM's hash blocks
+(pure Python).
 
 vLLM (``block_manager``) finds a cached prefix by hashing full blocks; SGLang keeps every cached
-sequence in a radix tree whose edges are runs of token ids and matches at any token (``page_size=1``)
-or page (``page_size > 1``, SGLang's paged mode) boundary. This module is that second design, written
-from SGLang's semantics (``python/sglang/srt/mem_cache/radix_cache.py``: ``match_prefix``, ``insert``,
-``evict``, ``inc_lock_ref`` / ``dec_lock_ref``, ``cache_finished_req``, ``cache_unfinished_req``):
+sequence in a radix tree whose edges are runs of token ids and matches at any token
+(``page_size=1``) or page (``page_size > 1``, SGLang's paged mode) boundary. This module is that
+second design, written from SGLang's semantics (``python/sglang/srt/mem_cache/radix_cache.py``:
+``match_prefix``, ``insert``, ``evict``, ``inc_lock_ref`` / ``dec_lock_ref``,
+``cache_finished_req``, ``cache_unfinished_req``):
 
-- K/V memory is ``num_pages`` pages of ``page_size`` slots. A node's edge holds its token ids (always
-  whole pages) and one physical page per ``page_size`` of them.
-- ``match_prefix`` walks the tree, splits the node where a match ends inside its edge, and touches (LRU)
-  every node on the matched path; ``insert`` adds a page-aligned sequence and says how much was there.
-- ``lock`` / ``unlock`` add / remove one reference on every node from a node up to its root. A running
-  request locks the path it uses; ``evict`` removes only unlocked leaves, least recently used first, a
-  whole node at a time (its parent may become the next leaf).
-- A tenant ``salt`` selects its own root: tenants never share a node (there is no public-prefix sharing
-  across salts, which vLLM's hash chain allows).
+- K/V memory is ``num_pages`` pages of ``page_size`` slots. A node's edge holds its token ids
+  (always whole pages) and one physical page per ``page_size`` of them.
+- ``match_prefix`` walks the tree, splits the node where a match ends inside its edge, and touches
+  (LRU) every node on the matched path; ``insert`` adds a page-aligned sequence and says how much
+  was there.
+- ``lock`` / ``unlock`` add / remove one reference on every node from a node up to its root. A
+  running request locks the path it uses; ``evict`` removes only unlocked leaves, least recently
+  used first, a whole node at a time (its parent may become the next leaf).
+- A tenant ``salt`` selects its own root: tenants never share a node (there is no public-prefix
+  sharing across salts, which vLLM's hash chain allows).
 
-The sequence-level methods mirror ``BlockManager`` (``can_allocate``, ``allocate``, ``append``, ``fork``,
-``free``, ``block_table``, ``stats``, ``check_invariants``), so the trace replay, the
-scheduler and the engine run on either cache; a sequence's "block table" is its page table (one slot per
-page when ``page_size=1``). Their rules:
+The sequence-level methods mirror ``BlockManager`` (``can_allocate``, ``allocate``, ``append``,
+``fork``, ``free``, ``block_table``, ``stats``, ``check_invariants``), so the trace replay, the
+scheduler and the engine run on either cache; a sequence's "block table" is its page table (one slot
+per page when ``page_size=1``). Their rules:
 
 - ``allocate`` matches at most ``n - 1`` prompt tokens (the last token's logits are needed, SGLang's
-  ``max_prefix_len = input_len - 1``), rounded down to a page. It locks the match, takes pages for the
-  rest and inserts the page-aligned prompt at once (register before compute, as the block manager: an
-  engine step writes every new token's K/V before anyone reads), so later requests hit it. Prompt pages
-  the tree already held past the capped match stay private duplicates until ``free``.
-- Decoded tokens enter the tree when the sequence is freed (SGLang's ``cache_finished_req``): pages that
-  duplicate tree pages, and the partial last page, go back to the free list.
-- ``fork`` first inserts the parent (SGLang's ``cache_unfinished_req``), so parent and child share tree
-  pages; a partial last page is copied for the child (copy-on-write, reported by its first ``append``).
+  ``max_prefix_len = input_len - 1``), rounded down to a page. It locks the match, takes pages for
+  the rest and inserts the page-aligned prompt at once (register before compute, as the block
+  manager: an engine step writes every new token's K/V before anyone reads), so later requests hit
+  it. Prompt pages the tree already held past the capped match stay private duplicates until
+  ``free``.
+- Decoded tokens enter the tree when the sequence is freed (SGLang's ``cache_finished_req``): pages
+  that duplicate tree pages, and the partial last page, go back to the free list.
+- ``fork`` first inserts the parent (SGLang's ``cache_unfinished_req``), so parent and child share
+  tree pages; a partial last page is copied for the child (copy-on-write, reported by its first
+  ``append``).
 - Every page is free, or owned by exactly one tree node, or private to exactly one sequence
   (``check_invariants``). Every public method either succeeds or raises with the state unchanged.
 """
@@ -52,7 +57,8 @@ __all__ = ["MatchResult", "RadixCache", "RadixNode", "RadixPlan", "RadixSeq"]
 
 
 class RadixNode:
-    """One edge of the tree: its token ids (whole pages), their physical pages, lock count and LRU time."""
+    """One edge of the tree: its token ids (whole pages), their physical pages, lock count and LRU
+    time."""
 
     __slots__ = (
         "children",
@@ -97,7 +103,8 @@ class RadixNode:
     def __repr__(self) -> str:
         head = self.key[:6]
         return (
-            f"RadixNode(#{self.node_id}, {len(self.key)} tokens {head}{'...' if len(self.key) > 6 else ''}, "
+            f"RadixNode(#{self.node_id}, {len(self.key)} tokens "
+            f"{head}{'...' if len(self.key) > 6 else ''}, "
             f"lock_ref={self.lock_ref}, last_access={self.last_access})"
         )
 
@@ -120,7 +127,8 @@ class RadixNode:
 
 @dataclass(slots=True, frozen=True)
 class MatchResult:
-    """A matched prefix: its length in tokens, its pages, and the node where it ends (the root when empty)."""
+    """A matched prefix: its length in tokens, its pages, and the node where it ends (the root when
+    empty)."""
 
     length: int
     pages: list[int]
@@ -129,7 +137,8 @@ class MatchResult:
 
 @dataclass(slots=True, frozen=True)
 class RadixPlan:
-    """What ``allocate`` would do for one prompt: tokens it would hit, pages it needs, pages it can get."""
+    """What ``allocate`` would do for one prompt: tokens it would hit, pages it needs, pages it can
+    get."""
 
     tokens: tuple[int, ...]
     scope: TenantScope
@@ -155,7 +164,8 @@ class RadixPlan:
 class RadixSeq(SeqState):
     """A live sequence of the radix cache: also the pages only it owns and the tree node it locks.
 
-    Its ``block_table`` is its page table; ``num_restored_tokens`` stays 0 (the radix tree has no second tier).
+    Its ``block_table`` is its page table; ``num_restored_tokens`` stays 0 (the radix tree has no
+    second tier).
     """
 
     # pages of block_table that are not in the tree (written by this sequence only)
@@ -167,7 +177,8 @@ class RadixSeq(SeqState):
 
 
 class RadixCache(SequenceTables):
-    """A radix tree of cached token sequences over a pool of K/V pages, with locks and LRU leaf eviction."""
+    """A radix tree of cached token sequences over a pool of K/V pages, with locks and LRU leaf
+    eviction."""
 
     def __init__(
         self,
@@ -207,14 +218,15 @@ class RadixCache(SequenceTables):
         self._ext_locks: Counter[RadixNode] = Counter()
         # binds a plan to this cache: another one's plan is refused
         self._plan_token = object()
-        # every sequence ever inserted (page-less nodes, never evicted): tells "evicted" misses from new text
+        # every sequence ever inserted (page-less nodes, never evicted): tells "evicted" misses from
+        # new text
         self._history: dict[str | None, RadixNode] | None = {} if track_misses else None
         # trace: one (salt, path tokens, edge tokens, last access) per evicted node
         self.evict_log: list[tuple[str | None, tuple[int, ...], int, int]] | None = (
             [] if trace else None
         )
 
-    # --- the page pool, under the block manager's names ------------------------------------------------
+    # --- the page pool, under the block manager's names -------------------------------------------
     @property
     def block_size(self) -> int:
         """Tokens per page (the block manager's name)."""
@@ -227,7 +239,8 @@ class RadixCache(SequenceTables):
 
     @property
     def num_free_blocks(self) -> int:
-        """Pages that an allocation can get: free ones plus those of unlocked (evictable) tree nodes."""
+        """Pages that an allocation can get: free ones plus those of unlocked (evictable) tree
+        nodes."""
         return len(self.free_pages) + self.evictable_pages
 
     @property
@@ -251,13 +264,14 @@ class RadixCache(SequenceTables):
         """Tree nodes, roots excluded."""
         return sum(1 for root in self.roots.values() for _ in self._subtree(root)) - len(self.roots)
 
-    # --- tree internals ---------------------------------------------------------------------------------
+    # --- tree internals ---------------------------------------------------------------------------
     def _ck(self, tokens: Sequence[int], pos: int = 0) -> Hashable:
         """A child's key in its parent: its first token, or its first page."""
         return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
 
     def _common(self, key: list[int], tokens: list[int], pos: int, limit: int) -> int:
-        """Length of the common prefix of ``key`` and ``tokens[pos:limit]``, rounded down to a page."""
+        """Length of the common prefix of ``key`` and ``tokens[pos:limit]``, rounded down to a
+        page."""
         n = min(len(key), limit - pos)
         seg = tokens[pos : pos + n]
         if (key if n == len(key) else key[:n]) == seg:
@@ -283,10 +297,11 @@ class RadixCache(SequenceTables):
         touch: bool,
         account: bool = True,
     ) -> tuple[int, list[int], RadixNode, list[tuple[RadixNode, int]]]:
-        """Match ``tokens[:limit]`` from ``root``: (length, pages, last node, [(node, tokens matched in it)]).
+        """Match ``tokens[:limit]`` from ``root``: (length, pages, last node, [(node, tokens matched
+        in it)]).
 
-        With ``split`` a match ending inside an edge splits that node, so the last node ends exactly at
-        the match; without it the last node is the last one matched whole.
+        With ``split`` a match ending inside an edge splits that node, so the last node ends exactly
+        at the match; without it the last node is the last one matched whole.
         """
         node, pos, pages, visited, size = root, 0, [], [], self.page_size
         while limit - pos >= size:
@@ -313,7 +328,8 @@ class RadixCache(SequenceTables):
         return pos, pages, node, visited
 
     def _split(self, child: RadixNode, m: int, account: bool = True) -> RadixNode:
-        """Cut ``child``'s edge after ``m`` tokens: a new upper node, ``child`` keeps the rest (and its id)."""
+        """Cut ``child``'s edge after ``m`` tokens: a new upper node, ``child`` keeps the rest (and
+        its id)."""
         size = self.page_size
         upper = RadixNode(
             child.key[:m],
@@ -358,7 +374,8 @@ class RadixCache(SequenceTables):
         tenant: Hashable,
         account: bool = True,
     ) -> tuple[int, list[int], RadixNode]:
-        """Insert page-aligned ``tokens`` with their ``pages``: (tokens already there, their pages, last node)."""
+        """Insert page-aligned ``tokens`` with their ``pages``: (tokens already there, their pages,
+        last node)."""
         k, existing, node, _ = self._walk(
             root, tokens, len(tokens), split=True, touch=True, account=account
         )
@@ -393,7 +410,8 @@ class RadixCache(SequenceTables):
             stack.extend(n.children.values())
 
     def _detach(self, node: RadixNode, evicted: bool) -> None:
-        """Remove an unlocked node and everything below it from the tree; their pages become free."""
+        """Remove an unlocked node and everything below it from the tree; their pages become
+        free."""
         for n in list(self._subtree(node)):
             self._leaves.discard(n)
             self.free_pages.extend(n.pages)
@@ -460,9 +478,10 @@ class RadixCache(SequenceTables):
         ):
             raise ValueError(f"{node!r} is not a node of this tree (or is a root)")
 
-    # --- the tree API (SGLang's names) --------------------------------------------------------------------
+    # --- the tree API (SGLang's names) ------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> MatchResult:
-        """The longest cached prefix, whole pages only; splits the node it ends in and touches its path."""
+        """The longest cached prefix, whole pages only; splits the node it ends in and touches its
+        path."""
         tokens = self._check_tokens(token_ids, "a key")
         self._check_salt(salt)
         self.clock += 1
@@ -475,7 +494,8 @@ class RadixCache(SequenceTables):
     def insert(
         self, token_ids: Sequence[int], salt: str | None = None, tenant: Hashable = None
     ) -> int:
-        """Cache ``token_ids`` (cut to whole pages), taking pages for the new part; return tokens already cached."""
+        """Cache ``token_ids`` (cut to whole pages), taking pages for the new part; return tokens
+        already cached."""
         tokens = self._check_tokens(token_ids, "a key")
         self._check_salt(salt)
         size = self.page_size
@@ -525,8 +545,9 @@ class RadixCache(SequenceTables):
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` pages by removing unlocked leaves, least recently used first.
 
-        A leaf goes whole (so more pages than asked may be freed); a parent left childless and unlocked
-        joins the candidates. Returns the pages freed (fewer if every other page is locked).
+        A leaf goes whole (so more pages than asked may be freed); a parent left childless and
+        unlocked joins the candidates. Returns the pages freed (fewer if every other page is
+        locked).
         """
         if type(num_pages) is not int or num_pages < 0:
             raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
@@ -557,7 +578,8 @@ class RadixCache(SequenceTables):
         ]
 
     def dump(self, max_tokens: int = 8, show=str) -> str:
-        """The tree as indented text: tokens of each edge (``show`` maps ids to text), lock count, last access."""
+        """The tree as indented text: tokens of each edge (``show`` maps ids to text), lock count,
+        last access."""
         lines = []
 
         def rec(node: RadixNode, depth: int) -> None:
@@ -565,7 +587,8 @@ class RadixCache(SequenceTables):
                 head = " ".join(show(t) for t in child.key[:max_tokens])
                 more = f" … (+{len(child.key) - max_tokens})" if len(child.key) > max_tokens else ""
                 lines.append(
-                    f"{'  ' * depth}[{len(child.key)}] {head}{more}   lock={child.lock_ref} t={child.last_access}"
+                    f"{'  ' * depth}[{len(child.key)}] {head}{more}   lock={child.lock_ref} "
+                    f"t={child.last_access}"
                 )
                 rec(child, depth + 1)
 
@@ -574,13 +597,14 @@ class RadixCache(SequenceTables):
             rec(root, 1)
         return "\n".join(lines)
 
-    # --- the sequence API (the block manager's names) -----------------------------------------------------
+    # --- the sequence API (the block manager's names) ---------------------------------------------
     def wasted_slots(self) -> int:
         """Empty slots in the partial last pages of live sequences."""
         return sum(-len(s.token_ids) % self.page_size for s in self.seqs.values())
 
     def stats(self) -> dict:
-        """The block manager's metrics plus the tree's: nodes, cached tokens, splits, evicted pages and nodes."""
+        """The block manager's metrics plus the tree's: nodes, cached tokens, splits, evicted pages
+        and nodes."""
         return {
             **self.metrics.as_dict(),
             "usage": self.usage,
@@ -605,7 +629,8 @@ class RadixCache(SequenceTables):
         return tokens
 
     def can_allocate(self, token_ids: Sequence[int], scope: TenantScope = NO_SCOPE) -> RadixPlan:
-        """What ``allocate`` would do, changing nothing: a plan that is truthy when enough pages can be had."""
+        """What ``allocate`` would do, changing nothing: a plan that is truthy when enough pages can
+        be had."""
         tokens = self._check_prompt(token_ids, scope)
         n, size = len(tokens), self.page_size
         m, unlocked = 0, 0
@@ -636,7 +661,8 @@ class RadixCache(SequenceTables):
         plan: RadixPlan | None = None,
         preempted: bool = False,
     ) -> int:
-        """Give a new sequence its pages, reusing the longest cached prefix (< n tokens); return cached tokens."""
+        """Give a new sequence its pages, reusing the longest cached prefix (< n tokens); return
+        cached tokens."""
         self._check_new(seq_id)
         if plan is not None and (
             not isinstance(plan, RadixPlan) or plan.owner is not self._plan_token
@@ -689,7 +715,8 @@ class RadixCache(SequenceTables):
         return m
 
     def _adopt(self, seq: RadixSeq, length: int) -> tuple[int, list[int]]:
-        """Insert the sequence's first ``length`` tokens with its pages; lock the new path instead of the old."""
+        """Insert the sequence's first ``length`` tokens with its pages; lock the new path instead
+        of the old."""
         size = self.page_size
         k, existing, last = self._insert(
             self._root(seq.cache_salt),
@@ -712,7 +739,8 @@ class RadixCache(SequenceTables):
         return len(seq.token_ids) % self.page_size != 0 or self.num_free_blocks > 0
 
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
-        """Write one decoded token: take a page when the last is full (evicting an LRU leaf if needed)."""
+        """Write one decoded token: take a page when the last is full (evicting an LRU leaf if
+        needed)."""
         seq = self._seq(seq_id)
         check_token(token_id)
         if not self.can_append(seq_id):
@@ -728,11 +756,12 @@ class RadixCache(SequenceTables):
         return AppendResult(new_page, cow)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Start ``child_id`` as a copy of ``parent_id``: the parent's whole pages enter the tree and are shared.
+        """Start ``child_id`` as a copy of ``parent_id``: the parent's whole pages enter the tree
+        and are shared.
 
         The parent's pages that duplicate tree pages are swapped for the tree's and freed (SGLang's
-        ``cache_unfinished_req``); a partial last page is copied for the child, and the child's first
-        ``append`` reports the ``(src, dst)`` copy.
+        ``cache_unfinished_req``); a partial last page is copied for the child, and the child's
+        first ``append`` reports the ``(src, dst)`` copy.
         """
         parent = self._seq(parent_id)
         self._check_new(child_id)
@@ -777,9 +806,10 @@ class RadixCache(SequenceTables):
     def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
         """Cache a finished sequence's whole pages in the tree, free the rest, unlock its path.
 
-        ``uncache_from``: the K/V of the positions from there on was never computed (an engine step failed).
-        The tree pages this sequence contributed from there on leave the tree, with everything below them;
-        nothing there may be locked by another sequence (free that one first).
+        ``uncache_from``: the K/V of the positions from there on was never computed (an engine step
+        failed). The tree pages this sequence contributed from there on leave the tree, with
+        everything below them; nothing there may be locked by another sequence (free that one
+        first).
         """
         seq = self._seq(seq_id)
         size = self.page_size
@@ -787,7 +817,8 @@ class RadixCache(SequenceTables):
         if uncache_from is not None:
             if type(uncache_from) is not int or not 0 <= uncache_from <= len(seq.token_ids):
                 raise ValueError(
-                    f"uncache_from must be an int in [0, {len(seq.token_ids)}], got {uncache_from!r}"
+                    f"uncache_from must be an int in [0, {len(seq.token_ids)}], got "
+                    f"{uncache_from!r}"
                 )
             cut = self._uncache_point(seq, uncache_from)
         self.clock += 1
@@ -808,7 +839,8 @@ class RadixCache(SequenceTables):
         del self.seqs[seq_id]
 
     def _uncache_point(self, seq: RadixSeq, position: int) -> tuple[RadixNode, int] | None:
-        """Where the tree pages this sequence contributed from ``position`` on start: (node, offset in its edge)."""
+        """Where the tree pages this sequence contributed from ``position`` on start: (node, offset
+        in its edge)."""
         size = self.page_size
         path_pages = seq.node.path()[1]
         first = next(
@@ -827,14 +859,16 @@ class RadixCache(SequenceTables):
             node = node.parent
         if node.lock_ref != 1:
             raise ValueError(
-                f"page {seq.block_table[first]} (positions from {first * size} on) is still used by "
+                f"page {seq.block_table[first]} (positions from {first * size} on) is still used "
+                "by "
                 "another sequence: free that sequence first"
             )
         return node, first * size - (depth - len(node.key))
 
-    # --- invariants -------------------------------------------------------------------------------------
+    # --- invariants -------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` unless tree, locks, LRU times, leaves, page ownership and tables agree."""
+        """Raise ``InvariantError`` unless tree, locks, LRU times, leaves, page ownership and tables
+        agree."""
         size, owner = self.page_size, {}
 
         def claim(page: int, who: str) -> None:
@@ -862,7 +896,8 @@ class RadixCache(SequenceTables):
                     check(child.salt == salt, f"{child!r} hangs under another salt's root")
                     check(
                         node is root or child.last_access <= node.last_access,
-                        f"{child!r} was used more recently than its parent (LRU would evict the parent first)",
+                        f"{child!r} was used more recently than its parent (LRU would evict the "
+                        "parent first)",
                     )
                     below += child.lock_ref
                 if node is root:
@@ -924,7 +959,8 @@ class RadixCache(SequenceTables):
                 else:
                     check(
                         i < len(path_pages) and path_pages[i] == page,
-                        f"sequence {seq.seq_id!r}: page {i} is neither its own nor on its locked path",
+                        f"sequence {seq.seq_id!r}: page {i} is neither its own nor on its locked "
+                        "path",
                     )
             if seq.pending_cow is not None:
                 check(

@@ -1,19 +1,20 @@
 """What the engine accepts: the allow-list.
 
 kvlab serves a model only where it is sure its paged attention computes exactly what the model's own
-attention does; anything else is refused by name with ``NotImplementedError`` (docs/engine.md). This file
-is that allow-list in one place, checked once, when a ``ModelRunner`` is built (``admit``):
+attention does; anything else is refused by name with ``NotImplementedError`` (docs/engine.md). This
+file is that allow-list in one place, checked once, when a ``ModelRunner`` is built (``admit``):
 
-- the model's config has an int ``vocab_size`` (a multimodal wrapper does not: load its language model);
-- transformers can switch its attention (``AttentionInterface``), and one probe token (token 0 at position
-  0) runs the paged attention once per layer, with the ``kvlab_batch`` keyword passed down;
+- the model's config has an int ``vocab_size`` (a multimodal wrapper does not: load its language
+  model);
+- transformers can switch its attention (``AttentionInterface``), and one probe token (token 0 at
+  position 0) runs the paged attention once per layer, with the ``kvlab_batch`` keyword passed down;
 - its forward takes ``position_ids`` (a packed step gives each token its place in its sequence);
 - its config asks nothing beyond causal SDPA with a scale and an optional window (``check_config``).
 
-The paged attention runs ``check_call`` at every call, against the same lists (``IMPLEMENTED_KWARGS``,
-``METADATA_KWARGS``, ``_FEATURES``): the one part of this file that runs on a step. This module imports no
-other kvlab module (``paged_attention`` imports ``check_call``): the runner hands ``admit`` the
-``paged_attention`` module to probe with.
+The paged attention runs ``check_call`` at every call, against the same lists
+(``IMPLEMENTED_KWARGS``, ``METADATA_KWARGS``, ``_FEATURES``): the one part of this file that runs on
+a step. This module imports no other kvlab module (``paged_attention`` imports ``check_call``): the
+runner hands ``admit`` the ``paged_attention`` module to probe with.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ __all__ = [
 
 # the keywords the paged attention implements
 IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
-# transformers' bookkeeping keywords that carry no attention semantics (positions come from ``kvlab_batch``):
+# transformers' bookkeeping keywords that carry no attention semantics (positions come from
+# ``kvlab_batch``):
 METADATA_KWARGS = frozenset(
     "position_ids cache_position use_cache output_attentions output_hidden_states "
     "output_router_logits return_dict logits_to_keep".split()
@@ -64,12 +66,15 @@ def check_call(
     sliding_window: Any,
     kwargs: dict[str, Any],
 ) -> None:
-    """Raise ``NotImplementedError`` naming what one attention call asks beyond causal (+window) SDPA.
+    """Raise ``NotImplementedError`` naming what one attention call asks beyond causal (+window)
+    SDPA.
 
-    Run by ``paged_attention_forward`` at every call (a layer may ask what the probe's call did not)."""
+    Run by ``paged_attention_forward`` at every call (a layer may ask what the probe's call did
+    not)."""
     if attention_mask is not None:
         _refuse(
-            f"the model's own attention mask (a {type(attention_mask).__name__} passed to the attention)"
+            f"the model's own attention mask (a {type(attention_mask).__name__} passed to the "
+            "attention)"
         )
     if is_causal is False or getattr(module, "is_causal", True) is False:
         _refuse("non-causal (bidirectional) attention")
@@ -92,18 +97,21 @@ def check_call(
 
 
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
-    """Raise ``NotImplementedError`` naming a config feature beyond causal (+window) SDPA (windows: a probe's)."""
+    """Raise ``NotImplementedError`` naming a config feature beyond causal (+window) SDPA (windows:
+    a probe's)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = getattr(cfg, "layer_types", None)
     if types is not None and set(types) - ATTENTION_LAYER_TYPES:
         _refuse(
-            f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} (only {sorted(ATTENTION_LAYER_TYPES)})"
+            f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} (only "
+            f"{sorted(ATTENTION_LAYER_TYPES)})"
         )
     if getattr(cfg, "attention_chunk_size", None) is not None:
         _refuse(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
     if getattr(cfg, "use_bidirectional_attention", None):
         _refuse(
-            f"bidirectional attention (use_bidirectional_attention={cfg.use_bidirectional_attention!r})"
+            "bidirectional attention "
+            f"(use_bidirectional_attention={cfg.use_bidirectional_attention!r})"
         )
     # the window the config asks of each layer (None: full causal)
     window = getattr(cfg, "sliding_window", None)
@@ -117,17 +125,20 @@ def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
     for layer, got in sorted(windows_run.items()):
         if layer < len(want) and want[layer] != got:
             raise NotImplementedError(
-                f"layer {layer}'s sliding window is {want[layer]} in the config but its attention call was given "
-                f"{got}: the model applies the window in its own mask, which kvlab's paged attention does not build"
+                f"layer {layer}'s sliding window is {want[layer]} in the config but its "
+                "attention call was given "
+                f"{got}: the model applies the window in its own mask, which kvlab's paged "
+                "attention does not build"
             )
 
 
 def admit(runner: Any, pa: ModuleType) -> bool:
-    """Switch ``runner``'s model to the paged attention and probe it; refuse a model it does not fully serve.
+    """Switch ``runner``'s model to the paged attention and probe it; refuse a model it does not
+    fully serve.
 
-    ``runner`` is the ``ModelRunner`` being built, ``pa`` the ``kvlab.engine.paged_attention`` module. Sets
-    ``runner.own_attention`` and ``runner.attention`` (``pa.register``) and returns whether the head seam
-    holds (``_probe``). A refused model gets its own attention back.
+    ``runner`` is the ``ModelRunner`` being built, ``pa`` the ``kvlab.engine.paged_attention``
+    module. Sets ``runner.own_attention`` and ``runner.attention`` (``pa.register``) and returns
+    whether the head seam holds (``_probe``). A refused model gets its own attention back.
     """
     model = runner.model
     name = getattr(model.config, "model_type", None) or type(model).__name__
@@ -157,7 +168,8 @@ def admit(runner: Any, pa: ModuleType) -> bool:
 
 @torch.no_grad()
 def _probe(runner: Any, pa: ModuleType, refuse: Any) -> bool:
-    """Run token 0 at position 0 through the model; check what it ran; return whether the head seam holds."""
+    """Run token 0 at position 0 through the model; check what it ran; return whether the head seam
+    holds."""
     model, store = runner.model, runner.store
     zero = torch.zeros((1, 1), dtype=torch.long, device=runner.device)
     run = dict(input_ids=zero, position_ids=zero, use_cache=False)
@@ -174,8 +186,9 @@ def _probe(runner: Any, pa: ModuleType, refuse: Any) -> bool:
     except torch.OutOfMemoryError:
         # a full device says nothing about the model: not a refusal
         raise
-    # broad on purpose: whatever the model's own forward raises under the paged attention (a shape it does
-    # not expect, a keyword it rejects, ...) means kvlab cannot serve it, said by name (NotImplementedError)
+    # broad on purpose: whatever the model's own forward raises under the paged attention (a shape
+    # it does not expect, a keyword it rejects, ...) means kvlab cannot serve it, said by name
+    # (NotImplementedError)
     except Exception as e:  # noqa: BLE001
         refuse(f"its forward failed under the paged attention ({type(e).__name__}: {e})")
     finally:
@@ -183,21 +196,25 @@ def _probe(runner: Any, pa: ModuleType, refuse: Any) -> bool:
     layers = list(range(store.num_layers))
     if sorted(batch.layers_run) != layers:
         refuse(
-            f"it never ran for layers {sorted(set(layers) - set(batch.layers_run))} of {len(layers)} "
+            f"it never ran for layers {sorted(set(layers) - set(batch.layers_run))} of "
+            f"{len(layers)} "
             f"(calls: {batch.layers_run}); the model's attention does not go through transformers' "
-            "AttentionInterface (e.g. ALiBi or custom attention code), so its K/V would never reach the "
+            "AttentionInterface (e.g. ALiBi or custom attention code), so its K/V would never "
+            "reach the "
             "paged store and the outputs would be wrong"
         )
     if "position_ids" not in inspect.signature(model.forward).parameters:
         refuse(
-            "its forward takes no position_ids, so the tokens of a packed step would get positions from "
+            "its forward takes no position_ids, so the tokens of a packed step would get "
+            "positions from "
             "their place in the step instead of their place in the sequence"
         )
     try:
         check_config(model.config, dict(zip(batch.layers_run, batch.windows_run)))
     except NotImplementedError as e:
         refuse(str(e))
-    # the head seam: the decoder's last hidden state through lm_head() gives exactly the model's logits?
+    # the head seam: the decoder's last hidden state through lm_head() gives exactly the model's
+    # logits?
     try:
         with pa.paged_step():
             again = pa.build_batch(store, [(0, 1, [0])])
@@ -207,10 +224,11 @@ def _probe(runner: Any, pa: ModuleType, refuse: Any) -> bool:
     except torch.OutOfMemoryError:
         # a RuntimeError, but no answer about the seam
         raise
-    # The decoder's output does not go through the head as the model's own forward does: no seam, every step
-    # runs the model's whole forward (its output is no tensor of hidden states, or the head does not take it:
-    # torch's shape and dtype errors are RuntimeErrors, e.g. mllama's decoder output vs its head). Anything
-    # else (an AssertionError, a NameError in kvlab) is a bug and propagates instead of quietly costing speed.
+    # The decoder's output does not go through the head as the model's own forward does: no seam,
+    # every step runs the model's whole forward (its output is no tensor of hidden states, or the
+    # head does not take it: torch's shape and dtype errors are RuntimeErrors, e.g. mllama's decoder
+    # output vs its head). Anything else (an AssertionError, a NameError in kvlab) is a bug and
+    # propagates instead of quietly costing speed.
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError):
         return False
     finally:

@@ -1,9 +1,11 @@
-"""The engine's optional plug-ins, each run only when asked for: a positions hook, step observers, KV events.
+"""The engine's optional plug-ins, each run only when asked for: a positions hook, step observers,
+KV events.
 
-``Engine(positions=f)`` numbers the tokens a scheduled item computes (``default_positions`` is what the engine
-does without one); ``Engine(observers=[...])`` / ``add_step_observer`` get one ``StepRecord`` per step that ran
-a forward; with ``enable_kv_events`` a ``KVEventLog`` is one more such observer: it numbers the cache's events
-into one ``EventBatch`` per step. A step without observers builds no record.
+``Engine(positions=f)`` numbers the tokens a scheduled item computes (``default_positions`` is what
+the engine does without one); ``Engine(observers=[...])`` / ``add_step_observer`` get one
+``StepRecord`` per step that ran a forward; with ``enable_kv_events`` a ``KVEventLog`` is one more
+such observer: it numbers the cache's events into one ``EventBatch`` per step. A step without
+observers builds no record.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ __all__ = ["KVEventLog", "StepRecord", "checked_positions", "default_positions",
 
 
 def default_positions(item: Any) -> range:
-    """The positions of the tokens ``item`` computes (what RoPE sees): where they sit in the sequence."""
+    """The positions of the tokens ``item`` computes (what RoPE sees): where they sit in the
+    sequence."""
     return range(item.start, item.end)
 
 
 def checked_positions(p: Any, item: Any) -> range | list[int]:
-    """The positions a ``positions`` hook gave ``item``: one int >= 0 per computed token, else ValueError."""
+    """The positions a ``positions`` hook gave ``item``: one int >= 0 per computed token, else
+    ValueError."""
     n = item.end - item.start
     # the usual case, checked without a pass over the tokens
     if isinstance(p, range) and len(p) == n and (n == 0 or min(p[0], p[-1]) >= 0):
@@ -36,7 +40,8 @@ def checked_positions(p: Any, item: Any) -> range | list[int]:
         got = None
     if got is None or len(got) != n or any(x < 0 for x in got):
         raise ValueError(
-            f"the engine's positions hook gave {p!r} for tokens [{item.start}, {item.end}): it must "
+            f"the engine's positions hook gave {p!r} for tokens [{item.start}, {item.end}): it "
+            "must "
             f"give {n} non-negative int positions, one per computed token"
         )
     return got
@@ -44,7 +49,8 @@ def checked_positions(p: Any, item: Any) -> range | list[int]:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """What one step ran, item by item: the argument of a step observer (``Engine.add_step_observer``)."""
+    """What one step ran, item by item: the argument of a step observer
+    (``Engine.add_step_observer``)."""
 
     # the engine's step counter before this step (0 for the first)
     step: int
@@ -64,7 +70,8 @@ def observe(
     positions: list[Any] | None,
     tokens: list[int | None],
 ) -> None:
-    """Hand every observer the ``StepRecord`` of this step (``positions`` None: the default ones)."""
+    """Hand every observer the ``StepRecord`` of this step (``positions`` None: the default
+    ones)."""
     if positions is None:
         positions = [default_positions(it) for it in items]
     spans = tuple((it.seq.request_id, it.start, it.end, it.is_prefill) for it in items)
@@ -74,7 +81,8 @@ def observe(
 
 
 class KVEventLog:
-    """The cache's KV events, numbered into one ``EventBatch`` per step that changed it (``enable_kv_events``)."""
+    """The cache's KV events, numbered into one ``EventBatch`` per step that changed it
+    (``enable_kv_events``)."""
 
     def __init__(self, cache: CacheManager) -> None:
         self.cache, self.batches, self.next_seq = cache, [], 0
@@ -84,14 +92,16 @@ class KVEventLog:
         self.close_batch()
 
     def close_batch(self) -> None:
-        """Wrap the events queued since the last batch in one ``EventBatch`` with the next sequence number."""
+        """Wrap the events queued since the last batch in one ``EventBatch`` with the next sequence
+        number."""
         events = self.cache.take_events()
         if events:
             self.batches.append(EventBatch(time.time(), tuple(events), self.next_seq))
             self.next_seq += 1
 
     def take(self) -> list[EventBatch]:
-        """Every batch since the last call, oldest first (events from outside a step form a batch of their own)."""
+        """Every batch since the last call, oldest first (events from outside a step form a batch of
+        their own)."""
         self.close_batch()
         batches, self.batches = self.batches, []
         return batches

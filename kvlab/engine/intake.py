@@ -1,8 +1,9 @@
 """Request intake: check a request without the engine lock, then build its ``Request`` under it.
 
-A refused request raises ``RequestError`` (a ``ValueError``; ``RequestTypeError`` is a ``TypeError`` too)
-whose ``field`` names the offending field ("prompt", "max_tokens", "temperature", "tenant",
-"cache_salt", ...), so a server can report it (OpenAI's error ``param``) without reading the message.
+A refused request raises ``RequestError`` (a ``ValueError``; ``RequestTypeError`` is a ``TypeError``
+too) whose ``field`` names the offending field ("prompt", "max_tokens", "temperature", "tenant",
+"cache_salt", ...), so a server can report it (OpenAI's error ``param``) without reading the
+message.
 """
 
 from __future__ import annotations
@@ -41,17 +42,20 @@ __all__ = [
 
 
 class Checked(NamedTuple):
-    """A request ``Intake.check`` accepted: its tokens and sampling, its tenant and the salt derived for it."""
+    """A request ``Intake.check`` accepted: its tokens and sampling, its tenant and the salt derived
+    for it."""
 
     prompt_ids: list[int]
     sampling: SamplingParams
     tenant: str | None
-    # what the engine derived from the request's cache_salt and tenant (tenants.request_salt); None: unsalted
+    # what the engine derived from the request's cache_salt and tenant (tenants.request_salt); None:
+    # unsalted
     cache_salt: str | None
 
 
 class RequestError(ValueError):
-    """A request refused at intake; ``field`` names the offending field (None when no one field is at fault)."""
+    """A request refused at intake; ``field`` names the offending field (None when no one field is
+    at fault)."""
 
     def __init__(self, field: str | None, message: str) -> None:
         super().__init__(message)
@@ -59,16 +63,19 @@ class RequestError(ValueError):
 
 
 class RequestTypeError(RequestError, TypeError):
-    """A request field of the wrong type: a ``RequestError`` that is also a ``TypeError`` (as it was before)."""
+    """A request field of the wrong type: a ``RequestError`` that is also a ``TypeError`` (as it was
+    before)."""
 
 
 def _refused(field: str | None, e: Exception) -> RequestError:
-    """``e`` (a ``TypeError`` or ``ValueError``) as a ``RequestError`` of ``field``, its message kept."""
+    """``e`` (a ``TypeError`` or ``ValueError``) as a ``RequestError`` of ``field``, its message
+    kept."""
     return (RequestTypeError if isinstance(e, TypeError) else RequestError)(field, str(e))
 
 
 class Intake:
-    """Checks requests and builds their ``Request`` state: automatic ids, seeded generators, tenant scopes."""
+    """Checks requests and builds their ``Request`` state: automatic ids, seeded generators, tenant
+    scopes."""
 
     def __init__(
         self,
@@ -79,10 +86,12 @@ class Intake:
         config: EngineConfig,
         device: torch.device,
     ) -> None:
-        """``config``: the engine's ``EngineConfig`` (its ``isolation``, ``secret`` and ``seed``)."""
+        """``config``: the engine's ``EngineConfig`` (its ``isolation``, ``secret`` and
+        ``seed``)."""
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self._fits, self.isolation, self.device = check_fits, config.isolation, device
-        # the engine's secret: the one every salt is derived from (kvlab.engine.tenants); None: a random one
+        # the engine's secret: the one every salt is derived from (kvlab.engine.tenants); None: a
+        # random one
         self._secret = check_secret(config.secret)
         seed = config.seed
         # token ids; used under "public-prefix"
@@ -133,7 +142,8 @@ class Intake:
         cache_salt: str | None = None,
         unsafe_salt: str | None = None,
     ) -> Checked:
-        """Tokenize and check one request, and derive its salt; raise ``RequestError`` naming the field at fault."""
+        """Tokenize and check one request, and derive its salt; raise ``RequestError`` naming the
+        field at fault."""
         sampling = check_sampling(SamplingParams() if sampling is None else sampling)
         for name, value in (
             ("tenant", tenant),
@@ -178,8 +188,10 @@ class Intake:
             self._warned_shared_tenants = True
             warnings.warn(
                 SharedTenantsWarning(
-                    f"tenant {tenant!r} on an engine with isolation='shared': tenants share every cached prefix "
-                    "(one tenant's prompts can speed up, and so reveal themselves to, another's); use "
+                    f"tenant {tenant!r} on an engine with isolation='shared': tenants share "
+                    "every cached prefix "
+                    "(one tenant's prompts can speed up, and so reveal themselves to, "
+                    "another's); use "
                     "isolation='tenant' or 'public-prefix' to keep them apart"
                 ),
                 stacklevel=3,
@@ -200,7 +212,8 @@ class Intake:
     def admit(
         self, checked: Checked, request_id: Hashable | None, live: dict[Hashable, Request]
     ) -> Request:
-        """The ``Request`` of a checked request (call it under the engine lock): ids, scope, generator, arrival."""
+        """The ``Request`` of a checked request (call it under the engine lock): ids, scope,
+        generator, arrival."""
         ids, sampling, tenant, cache_salt = checked
         public = (
             public_prefix_length(ids, self.public_prefixes)
@@ -223,7 +236,8 @@ class Intake:
     def new_ids(
         self, request_id: Hashable | None, live: dict[Hashable, Request]
     ) -> tuple[int, Hashable]:
-        """A fresh internal sequence id, and ``request_id`` or, for None, an automatic id no ``live`` request uses."""
+        """A fresh internal sequence id, and ``request_id`` or, for None, an automatic id no
+        ``live`` request uses."""
         if request_id is not None and request_id in live:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq_id = next(self._ids)
@@ -235,7 +249,8 @@ class Intake:
         return seq_id, request_id
 
     def generator(self, sampling: SamplingParams) -> torch.Generator | None:
-        """A generator seeded by ``sampling.seed`` (or the engine's seeded draw); None for greedy."""
+        """A generator seeded by ``sampling.seed`` (or the engine's seeded draw); None for
+        greedy."""
         if sampling.greedy:
             return None
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
@@ -246,9 +261,9 @@ def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
     """Token ids of a text (no special tokens added: ChatML markup is spelled out in the text).
 
     Ids pass through as Python ints when they are a sequence (list, tuple, range, 1-D numpy array or
-    torch tensor) of real integers: Python or numpy ints, never bools, floats, strings or bytes. Anything
-    else (bytes, a dict, a set, floats such as 1.7, digit strings such as "5") raises ``TypeError``
-    instead of being coerced into other tokens.
+    torch tensor) of real integers: Python or numpy ints, never bools, floats, strings or bytes.
+    Anything else (bytes, a dict, a set, floats such as 1.7, digit strings such as "5") raises
+    ``TypeError`` instead of being coerced into other tokens.
     """
     if isinstance(text_or_ids, str):
         if tokenizer is None:
@@ -273,12 +288,14 @@ def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
             integer = bool(np.issubdtype(text_or_ids.dtype, np.integer))
         if text_or_ids.ndim != 1 or not integer:
             raise TypeError(
-                f"token ids must be a 1-D array of integers, got {text_or_ids.ndim}-D {text_or_ids.dtype}"
+                f"token ids must be a 1-D array of integers, got {text_or_ids.ndim}-D "
+                f"{text_or_ids.dtype}"
             )
         return [int(t) for t in text_or_ids.tolist()]
     if not isinstance(text_or_ids, Sequence) or isinstance(text_or_ids, (bytes, bytearray)):
         raise TypeError(
-            f"a prompt must be a str or a sequence of int token ids, got {type(text_or_ids).__name__}"
+            "a prompt must be a str or a sequence of int token ids, got "
+            f"{type(text_or_ids).__name__}"
         )
     ids = []
     for t in text_or_ids:
@@ -289,7 +306,8 @@ def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
 
 
 def check_cache_salt(cache_salt: str) -> str:
-    """``cache_salt`` if it is a non-empty string of valid Unicode; else ``RequestError`` of "cache_salt"."""
+    """``cache_salt`` if it is a non-empty string of valid Unicode; else ``RequestError`` of
+    "cache_salt"."""
     if not isinstance(cache_salt, str):
         raise RequestTypeError(
             "cache_salt", f"cache_salt must be a str or None, got {type(cache_salt).__name__}"
@@ -305,7 +323,8 @@ def check_cache_salt(cache_salt: str) -> str:
 
 
 def _sampling_field(fields: dict[str, Any]) -> str | None:
-    """The first of ``fields`` that ``SamplingParams`` refuses on its own (every other field at its default)."""
+    """The first of ``fields`` that ``SamplingParams`` refuses on its own (every other field at its
+    default)."""
     for name, value in fields.items():
         try:
             SamplingParams(**{name: value})
@@ -315,7 +334,8 @@ def _sampling_field(fields: dict[str, Any]) -> str | None:
 
 
 def make_sampling(**fields: Any) -> SamplingParams:
-    """``SamplingParams(**fields)``; a refusal is a ``RequestError`` whose ``field`` is the parameter at fault."""
+    """``SamplingParams(**fields)``; a refusal is a ``RequestError`` whose ``field`` is the
+    parameter at fault."""
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as e:
@@ -323,7 +343,8 @@ def make_sampling(**fields: Any) -> SamplingParams:
 
 
 def check_sampling(sampling: Any) -> SamplingParams:
-    """``sampling`` if it is a ``SamplingParams`` (checked field by field when it was made), else ``RequestTypeError``."""
+    """``sampling`` if it is a ``SamplingParams`` (checked field by field when it was made), else
+    ``RequestTypeError``."""
     if not isinstance(sampling, SamplingParams):
         raise RequestTypeError(
             "sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}"
@@ -339,9 +360,11 @@ def per_prompt(
     cache_salts: Sequence[str | None] | None = None,
     unsafe_salts: Sequence[str | None] | None = None,
 ) -> list[tuple[Any, Any, str | None, str | None, str | None]]:
-    """``generate``'s arguments as ``(prompt, sampling, tenant, cache_salt, unsafe_salt)`` per prompt.
+    """``generate``'s arguments as ``(prompt, sampling, tenant, cache_salt, unsafe_salt)`` per
+    prompt.
 
-    One sampling may serve all prompts; ``tenants``, ``cache_salts`` and ``unsafe_salts`` give one per prompt.
+    One sampling may serve all prompts; ``tenants``, ``cache_salts`` and ``unsafe_salts`` give one
+    per prompt.
     """
     named = (
         ("prompts", prompts),

@@ -1,6 +1,8 @@
-"""Consistency checks of an engine's bookkeeping (``EngineConfig(debug=True)`` runs them after every step).
+"""Consistency checks of an engine's bookkeeping (``EngineConfig(debug=True)`` runs them after every
+step).
 
-Pure Python: ``Scheduler.check_invariants`` and ``Engine.check_invariants`` call these; a default step never does.
+Pure Python: ``Scheduler.check_invariants`` and ``Engine.check_invariants`` call these; a default
+step never does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ __all__ = ["check_engine", "check_scheduler"]
 
 
 def check_scheduler(scheduler: Any) -> None:
-    """Raise unless the block manager and the queues agree: every running request holds its tokens' blocks."""
+    """Raise unless the block manager and the queues agree: every running request holds its tokens'
+    blocks."""
     bm = scheduler.block_manager
     bm.check_invariants()
     running = {s.seq_id for s in scheduler.running}

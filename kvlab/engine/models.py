@@ -1,10 +1,10 @@
 """Load the bundled passphrase model or any Hugging Face causal LM; pick a device; size a KV cache.
 
 ``load_model()`` with no argument loads the tiny Qwen2 model shipped inside the package under
-``data/models`` (no network; it travels in the wheel as ``kvlab/data``). ``load_model("smollm2")`` loads SmolLM2-135M-Instruct, converted once from a registry
-package (``kvlab.engine.smollm2``). Any Hugging Face id or local folder works too, e.g.
-``load_model("Qwen/Qwen2.5-0.5B-Instruct", device="cuda")`` on a workshop GPU with the model already
-downloaded.
+``data/models`` (no network; it travels in the wheel as ``kvlab/data``). ``load_model("smollm2")``
+loads SmolLM2-135M-Instruct, converted once from a registry package (``kvlab.engine.smollm2``). Any
+Hugging Face id or local folder works too, e.g. ``load_model("Qwen/Qwen2.5-0.5B-Instruct",
+device="cuda")`` on a workshop GPU with the model already downloaded.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from .intake import encode  # noqa: F401
 def package_data(*parts: str) -> Path:
     """A file or folder of kvlab's shipped data (the bundled model, public configs, the CJK font).
 
-    In an installed wheel it is ``kvlab/data`` inside the package; in the repository (an editable install
-    or a checkout on ``sys.path``) it is the top-level ``data/`` beside the package, which the wheel maps
-    to ``kvlab/data``. The top package is the one this module sits in, so ``kvlab/engine`` copied as
-    ``mykv/engine`` looks in ``mykv/data`` (absent unless copied too: ``load_model(None)`` then says the
-    bundled model is missing).
+    In an installed wheel it is ``kvlab/data`` inside the package; in the repository (an editable
+    install or a checkout on ``sys.path``) it is the top-level ``data/`` beside the package, which
+    the wheel maps to ``kvlab/data``. The top package is the one this module sits in, so
+    ``kvlab/engine`` copied as ``mykv/engine`` looks in ``mykv/data`` (absent unless copied too:
+    ``load_model(None)`` then says the bundled model is missing).
     """
     top = (__package__ or "kvlab").partition(".")[0]
     root = importlib.resources.files(top)
@@ -41,7 +41,8 @@ def package_data(*parts: str) -> Path:
             f"kvlab's package data is not on the file system ({root!r}); install kvlab unzipped"
         )
     inside, beside = root / "data", root.parent / "data"
-    # beside only when it is ours (a marker file), never a user's unrelated data/ folder next to a copy
+    # beside only when it is ours (a marker file), never a user's unrelated data/ folder next to a
+    # copy
     base = beside if not inside.is_dir() and (beside / "__init__.py").is_file() else inside
     return base.joinpath(*parts)
 
@@ -67,7 +68,8 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """``auto`` picks cuda, then mps, then cpu; an explicit device that is not available is an error."""
+    """``auto`` picks cuda, then mps, then cpu; an explicit device that is not available is an
+    error."""
     if device is None or str(device) == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -82,7 +84,8 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         ) from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
-            f"device {str(device)!r} was requested but this torch ({torch.__version__}) sees no CUDA GPU; "
+            f"device {str(device)!r} was requested but this torch ({torch.__version__}) sees no "
+            "CUDA GPU; "
             "use DEVICE='auto' or 'cpu', or install a CUDA build of torch on a GPU machine"
         )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
@@ -97,7 +100,8 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """Map 'float32' / 'bf16' / torch.float16 ... to a torch dtype; None stays None (model default)."""
+    """Map 'float32' / 'bf16' / torch.float16 ... to a torch dtype; None stays None (model
+    default)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     try:
@@ -111,7 +115,8 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str, bool]:
     if model is None:
         if not (BUNDLED_MODEL / "config.json").exists():
             raise FileNotFoundError(
-                f"the bundled model is missing at {BUNDLED_MODEL}; it ships in the repository's data/ folder and in the wheel as kvlab/data — "
+                f"the bundled model is missing at {BUNDLED_MODEL}; it ships in the repository's "
+                "data/ folder and in the wheel as kvlab/data — "
                 "reinstall kvlab, or retrain it with `python scripts/train_passphrase_model.py`"
             )
         return str(BUNDLED_MODEL), True
@@ -140,7 +145,8 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
 ) -> tuple[Any, Any]:
-    """Return ``(model, tokenizer)``: the bundled model by default, "smollm2", or any HF causal-LM id or folder.
+    """Return ``(model, tokenizer)``: the bundled model by default, "smollm2", or any HF causal-LM
+    id or folder.
 
     The model is in eval mode on ``device`` (cuda -> mps -> cpu for "auto") in ``dtype``
     (float32 by default for the bundled model and SmolLM2, the checkpoint's own dtype otherwise).
@@ -184,11 +190,12 @@ def model_fingerprint(
     parameter and buffer names/shapes/dtypes, **every byte of every parameter and buffer** (sha256;
     buffers persistent or not, e.g. RoPE's ``inv_freq``), and the tokenizer's vocabulary and chat
     template, so changing any single weight or buffer value (in place, through ``.data``, or in a
-    copy) changes it. Its cost grows with the weights' bytes (sha256 over all of them; a GPU model is
-    copied to the CPU parameter by parameter).
+    copy) changes it. Its cost grows with the weights' bytes (sha256 over all of them; a GPU model
+    is copied to the CPU parameter by parameter).
 
     ``every_weight=False`` hashes 64 sampled values per parameter instead: cheap, but blind to most
-    single-weight changes; enough to tell different models apart, as the engine does for its own blocks.
+    single-weight changes; enough to tell different models apart, as the engine does for its own
+    blocks.
     """
     h = hashlib.sha256()
     h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
@@ -320,7 +327,8 @@ def model_device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Token ids that end a turn: the generation config's eos ids and the tokenizer's (if there is one)."""
+    """Token ids that end a turn: the generation config's eos ids and the tokenizer's (if there is
+    one)."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     out = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -1,5 +1,6 @@
-"""Which ``kvlab.cache.CacheManager`` an ``Engine`` runs on: hash blocks, a radix tree, or the caller's own, and
-whether its K/V fits the device before anything is allocated (``check_kv_budget``)."""
+"""Which ``kvlab.cache.CacheManager`` an ``Engine`` runs on: hash blocks, a radix tree, or the
+caller's own, and whether its K/V fits the device before anything is allocated
+(``check_kv_budget``)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ HOST_BYTES_PER_BLOCK = 512
 
 
 class RadixCacheManager(RadixCache):
-    """SGLang's radix tree as a ``kvlab.cache.CacheManager``: no KV events, no ``reset_prefix_cache``."""
+    """SGLang's radix tree as a ``kvlab.cache.CacheManager``: no KV events, no
+    ``reset_prefix_cache``."""
 
     def take_events(self) -> list:
-        """No events: vLLM's KV-event schema describes hash blocks (``make_cache_manager`` refuses the option)."""
+        """No events: vLLM's KV-event schema describes hash blocks (``make_cache_manager`` refuses
+        the option)."""
         return []
 
     def reset_prefix_cache(self) -> bool:
@@ -43,8 +46,9 @@ class RadixCacheManager(RadixCache):
 def engine_cache(
     model: Any, tokenizer: Any, config: EngineConfig, cache: object = None
 ) -> CacheManager:
-    """An engine's cache: ``cache`` itself when it is an object (a ``CacheManager`` brings its own size), else
-    one made from ``config`` with ``num_blocks`` blocks, else the blocks that fit ``kv_cache_bytes``, else 512."""
+    """An engine's cache: ``cache`` itself when it is an object (a ``CacheManager`` brings its own
+    size), else one made from ``config`` with ``num_blocks`` blocks, else the blocks that fit
+    ``kv_cache_bytes``, else 512."""
     if cache is not None and not isinstance(cache, str):
         adopted = adopt_cache(cache, config.num_blocks, config.kv_cache_bytes)
         check_kv_budget(model, adopted.num_blocks, adopted.block_size)
@@ -60,7 +64,8 @@ def engine_cache(
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on ``device`` (CPU: the host's MemAvailable); None where unknown."""
+    """Bytes that can still be allocated on ``device`` (CPU: the host's MemAvailable); None where
+    unknown."""
     try:
         if device.type == "cuda":
             return torch.cuda.mem_get_info(device)[0]
@@ -78,9 +83,9 @@ def available_memory(device: torch.device) -> int | None:
 
 
 def check_kv_budget(model: Any, num_blocks: int, block_size: int) -> int:
-    """The bytes ``num_blocks`` blocks of ``block_size`` slots need (the K/V store on the model's device and the
-    blocks' bookkeeping on the host); ``ValueError`` naming them, before anything is allocated, when the device
-    or the host has less available."""
+    """The bytes ``num_blocks`` blocks of ``block_size`` slots need (the K/V store on the model's
+    device and the blocks' bookkeeping on the host); ``ValueError`` naming them, before anything is
+    allocated, when the device or the host has less available."""
     device, dtype = model_device_dtype(model)
     kv = num_blocks * block_size * kv_bytes_per_token(model.config, dtype)
     host = num_blocks * HOST_BYTES_PER_BLOCK
@@ -91,7 +96,8 @@ def check_kv_budget(model: Any, num_blocks: int, block_size: int) -> int:
         have = available_memory(torch.device(kind) if kind != device.type else device)
         if have is not None and nbytes > have:
             raise ValueError(
-                f"{num_blocks:,} blocks of {block_size:,} slots need {nbytes:,} bytes ({nbytes / 2**30:,.1f} GiB) "
+                f"{num_blocks:,} blocks of {block_size:,} slots need {nbytes:,} bytes "
+                f"({nbytes / 2**30:,.1f} GiB) "
                 f"of {kind} memory ({kv:,} of K/V, {host:,} of block bookkeeping) but {have:,} are "
                 f"available: lower num_blocks or block_size, or size the cache by kv_cache_bytes"
             )
@@ -101,7 +107,8 @@ def check_kv_budget(model: Any, num_blocks: int, block_size: int) -> int:
 def make_cache_manager(
     config: EngineConfig, num_blocks: int, model_fingerprint: str = ""
 ) -> BlockManager | RadixCacheManager:
-    """The engine's cache manager: ``BlockManager(num_blocks, block_size)`` or a radix tree of the same slots.
+    """The engine's cache manager: ``BlockManager(num_blocks, block_size)`` or a radix tree of the
+    same slots.
 
     ``config`` gives the kind (``cache``), ``block_size``, ``page_size``, ``isolation``,
     ``enable_prefix_caching`` and ``enable_kv_events``.
@@ -119,7 +126,8 @@ def make_cache_manager(
         )
     if enable_kv_events:
         raise ValueError(
-            "KV events (vLLM's schema) describe hash blocks: use cache='blocks' with enable_kv_events=True"
+            "KV events (vLLM's schema) describe hash blocks: use cache='blocks' with "
+            "enable_kv_events=True"
         )
     # each salt has a root of its own: a public prefix cannot be shared
     if config.isolation == "public-prefix":
@@ -141,7 +149,8 @@ def make_cache_manager(
 
 
 def adopt_cache(cache: object, num_blocks: int | None, kv_cache_bytes: int | None) -> CacheManager:
-    """A caller's own cache for ``Engine(cache=obj)``: a ``CacheManager`` (else ``TypeError``), empty, sized."""
+    """A caller's own cache for ``Engine(cache=obj)``: a ``CacheManager`` (else ``TypeError``),
+    empty, sized."""
     check_cache(cache)
     if num_blocks is not None or kv_cache_bytes is not None:
         raise ValueError(

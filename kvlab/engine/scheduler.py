@@ -1,6 +1,6 @@
-"""Continuous batching (pure Python): decodes and prompt chunks first, preempting by recompute, then FCFS prefills
-under one token budget per step; ``postprocess`` appends the sampled tokens and finishes what stops (nano-vllm's
-``scheduler.py``; docs/engine.md)."""
+"""Continuous batching (pure Python): decodes and prompt chunks first, preempting by recompute, then
+FCFS prefills under one token budget per step; ``postprocess`` appends the sampled tokens and
+finishes what stops (nano-vllm's ``scheduler.py``; docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -38,15 +38,17 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues; one ``schedule()`` per engine step.
 
-    ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the step's token
-    budget is computed in chunks over several steps, beside the running decodes, instead of in a step of its
-    own; an item whose ``end < seq.num_tokens`` is such a chunk (the step samples no token for it).
+    ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the
+    step's token budget is computed in chunks over several steps, beside the running decodes,
+    instead of in a step of its own; an item whose ``end < seq.num_tokens`` is such a chunk (the
+    step samples no token for it).
 
-    The block manager caches a prompt's full blocks when it allocates them, before their K/V is written (safe
-    within a step: a step writes before it reads). A chunk ends before its sequence's tokens only when it takes
-    the rest of the step's budget, and running sequences are scheduled before any admission, so no request is
-    ever admitted (and hits) while a prompt's cached blocks are unwritten; a sequence preempted or finished
-    half-way takes its unwritten blocks out of the cache (``finish``).
+    The block manager caches a prompt's full blocks when it allocates them, before their K/V is
+    written (safe within a step: a step writes before it reads). A chunk ends before its sequence's
+    tokens only when it takes the rest of the step's budget, and running sequences are scheduled
+    before any admission, so no request is ever admitted (and hits) while a prompt's cached blocks
+    are unwritten; a sequence preempted or finished half-way takes its unwritten blocks out of the
+    cache (``finish``).
     """
 
     # the default of every new scheduler (an engine's, a replay's): on, as in vLLM V1
@@ -61,7 +63,8 @@ class Scheduler:
         *,
         eos_ids: frozenset[int] = frozenset(),
     ) -> None:
-        """``eos_ids``: the tokens that end a sequence (unless its ``ignore_eos``) in ``postprocess``."""
+        """``eos_ids``: the tokens that end a sequence (unless its ``ignore_eos``) in
+        ``postprocess``."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 "need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs "
@@ -86,7 +89,8 @@ class Scheduler:
         need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)
         if need > bm.num_blocks:
             raise ValueError(
-                f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new tokens, block size "
+                f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new "
+                "tokens, block size "
                 f"{bm.block_size}) but the pool has {bm.num_blocks}: it can never run"
             )
 
@@ -96,11 +100,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def is_prefilling(self, seq: Request) -> bool:
-        """Whether a running sequence holds blocks for tokens not computed yet (a prompt in chunks)."""
+        """Whether a running sequence holds blocks for tokens not computed yet (a prompt in
+        chunks)."""
         return seq.num_computed_tokens < self.block_manager.num_allocated_tokens(seq.seq_id)
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's decodes, prefill chunks and prefills; preempt the youngest when blocks run out."""
+        """Pick this step's decodes, prefill chunks and prefills; preempt the youngest when blocks
+        run out."""
         bm, out, running = self.block_manager, SchedulerOutput(), self.running
         budget, i = self.max_num_batched_tokens, 0
         # 1. running: a decode token, or the next chunk of a prompt
@@ -164,17 +170,19 @@ class Scheduler:
         return out
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
-        """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue, to prefill again."""
+        """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue,
+        to prefill again."""
         # both callers requeue a sequence this step scheduled: a running one
         self.finish(seq, None, uncache_from)
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Request, reason: str | None, uncache_from: int | None = None) -> None:
-        """Take a sequence out of the queues for good, free its blocks (from ``uncache_from`` on: out of the cache).
+        """Take a sequence out of the queues for good, free its blocks (from ``uncache_from`` on:
+        out of the cache).
 
-        A running sequence's blocks past its computed tokens (a prompt in chunks) leave the cache too: they
-        were cached at allocation and never written, so no request may hit them later.
+        A running sequence's blocks past its computed tokens (a prompt in chunks) leave the cache
+        too: they were cached at allocation and never written, so no request may hit them later.
         """
         if seq.status is RequestStatus.RUNNING:
             computed = seq.num_computed_tokens
@@ -191,8 +199,8 @@ class Scheduler:
     def postprocess(
         self, items: list[ScheduledSeq], tokens: list[int | None], now: float
     ) -> list[Request]:
-        """Append each item's sampled token (None: a prompt chunk or a failed item); finish and return the
-        sequences that stop (an eos or stop token) or reach ``max_tokens``."""
+        """Append each item's sampled token (None: a prompt chunk or a failed item); finish and
+        return the sequences that stop (an eos or stop token) or reach ``max_tokens``."""
         finished = []
         for item, token in zip(items, tokens):
             seq, sp = item.seq, item.seq.sampling
@@ -209,7 +217,8 @@ class Scheduler:
         return finished
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Run ``child`` as a copy of the running ``parent`` that shares all its blocks (``check_fork`` first)."""
+        """Run ``child`` as a copy of the running ``parent`` that shares all its blocks
+        (``check_fork`` first)."""
         self.check_fork(parent)
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.status = RequestStatus.RUNNING
@@ -217,14 +226,16 @@ class Scheduler:
         self.running.append(child)
 
     def check_fork(self, parent: Request) -> None:
-        """Raise ``ValueError`` unless ``parent`` runs, has generated a token and is not mid-prefill."""
+        """Raise ``ValueError`` unless ``parent`` runs, has generated a token and is not
+        mid-prefill."""
         if (
             parent.status is not RequestStatus.RUNNING
             or not parent.output_ids
             or self.is_prefilling(parent)
         ):
             raise ValueError(
-                "only a running sequence that has generated a token (and is not being prefilled again "
+                "only a running sequence that has generated a token (and is not being prefilled "
+                "again "
                 "after a preemption) can be forked"
             )
 
@@ -233,5 +244,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def check_invariants(self) -> None:
-        """Raise unless the block manager and the queues agree (``kvlab.engine.invariants.check_scheduler``)."""
+        """Raise unless the block manager and the queues agree
+        (``kvlab.engine.invariants.check_scheduler``)."""
         check_scheduler(self)

@@ -1,4 +1,5 @@
-"""Tenants and isolation policies (pure Python): every cache salt the engine uses is derived here, once.
+"""Tenants and isolation policies (pure Python): every cache salt the engine uses is derived here,
+once.
 
 A tenant's salt is HMAC-SHA256(server secret, tenant id). A request's ``cache_salt`` (vLLM's request
 field) is combined with its tenant's scope, never used alone (``request_salt``):
@@ -7,12 +8,12 @@ field) is combined with its tenant's scope, never used alone (``request_salt``):
     cache_salt=s   -> HMAC-SHA256(server secret, "kvlab-cache-salt" | tenant scope | s)
 
 where the tenant scope is the tenant's salt under the isolation policy ("" under "shared"). So under
-"shared" two requests with the same ``cache_salt`` share, whoever sends them (vLLM's behaviour: the salt
-alone is the boundary), and under "tenant"/"public-prefix" a salt only splits a tenant's own cache
-further: another tenant sending the same salt lands in another scope. A salted request never hits the
-unsalted cache of its tenant. Under "public-prefix" the operator's public prefixes stay shared by every
-salt (the engine salts only the blocks past them). The request keeps its tenant either way: abort and
-fork are scoped by it and per-tenant metrics count it.
+"shared" two requests with the same ``cache_salt`` share, whoever sends them (vLLM's behaviour: the
+salt alone is the boundary), and under "tenant"/"public-prefix" a salt only splits a tenant's own
+cache further: another tenant sending the same salt lands in another scope. A salted request never
+hits the unsalted cache of its tenant. Under "public-prefix" the operator's public prefixes stay
+shared by every salt (the engine salts only the blocks past them). The request keeps its tenant
+either way: abort and fork are scoped by it and per-tenant metrics count it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ MIN_SECRET_BYTES = 16
 
 
 class SharedTenantsWarning(UserWarning):
-    """Tenants were named on an engine whose isolation is "shared": their cached prefixes are not kept apart."""
+    """Tenants were named on an engine whose isolation is "shared": their cached prefixes are not
+    kept apart."""
 
 
 def new_secret() -> bytes:
@@ -38,14 +40,16 @@ def new_secret() -> bytes:
 
 
 def check_secret(secret: bytes | bytearray | str | None) -> bytes:
-    """The server secret as bytes (a ``str`` by its UTF-8 bytes, >= 16 of them); ``None`` gives a fresh random one."""
+    """The server secret as bytes (a ``str`` by its UTF-8 bytes, >= 16 of them); ``None`` gives a
+    fresh random one."""
     if secret is None:
         return new_secret()
     if isinstance(secret, str):
         secret = secret.encode()
     if not isinstance(secret, (bytes, bytearray)):
         raise TypeError(
-            f"the server secret must be bytes or str (or None for a random one), got {type(secret).__name__}"
+            "the server secret must be bytes or str (or None for a random one), got "
+            f"{type(secret).__name__}"
         )
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(
@@ -71,11 +75,13 @@ def tenant_salt(secret: bytes, tenant: str | None) -> str:
 def request_salt(
     secret: bytes, isolation: str, tenant: str | None, cache_salt: str | None = None
 ) -> str | None:
-    """The cache salt of a request of ``tenant`` with ``cache_salt`` under ``isolation`` (see the module docstring).
+    """The cache salt of a request of ``tenant`` with ``cache_salt`` under ``isolation`` (see the
+    module docstring).
 
-    Without a ``cache_salt``: the tenant's salt, or None under "shared". With one: HMAC-SHA256 under the
-    secret of ``b"kvlab-cache-salt\\0" + scope + b"\\0" + cache_salt``, the scope being the tenant's salt
-    ("" under "shared"): the bytes ``kvlab serve`` hashed before the engine derived it.
+    Without a ``cache_salt``: the tenant's salt, or None under "shared". With one: HMAC-SHA256 under
+    the secret of ``b"kvlab-cache-salt\\0" + scope + b"\\0" + cache_salt``, the scope being the
+    tenant's salt ("" under "shared"): the bytes ``kvlab serve`` hashed before the engine derived
+    it.
     """
     scope = None if isolation == "shared" else tenant_salt(secret, tenant)
     if cache_salt is None:
