@@ -10,13 +10,9 @@ omitted". Here the loop is finished:
    remaining tokens at positions ``len(prefix) ..``, then decodes one token per step.
 
 ``continue_from_cache`` is the unchecked core. The notebooks call it directly to run the *mistakes*
-(another request's prefix, wrong positions) so the wrong outputs are measured, not asserted.
-``get_prefix_cache`` / ``generate_with_prefix_cache`` are the article's two functions with the loop
-written the naive way: they write into the shared cache (the pollution that notebook 02 shows).
-
-Also here: ``compare_with_hf`` (token and logit equality with ``model.generate``), ``time_prefill``
-(prefill with vs without the cached prefix), the tokenization checks ``check_prefix_tokens``,
-``boundary_merge_cases`` and ``common_prefix_ids``, and the checkers of notebook 02's exercises.
+(another request's prefix, wrong positions) so the wrong outputs are measured, not asserted. The article's
+two functions, written the naive way that pollutes the shared cache, are notebook 02's cells
+(``kvlab.built.nb02``). Also here: ``compare_with_hf`` (token and logit equality with ``model.generate``).
 """
 
 from __future__ import annotations
@@ -267,45 +263,3 @@ def compare_with_hf(model: Any, tokenizer: Any, prompts: Sequence[str | Sequence
                      "max_abs_logit_diff": diff, "ours": ours.text,
                      "hf": tokenizer.decode(ref_ids, skip_special_tokens=True)})
     return rows
-
-
-# ----------------------------------------------------------------------------- the article's code, finished naively
-
-@torch.no_grad()
-def get_prefix_cache(model: Any, tokenizer: Any, prefix: str) -> tuple[Any, int]:
-    """The article's ``get_prefix_cache``: one forward pass over the prefix; returns (cache, prefix_len)."""
-    inputs = tokenizer(prefix, return_tensors="pt").to(model.device)  # add_special_tokens left at its default
-    outputs = model(**inputs, use_cache=True)
-    return outputs.cache, inputs.input_ids.shape[1]
-
-
-@torch.no_grad()
-def generate_with_prefix_cache(model: Any, tokenizer: Any, prefix_cache: Any, prefix_len: int, suffix: str,
-                               max_new_tokens: int = 20) -> list[int]:
-    """The article's ``generate_with_prefix_cache`` with its elided loop written the obvious way.
-
-    Greedy; positions are left to transformers (it counts the tokens already in the cache). It
-    writes into ``prefix_cache``: the mistake notebook 02 runs on purpose (cache pollution).
-    """
-    suffix_ids = tokenizer(suffix, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
-    out = model(input_ids=suffix_ids, cache=prefix_cache, use_cache=True)
-    stop = eos_ids(model, tokenizer)
-    generated: list[int] = []
-    for _ in range(max_new_tokens):
-        tok = int(out.logits[0, -1].argmax())
-        generated.append(tok)
-        if tok in stop or len(generated) == max_new_tokens:
-            break
-        out = model(input_ids=torch.tensor([[tok]], device=model.device), cache=prefix_cache, use_cache=True)
-    return generated
-
-
-# ----------------------------------------------------------------------------- tokenization pitfalls
-
-
-# ----------------------------------------------------------------------------- time saved
-
-
-# ----------------------------------------------------------------------------- exercise checkers
-
-
