@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the token budget of a step, which a long prompt's prefill is chunked into (default: sized to "
+                        "the device: 2048 on CUDA, else what the model prefills in about 0.25 s, measured at start; "
+                        "a step's time is every running stream's inter-token gap)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="run each prompt's prefill whole instead of in chunks of the step's token budget "
@@ -110,6 +113,9 @@ def check_args(args: argparse.Namespace) -> str | None:
     for option, value in (("--head-timeout", args.head_timeout), ("--body-timeout", args.body_timeout)):
         if not 0 < value < float("inf"):
             return f"{option} must be a positive number of seconds, got {value}"
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_num_seqs:
+        return (f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least --max-num-seqs "
+                f"({args.max_num_seqs}): a step gives each running sequence a token")
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
     return check_model_path(args.model)
@@ -183,12 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # a model that cannot be found or read: one line, no traceback
         print(f"kvlab serve: cannot load the model {args.model or BUNDLED_NAME}: {e}", file=sys.stderr)
         return 2
+    budget = args.max_num_batched_tokens
+    if budget is None:  # sized to the device: a step's time is every running stream's gap
+        from .budget import default_token_budget
+
+        budget, how = default_token_budget(model, args.max_num_seqs)
+        print(f"kvlab serve: token budget {budget} a step ({how}; --max-num-batched-tokens sets it)",
+              file=sys.stderr, flush=True)
     # the speed paths run where they can; where one cannot, the server says why and runs without it
     off = {key for key in ("packed_linear", "paged_kernel", "fused_layers") if getattr(args, "no_" + key)}
     speed = speed_paths(model, off)
     print(f"kvlab serve: {speed.describe()}", file=sys.stderr, flush=True)
     engine = Engine(model, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                     enable_prefix_caching=not args.no_prefix_caching, isolation=isolation, secret=secret,
                     enable_chunked_prefill=False if args.no_chunked_prefill else None,
                     accelerator=speed)

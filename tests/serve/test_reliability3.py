@@ -383,3 +383,40 @@ def test_a_public_prefix_is_shared_by_chats_with_that_system_message(bundled, mo
         assert chat(c, "key-b", "Do you sell paint?") >= 16  # tenant b shares tenant a's system turn
         assert complete(c, "key-a", SYSTEM + " Where are the nails?") == 0
         assert complete(c, "key-b", SYSTEM + " Ladders?") >= 16  # the raw text still shares too
+
+
+# --- N6: the default token budget is sized to the device ------------------------------------------------------
+def test_budget_for_rate_is_a_block_multiple_between_the_batch_and_2048():
+    from kvlab.serve.budget import MAX_BUDGET, budget_for_rate
+
+    assert budget_for_rate(1000.0, 64, target_s=0.25) == 240
+    assert budget_for_rate(150.0, 64) == 64  # a slow CPU: one token per running sequence at least
+    assert budget_for_rate(1e9, 64) == MAX_BUDGET
+    with pytest.raises(ValueError):
+        budget_for_rate(0.0, 64)
+
+
+def test_prefill_rate_is_measured_on_the_model(bundled):
+    from kvlab.serve.budget import prefill_rate
+
+    assert prefill_rate(bundled[0], tokens=16) > 0
+
+
+def test_serve_sizes_the_token_budget_to_the_device_unless_given(bundled, monkeypatch, capsys):
+    import uvicorn
+
+    import kvlab.engine.models
+    import kvlab.serve.budget
+    from kvlab.serve.__main__ import main
+
+    runs = []
+    monkeypatch.setattr(kvlab.engine.models, "load_model", lambda *a, **k: bundled)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(app))
+    monkeypatch.setattr(kvlab.serve.budget, "prefill_rate", lambda model, tokens=64: 1000.0)
+    monkeypatch.delenv("KVLAB_API_KEYS", raising=False)
+    assert main(["--num-blocks", "64"]) == 0
+    assert runs.pop().state.server.engine.scheduler.max_num_batched_tokens == 240
+    assert "token budget 240" in capsys.readouterr().err
+    assert main(["--num-blocks", "64", "--max-num-batched-tokens", "512"]) == 0
+    assert runs.pop().state.server.engine.scheduler.max_num_batched_tokens == 512
+    assert main(["--num-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "4"]) == 2
