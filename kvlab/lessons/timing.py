@@ -140,15 +140,16 @@ def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: fl
     found = dict(value=value, lo=lo, hi=hi)
     at = f" {at.strip()}" if at.strip() else ""
     if num.lo <= den.hi and den.lo <= num.hi:
-        spans = f"{num.span} and {den.span}"
         shaken = [t for t in (num, den) if t.disturbed]
         if shaken:
             t = max(shaken, key=lambda t: t.spread)
+            other = den if t is num else num
             return TimingVerdict(False, DISTURBED, f"{t.name}'s repeats span x{t.spread:.1f} ({t.lo:.3g}–{t.hi:.3g} s), "
-                                                   f"more than x{DISTURBED_SPREAD:g}; {spans} overlap",
+                                                   f"more than x{DISTURBED_SPREAD:g}, and overlap {other.span}",
                                  disturbed=True, **found)
         what = "saving" if ideal is not None else "difference"
-        return TimingVerdict(False, f"no measurable {what}{at}", f"the ranges overlap ({spans})", **found)
+        return TimingVerdict(False, f"no measurable {what}{at}", f"the ranges overlap ({num.span} and {den.span})",
+                             **found)
     note = ""
     described = f" ({ideal_is})" if ideal_is else ""
     if ideal is not None and hi < ideal:
