@@ -520,7 +520,11 @@ def say_against_article(table: Any) -> None:
     tag = "note    " if v is None or not v.ok else "agree   " if inside else "partly  " if v.hi < 1 else "DIFFER  "
     cached = "" if v is not None and not v.ok else f", {d.loc[(1, 'shared (correct)'), 'cached tokens']:.0f} prompt " \
         "tokens per request from the cache"
-    print(tag + f"group 1 shared/isolated {ttft_text(table, 1, 'shared (correct)')} (the article: x{art_ttft:.2f}){cached}")
+    how = ("" if v is None or not v.ok else ": the article's ratio lies inside our range" if inside else
+           f": a saving in every run, {'smaller' if v.lo > art_ttft else 'larger'} than the article's" if v.hi < 1 else
+           ": the shared row was slower in every run" if v.lo >= 1 else ": a saving in some runs only")
+    print(tag + f"group 1 shared/isolated {ttft_text(table, 1, 'shared (correct)')} (the article: x{art_ttft:.2f})"
+          f"{how}{cached}")
     wrong = [d.loc[(g, "shared (wrong)")] for g in (2, 3) if (g, "shared (wrong)") in d.index]
     print(("agree   " if all(r["identical"] < 1 for r in wrong) else "DIFFER  ") + "groups 2 and 3 shared wrongly: "
           + " and ".join(f"{1 - r['identical']:.0%} of {r['requests']}" for r in wrong)
