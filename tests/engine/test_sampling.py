@@ -102,3 +102,52 @@ def test_stop_token_ids_must_be_non_negative_ints():
     for bad in ([1.0], [True], [-1], ["5"]):
         with pytest.raises(ValueError, match="stop_token_ids"):
             SamplingParams(stop_token_ids=bad)
+
+
+# --- vLLM's fields (issue 52): penalties, min_p, min_tokens, logit_bias, logprobs -------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.1), ("frequency_penalty", -2.1), ("presence_penalty", True), ("repetition_penalty", 0.0),
+    ("repetition_penalty", float("inf")), ("min_p", -0.1), ("min_p", 1.1), ("min_tokens", 17), ("min_tokens", 1.0),
+    ("logit_bias", {5: 100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logprobs", 21),
+    ("prompt_logprobs", -1), ("logprobs", True),
+])
+def test_vllm_fields_out_of_range_are_refused(field, value):
+    with pytest.raises((TypeError, ValueError), match=field.split("_")[0]):
+        SamplingParams(**{field: value})
+
+
+def test_vllm_fields_at_their_neutral_values_process_nothing():
+    sp = SamplingParams(presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0, min_tokens=0,
+                        logit_bias={}, logprobs=None)
+    assert not sp.processes_logits and sp.logit_bias == ()
+    assert SamplingParams(logit_bias={7: 1, 3: -2.5}).logit_bias == ((3, -2.5), (7, 1.0))
+
+
+def test_process_logits_is_vllms_formula():
+    from kvlab.engine.sampling import process_logits
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0, 1.0])
+    sp = SamplingParams(max_tokens=8, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
+                        logit_bias={5: 10.0}, min_tokens=3, stop_token_ids=[2])
+    out = process_logits(sp, logits, prompt_ids=[0, 1], output_ids=[3, 3], eos_ids={4})
+    # bias on 5; min_tokens: eos 4 and stop 2 masked; repetition on prompt {0,1} and output {3}; 3 counted twice
+    want = [2.0 / 2, -1.0 * 2, float("-inf"), 3.0 / 2 - 0.5 * 2 - 0.25, float("-inf"), 11.0]
+    assert out.tolist() == want
+    assert process_logits(sp, logits, [0, 1], [3, 3, 3], {4})[4] == -4.0  # three tokens out: eos free again
+
+
+def test_greedy_without_processing_is_the_argmax_and_logprobs_are_recorded():
+    from types import SimpleNamespace
+
+    from kvlab.engine.sampling import sample
+
+    logits = torch.tensor([0.1, 2.0, 1.5, -3.0])
+    seq = SimpleNamespace(sampling=SamplingParams(logprobs=2), prompt_ids=[0], output_ids=[], generator=None,
+                          logprobs=None)
+    assert sample(seq, logits, 1) == 1
+    rec = seq.logprobs[0]
+    lp = logits.log_softmax(-1)
+    assert rec.token == 1 and rec.rank == 1 and abs(rec.logprob - float(lp[1])) < 1e-6
+    assert [t for t, _ in rec.top] == [1, 2]
+    seq.sampling = SamplingParams(logit_bias={2: 1.0})
+    assert sample(seq, logits, 1) == 2  # processed: the argmax of the biased logits, not ``top``
