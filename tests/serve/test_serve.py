@@ -101,7 +101,7 @@ def wait_drained(base: str) -> dict:
 def metrics(base: str) -> dict[str, float]:
     """``{'name{labels}': value}`` of the /metrics text, the model_name label left out."""
     out = {}
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(base + "/metrics", timeout=30, headers={"Authorization": "Bearer key-a"}).text.splitlines():
         if line and not line.startswith("#"):
             series, value = line.rsplit(" ", 1)
             name, _, labels = series.partition("{")
@@ -387,7 +387,8 @@ def test_full_queue_answers_503_with_retry_after_and_keeps_serving(server):
 
 def test_health_and_models(server):
     assert httpx.get(server + "/health").status_code == 200
-    assert "kvlab:prefix_cache_hits_total" in httpx.get(server + "/metrics").text
+    assert httpx.get(server + "/metrics").status_code == 401  # with API keys, /metrics needs one (issue 53)
+    assert "kvlab:prefix_cache_hits_total" in httpx.get(server + "/metrics", headers={"Authorization": "Bearer key-a"}).text
     r = httpx.get(server + "/nowhere")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
