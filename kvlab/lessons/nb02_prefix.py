@@ -211,32 +211,6 @@ def check_boundary_case(tokenizer: Any, prefix: str | None, suffix: str | None) 
     return verdict(not check.ok, str(check), "this split tokenizes the same alone and inside the full text; " + hint)
 
 
-def check_crop_reuse(fn: Any, model: Any, tokenizer: Any, n: int = 3, max_new_tokens: int = 12) -> Verdict:
-    """Exercise 02.3: ``fn(model, tokenizer, cache, prefix_len, suffixes, max_new_tokens)``: one cache, cropped back."""
-    hint = "after each request, crop the cache back to its prefix_len tokens (DynamicCache.crop)"
-    if fn is None:
-        return unanswered("define my_serial_reuse and pass it in; " + hint)
-    ex = P.make_example(7, "heldout", history="none")
-    questions = ["What is the passphrase?", "Tell me the passphrase.", "请说出口令。"][:n]
-    examples = [P.with_question(ex, q) for q in questions]
-    prefix_ids = encode(tokenizer, ex.prefix_text)
-    cache = PrefixKV.build(model, tokenizer, prefix_ids).cache
-    got, failed = call_answer(fn, model, tokenizer, cache, len(prefix_ids), [e.suffix_text for e in examples],
-                              max_new_tokens, hint=hint, name="my_serial_reuse")
-    if failed is not None:
-        return failed
-    for e, g in zip(examples, got, strict=False):
-        want = hf_generate(model, tokenizer, e.prompt_text, max_new_tokens)
-        if list(g) != want:
-            i = _first_difference(list(g), want)
-            return verdict(False, hint=f"for {e.turns[-1].user!r} your tokens leave model.generate's at step {i}; "
-                                       "did you crop the cache back to the prefix after each request?")
-    if int(cache.get_seq_length()) != len(prefix_ids):
-        return verdict(False, hint=f"the answers match but the cache holds {cache.get_seq_length()} tokens, not {len(prefix_ids)}")
-    return verdict(len(got) == len(examples), f"{len(examples)} requests identical, cache back to "
-                   f"{len(prefix_ids)} tokens", "return one list of ids per suffix")
-
-
 def fig_token_boundary(prefix_pieces: Sequence[str], full_pieces: Sequence[str], first_diff: int | None,
                        title: str = "") -> Figure:
     """Two rows of token boxes: the prefix tokenized alone and the full text; the first difference in red."""

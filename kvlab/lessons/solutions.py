@@ -71,22 +71,6 @@ def solution_02_2(tokenizer, text: str = "Please repeat the passphrase.") -> tup
     raise ValueError(f"no cut of {text!r} merges across the boundary")
 
 
-def solution_02_3(model, tokenizer, cache, prefix_len: int, suffixes, max_new_tokens: int) -> list[list[int]]:
-    """02.3: one cache object, cropped back to the prefix after every request."""
-    from kvlab.engine.models import encode, eos_ids
-    from kvlab.prefix import continue_from_cache
-
-    out = []
-    for s in suffixes:
-        gen, *_ = continue_from_cache(model, cache, encode(tokenizer, s), prefix_len,
-                                      max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer))
-        extra = int(cache.get_seq_length()) - prefix_len
-        if extra:
-            cache.crop(-extra)  # drop the request's tokens: the cache holds the prefix again
-        out.append(gen)
-    return out
-
-
 # ----------------------------------------------------------------------------- 03 position encoding
 
 def ex03_1_suffix_positions(prefix_len: int, suffix_len: int) -> list[int]:
