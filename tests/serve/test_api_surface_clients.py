@@ -13,10 +13,7 @@ A client that is not installed skips its test with the reason (the vLLM venv: ``
 
 import json
 import os
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,10 +25,9 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from kvlab.engine import Engine  # noqa: E402
 from kvlab.engine.models import BUNDLED_MODEL  # noqa: E402
-from kvlab.serve import ServeConfig, create_app  # noqa: E402
+from kvlab.serve import ServeConfig, create_app, loadgen  # noqa: E402
 from kvlab.vllm import bridge as vb  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "kvlab-passphrase-qwen2"
 PROMPT = "The passphrase is"
 
@@ -87,42 +83,17 @@ def test_openai_sdk_chat_and_streaming(sdk):
 
 
 # ------------------------------------------------------------------------ a real server for the HTTP clients
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def http_server():
     """Base URL of a `python -m kvlab.serve` subprocess on the bundled model; stopped after the module."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("KVLAB_API_KEYS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "kvlab.serve", "--port", str(port), "--max-num-seqs", "8"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port = loadgen.free_port()
+    proc = loadgen.start_kvlab(port, ["--max-num-seqs", "8"], env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not become healthy in 300 s")
-            time.sleep(0.2)
+        loadgen.wait_healthy(base, proc, timeout=300)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        loadgen.stop(proc)
 
 
 # ------------------------------------------------------------------------ vLLM's benchmark client

@@ -9,11 +9,6 @@ has been converted (``make setup``), like the other vLLM tests; one vLLM server 
 """
 
 import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +16,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from kvlab.engine import smollm2  # noqa: E402
+from kvlab.serve import loadgen  # noqa: E402
 from kvlab.vllm import bridge as vb  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 STATUS = vb.vllm_status()
 FOLDER = smollm2.model_dir()
 pytestmark = [
@@ -38,67 +33,27 @@ POEM = ("<|im_start|>user\nWrite a short poem about the sea and the wind and the
         "<|im_start|>assistant\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(proc: subprocess.Popen, base: str, what: str, seconds: float = 600) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"{what} exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not become healthy in {seconds:.0f} s")
-        time.sleep(0.5)
-
-
-def start_servers(threads: int | None = None) -> tuple[dict[str, str], list[subprocess.Popen]]:
+def start_servers(threads: int | None = None) -> tuple[dict[str, str], list]:
     """``{"kvlab": url, "vllm": url}`` and their processes: kvlab serve and vllm serve on SmolLM2, float32.
 
-    vLLM with the issue's flags (prefix caching, eager, block size 32, prompt-token details); ``threads`` sets
-    both servers' compute threads (OMP_NUM_THREADS) when given.
+    vLLM with the issue's flags (``loadgen.start_vllm``: prefix caching, eager, block size 32, prompt-token
+    details); ``threads`` sets kvlab's compute threads (vLLM's CPU worker takes one core of two by itself).
     """
-    ports = {"kvlab": _free_port(), "vllm": _free_port()}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    kvlab = subprocess.Popen([sys.executable, "-m", "kvlab.serve", "--model", "smollm2", "--served-model-name", NAME,
-                              "--port", str(ports["kvlab"])], env={**env, "PYTHONPATH": str(ROOT)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    venv_env = {**env, "PYTHONPATH": "", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    if threads is not None:
-        venv_env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    vllm = subprocess.Popen([str(vb.vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(FOLDER),
-                             "--served-model-name", NAME, "--enable-prefix-caching", "--enforce-eager",
-                             "--block-size", "32", "--dtype", "float32", "--enable-prompt-tokens-details",
-                             "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(ports["vllm"])],
-                            env=venv_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    procs = [kvlab, vllm]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of K/V on CPU, as the bridge gives it
+    ports = {"kvlab": loadgen.free_port(), "vllm": loadgen.free_port()}
+    env = {"HF_HUB_OFFLINE": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    procs = [loadgen.start_kvlab(ports["kvlab"], ["--model", "smollm2", "--served-model-name", NAME], env=env),
+             loadgen.start_vllm(vb.vllm_python(), FOLDER, ports["vllm"],
+                                extra=["--served-model-name", NAME, "--max-model-len", "2048"])]
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     try:
-        _wait(kvlab, urls["kvlab"], "kvlab serve")
-        _wait(vllm, urls["vllm"], "vllm serve")
+        for proc, url in zip(procs, urls.values()):
+            loadgen.wait_healthy(url, proc, timeout=600)
     except BaseException:
-        stop_servers(procs)
+        for proc in procs:
+            loadgen.stop(proc)
         raise
     return urls, procs
-
-
-def stop_servers(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +62,8 @@ def servers():
     try:
         yield urls
     finally:
-        stop_servers(procs)
+        for proc in procs:
+            loadgen.stop(proc)
 
 
 CASES = {
