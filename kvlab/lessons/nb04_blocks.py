@@ -1,14 +1,11 @@
-"""Notebook 04 (the paged block manager): the block figures (``fig_*``), exercise checkers, and the replay that
-checks the build exercises (04's hash chain, ``take``/``free`` and ``allocate``; 05's ``append``).
-
-A checker runs the reader's pieces on notebook 04's ``ToyBlocks`` (``kvlab.built.nb04``) beside kvlab's
-``BlockManager`` and returns a ``Verdict``; it never raises. The worked solutions: ``kvlab.lessons.solutions``.
-"""
+"""Notebook 04: the block figures, the exercise checkers, and the replay that checks the build exercises (04's hash
+chain, ``take``/``free``, ``allocate``; 05's ``append``) on ``kvlab.built.nb04.ToyBlocks`` beside kvlab's
+``BlockManager``. A checker returns a ``Verdict`` and never raises; the worked solutions: ``kvlab.lessons.solutions``."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
@@ -25,7 +22,7 @@ from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
 from kvlab.lessons.traces import ARTICLE_QUESTIONS, SYSTEM_PROMPTS, timestamp_trace, toy_tokenize
 from kvlab.lessons.traces import replay as replay_trace
 
-__all__ = ["block_state", "block_trace", "check_allocate", "check_append", "check_block_hashes", "check_cached_tokens",
+__all__ = ["block_trace", "check_allocate", "check_append", "check_block_hashes", "check_cached_tokens",
            "check_find_leaks", "check_take_free", "check_timestamp_prompt", "fig_block_tables", "fig_hash_chain",
            "fig_logical_physical", "kvlab_pieces", "replay", "replay_table", "timestamp_table"]
 
@@ -106,43 +103,34 @@ def _color(ref: int, cached: bool = False) -> str:
     return REF_COLORS[min(ref, 4)] if ref else (CACHED_FREE if cached else "white")
 
 
-def block_state(manager: BlockManager) -> dict:
-    """A plain-data snapshot of the tables, the blocks and the free list (LRU order, victim first)."""
-    return {"block_size": manager.block_size, "free_order": list(manager.pool.free),
-            "seqs": {s.seq_id: {"table": list(s.block_table), "num_tokens": len(s.token_ids)}
-                     for s in manager.seqs.values()},
-            "blocks": [{"id": b.block_id, "ref_count": b.ref_count, "cached": b.block_hash is not None}
-                       for b in manager.pool.blocks]}
-
-
-def fig_block_tables(state: dict, title: str = "") -> Figure:
+def fig_block_tables(manager: BlockManager, title: str = "") -> Figure:
     """Sequences x logical blocks (physical id, colour = ref count), and the pool with its LRU order."""
-    bs, seqs, blocks = state["block_size"], state["seqs"], state["blocks"]
-    width, per_row = max([len(s["table"]) for s in seqs.values()] + [1]), min(len(blocks), 16)
+    bs, seqs, blocks = manager.block_size, manager.seqs, manager.pool.blocks
+    width, per_row = max([len(s.block_table) for s in seqs.values()] + [1]), min(len(blocks), 16)
     pool_rows = cdiv(len(blocks), per_row)
     fig, (ax, axp) = plt.subplots(2, 1, figsize=(max(6.0, 0.55 * max(width, per_row) + 2),
                                                  0.5 * (len(seqs) + pool_rows) + 2.4),
                                   gridspec_kw={"height_ratios": [max(len(seqs), 1), pool_rows]})
     for row, s in enumerate(seqs.values()):
         y = len(seqs) - 1 - row
-        for j, pid in enumerate(s["table"]):
-            fill = min(bs, s["num_tokens"] - j * bs) / bs  # the shaded part: slots written
-            ax.add_patch(Rectangle((j, y), fill, 0.8, facecolor=_color(blocks[pid]["ref_count"]), edgecolor="none"))
+        for j, pid in enumerate(s.block_table):
+            fill = min(bs, len(s.token_ids) - j * bs) / bs  # the shaded part: slots written
+            ax.add_patch(Rectangle((j, y), fill, 0.8, facecolor=_color(blocks[pid].ref_count), edgecolor="none"))
             ax.add_patch(Rectangle((j, y), 1, 0.8, facecolor="none", edgecolor="black"))
             ax.text(j + 0.5, y + 0.4, str(pid), ha="center", va="center", fontsize=8)
     ax.set_yticks([len(seqs) - 1 - r + 0.4 for r in range(len(seqs))], [str(s) for s in seqs])
     ax.set(xlim=(0, width), ylim=(-0.2, max(len(seqs), 1)),
            xlabel=f"logical block (block size {bs} tokens; shaded part = slots written)",
            title=title or "block tables: cell text = physical block id, colour = ref count")
-    rank = {b: i + 1 for i, b in enumerate(state["free_order"])}
+    rank = {b: i + 1 for i, b in enumerate(manager.pool.free)}
     for b in blocks:
-        x, y, free = b["id"] % per_row, pool_rows - 1 - b["id"] // per_row, b["ref_count"] == 0
-        victim = free and rank.get(b["id"]) == 1
-        axp.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor=_color(b["ref_count"], b["cached"]),
+        x, y, free = b.block_id % per_row, pool_rows - 1 - b.block_id // per_row, b.ref_count == 0
+        victim = free and rank.get(b.block_id) == 1
+        axp.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor=_color(b.ref_count, b.block_hash is not None),
                                 edgecolor="red" if victim else "black", linewidth=2.5 if victim else 0.8))
-        axp.text(x + 0.45, y + 0.55, str(b["id"]), ha="center", va="center", fontsize=8)
+        axp.text(x + 0.45, y + 0.55, str(b.block_id), ha="center", va="center", fontsize=8)
         if free:
-            axp.text(x + 0.45, y + 0.18, f"LRU{rank[b['id']]}", ha="center", va="center", fontsize=6)
+            axp.text(x + 0.45, y + 0.18, f"LRU{rank[b.block_id]}", ha="center", va="center", fontsize=6)
     axp.set(xlim=(0, per_row), ylim=(-0.1, pool_rows), xticks=[], yticks=[])
     axp.set_title("physical pool: LRUk = k-th in the free list (red edge = next victim)", fontsize=9)
     handles = [Patch(facecolor=_color(r), edgecolor="black", label=f"ref {r}" + ("+" if r == 4 else ""))
@@ -156,18 +144,17 @@ def fig_block_tables(state: dict, title: str = "") -> Figure:
     return fig
 
 
-def fig_logical_physical(manager: BlockManager, labels: dict[Hashable, str] | None = None) -> Figure:
+def fig_logical_physical(manager: BlockManager) -> Figure:
     """Each sequence's logical blocks (left) and the physical pool (right), one line per block-table entry."""
     seqs, pool = list(manager.seqs.values()), manager.pool.blocks
     height = max(sum(len(s.block_table) for s in seqs) + len(seqs) - 1, len(pool))
     fig, ax = plt.subplots(figsize=(7.0, 0.28 * height + 1.6))
     scale, y = height / max(len(pool), 1), height
     for s in seqs:
-        name = (labels or {}).get(s.seq_id, str(s.seq_id))
         for j, pid in enumerate(s.block_table):
             y -= 1
             ax.add_patch(Rectangle((0, y), 1.4, 0.8, facecolor="#c6dbef", edgecolor="black"))
-            ax.text(0.7, y + 0.4, f"{name} · {j}", ha="center", va="center", fontsize=7)
+            ax.text(0.7, y + 0.4, f"{s.seq_id} · {j}", ha="center", va="center", fontsize=7)
             ax.plot([1.4, 3.6], [y + 0.4, height - (pid + 0.6) * scale], color="grey", lw=0.8,
                     gid=f"map {s.seq_id} {j} {pid}")
         y -= 1
@@ -187,10 +174,9 @@ def fig_logical_physical(manager: BlockManager, labels: dict[Hashable, str] | No
     return fig
 
 
-def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
-                   labels: dict[Hashable, str] | None = None) -> Figure:
+def fig_hash_chain(manager: BlockManager) -> Figure:
     """Each sequence's full-block hashes as a chain (each hash takes its parent's), the salt entering its block."""
-    seqs = [manager.seqs[s] for s in (seq_ids if seq_ids is not None else list(manager.seqs))]
+    seqs = list(manager.seqs.values())
     width, bs = max([len(s.block_hashes) for s in seqs] + [1]), manager.block_size
     fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * width + 1.5), 1.3 * len(seqs) + 1.3))
     for r, s in enumerate(seqs):
@@ -205,7 +191,7 @@ def fig_hash_chain(manager: BlockManager, seq_ids: list[Hashable] | None = None,
                     + (f"\n+ salt {s.cache_salt!r}" if salted else ""), ha="center", va="center", fontsize=6)
             if j:
                 ax.annotate("", xy=(1.9 * j, y + 0.37), xytext=(1.9 * j - 0.4, y + 0.37), arrowprops={"arrowstyle": "->"})
-        ax.text(-0.2, y + 0.37, (labels or {}).get(s.seq_id, str(s.seq_id)), ha="right", va="center", fontsize=8)
+        ax.text(-0.2, y + 0.37, str(s.seq_id), ha="right", va="center", fontsize=8)
     ax.set(xlim=(-2.2, 1.9 * width), ylim=(-0.3, len(seqs) + 0.1))
     ax.axis("off")
     ax.set_title("hash chain: a block's hash = sha256(parent hash, its tokens, extra keys); the salt (shaded) "
@@ -264,37 +250,27 @@ def kvlab_pieces(**yours: Callable | None) -> SimpleNamespace:
     return SimpleNamespace(**{k: yours.get(k) or f for k, f in ref.items()})
 
 
-def _state(toy: ToyBlocks, m: BlockManager) -> dict[str, tuple]:
-    """What must agree between the toy and kvlab's manager: ref counts, cached blocks, the free list in order."""
-    pool = m.pool.blocks
-    return {"ref counts": (toy.ref, [b.ref_count for b in pool]),
-            "cached blocks": (sorted(b for b, h in enumerate(toy.hash_of) if h is not None),
-                              sorted(b.block_id for b in pool if b.block_hash is not None)),
-            "free list": (list(toy.free), list(m.pool.free))}
-
-
 def replay(ops: list[tuple], pieces: SimpleNamespace, block_size: int = 4,
            num_blocks: int = 24) -> tuple[list[dict], tuple[str, str] | None]:
-    """Run ``ops`` on kvlab's ``BlockManager`` and on a ``ToyBlocks`` run by ``pieces``, comparing after every step:
-    one row per step, and ``(where, what differed)`` at the first difference (None when none). May raise."""
+    """Run ``ops`` on kvlab's ``BlockManager`` and on a ``ToyBlocks`` run by ``pieces``, comparing after every step
+    (hits, tables, ref counts, cached blocks, the free list in order): one row per step, and ``(where, what
+    differed)`` at the first difference (None when none). May raise."""
     m, rows, tokens = BlockManager(num_blocks, block_size), [], {}
     toy = ToyBlocks(num_blocks, block_size, pieces.take, pieces.free)
-    for op in ops:
-        kind, seq = op[0], op[1]
+    for kind, seq, *arg in ops:
         got = want = None
         if kind == "free":
             m.free(seq)
             pieces.free(toy, seq)
             del tokens[seq]
         elif kind == "allocate":
-            tokens[seq] = list(op[2])
-            want = m.allocate(seq, op[2])
-            got = pieces.allocate(toy, seq, list(op[2]), list(pieces.hashes(list(op[2]), block_size, ())))
+            tokens[seq], want = list(arg[0]), m.allocate(seq, arg[0])
+            got = pieces.allocate(toy, seq, list(arg[0]), list(pieces.hashes(list(arg[0]), block_size, ())))
         else:
-            tokens[seq].append(op[2])
-            m.append(seq, op[2])
+            tokens[seq].append(arg[0])
+            m.append(seq, arg[0])
             pieces.append(toy, seq, list(tokens[seq]))
-        at = f"step {len(rows)} ({kind} {seq!r}" + (f", {len(op[2])} tokens)" if kind == "allocate" else ")")
+        at = f"step {len(rows)} ({kind} {seq!r}" + (f", {len(arg[0])} tokens)" if kind == "allocate" else ")")
         rows.append({"step": kind, "seq": seq, "cached (yours)": got, "cached (kvlab)": want,
                      "free (yours)": len(toy.free), "free (kvlab)": m.num_free_blocks,
                      "evictions (kvlab)": m.pool.num_evictions})
@@ -303,12 +279,15 @@ def replay(ops: list[tuple], pieces: SimpleNamespace, block_size: int = 4,
             return rows, (at, f"you report {got!r} cached tokens, {how} than kvlab's BlockManager's {want}")
         if kind != "free" and toy.tables.get(seq) != m.block_table(seq):
             return rows, (at, f"block table {toy.tables.get(seq)}, kvlab's {m.block_table(seq)}")
-        for what, (yours, kvlab) in _state(toy, m).items():
+        pool = m.pool.blocks
+        for what, yours, kvlab in (("ref counts differ", toy.ref, [b.ref_count for b in pool]),
+                                   ("cached blocks differ", sorted(b for b, h in enumerate(toy.hash_of) if h is not None),
+                                    sorted(b.block_id for b in pool if b.block_hash is not None)),
+                                   ("free list differs", list(toy.free), list(m.pool.free))):
             if yours != kvlab:
                 k = next((i for i, (x, y) in enumerate(zip(yours, kvlab)) if x != y), min(len(yours), len(kvlab)))
-                shown = (f"block {k}: {yours[k]} vs {kvlab[k]}" if what == "ref counts" else
-                         f"from position {k} on yours are {yours[k:k + 4]}, kvlab's {kvlab[k:k + 4]}")
-                return rows, (at, f"{what} differ{'s' if what == 'free list' else ''}: {shown}")
+                return rows, (at, f"{what}: " + (f"block {k}: {yours[k]} vs {kvlab[k]}" if what.startswith("ref") else
+                                                 f"from position {k} on yours are {yours[k:k + 4]}, kvlab's {kvlab[k:k + 4]}"))
     return rows, None
 
 
@@ -322,9 +301,8 @@ def _check(pieces: SimpleNamespace, ops: list[tuple], name: str, hint: Callable[
         return verdict(False, hint=f"{name} raised {type(err).__name__}: {err}; {hint(str(err))}")
     if problem is not None:
         return verdict(False, hint=f"{problem[0]}: {problem[1]}: {hint(problem[1])}")
-    count = {k: sum(r["step"] == k for r in rows) for k in ("allocate", "append", "free")}
-    return verdict(True, f"{len(rows)} steps ({', '.join(f'{v} {k}' for k, v in count.items() if v)}; "
-                         f"{sum(r['cached (kvlab)'] or 0 for r in rows)} cached tokens, "
+    count = ", ".join(f"{n} {k}" for k in ("allocate", "append", "free") if (n := sum(r["step"] == k for r in rows)))
+    return verdict(True, f"{len(rows)} steps ({count}; {sum(r['cached (kvlab)'] or 0 for r in rows)} cached tokens, "
                          f"{rows[-1]['evictions (kvlab)']} evictions) with the same hits, tables, ref counts, "
                          "cached blocks and free list as kvlab's BlockManager")
 

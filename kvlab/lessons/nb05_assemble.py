@@ -1,14 +1,11 @@
-"""Notebook 05's capstone: the reader's pieces of a paged cache (notebook 04's, and 05's append and slot mapping)
-behind the members ``Engine(cache=...)`` calls (``YourManager``), their checkers, and whose piece ran.
-
-``kvlab.built.nb05.paged_generate`` runs the pieces on a real model; ``check_capstone`` compares it with isolated
-``generate``. The worked solutions: ``kvlab.lessons.solutions`` (``build_04_*``, ``build_05_*``).
-"""
+"""Notebook 05's capstone: the reader's pieces of a paged cache behind the members ``Engine(cache=...)`` calls
+(``YourManager``), their checkers, whose piece ran, and ``check_capstone`` (``kvlab.built.nb05.paged_generate``
+against isolated ``generate``). The worked solutions: ``kvlab.lessons.solutions``."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,18 +24,15 @@ reference_slot_mapping = SOL.build_05_slot_mapping
 def pieces_from_04(**yours: Callable | None) -> SimpleNamespace:
     """Notebook 04's pieces (``hashes``, ``take``, ``free``, ``allocate``): each of yours that its checker passes,
     else kvlab's; prints which."""
-    ref = L04.kvlab_pieces()
-    checks = {"hashes": lambda: L04.check_block_hashes(yours.get("hashes")),
-              "take": lambda: L04.check_take_free(yours.get("take"), yours.get("free")),
-              "free": lambda: L04.check_take_free(yours.get("take"), yours.get("free")),
-              "allocate": lambda: L04.check_allocate(yours.get("allocate"), *(
-                  getattr(ref, k) if yours.get(k) is None else yours[k] for k in ("hashes", "take", "free")))}
-    got = {}
+    ref, got, pair = L04.kvlab_pieces(), {}, L04.check_take_free(yours.get("take"), yours.get("free"))
+    checks = {"hashes": L04.check_block_hashes(yours.get("hashes")), "take": pair, "free": pair,
+              "allocate": L04.check_allocate(yours.get("allocate"), *(yours.get(k) or getattr(ref, k)
+                                                                      for k in ("hashes", "take", "free")))}
     for name, check in checks.items():
-        ok = yours.get(name) is not None and check()
+        ok = yours.get(name) is not None and bool(check)
         got[name] = yours[name] if ok else getattr(ref, name)
         print(f"{name:>8}: {'YOURS' if ok else 'kvlab' + chr(39) + 's'}"
-              + ("" if ok or yours.get(name) is None else f" (yours: {check()})"))
+              + ("" if ok or yours.get(name) is None else f" (yours: {check})"))
     return SimpleNamespace(**got, append=ref.append)
 
 
@@ -49,12 +43,6 @@ def say_whose(pieces: SimpleNamespace) -> None:
         print(f"{name:>13}: {'yours' if yours else 'kvlab' + chr(39) + 's'} ({getattr(fn, '__name__', fn)})")
 
 
-@dataclass
-class YourSeq:
-    token_ids: list[int]           # the tokens whose K/V the sequence's blocks hold
-    num_restored_tokens: int = 0   # no second memory tier here
-
-
 class YourManager:
     """A cache for ``Engine(cache=...)`` run by ``pieces`` (hashes, take, free, allocate, append) on a ``ToyBlocks``:
     the members of ``kvlab.cache.CacheManager`` (no tenant salt, no fork: kvlab's ``BlockManager`` has them)."""
@@ -62,7 +50,7 @@ class YourManager:
     def __init__(self, num_blocks: int, block_size: int, pieces: SimpleNamespace) -> None:
         self.num_blocks, self.block_size, self.pieces = num_blocks, block_size, pieces
         self.blocks = ToyBlocks(num_blocks, block_size, pieces.take, pieces.free)
-        self.seqs: dict[Hashable, YourSeq] = {}
+        self.seqs: dict[Hashable, SimpleNamespace] = {}   # token_ids: the tokens whose K/V its blocks hold
         self.queries = self.hits = 0
 
     @property
@@ -79,7 +67,7 @@ class YourManager:
         hashes = list(self.pieces.hashes(tokens, self.block_size, ()))
         cached = self.pieces.allocate(self.blocks, seq_id, tokens, hashes)
         assert cached % self.block_size == 0 and 0 <= cached < len(tokens), f"allocate returned {cached}"
-        self.seqs[seq_id] = YourSeq(tokens)
+        self.seqs[seq_id] = SimpleNamespace(token_ids=tokens, num_restored_tokens=0)   # no second memory tier
         self.queries, self.hits = self.queries + len(tokens), self.hits + cached
         return cached
 
@@ -116,11 +104,8 @@ class YourManager:
         return {"queries": self.queries, "hits": self.hits, "num_free_blocks": self.num_free_blocks}
 
     def check_invariants(self) -> None:
-        held = [0] * self.num_blocks
-        for table in self.blocks.tables.values():
-            for b in table:
-                held[b] += 1
-        assert held == self.blocks.ref, "a ref count differs from the block tables"
+        held = Counter(b for table in self.blocks.tables.values() for b in table)
+        assert [held[b] for b in range(self.num_blocks)] == self.blocks.ref, "a ref count differs from the block tables"
 
     def take_events(self) -> list:
         return []

@@ -1,6 +1,5 @@
-"""Notebook 05's table 3.6 and headline workload: the groups (``real_groups``), the run loop (``table_36``) over the
-row engines notebook 05 writes (``kvlab.built.nb05.make_engine``), scores, figures, verdict lines, checkers, and
-the article's claims. Timing goes through the series' one helper, ``kvlab.lessons.timing``."""
+"""Notebook 05's table 3.6: the groups, the run loop over 05's row engines (``kvlab.built.nb05.make_engine``),
+scores, figures, verdict lines, checkers, the article's claims. Timing: ``kvlab.lessons.timing``."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from kvlab.lessons.timing import Timing, ratio_verdict
 from kvlab.lessons.workloads import GROUP_CONDITIONS, Workload, seed_groups
 
 MODES = ("isolated", "shared (correct)", "shared (wrong)")
+ANSWERED_A = "answered A's passphrase"   # group 3's score: the donor's passphrase instead of B's
 
 # The article's table 3.6, its claims (Qwen1.5-7B-Chat, a GPU): group, policy, TTFT ms, total ms, memory GB, consistent
 ARTICLE_TABLE_36 = (
@@ -44,29 +44,24 @@ def article_table():
 
 def score_row(workload: Workload, reference: list[Any], outputs: list[Any]) -> dict[str, float]:
     """One row's scores over the served requests, against the isolated row's outputs ``reference``."""
-    served = workload.served()
+    served, meta = workload.served(), workload.meta
+    ref, out = [reference[i].output_ids for i in served], [outputs[i].output_ids for i in served]
 
-    def said(i: int, key: str) -> bool:
-        meta = workload.meta[i]
-        return (P.mentions if meta.get("lenient") else P.recalled)(outputs[i].text, meta[key])
+    def said(key: str) -> float:  # over the requests with ``key`` (translations have no expected answer)
+        asked = [i for i in served if key in meta[i]]
+        return statistics.mean((P.mentions if meta[i].get("lenient") else P.recalled)(outputs[i].text, meta[i][key])
+                               for i in asked) if asked else float("nan")
 
-    asked = [i for i in served if "expected" in workload.meta[i]]  # translations have no expected answer
-    other, nan = [i for i in served if "other_answer" in workload.meta[i]], float("nan")
-    def agreement(ref: list[int], other: list[int]) -> float:  # the reference's tokens reproduced at the same step
-        return sum(a == b for a, b in zip(ref, other)) / max(len(ref), 1)
-
-    return {"token agreement": statistics.mean(agreement(reference[i].output_ids, outputs[i].output_ids)
-                                               for i in served),
-            "identical": statistics.mean(reference[i].output_ids == outputs[i].output_ids for i in served),
-            "recall": statistics.mean(said(i, "expected") for i in asked) if asked else nan,
-            "answered A's passphrase": statistics.mean(said(i, "other_answer") for i in other) if other else nan,
+    return {"token agreement": statistics.mean(sum(a == b for a, b in zip(r, o)) / max(len(r), 1)
+                                               for r, o in zip(ref, out)),  # the reference's tokens at the same step
+            "identical": statistics.mean(r == o for r, o in zip(ref, out)), "recall": said("expected"),
+            ANSWERED_A: said("other_answer"),
             "cached tokens": statistics.mean(outputs[i].num_cached_tokens for i in served)}
 
 
 def ttft_verdict(table: Any, group: int, mode: str) -> Any:
-    """``mode``'s TTFT over the isolated row's, judged by the series' timing helper (``timing.ratio_verdict``): the
-    ratio of the median TTFTs, its min-max, a null result when the ranges overlap. The one definition of the ratio:
-    the table's "TTFT ratio, ours" and every sentence use it. None: not timed."""
+    """``mode``'s median TTFT over the isolated row's, judged by ``timing.ratio_verdict`` (None: not timed): the one
+    definition of the ratio, used by the table's "TTFT ratio, ours" and every sentence."""
     d = table.set_index(["group", "mode"])
     num, den = d.loc[(group, mode), "TTFT runs (ms)"], d.loc[(group, "isolated"), "TTFT runs (ms)"]
     return ratio_verdict(Timing(mode, tuple(x / 1e3 for x in num)), Timing("isolated", tuple(x / 1e3 for x in den)),
@@ -77,37 +72,30 @@ def ttft_verdict(table: Any, group: int, mode: str) -> Any:
 
 def ttft_text(table: Any, group: int, mode: str) -> str:
     """``TTFT x0.71 (x0.66-x0.80 over 3 interleaved runs, ideal x0.40)``, the guard's flag instead when it has one."""
-    v = ttft_verdict(table, group, mode)
-    if v is None:
-        return "TTFT not timed (answers only)"
-    row = table.set_index(["group", "mode"]).loc[(group, mode)]
-    n, ideal = len(row["TTFT runs (ms)"]), row["ideal"]
-    if n < 3:
-        return f"TTFT x{v.value:.2f} ({n} run{'s' if n > 1 else ''}: a timing, not evidence)"
-    return v.says(f"TTFT x{v.value:.2f} (x{v.lo:.2f}-x{v.hi:.2f} over {n} interleaved runs, ideal x{ideal:.2f})")
+    v, row = ttft_verdict(table, group, mode), table.set_index(["group", "mode"]).loc[(group, mode)]
+    n = len(row["TTFT runs (ms)"])
+    return ("TTFT not timed (answers only)" if v is None else
+            f"TTFT x{v.value:.2f} ({n} run{'s' if n > 1 else ''}: a timing, not evidence)" if n < 3 else
+            v.says(f"TTFT x{v.value:.2f} (x{v.lo:.2f}-x{v.hi:.2f} over {n} interleaved runs, ideal x{row['ideal']:.2f})"))
 
 
 def compare_with_article(table: Any):
-    """Per group: shared/isolated ratios of TTFT (as ``ttft_verdict``), latency and memory, ours beside the article's."""
+    """Per group: shared/isolated ratios of TTFT (``ttft_verdict``), latency and memory, ours beside the article's."""
     import pandas as pd
 
-    art, nan, rows = {(g, m): (t, tot, mem, ok) for g, m, t, tot, mem, ok in ARTICLE_TABLE_36}, float("nan"), []
-    for group in sorted(table["group"].unique()):
-        d = table[table.group == group].set_index("mode")
-        iso = d.loc["isolated"]
+    d, nan, rows = table.set_index(["group", "mode"]), float("nan"), []
+    art = {(g, m): (t, tot, mem, ok) for g, m, t, tot, mem, ok in ARTICLE_TABLE_36}
+    for g in sorted(table["group"].unique()):
+        iso, a_iso = d.loc[(g, "isolated")], art[(g, "isolated")]
         for mode in ("shared (correct)", "shared (wrong)"):
-            ours, a_iso, a, v = d.loc[mode], art.get((group, "isolated")), art.get((group, mode)), ttft_verdict(
-                table, group, mode)
-            rows.append({
-                "group": group, "mode": mode, "TTFT ratio, ours": nan if v is None else v.value,
-                "TTFT ratio, article": a[0] / a_iso[0] if a else nan,
-                "latency ratio, ours (1 run)": ours["total latency (ms)"] / iso["total latency (ms)"],
-                "latency ratio, article": a[1] / a_iso[1] if a else nan,
-                "KV ratio, ours": ours["peak KV (KiB)"] / iso["peak KV (KiB)"],
-                "memory ratio, article": a[2] / a_iso[2] if a else nan,
-                "identical, ours": ours["identical"], "consistent, article": a[3] if a else None,
-                "timed runs": int(min(ours["timed runs"], iso["timed runs"])),  # 0: answers only
-            })
+            ours, a, v = d.loc[(g, mode)], art.get((g, mode), (nan, nan, nan, None)), ttft_verdict(table, g, mode)
+            rows.append({"group": g, "mode": mode, "TTFT ratio, ours": nan if v is None else v.value,
+                         "TTFT ratio, article": a[0] / a_iso[0],
+                         "latency ratio, ours (1 run)": ours["total latency (ms)"] / iso["total latency (ms)"],
+                         "latency ratio, article": a[1] / a_iso[1], "KV ratio, ours": ours["peak KV (KiB)"] /
+                         iso["peak KV (KiB)"], "memory ratio, article": a[2] / a_iso[2],
+                         "identical, ours": ours["identical"], "consistent, article": a[3],
+                         "timed runs": int(min(ours["timed runs"], iso["timed runs"]))})  # 0: answers only
     return pd.DataFrame(rows)
 
 
@@ -147,14 +135,14 @@ def evidence(table: Any) -> dict[str, str]:
         return (f"{int(r['requests'])} requests: {r['identical']:.0%} identical{recall}"
                 + ("" if timing.startswith("TTFT not timed") else f", {timing}"))
 
-    cached = [d.loc[(2, m), "cached tokens"] for m in ("shared (correct)", "shared (wrong)")]
+    cached, other = [d.loc[(2, m), "cached tokens"] for m in MODES[1:]], d.loc[(3, "shared (wrong)")]
     return {
         "identical-prefix": f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
         "same-start": f"nb05 group 2, B after donor A's other start: chained keys {cached[0]:.1f} cached tokens per "
                       f"request; content-only keys: {cached[1]:.1f}, {row(2, 'shared (wrong)')}",
         "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
         "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, answered A's "
-                               f"passphrase {d.loc[(3, 'shared (wrong)'), chr(39).join(['answered A', 's passphrase'])]:.0%}",
+                               f"passphrase {other[ANSWERED_A]:.0%}",
         "overlap-different-start": f"nb05 group 2 served with another start's K/V: {row(2, 'shared (wrong)')}",
     }
 
@@ -227,89 +215,69 @@ def is_real_chat_model(tokenizer: Any) -> bool:
     return not bundled and "im_start" in str(getattr(tokenizer, "chat_template", None) or "")
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template's text, as is
+def _ids(tokenizer: Any, *texts: str) -> list[int]:
+    return list(tokenizer("".join(texts), add_special_tokens=False)["input_ids"])  # the template's text, as is
 
 
 def _turns(system: str, *turns: tuple[str, str], question: str) -> str:
-    text = P.chatml("system", system)
-    for user, assistant in turns:
-        text += P.chatml("user", user) + P.chatml("assistant", assistant)
-    return text + P.chatml("user", question) + P.IM_START + "assistant\n"
+    return P.chatml("system", system) + "".join(P.chatml("user", u) + P.chatml("assistant", a) for u, a in turns) \
+        + P.chatml("user", question) + P.IM_START + "assistant\n"
 
 
 def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 16,
-                split: str = "heldout", start: int = 0, translations: int = 2, n_wrong: int | None = None,
-                wrong_questions: int = 1) -> dict[int, Workload]:
+                translations: int = 2, n_wrong: int | None = None, wrong_questions: int = 1) -> dict[int, Workload]:
     """The article's three groups in ChatML text (SmolLM2), as token ids. 1: ``n`` passphrase system prompts x
     ``questions``, and the translation prefix (zh, en); 2: B, and donor A = a block-aligned extra turn + B's text;
     3: one system prompt, A's history changes the passphrase. Groups 2 and 3 score ``n_wrong`` requests each."""
-    groups: dict[int, Workload] = {}
-    prompts, meta = [], []
-    examples = [P.make_example(seed, split, history="none") for seed in range(start, start + n)]
-    for q in range(questions):
-        for seed, ex in zip(range(start, start + n), examples):
-            question = P.REAL_QUESTIONS[(seed + q) % len(P.REAL_QUESTIONS)]
-            system = P.REAL_SYSTEM.format(p=ex.passphrase)
-            prompts.append(_ids(tokenizer, _turns(system, question=question)))
-            meta.append({"group": 1, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
-                         "question": question, "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
-    for lang, (system, texts) in TRANSLATION.items():
-        for text in texts[:translations]:
-            prompts.append(_ids(tokenizer, _turns(system, question=text)))
-            meta.append({"group": 1, "seed": lang, "role": "served", "lenient": True, "question": text,
-                         "kind": "translation", "prefix_tokens": len(_ids(tokenizer, P.chatml("system", system)))})
-    groups[1] = Workload("real-groups/1", prompts, max_tokens, meta)
-
     from kvlab.lessons.workloads import _aligned_preamble
 
     m = n if n_wrong is None else n_wrong
     if wrong_questions < 1 or m % wrong_questions:
         raise ValueError(f"n_wrong={m} must be a multiple of wrong_questions={wrong_questions} (>= 1)")
-    passphrases = [(seed, P.make_example(seed, split, history="none")) for seed in range(start, start + m)]
-    served = [_ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex.passphrase), question=P.REAL_QUESTIONS[0]))
-              for _, ex in passphrases]
-    pres = [_aligned_preamble(tokenizer, seed, block_size, split) for seed, _ in passphrases]
-    meta = [{"group": 2, "seed": seed, "role": role, "expected": ex.answer, "lenient": True, "offset": len(pre),
-             **({"donor": k} if role == "served" else {})}
-            for role in ("donor", "served") for k, ((seed, ex), pre) in enumerate(zip(passphrases, pres))]
-    groups[2] = Workload("real-groups/2", [pre + b for pre, b in zip(pres, served)] + served, max_tokens, meta)
-
-    prompts, meta = [], []
-    asked = P.REAL_QUESTIONS[:wrong_questions]
-    for seed, ex in passphrases[:m // wrong_questions]:
-        new = P.make_example(seed + 10_000, split, history="none").passphrase
-        system = P.REAL_SYSTEM.format(p=ex.passphrase)
-        update = tuple(t.format(p=new) for t in UPDATE_TURN)
-        a_history = P.chatml("system", system) + P.chatml("user", update[0]) + P.chatml("assistant", update[1])
-        prefix_tokens = len(_ids(tokenizer, P.chatml("system", system)))
+    ex = {seed: P.make_example(seed, "heldout", history="none") for seed in range(max(n, m))}
+    one = [(seed, P.REAL_SYSTEM.format(p=ex[seed].passphrase), P.REAL_QUESTIONS[(seed + q) % len(P.REAL_QUESTIONS)],
+            {"expected": ex[seed].answer}) for q in range(questions) for seed in range(n)]
+    one += [(lang, system, text, {"kind": "translation"}) for lang, (system, texts) in TRANSLATION.items()
+            for text in texts[:translations]]
+    groups = {1: Workload("real-groups/1", [_ids(tokenizer, _turns(sy, question=q)) for _, sy, q, _ in one], max_tokens,
+                          [{"group": 1, "seed": seed, "role": "served", "lenient": True, "question": q, **more,
+                            "prefix_tokens": len(_ids(tokenizer, P.chatml("system", sy)))} for seed, sy, q, more in one])}
+    served = [_ids(tokenizer, _turns(P.REAL_SYSTEM.format(p=ex[seed].passphrase), question=P.REAL_QUESTIONS[0]))
+              for seed in range(m)]
+    pres = [_aligned_preamble(tokenizer, seed, block_size, "heldout") for seed in range(m)]
+    groups[2] = Workload("real-groups/2", [pre + b for pre, b in zip(pres, served)] + served, max_tokens,
+                         [{"group": 2, "seed": seed, "role": role, "expected": ex[seed].answer, "lenient": True,
+                           "offset": len(pres[seed]), **({"donor": seed} if role == "served" else {})}
+                          for role in ("donor", "served") for seed in range(m)])
+    prompts, meta, asked = [], [], P.REAL_QUESTIONS[:wrong_questions]
+    for seed in range(m // wrong_questions):
+        new, system = P.make_example(seed + 10_000, "heldout", history="none").passphrase, P.REAL_SYSTEM.format(
+            p=ex[seed].passphrase)
+        update, prefix = tuple(t.format(p=new) for t in UPDATE_TURN), len(_ids(tokenizer, P.chatml("system", system)))
         prompts.append(_ids(tokenizer, _turns(system, update, question=asked[0])))
-        meta.append({"group": 3, "seed": seed, "role": "donor", "expected": new, "lenient": True,
-                     "prefix_tokens": prefix_tokens})
+        meta.append({"group": 3, "seed": seed, "role": "donor", "expected": new, "lenient": True, "prefix_tokens": prefix})
         for question in asked:
-            beyond = _ids(tokenizer, a_history) + _ids(tokenizer, P.chatml("user", question) + P.IM_START + "assistant\n")
             prompts.append(_ids(tokenizer, _turns(system, question=question)))
-            meta.append({"group": 3, "seed": seed, "role": "served", "expected": ex.answer, "lenient": True,
-                         "question": question, "prefix_tokens": prefix_tokens, "beyond_prompt": beyond,
-                         "other_answer": new})
+            meta.append({"group": 3, "seed": seed, "role": "served", "expected": ex[seed].answer, "lenient": True,
+                         "question": question, "prefix_tokens": prefix, "other_answer": new, "beyond_prompt": _ids(
+                             tokenizer, P.chatml("system", system), P.chatml("user", update[0]),
+                             P.chatml("assistant", update[1])) + _ids(tokenizer, P.chatml("user", question), P.IM_START,
+                                                                     "assistant\n")})
     groups[3] = Workload("real-groups/3", prompts, max_tokens, meta)
     return groups
 
 
-def groups_for(tokenizer: Any, n: int, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 12, translations: int = 2,
-               n_wrong: int | None = None, wrong_questions: int = 1) -> dict[int, Workload]:
-    """``real_groups`` for a chat model with a ChatML template, else the bundled model's ``seed_groups`` (``n``)."""
-    if is_real_chat_model(tokenizer):
-        return real_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, translations=translations,
-                           n_wrong=n_wrong, wrong_questions=wrong_questions)
-    return seed_groups(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens)
+def groups_for(tokenizer: Any, n: int, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 12, **real: Any
+               ) -> dict[int, Workload]:
+    """``real_groups`` (``real``: its other arguments) for a chat model with a ChatML template, else the bundled
+    model's ``seed_groups``."""
+    make = real_groups if is_real_chat_model(tokenizer) else seed_groups
+    return make(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, **(real if make is real_groups else {}))
 
 
 def three_requests(tokenizer: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> list[list[int]]:
     """Three prompts (token ids) on one passphrase system prompt, three different questions (group 1, one passphrase)."""
-    make = real_groups if is_real_chat_model(tokenizer) else seed_groups
-    return make(tokenizer, n=1, questions=3, block_size=block_size, **({"translations": 0} if make is real_groups
-                                                                          else {}))[1].prompts
+    return groups_for(tokenizer, n=1, block_size=block_size, questions=3, translations=0)[1].prompts
 
 
 def latest_bench(model_name: Any, path: Any = None) -> dict | None:
@@ -375,7 +343,6 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
     return fig
 
 
-# ----------------------------------------------------------------------------- the notebook's set-up and groups
 def load_for_notebook(model: Any, smoke: bool, device: str, dtype: str, threads: int | None):
     """``MODEL="auto"`` loaded (the bundled model when SmolLM2 is missing), one torch thread on a CPU: (model, tok, name)."""
     import torch
@@ -387,12 +354,12 @@ def load_for_notebook(model: Any, smoke: bool, device: str, dtype: str, threads:
         m, tok = kvlab.load_model(name, device=device, dtype=dtype)
     except OSError as err:  # SmolLM2 not converted on this machine: the bundled model instead
         print(f"{name} is not available here ({err}); using the bundled model")
-        name = None
-        m, tok = kvlab.load_model(None, device=device, dtype=dtype)
-    if threads or smoke or next(m.parameters()).device.type == "cpu":
+        name, (m, tok) = None, kvlab.load_model(None, device=device, dtype=dtype)
+    p = next(m.parameters())
+    if threads or smoke or p.device.type == "cpu":
         torch.set_num_threads(threads or 1)
-    print(f"{name or 'bundled passphrase model'}: {m.config.model_type}, {m.config.num_hidden_layers} layers, "
-          f"{next(m.parameters()).dtype} on {next(m.parameters()).device}, torch threads {torch.get_num_threads()}"
+    print(f"{name or 'bundled passphrase model'}: {m.config.model_type}, {m.config.num_hidden_layers} layers, {p.dtype} "
+          f"on {p.device}, torch threads {torch.get_num_threads()}"
           + (" - SMOKE: the bundled tiny model, whose answers and timings are not SmolLM2's" if smoke else ""))
     return m, tok, name
 
@@ -404,28 +371,27 @@ def show_groups(groups: dict[int, Workload], tok: Any) -> None:
 
     for g, wl in groups.items():
         i = wl.served()[0]
+        m = wl.meta[i]
         print(f"group {g} ({len(wl.served())} scored), {GROUP_CONDITIONS[g][0]}:\n  "
-              + (repr(show(wl.prompts[i])) if g == 1 else f"...{show(wl.prompts[i][-40:])!r}"))
-        if "donor" in wl.meta[i]:
-            a = wl.meta[i]["donor"]
-            print(f"  its donor A starts with another turn and holds B's text from position {wl.meta[a]['offset']}")
-        if "beyond_prompt" in wl.meta[i]:
-            print(f"  served wrongly, on A's conversation: ...{show(wl.meta[i]['beyond_prompt'][-40:])!r}")
+              + (repr(show(wl.prompts[i])) if g == 1 else f"...{show(wl.prompts[i][-40:])!r}")
+              + (f"\n  its donor A starts with another turn and holds B's text from position "
+                 f"{wl.meta[m['donor']]['offset']}" if "donor" in m else "")
+              + (f"\n  served wrongly, on A's conversation: ...{show(m['beyond_prompt'][-40:])!r}"
+                 if "beyond_prompt" in m else ""))
 
 
 # ----------------------------------------------------------------------------- table 3.6's run loop
 def run_mode(model, tok, workload: Workload, group: int, mode: str, block_size: int, max_tokens=None,
              donors: bool = True) -> dict:
     """One row, once: outputs in prompt order (None for a donor left out), peak K/V bytes, the computed share."""
-    prompts = prompts_for(workload, group, mode)
+    prompts, outputs = prompts_for(workload, group, mode), [None] * len(workload)
     keep = [i for i, m in enumerate(workload.meta) if donors or m.get("role") != "donor"]
-    blocks = sum(cdiv(len(prompts[i]) + workload.max_tokens, block_size) for i in keep) + 8
-    engine = make_engine(model, tok, group, mode, blocks, block_size)
+    engine = make_engine(model, tok, group, mode, sum(cdiv(len(prompts[i]) + workload.max_tokens, block_size)
+                                                      for i in keep) + 8, block_size)
     new = workload.max_tokens if max_tokens is None else max_tokens   # max_tokens=1: a prefill-only run
-    sampling = [SamplingParams(max_tokens=1 if workload.meta[i].get("role") == "donor" else new) for i in keep]
-    got = engine.generate([prompts[i] for i in keep], sampling)
+    got = engine.generate([prompts[i] for i in keep], [SamplingParams(
+        max_tokens=1 if workload.meta[i].get("role") == "donor" else new) for i in keep])
     assert all(o.finish_reason != "error" for o in got), [o.error for o in got if o.finish_reason == "error"]
-    outputs = [None] * len(workload)
     for i, o in zip(keep, got):
         outputs[i] = o
     computed = sum(len(o.prompt_ids) - o.num_cached_tokens for o in got) / sum(len(o.prompt_ids) for o in got)
@@ -442,26 +408,23 @@ def table_36(model, tok, groups: dict, repeats: int = 3, block_size: int = 16, t
 
     timed = set(groups) if timed is None else set(timed)
     todo = [(g, m, None) for g in groups for m in MODES]
-    for r in range(repeats):
-        todo += [(g, m, 1) for g in sorted(timed) for m in (MODES[::-1] if r % 2 == 0 else MODES)]
-    runs, ttft = {}, {(g, m): [] for g in groups for m in MODES}
+    todo += [(g, m, 1) for r in range(repeats) for g in sorted(timed) for m in (MODES[::-1] if r % 2 == 0 else MODES)]
+    runs, ttft, rows, nan = {}, {(g, m): [] for g in groups for m in MODES}, [], float("nan")
     for g, m, new in tqdm(todo, desc="table 3.6 runs", disable=not progress):
         run = run_mode(model, tok, groups[g], g, m, block_size, new, donors=g in timed or m != "isolated")
         runs.setdefault((g, m), run)
         if new == 1:   # the mean TTFT of the scored requests, in ms
             ttft[(g, m)].append(statistics.mean(run["outputs"][i].ttft for i in groups[g].served()) * 1e3)
-    rows, nan = [], float("nan")
-    for g, wl in groups.items():
-        for m in MODES:
-            run, times = runs[(g, m)], ttft[(g, m)]
-            rows.append({"group": g, "condition": GROUP_CONDITIONS[g][0], "mode": m,
-                         "bug": WRONG_MODES[g] if m == "shared (wrong)" else "", "requests": len(wl.served()),
-                         "TTFT (ms)": statistics.median(times) if times else nan,
-                         "TTFT min (ms)": min(times, default=nan), "TTFT max (ms)": max(times, default=nan),
-                         "timed runs": len(times), "TTFT runs (ms)": tuple(times), "ideal": run["computed share"],
-                         "total latency (ms)": statistics.mean(run["outputs"][i].latency for i in wl.served()) * 1e3
-                         if times else nan, "peak KV (KiB)": run["peak_kv_bytes"] / 1024 if times else nan,
-                         **score_row(wl, runs[(g, "isolated")]["outputs"], run["outputs"])})
+    for (g, m), times in ttft.items():
+        run, wl = runs[(g, m)], groups[g]
+        rows.append({"group": g, "condition": GROUP_CONDITIONS[g][0], "mode": m,
+                     "bug": WRONG_MODES[g] if m == "shared (wrong)" else "", "requests": len(wl.served()),
+                     "TTFT (ms)": statistics.median(times) if times else nan,
+                     "TTFT min (ms)": min(times, default=nan), "TTFT max (ms)": max(times, default=nan),
+                     "timed runs": len(times), "TTFT runs (ms)": tuple(times), "ideal": run["computed share"],
+                     "total latency (ms)": statistics.mean(run["outputs"][i].latency for i in wl.served()) * 1e3
+                     if times else nan, "peak KV (KiB)": run["peak_kv_bytes"] / 1024 if times else nan,
+                     **score_row(wl, runs[(g, "isolated")]["outputs"], run["outputs"])})
     return pd.DataFrame(rows), runs
 
 
@@ -470,9 +433,8 @@ def show_table(table: Any):
     print("— : not applicable (recall: only requests that ask for a passphrase are scored; answered A's passphrase: "
           "group 3 only; time and K/V: group 1 only, the others are scored on answers)")
     fmt = {c: "{:.1f}" for c in ("TTFT (ms)", "TTFT min (ms)", "TTFT max (ms)", "total latency (ms)", "cached tokens")}
-    fmt.update({c: "{:.2f}" for c in ("ideal", "token agreement", "identical", "recall", "answered A's passphrase")})
-    return table.drop(columns=["condition", "TTFT runs (ms)"]).style.format(fmt | {"peak KV (KiB)": "{:.0f}"},
-                                                                             na_rep="—")
+    fmt |= {c: "{:.2f}" for c in ("ideal", "token agreement", "identical", "recall", "answered A's passphrase")}
+    return table.drop(columns=["condition", "TTFT runs (ms)"]).style.format(fmt | {"peak KV (KiB)": "{:.0f}"}, na_rep="—")
 
 
 def answers_table(groups: dict[int, Workload], runs: dict) -> Any:
@@ -496,44 +458,39 @@ def say_wrong_shares(table: Any) -> None:
     d = table.set_index(["group", "mode"])
     for g in sorted(table["group"].unique()):
         iso, bad = d.loc[(g, "isolated")], d.loc[(g, "shared (wrong)")]
-        line = (f"group {g}, {WRONG_MODES[g]}: {1 - bad['identical']:.0%} of {bad['requests']} scored answers changed "
-                f"(token agreement with isolated {bad['token agreement']:.2f})")
-        if bad["recall"] == bad["recall"]:
-            line += f", passphrase recall {iso['recall']:.0%} isolated -> {bad['recall']:.0%}"
-        if bad["answered A's passphrase"] == bad["answered A's passphrase"]:
-            line += f", and {bad[chr(39).join(['answered A', 's passphrase'])]:.0%} answered A's passphrase instead"
-        print(line)
+        other = bad[ANSWERED_A]
+        print(f"group {g}, {WRONG_MODES[g]}: {1 - bad['identical']:.0%} of {bad['requests']} scored answers changed "
+              f"(token agreement with isolated {bad['token agreement']:.2f})"
+              + (f", passphrase recall {iso['recall']:.0%} isolated -> {bad['recall']:.0%}" if bad["recall"] == bad["recall"] else "")
+              + (f", and {other:.0%} answered A's passphrase instead" if other == other else ""))
 
 
 def say_against_article(table: Any) -> None:
-    """The verdict lines beside the article's table 3.6 (agree / differ / note), printed from the numbers."""
+    """The verdict lines beside the article's table 3.6 (agree / partly / DIFFER / note), printed from the numbers."""
     from kvlab.lessons.passphrase import memory_column
 
-    d, art = table.set_index(["group", "mode"]), article_table().set_index(["group", "mode"])
-    art_ttft = art.loc[(1, "shared (correct)"), "TTFT (ms)"] / art.loc[(1, "isolated"), "TTFT (ms)"]
+    d, art = table.set_index(["group", "mode"]), {(g, m): t for g, m, t, *_ in ARTICLE_TABLE_36}
     same = {g: d.loc[(g, "shared (correct)")] for g in sorted(table["group"].unique())}
-    print(("agree   " if all(r["identical"] == 1 for r in same.values()) else "DIFFER  ") + "correct sharing: identical "
-          "outputs in " + ", ".join(f"group {g} {r['identical']:.0%} of {r['requests']}" for g, r in same.items())
-          + " (the article: consistent)")
-    v = ttft_verdict(table, 1, "shared (correct)")
-    inside = v is not None and v.ok and v.lo <= art_ttft <= v.hi
-    tag = "note    " if v is None or not v.ok else "agree   " if inside else "partly  " if v.hi < 1 else "DIFFER  "
-    cached = "" if v is not None and not v.ok else f", {d.loc[(1, 'shared (correct)'), 'cached tokens']:.0f} prompt " \
-        "tokens per request from the cache"
-    how = ("" if v is None or not v.ok else ": the article's ratio lies inside our range" if inside else
-           f": a saving in every run, {'smaller' if v.lo > art_ttft else 'larger'} than the article's" if v.hi < 1 else
-           ": the shared row was slower in every run" if v.lo >= 1 else ": a saving in some runs only")
-    print(tag + f"group 1 shared/isolated {ttft_text(table, 1, 'shared (correct)')} (the article: x{art_ttft:.2f})"
-          f"{how}{cached}")
     wrong = [d.loc[(g, "shared (wrong)")] for g in (2, 3) if (g, "shared (wrong)") in d.index]
-    print(("agree   " if all(r["identical"] < 1 for r in wrong) else "DIFFER  ") + "groups 2 and 3 shared wrongly: "
-          + " and ".join(f"{1 - r['identical']:.0%} of {r['requests']}" for r in wrong)
-          + " answers changed (the article: inconsistent)")
+    a, v = art[(1, "shared (correct)")] / art[(1, "isolated")], ttft_verdict(table, 1, "shared (correct)")
+    ok = v is not None and v.ok
+    ttft = ("note", "") if not ok else ("agree", ": the article's ratio lies inside our range") if v.lo <= a <= v.hi \
+        else ("partly", f": a saving in every run, {'smaller' if v.lo > a else 'larger'} than the article's") \
+        if v.hi < 1 else ("DIFFER", ": the shared row was slower in every run" if v.lo >= 1 else ": a saving in some runs only")
+    shown = ", ".join(f"group {g} {r['identical']:.0%} of {r['requests']}" for g, r in same.items())
+    lines = [("agree" if all(r["identical"] == 1 for r in same.values()) else "DIFFER",
+              f"correct sharing: identical outputs in {shown} (the article: consistent)"),
+             (ttft[0], f"group 1 shared/isolated {ttft_text(table, 1, 'shared (correct)')} (the article: x{a:.2f}){ttft[1]}"
+              + (f", {d.loc[(1, 'shared (correct)'), 'cached tokens']:.0f} prompt tokens per request from the cache" if ok else "")),
+             ("agree" if all(r["identical"] < 1 for r in wrong) else "DIFFER", "groups 2 and 3 shared wrongly: "
+              + " and ".join(f"{1 - r['identical']:.0%} of {r['requests']}" for r in wrong) + " answers changed (the article: inconsistent)")]
     if (2, "shared (correct)") in d.index:
         c, w = d.loc[(2, "shared (correct)"), "cached tokens"], d.loc[(2, "shared (wrong)"), "cached tokens"]
-        print(("differ  " if c == 0 else "note    ") + f"group 2: chained keys reuse {c:.1f} tokens per request, "
-              f"content-only keys {w:.1f}; the article's group-2 row shows a saving, which a correct cache "
-              + ("cannot give here: only the wrong share reuses the donor's blocks" if c == 0 else
-                 "gives here only for blocks with the same start (another B's), never the donor's"))
+        lines.append(("differ" if c == 0 else "note", f"group 2: chained keys reuse {c:.1f} tokens per request, "
+                      f"content-only keys {w:.1f}; the article's group-2 row shows a saving, which a correct cache "
+                      + ("cannot give here: only the wrong share reuses the donor's blocks" if c == 0 else
+                         "gives here only for blocks with the same start (another B's), never the donor's")))
     kv = d.loc[(1, "shared (correct)"), "peak KV (KiB)"] / d.loc[(1, "isolated"), "peak KV (KiB)"]
-    print(f"memory  {memory_column()} Ours counts K/V alone: group 1's peak K/V shared/isolated x{kv:.2f}.")
+    lines.append(("memory", f"{memory_column()} Ours counts K/V alone: group 1's peak K/V shared/isolated x{kv:.2f}."))
+    for tag, text in lines:
+        print(f"{tag:<8}{text}")

@@ -55,7 +55,7 @@ def test_figures_render():
     m = BlockManager(12, 4)
     m.allocate("a", list(range(10)))
     m.allocate("b", list(range(9)))
-    assert L.fig_block_tables(L.block_state(m), "a title").axes
+    assert L.fig_block_tables(m, "a title").axes
 
 
 def test_exercise_checkers_accept_right_and_reject_wrong_answers():
