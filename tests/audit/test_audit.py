@@ -167,18 +167,9 @@ class FakeServer:
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(serve_with):
     """Every ``httpx.Client`` the audit opens talks to a ``FakeServer`` (set its ``models``/``stream`` to misbehave)."""
-    import httpx
-
-    server = FakeServer()
-    real = httpx.Client
-
-    class Client(real):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "transport": httpx.MockTransport(server)})
-    monkeypatch.setattr(httpx, "Client", Client)
-    return server
+    return serve_with(FakeServer())
 
 
 @pytest.mark.parametrize("models, field", [

@@ -36,17 +36,9 @@ class FakeServer:
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    import httpx
-
-    server = FakeServer()
-    real = httpx.Client
-
-    class Client(real):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "transport": httpx.MockTransport(server)})
-    monkeypatch.setattr(httpx, "Client", Client)
-    return server
+def fake(serve_with):
+    """Every ``httpx.Client`` the audit opens talks to a ``FakeServer``."""
+    return serve_with(FakeServer())
 
 
 def _one_line(capsys) -> str:
