@@ -207,8 +207,8 @@ def position_verdicts(table: Any, errors: Any, shift: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- figures
 
-def fig_position_cases(table: Any, model_name: str):
-    """Horizontal bars of token-identical and recall shares per case (a Figure)."""
+def fig_position_cases(table: Any, model_name: str, shift: int | None = None):
+    """Horizontal bars of token-identical and recall shares per case, ``shift`` the s of the labels (a Figure)."""
     fig, ax = plt.subplots(figsize=(8, 1.6 + 0.55 * len(table)))
     y = range(len(table))
     for dy, col, name in ((0.2, "identical", "token-identical to the isolated answer"), (-0.2, "recalled", "recall")):
@@ -217,7 +217,8 @@ def fig_position_cases(table: Any, model_name: str):
     ax.set_yticks(list(y), list(table.index))
     ax.invert_yaxis()
     ax.set(xlim=(0, 1.12), xlabel=f"fraction of {int(table['prompts'].min())} prompts")
-    ax.set_title(f"{model_name}: cached K/V at the right and at wrong positions", pad=26)
+    ax.set_title(f"{model_name}: cached K/V at the right and at wrong positions"
+                 + (f" (s = {shift})" if shift is not None else ""), pad=26)
     ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
     fig.tight_layout()
     return fig
