@@ -371,3 +371,16 @@ def test_tokenize_detokenize_version(served):
     _refused(client, "prompt", "/tokenize")
     v = client.get("/version")
     assert v.status_code == 200 and isinstance(v.json()["version"], str)
+
+
+def test_n_choices_share_the_prompts_blocks(bundled):
+    """n choices are n requests of one prompt admitted together: all but the first hit its full blocks."""
+    model, tok = bundled
+    engine = Engine(model, tok, **ENGINE_KW)
+    ids = tok(LONG * 2)["input_ids"]
+    full = len(ids) // ENGINE_KW["block_size"] * ENGINE_KW["block_size"]
+    with TestClient(create_app(engine, ServeConfig(model_name=MODEL))) as client:
+        _post(client, prompt=ids, max_tokens=2, temperature=0, n=4)
+        stats = engine.stats()
+    assert stats["requests"] == 4 and stats["hit_tokens"] == 3 * full > 0
+    assert stats["blocks_taken"] == full // ENGINE_KW["block_size"] + 4  # the shared blocks once, a tail each
