@@ -88,6 +88,10 @@ def default_isolation(given: str | None, keys: dict[str, str]) -> str:
     return "tenant" if keys else "shared"
 
 
+# seconds a start waits on another process's C++ build of a speed path
+SPEED_BUILD_WAIT_S = 45.0
+
+
 def speed_paths(model, off: set[str] = frozenset()):
     """The server's speed paths for ``model`` (a ``kvlab.engine.speed.SpeedPaths``): each on where it runs.
 
@@ -96,7 +100,9 @@ def speed_paths(model, off: set[str] = frozenset()):
     """
     from ..engine.speed import SpeedPaths
 
-    return SpeedPaths.auto(model, off)
+    # another start's build (or a killed one's compiler still running) is waited on this long at most: the
+    # server then starts without that path and says why
+    return SpeedPaths.auto(model, off, build_wait_s=SPEED_BUILD_WAIT_S)
 
 
 def check_args(args: argparse.Namespace) -> str | None:

@@ -82,7 +82,7 @@ def test_where_no_proc_tells_who_holds_it_an_old_lock_is_stale_and_a_young_one_i
     assert calls == [folder.name] and not lock.exists()
 
 
-def test_the_lock_holders_are_the_processes_with_it_open(tmp_path):
+def test_the_lock_holders_are_the_processes_with_it_open_or_building_in_its_folder(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
     if cpp_build.lock_holders(lock) is None:
@@ -93,6 +93,16 @@ def test_the_lock_holders_are_the_processes_with_it_open(tmp_path):
         assert cpp_build.lock_holders(lock) == [os.getpid()]
     finally:
         os.close(fd)
+    # a killed start's ninja or compiler, still working in the build folder: a live build too
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 10
+        while orphan.pid not in cpp_build.lock_holders(lock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cpp_build.lock_holders(lock) == [orphan.pid]
+    finally:
+        orphan.kill()
+        orphan.wait()
 
 
 @pytest.mark.parametrize("where", ["CXX", "PATH"])
@@ -165,3 +175,28 @@ def test_the_real_key_resolves_march_native_where_the_compiler_can_say():
     if said.returncode != 0 or "-march=" not in said.stdout:
         pytest.skip(f"{cxx} does not print its resolved target flags (not GCC)")
     assert cpp_build.cpu_key().startswith("march:")
+
+
+def test_a_server_start_waits_a_bounded_time_then_runs_without_the_kernel_saying_why(lm, tmp_path, monkeypatch):
+    """``kvlab serve``'s choice (``SpeedPaths.auto`` with a build wait) while another process builds the kernel."""
+    from kvlab.engine.speed import SpeedPaths
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_build, "_check_tools", lambda: None)
+    # the kernel's own loader, not its cached module
+    monkeypatch.setattr(paged_kernel, "load", paged_kernel.load.__wrapped__)
+    folder = tmp_path / build_name("kvlab_paged_kernel", ["paged_kernel.cpp"], paged_kernel._FLAGS)
+    folder.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
+         "print('held', flush=True); time.sleep(60)", str(folder / "lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        speed = SpeedPaths.auto(lm[0], {"packed_linear", "fused_layers"}, build_wait_s=1)
+        assert time.monotonic() - t0 < 10
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not speed.paged_kernel and "gave up after 1 s" in dict(speed.off)["paged_kernel"]
+    assert "\n" not in speed.describe() and "paged_kernel off (its C++ build failed" in speed.describe()

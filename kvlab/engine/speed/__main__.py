@@ -1,7 +1,8 @@
-"""Build the C++ speed paths now, once per machine: ``python -m kvlab.engine.speed`` (``scripts/setup.sh`` runs it).
+"""Build the C++ speed paths now, once per machine: ``python -m kvlab.engine.speed``.
 
-Prints one line per build (built or found, with seconds, or why not) and exits 1 if one could not be built;
-the engine and ``kvlab serve`` run without a path that is not built, and say why.
+``scripts/setup.sh`` runs it. Prints one line per build (built or found, with seconds, or why not)
+and exits 1 if one could not be built; the engine and ``kvlab serve`` run without a path that is
+not built, and say why.
 """
 
 from __future__ import annotations

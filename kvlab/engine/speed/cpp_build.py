@@ -11,12 +11,13 @@ What can go wrong is said in one line (``BuildError``, ``build_failure``): no co
 compile error (its first ``error:`` line), or a ``lock`` that torch leaves in the build folder while it
 builds. A build killed mid-way leaves that lock behind, and torch would wait on it forever: a lock that no
 live process holds (``lock_holders``; without ``/proc``, one older than ``STALE_LOCK_S``) is removed and
-the build runs; a lock a live process holds is waited on for ``LOCK_WAIT_S`` at most, then the build gives
-up naming the process.
+the build runs; a lock a live process holds (or a killed start's compiler still working in the folder) is
+waited on for ``LOCK_WAIT_S`` at most, then the build gives up naming the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -25,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,14 @@ __all__ = [
     "build_name",
     "cpu_key",
     "lock_holders",
+    "lock_wait",
 ]
 
 # the C++ sources and their shared header
 CSRC = Path(__file__).resolve().parent / "csrc"
 # seconds a start waits on a build another live process is running before it goes on without the build
-LOCK_WAIT_S = float(os.environ.get("KVLAB_BUILD_WAIT_S", "120"))
+# (``kvlab serve`` waits less: ``lock_wait``)
+LOCK_WAIT_S = float(os.environ.get("KVLAB_BUILD_WAIT_S", "600"))
 # where no /proc says who holds a lock: older than this, it is a killed build's (a build takes ~30 s)
 STALE_LOCK_S = 600.0
 
@@ -101,16 +104,20 @@ def cpu_key() -> str:
 
 
 def lock_holders(lock: Path) -> list[int] | None:
-    """The ids of the live processes that hold ``lock`` open (torch keeps it open while it builds).
+    """The ids of the live processes building under ``lock``: those that hold it open (torch keeps it open
+    while it builds) and those working in its folder (a killed start's ninja and compiler run on).
 
     None where this cannot be told (no readable ``/proc``).
     """
     proc = Path("/proc")
     if not (proc / "self" / "fd").is_dir():
         return None
-    target, holders = str(lock.resolve()), []
+    target, folder, holders = str(lock.resolve()), str(lock.parent.resolve()), []
     for pid in filter(str.isdigit, os.listdir(proc)):
         try:
+            if os.readlink(proc / pid / "cwd") == folder:
+                holders.append(int(pid))
+                continue
             fds = os.listdir(proc / pid / "fd")
         except OSError:
             continue
@@ -122,6 +129,18 @@ def lock_holders(lock: Path) -> list[int] | None:
             except OSError:
                 continue
     return holders
+
+
+@contextlib.contextmanager
+def lock_wait(seconds: float) -> Iterator[None]:
+    """Within the block, a build waits at most ``seconds`` on another live build (``kvlab serve``: it must
+    start listening promptly; elsewhere ``LOCK_WAIT_S``)."""
+    global LOCK_WAIT_S
+    old, LOCK_WAIT_S = LOCK_WAIT_S, seconds
+    try:
+        yield
+    finally:
+        LOCK_WAIT_S = old
 
 
 def _clear_lock(path: Path, name: str, wait_s: float) -> None:

@@ -1,8 +1,9 @@
 """``SpeedPaths``: kvlab's CPU speed paths as one ``kvlab.engine.accelerator.Accelerator``.
 
-``Engine(model, tok, accelerator=SpeedPaths(packed_linear=True, paged_kernel=True))`` asks for them by
-name (a path that cannot run raises ``ValueError`` naming why); ``SpeedPaths.auto(model)`` turns each on
-where it runs and keeps why the others are off, for ``kvlab serve``'s one line (``describe``).
+``Engine(model, tok, accelerator=SpeedPaths(packed_linear=True, paged_kernel=True))`` asks for them
+by name (a path that cannot run raises ``ValueError`` naming why); ``SpeedPaths.auto(model)`` turns
+each on where it runs and keeps why the others are off, for ``kvlab serve``'s one line
+(``describe``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from ..models import model_device_dtype
+from .cpp_build import lock_wait
 from .fused_llama import FusedLlama, fused_layers_available
 from .packed_linear import PackedLinears, packed_gemm, packed_linear_available
 from .paged_kernel import PagedKernel, paged_kernel_available
@@ -27,7 +29,7 @@ NAMES = ("packed_linear", "paged_kernel", "fused_layers")
 
 
 def why_not(name: str, model: Any) -> str | None:
-    """None when speed path ``name`` can run ``model`` here (building its C++ if needed), else why not."""
+    """None when path ``name`` can run ``model`` here (building its C++ if needed), else why."""
     device, dtype = model_device_dtype(model)
     if name == "packed_linear":
         return packed_linear_available(device, dtype)
@@ -42,10 +44,11 @@ def why_not(name: str, model: Any) -> str | None:
 class SpeedPaths:
     """Which speed paths an engine runs (each off by default); ``EngineConfig.accelerator``.
 
-    ``packed_linear``: prepacked GEMMs for the linear layers, oneDNN's and (few rows) kvlab's panel GEMM.
-    ``paged_kernel``: a C++ paged-attention kernel that reads K/V in place. ``fused_layers``: a Llama
-    decoder run with four fused prepacked GEMMs a layer and one-pass C++ RMSNorm, RoPE and SwiGLU. All for a
-    float32 model on a CPU. ``off``: why a path is off, where ``auto`` decided it (for ``describe``).
+    ``packed_linear``: prepacked GEMMs for the linear layers, oneDNN's and (few rows) kvlab's panel
+    GEMM. ``paged_kernel``: a C++ paged-attention kernel that reads K/V in place. ``fused_layers``:
+    a Llama decoder run with four fused prepacked GEMMs a layer and one-pass C++ RMSNorm, RoPE and
+    SwiGLU. All for a float32 model on a CPU. ``off``: why a path is off, where ``auto`` decided it
+    (for ``describe``).
     """
 
     packed_linear: bool = False
@@ -59,12 +62,19 @@ class SpeedPaths:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
-    def auto(cls, model: Any, off: set[str] | frozenset[str] = frozenset()) -> SpeedPaths:
-        """Each path on where it can run ``model`` here; ``off``: turned off by hand ("turned off")."""
+    def auto(cls, model: Any, off: set[str] | frozenset[str] = frozenset(),
+             build_wait_s: float | None = None) -> SpeedPaths:
+        """Each path on where it can run ``model`` here; ``off``: turned off by hand ("turned off").
+
+        ``build_wait_s``: how long a C++ build waits on another process's build of it before the
+        path is off (default ``cpp_build.LOCK_WAIT_S``).
+        """
         unknown = set(off) - set(NAMES)
         if unknown:
             raise ValueError(f"unknown speed path(s) {sorted(unknown)}: {', '.join(NAMES)}")
-        whys = {name: "turned off" if name in off else why_not(name, model) for name in NAMES}
+        wait = contextlib.nullcontext() if build_wait_s is None else lock_wait(build_wait_s)
+        with wait:
+            whys = {name: "turned off" if name in off else why_not(name, model) for name in NAMES}
         on = {name: why is None for name, why in whys.items()}
         return cls(**on, off=tuple((n, why) for n, why in whys.items() if why is not None))
 
@@ -85,7 +95,7 @@ class SpeedPaths:
         return dataclasses.replace(self, **changes)
 
     def bind(self, model: Any, store: Any) -> BoundSpeedPaths:
-        """The paths ready for ``model`` and its K/V ``store`` (``ValueError`` naming one that cannot run)."""
+        """The paths ready for ``model`` and its K/V ``store`` (``ValueError``: one cannot run)."""
         return BoundSpeedPaths(self, model, store)
 
 
@@ -93,7 +103,8 @@ class BoundSpeedPaths:
     """``SpeedPaths`` bound to one engine: its packed weights, its kernel, its fused decoder."""
 
     def __init__(self, paths: SpeedPaths, model: Any, store: Any) -> None:
-        # each raises ValueError naming why where it cannot run (not CPU float32, no oneDNN, no build, ...)
+        # each raises ValueError naming why where it cannot run (not CPU float32, no oneDNN, no
+        # build, ...)
         self.packed = self.kernel = self.decoder = None
         if paths.packed_linear:
             self.packed = PackedLinears(model)
@@ -103,17 +114,17 @@ class BoundSpeedPaths:
             self.decoder = FusedLlama(model)
 
     def plan(self, batch: Any) -> Any:
-        """The kernel's plan of this step (``paged_kernel.KernelStep``), or None without the kernel."""
+        """The kernel's plan of this step (``paged_kernel.KernelStep``); None without the kernel."""
         return None if self.kernel is None else self.kernel.plan(batch)
 
     def linear(self, decoder_runs: bool) -> AbstractContextManager[None]:
-        """``F.linear`` on the model's weights sent to their packed GEMMs, unless the fused decoder (which
-        packs its own) is the one that runs."""
+        """``F.linear`` on the model's weights sent to their packed GEMMs, unless the fused decoder
+        (which packs its own) is the one that runs."""
         if self.packed is None or (decoder_runs and self.decoder is not None):
             return contextlib.nullcontext()
         return self.packed.active()
 
     def head(self, hidden: torch.Tensor, lm_head: Any) -> torch.Tensor | None:
-        """The LM head's packed GEMM on ``hidden`` ``(N, hidden)``, or None (no packed copy of its weight)."""
+        """The head's packed GEMM on ``hidden`` ``(N, hidden)``; None if its weight is unpacked."""
         packed = None if self.packed is None else self.packed.packed(lm_head.weight)
         return None if packed is None else packed_gemm(hidden, packed, lm_head.bias)
