@@ -97,7 +97,7 @@ def record_prompt_logprobs(runner: Any, items: list, hidden: torch.Tensor) -> No
 
     ``hidden`` is the step's (T, hidden) final hidden states, item by item in order. A request's prompt positions
     computed by this step come from its rows; prompt positions before the step's first one that have no record
-    yet (a cache hit) from ``_prefix_hidden``. ``seq.prompt_logprobs_from_cache`` counts the latter.
+    yet (a cache hit) from ``_prefix_hidden``: one more forward, of the cached tokens, for such a request only.
     """
     offset = 0
     for it in items:
@@ -110,5 +110,4 @@ def record_prompt_logprobs(runner: Any, items: list, hidden: torch.Tensor) -> No
             before = min(start, len(seq.prompt_ids) - 1)
             if before > 0 and any(slots[j] is None for j in range(1, before + 1)):
                 _fill(runner, seq, slots, _prefix_hidden(runner, seq.prompt_ids[:before]), 0)
-                seq.prompt_logprobs_from_cache = before
         offset += rows

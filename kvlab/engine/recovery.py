@@ -54,7 +54,7 @@ def recover(
             bad.update(tables[i][it.start // bs :])
             continue
         try:
-            tokens[i] = sample(it.seq, logits[0], top[0]) if samples else None
+            tokens[i] = sample(it.seq, logits[0], top[0], runner.eos_ids) if samples else None
         # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
         except Exception as e:  # noqa: BLE001
             errors[i] = describe(e)

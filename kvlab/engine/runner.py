@@ -22,6 +22,7 @@ from .hooks import checked_positions
 from .kv_store import PagedKVStore
 from .paged_attention import build_batch, paged_step
 from .recovery import describe, recover
+from .logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from .sampling import sample
 from .scheduler import ScheduledSeq
 
@@ -30,6 +31,9 @@ __all__ = ["ModelRunner", "describe"]
 
 class ModelRunner:
     """One HF causal LM switched to kvlab's paged attention: batches in, last-position logits and tokens out."""
+
+    # the model's eos ids, which a request's min_tokens holds back (set by the engine)
+    eos_ids: frozenset[int] = frozenset()
 
     def __init__(self, model: Any, store: PagedKVStore) -> None:
         """Attach the paged attention and probe one token through it; refuse a model it does not fully serve.
@@ -135,9 +139,13 @@ class ModelRunner:
         with paged_step(), linear:
             if self.head_seam:
                 # hidden (1, T, H) -> (num_sampling, vocab)
-                logits = self.lm_head(self.decoder(**kwargs)[0][0, last])
+                hidden = self.decoder(**kwargs)[0][0]
+                logits = self.lm_head(hidden[last])
             else:
                 logits = self.model(**kwargs, logits_to_keep=last).logits[0]
+        # a request that asks for prompt log-probabilities: every prompt position's (kvlab.engine.logprobs)
+        if self.head_seam and any(wants_prompt_logprobs(it.seq) for it in items):
+            record_prompt_logprobs(self, items, hidden)
         top = logits.argmax(-1)
         return logits, top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()
 
@@ -169,7 +177,7 @@ class ModelRunner:
             if it.end >= it.seq.num_tokens:
                 row += 1
                 try:
-                    tokens[i] = sample(it.seq, logits[row], top[row])
+                    tokens[i] = sample(it.seq, logits[row], top[row], self.eos_ids)
                 # broad on purpose: its K/V is fine, only its sampling failed; it ends with this error
                 except Exception as e:  # noqa: BLE001
                     errors[i] = describe(e)

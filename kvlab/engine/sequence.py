@@ -57,10 +57,8 @@ class Request:
     num_restored_tokens: int | None = None
     # sampling.logprobs: one kvlab.engine.logprobs.TokenLogprob per output token
     logprobs: list | None = None
-    # sampling.prompt_logprobs: one per prompt token (None for the first), and how many came from a
-    # forward over the cache hit instead of the step that read it
+    # sampling.prompt_logprobs: one per prompt token (None for the first)
     prompt_logprobs: list | None = None
-    prompt_logprobs_from_cache: int = 0
 
     @property
     def tenant(self) -> Hashable:

@@ -51,6 +51,8 @@ class Update:
     error: str | None = None
     refused: bool = False  # add_request raised: nothing was queued
     field: str | None = None  # the refused request's offending field (RequestError.field)
+    logprobs: list | None = None  # of token_ids, when the request asked (kvlab.engine.logprobs.TokenLogprob)
+    prompt_logprobs: list | None = None  # with a request's first tokens, when it asked
 
 
 @dataclass(slots=True)
@@ -226,8 +228,9 @@ class EngineRunner:
                 res = self.engine.abort(rid, tenant=job.tenant)
             except UnknownRequestError:
                 continue
+            lp, plp = _logprobs(res, job.sent)
             new, job.sent = res.output_ids[job.sent:], len(res.output_ids)
-            out.append((job, Update(new, res.num_cached_tokens, True, "abort")))
+            out.append((job, Update(new, res.num_cached_tokens, True, "abort", logprobs=lp, prompt_logprobs=plp)))
         return out
 
     def _step(self) -> list[tuple[Job, Update]]:
@@ -239,14 +242,24 @@ class EngineRunner:
             res = finished.get(rid)
             if res is not None:
                 del self._running[rid]
+                lp, plp = _logprobs(res, job.sent)
                 new, job.sent = res.output_ids[job.sent:], len(res.output_ids)
-                out.append((job, Update(new, res.num_cached_tokens, True, res.finish_reason, res.error)))
+                out.append((job, Update(new, res.num_cached_tokens, True, res.finish_reason, res.error,
+                                        logprobs=lp, prompt_logprobs=plp)))
                 continue
             seq = now_live.get(rid)
             if seq is not None and len(seq.output_ids) > job.sent:
+                lp, plp = _logprobs(seq, job.sent)
                 new, job.sent = seq.output_ids[job.sent:], len(seq.output_ids)
-                out.append((job, Update(list(new), seq.num_cached_tokens)))
+                out.append((job, Update(list(new), seq.num_cached_tokens, logprobs=lp, prompt_logprobs=plp)))
         return out
+
+
+def _logprobs(res, sent: int) -> tuple[list | None, list | None]:
+    """A request's log-probability records past ``sent`` output tokens, and its prompt's with its first tokens."""
+    lp = None if res.logprobs is None else list(res.logprobs[sent:])
+    plp = None if sent or res.prompt_logprobs is None else list(res.prompt_logprobs)
+    return lp, plp
 
 
 def _settle(fut: asyncio.Future, result: object, exc: BaseException | None) -> None:
