@@ -20,9 +20,9 @@ from .accelerator import BoundAccelerator
 from .admission import admit
 from .hooks import checked_positions
 from .kv_store import PagedKVStore
+from .logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from .paged_attention import build_batch, paged_step
 from .recovery import describe, recover
-from .logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from .sampling import sample
 from .scheduler import ScheduledSeq
 
