@@ -7,8 +7,8 @@ It builds the engine ``kvlab.bench.peers.kvlab_steps`` builds (16 requests of a 
 32 unique tokens), runs the prefill step of every prompt and one warm-up decode step, then profiles one
 decode step (16 sequences) and, on a fresh engine, the prefill step. For each it prints the top ops by self
 CPU time, the share of the step's wall time spent outside ATen ops (Python and dispatch overhead) and,
-beside them, the weight-bytes bound of a decode step (bytes of weights it reads / half the measured copy
-bandwidth) and the peak FLOP/s of the best GEMM (``F.linear`` or oneDNN's prepacked) on the model's shapes (``kvlab.bench.peers``). The
+beside them, the weight-bytes bound of a decode step (bytes of weights it reads / the streaming read
+bandwidth, ``kvlab.bench.peers.read_bandwidth``, as scripts/bench.py) and the peak FLOP/s of the best GEMM (``F.linear`` or oneDNN's prepacked) on the model's shapes (``kvlab.bench.peers``). The
 tables go to ``build/bench/profile_{decode,prefill}.txt``.
 """
 
@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     # the best of three: one reading on a busy machine can come out at half the peak
     peak = max(B.linear_peak_flops(cfg.hidden_size, cfg.intermediate_size, torch.device("cpu"), torch.float32)
                for _ in range(3))
-    bandwidth = max(B.memory_bandwidth(torch.device("cpu")) for _ in range(3))
+    bandwidth = max(B.read_bandwidth(torch.device("cpu")) for _ in range(3))
     body, head = B._linear_params(model)
-    bound = (body + head) * 4 / (bandwidth / 2)
+    bound = (body + head) * 4 / bandwidth
     head_lines = [f"{args.model}: {cfg.num_hidden_layers} layers, float32, CPU, {torch.get_num_threads()} threads; "
                   f"{wl.name}: {len(wl)} x ({wl.shared_prefix_tokens} + {len(wl.prompts[0]) - wl.shared_prefix_tokens})",
                   f"load average {loadavg()} (at the start)",
-                  f"GEMM peak {peak / 1e9:.1f} GFLOP/s; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+                  f"GEMM peak {peak / 1e9:.1f} GFLOP/s; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
                   f"weight-bytes bound of a decode step {1e3 * bound:.1f} ms ({(body + head) * 4 / 2**20:.0f} MiB)"]
     print("\n".join(head_lines), flush=True)
 

@@ -270,14 +270,8 @@ def attend_fresh(
     return o.transpose(1, 2)
 
 
-def attend_union(
-    g: AttnGroup,
-    store: PagedKVStore,
-    layer: int,
-    q: torch.Tensor,
-    scaling: float | None,
-    window: int | None,
-) -> torch.Tensor:
+def attend_union(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.Tensor,
+                 scaling: float | None, window: int | None) -> torch.Tensor:
     """Every sequence of ``g`` against the union of its blocks, each block gathered once (``_plan_union``).
 
     ``q`` ``(B, Qmax, heads, D)`` -> ``(B, Qmax, heads, D)``: one SDPA per KV head over all the group's
@@ -300,14 +294,8 @@ def attend_union(
     return _by_query_head(o, q_len, heads)
 
 
-def attend_per_sequence(
-    g: AttnGroup,
-    store: PagedKVStore,
-    layer: int,
-    q: torch.Tensor,
-    scaling: float | None,
-    window: int | None,
-) -> torch.Tensor:
+def attend_per_sequence(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.Tensor,
+                        scaling: float | None, window: int | None) -> torch.Tensor:
     """Each sequence of ``g`` against its own block table, a few sequences at a time (``KV_CHUNK_BYTES``),
     so their gathered K/V is still in cache when the attention reads it.
 
