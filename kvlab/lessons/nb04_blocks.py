@@ -291,10 +291,13 @@ def replay(ops: list[tuple], pieces: SimpleNamespace, block_size: int = 4,
     return rows, None
 
 
-def _check(pieces: SimpleNamespace, ops: list[tuple], name: str, hint: Callable[[str], str]) -> Verdict:
-    """Replay ``ops`` with ``pieces``; a verdict naming the first difference and ``hint(what differed)``."""
+def _check(yours: dict, ops: list[tuple], name: str, hint: Callable[[str], str], **given: Callable | None) -> Verdict:
+    """Replay ``ops`` with ``yours`` (and the ``given`` pieces, kvlab's where None); a verdict naming the first
+    difference and ``hint(what differed)``."""
+    if any(fn is None for fn in yours.values()):
+        return unanswered(hint(""))
     try:
-        rows, problem = replay(ops, pieces)
+        rows, problem = replay(ops, kvlab_pieces(**yours, **given))
     except NotImplementedError:
         return unanswered(hint(""))
     except Exception as err:  # noqa: BLE001 (the reader's code may fail in any way)
@@ -351,9 +354,7 @@ def check_take_free(take: Callable | None, free: Callable | None) -> Verdict:
                 "ref count to 1" if what.startswith("ref") else
                 "write both: take = the free list's head, evicted, ref count 1; free = one reference less per "
                 "block, tail first, a block at 0 back into blocks.free (cached ones at the tail)")
-    if take is None or free is None:
-        return unanswered(hint(""))
-    return _check(kvlab_pieces(take=take, free=free), block_trace(), "my_take or my_free", hint)
+    return _check({"take": take, "free": free}, block_trace(), "my_take or my_free", hint)
 
 
 def check_allocate(fn: Callable[..., int] | None, hashes: Callable | None = None, take: Callable | None = None,
@@ -371,9 +372,7 @@ def check_allocate(fn: Callable[..., int] | None, hashes: Callable | None = None
                 "look up the full blocks' hashes in order with blocks.lookup(h), up to (n - 1) // block_size blocks, "
                 "stopping at the first miss; each hit gets one more reference; take the other blocks, register "
                 "the full ones, store the table in blocks.tables[seq_id], return the cached tokens")
-    if fn is None:
-        return unanswered(hint(""))
-    return _check(kvlab_pieces(allocate=fn, hashes=hashes, take=take, free=free), block_trace(), "my_allocate", hint)
+    return _check({"allocate": fn}, block_trace(), "my_allocate", hint, hashes=hashes, take=take, free=free)
 
 
 def check_append(fn: Callable | None, **pieces: Callable | None) -> Verdict:
@@ -386,9 +385,7 @@ def check_append(fn: Callable | None, **pieces: Callable | None) -> Verdict:
                 "hash_block(parent, its tokens): the parent is the hash of the block before it "
                 "(blocks.hash_of[table[-2]]), None for block 0" if what else
                 "a new block when the last one is full; register the block this token fills under its chained hash")
-    if fn is None:
-        return unanswered(hint(""))
-    return _check(kvlab_pieces(append=fn, **pieces), block_trace(60, appends=True), "my_append", hint)
+    return _check({"append": fn}, block_trace(60, appends=True), "my_append", hint, **pieces)
 
 
 def replay_table(pieces: SimpleNamespace, appends: bool = False):

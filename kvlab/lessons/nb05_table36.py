@@ -289,10 +289,8 @@ def latest_bench(model_name: Any, path: Any = None) -> dict | None:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if (str(report.get("model", {}).get("config", "")).lower(), report.get("workload", {}).get("prefix_tokens")) != (
-            str(model_name or "bundled").lower(), 512):
-        return None
-    return dict(report, path=str(path))
+    ours = (str(report.get("model", {}).get("config", "")).lower(), report.get("workload", {}).get("prefix_tokens"))
+    return dict(report, path=str(path)) if ours == (str(model_name or "bundled").lower(), 512) else None
 
 
 def bench_tables(report: dict):
@@ -320,13 +318,11 @@ def fig_request_path(path: dict[str, Any], max_tokens: int = 48) -> Any:
     hi = min(total, lo + max_tokens)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * (hi - lo) + 2.5), 3.4))
     for p in range(lo, hi):
-        x, hit = p - lo, p < cached
-        ax.add_patch(Rectangle((x, 2), 0.95, 0.6, facecolor="#9ecae1" if hit else "white", edgecolor="black",
-                               linewidth=0.5, gid="cached" if hit else "computed"))
-        ax.text(x + 0.47, 2.3, str(p), ha="center", va="center", fontsize=6, rotation=90, gid="position")
-        ax.add_patch(Rectangle((x, 0), 0.95, 0.6, facecolor="#f0f0f0", edgecolor="black", linewidth=0.5))
-        ax.text(x + 0.47, 0.3, str(path["slot_mapping"][p]), ha="center", va="center", fontsize=6, rotation=90,
-                gid="slot")
+        for y, text, color, gid in ((2, p, "#9ecae1" if p < cached else "white", "position"),
+                                    (0, path["slot_mapping"][p], "#f0f0f0", "slot")):
+            ax.add_patch(Rectangle((p - lo, y), 0.95, 0.6, facecolor=color, edgecolor="black", linewidth=0.5,
+                                   gid=("cached" if p < cached else "computed") if y else None))
+            ax.text(p - lo + 0.47, y + 0.3, str(text), ha="center", va="center", fontsize=6, rotation=90, gid=gid)
     for j in range(lo // bs, cdiv(hi, bs)):
         x0, x1 = max(j * bs, lo) - lo, min((j + 1) * bs, hi) - lo
         ax.add_patch(Rectangle((x0, 1), x1 - x0 - 0.05, 0.6, facecolor="#fdd0a2", edgecolor="black"))
