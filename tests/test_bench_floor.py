@@ -1,5 +1,5 @@
-"""scripts/bench.py's decode floor: one read bandwidth per thread count (the best of its samples), and a step
-below its floor reported as a measurement error, never as a goal met."""
+"""scripts/bench.py's decode floor: one read bandwidth per thread count (the best of its samples),
+and a step below its floor reported as a measurement error, never as a goal met."""
 
 import importlib.util
 from pathlib import Path
@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("kvlab_bench_script", ROOT / "scripts" / "bench.py")
+    spec = importlib.util.spec_from_file_location(
+        "kvlab_bench_script", ROOT / "scripts" / "bench.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -45,5 +47,5 @@ def test_the_read_bandwidth_is_the_best_sample_at_each_thread_count(monkeypatch)
 def test_a_streaming_read_is_measured_over_a_buffer_past_the_cache():
     llc = peers.last_level_cache_bytes()
     assert llc is None or llc > 0
-    # a small buffer here (the default is 8 x the last-level cache, at least 256 MiB): a positive rate
-    assert peers.read_bandwidth(torch.device("cpu"), nbytes=8 * 2 ** 20, repeats=1) > 0
+    # a small buffer here (the default: 8 x the last-level cache, at least 256 MiB): a positive rate
+    assert peers.read_bandwidth(torch.device("cpu"), nbytes=8 * 2**20, repeats=1) > 0

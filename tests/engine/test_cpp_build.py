@@ -1,6 +1,6 @@
-"""kvlab.engine.speed.cpp_build: a killed build's lock never hangs a start, a missing compiler is one line,
-and the build cache is keyed by what ``-march=native`` means on this CPU. Nothing here compiles: the
-build itself (``torch.utils.cpp_extension.load``) is replaced by a stand-in."""
+"""kvlab.engine.speed.cpp_build: a killed build's lock never hangs a start, a missing compiler is
+one line, and the build cache is keyed by what ``-march=native`` means on this CPU. Nothing here
+compiles: the build itself (``torch.utils.cpp_extension.load``) is replaced by a stand-in."""
 
 import os
 import subprocess
@@ -52,8 +52,16 @@ def test_a_lock_a_live_process_holds_is_waited_on_then_given_up_naming_it(fresh)
     lock = folder / "lock"
     # another start building it now: it holds the lock open, as torch's FileBaton does
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
-         "print('held', flush=True); time.sleep(60)", str(lock)], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
+            "print('held', flush=True); time.sleep(60)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
@@ -69,7 +77,9 @@ def test_a_lock_a_live_process_holds_is_waited_on_then_given_up_naming_it(fresh)
     assert lock.exists() and calls == []
 
 
-def test_where_no_proc_tells_who_holds_it_an_old_lock_is_stale_and_a_young_one_is_waited_on(fresh, monkeypatch):
+def test_where_no_proc_tells_who_holds_it_an_old_lock_is_stale_and_a_young_one_is_waited_on(
+    fresh, monkeypatch
+):
     folder, calls = fresh
     lock = folder / "lock"
     lock.touch()
@@ -121,14 +131,21 @@ def test_no_compiler_is_said_in_one_line(tmp_path, monkeypatch, where):
     monkeypatch.setattr(paged_kernel, "load", paged_kernel.load.__wrapped__)
     import torch
 
-    assert "no C++ compiler found" in paged_kernel.paged_kernel_available(torch.device("cpu"), torch.float32)
+    assert "no C++ compiler found" in paged_kernel.paged_kernel_available(
+        torch.device("cpu"), torch.float32
+    )
 
 
 def test_a_compile_error_is_its_first_error_line():
-    e = RuntimeError("Error building extension 'kvlab_x': [1/2] c++ -MMD -MF main.o.d -DTORCH_EXTENSION_NAME=x "
-                     "-isystem /venv/include ... -c /src/main.cpp -o main.o\nFAILED: main.o\n"
-                     "/src/main.cpp:3:1: error: 'foo' was not declared in this scope\n    3 | foo();\n")
-    assert cpp_build._one_line(e) == "RuntimeError: /src/main.cpp:3:1: error: 'foo' was not declared in this scope"
+    e = RuntimeError(
+        "Error building extension 'kvlab_x': [1/2] c++ -MMD -MF main.o.d -DTORCH_EXTENSION_NAME=x "
+        "-isystem /venv/include ... -c /src/main.cpp -o main.o\nFAILED: main.o\n"
+        "/src/main.cpp:3:1: error: 'foo' was not declared in this scope\n    3 | foo();\n"
+    )
+    assert (
+        cpp_build._one_line(e)
+        == "RuntimeError: /src/main.cpp:3:1: error: 'foo' was not declared in this scope"
+    )
     assert cpp_build._one_line(BuildError("ninja not found")) == "BuildError: ninja not found"
 
 
@@ -147,20 +164,37 @@ def test_the_build_key_is_what_march_native_resolves_to(monkeypatch):
         cpp_build._cpu_key.cache_clear()
         return cpp_build._cpu_key(cxx)
 
-    base = ("The following options are target specific:\n  -march=                     \tsapphirerapids\n"
-            "  -mavx512f                   \t[enabled]\n  -mavx512fp16                \t[enabled]\n"
-            "  -mamx-tile                  \t[disabled]\n  -mtune=                     \tsapphirerapids\n")
+    base = (
+        "The following options are target specific:\n"
+        "  -march=                     \tsapphirerapids\n"
+        "  -mavx512f                   \t[enabled]\n"
+        "  -mavx512fp16                \t[enabled]\n"
+        "  -mamx-tile                  \t[disabled]\n"
+        "  -mtune=                     \tsapphirerapids\n"
+    )
     try:
         same = key(base)
         assert same.startswith("march:") and key(base) == same
         # two AVX-512 CPUs of one capability level that differ in one extension: two builds
-        assert key(base.replace("-mavx512fp16                \t[enabled]", "-mavx512fp16                \t[disabled]")) != same
-        assert key(base.replace("sapphirerapids\n  -mavx512f", "icelake-server\n  -mavx512f")) != same
+        assert (
+            key(
+                base.replace(
+                    "-mavx512fp16                \t[enabled]",
+                    "-mavx512fp16                \t[disabled]",
+                )
+            )
+            != same
+        )
+        assert (
+            key(base.replace("sapphirerapids\n  -mavx512f", "icelake-server\n  -mavx512f")) != same
+        )
         # a flag that is off either way, or the spacing, changes nothing
         assert key(base.replace("-mamx-tile                  \t[disabled]\n", "")) == same
         assert key(base.replace("\t", "  ")) == same
         # no GCC-style answer: the CPU's feature flags
-        assert key(None).startswith("cpuflags:") and key("clang: unknown argument") .startswith("cpuflags:")
+        assert key(None).startswith("cpuflags:") and key("clang: unknown argument").startswith(
+            "cpuflags:"
+        )
     finally:
         cpp_build._cpu_key.cache_clear()
 
@@ -171,14 +205,19 @@ def test_the_real_key_resolves_march_native_where_the_compiler_can_say():
     cxx = cpp_build.compiler()
     if shutil.which(cxx) is None:
         pytest.skip("no C++ compiler here")
-    said = subprocess.run([cxx, "-march=native", "-Q", "--help=target"], capture_output=True, text=True)
+    said = subprocess.run(
+        [cxx, "-march=native", "-Q", "--help=target"], capture_output=True, text=True
+    )
     if said.returncode != 0 or "-march=" not in said.stdout:
         pytest.skip(f"{cxx} does not print its resolved target flags (not GCC)")
     assert cpp_build.cpu_key().startswith("march:")
 
 
-def test_a_server_start_waits_a_bounded_time_then_runs_without_the_kernel_saying_why(lm, tmp_path, monkeypatch):
-    """``kvlab serve``'s choice (``SpeedPaths.auto`` with a build wait) while another process builds the kernel."""
+def test_a_server_start_waits_a_bounded_time_then_runs_without_the_kernel_saying_why(
+    lm, tmp_path, monkeypatch
+):
+    """``kvlab serve``'s choice (``SpeedPaths.auto`` with a build wait) while another process builds
+    the kernel."""
     from kvlab.engine.speed import SpeedPaths
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -188,8 +227,16 @@ def test_a_server_start_waits_a_bounded_time_then_runs_without_the_kernel_saying
     folder = tmp_path / build_name("kvlab_paged_kernel", ["paged_kernel.cpp"], paged_kernel._FLAGS)
     folder.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
-         "print('held', flush=True); time.sleep(60)", str(folder / "lock")], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
+            "print('held', flush=True); time.sleep(60)",
+            str(folder / "lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
@@ -199,4 +246,7 @@ def test_a_server_start_waits_a_bounded_time_then_runs_without_the_kernel_saying
         holder.kill()
         holder.wait()
     assert not speed.paged_kernel and "gave up after 1 s" in dict(speed.off)["paged_kernel"]
-    assert "\n" not in speed.describe() and "paged_kernel off (its C++ build failed" in speed.describe()
+    assert (
+        "\n" not in speed.describe()
+        and "paged_kernel off (its C++ build failed" in speed.describe()
+    )

@@ -1,18 +1,20 @@
 """Build a C++ CPU extension from ``csrc/*.cpp`` once per machine, then import the build.
 
 ``torch.utils.cpp_extension.load`` compiles the sources (a C++ compiler and ninja) into
-``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/kvlab/torch_extensions``. A build's name hashes its sources (and
-the headers beside them), its flags, what ``-march=native`` means on this CPU (``cpu_key``) and the torch
-version; a build made before under that name is imported as it is. ``load`` alone would build it again
-whenever its command line changed, and that line holds the torch installation's include paths: each venv
-on the machine (a fresh clone's, for one) would rebuild it, about 30 s, and the next venv again.
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/kvlab/torch_extensions``. A build's name hashes its sources
+(and the headers beside them), its flags, what ``-march=native`` means on this CPU (``cpu_key``) and
+the torch version; a build made before under that name is imported as it is. ``load`` alone would
+build it again whenever its command line changed, and that line holds the torch installation's
+include paths: each venv on the machine (a fresh clone's, for one) would rebuild it, about 30 s, and
+the next venv again.
 
 What can go wrong is said in one line (``BuildError``, ``build_failure``): no compiler, no ninja, a
-compile error (its first ``error:`` line), or a ``lock`` that torch leaves in the build folder while it
-builds. A build killed mid-way leaves that lock behind, and torch would wait on it forever: a lock that no
-live process holds (``lock_holders``; without ``/proc``, one older than ``STALE_LOCK_S``) is removed and
-the build runs; a lock a live process holds (or a killed start's compiler still working in the folder) is
-waited on for ``LOCK_WAIT_S`` at most, then the build gives up naming the process.
+compile error (its first ``error:`` line), or a ``lock`` that torch leaves in the build folder while
+it builds. A build killed mid-way leaves that lock behind, and torch would wait on it forever: a
+lock that no live process holds (``lock_holders``; without ``/proc``, one older than
+``STALE_LOCK_S``) is removed and the build runs; a lock a live process holds (or a killed start's
+compiler still working in the folder) is waited on for ``LOCK_WAIT_S`` at most, then the build gives
+up naming the process.
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ __all__ = [
 
 # the C++ sources and their shared header
 CSRC = Path(__file__).resolve().parent / "csrc"
-# seconds a start waits on a build another live process is running before it goes on without the build
+# seconds a start waits on a build another live process is running, before it goes on without it
 # (``kvlab serve`` waits less: ``lock_wait``)
 LOCK_WAIT_S = float(os.environ.get("KVLAB_BUILD_WAIT_S", "600"))
-# where no /proc says who holds a lock: older than this, it is a killed build's (a build takes ~30 s)
+# where no /proc says who holds a lock: older than this, a killed build's (a build takes ~30 s)
 STALE_LOCK_S = 600.0
 
 
@@ -72,7 +74,7 @@ def compiler() -> str:
 
 @functools.cache
 def _cpu_key(cxx: str) -> str:
-    # what -march=native turns on, as the compiler resolves it: its -march value and enabled target flags
+    # what -march=native turns on, as the compiler resolves it: its -march value and enabled flags
     try:
         out = subprocess.run([cxx, "-march=native", "-Q", "--help=target"], capture_output=True,
                              text=True, timeout=30, check=True).stdout
@@ -94,18 +96,19 @@ def _cpu_key(cxx: str) -> str:
 
 
 def cpu_key() -> str:
-    """What ``-march=native`` builds for on this CPU: a hash of the compiler's resolved target flags.
+    """What ``-march=native`` builds for on this CPU: a hash of the compiler's resolved flags.
 
-    Two CPUs of one capability level (both "AVX-512") can differ in what ``-march=native`` turns on, so a
-    home folder shared by both must not load the other's build. Without a GCC-style compiler: a hash of
-    the CPU's feature flags (``/proc/cpuinfo``).
+    Two CPUs of one capability level (both "AVX-512") can differ in what ``-march=native`` turns on,
+    so a home folder shared by both must not load the other's build. Without a GCC-style compiler: a
+    hash of the CPU's feature flags (``/proc/cpuinfo``).
     """
     return _cpu_key(compiler())
 
 
 def lock_holders(lock: Path) -> list[int] | None:
-    """The ids of the live processes building under ``lock``: those that hold it open (torch keeps it open
-    while it builds) and those working in its folder (a killed start's ninja and compiler run on).
+    """The ids of the live processes building under ``lock``: those that hold it open (torch keeps
+    it open while it builds) and those working in its folder (a killed start's ninja and compiler
+    run on).
 
     None where this cannot be told (no readable ``/proc``).
     """
@@ -133,8 +136,8 @@ def lock_holders(lock: Path) -> list[int] | None:
 
 @contextlib.contextmanager
 def lock_wait(seconds: float) -> Iterator[None]:
-    """Within the block, a build waits at most ``seconds`` on another live build (``kvlab serve``: it must
-    start listening promptly; elsewhere ``LOCK_WAIT_S``)."""
+    """Within the block, a build waits at most ``seconds`` on another live build (``kvlab serve``:
+    it must start listening promptly; elsewhere ``LOCK_WAIT_S``)."""
     global LOCK_WAIT_S
     old, LOCK_WAIT_S = LOCK_WAIT_S, seconds
     try:
@@ -144,7 +147,7 @@ def lock_wait(seconds: float) -> Iterator[None]:
 
 
 def _clear_lock(path: Path, name: str, wait_s: float) -> None:
-    """Remove a killed build's lock under ``path``; wait for a live one at most ``wait_s`` seconds."""
+    """Remove a killed build's lock under ``path``; wait for a live one ``wait_s`` s at most."""
     lock, deadline, said = path / "lock", time.monotonic() + wait_s, False
     while lock.exists():
         holders = lock_holders(lock)
@@ -154,13 +157,15 @@ def _clear_lock(path: Path, name: str, wait_s: float) -> None:
             return
         if holders == [] or (holders is None and age > STALE_LOCK_S):
             # a build killed mid-way: nobody will release it
-            print(f"kvlab: removing a stale build lock ({lock}, {age:.0f} s old, no live process holds it)",
-                  file=sys.stderr, flush=True)
+            print(f"kvlab: removing a stale build lock ({lock}, {age:.0f} s old, no live process "
+                  "holds it)", file=sys.stderr, flush=True)
             lock.unlink(missing_ok=True)
             return
-        who = f"process {', '.join(map(str, holders))}" if holders else f"a process unknown here ({age:.0f} s)"
+        who = (f"process {', '.join(map(str, holders))}" if holders
+               else f"a process unknown here ({age:.0f} s)")
         if time.monotonic() >= deadline:
-            raise BuildError(f"another build of {name} holds {lock} ({who}); gave up after {wait_s:.0f} s")
+            raise BuildError(f"another build of {name} holds {lock} ({who}); gave up after "
+                             f"{wait_s:.0f} s")
         if not said:
             print(f"kvlab: waiting up to {wait_s:.0f} s for {who}'s build of {name} ({lock})",
                   file=sys.stderr, flush=True)
@@ -169,7 +174,7 @@ def _clear_lock(path: Path, name: str, wait_s: float) -> None:
 
 
 def _check_tools() -> None:
-    """Raise ``BuildError`` naming the missing tool (a compiler, ninja) before torch tries to build."""
+    """Raise ``BuildError`` naming a missing tool (a compiler, ninja), before torch builds."""
     from torch.utils import cpp_extension
 
     cxx = compiler()
@@ -188,14 +193,14 @@ def _import(name: str, built: Path) -> Any:
 
 
 def build_name(stem: str, sources: Sequence[str], flags: Sequence[str]) -> str:
-    """``stem_<hash>``: the hash of the sources and headers, the flags, ``cpu_key()`` and torch's version."""
+    """``stem_<hash>``: a hash of the sources and headers, flags, ``cpu_key()``, torch version."""
     texts = [p.read_text() for p in [*(CSRC / s for s in sources), *sorted(CSRC.glob("*.h"))]]
     key = "\n".join([*texts, *flags, cpu_key(), torch.__version__]).encode()
     return f"{stem}_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
 def build(stem: str, sources: Sequence[str], flags: list[str], wait_s: float | None = None) -> Any:
-    """The module ``build_name(...)`` built from ``csrc/<source>`` files (each ends in its ``PYBIND11_MODULE``).
+    """The module ``build_name(...)`` built from ``csrc/<source>`` (each with its PYBIND11_MODULE).
 
     ``wait_s``: how long to wait on another live process's build of it (default ``LOCK_WAIT_S``).
     """
@@ -232,7 +237,7 @@ def build(stem: str, sources: Sequence[str], flags: list[str], wait_s: float | N
 
 
 def _one_line(e: BaseException) -> str:
-    """``e`` in one line: a build's first compiler ``error:`` line, else the message's first line."""
+    """``e`` in one line: a build's first compiler ``error:`` line, else the first line."""
     text = str(e).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     error = next((line for line in lines if "error:" in line and not line.startswith("[")), None)
@@ -241,11 +246,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def build_failure(load: Callable[[], Any]) -> str | None:
-    """None when ``load()`` (building if needed) succeeds, else why not in one line: ``"<type>: <reason>"``."""
+    """None when ``load()`` (building if needed) succeeds, else why not: ``"<type>: <reason>"``."""
     try:
         load()
-    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error, a held lock) is
-    # the reason the feature is refused; the engine raises it as a ValueError naming it
+    # broad on purpose: whatever the build raises (no compiler, no ninja, a compile error, a held
+    # lock) is the reason the feature is refused; the engine raises it as a ValueError naming it
     except Exception as e:  # noqa: BLE001
         return _one_line(e)
     return None
