@@ -83,6 +83,13 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), (loc[0] if loc else None)
 
 
+def _in_range(v: int | None, lo: int, hi: int) -> int | None:
+    """``v`` if None or in ``[lo, hi]``, else a ``ValueError`` that states the range."""
+    if v is not None and not lo <= v <= hi:
+        raise ValueError(f"must be in [{lo}, {hi}], got {v}")
+    return v
+
+
 class _Body(BaseModel):
     """Fields and checks shared by both endpoints (``None`` = the field's default)."""
 
@@ -147,9 +154,7 @@ class _Body(BaseModel):
     @field_validator("n")
     @classmethod
     def _n(cls, v: int | None) -> int | None:
-        if v is not None and not 1 <= v <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {v}")
-        return v
+        return _in_range(v, 1, MAX_N)
 
     @field_validator("logit_bias")
     @classmethod
@@ -211,9 +216,7 @@ class CompletionRequest(_Body):
     @field_validator("logprobs", "prompt_logprobs")
     @classmethod
     def _logprobs(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v <= MAX_LOGPROBS:
-            raise ValueError(f"must be in [0, {MAX_LOGPROBS}], got {v}")
-        return v
+        return _in_range(v, 0, MAX_LOGPROBS)
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -250,9 +253,7 @@ class ChatRequest(_Body):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v <= MAX_LOGPROBS:
-            raise ValueError(f"must be in [0, {MAX_LOGPROBS}], got {v}")
-        return v
+        return _in_range(v, 0, MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
