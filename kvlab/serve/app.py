@@ -406,15 +406,18 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
             prompt_k = max(k, prompt_k or 0)
         if prompt_k is not None:
             srv.check_prompt_logprob_size(sum(map(len, ids_list)))
+        # vLLM's echo without generation: max_tokens 0 answers the prompt alone (one token is computed, not sent)
+        echo_only = bool(body.echo) and body.max_tokens == 0
+        max_tokens = 1 if echo_only else body.max_tokens
         choices = []
         for ids in ids_list:
             for i in range(n):  # the prompt's log-probabilities once, with its first choice
-                sampling = srv.sampling(body, len(ids), body.max_tokens, config.completion_max_tokens, index=i,
+                sampling = srv.sampling(body, len(ids), max_tokens, config.completion_max_tokens, index=i,
                                         logprobs=k, prompt_logprobs=prompt_k if i == 0 else None)
                 choices.append((ids, sampling))
         gens = srv.start_all(body, tenant, choices, "cmpl", arrival)
         texts = [p if isinstance(p, str) else None for p in prompts]
-        answer = _CompletionAnswer(srv, body, n, texts, prompt_k)
+        answer = _CompletionAnswer(srv, body, n, texts, prompt_k, echo_only)
         return await srv.answer(request, gens, body, answer.render)
 
     @app.post("/v1/chat/completions")
@@ -531,8 +534,9 @@ class _CompletionAnswer:
     """/v1/completions answers: choices in prompt order, ``n`` per prompt (index = prompt x n + i)."""
 
     def __init__(self, srv: _Server, body: CompletionRequest, n: int, texts: list[str | None],
-                 prompt_k: int | None) -> None:
+                 prompt_k: int | None, echo_only: bool = False) -> None:
         self.srv, self.body, self.n, self.texts, self.prompt_k = srv, body, n, texts, prompt_k
+        self.echo_only = echo_only  # echo with max_tokens 0: the generated token is left out
         self.tok = _Tokens(srv.tokenizer)
         self.offsets: dict[int, int] = {}  # characters of each choice's text sent so far (text_offset)
 
@@ -564,6 +568,8 @@ class _CompletionAnswer:
     def choice(self, gens, index: int, text: str, ids: list[int], reason, records, first: bool) -> dict:
         body, gen = self.body, gens[index]
         k = body.logprobs
+        if self.echo_only:
+            text, ids, records = "", [], []
         lp_ids, lp_recs, prefix = [], [], ""
         if first and (body.echo or body.prompt_logprobs is not None):
             p_ids, p_recs, p_text = self._prompt_part(gens, index)

@@ -384,3 +384,10 @@ def test_n_choices_share_the_prompts_blocks(bundled):
         stats = engine.stats()
     assert stats["requests"] == 4 and stats["hit_tokens"] == 3 * full > 0
     assert stats["blocks_taken"] == full // ENGINE_KW["block_size"] + 4  # the shared blocks once, a tail each
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(served):
+    ans = _post(served[0], prompt=LONG, max_tokens=0, temperature=0, echo=True, logprobs=1)["choices"][0]
+    assert ans["text"] == LONG and len(ans["logprobs"]["tokens"]) == len(_ids(served, LONG))
+    assert ans["logprobs"]["token_logprobs"][0] is None and ans["finish_reason"] == "length"
+    _refused(served[0], "max_tokens", prompt=LONG, max_tokens=0)
