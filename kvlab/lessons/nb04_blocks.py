@@ -22,10 +22,6 @@ from kvlab.lessons.common import Verdict, call_answer, unanswered, verdict
 from kvlab.lessons.traces import ARTICLE_QUESTIONS, SYSTEM_PROMPTS, timestamp_trace, toy_tokenize
 from kvlab.lessons.traces import replay as replay_trace
 
-__all__ = ["block_trace", "check_allocate", "check_append", "check_block_hashes", "check_cached_tokens",
-           "check_find_leaks", "check_take_free", "check_timestamp_prompt", "fig_block_tables", "fig_hash_chain",
-           "fig_logical_physical", "kvlab_pieces", "replay", "replay_table", "timestamp_table"]
-
 
 # ----------------------------------------------------------------------------- exercises 04.1-3
 def check_cached_tokens(predict: Callable[[int, int], int] | None) -> Verdict:

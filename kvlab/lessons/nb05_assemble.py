@@ -15,9 +15,6 @@ from kvlab.lessons import nb04_blocks as L04
 from kvlab.lessons import solutions as SOL
 from kvlab.lessons.common import Verdict, call_answer, verdict
 
-__all__ = ["YourManager", "check_capstone", "check_slot_mapping", "isolated_generate", "pieces_from_04",
-           "reference_slot_mapping", "say_whose"]
-
 reference_slot_mapping = SOL.build_05_slot_mapping
 
 
