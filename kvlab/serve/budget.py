@@ -3,11 +3,12 @@
 With chunked prefill a long prompt is cut into chunks of the step's token budget, and every running stream
 waits for each step: a step's time is a stream's inter-token gap. vLLM's 2,048 tokens a step take a GPU a few
 milliseconds, but a CPU seconds (one 2,992-token prompt stalled two SmolLM2 streams for 6.97 s on 2 cores).
-So the budget is what this device prefills in about ``TARGET_STEP_S``: measured once at start on the model
-itself (one warm-up forward, then one timed forward of ``PROBE_TOKENS`` tokens), rounded down to a multiple
-of 16 and kept in ``[max_num_seqs, 2048]`` (the scheduler needs one token per running sequence a step). On a
-CUDA device it is 2,048, vLLM's default. A CPU prefills at a near-constant rate per token, so smaller chunks
-cost little throughput there (the measured trade-off is in issue 53's report).
+So the budget is what this device prefills in about ``TARGET_STEP_S``, measured once at start on the model
+itself: a forward of 1 token (a step's fixed cost: every weight read once) and one of ``PROBE_TOKENS`` more
+(the cost a token), after a warm-up. A step is given at least 4 x its fixed cost, so that chunks small enough
+for the gap still spend most of a step on prompt tokens (the throughput). The budget is rounded down to a
+multiple of 16 and kept in ``[max_num_seqs, 2048]`` (the scheduler needs one token per running sequence a
+step). On a CUDA device it is 2,048, vLLM's default.
 """
 
 from __future__ import annotations
@@ -23,29 +24,35 @@ PROBE_TOKENS = 64
 MAX_BUDGET = 2048  # vLLM's default for online serving
 
 
-def budget_for_rate(tokens_per_s: float, max_num_seqs: int, target_s: float = TARGET_STEP_S) -> int:
-    """The budget that prefills in about ``target_s`` at ``tokens_per_s``: a multiple of 16 in
-    ``[max_num_seqs, MAX_BUDGET]``."""
-    if not tokens_per_s > 0:
-        raise ValueError(f"tokens_per_s must be > 0, got {tokens_per_s!r}")
-    budget = int(tokens_per_s * target_s) // 16 * 16
+def budget_for_rate(tokens_per_s: float, max_num_seqs: int, target_s: float = TARGET_STEP_S,
+                    fixed_s: float = 0.0) -> int:
+    """The budget whose step takes about ``max(target_s, 4 x fixed_s)`` at ``tokens_per_s`` past a fixed cost of
+    ``fixed_s`` a step: a multiple of 16 in ``[max_num_seqs, MAX_BUDGET]``."""
+    if not tokens_per_s > 0 or not fixed_s >= 0:
+        raise ValueError(f"need tokens_per_s > 0 and fixed_s >= 0, got {tokens_per_s!r}, {fixed_s!r}")
+    step = max(target_s, 4 * fixed_s)
+    budget = int(tokens_per_s * (step - fixed_s)) // 16 * 16
     return max(max_num_seqs, min(MAX_BUDGET, budget))
 
 
-def prefill_rate(model: Any, tokens: int = PROBE_TOKENS) -> float:
-    """Prompt tokens a second that ``model`` prefills in one forward of ``tokens`` tokens (after a warm-up)."""
+def prefill_rate(model: Any, tokens: int = PROBE_TOKENS) -> tuple[float, float]:
+    """``(prompt tokens a second past the fixed cost, the fixed cost of a forward in seconds)`` of ``model``: a
+    forward of 1 token and one of ``1 + tokens`` tokens, after a warm-up."""
     import torch
 
     param = next(model.parameters())
-    ids = torch.arange(tokens, device=param.device).remainder(max(1, model.config.vocab_size - 1))[None] + 1
-    with torch.inference_mode():
-        model(ids)  # warm-up: first-call allocations and kernel choices
+    ids = torch.arange(1 + tokens, device=param.device).remainder(max(1, model.config.vocab_size - 1))[None] + 1
+
+    def timed(x) -> float:
         t0 = time.perf_counter()
-        model(ids)
+        model(x)
         if param.device.type == "cuda":
             torch.cuda.synchronize(param.device)
-        seconds = time.perf_counter() - t0
-    return tokens / max(seconds, 1e-6)
+        return time.perf_counter() - t0
+    with torch.inference_mode():
+        model(ids)  # warm-up: first-call allocations and kernel choices
+        fixed, whole = timed(ids[:, :1]), timed(ids)
+    return tokens / max(whole - fixed, 1e-6), fixed
 
 
 def default_token_budget(model: Any, max_num_seqs: int) -> tuple[int, str]:
@@ -53,6 +60,7 @@ def default_token_budget(model: Any, max_num_seqs: int) -> tuple[int, str]:
     device = next(model.parameters()).device
     if device.type == "cuda":
         return MAX_BUDGET, "vLLM's default on a CUDA device"
-    rate = prefill_rate(model)
-    return budget_for_rate(rate, max_num_seqs), (f"{device.type} prefills {rate:,.0f} tokens/s: about "
-                                                 f"{TARGET_STEP_S:g} s of prefill a step")
+    rate, fixed = prefill_rate(model)
+    return budget_for_rate(rate, max_num_seqs, fixed_s=fixed), (
+        f"{device.type} prefills {rate:,.0f} tokens/s past {1e3 * fixed:.0f} ms a forward: a step of about "
+        f"{max(TARGET_STEP_S, 4 * fixed):.2g} s")

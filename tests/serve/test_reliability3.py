@@ -392,6 +392,7 @@ def test_budget_for_rate_is_a_block_multiple_between_the_batch_and_2048():
     assert budget_for_rate(1000.0, 64, target_s=0.25) == 240
     assert budget_for_rate(150.0, 64) == 64  # a slow CPU: one token per running sequence at least
     assert budget_for_rate(1e9, 64) == MAX_BUDGET
+    assert budget_for_rate(1000.0, 64, target_s=0.25, fixed_s=0.5) == 1488  # a step of 4 x 0.5 s: 1.5 s of tokens
     with pytest.raises(ValueError):
         budget_for_rate(0.0, 64)
 
@@ -399,7 +400,8 @@ def test_budget_for_rate_is_a_block_multiple_between_the_batch_and_2048():
 def test_prefill_rate_is_measured_on_the_model(bundled):
     from kvlab.serve.budget import prefill_rate
 
-    assert prefill_rate(bundled[0], tokens=16) > 0
+    rate, fixed = prefill_rate(bundled[0], tokens=16)
+    assert rate > 0 and fixed > 0
 
 
 def test_serve_sizes_the_token_budget_to_the_device_unless_given(bundled, monkeypatch, capsys):
@@ -412,7 +414,7 @@ def test_serve_sizes_the_token_budget_to_the_device_unless_given(bundled, monkey
     runs = []
     monkeypatch.setattr(kvlab.engine.models, "load_model", lambda *a, **k: bundled)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(app))
-    monkeypatch.setattr(kvlab.serve.budget, "prefill_rate", lambda model, tokens=64: 1000.0)
+    monkeypatch.setattr(kvlab.serve.budget, "prefill_rate", lambda model, tokens=64: (1000.0, 0.01))
     monkeypatch.delenv("KVLAB_API_KEYS", raising=False)
     assert main(["--num-blocks", "64"]) == 0
     assert runs.pop().state.server.engine.scheduler.max_num_batched_tokens == 240
