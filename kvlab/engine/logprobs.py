@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TokenLogprob", "record_prompt_logprobs", "token_logprobs", "wants_prompt_logprobs"]
+__all__ = ["TokenLogprob", "cached_vs_scratch", "record_prompt_logprobs", "token_logprobs", "wants_prompt_logprobs"]
 
 # hidden rows turned into logits at once: 256 rows of a 49,152-token vocabulary are 48 MiB of float32
 ROWS_PER_SLICE = 256
@@ -111,3 +111,29 @@ def record_prompt_logprobs(runner: Any, items: list, hidden: torch.Tensor) -> No
             if before > 0 and any(slots[j] is None for j in range(1, before + 1)):
                 _fill(runner, seq, slots, _prefix_hidden(runner, seq.prompt_ids[:before]), 0)
         offset += rows
+
+
+def cached_vs_scratch(make_engine: Any, prompt_ids: list[int], num_cached: int,
+                      corrupt: Any = None) -> dict:
+    """The cache check in numbers: ``prompt_logprobs`` of ``prompt_ids`` served after its first ``num_cached``
+    tokens filled the cache, against the same prompt from scratch (each on a fresh ``make_engine()``).
+
+    ``corrupt(engine)``, if given, runs between filling the cache and the second request (e.g. scale the cached
+    K): the difference it makes is what a prefix-cache bug looks like. Returns ``{"max_abs_diff",
+    "num_cached_tokens", "num_prompt_tokens"}``; with a correct cache the difference is float noise (0 on the
+    teaching path, where both runs do the same arithmetic).
+    """
+    from .sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    runs = []
+    for warm in (False, True):
+        engine = make_engine()
+        if warm:
+            engine.generate([prompt_ids[:num_cached]], sp)
+            if corrupt is not None:
+                corrupt(engine)
+        runs.append(engine.generate([prompt_ids], sp)[0])
+    scratch, cached = ([r.logprob for r in out.prompt_logprobs[1:]] for out in runs)
+    return {"max_abs_diff": max(abs(a - b) for a, b in zip(scratch, cached)),
+            "num_cached_tokens": runs[1].num_cached_tokens, "num_prompt_tokens": len(prompt_ids)}

@@ -151,3 +151,20 @@ def test_greedy_without_processing_is_the_argmax_and_logprobs_are_recorded():
     assert [t for t, _ in rec.top] == [1, 2]
     seq.sampling = SamplingParams(logit_bias={2: 1.0})
     assert sample(seq, logits, 1) == 2  # processed: the argmax of the biased logits, not ``top``
+
+
+def test_cached_vs_scratch_prompt_logprobs_catches_a_corrupted_cache(lm):
+    from kvlab.engine import Engine
+    from kvlab.engine.logprobs import cached_vs_scratch
+
+    model, tok = lm
+    ids = tok("The office opens at nine and the passphrase for the vault is written on the card. " * 3)["input_ids"]
+
+    def make():
+        return Engine(model, tok, num_blocks=64, block_size=16)
+
+    clean = cached_vs_scratch(make, ids, len(ids) // 2)
+    bad = cached_vs_scratch(make, ids, len(ids) // 2, corrupt=lambda e: e.store.v_pages.mul_(1.05))
+    print(f"prompt_logprobs, {clean['num_prompt_tokens']} tokens, {clean['num_cached_tokens']} cached: max abs "
+          f"difference from scratch {clean['max_abs_diff']:.3g}; with the cached V 5% off {bad['max_abs_diff']:.3g}")
+    assert clean["num_cached_tokens"] >= 16 and clean["max_abs_diff"] < 1e-4 < 1e-3 < bad["max_abs_diff"]
