@@ -1,4 +1,4 @@
-"""kvlab.engine.fused_ops against transformers' own arithmetic: RoPE bit for bit, RMSNorm and SwiGLU to
+"""kvlab.engine.speed.fused_ops against transformers' own arithmetic: RoPE bit for bit, RMSNorm and SwiGLU to
 float32 rounding (their sums and e^x are computed in another order or by another polynomial), the residual
 sum exactly, special values as ATen gives them, and a clear error for input they do not take."""
 
