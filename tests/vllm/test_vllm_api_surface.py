@@ -4,8 +4,9 @@ The same /v1/completions bodies go to both servers: greedy tokens must be equal 
 ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``n`` and a list of prompts, and the log-probabilities of
 ``logprobs`` and ``echo`` equal within float tolerance, with the same top tokens and the same token strings and
 offsets. ``n`` > 1 runs at temperature 1e-4 with ``top_k`` 1 (vLLM refuses ``n`` > 1 at temperature 0; top-k 1
-makes the draw the argmax on both sides). Runs only where the vLLM venv exists (``make vllm-env``) and SmolLM2
-has been converted (``make setup``), like the other vLLM tests; one vLLM server start per module.
+makes the draw the argmax on both sides). It starts a live ``vllm serve`` (several minutes on 2 cores), so, like
+the audit of a live ``vllm serve``, it runs only with ``KVLAB_VLLM_SERVE_TESTS=1``, where the vLLM venv exists
+(``make vllm-env``) and SmolLM2 has been converted (``make setup``); one vLLM server start per module.
 """
 
 import os
@@ -22,6 +23,8 @@ from kvlab.vllm import bridge as vb  # noqa: E402
 STATUS = vb.vllm_status()
 FOLDER = smollm2.model_dir()
 pytestmark = [
+    pytest.mark.skipif(os.environ.get("KVLAB_VLLM_SERVE_TESTS") != "1",
+                       reason="starts vllm serve (several minutes): set KVLAB_VLLM_SERVE_TESTS=1"),
     pytest.mark.skipif(not STATUS.available, reason="vLLM is optional (~3.5 GB, `make vllm-env` creates it): "
                        + STATUS.message.splitlines()[0]),
     pytest.mark.skipif(not (FOLDER / "config.json").exists(), reason=f"SmolLM2 is not converted at {FOLDER}"),
