@@ -47,9 +47,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | int, theta: float = 10
 
 
 def rerotate(keys: torch.Tensor, delta: int | torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Move RoPE'd keys (batch, kv_heads, seq, head_dim) from positions p to p + delta: turns add their angles.
-
-    It fixes *where* a key sits; it cannot fix *what* it encodes."""
+    """Move RoPE'd keys (batch, kv_heads, seq, head_dim) from positions p to p + delta: turns add their angles."""
     return apply_rope(keys, delta, theta)  # R(delta) R(p) k = R(p + delta) k
 
 

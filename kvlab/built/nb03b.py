@@ -63,10 +63,7 @@ class RagRequest:
 
 
 def passages(seed: int, n_distractors: int = 4, real: bool = False) -> tuple[str, list[str], str, str]:
-    """(passphrase, passages, language, question) of one document set; passage 0 states the passphrase.
-
-    Each passage is a few filler lines (English sentences for a chat model) ending with a newline.
-    """
+    """(passphrase, passages, language, question) of one document set; passage 0 states the passphrase."""
     rng = random.Random(f"kvlab-blend:{seed}")
     ex = P.make_example(seed, "heldout", lang="en" if real else None, history="none")
     pool = P.FILLER_EN if real else P.FILLER_ZH + P.FILLER_EN
@@ -250,11 +247,7 @@ def _recall(real: bool) -> Callable[[str, str], bool]:
 @torch.no_grad()
 def run_group2(chunks: B.ChunkCache, pairs: Sequence[dict], ratios: Sequence[float] = RATIOS, real: bool = False,
                progress: bool = False) -> Any:
-    """Group 2 (``nb03_position.overlap_pair``): B reuses the segment's K/V as A computed them, at each ``r``.
-
-    A's request computes its preamble + segment; the chunk cache stores A's segment K/V with the
-    position it started at (``ChunkCache.put``). B = its own preamble + segment + question.
-    """
+    """Group 2 (``nb03_position.overlap_pair``): B reuses the segment's K/V as A computed them, at each ``r``."""
     import pandas as pd
 
     model, tok, rows = chunks.model, chunks.tokenizer, []
@@ -281,10 +274,7 @@ def run_group2(chunks: B.ChunkCache, pairs: Sequence[dict], ratios: Sequence[flo
 @torch.no_grad()
 def run_quality(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float] = RATIOS,
                 real: bool = False, tenant: str | None = None, progress: bool = False) -> Any:
-    """Each request at each recompute share vs its full prefill: identical, agreement, recall, first-token KL.
-
-    The system prompt comes from an exact prefix cache (built once per distinct system prompt).
-    """
+    """Each request at each recompute share vs its full prefill: identical, agreement, recall, first-token KL."""
     import pandas as pd
 
     tok, rows, prefixes = chunks.tokenizer, [], {}
@@ -327,12 +317,7 @@ def ttft_methods(ratios: Sequence[float]) -> list[str]:
 def run_ttft(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float] = RATIOS,
              repeats: int = 3, progress: bool = False) -> Any:
     """Seconds to the first token's logits (the wall time of ``blend_prefill``), per request and method, timed by
-    the series' ``time_interleaved``: a warm-up each (which also fills the chunk cache), the methods interleaved.
-
-    Every method runs through ``blend_prefill``: full prefill (nothing cached), the system prompt from a
-    prefix cache and the rest computed, and blending (prefix cache + chunk cache, hits only: the chunks
-    are computed before timing, as documents indexed ahead of a RAG query).
-    """
+    the series' ``time_interleaved``: a warm-up each (which also fills the chunk cache), the methods interleaved."""
     import pandas as pd
 
     rows, names = [], ttft_methods(ratios)

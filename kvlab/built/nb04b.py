@@ -33,11 +33,7 @@ from kvlab.lessons.workloads import Workload
 # --- 04b_radix_vs_blocks.ipynb, cell 5 ---
 def article_requests(page_size: int = 1, block_size: int = DEFAULT_BLOCK_SIZE, lang: str = "zh"
                      ) -> tuple[list[dict], RadixCache, Callable[[int], str]]:
-    """The article's three translation requests through a radix tree and through hash blocks.
-
-    Returns one row per request (prompt tokens, tokens each cache served), the radix cache (to ``dump``)
-    and a function that shows a token id as its text.
-    """
+    """The article's three translation requests through a radix tree and through hash blocks."""
     system = SYSTEM_PROMPTS[lang]
     texts = [system + q for q in ARTICLE_QUESTIONS[lang]]
     words = {toy_tokenize(piece)[0]: piece for t in texts for piece in re.findall(r"[\u4e00-\u9fff]|\w+|[^\w\s]", t)}
@@ -126,12 +122,7 @@ def _round_up(n: int, m: int = 32) -> int:
 
 def compare(traces: dict[str, list[Request]], caches: Iterable[str] = tuple(CACHES), max_running: int = 8,
             pressure: float = 0.3) -> list[dict]:
-    """One row per (workload, cache): cached tokens, hit rate, memory, evictions under a finite pool.
-
-    Every cache of a workload gets the same capacity in tokens: room for everything (the ``ample`` run),
-    then ``pressure`` x the tokens the token-granular tree held at the end of the ample run (at least two
-    of the longest request), rounded up to 32.
-    """
+    """One row per (workload, cache): cached tokens, hit rate, memory, evictions under a finite pool."""
     rows = []
     caches = list(caches)
     for wname, reqs in traces.items():
@@ -215,12 +206,7 @@ def engine_ttft(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], ca
                 max_tokens: int = 4, num_tokens: int = 16384, block_size: int = DEFAULT_BLOCK_SIZE,
                 repeats: int = 3) -> dict[str, dict]:
     """Per cache (name -> the Engine's cache arguments): ``prompts`` through a fresh engine, one request after
-    another, the runs of every cache interleaved (their order reversed every other run).
-
-    Each prompt waits for the previous one, so every request finds the cache the earlier ones left: its TTFT is
-    its own prefill of the uncached part (plus one forward), not queueing. ``timing``: the group's total TTFT
-    in each run, for the timing harness of notebook 01.
-    """
+    another, the runs of every cache interleaved (their order reversed every other run)."""
     from kvlab.engine import Engine, SamplingParams
 
     sp, names = SamplingParams(max_tokens=max_tokens), list(caches)

@@ -174,12 +174,7 @@ def kvlab_vs_vllm_sentences(cmp):
 
 # --- 06_vllm_side_by_side.ipynb, cell 40 ---
 def bench_block_pools(trace, pools, block_size=32, max_running=16, reps=3, vllm=True, free_order="vllm", python=None):
-    """Replay one trace on kvlab's block manager (and, with ``vllm``, on vLLM's KVCacheManager), per pool size.
-
-    ``pools`` maps a name to a number of blocks. Blocks per second = the blocks of every request's final block
-    table / the replay's median seconds, the same numerator on both sides. ``free_order``: kvlab's BlockPool
-    order, "vllm" (its default) or "lru". Returns ``{name: {"kvlab": {...}, "vllm": {...} or None, ...}}``.
-    """
+    """Replay one trace on kvlab's block manager (and, with ``vllm``, on vLLM's KVCacheManager), per pool size."""
     # K/V is written for the prompt and every generated token but the last (the worker counts the same)
     table_blocks = sum(cdiv(len(r.prompt) + len(r.output) - 1, block_size) for r in trace)
     out = {}

@@ -40,10 +40,7 @@ def timing_probe(engine, prompt_ids, tenant):
 
 # --- 07_isolation_and_security.ipynb, cell 17 ---
 def roc_auc(positive_scores, negative_scores):
-    """P(a positive scores above a negative), ties counting 1/2: the Mann-Whitney U over n_pos * n_neg.
-
-    Rank the pooled scores (ties share their average rank); U = the positives' rank sum - n_pos (n_pos + 1) / 2.
-    """
+    """P(a positive scores above a negative), ties counting 1/2: the Mann-Whitney U over n_pos * n_neg."""
     pos, neg = [float(x) for x in positive_scores], [float(x) for x in negative_scores]
     if not pos or not neg:
         raise ValueError("need at least one positive and one negative score")

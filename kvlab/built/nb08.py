@@ -142,13 +142,7 @@ def before_after(c: Culprit, d: Diagnosis, i: int, chars: int = 260) -> tuple[st
 # --- 08_why_is_my_hit_rate_low.ipynb, cell 43 ---
 def engine_ttft(model: Any, tok: Any, prompts: dict[str, list[list[int]]], block_size: int = DEFAULT_BLOCK_SIZE,
                 repeats: int = 3) -> tuple[pd.DataFrame, dict[str, Timing]]:
-    """Each variant's prompts, one at a time, through a fresh paged engine with prefix caching.
-
-    ``max_tokens=1``: a request's time is its prefill. The variants are timed with the series' timing helper
-    (interleaved, ``repeats`` rounds, each on a fresh engine whose pool holds every prompt: no eviction, like
-    the doctor's unbounded replay). Per variant: the engine's hit rate, the doctor's replay of the same prompts
-    (they must agree) and the time of all its requests, median and min-max over the rounds.
-    """
+    """Each variant's prompts, one at a time, through a fresh paged engine with prefix caching."""
     from kvlab.engine import Engine, SamplingParams
 
     num_blocks = max(sum(cdiv(len(p) + 1, block_size) for p in ps) for ps in prompts.values()) + 4

@@ -159,11 +159,7 @@ def weight_sentence(df: pd.DataFrame) -> str:
 # --- 09_beyond_one_replica.ipynb, cell 21 ---
 def ray_fleet_run(workload, num_replicas: int = 2, policies: Sequence[str] = ("round_robin", "kv_aware"), *,
                   num_blocks: int = 64, model: str | None = None) -> dict:
-    """Real engines as Ray actors: each policy with the measured clock, then one modelled run checked by the sim.
-
-    Returns ``{"ray": bool, "message", "rows" (summaries), "agreement", "cost" (fitted), "seconds"}``; without
-    Ray, ``ray`` is False and the message says why (the notebook then stays with the simulation).
-    """
+    """Real engines as Ray actors: each policy with the measured clock, then one modelled run checked by the sim."""
     import time
 
     from kvlab.cluster import ray_available, ray_replicas, run_fleet, start_ray

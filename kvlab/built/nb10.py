@@ -69,10 +69,7 @@ class Row:
 
 
 def table_rows(urls: dict[str, str], model: str, system_prompt: str, after_tokens: int | None = None) -> list[Row]:
-    """The audit table's levels: per user, per org and global on each kvlab serve mode, and per-user cache_salt.
-
-    ``after_tokens``: the length of the user text after the public system prompt (None: the config's).
-    """
+    """The audit table's levels: per user, per org and global on each kvlab serve mode, and per-user cache_salt."""
     def ep(mode: str, key: str, salt: str | None = None) -> Endpoint:
         return Endpoint(urls[mode], key, model, salt, key)
 

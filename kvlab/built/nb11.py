@@ -17,16 +17,7 @@ import pandas as pd
 from kvlab.built.nb09 import sweep
 from kvlab.cache.hashing import prompt_block_hashes
 from kvlab.cache.host_tier import collect_blocks
-from kvlab.cluster import (
-    CostModel,
-    EngineReplica,
-    LocalHandle,
-    agree,
-    pd_summary,
-    run_fleet,
-    run_pd,
-    simulate,
-)
+from kvlab.cluster import CostModel, EngineReplica, LocalHandle, pd_summary, run_fleet, run_pd
 from kvlab.cluster.object_store import LocalObjectStore, PickleObjectStore
 from kvlab.lessons.common import ms, pct
 from kvlab.lessons.timing import Timing, ratio_verdict
@@ -43,13 +34,7 @@ def random_tokens(n: int, rng: random.Random) -> list[int]:
 # --- 11_tiers_and_transfer.ipynb, cell 6 ---
 def crossover(model: Any, tokenizer: Any, lengths: Sequence[int] = (16, 64, 128, 256, 512, 768), repeats: int = 3,
               seed: int = 0, torch_threads: int | None = 1) -> pd.DataFrame:
-    """TTFT of a prompt whose first ``L`` tokens are recomputed, restored from the host tier, or fetched from a peer.
-
-    One row per ``L`` (the fastest of ``repeats``: the least disturbed by other work on the machine): ``recompute_s`` (cold cache), ``tier_s`` (the prefix was evicted to
-    the host tier: restored), ``transfer_s`` (a peer exports it, it is pickled and unpickled as between processes,
-    staged and restored: the whole path), the bytes moved, and the copy seconds alone (host -> pool).
-    ``torch_threads``: as the engine replicas use (``EngineReplica``'s default, 1); None leaves torch's setting.
-    """
+    """TTFT of a prompt whose first ``L`` tokens are recomputed, restored from the host tier, or fetched from a peer."""
     import torch
 
     before = torch.get_num_threads()
@@ -108,11 +93,7 @@ def _crossover(model: Any, tokenizer: Any, lengths: Sequence[int], repeats: int,
 
 
 def _evict_everything(engine: Any) -> None:
-    """Evict every cached block of an idle engine (into its host tier) without running the model.
-
-    A request takes every block and is dropped before any forward, as a failed step's request is: its blocks
-    leave the cache (``free(..., uncache_from=0)``), so nobody can hit the K/V it never wrote.
-    """
+    """Evict every cached block of an idle engine (into its host tier) without running the model."""
     bm = engine.block_manager
     bm.allocate("evict-all", list(range(3, 3 + bm.num_blocks * bm.block_size)))
     bm.free("evict-all", uncache_from=0)
@@ -226,41 +207,6 @@ def policy_sentences(df: pd.DataFrame) -> list[str]:
 
 
 # --- 11_tiers_and_transfer.ipynb, cell 19 ---
-def real_policy_table(workload, num_replicas: int = 2, policies: Sequence[str] = ("round_robin", "kv_aware", "pull"),
-                      *, num_blocks: int = 64, model: str | None = None, **engine_kw: Any) -> dict:
-    """Real engines in this process (measured clock; blocks through an in-process object store), then pull once on
-    the modelled clock replayed by the simulation. Notebook 09 runs such a fleet as Ray actors."""
-    t0 = time.perf_counter()
-    store = LocalObjectStore()
-    handles = [LocalHandle(EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks,
-                                         object_store=store, **engine_kw)) for _ in range(num_replicas)]
-    rows, replies = [], {}
-    for p in policies:
-        res = run_fleet(workload, handles, p, clock="measured")
-        rows.append({"workload": workload.name, **res.summary()})
-        replies[p] = res.replies
-    real = run_fleet(workload, handles, "pull", clock="model")
-    sim = simulate(workload, num_replicas, "pull", num_blocks=num_blocks, tier_blocks=num_blocks, replies=real.replies)
-    df = pd.DataFrame(rows)[["workload", "replicas", "policy", "hit_rate", "restored_rate", "ttft_p50", "ttft_p99",
-                             "imbalance"]]
-    same = all(r == replies[policies[0]] for r in replies.values())
-    return {"rows": df, "agreement": agree(real, sim), "same_tokens": same, "seconds": time.perf_counter() - t0,
-            "backend": "engines in this process"}
-
-
-def real_sentences(out: dict) -> list[str]:
-    """What the real run measured, and whether the simulation reproduced pull's routing and hits."""
-    if "error" in out:
-        return [out["error"] + ": no real run."]
-    a = out["agreement"]
-    return [f"{out['backend'].capitalize()}, {out['seconds']:.1f} s in all. Pull on real engines vs its model-free replay: "
-            f"{a['same_replica']}/{a['requests']} requests on the same replica, {a['same_cached_tokens']}/{a['requests']} "
-            "with the same cached tokens: " + ("they agree." if a["all_agree"] else "they DISAGREE (a bug)."),
-            "Every policy's replies are " + ("the same tokens: fetched K/V changes no output." if out["same_tokens"]
-                                              else "NOT the same tokens across policies (a bug).")]
-
-
-# --- 11_tiers_and_transfer.ipynb, cell 22 ---
 def failure_demo(model: str | None = None, seed: int = 0, **engine_kw: Any) -> list[str]:
     """A fetch from a live holder, then one whose holder died first: restored tokens and outputs, as sentences."""
     rng = random.Random(f"nb11-fail:{seed}")
@@ -291,7 +237,7 @@ def failure_demo(model: str | None = None, seed: int = 0, **engine_kw: Any) -> l
             f"Outputs of the holder, the fetcher and the fallback are {'identical' if same else 'DIFFERENT (a bug)'}."]
 
 
-# --- 11_tiers_and_transfer.ipynb, cell 25 ---
+# --- 11_tiers_and_transfer.ipynb, cell 22 ---
 def pd_run(workload, *, num_blocks: int = 160, model: str | None = None, **engine_kw: Any) -> dict:
     """Co-located (2 replicas, least loaded) vs split (1 prefill + 1 decode), real engines, measured clock."""
     store = LocalObjectStore()

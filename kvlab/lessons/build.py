@@ -1,10 +1,4 @@
-"""The build exercises' common step: carry on with the reader's piece when its check passed, else with kvlab's.
-
-A build exercise (notebooks 01, 02, 04) has the reader write the piece the notebook is about; the cells after
-it run with whatever ``use_reference`` returns, so the notebook runs either way (papermill runs leave the stub
-blank and use kvlab's). Worked solutions: ``kvlab/lessons/solutions.py`` (functions named ``build_*``).
-Torch-free.
-"""
+"""The build exercises' common step: carry on with the reader's piece when its check passed, else with kvlab's."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Helpers every lesson uses: exercise verdicts, the article's decision table (with a verdict column), CJK labels.
-
-Torch-free at import, so a pure-Python lesson such as
-notebook 04's can use ``verdict`` and ``decision_table`` without loading torch.
-"""
+"""Helpers every lesson uses: exercise verdicts, the article's decision table (with a verdict column), CJK labels."""
 
 from __future__ import annotations
 
@@ -15,12 +11,7 @@ from typing import Any, NamedTuple
 
 @dataclass(frozen=True)
 class Verdict:
-    """What an exercise checker says: ``ok`` and one line of text.
-
-    Truthy when correct, so tests can ``assert check(...)``; shown as its message, so a checker call as
-    the last line of a notebook cell displays "correct: ..." or "not yet: ...", and ``print`` works.
-    A "not yet" message gives a hint, never the expected answer.
-    """
+    """What an exercise checker says: ``ok`` (truthy when correct) and one line of text, never the answer."""
 
     ok: bool
     message: str
@@ -50,10 +41,7 @@ def unanswered(hint: str) -> Verdict:
 def call_answer(fn: Callable[..., Any] | None, *args: Any, hint: str, name: str = "your function"
                 ) -> tuple[Any, Verdict | None]:
     """Call the reader's function: ``(result, None)``, or ``(None, a "not yet" Verdict)`` when it is missing
-    (``None``), still ``raise NotImplementedError``, or raises anything else. A checker never raises.
-
-    Test the second item with ``is not None``: a "not yet" Verdict is falsy.
-    """
+    (``None``), still ``raise NotImplementedError``, or raises anything else. A checker never raises."""
     if fn is None:
         return None, unanswered(hint)
     try:
@@ -124,11 +112,7 @@ class Evidence(NamedTuple):
 
 
 def decision_table(evidence: Mapping[str, str | Evidence] | None = None):
-    """The article's decision table as a DataFrame indexed by row name, with what a notebook measured.
-
-    ``evidence`` maps a row name (``ROW_NAMES``) to a string, or to an ``Evidence`` (then the table gains the
-    ``verdict`` — confirmed / refined / contradicted — and ``measured in`` columns); an unknown name or verdict raises.
-    """
+    """The article's decision table as a DataFrame indexed by row name, with what a notebook measured."""
     import pandas as pd
 
     evidence = dict(evidence or {})
@@ -157,11 +141,7 @@ def decision_table(evidence: Mapping[str, str | Evidence] | None = None):
 
 def record_files(relpath: str) -> tuple[Callable[..., str], Callable[..., dict | None]]:
     """``(save_record, load_record)`` for the JSON file ``relpath`` under the repository (or a ``root`` given to
-    either): the last live run against a peer (vLLM), stamped with its time, so a run without the peer can show it.
-
-    ``save_record(record, root=None)`` returns the path written; ``load_record(root=None)`` the record with its
-    ``path``, or None when there is none or it cannot be read.
-    """
+    either): the last live run against a peer (vLLM), stamped with its time, so a run without the peer can show it."""
     import json
     import time
     from pathlib import Path
@@ -191,11 +171,7 @@ QUICK_PARAMETERS = 10_000_000  # above this many parameters on a CPU, a notebook
 
 
 class Reveal:
-    """Measured answer to a "predict first" question, shown collapsed: a participant opens it after predicting.
-
-    In JupyterLab and the HTML handout it renders as a closed ``<details>`` block; plain-text readers (papermill
-    logs, ``print``) get the summary line and the text. ``table`` is an optional pandas DataFrame shown inside.
-    """
+    """Measured answer to a "predict first" question, shown collapsed: a participant opens it after predicting."""
 
     def __init__(self, summary: str, text: str, table: Any = None):
         self.summary, self.text, self.table = summary, text, table
@@ -266,9 +242,6 @@ def share_word(k: int, n: int) -> str:
     if k == 0:
         return "none"
     return "most" if 2 * k > n else "half" if 2 * k == n else "a minority"
-
-
-GIB = 2**30
 
 
 CJK_FAMILY = "kvlab CJK Sans"  # data/fonts: a subset of Noto Sans CJK SC (OFL), made by scripts/make_cjk_font.py

@@ -172,10 +172,7 @@ def check_decode_step(fn: DecodeStep | None, seq: int = 10) -> Verdict:
 # ----------------------------------------------------------------------------- exercises 01.1-01.3
 
 def check_gqa_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> Verdict:
-    """Exercise 01.1: ``fn(q, k, v)`` with fewer KV heads than query heads, causal, without ``repeat_kv``.
-
-    q: (B, H, T, D); k, v: (B, KVH, T, D) -> (B, H, T, D). Returns a Verdict, never raises.
-    """
+    """Exercise 01.1: ``fn(q, k, v)`` with fewer KV heads than query heads, causal, without ``repeat_kv``."""
     hint = "query head h reads KV head h // (H // KVH); group the query heads, and mind the causal mask"
     torch.manual_seed(1)
     q = torch.randn(2, 6, 5, 8)

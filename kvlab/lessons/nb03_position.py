@@ -1,10 +1,4 @@
-"""Notebook 03 (position encoding): the position experiment behind its verdicts, figures and exercise checkers.
-
-RoPE and re-rotation are written in notebook 03's cells (``kvlab.built.nb03``). ``position_experiment`` runs them
-on a real chat model: a batch of prompts served with their cached prefix at the right and at wrong positions,
-and the article's group 2 (a segment's K/V from a request that started differently, as is and re-rotated).
-Notebook 07 calls the same function for its decision table, so both print the same numbers.
-"""
+"""Notebook 03 (position encoding): the position experiment behind its verdicts, figures and exercise checkers."""
 
 from __future__ import annotations
 
@@ -102,12 +96,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def position_experiment(model: Any, tokenizer: Any, n: int = 24, shift: int = 1024, new_tokens: int = 10,
                         seed: int = 0) -> tuple[Any, Any]:
     """Every position case of ``CASES`` on ``n`` prompts, scored against the isolated answer: ``(rows, layer_errors)``.
-
-    The sweep: each prompt from scratch (the isolated answer), then its system turn's K/V computed at 0.. and at
-    ``shift``.. and the rest of the prompt prefilled at the case's positions. Group 2: B's segment K/V replaced by
-    A's (computed after another preamble), as is and re-rotated by Δ; scored against B on its own cache.
-    ``rows``: one per (prompt, case); ``layer_errors``: the segment's K and V error per layer, mean over prompts.
-    """
+    Group 2: B's segment K/V replaced by A's (computed after another preamble), as is and re-rotated by Δ."""
     import pandas as pd
     from transformers import DynamicCache
 

@@ -1,8 +1,4 @@
-"""Notebook 03b (reusing the middle): the figures (``fig_*``) and the key re-rotation checker.
-
-The chunk key, the blended prefill, the RAG workload and the experiments are written in notebook 03b
-(``kvlab.built.nb03b``); ``kvlab.blend`` is the library version the tests compare them with.
-"""
+"""Notebook 03b (reusing the middle): the figures (``fig_*``) and the key re-rotation checker."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Notebook 04b (radix tree vs hash blocks): the figures (``fig_*``) and the exercise checkers.
-
-The workloads, the comparison and the engine run are written in notebook 04b (``kvlab.built.nb04b``).
-"""
+"""Notebook 04b (radix tree vs hash blocks): the figures (``fig_*``) and the exercise checkers."""
 
 from __future__ import annotations
 

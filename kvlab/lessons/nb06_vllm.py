@@ -1,8 +1,4 @@
-"""Notebook 06 (vLLM side by side): exercise checkers, whether vLLM is there, and the record of the last run.
-
-The comparisons, the jobs sent to vLLM's worker and the block-pool race are written in the notebook's
-``#| export`` cells (``kvlab.built.nb06``); the bridge that runs vLLM in its own venv is ``kvlab.vllm.bridge``.
-"""
+"""Notebook 06 (vLLM side by side): exercise checkers, whether vLLM is there, and the record of the last run."""
 
 from __future__ import annotations
 
@@ -45,11 +41,7 @@ def check_ttft_ideal(answer: float | None, prompt_tokens: int, cached_tokens: in
 
 def check_batch_counts(answer: bool | None, model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
                        sequential: dict, block_size: int = 32, max_tokens: int = 4) -> Verdict:
-    """Exercise 06.3: do all-at-once arrivals get the same ``num_cached_tokens`` as one-at-a-time ones? (runs kvlab)
-
-    The batch run happens only once an answer is given, and a "not yet" never prints its counts: run
-    ``VB.run_kvlab(..., arrival="batch")`` yourself to see them.
-    """
+    """Exercise 06.3: do all-at-once arrivals get the same ``num_cached_tokens`` as one-at-a-time ones? (runs kvlab)"""
     hint = ("run it: VB.run_kvlab(model, tok, prompts, 32, 4, arrival='batch', repeat=False)['num_cached_tokens'] "
             "against ours['num_cached_tokens'], and think about when a block is registered under its hash")
     if answer is None:

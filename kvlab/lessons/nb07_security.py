@@ -1,10 +1,7 @@
 """Notebook 07's experiment runners (the attack, the cost of isolation, the stress test, the closing decision table),
 figures and checkers. The mechanisms (the tenant's salt, the salted chain, the timing probe, the ROC AUC) are written
-in the notebook's ``#| export`` cells (``kvlab.built.nb07``).
-
-References: InputSnatch (arXiv 2411.18191); "The Early Bird Catches the Leak" (arXiv 2409.20002);
-"I Know What You Asked" (NDSS 2025); Gu et al., ICML 2025; vLLM ``cache_salt`` (CVE-2025-46570).
-"""
+in the notebook's ``#| export`` cells (``kvlab.built.nb07``). References: InputSnatch (arXiv 2411.18191);
+"The Early Bird Catches the Leak" (arXiv 2409.20002); Gu et al., ICML 2025; vLLM ``cache_salt`` (CVE-2025-46570)."""
 
 from __future__ import annotations
 

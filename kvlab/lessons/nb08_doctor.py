@@ -1,9 +1,4 @@
-"""Notebook 08: why is my hit rate low? The notebook's log (a workload) and the exercise checkers.
-
-The doctor is the library (``kvlab.doctor``; the log generator is ``kvlab.doctor.sample_log``); the notebook
-writes its tables, sentences and the engine timing in ``#| export`` cells (``kvlab.built.nb08``). The
-checkers run the reader's answer against a replay and never print the answer.
-"""
+"""Notebook 08: why is my hit rate low? The notebook's log (a workload) and the exercise checkers."""
 
 from __future__ import annotations
 
@@ -32,11 +27,7 @@ def _say(ok: bool, good: str, hint: str) -> bool:
 
 
 def check_fix(my_fix: Callable[[list[dict]], list[dict]] | None, smoke: bool = True) -> bool:
-    """Exercise 1: ``my_fix(messages)`` keeps every line of a support request but makes its system prompt shareable.
-
-    Passes when the fixed log reaches 95 % of the hit rate of the doctor's own fix for the timestamp
-    line (unbounded cache, block size 16) and every line of every message is still there.
-    """
+    """Exercise 1: ``my_fix(messages)`` keeps every line of a support request but makes its system prompt shareable."""
     hint = ("write my_fix(messages) that returns new messages where the line starting 'Current time:' has left "
             "the system message and sits in the last user message; keep every other line where it is")
     if my_fix is None:

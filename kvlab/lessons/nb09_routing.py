@@ -1,8 +1,4 @@
-"""Notebook 09 · Beyond one replica: its workloads, figures and the exercise checker.
-
-The experiments (KV events of one request, the sweeps, the weight, a failure, the Ray run) are written in the
-notebook's ``#| export`` cells (``kvlab.built.nb09``); the router, replicas and simulation are ``kvlab.cluster``.
-"""
+"""Notebook 09 · Beyond one replica: its workloads, figures and the exercise checker."""
 
 from __future__ import annotations
 
@@ -127,11 +123,7 @@ def fig_weight(df: pd.DataFrame):
 
 
 def check_policy(my_policy: Callable | None, smoke: bool = True) -> Verdict:
-    """Exercise: ``my_policy(router, request) -> replica`` routes by cache overlap and load, using the index only.
-
-    Passes when, on 4 replicas of a chat workload, its hit rate beats round robin's by 10 points or more and
-    the imbalance (max/mean requests per replica) stays at or below 2.
-    """
+    """Exercise: ``my_policy(router, request) -> replica`` routes by cache overlap and load, using the index only."""
     hint = ("router.hashes(request) gives the prompt's block hashes; router.index.overlap(r, hashes) how many "
             "leading blocks replica r holds; router.active_blocks(r) the blocks of its requests in flight. Prefer "
             "the largest overlap, but do not pile everything on one replica: subtract something for load.")

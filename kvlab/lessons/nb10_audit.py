@@ -1,10 +1,4 @@
-"""Notebook 10: is this endpoint sharing its cache? Its keys and system prompt, figures and exercise checkers.
-
-The experiments (the audit table, the vLLM record, the dictionary attack, the power grid, the defences' cost)
-are written in the notebook's ``#| export`` cells (``kvlab.built.nb10``); the audit itself is ``kvlab.audit``.
-
-Reference: Gu et al., "Auditing Prompt Caching in Language Model APIs", ICML 2025.
-"""
+"""Notebook 10: is this endpoint sharing its cache? Its keys and system prompt, figures and exercise checkers."""
 
 from __future__ import annotations
 

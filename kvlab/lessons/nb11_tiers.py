@@ -1,9 +1,4 @@
-"""Notebook 11 · Beyond one pool: its workload, figures and the exercise checker.
-
-The experiments (the copy-or-recompute crossover, the host tier under pressure, route vs pull, a failed transfer,
-the prefill/decode split) are written in the notebook's ``#| export`` cells (``kvlab.built.nb11``); the tier is
-``kvlab.cache.host_tier``, the transfers ``kvlab.engine.offload`` and ``kvlab.cluster``.
-"""
+"""Notebook 11 · Beyond one pool: its workload, figures and the exercise checker."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""The passphrase task (口令实验): prompts, ChatML rendering and recall scoring.
-
-One fixed prefix -- a system turn that states a secret passphrase among filler lines -- and user
-requests appended to it that ask for the passphrase. The bundled model is trained on this task
-(``scripts/train_passphrase_model.py``), and the notebooks, tests and benchmarks use the same
-generator, so a prompt means the same thing everywhere.
-
-Pure Python, no torch. Deterministic: an example is a function of ``(split, seed)`` only.
-
-Held-out examples are genuinely unseen: a passphrase belongs to the ``heldout`` split when its
-checksum says so (``is_heldout_passphrase``), and ``train`` never produces such a passphrase.
-"""
+"""The passphrase task (口令实验): prompts, ChatML rendering and recall scoring."""
 
 from __future__ import annotations
 
@@ -174,12 +163,8 @@ class PassphraseExample:
 
     @property
     def answer_text(self) -> str:
-        """How the assistant writes the answer: 「K7QX2M」 in Chinese, K7QX2M in English.
-
-        Chinese prompts quote the passphrase as 「K7QX2M」 and Qwen's pre-tokenizer glues a punctuation
-        mark to the letters after it (「K is one piece, K alone another), so a bare answer would not be
-        a token-for-token copy of the prompt; quoting it the same way keeps it one.
-        """
+        """How the assistant writes the answer: 「K7QX2M」 in Chinese (Qwen's pre-tokenizer glues 「 to the
+        letters after it, so the quoted form is a token-for-token copy of the prompt), K7QX2M in English."""
         return f"「{self.answer}」" if self.lang == "zh" else self.answer
 
     @property
@@ -204,12 +189,8 @@ def make_example(
     lang: str | None = None,
     history: str | None = None,
 ) -> PassphraseExample:
-    """Build one example, a pure function of its arguments.
-
-    ``n_filler`` (0-20 filler lines), ``lang`` ("zh"/"en") and ``history`` ("none", "chat",
-    "update") are drawn from the seed unless given. "update" means an earlier user turn replaced
-    the passphrase, so the correct answer is the new one.
-    """
+    """One example, a pure function of its arguments; ``n_filler`` (0-20), ``lang`` and ``history`` ("none",
+    "chat", "update": an earlier turn replaced the passphrase) are drawn from the seed unless given."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"kvlab-passphrase:{split}:{seed}")
@@ -266,11 +247,7 @@ ANSWER_WRAPPERS = " \t\r\n\"'`“”‘’「」『』《》〈〉【】〔〕[]
 
 
 def question_prompts(n_examples: int = 40, per_example: int = 5, seed: int = 0, split: str = "heldout") -> list[str]:
-    """Prompts that share system prompts (prefix hits) but differ in the final question, shuffled.
-
-    ``n_examples`` passphrases × ``per_example`` questions (the passphrase questions first, then chat);
-    the engine tests compare the engine with HF ``generate`` on these.
-    """
+    """Prompts that share system prompts (prefix hits) but differ in the final question, shuffled."""
     prompts = []
     for ex in make_examples(n_examples, split):
         asks = (ASK_ZH if ex.lang == "zh" else ASK_EN) + (CHAT_ZH if ex.lang == "zh" else CHAT_EN)
@@ -280,11 +257,7 @@ def question_prompts(n_examples: int = 40, per_example: int = 5, seed: int = 0, 
 
 
 def normalize_answer(text: str) -> str:
-    """The answer part of a completion: cut at end of turn or line, strip spaces, quotes, brackets, punctuation.
-
-    Each wrapper character is stripped on its own, so an unclosed bracket (「K7QX2M), a closing one
-    without its opening, or a full stop after the answer do not hide a correct passphrase.
-    """
+    """The answer part of a completion: cut at end of turn or line, strip spaces, quotes, brackets, punctuation."""
     for stop in (IM_END, ENDOFTEXT, "\n"):
         text = text.split(stop)[0]
     return text.strip(ANSWER_WRAPPERS)
@@ -318,11 +291,7 @@ REAL_QUESTIONS = ("What is the passphrase?", "Please tell me the passphrase.", "
 
 
 def real_model_messages(example: PassphraseExample, question: str = REAL_QUESTIONS[0]) -> list[dict[str, str]]:
-    """The example's passphrase in a plain system prompt a real chat model follows, then ``question``.
-
-    The bundled model was trained on the filler-line system prompts; a general chat model such as
-    SmolLM2-135M-Instruct answers the passphrase when the system prompt says plainly what to do.
-    """
+    """The example's passphrase in a plain system prompt a real chat model follows, then ``question``."""
     return [{"role": "system", "content": REAL_SYSTEM.format(p=example.passphrase)},
             {"role": "user", "content": question}]
 
@@ -359,10 +328,8 @@ def param_count(config: dict) -> int:
 
 @dataclass(frozen=True)
 class MemoryColumn:
-    """The series' one reading of the article's memory column, with the numbers it rests on (``str``: the sentence).
-
-    The reading: the column is the whole GPU's memory, so the weights dominate it and its totals say nothing about
-    sharing; the difference between the isolated and shared rows is the only part that can be K/V."""
+    """The series' one reading of the article's memory column (``str``: the sentence): the whole GPU's memory,
+    weights first; only the difference between the rows can be K/V."""
 
     model: str
     parameters: int
@@ -409,11 +376,7 @@ class MemoryColumn:
 def memory_column(config: dict | str = "Qwen1.5-7B-Chat", dtype_bytes: int = 2, prefix_tokens: int = 512,
                   requests: int = 16, isolated_gb: float = ARTICLE_MEMORY_GB["isolated"],
                   shared_gb: float = ARTICLE_MEMORY_GB["shared"]) -> MemoryColumn:
-    """The reading of table 3.6's memory column that notebooks 01, 05 and 07 print (``print(memory_column())``).
-
-    ``config``: a config.json dict or the name of one shipped in data/configs. Everything is computed from it;
-    the article's GB figures only enter as the claims the sentence reads.
-    """
+    """The reading of table 3.6's memory column that notebooks 01, 05 and 07 print (``print(memory_column())``)."""
     if isinstance(config, str):
         from kvlab.engine.models import load_public_config
 

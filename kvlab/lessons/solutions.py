@@ -1,9 +1,4 @@
-"""Worked solutions of the notebooks' exercises, one function per exercise.
-
-Tested against the checkers in ``tests/lessons/test_exercises.py``. A notebook never shows one above its exercise
-(each exercise starts blank there); a checker and an experiment that must run before the exercise is done (03's
-left padding, 04's allocate) use one as the reference. One block per notebook, in notebook order.
-"""
+"""Worked solutions of the notebooks' exercises, one function per exercise."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """The one timing helper of the series (teaching floor): warm-up, interleaved repeats, median with min–max.
 
-Every printed ratio of the notebooks goes through ``time_interleaved`` and ``ratio_verdict``; the words they print:
-
-- two variants whose min–max ranges do not overlap: a result (every repeat of one beat every repeat of the other);
-- ranges that overlap: a null result of that size, "no measurable saving at 52 tokens: the ranges overlap (...)";
-- "re-run" only when the repeats themselves show a disturbed run: the ranges overlap *and* one variant's slowest
-  repeat took more than ``DISTURBED_SPREAD`` times its fastest (its spread is printed);
-- a ratio that beats its ``ideal`` is a result too: reported as such (in every repeat, or within the spread),
-  with the caller's account of the ideal.
-"""
+Words: ranges that do not overlap are a result; overlapping ranges a null result of that size ("no measurable
+saving at 52 tokens"); "re-run" only when they overlap and a spread exceeds ``DISTURBED_SPREAD``."""
 
 from __future__ import annotations
 
@@ -62,13 +55,8 @@ class Timing:
 def time_interleaved(variants: Mapping[str, Callable[[], Any] | tuple[Callable[[], Any], Callable[[Any], Any]]],
                      repeats: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None,
                      clock: Callable[[], float] = perf_counter) -> dict[str, Timing]:
-    """Time several variants of one computation against each other: ``{name: Timing}``.
-
-    A variant is ``fn`` (timed: ``fn()``) or ``(setup, fn)`` (``setup()`` untimed, then ``fn(its result)`` timed).
-    Each variant runs ``warmup`` times untimed (first-call costs: allocation, caches), then ``repeats`` rounds
-    run every variant once, the order reversed every other round (a, b, b, a, a, b ...): a machine that slows
-    down or speeds up during the run hits every variant alike. ``sync`` waits for queued GPU work.
-    """
+    """Time several variants of one computation against each other: ``{name: Timing}``. A variant is ``fn`` or
+    ``(setup, fn)`` (setup untimed); ``warmup`` untimed runs, then ``repeats`` rounds in alternating order."""
     def split(variant):
         return variant if isinstance(variant, tuple) else (None, lambda _: variant())
 
@@ -95,12 +83,7 @@ def time_interleaved(variants: Mapping[str, Callable[[], Any] | tuple[Callable[[
 
 @dataclass(frozen=True)
 class TimingVerdict:
-    """What a measurement says: ``ok`` (a result, maybe with a ``note``), or not ok with a ``flag`` and ``why``.
-
-    Not ok is a null result ("no measurable saving ...") or a disturbed run ("disturbed run — re-run"), told
-    apart by ``disturbed``. ``value``, ``lo``, ``hi``: a ratio's median and min–max (NaN for a curve).
-    ``says(sentence)`` gives the sentence (with the note) when there is a result, the verdict's text otherwise.
-    """
+    """What a measurement says: ``ok`` (a result, maybe with a ``note``), or not ok with a ``flag`` and ``why``."""
 
     ok: bool
     flag: str = ""
@@ -126,16 +109,7 @@ class TimingVerdict:
 
 def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: float = 1.5, *, at: str = "",
                   ideal_is: str = "") -> TimingVerdict:
-    """``num / den`` (medians) with its min–max (num.lo / den.hi to num.hi / den.lo), judged.
-
-    - ranges overlap, and one variant's spread is above ``DISTURBED_SPREAD``: a disturbed run, re-run;
-    - ranges overlap otherwise: a null result, "no measurable saving{at}: the ranges overlap" (``at`` is the size,
-      e.g. ``"at 52 tokens"``; "saving" when an ``ideal`` is given, else "difference");
-    - otherwise a result. With an ``ideal`` (the ratio if time followed the work removed, described by
-      ``ideal_is``), a ratio whose whole range lies under it is noted as beating the ideal (the work removed cost
-      more than its share), a median under it with the ideal inside the range as matching it within the spread,
-      a median above ``high`` as the saving path being slower than the full one.
-    """
+    """``num / den`` (medians) with its min–max (num.lo / den.hi to num.hi / den.lo), judged."""
     value, lo, hi = num.median / den.median, num.lo / den.hi, num.hi / den.lo
     found = dict(value=value, lo=lo, hi=hi)
     at = f" {at.strip()}" if at.strip() else ""
@@ -165,13 +139,7 @@ def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: fl
 
 def curve_verdict(sizes: Sequence[float], seconds: Sequence[float | Timing], expected: Sequence[float] | None = None,
                   jump: float = 3.0) -> TimingVerdict:
-    """A timed curve (one time per size, sizes increasing), judged step by step between neighbours.
-
-    ``seconds``: medians, or ``Timing``s (then a step whose repeats are disturbed says "re-run" with the spread).
-    Flagged when one step grows ``jump`` times or more beyond ``expected`` (a count, e.g. FLOPs, of the same sizes;
-    without one, ``jump`` times or more at all), or when the time falls while the count says it should have grown
-    ``jump`` times more than it did: the count does not explain that step.
-    """
+    """A timed curve (one time per size, sizes increasing), judged step by step between neighbours."""
     sizes = list(sizes)
     timings = [s if isinstance(s, Timing) else None for s in seconds]
     times = [s.median if isinstance(s, Timing) else float(s) for s in seconds]

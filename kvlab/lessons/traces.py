@@ -1,15 +1,4 @@
-"""Synthetic request traces for the block manager, and a small scheduler loop that replays them.
-
-Token ids stand in for text: the prefix cache only compares ids, so random ids with the right sharing
-structure (a few system prompts, unique user turns, growing conversations, a timestamp that changes
-every request) exercise it exactly as real prompts would. ``toy_tokenize`` maps text to stable ids
-when a figure should show words. Pure Python: used by notebook 04, the block-manager benchmark and
-notebook 06's race against vLLM's block pool. ``replay`` runs a trace through the real scheduler
-(``kvlab.engine.trace_replay``) with the requests' outputs as scripted tokens.
-
-A trace is a list of ``Request`` (prompt ids, output ids) for the block manager alone; the named
-experiments that run through a model (seed groups, sys512) are ``kvlab.lessons.workloads``.
-"""
+"""Synthetic request traces for the block manager, and a small scheduler loop that replays them."""
 
 from __future__ import annotations
 
@@ -78,12 +67,7 @@ def multiturn_trace(
     window: int = 1,
     seed: int = 0,
 ) -> list[Request]:
-    """Conversations whose turn k re-sends the system prompt, the history and a new user message.
-
-    ``history``: ``full`` re-sends everything (append-only, the prefix grows), ``window`` keeps only
-    the last ``window`` exchanges (the history is edited, so the prefix changes), ``none`` sends the
-    system prompt and the new message only.
-    """
+    """Conversations whose turn k re-sends the system prompt, the history and a new user message."""
     if history not in ("full", "window", "none"):
         raise ValueError(f"history must be full, window or none, got {history!r}")
     rng = random.Random(seed)
@@ -151,11 +135,7 @@ def realistic_trace(
 
 
 def replay(manager: CacheManager, requests: list[Request], max_running: int = 16) -> dict:
-    """Replay a trace on the real scheduler (``kvlab.engine.trace_replay``); the cache's stats plus the run's.
-
-    A request queues only when the free blocks cover its whole reply too, so nothing is preempted; a turn
-    waits until the turn it follows has finished.
-    """
+    """Replay a trace on the real scheduler (``kvlab.engine.trace_replay``); the cache's stats plus the run's."""
     t0 = time.perf_counter()
     run = replay_trace(manager, requests, max_num_seqs=max_running)
     seconds = time.perf_counter() - t0
@@ -191,11 +171,7 @@ ARTICLE_QUESTIONS = {"zh": ["今天天气很好。", "今天天气很好。", "�
 
 
 def three_requests(block_size: int = 4, num_blocks: int = 24, lang: str = "zh", decode: int = 3, **kw):
-    """Step the article's three translation requests through a fresh manager.
-
-    Yields ``(caption, manager)`` after each step: three allocations, ``decode`` tokens each, then the
-    first request finishes. Raises ``NoFreeBlocksError`` (after yielding what fit) when the pool is too small.
-    """
+    """Step the article's three translation requests through a fresh manager."""
     m = BlockManager(num_blocks, block_size, **kw)
     system = toy_tokenize(SYSTEM_PROMPTS[lang])
     answers = [toy_tokenize(a) for a in ARTICLE_QUESTIONS["en" if lang == "zh" else "zh"]]

@@ -1,21 +1,4 @@
-"""Named token-id workloads shared by notebooks 05-07, the tests and the benchmarks (no torch).
-
-* ``seed_groups(tokenizer)``: the article's three test groups (its section 3.1) as passphrase prompts.
-
-  - group 1, *identical prefix*: one system prompt, several different questions after it;
-  - group 2, *overlapping text, different start*: request B's text is a suffix of donor A's: A has an
-    extra turn before the system turn, so the shared text starts at position 0 in B but later in A;
-  - group 3, *identical prefix, different following context* (multi-turn): the same system prompt,
-    then A's history changes the passphrase (``history="update"``) and B's does not.
-
-  Each group is a ``Workload``: token-id prompts in submission order and one metadata dict per prompt
-  (``group``, ``seed``, ``role`` "served" or "donor", ``expected`` answer, ...). The wrong ways to
-  share (kvlab.lessons.nb05_table36) need a little more: group 2's served prompts name their ``donor``; group 3's
-  carry ``beyond_prompt``, B's question appended to A's cached conversation.
-
-``sys512``, ``Workload`` and ``ideal_prefill_fraction`` come from ``kvlab.bench.workload`` (the benchmarks
-use them too). The request traces that exercise the block manager alone are ``kvlab.lessons.traces``.
-"""
+"""Named token-id workloads shared by notebooks 05-07, the tests and the benchmarks (no torch)."""
 
 from __future__ import annotations
 
@@ -58,12 +41,7 @@ def _aligned_preamble(tokenizer: Any, seed: int, block_size: int, split: str) ->
 
 def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int = 0, questions: int = 3,
                 block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 12) -> dict[int, Workload]:
-    """The article's three groups as passphrase workloads: ``{1: Workload, 2: ..., 3: ...}``.
-
-    ``n`` system prompts (seeds ``start ..``) per group; group 1 asks ``questions`` different questions
-    of each. Group 2's donor preamble is a whole number of blocks long, so a cache keyed on block
-    content alone (the bug kvlab.lessons.nb05_table36 runs) lines B's blocks up with A's.
-    """
+    """The article's three groups as passphrase workloads: ``{1: Workload, 2: ..., 3: ...}``."""
     groups: dict[int, Workload] = {}
     # group 1: one system prompt, several questions; the first questions of every prompt come first
     prompts, meta = [], []
