@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run a Llama model through transformers' own layers; by default a float32 Llama on a CPU "
                         "runs with four fused prepacked GEMMs a layer (SpeedPaths.fused_layers: same greedy tokens)")
     p.add_argument("--max-waiting", type=int, default=128, help="queued requests beyond the batch before 503")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="bytes of a request body before 413 (default: what the largest valid request of this model "
+                        "can need, from its context and --max-prompt-bytes, at most 1 MiB; kvlab.serve.guard)")
     p.add_argument("--max-prompt-bytes", type=int, default=None,
                    help="UTF-8 bytes of prompt text (or chat message contents) accepted before tokenizing; larger "
                         f"is refused with 400 (default: {PROMPT_BYTES_PER_TOKEN} x the model's context in tokens)")
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.models import load_model
     from ..engine.tenants import check_secret
     from .app import ServeConfig, create_app
-    from .guard import head_timeout_protocol
+    from .guard import default_body_limit, head_timeout_protocol
     from .tenancy import load_api_keys
 
     try:
@@ -217,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or (BUNDLED_NAME if args.model is None else str(args.model))
     # the secret is the engine's alone: it derives every salt, with or without a request's cache_salt
     config = ServeConfig(model_name=name, api_keys=keys, max_waiting=args.max_waiting,
-                         max_body_bytes=args.max_body_bytes, debug_endpoint=args.enable_debug_endpoint,
+                         max_body_bytes=args.max_body_bytes if args.max_body_bytes is not None else
+                         default_body_limit(engine.max_model_len, args.max_prompt_bytes),
+                         debug_endpoint=args.enable_debug_endpoint,
                          max_prompt_bytes=args.max_prompt_bytes, body_timeout=args.body_timeout,
                          metrics_open=args.open_metrics)
     who = f"{len(set(keys.values()))} tenants" if keys else "open (no API keys)"

@@ -5,6 +5,8 @@
   * a POST must say ``Content-Type: application/json`` (415 otherwise): a browser page on another site can
     send a "simple" cross-site POST (``text/plain``, a form, a ``Blob`` without a type) to a server on this
     machine without asking it first, but not one with a JSON content type;
+  * a POST's body of more than ``max_body_bytes`` (declared) is refused with 413 and never parsed (read and
+    dropped up to ``DRAIN_BYTES``, so that the client reads the answer);
   * a POST's body must arrive within ``body_timeout`` seconds of the request's head (408 and the connection
     closed otherwise); it is read here, at most ``max_body_bytes + 1`` bytes of it, and handed on whole;
   * ``GET /metrics`` needs an API key when keys are configured (401), unless ``metrics_open`` (the operator's
@@ -28,9 +30,27 @@ from typing import Any
 from .protocol import ApiError
 from .tenancy import AuthError, KeyTable
 
-__all__ = ["RequestGuard", "head_timeout_protocol"]
+__all__ = ["RequestGuard", "default_body_limit", "head_timeout_protocol"]
 
 JSON_TYPES = ("application/json",)
+MAX_BODY_BYTES = 1 << 20
+DRAIN_BYTES = 16 << 20  # a body over the limit but under this is read and dropped before the 413
+
+
+def default_body_limit(max_model_len: int | None, max_prompt_bytes: int | None = None) -> int:
+    """The body size (413 past it) that the largest valid request of a model with this context can need.
+
+    Prompt text of ``max_prompt_bytes`` (default: ``PROMPT_BYTES_PER_TOKEN`` x the context) written with JSON's
+    escapes (``ensure_ascii``: up to 3 bytes a UTF-8 byte), a token-id list as long as the context (up to 16
+    bytes an id), and 64 KiB for the other fields; at most 1 MiB. A bigger body could only be refused after
+    parsing it; it is refused before reading it (issue 53: 1 MB bodies parsed at once stall running streams).
+    """
+    from .protocol import PROMPT_BYTES_PER_TOKEN
+
+    if not max_model_len:
+        return MAX_BODY_BYTES
+    text = max_prompt_bytes if max_prompt_bytes is not None else PROMPT_BYTES_PER_TOKEN * max_model_len
+    return min(MAX_BODY_BYTES, 3 * text + 16 * max_model_len + (64 << 10))
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -71,6 +91,14 @@ class RequestGuard:
                                                          "--open-metrics opens it)", code="invalid_api_key"))
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            too_big = ApiError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes}",
+                               code="request_too_large")
+            # read and dropped unparsed (up to DRAIN_BYTES, within the deadline), so the client reads the 413
+            # instead of a reset connection; beyond that the connection is closed at once
+            drained = int(declared) <= DRAIN_BYTES and await self._drain(receive)
+            return await _refuse(send, too_big, close=not drained)
         ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if ctype not in JSON_TYPES:
             return await _refuse(send, ApiError(
@@ -85,6 +113,19 @@ class RequestGuard:
         if body is None:  # the client went away while sending
             return None
         return await self.app(scope, _replay(body, rest, receive), send)
+
+    async def _drain(self, receive) -> bool:
+        """Read the body and drop it; False when it did not end within the deadline (or the client left)."""
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return False
+                    if not message.get("more_body", False):
+                        return True
+        except TimeoutError:
+            return False
 
     async def _read(self, receive) -> tuple[bytes | None, list[dict]]:
         """The body (at most ``max_body_bytes + 1`` bytes: the app answers 413 past its limit), or None if the

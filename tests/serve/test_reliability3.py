@@ -422,3 +422,31 @@ def test_serve_sizes_the_token_budget_to_the_device_unless_given(bundled, monkey
     assert main(["--num-blocks", "64", "--max-num-batched-tokens", "512"]) == 0
     assert runs.pop().state.server.engine.scheduler.max_num_batched_tokens == 512
     assert main(["--num-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "4"]) == 2
+
+
+def test_the_default_body_limit_follows_the_context_and_refuses_before_reading(bundled, monkeypatch):
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    import kvlab.engine.models
+    from kvlab.serve.__main__ import main
+    from kvlab.serve.guard import default_body_limit
+
+    assert default_body_limit(None) == 1 << 20
+    assert default_body_limit(1024) == 3 * 32 * 1024 + 16 * 1024 + (64 << 10)
+    assert default_body_limit(1024, max_prompt_bytes=1000) == 3000 + 16 * 1024 + (64 << 10)
+    assert default_body_limit(131072) == 1 << 20
+    runs = []
+    monkeypatch.setattr(kvlab.engine.models, "load_model", lambda *a, **k: bundled)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(app))
+    monkeypatch.delenv("KVLAB_API_KEYS", raising=False)
+    assert main(["--num-blocks", "64", "--max-num-batched-tokens", "256"]) == 0
+    app = runs.pop()
+    limit = app.state.server.config.max_body_bytes
+    assert limit == default_body_limit(app.state.server.engine.max_model_len)
+    with TestClient(app) as c:  # the issue's ~1 MB token-id body: 413 before a byte of it is parsed
+        r = c.post("/v1/completions", json={"prompt": [5] * 330000, "max_tokens": 2})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert c.post("/v1/completions", json=BODY).status_code == 200
+    assert main(["--num-blocks", "64", "--max-num-batched-tokens", "256", "--max-body-bytes", "4000000"]) == 0
+    assert runs.pop().state.server.config.max_body_bytes == 4000000
