@@ -245,33 +245,6 @@ def _recall(real: bool) -> Callable[[str, str], bool]:
 
 
 @torch.no_grad()
-def run_group2(chunks: B.ChunkCache, pairs: Sequence[dict], ratios: Sequence[float] = RATIOS, real: bool = False,
-               progress: bool = False) -> Any:
-    """Group 2 (``nb03_position.overlap_pair``): B reuses the segment's K/V as A computed them, at each ``r``."""
-    import pandas as pd
-
-    model, tok, rows = chunks.model, chunks.tokenizer, []
-    device = next(model.parameters()).device
-    max_new = REAL_MAX_NEW_TOKENS if real else MAX_NEW_TOKENS
-    for pair in progress_bar(pairs, progress, "group 2 pairs"):
-        a_ids = pair["head_a"] + pair["segment"]
-        cache = model(input_ids=torch.tensor([a_ids], device=device), use_cache=True, logits_to_keep=1).cache
-        ha = len(pair["head_a"])
-        chunks.put(pair["segment"], [(lay.keys[:, :, ha:], lay.values[:, :, ha:]) for lay in cache.layers], start=ha)
-        pieces = [(pair["head_b"], False), (pair["segment"], True), (pair["tail"], False)]
-        ref = blend_generate(chunks, full_pieces(pieces), 1.0, max_new_tokens=max_new)
-        for r in ratios:
-            b = blend_generate(chunks, pieces, r, max_new_tokens=max_new)
-            text = tok.decode(b.token_ids, skip_special_tokens=True)
-            rows.append({"seed": pair["example"].seed, "delta": len(pair["head_b"]) - ha, "r": r,
-                         "identical": b.token_ids == ref.token_ids,
-                         "agreement": token_agreement(ref.token_ids, b.token_ids),
-                         "recalled": _recall(real)(text, pair["example"].answer), "KL": kl_divergence(ref.logits, b.logits)})
-    return pd.DataFrame(rows)
-
-
-# --- 03b_reusing_the_middle.ipynb, cell 25 ---
-@torch.no_grad()
 def run_quality(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float] = RATIOS,
                 real: bool = False, tenant: str | None = None, progress: bool = False) -> Any:
     """Each request at each recompute share vs its full prefill: identical, agreement, recall, first-token KL."""
@@ -307,7 +280,7 @@ def quality_table(quality: Any) -> Any:
     return out
 
 
-# --- 03b_reusing_the_middle.ipynb, cell 34 ---
+# --- 03b_reusing_the_middle.ipynb, cell 30 ---
 def ttft_methods(ratios: Sequence[float]) -> list[str]:
     """The methods ``run_ttft`` times, in order."""
     return ["full prefill", "prefix cache only"] + [f"blend r={r:.0%}" for r in ratios]

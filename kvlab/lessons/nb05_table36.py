@@ -125,8 +125,18 @@ def fig_table36(table: Any):
     return fig
 
 
-def evidence(table: Any) -> dict[str, str]:
-    """Decision-table evidence (row name -> text): the scored requests' answers, the TTFT ratio as ``ttft_text``."""
+def restart_text(positions: Any) -> str:
+    """The suffix-restart row of notebook 03's ``position_experiment`` (``position_table``), with its n."""
+    from kvlab.lessons.nb03_position import RESTART, RIGHT
+
+    r, n = positions.loc[RESTART], int(positions.loc[RESTART, "prompts"])
+    return (f"notebook 03's position experiment (n = {n} prompts): {1 - r['identical']:.0%} of answers changed, "
+            f"recall {r['recalled']:.0%} (right positions {positions.loc[RIGHT, 'recalled']:.0%})")
+
+
+def evidence(table: Any, positions: Any = None) -> dict[str, str]:
+    """Decision-table evidence (row name -> text): the scored requests' answers, the TTFT ratio as ``ttft_text``;
+    the position row rests on ``positions`` (notebook 03's ``position_table``) when given."""
     d = table.set_index(["group", "mode"])
 
     def row(g: int, m: str) -> str:
@@ -140,7 +150,8 @@ def evidence(table: Any) -> dict[str, str]:
         "identical-prefix": f"nb05 group 1, engine prefix cache: {row(1, 'shared (correct)')}",
         "same-start": f"nb05 group 2, B after donor A's other start: chained keys {cached[0]:.1f} cached tokens per "
                       f"request; content-only keys: {cached[1]:.1f}, {row(2, 'shared (wrong)')}",
-        "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}",
+        "positions-agree": f"nb05 group 1 with positions restarting after the cache: {row(1, 'shared (wrong)')}"
+                           + ("" if positions is None else f"; {restart_text(positions)}"),
         "independent-context": f"nb05 group 3 shared beyond the prefix: {row(3, 'shared (wrong)')}, answered A's "
                                f"passphrase {other[ANSWERED_A]:.0%}",
         "overlap-different-start": f"nb05 group 2 served with another start's K/V: {row(2, 'shared (wrong)')}",
@@ -449,8 +460,9 @@ def answers_table(groups: dict[int, Workload], runs: dict) -> Any:
     return pd.DataFrame(rows).style.set_properties(**{"white-space": "pre-wrap", "text-align": "left"})
 
 
-def say_wrong_shares(table: Any) -> None:
-    """Per group: how many scored answers the wrong share changed, and recall (printed from the table)."""
+def say_wrong_shares(table: Any, positions: Any = None) -> None:
+    """Per group: how many scored answers the wrong share changed, and recall (printed from the table); group 1
+    also with ``positions`` (notebook 03's ``position_table``), the n >= 24 the position verdict rests on."""
     d = table.set_index(["group", "mode"])
     for g in sorted(table["group"].unique()):
         iso, bad = d.loc[(g, "isolated")], d.loc[(g, "shared (wrong)")]
@@ -458,7 +470,8 @@ def say_wrong_shares(table: Any) -> None:
         print(f"group {g}, {WRONG_MODES[g]}: {1 - bad['identical']:.0%} of {bad['requests']} scored answers changed "
               f"(token agreement with isolated {bad['token agreement']:.2f})"
               + (f", passphrase recall {iso['recall']:.0%} isolated -> {bad['recall']:.0%}" if bad["recall"] == bad["recall"] else "")
-              + (f", and {other:.0%} answered A's passphrase instead" if other == other else ""))
+              + (f", and {other:.0%} answered A's passphrase instead" if other == other else "")
+              + (f"; {restart_text(positions)}" if g == 1 and positions is not None else ""))
 
 
 def say_against_article(table: Any) -> None:

@@ -306,3 +306,19 @@ def test_table36_figure_draws_bars_only_for_timed_rows_and_keeps_the_legend_off_
     legend = b.get_legend().get_window_extent()
     points = b.transData.transform([(x, y) for x, y in enumerate(table["recall"])])
     assert not any(legend.contains(px, py) for px, py in points)
+
+
+def test_the_position_verdict_cites_notebook_03s_experiment_with_its_n(measured, capsys):
+    """Issue 50: 05's group-1 line and its "positions-agree" evidence rest on ``position_experiment``'s n, printed."""
+    import pandas as pd
+
+    from kvlab.lessons import nb03_position as X
+
+    table, _ = measured
+    positions = pd.DataFrame({"prompts": [24, 24], "identical": [1.0, 0.25], "recalled": [0.875, 0.0]},
+                             index=[X.RIGHT, X.RESTART])
+    T.say_wrong_shares(table, positions)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("group 1,")]
+    assert "(n = 24 prompts): 75% of answers changed, recall 0% (right positions 88%)" in line
+    assert T.restart_text(positions) in T.evidence(table, positions)["positions-agree"]
+    assert "n = " not in T.evidence(table)["positions-agree"]
