@@ -104,7 +104,9 @@ def speed_paths(model, off: set[str] = frozenset()):
 
     # another start's build (or a killed one's compiler still running) is waited on this long at most: the
     # server then starts without that path and says why
-    return SpeedPaths.auto(model, off, build_wait_s=SPEED_BUILD_WAIT_S)
+    # server then starts without that path and says why; a killed build's lock is removed but not rebuilt
+    # during the start (the set-up, the next start or `python -m kvlab.engine.speed` builds it)
+    return SpeedPaths.auto(model, off, build_wait_s=SPEED_BUILD_WAIT_S, rebuild_stale=False)
 
 
 def check_args(args: argparse.Namespace) -> str | None:

@@ -47,6 +47,21 @@ def test_a_killed_builds_lock_is_removed_and_the_build_runs(fresh, capsys):
     assert "removing a stale build lock" in capsys.readouterr().err
 
 
+def test_a_server_start_removes_a_killed_builds_lock_without_rebuilding(fresh):
+    folder, calls = fresh
+    (folder / "lock").touch()
+    t0 = time.monotonic()
+    with cpp_build.lock_wait(30, rebuild_stale=False):
+        why = build_failure(lambda: build("kvlab_test", ["paged_kernel.cpp"], FLAGS))
+    assert time.monotonic() - t0 < 10
+    assert why.startswith("BuildError: a killed build of kvlab_test_") and "not rebuilt" in why
+    # the lock is gone, so the next start builds; this one built nothing
+    assert not (folder / "lock").exists() and calls == []
+    # outside the server's start, the same stale lock is rebuilt
+    (folder / "lock").touch()
+    assert build("kvlab_test", ["paged_kernel.cpp"], FLAGS) == f"module {folder.name}"
+
+
 def test_a_lock_a_live_process_holds_is_waited_on_then_given_up_naming_it(fresh):
     folder, calls = fresh
     lock = folder / "lock"
@@ -248,5 +263,5 @@ def test_a_server_start_waits_a_bounded_time_then_runs_without_the_kernel_saying
     assert not speed.paged_kernel and "gave up after 1 s" in dict(speed.off)["paged_kernel"]
     assert (
         "\n" not in speed.describe()
-        and "paged_kernel off (its C++ build failed" in speed.describe()
+        and "paged_kernel off (no C++ build" in speed.describe()
     )

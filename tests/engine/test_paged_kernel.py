@@ -180,7 +180,7 @@ def test_a_failed_build_is_refused_naming_why(lm, monkeypatch):
     # the module's own loader, not the model: a machine without a compiler
     monkeypatch.setattr(pk, "load", broken)
     model, tok = lm
-    with pytest.raises(ValueError, match="paged_kernel: its C\\+\\+ build failed .*no compiler"):
+    with pytest.raises(ValueError, match="paged_kernel: no C\\+\\+ build .*no compiler"):
         Engine(model, tok, num_blocks=16, accelerator=SpeedPaths(paged_kernel=True))
 
 

@@ -36,14 +36,14 @@ def test_the_state_of_every_path_is_one_line():
     speed = SpeedPaths(
         packed_linear=True,
         off=(
-            ("paged_kernel", "its C++ build failed (no C++ compiler found)"),
+            ("paged_kernel", "no C++ build (no C++ compiler found)"),
             ("fused_layers", "turned off"),
         ),
     )
     line = speed.describe()
     assert "\n" not in line
     assert line == (
-        "speed paths: packed_linear on, paged_kernel off (its C++ build failed (no C++ compiler "
+        "speed paths: packed_linear on, paged_kernel off (no C++ build (no C++ compiler "
         "found)), fused_layers off (turned off)"
     )
 

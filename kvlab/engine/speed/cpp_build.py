@@ -134,16 +134,22 @@ def lock_holders(lock: Path) -> list[int] | None:
     return holders
 
 
+# False within ``lock_wait(..., rebuild_stale=False)``: a killed build's lock is removed, not rebuilt
+REBUILD_STALE = True
+
+
 @contextlib.contextmanager
-def lock_wait(seconds: float) -> Iterator[None]:
+def lock_wait(seconds: float, rebuild_stale: bool = True) -> Iterator[None]:
     """Within the block, a build waits at most ``seconds`` on another live build (``kvlab serve``:
-    it must start listening promptly; elsewhere ``LOCK_WAIT_S``)."""
-    global LOCK_WAIT_S
-    old, LOCK_WAIT_S = LOCK_WAIT_S, seconds
+    it must start listening promptly; elsewhere ``LOCK_WAIT_S``). ``rebuild_stale=False``: a killed
+    build's lock is removed and the path stays off for now (a rebuild takes minutes on 2 cores)."""
+    global LOCK_WAIT_S, REBUILD_STALE
+    old, LOCK_WAIT_S = (LOCK_WAIT_S, REBUILD_STALE), seconds
+    REBUILD_STALE = rebuild_stale
     try:
         yield
     finally:
-        LOCK_WAIT_S = old
+        LOCK_WAIT_S, REBUILD_STALE = old
 
 
 def _clear_lock(path: Path, name: str, wait_s: float) -> None:
@@ -160,6 +166,10 @@ def _clear_lock(path: Path, name: str, wait_s: float) -> None:
             print(f"kvlab: removing a stale build lock ({lock}, {age:.0f} s old, no live process "
                   "holds it)", file=sys.stderr, flush=True)
             lock.unlink(missing_ok=True)
+            if not REBUILD_STALE:
+                raise BuildError(f"a killed build of {name} left its lock (removed now); not rebuilt "
+                                 "during this start: the next start or `python -m kvlab.engine.speed` "
+                                 "builds it")
             return
         who = (f"process {', '.join(map(str, holders))}" if holders
                else f"a process unknown here ({age:.0f} s)")

@@ -75,7 +75,7 @@ def fused_layers_available(model: Any) -> str | None:
             return f"its MLP runs SiLU only (layer {i}'s activation is {type(layer.mlp.act_fn).__name__})"
     failed = build_failure(fused_ops.load)
     if failed is not None:
-        return f"its C++ ops' build failed ({failed})"
+        return f"no build of its C++ ops ({failed})"
     hooked = _hooked(list(model.named_modules()))
     return None if hooked is None else f"forward hooks are registered on {hooked}, and this path would skip them"
 

@@ -66,7 +66,7 @@ def paged_kernel_available(device: torch.device, dtype: torch.dtype) -> str | No
     if dtype != torch.float32:
         return f"it is written for float32 only (the model is {dtype})"
     failed = build_failure(load)
-    return None if failed is None else f"its C++ build failed ({failed})"
+    return None if failed is None else f"no C++ build ({failed})"
 
 
 class KernelStep:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..models import model_device_dtype
-from .cpp_build import lock_wait
+from .cpp_build import LOCK_WAIT_S, lock_wait
 from .fused_llama import FusedLlama, fused_layers_available
 from .packed_linear import PackedLinears, packed_gemm, packed_linear_available
 from .paged_kernel import PagedKernel, paged_kernel_available
@@ -63,16 +63,18 @@ class SpeedPaths:
 
     @classmethod
     def auto(cls, model: Any, off: set[str] | frozenset[str] = frozenset(),
-             build_wait_s: float | None = None) -> SpeedPaths:
+             build_wait_s: float | None = None, rebuild_stale: bool = True) -> SpeedPaths:
         """Each path on where it can run ``model`` here; ``off``: turned off by hand ("turned off").
 
         ``build_wait_s``: how long a C++ build waits on another process's build of it before the
-        path is off (default ``cpp_build.LOCK_WAIT_S``).
+        path is off (default ``cpp_build.LOCK_WAIT_S``). ``rebuild_stale=False``: a path whose build
+        was killed mid-way is off for now, not rebuilt (``kvlab serve``: it listens promptly).
         """
         unknown = set(off) - set(NAMES)
         if unknown:
             raise ValueError(f"unknown speed path(s) {sorted(unknown)}: {', '.join(NAMES)}")
-        wait = contextlib.nullcontext() if build_wait_s is None else lock_wait(build_wait_s)
+        wait = (contextlib.nullcontext() if build_wait_s is None and rebuild_stale
+                else lock_wait(LOCK_WAIT_S if build_wait_s is None else build_wait_s, rebuild_stale))
         with wait:
             whys = {name: "turned off" if name in off else why_not(name, model) for name in NAMES}
         on = {name: why is None for name, why in whys.items()}
