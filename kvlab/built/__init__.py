@@ -1,7 +1,2 @@
-"""Generated modules: what each notebook writes in the open (its ``#| export`` cells), one module per notebook.
-
-``kvlab.built.nb01`` is notebook 01's attention and FLOP count; ``nb03`` its RoPE; and so on.
-Written by ``scripts/export_notebooks.py`` and checked against the notebooks in CI; never edited by hand.
-Lessons, later notebooks and the tests import them; ``kvlab.cache`` and ``kvlab.engine`` never do, and they import
-no per-notebook lesson module (only the teaching floor: ``passphrase``, ``traces``, ``workloads``, ``timing``, ``common``).
-"""
+"""Generated modules, one per notebook: what it writes in its ``#| export`` cells (``scripts/export_notebooks.py``,
+never edited by hand). They import the library and the teaching floor only, never a per-notebook lesson module."""

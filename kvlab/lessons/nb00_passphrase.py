@@ -39,10 +39,8 @@ def full_prefill(model: Any, ids: Sequence[int]) -> torch.Tensor:
 @torch.no_grad()
 def time_prefill(model: Any, prefix_ids: Sequence[int], suffix_ids: Sequence[int], repeats: int = 5,
                  step: Callable[..., torch.Tensor] = build_00_suffix_prefill) -> dict[str, Any]:
-    """Time to the first token's logits: ``full_prefill`` of the whole prompt against ``step`` (the suffix alone on a
-    copy of the cached prefix, made off the clock), interleaved by ``kvlab.lessons.timing``. ``ratio`` = suffix-only
-    / full (medians, ``ratio_min``–``ratio_max`` over the repeats), judged against ``ideal`` = the suffix's share of
-    the tokens; ``sentence`` says what the run showed, printed from those numbers."""
+    """Time to the first token's logits, full prefill against ``step`` (the suffix on a copy of the cached prefix),
+    interleaved: ``ratio`` (min–max) judged against ``ideal`` = the suffix's share, and the ``sentence``."""
     prefix_ids, suffix_ids = list(prefix_ids), list(suffix_ids)
     device, _ = model_device_dtype(model)
     prefix_cache = model(input_ids=torch.tensor([prefix_ids], device=device), use_cache=True, logits_to_keep=1).cache
@@ -82,10 +80,8 @@ def prefill_saving(model: Any, tokenizer: Any, example: P.PassphraseExample, lon
 
 def real_model_passes(model: Any, tokenizer: Any, n: int, max_new_tokens: int, start: int = 5000
                       ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
-    """``n`` held-out passphrases through kvlab's ``Engine`` three ways: isolated (prefix caching off), shared (each
-    system turn computed once before) and swapped (request i's user turn after request i+1's system turn).
-    Returns (per pass: cached tokens, own / donor passphrase in the answer, identical to isolated), the answers
-    (one row per request) and the sentences printed from them."""
+    """``n`` held-out passphrases through kvlab's ``Engine`` isolated, shared and swapped (request i's user turn after
+    i+1's system turn): (per-pass table, answers, sentences)."""
     examples = P.make_examples(n, "heldout", start=start)
     asked = [P.REAL_QUESTIONS[i % len(P.REAL_QUESTIONS)] for i in range(n)]
     prompts = [encode(tokenizer, P.real_model_prompt(tokenizer, e, q)) for e, q in zip(examples, asked)]

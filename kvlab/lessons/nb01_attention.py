@@ -241,9 +241,8 @@ def quadratic_crossover(d_model: int = 896, n_heads: int = 14, n_kv_heads: int =
 
 
 def step_cost_verdicts(cost: pd.DataFrame, crossover: float, tolerance: float = 0.1) -> list[str]:
-    """What ``decode_step_cost`` measured, in sentences judged by the timing helper: the speed-up at the longest
-    context; then, per range of n (up to and from ``crossover``), the measured slope of each curve beside its
-    FLOP count's (a slope is d log(time) / d log(n): 1 linear, 2 quadratic; within ``tolerance``: as counted)."""
+    """``decode_step_cost`` in sentences: the speed-up at the longest context, then per range of n (split at
+    ``crossover``) each curve's slope d log(time) / d log(n) beside its FLOP count's."""
     last = cost.iloc[-1]
     speed = ratio_verdict(last.timings["recompute"], last.timings["cached"], at=f"at n = {last.n}")
     lines = [f"n = {last.n}: " + speed.says(f"the cached step is x{speed.value:.1f} faster than recomputing "

@@ -39,9 +39,8 @@ def _utf8_length(lead: int) -> int:
 
 
 def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """Each token as the text it stands for, a newline as "\\n". A byte-level token holding only part of a
-    character's UTF-8 bytes (CJK) shows the whole character, "…" on the side where it goes on in a neighbouring
-    token: "翻…" then "…译". Only bytes that decode to no character show as hex ("<e4>")."""
+    """Each token as the text it stands for ("\\n" for a newline); a partial CJK character shows whole, "…" on the
+    side it continues ("翻…" then "…译"); only bytes that decode to nothing show as hex ("<e4>")."""
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     spans: list[tuple[int, int] | None] = []
     stream = b""
@@ -135,9 +134,8 @@ def with_bos_tokenizer(tokenizer: Any, bos: str = "<|endoftext|>") -> Any:
 
 def loop_equals_generate(model: Any, tokenizer: Any, n_greedy: int, n_sampled: int = 0, seed: int = 0,
                          max_new_tokens: int = 16, chat: bool = False, start: int = 0) -> pd.DataFrame:
-    """The checked loop (``kvlab.prefix.generate`` on a cached system prompt) against ``model.generate`` on held-out
-    passphrase prompts, greedy then seeded sampling: ``compare_with_hf``'s rows and the decoding. ``chat``: the
-    model's own chat template (SmolLM2)."""
+    """``kvlab.prefix.generate`` on a cached system prompt against ``model.generate`` (greedy, then seeded sampling):
+    ``compare_with_hf``'s rows; ``chat``: the model's own chat template (SmolLM2)."""
     examples = P.make_examples(max(n_greedy, n_sampled), "heldout", start=start)
     if chat:
         prompts = [P.real_model_prompt(tokenizer, e, P.REAL_QUESTIONS[i % len(P.REAL_QUESTIONS)])

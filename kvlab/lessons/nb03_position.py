@@ -230,8 +230,7 @@ def fig_layer_errors(errors: Any, model_name: str):
 
 def fig_rope_rotation(key: torch.Tensor, position: int, shift: int, theta: float = 10000.0,
                       pairs: Sequence[int] | None = None) -> Any:
-    """RoPE as a rotation: a cached key (head_dim,) at ``position`` moved by ``rerotate`` to ``position + shift``,
-    one panel per pair (i, i + head_dim/2)."""
+    """A cached key at ``position`` re-rotated to ``position + shift``, one panel per pair (i, i + head_dim/2)."""
     key = key.detach().float().cpu().reshape(-1)
     half = key.numel() // 2
     moved = nb03.rerotate(key.reshape(1, 1, 1, -1), shift, theta).reshape(-1)

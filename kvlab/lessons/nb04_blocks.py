@@ -248,9 +248,8 @@ def kvlab_pieces(**yours: Callable | None) -> SimpleNamespace:
 
 def replay(ops: list[tuple], pieces: SimpleNamespace, block_size: int = 4,
            num_blocks: int = 24) -> tuple[list[dict], tuple[str, str] | None]:
-    """Run ``ops`` on kvlab's ``BlockManager`` and on a ``ToyBlocks`` run by ``pieces``, comparing after every step
-    (hits, tables, ref counts, cached blocks, the free list in order): one row per step, and ``(where, what
-    differed)`` at the first difference (None when none). May raise."""
+    """Run ``ops`` on kvlab's ``BlockManager`` and on a ``ToyBlocks`` run by ``pieces``, compared after every step:
+    (one row per step, ``(where, what differed)`` at the first difference or None). May raise."""
     m, rows, tokens = BlockManager(num_blocks, block_size), [], {}
     toy = ToyBlocks(num_blocks, block_size, pieces.take, pieces.free)
     for kind, seq, *arg in ops:

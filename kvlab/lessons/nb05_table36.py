@@ -100,8 +100,7 @@ def compare_with_article(table: Any):
 
 
 def fig_table36(table: Any):
-    """Two panels per row of the table: TTFT (bars: the median of the timed runs, whiskers their min–max) and
-    token agreement / recall (markers)."""
+    """TTFT bars (median, min–max whiskers) and token agreement / recall markers per row of the table."""
     import matplotlib.pyplot as plt
 
     labels = [f"g{g} {m}" for g, m in zip(table["group"], table["mode"])]
@@ -237,9 +236,8 @@ def _turns(system: str, *turns: tuple[str, str], question: str) -> str:
 
 def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 16,
                 translations: int = 2, n_wrong: int | None = None, wrong_questions: int = 1) -> dict[int, Workload]:
-    """The article's three groups in ChatML text (SmolLM2), as token ids. 1: ``n`` passphrase system prompts x
-    ``questions``, and the translation prefix (zh, en); 2: B, and donor A = a block-aligned extra turn + B's text;
-    3: one system prompt, A's history changes the passphrase. Groups 2 and 3 score ``n_wrong`` requests each."""
+    """The article's three groups in ChatML text (SmolLM2), as token ids: 1 passphrase prompts and translations;
+    2 B after donor A's block-aligned extra turn; 3 A's history changes the passphrase."""
     from kvlab.lessons.workloads import _aligned_preamble
 
     m = n if n_wrong is None else n_wrong
@@ -280,8 +278,7 @@ def real_groups(tokenizer: Any, n: int = 4, questions: int = 2, block_size: int 
 
 def groups_for(tokenizer: Any, n: int, block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 12, **real: Any
                ) -> dict[int, Workload]:
-    """``real_groups`` (``real``: its other arguments) for a chat model with a ChatML template, else the bundled
-    model's ``seed_groups``."""
+    """``real_groups`` for a chat model with a ChatML template, else the bundled model's ``seed_groups``."""
     make = real_groups if is_real_chat_model(tokenizer) else seed_groups
     return make(tokenizer, n=n, block_size=block_size, max_tokens=max_tokens, **(real if make is real_groups else {}))
 
@@ -406,10 +403,8 @@ def run_mode(model, tok, workload: Workload, group: int, mode: str, block_size: 
 
 
 def table_36(model, tok, groups: dict, repeats: int = 3, block_size: int = 16, timed=None, progress=False):
-    """Table 3.6: each (group, mode) runs once in full (answers, scores, latency, peak K/V; also the warm-up), then
-    the ``timed`` groups (default all) ``repeats`` prefill-only times, the modes interleaved (the order reversed
-    every other round, as ``timing.time_interleaved``): TTFT's median and min–max. Untimed groups are scored on
-    answers only (their isolated row without the donors). Returns (DataFrame, runs)."""
+    """Table 3.6 -> (DataFrame, runs): each (group, mode) once in full, then the ``timed`` groups ``repeats``
+    prefill-only times, modes interleaved (TTFT median, min–max); untimed groups are scored on answers only."""
     import pandas as pd
     from tqdm.auto import tqdm
 

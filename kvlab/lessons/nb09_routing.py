@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from kvlab.cluster import POLICIES, FleetResult, chat, from_prompts, simulate
+from kvlab.cluster import ALL_POLICIES, FleetResult, chat, from_prompts, simulate
 from kvlab.lessons.common import Verdict, call_answer, pct, verdict
 
 
@@ -89,7 +89,7 @@ def fig_policies(df: pd.DataFrame, title: str = "", ttft: str = "ttft_p99"):
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
-    piv = df.pivot(index="policy", columns="replicas", values="hit_rate").reindex([p for p in POLICIES if p in set(df.policy)])
+    piv = df.pivot(index="policy", columns="replicas", values="hit_rate").reindex([p for p in ALL_POLICIES if p in set(df.policy)])
     piv.plot.bar(ax=a, rot=20)
     a.set_ylabel("fleet hit rate (cached / prompt tokens)")
     a.set_title("hit rate")

@@ -55,30 +55,6 @@ def fig_tier(df: pd.DataFrame):
     return fig
 
 
-def fig_policies(df: pd.DataFrame, ttft: str = "ttft_p99"):
-    """Served rate (pool hits + fetched) and TTFT (``ttft``: p99 or mean) per policy, a panel pair per workload."""
-    import matplotlib.pyplot as plt
-
-    wls = list(dict.fromkeys(df.workload))
-    fig, axes = plt.subplots(1, 2 * len(wls), figsize=(5.2 * len(wls) * 2 / 1.6, 3.6), squeeze=False)
-    for i, wl in enumerate(wls):
-        d = df[df.workload == wl]
-        order = list(dict.fromkeys(d.policy))
-        d.pivot(index="policy", columns="replicas", values="hit_rate").reindex(order).plot.bar(ax=axes[0][2 * i], rot=15)
-        axes[0][2 * i].set_ylabel("served without compute (share)")
-        axes[0][2 * i].set_title(f"{wl}: hit + fetched")
-        (1000 * d.pivot(index="policy", columns="replicas", values=ttft).reindex(order)).plot.bar(
-            ax=axes[0][2 * i + 1], rot=15)
-        name = {"ttft_p99": "TTFT p99", "ttft_mean": "mean TTFT"}[ttft]
-        axes[0][2 * i + 1].set_ylabel(f"{name} (ms, modelled clock)")
-        axes[0][2 * i + 1].set_title(f"{wl}: {name}")
-        for ax in axes[0][2 * i: 2 * i + 2]:
-            ax.legend(title="replicas", fontsize=7)
-            ax.set_xlabel("")
-    fig.tight_layout()
-    return fig
-
-
 def pd_workload(smoke: bool, seed: int = 0, vocab: int = 500):
     """One-turn requests with long prompts and longer replies (so decode steps and prefills collide)."""
     rng = random.Random(f"nb11-pd:{seed}")
