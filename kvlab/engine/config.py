@@ -1,4 +1,5 @@
-"""An engine's settings in one checked dataclass (pure Python): ``Engine(model, tok, config, **overrides)``."""
+"""An engine's settings in one checked dataclass (pure Python): ``Engine(model, tok, config,
+**overrides)``."""
 
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ def _check_int(name: str, value: object, low: int, optional: bool = False) -> No
 class EngineConfig:
     """What an ``Engine`` is built with; every field is checked when the config is made.
 
-    Sizes: ``num_blocks`` (default 512) or ``kv_cache_bytes`` (the blocks that fit) of ``block_size``
-    slots; ``cache`` is "blocks" (vLLM's hash blocks) or "radix" (SGLang's tree of ``page_size`` pages).
-    Tenancy: ``isolation`` ("shared", "tenant", "public-prefix") and the ``secret`` every salt is derived
-    from (None: a random one per engine). ``host_tier_bytes``: a host-memory second tier of that size.
-    ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` go to the ``Scheduler``.
-    ``accelerator``: the speed paths (``kvlab.engine.accelerator``), e.g.
-    ``kvlab.engine.speed.SpeedPaths(packed_linear=True, paged_kernel=True)``; None (the default): the
-    teaching path, with nothing compiled.
+    Sizes: ``num_blocks`` (default 512) or ``kv_cache_bytes`` (the blocks that fit) of
+    ``block_size`` slots; ``cache`` is "blocks" (vLLM's hash blocks) or "radix" (SGLang's tree of
+    ``page_size`` pages). Tenancy: ``isolation`` ("shared", "tenant", "public-prefix") and the
+    ``secret`` every salt is derived from (None: a random one per engine). ``host_tier_bytes``: a
+    host-memory second tier of that size. ``max_num_seqs``, ``max_num_batched_tokens`` and
+    ``enable_chunked_prefill`` go to the ``Scheduler``. ``accelerator``: the speed paths
+    (``kvlab.engine.accelerator``), e.g. ``kvlab.engine.speed.SpeedPaths(packed_linear=True,
+    paged_kernel=True)``; None (the default): the teaching path, with nothing compiled.
     """
 
     num_blocks: int | None = None
@@ -56,7 +57,8 @@ class EngineConfig:
     host_tier_bytes: int | None = None
     offload_evicted: bool = True
     debug: bool = False
-    # the speed paths, bound once per engine (kvlab.engine.speed.SpeedPaths); None: the teaching path
+    # the speed paths, bound once per engine (kvlab.engine.speed.SpeedPaths); None: the teaching
+    # path
     accelerator: Accelerator | None = None
 
     def __post_init__(self) -> None:
@@ -76,7 +78,8 @@ class EngineConfig:
             check_secret(self.secret)
         if self.accelerator is not None and not isinstance(self.accelerator, Accelerator):
             raise TypeError(
-                f"accelerator must have bind(model, store) and describe() (kvlab.engine.accelerator), "
+                "accelerator must have bind(model, store) and describe() "
+                "(kvlab.engine.accelerator), "
                 f"got {self.accelerator!r}"
             )
         flags = "enable_prefix_caching enable_kv_events offload_evicted debug"
@@ -85,11 +88,13 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.enable_chunked_prefill, (bool, type(None))):
             raise TypeError(
-                f"enable_chunked_prefill must be a bool or None, got {self.enable_chunked_prefill!r}"
+                "enable_chunked_prefill must be a bool or None, got "
+                f"{self.enable_chunked_prefill!r}"
             )
 
     def replace(self, **overrides: object) -> EngineConfig:
-        """A copy with ``overrides`` (field names) changed; an unknown name raises ``TypeError`` naming it."""
+        """A copy with ``overrides`` (field names) changed; an unknown name raises ``TypeError``
+        naming it."""
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - names)
         moved = sorted(set(unknown) & set(SPEED_FLAGS))

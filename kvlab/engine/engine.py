@@ -1,7 +1,9 @@
-"""Requests, tenants and the step loop around one HF causal LM (nano-vllm's ``llm_engine.py``; docs/engine.md).
+"""Requests, tenants and the step loop around one HF causal LM (nano-vllm's ``llm_engine.py``;
+docs/engine.md).
 
-``step`` is schedule -> run -> postprocess. Off the step: abort and fork, public prefixes, stats, KV-event
-retrieval, cache reset and ``check_invariants`` (run after every step of a ``debug`` engine).
+``step`` is schedule -> run -> postprocess. Off the step: abort and fork, public prefixes, stats,
+KV-event retrieval, cache reset and ``check_invariants`` (run after every step of a ``debug``
+engine).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class RequestOutput:
     error: str | None = None
     # of num_cached_tokens: copied back from the host tier (evicted or fetched)
     num_restored_tokens: int = 0
-    # sampling.logprobs / prompt_logprobs: kvlab.engine.logprobs.TokenLogprob records (None if not asked)
+    # sampling.logprobs / prompt_logprobs: kvlab.engine.logprobs.TokenLogprob records (None if not
+    # asked)
     logprobs: list | None = None
     prompt_logprobs: list | None = None
 
@@ -72,8 +75,9 @@ class RequestOutput:
 class Engine:
     """Paged K/V store + block manager + scheduler around one Hugging Face causal LM.
 
-    ``add_request`` / ``abort`` / ``fork`` / ``step`` may come from several threads: each holds the engine's
-    (re-entrant) lock while it changes the engine; ``generate`` calls ``add_request`` and ``step``.
+    ``add_request`` / ``abort`` / ``fork`` / ``step`` may come from several threads: each holds the
+    engine's (re-entrant) lock while it changes the engine; ``generate`` calls ``add_request`` and
+    ``step``.
     """
 
     def __init__(
@@ -89,10 +93,11 @@ class Engine:
     ) -> None:
         """Build the cache, K/V store, scheduler and runner around ``model``.
 
-        ``config`` (default ``EngineConfig()``) with ``overrides`` (its field names, e.g. ``num_blocks=64``)
-        changed. ``cache``: "blocks", "radix", or a caller's own ``kvlab.cache.CacheManager`` (it brings its
-        sizes). ``positions(item)`` numbers the tokens a scheduled item computes (``default_positions``);
-        ``observers`` see one ``StepRecord`` per step (``add_step_observer``).
+        ``config`` (default ``EngineConfig()``) with ``overrides`` (its field names, e.g.
+        ``num_blocks=64``) changed. ``cache``: "blocks", "radix", or a caller's own
+        ``kvlab.cache.CacheManager`` (it brings its sizes). ``positions(item)`` numbers the tokens a
+        scheduled item computes (``default_positions``); ``observers`` see one ``StepRecord`` per
+        step (``add_step_observer``).
         """
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig or None, got {type(config).__name__}")
@@ -137,7 +142,8 @@ class Engine:
         # what a request's min_tokens holds back
         self.runner.eos_ids = frozenset(self.eos_ids)
         if cfg.accelerator is not None:
-            # the speed paths; raises ValueError naming why one cannot run (kvlab.engine.accelerator)
+            # the speed paths; raises ValueError naming why one cannot run
+            # (kvlab.engine.accelerator)
             self.runner.accelerate(cfg.accelerator.bind(model, self.store))
         vocab_size, fits = model.config.vocab_size, self.scheduler.check_fits
         self.intake = Intake(tokenizer, vocab_size, self.max_model_len, fits, cfg, self.device)
@@ -152,12 +158,14 @@ class Engine:
         cache_salt: str | None = None,
         unsafe_salt: str | None = None,
     ) -> Hashable:
-        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises, queueing nothing.
+        """Queue one request (text or token ids) of ``tenant``; return its id. Bad input raises,
+        queueing nothing.
 
-        ``cache_salt`` (vLLM's request field) splits the tenant's cache further: the engine derives the salt
-        from its secret, the tenant's scope and ``cache_salt`` (``tenants.request_salt``); the request keeps
-        its tenant. ``unsafe_salt`` sets the salt itself, without a tenant (tests and teaching only).
-        A refusal raises ``RequestError`` (a ``ValueError``) naming the field at fault.
+        ``cache_salt`` (vLLM's request field) splits the tenant's cache further: the engine derives
+        the salt from its secret, the tenant's scope and ``cache_salt`` (``tenants.request_salt``);
+        the request keeps its tenant. ``unsafe_salt`` sets the salt itself, without a tenant (tests
+        and teaching only). A refusal raises ``RequestError`` (a ``ValueError``) naming the field at
+        fault.
         """
         # checked before the lock: tokenizing never stalls a step
         checked = self.intake.check(prompt, sampling, tenant, cache_salt, unsafe_salt)
@@ -171,12 +179,14 @@ class Engine:
         return seq
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running, or a finished output waits to be returned by ``step()``."""
+        """Whether any request is waiting or running, or a finished output waits to be returned by
+        ``step()``."""
         with self._lock:
             return bool(self._pending or self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one packed forward, postprocess; return what finished (and pending outputs)."""
+        """Schedule, run one packed forward, postprocess; return what finished (and pending
+        outputs)."""
         with self._lock:
             scheduled = self.scheduler.schedule()
             # empty only when a lone sequence preempted itself
@@ -192,7 +202,8 @@ class Engine:
             return outputs + [self._output(s) for s in finished if s.seq_id not in self._held]
 
     def _run(self, scheduled: SchedulerOutput) -> list[Request]:
-        """One forward of the scheduled items and its postprocess; the requests it finished (or that failed)."""
+        """One forward of the scheduled items and its postprocess; the requests it finished (or that
+        failed)."""
         items = scheduled.items
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
         if scheduled.cow_pairs:
@@ -203,7 +214,8 @@ class Engine:
         if self.positions is not default_positions:
             positions = [self.positions(it) for it in items]
         tokens, errors, untrusted = self.runner.compute(items, tables, positions)
-        # a failed item ends with "error"; one that read K/V a failed item never wrote prefills again
+        # a failed item ends with "error"; one that read K/V a failed item never wrote prefills
+        # again
         failed = settle(self, items, errors, untrusted) if errors or untrusted else []
         finished = failed + self.scheduler.postprocess(items, tokens, time.perf_counter())
         if self.observers:
@@ -220,7 +232,8 @@ class Engine:
         del self.requests[seq.request_id]
 
     def _output(self, seq: Request) -> RequestOutput:
-        """The output of ``seq`` now (finished or not); its text is the decoded output, special tokens dropped."""
+        """The output of ``seq`` now (finished or not); its text is the decoded output, special
+        tokens dropped."""
         tok, t0, first, done = (
             self.tokenizer,
             seq.arrival_time,
@@ -253,9 +266,11 @@ class Engine:
         cache_salts: Sequence[str | None] | None = None,
         unsafe_salts: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Submit a list of prompts, step until they finish; outputs in prompt order (a refused one: ``"error"``).
+        """Submit a list of prompts, step until they finish; outputs in prompt order (a refused one:
+        ``"error"``).
 
-        ``tenants``, ``cache_salts`` and ``unsafe_salts``: one per prompt, as ``add_request``'s keywords.
+        ``tenants``, ``cache_salts`` and ``unsafe_salts``: one per prompt, as ``add_request``'s
+        keywords.
         """
         batch = per_prompt(prompts, sampling, tenants, cache_salts, unsafe_salts)
         # this call's requests, and the outputs of its refused prompts, by prompt index
@@ -298,9 +313,10 @@ class Engine:
         bm = self.block_manager
         return (bm.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
 
-    # --- off the step: requests, tenants, observers, stats ---------------------------------------------
+    # --- off the step: requests, tenants, observers, stats ----------------------------------------
     def abort(self, request_id: Hashable, *, tenant: str | None = None) -> RequestOutput:
-        """Stop an unfinished request of ``tenant`` (the one it was added with) now and free its blocks."""
+        """Stop an unfinished request of ``tenant`` (the one it was added with) now and free its
+        blocks."""
         with self._lock:
             seq = self._get(request_id, tenant)
             self._finish(seq, "abort", time.perf_counter())
@@ -314,10 +330,12 @@ class Engine:
         *,
         tenant: str | None = None,
     ) -> Hashable:
-        """Continue a running request of ``tenant`` as two sharing every block; a refused fork changes nothing.
+        """Continue a running request of ``tenant`` as two sharing every block; a refused fork
+        changes nothing.
 
-        The child (``child_id``, or an automatic id) has its own ids, ``sampling`` (default: the parent's) and
-        generator; its scope, tokens and timing are the parent's (``kvlab.cache.fork``: copy-on-write).
+        The child (``child_id``, or an automatic id) has its own ids, ``sampling`` (default: the
+        parent's) and generator; its scope, tokens and timing are the parent's
+        (``kvlab.cache.fork``: copy-on-write).
         """
         with self._lock:
             parent = self._get(request_id, tenant)
@@ -353,7 +371,8 @@ class Engine:
         return seq
 
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
-        """Register an operator prefix (e.g. a system prompt) every tenant may share; return its tokens."""
+        """Register an operator prefix (e.g. a system prompt) every tenant may share; return its
+        tokens."""
         # tokenized before the lock, as in add_request
         ids = self.intake.check_prefix(prefix)
         with self._lock:
@@ -364,16 +383,19 @@ class Engine:
         return self.intake.salt_for(tenant)
 
     def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
-        """Call ``observer(record)`` once per step from now on, after the forward (a ``StepRecord``)."""
+        """Call ``observer(record)`` once per step from now on, after the forward (a
+        ``StepRecord``)."""
         self.observers.append(observer)
 
     def take_kv_events(self) -> list[EventBatch]:
-        """The KV-event batches since the last call, oldest first (for a router: ``kvlab.cluster.router``)."""
+        """The KV-event batches since the last call, oldest first (for a router:
+        ``kvlab.cluster.router``)."""
         with self._lock:
             return [] if self.kv_events is None else self.kv_events.take()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (refused, False, while a request holds blocks); emits ``AllBlocksCleared``."""
+        """Forget every cached block (refused, False, while a request holds blocks); emits
+        ``AllBlocksCleared``."""
         # the radix cache raises NotImplementedError
         with self._lock:
             return self.block_manager.reset_prefix_cache()
@@ -384,7 +406,8 @@ class Engine:
         return self.scheduler.num_preemptions
 
     def stats(self) -> dict[str, Any]:
-        """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps, block-manager stats."""
+        """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps,
+        block-manager stats."""
         with self._lock:
             return {
                 **self.block_manager.stats(),
@@ -400,6 +423,7 @@ class Engine:
             }
 
     def check_invariants(self) -> None:
-        """Raise unless the block manager, the queues and the request table agree (``invariants.check_engine``)."""
+        """Raise unless the block manager, the queues and the request table agree
+        (``invariants.check_engine``)."""
         with self._lock:
             check_engine(self)

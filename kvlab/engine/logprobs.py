@@ -1,17 +1,19 @@
 """Log-probabilities of generated and prompt tokens, from the model's float32 logits (torch).
 
-A generated token's record comes from the logits its step sampled from (``sampling.sample``), before any
-penalty or temperature: vLLM's default ``raw_logprobs``. A prompt token's comes from the logits at the position
-before it. The engine computes logits only for each request's last position; for a request that asks for
-``prompt_logprobs`` the runner hands this module the final hidden states of every token the step computed
-(``record_prompt_logprobs``), which the LM head turns into logits in slices.
+A generated token's record comes from the logits its step sampled from (``sampling.sample``), before
+any penalty or temperature: vLLM's default ``raw_logprobs``. A prompt token's comes from the logits
+at the position before it. The engine computes logits only for each request's last position; for a
+request that asks for ``prompt_logprobs`` the runner hands this module the final hidden states of
+every token the step computed (``record_prompt_logprobs``), which the LM head turns into logits in
+slices.
 
-Cached prompt tokens have no hidden states in a step: their K/V came from the cache. Where a request's
-prefill starts after a cache hit of ``h`` tokens, positions ``h`` onwards come from the step that read the
-cached K/V (so a wrong cached block shows up in their numbers), and positions ``0 .. h-1`` from one forward of
-the model over those ``h`` tokens, outside the paged path. A prompt served half from the cache must then give
-the same ``prompt_logprobs`` as the same prompt computed from scratch (tests/serve/test_api_surface.py prints
-the largest difference). vLLM instead skips the cache for requests that ask for prompt log-probabilities.
+Cached prompt tokens have no hidden states in a step: their K/V came from the cache. Where a
+request's prefill starts after a cache hit of ``h`` tokens, positions ``h`` onwards come from the
+step that read the cached K/V (so a wrong cached block shows up in their numbers), and positions ``0
+.. h-1`` from one forward of the model over those ``h`` tokens, outside the paged path. A prompt
+served half from the cache must then give the same ``prompt_logprobs`` as the same prompt computed
+from scratch (tests/serve/test_api_surface.py prints the largest difference). vLLM instead skips the
+cache for requests that ask for prompt log-probabilities.
 """
 
 from __future__ import annotations
@@ -21,15 +23,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["TokenLogprob", "cached_vs_scratch", "record_prompt_logprobs", "token_logprobs", "wants_prompt_logprobs"]
+__all__ = [
+    "TokenLogprob",
+    "cached_vs_scratch",
+    "record_prompt_logprobs",
+    "token_logprobs",
+    "wants_prompt_logprobs",
+]
 
-# hidden rows turned into logits at once: 256 rows of a 49,152-token vocabulary are 48 MiB of float32
+# hidden rows turned into logits at once: 256 rows of a 49,152-token vocabulary are 48 MiB of
+# float32
 ROWS_PER_SLICE = 256
 
 
 @dataclass(slots=True, frozen=True)
 class TokenLogprob:
-    """One token's log-probability, its rank (1 = the most likely), and the ``k`` most likely tokens'."""
+    """One token's log-probability, its rank (1 = the most likely), and the ``k`` most likely
+    tokens'."""
 
     token: int
     logprob: float
@@ -39,11 +49,13 @@ class TokenLogprob:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """Records of ``tokens[i]`` under ``logits[i]`` ((N, vocab) or (vocab,) for one token), with the top ``k``."""
+    """Records of ``tokens[i]`` under ``logits[i]`` ((N, vocab) or (vocab,) for one token), with the
+    top ``k``."""
     rows = logits.reshape(-1, logits.shape[-1]).float().log_softmax(-1)
     ids = torch.tensor(tokens, dtype=torch.long, device=rows.device)[:, None]
     chosen = rows.gather(-1, ids)
-    # vLLM's batched_count_greater_than: tokens at least as likely as the chosen one, itself included
+    # vLLM's batched_count_greater_than: tokens at least as likely as the chosen one, itself
+    # included
     ranks = (rows >= chosen).sum(-1).tolist()
     chosen = chosen[:, 0].tolist()
     if k:
@@ -60,7 +72,8 @@ def wants_prompt_logprobs(seq: Any) -> bool:
 
 
 def _prompt_slots(seq: Any) -> list:
-    """``seq.prompt_logprobs``: one slot per prompt token, None until computed (slot 0 stays None: no context)."""
+    """``seq.prompt_logprobs``: one slot per prompt token, None until computed (slot 0 stays None:
+    no context)."""
     if getattr(seq, "prompt_logprobs", None) is None:
         seq.prompt_logprobs = [None] * len(seq.prompt_ids)
     return seq.prompt_logprobs
@@ -81,7 +94,8 @@ def _fill(runner: Any, seq: Any, slots: list, hidden: torch.Tensor, first_pos: i
 
 @torch.no_grad()
 def _prefix_hidden(runner: Any, ids: list[int]) -> torch.Tensor:
-    """Final hidden states of ``ids`` from one plain forward of the model (its own attention, no cache)."""
+    """Final hidden states of ``ids`` from one plain forward of the model (its own attention, no
+    cache)."""
     runner.detach()
     try:
         x = torch.tensor([ids], device=runner.device)
@@ -93,11 +107,13 @@ def _prefix_hidden(runner: Any, ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def record_prompt_logprobs(runner: Any, items: list, hidden: torch.Tensor) -> None:
-    """After a packed forward: fill the prompt log-probabilities of the scheduled requests that ask for them.
+    """After a packed forward: fill the prompt log-probabilities of the scheduled requests that ask
+    for them.
 
-    ``hidden`` is the step's (T, hidden) final hidden states, item by item in order. A request's prompt positions
-    computed by this step come from its rows; prompt positions before the step's first one that have no record
-    yet (a cache hit) from ``_prefix_hidden``: one more forward, of the cached tokens, for such a request only.
+    ``hidden`` is the step's (T, hidden) final hidden states, item by item in order. A request's
+    prompt positions computed by this step come from its rows; prompt positions before the step's
+    first one that have no record yet (a cache hit) from ``_prefix_hidden``: one more forward, of
+    the cached tokens, for such a request only.
     """
     offset = 0
     for it in items:
@@ -106,7 +122,8 @@ def record_prompt_logprobs(runner: Any, items: list, hidden: torch.Tensor) -> No
         if wants_prompt_logprobs(seq) and start < len(seq.prompt_ids):
             slots = _prompt_slots(seq)
             _fill(runner, seq, slots, hidden[offset : offset + rows], start)
-            # positions before this step's first: computed by an earlier chunk, or served by the cache
+            # positions before this step's first: computed by an earlier chunk, or served by the
+            # cache
             before = min(start, len(seq.prompt_ids) - 1)
             if before > 0 and any(slots[j] is None for j in range(1, before + 1)):
                 _fill(runner, seq, slots, _prefix_hidden(runner, seq.prompt_ids[:before]), 0)
@@ -115,13 +132,14 @@ def record_prompt_logprobs(runner: Any, items: list, hidden: torch.Tensor) -> No
 
 def cached_vs_scratch(make_engine: Any, prompt_ids: list[int], num_cached: int,
                       corrupt: Any = None) -> dict:
-    """The cache check in numbers: ``prompt_logprobs`` of ``prompt_ids`` served after its first ``num_cached``
-    tokens filled the cache, against the same prompt from scratch (each on a fresh ``make_engine()``).
+    """The cache check in numbers: ``prompt_logprobs`` of ``prompt_ids`` served after its first
+    ``num_cached`` tokens filled the cache, against the same prompt from scratch (each on a fresh
+    ``make_engine()``).
 
-    ``corrupt(engine)``, if given, runs between filling the cache and the second request (e.g. scale the cached
-    K): the difference it makes is what a prefix-cache bug looks like. Returns ``{"max_abs_diff",
-    "num_cached_tokens", "num_prompt_tokens"}``; with a correct cache the difference is float noise (0 on the
-    teaching path, where both runs do the same arithmetic).
+    ``corrupt(engine)``, if given, runs between filling the cache and the second request (e.g. scale
+    the cached K): the difference it makes is what a prefix-cache bug looks like. Returns
+    ``{"max_abs_diff", "num_cached_tokens", "num_prompt_tokens"}``; with a correct cache the
+    difference is float noise (0 on the teaching path, where both runs do the same arithmetic).
     """
     from .sampling_params import SamplingParams
 

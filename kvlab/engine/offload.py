@@ -1,4 +1,5 @@
-"""The torch side of the host tier: block K/V to host memory and back, and to other replicas (docs/engine.md)."""
+"""The torch side of the host tier: block K/V to host memory and back, and to other replicas
+(docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ __all__ = ["HostOffload", "to_wire"]
 
 
 def to_wire(t: torch.Tensor) -> np.ndarray:
-    """A host tensor as a numpy array for shipping (numpy pickles faster than a torch tensor; bf16 as int16)."""
+    """A host tensor as a numpy array for shipping (numpy pickles faster than a torch tensor; bf16
+    as int16)."""
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -35,7 +37,8 @@ def _from_wire(a: Any, dtype: torch.dtype) -> Any:
 
 
 class HostOffload:
-    """A host tier for one engine: saves evicted blocks, restores them, exports and stages blocks for transfer."""
+    """A host tier for one engine: saves evicted blocks, restores them, exports and stages blocks
+    for transfer."""
 
     def __init__(
         self,
@@ -66,7 +69,8 @@ class HostOffload:
         self.seconds_out = self.seconds_in = 0.0
 
     def read_block(self, block_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
-        """Copy one block's K and V (every layer) to host memory: ``((k, v), nbytes)``, each (L, block_size, kv_heads, head_dim)."""
+        """Copy one block's K and V (every layer) to host memory: ``((k, v), nbytes)``, each (L,
+        block_size, kv_heads, head_dim)."""
         t0 = time.perf_counter()
         k, v = (t[:, block_id].to("cpu", copy=True) for t in (self.store.k, self.store.v))
         synchronize(self.store.device)
@@ -75,13 +79,15 @@ class HostOffload:
         return (k, v), self.store.bytes_per_block
 
     def write_block(self, payload: Any, block_id: int) -> None:
-        """Copy a host payload ``(k, v)`` into pool block ``block_id``; raises if it does not fit this store."""
+        """Copy a host payload ``(k, v)`` into pool block ``block_id``; raises if it does not fit
+        this store."""
         want = self.store.k[:, block_id]
         k, v = (_from_wire(t, want.dtype) for t in payload)
         for t in (k, v):
             if not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype:
                 raise ValueError(
-                    f"payload of shape {getattr(t, 'shape', None)} does not fit a block {tuple(want.shape)} "
+                    f"payload of shape {getattr(t, 'shape', None)} does not fit a block "
+                    f"{tuple(want.shape)} "
                     f"{want.dtype}"
                 )
         t0 = time.perf_counter()
@@ -94,7 +100,8 @@ class HostOffload:
     def export(
         self, hashes: Sequence[BlockHash], parent: BlockHash | None = None
     ) -> list[TierEntry]:
-        """The leading blocks of ``hashes`` (``parent``: the hash before them) this engine holds, copied to host tensors."""
+        """The leading blocks of ``hashes`` (``parent``: the hash before them) this engine holds,
+        copied to host tensors."""
         return collect_blocks(
             self.block_manager,
             self.tier,
@@ -110,7 +117,8 @@ class HostOffload:
         return (to_wire(k), to_wire(v)), nbytes
 
     def stage(self, entries: Sequence[TierEntry]) -> int:
-        """Stage blocks a peer exported into this tier (hashes checked against content); how many were taken."""
+        """Stage blocks a peer exported into this tier (hashes checked against content); how many
+        were taken."""
         return self.link.stage(list(entries), self.block_manager.hash_fn)
 
     def stats(self) -> dict:

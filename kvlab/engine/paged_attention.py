@@ -1,5 +1,6 @@
-"""Paged attention for any HF decoder via transformers' ``AttentionInterface``: per layer, write the step's new K/V,
-then attend each sequence's K/V through its block table. An allow-list: anything else is refused (admission.py)."""
+"""Paged attention for any HF decoder via transformers' ``AttentionInterface``: per layer, write the
+step's new K/V, then attend each sequence's K/V through its block table. An allow-list: anything
+else is refused (admission.py)."""
 
 from __future__ import annotations
 
@@ -71,9 +72,11 @@ class AttnGroup:
     def attn_mask(
         self, group: int, window: int | None, dtype: torch.dtype, union: bool = False
     ) -> torch.Tensor:
-        """Additive mask (0 or -inf) of GQA's stacked query rows (SDPA would convert a bool one per layer), once a step.
+        """Additive mask (0 or -inf) of GQA's stacked query rows (SDPA would convert a bool one per
+        layer), once a step.
 
-        ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)`` over its keys."""
+        ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)``
+        over its keys."""
         key = (union, group, window, dtype)
         if key not in self.masks:
             # (B, 1, Ku) with -1 where the key is not the sequence's, or (K,)
@@ -110,7 +113,8 @@ class PagedBatch:
     layers_run: list[int] = field(default_factory=list)
     # the sliding window each of those calls was given
     windows_run: list[int | None] = field(default_factory=list)
-    # the accelerator's kernel plan of this step (kvlab.engine.accelerator.KernelPlan), set by the runner
+    # the accelerator's kernel plan of this step (kvlab.engine.accelerator.KernelPlan), set by the
+    # runner
     kernel: KernelPlan | None = None
 
 
@@ -123,9 +127,11 @@ FLOPS_PER_BYTE = 8
 
 
 def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
-    """Whether ``g`` attends over the union of its blocks, each read once (decided once per step: sets ``g.union``)."""
-    # cost per KV head and key: the bytes a gather copies (K and V, written once, read twice) against the
-    # attention FLOPs (4 * query rows * head_dim) of the keys a query may not see; a repeated block: no union
+    """Whether ``g`` attends over the union of its blocks, each read once (decided once per step:
+    sets ``g.union``)."""
+    # cost per KV head and key: the bytes a gather copies (K and V, written once, read twice)
+    # against the attention FLOPs (4 * query rows * head_dim) of the keys a query may not see; a
+    # repeated block: no union
     if g.union is None:
         b, m = g.block_tables.shape
         # query rows of one sequence per KV head
@@ -147,10 +153,11 @@ def _plan_union(g: AttnGroup, group: int, element_size: int) -> bool:
 
 
 def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> PagedBatch:
-    """Metadata of one packed step from ``(start, end, block_table)`` per sequence (K/V before ``start`` is stored).
+    """Metadata of one packed step from ``(start, end, block_table)`` per sequence (K/V before
+    ``start`` is stored).
 
-    The sequences are attended in groups of similar query lengths (``group_by_query_length``), each padded
-    to its longest query and longest block table.
+    The sequences are attended in groups of similar query lengths (``group_by_query_length``), each
+    padded to its longest query and longest block table.
     """
     bs, dev, slots, offsets, off = store.block_size, store.device, [], [], 0
     for start, end, table in seqs:
@@ -179,7 +186,8 @@ def build_batch(store: PagedKVStore, seqs: Sequence[tuple[int, int, Sequence[int
 
 
 def group_by_query_length(lengths: Sequence[int], max_padding: float = 1.5) -> list[list[int]]:
-    """Groups of sequences, sorted by length and cut greedily so ``longest x count <= max_padding x sum`` in each."""
+    """Groups of sequences, sorted by length and cut greedily so ``longest x count <= max_padding x
+    sum`` in each."""
     # real: the tokens of the last group
     groups, real = [], 0
     # longest first; a stable sort keeps equal lengths in order
@@ -211,17 +219,20 @@ def paged_attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's pages.
+    """The ``AttentionInterface`` function: write this layer's new K/V, attend over each sequence's
+    pages.
 
     An allow-list: a call that asks for more than causal (+window) SDPA with a scale raises
-    ``NotImplementedError`` naming the feature. Each group of sequences is attended by the accelerator's
-    kernel where it takes it (``PagedBatch.kernel``), else over its new K/V alone (``attend_fresh``: nothing
-    cached before it), over the union of its blocks (``attend_union``) or per sequence
-    (``attend_per_sequence``).
+    ``NotImplementedError`` naming the feature. Each group of sequences is attended by the
+    accelerator's kernel where it takes it (``PagedBatch.kernel``), else over its new K/V alone
+    (``attend_fresh``: nothing cached before it), over the union of its blocks (``attend_union``) or
+    per sequence (``attend_per_sequence``).
     """
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
     batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
-    _check_call(module, query, key, value, attention_mask, dropout, batch, sliding_window, is_causal, kwargs)
+    _check_call(
+        module, query, key, value, attention_mask, dropout, batch, sliding_window, is_causal, kwargs
+    )
     store, window = batch.store, sliding_window
     # (kv_heads, T, D); the kernel writes them in one call where it is on
     (batch.kernel or store).write_heads(layer, batch.slot_mapping, key[0], value[0])
@@ -257,10 +268,11 @@ def paged_attention_forward(
 def attend_fresh(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
-    """Sequences with nothing cached before this step: plain causal SDPA over the step's own K/V, no mask.
+    """Sequences with nothing cached before this step: plain causal SDPA over the step's own K/V, no
+    mask.
 
-    ``q`` ``(B, Qmax, heads, D)``, ``k`` and ``v`` ``(B, Qmax, kv_heads, D)`` -> ``(B, Qmax, heads, D)``. A
-    padded query row is past every real one, so causality alone keeps the real rows exact.
+    ``q`` ``(B, Qmax, heads, D)``, ``k`` and ``v`` ``(B, Qmax, kv_heads, D)`` -> ``(B, Qmax, heads,
+    D)``. A padded query row is past every real one, so causality alone keeps the real rows exact.
     """
     group = q.shape[2] // k.shape[2]
     # (B, heads or kv_heads, Qmax, D)
@@ -272,10 +284,12 @@ def attend_fresh(
 
 def attend_union(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.Tensor,
                  scaling: float | None, window: int | None) -> torch.Tensor:
-    """Every sequence of ``g`` against the union of its blocks, each block gathered once (``_plan_union``).
+    """Every sequence of ``g`` against the union of its blocks, each block gathered once
+    (``_plan_union``).
 
-    ``q`` ``(B, Qmax, heads, D)`` -> ``(B, Qmax, heads, D)``: one SDPA per KV head over all the group's
-    query rows, a mask (``attn_mask(union=True)``) keeping each row to its own sequence's keys.
+    ``q`` ``(B, Qmax, heads, D)`` -> ``(B, Qmax, heads, D)``: one SDPA per KV head over all the
+    group's query rows, a mask (``attn_mask(union=True)``) keeping each row to its own sequence's
+    keys.
     """
     b, q_len, heads, d = q.shape
     kv_heads = store.kv_heads
@@ -296,8 +310,8 @@ def attend_union(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.Tensor,
 
 def attend_per_sequence(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.Tensor,
                         scaling: float | None, window: int | None) -> torch.Tensor:
-    """Each sequence of ``g`` against its own block table, a few sequences at a time (``KV_CHUNK_BYTES``),
-    so their gathered K/V is still in cache when the attention reads it.
+    """Each sequence of ``g`` against its own block table, a few sequences at a time
+    (``KV_CHUNK_BYTES``), so their gathered K/V is still in cache when the attention reads it.
 
     ``q`` ``(B, Qmax, heads, D)`` -> ``(B, Qmax, heads, D)``.
     """
@@ -324,15 +338,16 @@ def attend_per_sequence(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.
 
 
 def _rows(g: AttnGroup, x: torch.Tensor, whole: bool) -> torch.Tensor:
-    """``x`` ``(T, heads, D)`` as ``g``'s padded rows ``(B, Qmax, heads, D)`` (a view when ``whole``)."""
+    """``x`` ``(T, heads, D)`` as ``g``'s padded rows ``(B, Qmax, heads, D)`` (a view when
+    ``whole``)."""
     return x.reshape(*g.query_index.shape, *x.shape[1:]) if whole else x[g.query_index]
 
 
 def _by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """GQA without repeating K/V: ``(B, Qmax, heads, D)`` -> ``(B, kv_heads, group * Qmax, D)``.
 
-    Query head h reads KV head h // group, so the group's query heads become extra query rows of their KV
-    head: one attention per KV head over its keys.
+    Query head h reads KV head h // group, so the group's query heads become extra query rows of
+    their KV head: one attention per KV head over its keys.
     """
     b, q_len, heads, d = q.shape
     q = q.view(b, q_len, kv_heads, heads // kv_heads, d).permute(0, 2, 3, 1, 4)
@@ -358,7 +373,8 @@ def _check_call(
     is_causal: bool | None,
     kwargs: dict[str, Any],
 ) -> None:
-    """Refuse a call the paged attention does not serve (naming why); record its layer and window."""
+    """Refuse a call the paged attention does not serve (naming why); record its layer and
+    window."""
     layer = getattr(module, "layer_idx", None)
     if batch is None:
         raise MissingBatchError(
@@ -376,8 +392,10 @@ def _check_call(
     if kv_heads != store.kv_heads or {key.shape[-1], value.shape[-1], d} != {store.head_dim}:
         raise NotImplementedError(
             f"layer {layer} has {kv_heads} KV heads with key/value/query widths {key.shape[-1]}/"
-            f"{value.shape[-1]}/{d}, but the store holds {store.kv_heads} x {store.head_dim} for every "
-            "layer: per-layer sizes, or keys and values of different widths (e.g. multi-head latent "
+            f"{value.shape[-1]}/{d}, but the store holds {store.kv_heads} x {store.head_dim} for "
+            "every "
+            "layer: per-layer sizes, or keys and values of different widths (e.g. multi-head "
+            "latent "
             "attention), are not implemented"
         )
 
@@ -387,7 +405,8 @@ _IN_STEP: ContextVar[bool] = ContextVar("kvlab_paged_step", default=False)
 
 
 def register(model: Any) -> tuple[str, str]:
-    """Register kvlab's attention and mask for ``model`` (transformers' public interfaces); return ``(own, name)``."""
+    """Register kvlab's attention and mask for ``model`` (transformers' public interfaces); return
+    ``(own, name)``."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     # switched by another engine
@@ -401,7 +420,8 @@ def register(model: Any) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def paged_step() -> Iterator[None]:
-    """Within the block, an attached model's forward is a kvlab step: no mask of its own, paged attention."""
+    """Within the block, an attached model's forward is a kvlab step: no mask of its own, paged
+    attention."""
     token = _IN_STEP.set(True)
     try:
         yield
@@ -410,7 +430,8 @@ def paged_step() -> Iterator[None]:
 
 
 def _attention(own: str, module: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """The registered attention: the paged one inside ``paged_step()``, the model's own (``own``) outside it."""
+    """The registered attention: the paged one inside ``paged_step()``, the model's own (``own``)
+    outside it."""
     if _IN_STEP.get():
         return paged_attention_forward(module, *args, **kwargs)
     if kwargs.get("kvlab_batch") is not None:
@@ -419,7 +440,8 @@ def _attention(own: str, module: Any, *args: Any, **kwargs: Any) -> tuple[torch.
         )
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    # "eager" is no registered function: each model runs its modeling module's own eager_attention_forward
+    # "eager" is no registered function: each model runs its modeling module's own
+    # eager_attention_forward
     modeling = vars(sys.modules[type(module).__module__])
     fn = modeling.get("eager_attention_forward") if own == "eager" else ALL_ATTENTION_FUNCTIONS[own]
     if fn is None:

@@ -1,9 +1,10 @@
-"""The failure path of a step: what runs only when a packed forward raised or gave NaN (docs/engine.md).
+"""The failure path of a step: what runs only when a packed forward raised or gave NaN
+(docs/engine.md).
 
-A default step never comes here. ``recover`` runs each scheduled item alone, in order, to find the culprits
-(NaN spreads to the step's other rows: 0 * NaN is NaN), so one request's failure never reaches the others;
-``settle`` ends the failed requests and sends those that read K/V the step did not reliably write back to
-prefill again.
+A default step never comes here. ``recover`` runs each scheduled item alone, in order, to find the
+culprits (NaN spreads to the step's other rows: 0 * NaN is NaN), so one request's failure never
+reaches the others; ``settle`` ends the failed requests and sends those that read K/V the step did
+not reliably write back to prefill again.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ def describe(e: BaseException) -> str:
 def recover(
     runner: Any, items: list, tables: list[list[int]], positions: list | None, packed: Any
 ) -> tuple[list[int | None], dict[int, str], set[int]]:
-    """``ModelRunner.compute``'s result when the packed forward failed (``packed`` None) or gave NaN.
+    """``ModelRunner.compute``'s result when the packed forward failed (``packed`` None) or gave
+    NaN.
 
-    ``packed``: the packed forward's ``(logits, top, nan)`` when it ran for a lone item (not run again),
-    else None: each item runs alone. Untrusted items: their forward failed or gave NaN, or they read such
-    K/V through a same-step prefix hit; the blocks from their first computed position on are zeroed.
+    ``packed``: the packed forward's ``(logits, top, nan)`` when it ran for a lone item (not run
+    again), else None: each item runs alone. Untrusted items: their forward failed or gave NaN, or
+    they read such K/V through a same-step prefix hit; the blocks from their first computed position
+    on are zeroed.
     """
     bs, tokens, errors = runner.store.block_size, [None] * len(items), {}
     # untrusted items, and the blocks whose K/V this step did not reliably write
@@ -47,7 +50,8 @@ def recover(
                 logits, top, nan = runner.forward([it], [tables[i]], alone)
             if samples and nan[0]:
                 raise FloatingPointError("the model's logits for this request are NaN")
-        # broad on purpose: whatever this request's forward raises becomes its error, the others go on
+        # broad on purpose: whatever this request's forward raises becomes its error, the others go
+        # on
         except Exception as e:  # noqa: BLE001
             errors[i] = describe(e)
             untrusted.add(i)
@@ -55,7 +59,8 @@ def recover(
             continue
         try:
             tokens[i] = sample(it.seq, logits[0], top[0], runner.eos_ids) if samples else None
-        # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this error
+        # broad on purpose, as above: its K/V is fine, only its sampling failed; it ends with this
+        # error
         except Exception as e:  # noqa: BLE001
             errors[i] = describe(e)
     if bad:
@@ -65,7 +70,8 @@ def recover(
 
 
 def settle(engine: Any, items: list, errors: dict[int, str], untrusted: set[int]) -> list:
-    """End the items that failed (``"error"``) and requeue those that only read untrusted K/V; return the ended."""
+    """End the items that failed (``"error"``) and requeue those that only read untrusted K/V;
+    return the ended."""
     now, finished = time.perf_counter(), []
     # latest first: a block leaves the cache once nobody holds it
     for i in reversed(range(len(items))):

@@ -21,7 +21,8 @@ def _hf_generate(
     seed: int | None,
     **kwargs: Any,
 ) -> tuple[Any, int]:
-    """``model.generate`` on the prompt's ids (eos and pad from the model); its output and the prompt length."""
+    """``model.generate`` on the prompt's ids (eos and pad from the model); its output and the
+    prompt length."""
     device, _ = model_device_dtype(model)
     # (1, T)
     ids = torch.tensor([encode(tokenizer, prompt)], device=device)
@@ -66,7 +67,8 @@ def hf_generate_with_logits(
     max_new_tokens: int = 32,
     **sampling: Any,
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """``hf_generate`` that also returns the raw (vocab,) logits of every step, before any warper."""
+    """``hf_generate`` that also returns the raw (vocab,) logits of every step, before any
+    warper."""
     seed = sampling.pop("seed", None)
     sampling.setdefault("do_sample", False)
     out, n = _hf_generate(

@@ -1,11 +1,13 @@
-"""The model side of an engine step (torch): pack the scheduled tokens, run the model once, LM head, sample.
+"""The model side of an engine step (torch): pack the scheduled tokens, run the model once, LM head,
+sample.
 
-``forward`` packs every scheduled request's new tokens into one ``(1, T)`` row with its ``PagedBatch`` and runs
-the decoder inside ``paged_step()``. Only each request's last position reaches the LM head, which the runner
-computes itself (the **head seam**, ``lm_head``); a probe at construction checks that the seam gives exactly the
-model's own logits, else each step runs the whole forward with ``logits_to_keep``. The model is switched to the
-paged attention by ``attach`` (``set_attn_implementation``, when a step has work) and given back by ``detach``
-(when the engine is idle). No object of transformers' is patched. Reference: nano-vllm's ``model_runner.py``.
+``forward`` packs every scheduled request's new tokens into one ``(1, T)`` row with its
+``PagedBatch`` and runs the decoder inside ``paged_step()``. Only each request's last position
+reaches the LM head, which the runner computes itself (the **head seam**, ``lm_head``); a probe at
+construction checks that the seam gives exactly the model's own logits, else each step runs the
+whole forward with ``logits_to_keep``. The model is switched to the paged attention by ``attach``
+(``set_attn_implementation``, when a step has work) and given back by ``detach`` (when the engine is
+idle). No object of transformers' is patched. Reference: nano-vllm's ``model_runner.py``.
 """
 
 from __future__ import annotations
@@ -30,18 +32,20 @@ __all__ = ["ModelRunner", "describe"]
 
 
 class ModelRunner:
-    """One HF causal LM switched to kvlab's paged attention: batches in, last-position logits and tokens out."""
+    """One HF causal LM switched to kvlab's paged attention: batches in, last-position logits and
+    tokens out."""
 
     # the model's eos ids, which a request's min_tokens holds back (set by the engine)
     eos_ids: frozenset[int] = frozenset()
 
     def __init__(self, model: Any, store: PagedKVStore) -> None:
-        """Attach the paged attention and probe one token through it; refuse a model it does not fully serve.
+        """Attach the paged attention and probe one token through it; refuse a model it does not
+        fully serve.
 
-        The allow-list and the probe are ``admission.admit``: transformers can switch its attention, its forward
-        takes ``position_ids``, its config has an int ``vocab_size``, the paged attention runs once per layer and
-        is asked for nothing beyond causal SDPA with a scale and an optional window. A refused model gets its own
-        attention back.
+        The allow-list and the probe are ``admission.admit``: transformers can switch its attention,
+        its forward takes ``position_ids``, its config has an int ``vocab_size``, the paged
+        attention runs once per layer and is asked for nothing beyond causal SDPA with a scale and
+        an optional window. A refused model gets its own attention back.
         """
         self.model, self.store, self.device = model, store, store.device
         # the speed paths (EngineConfig.accelerator, bound), set by ``accelerate`` after the probe
@@ -58,27 +62,32 @@ class ModelRunner:
         self.detach()
 
     def accelerate(self, accelerator: BoundAccelerator) -> None:
-        """Run each step through ``accelerator``'s speed paths (its decoder, if it brings one, replaces the model's)."""
+        """Run each step through ``accelerator``'s speed paths (its decoder, if it brings one,
+        replaces the model's)."""
         self.accelerator = accelerator
         if accelerator.decoder is not None:
             self.decoder = accelerator.decoder
 
     def attach(self) -> bool:
-        """Switch the model to the paged attention (``set_attn_implementation``) unless it is; whether it is now."""
+        """Switch the model to the paged attention (``set_attn_implementation``) unless it is;
+        whether it is now."""
         if self.model.config._attn_implementation != self.attention:
             # a no-op where transformers cannot switch it
             self.model.set_attn_implementation(self.attention)
         return self.model.config._attn_implementation == self.attention
 
     def detach(self) -> None:
-        """Give the model back its own attention (HF's ``generate_batch`` and others check the name)."""
+        """Give the model back its own attention (HF's ``generate_batch`` and others check the
+        name)."""
         if self.model.config._attn_implementation == self.attention:
             self.model.set_attn_implementation(self.own_attention)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head seam: ``(N, hidden)`` final hidden states -> ``(N, vocab)`` logits, post-processed as the model does.
+        """The head seam: ``(N, hidden)`` final hidden states -> ``(N, vocab)`` logits,
+        post-processed as the model does.
 
-        ``W @ x.T`` for a plain ``nn.Linear`` (issue 15: 0.58x ``F.linear``'s time, 16 rows of Qwen2.5's head).
+        ``W @ x.T`` for a plain ``nn.Linear`` (issue 15: 0.58x ``F.linear``'s time, 16 rows of
+        Qwen2.5's head).
         """
         head, logits = self.head, None
         # the accelerator's GEMM for the head (e.g. a prepacked one), where it has one
@@ -109,12 +118,13 @@ class ModelRunner:
         tables: list[list[int]],
         positions: list[Any] | None = None,
     ) -> tuple[torch.Tensor, list[int], list[bool]]:
-        """One packed forward of the scheduled tokens: ``(logits, greedy token per row, row's top logit is NaN)``.
+        """One packed forward of the scheduled tokens: ``(logits, greedy token per row, row's top
+        logit is NaN)``.
 
-        ``tables[i]`` is item i's block table, ``positions[i]`` what a positions hook gave it (None: each token
-        at its place in the sequence). The logits are ``(number of sampling items, vocab)``: a prompt chunk
-        (it ends before its sequence) only writes its K/V and gets no row. ``argmax`` treats NaN as the
-        largest, so a row with a NaN points at one.
+        ``tables[i]`` is item i's block table, ``positions[i]`` what a positions hook gave it (None:
+        each token at its place in the sequence). The logits are ``(number of sampling items,
+        vocab)``: a prompt chunk (it ends before its sequence) only writes its K/V and gets no row.
+        ``argmax`` treats NaN as the largest, so a row with a NaN points at one.
         """
         ids, pos, last, end = [], [], [], 0
         for i, it in enumerate(items):
@@ -133,8 +143,8 @@ class ModelRunner:
         # input_ids and position_ids (1, T)
         kwargs = dict(input_ids=torch.tensor([ids], device=dev), use_cache=False, kvlab_batch=batch)
         kwargs["position_ids"] = torch.tensor([pos], device=dev)
-        # e.g. F.linear sent to prepacked GEMMs, unless the accelerator's decoder (which runs under the head
-        # seam) packs its own
+        # e.g. F.linear sent to prepacked GEMMs, unless the accelerator's decoder (which runs under
+        # the head seam) packs its own
         linear = contextlib.nullcontext() if accel is None else accel.linear(self.head_seam)
         with paged_step(), linear:
             if self.head_seam:
@@ -143,7 +153,8 @@ class ModelRunner:
                 logits = self.lm_head(hidden[last])
             else:
                 logits = self.model(**kwargs, logits_to_keep=last).logits[0]
-        # a request that asks for prompt log-probabilities: every prompt position's (kvlab.engine.logprobs)
+        # a request that asks for prompt log-probabilities: every prompt position's
+        # (kvlab.engine.logprobs)
         if self.head_seam and any(wants_prompt_logprobs(it.seq) for it in items):
             record_prompt_logprobs(self, items, hidden)
         top = logits.argmax(-1)
@@ -155,18 +166,21 @@ class ModelRunner:
         tables: list[list[int]],
         positions: list[Any] | None = None,
     ) -> tuple[list[int | None], dict[int, str], set[int]]:
-        """One token per scheduled item that samples, without letting one request's failure reach the others.
+        """One token per scheduled item that samples, without letting one request's failure reach
+        the others.
 
-        Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` None where item i got no token (a prompt chunk, or
-        an error), ``errors[i]`` why, ``untrusted`` the items whose K/V of this step must never be read. When the
-        packed forward raises or gives NaN, ``kvlab.engine.recovery.recover`` finds the culprits. ``tables[i]``
-        and ``positions[i]`` are item i's block table and positions (``forward``). The model is switched to the
-        paged attention first, once per busy period (``attach``).
+        Returns ``(tokens, errors, untrusted)``: ``tokens[i]`` None where item i got no token (a
+        prompt chunk, or an error), ``errors[i]`` why, ``untrusted`` the items whose K/V of this
+        step must never be read. When the packed forward raises or gives NaN,
+        ``kvlab.engine.recovery.recover`` finds the culprits. ``tables[i]`` and ``positions[i]`` are
+        item i's block table and positions (``forward``). The model is switched to the paged
+        attention first, once per busy period (``attach``).
         """
         self.attach()
         try:
             packed = self.forward(items, tables, positions)
-        # broad on purpose: one request's failure (any error of the model's forward) must not reach the others
+        # broad on purpose: one request's failure (any error of the model's forward) must not reach
+        # the others
         except Exception:  # noqa: BLE001
             packed = None
         if packed is None or any(packed[2]):
@@ -178,7 +192,8 @@ class ModelRunner:
                 row += 1
                 try:
                     tokens[i] = sample(it.seq, logits[row], top[row], self.eos_ids)
-                # broad on purpose: its K/V is fine, only its sampling failed; it ends with this error
+                # broad on purpose: its K/V is fine, only its sampling failed; it ends with this
+                # error
                 except Exception as e:  # noqa: BLE001
                     errors[i] = describe(e)
         return tokens, errors, set()

@@ -1,4 +1,5 @@
-"""A request's sampling parameters, checked against an allow-list per field (pure Python; docs/engine.md)."""
+"""A request's sampling parameters, checked against an allow-list per field (pure Python;
+docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ __all__ = ["MAX_LOGPROBS", "STOP_ID_COLLECTIONS", "SamplingParams"]
 
 # what stop_token_ids may be given as
 STOP_ID_COLLECTIONS = (list, tuple, set, frozenset, range)
-# most top log-probabilities a token may ask for (vLLM's default max_logprobs, OpenAI's top_logprobs cap)
+# most top log-probabilities a token may ask for (vLLM's default max_logprobs, OpenAI's top_logprobs
+# cap)
 MAX_LOGPROBS = 20
 # a logit_bias value's bound (OpenAI's)
 MAX_LOGIT_BIAS = 100.0
@@ -22,13 +24,15 @@ def _is_real(x: object) -> bool:
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """How one request decodes: length, greedy or seeded sampling, stop tokens, penalties, log-probabilities.
+    """How one request decodes: length, greedy or seeded sampling, stop tokens, penalties,
+    log-probabilities.
 
-    The fields past ``stop_token_ids`` have vLLM's meaning (``vllm/sampling_params.py``), each neutral by
-    default: penalties over the prompt and output tokens, ``min_p`` relative to the top token's probability,
-    ``min_tokens`` before an eos or stop token may be sampled, ``logit_bias`` added to the logits, and
-    ``logprobs`` / ``prompt_logprobs``: how many top log-probabilities to return per generated / prompt token
-    (None = none; 0 = only the chosen token's), from the model's raw float32 logits (kvlab.engine.logprobs).
+    The fields past ``stop_token_ids`` have vLLM's meaning (``vllm/sampling_params.py``), each
+    neutral by default: penalties over the prompt and output tokens, ``min_p`` relative to the top
+    token's probability, ``min_tokens`` before an eos or stop token may be sampled, ``logit_bias``
+    added to the logits, and ``logprobs`` / ``prompt_logprobs``: how many top log-probabilities to
+    return per generated / prompt token (None = none; 0 = only the chosen token's), from the model's
+    raw float32 logits (kvlab.engine.logprobs).
     """
 
     max_tokens: int = 16
@@ -45,7 +49,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # subtracted per occurrence in the output so far, in [-2, 2]
     frequency_penalty: float = 0.0
-    # > 1 discourages tokens of the prompt or output: positive logits divided by it, negative multiplied
+    # > 1 discourages tokens of the prompt or output: positive logits divided by it, negative
+    # multiplied
     repetition_penalty: float = 1.0
     # in [0, 1]: drop tokens whose probability is below min_p x the top token's (sampling only)
     min_p: float = 0.0
@@ -62,7 +67,8 @@ class SamplingParams:
         stops = self.stop_token_ids
         if not isinstance(stops, STOP_ID_COLLECTIONS):
             raise TypeError(
-                f"stop_token_ids must be a list, tuple, set or range of ints, got {type(stops).__name__} "
+                "stop_token_ids must be a list, tuple, set or range of ints, got "
+                f"{type(stops).__name__} "
                 "(an iterator or generator would be used up by validation: pass list(...))"
             )
         # frozen: set once, here
@@ -96,31 +102,45 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         rp = self.repetition_penalty
         if not _is_real(rp) or not 0 < rp < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}"
+            )
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
+            raise ValueError(
+                f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}"
+            )
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = tuple(sorted(bias.items()))
-        if not isinstance(bias, (tuple, list)) or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in bias):
-            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        if not isinstance(bias, (tuple, list)) or any(
+            not isinstance(p, (tuple, list)) or len(p) != 2 for p in bias
+        ):
+            raise TypeError(
+                "logit_bias must be a dict of token id -> bias, got "
+                f"{type(self.logit_bias).__name__}"
+            )
         bias = tuple((t, float(b) if _is_real(b) else b) for t, b in bias)
         object.__setattr__(self, "logit_bias", bias)
         for t, b in bias:
             if type(t) is not int or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
             if not _is_real(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
+                raise ValueError(
+                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the logits change before the choice (penalties, bias, min_tokens, min_p): else argmax is greedy's."""
+        """Whether the logits change before the choice (penalties, bias, min_tokens, min_p): else
+        argmax is greedy's."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias or self.min_tokens or self.min_p)
 

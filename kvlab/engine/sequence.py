@@ -1,4 +1,5 @@
-"""One request's state, waiting -> running -> finished, as vLLM v1's ``Request`` (pure Python; docs/engine.md)."""
+"""One request's state, waiting -> running -> finished, as vLLM v1's ``Request`` (pure Python;
+docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ class Request:
 
     @property
     def tenant(self) -> Hashable:
-        """Who sent it (it scopes ``abort``/``fork`` and labels per-tenant metrics); None if nobody was named."""
+        """Who sent it (it scopes ``abort``/``fork`` and labels per-tenant metrics); None if nobody
+        was named."""
         return self.scope.tenant
 
     @property

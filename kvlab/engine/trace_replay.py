@@ -1,19 +1,22 @@
-"""Replay a trace of requests through a cache on the real ``Scheduler``, tokens scripted instead of sampled (no torch).
+"""Replay a trace of requests through a cache on the real ``Scheduler``, tokens scripted instead of
+sampled (no torch).
 
-A model-free engine: ``ScriptedScheduler`` is ``Engine.step``'s bookkeeping without the forward. Each step
-the real ``Scheduler`` picks decodes and prefills on any ``kvlab.cache.CacheManager`` (``BlockManager``,
-``RadixCache``), then every scheduled sequence "generates" the next token of its scripted reply; a sequence
-that has generated its whole reply finishes and frees its blocks. As in the engine, K/V is written for the
-prompt and every generated token but the last; a prompt that needs more blocks than are free waits, a
-decode that finds none preempts the youngest sequence (recompute).
+A model-free engine: ``ScriptedScheduler`` is ``Engine.step``'s bookkeeping without the forward.
+Each step the real ``Scheduler`` picks decodes and prefills on any ``kvlab.cache.CacheManager``
+(``BlockManager``, ``RadixCache``), then every scheduled sequence "generates" the next token of its
+scripted reply; a sequence that has generated its whole reply finishes and frees its blocks. As in
+the engine, K/V is written for the prompt and every generated token but the last; a prompt that
+needs more blocks than are free waits, a decode that finds none preempts the youngest sequence
+(recompute).
 
-``replay_trace`` drives a whole trace: requests (``req_id``, ``prompt``, ``output``, optional ``salt`` and
-``after``: the request whose end it waits for, e.g. the previous turn of a conversation) arrive in trace
-order. With ``reserve=True`` a request reaches the scheduler's queue only when the free blocks, less those
-promised to the requests already running, cover its prompt and whole reply, so nothing is ever preempted
-(a trace replay's usual setting); with ``reserve=False`` every ready request queues at once and the scheduler decides.
-The result holds per request the prompt tokens the cache served at its first admission, and the step
-count, pool peak and mean wasted slots of the run.
+``replay_trace`` drives a whole trace: requests (``req_id``, ``prompt``, ``output``, optional
+``salt`` and ``after``: the request whose end it waits for, e.g. the previous turn of a
+conversation) arrive in trace order. With ``reserve=True`` a request reaches the scheduler's queue
+only when the free blocks, less those promised to the requests already running, cover its prompt and
+whole reply, so nothing is ever preempted (a trace replay's usual setting); with ``reserve=False``
+every ready request queues at once and the scheduler decides. The result holds per request the
+prompt tokens the cache served at its first admission, and the step count, pool peak and mean wasted
+slots of the run.
 
 Used by the teaching traces' replay and the cluster simulator's ``SimReplica``.
 """
@@ -39,7 +42,8 @@ UNLIMITED_TOKENS = 1 << 30
 
 @dataclass(slots=True)
 class TraceRequest:
-    """One request of a trace: its prompt, the reply it will generate, a tenant salt, the request it follows."""
+    """One request of a trace: its prompt, the reply it will generate, a tenant salt, the request it
+    follows."""
 
     req_id: Hashable
     prompt: list[int]
@@ -50,7 +54,8 @@ class TraceRequest:
 
 @dataclass(slots=True)
 class ScriptedStep:
-    """What one step ran (the scheduler's output), who got a first token, who finished (blocks freed)."""
+    """What one step ran (the scheduler's output), who got a first token, who finished (blocks
+    freed)."""
 
     output: SchedulerOutput
     # blocks not free once the step was scheduled (before its finished sequences free theirs)
@@ -92,7 +97,8 @@ class ScriptedScheduler:
         tenant: object = None,
         public_tokens: int = 0,
     ) -> Request:
-        """Queue a request that will generate exactly ``reply`` (at least one token); its ``Request``."""
+        """Queue a request that will generate exactly ``reply`` (at least one token); its
+        ``Request``."""
         prompt, reply = list(prompt), list(reply)
         if not prompt or not reply:
             raise ValueError(f"request {request_id!r} needs a non-empty prompt and reply")
@@ -121,7 +127,8 @@ class ScriptedScheduler:
         return self.scheduler.has_unfinished()
 
     def step(self) -> ScriptedStep:
-        """One engine step: schedule, one scripted token per scheduled sequence, finish the complete ones."""
+        """One engine step: schedule, one scripted token per scheduled sequence, finish the complete
+        ones."""
         out = self.scheduler.schedule()
         res = ScriptedStep(out, self.cache.num_blocks - self.cache.num_free_blocks)
         for item in out.items:
@@ -141,7 +148,8 @@ class ScriptedScheduler:
 
 @dataclass
 class ReplayResult:
-    """Per request (by ``req_id``): prompt tokens and those the cache served at first admission; run totals."""
+    """Per request (by ``req_id``): prompt tokens and those the cache served at first admission; run
+    totals."""
 
     prompt_tokens: dict[Hashable, int]
     cached_tokens: dict[Hashable, int]
@@ -169,7 +177,8 @@ class ReplayResult:
 
 
 def _need(r: Any, block_size: int) -> int:
-    """Blocks a request holds at its end: K/V of its prompt and of every reply token but the last."""
+    """Blocks a request holds at its end: K/V of its prompt and of every reply token but the
+    last."""
     return cdiv(len(r.prompt) + len(r.output) - 1, block_size)
 
 
@@ -181,10 +190,12 @@ def replay_trace(
     max_num_batched_tokens: int = UNLIMITED_TOKENS,
     reserve: bool = True,
 ) -> ReplayResult:
-    """Run every request of a trace to completion through ``cache`` on the real scheduler (see the module docstring).
+    """Run every request of a trace to completion through ``cache`` on the real scheduler (see the
+    module docstring).
 
-    ``requests``: objects with ``req_id``, ``prompt``, ``output`` and optionally ``salt`` and ``after``
-    (``TraceRequest`` or a subclass). ``ValueError`` if a request could never fit the pool.
+    ``requests``: objects with ``req_id``, ``prompt``, ``output`` and optionally ``salt`` and
+    ``after`` (``TraceRequest`` or a subclass). ``ValueError`` if a request could never fit the
+    pool.
     """
     reqs = list(requests)
     bs, n_blocks = cache.block_size, cache.num_blocks

@@ -134,7 +134,8 @@ def lock_holders(lock: Path) -> list[int] | None:
     return holders
 
 
-# False within ``lock_wait(..., rebuild_stale=False)``: a killed build's lock is removed, not rebuilt
+# False within ``lock_wait(..., rebuild_stale=False)``: a killed build's lock is removed, not
+# rebuilt
 REBUILD_STALE = True
 
 
@@ -167,9 +168,11 @@ def _clear_lock(path: Path, name: str, wait_s: float) -> None:
                   "holds it)", file=sys.stderr, flush=True)
             lock.unlink(missing_ok=True)
             if not REBUILD_STALE:
-                raise BuildError(f"a killed build of {name} left its lock (removed now); not rebuilt "
-                                 "during this start: the next start or `python -m kvlab.engine.speed` "
-                                 "builds it")
+                raise BuildError(
+                    f"a killed build of {name} left its lock (removed now); not rebuilt "
+                    "during this start: the next start or `python -m kvlab.engine.speed` "
+                    "builds it"
+                )
             return
         who = (f"process {', '.join(map(str, holders))}" if holders
                else f"a process unknown here ({age:.0f} s)")

@@ -2,28 +2,29 @@
 
 ``F.linear`` on a CPU calls a general GEMM that lays the weight out again on every call; oneDNN can
 lay it out once ("reorder", the way vLLM's CPU backend prepares its linear layers) and then run each
-call on the packed copy. On this project's 2-core machine that made a decode step's linear layers about
-twice as fast (``scripts/bench.py --packed-linear`` prints the measurement). The price is memory (a
-packed copy of every weight beside the original) and the order of the float32 sums: results agree with
-``F.linear`` to float32 rounding, not bit for bit, so this path is off by default
+call on the packed copy. On this project's 2-core machine that made a decode step's linear layers
+about twice as fast (``scripts/bench.py --packed-linear`` prints the measurement). The price is
+memory (a packed copy of every weight beside the original) and the order of the float32 sums:
+results agree with ``F.linear`` to float32 rounding, not bit for bit, so this path is off by default
 (``SpeedPaths.packed_linear``) and the notebooks keep the eager path; the tests check that greedy
 tokens under it are still HF's on every test architecture.
 
-A decode step's GEMMs have few rows (one per sequence), and they are bound by reading the weights: at 16
-rows oneDNN read SmolLM2's weights at about 9.5 GB/s on one core here, while the core streams 13-20. Where
-the C++ ops (``fused_ops``) are built with AVX-512, each weight is also laid out in panels of
-16 output columns, k by k (``pack_panels``), and calls of up to ``PANEL_ROWS`` rows run ``panel_gemm``: up
-to 16 rows' sums in registers per panel, one pass over the panels, each prefetched into L2 ahead of its
-use. Measured on this machine, all of SmolLM2's GEMMs at 16 rows (30 layers and the head), median ms:
-56.6 with oneDNN against 41.8 on one thread, 32.5 against 22.3 on two; at 64 rows 172 against 159 and 92
-against 83. Larger calls (prefills) keep oneDNN, which blocks for reuse across many rows. The panels are
-a second packed copy of each weight.
+A decode step's GEMMs have few rows (one per sequence), and they are bound by reading the weights:
+at 16 rows oneDNN read SmolLM2's weights at about 9.5 GB/s on one core here, while the core streams
+13-20. Where the C++ ops (``fused_ops``) are built with AVX-512, each weight is also laid out in
+panels of 16 output columns, k by k (``pack_panels``), and calls of up to ``PANEL_ROWS`` rows run
+``panel_gemm``: up to 16 rows' sums in registers per panel, one pass over the panels, each
+prefetched into L2 ahead of its use. Measured on this machine, all of SmolLM2's GEMMs at 16 rows (30
+layers and the head), median ms: 56.6 with oneDNN against 41.8 on one thread, 32.5 against 22.3 on
+two; at 64 rows 172 against 159 and 92 against 83. Larger calls (prefills) keep oneDNN, which blocks
+for reuse across many rows. The panels are a second packed copy of each weight.
 
-Nothing of the model is replaced or patched: the runner runs each step's forward inside ``active()``, a
-``TorchFunctionMode`` (torch's own dispatch hook, scoped like ``paged_step()``) that sends every
-``F.linear`` whose weight is one of the model's packed ``nn.Linear`` weights to the packed GEMM and lets
-every other call through. Outside a step the model runs ``F.linear`` as before. A weight changed in
-place since it was packed (its ``_version`` or its storage moved) is packed again at its next call.
+Nothing of the model is replaced or patched: the runner runs each step's forward inside
+``active()``, a ``TorchFunctionMode`` (torch's own dispatch hook, scoped like ``paged_step()``) that
+sends every ``F.linear`` whose weight is one of the model's packed ``nn.Linear`` weights to the
+packed GEMM and lets every other call through. Outside a step the model runs ``F.linear`` as before.
+A weight changed in place since it was packed (its ``_version`` or its storage moved) is packed
+again at its next call.
 """
 
 from __future__ import annotations
@@ -37,11 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PANEL_ROWS", "PackedLinears", "PackedWeight", "pack", "packed_gemm", "packed_linear_available"]
+__all__ = [
+    "PANEL_ROWS",
+    "PackedLinears",
+    "PackedWeight",
+    "pack",
+    "packed_gemm",
+    "packed_linear_available",
+]
 
-# calls of up to this many rows go to the panel GEMM where it runs. All of SmolLM2's GEMMs, median ms,
-# oneDNN -> panels: 1 thread 56.6 -> 41.8 at 16 rows, 96.7 -> 81.1 at 32, 172 -> 159 at 64; 2 threads
-# 32.5 -> 22.3 at 16, 91.8 -> 82.9 at 64, 168 -> 164 at 128
+# calls of up to this many rows go to the panel GEMM where it runs. All of SmolLM2's GEMMs, median
+# ms, oneDNN -> panels: 1 thread 56.6 -> 41.8 at 16 rows, 96.7 -> 81.1 at 32, 172 -> 159 at 64; 2
+# threads 32.5 -> 22.3 at 16, 91.8 -> 82.9 at 64, 168 -> 164 at 128
 PANEL_ROWS = 64
 _NO_BIAS = torch.empty(0)
 
@@ -86,20 +94,25 @@ def pack(w: torch.Tensor) -> PackedWeight:
 
 
 def packed_gemm(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` on ``w``'s packed copies (``pack``): the panels up to ``PANEL_ROWS`` rows, else oneDNN's."""
+    """``F.linear(x, w, bias)`` on ``w``'s packed copies (``pack``): the panels up to ``PANEL_ROWS``
+    rows, else oneDNN's."""
     k = x.shape[-1]
     if packed.panels is not None and x.dtype == torch.float32 and x.numel() <= PANEL_ROWS * k:
         b = _NO_BIAS if bias is None else bias.contiguous()
-        out = _panel_ops().panel_gemm(x.reshape(-1, k).contiguous(), packed.panels, b, packed.out_features)
+        out = _panel_ops().panel_gemm(
+            x.reshape(-1, k).contiguous(), packed.panels, b, packed.out_features
+        )
         return out.view(*x.shape[:-1], packed.out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
 
 
 class PackedLinears:
-    """The model's float32 CPU ``nn.Linear`` weights (plain layers, no subclasses), each packed once."""
+    """The model's float32 CPU ``nn.Linear`` weights (plain layers, no subclasses), each packed
+    once."""
 
     def __init__(self, model: Any) -> None:
-        """Refuses a model it cannot run (``ValueError`` naming why): its first parameter's device and dtype."""
+        """Refuses a model it cannot run (``ValueError`` naming why): its first parameter's device
+        and dtype."""
         p = next(model.parameters())
         why = packed_linear_available(p.device, p.dtype)
         if why is not None:
@@ -121,7 +134,8 @@ class PackedLinears:
         return list(self._weights.values())
 
     def packed(self, w: torch.Tensor) -> PackedWeight | None:
-        """``w``'s packed copies (packed now if new or changed in place since), or None if ``w`` is not one."""
+        """``w``'s packed copies (packed now if new or changed in place since), or None if ``w`` is
+        not one."""
         if self._weights.get(id(w)) is not w:
             return None
         key = (w.data_ptr(), w._version)

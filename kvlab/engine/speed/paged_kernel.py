@@ -17,19 +17,19 @@ softmax is either online (one pass over the keys, a running max per row; the def
 ``MODE``) or two passes (all scores, then the values).
 
 Queries take a register path where the build has AVX-512 and the head dimension is 16, 32, 64 or 128
-(``has_decode_path``), in the online softmax. It goes a query token at a time: the token's query rows
-of a KV head and their running sums of values stay in vector registers; 16 keys are scored into one vector
-per row (each key's products, then a 16 x 16 transpose-and-add), the softmax moves 64 keys at a time,
-and each key's K and V are loaded once for all the rows. Where the kernel is on, it also writes each
-step's new K/V into the pages (``write_kv``, one call a layer, in place of two ``index_copy_``).
+(``has_decode_path``), in the online softmax. It goes a query token at a time: the token's query
+rows of a KV head and their running sums of values stay in vector registers; 16 keys are scored into
+one vector per row (each key's products, then a 16 x 16 transpose-and-add), the softmax moves 64
+keys at a time, and each key's K and V are loaded once for all the rows. Where the kernel is on, it
+also writes each step's new K/V into the pages (``write_kv``, one call a layer, in place of two
+``index_copy_``).
 
 It is used per group of sequences (``paged_attention.AttnGroup``) where it is faster than the gather
-+ SDPA path. With the register path that is every group, prefills too: 16 fresh prompts of 544 tokens
-(SmolLM2's heads) took 49 ms a layer against SDPA's 92 at 2 threads, and 85 against 149 at 1. Without
-it, groups whose longest query is at most ``MAX_QUERY`` tokens (decodes); there longer queries are
-GEMM-shaped and SDPA stays faster.
-Enabled by ``SpeedPaths.paged_kernel`` (off by default; ``kvlab serve`` turns it on for a float32
-CPU model).
++ SDPA path. With the register path that is every group, prefills too: 16 fresh prompts of 544
+tokens (SmolLM2's heads) took 49 ms a layer against SDPA's 92 at 2 threads, and 85 against 149 at 1.
+Without it, groups whose longest query is at most ``MAX_QUERY`` tokens (decodes); there longer
+queries are GEMM-shaped and SDPA stays faster. Enabled by ``SpeedPaths.paged_kernel`` (off by
+default; ``kvlab serve`` turns it on for a float32 CPU model).
 """
 
 from __future__ import annotations
@@ -43,19 +43,21 @@ from .cpp_build import build, build_failure
 
 __all__ = ["MAX_QUERY", "MODE", "KernelStep", "PagedKernel", "load", "paged_kernel_available"]
 
-# longest query (tokens of one sequence in a step) a group may have to be attended by the kernel, where it has
-# no register path (with it: every query; ``PagedKernel``)
+# longest query (tokens of one sequence in a step) a group may have to be attended by the kernel,
+# where it has no register path (with it: every query; ``PagedKernel``)
 MAX_QUERY = 1
 # 0: online softmax (one pass, a running max per row); 1: two passes (scores, then values)
 MODE = 0
 
-# -fno-trapping-math: GCC 12 vectorises the e^x loop (its floor and max) only under it; no value changes
+# -fno-trapping-math: GCC 12 vectorises the e^x loop (its floor and max) only under it; no value
+# changes
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 
 
 @functools.cache
 def load() -> Any:
-    """The compiled kernel, ``csrc/paged_kernel.cpp`` (built on first use, then imported: ``cpp_build``)."""
+    """The compiled kernel, ``csrc/paged_kernel.cpp`` (built on first use, then imported:
+    ``cpp_build``)."""
     return build("kvlab_paged_kernel", ["paged_kernel.cpp"], _FLAGS)
 
 
@@ -88,15 +90,15 @@ class KernelStep:
     def takes(self, g: Any, group: int) -> bool:
         """Whether the kernel attends group ``g`` (``group`` query heads per KV head).
 
-        Every group of queries of at most ``max_query`` tokens (with the register path: every group),
-        except one case: without the register path (an AVX-512 build, a head dimension of 16, 32, 64 or
-        128 and the online softmax), on one thread, where the
-        sequences share most of their blocks (on average each block in two tables or more) and the SDPA
-        path attends the union of the group's blocks. There each shared block is read once for all of
-        them in one GEMM-shaped attention, measured faster than the plain loops (16 decodes after a
-        512-token shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer). The register path
-        won that case (16 such decodes, one step of SmolLM2 with the other speed paths: 84 ms against
-        97 ms), and on two threads the plain loops won it too (0.8 ms against 1.03 ms a layer)."""
+        Every group of queries of at most ``max_query`` tokens (with the register path: every
+        group), except one case: without the register path (an AVX-512 build, a head dimension of
+        16, 32, 64 or 128 and the online softmax), on one thread, where the sequences share most of
+        their blocks (on average each block in two tables or more) and the SDPA path attends the
+        union of the group's blocks. There each shared block is read once for all of them in one
+        GEMM-shaped attention, measured faster than the plain loops (16 decodes after a 512-token
+        shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer). The register path won
+        that case (16 such decodes, one step of SmolLM2 with the other speed paths: 84 ms against 97
+        ms), and on two threads the plain loops won it too (0.8 ms against 1.03 ms a layer)."""
         if id(g) not in self.meta:
             return False
         # decided once per step, at its first layer (every layer asks the same question)
@@ -115,16 +117,23 @@ class KernelStep:
         # as the SDPA path would decide it
         return not (g.union or _plan_union(g, group, self.kernel.store.k_pages.element_size()))
 
-    def write_heads(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The store's ``write_heads`` (the same values in the same slots) as one C++ call, where it takes them
-        (float32 rows with unit stride; else the store's own)."""
+    def write_heads(
+        self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """The store's ``write_heads`` (the same values in the same slots) as one C++ call, where it
+        takes them (float32 rows with unit stride; else the store's own)."""
         store = self.kernel.store
         if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (key, value)):
             store.write_heads(layer, slot_mapping, key, value)
             return
         flat = (store.kv_heads, -1, store.head_dim)
-        self.kernel.module.write_kv(store.k_pages[layer].view(flat), store.v_pages[layer].view(flat), slot_mapping,
-                                    key, value)
+        self.kernel.module.write_kv(
+            store.k_pages[layer].view(flat),
+            store.v_pages[layer].view(flat),
+            slot_mapping,
+            key,
+            value,
+        )
 
     def attend(
         self,
@@ -144,8 +153,8 @@ class KernelStep:
         rows, qlens, qstarts, tables = self.meta[id(g)]
         k, v = store.k_pages[layer], store.v_pages[layer]
         args = (q, out, k, v, rows, qlens, qstarts, tables, scale, window or 0, self.kernel.mode)
-        # named in a profile's table (scripts/profile_step.py), beside the ATen ops; only while a profiler
-        # runs, as the name costs ~6 us a call (30 calls a step)
+        # named in a profile's table (scripts/profile_step.py), beside the ATen ops; only while a
+        # profiler runs, as the name costs ~6 us a call (30 calls a step)
         if torch.autograd._profiler_enabled():
             with torch.profiler.record_function("kvlab::paged_kernel"):
                 self.kernel.module.attend(*args)
@@ -165,7 +174,9 @@ class PagedKernel:
         # queries take the kernel's register path (``attend``'s decode_rows), a token at a time
         self.decode_path = mode == 0 and self.module.has_decode_path(store.head_dim)
         # None: queries of any length where the register path runs (prefills too), else MAX_QUERY
-        self.max_query = max_query if max_query is not None else (2**62 if self.decode_path else MAX_QUERY)
+        self.max_query = (
+            max_query if max_query is not None else (2**62 if self.decode_path else MAX_QUERY)
+        )
 
     def plan(self, batch: Any) -> KernelStep:
         """The step's kernel: the metadata of the groups it attends."""

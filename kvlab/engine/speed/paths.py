@@ -73,8 +73,11 @@ class SpeedPaths:
         unknown = set(off) - set(NAMES)
         if unknown:
             raise ValueError(f"unknown speed path(s) {sorted(unknown)}: {', '.join(NAMES)}")
-        wait = (contextlib.nullcontext() if build_wait_s is None and rebuild_stale
-                else lock_wait(LOCK_WAIT_S if build_wait_s is None else build_wait_s, rebuild_stale))
+        wait = (
+            contextlib.nullcontext()
+            if build_wait_s is None and rebuild_stale
+            else lock_wait(LOCK_WAIT_S if build_wait_s is None else build_wait_s, rebuild_stale)
+        )
         with wait:
             whys = {name: "turned off" if name in off else why_not(name, model) for name in NAMES}
         on = {name: why is None for name, why in whys.items()}
