@@ -8,7 +8,10 @@ itself: a forward of 1 token (a step's fixed cost: every weight read once) and o
 (the cost a token), after a warm-up. A step is given at least 4 x its fixed cost, so that chunks small enough
 for the gap still spend most of a step on prompt tokens (the throughput). The budget is rounded down to a
 multiple of 16 and kept in ``[max_num_seqs, 2048]`` (the scheduler needs one token per running sequence a
-step). On a CUDA device it is 2,048, vLLM's default.
+step). On a CUDA device it is 2,048, vLLM's default. Elsewhere it is at least ``MIN_CPU_BUDGET``: the probe
+times the model's plain forward, which is slower than the engine's own path with its speed paths on, so it
+underestimates the rate; and below 256 tokens a step the gap measured for short streams barely shrank while
+prefill throughput fell by about half (issue 53's note gives the three budgets measured).
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["MAX_BUDGET", "PROBE_TOKENS", "TARGET_STEP_S", "budget_for_rate", "default_token_budget",
+__all__ = ["MAX_BUDGET", "MIN_CPU_BUDGET", "PROBE_TOKENS", "TARGET_STEP_S", "budget_for_rate", "default_token_budget",
            "prefill_rate"]
 
 TARGET_STEP_S = 0.25  # seconds of prefill a step may add to every running stream's gap
 PROBE_TOKENS = 64
 MAX_BUDGET = 2048  # vLLM's default for online serving
+MIN_CPU_BUDGET = 256  # the least a step takes on a device other than CUDA (see the module docstring)
 
 
 def budget_for_rate(tokens_per_s: float, max_num_seqs: int, target_s: float = TARGET_STEP_S,
@@ -61,6 +65,8 @@ def default_token_budget(model: Any, max_num_seqs: int) -> tuple[int, str]:
     if device.type == "cuda":
         return MAX_BUDGET, "vLLM's default on a CUDA device"
     rate, fixed = prefill_rate(model)
-    return budget_for_rate(rate, max_num_seqs, fixed_s=fixed), (
+    measured = budget_for_rate(rate, max_num_seqs, fixed_s=fixed)
+    floor = f"; at least {MIN_CPU_BUDGET}" if measured < MIN_CPU_BUDGET else ""
+    return max(MIN_CPU_BUDGET, measured), (
         f"{device.type} prefills {rate:,.0f} tokens/s past {1e3 * fixed:.0f} ms a forward: a step of about "
-        f"{max(TARGET_STEP_S, 4 * fixed):.2g} s")
+        f"{max(TARGET_STEP_S, 4 * fixed):.2g} s{floor}")

@@ -414,11 +414,16 @@ def test_serve_sizes_the_token_budget_to_the_device_unless_given(bundled, monkey
     runs = []
     monkeypatch.setattr(kvlab.engine.models, "load_model", lambda *a, **k: bundled)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(app))
-    monkeypatch.setattr(kvlab.serve.budget, "prefill_rate", lambda model, tokens=64: (1000.0, 0.01))
+    monkeypatch.setattr(kvlab.serve.budget, "prefill_rate", lambda model, tokens=64: (4000.0, 0.01))
     monkeypatch.delenv("KVLAB_API_KEYS", raising=False)
     assert main(["--num-blocks", "64"]) == 0
-    assert runs.pop().state.server.engine.scheduler.max_num_batched_tokens == 240
-    assert "token budget 240" in capsys.readouterr().err
+    assert runs.pop().state.server.engine.scheduler.max_num_batched_tokens == 960
+    assert "token budget 960" in capsys.readouterr().err
+    # a slow probe: the CPU floor, said in the line
+    monkeypatch.setattr(kvlab.serve.budget, "prefill_rate", lambda model, tokens=64: (150.0, 0.01))
+    assert main(["--num-blocks", "64"]) == 0
+    assert runs.pop().state.server.engine.scheduler.max_num_batched_tokens == 256
+    assert "at least 256" in capsys.readouterr().err
     assert main(["--num-blocks", "64", "--max-num-batched-tokens", "512"]) == 0
     assert runs.pop().state.server.engine.scheduler.max_num_batched_tokens == 512
     assert main(["--num-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "4"]) == 2
