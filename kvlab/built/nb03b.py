@@ -119,8 +119,7 @@ def as_cache(model, layers) -> DynamicCache:
 
 
 def fetch_moved(chunks, pieces, tenant=None):
-    """(a) The prompt positions of the reused pieces' tokens, their K/V per layer with the keys moved there, and
-    the seconds spent computing misses."""
+    """(a) The reused pieces' prompt positions, their K/V per layer with the keys moved there, the miss seconds."""
     reused, parts, miss, pos = [], [], 0.0, 0
     for ids, reuse in pieces:
         if reuse and ids:
@@ -138,9 +137,8 @@ def fetch_moved(chunks, pieces, tenant=None):
 
 @torch.no_grad()
 def blend_prefill(chunks, pieces, recompute: float, *, tenant=None, prefix=None, select_layer: int = 1) -> B.Blend:
-    """Prefill ``pieces`` [(text or ids, reuse?)]: reused pieces from the chunk cache, ``recompute`` of their tokens
-    (the farthest from the truth at ``select_layer``) computed again with every other token. ``prefix``: an exact
-    ``PrefixKV`` of the prompt's first tokens, never recomputed."""
+    """Prefill ``pieces`` [(text or ids, reuse?)]: reused ones from the chunk cache, ``recompute`` of their tokens (farthest
+    from the truth at ``select_layer``) computed again; ``prefix``: an exact ``PrefixKV``, never recomputed."""
     model = chunks.model
     pieces = [(encode(chunks.tokenizer, p), bool(reuse)) for p, reuse in pieces]
     ids = [t for p, _ in pieces for t in p]
@@ -285,8 +283,7 @@ def ttft_methods(ratios: Sequence[float]) -> list[str]:
 @torch.no_grad()
 def run_ttft(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float] = RATIOS,
              repeats: int = 3, progress: bool = False) -> Any:
-    """Seconds to the first token's logits (the wall time of ``blend_prefill``), per request and method, timed by
-    the series' ``time_interleaved``: a warm-up each (which also fills the chunk cache), the methods interleaved."""
+    """Seconds to the first token's logits per request and method, by ``time_interleaved`` (warm-ups fill the cache)."""
     import pandas as pd
 
     rows, names = [], ttft_methods(ratios)
@@ -310,8 +307,7 @@ def ttft_timings(ttft: Any) -> dict[str, Timing]:
 
 
 def ttft_table(ttft: Any) -> Any:
-    """Per method: TTFT per request (median of runs, min–max), and the ratio to a full prefill with its range:
-    the same ``ratio_verdict`` numbers the sentences below the table print."""
+    """Per method: TTFT per request (median, min–max) and the ``ratio_verdict`` to a full prefill the sentences print."""
     import pandas as pd
 
     timings, select = ttft_timings(ttft), ttft.groupby("method", sort=False)["select_s"].mean()

@@ -44,8 +44,8 @@ def article_requests(page_size: int = 1, block_size: int = DEFAULT_BLOCK_SIZE, l
 
 # --- 04b_radix_vs_blocks.ipynb, cell 9 ---
 def walk(root, tokens: list[int]) -> int:
-    """How many leading tokens the tree under ``root`` holds (page 1): follow the child that starts with the
-    next token, compare its edge, stop inside an edge or where no child starts with the next token."""
+    """Leading tokens the tree under ``root`` holds (page 1): follow the child starting with the next token, compare
+    its edge, stop inside an edge or where no child starts with the next token."""
     node, pos = root, 0
     while pos < len(tokens) and tokens[pos] in node.children:
         child = node.children[tokens[pos]]

@@ -66,8 +66,7 @@ def index_sentence(result: FleetResult, replicas: Sequence[Any]) -> str:
 # --- 09_beyond_one_replica.ipynb, cell 11 ---
 def sweep(workload, replicas: Sequence[int] = (1, 2, 4), policies: Sequence[str] = POLICIES, *, num_blocks: int = 96,
           cost: CostModel | None = None, **router_kwargs) -> pd.DataFrame:
-    """Simulate every (replica count, policy): one summary row each, plus the mean TTFT and the cold prefills
-    (requests that found nothing cached or restored); ``slowest_cold``: the slowest request was one of them."""
+    """Simulate every (replica count, policy): summary rows, mean TTFT, cold prefills and ``slowest_cold``."""
     rows = []
     for n in replicas:
         for p in policies:

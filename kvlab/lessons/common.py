@@ -190,8 +190,7 @@ class Reveal:
 
 
 def quick_sizes(model: Any, smoke: bool = False) -> bool:
-    """Whether a notebook's sweeps use their small sizes: in SMOKE mode, and for a model of more than
-    ``QUICK_PARAMETERS`` on a CPU (notebook 03's sweep took 12 min on SmolLM2 on 2 cores); else the full sizes."""
+    """Small sweep sizes in SMOKE mode and for a model above ``QUICK_PARAMETERS`` on a CPU (03's: 12 min on SmolLM2)."""
     if smoke:
         return True
     first = next(model.parameters(), None)

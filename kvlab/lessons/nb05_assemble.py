@@ -19,8 +19,7 @@ reference_slot_mapping = SOL.build_05_slot_mapping
 
 
 def pieces_from_04(**yours: Callable | None) -> SimpleNamespace:
-    """Notebook 04's pieces (``hashes``, ``take``, ``free``, ``allocate``): each of yours that its checker passes,
-    else kvlab's; prints which."""
+    """Notebook 04's pieces (``hashes``, ``take``, ``free``, ``allocate``): yours where its checker passes, else kvlab's."""
     ref, got, pair = L04.kvlab_pieces(), {}, L04.check_take_free(yours.get("take"), yours.get("free"))
     checks = {"hashes": L04.check_block_hashes(yours.get("hashes")), "take": pair, "free": pair,
               "allocate": L04.check_allocate(yours.get("allocate"), *(yours.get(k) or getattr(ref, k)
@@ -116,8 +115,7 @@ CASES = (([7, 2, 31], 4, 0, 9), ([5, 0, 12, 39], 4, 8, 13), ([17, 3, 26], 16, 35
 
 
 def check_slot_mapping(fn: Callable[..., list[int]] | None) -> Verdict:
-    """Build 05.B2: ``fn(block_table, block_size, start, end)``, the K/V slot of each position in ``[start, end)``.
-    Never raises."""
+    """Build 05.B2: ``fn(block_table, block_size, start, end)``, the K/V slot of each position in ``[start, end)``."""
     hint = ("one slot per position p from start to end - 1: the physical block block_table[p // block_size], times "
             "block_size, plus the offset p % block_size")
     for table, bs, start, end in CASES:

@@ -60,8 +60,7 @@ def score_row(workload: Workload, reference: list[Any], outputs: list[Any]) -> d
 
 
 def ttft_verdict(table: Any, group: int, mode: str) -> Any:
-    """``mode``'s median TTFT over the isolated row's, judged by ``timing.ratio_verdict`` (None: not timed): the one
-    definition of the ratio, used by the table's "TTFT ratio, ours" and every sentence."""
+    """``mode``'s median TTFT over the isolated row's by ``timing.ratio_verdict`` (None: not timed): the one ratio."""
     d = table.set_index(["group", "mode"])
     num, den = d.loc[(group, mode), "TTFT runs (ms)"], d.loc[(group, "isolated"), "TTFT runs (ms)"]
     return ratio_verdict(Timing(mode, tuple(x / 1e3 for x in num)), Timing("isolated", tuple(x / 1e3 for x in den)),

@@ -14,8 +14,7 @@ save_record, load_record = record_files(RECORD)
 
 
 def vllm_found(python: Any = None) -> tuple[bool, str]:
-    """Whether a vLLM interpreter is there, WITHOUT importing vLLM (tens of seconds); the notebook's one
-    worker then says whether vLLM really runs."""
+    """Whether a vLLM interpreter is there, WITHOUT importing vLLM (tens of seconds)."""
     if os.environ.get("KVLAB_SKIP_VLLM") == "1":
         return False, "vLLM skipped: KVLAB_SKIP_VLLM=1 is set (unset it to use the vLLM venv)"
     try:

@@ -28,8 +28,7 @@ def toy_tokenize(text: str) -> list[int]:
 
 @dataclass(slots=True)
 class Request(TraceRequest):
-    """One prompt, the tokens its decode will write, a tenant salt, the turn it must wait for (``after``), and
-    free-form tags (the replay's ``TraceRequest`` plus ``tags``)."""
+    """One prompt, its decode's tokens, a tenant salt, the turn it waits for (``after``) and free-form ``tags``."""
 
     tags: dict = field(default_factory=dict)
 
