@@ -82,13 +82,12 @@ def _result(system: str, mode: str, ttfts: Sequence[float], wall: float, outputs
 ENGINE_OPTIONS: dict[str, Any] = {}
 
 
-def run_kvlab(
-    model: Any, workload: Workload, caching: bool, block_size: int = DEFAULT_BLOCK_SIZE
-) -> dict[str, Any]:
-    """kvlab's engine: all requests at once, prefix caching on (shared) or off (isolated)."""
-    n = workload.max_tokens
-    num_blocks = sum(cdiv(len(p) + n, block_size) for p in workload.prompts) + 4
-    engine = Engine(
+def bench_engine(
+    model: Any, workload: Workload, caching: bool, block_size: int, new_tokens: int
+) -> Engine:
+    """kvlab's engine sized for ``workload``: every request and ``new_tokens`` each fit at once."""
+    num_blocks = sum(cdiv(len(p) + new_tokens, block_size) for p in workload.prompts) + 4
+    return Engine(
         model,
         None,
         num_blocks=num_blocks,
@@ -98,6 +97,14 @@ def run_kvlab(
         max_num_batched_tokens=max(2048, workload.prompt_tokens),
         **ENGINE_OPTIONS,
     )
+
+
+def run_kvlab(
+    model: Any, workload: Workload, caching: bool, block_size: int = DEFAULT_BLOCK_SIZE
+) -> dict[str, Any]:
+    """kvlab's engine: all requests at once, prefix caching on (shared) or off (isolated)."""
+    n = workload.max_tokens
+    engine = bench_engine(model, workload, caching, block_size, new_tokens=n)
     device, _ = model_device_dtype(model)
     t0 = time.perf_counter()
     outs = engine.generate(workload.prompts, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -735,17 +742,7 @@ def kvlab_steps(
     """One prefill step of all prompts (seconds) and the median decode step after it, in kvlab's
     engine."""
     device, _ = model_device_dtype(model)
-    num_blocks = sum(cdiv(len(p) + steps + 2, block_size) for p in workload.prompts) + 4
-    engine = Engine(
-        model,
-        None,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        enable_prefix_caching=caching,
-        max_num_seqs=len(workload),
-        max_num_batched_tokens=max(2048, workload.prompt_tokens),
-        **ENGINE_OPTIONS,
-    )
+    engine = bench_engine(model, workload, caching, block_size, new_tokens=steps + 2)
     for p in workload.prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
     t0 = time.perf_counter()
