@@ -58,7 +58,9 @@ def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
         try:
             text = stream[i:i + n].decode("utf-8")
         except UnicodeDecodeError:
-            text, n = f"<{stream[i]:02x}>", 1
+            # a character the ids stop inside of continues past them ("…"); other bad bytes show as hex
+            cut = i + n > len(stream)
+            text, n = ("…", len(stream) - i) if cut else (f"<{stream[i]:02x}>", 1)
         chars.append((i, i + n, text))
         i += n
     pieces = []

@@ -53,5 +53,8 @@ def test_token_pieces_show_whole_characters_never_byte_fragments(lm):
     assert all(ch in joined for ch in text)   # every character is shown, in the token(s) that carry it
     split = [i for i, p in enumerate(pieces) if p.endswith("…")]
     assert split and all(pieces[i + 1].startswith("…") for i in split if i + 1 < len(pieces))
+    # ids that stop inside a character (01's first 12 tokens): the cut one reads "请…", not "请<e5>"
+    cut = L.token_pieces(tok, encode(tok, text)[:12])
+    assert not any("<" in p for p in cut) and cut[-1].endswith("…"), cut
     special = L.token_pieces(tok, encode(tok, "<|im_start|>system\nhi"))
     assert special[0] == "<|im_start|>" and "".join(special[1:]) == "system\\nhi"   # a newline shown as \n
