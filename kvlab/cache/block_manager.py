@@ -331,6 +331,11 @@ class BlockManager(SequenceTables):
         shared = self.cow and pool.blocks[seq.block_table[-1]].ref_count > 1
         return bool(pool.free) or not (full or shared)
 
+    def copy_shared_block(self, seq: Any, shared: Any) -> Any:
+        """``seq``'s private copy of the shared partial block it is about to write into
+        (``fork.copy_on_write``); a method, so a subclass can replace it (notebook 04's leak)."""
+        return copy_on_write(self, seq, shared)
+
     def append(self, seq_id: Hashable, token_id: int) -> AppendResult:
         """Write one decoded token: take a block if the last is full, copy it first if it is
         shared."""
@@ -354,7 +359,7 @@ class BlockManager(SequenceTables):
         else:
             block = pool.blocks[seq.block_table[-1]]
             if block.ref_count > 1 and self.cow:
-                block, shared = copy_on_write(self, seq, block), block
+                block, shared = self.copy_shared_block(seq, block), block
                 cow = (shared.block_id, block.block_id)
         # appends; with cow=False a shared block may already hold this slot: it is overwritten
         block.token_ids[offset : offset + 1] = [token_id]
