@@ -2,7 +2,7 @@
 
 kvlab serves a model only where it is sure its paged attention computes exactly what the model's own
 attention does; anything else is refused by name with ``NotImplementedError`` (docs/engine.md). This
-file is that allow-list in one place, checked once, when a ``ModelRunner`` is built (``admit``):
+file is the allow-list checked once, when a ``ModelRunner`` is built (``admit``):
 
 - the model's config has an int ``vocab_size`` (a multimodal wrapper does not: load its language
   model);
@@ -11,10 +11,9 @@ file is that allow-list in one place, checked once, when a ``ModelRunner`` is bu
 - its forward takes ``position_ids`` (a packed step gives each token its place in its sequence);
 - its config asks nothing beyond causal SDPA with a scale and an optional window (``check_config``).
 
-The paged attention runs ``check_call`` at every call, against the same lists
-(``IMPLEMENTED_KWARGS``, ``METADATA_KWARGS``, ``_FEATURES``): the one part of this file that runs on
-a step. This module imports no other kvlab module (``paged_attention`` imports ``check_call``): the
-runner hands ``admit`` the ``paged_attention`` module to probe with.
+The per-call half of the allow-list (``IMPLEMENTED_KWARGS``, ``METADATA_KWARGS``) lives beside the
+attention it guards: ``paged_attention.check_call`` runs at every call of a step; this file runs
+once, at construction (the runner hands ``admit`` the ``paged_attention`` module to probe with).
 """
 
 from __future__ import annotations
@@ -25,75 +24,18 @@ from typing import Any
 
 import torch
 
+from .paged_attention import IMPLEMENTED_KWARGS, METADATA_KWARGS, refuse_feature
+
 __all__ = [
     "ATTENTION_LAYER_TYPES",
     "IMPLEMENTED_KWARGS",
     "METADATA_KWARGS",
     "admit",
-    "check_call",
     "check_config",
 ]
 
-# the keywords the paged attention implements
-IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
-# transformers' bookkeeping keywords that carry no attention semantics (positions come from
-# ``kvlab_batch``):
-METADATA_KWARGS = frozenset(
-    "position_ids cache_position use_cache output_attentions output_hidden_states "
-    "output_router_logits return_dict logits_to_keep".split()
-)
 # the config.layer_types it implements
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-# What a refusal calls some keywords (any other one is named as the keyword itself):
-_FEATURES = {
-    "s_aux": "per-head attention sink logits (s_aux)",
-    "softcap": "attention logit soft-capping (softcap)",
-    "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
-    "encoder_hidden_states": "cross-attention (encoder_hidden_states)",
-}
-
-
-def _refuse(feature: str) -> None:
-    """Refuse an attention feature by name (a call's keyword or a config's)."""
-    raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
-
-
-def check_call(
-    module: Any,
-    attention_mask: Any,
-    is_causal: bool | None,
-    dropout: float,
-    sliding_window: Any,
-    kwargs: dict[str, Any],
-) -> None:
-    """Raise ``NotImplementedError`` naming what one attention call asks beyond causal (+window)
-    SDPA.
-
-    Run by ``paged_attention_forward`` at every call (a layer may ask what the probe's call did
-    not)."""
-    if attention_mask is not None:
-        _refuse(
-            f"the model's own attention mask (a {type(attention_mask).__name__} passed to the "
-            "attention)"
-        )
-    if is_causal is False or getattr(module, "is_causal", True) is False:
-        _refuse("non-causal (bidirectional) attention")
-    if dropout:
-        _refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
-    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
-        _refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
-    if kwargs.get("output_attentions"):
-        _refuse("returning attention weights (output_attentions=True)")
-    for name, v in kwargs.items():
-        # an unknown keyword is accepted only when off (None)
-        if name not in METADATA_KWARGS and v is not None:
-            what = f"the attention keyword {name!r} (a {type(v).__name__}, not None)"
-            _refuse(_FEATURES.get(name, what))
-    if not isinstance(getattr(module, "layer_idx", None), int):
-        raise NotImplementedError(
-            f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
-            "paged attention stores K/V per layer"
-        )
 
 
 def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
@@ -102,14 +44,14 @@ def check_config(config: Any, windows_run: dict[int, int | None]) -> None:
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = getattr(cfg, "layer_types", None)
     if types is not None and set(types) - ATTENTION_LAYER_TYPES:
-        _refuse(
+        refuse_feature(
             f"layers of type {sorted(set(types) - ATTENTION_LAYER_TYPES)} (only "
             f"{sorted(ATTENTION_LAYER_TYPES)})"
         )
     if getattr(cfg, "attention_chunk_size", None) is not None:
-        _refuse(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
+        refuse_feature(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
     if getattr(cfg, "use_bidirectional_attention", None):
-        _refuse(
+        refuse_feature(
             "bidirectional attention "
             f"(use_bidirectional_attention={cfg.use_bidirectional_attention!r})"
         )

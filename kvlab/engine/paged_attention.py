@@ -1,6 +1,6 @@
 """Paged attention for any HF decoder via transformers' ``AttentionInterface``: per layer, write the
-step's new K/V, then attend each sequence's K/V through its block table. An allow-list: anything
-else is refused (admission.py)."""
+step's new K/V, then attend each sequence's K/V through its block table. An allow-list: a call that
+asks for more is refused by ``check_call`` (what is checked once, at construction: admission.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from ..cache.block_manager import cdiv
 from .accelerator import KernelPlan
-from .admission import check_call
 from .kv_store import PagedKVStore
 
 __all__ = [
@@ -29,6 +28,7 @@ __all__ = [
     "attend_per_sequence",
     "attend_union",
     "build_batch",
+    "check_call",
     "group_by_query_length",
     "paged_attention_forward",
     "paged_step",
@@ -37,6 +37,21 @@ __all__ = [
 
 ATTN_NAME = "kvlab_paged"
 _sdpa = F.scaled_dot_product_attention
+# the keywords the paged attention implements
+IMPLEMENTED_KWARGS = frozenset({"kvlab_batch", "scaling", "sliding_window", "dropout", "is_causal"})
+# transformers' bookkeeping keywords that carry no attention semantics (positions come from
+# ``kvlab_batch``)
+METADATA_KWARGS = frozenset(
+    "position_ids cache_position use_cache output_attentions output_hidden_states "
+    "output_router_logits return_dict logits_to_keep".split()
+)
+# what a refusal calls some keywords (any other one is named as the keyword itself)
+_FEATURES = {
+    "s_aux": "per-head attention sink logits (s_aux)",
+    "softcap": "attention logit soft-capping (softcap)",
+    "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
+    "encoder_hidden_states": "cross-attention (encoder_hidden_states)",
+}
 
 
 @dataclass(slots=True)
@@ -230,7 +245,7 @@ def paged_attention_forward(
     """
     # query (1, heads, T, D); key, value (1, kv_heads, T, D), RoPE already applied
     batch, layer = kvlab_batch, getattr(module, "layer_idx", None)
-    _check_call(
+    check_call(
         module, query, key, value, attention_mask, dropout, batch, sliding_window, is_causal, kwargs
     )
     store, window = batch.store, sliding_window
@@ -249,10 +264,11 @@ def paged_attention_forward(
             out = batch.kernel.attend(g, layer, q_all, out, scaling, window)
             continue
         b, q_len = g.query_index.shape
-        # (B, Qmax, heads, D)
-        q = _rows(g, q_all, whole)
+        # (B, Qmax, heads, D): a view of the whole step, else gathered by index
+        q, k, v = (x.reshape(b, q_len, *x.shape[1:]) if whole else x[g.query_index]
+                   for x in (q_all, k_all, v_all))
         if g.fresh and (window is None or window >= q_len):
-            o = attend_fresh(q, _rows(g, k_all, whole), _rows(g, v_all, whole), scaling)
+            o = attend_fresh(q, k, v, scaling)
         elif g.union or (g.union is None and _plan_union(g, group, store.k.element_size())):
             o = attend_union(g, store, layer, q, scaling, window)
         else:
@@ -337,12 +353,6 @@ def attend_per_sequence(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.
     return _by_query_head(o, q_len, heads)
 
 
-def _rows(g: AttnGroup, x: torch.Tensor, whole: bool) -> torch.Tensor:
-    """``x`` ``(T, heads, D)`` as ``g``'s padded rows ``(B, Qmax, heads, D)`` (a view when
-    ``whole``)."""
-    return x.reshape(*g.query_index.shape, *x.shape[1:]) if whole else x[g.query_index]
-
-
 def _by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """GQA without repeating K/V: ``(B, Qmax, heads, D)`` -> ``(B, kv_heads, group * Qmax, D)``.
 
@@ -361,7 +371,12 @@ def _by_query_head(o: torch.Tensor, q_len: int, heads: int) -> torch.Tensor:
     return o.reshape(b, q_len, heads, d)
 
 
-def _check_call(
+def refuse_feature(feature: str) -> None:
+    """Refuse an attention feature by name (a call's keyword or a config's)."""
+    raise NotImplementedError(f"{feature} is not implemented by kvlab's paged attention")
+
+
+def check_call(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -369,19 +384,40 @@ def _check_call(
     attention_mask: torch.Tensor | None,
     dropout: float,
     batch: PagedBatch | None,
-    sliding_window: int | None,
+    sliding_window: Any,
     is_causal: bool | None,
     kwargs: dict[str, Any],
 ) -> None:
-    """Refuse a call the paged attention does not serve (naming why); record its layer and
-    window."""
-    layer = getattr(module, "layer_idx", None)
+    """Refuse (``NotImplementedError``, naming it) what one call asks beyond causal (+window) SDPA
+    with a scale; record its layer and window. Every call: a layer may ask what the probe's did not.
+    """
+    layer, refuse = getattr(module, "layer_idx", None), refuse_feature
     if batch is None:
         raise MissingBatchError(
             f"attention {ATTN_NAME!r} needs the forward keyword `kvlab_batch` (run it through "
             "kvlab.engine.Engine, or inside `paged_step()` on a model switched to it)"
         )
-    check_call(module, attention_mask, is_causal, dropout, sliding_window, kwargs)
+    if attention_mask is not None:
+        what = type(attention_mask).__name__
+        refuse(f"the model's own attention mask (a {what} passed to the attention)")
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        refuse("non-causal (bidirectional) attention")
+    if dropout:
+        refuse(f"attention dropout (p={dropout}; put the model in eval mode)")
+    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
+        refuse(f"a sliding window of {sliding_window!r} (only a positive int of tokens)")
+    if kwargs.get("output_attentions"):
+        refuse("returning attention weights (output_attentions=True)")
+    for name, v in kwargs.items():
+        # an unknown keyword is accepted only when off (None)
+        if name not in METADATA_KWARGS and v is not None:
+            refuse(_FEATURES.get(name, f"the attention keyword {name!r} (a {type(v).__name__}, "
+                                       "not None)"))
+    if not isinstance(layer, int):
+        raise NotImplementedError(
+            f"an attention module without an int layer_idx ({type(module).__name__}): kvlab's "
+            "paged attention stores K/V per layer"
+        )
     batch.layers_run.append(layer)
     batch.windows_run.append(sliding_window)
     if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
@@ -393,10 +429,8 @@ def _check_call(
         raise NotImplementedError(
             f"layer {layer} has {kv_heads} KV heads with key/value/query widths {key.shape[-1]}/"
             f"{value.shape[-1]}/{d}, but the store holds {store.kv_heads} x {store.head_dim} for "
-            "every "
-            "layer: per-layer sizes, or keys and values of different widths (e.g. multi-head "
-            "latent "
-            "attention), are not implemented"
+            "every layer: per-layer sizes, or keys and values of different widths (e.g. multi-head "
+            "latent attention), are not implemented"
         )
 
 

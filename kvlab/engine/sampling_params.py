@@ -4,7 +4,7 @@ docs/engine.md)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["MAX_LOGPROBS", "STOP_ID_COLLECTIONS", "SamplingParams"]
 
@@ -62,6 +62,9 @@ class SamplingParams:
     logprobs: int | None = None
     # top log-probabilities per prompt token (None = none)
     prompt_logprobs: int | None = None
+    # derived, not given: whether the logits change before the choice (penalties, bias, min_tokens,
+    # min_p); else greedy's choice is the argmax. Set once in __post_init__, so a step reads a field
+    processes_logits: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         stops = self.stop_token_ids
@@ -94,6 +97,9 @@ class SamplingParams:
             )
 
         self._check_vllm_fields()
+        processes = (self.presence_penalty or self.frequency_penalty or self.logit_bias
+                     or self.repetition_penalty != 1 or self.min_tokens or self.min_p)
+        object.__setattr__(self, "processes_logits", bool(processes))
 
     def _check_vllm_fields(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -136,13 +142,6 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether the logits change before the choice (penalties, bias, min_tokens, min_p): else
-        argmax is greedy's."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens or self.min_p)
 
     @property
     def greedy(self) -> bool:
