@@ -1,9 +1,11 @@
-"""How blocks travel between replicas: an object store with two methods, ``put`` and ``get`` (torch-free).
+"""How blocks travel between replicas: an object store with two methods, ``put`` and ``get``
+(torch-free).
 
-``RayObjectStore`` is Ray's: the holder's actor ``ray.put``s the blocks (so it owns them) and the fetcher
-``ray.get``s them; if the holder dies first, Ray loses the object and ``get`` raises. ``LocalObjectStore`` is
-an in-process stand-in with the same failure: ``kill(owner)`` loses that owner's objects. ``PickleObjectStore``
-also serializes, to cost what crossing a process boundary costs. A fetcher treats ``ObjectLost`` as a miss.
+``RayObjectStore`` is Ray's: the holder's actor ``ray.put``s the blocks (so it owns them) and the
+fetcher ``ray.get``s them; if the holder dies first, Ray loses the object and ``get`` raises.
+``LocalObjectStore`` is an in-process stand-in with the same failure: ``kill(owner)`` loses that
+owner's objects. ``PickleObjectStore`` also serializes, to cost what crossing a process boundary
+costs. A fetcher treats ``ObjectLost`` as a miss.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class ObjectStore(Protocol):
 
 
 class LocalObjectStore:
-    """An in-process object store with Ray's failure mode: ``kill(owner)`` loses every object that owner put."""
+    """An in-process object store with Ray's failure mode: ``kill(owner)`` loses every object that
+    owner put."""
 
     def __init__(self) -> None:
         self.objects: dict[int, tuple[Hashable, Any]] = {}
@@ -59,7 +62,8 @@ class LocalObjectStore:
 
 
 class PickleObjectStore(LocalObjectStore):
-    """``LocalObjectStore`` that serializes on ``put`` and deserializes on ``get``: the copies a process boundary costs."""
+    """``LocalObjectStore`` that serializes on ``put`` and deserializes on ``get``: the copies a
+    process boundary costs."""
 
     def put(self, obj: Any, owner: Hashable = None) -> int:
         """Store ``obj`` pickled; its reference."""
@@ -71,7 +75,8 @@ class PickleObjectStore(LocalObjectStore):
 
 
 class RayObjectStore:
-    """Ray's object store: ``ray.put`` in the holder (which owns the object), ``ray.get`` in the fetcher."""
+    """Ray's object store: ``ray.put`` in the holder (which owns the object), ``ray.get`` in the
+    fetcher."""
 
     def put(self, obj: Any, owner: Hashable = None) -> Any:
         """``ray.put(obj)``: owned by the calling process (the holder's actor)."""

@@ -1,9 +1,10 @@
-"""One request's life on the event loop: its engine updates -> text pieces, usage, metrics, and its end.
+"""One request's life on the event loop: its engine updates -> text pieces, usage, metrics, and its
+end.
 
-``Generation.pieces()`` turns the updates the engine thread sends (``kvlab.serve.runner.Update``) into
-``Piece``s of text and token ids. ``close()`` runs exactly once however the request ends (finished,
-stop string, client gone, error): it aborts the engine request if it is still running, which frees
-its blocks, and counts the request in the metrics.
+``Generation.pieces()`` turns the updates the engine thread sends (``kvlab.serve.runner.Update``)
+into ``Piece``s of text and token ids. ``close()`` runs exactly once however the request ends
+(finished, stop string, client gone, error): it aborts the engine request if it is still running,
+which frees its blocks, and counts the request in the metrics.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class Piece:
 class OutputText(TextStream):
     """``TextStream`` with vLLM's ``skip_special_tokens`` and ``include_stop_str_in_output``."""
 
-    def __init__(self, tokenizer, stop=(), skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+    def __init__(
+        self, tokenizer, stop=(), skip_special_tokens: bool = True, include_stop: bool = False
+    ) -> None:
         super().__init__(tokenizer, stop)
         self.skip_special_tokens, self.include_stop = skip_special_tokens, include_stop
 
@@ -64,7 +67,8 @@ class Generation:
                  arrival: float, want_ids: bool = False) -> None:
         self.runner, self.metrics, self.job, self.text = runner, metrics, job, stream
         self.want_ids = want_ids  # vLLM's return_token_ids: answers carry token ids
-        # vLLM's include_stop_str_in_output also keeps the text of the stop token (or eos) that ended the answer
+        # vLLM's include_stop_str_in_output also keeps the text of the stop token (or eos) that
+        # ended the answer
         self.text_has_stop_token = bool(getattr(stream, "include_stop", False))
         self.arrival = arrival
         self.num_cached_tokens = 0
@@ -74,7 +78,8 @@ class Generation:
         self._pending: list = []  # updates taken by first() and not yet turned into pieces
         self.finish_reason: str | None = None
         self.logprobs: list = []  # records of the tokens answered so far (when asked)
-        self.prompt_logprobs: list | None = None  # the prompt's records (when asked), with the first tokens
+        # the prompt's records (when asked), with the first tokens
+        self.prompt_logprobs: list | None = None
         self._closed = False
 
     @property
@@ -99,11 +104,14 @@ class Generation:
         update = await self.job.queue.get()
         if update.refused:
             self._closed = True  # nothing reached the engine
-            raise ApiError(400, update.error or "request refused", param=update.field, code="invalid_request")
+            raise ApiError(
+                400, update.error or "request refused", param=update.field, code="invalid_request"
+            )
         self._pending.append(update)
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """The answer piece by piece; the last has ``finish_reason``. An engine error raises ``ApiError`` (500)."""
+        """The answer piece by piece; the last has ``finish_reason``. An engine error raises
+        ``ApiError`` (500)."""
         while self.finish_reason is None:
             update = self._pending.pop(0) if self._pending else await self.job.queue.get()
             t = now()
@@ -121,13 +129,20 @@ class Generation:
                 self.prompt_logprobs = update.prompt_logprobs
             if update.finished and update.finish_reason == "error":
                 self.finish_reason = "error"
-                raise ApiError(500, f"the request failed in the engine: {update.error}", code="engine_error")
+                raise ApiError(
+                    500, f"the request failed in the engine: {update.error}", code="engine_error"
+                )
             if update.finished and update.finish_reason == "abort":
                 self.finish_reason = "abort"
                 raise ApiError(503, update.error or "the request was aborted", code="aborted",
                                headers={"Retry-After": "1"})
             text_ids = update.token_ids
-            if update.finished and update.finish_reason == "stop" and text_ids and not self.text_has_stop_token:
+            if (
+                update.finished
+                and update.finish_reason == "stop"
+                and text_ids
+                and not self.text_has_stop_token
+            ):
                 # vLLM's detokenizer: the eos or stop token that ended the answer is not in its text
                 text_ids = text_ids[:-1]
             delta = self.text.push(text_ids, final=update.finished)
@@ -143,7 +158,8 @@ class Generation:
             yield Piece(delta, ids, self.finish_reason, lps)
 
     async def collect(self) -> tuple[str, list[int], str]:
-        """The whole answer: text, token ids, finish reason (its log-probabilities: ``self.logprobs``)."""
+        """The whole answer: text, token ids, finish reason (its log-probabilities:
+        ``self.logprobs``)."""
         ids: list[int] = []
         reason = None
         async for piece in self.pieces():
@@ -152,7 +168,8 @@ class Generation:
         return self.text.text, ids, reason or "stop"
 
     def close(self) -> None:
-        """End the request once: abort it in the engine if still running (frees its blocks); count it."""
+        """End the request once: abort it in the engine if still running (frees its blocks); count
+        it."""
         if self._closed:
             return
         self._closed = True
@@ -171,7 +188,8 @@ async def _disconnected(request: Request) -> None:
 
 
 async def wait_or_disconnect(request: Request, coro) -> object:
-    """Await ``coro`` unless the client disconnects first (then cancel it and raise ``ClientGone``)."""
+    """Await ``coro`` unless the client disconnects first (then cancel it and raise
+    ``ClientGone``)."""
     task = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(_disconnected(request))
     try:

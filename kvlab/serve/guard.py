@@ -1,24 +1,27 @@
-"""What a connection may hold, and what a request must be, before a handler sees it (slowloris, cross-site POSTs).
+"""What a connection may hold, and what a request must be, before a handler sees it (slowloris,
+cross-site POSTs).
 
 - ``RequestGuard`` (ASGI middleware, added by ``create_app``):
 
-  * a POST must say ``Content-Type: application/json`` (415 otherwise): a browser page on another site can
-    send a "simple" cross-site POST (``text/plain``, a form, a ``Blob`` without a type) to a server on this
-    machine without asking it first, but not one with a JSON content type;
-  * a POST's body of more than ``max_body_bytes`` (declared) is refused with 413 and never parsed (read and
-    dropped up to ``DRAIN_BYTES``, so that the client reads the answer);
-  * a POST's body must arrive within ``body_timeout`` seconds of the request's head (408 and the connection
-    closed otherwise); it is read here, at most ``max_body_bytes + 1`` bytes of it, and handed on whole;
-  * ``GET /metrics`` needs an API key when keys are configured (401), unless ``metrics_open`` (the operator's
-    ``--open-metrics``, for a scraper on a trusted network): its counters show every tenant's load.
+  * a POST must say ``Content-Type: application/json`` (415 otherwise): a browser page on another
+    site can send a "simple" cross-site POST (``text/plain``, a form, a ``Blob`` without a type) to
+    a server on this machine without asking it first, but not one with a JSON content type;
+  * a POST's body of more than ``max_body_bytes`` (declared) is refused with 413 and never parsed
+    (read and dropped up to ``DRAIN_BYTES``, so that the client reads the answer);
+  * a POST's body must arrive within ``body_timeout`` seconds of the request's head (408 and the
+    connection closed otherwise); it is read here, at most ``max_body_bytes + 1`` bytes of it, and
+    handed on whole;
+  * ``GET /metrics`` needs an API key when keys are configured (401), unless ``metrics_open`` (the
+    operator's ``--open-metrics``, for a scraper on a trusted network): its counters show every
+    tenant's load.
 
-- ``head_timeout_protocol(seconds)``: uvicorn's h11 protocol with a deadline for a request's head. uvicorn times
-  out an idle keep-alive connection only after a response, and never a head that arrives a byte at a time: a
-  connection that has not sent a whole request head ``seconds`` after it opened (or after its last response)
-  is closed.
+- ``head_timeout_protocol(seconds)``: uvicorn's h11 protocol with a deadline for a request's head.
+  uvicorn times out an idle keep-alive connection only after a response, and never a head that
+  arrives a byte at a time: a connection that has not sent a whole request head ``seconds`` after it
+  opened (or after its last response) is closed.
 
-Reference: the slowloris attack (R. Hansen, 2009); the CORS "simple request" rules (Fetch standard, CORS-safelisted
-request headers).
+Reference: the slowloris attack (R. Hansen, 2009); the CORS "simple request" rules (Fetch standard,
+CORS-safelisted request headers).
 """
 
 from __future__ import annotations
@@ -38,18 +41,22 @@ DRAIN_BYTES = 16 << 20  # a body over the limit but under this is read and dropp
 
 
 def default_body_limit(max_model_len: int | None, max_prompt_bytes: int | None = None) -> int:
-    """The body size (413 past it) that the largest valid request of a model with this context can need.
+    """The body size (413 past it) that the largest valid request of a model with this context can
+    need.
 
-    Prompt text of ``max_prompt_bytes`` (default: ``PROMPT_BYTES_PER_TOKEN`` x the context) written with JSON's
-    escapes (``ensure_ascii``: up to 3 bytes a UTF-8 byte), a token-id list as long as the context (up to 16
-    bytes an id), and 64 KiB for the other fields; at most 1 MiB. A bigger body could only be refused after
-    parsing it; it is refused before reading it (issue 53: 1 MB bodies parsed at once stall running streams).
+    Prompt text of ``max_prompt_bytes`` (default: ``PROMPT_BYTES_PER_TOKEN`` x the context) written
+    with JSON's escapes (``ensure_ascii``: up to 3 bytes a UTF-8 byte), a token-id list as long as
+    the context (up to 16 bytes an id), and 64 KiB for the other fields; at most 1 MiB. A bigger
+    body could only be refused after parsing it; it is refused before reading it (issue 53: 1 MB
+    bodies parsed at once stall running streams).
     """
     from .protocol import PROMPT_BYTES_PER_TOKEN
 
     if not max_model_len:
         return MAX_BODY_BYTES
-    text = max_prompt_bytes if max_prompt_bytes is not None else PROMPT_BYTES_PER_TOKEN * max_model_len
+    text = (
+        max_prompt_bytes if max_prompt_bytes is not None else PROMPT_BYTES_PER_TOKEN * max_model_len
+    )
     return min(MAX_BODY_BYTES, 3 * text + 16 * max_model_len + (64 << 10))
 
 
@@ -71,7 +78,8 @@ async def _refuse(send, e: ApiError, close: bool = False) -> None:
 
 
 class RequestGuard:
-    """ASGI middleware: JSON content type on POSTs, a body deadline, /metrics behind the keys (see the module)."""
+    """ASGI middleware: JSON content type on POSTs, a body deadline, /metrics behind the keys (see
+    the module)."""
 
     def __init__(self, app: Any, keys: KeyTable, max_body_bytes: int, body_timeout: float = 30.0,
                  metrics_open: bool = False) -> None:
@@ -87,16 +95,27 @@ class RequestGuard:
             try:
                 self.keys.tenant_for(_header(scope, b"authorization"))
             except AuthError as e:
-                return await _refuse(send, ApiError(401, f"{e} (/metrics needs a key on a server with keys; "
-                                                         "--open-metrics opens it)", code="invalid_api_key"))
+                return await _refuse(
+                    send,
+                    ApiError(
+                        401,
+                        f"{e} (/metrics needs a key on a server with keys; "
+                        "--open-metrics opens it)",
+                        code="invalid_api_key",
+                    ),
+                )
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            too_big = ApiError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes}",
-                               code="request_too_large")
-            # read and dropped unparsed (up to DRAIN_BYTES, within the deadline), so the client reads the 413
-            # instead of a reset connection; beyond that the connection is closed at once
+            too_big = ApiError(
+                413,
+                f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes}",
+                code="request_too_large",
+            )
+            # read and dropped unparsed (up to DRAIN_BYTES, within the deadline), so the client
+            # reads the 413 instead of a reset connection; beyond that the connection is closed at
+            # once
             drained = int(declared) <= DRAIN_BYTES and await self._drain(receive)
             return await _refuse(send, too_big, close=not drained)
         ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
@@ -108,14 +127,22 @@ class RequestGuard:
             async with asyncio.timeout(self.body_timeout):
                 body, rest = await self._read(receive)
         except TimeoutError:
-            return await _refuse(send, ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s",
-                                                code="request_timeout"), close=True)
+            return await _refuse(
+                send,
+                ApiError(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout:g} s",
+                    code="request_timeout",
+                ),
+                close=True,
+            )
         if body is None:  # the client went away while sending
             return None
         return await self.app(scope, _replay(body, rest, receive), send)
 
     async def _drain(self, receive) -> bool:
-        """Read the body and drop it; False when it did not end within the deadline (or the client left)."""
+        """Read the body and drop it; False when it did not end within the deadline (or the client
+        left)."""
         try:
             async with asyncio.timeout(self.body_timeout):
                 while True:
@@ -128,8 +155,8 @@ class RequestGuard:
             return False
 
     async def _read(self, receive) -> tuple[bytes | None, list[dict]]:
-        """The body (at most ``max_body_bytes + 1`` bytes: the app answers 413 past its limit), or None if the
-        client disconnected; and any message that is not body (kept for the app)."""
+        """The body (at most ``max_body_bytes + 1`` bytes: the app answers 413 past its limit), or
+        None if the client disconnected; and any message that is not body (kept for the app)."""
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -145,7 +172,8 @@ class RequestGuard:
 
 
 def _replay(body: bytes, rest: list[dict], receive):
-    """A ``receive`` that gives the whole body once, then what the connection sends (a disconnect)."""
+    """A ``receive`` that gives the whole body once, then what the connection sends (a
+    disconnect)."""
     queue = [{"type": "http.request", "body": body, "more_body": False}, *rest]
 
     async def replay() -> dict:
@@ -154,7 +182,8 @@ def _replay(body: bytes, rest: list[dict], receive):
 
 
 def head_timeout_protocol(seconds: float) -> type:
-    """uvicorn's ``H11Protocol`` that closes a connection whose request head is not complete within ``seconds``."""
+    """uvicorn's ``H11Protocol`` that closes a connection whose request head is not complete within
+    ``seconds``."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -185,7 +214,8 @@ def head_timeout_protocol(seconds: float) -> type:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # the head is complete (the body has its own deadline)
+            # the head is complete (the body has its own deadline)
+            if self.conn.their_state is not h11.IDLE:
                 self._disarm()
 
         def on_response_complete(self) -> None:

@@ -1,11 +1,12 @@
 """A small load generator for OpenAI-compatible servers (kvlab serve or vllm serve), loopback only.
 
-``run_clients`` runs ``concurrency`` client coroutines that take jobs from one list until it is empty
-or a deadline passes; each job is one streaming ``/v1/completions`` request (server-sent events) whose
-token ids (``return_token_ids``), first-token time, cached tokens and finish reason are recorded. A
-client can disconnect after its first chunk (fault rounds) and honours 503 + ``Retry-After`` by retrying.
-``start_kvlab`` / ``start_vllm`` start a server on a free loopback port; ``wait_healthy`` waits for it.
-Used by ``scripts/load_test.py`` and ``scripts/serve_bench.py``.
+``run_clients`` runs ``concurrency`` client coroutines that take jobs from one list until it is
+empty or a deadline passes; each job is one streaming ``/v1/completions`` request (server-sent
+events) whose token ids (``return_token_ids``), first-token time, cached tokens and finish reason
+are recorded. A client can disconnect after its first chunk (fault rounds) and honours 503 +
+``Retry-After`` by retrying. ``start_kvlab`` / ``start_vllm`` start a server on a free loopback
+port; ``wait_healthy`` waits for it. Used by ``scripts/load_test.py`` and
+``scripts/serve_bench.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,17 @@ from urllib.parse import urlparse
 
 import httpx
 
-__all__ = ["Result", "check_loopback", "free_port", "percentile", "run_clients", "start_kvlab", "start_vllm",
-           "stop", "wait_healthy"]
+__all__ = [
+    "Result",
+    "check_loopback",
+    "free_port",
+    "percentile",
+    "run_clients",
+    "start_kvlab",
+    "start_vllm",
+    "stop",
+    "wait_healthy",
+]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -52,7 +62,9 @@ def check_loopback(url: str) -> str:
     """``url`` without a trailing slash if its host is a loopback address; else ``ValueError``."""
     host = urlparse(url).hostname
     if host not in LOOPBACK:
-        raise ValueError(f"{url}: the load generator only talks to loopback servers ({', '.join(LOOPBACK)})")
+        raise ValueError(
+            f"{url}: the load generator only talks to loopback servers ({', '.join(LOOPBACK)})"
+        )
     return url.rstrip("/")
 
 
@@ -107,21 +119,32 @@ async def _one(http: httpx.AsyncClient, base: str, body: dict, key: str | None, 
                 res.finish_reason = choice.get("finish_reason") or res.finish_reason
             usage = chunk.get("usage")
             if usage:
-                res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0
+                )
             if disconnect_after_first and res.ttft is not None:
                 res.disconnected = True
                 break  # leaving the block closes the connection
     return True
 
 
-async def _client(http: httpx.AsyncClient, base: str, jobs: list[dict], next_job: Callable[[], int | None],
-                  key_for: Callable[[dict], str | None], results: list[Result], max_retries: int) -> None:
+async def _client(
+    http: httpx.AsyncClient,
+    base: str,
+    jobs: list[dict],
+    next_job: Callable[[], int | None],
+    key_for: Callable[[dict], str | None],
+    results: list[Result],
+    max_retries: int,
+) -> None:
     while (i := next_job()) is not None:
         job = jobs[i]
         res = Result(i)
         body = {k: v for k, v in job.items() if not k.startswith("_")}
         try:
-            while not await _one(http, base, body, key_for(job), res, job.get("_disconnect", False)):
+            while not await _one(
+                http, base, body, key_for(job), res, job.get("_disconnect", False)
+            ):
                 res.retries += 1
                 if res.retries > max_retries:
                     res.error = "503 after every retry"
@@ -131,10 +154,17 @@ async def _client(http: httpx.AsyncClient, base: str, jobs: list[dict], next_job
         results.append(res)
 
 
-async def run_clients(base: str, jobs: list[dict], concurrency: int, key_for: Callable[[dict], str | None],
-                      deadline: float, max_retries: int = 30) -> tuple[list[Result], float]:
+async def run_clients(
+    base: str,
+    jobs: list[dict],
+    concurrency: int,
+    key_for: Callable[[dict], str | None],
+    deadline: float,
+    max_retries: int = 30,
+) -> tuple[list[Result], float]:
     """Run ``jobs`` (completion bodies; ``_disconnect: True`` hangs up after the first chunk) on
-    ``concurrency`` streaming clients until done or ``deadline`` (``time.monotonic``); ``(results, seconds)``.
+    ``concurrency`` streaming clients until done or ``deadline`` (``time.monotonic``); ``(results,
+    seconds)``.
 
     Jobs not started by the deadline get no result.
     """
@@ -153,33 +183,67 @@ async def run_clients(base: str, jobs: list[dict], concurrency: int, key_for: Ca
     return sorted(results, key=lambda r: r.index), time.perf_counter() - t0
 
 
-# --- servers ----------------------------------------------------------------------------------------
+# --- servers --------------------------------------------------------------------------------------
 def start_kvlab(port: int, args: Sequence[str] = (), env: dict[str, str] | None = None,
                 log: str | os.PathLike | None = None) -> subprocess.Popen:
     """``python -m kvlab.serve --port PORT ARGS`` (this interpreter; 127.0.0.1)."""
     root = Path(__file__).resolve().parents[2]
     full_env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the child owns it)
-    return subprocess.Popen([sys.executable, "-m", "kvlab.serve", "--port", str(port), *args], env=full_env,
-                            stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvlab.serve", "--port", str(port), *args],
+        env=full_env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
 
 
-def start_vllm(python: str | os.PathLike, model_dir: str | os.PathLike, port: int, block_size: int = 32,
-               extra: Sequence[str] = (), log: str | os.PathLike | None = None) -> subprocess.Popen:
-    """vLLM's OpenAI server on CPU with prefix caching and prompt-token details (the issue's command line)."""
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--enable-prefix-caching", "--enforce-eager", "--block-size", str(block_size),
-           "--dtype", "float32", "--enable-prompt-tokens-details", "--gpu-memory-utilization", "0.3", *extra]
+def start_vllm(
+    python: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    port: int,
+    block_size: int = 32,
+    extra: Sequence[str] = (),
+    log: str | os.PathLike | None = None,
+) -> subprocess.Popen:
+    """vLLM's OpenAI server on CPU with prefix caching and prompt-token details (the issue's command
+    line)."""
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--block-size",
+        str(block_size),
+        "--dtype",
+        "float32",
+        "--enable-prompt-tokens-details",
+        "--gpu-memory-utilization",
+        "0.3",
+        *extra,
+    ]
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
 
 
 def wait_healthy(base: str, proc: subprocess.Popen | None = None, timeout: float = 300) -> float:
-    """Wait until ``GET /health`` answers 200; return the seconds it took. Raises if the process exits."""
+    """Wait until ``GET /health`` answers 200; return the seconds it took. Raises if the process
+    exits."""
     t0 = time.monotonic()
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} before it was healthy")
+            raise RuntimeError(
+                f"the server exited with code {proc.returncode} before it was healthy"
+            )
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
                 return time.monotonic() - t0

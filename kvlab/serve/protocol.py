@@ -1,12 +1,13 @@
 """Request bodies of the OpenAI-compatible API (pydantic, strict) and OpenAI-style errors.
 
-Fields are an allow-list: a body with a field not listed here is refused (400 naming it) instead of being
-silently ignored, so a client never believes a setting took effect when it did not. Types are strict
-(``"5"`` is not an int, ``true`` is not a number). ``null`` for a nullable field means its default. Beyond
-OpenAI's fields, vLLM's sampling extensions are implemented with vLLM's meaning (``vllm/sampling_params.py``):
-``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``ignore_eos``, ``prompt_logprobs`` (completions), ``cache_salt`` and
-``return_token_ids``. The README lists what is implemented and what is refused.
+Fields are an allow-list: a body with a field not listed here is refused (400 naming it) instead of
+being silently ignored, so a client never believes a setting took effect when it did not. Types are
+strict (``"5"`` is not an int, ``true`` is not a number). ``null`` for a nullable field means its
+default. Beyond OpenAI's fields, vLLM's sampling extensions are implemented with vLLM's meaning
+(``vllm/sampling_params.py``): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``ignore_eos``,
+``prompt_logprobs`` (completions), ``cache_salt`` and ``return_token_ids``. The README lists what is
+implemented and what is refused.
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ MAX_CHOICES = 64  # choices per request: prompts x n
 MAX_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs (vLLM's default max_logprobs)
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
-# The default prompt-text limit (ServeConfig.max_prompt_bytes, --max-prompt-bytes): this many UTF-8 bytes per
-# token of the model's context. Text tokenizes at about 4 bytes a token; 32 leaves room for long tokens (runs
-# of spaces, CJK) and still bounds the tokenizer's work to a fraction of a second (32 KiB for a 1,024-token
-# model, 256 KiB for 8,192 tokens).
+# The default prompt-text limit (ServeConfig.max_prompt_bytes, --max-prompt-bytes): this many UTF-8
+# bytes per token of the model's context. Text tokenizes at about 4 bytes a token; 32 leaves room
+# for long tokens (runs of spaces, CJK) and still bounds the tokenizer's work to a fraction of a
+# second (32 KiB for a 1,024-token model, 256 KiB for 8,192 tokens).
 PROMPT_BYTES_PER_TOKEN = 32
 
 
 class ApiError(Exception):
-    """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}`` with a status."""
+    """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}`` with a
+    status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -72,13 +74,15 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
-    """A one-line message (with the field's path) and the offending top-level parameter, from a pydantic error."""
+    """A one-line message (with the field's path) and the offending top-level parameter, from a
+    pydantic error."""
     err = e.errors()[0]
     loc = [str(p) for p in err["loc"]]
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unsupported field (kvlab serve accepts only the fields it implements)"
-    if not loc and ": " in msg and msg.split(": ", 1)[0].isidentifier():  # a check across fields names its field
+    # a check across fields names its field
+    if not loc and ": " in msg and msg.split(": ", 1)[0].isidentifier():
         return msg, msg.split(": ", 1)[0]
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), (loc[0] if loc else None)
 
@@ -108,11 +112,14 @@ class _Body(BaseModel):
     skip_special_tokens: bool | None = None  # vLLM extension (default true)
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
-    cache_salt: str | None = None  # vLLM extension, combined with the tenant by the engine (engine.tenants)
+    # vLLM extension, combined with the tenant by the engine (engine.tenants)
+    cache_salt: str | None = None
     ignore_eos: bool | None = None  # vLLM extension
     min_tokens: int | None = None  # vLLM extension
-    return_token_ids: bool | None = None  # vLLM extension: prompt_token_ids and token_ids in the response
-    user: str | None = None  # OpenAI's end-user id: an opaque label, as OpenAI uses it (no effect on the answer)
+    # vLLM extension: prompt_token_ids and token_ids in the response
+    return_token_ids: bool | None = None
+    # OpenAI's end-user id: an opaque label, as OpenAI uses it (no effect on the answer)
+    user: str | None = None
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -127,7 +134,9 @@ class _Body(BaseModel):
             if len(stops) > MAX_STOP:
                 raise ValueError(f"at most {MAX_STOP} stop strings")
             if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-                raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
+                raise ValueError(
+                    f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters"
+                )
         return stops
 
     @field_validator("stop_token_ids")
@@ -147,7 +156,9 @@ class _Body(BaseModel):
     @field_validator("stream_options")
     @classmethod
     def _stream_options(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and (set(v) - {"include_usage"} or not isinstance(v.get("include_usage", False), bool)):
+        if v is not None and (
+            set(v) - {"include_usage"} or not isinstance(v.get("include_usage", False), bool)
+        ):
             raise ValueError("only {'include_usage': bool} is supported")
         return v
 
@@ -198,12 +209,17 @@ class CompletionRequest(_Body):
     @classmethod
     def _suffix(cls, v: str | None) -> None:
         if v:
-            raise ValueError("not supported by kvlab serve (no insertion: the models it serves are not trained for it)")
+            raise ValueError(
+                "not supported by kvlab serve (no insertion: the models it serves are not trained "
+                "for it)"
+            )
         return None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str | list[int] | list[str] | list[list[int]]) -> str | list[int] | list[str] | list[list[int]]:
+    def _prompt(
+        cls, v: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
         if not v:
             raise ValueError("the prompt is empty")
         if isinstance(v, list) and isinstance(v[0], (str, list)):
@@ -229,7 +245,9 @@ class CompletionRequest(_Body):
     @model_validator(mode="after")
     def _best_of(self):
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise ValueError("best_of: only best_of = n is supported (kvlab returns every sequence it samples)")
+            raise ValueError(
+                "best_of: only best_of = n is supported (kvlab returns every sequence it samples)"
+            )
         if len(self.prompts) * (self.n or 1) > MAX_CHOICES:
             raise ValueError(f"n: prompts x n must be at most {MAX_CHOICES}")
         return self
@@ -263,14 +281,16 @@ class ChatRequest(_Body):
 
 
 class TokenizeRequest(BaseModel):
-    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat template."""
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat
+    template."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    # default: true for a prompt, false for messages (vLLM's)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None  # messages only; default true
     return_token_strs: bool | None = None
 

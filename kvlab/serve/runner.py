@@ -1,9 +1,10 @@
-"""The engine loop: one background thread drives ``Engine.step()``; the asyncio side submits and aborts.
+"""The engine loop: one background thread drives ``Engine.step()``; the asyncio side submits and
+aborts.
 
-The HTTP handlers run on the event loop and never call into the engine while it steps. ``submit`` and
-``abort`` only append to an inbox (a lock held for a list append); the engine thread drains the inbox
-between steps (``add_request``, ``abort``), runs one step, and hands each request's new tokens to the
-event loop in one ``loop.call_soon_threadsafe`` per step, which puts them on the request's
+The HTTP handlers run on the event loop and never call into the engine while it steps. ``submit``
+and ``abort`` only append to an inbox (a lock held for a list append); the engine thread drains the
+inbox between steps (``add_request``, ``abort``), runs one step, and hands each request's new tokens
+to the event loop in one ``loop.call_soon_threadsafe`` per step, which puts them on the request's
 ``asyncio.Queue``. Streaming reads the tokens of running requests from ``engine.requests`` after the
 step (``step()`` itself returns only finished outputs).
 
@@ -42,7 +43,8 @@ class EngineStoppedError(RuntimeError):
 
 @dataclass(slots=True)
 class Update:
-    """New tokens of one request after a step, or its end (``finished``), or its refusal (``error``)."""
+    """New tokens of one request after a step, or its end (``finished``), or its refusal
+    (``error``)."""
 
     token_ids: list[int]
     num_cached_tokens: int | None = None  # known once the request is admitted
@@ -51,7 +53,8 @@ class Update:
     error: str | None = None
     refused: bool = False  # add_request raised: nothing was queued
     field: str | None = None  # the refused request's offending field (RequestError.field)
-    logprobs: list | None = None  # of token_ids, when the request asked (kvlab.engine.logprobs.TokenLogprob)
+    # of token_ids, when the request asked (kvlab.engine.logprobs.TokenLogprob)
+    logprobs: list | None = None
     prompt_logprobs: list | None = None  # with a request's first tokens, when it asked
 
 
@@ -62,8 +65,10 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    tenant: str | None  # passed to add_request and abort: the request's tenant, with or without a cache_salt
-    cache_salt: str | None  # passed to add_request: the engine derives the salt from it and the tenant
+    # passed to add_request and abort: the request's tenant, with or without a cache_salt
+    tenant: str | None
+    # passed to add_request: the engine derives the salt from it and the tenant
+    cache_salt: str | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = 0  # output tokens already handed to the event loop
     done: bool = False  # set on the event loop when the finishing update is delivered
@@ -79,12 +84,14 @@ class EngineRunner:
         self.engine = engine
         self.max_live = engine.scheduler.max_num_seqs + max_waiting
         self.on_step = on_step  # (engine, inbox length), in the engine thread after each turn
-        self.live: dict[str, Job] = {}  # submitted and not yet finished (touched on the event loop only)
+        # submitted and not yet finished (touched on the event loop only)
+        self.live: dict[str, Job] = {}
         self._cond = threading.Condition()
         self._adds: list[Job] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[Engine], object], asyncio.Future]] = []
-        self._running: dict[str, Job] = {}  # added to the engine (touched in the engine thread only)
+        # added to the engine (touched in the engine thread only)
+        self._running: dict[str, Job] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,11 +118,14 @@ class EngineRunner:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` for the engine thread; raise ``QueueFullError`` when the wait queue is full."""
+        """Queue ``job`` for the engine thread; raise ``QueueFullError`` when the wait queue is
+        full."""
         if not self.alive or self._stop:
             raise EngineStoppedError(f"the engine loop is not running ({self.error or 'stopped'})")
         if len(self.live) >= self.max_live:
-            raise QueueFullError(f"{len(self.live)} requests in flight, the limit is {self.max_live}")
+            raise QueueFullError(
+                f"{len(self.live)} requests in flight, the limit is {self.max_live}"
+            )
         if job.request_id in self.live:
             raise ValueError(f"request id {job.request_id!r} is already in flight")
         self.live[job.request_id] = job
@@ -124,7 +134,8 @@ class EngineRunner:
             self._cond.notify()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (client gone, or a stop string matched): the engine frees its blocks before the next step."""
+        """Abort a request (client gone, or a stop string matched): the engine frees its blocks
+        before the next step."""
         job = self.live.get(request_id)
         if job is None or job.done:
             return
@@ -133,7 +144,8 @@ class EngineRunner:
             self._cond.notify()
 
     def call(self, fn: Callable[[Engine], object]) -> asyncio.Future:
-        """Run ``fn(engine)`` in the engine thread between two steps; await the returned future for its result."""
+        """Run ``fn(engine)`` in the engine thread between two steps; await the returned future for
+        its result."""
         fut = asyncio.get_running_loop().create_future()
         with self._cond:
             self._calls.append((fn, fut))
@@ -185,10 +197,21 @@ class EngineRunner:
             self._running.clear()
             for _, fut in calls:
                 if self._loop is not None and not self._loop.is_closed():
-                    self._loop.call_soon_threadsafe(_settle, fut, None, EngineStoppedError("the engine loop ended"))
-            reason, msg = ("error", f"engine loop failed: {self.error}") if self.error else ("abort", "server shutting down")
+                    self._loop.call_soon_threadsafe(
+                        _settle, fut, None, EngineStoppedError("the engine loop ended")
+                    )
+            reason, msg = (
+                ("error", f"engine loop failed: {self.error}")
+                if self.error
+                else ("abort", "server shutting down")
+            )
             if pending:
-                self._post([(job, Update([], finished=True, finish_reason=reason, error=msg)) for job in pending])
+                self._post(
+                    [
+                        (job, Update([], finished=True, finish_reason=reason, error=msg))
+                        for job in pending
+                    ]
+                )
 
     def _run_calls(self, calls: list[tuple[Callable[[Engine], object], asyncio.Future]]) -> None:
         for fn, fut in calls:
@@ -208,12 +231,28 @@ class EngineRunner:
         out = []
         for job in adds:
             try:
-                self.engine.add_request(job.prompt_ids, job.sampling, request_id=job.request_id, tenant=job.tenant,
-                                        cache_salt=job.cache_salt)
+                self.engine.add_request(
+                    job.prompt_ids,
+                    job.sampling,
+                    request_id=job.request_id,
+                    tenant=job.tenant,
+                    cache_salt=job.cache_salt,
+                )
             except (ValueError, TypeError) as e:
                 field = e.field if isinstance(e, RequestError) else None
-                out.append((job, Update([], finished=True, finish_reason="error", error=str(e), refused=True,
-                                        field=field)))
+                out.append(
+                    (
+                        job,
+                        Update(
+                            [],
+                            finished=True,
+                            finish_reason="error",
+                            error=str(e),
+                            refused=True,
+                            field=field,
+                        ),
+                    )
+                )
                 continue
             self._running[job.request_id] = job
         return out
@@ -230,7 +269,14 @@ class EngineRunner:
                 continue
             lp, plp = _logprobs(res, job.sent)
             new, job.sent = res.output_ids[job.sent:], len(res.output_ids)
-            out.append((job, Update(new, res.num_cached_tokens, True, "abort", logprobs=lp, prompt_logprobs=plp)))
+            out.append(
+                (
+                    job,
+                    Update(
+                        new, res.num_cached_tokens, True, "abort", logprobs=lp, prompt_logprobs=plp
+                    ),
+                )
+            )
         return out
 
     def _step(self) -> list[tuple[Job, Update]]:
@@ -244,19 +290,37 @@ class EngineRunner:
                 del self._running[rid]
                 lp, plp = _logprobs(res, job.sent)
                 new, job.sent = res.output_ids[job.sent:], len(res.output_ids)
-                out.append((job, Update(new, res.num_cached_tokens, True, res.finish_reason, res.error,
-                                        logprobs=lp, prompt_logprobs=plp)))
+                out.append(
+                    (
+                        job,
+                        Update(
+                            new,
+                            res.num_cached_tokens,
+                            True,
+                            res.finish_reason,
+                            res.error,
+                            logprobs=lp,
+                            prompt_logprobs=plp,
+                        ),
+                    )
+                )
                 continue
             seq = now_live.get(rid)
             if seq is not None and len(seq.output_ids) > job.sent:
                 lp, plp = _logprobs(seq, job.sent)
                 new, job.sent = seq.output_ids[job.sent:], len(seq.output_ids)
-                out.append((job, Update(list(new), seq.num_cached_tokens, logprobs=lp, prompt_logprobs=plp)))
+                out.append(
+                    (
+                        job,
+                        Update(list(new), seq.num_cached_tokens, logprobs=lp, prompt_logprobs=plp),
+                    )
+                )
         return out
 
 
 def _logprobs(res, sent: int) -> tuple[list | None, list | None]:
-    """A request's log-probability records past ``sent`` output tokens, and its prompt's with its first tokens."""
+    """A request's log-probability records past ``sent`` output tokens, and its prompt's with its
+    first tokens."""
     lp = None if res.logprobs is None else list(res.logprobs[sent:])
     plp = None if sent or res.prompt_logprobs is None else list(res.prompt_logprobs)
     return lp, plp

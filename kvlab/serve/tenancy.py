@@ -1,14 +1,16 @@
-"""API keys -> tenants; a request's tenant and ``cache_salt`` go to the engine, which derives the salt.
+"""API keys -> tenants; a request's tenant and ``cache_salt`` go to the engine, which derives the
+salt.
 
-Keys come from a JSON file (``--api-keys FILE``) or the ``KVLAB_API_KEYS`` environment variable, both
-a JSON object ``{"<key>": "<tenant>", ...}``; several keys may name one tenant. A request presents its
-key as ``Authorization: Bearer <key>``; a missing or unknown key is refused (401), never served under
-some other scope. With no keys configured the server is open: every request is the one anonymous
-tenant (``None``), whatever key it sends.
+Keys come from a JSON file (``--api-keys FILE``) or the ``KVLAB_API_KEYS`` environment variable,
+both a JSON object ``{"<key>": "<tenant>", ...}``; several keys may name one tenant. A request
+presents its key as ``Authorization: Bearer <key>``; a missing or unknown key is refused (401),
+never served under some other scope. With no keys configured the server is open: every request is
+the one anonymous tenant (``None``), whatever key it sends.
 
-A request's tenant and its ``cache_salt`` (vLLM's request field) go to ``Engine.add_request`` as they
-are: the engine holds the one server secret and derives the salt (``kvlab.engine.tenants.request_salt``:
-a ``cache_salt`` is combined with the tenant's scope, never used alone). The server holds no secret.
+A request's tenant and its ``cache_salt`` (vLLM's request field) go to ``Engine.add_request`` as
+they are: the engine holds the one server secret and derives the salt
+(``kvlab.engine.tenants.request_salt``: a ``cache_salt`` is combined with the tenant's scope, never
+used alone). The server holds no secret.
 """
 
 from __future__ import annotations
@@ -32,24 +34,35 @@ def _check_table(table: object, where: str) -> dict[str, str]:
         raise ValueError(f"{where}: expected a non-empty JSON object mapping API key -> tenant id")
     for key, tenant in table.items():
         if not isinstance(key, str) or not key.strip() or key != key.strip():
-            raise ValueError(f"{where}: every API key must be a non-empty string without surrounding spaces")
+            raise ValueError(
+                f"{where}: every API key must be a non-empty string without surrounding spaces"
+            )
         if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"{where}: the tenant of key {key[:4]}... must be a non-empty string, got {tenant!r}")
+            raise ValueError(
+                f"{where}: the tenant of key {key[:4]}... must be a non-empty string, got "
+                f"{tenant!r}"
+            )
     return dict(table)
 
 
-def load_api_keys(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The key -> tenant table from ``path`` (JSON) or ``$KVLAB_API_KEYS``; ``{}`` (open server) if neither is set."""
+def load_api_keys(
+    path: str | os.PathLike | None = None, env: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The key -> tenant table from ``path`` (JSON) or ``$KVLAB_API_KEYS``; ``{}`` (open server) if
+    neither is set."""
     env = os.environ if env is None else env
     if path is not None:
         from ..inputs import read_input
 
-        where = os.fspath(path)  # a regular file of at most 1 MiB: /dev/zero, a FIFO or a folder refused by name
+        # a regular file of at most 1 MiB: /dev/zero, a FIFO or a folder refused by name
+        where = os.fspath(path)
         data = read_input(where, "--api-keys", MAX_KEYS_FILE_BYTES)
         try:
             text = data.decode("utf-8-sig")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte {e.start + 1})") from None
+            raise ValueError(
+                f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte {e.start + 1})"
+            ) from None
     elif env.get(ENV_KEYS):
         text, where = env[ENV_KEYS], f"${ENV_KEYS}"
     else:
@@ -78,7 +91,8 @@ class KeyTable:
         return sorted(set(self._keys.values()))
 
     def tenant_for(self, authorization: str | None) -> str | None:
-        """The tenant of ``Authorization: Bearer <key>``; raise ``AuthError`` for a missing or unknown key."""
+        """The tenant of ``Authorization: Bearer <key>``; raise ``AuthError`` for a missing or
+        unknown key."""
         if self.open:
             return None
         scheme, _, key = (authorization or "").partition(" ")
