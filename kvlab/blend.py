@@ -1,4 +1,5 @@
-"""Reusing the middle: position-independent chunk caching with selective recompute (CacheBlend-style).
+"""Reusing the middle: position-independent chunk caching with selective recompute
+(CacheBlend-style).
 
 A prefix cache (``kvlab.prefix``) serves only a prompt's *leading* tokens. A RAG prompt is
 ``system prompt + passages (in any order) + question``: after the system prompt nothing is a prefix
@@ -6,16 +7,18 @@ of anything, so each passage is recomputed in every request. CacheBlend (Yao et 
 keeps each passage's K/V and fixes two errors when it is reused elsewhere:
 
 1. **positions**: the keys were rotated (RoPE) for the positions the chunk was computed at; rotating
-   them again by the offset moves them exactly (``rerotate_keys``; layer 0 then matches a full prefill);
+   them again by the offset moves them exactly (``rerotate_keys``; layer 0 then matches a full
+   prefill);
 2. **missing cross-attention**: from layer 1 on, a reused token's K/V encode only the context it was
-   computed in, not the passages now before it. ``blend_prefill`` computes one early layer's true K/V
-   for the combined prompt, picks the ``recompute`` share of reused tokens whose K/V deviate most, and
-   recomputes those tokens (and every non-reused one) through all layers with full attention over the
-   combined context; the other reused tokens keep their cached K/V.
+   computed in, not the passages now before it. ``blend_prefill`` computes one early layer's true
+   K/V for the combined prompt, picks the ``recompute`` share of reused tokens whose K/V deviate
+   most, and recomputes those tokens (and every non-reused one) through all layers with full
+   attention over the combined context; the other reused tokens keep their cached K/V.
 
-``recompute=1.0`` is a full prefill (token-identical); ``recompute=0.0`` is naive reuse (positions fixed,
-cross-attention missing). ``ChunkCache`` keys entries by the chunk's token ids, the tenant's scope (an
-HMAC salt as in ``kvlab.engine.tenants``) and the model's fingerprint: another tenant never hits them.
+``recompute=1.0`` is a full prefill (token-identical); ``recompute=0.0`` is naive reuse (positions
+fixed, cross-attention missing). ``ChunkCache`` keys entries by the chunk's token ids, the tenant's
+scope (an HMAC salt as in ``kvlab.engine.tenants``) and the model's fingerprint: another tenant
+never hits them.
 
 Why here and not in ``kvlab/engine``: blending works on Hugging Face caches and forwards, next to
 ``kvlab.prefix``'s ``PrefixKV``; the paged engine has no per-token recompute inside a block.
@@ -42,7 +45,8 @@ from kvlab.prefix import PrefixKV, continue_from_cache
 ROPE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi", "stablelm")
 ISOLATION = ("tenant", "shared")
 
-Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (1, kv_heads, seq, head_dim)
+# per layer (keys, values), each (1, kv_heads, seq, head_dim)
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class ChunkReuseError(ValueError):
@@ -56,27 +60,40 @@ def rotary_spec(config: Any) -> tuple[float, int]:
     kind = getattr(config, "model_type", None)
     if kind not in ROPE_MODEL_TYPES:
         raise ChunkReuseError(
-            f"reusing a chunk at another offset re-rotates its cached keys, which needs rotary position "
-            f"embeddings (RoPE); model type {kind!r} is not one of the RoPE models this is checked on "
-            f"{ROPE_MODEL_TYPES} (absolute or ALiBi positions cannot be moved by rotating keys)")
+            "reusing a chunk at another offset re-rotates its cached keys, which needs rotary "
+            f"position embeddings (RoPE); model type {kind!r} is not one of the RoPE models this "
+            f"is checked on {ROPE_MODEL_TYPES} (absolute or ALiBi positions cannot be moved by "
+            "rotating keys)"
+        )
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise ChunkReuseError("chunk blending needs full attention in every layer; this config has a "
-                              f"sliding window of {config.sliding_window} tokens")
+        raise ChunkReuseError(
+            "chunk blending needs full attention in every layer; this config has a "
+            f"sliding window of {config.sliding_window} tokens"
+        )
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        raise ChunkReuseError(f"only plain RoPE keys are re-rotated here; this config uses RoPE scaling {rope_type!r}")
+        raise ChunkReuseError(
+            f"only plain RoPE keys are re-rotated here; this config uses RoPE scaling {rope_type!r}"
+        )
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    factor = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    factor = float(
+        params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    )
+    head_dim = int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
     return theta, int(head_dim * factor)
 
 
-def rerotate_keys(keys: torch.Tensor, delta: int, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
-    """Move RoPE'd keys (batch, kv_heads, seq, head_dim) by ``delta`` positions; dims past ``rotary_dim`` stay.
+def rerotate_keys(
+    keys: torch.Tensor, delta: int, theta: float, rotary_dim: int | None = None
+) -> torch.Tensor:
+    """Move RoPE'd keys (batch, kv_heads, seq, head_dim) by ``delta`` positions; dims past
+    ``rotary_dim`` stay.
 
-    A rotation by p followed by one by delta is a rotation by p + delta, so the result equals the key
-    computed at p + delta up to float rounding. The angles are computed in float32.
+    A rotation by p followed by one by delta is a rotation by p + delta, so the result equals the
+    key computed at p + delta up to float rounding. The angles are computed in float32.
     """
     rotary_dim = keys.shape[-1] if rotary_dim is None else rotary_dim
     if delta == 0:
@@ -101,12 +118,13 @@ class ChunkKV:
 
 
 class ChunkCache:
-    """K/V of text chunks keyed by (tenant scope, model fingerprint, token ids): reusable at any offset.
+    """K/V of text chunks keyed by (tenant scope, model fingerprint, token ids): reusable at any
+    offset.
 
     A cache belongs to the model (and tokenizer) it was built with; build a new one after changing
-    weights. ``isolation="tenant"`` (default) gives each tenant its own scope, an HMAC of the tenant id
-    under a server ``secret``; ``"shared"`` lets every tenant hit every chunk (see notebook 03b for what
-    that leaks).
+    weights. ``isolation="tenant"`` (default) gives each tenant its own scope, an HMAC of the tenant
+    id under a server ``secret``; ``"shared"`` lets every tenant hit every chunk (see notebook 03b
+    for what that leaks).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, isolation: str = "tenant",
@@ -140,16 +158,29 @@ class ChunkCache:
 
     def nbytes(self) -> int:
         """Bytes of K and V held by all entries."""
-        return sum(t.numel() * t.element_size() for e in self._entries.values() for kv in e.layers for t in kv)
+        return sum(
+            t.numel() * t.element_size()
+            for e in self._entries.values()
+            for kv in e.layers
+            for t in kv
+        )
 
-    def put(self, ids: str | Sequence[int], layers: Layers, start: int = 0, tenant: str | None = None) -> ChunkKV:
+    def put(
+        self, ids: str | Sequence[int], layers: Layers, start: int = 0, tenant: str | None = None
+    ) -> ChunkKV:
         """Store K/V a request already computed for ``ids`` at positions ``start ..`` (copied: the caller's stay theirs)."""
         ids = encode(self.tokenizer, ids)
         if not ids or any(k.shape[-2] != len(ids) or v.shape[-2] != len(ids) for k, v in layers):
-            raise ValueError(f"need one (keys, values) per layer, each holding the chunk's {len(ids)} tokens")
+            raise ValueError(
+                f"need one (keys, values) per layer, each holding the chunk's {len(ids)} tokens"
+            )
         if len(layers) != self.model.config.num_hidden_layers:
-            raise ValueError(f"{len(layers)} layers given, the model has {self.model.config.num_hidden_layers}")
-        entry = ChunkKV(tuple(ids), [(k.detach().clone(), v.detach().clone()) for k, v in layers], int(start))
+            raise ValueError(
+                f"{len(layers)} layers given, the model has {self.model.config.num_hidden_layers}"
+            )
+        entry = ChunkKV(
+            tuple(ids), [(k.detach().clone(), v.detach().clone()) for k, v in layers], int(start)
+        )
         self._entries[self.key(ids, tenant)] = entry
         return entry
 
@@ -166,7 +197,9 @@ class ChunkCache:
         self.misses += 1
         device, _ = model_device_dtype(self.model)
         t0 = time.perf_counter()
-        cache = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1).cache
+        cache = self.model(
+            input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1
+        ).cache
         synchronize(device)
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         entry = ChunkKV(tuple(ids), layers, 0, time.perf_counter() - t0)
@@ -186,8 +219,10 @@ class Blend:
     cache: Any  # transformers DynamicCache over the whole prompt, positions in order
     reused: list[int]  # prompt positions whose K/V came from the chunk cache
     recomputed: list[int]  # the reused positions picked for recompute
-    deviation: torch.Tensor | None  # (len(reused),) K/V deviation at select_layer, None when not measured
-    seconds: dict[str, float] = field(default_factory=dict)  # select, prefill, ttft (hits only), miss
+    # (len(reused),) K/V deviation at select_layer, None when not measured
+    deviation: torch.Tensor | None
+    # select, prefill, ttft (hits only), miss
+    seconds: dict[str, float] = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)  # filled by blend_generate
 
 
@@ -207,13 +242,17 @@ def _cache(model: Any, layers: Layers) -> Any:
 @torch.no_grad()
 def true_kv_at(model: Any, ids: Sequence[int], layer: int, prefix: PrefixKV | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of ``layer`` for the prompt's tokens after ``prefix``, computed for the combined context.
+    """K and V of ``layer`` for the prompt's tokens after ``prefix``, computed for the combined
+    context.
 
-    Runs layers 0 .. ``layer`` only (a hook stops the forward after it). Each (1, kv_heads, T, head_dim).
+    Runs layers 0 .. ``layer`` only (a hook stops the forward after it). Each (1, kv_heads, T,
+    head_dim).
     """
     device, _ = model_device_dtype(model)
     m = len(prefix) if prefix is not None else 0
-    cache = _cache(model, [(lay.keys, lay.values) for lay in prefix.cache.layers] if prefix is not None else [])
+    cache = _cache(
+        model, [(lay.keys, lay.values) for lay in prefix.cache.layers] if prefix is not None else []
+    )
 
     def stop(*_: Any) -> None:
         raise _Stop
@@ -232,16 +271,25 @@ def true_kv_at(model: Any, ids: Sequence[int], layer: int, prefix: PrefixKV | No
 Pieces = Sequence[tuple[str | Sequence[int], bool]]  # (text or ids, reuse from the chunk cache?)
 
 
-def _check_prefix(chunks: ChunkCache, prefix: PrefixKV, ids: Sequence[int], first_reused: int) -> None:
+def _check_prefix(
+    chunks: ChunkCache, prefix: PrefixKV, ids: Sequence[int], first_reused: int
+) -> None:
     """Raise unless ``prefix`` is an exact cache of the prompt's first tokens on the chunk cache's model."""
     device, dtype = model_device_dtype(chunks.model)
     k = prefix.cache.layers[0].keys
     if prefix.fingerprint != chunks.fingerprint or k.device != device or k.dtype != dtype:
-        raise ChunkReuseError("the prefix cache was built by another model, tokenizer, device or dtype than the chunk cache")
+        raise ChunkReuseError(
+            "the prefix cache was built by another model, tokenizer, device or dtype than the "
+            "chunk cache"
+        )
     if prefix.seq_length() != len(prefix) or tuple(ids[:len(prefix)]) != prefix.token_ids:
-        raise ChunkReuseError("the prefix cache does not hold exactly the prompt's first tokens (or was written into)")
+        raise ChunkReuseError(
+            "the prefix cache does not hold exactly the prompt's first tokens (or was written into)"
+        )
     if first_reused < len(prefix):
-        raise ChunkReuseError(f"a reused chunk starts at {first_reused}, inside the {len(prefix)}-token prefix cache")
+        raise ChunkReuseError(
+            f"a reused chunk starts at {first_reused}, inside the {len(prefix)}-token prefix cache"
+        )
 
 
 def _fetch(chunks: ChunkCache, pieces: list[tuple[list[int], bool]], tenant: str | None
@@ -254,7 +302,12 @@ def _fetch(chunks: ChunkCache, pieces: list[tuple[list[int], bool]], tenant: str
             entry = chunks.compute(ids, tenant)
             miss += entry.build_seconds if chunks.misses > before else 0.0
             delta = pos - entry.start  # from where it was computed to where it sits now
-            parts.append([(rerotate_keys(k, delta, chunks.theta, chunks.rotary_dim), v) for k, v in entry.layers])
+            parts.append(
+                [
+                    (rerotate_keys(k, delta, chunks.theta, chunks.rotary_dim), v)
+                    for k, v in entry.layers
+                ]
+            )
             reused += range(pos, pos + len(ids))
         pos += len(ids)
     layers = [(torch.cat([p[i][0] for p in parts], 2), torch.cat([p[i][1] for p in parts], 2))
@@ -269,7 +322,9 @@ def _deviation(model: Any, ids: list[int], reused: list[int], moved: Layers, lay
     k_true, v_true = true_kv_at(model, ids, layer, prefix)  # (1, kv_heads, N - m, head_dim) each
     at = torch.tensor(reused, device=k_true.device) - m
     k_used, v_used = moved[layer]
-    sq = (k_true[:, :, at] - k_used).float().pow(2).sum((0, 1, 3)) + (v_true[:, :, at] - v_used).float().pow(2).sum((0, 1, 3))
+    sq = (k_true[:, :, at] - k_used).float().pow(2).sum((0, 1, 3)) + (
+        v_true[:, :, at] - v_used
+    ).float().pow(2).sum((0, 1, 3))
     return sq.sqrt()
 
 
@@ -288,7 +343,9 @@ def _kept_cache(model: Any, prefix: PrefixKV | None, moved: Layers, kept: list[i
     return _cache(model, layers)
 
 
-def _attention_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _attention_mask(
+    key_pos: torch.Tensor, query_pos: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Additive mask (1, 1, queries, keys): a query sees the keys at its own position or before."""
     allowed = key_pos[None, :] <= query_pos[:, None]  # (Q, K)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=key_pos.device)
@@ -303,28 +360,44 @@ def pick_tokens(deviation: torch.Tensor, count: int) -> list[int]:
 
 
 @torch.no_grad()
-def blend_prefill(chunks: ChunkCache, pieces: Pieces, recompute: float, *, tenant: str | None = None,
-                  prefix: PrefixKV | None = None, select_layer: int = 1) -> Blend:
-    """Prefill a prompt made of ``(text or ids, reuse)`` pieces, reusing the chunk cache for pieces marked reuse.
+def blend_prefill(
+    chunks: ChunkCache,
+    pieces: Pieces,
+    recompute: float,
+    *,
+    tenant: str | None = None,
+    prefix: PrefixKV | None = None,
+    select_layer: int = 1,
+) -> Blend:
+    """Prefill a prompt made of ``(text or ids, reuse)`` pieces, reusing the chunk cache for pieces
+    marked reuse.
 
-    Reused chunks are fetched (computed alone once on a miss) and their keys moved to where they sit.
-    ``recompute`` (0..1) of the reused tokens, those whose K/V at ``select_layer`` deviate most from
-    that layer's true K/V, are recomputed with every non-reused token and the last one; the rest keep
-    their cached K/V. ``prefix``: an exact ``PrefixKV`` of the prompt's first tokens (never recomputed).
+    Reused chunks are fetched (computed alone once on a miss) and their keys moved to where they
+    sit. ``recompute`` (0..1) of the reused tokens, those whose K/V at ``select_layer`` deviate most
+    from that layer's true K/V, are recomputed with every non-reused token and the last one; the
+    rest keep their cached K/V. ``prefix``: an exact ``PrefixKV`` of the prompt's first tokens
+    (never recomputed).
     """
     model = chunks.model
     if not 0.0 <= recompute <= 1.0:
         raise ValueError(f"recompute is a share of the reused tokens in [0, 1], got {recompute}")
     if not 1 <= select_layer < model.config.num_hidden_layers:
-        raise ValueError(f"select_layer must be in 1 .. {model.config.num_hidden_layers - 1}: layer 0's K/V depend "
-                         f"only on token and position, so re-rotated chunks are exact there; got {select_layer}")
+        raise ValueError(
+            f"select_layer must be in 1 .. {model.config.num_hidden_layers - 1}: layer 0's K/V "
+            "depend only on token and position, so re-rotated chunks are exact there; got "
+            f"{select_layer}"
+        )
     encoded = [(encode(chunks.tokenizer, piece), bool(reuse)) for piece, reuse in pieces]
     ids = [t for p, _ in encoded for t in p]
     if not ids:
         raise ValueError("the prompt is empty")
     m = len(prefix) if prefix is not None else 0
     if prefix is not None:
-        starts = [sum(len(p) for p, _ in encoded[:i]) for i, (p, reuse) in enumerate(encoded) if reuse and p]
+        starts = [
+            sum(len(p) for p, _ in encoded[:i])
+            for i, (p, reuse) in enumerate(encoded)
+            if reuse and p
+        ]
         _check_prefix(chunks, prefix, ids, min(starts, default=len(ids)))
     device, dtype = model_device_dtype(model)
     t0 = time.perf_counter()
@@ -347,13 +420,22 @@ def blend_prefill(chunks: ChunkCache, pieces: Pieces, recompute: float, *, tenan
     if kept_pos != list(range(len(kept_pos))) or computed != list(range(len(kept_pos), len(ids))):
         mask = _attention_mask(torch.tensor(kept_pos + computed, device=device), q_pos, dtype)
     t_fwd = time.perf_counter()
-    out = model(input_ids=torch.tensor([[ids[p] for p in computed]], device=device), position_ids=q_pos[None],
-                cache=cache, attention_mask=mask, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=torch.tensor([[ids[p] for p in computed]], device=device),
+        position_ids=q_pos[None],
+        cache=cache,
+        attention_mask=mask,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     logits = out.logits[0, -1]
     synchronize(device)
     t1 = time.perf_counter()
-    order = torch.argsort(torch.tensor(kept_pos + computed, device=device))  # back to positions 0 .. N-1
-    cache = _cache(model, [(lay.keys[:, :, order], lay.values[:, :, order]) for lay in out.cache.layers])
+    # back to positions 0 .. N-1
+    order = torch.argsort(torch.tensor(kept_pos + computed, device=device))
+    cache = _cache(
+        model, [(lay.keys[:, :, order], lay.values[:, :, order]) for lay in out.cache.layers]
+    )
     seconds = {"select": t_sel, "prefill": t1 - t_fwd, "ttft": t1 - t0 - miss, "miss": miss}
     return Blend(ids, logits, cache, reused, [reused[i] for i in picked], deviation, seconds)
 
@@ -365,7 +447,9 @@ def blend_generate(chunks: ChunkCache, pieces: Pieces, recompute: float, *,
     """``blend_prefill``, then greedy decoding on its cache; the generated ids are in ``.token_ids``."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    b = blend_prefill(chunks, pieces, recompute, tenant=tenant, prefix=prefix, select_layer=select_layer)
+    b = blend_prefill(
+        chunks, pieces, recompute, tenant=tenant, prefix=prefix, select_layer=select_layer
+    )
     stop = eos_ids(chunks.model, chunks.tokenizer)
     first = int(b.logits.argmax())
     b.token_ids = [first]

@@ -1,9 +1,9 @@
 """The ``kvlab`` command: ``kvlab serve | doctor | audit ...`` and ``kvlab --version``.
 
-Each subcommand runs the package's own ``python -m kvlab.<name>`` module with the remaining arguments,
-so ``kvlab doctor requests.jsonl`` and ``python -m kvlab.doctor requests.jsonl`` are the same thing.
-A subcommand whose module is not in this kvlab (or whose extra is not installed) says so and exits 2.
-Torch-free until a subcommand that needs torch runs.
+Each subcommand runs the package's own ``python -m kvlab.<name>`` module with the remaining
+arguments, so ``kvlab doctor requests.jsonl`` and ``python -m kvlab.doctor requests.jsonl`` are the
+same thing. A subcommand whose module is not in this kvlab (or whose extra is not installed) says so
+and exits 2. Torch-free until a subcommand that needs torch runs.
 """
 
 from __future__ import annotations
@@ -17,8 +17,16 @@ from pathlib import Path
 # The allow-list: subcommand -> (module run as __main__, what it does, the extra it needs or None).
 COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("kvlab.serve", "an HTTP server around the engine, with /metrics", "serve"),
-    "doctor": ("kvlab.doctor", "why is my prefix-cache hit rate low? (a JSONL request log in, a report out)", None),
-    "audit": ("kvlab.audit", "does an OpenAI-style endpoint share its prompt cache? (timing + KS test)", None),
+    "doctor": (
+        "kvlab.doctor",
+        "why is my prefix-cache hit rate low? (a JSONL request log in, a report out)",
+        None,
+    ),
+    "audit": (
+        "kvlab.audit",
+        "does an OpenAI-style endpoint share its prompt cache? (timing + KS test)",
+        None,
+    ),
 }
 
 
@@ -33,11 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level options; everything after the subcommand goes to the subcommand's module."""
     lines = [f"  {name:<8} {desc}  (python -m {mod})" for name, (mod, desc, _) in COMMANDS.items()]
     ap = argparse.ArgumentParser(
-        prog="kvlab", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="kvlab",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="kvlab: share or isolate the LLM KV cache of a common prefix.",
-        epilog="commands:\n" + "\n".join(lines) + "\n\n`kvlab COMMAND --help` shows a command's own options.")
+        epilog="commands:\n"
+        + "\n".join(lines)
+        + "\n\n`kvlab COMMAND --help` shows a command's own options.",
+    )
     ap.add_argument("--version", action="version", version=version_line())
-    ap.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND", help="one of: " + ", ".join(COMMANDS))
+    ap.add_argument(
+        "command",
+        choices=sorted(COMMANDS),
+        metavar="COMMAND",
+        help="one of: " + ", ".join(COMMANDS),
+    )
     ap.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the command")
     return ap
 
@@ -49,7 +66,9 @@ def missing_message(command: str, err: ModuleNotFoundError | None) -> str:
         return (f"kvlab {command}: {module} is not part of this kvlab ({version_line()}); "
                 "install a kvlab that has it")
     hint = f"pip install 'kvlab[{extra}]'" if extra else f"pip install {err.name}"
-    return f"kvlab {command}: {module} needs the package {err.name!r}, which is not installed ({hint})"
+    return (
+        f"kvlab {command}: {module} needs the package {err.name!r}, which is not installed ({hint})"
+    )
 
 
 def run_command(command: str, args: list[str]) -> int:
@@ -57,7 +76,8 @@ def run_command(command: str, args: list[str]) -> int:
     module = COMMANDS[command][0]
     try:
         spec = importlib.util.find_spec(module)
-        if spec is not None and spec.submodule_search_locations is not None:  # a package: needs __main__
+        # a package: needs __main__
+        if spec is not None and spec.submodule_search_locations is not None:
             spec = importlib.util.find_spec(module + ".__main__")
     except ModuleNotFoundError as e:  # the package is there but imports something not installed
         print(missing_message(command, e), file=sys.stderr)

@@ -1,10 +1,11 @@
-"""Input files read whole (API keys, audit keys, model configs): regular files only, of a bounded size.
+"""Input files read whole (API keys, audit keys, model configs): regular files only, of a bounded
+size.
 
-``read_input(path, what, limit)`` refuses, with one line naming the file and the option (``what``), a path that
-does not exist, one that is not a regular file (a folder, ``/dev/zero``, a FIFO: said as such, never read),
-and a file of more than ``limit`` bytes (checked on the open file, and again while reading: a file that grows
-meanwhile is refused too). ``file_kind`` says what a path is. Standard library only: the server, the doctor
-and the audit all use it.
+``read_input(path, what, limit)`` refuses, with one line naming the file and the option (``what``),
+a path that does not exist, one that is not a regular file (a folder, ``/dev/zero``, a FIFO: said as
+such, never read), and a file of more than ``limit`` bytes (checked on the open file, and again
+while reading: a file that grows meanwhile is refused too). ``file_kind`` says what a path is.
+Standard library only: the server, the doctor and the audit all use it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ import stat
 
 __all__ = ["InputFileError", "file_kind", "read_input"]
 
-_KINDS = [(stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket")]
+_KINDS = [
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+]
 
 
 class InputFileError(ValueError):
@@ -42,7 +48,8 @@ def file_kind(path: str | os.PathLike) -> str | None:
 def read_input(path: str | os.PathLike, what: str, limit: int) -> bytes:
     """The bytes of the regular file ``path`` (at most ``limit``); ``InputFileError`` naming ``what`` otherwise."""
     name = os.fspath(path)
-    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused right after, by its kind
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused right after, by its kind
+    try:
         fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise InputFileError(f"{what} {name}: no such file") from None
@@ -55,7 +62,9 @@ def read_input(path: str | os.PathLike, what: str, limit: int) -> bytes:
         if (kind := _kind(st.st_mode)) is not None:
             raise InputFileError(f"{what} {name} is {kind}, not a regular file")
         if st.st_size > limit:
-            raise InputFileError(f"{what} {name} holds {st.st_size:,} bytes; at most {limit:,} are read")
+            raise InputFileError(
+                f"{what} {name} holds {st.st_size:,} bytes; at most {limit:,} are read"
+            )
         chunks, size = [], 0
         while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
             chunks.append(chunk)
@@ -66,5 +75,7 @@ def read_input(path: str | os.PathLike, what: str, limit: int) -> bytes:
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise InputFileError(f"{what} {name} holds more than {limit:,} bytes; at most {limit:,} are read")
+        raise InputFileError(
+            f"{what} {name} holds more than {limit:,} bytes; at most {limit:,} are read"
+        )
     return data

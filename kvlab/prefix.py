@@ -10,9 +10,10 @@ omitted". Here the loop is finished:
    remaining tokens at positions ``len(prefix) ..``, then decodes one token per step.
 
 ``continue_from_cache`` is the unchecked core. The notebooks call it directly to run the *mistakes*
-(another request's prefix, wrong positions) so the wrong outputs are measured, not asserted. The article's
-two functions, written the naive way that pollutes the shared cache, are notebook 02's cells
-(``kvlab.built.nb02``). Also here: ``compare_with_hf`` (token and logit equality with ``model.generate``).
+(another request's prefix, wrong positions) so the wrong outputs are measured, not asserted. The
+article's two functions, written the naive way that pollutes the shared cache, are notebook 02's
+cells (``kvlab.built.nb02``). Also here: ``compare_with_hf`` (token and logit equality with
+``model.generate``).
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ from kvlab.engine.sampling import sample_next
 
 
 def _fingerprint(model: Any, tokenizer: Any) -> str:
-    """The fingerprint of every weight and the tokenizer, computed afresh on each call (never memoised).
+    """The fingerprint of every weight and the tokenizer, computed afresh on each call (never
+    memoised).
 
-    A memo cannot be trusted: a write through ``p.data`` does not bump ``p._version``, and a modified
-    copy has weights a sparse sample may skip. ``PrefixKV.build`` hashes once; each ``generate``
-    with a ``PrefixKV`` hashes the model it is given again and compares. Measured on the bundled model
-    (0.72 M float32 parameters, one CPU core): about 6 ms per call; for larger models about 1 s per
-    GB of weights (sha256 at about 1 GB/s).
+    A memo cannot be trusted: a write through ``p.data`` does not bump ``p._version``, and a
+    modified copy has weights a sparse sample may skip. ``PrefixKV.build`` hashes once; each
+    ``generate`` with a ``PrefixKV`` hashes the model it is given again and compares. Measured on
+    the bundled model (0.72 M float32 parameters, one CPU core): about 6 ms per call; for larger
+    models about 1 s per GB of weights (sha256 at about 1 GB/s).
     """
     return model_fingerprint(model, tokenizer)
 
@@ -57,7 +59,8 @@ class PrefixMismatchError(ValueError):
 class PrefixKV:
     """The K/V of one prefix, computed once, with what is needed to reuse it safely.
 
-    Notebook 02's manual reuse on an HF model; not the engine's block cache (``kvlab.cache.BlockManager``).
+    Notebook 02's manual reuse on an HF model; not the engine's block cache
+    (``kvlab.cache.BlockManager``).
     """
 
     token_ids: tuple[int, ...]
@@ -104,26 +107,35 @@ class PrefixKV:
         k = self.cache.layers[0].keys  # (1, kv_heads, seq, head_dim)
         if k.device != device or k.dtype != dtype:
             raise PrefixMismatchError(
-                f"the PrefixKV's K/V are {k.device}/{k.dtype} but the model is on {device}/{dtype}; "
-                "build the PrefixKV after moving the model (`.to(...)`), not before")
+                f"the PrefixKV's K/V are {k.device}/{k.dtype} but the model is on "
+                f"{device}/{dtype}; "
+                "build the PrefixKV after moving the model (`.to(...)`), not before"
+            )
         fp = _fingerprint(model, tokenizer)
         if fp != self.fingerprint:
             raise PrefixMismatchError(
-                f"this PrefixKV was built by another model or tokenizer (fingerprint {self.fingerprint}, "
-                f"this model/tokenizer is {fp}); build a new PrefixKV with this model")
+                "this PrefixKV was built by another model or tokenizer (fingerprint "
+                f"{self.fingerprint}, this model/tokenizer is {fp}); build a new PrefixKV with "
+                "this model"
+            )
         if self.seq_length() != len(self.token_ids):
             raise PrefixMismatchError(
-                f"the cache holds {self.seq_length()} tokens but its prefix has {len(self.token_ids)}: "
-                "it was written into (polluted); use fork() for each request")
+                f"the cache holds {self.seq_length()} tokens but its prefix has "
+                f"{len(self.token_ids)}: "
+                "it was written into (polluted); use fork() for each request"
+            )
         n = len(self.token_ids)
         if tuple(prompt_ids[:n]) != self.token_ids:
             first = next((i for i, (a, b) in enumerate(zip(prompt_ids, self.token_ids)) if a != b),
                          min(n, len(prompt_ids)))
             raise PrefixMismatchError(
-                f"the cached prefix ({n} tokens) is not a prefix of the prompt ({len(prompt_ids)} tokens): "
-                f"first difference at token {first} "
-                f"(prompt {list(prompt_ids[first:first + 3])} vs cache {list(self.token_ids[first:first + 3])}); "
-                "tokenize the full prompt once and cut the prefix from its ids (see check_prefix_tokens)")
+                f"the cached prefix ({n} tokens) is not a prefix of the prompt ({len(prompt_ids)} "
+                f"tokens): first difference at token {first} "
+                f"(prompt {list(prompt_ids[first : first + 3])} vs cache "
+                f"{list(self.token_ids[first : first + 3])}); "
+                "tokenize the full prompt once and cut the prefix from its ids (see "
+                "check_prefix_tokens)"
+            )
 
 
 @dataclass
@@ -144,7 +156,8 @@ def continue_from_cache(model: Any, cache: Any, input_ids: Sequence[int], start_
                         max_new_tokens: int = 32, stop_ids: set[int] | None = None,
                         do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                         top_k: int = 0, seed: int | None = None, keep_logits: bool = False):
-    """Unchecked core loop: prefill ``input_ids`` at positions ``start_pos ..`` on top of ``cache``, then decode.
+    """Unchecked core loop: prefill ``input_ids`` at positions ``start_pos ..`` on top of ``cache``,
+    then decode.
 
     ``cache`` is written into (pass a fork unless pollution is the point). Returns
     ``(generated ids, prefill seconds, total seconds, per-step logits)``.
@@ -172,8 +185,12 @@ def continue_from_cache(model: Any, cache: Any, input_ids: Sequence[int], start_
         generated.append(tok)
         if tok in stop_ids:
             break
-        out = model(input_ids=torch.tensor([[tok]], device=device),
-                    position_ids=torch.tensor([[next_pos]], device=device), cache=cache, use_cache=True)
+        out = model(
+            input_ids=torch.tensor([[tok]], device=device),
+            position_ids=torch.tensor([[next_pos]], device=device),
+            cache=cache,
+            use_cache=True,
+        )
         logits = out.logits[0, -1]
         next_pos += 1
     synchronize(device)
@@ -191,16 +208,26 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
 
 
-def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_kv: PrefixKV | None = None,
-             max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None, keep_logits: bool = False) -> GenerationResult:
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    prefix_kv: PrefixKV | None = None,
+    max_new_tokens: int = 32,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    keep_logits: bool = False,
+) -> GenerationResult:
     """Generate a completion, reusing ``prefix_kv`` for the prompt's leading tokens when given.
 
     Only the tokens after the cached prefix are prefilled. The ``PrefixKV`` itself is never
     modified (the loop works on a fork). When the prompt *is* the prefix, the last token is
     recomputed, because its logits are needed for the first new token (vLLM does the same). On a
-    sliding-window model (Mistral, Gemma2 ...) whose window the prefix already fills, the cache cannot
-    drop that token (it kept no earlier one), so such a prompt is computed without the cache
+    sliding-window model (Mistral, Gemma2 ...) whose window the prefix already fills, the cache
+    cannot drop that token (it kept no earlier one), so such a prompt is computed without the cache
     (``num_cached_tokens == 0``); the tokens are the same.
     """
     _check_sampling(max_new_tokens, temperature, top_p, top_k)
@@ -209,8 +236,10 @@ def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_kv:
         raise ValueError("the prompt is empty")
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and len(prompt_ids) + max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's {limit} positions")
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's {limit} positions"
+        )
     if prefix_kv is None:
         from transformers import DynamicCache
 
@@ -223,15 +252,27 @@ def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_kv:
             try:
                 cache.crop(-1)  # transformers 5.x: a negative count removes that many tokens
             except RuntimeError:
-                # a sliding-window layer that already holds a full window keeps no token before it, so
-                # it cannot drop the last one: compute the whole prompt afresh (exact, nothing reused)
+                # a sliding-window layer that already holds a full window keeps no token before it,
+                # so
+                # it cannot drop the last one: compute the whole prompt afresh (exact, nothing
+                # reused)
                 from transformers import DynamicCache
 
                 cache, n_cached = DynamicCache(config=model.config), 0
     gen, prefill, total, kept = continue_from_cache(
-        model, cache, prompt_ids[n_cached:], n_cached, max_new_tokens=max_new_tokens,
-        stop_ids=eos_ids(model, tokenizer), do_sample=do_sample, temperature=temperature, top_p=top_p,
-        top_k=top_k, seed=seed, keep_logits=keep_logits)
+        model,
+        cache,
+        prompt_ids[n_cached:],
+        n_cached,
+        max_new_tokens=max_new_tokens,
+        stop_ids=eos_ids(model, tokenizer),
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        keep_logits=keep_logits,
+    )
     text = tokenizer.decode(gen, skip_special_tokens=True)
     return GenerationResult(prompt_ids, gen, text, n_cached, prefill, total, kept)
 
@@ -239,7 +280,8 @@ def generate(model: Any, tokenizer: Any, prompt: str | Sequence[int], prefix_kv:
 def compare_with_hf(model: Any, tokenizer: Any, prompts: Sequence[str | Sequence[int]],
                     prefixes: Sequence[str | Sequence[int] | PrefixKV], max_new_tokens: int = 16,
                     **sampling: Any) -> list[dict[str, Any]]:
-    """Run each prompt through ``generate`` with its ``PrefixKV`` and through HF ``generate``; compare.
+    """Run each prompt through ``generate`` with its ``PrefixKV`` and through HF ``generate``;
+    compare.
 
     One row per prompt: cached tokens, whether the generated ids are identical, and the max abs
     difference between the two loops' logits over the steps both produced.
@@ -252,12 +294,26 @@ def compare_with_hf(model: Any, tokenizer: Any, prompts: Sequence[str | Sequence
             if key not in built:
                 built[key] = PrefixKV.build(model, tokenizer, prefix)
             prefix = built[key]
-        ours = generate(model, tokenizer, prompt, prefix, max_new_tokens=max_new_tokens, keep_logits=True,
-                        **sampling)
-        ref_ids, ref_logits = hf_generate_with_logits(model, tokenizer, prompt, max_new_tokens, **sampling)
+        ours = generate(
+            model,
+            tokenizer,
+            prompt,
+            prefix,
+            max_new_tokens=max_new_tokens,
+            keep_logits=True,
+            **sampling,
+        )
+        ref_ids, ref_logits = hf_generate_with_logits(
+            model, tokenizer, prompt, max_new_tokens, **sampling
+        )
         steps = min(len(ours.step_logits), len(ref_logits))
-        diff = max((float((a - b).abs().max()) for a, b in zip(ours.step_logits[:steps], ref_logits[:steps])),
-                   default=0.0)
+        diff = max(
+            (
+                float((a - b).abs().max())
+                for a, b in zip(ours.step_logits[:steps], ref_logits[:steps])
+            ),
+            default=0.0,
+        )
         rows.append({"prompt_tokens": len(ours.prompt_ids), "cached_tokens": ours.num_cached_tokens,
                      "identical": ours.token_ids == ref_ids, "new_tokens": len(ours.token_ids),
                      "max_abs_logit_diff": diff, "ours": ours.text,

@@ -1,13 +1,15 @@
-"""The attacker's only instrument: time to first token of a streamed completion, measured on the client.
+"""The attacker's only instrument: time to first token of a streamed completion, measured on the
+client.
 
-An ``Endpoint`` is what a user of an OpenAI-compatible API holds: a base URL, an API key, a model name
-and, where the server takes one (vLLM, kvlab serve), a ``cache_salt``. ``measure`` sends one
-``POST /v1/completions`` with ``stream: true`` and ``max_tokens: 1`` and returns the seconds from just
-before the request is written to the first streamed chunk that carries a choice: the prefill the
-server did for this prompt, plus the network and the server's own overhead. The server's
-``usage.prompt_tokens_details.cached_tokens`` is read when it reports one; the audit never uses it to
-decide, only to show what the server itself says. Every answer is checked against the shapes in ``wire``
-(pydantic): a server that answers something else gets ``AuditResponseError``, never a traceback.
+An ``Endpoint`` is what a user of an OpenAI-compatible API holds: a base URL, an API key, a model
+name and, where the server takes one (vLLM, kvlab serve), a ``cache_salt``. ``measure`` sends one
+``POST /v1/completions`` with ``stream: true`` and ``max_tokens: 1`` and returns the seconds from
+just before the request is written to the first streamed chunk that carries a choice: the prefill
+the server did for this prompt, plus the network and the server's own overhead. The server's
+``usage.prompt_tokens_details.cached_tokens`` is read when it reports one; the audit never uses it
+to decide, only to show what the server itself says. Every answer is checked against the shapes in
+``wire`` (pydantic): a server that answers something else gets ``AuditResponseError``, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def _json(text: str, what: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        raise AuditResponseError(f"{what} answered a body that is not JSON: {text[:200]!r}") from None
+        raise AuditResponseError(
+            f"{what} answered a body that is not JSON: {text[:200]!r}"
+        ) from None
 
 
 def first_model(endpoint: Endpoint, http: Any = None) -> str:
@@ -114,8 +118,14 @@ def list_models(endpoint: Endpoint, http: Any = None) -> list[Any]:
 
 
 def _body(endpoint: Endpoint, prompt: str) -> dict:
-    body = {"model": endpoint.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": endpoint.model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint.cache_salt is not None:
         body["cache_salt"] = endpoint.cache_salt
     return body
@@ -126,7 +136,9 @@ def measure(endpoint: Endpoint, prompt: str, http: Any = None) -> Timing:
     import httpx
 
     if endpoint.model is None:
-        raise ValueError("the endpoint has no model name: set Endpoint.model (first_model() lists the server's)")
+        raise ValueError(
+            "the endpoint has no model name: set Endpoint.model (first_model() lists the server's)"
+        )
     client = _client(http)
     try:
         ttft, usage = _stream(client, endpoint, prompt)
@@ -164,10 +176,14 @@ def _stream(client: Any, endpoint: Endpoint, prompt: str) -> tuple[float | None,
             try:
                 obj = json.loads(data)
             except json.JSONDecodeError as e:
-                raise AuditHTTPError(f"the stream sent a chunk that is not JSON: {data[:200]!r}") from e
+                raise AuditHTTPError(
+                    f"the stream sent a chunk that is not JSON: {data[:200]!r}"
+                ) from e
             chunk = parse(StreamChunk, obj, what)
             if chunk.error is not None:
-                raise AuditHTTPError(f"the stream reported an error: {json.dumps(chunk.error)[:300]}")
+                raise AuditHTTPError(
+                    f"the stream reported an error: {json.dumps(chunk.error)[:300]}"
+                )
             if ttft is None and chunk.choices:
                 ttft = time.perf_counter() - t0
             usage = chunk.usage or usage

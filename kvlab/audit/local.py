@@ -1,8 +1,10 @@
-"""Start a server to audit on this machine: ``kvlab serve`` or real ``vllm serve``, on a free loopback port.
+"""Start a server to audit on this machine: ``kvlab serve`` or real ``vllm serve``, on a free
+loopback port.
 
-Each server is a subprocess; ``with start_kvlab(...) as server: server.base_url`` waits until it answers
-``GET /v1/models`` and stops it on exit. Its log goes to a temporary file, whose tail is in the error
-when it fails to start. API keys are written to a new temporary file (the caller's files are only read).
+Each server is a subprocess; ``with start_kvlab(...) as server: server.base_url`` waits until it
+answers ``GET /v1/models`` and stops it on exit. Its log goes to a temporary file, whose tail is in
+the error when it fails to start. API keys are written to a new temporary file (the caller's files
+are only read).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class ServerError(RuntimeError):
     """The server process exited or did not answer in time; the message ends with its log's tail."""
 
 
-_LIVE: set[ServerProcess] = set()  # stopped at interpreter exit, so no server outlives its notebook or test
+# stopped at interpreter exit, so no server outlives its notebook or test
+_LIVE: set[ServerProcess] = set()
 
 
 @atexit.register
@@ -55,18 +58,33 @@ def free_port() -> int:
 class ServerProcess:
     """A running server subprocess: ``base_url``, ``log()``, ``stop()``; a context manager."""
 
-    def __init__(self, cmd: Sequence[str], port: int, env: dict[str, str] | None = None, timeout: float = 120.0,
-                 cwd: str | None = None, name: str = "server", files: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        port: int,
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+        cwd: str | None = None,
+        name: str = "server",
+        files: dict[str, str] | None = None,
+    ) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvlab-audit-server-")
-        for fname, text in (files or {}).items():  # e.g. the key file; "{workdir}" in cmd points here
+        # e.g. the key file; "{workdir}" in cmd points here
+        for fname, text in (files or {}).items():
             (Path(self._dir.name) / fname).write_text(text)
         self.name, self.port = name, port
         self.cmd = [c.replace("{workdir}", self._dir.name) for c in cmd]
         self.base_url = f"http://127.0.0.1:{port}/v1"
         self._log_path = Path(self._dir.name) / "server.log"
         self._log = open(self._log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
         _LIVE.add(self)
         self.started_s: float | None = None
         self._timeout = timeout
@@ -92,7 +110,8 @@ class ServerProcess:
 
         while True:
             if self.proc.poll() is not None:
-                message = f"{self.name} exited with code {self.proc.returncode}; its log ends with:\n{self.log()}"
+                message = (f"{self.name} exited with code {self.proc.returncode}; its log ends "
+                           f"with:\n{self.log()}")
                 self.close()
                 raise ServerError(message)
             try:
@@ -103,7 +122,8 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             if time.perf_counter() - self._t0 > self._timeout:
-                message = f"{self.name} did not answer within {self._timeout:.0f} s; its log ends with:\n{self.log()}"
+                message = (f"{self.name} did not answer within {self._timeout:.0f} s; its log ends "
+                           f"with:\n{self.log()}")
                 self.close()
                 raise ServerError(message)
             time.sleep(0.2)
@@ -142,39 +162,87 @@ def _env(threads: int | None) -> dict[str, str]:
     return env
 
 
-def start_kvlab(model: str | None = None, isolation: str = "shared", keys: dict[str, str] | None = None,
-                extra_args: Sequence[str] = (), threads: int | None = 1, timeout: float = 180.0,
-                python: str | None = None, device: str | None = None, dtype: str | None = None) -> ServerProcess:
-    """``python -m kvlab.serve`` on a free loopback port (not yet ready: use ``with`` or ``wait_ready()``).
+def start_kvlab(
+    model: str | None = None,
+    isolation: str = "shared",
+    keys: dict[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    threads: int | None = 1,
+    timeout: float = 180.0,
+    python: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> ServerProcess:
+    """``python -m kvlab.serve`` on a free loopback port (not yet ready: use ``with`` or
+    ``wait_ready()``).
 
-    ``keys`` maps API key -> tenant (written to a temporary ``--api-keys`` file); ``extra_args`` go last.
+    ``keys`` maps API key -> tenant (written to a temporary ``--api-keys`` file); ``extra_args`` go
+    last.
     """
     port = free_port()
-    cmd = [python or sys.executable, "-m", "kvlab.serve", "--port", str(port), "--isolation", isolation]
+    cmd = [
+        python or sys.executable,
+        "-m",
+        "kvlab.serve",
+        "--port",
+        str(port),
+        "--isolation",
+        isolation,
+    ]
     if model is not None:
         cmd += ["--model", str(model)]
     cmd += ["--device", device] if device else []
     cmd += ["--dtype", dtype] if dtype else []
     if keys:
         cmd += ["--api-keys", "{workdir}/keys.json"]
-    return ServerProcess(cmd + list(extra_args), port, _env(threads), timeout, name=f"kvlab serve ({isolation})",
-                         files={"keys.json": json.dumps(keys)} if keys else None)
+    return ServerProcess(
+        cmd + list(extra_args),
+        port,
+        _env(threads),
+        timeout,
+        name=f"kvlab serve ({isolation})",
+        files={"keys.json": json.dumps(keys)} if keys else None,
+    )
 
 
-def start_vllm(model_folder: str | os.PathLike, python: str | os.PathLike | None = None, block_size: int = 32,
-               api_key: str | None = None, max_model_len: int = 2048, extra_args: Sequence[str] = (),
-               timeout: float = 600.0) -> ServerProcess:
+def start_vllm(
+    model_folder: str | os.PathLike,
+    python: str | os.PathLike | None = None,
+    block_size: int = 32,
+    api_key: str | None = None,
+    max_model_len: int = 2048,
+    extra_args: Sequence[str] = (),
+    timeout: float = 600.0,
+) -> ServerProcess:
     """Real ``vllm serve`` (the vLLM venv's interpreter, prefix caching on, float32) on a free loopback port."""
     from kvlab.vllm.bridge import vllm_python
 
     path = vllm_python(python)
     port = free_port()
-    cmd = [str(path), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model_folder).resolve()),
-           "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching", "--block-size", str(block_size),
-           "--dtype", "float32", "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details"]
+    cmd = [
+        str(path),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(Path(model_folder).resolve()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--block-size",
+        str(block_size),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prompt-tokens-details",
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": "",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     env.pop("PYTHONHOME", None)
-    return ServerProcess(cmd + list(extra_args), port, env, timeout, cwd=tempfile.gettempdir(), name="vllm serve")
+    return ServerProcess(
+        cmd + list(extra_args), port, env, timeout, cwd=tempfile.gettempdir(), name="vllm serve"
+    )

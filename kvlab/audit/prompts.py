@@ -1,9 +1,10 @@
-"""Random prompts as Gu et al. drew them: English letters, lower and upper case, separated by spaces.
+"""Random prompts as Gu et al. drew them: English letters, lower and upper case, separated by
+spaces.
 
 Most BPE tokenizers give one token per spaced letter; others split differently (the bundled model's
-1,024-token vocabulary makes the space a token of its own), so lengths are asked in tokens and turned
-into letters with a ``tokens_per_letter`` ratio, which ``kvlab.audit.procedure.calibrate`` measures on
-the server from its reported ``prompt_tokens``.
+1,024-token vocabulary makes the space a token of its own), so lengths are asked in tokens and
+turned into letters with a ``tokens_per_letter`` ratio, which ``kvlab.audit.procedure.calibrate``
+measures on the server from its reported ``prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ def letters_for(tokens: int, tokens_per_letter: float = 1.0) -> int:
     return max(1, round(tokens / tokens_per_letter))
 
 
-def prompt_pair(rng: random.Random, n_letters: int, prefix_fraction: float, head: str = "") -> tuple[str, str]:
+def prompt_pair(
+    rng: random.Random, n_letters: int, prefix_fraction: float, head: str = ""
+) -> tuple[str, str]:
     """A victim prompt and an attacker prompt that share their first ``prefix_fraction`` of letters.
 
-    Both start with ``head`` (text every prompt of the audit starts with, e.g. a public system prompt);
-    the letters after the shared part are drawn independently for each.
+    Both start with ``head`` (text every prompt of the audit starts with, e.g. a public system
+    prompt); the letters after the shared part are drawn independently for each.
     """
     if not 0.0 <= prefix_fraction <= 1.0:
         raise ValueError(f"prefix_fraction must be in [0, 1], got {prefix_fraction}")

@@ -1,15 +1,18 @@
-"""What the audit reads from a server, as pydantic models: a body of another shape is a clear error, not a traceback.
+"""What the audit reads from a server, as pydantic models: a body of another shape is a clear error,
+not a traceback.
 
 Only the fields the audit uses are checked; any others are kept and ignored (servers add their own):
 
-- ``GET /v1/models``: ``{"data": [{"id": "<non-empty string>", "max_model_len": <int >= 1, optional>, ...}, ...]}``;
-- a streamed completion's chunk: a JSON object whose ``choices``, when present, is a list of objects, and whose
-  ``usage``, when present, holds non-negative integer ``prompt_tokens`` and
-  ``prompt_tokens_details.cached_tokens`` (either may be null or absent); a chunk with an ``error`` object
-  is the server's refusal mid-stream.
+- ``GET /v1/models``: ``{"data": [{"id": "<non-empty string>", "max_model_len": <int >= 1,
+  optional>, ...}, ...]}``;
+- a streamed completion's chunk: a JSON object whose ``choices``, when present, is a list of
+  objects, and whose ``usage``, when present, holds non-negative integer ``prompt_tokens`` and
+  ``prompt_tokens_details.cached_tokens`` (either may be null or absent); a chunk with an ``error``
+  object is the server's refusal mid-stream.
 
-``parse`` raises ``AuditResponseError`` (an ``AuditHTTPError``) naming the request, the field's path and the
-problem. Imported by ``client`` when it reads an answer, so ``import kvlab.audit`` needs no pydantic.
+``parse`` raises ``AuditResponseError`` (an ``AuditHTTPError``) naming the request, the field's path
+and the problem. Imported by ``client`` when it reads an answer, so ``import kvlab.audit`` needs no
+pydantic.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from .errors import AuditHTTPError
 
 __all__ = ["AuditResponseError", "ModelList", "StreamChunk", "Usage", "parse"]
 
-Count = Annotated[int, Field(strict=True, ge=0)]  # a token count: an int (not a bool, not "12"), never negative
+# a token count: an int (not a bool, not "12"), never negative
+Count = Annotated[int, Field(strict=True, ge=0)]
 
 
 class AuditResponseError(AuditHTTPError):
@@ -39,7 +43,8 @@ class ModelCard(_Wire):
     """One entry of ``GET /v1/models``."""
 
     id: Annotated[str, StringConstraints(strict=True, min_length=1)]
-    max_model_len: Annotated[int, Field(strict=True, ge=1)] | None = None  # the context (vLLM, kvlab serve)
+    # the context (vLLM, kvlab serve)
+    max_model_len: Annotated[int, Field(strict=True, ge=1)] | None = None
 
 
 class ModelList(_Wire):
@@ -81,5 +86,7 @@ def parse(model: type[M], obj: Any, what: str) -> M:
         where = ".".join(str(p) for p in err["loc"]) or "the body"
         got = repr(err.get("input"))
         got = got if len(got) <= 80 else got[:77] + "..."
-        raise AuditResponseError(f"{what} answered JSON of the wrong shape: {where}: {err['msg']} (got {got}); "
-                                 "is this an OpenAI-compatible server?") from None
+        raise AuditResponseError(
+            f"{what} answered JSON of the wrong shape: {where}: {err['msg']} (got {got}); "
+            "is this an OpenAI-compatible server?"
+        ) from None

@@ -21,11 +21,23 @@ from .replay import block_chains, replay, replay_tokens, spot_check, unbounded_h
 from .tokenization import PromptEncoder, ids, model_config
 from .vllm_metrics import read_metrics
 
-# The largest cache the doctor replays, in blocks of any block size: a billion blocks is over ten TB of K/V
-# even for a 0.5B model, far past any server. The replay itself allocates no more blocks than the log can
-# fill (``replay.pool_blocks``); this bound turns nonsense such as ``--kv-gib 1e30`` into a clear error.
+# The largest cache the doctor replays, in blocks of any block size: a billion blocks is over ten TB
+# of K/V
+# even for a 0.5B model, far past any server. The replay itself allocates no more blocks than the
+# log can
+# fill (``replay.pool_blocks``); this bound turns nonsense such as ``--kv-gib 1e30`` into a clear
+# error.
 MAX_CAPACITY_BLOCKS = 10**9
-KV_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1}
+KV_DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "float16": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "float8": 1,
+}
 
 
 @dataclass(kw_only=True)
@@ -59,7 +71,8 @@ class Diagnosis:
     final: Prepared | None = field(default=None, repr=False)  # the log with every fix applied
     enc: PromptEncoder | None = field(default=None, repr=False)
     min_effect: float = 0.002
-    inputs: list[str] = field(default_factory=list)  # the files read (a report is never written where they are)
+    # the files read (a report is never written where they are)
+    inputs: list[str] = field(default_factory=list)
 
     @property
     def cap_key(self) -> str:
@@ -92,22 +105,50 @@ class Diagnosis:
     def data(self) -> dict:
         """Every number of the diagnosis as one JSON-able dict: what every report is rendered from."""
         lens, enc, k = self.prep.lengths, self.enc, self.cap_key
-        tok = {} if enc is None else {"pieces": enc.pieces_total, "pieces_tokenized": enc.pieces_tokenized,
-                                      "chars_tokenized": enc.chars_tokenized, "split_at_lines": enc.lines,
-                                      "split_at_special_tokens": enc.segmented}
-        return {"source": self.source, "model": self.model, "lines": self.lines, "requests": self.requests,
-                "prompt_tokens": {"total": sum(lens), "mean": sum(lens) / len(lens) if lens else 0,
-                                  "max": max(lens, default=0)},
-                "tokenizer": tok, "malformed": [{"line": b.line, "error": b.error, "text": b.text} for b in self.bad],
-                "block_sizes": self.block_sizes, "block_size": self.block_size,
-                "capacity_blocks": {str(b): v for b, v in self.capacity_blocks.items()},
-                "tenant_field": self.tenant_field, "cap_key": k, "min_effect": self.min_effect,
-                "table": self.table, "ceiling": self.ceiling, "top_divergence_points": self.top_points,
-                "divergence_histogram": sorted(self.div.histogram().items()),
-                "culprits": [_culprit_data(c, k, self.kept) for c in self.culprits], "baseline": self.baseline,
-                "chain": self.chain, "remaining_divergence_points": self.final_top_points,
-                "system_only": self.system_only, "vllm": self.vllm, "spot_checks": self.spot_checks, "scan": self.scan,
-                "timings": dict(self.timings), "notes": self.notes}
+        tok = (
+            {}
+            if enc is None
+            else {
+                "pieces": enc.pieces_total,
+                "pieces_tokenized": enc.pieces_tokenized,
+                "chars_tokenized": enc.chars_tokenized,
+                "split_at_lines": enc.lines,
+                "split_at_special_tokens": enc.segmented,
+            }
+        )
+        return {
+            "source": self.source,
+            "model": self.model,
+            "lines": self.lines,
+            "requests": self.requests,
+            "prompt_tokens": {
+                "total": sum(lens),
+                "mean": sum(lens) / len(lens) if lens else 0,
+                "max": max(lens, default=0),
+            },
+            "tokenizer": tok,
+            "malformed": [{"line": b.line, "error": b.error, "text": b.text} for b in self.bad],
+            "block_sizes": self.block_sizes,
+            "block_size": self.block_size,
+            "capacity_blocks": {str(b): v for b, v in self.capacity_blocks.items()},
+            "tenant_field": self.tenant_field,
+            "cap_key": k,
+            "min_effect": self.min_effect,
+            "table": self.table,
+            "ceiling": self.ceiling,
+            "top_divergence_points": self.top_points,
+            "divergence_histogram": sorted(self.div.histogram().items()),
+            "culprits": [_culprit_data(c, k, self.kept) for c in self.culprits],
+            "baseline": self.baseline,
+            "chain": self.chain,
+            "remaining_divergence_points": self.final_top_points,
+            "system_only": self.system_only,
+            "vllm": self.vllm,
+            "spot_checks": self.spot_checks,
+            "scan": self.scan,
+            "timings": dict(self.timings),
+            "notes": self.notes,
+        }
 
     def summary(self) -> str:
         """The terminal summary."""
@@ -117,11 +158,26 @@ class Diagnosis:
 def _culprit_data(c: Culprit, cap_key: str, kept_all: list[Culprit]) -> dict:
     kept = c in kept_all
     change = c.chained[cap_key]["hit_rate"] - c.before[cap_key]["hit_rate"] if kept else None
-    return {"fix_order": kept_all.index(c) + 1 if kept else None, "kind": c.kind, "title": c.title,
-            "position": c.position, "where": c.where, "evidence": c.evidence, "fix": c.fix_text, "affected": c.affected,
-            "measurable": c.measurable, "kept": kept, "no_effect": c.no_effect,
-            "quick_look": c.details.get("quick look"), "examples": c.examples[:1], "before": c.before,
-            "chained": c.chained, "change": change, "alone": c.alone, "fixed_log": c.fixed_log}
+    return {
+        "fix_order": kept_all.index(c) + 1 if kept else None,
+        "kind": c.kind,
+        "title": c.title,
+        "position": c.position,
+        "where": c.where,
+        "evidence": c.evidence,
+        "fix": c.fix_text,
+        "affected": c.affected,
+        "measurable": c.measurable,
+        "kept": kept,
+        "no_effect": c.no_effect,
+        "quick_look": c.details.get("quick look"),
+        "examples": c.examples[:1],
+        "before": c.before,
+        "chained": c.chained,
+        "change": change,
+        "alone": c.alone,
+        "fixed_log": c.fixed_log,
+    }
 
 
 def _timed(timings: dict, phase: str, fn, *args, **kwargs):
@@ -132,12 +188,25 @@ def _timed(timings: dict, phase: str, fn, *args, **kwargs):
     return out
 
 
-def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: tuple[int, ...] = (16, 32, 64),
-             capacity_blocks: int | None = None, kv_gib: float | None = None, kv_config: str | None = None,
-             kv_dtype: str = "bfloat16", tenant_field: str | None = None, vllm_metrics: str | Path | None = None,
-             sample: int = 400, seed: int = 0, concurrency: int = 1, alone: bool = False,
-             encoder: PromptEncoder | None = None, spot_check_requests: int = 150,
-             min_effect: float = 0.002) -> Diagnosis:
+def diagnose(
+    log: str | Path | list,
+    model: str | None = None,
+    *,
+    block_sizes: tuple[int, ...] = (16, 32, 64),
+    capacity_blocks: int | None = None,
+    kv_gib: float | None = None,
+    kv_config: str | None = None,
+    kv_dtype: str = "bfloat16",
+    tenant_field: str | None = None,
+    vllm_metrics: str | Path | None = None,
+    sample: int = 400,
+    seed: int = 0,
+    concurrency: int = 1,
+    alone: bool = False,
+    encoder: PromptEncoder | None = None,
+    spot_check_requests: int = 150,
+    min_effect: float = 0.002,
+) -> Diagnosis:
     """Diagnose a request log (JSONL path, or a list of dicts / JSON lines), phase by phase (docs/doctor.md)."""
     block_sizes = [int(b) for b in block_sizes]
     if not block_sizes or any(b < 1 for b in block_sizes):
@@ -153,47 +222,112 @@ def diagnose(log: str | Path | list, model: str | None = None, *, block_sizes: t
     notes = (list(enc.notes) if enc is not None else []) + cap_notes
     tenants = tenant_salts(prep, tenant_field)
     if tenants is not None and None in tenants:
-        notes.append(f"{tenants.count(None)} requests have no {tenant_field!r} field: they are replayed without a salt")
+        notes.append(
+            f"{tenants.count(None)} requests have no {tenant_field!r} field: they are replayed "
+            "without a salt"
+        )
     div = _timed(timings, "divergence", divergence, prep.tokens)
     meter = Meter(bs, caps[bs], concurrency, tenant_field)
-    table = _timed(timings, "replay (all block sizes)", _replay_table, prep, div, block_sizes, caps, tenants,
-                   concurrency, meter)
+    table = _timed(
+        timings,
+        "replay (all block sizes)",
+        _replay_table,
+        prep,
+        div,
+        block_sizes,
+        caps,
+        tenants,
+        concurrency,
+        meter,
+    )
     checks = _timed(timings, "spot check vs BlockManager", lambda: [
         spot_check(prep.tokens, bs, caps[bs], spot_check_requests, tenants, None, concurrency)
     ] if prep.tokens and spot_check_requests else [])
     if any(not c["equal"] for c in checks):
-        notes.append("WARNING: the fast replay and kvlab.cache.BlockManager disagree on the spot check")
+        notes.append(
+            "WARNING: the fast replay and kvlab.cache.BlockManager disagree on the spot check"
+        )
     salted = (table[0]["unbounded_hit_tokens"], table[0].get("unsalted_hit_tokens", 0))
-    findings, scan, culprits = _timed(timings, "find culprits", find_culprits, prep, div, enc, bs, tenants=tenants,
-                                      tenant_field=tenant_field, sample=sample, seed=seed, salted_unsalted=salted)
-    baseline, kept, chain, final = _timed(timings, "measure fixes", measure_fixes, culprits, prep, enc, meter,
-                                          min_effect)
+    findings, scan, culprits = _timed(
+        timings,
+        "find culprits",
+        find_culprits,
+        prep,
+        div,
+        enc,
+        bs,
+        tenants=tenants,
+        tenant_field=tenant_field,
+        sample=sample,
+        seed=seed,
+        salted_unsalted=salted,
+    )
+    baseline, kept, chain, final = _timed(
+        timings, "measure fixes", measure_fixes, culprits, prep, enc, meter, min_effect
+    )
     _timed(timings, "measure fixes alone", measure_alone, kept if alone else [], prep, enc, meter)
-    culprits = kept + sorted((c for c in culprits if c not in kept), key=lambda c: not c.measurable)  # stable
-    top, final_top = _points(div, prep.tokens, enc), _points(divergence(final.tokens), final.tokens, enc)
+    # stable
+    culprits = kept + sorted((c for c in culprits if c not in kept), key=lambda c: not c.measurable)
+    top, final_top = (
+        _points(div, prep.tokens, enc),
+        _points(divergence(final.tokens), final.tokens, enc),
+    )
     timings["cpu (process time, all phases)"] = time.process_time() - cpu0
     lines = len(records) + len(bad)
     return Diagnosis(
         source=str(log) if isinstance(log, (str, Path)) else f"<{lines} records>",
-        model=enc.name if enc is not None else "none (token ids)", block_sizes=block_sizes, capacity_blocks=caps,
-        lines=lines, bad=sorted(bad + prep.bad, key=lambda b: b.line), prep=prep, tenants=tenants,
-        tenant_field=tenant_field, div=div, table=table, ceiling=div.ceiling(), top_points=top,
-        findings=findings, scan=scan, culprits=culprits, baseline=baseline, chain=chain, final_top_points=final_top,
-        system_only=_system_only(final, bs), spot_checks=checks, timings=timings, notes=notes,
-        vllm=None if vllm_metrics is None else {**read_metrics(vllm_metrics), "file": str(vllm_metrics)},
-        final=final, enc=enc, min_effect=min_effect, inputs=input_paths(log, model, kv_config, vllm_metrics))
+        model=enc.name if enc is not None else "none (token ids)",
+        block_sizes=block_sizes,
+        capacity_blocks=caps,
+        lines=lines,
+        bad=sorted(bad + prep.bad, key=lambda b: b.line),
+        prep=prep,
+        tenants=tenants,
+        tenant_field=tenant_field,
+        div=div,
+        table=table,
+        ceiling=div.ceiling(),
+        top_points=top,
+        findings=findings,
+        scan=scan,
+        culprits=culprits,
+        baseline=baseline,
+        chain=chain,
+        final_top_points=final_top,
+        system_only=_system_only(final, bs),
+        spot_checks=checks,
+        timings=timings,
+        notes=notes,
+        vllm=None
+        if vllm_metrics is None
+        else {**read_metrics(vllm_metrics), "file": str(vllm_metrics)},
+        final=final,
+        enc=enc,
+        min_effect=min_effect,
+        inputs=input_paths(log, model, kv_config, vllm_metrics),
+    )
 
 
-def _capacities(block_sizes: list[int], capacity_blocks: int | None, kv_gib: float | None, kv_config: str | None,
-                kv_dtype: str, model: str | None, notes: list[str]) -> dict[int, int | None]:
-    """Blocks of each block size for the same KV memory (``capacity_blocks`` counts blocks of the first size).
+def _capacities(
+    block_sizes: list[int],
+    capacity_blocks: int | None,
+    kv_gib: float | None,
+    kv_config: str | None,
+    kv_dtype: str,
+    model: str | None,
+    notes: list[str],
+) -> dict[int, int | None]:
+    """Blocks of each block size for the same KV memory (``capacity_blocks`` counts blocks of the
+    first size).
 
     ``ValueError`` naming the option when a size is not a positive number or comes to more than
     ``MAX_CAPACITY_BLOCKS`` blocks of some block size (checked before anything is allocated).
     """
-    if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks,
-                                                                                         numbers.Integral)
-                                        or capacity_blocks < 1):
+    if capacity_blocks is not None and (
+        isinstance(capacity_blocks, bool)
+        or not isinstance(capacity_blocks, numbers.Integral)
+        or capacity_blocks < 1
+    ):
         raise ValueError(f"--capacity-blocks must be a positive integer, got {capacity_blocks!r}")
     if kv_gib is not None and (isinstance(kv_gib, bool) or not isinstance(kv_gib, (int, float))
                                or not math.isfinite(kv_gib) or kv_gib <= 0):
@@ -213,10 +347,15 @@ def _capacities(block_sizes: list[int], capacity_blocks: int | None, kv_gib: flo
     given = capacity_blocks if option == "--capacity-blocks" else kv_gib
     for bs, n in caps.items():
         if not n <= MAX_CAPACITY_BLOCKS:  # nan too
-            raise ValueError(f"{option} {given} comes to more than {MAX_CAPACITY_BLOCKS:,} blocks of {bs} tokens, "
-                             f"the largest cache the doctor replays (MAX_CAPACITY_BLOCKS): give a smaller {option}")
+            raise ValueError(
+                f"{option} {given} comes to more than {MAX_CAPACITY_BLOCKS:,} blocks of {bs} "
+                "tokens, the largest cache the doctor replays (MAX_CAPACITY_BLOCKS): give a "
+                f"smaller {option}"
+            )
         if n < 1:
-            raise ValueError(f"--kv-gib {kv_gib} holds no whole block of {bs} tokens ({kvb} KV bytes per token)")
+            raise ValueError(
+                f"--kv-gib {kv_gib} holds no whole block of {bs} tokens ({kvb} KV bytes per token)"
+            )
     return {bs: int(n) for bs, n in caps.items()}
 
 
@@ -232,11 +371,14 @@ def _kv_config(kv_config: str | None, model: str | None) -> dict:
         path = path / "config.json" if path.is_dir() else path
         if path.exists():
             from ..inputs import read_input
-            data = read_input(path, "--kv-config", MAX_CONFIG_BYTES)  # /dev/zero, a FIFO, a huge file: one line
+            # /dev/zero, a FIFO, a huge file: one line
+            data = read_input(path, "--kv-config", MAX_CONFIG_BYTES)
             try:
                 config = json.loads(data.decode("utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"--kv-config {kv_config}: {path} is not valid JSON ({e})") from None
+                raise ValueError(
+                    f"--kv-config {kv_config}: {path} is not valid JSON ({e})"
+                ) from None
         else:
             from kvlab.engine.models import load_public_config
             config = load_public_config(kv_config)
@@ -246,24 +388,44 @@ def _kv_config(kv_config: str | None, model: str | None) -> dict:
     return config
 
 
-def _replay_table(prep: Prepared, div: Divergence, block_sizes: list[int], caps: dict, tenants: list | None,
-                  concurrency: int, meter: Meter) -> list[dict]:
+def _replay_table(
+    prep: Prepared,
+    div: Divergence,
+    block_sizes: list[int],
+    caps: dict,
+    tenants: list | None,
+    concurrency: int,
+    meter: Meter,
+) -> list[dict]:
     """One row per block size: unbounded (from the divergence positions), at capacity, without salts."""
     lengths, queries = prep.lengths, sum(prep.lengths)
-    shared = [min(d, n - 1) for d, n in zip(div.position, lengths)]  # an unbounded cache hits their whole blocks
+    # an unbounded cache hits their whole blocks
+    shared = [min(d, n - 1) for d, n in zip(div.position, lengths)]
     salted = shared if tenants is None else unbounded_hits(prep.tokens, 1, tenants)
     table = []
     for bs in block_sizes:
         hits = sum(x // bs * bs for x in salted)
-        row = {"block_size": bs, "capacity_blocks": caps[bs], "requests": len(lengths), "query_tokens": queries,
-               "unbounded_hit_rate": _rate(hits, queries), "unbounded_hit_tokens": hits}
+        row = {
+            "block_size": bs,
+            "capacity_blocks": caps[bs],
+            "requests": len(lengths),
+            "query_tokens": queries,
+            "unbounded_hit_rate": _rate(hits, queries),
+            "unbounded_hit_tokens": hits,
+        }
         if caps[bs] is not None:
             chains = block_chains(prep.tokens, bs, tenants)
             c = replay(chains, lengths, bs, caps[bs], concurrency)
-            row.update(capacity_hit_rate=c.hit_rate, capacity_hit_tokens=c.hit_tokens, too_big=c.too_big)
+            row.update(
+                capacity_hit_rate=c.hit_rate, capacity_hit_tokens=c.hit_tokens, too_big=c.too_big
+            )
             if bs == block_sizes[0]:  # the culprits' baseline: the same replay, kept for the meter
-                meter.last = ((id(prep.tokens), None), prep.tokens, chains,
-                              {"unbounded": stats(replay(chains, lengths, bs, None)), "capacity": stats(c)})
+                meter.last = (
+                    (id(prep.tokens), None),
+                    prep.tokens,
+                    chains,
+                    {"unbounded": stats(replay(chains, lengths, bs, None)), "capacity": stats(c)},
+                )
         if tenants is not None:
             unsalted = sum(x // bs * bs for x in shared)
             row.update(unsalted_hit_rate=_rate(unsalted, queries), unsalted_hit_tokens=unsalted)
@@ -282,22 +444,42 @@ def _system_only(final: Prepared, bs: int) -> dict | None:
         return None
     st = replay_tokens(final.tokens, bs, None)
     capped = sum(min(h, (s // bs) * bs) for h, s in zip(st.per_request, final.sys_tokens))
-    return {"hit_rate_history_shared": st.hit_rate, "hit_rate_system_only": _rate(capped, st.query_tokens),
-            "hit_tokens_history_shared": st.hit_tokens, "hit_tokens_system_only": capped,
-            "query_tokens": st.query_tokens}
+    return {
+        "hit_rate_history_shared": st.hit_rate,
+        "hit_rate_system_only": _rate(capped, st.query_tokens),
+        "hit_tokens_history_shared": st.hit_tokens,
+        "hit_tokens_system_only": capped,
+        "query_tokens": st.query_tokens,
+    }
 
 
-def _points(div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: int = 5) -> list[dict]:
+def _points(
+    div: Divergence, tokens: list[str], enc: PromptEncoder | None, k: int = 5
+) -> list[dict]:
     """The most common divergence positions with the text around them (request | partner)."""
-    out, (show, w) = [], (enc.decode, (24, 16)) if enc is not None else ((lambda x: str(ids(x))), (8, 8))
+    out, (show, w) = (
+        [],
+        (enc.decode, (24, 16)) if enc is not None else ((lambda x: str(ids(x))), (8, 8)),
+    )
     for pos, count in div.top_points(k):
-        i = next((j for j, (d, p) in enumerate(zip(div.position, div.partner)) if d == pos and p >= 0), None)
+        i = next(
+            (j for j, (d, p) in enumerate(zip(div.position, div.partner)) if d == pos and p >= 0),
+            None,
+        )
         if i is None:
             continue
         s, t = tokens[i], tokens[div.partner[i]]
-        out.append({"position": pos, "requests": count, "example_request": i, "partner": div.partner[i],
-                    "before": show(s[max(0, pos - w[0]):pos]), "after_request": show(s[pos:pos + w[1]]),
-                    "after_partner": show(t[pos:pos + w[1]])})
+        out.append(
+            {
+                "position": pos,
+                "requests": count,
+                "example_request": i,
+                "partner": div.partner[i],
+                "before": show(s[max(0, pos - w[0]) : pos]),
+                "after_request": show(s[pos : pos + w[1]]),
+                "after_partner": show(t[pos : pos + w[1]]),
+            }
+        )
     return out
 
 
@@ -312,11 +494,14 @@ def _positive_int(cfg: dict, name: str, where: str, default: int | None = None) 
     return value
 
 
-def kv_bytes_per_token_of(config: dict, dtype: str = "bfloat16", where: str = "the model config") -> int:
+def kv_bytes_per_token_of(
+    config: dict, dtype: str = "bfloat16", where: str = "the model config"
+) -> int:
     """2 (K and V) x layers x KV heads x head dim x bytes per element, from a config.json dict.
 
-    Every field used must be a positive integer (``num_key_value_heads`` defaults to the attention heads,
-    ``head_dim`` to ``hidden_size // num_attention_heads``); ``ValueError`` names the field and ``where``.
+    Every field used must be a positive integer (``num_key_value_heads`` defaults to the attention
+    heads, ``head_dim`` to ``hidden_size // num_attention_heads``); ``ValueError`` names the field
+    and ``where``.
     """
     if dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"--kv-dtype {dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
@@ -330,8 +515,10 @@ def kv_bytes_per_token_of(config: dict, dtype: str = "bfloat16", where: str = "t
     else:
         hd = _positive_int(cfg, "hidden_size", where) // heads
         if hd < 1:
-            raise ValueError(f"{where}: hidden_size {cfg['hidden_size']} / num_attention_heads {heads} leaves a "
-                             "head dim of 0 (give head_dim)")
+            raise ValueError(
+                f"{where}: hidden_size {cfg['hidden_size']} / num_attention_heads {heads} leaves a "
+                "head dim of 0 (give head_dim)"
+            )
     return 2 * _positive_int(cfg, "num_hidden_layers", where) * kv * hd * KV_DTYPE_BYTES[dtype]
 
 
@@ -346,8 +533,11 @@ def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for n, c in enumerate(d.kept, 1):
-        if "state" in c.details:  # none: a replay policy (the public prefix), the log itself does not change
-            paths[c.title] = write_log(_rows(c.details["state"]), out_dir / f"{n:02d}_{c.kind}.jsonl", exclusive=True)
+        # none: a replay policy (the public prefix), the log itself does not change
+        if "state" in c.details:
+            paths[c.title] = write_log(
+                _rows(c.details["state"]), out_dir / f"{n:02d}_{c.kind}.jsonl", exclusive=True
+            )
             c.fixed_log = str(paths[c.title])
     if d.final is not None:
         paths["all fixes"] = write_log(_rows(d.final), out_dir / "all_fixes.jsonl", exclusive=True)
@@ -356,7 +546,11 @@ def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
 
 def _rows(log: Prepared) -> Iterable:
     """A fixed log's records, or its padded tokens (alignment) as token-id lines with each record's metadata."""
-    return ({"token_ids": ids(s), **r.meta} for s, r in zip(log.tokens, log.records)) if log.padded else log.records
+    return (
+        ({"token_ids": ids(s), **r.meta} for s, r in zip(log.tokens, log.records))
+        if log.padded
+        else log.records
+    )
 
 
 def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
@@ -373,7 +567,8 @@ def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[
         data["timings"] = dict(d.timings)
         for name, render in (("summary.json", lambda: json.dumps(data, indent=1, default=str)),
                              ("report.html", lambda: report.render_html(data, figs))):
-            with open(out / name, "x", encoding="utf-8") as f:  # created new: never over an existing file
+            # created new: never over an existing file
+            with open(out / name, "x", encoding="utf-8") as f:
                 f.write(render())
             paths[name] = out / name
     finally:  # what was written, even when a write failed half-way: the next run deletes it

@@ -30,7 +30,10 @@ class Divergence:
 
     def ceiling(self) -> dict:
         """A token-granular cache with unlimited room and no salts: it hits min(divergence, n - 1) of each prompt."""
-        hits, queries = sum(min(d, n - 1) for d, n in zip(self.position, self.lengths)), sum(self.lengths)
+        hits, queries = (
+            sum(min(d, n - 1) for d, n in zip(self.position, self.lengths)),
+            sum(self.lengths),
+        )
         return {"hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
                 "repeat_requests": sum(1 for d, n in zip(self.position, self.lengths) if d >= n)}
 
@@ -41,14 +44,19 @@ class Divergence:
     def top_points(self, k: int = 5, min_position: int = 1) -> list[tuple[int, int]]:
         """The ``k`` most common divergence positions (>= ``min_position``) with their counts."""
         h = self.histogram()
-        return [(p, c) for p, c in sorted(h.items(), key=lambda pc: (-pc[1], pc[0])) if p >= min_position][:k]
+        return [
+            (p, c)
+            for p, c in sorted(h.items(), key=lambda pc: (-pc[1], pc[0]))
+            if p >= min_position
+        ][:k]
 
 
 def divergence(prompts: Sequence[str]) -> Divergence:
     """Divergence position and partner of every prompt against all earlier ones, in log order."""
     keys, owner, found = [], [], []  # keys: the earlier prompts, sorted; owner: the request of each
     for i, s in enumerate(prompts):
-        j = bisect_left(keys, s)  # the longest match is a neighbour in sorted order; ties go to the one after
+        # the longest match is a neighbour in sorted order; ties go to the one after
+        j = bisect_left(keys, s)
         near = [(lcp(s, keys[n]), owner[n]) for n in (j, j - 1) if 0 <= n < len(keys)]
         found.append(max(near, key=lambda m: m[0], default=(0, -1)))  # (position, partner)
         keys.insert(j, s)

@@ -1,4 +1,5 @@
-"""Read a JSONL request log (chat messages, a prompt or token ids a line) into records; every bad line is a BadLine.
+"""Read a JSONL request log (chat messages, a prompt or token ids a line) into records; every bad
+line is a BadLine.
 
 Chat messages and tools are read through the pydantic models the server uses for its requests
 (``kvlab.chat``: ``LoggedMessage`` is ``Message`` widened to what a log of real traffic holds); the
@@ -18,7 +19,8 @@ from typing import Any
 
 from ..chat import log_messages, log_tools
 
-MAX_TOKEN_ID = 0x10FFFF  # token ids are stored as str code points (see ``kvlab.doctor.tokenization``)
+# token ids are stored as str code points (see ``kvlab.doctor.tokenization``)
+MAX_TOKEN_ID = 0x10FFFF
 MAX_DEPTH = 64  # JSON nesting a line may have (tools' JSON schemas nest about 10 deep)
 IDENTITY_FIELDS = ("user", "session")  # read as who sent a request: a string, a number or null
 SCALARS = (str, int, float, bool, type(None))
@@ -26,8 +28,10 @@ SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone surrogate: not text, cannot
 JSON_SPACE = " \t\r\n"  # a line of only these is blank (not a request)
 BOM = b"\xef\xbb\xbf"
 PROMPT_FIELDS = ("messages", "prompt", "token_ids", "prompt_token_ids")
-# UTF-8 bytes a line may hold (its "\n" not counted): about 500k tokens of text. A longer line is a BadLine,
-# read in pieces and never held whole: the tokenizer's memory grows with the line (a 5 MB prompt took 1 GB,
+# UTF-8 bytes a line may hold (its "\n" not counted): about 500k tokens of text. A longer line is a
+# BadLine,
+# read in pieces and never held whole: the tokenizer's memory grows with the line (a 5 MB prompt
+# took 1 GB,
 # a 50 MB one aborted the process in the tokenizer's allocator)
 MAX_LINE_BYTES = 2 << 20
 
@@ -42,8 +46,10 @@ class Record:
     prompt: str | None = None
     token_ids: list[int] | None = None
     tools: list[dict] | None = None
-    meta: dict = field(default_factory=dict)  # every other field of the line (user, timestamp, tenant, ...)
-    origin: Record | None = field(default=None, repr=False, compare=False)  # the record a fix rewrote into this one
+    # every other field of the line (user, timestamp, tenant, ...)
+    meta: dict = field(default_factory=dict)
+    # the record a fix rewrote into this one
+    origin: Record | None = field(default=None, repr=False, compare=False)
 
     def get(self, name: str, default: Any = None) -> Any:
         """A metadata field (``user``, ``tenant``, ``session``, ...) or ``default``."""
@@ -58,9 +64,16 @@ class Record:
 
     def replace(self, **changes: Any) -> Record:
         """A copy with some fields changed (messages are copied, never shared with the original)."""
-        return dataclasses.replace(self, **{
-            "messages": None if self.messages is None else [dict(m) for m in self.messages], "meta": dict(self.meta),
-            "token_ids": None if self.token_ids is None else list(self.token_ids), "origin": self, **changes})
+        return dataclasses.replace(
+            self,
+            **{
+                "messages": None if self.messages is None else [dict(m) for m in self.messages],
+                "meta": dict(self.meta),
+                "token_ids": None if self.token_ids is None else list(self.token_ids),
+                "origin": self,
+                **changes,
+            },
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,7 +109,11 @@ def check_value(obj: Any) -> None:
 
 def _short(v: Any) -> str:
     """repr of a value, cut to 40 characters."""
-    r = repr(v) if not isinstance(v, int) or abs(v) < 10**40 else f"<an int of {v.bit_length()} bits>"
+    r = (
+        repr(v)
+        if not isinstance(v, int) or abs(v) < 10**40
+        else f"<an int of {v.bit_length()} bits>"
+    )
     return r if len(r) <= 40 else r[:37] + "..."
 
 
@@ -117,22 +134,36 @@ def parse_line(obj: Any, line: int) -> Record:
             raise ValueError(f"'{k}' is {type(obj[k]).__name__}, not a string, a number or null")
     shapes = [k for k in PROMPT_FIELDS if k in obj]
     if len(shapes) != 1:
-        raise ValueError(f"more than one prompt field ({', '.join(shapes)}); give exactly one" if shapes
-                         else "no 'messages', 'prompt' or 'token_ids' field")
+        raise ValueError(
+            f"more than one prompt field ({', '.join(shapes)}); give exactly one"
+            if shapes
+            else "no 'messages', 'prompt' or 'token_ids' field"
+        )
     meta = {k: v for k, v in obj.items() if k not in (*PROMPT_FIELDS, "tools")}
     key, value = shapes[0], obj[shapes[0]]
     if key == "messages":
-        return Record(line, "messages", messages=log_messages(value), tools=log_tools(obj.get("tools")), meta=meta)
+        return Record(
+            line,
+            "messages",
+            messages=log_messages(value),
+            tools=log_tools(obj.get("tools")),
+            meta=meta,
+        )
     if key == "prompt":
         if not isinstance(value, str) or not value:
-            raise ValueError(f"'prompt' is {type(value).__name__}, not a string" if not isinstance(value, str)
-                             else "'prompt' is empty")
+            raise ValueError(
+                f"'prompt' is {type(value).__name__}, not a string"
+                if not isinstance(value, str)
+                else "'prompt' is empty"
+            )
         return Record(line, "prompt", prompt=value, meta=meta)
     if not isinstance(value, list) or not value:
         raise ValueError(f"'{key}' must be a non-empty list of ints")
     for j, t in enumerate(value):
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
-            raise ValueError(f"'{key}'[{j}] = {_short(t)} is not a token id (an int in [0, {MAX_TOKEN_ID}])")
+            raise ValueError(
+                f"'{key}'[{j}] = {_short(t)} is not a token id (an int in [0, {MAX_TOKEN_ID}])"
+            )
     return Record(line, "token_ids", token_ids=value, meta=meta)
 
 
@@ -145,7 +176,9 @@ DECODER = json.JSONDecoder(parse_constant=_no_constant)  # strict JSON: NaN and 
 
 def _too_long(size: int, line: int, head: str | bytes) -> BadLine:
     shown = head[:80].decode("utf-8", "backslashreplace") if isinstance(head, bytes) else head[:80]
-    return BadLine(line, f"a line of {size:,} bytes, over the limit of {MAX_LINE_BYTES:,} bytes a line", shown)
+    return BadLine(
+        line, f"a line of {size:,} bytes, over the limit of {MAX_LINE_BYTES:,} bytes a line", shown
+    )
 
 
 def _utf8_size(text: str) -> int:
@@ -160,9 +193,13 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
-        except UnicodeDecodeError as e:  # never replaced: two prompts that differ there would replay as one
-            return BadLine(line, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1})",
-                           raw[:80].decode("utf-8", "backslashreplace"))
+        # never replaced: two prompts that differ there would replay as one
+        except UnicodeDecodeError as e:
+            return BadLine(
+                line,
+                f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1})",
+                raw[:80].decode("utf-8", "backslashreplace"),
+            )
     if not (text := raw.strip(JSON_SPACE)):
         return None
     try:
@@ -179,7 +216,8 @@ def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
 def _from_value(item: Any, line: int) -> Record | BadLine:
     """A value given in place of a line (a dict), held to what a JSON line may hold."""
     try:
-        text = json.dumps(item, ensure_ascii=False, allow_nan=False)  # what a line could not hold fails here
+        # what a line could not hold fails here
+        text = json.dumps(item, ensure_ascii=False, allow_nan=False)
         if (size := _utf8_size(text)) > MAX_LINE_BYTES:
             return _too_long(size, line, text)
     except RecursionError:
@@ -197,12 +235,18 @@ def _parsed(obj: Any, line: int, shown: str) -> Record | BadLine:
         return BadLine(line, str(e), shown)
 
 
-def read_log(source: str | Path | Iterable[dict | str | bytes]) -> tuple[list[Record], list[BadLine]]:
+def read_log(
+    source: str | Path | Iterable[dict | str | bytes],
+) -> tuple[list[Record], list[BadLine]]:
     """A JSONL file (cut at ``\\n`` only, as ``wc -l`` counts) or an iterable of dicts / lines -> (records, bad)."""
     if isinstance(source, (str, Path)):
         with open(source, "rb") as f:  # binary: lines end at b"\n" only, each decoded strictly
-            items = [decode_line(raw[len(BOM):] if n == 1 and raw.startswith(BOM) else raw, n)
-                     if isinstance(raw, bytes) else _too_long(raw[0], n, raw[1]) for n, raw in enumerate(_lines(f), 1)]
+            items = [
+                decode_line(raw[len(BOM) :] if n == 1 and raw.startswith(BOM) else raw, n)
+                if isinstance(raw, bytes)
+                else _too_long(raw[0], n, raw[1])
+                for n, raw in enumerate(_lines(f), 1)
+            ]
     else:
         items = [decode_line(x, n) if isinstance(x, (str, bytes)) else _from_value(x, n)
                  for n, x in enumerate(source, 1)]
@@ -210,8 +254,8 @@ def read_log(source: str | Path | Iterable[dict | str | bytes]) -> tuple[list[Re
 
 
 def _lines(f) -> Iterable[bytes | tuple[int, bytes]]:
-    """The lines of a binary file without their b"\n"; a line over ``MAX_LINE_BYTES`` as (its size, its start),
-    read through in pieces and never held whole."""
+    """The lines of a binary file without their b"\n"; a line over ``MAX_LINE_BYTES`` as (its size,
+    its start), read through in pieces and never held whole."""
     while raw := f.readline(MAX_LINE_BYTES + 2):
         if raw.endswith(b"\n") or len(raw) <= MAX_LINE_BYTES:
             yield raw.removesuffix(b"\n")
@@ -229,5 +273,7 @@ def write_log(records: Iterable[Record | dict], path: str | Path, exclusive: boo
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "x" if exclusive else "w", encoding="utf-8") as f:
         for r in records:
-            f.write(json.dumps(r.to_json() if isinstance(r, Record) else r, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(r.to_json() if isinstance(r, Record) else r, ensure_ascii=False) + "\n"
+            )
     return path

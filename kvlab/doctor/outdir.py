@@ -38,10 +38,16 @@ def _manifest(out: Path) -> list[str] | None:
     try:
         listed = json.loads(m.read_text(encoding="utf-8"))["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise OutDirError(f"--out {out}: unreadable {MANIFEST} ({e}): delete the folder or choose another") from e
-    if not isinstance(listed, list) or not all(isinstance(f, str) and OUTPUT_NAME.fullmatch(f) for f in listed):
-        raise OutDirError(f"--out {out}: {MANIFEST} lists files the doctor never writes: delete the folder "
-                          "or choose another")
+        raise OutDirError(
+            f"--out {out}: unreadable {MANIFEST} ({e}): delete the folder or choose another"
+        ) from e
+    if not isinstance(listed, list) or not all(
+        isinstance(f, str) and OUTPUT_NAME.fullmatch(f) for f in listed
+    ):
+        raise OutDirError(
+            f"--out {out}: {MANIFEST} lists files the doctor never writes: delete the folder "
+            "or choose another"
+        )
     return listed
 
 
@@ -49,7 +55,11 @@ def _legacy(out: Path, names: list[str]) -> list[str] | None:
     """The files of a report an earlier kvlab wrote (no manifest): only doctor names, its summary.json."""
     files = [f for f in names if not f.endswith("/")]
     folders = [f for f in names if f.endswith("/")]  # none, or fixed/
-    if "summary.json" not in files or folders not in ([], ["fixed/"]) or not all(map(OUTPUT_NAME.fullmatch, files)):
+    if (
+        "summary.json" not in files
+        or folders not in ([], ["fixed/"])
+        or not all(map(OUTPUT_NAME.fullmatch, files))
+    ):
         return None
     try:
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
@@ -63,11 +73,19 @@ def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[st
     out = Path(out)
     parent = next((p for p in out.parents if p.exists()), None)
     held = next((p for p in inputs if Path(p).resolve().is_relative_to(out.resolve())), None)
-    for wrong, why in ((out.is_symlink() and not out.exists(), " is a broken symlink"),
-                       (out.exists() and not out.is_dir(), " is a file, not a folder: give a folder for the report"),
-                       (parent is not None and not parent.is_dir(), f": {parent} is a file, not a folder"),
-                       (held is not None, f" holds the input {held}: write the report to another folder "
-                                          "(the doctor never writes where its input is)")):
+    for wrong, why in (
+        (out.is_symlink() and not out.exists(), " is a broken symlink"),
+        (
+            out.exists() and not out.is_dir(),
+            " is a file, not a folder: give a folder for the report",
+        ),
+        (parent is not None and not parent.is_dir(), f": {parent} is a file, not a folder"),
+        (
+            held is not None,
+            f" holds the input {held}: write the report to another folder "
+            "(the doctor never writes where its input is)",
+        ),
+    ):
         if wrong:
             raise OutDirError(f"--out {out}{why}")
     if not out.exists():
@@ -78,15 +96,23 @@ def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[st
         return []
     listed = _legacy(out, names) if listed is None else listed
     if listed is None:
-        raise OutDirError(f"--out {out} is a folder with files the doctor did not write (no {MANIFEST}): "
-                          "give a new or empty folder")
+        raise OutDirError(
+            f"--out {out} is a folder with files the doctor did not write (no {MANIFEST}): "
+            "give a new or empty folder"
+        )
     if (out / "fixed").is_symlink():
-        raise OutDirError(f"--out {out}: fixed/ is a symlink; the doctor deletes nothing through one")
+        raise OutDirError(
+            f"--out {out}: fixed/ is a symlink; the doctor deletes nothing through one"
+        )
     if folders := [f for f in listed if (out / f).is_dir() and not (out / f).is_symlink()]:
-        raise OutDirError(f"--out {out}: {folders[0]} is a folder now; the doctor wrote a file there")
+        raise OutDirError(
+            f"--out {out}: {folders[0]} is a folder now; the doctor wrote a file there"
+        )
     if clash := [f for f in names if f not in listed and OUTPUT_NAME.fullmatch(f.rstrip("/"))]:
-        raise OutDirError(f"--out {out}: {clash[0]} was not written by the doctor but has the name of one of its "
-                          "files: move it or choose another folder")
+        raise OutDirError(
+            f"--out {out}: {clash[0]} was not written by the doctor but has the name of one of its "
+            "files: move it or choose another folder"
+        )
     return listed
 
 

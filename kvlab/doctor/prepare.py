@@ -10,10 +10,14 @@ from .divergence import lcp
 from .logio import BadLine, Record
 from .tokenization import PromptEncoder, tokstr
 
-CHATML_MSG = re.compile(r"<\|im_start\|>[ \t]*(\w+)[ \t]*\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|\Z)", re.S)
+CHATML_MSG = re.compile(
+    r"<\|im_start\|>[ \t]*(\w+)[ \t]*\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|\Z)", re.S
+)
 SYSTEM_ROLES = ("system", "developer")
-PER_REQUEST = ("records", "texts", "tokens", "segments", "sys_tokens", "sys_chars")  # Prepared's lists
-SPLICE_CHECKS = 16  # rewritten records spliced into their origin's text and checked against a real render
+# Prepared's lists
+PER_REQUEST = ("records", "texts", "tokens", "segments", "sys_tokens", "sys_chars")
+# rewritten records spliced into their origin's text and checked against a real render
+SPLICE_CHECKS = 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,13 +28,15 @@ class Segment:
     index: int | None  # index in record.messages (None: a message the doctor added, e.g. tools)
     start: int
     end: int
-    tools_from: int | None = None  # where the doctor's tools block starts inside it (chars in the text)
+    # where the doctor's tools block starts inside it (chars in the text)
+    tools_from: int | None = None
 
 
 def parse_chatml(text: str) -> list[tuple[str, int, int]]:
     """(role, start, end) of each message content of a ChatML text; [] if it is not ChatML."""
     out = [(m.group(1).lower(), m.start(2), m.end(2)) for m in CHATML_MSG.finditer(text)]
-    # the generation prompt "<|im_start|>assistant\n" at the end parses as an empty assistant message: drop it
+    # the generation prompt "<|im_start|>assistant\n" at the end parses as an empty assistant
+    # message: drop it
     if out and out[-1][0] == "assistant" and out[-1][1] == out[-1][2] == len(text):
         out.pop()
     return out
@@ -44,7 +50,8 @@ def layout(rec: Record, text: str | None, enc: PromptEncoder | None) -> list[Seg
         return ([Segment(role, i, s, e) for i, (role, s, e) in enumerate(parse_chatml(text))]
                 or [Segment("prompt", 0, 0, len(text))])
     eff = enc.effective_messages(rec) if enc is not None else rec.messages
-    injected = len(eff) - len(rec.messages)  # 1 when the doctor added a system message for the tools
+    # 1 when the doctor added a system message for the tools
+    injected = len(eff) - len(rec.messages)
     segs, cursor = [], 0
     for j, m in enumerate(eff):
         content = m["content"]
@@ -70,8 +77,10 @@ class Prepared:
     segments: list[list[Segment]]
     sys_tokens: list[int]
     bad: list[BadLine] = field(default_factory=list)
-    padded: bool = False  # tokens were changed after tokenizing (alignment padding): write them as token ids
-    sys_chars: list[int] = field(default_factory=list)  # characters of the rendered text in the system part
+    # tokens were changed after tokenizing (alignment padding): write them as token ids
+    padded: bool = False
+    # characters of the rendered text in the system part
+    sys_chars: list[int] = field(default_factory=list)
 
     @property
     def lengths(self) -> list[int]:
@@ -91,7 +100,9 @@ class Prepared:
         return out
 
 
-def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None) -> Prepared:
+def prepare(
+    records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None
+) -> Prepared:
     """Render, tokenize and lay out every record; with ``base``, reuse its records and splice rewritten ones."""
     if base is None:
         return _prepare(records, enc, None, {})
@@ -107,19 +118,25 @@ def prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | N
     return out
 
 
-def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[str, list[Segment], int] | None:
+def _splice(
+    rec: Record, base: Prepared, k: int, enc: PromptEncoder
+) -> tuple[str, list[Segment], int] | None:
     """The rendered text of ``rec`` from its origin's text, when only message contents changed."""
     r0 = base.records[k]
     if rec.kind != "messages" or r0.kind != "messages" or len(rec.messages) != len(r0.messages):
         return None
-    if any(a["role"] != b["role"] for a, b in zip(rec.messages, r0.messages)) or rec.tools != r0.tools:
+    if (
+        any(a["role"] != b["role"] for a, b in zip(rec.messages, r0.messages))
+        or rec.tools != r0.tools
+    ):
         return None
     segs0, text0, sys0 = base.segments[k], base.texts[k], base.sys_chars[k]
     if len({s.index for s in segs0 if s.index is not None}) != len(rec.messages) or text0 is None:
         return None
     parts, segs, cursor, delta, sys_chars = [], [], 0, 0, sys0
     for seg in sorted(segs0, key=lambda s: s.start):
-        # a message's new content, then the tools the doctor appended to it (a message it added stays as is)
+        # a message's new content, then the tools the doctor appended to it (a message it added
+        # stays as is)
         content = rec.messages[seg.index]["content"] if seg.index is not None else ""
         tail = text0[seg.tools_from:seg.end] if seg.tools_from is not None else ""
         start = seg.start + delta
@@ -133,7 +150,9 @@ def _splice(rec: Record, base: Prepared, k: int, enc: PromptEncoder) -> tuple[st
     return "".join(parts), segs, sys_chars
 
 
-def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | None, known: dict) -> Prepared:
+def _prepare(
+    records: list[Record], enc: PromptEncoder | None, base: Prepared | None, known: dict
+) -> Prepared:
     rows, bad, heads = [], [], {}
     for rec in records:
         if rec.kind == "token_ids":
@@ -143,9 +162,19 @@ def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | 
         else:
             try:
                 rows.append((rec, *_render(rec, enc, base, known, heads)))
-            except Exception as e:  # jinja raises TemplateError and friends for a conversation it refuses
-                bad.append(BadLine(rec.line, f"the chat template cannot render it ({type(e).__name__}: {e})", ""))
-    kept, texts, segments, sys_chars = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
+            # jinja raises TemplateError and friends for a conversation it refuses
+            except Exception as e:
+                bad.append(
+                    BadLine(
+                        rec.line,
+                        f"the chat template cannot render it ({type(e).__name__}: {e})",
+                        "",
+                    )
+                )
+    kept, texts, segments, sys_chars = (
+        (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
+    )
+
     def encoded(idx: list[int], text: Callable[[int], str]) -> dict[int, str]:  # in one batch
         plain = [kept[i].kind == "prompt" for i in idx]
         return dict(zip(idx, enc.encode([text(i) for i in idx], plain))) if idx else {}
@@ -153,12 +182,17 @@ def _prepare(records: list[Record], enc: PromptEncoder | None, base: Prepared | 
     by_text = encoded([i for i, t in enumerate(texts) if t is not None], texts.__getitem__)
     tokens = [by_text[i] if i in by_text else tokstr(r.token_ids) for i, r in enumerate(kept)]
     heads = encoded([i for i, c in enumerate(sys_chars) if c], lambda i: texts[i][:sys_chars[i]])
-    # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break it)
+    # the head's tokens must be a prefix of the prompt's (a merge across the boundary would break
+    # it)
     sys_tokens = [lcp(heads[i], tokens[i]) if i in heads else 0 for i in range(len(kept))]
     every = Prepared(kept, texts, tokens, segments, sys_tokens, sys_chars=sys_chars)
-    out = every.subset([i for i, t in enumerate(tokens) if t])  # a prompt with no tokens cannot be replayed
-    out.bad = sorted(bad + [BadLine(r.line, "the prompt has no tokens", "") for r, t in zip(kept, tokens) if not t],
-                     key=lambda b: b.line)
+    # a prompt with no tokens cannot be replayed
+    out = every.subset([i for i, t in enumerate(tokens) if t])
+    out.bad = sorted(
+        bad
+        + [BadLine(r.line, "the prompt has no tokens", "") for r, t in zip(kept, tokens) if not t],
+        key=lambda b: b.line,
+    )
     return out
 
 

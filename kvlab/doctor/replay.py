@@ -49,15 +49,25 @@ def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | 
     order = sorted(range(n), key=prompts.__getitem__)
     pos = np.argsort(order)  # the sorted position of each prompt
     # the common prefix of each prompt in sorted order with the one before it
-    adj = np.array([0] + [lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:])], dtype=np.int64)
+    adj = np.array(
+        [0] + [lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:])], dtype=np.int64
+    )
     blocks = [len(p) // bs for p in prompts]
     if not (depth := max(blocks)):
         return [[] for _ in prompts]
     ar = np.arange(n, dtype=np.int64)
-    salted = [0] * n if public_tokens is None else [p // bs for p in public_tokens]  # the block that takes the salt
+    # the block that takes the salt
+    salted = [0] * n if public_tokens is None else [p // bs for p in public_tokens]
     gid: dict = {}  # (salt, salted block) -> group; by sorted position below
-    code = np.array([0 if salts is None or salts[i] is None else 1 + gid.setdefault((salts[i], salted[i]), len(gid))
-                     for i in order], dtype=np.int64)
+    code = np.array(
+        [
+            0
+            if salts is None or salts[i] is None
+            else 1 + gid.setdefault((salts[i], salted[i]), len(gid))
+            for i in order
+        ],
+        dtype=np.int64,
+    )
     salted_sorted = np.array([salted[i] for i in order], dtype=np.int64)
     groups = len(gid) + 1
     ids = np.empty((depth, n), dtype=np.int64)  # [block, sorted position]
@@ -69,17 +79,25 @@ def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | 
 
 
 def pool_blocks(lengths: Sequence[int], block_size: int, capacity_blocks: int | None) -> int:
-    """The blocks a replay allocates for a cache of ``capacity_blocks`` (None: unbounded): no more than the log fills.
+    """The blocks a replay allocates for a cache of ``capacity_blocks`` (None: unbounded): no more
+    than the log fills.
 
-    A pool of every block the log's requests hold together (plus one) never evicts, so any larger pool
-    replays the same hits: allocating ``min(capacity, that)`` keeps ``--kv-gib 1e30`` from filling memory.
+    A pool of every block the log's requests hold together (plus one) never evicts, so any larger
+    pool replays the same hits: allocating ``min(capacity, that)`` keeps ``--kv-gib 1e30`` from
+    filling memory.
     """
     enough = sum(cdiv(n, block_size) for n in lengths) + 1
     return enough if capacity_blocks is None else min(capacity_blocks, enough)
 
 
-def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int,
-           capacity_blocks: int | None = None, concurrency: int = 1, free_order: str = "vllm") -> HitStats:
+def replay(
+    chains: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    block_size: int,
+    capacity_blocks: int | None = None,
+    concurrency: int = 1,
+    free_order: str = "vllm",
+) -> HitStats:
     """Replay chains (``block_chains``) through an unbounded or an LRU cache; ``free_order`` as BlockPool's."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
@@ -100,13 +118,29 @@ def replay(chains: Sequence[Sequence[int]], lengths: Sequence[int], block_size: 
         pool = pool_blocks(lengths, bs, capacity_blocks)
         per, too_big = _replay_lru_one(chains, lengths, bs, pool, free_order == "vllm")
     else:  # several requests at a time: the real scheduler decides who runs (block ids as tokens)
-        toks = [[c for c in ch for _ in range(bs)] + [0] * (n - len(ch) * bs) for ch, n in zip(chains, lengths)]
-        ref = replay_block_manager(toks, bs, capacity_blocks, None, None, concurrency, False, free_order)
+        toks = [
+            [c for c in ch for _ in range(bs)] + [0] * (n - len(ch) * bs)
+            for ch, n in zip(chains, lengths)
+        ]
+        ref = replay_block_manager(
+            toks, bs, capacity_blocks, None, None, concurrency, False, free_order
+        )
         per, too_big = ref.per_request, ref.too_big
-    return HitStats(bs, capacity_blocks, len(per), int(sum(lengths)), sum(per), too_big, time.perf_counter() - t0, per)
+    return HitStats(
+        bs,
+        capacity_blocks,
+        len(per),
+        int(sum(lengths)),
+        sum(per),
+        too_big,
+        time.perf_counter() - t0,
+        per,
+    )
 
 
-def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None) -> list[int]:
+def unbounded_hits(
+    prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None
+) -> list[int]:
     """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block ids)."""
     groups: dict = {}  # salt -> its requests: only those share
     for i in range(len(prompts)):
@@ -119,14 +153,18 @@ def unbounded_hits(prompts: Sequence[str], block_size: int, salts: Sequence[str 
     return out
 
 
-def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool = True) -> tuple[list[int], int]:
+def _replay_lru_one(
+    chains, lengths, bs: int, num_blocks: int, vllm_order: bool = True
+) -> tuple[list[int], int]:
     """The LRU pool for one request at a time: each request is a few bulk operations in C (see docs/doctor.md)."""
-    free = dict.fromkeys(range(num_blocks))  # insertion order = LRU order (plain dicts pop and append fast)
+    # insertion order = LRU order (plain dicts pop and append fast)
+    free = dict.fromkeys(range(num_blocks))
     key: dict[int, object] = {}  # block -> chain id it caches (None or absent: nothing)
     first, twins = {}, {}  # chain id -> the oldest block caching it; -> later copies (twins)
     get, pop, update, keyget = first.get, free.pop, free.update, key.get
     not_none = functools.partial(operator.is_not, None)
-    spare: list[int] = []  # free blocks that cache nothing, at the head of the free list (vLLM's order)
+    # free blocks that cache nothing, at the head of the free list (vLLM's order)
+    spare: list[int] = []
     per, too_big = [], 0
     for ch, n in zip(chains, lengths):
         nblk = cdiv(n, bs)
@@ -155,7 +193,8 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool 
             else:
                 deque(map(first.pop, olds), 0)
         new_ids = ch[nh:n // bs]
-        if new_ids and not first.keys().isdisjoint(new_ids):  # a twin: cached, but the n-1 rule kept it from hitting
+        # a twin: cached, but the n-1 rule kept it from hitting
+        if new_ids and not first.keys().isdisjoint(new_ids):
             for b, c in zip(victims, new_ids):
                 if c in first:
                     twins.setdefault(c, []).append(b)
@@ -163,7 +202,8 @@ def _replay_lru_one(chains, lengths, bs: int, num_blocks: int, vllm_order: bool 
                     first[c] = b
         else:
             first.update(zip(new_ids, victims))
-        key.update(itertools.zip_longest(victims, new_ids))  # a partial tail block caches nothing (None)
+        # a partial tail block caches nothing (None)
+        key.update(itertools.zip_longest(victims, new_ids))
         per.append(nh * bs)
         if vllm_order and len(victims) > len(new_ids):
             spare += victims[len(new_ids):]  # the partial tail: to the head of the free list
@@ -189,20 +229,35 @@ def _forget(b: int, old, first: dict, twins: dict) -> None:
         del twins[old]
 
 
-def replay_tokens(prompts: Sequence[str], block_size: int, capacity_blocks: int | None = None,
-                  salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
-                  concurrency: int = 1, free_order: str = "vllm") -> HitStats:
+def replay_tokens(
+    prompts: Sequence[str],
+    block_size: int,
+    capacity_blocks: int | None = None,
+    salts: Sequence[str | None] | None = None,
+    public_tokens: Sequence[int] | None = None,
+    concurrency: int = 1,
+    free_order: str = "vllm",
+) -> HitStats:
     """Chains + replay in one call, on token strs."""
     t0 = time.perf_counter()
     chains = block_chains(prompts, block_size, salts, public_tokens)
-    st = replay(chains, [len(p) for p in prompts], block_size, capacity_blocks, concurrency, free_order)
+    st = replay(
+        chains, [len(p) for p in prompts], block_size, capacity_blocks, concurrency, free_order
+    )
     st.seconds = time.perf_counter() - t0
     return st
 
 
-def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int, capacity_blocks: int | None = None,
-                         salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
-                         concurrency: int = 1, check: bool = True, free_order: str = "vllm") -> HitStats:
+def replay_block_manager(
+    prompts: Sequence[str | Sequence[int]],
+    block_size: int,
+    capacity_blocks: int | None = None,
+    salts: Sequence[str | None] | None = None,
+    public_tokens: Sequence[int] | None = None,
+    concurrency: int = 1,
+    check: bool = True,
+    free_order: str = "vllm",
+) -> HitStats:
     """The same replay on kvlab's real Scheduler and BlockManager (slow, the reference); ``check``: invariants after."""
     from kvlab.engine.trace_replay import UNLIMITED_TOKENS, ScriptedScheduler
     t0, bs = time.perf_counter(), block_size
@@ -226,13 +281,22 @@ def replay_block_manager(prompts: Sequence[str | Sequence[int]], block_size: int
                     time.perf_counter() - t0, per)
 
 
-def spot_check(prompts: Sequence[str], block_size: int, capacity_blocks: int | None, limit: int = 100,
-               salts: Sequence[str | None] | None = None, public_tokens: Sequence[int] | None = None,
-               concurrency: int = 1, free_order: str = "vllm") -> dict:
+def spot_check(
+    prompts: Sequence[str],
+    block_size: int,
+    capacity_blocks: int | None,
+    limit: int = 100,
+    salts: Sequence[str | None] | None = None,
+    public_tokens: Sequence[int] | None = None,
+    concurrency: int = 1,
+    free_order: str = "vllm",
+) -> dict:
     """Replay the first ``limit`` requests both ways; return both hit counts and whether they agree."""
     head, s, p = (None if x is None else list(x[:limit]) for x in (prompts, salts, public_tokens))
     fast = replay_tokens(head, block_size, capacity_blocks, s, p, concurrency, free_order)
-    ref = replay_block_manager(head, block_size, capacity_blocks, s, p, concurrency, check=False, free_order=free_order)
+    ref = replay_block_manager(
+        head, block_size, capacity_blocks, s, p, concurrency, check=False, free_order=free_order
+    )
     return {"requests": len(head), "block_size": block_size, "capacity_blocks": capacity_blocks,
             "fast_hit_tokens": fast.hit_tokens, "block_manager_hit_tokens": ref.hit_tokens,
             "equal": fast.per_request == ref.per_request, "block_manager_seconds": ref.seconds}

@@ -13,9 +13,12 @@ from .logio import Record
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # "name" or "org/name"
 LINE_SPLIT = re.compile(r"(?<=\n)(?=\S)")  # after a run of newlines, before a non-space character
-CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-          "{%- endif %}")
+CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- "
+    "'<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
 
 
 def tokstr(ids: Sequence[int]) -> str:
@@ -37,7 +40,9 @@ def check_model(model: str | os.PathLike | None) -> None:
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise FileNotFoundError(f"--model {name}: not a folder (give the model's folder, not a file in it)")
+            raise FileNotFoundError(
+                f"--model {name}: not a folder (give the model's folder, not a file in it)"
+            )
         if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
             raise FileNotFoundError(f"--model {name}: the folder has no tokenizer files "
                                     "(tokenizer.json / tokenizer_config.json)")
@@ -79,8 +84,10 @@ class PromptEncoder:
             except OSError as e:
                 if Path(path).exists():
                     raise
-                raise FileNotFoundError(f"--model {model}: no such folder, and no Hugging Face model of that id "
-                                        f"in the local cache ({type(e).__name__})") from e
+                raise FileNotFoundError(
+                    f"--model {model}: no such folder, and no Hugging Face model of that id "
+                    f"in the local cache ({type(e).__name__})"
+                ) from e
         self.tok = tokenizer
         self.name = str(model) if model is not None else "bundled (kvlab-passphrase-qwen2)"
         self.notes: list[str] = []
@@ -92,22 +99,31 @@ class PromptEncoder:
             self.notes.append("the tokenizer has no chat template: messages are rendered as ChatML")
         self.renders_tools = bool(template) and "tools" in template
         decoder = getattr(tokenizer, "added_tokens_decoder", {})
-        self.added = {text: int(i) for i, t in decoder.items() if (text := getattr(t, "content", str(t)))}
+        self.added = {
+            text: int(i) for i, t in decoder.items() if (text := getattr(t, "content", str(t)))
+        }
         longest_first = sorted(self.added, key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
+        self._split = (
+            re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.added else None
+        )
         self.cache: dict[str, str] = {}  # piece -> its token str
         self._offset_cache: dict[str, tuple[str, list[tuple[int, int]]]] = {}
-        self.segmented = self.lines = True  # split at added tokens, and after newline runs (checked on a first batch)
+        # split at added tokens, and after newline runs (checked on a first batch)
+        self.segmented = self.lines = True
         self._checked = False
-        self.splice_ok, self.splice_checked = True, 0  # rewritten records spliced into their origin's text (prepare)
+        # rewritten records spliced into their origin's text (prepare)
+        self.splice_ok, self.splice_checked = True, 0
         # what add_special_tokens=True puts before a plain prompt (e.g. BOS)
         self.prompt_prefix = tokstr(tokenizer("", add_special_tokens=True)["input_ids"])
-        self.pieces_total = self.pieces_tokenized = self.chars_tokenized = 0  # looked up; sent to the tokenizer
+        # looked up; sent to the tokenizer
+        self.pieces_total = self.pieces_tokenized = self.chars_tokenized = 0
 
-    # --- rendering ----------------------------------------------------------------------------------
+    # --- rendering --------------------------------------------------------------------------------
     def tools_block(self, tools: list[dict]) -> str:
         """How the doctor shows tools to a template that has no tools section: one JSON object a line."""
-        return "\n\n# Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools)
+        return "\n\n# Tools\n" + "\n".join(
+            json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools
+        )
 
     def effective_messages(self, rec: Record) -> list[dict]:
         """The messages as the template sees them (tools in the system message if the template has no tools)."""
@@ -120,7 +136,9 @@ class PromptEncoder:
                 msgs.insert(0, {"role": "system", "content": self.tools_block(rec.tools).lstrip()})
         return msgs
 
-    def render(self, rec: Record, add_generation_prompt: bool = True, messages: list[dict] | None = None) -> str:
+    def render(
+        self, rec: Record, add_generation_prompt: bool = True, messages: list[dict] | None = None
+    ) -> str:
         """A record's prompt text: the chat template applied to its messages, or its plain prompt."""
         if rec.kind == "prompt":
             return rec.prompt or ""
@@ -130,7 +148,9 @@ class PromptEncoder:
         kwargs: dict[str, Any] = {"tools": rec.tools} if rec.tools and self.renders_tools else {}
         if not self.template:
             kwargs["chat_template"] = CHATML
-        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.tok.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     def try_render(self, rec: Record, **kwargs: Any) -> str | None:
         """``render``, or None for a record the chat template refuses (jinja raises TemplateError and friends)."""
@@ -140,7 +160,7 @@ class PromptEncoder:
             # its Python callbacks raise) means "this record does not render": the caller skips it
             return None
 
-    # --- tokenizing ---------------------------------------------------------------------------------
+    # --- tokenizing -------------------------------------------------------------------------------
     def _batch(self, texts: list[str], offsets: bool = False) -> list:
         """Token strs of texts (no special tokens added); with ``offsets``, (token str, char offsets) pairs."""
         if not texts:
@@ -152,11 +172,18 @@ class PromptEncoder:
         out = self.tok(texts, add_special_tokens=False, return_offsets_mapping=offsets)
         if not offsets:
             return [tokstr(i) for i in out["input_ids"]]
-        return [(tokstr(i), [tuple(o) for o in off]) for i, off in zip(out["input_ids"], out["offset_mapping"])]
+        return [
+            (tokstr(i), [tuple(o) for o in off])
+            for i, off in zip(out["input_ids"], out["offset_mapping"])
+        ]
 
     def _parts(self, text: str) -> list[str]:
         """A text cut at the added tokens (whole once piece-wise tokenization is off)."""
-        return [p for p in self._split.split(text) if p] if self.segmented and self._split is not None else [text]
+        return (
+            [p for p in self._split.split(text) if p]
+            if self.segmented and self._split is not None
+            else [text]
+        )
 
     def _lines(self, part: str) -> list[str]:
         """A part cut after runs of newlines (while that tokenizes the same)."""
@@ -167,10 +194,13 @@ class PromptEncoder:
         texts = list(texts)
         if not self._checked and texts:
             self._check(texts[::max(1, len(texts) // 48)][:48])
-        # two levels: the parts between added tokens (a whole message often repeats as is), then a new part's lines
+        # two levels: the parts between added tokens (a whole message often repeats as is), then a
+        # new part's lines
         added, cache = self.added if self.segmented else {}, self.cache
         split = [self._parts(t) for t in texts]
-        lines_of = {p: self._lines(p) for ps in split for p in ps if p not in added and p not in cache}
+        lines_of = {
+            p: self._lines(p) for ps in split for p in ps if p not in added and p not in cache
+        }
         todo = sorted({x for ls in lines_of.values() for x in ls if x not in cache})
         self.chars_tokenized += sum(map(len, todo))
         self.pieces_tokenized += len(todo)
@@ -193,23 +223,35 @@ class PromptEncoder:
         self.segmented = self.encode(sample) == whole
         if not self.segmented:
             self.cache.clear()
-        self.notes.append("this tokenizer merges across line breaks: prompts are cut only at special tokens (slower)"
-                          if self.segmented else "piece-wise tokenization differs from whole prompts for this "
-                          "tokenizer: every prompt is tokenized whole (slower)")
+        self.notes.append(
+            "this tokenizer merges across line breaks: prompts are cut only at special tokens "
+            "(slower)"
+            if self.segmented
+            else "piece-wise tokenization differs from whole prompts for this "
+            "tokenizer: every prompt is tokenized whole (slower)"
+        )
 
     def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[str, list[tuple[int, int]]]]:
         """Token strs and character offsets of texts (piece-wise like ``encode``, pieces cached)."""
         texts, added, known = list(texts), self.added, self._offset_cache
         if not (self.segmented and self._checked):
             return self._batch(texts, offsets=True)
-        split = [[x for p in self._parts(t) for x in ([p] if p in added else self._lines(p))] for t in texts]
+        split = [
+            [x for p in self._parts(t) for x in ([p] if p in added else self._lines(p))]
+            for t in texts
+        ]
         todo = sorted({p for ps in split for p in ps if p not in added and p not in known})
-        known.update(zip(todo, self._batch(todo, offsets=True)))  # piece -> (its token str, its offsets)
+        # piece -> (its token str, its offsets)
+        known.update(zip(todo, self._batch(todo, offsets=True)))
         out = []
         for ps in split:
             offs, pos = [], 0
             for p in ps:
-                offs.extend([(pos, pos + len(p))] if p in added else ((pos + a, pos + b) for a, b in known[p][1]))
+                offs.extend(
+                    [(pos, pos + len(p))]
+                    if p in added
+                    else ((pos + a, pos + b) for a, b in known[p][1])
+                )
                 pos += len(p)
             out.append(("".join(chr(added[p]) if p in added else known[p][0] for p in ps), offs))
         return out

@@ -36,8 +36,13 @@ def parse_metrics(text: str) -> dict:
     else:
         rate = sums[r] / counts[r] if r else None  # a gauge per engine: their mean
     names = [n for n in (q, h, r) if n]
-    return {"queries": queries, "hits": hits, "hit_rate": rate, "series": {n: counts[n] for n in names},
-            "source_names": names}
+    return {
+        "queries": queries,
+        "hits": hits,
+        "hit_rate": rate,
+        "series": {n: counts[n] for n in names},
+        "source_names": names,
+    }
 
 
 MAX_METRICS_BYTES = 64 << 20  # a /metrics dump is KiBs; a server with many series, a few MiB
@@ -46,4 +51,7 @@ MAX_METRICS_BYTES = 64 << 20  # a /metrics dump is KiBs; a server with many seri
 def read_metrics(path: str | Path) -> dict:
     """``parse_metrics`` of a file."""
     from ..inputs import read_input
-    return parse_metrics(read_input(path, "--vllm-metrics", MAX_METRICS_BYTES).decode("utf-8", errors="replace"))
+
+    return parse_metrics(
+        read_input(path, "--vllm-metrics", MAX_METRICS_BYTES).decode("utf-8", errors="replace")
+    )

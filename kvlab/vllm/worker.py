@@ -1,4 +1,5 @@
-"""Run one job in the vLLM interpreter and write its result as JSON (started by ``kvlab.vllm.bridge``).
+"""Run one job in the vLLM interpreter and write its result as JSON (started by
+``kvlab.vllm.bridge``).
 
     <vllm-venv>/bin/python worker.py JOB.json RESULT.json
 
@@ -7,22 +8,24 @@ venv where kvlab is not installed. Jobs (``job["kind"]``):
 
 - ``info``: vLLM's version.
 - ``generate``: the prompts (token ids) through ``vllm.LLM`` with prefix caching at ``block_size``:
-  generated ids, ``num_cached_tokens`` per request, the prefix-cache counters (``vllm:prefix_cache_queries``
-  / ``vllm:prefix_cache_hits``, tokens) and timings: start-up, the first run (``cold``), a second run
-  after ``reset_prefix_cache()`` (``warm``, unless ``warm`` is false), a third without reset
-  (``warm_cached``); optionally TTFT of prompt pairs (the first with an empty cache, the second sharing its prefix).
+  generated ids, ``num_cached_tokens`` per request, the prefix-cache counters
+  (``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, tokens) and timings: start-up, the
+  first run (``cold``), a second run after ``reset_prefix_cache()`` (``warm``, unless ``warm`` is
+  false), a third without reset (``warm_cached``); optionally TTFT of prompt pairs (the first with
+  an empty cache, the second sharing its prefix).
 - ``many``: a list of jobs, run one after the other in this one process.
 - ``workload``: all prompts at once, several times, prefix caching on and off (or isolated by a
   per-request ``cache_salt`` on the same engine): wall seconds, TTFT.
-- ``kv_events``: replay block-manager operations (``alloc`` a prompt, ``append`` a decoded token, ``free``,
-  ``reset``) on vLLM's own ``KVCacheManager`` with ``enable_kv_cache_events=True`` and return, after each
-  operation, the events ``take_events()`` gave (the scheduler publishes exactly these, batched per step).
+- ``kv_events``: replay block-manager operations (``alloc`` a prompt, ``append`` a decoded token,
+  ``free``, ``reset``) on vLLM's own ``KVCacheManager`` with ``enable_kv_cache_events=True`` and
+  return, after each operation, the events ``take_events()`` gave (the scheduler publishes exactly
+  these, batched per step).
 - ``block_pool``: replay a block-manager trace on vLLM's own ``KVCacheManager`` (``vllm.v1.core``),
-  the same steps as ``kvlab.engine.trace_replay.replay_trace`` (which ``kvlab.lessons.traces.replay``
-  runs): seconds, hit tokens, cached tokens per request.
+  the same steps as ``kvlab.engine.trace_replay.replay_trace`` (which
+  ``kvlab.lessons.traces.replay`` runs): seconds, hit tokens, cached tokens per request.
 
-Within one ``many`` job, a job whose engine settings equal the previous job's reuses its ``LLM`` (prefix
-cache reset) rather than starting another: on a CPU, vLLM's start-up is the largest cost.
+Within one ``many`` job, a job whose engine settings equal the previous job's reuses its ``LLM``
+(prefix cache reset) rather than starting another: on a CPU, vLLM's start-up is the largest cost.
 
 vLLM starts an engine process, so everything runs under ``if __name__ == "__main__":``. Errors are
 written to RESULT.json as ``{"error": ..., "traceback": ...}``.
@@ -77,11 +80,21 @@ _ENGINE: list = [None, None]  # [settings key, LLM]
 
 def _llm_kwargs(job: dict, caching: bool = True) -> dict:
     """``vllm.LLM``'s arguments for a ``generate`` or ``workload`` job."""
-    return dict(model=job["model"], tokenizer=job.get("tokenizer") or job["model"], dtype=job.get("dtype", "float32"),
-                block_size=job["block_size"], enable_prefix_caching=caching, enforce_eager=job.get("enforce_eager", True),
-                disable_log_stats=False, seed=job.get("seed", 0), max_model_len=job.get("max_model_len"),
-                max_num_seqs=job.get("max_num_seqs", 16), max_num_batched_tokens=job.get("max_num_batched_tokens"),
-                skip_tokenizer_init=job.get("skip_tokenizer_init", False), **job.get("llm_kwargs", {}))
+    return dict(
+        model=job["model"],
+        tokenizer=job.get("tokenizer") or job["model"],
+        dtype=job.get("dtype", "float32"),
+        block_size=job["block_size"],
+        enable_prefix_caching=caching,
+        enforce_eager=job.get("enforce_eager", True),
+        disable_log_stats=False,
+        seed=job.get("seed", 0),
+        max_model_len=job.get("max_model_len"),
+        max_num_seqs=job.get("max_num_seqs", 16),
+        max_num_batched_tokens=job.get("max_num_batched_tokens"),
+        skip_tokenizer_init=job.get("skip_tokenizer_init", False),
+        **job.get("llm_kwargs", {}),
+    )
 
 
 def _llm(kwargs: dict):
@@ -112,8 +125,13 @@ def generate(job: dict) -> dict:
     from vllm import SamplingParams
 
     llm, startup, reused = _llm(_llm_kwargs(job))
-    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=job.get("ignore_eos", False),
-                        stop_token_ids=job.get("stop_token_ids") or None, detokenize=False)
+    sp = SamplingParams(
+        max_tokens=job["max_tokens"],
+        temperature=0.0,
+        ignore_eos=job.get("ignore_eos", False),
+        stop_token_ids=job.get("stop_token_ids") or None,
+        detokenize=False,
+    )
     prompts, arrival = job["prompts"], job.get("arrival", "sequential")
     before = _counters(llm)
     outs, cold = _run_prompts(llm, prompts, sp, arrival)
@@ -134,9 +152,12 @@ def generate(job: dict) -> dict:
         before = _counters(llm)
         again, warm_cached = _run_prompts(llm, prompts, sp, arrival)
         result["timings"]["warm_cached_s"] = warm_cached
-        result["warm_cached"] = {"num_cached_tokens": [int(o.num_cached_tokens or 0) for o in again],
-                                 "prefix_cache": _delta(_counters(llm), before),
-                                 "output_ids_equal": [list(o.outputs[0].token_ids) for o in again] == result["output_ids"]}
+        result["warm_cached"] = {
+            "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in again],
+            "prefix_cache": _delta(_counters(llm), before),
+            "output_ids_equal": [list(o.outputs[0].token_ids) for o in again]
+            == result["output_ids"],
+        }
     if job.get("ttft_pairs"):
         result["ttft"] = ttft(llm, job["ttft_pairs"], job.get("ttft_repeats", 3))
     return result
@@ -145,35 +166,56 @@ def generate(job: dict) -> dict:
 def workload(job: dict) -> dict:
     """The ``workload`` job: all prompts at once, ``repeats`` times, prefix caching on and/or off.
 
-    Per mode: wall seconds and mean time to first token (vLLM's own ``first_token_latency``) of every
-    repetition, the prefix cache reset before each, and the tokens and cached-token counts of the last
-    one. ``isolation``: ``"caching_off"`` (default) runs the isolated mode on a second engine with
-    prefix caching off; ``"salt"`` runs it on the same engine with a distinct ``cache_salt`` per request,
-    so no request can hit another's blocks (vLLM's per-tenant isolation), one engine start instead of two.
+    Per mode: wall seconds and mean time to first token (vLLM's own ``first_token_latency``) of
+    every repetition, the prefix cache reset before each, and the tokens and cached-token counts of
+    the last one. ``isolation``: ``"caching_off"`` (default) runs the isolated mode on a second
+    engine with prefix caching off; ``"salt"`` runs it on the same engine with a distinct
+    ``cache_salt`` per request, so no request can hit another's blocks (vLLM's per-tenant
+    isolation), one engine start instead of two.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = [list(p) for p in job["prompts"]]
-    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(
+        max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False
+    )
     salt = job.get("isolation", "caching_off") == "salt"
-    out = {"vllm_version": __import__("vllm").__version__, "modes": {}, "isolation": "salt" if salt else "caching_off"}
+    out = {
+        "vllm_version": __import__("vllm").__version__,
+        "modes": {},
+        "isolation": "salt" if salt else "caching_off",
+    }
     for caching in job.get("caching", [True, False]):
-        llm, startup, reused = _llm(_llm_kwargs({"max_num_seqs": max(len(prompts), 1), "skip_tokenizer_init": True, **job},
-                                                  caching or salt))
-        llm.generate([TokensPrompt(prompt_token_ids=prompts[0])],
-                     SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False), use_tqdm=False)
+        llm, startup, reused = _llm(
+            _llm_kwargs(
+                {"max_num_seqs": max(len(prompts), 1), "skip_tokenizer_init": True, **job},
+                caching or salt,
+            )
+        )
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[0])],
+            SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        )
         walls, ttfts = [], []
         for rep in range(job.get("repeats", 3)):
             if caching or not salt:
                 reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
             else:
-                reqs = [TokensPrompt(prompt_token_ids=p, cache_salt=f"isolated-{rep}-{i}") for i, p in enumerate(prompts)]
+                reqs = [
+                    TokensPrompt(prompt_token_ids=p, cache_salt=f"isolated-{rep}-{i}")
+                    for i, p in enumerate(prompts)
+                ]
             llm.reset_prefix_cache()
             t0 = time.perf_counter()
             outs = llm.generate(reqs, sp, use_tqdm=False)
             walls.append(time.perf_counter() - t0)
-            lat = [o.metrics.first_token_latency for o in outs if getattr(o, "metrics", None) is not None]
+            lat = [
+                o.metrics.first_token_latency
+                for o in outs
+                if getattr(o, "metrics", None) is not None
+            ]
             ttfts.append(statistics.mean(lat) if lat else float("nan"))
         out["modes"]["shared" if caching else "isolated"] = {
             "startup_s": startup, "reused_engine": reused, "wall_s": walls, "ttft_s": ttfts,
@@ -188,7 +230,10 @@ def ttft(llm, pairs, repeats: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-    run = lambda ids: llm.generate([TokensPrompt(prompt_token_ids=list(ids))], one, use_tqdm=False)[0]  # noqa: E731
+
+    def run(ids):
+        return llm.generate([TokensPrompt(prompt_token_ids=list(ids))], one, use_tqdm=False)[0]
+
     run(pairs[0][0])  # warm-up: the first request after start-up pays one-off costs
     full, cached, hits = [], [], []
     for _ in range(repeats):
@@ -206,18 +251,22 @@ def ttft(llm, pairs, repeats: int) -> dict:
             "uncached_all": full, "cached_all": cached, "num_cached_tokens": hits}
 
 
-# ----------------------------------------------------------------------------- block pool microbenchmark
+# ------------------------------------------------------------------------ block pool microbenchmark
 
 def _kv_cache_manager(num_blocks: int, block_size: int, **kwargs):
-    """vLLM's KVCacheManager for one full-attention group (no tensors are made: shapes do not matter).
+    """vLLM's KVCacheManager for one full-attention group (no tensors are made: shapes do not
+    matter).
 
-    vLLM keeps block 0 as its "null block", so it gets one block more than kvlab for the same capacity.
+    vLLM keeps block 0 as its "null block", so it gets one block more than kvlab for the same
+    capacity.
     """
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32
+    )
     config = KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     return KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=block_size,
@@ -228,19 +277,29 @@ def _request(req_id: str, prompt: list[int], max_tokens: int, hasher):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=max_tokens),
-                   pooling_params=None, arrival_time=0.0, block_hasher=hasher)
+    return Request(
+        req_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        pooling_params=None,
+        arrival_time=0.0,
+        block_hasher=hasher,
+    )
 
 
-def block_pool_replay(trace: list[dict], num_blocks: int, block_size: int, max_running: int) -> dict:
-    """``kvlab.engine.trace_replay.replay_trace`` (``reserve=True``) on vLLM's KVCacheManager, step for step.
+def block_pool_replay(
+    trace: list[dict], num_blocks: int, block_size: int, max_running: int
+) -> dict:
+    """``kvlab.engine.trace_replay.replay_trace`` (``reserve=True``) on vLLM's KVCacheManager, step
+    for step.
 
     kvlab's replay runs its real ``Scheduler``; this loop takes the same steps by hand (kvlab is not
-    importable here): a ready request queues when the free blocks, less those promised to the running ones,
-    cover its prompt and reply; each step first writes one token of K/V for every running request (the
-    token it generated last), then admits the queued ones, then every scheduled request "generates" its next
-    reply token and one that has them all is freed. K/V is written for the prompt and every reply token
-    but the last, as in an engine. ``cached_tokens`` must equal kvlab's, request for request.
+    importable here): a ready request queues when the free blocks, less those promised to the
+    running ones, cover its prompt and reply; each step first writes one token of K/V for every
+    running request (the token it generated last), then admits the queued ones, then every scheduled
+    request "generates" its next reply token and one that has them all is freed. K/V is written for
+    the prompt and every reply token but the last, as in an engine. ``cached_tokens`` must equal
+    kvlab's, request for request.
     """
     from collections import deque
 
@@ -260,14 +319,19 @@ def block_pool_replay(trace: list[dict], num_blocks: int, block_size: int, max_r
         if r.get("after") is not None and r["after"] in ids:
             blocked.setdefault(r["after"], []).append(r)
     queued: deque = deque()  # the scheduler's waiting queue
-    running: dict[str, list] = {}  # req_id -> [trace row, vllm Request, tokens generated], admission order
+    # req_id -> [trace row, vllm Request, tokens generated], admission order
+    running: dict[str, list] = {}
     cached, steps, queries, hits, table_blocks = {}, 0, 0, 0, 0
     pool = manager.block_pool
     t0 = time.perf_counter()
     while ready or queued or running:
         while ready and len(running) + len(queued) < max_running:
-            promised = sum(need(r) - cdiv(req.num_computed_tokens) for r, req, _ in running.values())
-            if pool.get_num_free_blocks() - promised - sum(need(r) for r in queued) < need(ready[0]):
+            promised = sum(
+                need(r) - cdiv(req.num_computed_tokens) for r, req, _ in running.values()
+            )
+            if pool.get_num_free_blocks() - promised - sum(need(r) for r in queued) < need(
+                ready[0]
+            ):
                 break
             queued.append(ready.popleft())
         steps += 1
@@ -297,9 +361,16 @@ def block_pool_replay(trace: list[dict], num_blocks: int, block_size: int, max_r
                 del running[rid]
                 ready.extend(blocked.pop(rid, ()))
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "steps": steps, "query_tokens": queries, "hit_tokens": hits,
-            "hit_rate": hits / queries if queries else 0.0, "table_blocks": table_blocks, "cached_tokens": cached,
-            "num_free_blocks": pool.get_num_free_blocks()}
+    return {
+        "seconds": seconds,
+        "steps": steps,
+        "query_tokens": queries,
+        "hit_tokens": hits,
+        "hit_rate": hits / queries if queries else 0.0,
+        "table_blocks": table_blocks,
+        "cached_tokens": cached,
+        "num_free_blocks": pool.get_num_free_blocks(),
+    }
 
 
 def _event_json(event) -> dict:
@@ -360,8 +431,12 @@ def block_pool(job: dict) -> dict:
     """The ``block_pool`` job: ``reps`` replays on fresh managers, median seconds."""
     import vllm
 
-    runs = [block_pool_replay(job["trace"], job["num_blocks"], job["block_size"], job.get("max_running", 16))
-            for _ in range(job.get("reps", 3))]
+    runs = [
+        block_pool_replay(
+            job["trace"], job["num_blocks"], job["block_size"], job.get("max_running", 16)
+        )
+        for _ in range(job.get("reps", 3))
+    ]
     last = runs[-1]
     last["seconds_all"] = [r["seconds"] for r in runs]
     last["seconds"] = statistics.median(last["seconds_all"])

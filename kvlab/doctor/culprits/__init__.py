@@ -1,5 +1,6 @@
-"""Find why prompts stop sharing and how to rewrite the log so they would: ``textdiff`` diffs pairs, then the
-``fields``, ``structure`` and ``blocks`` heuristics each name culprits with their fix (see docs/doctor.md)."""
+"""Find why prompts stop sharing and how to rewrite the log so they would: ``textdiff`` diffs pairs,
+then the ``fields``, ``structure`` and ``blocks`` heuristics each name culprits with their fix (see
+docs/doctor.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,18 @@ from .structure import (
 )
 from .textdiff import Finding, scan_pairs
 
-__all__ = ["Culprit", "FieldPattern", "Finding", "find_culprits", "move_fields", "padded", "public_prefixes",
-           "record_segments", "scan_pairs", "with_contents"]
+__all__ = [
+    "Culprit",
+    "FieldPattern",
+    "Finding",
+    "find_culprits",
+    "move_fields",
+    "padded",
+    "public_prefixes",
+    "record_segments",
+    "scan_pairs",
+    "with_contents",
+]
 
 
 def find_culprits(prep: Prepared, div: Divergence, enc: PromptEncoder | None, block_size: int, *,
@@ -28,10 +39,20 @@ def find_culprits(prep: Prepared, div: Divergence, enc: PromptEncoder | None, bl
                   seed: int = 0) -> tuple[list[Finding], dict, list[Culprit]]:
     """Diff a sample of pairs, then run every family; return (findings, what was scanned, culprits)."""
     findings, scan = scan_pairs(prep, div, enc, sample=sample, seed=seed)
-    found = [whitespace_culprit(prep, findings), template_culprit(prep, findings, enc), tools_culprit(prep, findings),
-             *field_culprits(prep, findings, tenants=tenants), *order_culprits(prep, findings),
-             *token_span_culprits(prep, findings), multiturn_culprit(prep),
-             alignment_culprit(prep, div, block_size, enc.token_id("\n") if enc is not None else 0, "\n")]
+    found = [
+        whitespace_culprit(prep, findings),
+        template_culprit(prep, findings, enc),
+        tools_culprit(prep, findings),
+        *field_culprits(prep, findings, tenants=tenants),
+        *order_culprits(prep, findings),
+        *token_span_culprits(prep, findings),
+        multiturn_culprit(prep),
+        alignment_culprit(
+            prep, div, block_size, enc.token_id("\n") if enc is not None else 0, "\n"
+        ),
+    ]
     if tenants is not None and salted_unsalted is not None:
-        found.append(tenant_culprit(prep, tenants, tenant_field or "", block_size, *salted_unsalted))
+        found.append(
+            tenant_culprit(prep, tenants, tenant_field or "", block_size, *salted_unsalted)
+        )
     return findings, scan, [c for c in found if c is not None]

@@ -16,7 +16,9 @@ Fix = Callable[[list[Record]], list[Record]]
 class Culprit:
     """A reason prompts stop sharing: what, where, the evidence, and the fix (measured later)."""
 
-    kind: str  # volatile, per-user, per-session, order, tools-order, whitespace, template, multi-turn, alignment, ...
+    # volatile, per-user, per-session, order, tools-order, whitespace, template, multi-turn,
+    # alignment, ...
+    kind: str
     title: str
     position: int | None  # typical token position where it breaks the shared prefix
     where: str
@@ -31,7 +33,8 @@ class Culprit:
     alone: dict | None = None  # measured: this fix on the original log
     chained: dict | None = None  # measured: this fix after the ones before it
     before: dict | None = None  # measured: the log just before this fix (in the chain)
-    no_effect: bool = False  # measured, and it changed nothing worth reporting: not a culprit of this log
+    # measured, and it changed nothing worth reporting: not a culprit of this log
+    no_effect: bool = False
     fixed_log: str | None = None
 
     @property
@@ -63,8 +66,9 @@ def record_segments(rec: Record) -> list[tuple[str, int, str]]:
     if rec.kind == "messages":
         return [(m["role"], i, m["content"]) for i, m in enumerate(rec.messages)]
     if rec.kind == "prompt":
-        return ([(role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parse_chatml(rec.prompt))]
-                or [("prompt", 0, rec.prompt)])
+        return [
+            (role, i, rec.prompt[s:e]) for i, (role, s, e) in enumerate(parse_chatml(rec.prompt))
+        ] or [("prompt", 0, rec.prompt)]
     return []
 
 
@@ -80,7 +84,8 @@ def map_contents(records: list[Record], fn: Callable[[str, int, str], str]) -> l
 
 def _tail_insert(prompt: str, text: str) -> str:
     """Put ``text`` at the end of a plain prompt, before a trailing chat-markup tail if there is one."""
-    m = next(reversed(list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))), None)  # the last mark
+    # the last mark
+    m = next(reversed(list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))), None)
     if m is not None and len(prompt) - m.start() <= 64:
         return prompt[: m.start()] + text + "\n" + prompt[m.start():]
     return prompt.rstrip("\n") + "\n\n" + text + ("\n" if prompt.endswith("\n") else "")
@@ -95,7 +100,8 @@ def with_contents(rec: Record, contents: list[str], prepend_user: str = "") -> R
         prepend_user = ""
     if rec.kind == "messages":
         msgs = [dict(m, content=c) for m, c in zip(rec.messages, contents)]
-        if prepend_user:  # no user message: the context becomes its own user message before generation
+        # no user message: the context becomes its own user message before generation
+        if prepend_user:
             msgs.append({"role": "user", "content": prepend_user})
         return rec.replace(messages=msgs)
     if rec.kind == "prompt":

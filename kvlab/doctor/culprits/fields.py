@@ -54,7 +54,10 @@ class FieldPattern:
 
     def locate(self, content: str) -> tuple[int, int] | None:
         """Char span of the field's line (or sentence) in a message's content, or None."""
-        after, sentence = self.anchor == "after", self.level == "sentence" and self.anchor != "after"
+        after, sentence = (
+            self.anchor == "after",
+            self.level == "sentence" and self.anchor != "after",
+        )
         needle = self.key + "\n" if after else self.key
         j = content.find(needle)
         while j > 0 and not sentence and content[j - 1] != "\n":  # a line must start with it
@@ -106,12 +109,20 @@ def move_fields(records: list[Record], patterns: list[FieldPattern]) -> list[Rec
     return out
 
 
-def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, tenants: list | None = None,
-                   max_fields: int = 10) -> list[Culprit]:
+def field_culprits(
+    prep: Prepared,
+    findings: list[Finding],
+    min_count: int = 2,
+    tenants: list | None = None,
+    max_fields: int = 10,
+) -> list[Culprit]:
     """Group slot findings by the line they live in; classify each field by its values over the whole log."""
-    need = max(min_count, int(0.05 * len({(f.a, f.b) for f in findings})))  # and 5 % of the pairs scanned
+    # and 5 % of the pairs scanned
+    need = max(min_count, int(0.05 * len({(f.a, f.b) for f in findings})))
     out = []
-    for (role, index, anchor, key, level), fs in sorted(_slot_groups(findings).items(), key=lambda kv: -len(kv[1])):
+    for (role, index, anchor, key, level), fs in sorted(
+        _slot_groups(findings).items(), key=lambda kv: -len(kv[1])
+    ):
         if len(fs) >= need and len(out) < max_fields:
             c = _field_culprit(prep, FieldPattern(role, index, key, anchor, level, ""), fs, tenants)
             out += [c] if c is not None else []
@@ -120,10 +131,15 @@ def field_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2, 
 
 def _slot_groups(findings: list[Finding]) -> dict[tuple, list[Finding]]:
     """Slot findings by (role, index, anchor, key, level); a key that extends a shorter one joins it."""
-    keyed = by_key(findings, "slot",
-                   lambda f: (f.role, f.index, f.anchor, f.key) if f.anchor in ("prefix", "after") else None)
+    keyed = by_key(
+        findings,
+        "slot",
+        lambda f: (f.role, f.index, f.anchor, f.key) if f.anchor in ("prefix", "after") else None,
+    )
     # one level per key (the commoner one)
-    groups = {(*k, Counter(f.level for f in fs).most_common(1)[0][0]): fs for k, fs in keyed.items()}
+    groups = {
+        (*k, Counter(f.level for f in fs).most_common(1)[0][0]): fs for k, fs in keyed.items()
+    }
     for g in sorted(groups, key=lambda g: len(g[3])):  # "Customer: Sven" joins "Customer: "
         if g in groups and len(g[3].strip()) >= 3:
             for h in [h for h in groups if h[:3] == g[:3] and h[4] == g[4] and len(h[3]) > len(g[3])
@@ -132,38 +148,74 @@ def _slot_groups(findings: list[Finding]) -> dict[tuple, list[Finding]]:
     return groups
 
 
-def _field_culprit(prep: Prepared, pat: FieldPattern, fs: list[Finding], tenants: list | None) -> Culprit | None:
+def _field_culprit(
+    prep: Prepared, pat: FieldPattern, fs: list[Finding], tenants: list | None
+) -> Culprit | None:
     """One group of slot findings as a field culprit, scoped by its values over the whole log (None: not a field)."""
-    pat.suffix = common_suffix([v for rec in prep.records[:2000] for r, idx, c in record_segments(rec)
-                                if pat.matches(r, idx) for v in [pat.value(c)] if v is not None])
+    pat.suffix = common_suffix(
+        [
+            v
+            for rec in prep.records[:2000]
+            for r, idx, c in record_segments(rec)
+            if pat.matches(r, idx)
+            for v in [pat.value(c)]
+            if v is not None
+        ]
+    )
     values, rows = [], []
     for k, rec in enumerate(prep.records):
-        c = next((c for r, idx, c in record_segments(rec) if pat.matches(r, idx)), None)  # its first such message
+        # its first such message
+        c = next((c for r, idx, c in record_segments(rec) if pat.matches(r, idx)), None)
         if c is not None and (v := pat.value(c)) is not None:
             values.append(v)
             rows.append(k)
     if len(set(values)) < 2 or statistics.median(map(len, values)) > MAX_FIELD_CHARS:
         return None  # one value, or so long it is the request's content
     if tenants is not None and _constant_share(values, [tenants[k] for k in rows])[0] >= 0.9:
-        return None  # one value per tenant: the tenant's own content (the tenant check covers sharing)
+        # one value per tenant: the tenant's own content (the tenant check covers sharing)
+        return None
     recs = [prep.records[k] for k in rows]
     kind, scope = _scope(values, [r.get("user") for r in recs], [r.get("session") for r in recs])
     label = label_values(values)
     if kind == "per-user":
         label = {"text": "user name/id", "id": "user id"}.get(label, label)
-    what = {"per-user": "per-user field", "per-session": "per-conversation field", "volatile": "per-request field"}
+    what = {
+        "per-user": "per-user field",
+        "per-session": "per-conversation field",
+        "volatile": "per-request field",
+    }
     name = _shorten(pat.key.strip() or f"line after {pat.key!r}", 40)
     where, position = _where(pat.role, pat.index), int(statistics.median(f.token_pos for f in fs))
-    spans = ((c, pat.locate(c)) for rec in prep.records for r, idx, c in record_segments(rec) if pat.matches(r, idx))
+    spans = (
+        (c, pat.locate(c))
+        for rec in prep.records
+        for r, idx, c in record_segments(rec)
+        if pat.matches(r, idx)
+    )
     line_no = next((c.count("\n", 0, span[0]) + 1 for c, span in spans if span), None)
     return Culprit(
-        kind, f"{what[kind]} ({label}) in {where}: {name!s}", position, f"{where}, line {line_no}",
-        [f"{len(values)} requests carry this line; {len(set(values))} distinct values ({scope})",
-         "examples: " + "; ".join(repr(v) for v in list(dict.fromkeys(values))[:3]),
-         f"found by diffing {len(fs)} request pairs that share the template; value starts at token ~{position}"],
-        f"move the line {name!r}... out of {where} to the start of the last user message", len(values),
-        fix=lambda recs: move_fields(recs, [pat]), examples=[(fs[0].text_a, fs[0].text_b)],
-        details={"pattern": pat, "label": label, "distinct": len(set(values)), "values": values[:5], "pairs": len(fs)})
+        kind,
+        f"{what[kind]} ({label}) in {where}: {name!s}",
+        position,
+        f"{where}, line {line_no}",
+        [
+            f"{len(values)} requests carry this line; {len(set(values))} distinct values ({scope})",
+            "examples: " + "; ".join(repr(v) for v in list(dict.fromkeys(values))[:3]),
+            f"found by diffing {len(fs)} request pairs that share the template; value starts at "
+            f"token ~{position}",
+        ],
+        f"move the line {name!r}... out of {where} to the start of the last user message",
+        len(values),
+        fix=lambda recs: move_fields(recs, [pat]),
+        examples=[(fs[0].text_a, fs[0].text_b)],
+        details={
+            "pattern": pat,
+            "label": label,
+            "distinct": len(set(values)),
+            "values": values[:5],
+            "pairs": len(fs),
+        },
+    )
 
 
 def _constant_share(values: list[str], keys: list) -> tuple[float, int, int]:
@@ -184,13 +236,24 @@ def _scope(values: list[str], users: list, sessions: list) -> tuple[str, str]:
     """per-user / per-session / volatile, with a sentence saying why."""
     share_u, n_u, multi_u = _constant_share(values, users)
     if share_u >= 0.9 and n_u >= 2:
-        return "per-user", (f"the same value for all requests of {share_u:.0%} of the {multi_u} users with several "
-                            "requests")
+        return "per-user", (
+            f"the same value for all requests of {share_u:.0%} of the {multi_u} users with several "
+            "requests"
+        )
     share_s, n_s, multi_s = _constant_share(values, sessions)
     if share_s >= 0.9 and n_s >= 2:
-        return "per-session", f"constant within {share_s:.0%} of {multi_s} conversations, different across them"
-    return "volatile", (f"changes from request to request: {len(set(values))} values in {len(values)} requests"
-                        + (f"; within one user it stays the same for only {share_u:.0%} of users" if multi_u else ""))
+        return (
+            "per-session",
+            f"constant within {share_s:.0%} of {multi_s} conversations, different across them",
+        )
+    return "volatile", (
+        f"changes from request to request: {len(set(values))} values in {len(values)} requests"
+        + (
+            f"; within one user it stays the same for only {share_u:.0%} of users"
+            if multi_u
+            else ""
+        )
+    )
 
 
 def _span(ts: str, key: str, right: str) -> tuple[int, int] | None:
@@ -202,6 +265,7 @@ def _span(ts: str, key: str, right: str) -> tuple[int, int] | None:
 
 def move_span(records: list[Record], key: str, right: str) -> list[Record]:
     """Move the tokens between ``key`` and ``right`` of each token-id record to the end of its prompt."""
+
     def moved(rec: Record) -> Record:
         ts = tokstr(rec.token_ids) if rec.kind == "token_ids" else ""
         if (span := _span(ts, key, right)) is None:
@@ -212,23 +276,41 @@ def move_span(records: list[Record], key: str, right: str) -> list[Record]:
     return [moved(rec) for rec in records]
 
 
-def token_span_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:
+def token_span_culprits(
+    prep: Prepared, findings: list[Finding], min_count: int = 2
+) -> list[Culprit]:
     """Token-id logs: spans between the same left and right token context, moved to the end of the prompt."""
     out = []
-    for (key, right), fs in by_key(findings, "span", lambda f: (f.key, f.right) if f.key and f.right else None).items():
+    for (key, right), fs in by_key(
+        findings, "span", lambda f: (f.key, f.right) if f.key and f.right else None
+    ).items():
         if len(fs) < min_count:
             continue
-        spans = [(rec, ts, sp) for rec, ts in zip(prep.records, prep.tokens) if (sp := _span(ts, key, right))]
+        spans = [
+            (rec, ts, sp)
+            for rec, ts in zip(prep.records, prep.tokens)
+            if (sp := _span(ts, key, right))
+        ]
         values = [ts[s:e] for _, ts, (s, e) in spans]
         if len(set(values)) < 2:
             continue
         kind, scope = _scope(values, [rec.get("user") for rec, _, _ in spans], [None] * len(values))
         position = int(statistics.median(f.token_pos for f in fs))
-        out.append(Culprit(
-            kind, f"a {'per-user' if kind == 'per-user' else 'varying'} token span at token ~{position}", position,
-            "token ids", [f"{len(values)} requests hold a span between the same {len(key)} tokens before and "
-                          f"{len(right)} after; {len(set(values))} distinct spans ({scope})",
-                          f"example spans (ids): {[ids(v)[:8] for v in list(dict.fromkeys(values))[:2]]}"],
-            "move the span to the end of the prompt", len(values),
-            fix=lambda recs, key=key, right=right: move_span(recs, key, right)))
+        out.append(
+            Culprit(
+                kind,
+                f"a {'per-user' if kind == 'per-user' else 'varying'} token span at token "
+                f"~{position}",
+                position,
+                "token ids",
+                [
+                    f"{len(values)} requests hold a span between the same {len(key)} tokens before "
+                    f"and {len(right)} after; {len(set(values))} distinct spans ({scope})",
+                    f"example spans (ids): {[ids(v)[:8] for v in list(dict.fromkeys(values))[:2]]}",
+                ],
+                "move the span to the end of the prompt",
+                len(values),
+                fix=lambda recs, key=key, right=right: move_span(recs, key, right),
+            )
+        )
     return out

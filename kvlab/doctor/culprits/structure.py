@@ -35,21 +35,28 @@ def rerender_chatml(records: list[Record]) -> list[Record]:
     out = []
     for rec in records:
         parsed = parse_chatml(rec.prompt) if rec.kind == "prompt" else []
-        if parsed and parsed[-1][0] == "user" and re.search(r"<\|im_start\|>\s*assistant\s*$", rec.prompt):
+        if (
+            parsed
+            and parsed[-1][0] == "user"
+            and re.search(r"<\|im_start\|>\s*assistant\s*$", rec.prompt)
+        ):
             msgs = [{"role": role, "content": rec.prompt[s:e]} for role, s, e in parsed]
             rec = Record(rec.line, "messages", messages=msgs, meta=dict(rec.meta))
         out.append(rec)
     return out
 
 
-def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) -> list[tuple[int, str, str]]:
+def hand_rendered(
+    prep: Prepared, enc: PromptEncoder | None, limit: int = 2000
+) -> list[tuple[int, str, str]]:
     """(token position, prompt, template) where a ChatML prompt differs from the template's rendering of it."""
     if enc is None:
         return []
     out = []
     for rec, ts in zip(prep.records, prep.tokens):
         conv = rerender_chatml([rec])[0] if rec.kind == "prompt" and len(out) < limit else rec
-        if conv is rec or (text := enc.try_render(conv)) is None or text == rec.prompt:  # conv is rec: not ChatML
+        # conv is rec: not ChatML
+        if conv is rec or (text := enc.try_render(conv)) is None or text == rec.prompt:
             continue
         c = lcp(text, rec.prompt)
         tok = enc.encode([rec.prompt[:c]])[0]
@@ -59,9 +66,12 @@ def hand_rendered(prep: Prepared, enc: PromptEncoder | None, limit: int = 2000) 
 
 def sort_tools(records: list[Record]) -> list[Record]:
     """Send tools in one order (by name)."""
-    return [rec.replace(tools=sorted(rec.tools, key=tool_name))
-            if rec.tools and [tool_name(t) for t in rec.tools] != sorted(map(tool_name, rec.tools)) else rec
-            for rec in records]
+    return [
+        rec.replace(tools=sorted(rec.tools, key=tool_name))
+        if rec.tools and [tool_name(t) for t in rec.tools] != sorted(map(tool_name, rec.tools))
+        else rec
+        for rec in records
+    ]
 
 
 def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
@@ -69,17 +79,30 @@ def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | Non
     if not (ws := [f for f in findings if f.kind == "whitespace"]):
         return None
     ex = ws[0]
-    affected = sum(1 for rec in prep.records if any(normalize_ws(c) != c for _, _, c in record_segments(rec)))
+    affected = sum(
+        1 for rec in prep.records if any(normalize_ws(c) != c for _, _, c in record_segments(rec))
+    )
     return Culprit(
-        "whitespace", "whitespace differences in text that is otherwise shared",
-        int(statistics.median(f.token_pos for f in ws)), _where(ex.role, ex.index),
-        [f"{len(ws)} diffed pairs differ only in whitespace at that point",
-         f"request: {ex.text_a!r}", f"partner: {ex.text_b!r}"],
-        "normalise whitespace in every message (CRLF, trailing spaces, runs of blank lines, outer whitespace)",
-        affected, fix=normalize_records, examples=[(ex.text_a, ex.text_b)])
+        "whitespace",
+        "whitespace differences in text that is otherwise shared",
+        int(statistics.median(f.token_pos for f in ws)),
+        _where(ex.role, ex.index),
+        [
+            f"{len(ws)} diffed pairs differ only in whitespace at that point",
+            f"request: {ex.text_a!r}",
+            f"partner: {ex.text_b!r}",
+        ],
+        "normalise whitespace in every message (CRLF, trailing spaces, runs of blank lines, outer "
+        "whitespace)",
+        affected,
+        fix=normalize_records,
+        examples=[(ex.text_a, ex.text_b)],
+    )
 
 
-def template_culprit(prep: Prepared, findings: list[Finding], enc: PromptEncoder | None = None) -> Culprit | None:
+def template_culprit(
+    prep: Prepared, findings: list[Finding], enc: PromptEncoder | None = None
+) -> Culprit | None:
     """Chat markup that differs: pairs that differ outside any message, or hand-rendered ChatML prompts."""
     tp = [f for f in findings if f.kind == "template"]
     hand = hand_rendered(prep, enc)
@@ -89,16 +112,27 @@ def template_culprit(prep: Prepared, findings: list[Finding], enc: PromptEncoder
     chatml_prompts = sum(1 for r in prep.records if r.kind == "prompt" and parse_chatml(r.prompt))
     fix = rerender_chatml if chatml_prompts else None
     positions = [f.token_pos for f in tp] + [pos for pos, _, _ in hand]
-    ev = [f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for the same "
-          "messages"] * bool(hand) + [f"{len(tp)} diffed pairs differ outside any message's content"] * bool(tp)
-    ev += [f"the prompt: {ex[0]!r}", f"the template: {ex[1]!r}" if hand else f"the earlier prompt: {ex[1]!r}",
-           f"record kinds in the log: {dict(Counter(r.kind for r in prep.records))}"]
+    ev = [
+        f"{len(hand)} hand-rendered ChatML prompts differ from what the chat template renders for "
+        "the same messages"
+    ] * bool(hand) + [f"{len(tp)} diffed pairs differ outside any message's content"] * bool(tp)
+    ev += [
+        f"the prompt: {ex[0]!r}",
+        f"the template: {ex[1]!r}" if hand else f"the earlier prompt: {ex[1]!r}",
+        f"record kinds in the log: {dict(Counter(r.kind for r in prep.records))}",
+    ]
     return Culprit(
-        "template", "the chat markup differs between requests (hand-rendered prompts or another template)",
-        int(statistics.median(positions)), "chat-template markup", ev,
+        "template",
+        "the chat markup differs between requests (hand-rendered prompts or another template)",
+        int(statistics.median(positions)),
+        "chat-template markup",
+        ev,
         "render every request through the model's one chat template"
         + (f" ({chatml_prompts} hand-rendered ChatML prompts become chat records)" if fix else ""),
-        chatml_prompts, fix=fix, examples=[ex])
+        chatml_prompts,
+        fix=fix,
+        examples=[ex],
+    )
 
 
 def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
@@ -114,46 +148,82 @@ def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
     tf = [f for f in findings if f.kind == "tools"]
     ex = sorted(v)[:2]  # sorted: the same example on every run (a set of tuples has no fixed order)
     return Culprit(
-        "tools-order", "the same tools sent in varying order",
-        int(statistics.median(f.token_pos for f in tf)) if tf else None, "the tools (rendered into the prompt)",
-        [f"{n_aff} requests send one of {len(varying)} tool sets; the set of {len(k)} tools came in {len(v)} "
-         "different orders", "one order: " + ", ".join(ex[0]), "another:   " + ", ".join(ex[1])],
-        "send the tools sorted by name", n_aff, fix=sort_tools, examples=[(", ".join(ex[0]), ", ".join(ex[1]))])
+        "tools-order",
+        "the same tools sent in varying order",
+        int(statistics.median(f.token_pos for f in tf)) if tf else None,
+        "the tools (rendered into the prompt)",
+        [
+            f"{n_aff} requests send one of {len(varying)} tool sets; the set of {len(k)} tools "
+            f"came in {len(v)} "
+            "different orders",
+            "one order: " + ", ".join(ex[0]),
+            "another:   " + ", ".join(ex[1]),
+        ],
+        "send the tools sorted by name",
+        n_aff,
+        fix=sort_tools,
+        examples=[(", ".join(ex[0]), ", ".join(ex[1]))],
+    )
 
 
-def sort_items(records: list[Record], role: str, index: int | None, sep: str, prefix: str) -> list[Record]:
+def sort_items(
+    records: list[Record], role: str, index: int | None, sep: str, prefix: str
+) -> list[Record]:
     """Sort every run of consecutive items (paragraphs/lines) that start with ``prefix`` in one message."""
+
     def sort_runs(c: str) -> str:
         runs = groupby(c.split(sep), key=lambda item: item.startswith(prefix))
         return sep.join(x for is_item, run in runs for x in (sorted(run) if is_item else run))
 
-    return map_contents(records, lambda r, i, c: sort_runs(c) if r == role and index in (None, i) and prefix in c
-                        else c)
+    return map_contents(
+        records,
+        lambda r, i, c: sort_runs(c) if r == role and index in (None, i) and prefix in c else c,
+    )
 
 
 def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) -> list[Culprit]:
     """Same items (documents, examples) in another order: sort runs of items that share a header."""
     out = []
-    for (role, index, sep), fs in by_key(findings, "order", lambda f: (f.role, f.index, f.sep)).items():
+    for (role, index, sep), fs in by_key(
+        findings, "order", lambda f: (f.role, f.index, f.sep)
+    ).items():
         if len(fs) < min_count:
             continue
         items = [it for f in fs for it in f.items_a + f.items_b]
         prefix = stable_key(commonprefix(items), items[0])
         ex = fs[0]
         unit = "paragraphs" if sep == "\n\n" else "lines"
-        affected = sum(1 for rec in prep.records for r, idx, c in record_segments(rec)
-                       if r == role and (index is None or idx == index) and prefix and c.count(prefix) >= 2)
-        out.append(Culprit(
-            "order", f"the same {unit} in varying order in {_where(role, index)}"
-            + (f" (items starting {prefix!r})" if prefix else ""),
-            int(statistics.median(f.token_pos for f in fs)), _where(role, index),
-            [f"{len(fs)} of the diffed pairs hold the same {len(ex.items_a)} {unit} in another order",
-             "request: " + " | ".join(_shorten(x, 40) for x in ex.items_a),
-             "partner: " + " | ".join(_shorten(x, 40) for x in ex.items_b)],
-            f"sort the {unit} that start with {prefix!r} (one canonical order, e.g. by id)" if prefix
-            else f"send the {unit} in one canonical order (they share no header the doctor could sort by)",
-            affected, fix=partial(sort_items, role=role, index=index, sep=sep, prefix=prefix) if prefix else None,
-            examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))], details={"prefix": prefix, "sep": sep}))
+        affected = sum(
+            1
+            for rec in prep.records
+            for r, idx, c in record_segments(rec)
+            if r == role and (index is None or idx == index) and prefix and c.count(prefix) >= 2
+        )
+        out.append(
+            Culprit(
+                "order",
+                f"the same {unit} in varying order in {_where(role, index)}"
+                + (f" (items starting {prefix!r})" if prefix else ""),
+                int(statistics.median(f.token_pos for f in fs)),
+                _where(role, index),
+                [
+                    f"{len(fs)} of the diffed pairs hold the same {len(ex.items_a)} {unit} in "
+                    "another order",
+                    "request: " + " | ".join(_shorten(x, 40) for x in ex.items_a),
+                    "partner: " + " | ".join(_shorten(x, 40) for x in ex.items_b),
+                ],
+                f"sort the {unit} that start with {prefix!r} (one canonical order, e.g. by id)"
+                if prefix
+                else f"send the {unit} in one canonical order (they share no header the doctor "
+                     "could sort by)",
+                affected,
+                fix=partial(sort_items, role=role, index=index, sep=sep, prefix=prefix)
+                if prefix
+                else None,
+                examples=[("\n".join(ex.items_a), "\n".join(ex.items_b))],
+                details={"prefix": prefix, "sep": sep},
+            )
+        )
     return out
 
 
@@ -211,30 +281,53 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
     example, template_breaks = None, 0
     for key, prev, cur in turns:
         (sp, hp), (sc, hc) = _split(prep.records[prev]), _split(prep.records[cur])
-        if hc[: len(hp)] == hp:  # appended: the template may still re-render the history differently
+        # appended: the template may still re-render the history differently
+        if hc[: len(hp)] == hp:
             if sp == sc:
-                template_breaks += lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8
+                template_breaks += (
+                    lcp(prep.tokens[prev], prep.tokens[cur]) < len(prep.tokens[prev]) - 8
+                )
             continue
-        j = next((j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None)
+        j = next(
+            (j for j in range(1, len(hp)) if hc[: len(hp) - j] == hp[j:] and len(hp) - j > 0), None
+        )
         kind = f"window: dropped the oldest {j} message(s)" if j else "edited or replaced history"
         kinds[kind] += 1
         example = example or (key, prev, cur, len(hp), len(hc), kind)
     follow, rebuilt = len(turns), sum(kinds.values())
     if not rebuilt and not template_breaks:
         return None
-    ev = [f"{follow} follow-up turns in {sum(len(v) > 1 for v in convs.values())} conversations; "
-          f"{rebuilt} ({rebuilt / max(follow, 1):.0%}) do not re-send the previous turn's history unchanged"]
+    ev = [
+        f"{follow} follow-up turns in {sum(len(v) > 1 for v in convs.values())} conversations; "
+        f"{rebuilt} ({rebuilt / max(follow, 1):.0%}) do not re-send the previous turn's history "
+        "unchanged"
+    ]
     ev += [f"  {n}x {k}" for k, n in kinds.most_common(4)]
     if example:
         key, prev, cur, lp, lc, kind = example
-        ev.append(f"e.g. {key[0]} {key[1]!r}: line {prep.records[prev].line} sends {lp} history messages, "
-                  f"the next turn (line {prep.records[cur].line}) sends {lc} ({kind})")
+        ev.append(
+            f"e.g. {key[0]} {key[1]!r}: line {prep.records[prev].line} sends {lp} history "
+            f"messages, the next turn (line {prep.records[cur].line}) sends {lc} ({kind})"
+        )
     if template_breaks:
-        ev.append(f"{template_breaks} turns append their messages but the chat template re-renders the history "
-                  "differently (the token prefix breaks anyway)")
-    position = int(statistics.median(prep.sys_tokens[i] for idx in convs.values() for i in idx)) if convs else None
-    return Culprit("multi-turn", "multi-turn conversations rebuild their history instead of appending to it",
-                   position, "the conversation history", ev,
-                   "send each turn as the previous turn's messages + the reply + the new message (append-only)",
-                   rebuilt, fix=append_histories if rebuilt else None,
-                   details={"follow_ups": follow, "rebuilt": rebuilt})
+        ev.append(
+            f"{template_breaks} turns append their messages but the chat template re-renders the "
+            "history differently (the token prefix breaks anyway)"
+        )
+    position = (
+        int(statistics.median(prep.sys_tokens[i] for idx in convs.values() for i in idx))
+        if convs
+        else None
+    )
+    return Culprit(
+        "multi-turn",
+        "multi-turn conversations rebuild their history instead of appending to it",
+        position,
+        "the conversation history",
+        ev,
+        "send each turn as the previous turn's messages + the reply + the new message "
+        "(append-only)",
+        rebuilt,
+        fix=append_histories if rebuilt else None,
+        details={"follow_ups": follow, "rebuilt": rebuilt},
+    )

@@ -43,7 +43,9 @@ def trim_value_start(s: str, joined: Callable[[str], bool]) -> str:
 def stable_key(common: str, unit: str) -> str:
     """Cut the common start of two lines back to where the value begins ("Customer: Ali" -> "Customer: ")."""
     # the mirror image of trimming a suffix: reversed, a cut word is one that goes on in ``unit``
-    return trim_value_start(common[::-1], lambda r: len(r) < len(unit) and unit[len(r)].isalnum())[::-1]
+    return trim_value_start(common[::-1], lambda r: len(r) < len(unit) and unit[len(r)].isalnum())[
+        ::-1
+    ]
 
 
 def common_suffix(values: list[str], judged: list[str] | None = None) -> str:
@@ -55,7 +57,9 @@ def common_suffix(values: list[str], judged: list[str] | None = None) -> str:
         if not (s := s[len(s) - len(commonprefix([s[::-1], v[::-1]])):]):
             return ""
     judged = values[:50] if judged is None else judged
-    return trim_value_start(s, lambda s: any(len(v) > len(s) and v[-len(s) - 1].isalnum() for v in judged))
+    return trim_value_start(
+        s, lambda s: any(len(v) > len(s) and v[-len(s) - 1].isalnum() for v in judged)
+    )
 
 
 def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
@@ -89,7 +93,8 @@ class Finding:
     text_b: str = ""
     key: str = ""
     level: str = "line"
-    anchor: str = "prefix"  # prefix: the line starts with key; after: the line after the line == key
+    # prefix: the line starts with key; after: the line after the line == key
+    anchor: str = "prefix"
     suffix: str = ""
     value_a: str = ""
     value_b: str = ""
@@ -100,7 +105,9 @@ class Finding:
     right: str = ""  # token-id logs: the tokens right after the span
 
 
-def by_key(findings: list[Finding], kind: str, key: Callable[[Finding], tuple | None]) -> dict[tuple, list[Finding]]:
+def by_key(
+    findings: list[Finding], kind: str, key: Callable[[Finding], tuple | None]
+) -> dict[tuple, list[Finding]]:
     """Findings of one kind grouped by ``key`` (None leaves a finding out), in the order first found."""
     groups: dict[tuple, list[Finding]] = defaultdict(list)
     for f in findings:
@@ -109,7 +116,9 @@ def by_key(findings: list[Finding], kind: str, key: Callable[[Finding], tuple | 
     return groups
 
 
-def realign(A: str, B: str, pa: int, pb: int, window: int = WINDOW, m: int = MIN_RUN) -> tuple[int, int, int] | None:
+def realign(
+    A: str, B: str, pa: int, pb: int, window: int = WINDOW, m: int = MIN_RUN
+) -> tuple[int, int, int] | None:
     """Smallest (a, b) such that A[pa+a:] and B[pb+b:] agree again for >= m tokens; with that run length."""
     grams: dict[str, list[int]] = {}
     for b in range(min(window, len(B) - pb - m + 1)):
@@ -134,11 +143,14 @@ def _seg_at(segs: list[Segment], c: int) -> Segment | None:
     return next((s for s in segs if s.start <= c < s.end or s.start == s.end == c), None)
 
 
-def _permutation(ca: str, la: int, cb: str, lb: int) -> tuple[str, list[str], list[str], int, int] | None:
+def _permutation(
+    ca: str, la: int, cb: str, lb: int
+) -> tuple[str, list[str], list[str], int, int] | None:
     """Paragraphs (or lines) from the one holding la/lb on that are the same multiset in another order."""
     for sep in ("\n\n", "\n"):
         sa, sb = ca.rfind(sep, 0, la), cb.rfind(sep, 0, lb)
-        sa, sb = (0 if j < 0 else j + len(sep) for j in (sa, sb))  # where the item holding la / lb starts
+        # where the item holding la / lb starts
+        sa, sb = (0 if j < 0 else j + len(sep) for j in (sa, sb))
         ia, ib = ca[sa:].split(sep)[:24], cb[sb:].split(sep)[:24]
         for w in range(2, min(len(ia), len(ib)) + 1):
             if not ia[w - 1].strip() or not ib[w - 1].strip():
@@ -148,21 +160,31 @@ def _permutation(ca: str, la: int, cb: str, lb: int) -> tuple[str, list[str], li
     return None
 
 
-def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sample: int = 400, seed: int = 0,
-               min_run: int = MIN_RUN) -> tuple[list[Finding], dict]:
+def scan_pairs(
+    prep: Prepared,
+    div: Divergence,
+    enc: PromptEncoder | None,
+    sample: int = 400,
+    seed: int = 0,
+    min_run: int = MIN_RUN,
+) -> tuple[list[Finding], dict]:
     """Diff a sample of requests against their partners; return the findings and what was scanned."""
     cand = [i for i, (d, p) in enumerate(zip(div.position, div.partner))
             if p >= 0 and d < min(len(prep.tokens[i]), len(prep.tokens[p])) - 1]
     chosen = cand
     if len(cand) > sample:
-        # every divergence position once (its earliest request: rare positions are where rare culprits are),
+        # every divergence position once (its earliest request: rare positions are where rare
+        # culprits are),
         # then a uniform sample of the rest
         first_at = {div.position[i]: i for i in reversed(cand)}  # reversed: the earliest wins
         rare = sorted(first_at.values(), key=lambda i: div.position[i])[: sample // 2]
         rest = sorted(set(cand) - set(rare))
-        chosen = sorted(set(rare) | set(random.Random(seed).sample(rest, min(len(rest), sample - len(rare)))))
+        chosen = sorted(
+            set(rare) | set(random.Random(seed).sample(rest, min(len(rest), sample - len(rare))))
+        )
     text_ids = sorted({j for i in chosen for j in (i, div.partner[i]) if prep.texts[j] is not None})
-    offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}  # request -> (char offsets, token ends)
+    # request -> (char offsets, token ends)
+    offsets: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
     mismatched = 0
     if text_ids and enc is not None:
         encoded = enc.encode_with_offsets([prep.texts[j] for j in text_ids])
@@ -179,8 +201,14 @@ def scan_pairs(prep: Prepared, div: Divergence, enc: PromptEncoder | None, sampl
         if prep.texts[i] is None or prep.texts[p] is None:
             findings.extend(_scan_tokens(prep, i, p, div.position[i], min_run))
         elif i in offsets and p in offsets:
-            findings.extend(_scan_text(prep, i, p, div.position[i], offsets[i], offsets[p], min_run))
-    return findings, {"candidates": len(cand), "scanned": len(chosen), "offset_mismatch": mismatched}
+            findings.extend(
+                _scan_text(prep, i, p, div.position[i], offsets[i], offsets[p], min_run)
+            )
+    return findings, {
+        "candidates": len(cand),
+        "scanned": len(chosen),
+        "offset_mismatch": mismatched,
+    }
 
 
 def _scan_tokens(prep: Prepared, i: int, p: int, d: int, min_run: int) -> list[Finding]:
@@ -214,27 +242,48 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
         sa, sb = _seg_at(segsA, ca), _seg_at(segsB, cb)
         in_tools = any(s is not None and s.tools_from is not None and c >= s.tools_from
                        for s, c in ((sa, ca), (sb, cb)))
-        if in_tools or ((sa is None or sb is None) and prep.records[i].tools and prep.records[p].tools
-                        and _tool_names(prep.records[i]) != _tool_names(prep.records[p])):
-            out.append(Finding("tools", i, p, pa, text_a=_shorten(TA[ca:ca + 80]), text_b=_shorten(TB[cb:cb + 80])))
+        if in_tools or (
+            (sa is None or sb is None)
+            and prep.records[i].tools
+            and prep.records[p].tools
+            and _tool_names(prep.records[i]) != _tool_names(prep.records[p])
+        ):
+            out.append(
+                Finding(
+                    "tools",
+                    i,
+                    p,
+                    pa,
+                    text_a=_shorten(TA[ca : ca + 80]),
+                    text_b=_shorten(TB[cb : cb + 80]),
+                )
+            )
             break
         if sa is not None and sb is not None and (sa.role, sa.index) == (sb.role, sb.index):
-            perm = _permutation(TA[sa.start:sa.end], ca - sa.start, TB[sb.start:sb.end], cb - sb.start)
+            perm = _permutation(
+                TA[sa.start : sa.end], ca - sa.start, TB[sb.start : sb.end], cb - sb.start
+            )
             if perm is not None:
                 sep, ia, ib, ea, eb = perm
-                out.append(Finding("order", i, p, pa, sa.role, sa.index, items_a=ia, items_b=ib, sep=sep))
+                out.append(
+                    Finding("order", i, p, pa, sa.role, sa.index, items_a=ia, items_b=ib, sep=sep)
+                )
                 pa, pb = _token_at(endsA, sa.start + ea), _token_at(endsB, sb.start + eb)
                 run = lcp(A[pa:], B[pb:])
                 pa, pb = pa + run, pb + run
                 continue
             if sa.role not in SYSTEM_ROLES and sa.role != "prompt":
-                break  # conversation content: the multi-turn check looks at it, not the field finder
+                # conversation content: the multi-turn check looks at it, not the field finder
+                break
         if (r := realign(A, B, pa, pb, m=min_run)) is None:
             break
         a, b, run = r
         ea, eb = max(_char_at(offA, pa + a, TA), ca), max(_char_at(offB, pb + b, TB), cb)
         da, db = TA[ca:ea], TB[cb:eb]
-        tok, context = _token_at(endsA, ca), (TA[max(0, ca - 30):ea + 30], TB[max(0, cb - 30):eb + 30])
+        tok, context = (
+            _token_at(endsA, ca),
+            (TA[max(0, ca - 30) : ea + 30], TB[max(0, cb - 30) : eb + 30]),
+        )
         if _same_line(out, sa, TA, ca):
             pass  # the same line again (its value had a common piece): one finding
         elif re.sub(r"\s+", "", da) == re.sub(r"\s+", "", db):
@@ -242,10 +291,16 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
             out.append(Finding("whitespace", i, p, tok, *where, *context, run=run))
         elif sa is None or sb is None or (sa.role, sa.index) != (sb.role, sb.index):
             if max(len(da), len(db)) > 40:
-                break  # content on one side, markup on the other: different messages, not a template difference
+                # content on one side, markup on the other: different messages, not a template
+                # difference
+                break
             out.append(Finding("template", i, p, tok, None, None, *context, run=run))
         else:
-            out.extend(_describe_slot(Finding("slot", i, p, tok, run=run), TA, TB, sa, sb, ca, ea, cb, eb, endsA))
+            out.extend(
+                _describe_slot(
+                    Finding("slot", i, p, tok, run=run), TA, TB, sa, sb, ca, ea, cb, eb, endsA
+                )
+            )
         pa, pb = pa + a + run, pb + b + run
     return out
 
@@ -253,7 +308,12 @@ def _scan_text(prep: Prepared, i: int, p: int, d: int, oa, ob, min_run: int) -> 
 def _same_line(out: list[Finding], seg: Segment | None, text: str, c: int) -> bool:
     """Whether char ``c`` of ``text`` is in the line of the slot found last."""
     last = out[-1] if out else None
-    if last is None or last.kind != "slot" or seg is None or (last.role, last.index) != (seg.role, seg.index):
+    if (
+        last is None
+        or last.kind != "slot"
+        or seg is None
+        or (last.role, last.index) != (seg.role, seg.index)
+    ):
         return False
     at = text.find(last.text_a, seg.start)
     return bool(last.text_a) and at <= c < at + len(last.text_a)
@@ -264,8 +324,18 @@ def _line_before(content: str, pos: int) -> str:
     return content[:pos].rstrip("\n").rsplit("\n", 1)[-1] if pos else ""
 
 
-def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: int, ea: int, cb: int, eb: int,
-                   endsA: list[int]) -> list[Finding]:
+def _describe_slot(
+    f: Finding,
+    TA: str,
+    TB: str,
+    sa: Segment,
+    sb: Segment,
+    ca: int,
+    ea: int,
+    cb: int,
+    eb: int,
+    endsA: list[int],
+) -> list[Finding]:
     """A slot's line(s), key, value and anchor: one finding per line that differs."""
     conA, conB = TA[sa.start:sa.end], TB[sb.start:sb.end]
     us, ue, level = unit_bounds(conA, ca - sa.start, ea - sa.start)
@@ -278,15 +348,33 @@ def _describe_slot(f: Finding, TA: str, TB: str, sa: Segment, sb: Segment, ca: i
     for x, y in zip(la, lb):
         if x != y or len(la) == 1:
             g = Finding("slot", f.a, f.b, f.token_pos, run=f.run)
-            _describe_line(g, sa, x, y, us + off, _line_before(conA, us + off), _line_before(conB, vs + off), level,
-                           endsA)
+            _describe_line(
+                g,
+                sa,
+                x,
+                y,
+                us + off,
+                _line_before(conA, us + off),
+                _line_before(conB, vs + off),
+                level,
+                endsA,
+            )
             out.append(g)
         off += len(x) + 1
     return out
 
 
-def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: str, prev_b: str, level: str,
-                   endsA: list[int]) -> None:
+def _describe_line(
+    f: Finding,
+    sa: Segment,
+    ua: str,
+    ub: str,
+    us: int,
+    prev_a: str,
+    prev_b: str,
+    level: str,
+    endsA: list[int],
+) -> None:
     key = stable_key(ua[:lcp(ua, ub)], ua)
     va, vb = ua[len(key):], ub[len(key):]
     suffix = common_suffix([va, vb], [va]) if len(key) < min(len(ua), len(ub)) else ""
@@ -296,7 +384,8 @@ def _describe_line(f: Finding, sa: Segment, ua: str, ub: str, us: int, prev_a: s
     f.token_pos = _token_at(endsA, sa.start + us + len(key))
     if len(key.strip()) >= 3:
         f.key, f.anchor = key, "prefix"
-    elif prev_a and prev_a == prev_b and level == "line":  # the line is all value: anchor it on the line before
+    # the line is all value: anchor it on the line before
+    elif prev_a and prev_a == prev_b and level == "line":
         f.key, f.anchor = prev_a, "after"
     else:
         f.key, f.anchor = "", "none"
