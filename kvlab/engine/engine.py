@@ -16,9 +16,11 @@ from typing import Any
 
 from ..cache.interface import CacheManager
 from ..cache.kv_events import EventBatch
+from . import admin
 from .config import EngineConfig
+from .errors import UnknownRequestError
 from .hooks import KVEventLog, StepRecord, default_positions, observe
-from .intake import Checked, Intake, check_sampling, per_prompt
+from .intake import Checked, Intake, per_prompt
 from .invariants import check_engine
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype
@@ -39,10 +41,6 @@ __all__ = [
     "UnknownRequestError",
     "default_positions",
 ]
-
-
-class UnknownRequestError(LookupError):
-    """Raised for a request id the engine does not hold (or that belongs to another tenant)."""
 
 
 @dataclass(slots=True)
@@ -318,7 +316,7 @@ class Engine:
         """Stop an unfinished request of ``tenant`` (the one it was added with) now and free its
         blocks."""
         with self._lock:
-            seq = self._get(request_id, tenant)
+            seq = admin.get_request(self, request_id, tenant)
             self._finish(seq, "abort", time.perf_counter())
             return self._output(seq)
 
@@ -338,37 +336,7 @@ class Engine:
         (``kvlab.cache.fork``: copy-on-write).
         """
         with self._lock:
-            parent = self._get(request_id, tenant)
-            sampling = check_sampling(parent.sampling if sampling is None else sampling)
-            self.scheduler.check_fork(parent)
-            seq_id, child_id = self.intake.new_ids(child_id, self.requests)
-            # drawn after every check
-            child = Request(
-                seq_id,
-                child_id,
-                list(parent.prompt_ids),
-                sampling,
-                parent.scope,
-                parent.arrival_time,
-                list(parent.output_ids),
-                num_cached_tokens=parent.num_cached_tokens,
-                first_token_time=parent.first_token_time,
-                generator=self.intake.generator(sampling),
-            )
-            self.scheduler.fork(parent, child)
-            self.requests[child_id] = child
-            return child_id
-
-    def _get(self, request_id: Hashable, tenant: str | None = None) -> Request:
-        seq = self.requests.get(request_id)
-        # another tenant's request looks like an unknown one
-        if seq is None or seq.tenant != tenant:
-            who = "" if tenant is None else f" of tenant {tenant!r}"
-            raise UnknownRequestError(
-                f"unknown request id {request_id!r}{who} (never added, already finished, "
-                "or added with another tenant)"
-            )
-        return seq
+            return admin.fork(self, request_id, child_id, sampling, tenant)
 
     def add_public_prefix(self, prefix: str | Sequence[int]) -> int:
         """Register an operator prefix (e.g. a system prompt) every tenant may share; return its
@@ -409,18 +377,7 @@ class Engine:
         """Engine-wide numbers: hit rate, KV bytes in use and peak, preemptions, steps,
         block-manager stats."""
         with self._lock:
-            return {
-                **self.block_manager.stats(),
-                "kv_bytes_in_use": self.kv_bytes_in_use,
-                "peak_kv_bytes": self.peak_kv_bytes,
-                "kv_bytes_total": self.store.nbytes,
-                "num_preemptions": self.num_preemptions,
-                "num_steps": self.num_steps,
-                "num_mixed_steps": self.num_mixed_steps,
-                "num_waiting": len(self.scheduler.waiting),
-                "num_running": len(self.scheduler.running),
-                **(self.host_tier.stats() if self.host_tier is not None else {}),
-            }
+            return admin.stats(self)
 
     def check_invariants(self) -> None:
         """Raise unless the block manager, the queues and the request table agree

@@ -1,9 +1,8 @@
 """Request intake: check a request without the engine lock, then build its ``Request`` under it.
 
-A refused request raises ``RequestError`` (a ``ValueError``; ``RequestTypeError`` is a ``TypeError``
-too) whose ``field`` names the offending field ("prompt", "max_tokens", "temperature", "tenant",
-"cache_salt", ...), so a server can report it (OpenAI's error ``param``) without reading the
-message.
+A refused request raises ``RequestError`` (``kvlab.engine.errors``) whose ``field`` names the
+offending field ("prompt", "max_tokens", "temperature", "tenant", "cache_salt", ...). The salt
+rules are ``kvlab.engine.tenants``'; ``make_sampling`` (re-exported here) is ``sampling_params``'.
 """
 
 from __future__ import annotations
@@ -19,10 +18,12 @@ import torch
 
 from ..cache.interface import NO_SCOPE, TenantScope
 from .config import EngineConfig
-from .sampling_params import SamplingParams
+from .errors import RequestError, RequestTypeError, refused
+from .sampling_params import SamplingParams, make_sampling
 from .sequence import Request
 from .tenants import (
     SharedTenantsWarning,
+    check_cache_salt,
     check_secret,
     public_prefix_length,
     request_salt,
@@ -51,26 +52,6 @@ class Checked(NamedTuple):
     # what the engine derived from the request's cache_salt and tenant (tenants.request_salt); None:
     # unsalted
     cache_salt: str | None
-
-
-class RequestError(ValueError):
-    """A request refused at intake; ``field`` names the offending field (None when no one field is
-    at fault)."""
-
-    def __init__(self, field: str | None, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class RequestTypeError(RequestError, TypeError):
-    """A request field of the wrong type: a ``RequestError`` that is also a ``TypeError`` (as it was
-    before)."""
-
-
-def _refused(field: str | None, e: Exception) -> RequestError:
-    """``e`` (a ``TypeError`` or ``ValueError``) as a ``RequestError`` of ``field``, its message
-    kept."""
-    return (RequestTypeError if isinstance(e, TypeError) else RequestError)(field, str(e))
 
 
 class Intake:
@@ -166,7 +147,7 @@ class Intake:
             # text (with a tokenizer), or real int ids: floats, bools, bytes... raise
             ids = encode(self.tokenizer, prompt)
         except (TypeError, ValueError) as e:
-            raise _refused("prompt", e) from None
+            raise refused("prompt", e) from None
         if not ids:
             raise RequestError("prompt", "the prompt is empty: a request needs at least one token")
         if any(not 0 <= t < self.vocab_size for t in ids):
@@ -303,43 +284,6 @@ def encode(tokenizer: Any, text_or_ids: str | Sequence[int]) -> list[int]:
             raise TypeError(f"token ids must be ints, got {type(t).__name__} {t!r}")
         ids.append(int(t))
     return ids
-
-
-def check_cache_salt(cache_salt: str) -> str:
-    """``cache_salt`` if it is a non-empty string of valid Unicode; else ``RequestError`` of
-    "cache_salt"."""
-    if not isinstance(cache_salt, str):
-        raise RequestTypeError(
-            "cache_salt", f"cache_salt must be a str or None, got {type(cache_salt).__name__}"
-        )
-    if not cache_salt:
-        raise RequestError("cache_salt", "cache_salt must be a non-empty string if given")
-    try:
-        cache_salt.encode()
-    # a lone surrogate: no bytes to hash
-    except UnicodeEncodeError as e:
-        raise RequestError("cache_salt", f"cache_salt is not valid Unicode: {e}") from None
-    return cache_salt
-
-
-def _sampling_field(fields: dict[str, Any]) -> str | None:
-    """The first of ``fields`` that ``SamplingParams`` refuses on its own (every other field at its
-    default)."""
-    for name, value in fields.items():
-        try:
-            SamplingParams(**{name: value})
-        except (TypeError, ValueError):
-            return name
-    return None
-
-
-def make_sampling(**fields: Any) -> SamplingParams:
-    """``SamplingParams(**fields)``; a refusal is a ``RequestError`` whose ``field`` is the
-    parameter at fault."""
-    try:
-        return SamplingParams(**fields)
-    except (TypeError, ValueError) as e:
-        raise _refused(_sampling_field(fields), e) from None
 
 
 def check_sampling(sampling: Any) -> SamplingParams:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["MAX_LOGPROBS", "STOP_ID_COLLECTIONS", "SamplingParams"]
+from .errors import refused
+
+__all__ = ["MAX_LOGPROBS", "STOP_ID_COLLECTIONS", "SamplingParams", "make_sampling"]
 
 # what stop_token_ids may be given as
 STOP_ID_COLLECTIONS = (list, tuple, set, frozenset, range)
@@ -147,3 +150,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether decoding is argmax (temperature 0)."""
         return self.temperature == 0
+
+
+def _sampling_field(fields: dict[str, Any]) -> str | None:
+    """The first of ``fields`` that ``SamplingParams`` refuses on its own (every other field at its
+    default)."""
+    for name, value in fields.items():
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError):
+            return name
+    return None
+
+
+def make_sampling(**fields: Any) -> SamplingParams:
+    """``SamplingParams(**fields)``; a refusal is a ``RequestError`` whose ``field`` is the
+    parameter at fault."""
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise refused(_sampling_field(fields), e) from None

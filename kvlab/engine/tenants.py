@@ -24,6 +24,7 @@ import secrets
 from collections.abc import Sequence
 
 from ..cache.hashing import salted_block
+from .errors import RequestError, RequestTypeError
 
 POLICIES = ("shared", "tenant", "public-prefix")
 MIN_SECRET_BYTES = 16
@@ -111,3 +112,20 @@ def public_prefix_length(token_ids: Sequence[int], public_prefixes: Sequence[Seq
 def shared_public_tokens(public_tokens: int, block_size: int) -> int:
     """Tokens of the public prefix that tenants really share: whole blocks only."""
     return salted_block(public_tokens, block_size) * block_size
+
+
+def check_cache_salt(cache_salt: str) -> str:
+    """``cache_salt`` if it is a non-empty string of valid Unicode; else ``RequestError`` of
+    "cache_salt"."""
+    if not isinstance(cache_salt, str):
+        raise RequestTypeError(
+            "cache_salt", f"cache_salt must be a str or None, got {type(cache_salt).__name__}"
+        )
+    if not cache_salt:
+        raise RequestError("cache_salt", "cache_salt must be a non-empty string if given")
+    try:
+        cache_salt.encode()
+    # a lone surrogate: no bytes to hash
+    except UnicodeEncodeError as e:
+        raise RequestError("cache_salt", f"cache_salt is not valid Unicode: {e}") from None
+    return cache_salt
