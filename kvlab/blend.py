@@ -56,7 +56,8 @@ class ChunkReuseError(ValueError):
 # ----------------------------------------------------------------------------- moving keys
 
 def rotary_spec(config: Any) -> tuple[float, int]:
-    """(RoPE base, rotary dims) of a model whose cached keys may be moved; ``ChunkReuseError`` otherwise."""
+    """(RoPE base, rotary dims) of a model whose cached keys may be moved; ``ChunkReuseError``
+    otherwise."""
     kind = getattr(config, "model_type", None)
     if kind not in ROPE_MODEL_TYPES:
         raise ChunkReuseError(
@@ -109,7 +110,8 @@ def rerotate_keys(
 
 @dataclass(frozen=True)
 class ChunkKV:
-    """One chunk's K/V, computed once at positions ``start ..``; never written after it is stored."""
+    """One chunk's K/V, computed once at positions ``start ..``; never written after it is
+    stored."""
 
     token_ids: tuple[int, ...]
     layers: Layers
@@ -143,7 +145,8 @@ class ChunkCache:
         return "" if self.isolation == "shared" else tenant_salt(self._secret, tenant)
 
     def key(self, ids: Sequence[int], tenant: str | None = None) -> str:
-        """The content key of a chunk for ``tenant``: sha256 over scope, model fingerprint and token ids."""
+        """The content key of a chunk for ``tenant``: sha256 over scope, model fingerprint and token
+        ids."""
         h = hashlib.sha256(f"{self.scope(tenant)}|{self.fingerprint}|".encode())
         h.update(",".join(map(str, ids)).encode())
         return h.hexdigest()
@@ -152,7 +155,8 @@ class ChunkCache:
         return len(self._entries)
 
     def __contains__(self, item: tuple[Sequence[int], str | None]) -> bool:
-        """``(ids, tenant) in cache``: whether that tenant would hit the chunk (no hit is counted)."""
+        """``(ids, tenant) in cache``: whether that tenant would hit the chunk (no hit is
+        counted)."""
         ids, tenant = item
         return self.key(list(ids), tenant) in self._entries
 
@@ -168,7 +172,8 @@ class ChunkCache:
     def put(
         self, ids: str | Sequence[int], layers: Layers, start: int = 0, tenant: str | None = None
     ) -> ChunkKV:
-        """Store K/V a request already computed for ``ids`` at positions ``start ..`` (copied: the caller's stay theirs)."""
+        """Store K/V a request already computed for ``ids`` at positions ``start ..`` (copied: the
+        caller's stay theirs)."""
         ids = encode(self.tokenizer, ids)
         if not ids or any(k.shape[-2] != len(ids) or v.shape[-2] != len(ids) for k, v in layers):
             raise ValueError(
@@ -186,7 +191,8 @@ class ChunkCache:
 
     @torch.no_grad()
     def compute(self, ids: str | Sequence[int], tenant: str | None = None) -> ChunkKV:
-        """The chunk's entry in ``tenant``'s scope: a hit, or computed once alone at positions 0 .. and stored."""
+        """The chunk's entry in ``tenant``'s scope: a hit, or computed once alone at positions 0 ..
+        and stored."""
         ids = encode(self.tokenizer, ids)
         if not ids:
             raise ValueError("an empty chunk has no K/V to cache")
@@ -212,7 +218,8 @@ class ChunkCache:
 
 @dataclass
 class Blend:
-    """One blended prefill: the first token's logits, the cache to decode on, and what was reused."""
+    """One blended prefill: the first token's logits, the cache to decode on, and what was
+    reused."""
 
     prompt_ids: list[int]
     logits: torch.Tensor  # (vocab,) at the last prompt token
@@ -274,7 +281,8 @@ Pieces = Sequence[tuple[str | Sequence[int], bool]]  # (text or ids, reuse from 
 def _check_prefix(
     chunks: ChunkCache, prefix: PrefixKV, ids: Sequence[int], first_reused: int
 ) -> None:
-    """Raise unless ``prefix`` is an exact cache of the prompt's first tokens on the chunk cache's model."""
+    """Raise unless ``prefix`` is an exact cache of the prompt's first tokens on the chunk cache's
+    model."""
     device, dtype = model_device_dtype(chunks.model)
     k = prefix.cache.layers[0].keys
     if prefix.fingerprint != chunks.fingerprint or k.device != device or k.dtype != dtype:
@@ -294,7 +302,8 @@ def _check_prefix(
 
 def _fetch(chunks: ChunkCache, pieces: list[tuple[list[int], bool]], tenant: str | None
            ) -> tuple[list[int], Layers, float]:
-    """Reused positions, their K/V moved to those positions (per layer), and the seconds spent on misses."""
+    """Reused positions, their K/V moved to those positions (per layer), and the seconds spent on
+    misses."""
     reused, parts, miss, pos = [], [], 0.0, 0
     for ids, reuse in pieces:
         if reuse and ids:
@@ -317,7 +326,8 @@ def _fetch(chunks: ChunkCache, pieces: list[tuple[list[int], bool]], tenant: str
 
 def _deviation(model: Any, ids: list[int], reused: list[int], moved: Layers, layer: int,
                prefix: PrefixKV | None) -> torch.Tensor:
-    """Per reused token, the L2 distance of its cached K/V at ``layer`` from the true ones. (len(reused),)"""
+    """Per reused token, the L2 distance of its cached K/V at ``layer`` from the true ones.
+    (len(reused),)"""
     m = len(prefix) if prefix is not None else 0
     k_true, v_true = true_kv_at(model, ids, layer, prefix)  # (1, kv_heads, N - m, head_dim) each
     at = torch.tensor(reused, device=k_true.device) - m
@@ -329,7 +339,8 @@ def _deviation(model: Any, ids: list[int], reused: list[int], moved: Layers, lay
 
 
 def _kept_cache(model: Any, prefix: PrefixKV | None, moved: Layers, kept: list[int]) -> Any:
-    """A cache of the prefix's K/V followed by the kept reused tokens' (``kept`` indexes ``moved``)."""
+    """A cache of the prefix's K/V followed by the kept reused tokens' (``kept`` indexes
+    ``moved``)."""
     layers = []
     for i in range(model.config.num_hidden_layers):
         ks = [prefix.cache.layers[i].keys] if prefix is not None else []
@@ -444,7 +455,8 @@ def blend_prefill(
 def blend_generate(chunks: ChunkCache, pieces: Pieces, recompute: float, *,
                    tenant: str | None = None, prefix: PrefixKV | None = None, select_layer: int = 1,
                    max_new_tokens: int = 32) -> Blend:
-    """``blend_prefill``, then greedy decoding on its cache; the generated ids are in ``.token_ids``."""
+    """``blend_prefill``, then greedy decoding on its cache; the generated ids are in
+    ``.token_ids``."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     b = blend_prefill(

@@ -67,7 +67,8 @@ class LoggedTextPart(BaseModel):
 
 
 class LoggedMessage(BaseModel):
-    """One message of a logged request: any of ``LOG_ROLES``, text content (or null), extra keys kept."""
+    """One message of a logged request: any of ``LOG_ROLES``, text content (or null), extra keys
+    kept."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -82,7 +83,8 @@ class LoggedMessage(BaseModel):
 
 
 class LoggedTool(BaseModel):
-    """One entry of a logged request's ``tools``: an object whose ``function``, if any, is an object."""
+    """One entry of a logged request's ``tools``: an object whose ``function``, if any, is an
+    object."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     # absent is fine; given, it must be an object
@@ -130,7 +132,8 @@ def field_error(e: ValidationError, root: str) -> str:
 
 
 def log_messages(value: Any) -> list[dict[str, Any]]:
-    """A log line's ``messages`` -> plain dicts with string content; ValueError naming the bad field."""
+    """A log line's ``messages`` -> plain dicts with string content; ValueError naming the bad
+    field."""
     if not isinstance(value, list) or not value:
         raise ValueError("'messages' must be a non-empty list")
     try:

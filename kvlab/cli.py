@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def missing_message(command: str, err: ModuleNotFoundError | None) -> str:
-    """Why a subcommand cannot run: its module is absent from this kvlab, or a dependency is not installed."""
+    """Why a subcommand cannot run: its module is absent from this kvlab, or a dependency is not
+    installed."""
     module, _, extra = COMMANDS[command]
     if err is None or (err.name or "").split(".")[0] == "kvlab":
         return (f"kvlab {command}: {module} is not part of this kvlab ({version_line()}); "

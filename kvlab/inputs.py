@@ -25,7 +25,8 @@ _KINDS = [
 
 
 class InputFileError(ValueError):
-    """An input file that cannot be read as one: missing, not a regular file, too big or unreadable."""
+    """An input file that cannot be read as one: missing, not a regular file, too big or
+    unreadable."""
 
 
 def _kind(mode: int) -> str | None:
@@ -36,7 +37,8 @@ def _kind(mode: int) -> str | None:
 
 
 def file_kind(path: str | os.PathLike) -> str | None:
-    """``"no such file"``, ``"a folder"``, ``"a character device"``, ... or None for a regular file (links followed)."""
+    """``"no such file"``, ``"a folder"``, ``"a character device"``, ... or None for a regular file
+    (links followed)."""
     try:
         return _kind(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -46,7 +48,8 @@ def file_kind(path: str | os.PathLike) -> str | None:
 
 
 def read_input(path: str | os.PathLike, what: str, limit: int) -> bytes:
-    """The bytes of the regular file ``path`` (at most ``limit``); ``InputFileError`` naming ``what`` otherwise."""
+    """The bytes of the regular file ``path`` (at most ``limit``); ``InputFileError`` naming
+    ``what`` otherwise."""
     name = os.fspath(path)
     # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused right after, by its kind
     try:

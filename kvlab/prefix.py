@@ -52,7 +52,8 @@ def _fingerprint(model: Any, tokenizer: Any) -> str:
 
 
 class PrefixMismatchError(ValueError):
-    """A ``PrefixKV`` cannot serve this prompt (other ids, other model/tokenizer, other device/dtype)."""
+    """A ``PrefixKV`` cannot serve this prompt (other ids, other model/tokenizer, other
+    device/dtype)."""
 
 
 @dataclass
@@ -102,7 +103,8 @@ class PrefixKV:
         return cache_nbytes(self.cache)
 
     def check_compatible(self, model: Any, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
-        """Raise ``PrefixMismatchError`` unless this cache can serve ``prompt_ids`` on this model."""
+        """Raise ``PrefixMismatchError`` unless this cache can serve ``prompt_ids`` on this
+        model."""
         device, dtype = model_device_dtype(model)
         k = self.cache.layers[0].keys  # (1, kv_heads, seq, head_dim)
         if k.device != device or k.dtype != dtype:

@@ -70,7 +70,8 @@ MAX_KEYS_FILE_BYTES = 1 << 20
 
 
 def check_key(key: str, where: str) -> str:
-    """``key`` if an HTTP header can carry it (visible ASCII); else ``ValueError`` naming where it is, not the key."""
+    """``key`` if an HTTP header can carry it (visible ASCII); else ``ValueError`` naming where it
+    is, not the key."""
     bad = next((c for c in key if not "!" <= c <= "~"), None)
     if bad is not None:
         raise ValueError(
@@ -113,7 +114,8 @@ def read_keys(args: argparse.Namespace) -> list[str | None]:
 
 
 def check_context(config: AuditConfig, model: str, context: int | None) -> None:
-    """Refuse a prompt the server's advertised context (``max_model_len``) cannot hold with its one answer token."""
+    """Refuse a prompt the server's advertised context (``max_model_len``) cannot hold with its one
+    answer token."""
     if context is not None and config.prompt_tokens >= context:
         raise ValueError(
             f"--prompt-tokens {config.prompt_tokens} does not fit {model}'s context: GET "
@@ -123,7 +125,8 @@ def check_context(config: AuditConfig, model: str, context: int | None) -> None:
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    """True when ``a`` and ``b`` name one file (through links too), or the same path when one does not exist."""
+    """True when ``a`` and ``b`` name one file (through links too), or the same path when one does
+    not exist."""
     try:
         return a.exists() and b.exists() and os.path.samefile(a, b) or a.resolve() == b.resolve()
     except OSError:
@@ -159,14 +162,16 @@ def check_json_target(path: str, overwrite: bool, inputs: dict[str, str | None])
 
 
 def write_results(target: Path, text: str, overwrite: bool) -> None:
-    """Write ``text`` to ``target``: a new file, or (``overwrite``) one that replaces the file there."""
+    """Write ``text`` to ``target``: a new file, or (``overwrite``) one that replaces the file
+    there."""
     with open(target, "w" if overwrite else "x", encoding="utf-8") as f:
         f.write(text)
 
 
 def build_levels(base_url: str, keys: list[str | None], names: list[str] | None, model: str,
                  salt_per_user: bool) -> list[Level]:
-    """Per-user (the victim's own key) and one level per further key; users are salted apart on request."""
+    """Per-user (the victim's own key) and one level per further key; users are salted apart on
+    request."""
     attackers = keys[1:]
     names = names or [f"key {i + 2}" for i in range(len(attackers))]
     if len(names) != len(attackers):
@@ -184,7 +189,8 @@ def build_levels(base_url: str, keys: list[str | None], names: list[str] | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the audit and print one line per level; exit 0, or 2 with a message on bad input or a failed request."""
+    """Run the audit and print one line per level; exit 0, or 2 with a message on bad input or a
+    failed request."""
     args = parse_args(argv)
     try:
         target = (

@@ -26,7 +26,8 @@ __all__ = ["AuditHTTPError", "Endpoint", "Timing", "first_model", "list_models",
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One user of an OpenAI-compatible API: where, as whom, which model, and an optional ``cache_salt``."""
+    """One user of an OpenAI-compatible API: where, as whom, which model, and an optional
+    ``cache_salt``."""
 
     base_url: str
     api_key: str | None = None
@@ -47,7 +48,8 @@ class Endpoint:
         return replace(self, cache_salt=cache_salt)
 
     def url(self, path: str) -> str:
-        """``base_url`` joined with ``path`` ("/v1/completions" when base_url ends in "/v1": "/completions")."""
+        """``base_url`` joined with ``path`` ("/v1/completions" when base_url ends in "/v1":
+        "/completions")."""
         base = self.base_url.rstrip("/")
         if base.endswith("/v1") and path.startswith("/v1/"):
             path = path[3:]
@@ -60,7 +62,8 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Timing:
-    """One probe: its TTFT in seconds and, when the server reports them, prompt and cached tokens."""
+    """One probe: its TTFT in seconds and, when the server reports them, prompt and cached
+    tokens."""
 
     ttft: float
     prompt_tokens: int | None = None
@@ -95,7 +98,8 @@ def first_model(endpoint: Endpoint, http: Any = None) -> str:
 
 
 def list_models(endpoint: Endpoint, http: Any = None) -> list[Any]:
-    """The model cards ``GET /v1/models`` lists (``.id``, and ``.max_model_len`` where the server states it)."""
+    """The model cards ``GET /v1/models`` lists (``.id``, and ``.max_model_len`` where the server
+    states it)."""
     import httpx
 
     from .wire import ModelList, parse
@@ -132,7 +136,8 @@ def _body(endpoint: Endpoint, prompt: str) -> dict:
 
 
 def measure(endpoint: Endpoint, prompt: str, http: Any = None) -> Timing:
-    """TTFT of ``prompt`` as ``endpoint``: a streamed completion of one token, timed on the client."""
+    """TTFT of ``prompt`` as ``endpoint``: a streamed completion of one token, timed on the
+    client."""
     import httpx
 
     if endpoint.model is None:
@@ -156,7 +161,8 @@ def measure(endpoint: Endpoint, prompt: str, http: Any = None) -> Timing:
 
 
 def _stream(client: Any, endpoint: Endpoint, prompt: str) -> tuple[float | None, Any]:
-    """Send the request and read the stream: (seconds to the first chunk with a choice, the last ``Usage`` seen)."""
+    """Send the request and read the stream: (seconds to the first chunk with a choice, the last
+    ``Usage`` seen)."""
     from .wire import StreamChunk, parse
 
     what = "the stream of POST /v1/completions"

@@ -49,7 +49,8 @@ def random_passphrase(rng: random.Random, length: int = 6) -> str:
 
 @dataclass(frozen=True)
 class Template:
-    """The operator's system prompt around the secret: ``before + passphrase + after``; the question follows."""
+    """The operator's system prompt around the secret: ``before + passphrase + after``; the question
+    follows."""
 
     before: str
     after: str
@@ -75,7 +76,8 @@ def make_template(before_tokens: int = 64, after_tokens: int = 64, tokens_per_le
 
 @dataclass(frozen=True)
 class Guess:
-    """One trial: the secret, the candidates in the order probed, their TTFTs, and the attacker's guess."""
+    """One trial: the secret, the candidates in the order probed, their TTFTs, and the attacker's
+    guess."""
 
     secret: str
     candidates: tuple[str, ...]
@@ -101,7 +103,8 @@ def accuracy(guesses: Sequence[Guess]) -> float:
 
 
 def chance_pvalue(guesses: Sequence[Guess]) -> float:
-    """One-sided binomial test: the probability of at least this many right guesses if each were luck (1/k)."""
+    """One-sided binomial test: the probability of at least this many right guesses if each were
+    luck (1/k)."""
     from scipy.stats import binomtest
 
     if not guesses:
@@ -125,7 +128,8 @@ def run_dictionary_attack(
     seed: int = 0,
     probe: Probe | None = None,
 ) -> list[Guess]:
-    """Per trial: the victim sends the template with a fresh secret; the attacker times ``k`` candidates once each."""
+    """Per trial: the victim sends the template with a fresh secret; the attacker times ``k``
+    candidates once each."""
     import httpx
 
     if type(k) is not int or k < 2:

@@ -38,7 +38,8 @@ def _stop_all() -> None:
 
 
 def _die_with_parent() -> None:  # pragma: no cover (runs in the child)
-    """Linux: the server gets SIGTERM when the process that started it dies (even when it is killed)."""
+    """Linux: the server gets SIGTERM when the process that started it dies (even when it is
+    killed)."""
     try:
         import ctypes
         import signal
@@ -105,7 +106,8 @@ class ServerProcess:
             return "(the server's log is gone with it)"
 
     def wait_ready(self) -> ServerProcess:
-        """Poll ``GET /v1/models`` until it answers 200 (any status but a refused connection counts as up)."""
+        """Poll ``GET /v1/models`` until it answers 200 (any status but a refused connection counts
+        as up)."""
         import httpx
 
         while True:
@@ -214,7 +216,8 @@ def start_vllm(
     extra_args: Sequence[str] = (),
     timeout: float = 600.0,
 ) -> ServerProcess:
-    """Real ``vllm serve`` (the vLLM venv's interpreter, prefix caching on, float32) on a free loopback port."""
+    """Real ``vllm serve`` (the vLLM venv's interpreter, prefix caching on, float32) on a free
+    loopback port."""
     from kvlab.vllm.bridge import vllm_python
 
     path = vllm_python(python)

@@ -51,7 +51,8 @@ MAX_PROMPT_TOKENS = 1 << 20
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """The audit's knobs, named after the paper's PROMPTLENGTH, PREFIXFRACTION, NUMVICTIMREQUESTS, NUMSAMPLES."""
+    """The audit's knobs, named after the paper's PROMPTLENGTH, PREFIXFRACTION, NUMVICTIMREQUESTS,
+    NUMSAMPLES."""
 
     prompt_tokens: int = 256
     prefix_fraction: float = 0.95
@@ -109,7 +110,8 @@ class AuditResult:
 
     @property
     def detected(self) -> bool:
-        """True when p < alpha: the hit and miss TTFTs differ, so the attacker hit the victim's cache."""
+        """True when p < alpha: the hit and miss TTFTs differ, so the attacker hit the victim's
+        cache."""
         return self.pvalue < self.alpha
 
     def row(self) -> dict:
@@ -149,7 +151,8 @@ def ks_test(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
 def calibrate(
     endpoint: Endpoint, probe: Probe | None = None, letters: int = 64, seed: int = 0
 ) -> float:
-    """Tokens per spaced letter on this server, from the ``prompt_tokens`` it reports (1.0 if it reports none)."""
+    """Tokens per spaced letter on this server, from the ``prompt_tokens`` it reports (1.0 if it
+    reports none)."""
     probe = probe or measure
     rng = random.Random(f"kvlab-audit-calibrate:{seed}")
     timing = probe(endpoint, " ".join(random_letters(rng, letters)))
@@ -157,7 +160,8 @@ def calibrate(
 
 
 def run_audit(level: Level, config: AuditConfig, probe: Probe | None = None) -> AuditResult:
-    """Sample both procedures ``config.samples`` times in a random order and test hit vs miss TTFTs."""
+    """Sample both procedures ``config.samples`` times in a random order and test hit vs miss
+    TTFTs."""
     import httpx
 
     rng = random.Random(f"kvlab-audit:{config.seed}:{level.name}")
@@ -216,13 +220,15 @@ def miss_prompt(
 def run_levels(
     levels: Sequence[Level], config: AuditConfig, probe: Probe | None = None
 ) -> list[AuditResult]:
-    """``run_audit`` for each level in turn (one seed per level, derived from ``config.seed`` and its name)."""
+    """``run_audit`` for each level in turn (one seed per level, derived from ``config.seed`` and
+    its name)."""
     return [run_audit(level, config, probe) for level in levels]
 
 
 def power_at(hit: Sequence[float], miss: Sequence[float], n: int, alpha: float, reps: int = 100,
              seed: int = 0) -> float:
-    """The share of ``reps`` subsamples (``n`` per side, drawn without replacement) whose KS p-value is < alpha."""
+    """The share of ``reps`` subsamples (``n`` per side, drawn without replacement) whose KS p-value
+    is < alpha."""
     if type(n) is not int or n < 1 or n > min(len(hit), len(miss)):
         raise ValueError(
             f"sample size {n!r} is outside 1..{min(len(hit), len(miss))} (the samples recorded)"
@@ -252,7 +258,8 @@ def power(
 def samples_to_detect(
     result: AuditResult, target: float = 0.9, reps: int = 100, seed: int = 0
 ) -> int | None:
-    """The fewest samples per procedure whose subsamples detect with probability >= ``target`` (None: not even all)."""
+    """The fewest samples per procedure whose subsamples detect with probability >= ``target``
+    (None: not even all)."""
     for n in range(2, min(len(result.hit), len(result.miss)) + 1):
         if power_at(result.hit, result.miss, n, result.alpha, reps, seed) >= target:
             return n

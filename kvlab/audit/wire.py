@@ -34,7 +34,8 @@ class AuditResponseError(AuditHTTPError):
 
 
 class _Wire(BaseModel):
-    """A JSON object from the server: the fields named here are checked, the others kept and ignored."""
+    """A JSON object from the server: the fields named here are checked, the others kept and
+    ignored."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -78,7 +79,8 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def parse(model: type[M], obj: Any, what: str) -> M:
-    """``obj`` (decoded JSON) as ``model``; ``AuditResponseError`` naming ``what`` and the offending field if not."""
+    """``obj`` (decoded JSON) as ``model``; ``AuditResponseError`` naming ``what`` and the offending
+    field if not."""
     try:
         return model.model_validate(obj)
     except ValidationError as e:

@@ -162,7 +162,8 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the doctor; exit 0 with a report, 1 when nothing could be replayed, 2 on bad arguments (see --help)."""
+    """Run the doctor; exit 0 with a report, 1 when nothing could be replayed, 2 on bad arguments
+    (see --help)."""
     args = build_parser().parse_args(argv)
     if problem := check_args(args):
         return _fail(problem)

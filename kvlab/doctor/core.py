@@ -1,4 +1,5 @@
-"""``diagnose``: read a log, prepare it, replay it, find the culprits, measure every fix; ``write_report``."""
+"""``diagnose``: read a log, prepare it, replay it, find the culprits, measure every fix;
+``write_report``."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ KV_DTYPE_BYTES = {
 
 @dataclass(kw_only=True)
 class Diagnosis:
-    """Everything the doctor measured about one log (``summary()`` prints it, ``write_report`` saves it)."""
+    """Everything the doctor measured about one log (``summary()`` prints it, ``write_report`` saves
+    it)."""
 
     source: str
     model: str
@@ -76,7 +78,8 @@ class Diagnosis:
 
     @property
     def cap_key(self) -> str:
-        """'capacity' when a capacity was given, else 'unbounded': the replay the culprits are measured with."""
+        """'capacity' when a capacity was given, else 'unbounded': the replay the culprits are
+        measured with."""
         return "capacity" if self.baseline.get("capacity") else "unbounded"
 
     @property
@@ -103,7 +106,8 @@ class Diagnosis:
         return next((c for c in self.culprits if c.kind == kind), None)
 
     def data(self) -> dict:
-        """Every number of the diagnosis as one JSON-able dict: what every report is rendered from."""
+        """Every number of the diagnosis as one JSON-able dict: what every report is rendered
+        from."""
         lens, enc, k = self.prep.lengths, self.enc, self.cap_key
         tok = (
             {}
@@ -207,7 +211,8 @@ def diagnose(
     spot_check_requests: int = 150,
     min_effect: float = 0.002,
 ) -> Diagnosis:
-    """Diagnose a request log (JSONL path, or a list of dicts / JSON lines), phase by phase (docs/doctor.md)."""
+    """Diagnose a request log (JSONL path, or a list of dicts / JSON lines), phase by phase
+    (docs/doctor.md)."""
     block_sizes = [int(b) for b in block_sizes]
     if not block_sizes or any(b < 1 for b in block_sizes):
         raise ValueError("block sizes must be positive ints")
@@ -363,7 +368,8 @@ MAX_CONFIG_BYTES = 4 << 20  # a model's config.json is a few KiB
 
 
 def _kv_config(kv_config: str | None, model: str | None) -> dict:
-    """The config.json of --kv-config (a folder, a file or a shipped name), else of --model: a JSON object."""
+    """The config.json of --kv-config (a folder, a file or a shipped name), else of --model: a JSON
+    object."""
     if not kv_config:
         config = model_config(model)
     else:
@@ -397,7 +403,8 @@ def _replay_table(
     concurrency: int,
     meter: Meter,
 ) -> list[dict]:
-    """One row per block size: unbounded (from the divergence positions), at capacity, without salts."""
+    """One row per block size: unbounded (from the divergence positions), at capacity, without
+    salts."""
     lengths, queries = prep.lengths, sum(prep.lengths)
     # an unbounded cache hits their whole blocks
     shared = [min(d, n - 1) for d, n in zip(div.position, lengths)]
@@ -439,7 +446,8 @@ def _rate(hits: int, queries: int) -> float:
 
 
 def _system_only(final: Prepared, bs: int) -> dict | None:
-    """The fixed log's hit rate when only the system prompt is shared (article 5.4) vs the history too."""
+    """The fixed log's hit rate when only the system prompt is shared (article 5.4) vs the history
+    too."""
     if not any(final.sys_tokens):
         return None
     st = replay_tokens(final.tokens, bs, None)
@@ -484,7 +492,8 @@ def _points(
 
 
 def _positive_int(cfg: dict, name: str, where: str, default: int | None = None) -> int:
-    """``cfg[name]`` checked to be a positive int (``default`` when absent or null, if there is one)."""
+    """``cfg[name]`` checked to be a positive int (``default`` when absent or null, if there is
+    one)."""
     value = cfg.get(name)
     if value is None and default is not None:
         return default
@@ -523,12 +532,14 @@ def kv_bytes_per_token_of(
 
 
 def input_paths(*given: object) -> list[str]:
-    """Those of ``given`` that are files or folders here (the inputs a report must never be written over)."""
+    """Those of ``given`` that are files or folders here (the inputs a report must never be written
+    over)."""
     return [str(p) for p in given if isinstance(p, (str, Path)) and Path(p).expanduser().exists()]
 
 
 def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
-    """Write, per culprit, the log after its fix and the fixes before it, then ``all_fixes.jsonl``; return paths."""
+    """Write, per culprit, the log after its fix and the fixes before it, then ``all_fixes.jsonl``;
+    return paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
@@ -545,7 +556,8 @@ def fixed_logs(d: Diagnosis, out_dir: str | Path) -> dict[str, Path]:
 
 
 def _rows(log: Prepared) -> Iterable:
-    """A fixed log's records, or its padded tokens (alignment) as token-id lines with each record's metadata."""
+    """A fixed log's records, or its padded tokens (alignment) as token-id lines with each record's
+    metadata."""
     return (
         ({"token_ids": ids(s), **r.meta} for s, r in zip(log.tokens, log.records))
         if log.padded
@@ -554,7 +566,8 @@ def _rows(log: Prepared) -> Iterable:
 
 
 def write_report(d: Diagnosis, out_dir: str | Path, fixed: bool = True) -> dict[str, Path]:
-    """summary.json, figures, fixed logs and report.html (all from one ``data()``) under a checked ``out_dir``."""
+    """summary.json, figures, fixed logs and report.html (all from one ``data()``) under a checked
+    ``out_dir``."""
     out = Path(out_dir)
     clear(out, check_out_dir(out, d.inputs))
     try:

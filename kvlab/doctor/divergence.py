@@ -1,4 +1,5 @@
-"""Where prompts stop matching: each request's longest prefix shared with an earlier one (its partner)."""
+"""Where prompts stop matching: each request's longest prefix shared with an earlier one (its
+partner)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,16 @@ def lcp(a: str, b: str) -> int:
 
 @dataclass(slots=True)
 class Divergence:
-    """Per request: the divergence position (tokens) and the partner (-1 when nothing came before)."""
+    """Per request: the divergence position (tokens) and the partner (-1 when nothing came
+    before)."""
 
     position: list[int]
     partner: list[int]
     lengths: list[int]
 
     def ceiling(self) -> dict:
-        """A token-granular cache with unlimited room and no salts: it hits min(divergence, n - 1) of each prompt."""
+        """A token-granular cache with unlimited room and no salts: it hits min(divergence, n - 1)
+        of each prompt."""
         hits, queries = (
             sum(min(d, n - 1) for d, n in zip(self.position, self.lengths)),
             sum(self.lengths),
@@ -38,7 +41,8 @@ class Divergence:
                 "repeat_requests": sum(1 for d, n in zip(self.position, self.lengths) if d >= n)}
 
     def histogram(self) -> Counter:
-        """Divergence position -> number of requests (requests that repeat an earlier prompt whole excluded)."""
+        """Divergence position -> number of requests (requests that repeat an earlier prompt whole
+        excluded)."""
         return Counter(d for d, n in zip(self.position, self.lengths) if d < n)
 
     def top_points(self, k: int = 5, min_position: int = 1) -> list[tuple[int, int]]:

@@ -38,7 +38,8 @@ MAX_LINE_BYTES = 2 << 20
 
 @dataclass(slots=True)
 class Record:
-    """One request of the log: its line number, its prompt in one of three forms, and its metadata."""
+    """One request of the log: its line number, its prompt in one of three forms, and its
+    metadata."""
 
     line: int
     kind: str  # "messages", "prompt" or "token_ids"
@@ -89,7 +90,8 @@ class BadLine:
 
 
 def check_value(obj: Any) -> None:
-    """Raise ValueError if a decoded line nests deeper than ``MAX_DEPTH`` or holds a lone surrogate."""
+    """Raise ValueError if a decoded line nests deeper than ``MAX_DEPTH`` or holds a lone
+    surrogate."""
     stack = [(obj, 1)]
     while stack:  # iterative: a deep value must not hit the recursion limit here either
         v, depth = stack.pop()
@@ -187,7 +189,8 @@ def _utf8_size(text: str) -> int:
 
 
 def decode_line(raw: str | bytes, line: int) -> Record | BadLine | None:
-    """One line of a log (bytes or text) -> a Record, a BadLine saying what is wrong, or None when blank."""
+    """One line of a log (bytes or text) -> a Record, a BadLine saying what is wrong, or None when
+    blank."""
     if (size := len(raw) if isinstance(raw, bytes) else _utf8_size(raw)) > MAX_LINE_BYTES:
         return _too_long(size, line, raw)
     if isinstance(raw, bytes):
@@ -238,7 +241,8 @@ def _parsed(obj: Any, line: int, shown: str) -> Record | BadLine:
 def read_log(
     source: str | Path | Iterable[dict | str | bytes],
 ) -> tuple[list[Record], list[BadLine]]:
-    """A JSONL file (cut at ``\\n`` only, as ``wc -l`` counts) or an iterable of dicts / lines -> (records, bad)."""
+    """A JSONL file (cut at ``\\n`` only, as ``wc -l`` counts) or an iterable of dicts / lines ->
+    (records, bad)."""
     if isinstance(source, (str, Path)):
         with open(source, "rb") as f:  # binary: lines end at b"\n" only, each decoded strictly
             items = [
@@ -268,7 +272,8 @@ def _lines(f) -> Iterable[bytes | tuple[int, bytes]]:
 
 
 def write_log(records: Iterable[Record | dict], path: str | Path, exclusive: bool = False) -> Path:
-    """Write records (or plain dicts) as JSONL; return the path (``exclusive``: never over an existing file)."""
+    """Write records (or plain dicts) as JSONL; return the path (``exclusive``: never over an
+    existing file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "x" if exclusive else "w", encoding="utf-8") as f:

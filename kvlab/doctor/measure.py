@@ -1,4 +1,5 @@
-"""Measure a log and every fix the same way: unbounded and at capacity, fixes chained in prompt order."""
+"""Measure a log and every fix the same way: unbounded and at capacity, fixes chained in prompt
+order."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class Meter:
 
 
 def flat(res: dict) -> dict:
-    """{"unbounded": {...}, "capacity": {...}} -> {"unbounded_hit_rate": ..., ...} (a row of the chain)."""
+    """{"unbounded": {...}, "capacity": {...}} -> {"unbounded_hit_rate": ..., ...} (a row of the
+    chain)."""
     return {
         f"{cap}_{k}": st[k]
         for cap, st in res.items()
@@ -87,7 +89,8 @@ def flat(res: dict) -> dict:
 
 def measure_fixes(culprits: list[Culprit], prep: Prepared, enc: PromptEncoder | None, meter: Meter,
                   min_effect: float) -> tuple[dict, list[Culprit], list[dict], Prepared]:
-    """Apply the measurable fixes one after the other; return (baseline, kept culprits, chain rows, fixed log)."""
+    """Apply the measurable fixes one after the other; return (baseline, kept culprits, chain rows,
+    fixed log)."""
     cap_key, baseline = "capacity" if meter.capacity is not None else "unbounded", meter(prep)
     order = sorted(
         [c for c in culprits if c.measurable],
@@ -155,7 +158,8 @@ def _quick_look(
     meter: Meter,
     min_effect: float,
 ) -> bool:
-    """Whether a field fix saves half of ``min_effect`` of the prefill in a few windows of the log (cheap pre-check)."""
+    """Whether a field fix saves half of ``min_effect`` of the prefill in a few windows of the log
+    (cheap pre-check)."""
     sub = prep.subset(idx)
     quick = Meter(meter.bs, None, 1, meter.tenant_field)
     before = quick(sub, policy=policy, capacity=False)["unbounded"]

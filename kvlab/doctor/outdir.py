@@ -1,4 +1,5 @@
-"""Where the doctor writes its report, made safe: it never writes over any file (rules in docs/doctor.md)."""
+"""Where the doctor writes its report, made safe: it never writes over any file (rules in
+docs/doctor.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class OutDirError(ValueError):
 
 
 def _files(out: Path) -> list[str]:
-    """Every entry under ``out`` (relative, '/'-separated; folders end with '/'), symlinks not followed."""
+    """Every entry under ``out`` (relative, '/'-separated; folders end with '/'), symlinks not
+    followed."""
     names = []
     for root, dirs, files in os.walk(out):
         rel = Path(root).relative_to(out)
@@ -29,7 +31,8 @@ def _files(out: Path) -> list[str]:
 
 
 def _manifest(out: Path) -> list[str] | None:
-    """The files the manifest lists (checked against ``OUTPUT_NAME``); None when there is no manifest."""
+    """The files the manifest lists (checked against ``OUTPUT_NAME``); None when there is no
+    manifest."""
     m = out / MANIFEST
     if not m.exists() and not m.is_symlink():
         return None
@@ -52,7 +55,8 @@ def _manifest(out: Path) -> list[str] | None:
 
 
 def _legacy(out: Path, names: list[str]) -> list[str] | None:
-    """The files of a report an earlier kvlab wrote (no manifest): only doctor names, its summary.json."""
+    """The files of a report an earlier kvlab wrote (no manifest): only doctor names, its
+    summary.json."""
     files = [f for f in names if not f.endswith("/")]
     folders = [f for f in names if f.endswith("/")]  # none, or fixed/
     if (
@@ -69,7 +73,8 @@ def _legacy(out: Path, names: list[str]) -> list[str] | None:
 
 
 def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[str]:
-    """Raise OutDirError if the doctor may not write its report to ``out``; return the earlier run's files to delete."""
+    """Raise OutDirError if the doctor may not write its report to ``out``; return the earlier run's
+    files to delete."""
     out = Path(out)
     parent = next((p for p in out.parents if p.exists()), None)
     held = next((p for p in inputs if Path(p).resolve().is_relative_to(out.resolve())), None)
@@ -117,7 +122,8 @@ def check_out_dir(out: str | Path, inputs: Iterable[str | Path] = ()) -> list[st
 
 
 def clear(out: Path, stale: list[str]) -> None:
-    """Make ``out`` if new, delete the earlier run's files in it (symlinks themselves, never what they point to)."""
+    """Make ``out`` if new, delete the earlier run's files in it (symlinks themselves, never what
+    they point to)."""
     out.mkdir(parents=True, exist_ok=True)
     for f in stale:
         (out / f).unlink(missing_ok=True)
@@ -127,7 +133,8 @@ def clear(out: Path, stale: list[str]) -> None:
 
 
 def write_manifest(out: Path) -> None:
-    """Record the doctor's files under ``out`` (after ``clear``: this run's) by a rename, never through a path."""
+    """Record the doctor's files under ``out`` (after ``clear``: this run's) by a rename, never
+    through a path."""
     files = sorted(f for f in _files(out) if OUTPUT_NAME.fullmatch(f))
     fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=out)
     with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -1,4 +1,5 @@
-"""Turn records into what the analysis needs: rendered text, token strs, and where each message sits."""
+"""Turn records into what the analysis needs: rendered text, token strs, and where each message
+sits."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ class Prepared:
 def prepare(
     records: list[Record], enc: PromptEncoder | None, base: Prepared | None = None
 ) -> Prepared:
-    """Render, tokenize and lay out every record; with ``base``, reuse its records and splice rewritten ones."""
+    """Render, tokenize and lay out every record; with ``base``, reuse its records and splice
+    rewritten ones."""
     if base is None:
         return _prepare(records, enc, None, {})
     known = {id(r): k for k, r in enumerate(base.records)}
@@ -198,7 +200,8 @@ def _prepare(
 
 def _render(rec: Record, enc: PromptEncoder, base: Prepared | None, known: dict, heads: dict
             ) -> tuple[str, list[Segment], int]:
-    """A text record's rendered text, segments and system-part length (spliced from its origin's when checked)."""
+    """A text record's rendered text, segments and system-part length (spliced from its origin's
+    when checked)."""
     if base is not None and enc.splice_ok and rec.origin is not None and id(rec.origin) in known:
         spliced = _splice(rec, base, known[id(rec.origin)], enc)
         if spliced is not None and enc.splice_checked < SPLICE_CHECKS:
@@ -215,7 +218,8 @@ def _render(rec: Record, enc: PromptEncoder, base: Prepared | None, known: dict,
 
 
 def _system_chars(rec: Record, text: str, enc: PromptEncoder, memo: dict) -> int:
-    """Characters of the rendered text that hold the system part (its leading system message + markup); 0 if none."""
+    """Characters of the rendered text that hold the system part (its leading system message +
+    markup); 0 if none."""
     if rec.kind == "messages":
         eff = enc.effective_messages(rec)
         if not eff or eff[0]["role"] not in SYSTEM_ROLES:

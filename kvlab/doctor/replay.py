@@ -1,4 +1,5 @@
-"""Replay a log through a prefix cache with vLLM's rules: fast on block ids, and on the real Scheduler (docs)."""
+"""Replay a log through a prefix cache with vLLM's rules: fast on block ids, and on the real
+Scheduler (docs)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from .divergence import divergence, lcp
 
 @dataclass(slots=True)
 class HitStats:
-    """One replay's counters, in tokens, like vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``."""
+    """One replay's counters, in tokens, like vLLM's ``prefix_cache_queries`` /
+    ``prefix_cache_hits``."""
 
     block_size: int
     capacity_blocks: int | None  # None = unbounded
@@ -41,7 +43,8 @@ class HitStats:
 
 def block_chains(prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None,
                  public_tokens: Sequence[int] | None = None) -> list[list[int]]:
-    """Each prompt's full blocks as chain ids: equal ids <=> equal tokens, prefix and salt (no hashing)."""
+    """Each prompt's full blocks as chain ids: equal ids <=> equal tokens, prefix and salt (no
+    hashing)."""
     import numpy as np
     n, bs = len(prompts), block_size
     if not n:
@@ -98,7 +101,8 @@ def replay(
     concurrency: int = 1,
     free_order: str = "vllm",
 ) -> HitStats:
-    """Replay chains (``block_chains``) through an unbounded or an LRU cache; ``free_order`` as BlockPool's."""
+    """Replay chains (``block_chains``) through an unbounded or an LRU cache; ``free_order`` as
+    BlockPool's."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if free_order not in ("vllm", "lru"):
@@ -141,7 +145,8 @@ def replay(
 def unbounded_hits(
     prompts: Sequence[str], block_size: int, salts: Sequence[str | None] | None = None
 ) -> list[int]:
-    """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block ids)."""
+    """Per request, the hit tokens of an unbounded cache, from divergence positions alone (no block
+    ids)."""
     groups: dict = {}  # salt -> its requests: only those share
     for i in range(len(prompts)):
         groups.setdefault(salts[i] if salts is not None else None, []).append(i)
@@ -156,7 +161,8 @@ def unbounded_hits(
 def _replay_lru_one(
     chains, lengths, bs: int, num_blocks: int, vllm_order: bool = True
 ) -> tuple[list[int], int]:
-    """The LRU pool for one request at a time: each request is a few bulk operations in C (see docs/doctor.md)."""
+    """The LRU pool for one request at a time: each request is a few bulk operations in C (see
+    docs/doctor.md)."""
     # insertion order = LRU order (plain dicts pop and append fast)
     free = dict.fromkeys(range(num_blocks))
     key: dict[int, object] = {}  # block -> chain id it caches (None or absent: nothing)
@@ -258,7 +264,8 @@ def replay_block_manager(
     check: bool = True,
     free_order: str = "vllm",
 ) -> HitStats:
-    """The same replay on kvlab's real Scheduler and BlockManager (slow, the reference); ``check``: invariants after."""
+    """The same replay on kvlab's real Scheduler and BlockManager (slow, the reference); ``check``:
+    invariants after."""
     from kvlab.engine.trace_replay import UNLIMITED_TOKENS, ScriptedScheduler
     t0, bs = time.perf_counter(), block_size
     toks = [[ord(c) for c in p] if isinstance(p, str) else list(p) for p in prompts]
@@ -291,7 +298,8 @@ def spot_check(
     concurrency: int = 1,
     free_order: str = "vllm",
 ) -> dict:
-    """Replay the first ``limit`` requests both ways; return both hit counts and whether they agree."""
+    """Replay the first ``limit`` requests both ways; return both hit counts and whether they
+    agree."""
     head, s, p = (None if x is None else list(x[:limit]) for x in (prompts, salts, public_tokens))
     fast = replay_tokens(head, block_size, capacity_blocks, s, p, concurrency, free_order)
     ref = replay_block_manager(

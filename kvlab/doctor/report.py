@@ -1,4 +1,5 @@
-"""The doctor's outputs (text, HTML, figures), all rendered from one JSON-able dict (``Diagnosis.data()``)."""
+"""The doctor's outputs (text, HTML, figures), all rendered from one JSON-able dict
+(``Diagnosis.data()``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def _esc(s: str) -> str:
 
 
 def _head(s: str, n: int) -> str:
-    """The start of ``s``, cut at a space at or before ``n`` characters (a number is never cut in two)."""
+    """The start of ``s``, cut at a space at or before ``n`` characters (a number is never cut in
+    two)."""
     if len(s) <= n:
         return s
     cut = s.rfind(" ", 0, n + 1)
@@ -39,7 +41,8 @@ def nothing_why(lines: int) -> str:
 
 
 def _groups(data: dict) -> tuple[list[dict], list[dict], list[dict], int, bool]:
-    """The culprits kept (in fix order), dropped and evidence-only; the spot check's requests and agreement."""
+    """The culprits kept (in fix order), dropped and evidence-only; the spot check's requests and
+    agreement."""
     cs, checks = data["culprits"], data["spot_checks"]
     return (
         [c for c in cs if c["kept"]],
@@ -55,7 +58,8 @@ def _at(c: dict) -> str:
 
 
 def render_text(data: dict) -> str:
-    """The terminal summary: counts, hit rates per block size, culprits with their measured fixes."""
+    """The terminal summary: counts, hit rates per block size, culprits with their measured
+    fixes."""
     pt, k, tf, bad = data["prompt_tokens"], data["cap_key"], data["tenant_field"], data["malformed"]
     out = [
         f"kvlab doctor: {data['source']}",
@@ -162,7 +166,8 @@ def _dropped(c: dict) -> str:
 
 
 def _row(*cells: object, th: bool = False, left: tuple[int, ...] = ()) -> str:
-    """One HTML table row (cells escaped by the caller); ``left``: the indexes of left-aligned cells."""
+    """One HTML table row (cells escaped by the caller); ``left``: the indexes of left-aligned
+    cells."""
     tag = "th" if th else "td"
     return (
         "<tr>"
@@ -409,7 +414,8 @@ def fig_divergence(d: Any):
 
 
 def fix_labels(chain: list[dict]) -> list[str]:
-    """One label per step of the fix chain; a kind that occurs twice is told apart by its field or title."""
+    """One label per step of the fix chain; a kind that occurs twice is told apart by its field or
+    title."""
     kinds = [r["kind"] for r in chain]
     out = []
     for k, r in enumerate(chain):
@@ -424,7 +430,8 @@ def fix_labels(chain: list[dict]) -> list[str]:
 
 
 def fig_fixes(d: Any):
-    """Hit rate after each fix, applied one after the other; two fixes of one kind labelled apart."""
+    """Hit rate after each fix, applied one after the other; two fixes of one kind labelled
+    apart."""
     import matplotlib.pyplot as plt
     data = d if isinstance(d, dict) else d.data()  # a Diagnosis or its data()
     if len(chain := data["chain"]) < 2:

@@ -1,4 +1,5 @@
-"""Render records with the chat template and tokenize them piece by piece; token ids live in ``str``s (``tokstr``)."""
+"""Render records with the chat template and tokenize them piece by piece; token ids live in
+``str``s (``tokstr``)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def ids(s: str) -> list[int]:
 
 
 def check_model(model: str | os.PathLike | None) -> None:
-    """Raise FileNotFoundError for a ``--model`` that names a path that is not there (cheap: loads nothing)."""
+    """Raise FileNotFoundError for a ``--model`` that names a path that is not there (cheap: loads
+    nothing)."""
     from kvlab.engine.smollm2 import is_alias
     if model is None or is_alias(model):
         return
@@ -52,7 +54,8 @@ def check_model(model: str | os.PathLike | None) -> None:
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> str:
-    """The folder (or hub id) of ``model``: None = the bundled model, "smollm2", a local folder or an id."""
+    """The folder (or hub id) of ``model``: None = the bundled model, "smollm2", a local folder or
+    an id."""
     if model is None:
         from kvlab.engine.models import BUNDLED_MODEL
         return str(BUNDLED_MODEL)
@@ -120,13 +123,15 @@ class PromptEncoder:
 
     # --- rendering --------------------------------------------------------------------------------
     def tools_block(self, tools: list[dict]) -> str:
-        """How the doctor shows tools to a template that has no tools section: one JSON object a line."""
+        """How the doctor shows tools to a template that has no tools section: one JSON object a
+        line."""
         return "\n\n# Tools\n" + "\n".join(
             json.dumps(t, ensure_ascii=False, sort_keys=False) for t in tools
         )
 
     def effective_messages(self, rec: Record) -> list[dict]:
-        """The messages as the template sees them (tools in the system message if the template has no tools)."""
+        """The messages as the template sees them (tools in the system message if the template has
+        no tools)."""
         msgs = rec.messages or []
         if rec.tools and not self.renders_tools:
             msgs = [dict(m) for m in msgs]
@@ -139,7 +144,8 @@ class PromptEncoder:
     def render(
         self, rec: Record, add_generation_prompt: bool = True, messages: list[dict] | None = None
     ) -> str:
-        """A record's prompt text: the chat template applied to its messages, or its plain prompt."""
+        """A record's prompt text: the chat template applied to its messages, or its plain
+        prompt."""
         if rec.kind == "prompt":
             return rec.prompt or ""
         if rec.kind != "messages":
@@ -153,7 +159,8 @@ class PromptEncoder:
         )
 
     def try_render(self, rec: Record, **kwargs: Any) -> str | None:
-        """``render``, or None for a record the chat template refuses (jinja raises TemplateError and friends)."""
+        """``render``, or None for a record the chat template refuses (jinja raises TemplateError
+        and friends)."""
         try:
             return self.render(rec, **kwargs)
         except Exception:  # noqa: BLE001 - a template's own raise (jinja's TemplateError, or any error
@@ -162,7 +169,8 @@ class PromptEncoder:
 
     # --- tokenizing -------------------------------------------------------------------------------
     def _batch(self, texts: list[str], offsets: bool = False) -> list:
-        """Token strs of texts (no special tokens added); with ``offsets``, (token str, char offsets) pairs."""
+        """Token strs of texts (no special tokens added); with ``offsets``, (token str, char
+        offsets) pairs."""
         if not texts:
             return []
         if (backend := getattr(self.tok, "backend_tokenizer", None)) is not None:
@@ -190,7 +198,8 @@ class PromptEncoder:
         return [x for x in LINE_SPLIT.split(part) if x] if self.lines and "\n" in part else [part]
 
     def encode(self, texts: Sequence[str], plain_prompt: Sequence[bool] | None = None) -> list[str]:
-        """Token strs of rendered prompts (no special tokens added; a plain prompt gets the tokenizer's BOS/EOS)."""
+        """Token strs of rendered prompts (no special tokens added; a plain prompt gets the
+        tokenizer's BOS/EOS)."""
         texts = list(texts)
         if not self._checked and texts:
             self._check(texts[::max(1, len(texts) // 48)][:48])
@@ -213,7 +222,8 @@ class PromptEncoder:
         return [self.prompt_prefix + s if pl else s for s, pl in zip(out, plain)]
 
     def _check(self, sample: list[str]) -> None:
-        """Compare piece-wise with whole-prompt tokenization on a sample: stop cutting at lines, then at all."""
+        """Compare piece-wise with whole-prompt tokenization on a sample: stop cutting at lines,
+        then at all."""
         self._checked = True
         whole = self._batch(sample)
         if self.encode(sample) == whole:

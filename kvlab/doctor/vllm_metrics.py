@@ -1,4 +1,5 @@
-"""Read vLLM's (or ``kvlab serve``'s) prefix-cache counters from a Prometheus ``/metrics`` text dump."""
+"""Read vLLM's (or ``kvlab serve``'s) prefix-cache counters from a Prometheus ``/metrics`` text
+dump."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ RATE = ("vllm:gpu_prefix_cache_hit_rate", "vllm:cpu_prefix_cache_hit_rate")
 
 
 def parse_metrics(text: str) -> dict:
-    """{'queries', 'hits', 'hit_rate', 'series', 'source_names'} from Prometheus text (missing -> None)."""
+    """{'queries', 'hits', 'hit_rate', 'series', 'source_names'} from Prometheus text (missing ->
+    None)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for line in text.splitlines():

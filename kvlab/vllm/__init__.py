@@ -1,1 +1,2 @@
-"""Real vLLM beside kvlab: ``bridge`` starts ``worker.py`` in vLLM's own venv and reads back JSON."""
+"""Real vLLM beside kvlab: ``bridge`` starts ``worker.py`` in vLLM's own venv and reads back
+JSON."""

@@ -68,12 +68,14 @@ class VllmNotFoundError(RuntimeError):
 
 
 class VllmWorkerError(RuntimeError):
-    """Raised when the worker ran but vLLM failed; carries vLLM's error and the worker's log tail."""
+    """Raised when the worker ran but vLLM failed; carries vLLM's error and the worker's log
+    tail."""
 
 
 @dataclass(frozen=True)
 class VllmStatus:
-    """Whether vLLM can be used: the interpreter tried, vLLM's version, and a sentence for people."""
+    """Whether vLLM can be used: the interpreter tried, vLLM's version, and a sentence for
+    people."""
 
     available: bool
     python: str
@@ -82,12 +84,14 @@ class VllmStatus:
 
 
 def default_venv() -> Path:
-    """Where ``make vllm-env`` puts the vLLM venv: ``$KVLAB_VLLM_VENV`` or ``~/.cache/kvlab/vllm-venv``."""
+    """Where ``make vllm-env`` puts the vLLM venv: ``$KVLAB_VLLM_VENV`` or
+    ``~/.cache/kvlab/vllm-venv``."""
     return Path(os.environ.get("KVLAB_VLLM_VENV") or "~/.cache/kvlab/vllm-venv").expanduser()
 
 
 def vllm_python(python: str | os.PathLike | None = None) -> Path:
-    """The interpreter that has vLLM: ``python``, else ``$KVLAB_VLLM_PYTHON``, else the default venv's."""
+    """The interpreter that has vLLM: ``python``, else ``$KVLAB_VLLM_PYTHON``, else the default
+    venv's."""
     chosen = python or os.environ.get("KVLAB_VLLM_PYTHON")
     path = Path(chosen).expanduser() if chosen else default_venv() / "bin" / "python"
     if not path.exists():
@@ -303,7 +307,8 @@ def run_vllm_workload(
 
 
 def vllm_source(module: str, qualname: str, python: str | os.PathLike | None = None) -> str:
-    """Source text of a function or class in the vLLM venv, read from its file (vLLM is not imported)."""
+    """Source text of a function or class in the vLLM venv, read from its file (vLLM is not
+    imported)."""
     import ast
 
     path = vllm_python(python)
@@ -368,7 +373,8 @@ def run_kvlab(
     num_blocks: int | None = None,
     repeat: bool = True,
 ) -> dict:
-    """``run_vllm``'s counterpart on kvlab's paged engine (prefix caching on); the same result keys."""
+    """``run_vllm``'s counterpart on kvlab's paged engine (prefix caching on); the same result
+    keys."""
     from kvlab.cache import cdiv
     from kvlab.engine import Engine
     from kvlab.engine.sampling import SamplingParams
@@ -427,7 +433,8 @@ def kvlab_ttft(
     block_size: int = 32,
     repeats: int = 3,
 ) -> dict:
-    """kvlab's TTFT (one-token requests, wall time): ``a`` on an empty cache, then ``b`` after it."""
+    """kvlab's TTFT (one-token requests, wall time): ``a`` on an empty cache, then ``b`` after
+    it."""
     from kvlab.cache import cdiv
     from kvlab.engine import Engine
     from kvlab.engine.sampling import SamplingParams

@@ -98,7 +98,8 @@ def _llm_kwargs(job: dict, caching: bool = True) -> dict:
 
 
 def _llm(kwargs: dict):
-    """(LLM, start-up seconds, reused): the kept engine when ``kwargs`` equal its settings, else a new one."""
+    """(LLM, start-up seconds, reused): the kept engine when ``kwargs`` equal its settings, else a
+    new one."""
     from vllm import LLM
 
     key = json.dumps(kwargs, sort_keys=True)
@@ -225,7 +226,8 @@ def workload(job: dict) -> dict:
 
 
 def ttft(llm, pairs, repeats: int) -> dict:
-    """Time to first token (one-token requests, wall time): ``a`` on an empty cache, then ``b`` after it."""
+    """Time to first token (one-token requests, wall time): ``a`` on an empty cache, then ``b``
+    after it."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -389,7 +391,8 @@ def _event_json(event) -> dict:
 
 
 def kv_events(job: dict) -> dict:
-    """The ``kv_events`` job: operations on vLLM's KVCacheManager with KV events on; the events after each."""
+    """The ``kv_events`` job: operations on vLLM's KVCacheManager with KV events on; the events
+    after each."""
     import vllm
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash

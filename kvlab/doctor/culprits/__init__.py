@@ -37,7 +37,8 @@ def find_culprits(prep: Prepared, div: Divergence, enc: PromptEncoder | None, bl
                   tenants: list[str | None] | None = None, tenant_field: str | None = None,
                   salted_unsalted: tuple[int, int] | None = None, sample: int = 400,
                   seed: int = 0) -> tuple[list[Finding], dict, list[Culprit]]:
-    """Diff a sample of pairs, then run every family; return (findings, what was scanned, culprits)."""
+    """Diff a sample of pairs, then run every family; return (findings, what was scanned,
+    culprits)."""
     findings, scan = scan_pairs(prep, div, enc, sample=sample, seed=seed)
     found = [
         whitespace_culprit(prep, findings),

@@ -1,4 +1,5 @@
-"""What a culprit is (a reason prompts stop sharing, and its fix); how a record's messages are read and rewritten."""
+"""What a culprit is (a reason prompts stop sharing, and its fix); how a record's messages are read
+and rewritten."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def tool_name(tool: dict, default: str = "") -> str:
 
 
 def record_segments(rec: Record) -> list[tuple[str, int, str]]:
-    """(role, index, content) of each message (parsed back from a ChatML prompt; a plain prompt is one)."""
+    """(role, index, content) of each message (parsed back from a ChatML prompt; a plain prompt is
+    one)."""
     if rec.kind == "messages":
         return [(m["role"], i, m["content"]) for i, m in enumerate(rec.messages)]
     if rec.kind == "prompt":
@@ -73,7 +75,8 @@ def record_segments(rec: Record) -> list[tuple[str, int, str]]:
 
 
 def map_contents(records: list[Record], fn: Callable[[str, int, str], str]) -> list[Record]:
-    """Each record with ``fn(role, index, content)`` applied to its messages (a record it leaves alone is kept)."""
+    """Each record with ``fn(role, index, content)`` applied to its messages (a record it leaves
+    alone is kept)."""
     out = []
     for rec in records:
         old = [c for _, _, c in record_segments(rec)]
@@ -83,7 +86,8 @@ def map_contents(records: list[Record], fn: Callable[[str, int, str], str]) -> l
 
 
 def _tail_insert(prompt: str, text: str) -> str:
-    """Put ``text`` at the end of a plain prompt, before a trailing chat-markup tail if there is one."""
+    """Put ``text`` at the end of a plain prompt, before a trailing chat-markup tail if there is
+    one."""
     # the last mark
     m = next(reversed(list(re.finditer(r"<\|[a-z_]+\|>|\[/?INST\]", prompt))), None)
     if m is not None and len(prompt) - m.start() <= 64:
@@ -92,7 +96,8 @@ def _tail_insert(prompt: str, text: str) -> str:
 
 
 def with_contents(rec: Record, contents: list[str], prepend_user: str = "") -> Record:
-    """A copy of ``rec`` whose segments hold ``contents``; ``prepend_user`` goes before the last user message."""
+    """A copy of ``rec`` whose segments hold ``contents``; ``prepend_user`` goes before the last
+    user message."""
     contents = list(contents)
     users = [j for j, (role, _, _) in enumerate(record_segments(rec)) if role == "user"]
     if prepend_user and users:

@@ -1,4 +1,5 @@
-"""The cache's own rules as culprits: shared prefixes that end inside a block (padded), and tenant salts."""
+"""The cache's own rules as culprits: shared prefixes that end inside a block (padded), and tenant
+salts."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def alignment_boundaries(tokens: list[str], div: Divergence, min_count: int = 3)
 
 def pad_to_blocks(tokens: list[str], boundaries: list[str], block_size: int, pad: int
                   ) -> tuple[list[str], list[list[tuple[int, int]]]]:
-    """Pad every shared prefix a prompt starts with to a block boundary; return tokens, (position, pads) a prompt."""
+    """Pad every shared prefix a prompt starts with to a block boundary; return tokens, (position,
+    pads) a prompt."""
     out, inserts = [], []
     for s in tokens:
         new, done, ins = [], 0, []
@@ -41,7 +43,8 @@ def pad_to_blocks(tokens: list[str], boundaries: list[str], block_size: int, pad
 
 
 def padded(prep: Prepared, block_size: int, pad: int) -> Prepared:
-    """``prep`` with its shared prefixes padded to block boundaries (system-part lengths shifted alike)."""
+    """``prep`` with its shared prefixes padded to block boundaries (system-part lengths shifted
+    alike)."""
     bounds = alignment_boundaries(prep.tokens, divergence(prep.tokens))
     toks, inserts = pad_to_blocks(prep.tokens, bounds, block_size, pad)
     sys_tokens = [
@@ -63,7 +66,8 @@ def padded(prep: Prepared, block_size: int, pad: int) -> Prepared:
 def alignment_culprit(
     prep: Prepared, div: Divergence, block_size: int, pad: int, pad_text: str
 ) -> Culprit | None:
-    """Shared prefixes that end inside a block (or are shorter than one): tokens shared but not cached."""
+    """Shared prefixes that end inside a block (or are shorter than one): tokens shared but not
+    cached."""
     shared = [min(d, n - 1) for d, n in zip(div.position, prep.lengths)]
     lost, short = sum(s % block_size for s in shared), sum(1 for s in shared if 0 < s < block_size)
     if not lost:
@@ -95,7 +99,8 @@ def alignment_culprit(
 
 
 def public_prefixes(prep: Prepared, tenants: list[str | None], scan: int = 64) -> list[int]:
-    """Per request, the length of its system part's prefix that another tenant sends too (tokens)."""
+    """Per request, the length of its system part's prefix that another tenant sends too
+    (tokens)."""
     heads: dict[str, set] = defaultdict(set)
     for ts, st, t in zip(prep.tokens, prep.sys_tokens, tenants):
         if st and t is not None:

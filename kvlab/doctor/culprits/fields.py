@@ -1,4 +1,5 @@
-"""Fields: a line (or a token span) whose value differs per request, user or conversation; the fix moves it."""
+"""Fields: a line (or a token span) whose value differs per request, user or conversation; the fix
+moves it."""
 
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def field_culprits(
     tenants: list | None = None,
     max_fields: int = 10,
 ) -> list[Culprit]:
-    """Group slot findings by the line they live in; classify each field by its values over the whole log."""
+    """Group slot findings by the line they live in; classify each field by its values over the
+    whole log."""
     # and 5 % of the pairs scanned
     need = max(min_count, int(0.05 * len({(f.a, f.b) for f in findings})))
     out = []
@@ -130,7 +132,8 @@ def field_culprits(
 
 
 def _slot_groups(findings: list[Finding]) -> dict[tuple, list[Finding]]:
-    """Slot findings by (role, index, anchor, key, level); a key that extends a shorter one joins it."""
+    """Slot findings by (role, index, anchor, key, level); a key that extends a shorter one joins
+    it."""
     keyed = by_key(
         findings,
         "slot",
@@ -151,7 +154,8 @@ def _slot_groups(findings: list[Finding]) -> dict[tuple, list[Finding]]:
 def _field_culprit(
     prep: Prepared, pat: FieldPattern, fs: list[Finding], tenants: list | None
 ) -> Culprit | None:
-    """One group of slot findings as a field culprit, scoped by its values over the whole log (None: not a field)."""
+    """One group of slot findings as a field culprit, scoped by its values over the whole log (None:
+    not a field)."""
     pat.suffix = common_suffix(
         [
             v
@@ -219,7 +223,8 @@ def _field_culprit(
 
 
 def _constant_share(values: list[str], keys: list) -> tuple[float, int, int]:
-    """Share of groups (with >= 2 requests) in which the value never changes; groups; groups with >= 2."""
+    """Share of groups (with >= 2 requests) in which the value never changes; groups; groups with >=
+    2."""
     by: dict = defaultdict(set)
     counts: Counter = Counter()
     for k, v in zip(keys, values):
@@ -264,7 +269,8 @@ def _span(ts: str, key: str, right: str) -> tuple[int, int] | None:
 
 
 def move_span(records: list[Record], key: str, right: str) -> list[Record]:
-    """Move the tokens between ``key`` and ``right`` of each token-id record to the end of its prompt."""
+    """Move the tokens between ``key`` and ``right`` of each token-id record to the end of its
+    prompt."""
 
     def moved(rec: Record) -> Record:
         ts = tokstr(rec.token_ids) if rec.kind == "token_ids" else ""
@@ -279,7 +285,8 @@ def move_span(records: list[Record], key: str, right: str) -> list[Record]:
 def token_span_culprits(
     prep: Prepared, findings: list[Finding], min_count: int = 2
 ) -> list[Culprit]:
-    """Token-id logs: spans between the same left and right token context, moved to the end of the prompt."""
+    """Token-id logs: spans between the same left and right token context, moved to the end of the
+    prompt."""
     out = []
     for (key, right), fs in by_key(
         findings, "span", lambda f: (f.key, f.right) if f.key and f.right else None

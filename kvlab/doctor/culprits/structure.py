@@ -1,4 +1,5 @@
-"""Structure: whitespace, chat markup, tools order, item order and conversation history, each with its rewrite."""
+"""Structure: whitespace, chat markup, tools order, item order and conversation history, each with
+its rewrite."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from .textdiff import Finding, _tool_names, by_key, stable_key
 
 
 def normalize_ws(text: str) -> str:
-    """CRLF -> LF, no trailing spaces on lines, at most one blank line in a row, no outer whitespace."""
+    """CRLF -> LF, no trailing spaces on lines, at most one blank line in a row, no outer
+    whitespace."""
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     text = "\n".join(line.rstrip() for line in text.split("\n"))
     text = re.sub(r"\n{3,}", "\n\n", text)
@@ -31,7 +33,8 @@ def normalize_records(records: list[Record]) -> list[Record]:
 
 
 def rerender_chatml(records: list[Record]) -> list[Record]:
-    """Hand-rendered ChatML prompts -> chat records, so the one chat template renders every request."""
+    """Hand-rendered ChatML prompts -> chat records, so the one chat template renders every
+    request."""
     out = []
     for rec in records:
         parsed = parse_chatml(rec.prompt) if rec.kind == "prompt" else []
@@ -49,7 +52,8 @@ def rerender_chatml(records: list[Record]) -> list[Record]:
 def hand_rendered(
     prep: Prepared, enc: PromptEncoder | None, limit: int = 2000
 ) -> list[tuple[int, str, str]]:
-    """(token position, prompt, template) where a ChatML prompt differs from the template's rendering of it."""
+    """(token position, prompt, template) where a ChatML prompt differs from the template's
+    rendering of it."""
     if enc is None:
         return []
     out = []
@@ -103,7 +107,8 @@ def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | Non
 def template_culprit(
     prep: Prepared, findings: list[Finding], enc: PromptEncoder | None = None
 ) -> Culprit | None:
-    """Chat markup that differs: pairs that differ outside any message, or hand-rendered ChatML prompts."""
+    """Chat markup that differs: pairs that differ outside any message, or hand-rendered ChatML
+    prompts."""
     tp = [f for f in findings if f.kind == "template"]
     hand = hand_rendered(prep, enc)
     if not tp and not hand:
@@ -169,7 +174,8 @@ def tools_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | None:
 def sort_items(
     records: list[Record], role: str, index: int | None, sep: str, prefix: str
 ) -> list[Record]:
-    """Sort every run of consecutive items (paragraphs/lines) that start with ``prefix`` in one message."""
+    """Sort every run of consecutive items (paragraphs/lines) that start with ``prefix`` in one
+    message."""
 
     def sort_runs(c: str) -> str:
         runs = groupby(c.split(sep), key=lambda item: item.startswith(prefix))
@@ -228,7 +234,8 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
 
 
 def conversation_key(rec: Record) -> object | None:
-    """Which conversation a chat record belongs to: its ``session``, else its user and first user message."""
+    """Which conversation a chat record belongs to: its ``session``, else its user and first user
+    message."""
     if rec.kind != "messages":
         return None
     if rec.get("session") is not None:
@@ -244,7 +251,8 @@ def _split(rec: Record) -> tuple[list[str], list[tuple[str, str]]]:
 
 
 def _new_from(h: list[tuple[str, str]], prev: list[tuple[str, str]]) -> int:
-    """Where a turn's new messages start: after the previous turn's history, its last message, or the last exchange."""
+    """Where a turn's new messages start: after the previous turn's history, its last message, or
+    the last exchange."""
     if h[:len(prev)] == prev:  # already append-only
         return len(prev)
     if prev and prev[-1] in h:
@@ -253,7 +261,8 @@ def _new_from(h: list[tuple[str, str]], prev: list[tuple[str, str]]) -> int:
 
 
 def append_histories(records: list[Record]) -> list[Record]:
-    """Rebuild every conversation so each turn re-sends the full history of the previous one, then the new messages."""
+    """Rebuild every conversation so each turn re-sends the full history of the previous one, then
+    the new messages."""
     full: dict[object, list[dict]] = {}
     last: dict[object, list[tuple[str, str]]] = {}
     out = []

@@ -1,4 +1,5 @@
-"""Diff a request against its partner from the divergence point and name each difference (see docs/doctor.md)."""
+"""Diff a request against its partner from the divergence point and name each difference (see
+docs/doctor.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ VALUE_CHARS = "-:./_+#@="  # with digits: what a value (time, id, number) is mad
 
 
 def trim_value_start(s: str, joined: Callable[[str], bool]) -> str:
-    """Cut value characters, a space before a digit and a cut word (``joined(s)``) off the start of ``s``."""
+    """Cut value characters, a space before a digit and a cut word (``joined(s)``) off the start of
+    ``s``."""
     while True:
         before = s
         while s and (s[0].isdigit() or s[0] in VALUE_CHARS):
@@ -41,7 +43,8 @@ def trim_value_start(s: str, joined: Callable[[str], bool]) -> str:
 
 
 def stable_key(common: str, unit: str) -> str:
-    """Cut the common start of two lines back to where the value begins ("Customer: Ali" -> "Customer: ")."""
+    """Cut the common start of two lines back to where the value begins ("Customer: Ali" ->
+    "Customer: ")."""
     # the mirror image of trimming a suffix: reversed, a cut word is one that goes on in ``unit``
     return trim_value_start(common[::-1], lambda r: len(r) < len(unit) and unit[len(r)].isalnum())[
         ::-1
@@ -49,7 +52,8 @@ def stable_key(common: str, unit: str) -> str:
 
 
 def common_suffix(values: list[str], judged: list[str] | None = None) -> str:
-    """The end all values share, cut forward past value characters and words cut short in ``judged`` (first 50)."""
+    """The end all values share, cut forward past value characters and words cut short in ``judged``
+    (first 50)."""
     if len(values) < 2:
         return ""
     s = values[0]
@@ -63,7 +67,8 @@ def common_suffix(values: list[str], judged: list[str] | None = None) -> str:
 
 
 def unit_bounds(text: str, s: int, e: int) -> tuple[int, int, str]:
-    """The line holding chars [s, e) of ``text`` (the sentence(s), inside a line longer than LONG_LINE)."""
+    """The line holding chars [s, e) of ``text`` (the sentence(s), inside a line longer than
+    LONG_LINE)."""
     s = max(0, min(s, len(text)))
     e = min(max(e, s + 1), max(len(text), s + 1))
     ls = text.rfind("\n", 0, s) + 1
@@ -108,7 +113,8 @@ class Finding:
 def by_key(
     findings: list[Finding], kind: str, key: Callable[[Finding], tuple | None]
 ) -> dict[tuple, list[Finding]]:
-    """Findings of one kind grouped by ``key`` (None leaves a finding out), in the order first found."""
+    """Findings of one kind grouped by ``key`` (None leaves a finding out), in the order first
+    found."""
     groups: dict[tuple, list[Finding]] = defaultdict(list)
     for f in findings:
         if f.kind == kind and (k := key(f)) is not None:
@@ -119,7 +125,8 @@ def by_key(
 def realign(
     A: str, B: str, pa: int, pb: int, window: int = WINDOW, m: int = MIN_RUN
 ) -> tuple[int, int, int] | None:
-    """Smallest (a, b) such that A[pa+a:] and B[pb+b:] agree again for >= m tokens; with that run length."""
+    """Smallest (a, b) such that A[pa+a:] and B[pb+b:] agree again for >= m tokens; with that run
+    length."""
     grams: dict[str, list[int]] = {}
     for b in range(min(window, len(B) - pb - m + 1)):
         grams.setdefault(B[pb + b: pb + b + m], []).append(b)
@@ -146,7 +153,8 @@ def _seg_at(segs: list[Segment], c: int) -> Segment | None:
 def _permutation(
     ca: str, la: int, cb: str, lb: int
 ) -> tuple[str, list[str], list[str], int, int] | None:
-    """Paragraphs (or lines) from the one holding la/lb on that are the same multiset in another order."""
+    """Paragraphs (or lines) from the one holding la/lb on that are the same multiset in another
+    order."""
     for sep in ("\n\n", "\n"):
         sa, sb = ca.rfind(sep, 0, la), cb.rfind(sep, 0, lb)
         # where the item holding la / lb starts
@@ -168,7 +176,8 @@ def scan_pairs(
     seed: int = 0,
     min_run: int = MIN_RUN,
 ) -> tuple[list[Finding], dict]:
-    """Diff a sample of requests against their partners; return the findings and what was scanned."""
+    """Diff a sample of requests against their partners; return the findings and what was
+    scanned."""
     cand = [i for i, (d, p) in enumerate(zip(div.position, div.partner))
             if p >= 0 and d < min(len(prep.tokens[i]), len(prep.tokens[p])) - 1]
     chosen = cand
