@@ -255,8 +255,7 @@ def generate(
                 cache.crop(-1)  # transformers 5.x: a negative count removes that many tokens
             except RuntimeError:
                 # a sliding-window layer that already holds a full window keeps no token before it,
-                # so
-                # it cannot drop the last one: compute the whole prompt afresh (exact, nothing
+                # so it cannot drop the last one: compute the whole prompt afresh (exact, nothing
                 # reused)
                 from transformers import DynamicCache
 

@@ -23,11 +23,9 @@ from .tokenization import PromptEncoder, ids, model_config
 from .vllm_metrics import read_metrics
 
 # The largest cache the doctor replays, in blocks of any block size: a billion blocks is over ten TB
-# of K/V
-# even for a 0.5B model, far past any server. The replay itself allocates no more blocks than the
-# log can
-# fill (``replay.pool_blocks``); this bound turns nonsense such as ``--kv-gib 1e30`` into a clear
-# error.
+# of K/V even for a 0.5B model, far past any server. The replay itself allocates no more blocks than
+# the log can fill (``replay.pool_blocks``); this bound turns nonsense such as ``--kv-gib 1e30``
+# into a clear error.
 MAX_CAPACITY_BLOCKS = 10**9
 KV_DTYPE_BYTES = {
     "float32": 4,
@@ -271,7 +269,7 @@ def diagnose(
         timings, "measure fixes", measure_fixes, culprits, prep, enc, meter, min_effect
     )
     _timed(timings, "measure fixes alone", measure_alone, kept if alone else [], prep, enc, meter)
-    # stable
+    # a stable sort: the kept culprits first, in their order
     culprits = kept + sorted((c for c in culprits if c not in kept), key=lambda c: not c.measurable)
     top, final_top = (
         _points(div, prep.tokens, enc),

@@ -29,10 +29,8 @@ JSON_SPACE = " \t\r\n"  # a line of only these is blank (not a request)
 BOM = b"\xef\xbb\xbf"
 PROMPT_FIELDS = ("messages", "prompt", "token_ids", "prompt_token_ids")
 # UTF-8 bytes a line may hold (its "\n" not counted): about 500k tokens of text. A longer line is a
-# BadLine,
-# read in pieces and never held whole: the tokenizer's memory grows with the line (a 5 MB prompt
-# took 1 GB,
-# a 50 MB one aborted the process in the tokenizer's allocator)
+# BadLine, read in pieces and never held whole: the tokenizer's memory grows with the line (a 5 MB
+# prompt took 1 GB, a 50 MB one aborted the process in the tokenizer's allocator)
 MAX_LINE_BYTES = 2 << 20
 
 

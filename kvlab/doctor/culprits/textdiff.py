@@ -183,8 +183,7 @@ def scan_pairs(
     chosen = cand
     if len(cand) > sample:
         # every divergence position once (its earliest request: rare positions are where rare
-        # culprits are),
-        # then a uniform sample of the rest
+        # culprits are), then a uniform sample of the rest
         first_at = {div.position[i]: i for i in reversed(cand)}  # reversed: the earliest wins
         rare = sorted(first_at.values(), key=lambda i: div.position[i])[: sample // 2]
         rest = sorted(set(cand) - set(rare))
