@@ -3,8 +3,9 @@
 
 vLLM v1's order (``vllm/v1/sample/sampler.py``): the log-probabilities a request asks for come from
 the raw logits; then ``logit_bias``, ``min_tokens`` (eos and stop ids masked) and the penalties
-change the logits, and greedy takes their argmax; sampling divides by the temperature, applies
-``min_p``, then top-k and top-p.
+change the logits (``logits_processors.process_logits``, only for a request that sets one), and
+greedy takes their argmax; sampling divides by the temperature, applies ``min_p``, then top-k and
+top-p.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .logits_processors import process_logits
 from .logprobs import token_logprobs
 from .sampling_params import STOP_ID_COLLECTIONS, SamplingParams
 
@@ -65,50 +67,6 @@ def sample_next(
         remove[-1] = False
         scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
     return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
-
-
-def process_logits(
-    sp: SamplingParams,
-    logits: torch.Tensor,
-    prompt_ids: list[int],
-    output_ids: list[int],
-    eos_ids: Any = (),
-) -> torch.Tensor:
-    """(vocab,) float32 logits after ``logit_bias``, ``min_tokens`` and the penalties, as vLLM v1
-    applies them.
-
-    ``min_tokens``: while fewer tokens were generated, eos (``eos_ids``) and ``stop_token_ids`` are
-    -inf. Penalties (vLLM's ``apply_penalties``): a token of the prompt or the output has its logit
-    divided by ``repetition_penalty`` when positive, multiplied when not; then ``frequency_penalty``
-    x its count in the output and ``presence_penalty`` (if it occurs in the output) are subtracted.
-    """
-    out = logits.float().clone()
-    vocab = out.shape[-1]
-    if sp.logit_bias:
-        ids = torch.tensor(
-            [t for t, _ in sp.logit_bias if t < vocab], dtype=torch.long, device=out.device
-        )
-        bias = torch.tensor(
-            [b for t, b in sp.logit_bias if t < vocab], dtype=out.dtype, device=out.device
-        )
-        out.index_add_(0, ids, bias)
-    if sp.min_tokens and len(output_ids) < sp.min_tokens:
-        stops = [t for t in {*eos_ids, *sp.stop_token_ids} if t < vocab]
-        if stops:
-            out[torch.tensor(stops, dtype=torch.long, device=out.device)] = float("-inf")
-    if sp.repetition_penalty != 1 or sp.frequency_penalty or sp.presence_penalty:
-        counts = torch.zeros(vocab, dtype=out.dtype, device=out.device)
-        if output_ids:
-            counts.index_add_(0, torch.tensor(output_ids, dtype=torch.long, device=out.device),
-                              torch.ones(len(output_ids), dtype=out.dtype, device=out.device))
-        seen = counts > 0
-        if sp.repetition_penalty != 1:
-            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=out.device)
-            in_prompt[torch.tensor(prompt_ids, dtype=torch.long, device=out.device)] = True
-            penalty = torch.where(in_prompt | seen, sp.repetition_penalty, 1.0).to(out.dtype)
-            out = torch.where(out > 0, out / penalty, out * penalty)
-        out = out - sp.frequency_penalty * counts - sp.presence_penalty * seen.to(out.dtype)
-    return out
 
 
 def sample(seq: Any, logits: torch.Tensor, top: int, eos_ids: Any = ()) -> int:
