@@ -1,7 +1,9 @@
-"""Shared by every test folder: offline Hugging Face, one torch thread, and the bundled model loaded once.
+"""Shared by every test folder: offline Hugging Face, one torch thread, and the bundled model loaded
+once.
 
-Nothing here imports torch or ``kvlab.lessons``: ``tests/cache`` runs without torch, and ``tests/cache`` +
-``tests/engine`` run from a copy of the package under another name (``tests/test_layers.py``).
+Nothing here imports torch or ``kvlab.lessons``: ``tests/cache`` runs without torch, and
+``tests/cache`` + ``tests/engine`` run from a copy of the package under another name
+(``tests/test_layers.py``).
 """
 
 import os
@@ -11,13 +13,16 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch loads: fixtures that run models start at one thread
+# read when torch loads: fixtures that run models start at one thread
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# The files whose tests take tens of seconds each (papermill kernels, the vLLM venv, Ray actors). They run first,
+# The files whose tests take tens of seconds each (papermill kernels, the vLLM venv, Ray actors).
+# They run first,
 # so the two workers finish together instead of one running a notebook alone at the end.
 _SLOW_FIRST = ("lessons/test_notebooks.py", "vllm/", "cluster/test_", "serve/test_serve")
-# The live timing audit last: its "no sharing detected" checks compare TTFTs, and a notebook run on the other
+# The live timing audit last: its "no sharing detected" checks compare TTFTs, and a notebook run on
+# the other
 # core beside them made an isolated server's hit and miss timings differ (p 8.7e-5 in one CI run).
 _TIMING_LAST = ("audit/",)
 
@@ -29,12 +34,14 @@ def _order(item) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow files first, the timing audit last, the rest between (a stable sort: modules stay whole)."""
+    """The slow files first, the timing audit last, the rest between (a stable sort: modules stay
+    whole)."""
     items.sort(key=_order)
 
 
 def pytest_runtest_setup(item):
-    """The test models are tiny: one torch thread is fastest, and steady when other jobs share the cores.
+    """The test models are tiny: one torch thread is fastest, and steady when other jobs share the
+    cores.
 
     Applied only once something has imported torch, so the pure-Python tests never load it.
     """
@@ -45,7 +52,8 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture(scope="session")
 def bundled():
-    """(model, tokenizer): the committed bundled model, float32 on CPU (``KVLAB_TEST_MODEL`` overrides)."""
+    """(model, tokenizer): the committed bundled model, float32 on CPU (``KVLAB_TEST_MODEL``
+    overrides)."""
     from kvlab.engine.models import load_model
 
     return load_model(os.environ.get("KVLAB_TEST_MODEL"), device="cpu", dtype="float32")

@@ -1,4 +1,5 @@
-"""The ``kvlab`` command: subcommands dispatch to ``python -m kvlab.<name>``; missing ones say why."""
+"""The ``kvlab`` command: subcommands dispatch to ``python -m kvlab.<name>``; missing ones say
+why."""
 
 import json
 
@@ -28,11 +29,15 @@ def test_unknown_command_is_refused(capsys):
 
 def test_doctor_runs_through_the_command(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
-    log.write_text("".join(json.dumps({"token_ids": [1, 2, 3, 4] * 8 + [i]}) + "\n" for i in range(10)))
+    log.write_text(
+        "".join(json.dumps({"token_ids": [1, 2, 3, 4] * 8 + [i]}) + "\n" for i in range(10))
+    )
     assert cli.main(["doctor", str(log), "--block-size", "4", "--out", str(tmp_path / "out")]) == 0
     assert "10 requests replayed" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["requests"] == 10
-    assert cli.main(["doctor", str(tmp_path / "missing.jsonl")]) == 2  # the module's own exit status comes back
+    assert (
+        cli.main(["doctor", str(tmp_path / "missing.jsonl")]) == 2
+    )  # the module's own exit status comes back
 
 
 def test_a_command_whose_module_is_absent_says_so(monkeypatch, capsys):

@@ -2,8 +2,8 @@
 
 Broad: a bare ``except:``, ``except Exception`` or ``except BaseException`` (alone or in a tuple).
 Said why: a comment on the ``except`` line, on comment lines just above it or at the start of its
-body, that is more than a lint code (``# noqa: BLE001`` alone names no reason). Re-raises: a ``raise`` statement directly in the
-handler's body.
+body, that is more than a lint code (``# noqa: BLE001`` alone names no reason). Re-raises: a
+``raise`` statement directly in the handler's body.
 """
 
 import ast
@@ -61,7 +61,8 @@ def test_the_check_finds_a_silent_broad_except(tmp_path):
         "try:\n    f()\nexcept (ValueError, BaseException):\n    x = 1\n"
         "try:\n    f()\nexcept Exception:  # a missing file is a miss here\n    pass\n"
         "try:\n    f()\nexcept BaseException:\n    g()\n    raise\n"
-        "try:\n    f()\n# the caller gets None for a record that does not render\nexcept Exception:\n    pass\n"
+        "try:\n    f()\n# the caller gets None for a record that does not render\n"
+        "except Exception:\n    pass\n"
         "try:\n    f()\nexcept ValueError:\n    pass\n"
     )
     found = unexplained_broad_excepts(tmp_path)

@@ -1,12 +1,13 @@
-"""Shared by the audit tests: every ``httpx.Client`` the audit opens can be sent to an in-process fake server."""
+"""Shared by the audit tests: every ``httpx.Client`` the audit opens can be sent to an in-process
+fake server."""
 
 import pytest
 
 
 @pytest.fixture
 def serve_with(monkeypatch):
-    """``serve_with(server)``: from now on every ``httpx.Client`` talks to ``server`` (an httpx MockTransport
-    handler); returns ``server``."""
+    """``serve_with(server)``: from now on every ``httpx.Client`` talks to ``server`` (an httpx
+    MockTransport handler); returns ``server``."""
     import httpx
 
     def install(server):

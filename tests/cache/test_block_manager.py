@@ -1,5 +1,6 @@
 """The block manager: vLLM's prefix-caching semantics on hand-made traces, bad input, and a
-hypothesis property test of random allocate / append / fork / free interleavings under pool pressure."""
+hypothesis property test of random allocate / append / fork / free interleavings under pool
+pressure."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -38,7 +39,7 @@ def collide(parent, tokens, extra=()):
     return b"same"
 
 
-# --- cached-token counts (vLLM: full blocks only, last prompt token always recomputed) -------------
+# --- cached-token counts (vLLM: full blocks only, last prompt token always recomputed) ------------
 @pytest.mark.parametrize(
     "n, expected",
     [(3, 0), (4, 0), (5, 4), (8, 4), (9, 8), (12, 8), (13, 12), (14, 12)],
@@ -98,13 +99,14 @@ def test_slot_mapping_follows_the_block_table():
     assert m.slot_mapping("a", 4, 6) == [8, 9]
 
 
-# --- LRU eviction and tail-first freeing -----------------------------------------------------------
+# --- LRU eviction and tail-first freeing ----------------------------------------------------------
 def test_free_is_tail_first_and_lru_evicts_tails_before_heads():
     m = BlockManager(6, 4, trace=True)
     m.allocate("a", list(range(12)))  # blocks 0, 1, 2
     m.free("a")
     assert list(m.pool.free)[-3:] == [2, 1, 0]  # tail released first, so it is evicted first
-    m.allocate("b", [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62])  # needs 4 blocks: 3,4,5 then 2
+    # needs 4 blocks: 3,4,5 then 2
+    m.allocate("b", [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62])
     evicted = [e.block_id for e in m.pool.trace if e.event == "evict"]
     assert evicted == [2]
     m.free("b")
@@ -142,7 +144,7 @@ def test_miss_reasons_short_no_prefix_evicted():
     m.check_invariants()
 
 
-# --- isolation: salts, model fingerprints, hash collisions ------------------------------------------
+# --- isolation: salts, model fingerprints, hash collisions ----------------------------------------
 def test_salts_isolate_tenants_and_are_counted_per_tenant():
     m = BlockManager(32, 4)
     assert m.allocate("a1", SYS + [1], TenantScope(cache_salt="tenant-a")) == 0
@@ -190,7 +192,7 @@ def test_a_stale_child_never_matches_a_new_parent_in_the_same_block():
     m.check_invariants()
 
 
-# --- copy-on-write -----------------------------------------------------------------------------------
+# --- copy-on-write --------------------------------------------------------------------------------
 def test_fork_shares_all_blocks_and_cow_splits_the_partial_one():
     m = BlockManager(8, 4)
     m.allocate("p", [1, 2, 3, 4, 5, 6])
@@ -229,7 +231,7 @@ def test_fork_with_a_full_last_block_needs_no_copy():
     m.check_invariants()
 
 
-# --- bad input: clear exception, unchanged state -------------------------------------------------------
+# --- bad input: clear exception, unchanged state --------------------------------------------------
 @pytest.mark.parametrize("bad", [0, -4, 2.0, True, "16", None])
 def test_block_size_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="block_size must be a positive int"):
@@ -255,7 +257,11 @@ def _busy_manager():
         (lambda m: m.allocate("z", [1, "2"]), TypeError, "ints"),
         (lambda m: m.allocate("z", [1], TenantScope(cache_salt=3)), TypeError, "salt"),
         (lambda m: m.append("a", 1.0), TypeError, "ints"),
-        (lambda m: m.allocate("z", list(range(200, 220))), NoFreeBlocksError, "needs 5 free blocks, 2 of 6"),
+        (
+            lambda m: m.allocate("z", list(range(200, 220))),
+            NoFreeBlocksError,
+            "needs 5 free blocks, 2 of 6",
+        ),
         (lambda m: m.allocate("z", list(range(10**6))), NoFreeBlocksError, "free blocks"),
     ],
 )
@@ -308,10 +314,15 @@ def test_check_invariants_finds_a_planted_leak():
         m.check_invariants()
 
 
-# --- property test: random interleavings under pool pressure -------------------------------------------
+# --- property test: random interleavings under pool pressure --------------------------------------
 PREFIXES = [SYS, SYS[:5], [7] * 9, []]
 op = st.one_of(
-    st.tuples(st.just("alloc"), st.integers(0, 3), st.lists(st.integers(0, 5), max_size=7), st.integers(0, 2)),
+    st.tuples(
+        st.just("alloc"),
+        st.integers(0, 3),
+        st.lists(st.integers(0, 5), max_size=7),
+        st.integers(0, 2),
+    ),
     st.tuples(st.just("append"), st.integers(0, 63), st.integers(0, 5)),
     st.tuples(st.just("append"), st.integers(0, 63), st.integers(0, 5)),
     st.tuples(st.just("fork"), st.integers(0, 63)),
@@ -321,7 +332,11 @@ OPS_SEEN = []
 
 
 @pytest.mark.parametrize("hash_fn", [hash_block, collide], ids=["sha256", "all-collide"])
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(ops=st.lists(op, min_size=200, max_size=260))
 def test_random_interleavings_keep_every_invariant_and_leak_nothing(hash_fn, ops):
     m = BlockManager(12, 3, hash_fn=hash_fn, model_fingerprint="fp")
@@ -365,7 +380,8 @@ def test_random_interleavings_keep_every_invariant_and_leak_nothing(hash_fn, ops
 
 
 def test_property_run_covers_at_least_2000_operations():
-    # runs the property test's examples here (under xdist it may run on another worker, with its own list)
+    # runs the property test's examples here (under xdist it may run on another worker, with its own
+    # list)
     OPS_SEEN.clear()
     test_random_interleavings_keep_every_invariant_and_leak_nothing(hash_fn=hash_block)
     assert len(OPS_SEEN) >= 2000, len(OPS_SEEN)
@@ -382,11 +398,15 @@ def test_allocate_reuses_the_plan_of_can_allocate_and_hashes_once():
     prompt = list(range(13))  # three full blocks and one token
     plan = m.can_allocate(prompt)
     assert plan and len(calls) == 3 and plan.blocks_needed == 4
-    assert m.allocate("a", prompt, plan=plan) == 0 and len(calls) == 3  # the plan's hashes were reused
+    assert (
+        m.allocate("a", prompt, plan=plan) == 0 and len(calls) == 3
+    )  # the plan's hashes were reused
     stale = m.can_allocate(prompt)
     m.allocate("b", list(range(100, 105)))  # the pool changes: the plan is stale
     n = len(calls)
-    assert m.allocate("c", prompt, plan=stale) == 12 and len(calls) > n  # recomputed, and it hits a's blocks
+    assert (
+        m.allocate("c", prompt, plan=stale) == 12 and len(calls) > n
+    )  # recomputed, and it hits a's blocks
     m.check_invariants()
 
 
@@ -395,7 +415,8 @@ def test_a_preempted_requests_lookup_is_counted_apart():
     bm = BlockManager(8, 4)
     bm.allocate("a", list(range(10)))
     bm.free("a")
-    bm.allocate("a", list(range(10)), preempted=True)  # re-admitted after a preemption: 8 tokens hit
+    # re-admitted after a preemption: 8 tokens hit
+    bm.allocate("a", list(range(10)), preempted=True)
     m = bm.metrics
     assert (m.total.requests, m.total.queries, m.total.hits) == (1, 10, 0)
     assert (m.preempted.requests, m.preempted.queries, m.preempted.hits) == (1, 10, 8)
@@ -404,7 +425,8 @@ def test_a_preempted_requests_lookup_is_counted_apart():
 
 
 def test_a_plan_of_another_manager_is_refused_before_anything_changes():
-    """Two managers at the same clock: the other's plan counts its free blocks and uses its fingerprint."""
+    """Two managers at the same clock: the other's plan counts its free blocks and uses its
+    fingerprint."""
     prompt = list(range(13))  # four blocks
     big, small = BlockManager(16, 4), BlockManager(2, 4)
     plan = big.can_allocate(prompt)
@@ -416,13 +438,16 @@ def test_a_plan_of_another_manager_is_refused_before_anything_changes():
     small.check_invariants()
     other = BlockManager(16, 4, model_fingerprint="another model")
     with pytest.raises(ValueError, match="not made by this manager"):
-        other.allocate("x", prompt, plan=plan)  # it would cache blocks under the first model's hashes
+        other.allocate(
+            "x", prompt, plan=plan
+        )  # it would cache blocks under the first model's hashes
     assert other.seqs == {} and other.pool.cached == {}
     other.check_invariants()
 
 
 def test_a_plan_made_before_the_pool_changed_is_planned_again():
-    """Blocks taken from the pool directly (no manager clock tick): the plan's free count is stale."""
+    """Blocks taken from the pool directly (no manager clock tick): the plan's free count is
+    stale."""
     m = BlockManager(4, 4)
     prompt = list(range(13))
     plan = m.can_allocate(prompt)
@@ -437,18 +462,27 @@ def test_a_plan_made_before_the_pool_changed_is_planned_again():
 
 
 def test_block_manager_implements_the_cache_interface():
-    """``BlockManager`` is a ``CacheManager``: isinstance holds and every listed member exists and is usable."""
+    """``BlockManager`` is a ``CacheManager``: isinstance holds and every listed member exists and
+    is usable."""
     import inspect
 
     from kvlab.cache import CacheManager, missing_members
     from kvlab.cache.interface import CACHE_MEMBERS
 
-    declared = {n for n, v in vars(CacheManager).items() if inspect.isfunction(v) and not n.startswith("_")}
-    assert declared | set(CacheManager.__annotations__) == set(CACHE_MEMBERS)  # the list names the protocol
-    assert {"allocate", "seqs", "take_events", "block_size"} <= set(CACHE_MEMBERS)  # derived, not empty
+    declared = {
+        n for n, v in vars(CacheManager).items() if inspect.isfunction(v) and not n.startswith("_")
+    }
+    # the list names the protocol
+    assert declared | set(CacheManager.__annotations__) == set(CACHE_MEMBERS)
+    # derived, not empty
+    assert {"allocate", "seqs", "take_events", "block_size"} <= set(CACHE_MEMBERS)
     bm = BlockManager(8, 4)
     assert isinstance(bm, CacheManager) and missing_members(bm) == []
-    assert bm.num_blocks == bm.pool.num_blocks == 8 and bm.take_events() == [] and bm.reset_prefix_cache()
+    assert (
+        bm.num_blocks == bm.pool.num_blocks == 8
+        and bm.take_events() == []
+        and bm.reset_prefix_cache()
+    )
     assert not isinstance(object(), CacheManager)
     assert set(missing_members(object())) == set(CACHE_MEMBERS)
 
@@ -461,7 +495,9 @@ def test_check_cache_names_missing_and_uncallable_members():
         block_size, num_blocks, num_free_blocks, seqs = 4, 8, 8, {}
         allocate = 3  # not a method
 
-    with pytest.raises(TypeError, match=r"Half lacks allocate \(not callable\), append, block_table") as e:
+    with pytest.raises(
+        TypeError, match=r"Half lacks allocate \(not callable\), append, block_table"
+    ) as e:
         check_cache(Half())
     assert "take_events" in str(e.value) and "block_size" not in str(e.value)
     bm = BlockManager(4, 4)
@@ -469,7 +505,8 @@ def test_check_cache_names_missing_and_uncallable_members():
 
 
 def test_cache_members_follow_the_protocol(monkeypatch):
-    """``CACHE_MEMBERS`` is read from ``CacheManager``: a member added to a copy of the Protocol shows up in it."""
+    """``CACHE_MEMBERS`` is read from ``CacheManager``: a member added to a copy of the Protocol
+    shows up in it."""
     import inspect
     import sys
     import types
@@ -477,8 +514,10 @@ def test_cache_members_follow_the_protocol(monkeypatch):
     from kvlab.cache import interface
 
     src = inspect.getsource(interface).replace(
-        "    def take_events(self) -> list:", "    extra_attr: int\n\n    def extra_method(self) -> None:\n"
-        "        \"\"\"A member for this test.\"\"\"\n\n    def take_events(self) -> list:")
+        "    def take_events(self) -> list:",
+        "    extra_attr: int\n\n    def extra_method(self) -> None:\n"
+        '        """A member for this test."""\n\n    def take_events(self) -> list:',
+    )
     copy = types.ModuleType("interface_copy")
     # its dataclasses look their module up
     monkeypatch.setitem(sys.modules, "interface_copy", copy)
@@ -488,7 +527,8 @@ def test_cache_members_follow_the_protocol(monkeypatch):
 
 
 def test_both_caches_seq_entries_carry_what_the_protocol_declares():
-    """Every entry of ``seqs`` has the ``CacheSeq`` members (the engine reads ``num_restored_tokens`` there)."""
+    """Every entry of ``seqs`` has the ``CacheSeq`` members (the engine reads
+    ``num_restored_tokens`` there)."""
     from kvlab.cache import CacheSeq
     from kvlab.cache.radix import RadixCache
 

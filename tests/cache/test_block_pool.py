@@ -1,4 +1,5 @@
-"""The block pool: LRU free list, lazy eviction, the collision guard, the trace and its invariants."""
+"""The block pool: LRU free list, lazy eviction, the collision guard, the trace and its
+invariants."""
 
 import pytest
 
@@ -42,7 +43,8 @@ def test_released_blocks_are_reused_least_recently_released_first():
 
 
 def test_vllm_free_order_reuses_unhashed_blocks_before_evicting_cached_ones():
-    """vLLM's order (the default): a freed block with no hash goes to the head, a cached one to the tail."""
+    """vLLM's order (the default): a freed block with no hash goes to the head, a cached one to the
+    tail."""
     pool = BlockPool(4, 2)
     blocks = [pool.take("s") for _ in range(4)]
     for i, b in enumerate(blocks[:3]):  # three full, cached blocks; block 3 stays a partial tail
@@ -51,7 +53,8 @@ def test_vllm_free_order_reuses_unhashed_blocks_before_evicting_cached_ones():
     for i in (1, 3, 0):  # release: a cached block, the partial tail, a cached block
         pool.release(blocks[i], "s")
     assert list(pool.free) == [3, 1, 0]  # the tail first, then the cached blocks in release order
-    assert pool.take("t").block_id == 3 and len(pool.cached) == 3  # reused without evicting anything
+    # reused without evicting anything
+    assert pool.take("t").block_id == 3 and len(pool.cached) == 3
     lru = BlockPool(4, 2, free_order="lru")
     bl = [lru.take("s") for _ in range(4)]
     for i, b in enumerate(bl[:3]):
@@ -59,7 +62,8 @@ def test_vllm_free_order_reuses_unhashed_blocks_before_evicting_cached_ones():
         lru.register(b, bytes([i]), None, 0)
     for i in (1, 3, 0):
         lru.release(bl[i], "s")
-    assert list(lru.free) == [1, 3, 0] and lru.take("t").block_id == 1 and len(lru.cached) == 2  # evicts block 1
+    # evicts block 1
+    assert list(lru.free) == [1, 3, 0] and lru.take("t").block_id == 1 and len(lru.cached) == 2
     with pytest.raises(ValueError, match="free_order"):
         BlockPool(4, 2, free_order="fifo")
 
@@ -69,11 +73,13 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
 
     m = BlockManager(8, 4)
     m.allocate("a", list(range(10)))
-    assert m.reset_prefix_cache() is False and m.stats()["num_cached_blocks"] == 2  # refused: nothing changed
+    # refused: nothing changed
+    assert m.reset_prefix_cache() is False and m.stats()["num_cached_blocks"] == 2
     m.free("a")
     order = list(m.pool.free)
     assert m.reset_prefix_cache() is True
-    assert m.stats()["num_cached_blocks"] == 0 and list(m.pool.free) == order  # hashes gone, free list kept
+    # hashes gone, free list kept
+    assert m.stats()["num_cached_blocks"] == 0 and list(m.pool.free) == order
     assert m.allocate("b", list(range(10))) == 0  # nothing to hit any more
     m.check_invariants()
 
@@ -144,9 +150,19 @@ def test_trace_records_each_block_life():
     pool.tick()
     pool.release(b, "s")
     events = [(e.t, e.event, e.ref_count, e.owner) for e in pool.history(b.block_id)]
-    assert events == [(1, "take", 1, "s"), (1, "register", 1, "s"), (2, "hit", 2, "t"), (3, "release", 1, "s")]
+    assert events == [
+        (1, "take", 1, "s"),
+        (1, "register", 1, "s"),
+        (2, "hit", 2, "t"),
+        (3, "release", 1, "s"),
+    ]
     row = pool.block_report()[b.block_id]
-    assert row["ref_count"] == 1 and row["created_at"] == 1 and row["last_access"] == 3 and row["cached"]
+    assert (
+        row["ref_count"] == 1
+        and row["created_at"] == 1
+        and row["last_access"] == 3
+        and row["cached"]
+    )
     with pytest.raises(RuntimeError, match="trace=True"):
         BlockPool(1, 1).history(0)
 
@@ -167,8 +183,11 @@ def test_check_invariants_catches_corruption():
 
 
 def test_evicted_hashes_keep_only_the_latest_evictions():
-    """A long-running pool must not remember every hash it ever evicted (issue 24: ~0.9 KB per request)."""
-    assert BlockPool(4, 2).max_evicted_hashes == 1024 and BlockPool(1000, 2).max_evicted_hashes == 4000
+    """A long-running pool must not remember every hash it ever evicted (issue 24: ~0.9 KB per
+    request)."""
+    assert (
+        BlockPool(4, 2).max_evicted_hashes == 1024 and BlockPool(1000, 2).max_evicted_hashes == 4000
+    )
     pool = BlockPool(1, 1, max_evicted_hashes=3)
     hashes = []
     for t in range(10):  # each new block evicts the one before it

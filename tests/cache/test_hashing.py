@@ -1,4 +1,5 @@
-"""Chained block hashes: prefix-stable, sensitive to every token before them, keyed by model and salt."""
+"""Chained block hashes: prefix-stable, sensitive to every token before them, keyed by model and
+salt."""
 
 import pytest
 from hypothesis import given, settings
@@ -83,7 +84,8 @@ def test_hash_fn_is_deterministic(fn):
 
 @pytest.mark.parametrize("public, salted", [(0, 0), (15, 0), (16, 1), (40, 2), (48, 3)])
 def test_salted_block_is_the_first_block_not_wholly_public(public, salted):
-    """A block straddling the public prefix's end is private; the whole blocks before it are shared."""
+    """A block straddling the public prefix's end is private; the whole blocks before it are
+    shared."""
     from kvlab.cache.hash_tools import salted_block
     from kvlab.cache.hashing import DEFAULT_BLOCK_SIZE
 

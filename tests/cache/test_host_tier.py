@@ -1,7 +1,8 @@
-"""The host tier: a bytes-bounded LRU of evicted blocks, restored instead of recomputed (pure Python).
+"""The host tier: a bytes-bounded LRU of evicted blocks, restored instead of recomputed (pure
+Python).
 
-On the engine: ``tests/engine/test_offload.py``; in the router's index: ``tests/cluster/test_router.py``."""
-
+On the engine: ``tests/engine/test_offload.py``; in the router's index:
+``tests/cluster/test_router.py``."""
 
 import pytest
 
@@ -33,7 +34,10 @@ def test_tier_respects_its_byte_bound_in_lru_order():
     assert not tier.put(entry(7, nbytes=36))  # larger than the whole tier: refused, nothing evicted
     assert len(tier) == 3 and tier.num_refused == 1
     assert all(ev.medium == MEDIUM_CPU for ev in events)
-    assert sum(isinstance(ev, BlockStored) for ev in events) == 7 and sum(isinstance(ev, BlockRemoved) for ev in events) == 4
+    assert (
+        sum(isinstance(ev, BlockStored) for ev in events) == 7
+        and sum(isinstance(ev, BlockRemoved) for ev in events) == 4
+    )
 
 
 def test_a_pinned_entry_is_not_evicted():
@@ -53,7 +57,8 @@ def test_the_tier_serves_only_the_exact_block():
     e = entry(0)
     tier.put(e)
     assert tier.get(e.block_hash, e.token_ids, (), None) is e
-    assert tier.get(e.block_hash, (9, 9, 9, 9), (), None) is None  # same hash, other tokens (a collision)
+    # same hash, other tokens (a collision)
+    assert tier.get(e.block_hash, (9, 9, 9, 9), (), None) is None
     assert tier.get(e.block_hash, e.token_ids, (("salt", "b"),), None) is None  # another salt
     assert tier.get(e.block_hash, e.token_ids, (), b"x" * 32) is None  # another parent
 
@@ -101,8 +106,9 @@ def test_evicted_blocks_come_back_from_the_tier_as_a_second_kind_of_hit():
 
 
 def test_an_entry_evicted_while_fetched_ends_the_restore_and_the_rest_is_recomputed():
-    """The tier holds 2 blocks; taking the first restored block's slot evicts a pool block into the tier,
-    which pushes out the second entry before it is read: one block restored, the rest computed."""
+    """The tier holds 2 blocks; taking the first restored block's slot evicts a pool block into the
+    tier, which pushes out the second entry before it is read: one block restored, the rest
+    computed."""
     bm = _manager(4, 2)
     prompt = list(range(2 * BS + 1))
     bm.allocate("a", prompt)

@@ -1,5 +1,5 @@
-"""KV events (vLLM's schema) from the block manager (the engine's batches: tests/engine/test_engine.py;
-the same stream as real vLLM's: tests/vllm/test_vllm_bridge.py)."""
+"""KV events (vLLM's schema) from the block manager (the engine's batches:
+tests/engine/test_engine.py; the same stream as real vLLM's: tests/vllm/test_vllm_bridge.py)."""
 
 import random
 
@@ -36,7 +36,10 @@ def test_decode_stores_each_block_it_fills():
     assert bm.take_events() == []  # block not full yet
     bm.append("a", 8)
     (ev,) = bm.take_events()
-    assert ev.token_ids == (5, 6, 7, 8) and ev.parent_block_hash == prompt_block_hashes([1, 2, 3, 4], 4)[0]
+    assert (
+        ev.token_ids == (5, 6, 7, 8)
+        and ev.parent_block_hash == prompt_block_hashes([1, 2, 3, 4], 4)[0]
+    )
     assert ev.block_hashes == (prompt_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)[1],)
 
 
@@ -45,11 +48,13 @@ def test_eviction_removes_and_reset_clears():
     bm.allocate("a", list(range(8)) + [9])  # 3 blocks, 2 cached
     bm.free("a")
     stored = bm.take_events()[0].block_hashes
-    bm.allocate("b", [100 + i for i in range(12)])  # needs all 3: evicts both cached blocks, tail first
+    # needs all 3: evicts both cached blocks, tail first
+    bm.allocate("b", [100 + i for i in range(12)])
     events = bm.take_events()
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert [e.block_hashes[0] for e in removed] == [stored[1], stored[0]]
-    assert isinstance(events[-1], BlockStored)  # removals first: the slots are taken before the new blocks cache
+    # removals first: the slots are taken before the new blocks cache
+    assert isinstance(events[-1], BlockStored)
     assert not bm.reset_prefix_cache()  # "b" still holds blocks: refused, no event
     assert bm.take_events() == []
     bm.free("b")
@@ -66,8 +71,8 @@ def test_failed_step_uncache_emits_removed():
 
 
 def test_the_pool_event_hook_is_public_and_no_module_calls_a_private_one():
-    """``BlockPool.emit_event`` queues in order with the pool's own events and drops when events are off; no cache
-    module calls another object's private ``_emit``."""
+    """``BlockPool.emit_event`` queues in order with the pool's own events and drops when events are
+    off; no cache module calls another object's private ``_emit``."""
     import re
     from pathlib import Path
 
@@ -86,11 +91,14 @@ def test_the_pool_event_hook_is_public_and_no_module_calls_a_private_one():
     bm.emit_event(extra)  # a tier's events go through the block manager to the pool's hook
     assert bm.take_events() == [extra]
     folder = Path(kvlab.cache.__file__).parent
-    assert [f.name for f in folder.glob("*.py") if re.search(r"(?<!\bself)\._emit\(", f.read_text())] == []
+    assert [
+        f.name for f in folder.glob("*.py") if re.search(r"(?<!\bself)\._emit\(", f.read_text())
+    ] == []
 
 
 def test_replaying_the_events_gives_the_cached_hashes():
-    """Stores minus removals per hash (a multiset: twins exist) == what the pool caches, after random ops."""
+    """Stores minus removals per hash (a multiset: twins exist) == what the pool caches, after
+    random ops."""
     rng = random.Random(0)
     bm = BlockManager(12, 4, enable_kv_events=True)
     counts: dict[bytes, int] = {}
@@ -115,4 +123,6 @@ def test_replaying_the_events_gives_the_cached_hashes():
                 counts.clear()
             for h in ev.block_hashes if not isinstance(ev, AllBlocksCleared) else ():
                 counts[h] = counts.get(h, 0) + (1 if isinstance(ev, BlockStored) else -1)
-        assert {h: c for h, c in counts.items() if c} == {h: len(b) for h, b in bm.pool.cached.items()}
+        assert {h: c for h, c in counts.items() if c} == {
+            h: len(b) for h, b in bm.pool.cached.items()
+        }

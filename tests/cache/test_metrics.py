@@ -21,8 +21,16 @@ def test_tenant_table_keeps_the_most_recent_tenants_and_sums_the_rest():
     rows = {r["tenant"]: r for r in m.tenant_table()}
     assert set(rows) == {"t9", "t7", "new", OTHER_TENANTS}
     assert rows[OTHER_TENANTS]["requests"] == 8 and rows["t7"]["requests"] == 2
-    for key in ("requests", "query_tokens", "hit_tokens", "miss_short", "miss_no_prefix", "miss_evicted"):
-        assert sum(r[key] for r in rows.values()) == m.as_dict()[key]  # nothing lost, nothing counted twice
+    for key in (
+        "requests",
+        "query_tokens",
+        "hit_tokens",
+        "miss_short",
+        "miss_no_prefix",
+        "miss_evicted",
+    ):
+        # nothing lost, nothing counted twice
+        assert sum(r[key] for r in rows.values()) == m.as_dict()[key]
 
 
 def test_no_other_row_until_a_tenant_is_pushed_out():

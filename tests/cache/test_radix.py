@@ -1,7 +1,8 @@
-"""The radix-tree prefix cache (SGLang's RadixAttention semantics): hand-made cases, bad input, and two
-hypothesis property tests -- random insert / match+lock / unlock / evict sequences against an independent
-brute-force model (resident prefixes, lock counts, LRU times), and random allocate / append / fork / free
-interleavings under pool pressure against the longest common prefix over every resident sequence."""
+"""The radix-tree prefix cache (SGLang's RadixAttention semantics): hand-made cases, bad input, and
+two hypothesis property tests -- random insert / match+lock / unlock / evict sequences against an
+independent brute-force model (resident prefixes, lock counts, LRU times), and random allocate /
+append / fork / free interleavings under pool pressure against the longest common prefix over every
+resident sequence."""
 
 from collections import Counter
 
@@ -18,7 +19,9 @@ from kvlab.cache.block_manager import (
 from kvlab.cache.block_pool import InvariantError, NoFreeBlocksError
 from kvlab.cache.radix import RadixCache
 
-SYS = list(range(100, 137))  # a 37-token "system prompt": two full 16-token blocks and 5 tokens more
+SYS = list(
+    range(100, 137)
+)  # a 37-token "system prompt": two full 16-token blocks and 5 tokens more
 
 
 def snapshot(c: RadixCache):
@@ -28,7 +31,7 @@ def snapshot(c: RadixCache):
              for k, s in c.seqs.items()}, c.metrics.as_dict(), c.num_splits, c.num_evicted_pages)
 
 
-# --- cached-token counts -------------------------------------------------------------------------------
+# --- cached-token counts --------------------------------------------------------------------------
 @pytest.mark.parametrize("page_size", [1, 2, 4, 16])
 @pytest.mark.parametrize("n", [1, 2, 5, 16, 17, 37])
 def test_repeated_prompt_hits_all_but_the_last_token_in_whole_pages(page_size, n):
@@ -93,7 +96,7 @@ def test_duplicate_pages_past_the_capped_match_are_freed_with_the_sequence():
     c.check_invariants()
 
 
-# --- tenants -------------------------------------------------------------------------------------------
+# --- tenants --------------------------------------------------------------------------------------
 def test_each_salt_is_its_own_root():
     c = RadixCache(256, 1)
     c.allocate("a", SYS, TenantScope(cache_salt="acme"))
@@ -119,7 +122,7 @@ def test_a_public_prefix_cannot_cross_salts():
     c.can_allocate(SYS, TenantScope(public_tokens=8))  # no salt: nothing to cross
 
 
-# --- locks and eviction --------------------------------------------------------------------------------
+# --- locks and eviction ---------------------------------------------------------------------------
 def test_eviction_takes_the_least_recently_used_unlocked_leaf():
     c = RadixCache(12, 1, trace=True)
     c.insert([1, 2, 3, 4])
@@ -177,7 +180,7 @@ def test_refused_allocation_changes_nothing():
     assert snapshot(c) == before
 
 
-# --- decode, fork, free ----------------------------------------------------------------------------------
+# --- decode, fork, free ---------------------------------------------------------------------------
 def test_fork_shares_whole_pages_and_copies_a_partial_last_page():
     c = RadixCache(16, 4)
     c.allocate("p", list(range(6)))  # page 0 full (in the tree), page 1 holds 2 tokens
@@ -251,16 +254,18 @@ def test_check_invariants_catches_a_leak():
         c.check_invariants()
 
 
-# --- the cache interface, no aliases (replays on this cache: tests/engine/test_trace_replay.py) ------------
+# --- the cache interface, no aliases (replays on this cache: tests/engine/test_trace_replay.py) ---
 def test_the_radix_cache_has_its_own_shape_and_no_pool_alias():
     c = RadixCache(64, 4)
-    assert not hasattr(c, "pool")  # it once returned itself so code could read ``manager.pool.num_blocks``
+    # it once returned itself so code could read ``manager.pool.num_blocks``
+    assert not hasattr(c, "pool")
     assert (c.num_blocks, c.block_size, c.num_free_blocks) == (64, 4, 64)
 
 
-# --- property test 1: the tree against a brute-force model ------------------------------------------------
+# --- property test 1: the tree against a brute-force model ----------------------------------------
 class Model:
-    """Resident page-aligned prefixes per salt with their last-access time, and lock counts per locked path."""
+    """Resident page-aligned prefixes per salt with their last-access time, and lock counts per
+    locked path."""
 
     def __init__(self, page_size):
         self.p = page_size
@@ -281,28 +286,41 @@ class Model:
             self.time[(salt, tuple(tokens[:j]))] = t
 
     def locked(self, salt, prefix):
-        return any(s == salt and path[: len(prefix)] == prefix for (s, path), n in self.locks.items() if n)
+        return any(
+            s == salt and path[: len(prefix)] == prefix for (s, path), n in self.locks.items() if n
+        )
 
     def is_leaf(self, salt, prefix):
-        return not any(s == salt and len(q) > len(prefix) and q[: len(prefix)] == prefix for (s, q) in self.time)
+        return not any(
+            s == salt and len(q) > len(prefix) and q[: len(prefix)] == prefix
+            for (s, q) in self.time
+        )
 
     def evict(self, salt, path, edge, t):
-        removed = [(salt, path[:j]) for j in range(len(path) - edge + self.p, len(path) + 1, self.p)]
+        removed = [
+            (salt, path[:j]) for j in range(len(path) - edge + self.p, len(path) + 1, self.p)
+        ]
         assert all(r in self.time for r in removed), "evicted a prefix that was not resident"
         assert self.is_leaf(salt, path), "evicted a node that was not a leaf"
         assert not self.locked(salt, path), "evicted a locked node"
         assert self.time[(salt, path)] == t
         leaves = [(s, q) for (s, q) in self.time if self.is_leaf(s, q) and not self.locked(s, q)]
-        assert t == min(self.time[x] for x in leaves), "evicted a leaf that was not the least recently used"
+        assert t == min(self.time[x] for x in leaves), (
+            "evicted a leaf that was not the least recently used"
+        )
         for r in removed:
             del self.time[r]
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["insert", "insert", "match", "match_lock", "unlock", "evict"]),
-                         st.lists(st.integers(0, 2), min_size=1, max_size=12),
-                         st.sampled_from([None, None, "t"]),
-                         st.integers(0, 10)),
-               max_size=40)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "insert", "match", "match_lock", "unlock", "evict"]),
+        st.lists(st.integers(0, 2), min_size=1, max_size=12),
+        st.sampled_from([None, None, "t"]),
+        st.integers(0, 10),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -322,7 +340,8 @@ def test_tree_agrees_with_brute_force(page_size, num_pages, ops):
             except NoFreeBlocksError:
                 assert snapshot(c) == before
                 continue
-            # the insert touches the path it extends and holds it locked while it evicts for new pages
+            # the insert touches the path it extends and holds it locked while it evicts for new
+            # pages
             k = model.lcp(salt, aligned)
             model.touch(salt, aligned, k, c.clock)
             model.locks[(salt, tuple(aligned[:k]))] += 1
@@ -358,15 +377,21 @@ def test_tree_agrees_with_brute_force(page_size, num_pages, ops):
         assert c.total_size() == len(model.time) * page_size
 
 
-# --- property test 2: sequences under pool pressure vs the longest common prefix of resident sequences ------
-SEQ_OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "append", "append", "append", "fork", "free"]),
-                             st.integers(0, 5), st.lists(st.integers(0, 2), min_size=1, max_size=14),
-                             st.sampled_from([None, "t"])),
-                   max_size=50)
+# --- property test 2: sequences under pool pressure vs the longest common prefix of resident sequen
+SEQ_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "alloc", "append", "append", "append", "fork", "free"]),
+        st.integers(0, 5),
+        st.lists(st.integers(0, 2), min_size=1, max_size=14),
+        st.sampled_from([None, "t"]),
+    ),
+    max_size=50,
+)
 
 
 def brute_force_hit(c: RadixCache, tokens, salt):
-    """Longest common prefix of the prompt (capped at n - 1, whole pages) and any resident sequence."""
+    """Longest common prefix of the prompt (capped at n - 1, whole pages) and any resident
+    sequence."""
     cap = (len(tokens) - 1) // c.page_size * c.page_size
     best = 0
     for s, seq in c.resident():
@@ -448,6 +473,7 @@ def test_evict_advances_the_clock_so_older_plans_are_stale():
     t = c.clock
     assert c.evict(2) == 2
     assert c.clock == t + 1 and plan.clock != c.clock
-    assert c.evict(0) == 0 and c.clock == t + 2  # a mutation call like the others, even when nothing goes
+    # a mutation call like the others, even when nothing goes
+    assert c.evict(0) == 0 and c.clock == t + 2
     assert c.allocate("x", [1, 2, 3, 4, 9], plan=plan) == 4
     c.check_invariants()

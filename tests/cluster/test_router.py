@@ -1,4 +1,5 @@
-"""The router's KV index (built only from events), its hashing, and its policies (pure Python, fast)."""
+"""The router's KV index (built only from events), its hashing, and its policies (pure Python,
+fast)."""
 
 import random
 
@@ -18,7 +19,8 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "free", "reset"]), 
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_index_equals_union_of_replica_caches(sequence):
-    """After any operations on 3 replicas, index[r] == the hashes r's pool caches (and counts match)."""
+    """After any operations on 3 replicas, index[r] == the hashes r's pool caches (and counts
+    match)."""
     bms = [BlockManager(6, BS, enable_kv_events=True) for _ in range(3)]
     index, seqs, live, n = KVIndex(), [0, 0, 0], [[], [], []], 0
     for op, r, tokens in sequence:
@@ -78,7 +80,8 @@ def test_a_lost_batch_marks_the_replica_stale_until_it_resets():
     assert H1 not in index.hashes(0) and index.stale == {0} and index.gaps == 1
     assert index.overlap(0, [H2]) == 0  # not routed on while stale
     assert index.hashes(1) == {H1} and H1 in index.parent  # the other replica is untouched
-    index.apply(0, EventBatch(0.0, (AllBlocksCleared(), _stored(H3)), 3))  # its cache was reset: exact again
+    # its cache was reset: exact again
+    index.apply(0, EventBatch(0.0, (AllBlocksCleared(), _stored(H3)), 3))
     assert index.stale == set() and index.hashes(0) == {H3} and index.overlap(0, [H3]) == 1
 
 
@@ -112,7 +115,8 @@ def test_a_snapshot_resyncs_a_stale_replica():
 
 
 def test_kv_aware_does_not_route_on_a_stale_index():
-    """Replica 0 evicted the prefix in a batch the router never got: it must not count it as cached."""
+    """Replica 0 evicted the prefix in a batch the router never got: it must not count it as
+    cached."""
     bms, router = _fleet(2, "kv_aware", weight=10.0)
     seqs = [0, 0]
     prefix = list(range(100, 132))
@@ -128,14 +132,21 @@ def test_kv_aware_does_not_route_on_a_stale_index():
     assert router.last_overlap[first] == 0 and first in router.index.stale
 
 
-faults = st.lists(st.tuples(st.sampled_from(["alloc", "free", "reset", "lose", "dup", "old", "restart", "snapshot"]),
-                            st.integers(0, 1), st.lists(st.integers(0, 2), min_size=1, max_size=14)), max_size=60)
+faults = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "free", "reset", "lose", "dup", "old", "restart", "snapshot"]),
+        st.integers(0, 1),
+        st.lists(st.integers(0, 2), min_size=1, max_size=14),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=80, deadline=None)
 @given(faults)
 def test_index_is_exact_whenever_it_is_not_stale(sequence):
-    """Under lost, duplicated and re-sent batches and restarts, a replica not marked stale is indexed exactly."""
+    """Under lost, duplicated and re-sent batches and restarts, a replica not marked stale is
+    indexed exactly."""
     bms = [BlockManager(6, BS, enable_kv_events=True) for _ in range(2)]
     index, seqs, sent, live, n = KVIndex(), [0, 0], [[], []], [[], []], 0
     for op, r, tokens in sequence:
@@ -150,11 +161,17 @@ def test_index_is_exact_whenever_it_is_not_stale(sequence):
             bm.reset_prefix_cache()
         elif op == "lose" and live[r]:
             bm.free(live[r].pop(0))
-            deliver = seqs[r] == 0  # never the first batch after a start (a restart is known by its batch 0)
+            # never the first batch after a start (a restart is known by its batch 0)
+            deliver = seqs[r] == 0
         elif op in ("dup", "old") and sent[r]:
             index.apply(r, sent[r][-1] if op == "dup" else sent[r][len(tokens) % len(sent[r])])
         elif op == "restart":
-            bms[r], seqs[r], sent[r], live[r] = BlockManager(6, BS, enable_kv_events=True), 0, [], []
+            bms[r], seqs[r], sent[r], live[r] = (
+                BlockManager(6, BS, enable_kv_events=True),
+                0,
+                [],
+                [],
+            )
             bms[r].allocate(f"s{n}", tokens + [0] * BS)  # a full block: its store says it restarted
             live[r].append(f"s{n}")
             n += 1
@@ -170,17 +187,21 @@ def test_index_is_exact_whenever_it_is_not_stale(sequence):
                 index.apply(r, batch)
         for i, b in enumerate(bms):
             if i not in index.stale:
-                assert dict(index.blocks.get(i, {})) == {h: len(v) for h, v in b.pool.cached.items()}, (i, op)
+                assert dict(index.blocks.get(i, {})) == {
+                    h: len(v) for h, v in b.pool.cached.items()
+                }, (i, op)
 
 
 def test_router_hashes_meet_the_replicas():
-    """The router's prompt hashes are the ones a replica's block manager stores (fingerprint included)."""
+    """The router's prompt hashes are the ones a replica's block manager stores (fingerprint
+    included)."""
     bm = BlockManager(16, BS, model_fingerprint="fp", enable_kv_events=True)
     prompt = list(range(11))
     bm.allocate("a", prompt)
     (stored,) = bm.take_events()
     router = Router("kv_aware", [0], BS, model_fingerprint="fp")
-    assert tuple(router.hashes(RouteRequest("x", tuple(prompt)))) == stored.block_hashes[:2]  # capped at n-1
+    # capped at n-1
+    assert tuple(router.hashes(RouteRequest("x", tuple(prompt)))) == stored.block_hashes[:2]
     other = Router("kv_aware", [0], BS, model_fingerprint="other")
     assert not set(other.hashes(RouteRequest("x", tuple(prompt)))) & set(stored.block_hashes)
 
@@ -207,7 +228,9 @@ def test_kv_aware_sends_a_repeated_prefix_to_the_replica_holding_it():
         _serve(bms, router, f"o{i}", [200 + 40 * i + k for k in range(30)], seqs)
     r, cached = _serve(bms, router, "b", prefix + [7, 8, 9], seqs)
     assert r == first and cached == len(prefix)
-    assert router.last_overlap[first] == 8 and all(v == 0 for k, v in router.last_overlap.items() if k != first)
+    assert router.last_overlap[first] == 8 and all(
+        v == 0 for k, v in router.last_overlap.items() if k != first
+    )
 
 
 def test_kv_aware_weight_zero_ignores_the_cache():
@@ -272,8 +295,12 @@ def test_session_affinity_is_sticky():
     router = Router("session_affinity", [0, 1, 2, 3], BS)
     rng = random.Random(0)
     for s in range(20):
-        picks = {router.route(RouteRequest(f"{s}/{t}", tuple(rng.randrange(9) for _ in range(5)), f"sess{s}"))
-                 for t in range(4)}
+        picks = {
+            router.route(
+                RouteRequest(f"{s}/{t}", tuple(rng.randrange(9) for _ in range(5)), f"sess{s}")
+            )
+            for t in range(4)
+        }
         assert len(picks) == 1
 
 
@@ -282,11 +309,15 @@ def test_the_router_index_keeps_the_host_tier_apart():
     from kvlab.cache.host_tier import HostTier, TierLink
 
     bm = BlockManager(4, BS, model_fingerprint="m", enable_kv_events=True)
-    link = TierLink(HostTier(100, BS, emit=bm.emit_event), 1, load_payload=lambda payload, block_id: None)
+    link = TierLink(
+        HostTier(100, BS, emit=bm.emit_event), 1, load_payload=lambda payload, block_id: None
+    )
     bm.attach_second_tier(link, link.on_evict)
     bm.allocate("a", list(range(2 * BS + 1)))
     bm.free("a")
-    bm.allocate("flood", list(range(1000, 1000 + bm.num_blocks * BS)))  # evicts a's blocks into the tier
+    bm.allocate(
+        "flood", list(range(1000, 1000 + bm.num_blocks * BS))
+    )  # evicts a's blocks into the tier
     bm.free("flood")
     idx = KVIndex()
     idx.apply(0, EventBatch(0.0, tuple(bm.take_events()), 0))

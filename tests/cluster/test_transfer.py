@@ -1,4 +1,5 @@
-"""K/V moved between replicas: fetched blocks give the tokens of a recompute; a dead holder or a salt stops a transfer."""
+"""K/V moved between replicas: fetched blocks give the tokens of a recompute; a dead holder or a
+salt stops a transfer."""
 
 import random
 import time
@@ -22,8 +23,16 @@ from kvlab.cluster.object_store import LocalObjectStore, ObjectLost
 pytestmark = pytest.mark.xdist_group("ray")
 
 BS = 16
-SMALL = dict(num_sessions=6, num_tenants=2, system_tokens=64, user_tokens=(8, 24), reply_tokens=4, turns=(3, 4),
-             rate=8.0, think=0.2)
+SMALL = dict(
+    num_sessions=6,
+    num_tenants=2,
+    system_tokens=64,
+    user_tokens=(8, 24),
+    reply_tokens=4,
+    turns=(3, 4),
+    rate=8.0,
+    think=0.2,
+)
 
 
 def _prompt(length: int, seed: int = 0) -> list[int]:
@@ -59,7 +68,10 @@ def pair():
     from kvlab.cluster import EngineReplica
 
     store = LocalObjectStore()
-    return [EngineReplica(num_blocks=32, block_size=BS, tier_blocks=32, object_store=store) for _ in range(2)]
+    return [
+        EngineReplica(num_blocks=32, block_size=BS, tier_blocks=32, object_store=store)
+        for _ in range(2)
+    ]
 
 
 def test_fetched_blocks_give_the_tokens_of_a_recompute(pair, lm):
@@ -101,20 +113,34 @@ def test_a_mislabeled_block_is_refused(pair, lm):
     entries = a._collect(_usable_hashes(prompt, a.info()["model_fingerprint"]), None)
     assert len(entries) == 3
     e = entries[0]
-    forged = TierEntry(e.block_hash, e.parent_hash, tuple(reversed(e.token_ids)), e.extra_keys, e.payload, e.nbytes)
-    assert b._stage([forged, *entries[1:]]) == 0  # its hash does not match its tokens: nothing after it either
+    forged = TierEntry(
+        e.block_hash, e.parent_hash, tuple(reversed(e.token_ids)), e.extra_keys, e.payload, e.nbytes
+    )
+    # its hash does not match its tokens: nothing after it either
+    assert b._stage([forged, *entries[1:]]) == 0
     assert b._stage(entries) == 3
 
 
 def test_transfer_never_crosses_tenant_salts(lm):
-    """A salted block is exported only under its own hashes, and a staged one restores only for its tenant."""
+    """A salted block is exported only under its own hashes, and a staged one restores only for its
+    tenant."""
     from kvlab.engine import Engine, SamplingParams
 
     model, tok = lm
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     secret = "fleet-secret-0123456789"
-    a, b = (Engine(model, tok, num_blocks=32, host_tier_bytes=10 ** 7, isolation="tenant", secret=secret,
-                   enable_kv_events=True) for _ in range(2))
+    a, b = (
+        Engine(
+            model,
+            tok,
+            num_blocks=32,
+            host_tier_bytes=10**7,
+            isolation="tenant",
+            secret=secret,
+            enable_kv_events=True,
+        )
+        for _ in range(2)
+    )
     prompt = _prompt(80, seed=3)
     ref = a.generate([prompt], sp, tenants=["alice"])[0].output_ids
     fp = a.block_manager.model_fingerprint
@@ -124,9 +150,14 @@ def test_transfer_never_crosses_tenant_salts(lm):
     router = Router("pull", [0, 1], BS, model_fingerprint=fp)
     for batch in a.take_kv_events():
         router.apply_events(0, batch)
-    assert router.pull_plan(RouteRequest("x", tuple(prompt), salt=a.salt_for("alice")), 1) == (0, 0, len(alice))
+    assert router.pull_plan(RouteRequest("x", tuple(prompt), salt=a.salt_for("alice")), 1) == (
+        0,
+        0,
+        len(alice),
+    )
     assert router.pull_plan(RouteRequest("y", tuple(prompt), salt=a.salt_for("bob")), 1) is None
-    assert router.pull_plan(RouteRequest("z", tuple(prompt)), 1) is None  # unsalted: other hashes too
+    # unsalted: other hashes too
+    assert router.pull_plan(RouteRequest("z", tuple(prompt)), 1) is None
     assert b.host_tier.stage(a.host_tier.export(alice)) == len(alice)
     out_bob = b.generate([prompt], sp, tenants=["bob"])[0]
     out_alice = b.generate([prompt], sp, tenants=["alice"])[0]
@@ -144,14 +175,16 @@ def test_pull_fetches_in_the_simulation_and_loses_nothing_when_a_holder_fails():
 
 
 def test_pull_on_engines_agrees_with_the_simulation_and_keeps_the_tokens():
-    """In-process engines (no Ray): pull's routing and cached tokens match the model-free replay, and every
-    reply is the one the engines give without any transfer."""
+    """In-process engines (no Ray): pull's routing and cached tokens match the model-free replay,
+    and every reply is the one the engines give without any transfer."""
     from kvlab.cluster import EngineReplica
 
     wl = chat(**SMALL)
     store = LocalObjectStore()
-    handles = [LocalHandle(EngineReplica(num_blocks=48, block_size=BS, tier_blocks=48, object_store=store))
-               for _ in range(2)]
+    handles = [
+        LocalHandle(EngineReplica(num_blocks=48, block_size=BS, tier_blocks=48, object_store=store))
+        for _ in range(2)
+    ]
     real = run_fleet(wl, handles, "pull", clock="model")
     assert sum(r["restored_tokens"] for r in real.records) > 0
     sim = simulate(wl, 2, "pull", num_blocks=48, replies=real.replies)
@@ -166,7 +199,7 @@ def test_a_sim_replica_without_a_tier_stages_nothing():
     assert r.export([b"h"]) is None and r._stage([]) == 0
 
 
-# --- Ray: real actors, Ray's object store (few, skippable) ------------------------------------------------
+# --- Ray: real actors, Ray's object store (few, skippable) ----------------------------------------
 
 @pytest.fixture(scope="module")
 def ray_pair(ray_session):
@@ -181,8 +214,8 @@ def ray_pair(ray_session):
 
 
 def test_ray_fetch_through_the_object_store_and_a_killed_holder(ray_pair):
-    """Ray's object store carries the blocks; a lost object, or a holder dead before or after its export, costs a
-    recompute at most: the tokens never change."""
+    """Ray's object store carries the blocks; a lost object, or a holder dead before or after its
+    export, costs a recompute at most: the tokens never change."""
     ray, (a, b) = ray_pair
     prompt = _prompt(90, seed=5)
     hashes = _usable_hashes(prompt, a.call("info")["model_fingerprint"])
@@ -208,8 +241,10 @@ def test_ray_fetch_through_the_object_store_and_a_killed_holder(ray_pair):
     assert b.call("stats")["fetch_failures"] == 1
     b.call("fail")
     ref = a.call("export", hashes)
-    ray.kill(a.actor)  # the holder dies after its export: the fetch may still find the object, or not
-    # ray.kill is asynchronous: a call sent right after it may still be served, so poll until the actor is gone
+    # the holder dies after its export: the fetch may still find the object, or not
+    ray.kill(a.actor)
+    # ray.kill is asynchronous: a call sent right after it may still be served, so poll until the
+    # actor is gone
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -220,5 +255,6 @@ def test_ray_fetch_through_the_object_store_and_a_killed_holder(ray_pair):
         time.sleep(0.1)
     after = run(b, "after-death", [ref])
     assert after["restored_tokens"] in (0, full) and after["output_ids"] == at_a["output_ids"]
-    with pytest.raises(ray.exceptions.RayActorError):  # dead before an export: the driver fetches nothing
+    # dead before an export: the driver fetches nothing
+    with pytest.raises(ray.exceptions.RayActorError):
         a.call("export", hashes)

@@ -1,7 +1,8 @@
 """Small hand-made inputs for the culprit heuristics: chat logs tokenized one character a token.
 
-``chat_log`` renders records in a ChatML-like markup and makes every character a token, so a test can
-say where a culprit must be named (a character index is a token position) without loading a tokenizer.
+``chat_log`` renders records in a ChatML-like markup and makes every character a token, so a test
+can say where a culprit must be named (a character index is a token position) without loading a
+tokenizer.
 """
 
 import pytest
@@ -41,11 +42,28 @@ def prepared(rows: list[dict]) -> Prepared:
         meta = {k: v for k, v in row.items() if k not in ("messages", "token_ids", "tools")}
         if "token_ids" in row:
             recs.append(Record(n, "token_ids", token_ids=list(row["token_ids"]), meta=meta))
-            texts.append(None), toks.append(tokstr(row["token_ids"])), segs.append([]), sys.append(0)
+            (
+                texts.append(None),
+                toks.append(tokstr(row["token_ids"])),
+                segs.append([]),
+                sys.append(0),
+            )
             continue
-        rec = Record(n, "messages", messages=[dict(m) for m in row["messages"]], tools=row.get("tools"), meta=meta)
+        rec = Record(
+            n,
+            "messages",
+            messages=[dict(m) for m in row["messages"]],
+            tools=row.get("tools"),
+            meta=meta,
+        )
         text, sg, se = render(rec)
-        recs.append(rec), texts.append(text), toks.append(tokstr(map(ord, text))), segs.append(sg), sys.append(se)
+        (
+            recs.append(rec),
+            texts.append(text),
+            toks.append(tokstr(map(ord, text))),
+            segs.append(sg),
+            sys.append(se),
+        )
     return Prepared(recs, texts, toks, segs, sys, [], False, list(sys))
 
 

@@ -1,4 +1,5 @@
-"""The cache's rules as culprits (kvlab.doctor.culprits.blocks): prefixes that end inside a block, tenant salts."""
+"""The cache's rules as culprits (kvlab.doctor.culprits.blocks): prefixes that end inside a block,
+tenant salts."""
 
 from kvlab.doctor.culprits.blocks import (
     alignment_boundaries,
@@ -20,7 +21,9 @@ def shared_head(head: int, n: int = 10) -> list[dict]:
 
 
 def test_pad_to_blocks_pads_each_boundary_a_prompt_starts_with():
-    toks, inserts = pad_to_blocks([tokstr([1, 2, 3, 4, 5, 6, 7]), tokstr([8, 8])], [tokstr([1, 2, 3])], 4, PAD)
+    toks, inserts = pad_to_blocks(
+        [tokstr([1, 2, 3, 4, 5, 6, 7]), tokstr([8, 8])], [tokstr([1, 2, 3])], 4, PAD
+    )
     assert [list(map(ord, t)) for t in toks] == [[1, 2, 3, PAD, 4, 5, 6, 7], [8, 8]]
     assert inserts == [[(3, 1)], []]
 
@@ -31,7 +34,8 @@ def test_a_shared_prefix_ending_inside_a_block_is_named_and_padded(chat_log):
     c = alignment_culprit(prep, div, 4, PAD, "\n")
     assert c.kind == "alignment" and c.position == 10 and c.details["lost_tokens"] == 9 * 2
     before, after = replay_tokens(prep.tokens, 4), replay_tokens(c.token_fix(prep).tokens, 4)
-    assert (before.hit_tokens, after.hit_tokens) == (9 * 8, 9 * 12)  # 2 tokens padded: 3 whole blocks shared
+    # 2 tokens padded: 3 whole blocks shared
+    assert (before.hit_tokens, after.hit_tokens) == (9 * 8, 9 * 12)
     assert padded(prep, 4, PAD).padded
 
 
@@ -50,7 +54,8 @@ def tenant_log(tenants: list[str]) -> list[dict]:
 def test_salts_that_split_a_prefix_every_tenant_sends_are_named(chat_log):
     tenants = ["acme", "globex", "acme", "globex"]
     prep, _, _ = chat_log(tenant_log(tenants))
-    assert public_prefixes(prep, tenants) == prep.sys_tokens  # the whole system part: both tenants send it
+    # the whole system part: both tenants send it
+    assert public_prefixes(prep, tenants) == prep.sys_tokens
     c = tenant_culprit(prep, tenants, "tenant", 16, salted=100, unsalted=300)
     assert c.kind == "tenant-salt" and c.policy == "public-prefix" and c.affected == 4
     assert "salting gives up 200 hit tokens" in c.evidence[0]
@@ -59,6 +64,10 @@ def test_salts_that_split_a_prefix_every_tenant_sends_are_named(chat_log):
 def test_salts_that_split_nothing_are_not_named(chat_log):
     tenants = ["acme", "globex"] * 2
     prep, _, _ = chat_log(tenant_log(tenants))
-    assert tenant_culprit(prep, tenants, "tenant", 16, salted=300, unsalted=300) is None  # salts cost nothing
+    # salts cost nothing
+    assert tenant_culprit(prep, tenants, "tenant", 16, salted=300, unsalted=300) is None
     one = ["acme"] * 4
-    assert tenant_culprit(chat_log(tenant_log(one))[0], one, "tenant", 16, salted=100, unsalted=300) is None
+    assert (
+        tenant_culprit(chat_log(tenant_log(one))[0], one, "tenant", 16, salted=100, unsalted=300)
+        is None
+    )

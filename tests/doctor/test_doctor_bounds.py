@@ -1,5 +1,6 @@
-"""kvlab.doctor's inputs are bounded (issue 53, N8-N9): a line past the per-line cap is a bad line named by its
-number (never a tokenizer's allocation panic), and an input that is not a regular file is named as what it is."""
+"""kvlab.doctor's inputs are bounded (issue 53, N8-N9): a line past the per-line cap is a bad line
+named by its number (never a tokenizer's allocation panic), and an input that is not a regular file
+is named as what it is."""
 
 import json
 import os
@@ -14,7 +15,8 @@ GOOD = json.dumps({"token_ids": list(range(1, 40))})
 
 
 def test_a_line_over_the_cap_is_named_by_its_number_and_skipped(tmp_path):
-    """A valid JSON line of MAX_LINE_BYTES + 1 bytes: refused with its line number, the lines around it read."""
+    """A valid JSON line of MAX_LINE_BYTES + 1 bytes: refused with its line number, the lines around
+    it read."""
     big = json.dumps({"prompt": "a" * MAX_LINE_BYTES})
     path = tmp_path / "log.jsonl"
     path.write_text("\n".join([GOOD, big, GOOD, ""]))
@@ -51,8 +53,12 @@ def fifo(tmp_path):
 
 @pytest.mark.parametrize("which", ["folder", "/dev/null", "/dev/zero", "fifo"])
 def test_a_log_that_is_not_a_regular_file_is_named_as_what_it_is(tmp_path, capsys, fifo, which):
-    path, kind = {"folder": (str(tmp_path), "a folder"), "/dev/null": ("/dev/null", "a character device"),
-                  "/dev/zero": ("/dev/zero", "a character device"), "fifo": (fifo, "a FIFO")}[which]
+    path, kind = {
+        "folder": (str(tmp_path), "a folder"),
+        "/dev/null": ("/dev/null", "a character device"),
+        "/dev/zero": ("/dev/zero", "a character device"),
+        "fifo": (fifo, "a FIFO"),
+    }[which]
     assert main([path]) == 2
     err = capsys.readouterr().err
     assert path in err and kind in err and "no such file" not in err

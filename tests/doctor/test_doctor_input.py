@@ -1,5 +1,6 @@
-"""kvlab.doctor on bad input: every bad line is named by its real line number and skipped, the input is
-never written, --out is checked before the work, and the exit status says whether anything was replayed.
+"""kvlab.doctor on bad input: every bad line is named by its real line number and skipped, the input
+is never written, --out is checked before the work, and the exit status says whether anything was
+replayed.
 
 Token-id logs (no tokenizer) and the CLI's ``main`` called in-process keep these fast."""
 
@@ -22,15 +23,26 @@ def write(path, lines: list[str | bytes]) -> str:
 
 
 def span_log(n: int = 40) -> list[str]:
-    """A token-id log with a per-request span after a shared head: the doctor finds culprits and fixed logs."""
+    """A token-id log with a per-request span after a shared head: the doctor finds culprits and
+    fixed logs."""
     rng = random.Random(5)
     head, rest = [rng.randrange(500) for _ in range(20)], [rng.randrange(500) for _ in range(120)]
-    return [json.dumps({"token_ids": head + [600 + i, 700 + i % 50, 800] + rest, "user": f"u{i}"}) for i in range(n)]
+    return [
+        json.dumps({"token_ids": head + [600 + i, 700 + i % 50, 800] + rest, "user": f"u{i}"})
+        for i in range(n)
+    ]
 
 
 def test_deeply_nested_line_is_named_and_skipped(tmp_path):
-    path = write(tmp_path / "log.jsonl", [GOOD, "[" * 100_000 + "]" * 100_000, GOOD, '{"token_ids": ' + "[" * 70 + "1"
-                                          + "]" * 70 + "}"])
+    path = write(
+        tmp_path / "log.jsonl",
+        [
+            GOOD,
+            "[" * 100_000 + "]" * 100_000,
+            GOOD,
+            '{"token_ids": ' + "[" * 70 + "1" + "]" * 70 + "}",
+        ],
+    )
     d = diagnose(path, block_sizes=(4,))
     assert d.requests == 2 and [b.line for b in d.bad] == [2, 4]
     assert all("nested deeper than 64" in b.error for b in d.bad)
@@ -44,7 +56,8 @@ def test_5000_digit_token_id_is_named_and_skipped(tmp_path):
 
 
 def test_bytes_that_are_not_utf8_make_the_line_malformed_never_replaced(tmp_path):
-    # two prompts that differ only in one byte: replaced by U+FFFD both, they would replay as one shared prefix
+    # two prompts that differ only in one byte: replaced by U+FFFD both, they would replay as one
+    # shared prefix
     prompt = b'{"prompt": "The answer is %s and then a long text that the two requests share"}'
     path = write(tmp_path / "log.jsonl", [prompt % b"\xff", prompt % b"\xfe", GOOD])
     d = diagnose(path, block_sizes=(4,))
@@ -55,20 +68,40 @@ def test_bytes_that_are_not_utf8_make_the_line_malformed_never_replaced(tmp_path
 def test_a_stray_carriage_return_does_not_shift_line_numbers(tmp_path):
     # line 2 holds a \r before its last brace (JSON whitespace: one request, not two broken lines),
     # line 3 ends with \r\n (Windows), line 5 is bad
-    path = write(tmp_path / "log.jsonl", [GOOD, GOOD[:-1] + "\r}", GOOD + "\r", GOOD, "not json", GOOD])
+    path = write(
+        tmp_path / "log.jsonl", [GOOD, GOOD[:-1] + "\r}", GOOD + "\r", GOOD, "not json", GOOD]
+    )
     records, bad = read_log(path)
     assert [r.line for r in records] == [1, 2, 3, 4, 6] and [b.line for b in bad] == [5]
 
 
-@pytest.mark.parametrize("line, words", [
-    ('{"prompt": "a \\ud800 b"}', "lone surrogate"),  # the tokenizer and a UTF-8 writer both fail on it
-    ('{"token_ids": [1, 2, 3], "timestamp": NaN}', "NaN is not JSON"),
-    ('{"token_ids": [1, 2, 3], "user": {"id": 7}}', "'user' is dict"),  # the culprit search hashes users
-    ('{"token_ids": [1, 2, 3], "session": [7]}', "'session' is list"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": "f"}]}', "tools[0].function is str"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": null}]}', "tools[0].function is NoneType"),
-    ('{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', "messages[0].content[0] is not a text part"),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        (
+            '{"prompt": "a \\ud800 b"}',
+            "lone surrogate",
+        ),  # the tokenizer and a UTF-8 writer both fail on it
+        ('{"token_ids": [1, 2, 3], "timestamp": NaN}', "NaN is not JSON"),
+        (
+            '{"token_ids": [1, 2, 3], "user": {"id": 7}}',
+            "'user' is dict",
+        ),  # the culprit search hashes users
+        ('{"token_ids": [1, 2, 3], "session": [7]}', "'session' is list"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": "f"}]}',
+            "tools[0].function is str",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": null}]}',
+            "tools[0].function is NoneType",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+            "messages[0].content[0] is not a text part",
+        ),
+    ],
+)
 def test_values_the_analysis_cannot_use_are_bad_lines(tmp_path, line, words):
     path = write(tmp_path / "log.jsonl", [GOOD, line])
     records, bad = read_log(path)
@@ -93,13 +126,33 @@ def test_out_inside_a_previous_report_never_writes_the_input(tmp_path, capsys):
 
 def test_out_leaves_no_stale_files_of_an_earlier_run(tmp_path, capsys):
     out = tmp_path / "report"
-    assert main([write(tmp_path / "a.jsonl", span_log()), "--block-size", "16", "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                write(tmp_path / "a.jsonl", span_log()),
+                "--block-size",
+                "16",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     first = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert any(f.startswith("fixed/01_") for f in first) and "divergence.png" in first
     (out / "notes.txt").write_text("mine")  # a file of the user's beside the report: left alone
-    assert main([write(tmp_path / "b.jsonl", [GOOD]), "--block-size", "4", "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [write(tmp_path / "b.jsonl", [GOOD]), "--block-size", "4", "--out", str(out), "--quiet"]
+        )
+        == 0
+    )
     now = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert not any(f.startswith("fixed/01_") for f in now) and (out / "notes.txt").read_text() == "mine"
+    assert (
+        not any(f.startswith("fixed/01_") for f in now)
+        and (out / "notes.txt").read_text() == "mine"
+    )
     listed = json.loads((out / MANIFEST).read_text())["files"]
     assert sorted(listed + [MANIFEST, "notes.txt"]) == now
     # a folder of other files (no manifest) is refused, before the analysis
@@ -134,7 +187,9 @@ def test_nothing_to_replay_exits_1(tmp_path, capsys, content):
     path.write_bytes(content)
     assert main([str(path), "--block-size", "4"]) == 1
     captured = capsys.readouterr()
-    assert "kvlab doctor: nothing to replay:" in captured.err and "nothing to replay" in captured.out
+    assert (
+        "kvlab doctor: nothing to replay:" in captured.err and "nothing to replay" in captured.out
+    )
 
 
 def test_exit_codes_are_in_the_help(capsys):
@@ -149,48 +204,92 @@ def test_dicts_given_to_read_log_are_held_to_the_same_rules():
     deep: list = []
     for _ in range(100):
         deep = [deep]
-    records, bad = read_log([{"token_ids": [1, 2]}, {"token_ids": [1], "x": deep}, {"prompt": "a", "ts": float("nan")},
-                             {"prompt": "a\ud800"}, {"prompt": "a", "when": object()}])
+    records, bad = read_log(
+        [
+            {"token_ids": [1, 2]},
+            {"token_ids": [1], "x": deep},
+            {"prompt": "a", "ts": float("nan")},
+            {"prompt": "a\ud800"},
+            {"prompt": "a", "when": object()},
+        ]
+    )
     assert len(records) == 1 and [b.line for b in bad] == [2, 3, 4, 5]
-    assert "nested deeper" in bad[0].error and "not JSON" in bad[1].error and "surrogate" in bad[2].error
+    assert (
+        "nested deeper" in bad[0].error
+        and "not JSON" in bad[1].error
+        and "surrogate" in bad[2].error
+    )
 
 
 def test_a_report_of_an_earlier_kvlab_without_manifest_is_replaced(tmp_path):
     out = tmp_path / "report"
     (out / "fixed").mkdir(parents=True)
-    (out / "summary.json").write_text(json.dumps({"source": "x", "model": "m", "malformed": [], "table": []}))
+    (out / "summary.json").write_text(
+        json.dumps({"source": "x", "model": "m", "malformed": [], "table": []})
+    )
     (out / "fixed" / "01_volatile.jsonl").write_text(GOOD + "\n")
-    assert main([write(tmp_path / "log.jsonl", [GOOD]), "--block-size", "4", "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                write(tmp_path / "log.jsonl", [GOOD]),
+                "--block-size",
+                "4",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert not (out / "fixed" / "01_volatile.jsonl").exists() and (out / MANIFEST).exists()
 
 
-# ----------------------------------------------------------------------------- sizes and configs (issue 37, D1-D2)
+# ----------------------------------------------------------------------------- sizes and configs
+# (issue 37, D1-D2)
 LIMITED = """
 import json, resource, sys
-resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # 1 GiB: a cache sized by --kv-gib 1e30 cannot hide
+# 1 GiB: a cache sized by --kv-gib 1e30 cannot hide
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 from kvlab.doctor.__main__ import main
 """
 
 
 def run_limited(code: str, tmp_path) -> dict:
-    """Run ``code`` in a Python whose address space is capped at 1 GiB; its last stdout line, parsed as JSON."""
+    """Run ``code`` in a Python whose address space is capped at 1 GiB; its last stdout line, parsed
+    as JSON."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", LIMITED + code], capture_output=True, text=True, cwd=tmp_path,
-                         env=env, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", LIMITED + code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def kv_config(tmp_path, **fields) -> str:
     """A config.json (Qwen2.5-0.5B's KV shape unless ``fields`` change it); its path."""
-    cfg = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
-           **fields}
+    cfg = {
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "hidden_size": 896,
+        **fields,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     return str(path)
@@ -205,7 +304,8 @@ rc = [main([{log!r}, "--kv-gib", "1e30", "--kv-config", {cfg!r}, "--quiet"]),
 print(json.dumps(rc))
 """, tmp_path)
     assert out == [2, 2]
-    # in-process too (now that it is known not to allocate): the message names the option and the limit
+    # in-process too (now that it is known not to allocate): the message names the option and the
+    # limit
     for args, option in ((["--kv-gib", "1e30", "--kv-config", cfg], "--kv-gib 1e+30"),
                          (["--capacity-blocks", str(10**12)], "--capacity-blocks 1000000000000")):
         assert main([log, *args]) == 2
@@ -214,7 +314,8 @@ print(json.dumps(rc))
 
 
 def test_a_cache_larger_than_the_log_allocates_only_what_the_log_fills(tmp_path):
-    out = run_limited("""
+    out = run_limited(
+        """
 from kvlab.doctor import diagnose
 from kvlab.doctor.core import MAX_CAPACITY_BLOCKS
 from kvlab.doctor.replay import replay_tokens
@@ -225,9 +326,12 @@ log = [{"token_ids": head + [rng.randrange(500) for _ in range(30)]} for i in ra
 big = diagnose(log, block_sizes=(16, 32), capacity_blocks=MAX_CAPACITY_BLOCKS, sample=20)
 row = big.row()
 prompts = ["".join(chr(t + 1) for t in r["token_ids"]) for r in log]
-both = [replay_tokens(prompts, 4, cap, concurrency=c).hit_tokens for cap in (None, 10**9) for c in (1, 2)]
+both = [replay_tokens(prompts, 4, cap, concurrency=c).hit_tokens
+        for cap in (None, 10**9) for c in (1, 2)]
 print(json.dumps([row["unbounded_hit_tokens"], row["capacity_hit_tokens"], both]))
-""", tmp_path)
+""",
+        tmp_path,
+    )
     unbounded, at_capacity, (free1, free2, big1, big2) = out
     assert unbounded == at_capacity > 0  # a cache the log cannot fill never evicts
     assert free1 == free2 == big1 == big2 > 0
@@ -248,40 +352,65 @@ print(json.dumps([row["unbounded_hit_tokens"], row["capacity_hit_tokens"], both]
 ])
 def test_kv_config_fields_are_validated_by_name(tmp_path, capsys, fields, named):
     log = write(tmp_path / "log.jsonl", span_log(10))
-    assert main([log, "--kv-gib", "1", "--kv-config", kv_config(tmp_path, **fields), "--quiet"]) == 2
+    assert (
+        main([log, "--kv-gib", "1", "--kv-config", kv_config(tmp_path, **fields), "--quiet"]) == 2
+    )
     err = capsys.readouterr().err
     assert named in err and "config.json" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("text, named", [("[1, 2]", "JSON object"), ("{not json", "not valid JSON")])
+@pytest.mark.parametrize(
+    "text, named", [("[1, 2]", "JSON object"), ("{not json", "not valid JSON")]
+)
 def test_a_kv_config_that_is_no_json_object_is_named(tmp_path, capsys, text, named):
     log = write(tmp_path / "log.jsonl", span_log(10))
     (tmp_path / "bad.json").write_text(text)
     assert main([log, "--kv-gib", "1", "--kv-config", str(tmp_path / "bad.json")]) == 2
     assert named in capsys.readouterr().err
-    assert main([log, "--kv-gib", "1", "--kv-config", kv_config(tmp_path), "--kv-dtype", "fp4"]) == 2
+    assert (
+        main([log, "--kv-gib", "1", "--kv-config", kv_config(tmp_path), "--kv-dtype", "fp4"]) == 2
+    )
     assert "--kv-dtype" in capsys.readouterr().err
 
 
 def test_kv_bytes_of_the_shipped_configs_are_unchanged():
     from pathlib import Path
 
-    for path in sorted((Path(core.__file__).resolve().parents[2] / "data" / "configs").glob("*.json")):
+    for path in sorted(
+        (Path(core.__file__).resolve().parents[2] / "data" / "configs").glob("*.json")
+    ):
         config = json.loads(path.read_text())
         cfg = config.get("text_config") or config
         heads = cfg["num_attention_heads"]
-        kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
-        assert core.kv_bytes_per_token_of(config, "bfloat16") == 2 * cfg["num_hidden_layers"] * kv * hd * 2, path
+        kv, hd = (
+            cfg.get("num_key_value_heads") or heads,
+            cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        )
+        assert (
+            core.kv_bytes_per_token_of(config, "bfloat16")
+            == 2 * cfg["num_hidden_layers"] * kv * hd * 2
+        ), path
 
 
-@pytest.mark.parametrize("message, words", [
-    ({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]},
-     "messages[0].content[1] is not a text part"),
-    ({"role": "user", "content": 5}, "messages[0].content is int, not a string or a list of text parts"),
-    ({"role": "wizard", "content": "hi"}, "messages[0].role 'wizard' is not one of"),
-    ({"content": "hi"}, "messages[0] has no 'role'"),
-    ("hi", "messages[0] is str, not an object"),
-])
+@pytest.mark.parametrize(
+    "message, words",
+    [
+        (
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}],
+            },
+            "messages[0].content[1] is not a text part",
+        ),
+        (
+            {"role": "user", "content": 5},
+            "messages[0].content is int, not a string or a list of text parts",
+        ),
+        ({"role": "wizard", "content": "hi"}, "messages[0].role 'wizard' is not one of"),
+        ({"content": "hi"}, "messages[0] has no 'role'"),
+        ("hi", "messages[0] is str, not an object"),
+    ],
+)
 def test_chat_lines_are_read_through_the_servers_message_schema(tmp_path, message, words):
     # the doctor's reading of a logged message is the server's pydantic Message, widened to logs
     from pydantic import ValidationError
@@ -296,15 +425,26 @@ def test_chat_lines_are_read_through_the_servers_message_schema(tmp_path, messag
 
 
 def test_a_log_keeps_what_real_traffic_holds_that_a_request_may_not():
-    # tool turns, content null on a tool-calling assistant turn, text parts without "type", extra keys
-    line = {"messages": [
-        {"role": "system", "content": "S"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
-        {"role": "tool", "content": [{"text": "4"}, {"type": "text", "text": "2"}], "tool_call_id": "c1"},
-    ], "tools": [{"type": "function", "function": {"name": "f"}}], "user": "u"}
+    # tool turns, content null on a tool-calling assistant turn, text parts without "type", extra
+    # keys
+    line = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+            {
+                "role": "tool",
+                "content": [{"text": "4"}, {"type": "text", "text": "2"}],
+                "tool_call_id": "c1",
+            },
+        ],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "user": "u",
+    }
     records, bad = read_log([line])
     assert not bad
     (rec,) = records
     assert [m["content"] for m in rec.messages] == ["S", "", "42"]
-    assert rec.messages[1]["tool_calls"] == [{"id": "c1"}] and rec.messages[2]["tool_call_id"] == "c1"
+    assert (
+        rec.messages[1]["tool_calls"] == [{"id": "c1"}] and rec.messages[2]["tool_call_id"] == "c1"
+    )
     assert list(rec.messages[2]) == ["role", "content", "tool_call_id"]  # the log's key order

@@ -28,8 +28,13 @@ def import_graph(root: Path) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1]
+                        + ([base] if base else [])
+                    )
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names
+                ]
             else:
                 continue
             graph[mod].update(t for t in targets if t in files and t != mod)
@@ -64,17 +69,29 @@ def test_the_cycle_finder_finds_a_circle():
 def test_doctor_has_no_import_circle():
     graph = import_graph(PKG)
     assert "kvlab.doctor.report" in graph["kvlab.doctor.core"]  # the graph sees the imports
-    assert "kvlab.doctor.prepare" in graph["kvlab.doctor.culprits.base"]  # relative imports two levels up too
+    # relative imports two levels up too
+    assert "kvlab.doctor.prepare" in graph["kvlab.doctor.culprits.base"]
     assert find_cycle(graph) is None, find_cycle(graph)
-    assert graph["kvlab.doctor.report"] == set()  # the renderers read a dict, nothing else of the doctor
+    # the renderers read a dict, nothing else of the doctor
+    assert graph["kvlab.doctor.report"] == set()
 
 
 def test_each_doctor_module_imports_alone():
     mods = sorted(m for m in import_graph(PKG) if m != "kvlab.doctor.__main__")
-    code = ("import importlib, subprocess, sys\n"
-            "for m in sys.argv[1:]:\n"
-            "    r = subprocess.run([sys.executable, '-c', f'import {m}'], capture_output=True, text=True)\n"
-            "    print(m, r.returncode, r.stderr.strip().splitlines()[-1:] )\n")
-    out = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=600,
-                         cwd=PKG.parent.parent).stdout
-    assert [line for line in out.splitlines() if " 0 " not in line] == [] and len(out.splitlines()) == len(mods)
+    code = (
+        "import importlib, subprocess, sys\n"
+        "for m in sys.argv[1:]:\n"
+        "    r = subprocess.run([sys.executable, '-c', f'import {m}'],"
+        " capture_output=True, text=True)\n"
+        "    print(m, r.returncode, r.stderr.strip().splitlines()[-1:] )\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *mods],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=PKG.parent.parent,
+    ).stdout
+    assert [line for line in out.splitlines() if " 0 " not in line] == [] and len(
+        out.splitlines()
+    ) == len(mods)

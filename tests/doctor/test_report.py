@@ -1,4 +1,5 @@
-"""The doctor's reports: text and HTML are rendered from one JSON-able dict and tell the same numbers."""
+"""The doctor's reports: text and HTML are rendered from one JSON-able dict and tell the same
+numbers."""
 
 import json
 import random
@@ -24,7 +25,9 @@ def numbers_of(value, out: set[str] | None = None) -> set[str]:
     elif isinstance(value, str):
         out.update(NUMBER.findall(value))
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        out.update({str(value), f"{abs(value):.0f}", f"{abs(value):.2f}", f"{abs(100 * value):.1f}"})
+        out.update(
+            {str(value), f"{abs(value):.0f}", f"{abs(value):.2f}", f"{abs(100 * value):.1f}"}
+        )
     return out
 
 
@@ -44,9 +47,16 @@ def token_log(n: int = 60) -> list[dict]:
 def test_every_number_of_the_text_report_is_in_the_json_and_the_html(tmp_path):
     metrics = tmp_path / "metrics.txt"
     metrics.write_text('vllm:prefix_cache_queries_total 2000\nvllm:prefix_cache_hits_total 123\n')
-    d = diagnose(token_log(), block_sizes=(16, 32), capacity_blocks=40, tenant_field="tenant", vllm_metrics=metrics,
-                 alone=True)
-    assert d.kept and d.bad and d.vllm  # culprits, a malformed line and the metrics: every section is there
+    d = diagnose(
+        token_log(),
+        block_sizes=(16, 32),
+        capacity_blocks=40,
+        tenant_field="tenant",
+        vllm_metrics=metrics,
+        alone=True,
+    )
+    # culprits, a malformed line and the metrics: every section is there
+    assert d.kept and d.bad and d.vllm
     data = json.loads(json.dumps(d.data()))
     text, html = render_text(data), render_html(data, {})
     assert len(NUMBER.findall(text)) > 60 and missing(text, data, html) == []
@@ -60,7 +70,8 @@ def test_a_number_the_json_does_not_hold_is_caught():
     assert missing(text, data, render_html(data, {})) == []
     assert missing(text + "\n  extra: 98765", data, render_html(data, {})) == ["98765"]
     total = data["prompt_tokens"]["total"]
-    other = dict(data, prompt_tokens=dict(data["prompt_tokens"], total=total + 1))  # the HTML tells another story
+    # the HTML tells another story
+    other = dict(data, prompt_tokens=dict(data["prompt_tokens"], total=total + 1))
     assert missing(text, data, render_html(other, {})) == [str(total)]
 
 

@@ -1,5 +1,6 @@
-"""kvlab.doctor.sample_log: the sample log to try the doctor on plants what its ``Truth`` says, and the doctor
-finds each planted culprit by diffing prompts alone (it is told only the tenant field)."""
+"""kvlab.doctor.sample_log: the sample log to try the doctor on plants what its ``Truth`` says, and
+the doctor finds each planted culprit by diffing prompts alone (it is told only the tenant
+field)."""
 
 import json
 
@@ -12,13 +13,24 @@ def test_the_sample_log_is_json_lines_in_arrival_order_with_the_counts_it_report
     assert [json.loads(json.dumps(r)) for r in log] == log
     stamps = [r["timestamp"] for r in log]
     assert stamps == sorted(stamps)
-    assert truth.counts == {"requests": len(log), "support": sum(r["app"] == "support" for r in log),
-                            "coding": sum(r["app"] == "coding" for r in log), "legacy": sum("prompt" in r for r in log)}
+    assert truth.counts == {
+        "requests": len(log),
+        "support": sum(r["app"] == "support" for r in log),
+        "coding": sum(r["app"] == "coding" for r in log),
+        "legacy": sum("prompt" in r for r in log),
+    }
 
 
 def test_the_doctor_finds_every_planted_line_of_the_sample_log():
-    log, truth = make_log(support_conversations=30, coding_conversations=10, users=12, doc_sentences=1, rules=4,
-                          tools=4, seed=0)
+    log, truth = make_log(
+        support_conversations=30,
+        coding_conversations=10,
+        users=12,
+        doc_sentences=1,
+        rules=4,
+        tools=4,
+        seed=0,
+    )
     d = diagnose(log, None, block_sizes=(16,), tenant_field="tenant", seed=0)
     titles = {c.kind: [] for c in d.kept}
     for c in d.kept:

@@ -1,4 +1,5 @@
-"""The engine tests' shared workload: 200 passphrase prompts and HF ``generate``'s greedy output for each."""
+"""The engine tests' shared workload: 200 passphrase prompts and HF ``generate``'s greedy output for
+each."""
 
 import pytest
 from passphrase_prompts import question_prompts
@@ -8,7 +9,8 @@ ENGINE_MAX_NEW = 10
 
 @pytest.fixture(scope="session")
 def workload(lm):
-    """(prompt ids, HF generate's greedy ids) for the 200-prompt passphrase workload the engine tests share."""
+    """(prompt ids, HF generate's greedy ids) for the 200-prompt passphrase workload the engine
+    tests share."""
     from kvlab.engine.models import encode
     from kvlab.engine.reference import hf_generate
 

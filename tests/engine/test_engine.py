@@ -1,10 +1,11 @@
-"""The paged engine against transformers' ``generate``: token-identical under batching, caching, preemption.
+"""The paged engine against transformers' ``generate``: token-identical under batching, caching,
+preemption.
 
-The passphrase workload is 200 prompts (40 system prompts x 5 questions, shuffled) submitted at once;
-greedy float32 outputs must equal ``kvlab.engine.reference.hf_generate`` token for token with prefix caching on
-and off and in a pool so small that sequences are preempted and recomputed. The same holds on
-random-initialised tiny models of four architectures. ``debug=True`` runs ``check_invariants()``
-after every step; after the last request, no block may be referenced.
+The passphrase workload is 200 prompts (40 system prompts x 5 questions, shuffled) submitted at
+once; greedy float32 outputs must equal ``kvlab.engine.reference.hf_generate`` token for token with
+prefix caching on and off and in a pool so small that sequences are preempted and recomputed. The
+same holds on random-initialised tiny models of four architectures. ``debug=True`` runs
+``check_invariants()`` after every step; after the last request, no block may be referenced.
 """
 
 import random
@@ -38,13 +39,21 @@ def test_greedy_identical_to_hf_generate(lm, workload, caching, num_blocks, max_
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, debug=True)
     outs = engine.generate(ids, SamplingParams(max_tokens=MAX_NEW))
     mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.output_ids != r]
-    assert not mismatches, f"{len(mismatches)} of {len(ids)} differ from HF generate, e.g. #{mismatches[0]}"
+    assert not mismatches, (
+        f"{len(mismatches)} of {len(ids)} differ from HF generate, e.g. #{mismatches[0]}"
+    )
     stats = engine.stats()
     assert all(o.finished and o.finish_reason in ("stop", "length") for o in outs)
     assert stats["num_mixed_steps"] > 0  # prefills and decodes really shared steps
-    assert (stats["hit_rate"] > (0.3 if num_blocks > 40 else 0)) if caching else (stats["hit_tokens"] == 0)
+    assert (
+        (stats["hit_rate"] > (0.3 if num_blocks > 40 else 0))
+        if caching
+        else (stats["hit_tokens"] == 0)
+    )
     assert (engine.num_preemptions > 0) == (num_blocks == 40)
-    m = engine.block_manager.metrics  # one lookup per request; a preempted one's next lookups apart (vLLM)
+    m = (
+        engine.block_manager.metrics
+    )  # one lookup per request; a preempted one's next lookups apart (vLLM)
     assert m.total.requests == len(ids) and m.preempted.requests == engine.num_preemptions
     assert _drained(engine) and 0 < engine.peak_kv_bytes <= engine.store.nbytes
     assert all(o.ttft is not None and o.latency >= o.ttft >= 0 for o in outs)
@@ -66,7 +75,8 @@ def test_shared_prefix_uses_fewer_kv_bytes(lm):
 
 
 def test_salt_reaches_the_block_manager(lm):
-    """Same prompt, other salt: no prefix hit; same salt: hit (notebook 07 builds tenants on this)."""
+    """Same prompt, other salt: no prefix hit; same salt: hit (notebook 07 builds tenants on
+    this)."""
     model, tok = lm
     prompt = question_prompts(1, 1)[0]
     engine = Engine(model, tok, kv_cache_bytes=2 ** 20, block_size=16, debug=True)
@@ -83,20 +93,34 @@ def test_salt_reaches_the_block_manager(lm):
 def test_seeded_sampling_matches_hf_and_ignores_batching(lm):
     model, tok = lm
     prompts = question_prompts(4, 2, seed=1)
-    sps = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i) for i in range(len(prompts))]
+    sps = [
+        SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i)
+        for i in range(len(prompts))
+    ]
     engine = Engine(model, tok, num_blocks=256, block_size=16, debug=True)
-    batched = engine.generate(prompts + prompts[:3], sps + [SamplingParams(max_tokens=8)] * 3)  # with greedy ones
+    # with greedy ones
+    batched = engine.generate(prompts + prompts[:3], sps + [SamplingParams(max_tokens=8)] * 3)
     for p, sp, out in zip(prompts, sps, batched):
         alone = Engine(model, tok, num_blocks=256, block_size=16).generate([p], sp)[0]
         assert out.output_ids == alone.output_ids
-        assert out.output_ids == hf_generate(model, tok, p, max_new_tokens=8, do_sample=True, temperature=0.9,
-                                             top_p=0.95, top_k=40, seed=sp.seed)
+        assert out.output_ids == hf_generate(
+            model,
+            tok,
+            p,
+            max_new_tokens=8,
+            do_sample=True,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=40,
+            seed=sp.seed,
+        )
 
 
 def test_fork_copies_kv_on_write(lm):
     """A forked request shares its partial tail block; the first write copies the block's K/V."""
     model, tok = lm
-    # after two steps the blocks hold the prompt + 1 token: pick a prompt that leaves the tail block partial
+    # after two steps the blocks hold the prompt + 1 token: pick a prompt that leaves the tail block
+    # partial
     prompt = next(p for p in question_prompts(2, 2) if (len(encode(tok, p)) + 1) % 16)
     ref = hf_generate(model, tok, prompt, max_new_tokens=MAX_NEW)
     engine = Engine(model, tok, num_blocks=64, block_size=16, debug=True)
@@ -127,11 +151,27 @@ def test_bad_requests_fail_alone(lm):
     good = question_prompts(2, 2)
     engine = Engine(model, tok, num_blocks=32, block_size=16, debug=True)  # 512 slots
     too_long_for_model = [5] * model.config.max_position_embeddings
-    outs = engine.generate([good[0], "", too_long_for_model, good[1], [5] * 600, [10 ** 9]] + good[2:],
-                           SamplingParams(max_tokens=MAX_NEW))
+    outs = engine.generate(
+        [good[0], "", too_long_for_model, good[1], [5] * 600, [10**9]] + good[2:],
+        SamplingParams(max_tokens=MAX_NEW),
+    )
     errors = [o.error for o in outs]
-    assert [o.finish_reason == "error" for o in outs] == [False, True, True, False, True, True, False, False]
-    assert "empty" in errors[1] and "positions" in errors[2] and "never run" in errors[4] and "[0," in errors[5]
+    assert [o.finish_reason == "error" for o in outs] == [
+        False,
+        True,
+        True,
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert (
+        "empty" in errors[1]
+        and "positions" in errors[2]
+        and "never run" in errors[4]
+        and "[0," in errors[5]
+    )
     for p, o in zip(good, [outs[0], outs[3], outs[6], outs[7]]):
         assert o.output_ids == hf_generate(model, tok, p, max_new_tokens=MAX_NEW)
     with pytest.raises(ValueError, match="temperature"):
@@ -153,7 +193,8 @@ def test_abort_frees_blocks_and_others_finish(lm):
     engine = Engine(model, tok, num_blocks=128, block_size=16, debug=True)
     rids = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW)) for p in prompts]
     engine.step()
-    with pytest.raises(ValueError, match="empty"):  # a bad request mid-run is refused; the others go on
+    # a bad request mid-run is refused; the others go on
+    with pytest.raises(ValueError, match="empty"):
         engine.add_request([], SamplingParams(max_tokens=MAX_NEW))
     aborted = engine.abort(rids[1])
     assert aborted.finish_reason == "abort" and len(aborted.output_ids) == 1
@@ -167,7 +208,7 @@ def test_abort_frees_blocks_and_others_finish(lm):
     assert _drained(engine)
 
 
-# --- random-initialised tiny models of several architectures -----------------------------------------
+# --- random-initialised tiny models of several architectures --------------------------------------
 
 def _tiny(arch):
     import transformers as T
@@ -192,14 +233,31 @@ def test_random_architectures_identical_to_hf(arch):
     model = _tiny(arch)
     rng = random.Random(1)
     shared = [rng.randrange(256) for _ in range(40)]
-    prompts = [shared[: rng.choice([0, 17, 40])] + [rng.randrange(256) for _ in range(rng.randint(1, 30))]
-               for _ in range(24)]
+    prompts = [
+        shared[: rng.choice([0, 17, 40])] + [rng.randrange(256) for _ in range(rng.randint(1, 30))]
+        for _ in range(24)
+    ]
     with torch.no_grad():
-        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist() for p in prompts]
+        ref = [
+            model.generate(
+                input_ids=torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
     for caching in (True, False):
-        engine = Engine(model, None, num_blocks=14, block_size=8, enable_prefix_caching=caching, max_num_seqs=8,
-                        max_num_batched_tokens=256, debug=True)
+        engine = Engine(
+            model,
+            None,
+            num_blocks=14,
+            block_size=8,
+            enable_prefix_caching=caching,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            debug=True,
+        )
         outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
         assert [o.output_ids for o in outs] == ref
         assert engine.num_preemptions > 0 and _drained(engine)
@@ -214,17 +272,19 @@ def test_bfloat16_store_follows_the_model():
 
 
 def test_register_before_compute_a_same_step_hit_reads_what_was_written(lm):
-    """Blocks are hittable from admission, before their K/V is computed; a request that hits them in the
-    same step must still read the right K/V (the step writes before it reads). Breaking either half
-    (registering after compute, or reading before writing) makes this fail."""
+    """Blocks are hittable from admission, before their K/V is computed; a request that hits them in
+    the same step must still read the right K/V (the step writes before it reads). Breaking either
+    half (registering after compute, or reading before writing) makes this fail."""
     model, tok = lm
     prompts = example_prompts("heldout:3", (ASK_EN + ASK_ZH)[:3])
     engine = Engine(model, tok, num_blocks=64, block_size=4, debug=True)
     steps_before = engine.num_steps
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
     first_step = [o.num_cached_tokens for o in outs]
-    assert first_step[0] == 0 and all(c > 0 for c in first_step[1:]), first_step  # hits within step 1
-    assert engine.num_steps - steps_before <= MAX_NEW  # all three were prefilled together in one step
+    # hits within step 1
+    assert first_step[0] == 0 and all(c > 0 for c in first_step[1:]), first_step
+    # all three were prefilled together in one step
+    assert engine.num_steps - steps_before <= MAX_NEW
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == hf_generate(model, tok, prompt, MAX_NEW)
 
@@ -233,7 +293,10 @@ def test_engine_batches_events_per_step_with_sequence_numbers(bundled):
     from kvlab.cache import AllBlocksCleared, BlockStored, EventBatch
 
     eng = Engine(*bundled, num_blocks=32, block_size=16, enable_kv_events=True)
-    eng.generate([list(range(3, 40)), list(range(3, 36)) + [50, 51]], SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.generate(
+        [list(range(3, 40)), list(range(3, 36)) + [50, 51]],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+    )
     batches = eng.take_kv_events()
     assert batches and all(isinstance(b, EventBatch) for b in batches)
     assert [b.seq for b in batches] == list(range(len(batches)))
@@ -246,8 +309,9 @@ def test_engine_batches_events_per_step_with_sequence_numbers(bundled):
 
 
 def test_steps_build_no_autograd_graph(lm):
-    """The forward runs under no_grad: otherwise every step's graph chains through the K/V store (written in
-    place) and keeps all earlier steps' activations alive -- memory grows without bound, steps slow down."""
+    """The forward runs under no_grad: otherwise every step's graph chains through the K/V store
+    (written in place) and keeps all earlier steps' activations alive -- memory grows without bound,
+    steps slow down."""
     model, tok = lm
     engine = Engine(model, tok, num_blocks=64, block_size=16)
     engine.generate(question_prompts(2, 2), SamplingParams(max_tokens=4))
@@ -256,12 +320,14 @@ def test_steps_build_no_autograd_graph(lm):
 
 
 def test_engine_runs_on_a_caller_built_block_manager(lm):
-    """``Engine(cache=BlockManager(...))``: the same greedy tokens as the default engine, and prefix hits."""
+    """``Engine(cache=BlockManager(...))``: the same greedy tokens as the default engine, and prefix
+    hits."""
     from kvlab.cache import BlockManager
 
     model, tok = lm
     prompts = example_prompts("heldout:4:filler20", ASK_EN[:3])
-    default = Engine(model, tok, num_blocks=64, block_size=16, max_num_seqs=1)  # one at a time: later ones hit
+    # one at a time: later ones hit
+    default = Engine(model, tok, num_blocks=64, block_size=16, max_num_seqs=1)
     own = BlockManager(64, 16)
     mine = Engine(model, tok, cache=own, max_num_seqs=1, debug=True)
     sp = SamplingParams(max_tokens=6)
@@ -274,7 +340,8 @@ def test_engine_runs_on_a_caller_built_block_manager(lm):
 
 
 def test_engine_refuses_a_wrong_cache_object(lm):
-    """A cache that is neither a name nor a ``CacheManager`` is refused, naming what it lacks; a used one too."""
+    """A cache that is neither a name nor a ``CacheManager`` is refused, naming what it lacks; a
+    used one too."""
     from kvlab.cache import BlockManager
 
     model, tok = lm
@@ -285,7 +352,9 @@ def test_engine_refuses_a_wrong_cache_object(lm):
         def allocate(self, *args, **kwargs):
             return 0
 
-    with pytest.raises(TypeError, match=r"NotACache lacks append, block_table, can_allocate, can_append"):
+    with pytest.raises(
+        TypeError, match=r"NotACache lacks append, block_table, can_allocate, can_append"
+    ):
         Engine(model, tok, cache=NotACache())
     with pytest.raises(ValueError, match="brings its own size"):
         Engine(model, tok, cache=BlockManager(8, 16), num_blocks=8)
@@ -298,7 +367,8 @@ def test_engine_refuses_a_wrong_cache_object(lm):
 
 
 def test_a_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(lm):
-    """Text no tokenizer can encode (a lone surrogate, as JSON can spell it) is a clear ValueError, not a tokenizer TypeError."""
+    """Text no tokenizer can encode (a lone surrogate, as JSON can spell it) is a clear ValueError,
+    not a tokenizer TypeError."""
     model, tok = lm
     engine = Engine(model, tok, num_blocks=16, block_size=16)
     with pytest.raises(ValueError, match="lone surrogate at character 3"):
@@ -307,10 +377,10 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_and_queues_nothing(lm):
 
 
 def test_attention_is_switched_once_per_busy_period_and_no_transformers_object_is_patched():
-    """Issue 25: the model is switched through transformers' public set_attn_implementation once when the engine
-    gets work and back once when it is idle (no per-step write of its private config attribute), and the LM head
-    is computed by the runner (``head.forward`` is never replaced). The old engine switched the model by hand in
-    every step and patched the head inside it."""
+    """Issue 25: the model is switched through transformers' public set_attn_implementation once
+    when the engine gets work and back once when it is idle (no per-step write of its private config
+    attribute), and the LM head is computed by the runner (``head.forward`` is never replaced). The
+    old engine switched the model by hand in every step and patched the head inside it."""
     model = _tiny("llama")
     own, head = model.config._attn_implementation, model.get_output_embeddings()
     engine = Engine(model, None, num_blocks=16, block_size=8)
@@ -318,7 +388,8 @@ def test_attention_is_switched_once_per_busy_period_and_no_transformers_object_i
     assert engine.runner.head_seam and engine.runner.fast_head
     switches, seen = [], []
     real = model.set_attn_implementation
-    model.set_attn_implementation = lambda name: (switches.append(name), real(name))[1]  # a spy on this instance
+    # a spy on this instance
+    model.set_attn_implementation = lambda name: (switches.append(name), real(name))[1]
     handle = model.model.norm.register_forward_hook(  # runs inside every step's forward
         lambda *a: seen.append((model.config._attn_implementation, "forward" in vars(head))))
     try:
@@ -332,8 +403,9 @@ def test_attention_is_switched_once_per_busy_period_and_no_transformers_object_i
 
 
 def test_a_head_seam_that_misses_the_models_logits_is_not_used():
-    """The runner computes the head itself only where the probe shows it gives the model's exact logits: a model
-    with a post-processing kvlab does not know (here: logits negated) runs its own forward, token-identical."""
+    """The runner computes the head itself only where the probe shows it gives the model's exact
+    logits: a model with a post-processing kvlab does not know (here: logits negated) runs its own
+    forward, token-identical."""
     from transformers import LlamaForCausalLM
 
     class Negated(LlamaForCausalLM):
@@ -348,16 +420,25 @@ def test_a_head_seam_that_misses_the_models_logits_is_not_used():
     model.generation_config.eos_token_id = None
     prompts = [[1, 2, 3, 4], [9, 8]]
     with torch.no_grad():
-        ref = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in prompts]
+        ref = [
+            model.generate(
+                input_ids=torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=4,
+                do_sample=False,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
     engine = Engine(model, None, num_blocks=16, block_size=4, debug=True)
     assert not engine.runner.head_seam
     assert [o.output_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == ref
-    assert Engine(plain, None, num_blocks=16, block_size=4).runner.head_seam  # the same weights, no post-processing
+    # the same weights, no post-processing
+    assert Engine(plain, None, num_blocks=16, block_size=4).runner.head_seam
 
 
 class _SeamHead(torch.nn.Linear):
-    """A head that raises ``error`` on 2-D hidden states (only the runner's seam passes 2-D; the model passes 3-D)."""
+    """A head that raises ``error`` on 2-D hidden states (only the runner's seam passes 2-D; the
+    model passes 3-D)."""
 
     error: BaseException | None = None
 
@@ -377,25 +458,33 @@ def _with_seam_head(error):
     return model
 
 
-@pytest.mark.parametrize("error", [RuntimeError("mat1 and mat2 shapes cannot be multiplied"), TypeError("no")])
+@pytest.mark.parametrize(
+    "error", [RuntimeError("mat1 and mat2 shapes cannot be multiplied"), TypeError("no")]
+)
 def test_a_seam_whose_head_does_not_take_the_decoder_output_is_off_and_the_model_still_runs(error):
-    """What the seam probe means to catch (torch's shape errors are RuntimeErrors, as for mllama; a decoder output
-    the head cannot take): no seam, the model's whole forward each step, the same tokens as HF."""
+    """What the seam probe means to catch (torch's shape errors are RuntimeErrors, as for mllama; a
+    decoder output the head cannot take): no seam, the model's whole forward each step, the same
+    tokens as HF."""
     model = _with_seam_head(error)
     engine = Engine(model, None, num_blocks=16, block_size=4)
     assert not engine.runner.head_seam
     prompt = [1, 2, 3, 4]
     with torch.no_grad():
-        ref = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long),
-                             max_new_tokens=4, do_sample=False)[0, 4:].tolist()
+        ref = model.generate(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, 4, dtype=torch.long),
+            max_new_tokens=4,
+            do_sample=False,
+        )[0, 4:].tolist()
     assert engine.generate([prompt], SamplingParams(max_tokens=4))[0].output_ids == ref
 
 
 @pytest.mark.parametrize("error", [AssertionError("a bug in the seam"), NameError("x"),
                                    torch.OutOfMemoryError("out of memory")])
 def test_a_bug_or_a_full_device_in_the_seam_probe_propagates_instead_of_turning_the_seam_off(error):
-    """Not every exception means "no seam": a bug (AssertionError, NameError) or no memory reaches the caller, and the
-    model gets its own attention back (before, ``except Exception: return False`` quietly cost every step speed)."""
+    """Not every exception means "no seam": a bug (AssertionError, NameError) or no memory reaches
+    the caller, and the model gets its own attention back (before, ``except Exception: return
+    False`` quietly cost every step speed)."""
     model = _with_seam_head(error)
     own = model.config._attn_implementation
     with pytest.raises(type(error)):

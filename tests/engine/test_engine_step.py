@@ -1,4 +1,5 @@
-"""One straight step (issue 37): EngineConfig, the public positions and step-observer hooks, prompt chunks."""
+"""One straight step (issue 37): EngineConfig, the public positions and step-observer hooks, prompt
+chunks."""
 
 import dataclasses
 
@@ -99,7 +100,8 @@ def test_positions_hook_and_step_observer(lm):
 
 
 def test_a_prompt_chunk_samples_no_token(lm):
-    """A hand-built prompt chunk (end < the sequence's length) beside a decode: no token, no LM-head row."""
+    """A hand-built prompt chunk (end < the sequence's length) beside a decode: no token, no LM-head
+    row."""
     model, tok = lm
     a, b = encode(tok, A), encode(tok, B)
     sp = SamplingParams(max_tokens=5)
@@ -141,7 +143,9 @@ def test_a_prompt_chunk_samples_no_token(lm):
     )
 
 
-@pytest.mark.parametrize("hook", [lambda it: range(0), lambda it: "x", lambda it: range(-1, it.end - it.start - 1)])
+@pytest.mark.parametrize(
+    "hook", [lambda it: range(0), lambda it: "x", lambda it: range(-1, it.end - it.start - 1)]
+)
 def test_a_wrong_positions_hook_fails_each_request_by_name(hook):
     from kvlab.engine.models import load_model
 

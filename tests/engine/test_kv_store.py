@@ -35,12 +35,18 @@ def test_gather_heads_reads_blocks_head_major_and_contiguous():
     store.v.normal_()
     ids = torch.tensor([4, 1, 4])
     keys, values = store.gather_heads(1, ids)
-    assert keys.shape == values.shape == (2, 12, 3) and keys.is_contiguous()  # (kv_heads, n * block_size, head_dim)
-    want_k = store.k[1, ids].reshape(12, 2, 3).transpose(0, 1)  # the logical view, gathered and transposed
-    assert torch.equal(keys, want_k) and torch.equal(values, store.v[1, ids].reshape(12, 2, 3).transpose(0, 1))
+    # (kv_heads, n * block_size, head_dim)
+    assert keys.shape == values.shape == (2, 12, 3) and keys.is_contiguous()
+    # the logical view, gathered and transposed
+    want_k = store.k[1, ids].reshape(12, 2, 3).transpose(0, 1)
+    assert torch.equal(keys, want_k) and torch.equal(
+        values, store.v[1, ids].reshape(12, 2, 3).transpose(0, 1)
+    )
     k = torch.randn(2, 5, 3)  # (kv_heads, T, head_dim), the layout a model computes
     store.write_heads(0, torch.tensor([0, 1, 2, 3, 20]), k, -k)
-    assert torch.equal(store.k[0, 0].transpose(0, 1), k[:, :4]) and torch.equal(store.k[0, 5, 0], k[:, 4])
+    assert torch.equal(store.k[0, 0].transpose(0, 1), k[:, :4]) and torch.equal(
+        store.k[0, 5, 0], k[:, 4]
+    )
     assert torch.equal(store.v[0, 5, 0], -k[:, 4])
 
 
@@ -59,7 +65,8 @@ def test_copy_blocks_copies_every_layer_and_only_the_pairs():
 
 def test_sizes_and_dtype():
     store = _store(dtype=torch.float16)
-    assert store.bytes_per_block == 2 * 2 * 4 * 2 * 3 * 2  # K and V x layers x slots x heads x dim x bytes
+    # K and V x layers x slots x heads x dim x bytes
+    assert store.bytes_per_block == 2 * 2 * 4 * 2 * 3 * 2
     assert store.nbytes == 6 * store.bytes_per_block
     assert store.k.dtype == torch.float16 and store.device.type == "cpu"
     with pytest.raises(ValueError):
@@ -71,8 +78,14 @@ def test_for_model_matches_config():
 
     from kvlab.engine.models import kv_bytes_per_token
 
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     model = Qwen2ForCausalLM(cfg)
     store = PagedKVStore.for_model(model, num_blocks=5, block_size=8)
     assert store.k.shape == (3, 5, 8, 2, 8)

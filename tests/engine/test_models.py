@@ -14,7 +14,8 @@ from kvlab.engine.models import (
 def test_default_loads_the_bundled_model_offline(bundled):
     model, tok = bundled
     assert model.config.model_type == "qwen2"
-    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query attention
+    # grouped-query attention
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
     assert next(model.parameters()).dtype == torch.float32
     assert not model.training
     assert (BUNDLED_MODEL / "README.md").exists(), "the model card is missing"
@@ -60,5 +61,12 @@ def test_fingerprint_tells_models_apart(bundled):
 def test_kv_bytes_per_token_of_the_bundled_model(bundled):
     model, _ = bundled
     c = model.config
-    assert kv_bytes_per_token(c, "float32") == 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    assert (
+        kv_bytes_per_token(c, "float32")
+        == 2
+        * c.num_hidden_layers
+        * c.num_key_value_heads
+        * (c.hidden_size // c.num_attention_heads)
+        * 4
+    )
     assert kv_bytes_per_token(c, "bfloat16") * 2 == kv_bytes_per_token(c, "float32")

@@ -1,4 +1,5 @@
-"""The engine's host tier (``kvlab.engine.offload``): restored K/V gives the tokens of a recompute, never across salts."""
+"""The engine's host tier (``kvlab.engine.offload``): restored K/V gives the tokens of a recompute,
+never across salts."""
 
 import random
 
@@ -23,7 +24,10 @@ def test_restored_blocks_give_the_tokens_of_a_recompute(lm):
     assert [o.output_ids for o in outs + again] == [r.output_ids for r in ref + ref[:2]]
     assert again[0].num_restored_tokens == 96 and again[0].num_cached_tokens == 96
     st = eng.stats()
-    assert st["tier_loaded_blocks"] > 0 and st["bytes_from_host"] == st["tier_loaded_blocks"] * eng.store.bytes_per_block
+    assert (
+        st["tier_loaded_blocks"] > 0
+        and st["bytes_from_host"] == st["tier_loaded_blocks"] * eng.store.bytes_per_block
+    )
     assert st["tier_bytes"] <= st["tier_capacity_bytes"]
 
 
@@ -62,10 +66,18 @@ def test_a_salted_block_in_the_tier_is_never_served_to_another_tenant(lm):
     model, tok = lm
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     prompt = _prompts(1, 80, seed=2)[0]
-    ref = Engine(model, tok, num_blocks=64, enable_prefix_caching=False).generate([prompt], sp)[0].output_ids
-    eng = Engine(model, tok, num_blocks=12, host_tier_bytes=10 ** 7, isolation="tenant", secret="s" * 16)
+    ref = (
+        Engine(model, tok, num_blocks=64, enable_prefix_caching=False)
+        .generate([prompt], sp)[0]
+        .output_ids
+    )
+    eng = Engine(
+        model, tok, num_blocks=12, host_tier_bytes=10**7, isolation="tenant", secret="s" * 16
+    )
     eng.generate([prompt], sp, tenants=["alice"])
-    eng.generate(_prompts(1, 180, seed=3), sp, tenants=["carol"])  # evicts alice's blocks into the tier
+    eng.generate(
+        _prompts(1, 180, seed=3), sp, tenants=["carol"]
+    )  # evicts alice's blocks into the tier
     assert eng.stats()["tier_saved_blocks"] >= 4
     bob = eng.generate([prompt], sp, tenants=["bob"])[0]
     alice = eng.generate([prompt], sp, tenants=["alice"])[0]

@@ -1,8 +1,9 @@
-"""EngineConfig.packed_linear: oneDNN's prepacked GEMM for the linear layers (kvlab.engine.speed.packed_linear).
+"""EngineConfig.packed_linear: oneDNN's prepacked GEMM for the linear layers
+(kvlab.engine.speed.packed_linear).
 
-Greedy tokens under it are HF's on every test architecture (tests/engine/test_architectures.py) and on
-the passphrase workload here; the model is the caller's own again when the engine is idle; a weight
-changed in place is packed again; where it cannot run, the engine refuses at construction."""
+Greedy tokens under it are HF's on every test architecture (tests/engine/test_architectures.py) and
+on the passphrase workload here; the model is the caller's own again when the engine is idle; a
+weight changed in place is packed again; where it cannot run, the engine refuses at construction."""
 
 import copy
 
@@ -30,7 +31,9 @@ def test_a_packed_layer_computes_its_linear_with_bias_and_repacks_a_changed_weig
     x = torch.randn(5, 64)
 
     def eager():
-        return F.linear(torch.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias)
+        return F.linear(
+            torch.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias
+        )
 
     packed = PackedLinears(model)
     assert packed.weights == [model[0].weight, model[2].weight]
@@ -39,7 +42,10 @@ def test_a_packed_layer_computes_its_linear_with_bias_and_repacks_a_changed_weig
         with packed.active():
             got = model(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert packed.packed(model[0].weight) is not None and packed.packed(torch.randn(96, 64)) is None
+        assert (
+            packed.packed(model[0].weight) is not None
+            and packed.packed(torch.randn(96, 64)) is None
+        )
         model[2].weight.mul_(2)  # in place: the packed copy is stale and must be made again
         want = eager()
         with packed.active():
@@ -52,7 +58,9 @@ def test_a_packed_layer_computes_its_linear_with_bias_and_repacks_a_changed_weig
 def test_packed_engine_gives_hf_greedy_tokens_on_the_passphrase_workload(lm, workload):
     model, tok = lm
     ids, ref = workload
-    engine = Engine(model, tok, num_blocks=256, block_size=16, accelerator=SpeedPaths(packed_linear=True))
+    engine = Engine(
+        model, tok, num_blocks=256, block_size=16, accelerator=SpeedPaths(packed_linear=True)
+    )
     outs = engine.generate(ids[:48], SamplingParams(max_tokens=MAX_NEW))
     mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.output_ids != r]
     assert not mismatches, f"{len(mismatches)} of 48 differ from HF generate under packed_linear"
@@ -108,12 +116,22 @@ def test_packed_gemm_sends_few_rows_to_the_panels_and_more_to_onednn():
     assert packed.panels is not None and packed.out_features == 48
     # panels of 2w: a call that uses them gives twice the product
     marked = PackedWeight(packed.onednn, ops.pack_panels(2 * w), 48)
-    for shape in [(1, 32), (PANEL_ROWS, 32), (1, PANEL_ROWS, 32), (PANEL_ROWS + 1, 32), (2, PANEL_ROWS, 32)]:
+    for shape in [
+        (1, 32),
+        (PANEL_ROWS, 32),
+        (1, PANEL_ROWS, 32),
+        (PANEL_ROWS + 1, 32),
+        (2, PANEL_ROWS, 32),
+    ]:
         x = torch.randn(shape)
-        torch.testing.assert_close(packed_gemm(x, packed, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            packed_gemm(x, packed, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4
+        )
         rows = x.numel() // 32
         factor = 2 if rows <= PANEL_ROWS else 1
-        torch.testing.assert_close(packed_gemm(x, marked, None), factor * F.linear(x, w), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            packed_gemm(x, marked, None), factor * F.linear(x, w), rtol=1e-5, atol=1e-4
+        )
         assert packed_gemm(x, packed, None).shape == (*shape[:-1], 48)
 
 
@@ -125,7 +143,8 @@ def test_the_panel_gemm_keeps_a_nan_in_its_row_and_refuses_mismatched_shapes():
     got = ops.panel_gemm(x, ops.pack_panels(w), torch.empty(0), 20)
     assert got[1].isnan().all() and not got[[0, 3]].isnan().any()
     torch.testing.assert_close(got[[0, 3]], F.linear(x[[0, 3]], w))
-    assert not got[2].isfinite().any()  # inf times each weight: inf, -inf (or NaN where a weight is 0)
+    # inf times each weight: inf, -inf (or NaN where a weight is 0)
+    assert not got[2].isfinite().any()
     with pytest.raises(RuntimeError, match="panels must be pack_panels of an"):
         ops.panel_gemm(torch.randn(2, 9), ops.pack_panels(w), torch.empty(0), 20)
     with pytest.raises(RuntimeError, match="panels must be pack_panels of an"):
@@ -145,7 +164,9 @@ def test_large_panels_outlive_their_weight_and_free_cleanly():
     assert panels.shape == (65, 576, 16) and panels.is_contiguous()
     assert panels[-1, :, 6:].eq(0).all()  # the columns past 1,030 are zero
     del w
-    torch.testing.assert_close(ops.panel_gemm(x, panels, torch.empty(0), 1030), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        ops.panel_gemm(x, panels, torch.empty(0), 1030), want, rtol=1e-5, atol=1e-4
+    )
     for _ in range(3):  # packed and freed again: its own memory goes back each time
         del panels
         panels = ops.pack_panels(torch.randn(1030, 576))

@@ -22,13 +22,16 @@ MAX_NEW = 10  # the length of the shared `workload` fixture's references (confte
 
 # None, or why not (it builds the kernel on a fresh machine)
 WHY_NOT = paged_kernel_available(torch.device("cpu"), torch.float32)
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"the paged kernel cannot run here: {WHY_NOT}")
+pytestmark = pytest.mark.skipif(
+    WHY_NOT is not None, reason=f"the paged kernel cannot run here: {WHY_NOT}"
+)
 
 
 def _step(spans, heads, kv_heads, dim, block_size, shared_blocks=0, seed=0):
     """A random one-layer store and one step's tensors: (cached, new) tokens per sequence.
 
-    Sequences whose cached tokens cover ``shared_blocks`` blocks hold those in the same physical blocks."""
+    Sequences whose cached tokens cover ``shared_blocks`` blocks hold those in the same physical
+    blocks."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     num_blocks = 4 + shared_blocks + sum(-(-(c + n) // block_size) for c, n in spans)
@@ -44,7 +47,11 @@ def _step(spans, heads, kv_heads, dim, block_size, shared_blocks=0, seed=0):
         table = prefix[: min(need, cached // block_size)]
         seqs.append((cached, cached + new, table + [free.pop() for _ in range(need - len(table))]))
     t = sum(n for _, n in spans)
-    qkv = torch.randn(1, heads, t, dim), torch.randn(1, kv_heads, t, dim), torch.randn(1, kv_heads, t, dim)
+    qkv = (
+        torch.randn(1, heads, t, dim),
+        torch.randn(1, kv_heads, t, dim),
+        torch.randn(1, kv_heads, t, dim),
+    )
     return store, seqs, qkv
 
 
@@ -61,7 +68,8 @@ def _attend(store, seqs, qkv, window, kernel=None):
     return out
 
 
-# (heads, kv heads, head dim): GQA, MQA, MHA, D % 16; 8 query heads a KV head (the decode path takes them
+# (heads, kv heads, head dim): GQA, MQA, MHA, D % 16; 8 query heads a KV head (the decode path takes
+# them
 # 4 at a time) and D = 128 (3 at a time)
 SHAPES = [(4, 2, 8), (9, 3, 64), (4, 1, 20), (2, 2, 16), (8, 1, 32), (6, 2, 128)]
 
@@ -90,8 +98,10 @@ def test_kernel_matches_the_sdpa_path_on_random_stores(shape, block_size, window
 
 @pytest.mark.parametrize("mode", [0, 1])
 def test_a_nan_query_gives_nan_where_the_sdpa_path_does(mode):
-    # decodes (the register path in mode 0) and a short prefill; one query value NaN, one key value inf
-    # (in the sequence alone in its SDPA group: where the SDPA path attends a union of blocks, an inf key's
+    # decodes (the register path in mode 0) and a short prefill; one query value NaN, one key value
+    # inf
+    # (in the sequence alone in its SDPA group: where the SDPA path attends a union of blocks, an
+    # inf key's
     # NaN reaches the other sequences' rows, masked or not)
     store, seqs, qkv = _step([(40, 1), (70, 1), (8, 3)], 9, 3, 64, 16, seed=3)
     qkv[0][0, 4, 0, 7] = float("nan")
@@ -120,12 +130,16 @@ def test_the_kernels_kv_write_is_the_stores():
     stores[0].write_heads(1, slots, key, value)
     batch = build_batch(stores[1], [(0, 5, [0, 1])])
     PagedKernel(stores[1]).plan(batch).write_heads(1, slots, key, value)
-    assert torch.equal(stores[0].k_pages, stores[1].k_pages) and torch.equal(stores[0].v_pages, stores[1].v_pages)
+    assert torch.equal(stores[0].k_pages, stores[1].k_pages) and torch.equal(
+        stores[0].v_pages, stores[1].v_pages
+    )
     assert stores[1].k_pages[1].view(3, -1, 16)[:, 23].eq(key[:, 2]).all()
     # a slot outside the pages is refused by name, and nothing is written
     before = stores[1].k_pages.clone()
     with pytest.raises(RuntimeError, match="slot 24 is outside the pages' 24 slots"):
-        PagedKernel(stores[1]).plan(batch).write_heads(0, torch.tensor([1, 2, 3, 4, 24]), key, value)
+        PagedKernel(stores[1]).plan(batch).write_heads(
+            0, torch.tensor([1, 2, 3, 4, 24]), key, value
+        )
     assert torch.equal(stores[1].k_pages, before)
 
 
@@ -140,8 +154,11 @@ def test_the_engine_gives_decodes_to_the_kernel_and_longer_queries_to_sdpa():
     store, seqs, _ = _step([(40, 1), (7, 1), (0, 30), (8, 5)], 4, 2, 64, 4)
     batch = build_batch(store, seqs)
     kernel = PagedKernel(store)
-    assert [kernel.plan(batch).takes(g, 2) for g in batch.groups] == [kernel.decode_path] * 2 + [True]
-    # decodes that share a prefix, on one thread: the SDPA path's union of blocks (measured faster there)
+    assert [kernel.plan(batch).takes(g, 2) for g in batch.groups] == [kernel.decode_path] * 2 + [
+        True
+    ]
+    # decodes that share a prefix, on one thread: the SDPA path's union of blocks (measured faster
+    # there)
     # unless the kernel has its decode path (mode 1 has none)
     store, seqs, _ = _step([(40 + i, 1) for i in range(8)], 9, 3, 64, 16, shared_blocks=2)
     threads = torch.get_num_threads()
@@ -165,7 +182,9 @@ def test_kernel_engine_gives_hf_greedy_tokens_on_the_passphrase_workload(lm, wor
         engine = Engine(model, tok, num_blocks=256, block_size=16, accelerator=speed)
         outs = engine.generate(ids[:48], SamplingParams(max_tokens=MAX_NEW))
         mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.output_ids != r]
-        assert not mismatches, f"{len(mismatches)} of 48 differ from HF generate (packed_linear={packed})"
+        assert not mismatches, (
+            f"{len(mismatches)} of 48 differ from HF generate (packed_linear={packed})"
+        )
 
 
 # another dtype: refused like packed_linear (tests/engine/test_packed_linear.py checks both)

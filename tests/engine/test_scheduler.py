@@ -1,4 +1,5 @@
-"""Scheduler (pure Python): continuous batching, token budget, preemption youngest-first, refusal."""
+"""Scheduler (pure Python): continuous batching, token budget, preemption youngest-first,
+refusal."""
 
 from pathlib import Path
 
@@ -30,17 +31,24 @@ def _run_step(sched, token=7):
 
 
 def test_importing_scheduler_and_sequence_loads_no_torch():
-    """Issue 25: run in a fresh interpreter, the import (kvlab/__init__, kvlab.cache, sampling_params) loads no torch."""
+    """Issue 25: run in a fresh interpreter, the import (kvlab/__init__, kvlab.cache,
+    sampling_params) loads no torch."""
     import os
     import subprocess
     import sys
 
-    import kvlab.engine.scheduler as sched  # (a copy of the package under another name rewrites this line)
+    # (a copy of the package under another name rewrites this line)
+    import kvlab.engine.scheduler as sched
 
     root = str(Path(sched.__file__).resolve().parents[2])
-    code = "import sys, kvlab.engine.scheduler, kvlab.engine.sequence; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    code = (
+        "import sys, kvlab.engine.scheduler, kvlab.engine.sequence; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    )
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=root)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=root
+    )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
@@ -65,21 +73,34 @@ def test_prefill_and_decode_share_a_step():
     assert [(it.seq, it.start, it.end, it.is_prefill) for it in out.items] == [(a, 0, 6, True)]
     sched.add(b)
     out = _run_step(sched)
-    assert [(it.seq, it.start, it.end, it.is_prefill) for it in out.items] == [(a, 6, 7, False), (b, 0, 5, True)]
-    assert sched.block_manager.seqs[0].token_ids == a.token_ids[:-1]  # the fed token is in the blocks
+    assert [(it.seq, it.start, it.end, it.is_prefill) for it in out.items] == [
+        (a, 6, 7, False),
+        (b, 0, 5, True),
+    ]
+    # the fed token is in the blocks
+    assert sched.block_manager.seqs[0].token_ids == a.token_ids[:-1]
 
 
 def test_token_budget_and_max_num_seqs():
-    """Whole prompts (chunked prefill off); tests/engine/test_chunked_prefill.py has the chunked budget."""
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=3, max_num_batched_tokens=25, enable_chunked_prefill=False)
+    """Whole prompts (chunked prefill off); tests/engine/test_chunked_prefill.py has the chunked
+    budget."""
+    sched = Scheduler(
+        BlockManager(64, 4), max_num_seqs=3, max_num_batched_tokens=25, enable_chunked_prefill=False
+    )
     for i in range(5):
         sched.add(_seq(i, 10, first=20 * i))
     out = sched.schedule()
     assert [it.seq.seq_id for it in out.items] == [0, 1]  # a third 10-token prefill would exceed 25
     out = sched.schedule()
-    assert [(it.seq.seq_id, it.is_prefill) for it in out.items] == [(0, False), (1, False), (2, True)]
+    assert [(it.seq.seq_id, it.is_prefill) for it in out.items] == [
+        (0, False),
+        (1, False),
+        (2, True),
+    ]
     assert len(sched.running) == 3  # max_num_seqs
-    long = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    long = Scheduler(
+        BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False
+    )
     long.add(_seq(9, 30))
     assert [it.end for it in long.schedule().items] == [30]  # longer than the budget: runs alone
     with pytest.raises(ValueError):
@@ -114,7 +135,8 @@ def test_preempts_youngest_and_recomputes():
         recomputed += [(it.start, it.end, n_b) for it in out.items if it.seq is b and it.is_prefill]
         steps += 1
         assert steps < 50
-    # b came back as a prefill of its prompt + generated tokens; its first full block was still cached
+    # b came back as a prefill of its prompt + generated tokens; its first full block was still
+    # cached
     assert recomputed == [(4, 9, 9)]
     assert a.finish_reason == b.finish_reason == "length"
     assert len(a.output_ids) == len(b.output_ids) == 6
@@ -181,7 +203,9 @@ def test_random_workloads_drain_cleanly(data):
         n = data.draw(st.integers(1, 12))
         max_tokens = data.draw(st.integers(1, 6))
         prefix = data.draw(st.sampled_from([0, 1]))  # two families of shared prefixes
-        seq = Request(i, i, [prefix] * min(n, 4) + [i] * max(0, n - 4), SamplingParams(max_tokens=max_tokens))
+        seq = Request(
+            i, i, [prefix] * min(n, 4) + [i] * max(0, n - 4), SamplingParams(max_tokens=max_tokens)
+        )
         try:
             sched.check_fits(n, max_tokens)
         except ValueError:
@@ -198,7 +222,8 @@ def test_random_workloads_drain_cleanly(data):
 
 
 def test_scheduler_and_sequence_import_no_torch():
-    """``kvlab.engine.scheduler`` and ``sequence`` are pure Python: importing them (and the package) loads no torch."""
+    """``kvlab.engine.scheduler`` and ``sequence`` are pure Python: importing them (and the package)
+    loads no torch."""
     import subprocess
     import sys
 
@@ -210,7 +235,8 @@ def test_scheduler_and_sequence_import_no_torch():
 
 
 def test_sampling_params_keeps_its_import_paths():
-    """``SamplingParams`` is one class under its names: ``kvlab``, ``kvlab.engine``, ``kvlab.engine.sampling``."""
+    """``SamplingParams`` is one class under its names: ``kvlab``, ``kvlab.engine``,
+    ``kvlab.engine.sampling``."""
     import kvlab
     import kvlab.engine
     from kvlab.engine.sampling_params import SamplingParams as Pure

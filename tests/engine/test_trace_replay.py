@@ -1,4 +1,5 @@
-"""One trace replay on the real scheduler (``kvlab.engine.trace_replay``): scripted tokens, any cache, no torch."""
+"""One trace replay on the real scheduler (``kvlab.engine.trace_replay``): scripted tokens, any
+cache, no torch."""
 
 import subprocess
 import sys
@@ -12,10 +13,15 @@ from kvlab.engine.trace_replay import ScriptedScheduler, TraceRequest, replay_tr
 
 def _trace(n: int = 12, block_size: int = 4) -> list[TraceRequest]:
     system = list(range(100, 100 + 3 * block_size + 1))
-    return [TraceRequest(f"r{i}", system + [1000 + i] * (i % 5 + 1), [2000 + i] * (i % 3 + 2)) for i in range(n)]
+    return [
+        TraceRequest(f"r{i}", system + [1000 + i] * (i % 5 + 1), [2000 + i] * (i % 3 + 2))
+        for i in range(n)
+    ]
 
 
-@pytest.mark.parametrize("make", [lambda: BlockManager(40, 4), lambda: RadixCache(160, 1)], ids=["blocks", "radix"])
+@pytest.mark.parametrize(
+    "make", [lambda: BlockManager(40, 4), lambda: RadixCache(160, 1)], ids=["blocks", "radix"]
+)
 def test_replay_runs_every_request_and_frees_the_pool(make):
     cache, trace = make(), _trace()
     res = replay_trace(cache, trace, max_num_seqs=3)
@@ -38,7 +44,14 @@ def _conversations(n: int, turns: int, seed: int = 1) -> list[TraceRequest]:
         history: list[int] = []
         for t in range(turns):
             user, reply = ids(rng.randint(4, 30)), ids(rng.randint(2, 20))
-            out.append(TraceRequest(f"c{c}t{t}", system + history + user, reply, after=f"c{c}t{t - 1}" if t else None))
+            out.append(
+                TraceRequest(
+                    f"c{c}t{t}",
+                    system + history + user,
+                    reply,
+                    after=f"c{c}t{t - 1}" if t else None,
+                )
+            )
             history += user + reply
     return out
 
@@ -62,18 +75,27 @@ def test_a_radix_cache_under_pressure_evicts_and_stays_consistent():
 
 def test_a_later_turn_hits_its_predecessor_but_not_the_reply_token_never_written():
     prompt = [1, 2, 3, 4, 5, 6, 7]
-    # the engine writes K/V of the prompt and every reply token but the last: 7 + 1 = 8 tokens, two full blocks
+    # the engine writes K/V of the prompt and every reply token but the last: 7 + 1 = 8 tokens, two
+    # full blocks
     first = TraceRequest("t0", prompt, [8, 9])
     second = TraceRequest("t1", prompt + [8, 9, 10, 11, 12], [13], after="t0")
     res = replay_trace(BlockManager(16, 4), [second, first])  # listed first, it still waits for t0
     assert res.cached_tokens == {"t0": 0, "t1": 8}
-    short = replay_trace(BlockManager(16, 4), [TraceRequest("t0", prompt, [8]),
-                                                TraceRequest("t1", prompt + [8, 9, 10], [13], after="t0")])
-    assert short.cached_tokens["t1"] == 4  # reply [8] alone: K/V of the 7 prompt tokens, one full block
+    short = replay_trace(
+        BlockManager(16, 4),
+        [
+            TraceRequest("t0", prompt, [8]),
+            TraceRequest("t1", prompt + [8, 9, 10], [13], after="t0"),
+        ],
+    )
+    # reply [8] alone: K/V of the 7 prompt tokens, one full block
+    assert short.cached_tokens["t1"] == 4
 
 
 def test_reserve_avoids_the_preemptions_the_scheduler_makes_without_it():
-    trace = [TraceRequest(f"r{i}", [10 * i + k for k in range(4)], list(range(7))) for i in range(2)]  # 3 blocks each
+    trace = [
+        TraceRequest(f"r{i}", [10 * i + k for k in range(4)], list(range(7))) for i in range(2)
+    ]  # 3 blocks each
     free_for_all = replay_trace(BlockManager(4, 4), trace, reserve=False)
     reserved = replay_trace(BlockManager(4, 4), trace, reserve=True)
     assert free_for_all.num_preemptions > 0 and reserved.num_preemptions == 0
@@ -91,8 +113,14 @@ def test_scripted_scheduler_reports_first_tokens_and_finishes():
     run = ScriptedScheduler(BlockManager(8, 4))
     run.add("x", [1, 2, 3, 4, 5], [6, 7])
     first = run.step()
-    assert [s.request_id for s in first.first_token] == ["x"] and first.prefill_tokens == 5 and first.decodes == 0
-    assert run.scheduler.last_output is first.output  # the seam a replica reads its step's counts from
+    assert (
+        [s.request_id for s in first.first_token] == ["x"]
+        and first.prefill_tokens == 5
+        and first.decodes == 0
+    )
+    assert (
+        run.scheduler.last_output is first.output
+    )  # the seam a replica reads its step's counts from
     second = run.step()
     assert [s.output_ids for s in second.finished] == [[6, 7]] and second.decodes == 1
     assert not run.has_unfinished() and not run.requests
@@ -100,7 +128,9 @@ def test_scripted_scheduler_reports_first_tokens_and_finishes():
 
 def test_a_sequence_already_in_the_cache_keeps_its_blocks_and_its_id():
     cache = BlockManager(16, 4)
-    cache.allocate(0, [7, 7, 7, 7, 7])  # the caller's own sequence, under the id the scheduler would take first
+    cache.allocate(
+        0, [7, 7, 7, 7, 7]
+    )  # the caller's own sequence, under the id the scheduler would take first
     held = cache.block_table(0)
     res = replay_trace(cache, _trace(4))
     assert cache.block_table(0) == held and list(cache.seqs) == [0] and len(res.cached_tokens) == 4

@@ -1,4 +1,5 @@
-"""From-scratch attention: equals PyTorch's, cached decode equals recomputation, GQA as in transformers."""
+"""From-scratch attention: equals PyTorch's, cached decode equals recomputation, GQA as in
+transformers."""
 
 import pytest
 import torch
@@ -61,7 +62,9 @@ def test_forgetting_the_real_models_cache_is_measured(bundled):
     model, tok = bundled
     from kvlab.engine.models import encode
 
-    d = A.stepwise_vs_one_pass(model, encode(tok, "<|im_start|>system\n你是一个翻译助手<|im_end|>\n")[:12])
+    d = A.stepwise_vs_one_pass(
+        model, encode(tok, "<|im_start|>system\n你是一个翻译助手<|im_end|>\n")[:12]
+    )
     assert d["with the cache"] <= 1e-4 and d["with the cache: argmax agrees"] == 1.0
     assert d["forgetting the cache"] > 1e-2
 
@@ -124,7 +127,9 @@ def test_check_gqa_attention():
 
 
 def test_check_kv_bytes():
-    assert str(A.check_kv_bytes("Qwen2.5-0.5B-Instruct", "bfloat16", None)).startswith("not yet: no answer")
+    assert str(A.check_kv_bytes("Qwen2.5-0.5B-Instruct", "bfloat16", None)).startswith(
+        "not yet: no answer"
+    )
     assert A.check_kv_bytes("Qwen2.5-0.5B-Instruct", "bfloat16", 2 * 24 * 2 * 64 * 2)
     assert not A.check_kv_bytes("Qwen2.5-0.5B-Instruct", "bfloat16", 2 * 24 * 14 * 64 * 2)
 
@@ -145,7 +150,8 @@ def test_viz_figures_are_figures():
 
 
 def _cost(n, recompute_s, cached_s, recompute_flops, cached_flops, spread=1.01):
-    """A decode_step_cost table from given medians: three repeats each, within ``spread`` of the median."""
+    """A decode_step_cost table from given medians: three repeats each, within ``spread`` of the
+    median."""
     import pandas as pd
 
     from kvlab.lessons.timing import Timing
@@ -153,29 +159,47 @@ def _cost(n, recompute_s, cached_s, recompute_flops, cached_flops, spread=1.01):
     def t(name, x):
         return Timing(name, (x / spread, x, x * spread))
 
-    return pd.DataFrame({"n": n, "recompute_s": recompute_s, "cached_s": cached_s, "recompute_flops": recompute_flops,
-                         "cached_flops": cached_flops,
-                         "timings": [{"recompute": t("recompute", r), "cached": t("cached", c)}
-                                     for r, c in zip(recompute_s, cached_s)]})
+    return pd.DataFrame(
+        {
+            "n": n,
+            "recompute_s": recompute_s,
+            "cached_s": cached_s,
+            "recompute_flops": recompute_flops,
+            "cached_flops": cached_flops,
+            "timings": [
+                {"recompute": t("recompute", r), "cached": t("cached", c)}
+                for r, c in zip(recompute_s, cached_s)
+            ],
+        }
+    )
 
 
 def test_step_cost_verdicts_compare_measured_and_counted_growth():
     import numpy as np
 
     n = np.array([64, 128, 256, 512, 1024, 2048])
-    cost = _cost(n, n ** 2 * 1e-9, n * 1e-6, n * 1.0, n * 1.0)   # recompute: quadratic time vs a linear count
+    # recompute: quadratic time vs a linear count
+    cost = _cost(n, n ** 2 * 1e-9, n * 1e-6, n * 1.0, n * 1.0)
     lines = A.step_cost_verdicts(cost, 512)
     assert lines[0].startswith("n = 2048: the cached step is x") and len(lines) == 5
-    assert any(s.startswith("no cache, n <= crossover") and "(slope 2.00) where the FLOP count says" in s
-               and s.endswith("(slope 1.00): grew MORE than counted") for s in lines)
+    assert any(
+        s.startswith("no cache, n <= crossover")
+        and "(slope 2.00) where the FLOP count says" in s
+        and s.endswith("(slope 1.00): grew MORE than counted")
+        for s in lines
+    )
     assert all(s.endswith(": grew as counted") for s in lines if s.startswith("with cache"))
-    assert not any(word in s for s in lines for word in ("memory traffic", "per-call", "because", "outlier"))
+    assert not any(
+        word in s for s in lines for word in ("memory traffic", "per-call", "because", "outlier")
+    )
 
 
 def test_step_cost_verdicts_do_not_call_slopes_far_apart_agreeing():
     import numpy as np
 
-    n = np.array([32, 64, 128, 256, 512, 1024])  # notebook 01's run: time slope 0.30 against a counted 0.18
+    n = np.array(
+        [32, 64, 128, 256, 512, 1024]
+    )  # notebook 01's run: time slope 0.30 against a counted 0.18
     cost = _cost(n, n * 1e-5, n ** 0.30 * 1e-6, n * 1.0, n ** 0.18)
     cached = next(s for s in A.step_cost_verdicts(cost, 4096) if s.startswith("with cache"))
     assert "(slope 0.30)" in cached and cached.endswith("grew MORE than counted")
@@ -186,13 +210,22 @@ def test_overlapping_speed_up_reads_as_no_measurable_difference():
 
     n = np.array([32, 64])
     cost = _cost(n, [1e-3, 1.0e-3], [1e-3, 0.99e-3], n * 2.0, n * 1.0, spread=1.2)
-    assert A.step_cost_verdicts(cost, 512)[0].startswith("n = 64: no measurable difference at n = 64: the ranges overlap")
+    assert A.step_cost_verdicts(cost, 512)[0].startswith(
+        "n = 64: no measurable difference at n = 64: the ranges overlap"
+    )
 
 
 def test_notebook_01_is_the_source_of_what_it_teaches():
-    """The mechanism lives in notebook 01's '#| export' cells (kvlab.built.nb01); the lesson module runs and checks."""
-    for name in ("causal_mask", "attention", "repeat_kv", "decode_step_flops", "last_row_ignores_past_queries",
-                 "kv_bytes_per_token_by_hand"):
+    """The mechanism lives in notebook 01's '#| export' cells (kvlab.built.nb01); the lesson module
+    runs and checks."""
+    for name in (
+        "causal_mask",
+        "attention",
+        "repeat_kv",
+        "decode_step_flops",
+        "last_row_ignores_past_queries",
+        "kv_bytes_per_token_by_hand",
+    ):
         assert getattr(N, name).__module__ == "kvlab.built.nb01", name
     assert A.attention is N.attention  # the checkers use the notebook's attention
 
@@ -209,8 +242,9 @@ def test_kv_bytes_by_hand_equals_the_library_on_every_shipped_config(dtype):
     for name in names:
         cfg = load_public_config(name)
         assert kv_bytes_per_token_by_hand(cfg, dtype) == kv_bytes_per_token(cfg, dtype), name
-    hf = AutoConfig.for_model("qwen2", num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                              hidden_size=256)  # a transformers config object, no head_dim given
+    hf = AutoConfig.for_model(
+        "qwen2", num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, hidden_size=256
+    )  # a transformers config object, no head_dim given
     assert kv_bytes_per_token_by_hand(hf, dtype) == kv_bytes_per_token(hf, dtype)
 
 
@@ -219,19 +253,25 @@ def test_decode_step_cost_is_timed_interleaved_with_min_max():
     for _, r in rows.iterrows():
         t = r["timings"]
         assert set(t) == {"cached", "recompute"} and len(t["cached"].seconds) == 3
-        assert r["cached_s"] == t["cached"].median and t["cached"].lo <= r["cached_s"] <= t["cached"].hi
+        assert (
+            r["cached_s"] == t["cached"].median
+            and t["cached"].lo <= r["cached_s"] <= t["cached"].hi
+        )
 
 
 def test_a_jump_the_count_does_not_explain_gets_no_slope():
-    """Notebook 01's run: the cached step jumped 1.30e-03 -> 5.54e-02 s from n = 1024 to 2048, once printed as
-    'time slope 5.41 ... the count leaves out memory traffic'."""
+    """Notebook 01's run: the cached step jumped 1.30e-03 -> 5.54e-02 s from n = 1024 to 2048, once
+    printed as 'time slope 5.41 ... the count leaves out memory traffic'."""
     import numpy as np
 
     n = np.array([32, 64, 128, 256, 512, 1024, 2048])
     cached_s = np.array([1.0e-3, 1.05e-3, 1.1e-3, 1.15e-3, 1.2e-3, 1.30e-3, 5.54e-2])
-    lines = A.step_cost_verdicts(_cost(n, n ** 2 * 1e-8, cached_s, n ** 2 * 1.0, 1e6 + 1e3 * n), 1024)
+    lines = A.step_cost_verdicts(_cost(n, n**2 * 1e-8, cached_s, n**2 * 1.0, 1e6 + 1e3 * n), 1024)
     cached = [s for s in lines if s.startswith("with cache")]
-    assert cached == [s for s in cached if "x42.6 from 1024 to 2048" in s and "no slopes" in s] and len(cached) == 1
+    assert (
+        cached == [s for s in cached if "x42.6 from 1024 to 2048" in s and "no slopes" in s]
+        and len(cached) == 1
+    )
     assert all("(slope " in s for s in lines if s.startswith("no cache"))
 
 

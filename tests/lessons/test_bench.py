@@ -1,4 +1,5 @@
-"""The sys512 benchmark's measurement of transformers' ``generate_batch`` (``kvlab.bench.peers``)."""
+"""The sys512 benchmark's measurement of transformers' ``generate_batch``
+(``kvlab.bench.peers``)."""
 
 import logging
 
@@ -10,7 +11,9 @@ transformers = pytest.importorskip("transformers")
 from kvlab.bench import peers as B  # noqa: E402
 from kvlab.lessons import workloads as W  # noqa: E402
 
-CB_LOGGER = "ContinuousBatchingLogger"  # where transformers' continuous batching logs its prefix matches
+CB_LOGGER = (
+    "ContinuousBatchingLogger"  # where transformers' continuous batching logs its prefix matches
+)
 
 
 def test_prefix_matches_are_read_from_the_debug_log_and_the_logger_is_left_as_it_was(capsys):
@@ -22,17 +25,26 @@ def test_prefix_matches_are_read_from_the_debug_log_and_the_logger_is_left_as_it
         log.debug("Found a prefix match of 16 tokens for request r2")
     assert found == [32, 16]
     assert log.level == level and log.filters == filters
-    assert "prefix match" not in capsys.readouterr().err  # the collected debug lines are not printed
+    # the collected debug lines are not printed
+    assert "prefix match" not in capsys.readouterr().err
 
 
 def test_generate_batch_reports_the_blocks_it_shared():
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     wl = W.sys512(256, num_requests=3, prefix_tokens=48, suffix_tokens=8, max_tokens=4)
-    shared = B.run_generate_batch(model, wl, True, max_batch_tokens=B._one(wl))  # one prefill per step: later ones hit
+    # one prefill per step: later ones hit
+    shared = B.run_generate_batch(model, wl, True, max_batch_tokens=B._one(wl))
     isolated = B.run_generate_batch(model, wl, False, max_batch_tokens=B._one(wl))
     if "error" in shared:
         pytest.skip(shared["error"])

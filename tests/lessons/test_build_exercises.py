@@ -1,5 +1,6 @@
-"""The build exercises (notebooks 01, 02, 04, 05's append): the worked solution passes its checker, a blank stub gets
-"not yet" with a hint, a deliberately wrong answer gets a hint, and ``use_reference`` picks the right piece."""
+"""The build exercises (notebooks 01, 02, 04, 05's append): the worked solution passes its checker,
+a blank stub gets "not yet" with a hint, a deliberately wrong answer gets a hint, and
+``use_reference`` picks the right piece."""
 
 from kvlab.lessons import nb01_attention as A
 from kvlab.lessons import nb02_prefix as R
@@ -19,7 +20,8 @@ def assert_not_yet(v, *words):
         assert w in str(v), (w, str(v))
 
 
-# ----------------------------------------------------------------------------- 01.B the cached decode step
+# ----------------------------------------------------------------------------- 01.B the cached
+# decode step
 
 def test_01_decode_step_solution_and_reference_pass():
     assert A.check_decode_step(SOL.build_01_decode_step)
@@ -57,12 +59,16 @@ def test_01_decode_step_wrong_answers_get_hints():
     assert_not_yet(A.check_decode_step(lambda *a: 1 / 0), "ZeroDivisionError")
 
 
-# ----------------------------------------------------------------------------- 02.B the continue-from-cache loop
+# ----------------------------------------------------------------------------- 02.B the
+# continue-from-cache loop
 
 def _with_positions(shift):
     """The worked loop, with every position moved by ``shift(start_pos)`` (0: right)."""
     def loop(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
-        return SOL.build_02_continue(model, cache, suffix_ids, start_pos - shift(start_pos), max_new_tokens, stop_ids)
+        return SOL.build_02_continue(
+            model, cache, suffix_ids, start_pos - shift(start_pos), max_new_tokens, stop_ids
+        )
+
     return loop
 
 
@@ -73,17 +79,26 @@ def test_02_continue_solution_and_reference_pass(bundled):
 
 def test_02_continue_blank_and_wrong_answers_get_hints(bundled):
     model, tok = bundled
-    assert_not_yet(R.check_continue_loop(blank, model, tok, n=1), "no answer yet. Hint: ", "positions")
-    # restarting the suffix at position 0: the bundled model may not even change its answer, the check still sees it
-    assert_not_yet(R.check_continue_loop(_with_positions(lambda p: p), model, tok, n=1), "cache already held")
+    assert_not_yet(
+        R.check_continue_loop(blank, model, tok, n=1), "no answer yet. Hint: ", "positions"
+    )
+    # restarting the suffix at position 0: the bundled model may not even change its answer, the
+    # check still sees it
+    assert_not_yet(
+        R.check_continue_loop(_with_positions(lambda p: p), model, tok, n=1), "cache already held"
+    )
 
     def no_positions(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
-        return SOL.build_02_continue(_DropPositions(model), cache, suffix_ids, start_pos, max_new_tokens, stop_ids)
+        return SOL.build_02_continue(
+            _DropPositions(model), cache, suffix_ids, start_pos, max_new_tokens, stop_ids
+        )
 
     assert_not_yet(R.check_continue_loop(no_positions, model, tok, n=1), "passed no position_ids")
 
     def whole_prompt(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
-        return SOL.build_02_continue(model, cache, [0] * start_pos + list(suffix_ids), 0, max_new_tokens, stop_ids)
+        return SOL.build_02_continue(
+            model, cache, [0] * start_pos + list(suffix_ids), 0, max_new_tokens, stop_ids
+        )
 
     assert_not_yet(R.check_continue_loop(whole_prompt, model, tok, n=1), "feed only suffix_ids")
 
@@ -94,7 +109,8 @@ def test_02_continue_blank_and_wrong_answers_get_hints(bundled):
 
 
 class _DropPositions:
-    """A model proxy that forgets the position_ids it is given (transformers then counts from the cache)."""
+    """A model proxy that forgets the position_ids it is given (transformers then counts from the
+    cache)."""
 
     def __init__(self, model):
         self.model = model
@@ -107,13 +123,16 @@ class _DropPositions:
         return self.model.parameters()
 
 
-# ----------------------------------------------------------------------------- 04.B, 05.B1 the paged cache's pieces
+# ----------------------------------------------------------------------------- 04.B, 05.B1 the
+# paged cache's pieces
 
 def test_04_05_solutions_pass_their_checkers():
     assert L.check_block_hashes(SOL.build_04_block_hashes)
     assert L.check_take_free(SOL.build_04_take, SOL.build_04_free)
     assert L.check_allocate(SOL.build_04_allocate)
-    assert L.check_allocate(SOL.build_04_allocate, SOL.build_04_block_hashes, SOL.build_04_take, SOL.build_04_free)
+    assert L.check_allocate(
+        SOL.build_04_allocate, SOL.build_04_block_hashes, SOL.build_04_take, SOL.build_04_free
+    )
     assert L.check_append(SOL.build_05_append)
     assert L.kvlab_pieces().take is SOL.build_04_take and L.kvlab_pieces(take=blank).take is blank
 
@@ -124,7 +143,10 @@ def test_04_blank_and_wrong_hashes_get_hints():
     assert_not_yet(L.check_block_hashes(blank), "no answer yet. Hint: ")
 
     def unchained(tokens, bs, keys=()):
-        return [hash_block(None, tokens[i * bs:(i + 1) * bs], keys if i == 0 else ()) for i in range(len(tokens) // bs)]
+        return [
+            hash_block(None, tokens[i * bs : (i + 1) * bs], keys if i == 0 else ())
+            for i in range(len(tokens) // bs)
+        ]
 
     def keys_everywhere(tokens, bs, keys=()):
         out, parent = [], None
@@ -138,7 +160,10 @@ def test_04_blank_and_wrong_hashes_get_hints():
 
     assert_not_yet(L.check_block_hashes(unchained), "not chained")
     assert_not_yet(L.check_block_hashes(keys_everywhere), "block 0 only")
-    assert_not_yet(L.check_block_hashes(lambda t, bs, k=(): SOL.build_04_block_hashes(t, bs)), "needs the extra keys")
+    assert_not_yet(
+        L.check_block_hashes(lambda t, bs, k=(): SOL.build_04_block_hashes(t, bs)),
+        "needs the extra keys",
+    )
     assert_not_yet(L.check_block_hashes(with_tail), "partial tail")
 
 
@@ -156,7 +181,8 @@ def test_04_blank_and_wrong_take_free_get_hints():
         blocks.tables[seq_id].reverse()
         SOL.build_04_free(blocks, seq_id)
 
-    def no_evict(blocks):  # takes the head but leaves its hash: a later request hits overwritten K/V
+    # takes the head but leaves its hash: a later request hits overwritten K/V
+    def no_evict(blocks):
         b = next(iter(blocks.free))
         del blocks.free[b]
         blocks.ref[b] = 1
@@ -167,9 +193,17 @@ def test_04_blank_and_wrong_take_free_get_hints():
         blocks.free.move_to_end(b, last=False)
         return SOL.build_04_take(blocks)
 
-    assert_not_yet(L.check_take_free(SOL.build_04_take, all_to_tail), "free list differ", "HEAD when it holds none")
-    assert_not_yet(L.check_take_free(SOL.build_04_take, head_first), "free list differ", "tail first")
-    assert_not_yet(L.check_take_free(no_evict, SOL.build_04_free), "cached blocks differ", "blocks.uncache(b)")
+    assert_not_yet(
+        L.check_take_free(SOL.build_04_take, all_to_tail),
+        "free list differ",
+        "HEAD when it holds none",
+    )
+    assert_not_yet(
+        L.check_take_free(SOL.build_04_take, head_first), "free list differ", "tail first"
+    )
+    assert_not_yet(
+        L.check_take_free(no_evict, SOL.build_04_free), "cached blocks differ", "blocks.uncache(b)"
+    )
     assert_not_yet(L.check_take_free(newest_first, SOL.build_04_free), "HEAD of blocks.free")
     assert_not_yet(L.check_take_free(lambda blocks: 1 / 0, SOL.build_04_free), "ZeroDivisionError")
 
@@ -214,12 +248,19 @@ def test_05_blank_and_wrong_append_get_hints():
             blocks.register(table[-1], hash_block(parent, token_ids[-bs:]))
 
     assert L.check_append(append)
-    assert_not_yet(L.check_append(lambda *a: append(*a, register=False)), "cached blocks differ", "register")
-    assert_not_yet(L.check_append(lambda *a: append(*a, every=True)), "block table", "only when the token starts one")
+    assert_not_yet(
+        L.check_append(lambda *a: append(*a, register=False)), "cached blocks differ", "register"
+    )
+    assert_not_yet(
+        L.check_append(lambda *a: append(*a, every=True)),
+        "block table",
+        "only when the token starts one",
+    )
     assert_not_yet(L.check_append(lambda *a: append(*a, chained=False)), "parent")
 
 
-# ----------------------------------------------------------------------------- continue with kvlab's version
+# ----------------------------------------------------------------------------- continue with
+# kvlab's version
 
 def test_use_reference_picks_yours_only_when_the_check_passed(capsys):
     def mine():
@@ -234,4 +275,5 @@ def test_use_reference_picks_yours_only_when_the_check_passed(capsys):
     assert use_reference(None, Verdict(False, "not yet"), ref) is ref
 
 
-# 05's capstone (slot mapping, gather, the reader's cache generating tokens): tests/lessons/test_nb05_capstone.py
+# 05's capstone (slot mapping, gather, the reader's cache generating tokens):
+# tests/lessons/test_nb05_capstone.py

@@ -1,5 +1,5 @@
-"""The committed model must actually do the task the series relies on (a fast, small sample), its tokenizer
-must rebuild the training ids, and the notebooks' size switch must judge it small."""
+"""The committed model must actually do the task the series relies on (a fast, small sample), its
+tokenizer must rebuild the training ids, and the notebooks' size switch must judge it small."""
 
 import sys
 from pathlib import Path
@@ -34,13 +34,19 @@ def test_tokenizer_round_trip_matches_training_ids(bundled):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert ids == raw.encode(text, add_special_tokens=False).ids
         assert tok.decode(ids) == text
-    assert tok.convert_ids_to_tokens(tok("<|im_start|>user", add_special_tokens=False)["input_ids"])[0] == "<|im_start|>"
+    assert (
+        tok.convert_ids_to_tokens(tok("<|im_start|>user", add_special_tokens=False)["input_ids"])[0]
+        == "<|im_start|>"
+    )
 
 
 def test_chat_template_renders_the_same_prompt(bundled):
     _, tok = bundled
     for ex in P.make_examples(10, "heldout"):
-        assert tok.apply_chat_template(ex.messages(), tokenize=False, add_generation_prompt=True) == ex.prompt_text
+        assert (
+            tok.apply_chat_template(ex.messages(), tokenize=False, add_generation_prompt=True)
+            == ex.prompt_text
+        )
 
 
 def test_quick_sizes_for_large_models_on_cpu(bundled):

@@ -1,4 +1,5 @@
-"""The notebook is the source: ``#| export`` cells -> kvlab/built/nbNN.py (scripts/export_notebooks.py)."""
+"""The notebook is the source: ``#| export`` cells -> kvlab/built/nbNN.py
+(scripts/export_notebooks.py)."""
 
 import json
 import shutil
@@ -31,7 +32,8 @@ def test_an_edited_export_cell_is_caught(tmp_path):
     assert "EDITED = True" in built[module]
     assert built[module] != export_notebooks.generated_files()[module]
     assert {f: t for f, t in built.items() if f != module} == {
-        f: t for f, t in export_notebooks.generated_files().items() if f != module}, "only its notebook's module changes"
+        f: t for f, t in export_notebooks.generated_files().items() if f != module
+    }, "only its notebook's module changes"
 
 
 def test_check_fails_on_a_differing_or_stale_module(tmp_path, monkeypatch, capsys):
@@ -61,12 +63,25 @@ def test_a_broken_notebook_is_named_and_nothing_is_written(tmp_path):
 
 def test_imports_are_gathered_once_at_the_top(tmp_path):
     cell = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}
-    cells = [dict(cell, source=["#| export\n", "import torch\n", "\n", "def f():\n", "    return 1\n"]),
-             dict(cell, source=["#| export\n", "import math\n", "import torch\n", "def g():\n", "    return 2\n"]),
-             dict(cell, source=["not exported = 1\n"])]
+    cells = [
+        dict(cell, source=["#| export\n", "import torch\n", "\n", "def f():\n", "    return 1\n"]),
+        dict(
+            cell,
+            source=[
+                "#| export\n",
+                "import math\n",
+                "import torch\n",
+                "def g():\n",
+                "    return 2\n",
+            ],
+        ),
+        dict(cell, source=["not exported = 1\n"]),
+    ]
     (tmp_path / "00_x.ipynb").write_text(json.dumps({"cells": cells}), encoding="utf-8")
     text = export_notebooks.build(tmp_path)["nb00.py"]
-    assert text.count("import torch") == 1 and text.index("import math") < text.index("import torch")
+    assert text.count("import torch") == 1 and text.index("import math") < text.index(
+        "import torch"
+    )
     assert "# --- 00_x.ipynb, cell 0 ---\ndef f():" in text and "not exported" not in text
     namespace: dict = {}
     exec(compile(text, "built", "exec"), namespace)
@@ -74,34 +89,41 @@ def test_imports_are_gathered_once_at_the_top(tmp_path):
 
 
 def test_no_notebook_prints_source():
-    """A notebook writes its mechanism in cells; none prints library source with inspect.getsource."""
+    """A notebook writes its mechanism in cells; none prints library source with
+    inspect.getsource."""
     printing = [nb.name for nb in sorted(export_notebooks.NOTEBOOKS.glob("*.ipynb"))
                 if "getsource" in nb.read_text(encoding="utf-8")]
     assert printing == [], f"these notebooks print source with inspect.getsource: {printing}"
     assert {name for name, _, _ in export_notebooks.exported_cells()}, "no notebook exports a cell"
 
 
-LESSON_LINES = 7000  # issue 50: kvlab/lessons + kvlab/built together (8,277 before it); experiment runners moved
+# issue 50: kvlab/lessons + kvlab/built together (8,277 before it); experiment runners moved
 # from the notebooks into kvlab/lessons, so the budget covers both layers
+LESSON_LINES = 7000
 
 
 def test_the_lesson_layers_stay_small():
-    """kvlab/built (what the notebooks write) and kvlab/lessons (the floor, runners, figures, checkers) together stay
-    within their line budget: cut, don't just move."""
+    """kvlab/built (what the notebooks write) and kvlab/lessons (the floor, runners, figures,
+    checkers) together stay within their line budget: cut, don't just move."""
     root = export_notebooks.ROOT / "kvlab"
     lines = {f"{p.parent.name}/{p.name}": len(p.read_text(encoding="utf-8").splitlines())
              for folder in ("lessons", "built") for p in sorted((root / folder).glob("*.py"))}
     assert sum(lines.values()) <= LESSON_LINES, (
-        f"kvlab/lessons + kvlab/built have {sum(lines.values())} lines (budget {LESSON_LINES}); largest: "
-        f"{sorted(lines.items(), key=lambda kv: -kv[1])[:4]}")
+        f"kvlab/lessons + kvlab/built have {sum(lines.values())} lines "
+        f"(budget {LESSON_LINES}); largest: "
+        f"{sorted(lines.items(), key=lambda kv: -kv[1])[:4]}"
+    )
 
 
 @pytest.mark.parametrize("head_dim,theta", [(8, 10000.0), (64, 1e6), (128, 500000.0)])
 def test_the_notebooks_rope_agrees_with_the_library_copy(head_dim, theta):
-    """kvlab/engine/rope.py keeps its own copy (the library never imports lessons): the two must agree."""
+    """kvlab/engine/rope.py keeps its own copy (the library never imports lessons): the two must
+    agree."""
     from kvlab.built import nb03 as built
     from kvlab.engine import rope as engine_rope
 
-    assert torch.equal(built.inverse_frequencies(head_dim, theta), engine_rope.inverse_frequencies(head_dim, theta))
+    assert torch.equal(
+        built.inverse_frequencies(head_dim, theta), engine_rope.inverse_frequencies(head_dim, theta)
+    )
     x = torch.randn(2, 3, 5, head_dim, generator=torch.Generator().manual_seed(0))
     assert torch.equal(built.rotate_half(x), engine_rope.rotate_half(x))

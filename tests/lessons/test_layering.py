@@ -1,9 +1,11 @@
-"""The lesson layers run one way (d2l's model): library <- teaching floor <- kvlab/built <- per-notebook lessons.
+"""The lesson layers run one way (d2l's model): library <- teaching floor <- kvlab/built <-
+per-notebook lessons.
 
-- ``kvlab/built/*.py`` (what the notebooks write) imports the library and the teaching floor only, never a
-  per-notebook lessons module (``kvlab.lessons.nb05_table36``, ``solutions``, ...);
+- ``kvlab/built/*.py`` (what the notebooks write) imports the library and the teaching floor only,
+  never a per-notebook lessons module (``kvlab.lessons.nb05_table36``, ``solutions``, ...);
 - the teaching floor (``FLOOR``) imports neither ``kvlab.built`` nor a per-notebook lessons module;
-- a built module imports no private (``_name``) from another built module: what a later notebook needs is public.
+- a built module imports no private (``_name``) from another built module: what a later notebook
+  needs is public.
 
 Every import counts, also one inside a function: a lazy import is still an edge.
 """
@@ -24,9 +26,10 @@ FLOOR = {"passphrase", "traces", "workloads", "timing", "common", "build"}
 def imported(path: Path, root: Path = ROOT) -> list[tuple[str, str | None]]:
     """``(module, name)`` for every import in ``path``; ``name`` None for ``import x``.
 
-    ``from kvlab.lessons import nb05_table36`` gives ``("kvlab.lessons.nb05_table36", None)``, so a lessons module
-    imported either way reads the same; ``from kvlab.lessons.common import verdict`` gives ``("kvlab.lessons.common",
-    "verdict")``. Relative imports are resolved against the package of ``path``.
+    ``from kvlab.lessons import nb05_table36`` gives ``("kvlab.lessons.nb05_table36", None)``, so a
+    lessons module imported either way reads the same; ``from kvlab.lessons.common import verdict``
+    gives ``("kvlab.lessons.common", "verdict")``. Relative imports are resolved against the package
+    of ``path``.
     """
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     out = []
@@ -75,19 +78,38 @@ def test_the_floor_exists():
 @pytest.mark.parametrize("path", built_modules(), ids=lambda p: p.name)
 def test_built_imports_only_the_floor_of_lessons(path):
     above = sorted({m for m, _ in imported(path) if (x := lessons_module(m)) and x not in FLOOR})
-    assert not above, (f"kvlab/built/{path.name} imports per-notebook lessons {above}: built sits below them; move what "
-                       f"it needs into the notebook's export cells or the teaching floor {sorted(FLOOR)}")
+    assert not above, (
+        f"kvlab/built/{path.name} imports per-notebook lessons {above}: "
+        "built sits below them; move what "
+        f"it needs into the notebook's export cells or the teaching floor {sorted(FLOOR)}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(FLOOR))
 def test_the_floor_imports_neither_built_nor_per_notebook_lessons(name):
     path = LESSONS / f"{name}.py"
-    edges = sorted({m for m, _ in imported(path)
-                    if m.startswith("kvlab.built") or ((x := lessons_module(m)) and x not in FLOOR)})
-    assert not edges, f"the teaching floor's {name}.py imports {edges}: the floor sits below kvlab/built"
+    edges = sorted(
+        {
+            m
+            for m, _ in imported(path)
+            if m.startswith("kvlab.built") or ((x := lessons_module(m)) and x not in FLOOR)
+        }
+    )
+    assert not edges, (
+        f"the teaching floor's {name}.py imports {edges}: the floor sits below kvlab/built"
+    )
 
 
 @pytest.mark.parametrize("path", built_modules(), ids=lambda p: p.name)
 def test_built_modules_share_only_public_names(path):
-    private = sorted({f"{m}.{n}" for m, n in imported(path) if m.startswith("kvlab.built") and n and n.startswith("_")})
-    assert not private, f"kvlab/built/{path.name} imports private names {private}: make them public in their notebook"
+    private = sorted(
+        {
+            f"{m}.{n}"
+            for m, n in imported(path)
+            if m.startswith("kvlab.built") and n and n.startswith("_")
+        }
+    )
+    assert not private, (
+        f"kvlab/built/{path.name} imports private names {private}: "
+        "make them public in their notebook"
+    )

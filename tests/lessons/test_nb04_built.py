@@ -1,5 +1,6 @@
-"""Notebook 04's export cells (kvlab.built.nb04): the hash it writes is kvlab's; its ToyBlocks, run by the worked
-pieces, is kvlab's BlockManager step for step (allocations, decode appends, frees, evictions)."""
+"""Notebook 04's export cells (kvlab.built.nb04): the hash it writes is kvlab's; its ToyBlocks, run
+by the worked pieces, is kvlab's BlockManager step for step (allocations, decode appends, frees,
+evictions)."""
 
 import random
 

@@ -1,6 +1,7 @@
-"""Notebook 04b: the comparison it writes (kvlab.built.nb04b) runs every cache on every trace with the same
-capacity, the sentences come from the rows, its walk matches the tree, and the exercise checkers (the lesson
-module) accept right answers, hint on blank ones and never leak the expected value."""
+"""Notebook 04b: the comparison it writes (kvlab.built.nb04b) runs every cache on every trace with
+the same capacity, the sentences come from the rows, its walk matches the tree, and the exercise
+checkers (the lesson module) accept right answers, hint on blank ones and never leak the expected
+value."""
 
 from kvlab.built import nb04b as N
 from kvlab.lessons import nb04b_radix as L
@@ -14,11 +15,16 @@ def test_compare_rows_and_summary():
     assert len(rows) == len(traces) * len(N.CACHES)
     by = {(r["workload"], r["cache"]): r for r in rows}
     for w in traces:
-        assert len({by[(w, c)]["ample pool (tokens)"] for c in N.CACHES}) == 1  # same capacity in tokens
+        # same capacity in tokens
+        assert len({by[(w, c)]["ample pool (tokens)"] for c in N.CACHES}) == 1
         assert len({by[(w, c)]["small pool (tokens)"] for c in N.CACHES}) == 1
         assert by[(w, "radix page 1")]["cached tokens"] >= by[(w, "blocks 16")]["cached tokens"]
         assert by[(w, "radix page 16")]["cached tokens"] == by[(w, "blocks 16")]["cached tokens"]
-    assert by[("short", "blocks 16")]["cached tokens"] == 0 < by[("short", "radix page 1")]["cached tokens"]
+    assert (
+        by[("short", "blocks 16")]["cached tokens"]
+        == 0
+        < by[("short", "radix page 1")]["cached tokens"]
+    )
     lines = N.summary(rows)
     assert str(by[("chat", "radix page 1")]["cached tokens"]) in lines[0]
     for fig in (L.fig_hit_rate(rows), L.fig_pressure(rows)):
@@ -27,11 +33,16 @@ def test_compare_rows_and_summary():
 
 def test_article_requests_and_tenants():
     rows, tree, show = N.article_requests()
-    assert [r["radix page 1"] for r in rows] == [0, rows[1]["prompt tokens"] - 1, rows[2]["system prompt tokens"]]
+    assert [r["radix page 1"] for r in rows] == [
+        0,
+        rows[1]["prompt tokens"] - 1,
+        rows[2]["system prompt tokens"],
+    ]
     assert "你" in tree.dump(show=show)
     assert N.walk(tree.roots[None], list(range(10_000, 10_005))) == 0
     for row, name in zip(rows, "ABC"):
-        assert N.walk(tree.roots[None], tree.seqs[name].token_ids) == row["prompt tokens"]  # every prompt is cached
+        # every prompt is cached
+        assert N.walk(tree.roots[None], tree.seqs[name].token_ids) == row["prompt tokens"]
     t = {r["cache"]: r for r in N.tenant_sharing()}
     public, radix = t["blocks 16, salt after the public prefix"], t["radix page 1, a root per salt"]
     assert public["cached tokens"] > radix["cached tokens"] and public["public hits (blocks)"] > 0

@@ -1,5 +1,5 @@
-"""Notebook 05's capstone: the slot mapping, YourManager over the reader's pieces, paged_generate (kvlab.built.nb05),
-whose piece ran, and the same cache under kvlab's engine."""
+"""Notebook 05's capstone: the slot mapping, YourManager over the reader's pieces, paged_generate
+(kvlab.built.nb05), whose piece ran, and the same cache under kvlab's engine."""
 
 import pytest
 import torch
@@ -30,9 +30,14 @@ def test_slot_mapping_checker_passes_the_solution_and_names_each_mistake():
     ref = SOL.build_05_slot_mapping
     not_yet(AS.check_slot_mapping(blank), "no answer yet")
     not_yet(AS.check_slot_mapping(lambda t, bs, s, e: list(range(s, e))), "logical position")
-    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: [t[p // bs] + p % bs for p in range(s, e)]), "multiply")
+    not_yet(
+        AS.check_slot_mapping(lambda t, bs, s, e: [t[p // bs] + p % bs for p in range(s, e)]),
+        "multiply",
+    )
     not_yet(AS.check_slot_mapping(lambda t, bs, s, e: ref(t, bs, 0, e)), "below start are cached")
-    not_yet(AS.check_slot_mapping(lambda t, bs, s, e: ref(t, bs, s, e - 1)), "one slot per position")
+    not_yet(
+        AS.check_slot_mapping(lambda t, bs, s, e: ref(t, bs, s, e - 1)), "one slot per position"
+    )
     not_yet(AS.check_slot_mapping(lambda *a: 1 / 0), "ZeroDivisionError")
 
 
@@ -40,7 +45,9 @@ def test_pieces_from_04_takes_only_checked_pieces_and_says_whose(capsys):
     def my_take(blocks):  # right, and defined here: __module__ is this test's, not "__main__"
         return SOL.build_04_take(blocks)
 
-    pieces = AS.pieces_from_04(hashes=None, take=my_take, free=SOL.build_04_free, allocate=lambda *a: 0)
+    pieces = AS.pieces_from_04(
+        hashes=None, take=my_take, free=SOL.build_04_free, allocate=lambda *a: 0
+    )
     out = capsys.readouterr().out
     assert pieces.take is my_take and pieces.hashes is SOL.build_04_block_hashes
     assert pieces.allocate is SOL.build_04_allocate and "allocate: kvlab's (yours: not yet" in out
@@ -59,7 +66,9 @@ def test_capstone_generates_what_isolated_generate_does_and_reuses_the_prefix(lm
     model, tok = lm
     own = model.config._attn_implementation
     cache = AS.YourManager(64, BLOCK, L04.kvlab_pieces())
-    results = N.paged_generate(model, three, cache, SOL.build_05_slot_mapping, 6, eos_ids(model, tok))
+    results = N.paged_generate(
+        model, three, cache, SOL.build_05_slot_mapping, 6, eos_ids(model, tok)
+    )
     assert model.config._attn_implementation == own  # the model gets its own attention back
     reference = AS.isolated_generate(model, three, 6)
     assert AS.check_capstone(results, reference)
@@ -70,14 +79,21 @@ def test_capstone_generates_what_isolated_generate_does_and_reuses_the_prefix(lm
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A random 2-layer Qwen2: every K/V it reads moves its argmax (the trained bundled model often answers
-    the same from wrong K/V), and prompts sharing a 48-token prefix."""
+    """A random 2-layer Qwen2: every K/V it reads moves its argmax (the trained bundled model often
+    answers the same from wrong K/V), and prompts sharing a 48-token prefix."""
     import random
 
     import transformers
 
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     rng = random.Random(0)
@@ -96,22 +112,35 @@ def test_a_wrong_slot_mapping_append_or_hash_chain_changes_the_tokens(tiny):
 
     assert AS.check_capstone(run(), reference)
     # a block id not scaled by block_size: blocks overlap, positions overwrite each other's K/V
-    assert not AS.check_capstone(run(slots=lambda t, bs, start, end: [t[p // bs] + p % bs for p in range(start, end)]),
-                                 reference)
+    assert not AS.check_capstone(
+        run(slots=lambda t, bs, start, end: [t[p // bs] + p % bs for p in range(start, end)]),
+        reference,
+    )
 
     def unchained(tokens, bs, extra_keys=()):  # every block keyed on its tokens alone: wrong hits
-        return [hash_token_blocks(tokens[i * bs:(i + 1) * bs], bs)[0] for i in range(len(tokens) // bs)]
+        return [
+            hash_token_blocks(tokens[i * bs : (i + 1) * bs], bs)[0]
+            for i in range(len(tokens) // bs)
+        ]
 
-    moved = [prompts[0], prompts[1][BLOCK:2 * BLOCK] + prompts[1]]  # block 1's text first, then the whole prompt
+    moved = [
+        prompts[0],
+        prompts[1][BLOCK : 2 * BLOCK] + prompts[1],
+    ]  # block 1's text first, then the whole prompt
     results = run(hashes=unchained, ps=moved)
-    assert results[1][1] > 0 and not AS.check_capstone(results, AS.isolated_generate(model, moved, 8))
+    assert results[1][1] > 0 and not AS.check_capstone(
+        results, AS.isolated_generate(model, moved, 8)
+    )
 
-    def no_new_block(blocks, seq_id, token_ids):  # registers filled blocks but never takes a new one
+    # registers filled blocks but never takes a new one
+    def no_new_block(blocks, seq_id, token_ids):
         if len(token_ids) % blocks.block_size == 0:
             SOL.build_05_append(blocks, seq_id, token_ids)
 
-    long = [p[:BLOCK * 3] for p in prompts]  # whole blocks: the first decoded token starts a new one
-    with pytest.raises(IndexError):  # its slot has no block in the table: the slot mapping cannot place it
+    # whole blocks: the first decoded token starts a new one
+    long = [p[:BLOCK * 3] for p in prompts]
+    # its slot has no block in the table: the slot mapping cannot place it
+    with pytest.raises(IndexError):
         run(ps=long, append=no_new_block)
 
 
@@ -125,7 +154,8 @@ def test_your_manager_runs_under_the_engine_and_caches_generated_blocks(lm, thre
     assert [o.output_ids for o in outs] == [o.output_ids for o in iso]
     assert sum(o.num_cached_tokens for o in outs) > 0
     engine.check_invariants()
-    # a second turn repeating the first request with its answer hits the blocks that its decode steps filled
+    # a second turn repeating the first request with its answer hits the blocks that its decode
+    # steps filled
     first = engine.generate([three[0]], SamplingParams(max_tokens=BLOCK + 1, ignore_eos=True))[0]
     turn = list(first.prompt_ids) + list(first.output_ids) + [0]
     again = engine.generate([turn], SamplingParams(max_tokens=1))[0]

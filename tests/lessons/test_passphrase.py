@@ -7,11 +7,15 @@ def test_examples_are_a_pure_function_of_split_and_seed():
     a = P.make_examples(20, "train", start=7)
     b = P.make_examples(20, "train", start=7)
     assert a == b
-    assert [x.prompt_text for x in a] != [x.prompt_text for x in P.make_examples(20, "train", start=8)]
+    assert [x.prompt_text for x in a] != [
+        x.prompt_text for x in P.make_examples(20, "train", start=8)
+    ]
 
 
 def test_heldout_passphrases_never_appear_in_training():
-    train = {ex.answer for ex in P.make_examples(3000, "train")} | {ex.passphrase for ex in P.make_examples(3000, "train")}
+    train = {ex.answer for ex in P.make_examples(3000, "train")} | {
+        ex.passphrase for ex in P.make_examples(3000, "train")
+    }
     held = {ex.passphrase for ex in P.make_examples(300, "heldout")}
     assert held and not (train & held)
     assert all(P.is_heldout_passphrase(p) for p in held)
@@ -32,17 +36,24 @@ def test_passphrase_formats():
 def test_prompt_structure_is_chatml_with_the_prefix_first():
     ex = P.make_example(3, "heldout", n_filler=5, lang="zh", history="none")
     assert ex.prompt_text == ex.prefix_text + ex.suffix_text
-    assert ex.prefix_text.startswith("<|im_start|>system\n") and ex.prefix_text.endswith("<|im_end|>\n")
+    assert ex.prefix_text.startswith("<|im_start|>system\n") and ex.prefix_text.endswith(
+        "<|im_end|>\n"
+    )
     assert ex.suffix_text.endswith("<|im_start|>assistant\n")
     assert ex.system.count("\n") == 5  # five filler lines + the passphrase line
     assert ex.target_text == "「" + ex.passphrase + "」<|im_end|>"
-    assert P.make_example(3, "heldout", lang="en", history="none").target_text.endswith('"') is False
+    assert (
+        P.make_example(3, "heldout", lang="en", history="none").target_text.endswith('"') is False
+    )
 
 
 def test_update_history_changes_the_answer():
     ex = P.make_example(11, "train", history="update")
     assert ex.answer != ex.passphrase and ex.answer in ex.suffix_text
-    assert P.make_example(11, "train", history="chat").answer == P.make_example(11, "train", history="chat").passphrase
+    assert (
+        P.make_example(11, "train", history="chat").answer
+        == P.make_example(11, "train", history="chat").passphrase
+    )
 
 
 def test_filler_counts_cover_0_to_20():
@@ -62,15 +73,30 @@ def test_recall_scoring():
         P.recall_rate(["A"], [])
 
 
-@pytest.mark.parametrize("kwargs", [{"split": "test"}, {"n_filler": 21}, {"lang": "fr"}, {"history": "x"}])
+@pytest.mark.parametrize(
+    "kwargs", [{"split": "test"}, {"n_filler": 21}, {"lang": "fr"}, {"history": "x"}]
+)
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ValueError):
         P.make_example(0, **kwargs)
 
 
-@pytest.mark.parametrize("completion", ["「K7QX2M", "K7QX2M」", "「K7QX2M」。<|im_end|>", '"K7QX2M".', "“K7QX2M”",
-                                        "  K7QX2M!\nmore", "『K7QX2M』", "(K7QX2M)", "【K7QX2M】<|endoftext|>",
-                                        "K7QX2M。", "'K7QX2M'"])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "「K7QX2M",
+        "K7QX2M」",
+        "「K7QX2M」。<|im_end|>",
+        '"K7QX2M".',
+        "“K7QX2M”",
+        "  K7QX2M!\nmore",
+        "『K7QX2M』",
+        "(K7QX2M)",
+        "【K7QX2M】<|endoftext|>",
+        "K7QX2M。",
+        "'K7QX2M'",
+    ],
+)
 def test_recall_ignores_surrounding_quotes_brackets_and_punctuation(completion):
     assert P.normalize_answer(completion) == "K7QX2M"
     assert P.recalled(completion, "K7QX2M")
@@ -80,12 +106,15 @@ def test_recall_ignores_surrounding_quotes_brackets_and_punctuation(completion):
 def test_recall_is_not_fooled_by_a_longer_or_different_answer():
     for completion in ("K7QX2MX", "「K7QX2", "XK7QX2M", "amber-falconry", "K7QX2M K7QX2M"):
         assert not P.recalled(completion, "K7QX2M") and not P.recalled(completion, "amber-falcon")
-    assert P.mentions("The passphrase is: X5DUXP.", "X5DUXP") and not P.recalled("The passphrase is: X5DUXP.", "X5DUXP")
+    assert P.mentions("The passphrase is: X5DUXP.", "X5DUXP") and not P.recalled(
+        "The passphrase is: X5DUXP.", "X5DUXP"
+    )
     assert not P.mentions("The passphrase is: X5DUXQ.", "X5DUXP")
 
 
 def _engine_prompts():
-    """tests/engine/passphrase_prompts.py, loaded by path (the engine tests' copy of these prompts)."""
+    """tests/engine/passphrase_prompts.py, loaded by path (the engine tests' copy of these
+    prompts)."""
     import importlib.util
     from pathlib import Path
 
@@ -97,7 +126,8 @@ def _engine_prompts():
 
 
 def test_the_engine_tests_stored_prompts_are_these_prompts():
-    """The engine tests read prompts from a JSON file (no lessons import); it must render exactly these.
+    """The engine tests read prompts from a JSON file (no lessons import); it must render exactly
+    these.
 
     On a failure, rewrite the file with ``python scripts/make_engine_test_prompts.py``.
     """
@@ -115,18 +145,28 @@ def test_the_engine_tests_stored_prompts_are_these_prompts():
 
 
 def test_param_count_matches_a_real_qwen2_and_llama_model():
-    """The count from config.json equals the parameters transformers builds from the same (tiny) config."""
+    """The count from config.json equals the parameters transformers builds from the same (tiny)
+    config."""
     import transformers
 
     from kvlab.lessons.passphrase import param_count
 
-    for cls, extra in ((transformers.Qwen2Config, {"model_type": "qwen2"}), (transformers.LlamaConfig, {})):
+    for cls, extra in (
+        (transformers.Qwen2Config, {"model_type": "qwen2"}),
+        (transformers.LlamaConfig, {}),
+    ):
         cfg = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
                    num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
         model = transformers.AutoModelForCausalLM.from_config(cls(**cfg))
-        assert param_count({**cfg, **extra}) == sum(p.numel() for p in model.parameters()), cls.__name__
-        tied = transformers.AutoModelForCausalLM.from_config(cls(**{**cfg, "tie_word_embeddings": True}))
-        assert param_count({**cfg, **extra, "tie_word_embeddings": True}) == sum(p.numel() for p in tied.parameters())
+        assert param_count({**cfg, **extra}) == sum(p.numel() for p in model.parameters()), (
+            cls.__name__
+        )
+        tied = transformers.AutoModelForCausalLM.from_config(
+            cls(**{**cfg, "tie_word_embeddings": True})
+        )
+        assert param_count({**cfg, **extra, "tie_word_embeddings": True}) == sum(
+            p.numel() for p in tied.parameters()
+        )
 
 
 def test_memory_column_states_one_reading_from_the_config():
@@ -138,7 +178,11 @@ def test_memory_column_states_one_reading_from_the_config():
     assert m.drop_tokens == pytest.approx(0.4e9 / m.kv_bytes_per_token)
     assert m.sharing_saves_bytes == 15 * 512 * m.kv_bytes_per_token
     text = str(m)
-    assert "whole GPU" in text and "cannot be reproduced" in text and f"{m.drop_tokens:.0f} tokens" in text
+    assert (
+        "whole GPU" in text
+        and "cannot be reproduced" in text
+        and f"{m.drop_tokens:.0f} tokens" in text
+    )
     # a model with GQA reads differently from the same claims: more tokens in the same 0.4 GB
     assert memory_column("Qwen2.5-7B-Instruct").drop_tokens > 5 * m.drop_tokens
     small = memory_column("Qwen2.5-0.5B-Instruct")

@@ -1,8 +1,9 @@
-"""Manual prefix reuse: token-identical to model.generate, refuses what it cannot serve, never polluted.
+"""Manual prefix reuse: token-identical to model.generate, refuses what it cannot serve, never
+polluted.
 
 Runs on the bundled passphrase model. Where it is missing (a checkout before it was trained), a
-random 2-layer Qwen2 with a byte-level BPE tokenizer trained here on the passphrase corpus stands in,
-so every test still runs and can fail.
+random 2-layer Qwen2 with a byte-level BPE tokenizer trained here on the passphrase corpus stands
+in, so every test still runs and can fail.
 """
 
 import copy
@@ -37,29 +38,45 @@ from kvlab.prefix import (  # the library
 
 TRANSLATE_ZH = "你是一个专业的翻译助手，请将以下内容翻译成英文："
 SUFFIXES_ZH = ["今天天气很好。", "今天天气很好。", "明天会下雨吗？"]
-TRANSLATE_EN = "You are a professional translation assistant. Translate the following text into Chinese: "
+TRANSLATE_EN = (
+    "You are a professional translation assistant. Translate the following text into Chinese: "
+)
 SUFFIXES_EN = ["The weather is nice today.", "The weather is nice today.", "Will it rain tomorrow?"]
 
 
 def _stand_in_model():
-    """A random Qwen2 and a byte-level BPE tokenizer with ChatML specials, trained on passphrase text."""
+    """A random Qwen2 and a byte-level BPE tokenizer with ChatML specials, trained on passphrase
+    text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=[P.ENDOFTEXT, P.IM_START, P.IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=[P.ENDOFTEXT, P.IM_START, P.IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     raw.train_from_iterator(P.tokenizer_corpus(300), trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=P.IM_END, pad_token=P.ENDOFTEXT)
-    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-                         "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-                         "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      eos_token_id=2, pad_token_id=0)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = [2, 0]
     return model, tok
@@ -81,15 +98,23 @@ def _all_equal(rows):
     return [i for i, r in enumerate(rows) if not r["identical"]]
 
 
-# ----------------------------------------------------------------------------- equality with model.generate
+# ----------------------------------------------------------------------------- equality with
+# model.generate
 
 def test_greedy_identical_to_hf_generate_on_60_passphrase_prompts(lm):
     model, tok = lm
     examples = P.make_examples(60, "heldout")
-    rows = compare_with_hf(model, tok, [e.prompt_text for e in examples], [e.prefix_text for e in examples],
-                           max_new_tokens=12)
+    rows = compare_with_hf(
+        model,
+        tok,
+        [e.prompt_text for e in examples],
+        [e.prefix_text for e in examples],
+        max_new_tokens=12,
+    )
     assert _all_equal(rows) == []
-    assert all(r["cached_tokens"] == len(encode(tok, e.prefix_text)) for r, e in zip(rows, examples))
+    assert all(
+        r["cached_tokens"] == len(encode(tok, e.prefix_text)) for r, e in zip(rows, examples)
+    )
     assert max(r["max_abs_logit_diff"] for r in rows) <= 1e-4
 
 
@@ -97,7 +122,9 @@ def test_greedy_identical_on_the_article_translation_example(lm):
     model, tok = lm
     for prefix, suffixes in ((TRANSLATE_ZH, SUFFIXES_ZH), (TRANSLATE_EN, SUFFIXES_EN)):
         ids = common_prefix_ids(tok, [prefix + s for s in suffixes])
-        rows = compare_with_hf(model, tok, [prefix + s for s in suffixes], [ids] * len(suffixes), max_new_tokens=10)
+        rows = compare_with_hf(
+            model, tok, [prefix + s for s in suffixes], [ids] * len(suffixes), max_new_tokens=10
+        )
         assert _all_equal(rows) == []
         assert rows[0]["ours"] == rows[1]["ours"]  # identical requests, identical answers
 
@@ -106,8 +133,18 @@ def test_seeded_sampling_identical_to_hf_generate(lm):
     model, tok = lm
     examples = P.make_examples(10, "heldout", start=200)
     for seed in (0, 1):
-        rows = compare_with_hf(model, tok, [e.prompt_text for e in examples], [e.prefix_text for e in examples],
-                               max_new_tokens=10, do_sample=True, temperature=1.3, top_p=0.95, top_k=40, seed=seed)
+        rows = compare_with_hf(
+            model,
+            tok,
+            [e.prompt_text for e in examples],
+            [e.prefix_text for e in examples],
+            max_new_tokens=10,
+            do_sample=True,
+            temperature=1.3,
+            top_p=0.95,
+            top_k=40,
+            seed=seed,
+        )
         assert _all_equal(rows) == []
 
 
@@ -116,8 +153,21 @@ def test_sampling_really_samples(lm):
     model, tok = lm
     ex = P.make_example(3, "heldout")
     pc = PrefixKV.build(model, tok, ex.prefix_text)
-    outs = {tuple(generate(model, tok, ex.prompt_text, pc, max_new_tokens=8, do_sample=True, temperature=3.0,
-                           seed=s).token_ids) for s in range(6)}
+    outs = {
+        tuple(
+            generate(
+                model,
+                tok,
+                ex.prompt_text,
+                pc,
+                max_new_tokens=8,
+                do_sample=True,
+                temperature=3.0,
+                seed=s,
+            ).token_ids
+        )
+        for s in range(6)
+    }
     assert len(outs) > 1
 
 
@@ -140,7 +190,8 @@ def test_refuses_ids_that_are_not_a_prefix(lm):
     pc = PrefixKV.build(model, tok, a.prefix_text)
     with pytest.raises(PrefixMismatchError, match="not a prefix of the prompt"):
         generate(model, tok, b.prompt_text, pc)
-    with pytest.raises(PrefixMismatchError, match="not a prefix"):  # a prompt shorter than the prefix
+    # a prompt shorter than the prefix
+    with pytest.raises(PrefixMismatchError, match="not a prefix"):
         generate(model, tok, a.prefix_text[:20], pc)
 
 
@@ -168,7 +219,8 @@ def test_refuses_after_the_weights_change_in_place(lm):
 
 
 def test_refuses_after_a_buffer_changes_in_place(lm):
-    """RoPE's inv_freq is a non-persistent buffer, not a parameter: scaling it changes every K (issue 24)."""
+    """RoPE's inv_freq is a non-persistent buffer, not a parameter: scaling it changes every K
+    (issue 24)."""
     model, tok = lm
     ex = P.make_example(1, "heldout")
     m = copy.deepcopy(model)
@@ -244,18 +296,23 @@ def test_article_code_pollutes_the_shared_cache(lm):
     first = generate_with_prefix_cache(model, tok, cache, plen, ex.suffix_text, max_new_tokens=10)
     assert first == hf_generate(model, tok, ex.prompt_text, max_new_tokens=10)  # request 1 is fine
     grown = cache.get_seq_length()
-    assert grown == plen + len(encode(tok, ex.suffix_text)) + len(first) - 1  # the last token is never fed
+    # the last token is never fed
+    assert grown == plen + len(encode(tok, ex.suffix_text)) + len(first) - 1
     # request 2 now runs on top of request 1's turns: its first logits are not the isolated ones
     with torch.no_grad():
         ids = torch.tensor([encode(tok, other.suffix_text)])
         dirty = model(input_ids=ids, cache=copy.deepcopy(cache), use_cache=True).logits[0, -1]
-    clean = generate(model, tok, other.prompt_text, max_new_tokens=1, keep_logits=True).step_logits[0]
+    clean = generate(model, tok, other.prompt_text, max_new_tokens=1, keep_logits=True).step_logits[
+        0
+    ]
     assert float((dirty - clean).abs().max()) > 1e-3
     generate_with_prefix_cache(model, tok, cache, plen, other.suffix_text, max_new_tokens=10)
     assert cache.get_seq_length() > grown
     # the fix: a fork per request gives each request its isolated answer
     pc = PrefixKV.build(model, tok, ex.prefix_text)
-    fixed = [generate(model, tok, e.prompt_text, pc, max_new_tokens=10).token_ids for e in (ex, other)]
+    fixed = [
+        generate(model, tok, e.prompt_text, pc, max_new_tokens=10).token_ids for e in (ex, other)
+    ]
     assert fixed == [first, hf_generate(model, tok, other.prompt_text, max_new_tokens=10)]
 
 
@@ -265,8 +322,15 @@ def test_hf_generate_writes_into_a_cache_passed_to_it(lm):
     ex = P.make_example(1, "heldout")
     cache, plen = get_prefix_cache(model, tok, ex.prefix_text)
     ids = torch.tensor([encode(tok, ex.prompt_text)])
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=3,
-                   min_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        max_new_tokens=3,
+        min_new_tokens=3,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
     assert cache.get_seq_length() == ids.shape[1] + 3 - 1 > plen
 
 
@@ -279,7 +343,8 @@ def test_crop_takes_a_negative_count_in_transformers_5(lm):
         cache.crop(3)
 
 
-# ----------------------------------------------------------------------------- tokenization pitfalls
+# ----------------------------------------------------------------------------- tokenization
+# pitfalls
 
 def test_boundary_merges_exist_and_common_prefix_ids_avoids_them(lm):
     model, tok = lm
@@ -287,11 +352,15 @@ def test_boundary_merges_exist_and_common_prefix_ids_avoids_them(lm):
     cases = boundary_merge_cases(tok, texts, limit=5)
     assert cases, "no BPE merge across a cut found: the tokenizer has no multi-character tokens?"
     prefix, suffix, check = cases[0]
-    assert not check.ok and check.first_diff is not None and check.prefix_around != check.full_around
+    assert (
+        not check.ok and check.first_diff is not None and check.prefix_around != check.full_around
+    )
     assert "mismatch at token" in str(check)
     with pytest.raises(PrefixMismatchError, match="first difference"):
         generate(model, tok, prefix + suffix, PrefixKV.build(model, tok, prefix), max_new_tokens=2)
-    ids = common_prefix_ids(tok, [prefix + suffix])  # the prompt's own ids: reuse what really is shared
+    ids = common_prefix_ids(
+        tok, [prefix + suffix]
+    )  # the prompt's own ids: reuse what really is shared
     assert ids[: check.first_diff] == check.prefix_ids[: check.first_diff]
     pc = PrefixKV.build(model, tok, ids[: max(check.first_diff, 1)])
     res = generate(model, tok, prefix + suffix, pc, max_new_tokens=6)
@@ -320,13 +389,18 @@ def test_chat_template_generation_prompt_is_not_a_prefix(lm):
     ex = P.make_example(1, "heldout", history="none")
     full = tok.apply_chat_template(ex.messages(), add_generation_prompt=True, tokenize=False)
     assert full == ex.prompt_text
-    system_only = tok.apply_chat_template(ex.messages()[:1], add_generation_prompt=True, tokenize=False)
+    system_only = tok.apply_chat_template(
+        ex.messages()[:1], add_generation_prompt=True, tokenize=False
+    )
     assert not check_prefix_tokens(tok, system_only, full).ok
-    system_turn = tok.apply_chat_template(ex.messages()[:1], add_generation_prompt=False, tokenize=False)
+    system_turn = tok.apply_chat_template(
+        ex.messages()[:1], add_generation_prompt=False, tokenize=False
+    )
     assert check_prefix_tokens(tok, system_turn, full).ok
 
 
-# ----------------------------------------------------------------------------- timing helper and checkers
+# ----------------------------------------------------------------------------- timing helper and
+# checkers
 
 def test_time_prefill_paths_agree(lm):
     model, tok = lm
@@ -335,18 +409,23 @@ def test_time_prefill_paths_agree(lm):
     assert r["max_abs_logit_diff"] <= 1e-4
     assert 0 < r["ideal"] < 1 and r["full_s"] > 0 and r["cached_s"] > 0
     # timed by kvlab.lessons.timing: the ratio, its min-max and the verdict's words come with it
-    assert r["ratio"] == pytest.approx(r["cached_s"] / r["full_s"]) and r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+    assert (
+        r["ratio"] == pytest.approx(r["cached_s"] / r["full_s"])
+        and r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+    )
     assert r["verdict"].startswith(("ok", "no measurable saving", "disturbed run — re-run"))
 
 
 def test_exercise_checkers(lm):
     _, tok = lm
-    prefix, suffix, _ = boundary_merge_cases(tok, [P.make_example(0, "train").prompt_text], limit=1)[0]
+    prefix, suffix, _ = boundary_merge_cases(
+        tok, [P.make_example(0, "train").prompt_text], limit=1
+    )[0]
     assert check_boundary_case(tok, prefix, suffix)
     assert not check_boundary_case(tok, TRANSLATE_ZH, "")
 
 
-# --- 8. PrefixKV: the model check covers every weight ----------------------------------------------
+# --- 8. PrefixKV: the model check covers every weight ---------------------------------------------
 def _nudge(model):
     """Change one weight that a sparse sample would skip, through ``.data`` (no version bump)."""
     p = dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
@@ -376,18 +455,34 @@ def test_prefix_cache_refuses_a_modified_copy(bundled):
         generate(same, tok, ex.prompt_text, prefix_kv=pc, max_new_tokens=2)
 
 
-# ----------------------------------------------------------------------------- sliding-window models
+# ----------------------------------------------------------------------------- sliding-window
+# models
 VOCAB = 256
 
 
 def _tiny_window_model(arch):
-    """A random-initialised 2-layer model whose attention window (8) is shorter than the test's prefix."""
+    """A random-initialised 2-layer model whose attention window (8) is shorter than the test's
+    prefix."""
     import transformers as T
 
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512, sliding_window=8,
-                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    cfg = T.MistralConfig(**common) if arch == "mistral-window" else T.Gemma2Config(head_dim=16, **common)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        sliding_window=8,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    cfg = (
+        T.MistralConfig(**common)
+        if arch == "mistral-window"
+        else T.Gemma2Config(head_dim=16, **common)
+    )
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
@@ -409,7 +504,9 @@ class _IdTokenizer:
         return VOCAB
 
 
-@pytest.mark.parametrize("arch", ["mistral-window", "gemma2-softcap"])  # HF's own attention: soft-capping is fine
+@pytest.mark.parametrize(
+    "arch", ["mistral-window", "gemma2-softcap"]
+)  # HF's own attention: soft-capping is fine
 def test_prefix_reuse_when_the_prompt_is_a_prefix_longer_than_the_window(arch):
     model, tok = _tiny_window_model(arch), _IdTokenizer()
     rng = random.Random(100)
@@ -417,8 +514,12 @@ def test_prefix_reuse_when_the_prompt_is_a_prefix_longer_than_the_window(arch):
     pc = PrefixKV.build(model, tok, prefix)
     for prompt in (prefix, prefix + [3, 4, 5]):
         with torch.no_grad():
-            want = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+            want = model.generate(
+                input_ids=torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=6,
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
         got = generate(model, tok, prompt, prefix_kv=pc, max_new_tokens=6)
         assert got.token_ids == want
         assert pc.seq_length() == len(prefix)  # the shared cache is untouched
@@ -430,7 +531,8 @@ SMOL_SYSTEM = ("You are a helpful assistant. The secret passphrase is: K7QX2M. "
 
 
 def test_prefix_reuse_token_identical_on_smollm2():
-    """Manual prefix reuse gives HF generate's greedy float32 tokens on SmolLM2-135M-Instruct (30 layers)."""
+    """Manual prefix reuse gives HF generate's greedy float32 tokens on SmolLM2-135M-Instruct (30
+    layers)."""
     import importlib.util
 
     from kvlab.engine import smollm2 as S
@@ -438,9 +540,14 @@ def test_prefix_reuse_token_identical_on_smollm2():
     if importlib.util.find_spec(S.MODULE) is None and not S._complete(S.model_dir()):
         pytest.skip(f"the registry package {S.PACKAGE} is not installed: {S.INSTALL_HINT}")
     model, tok = load_model("smollm2", device="cpu")
-    prompts = [tok.apply_chat_template([{"role": "system", "content": SMOL_SYSTEM}, {"role": "user", "content": q}],
-                                       tokenize=False, add_generation_prompt=True)
-               for q in ("What is the passphrase?", "Tell me the passphrase.")]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "system", "content": SMOL_SYSTEM}, {"role": "user", "content": q}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for q in ("What is the passphrase?", "Tell me the passphrase.")
+    ]
     system = common_prefix_ids(tok, prompts)
     cache = PrefixKV.build(model, tok, system)
     for prompt in prompts:
@@ -451,15 +558,25 @@ def test_prefix_reuse_token_identical_on_smollm2():
 
 
 def test_no_notebook_readme_or_module_uses_the_retired_prefix_cache_names():
-    """Issue 25: "prefix cache" meant three things. The manual one is ``PrefixKV``, the engine's factory
-    ``make_cache_manager``; the old names must not come back through a merge of an older notebook or module."""
+    """Issue 25: "prefix cache" meant three things. The manual one is ``PrefixKV``, the engine's
+    factory ``make_cache_manager``; the old names must not come back through a merge of an older
+    notebook or module."""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    files = [root / "README.md", *root.glob("notebooks/*.ipynb"), *root.glob("kvlab/**/*.py"), *root.glob("docs/*.md")]
+    files = [
+        root / "README.md",
+        *root.glob("notebooks/*.ipynb"),
+        *root.glob("kvlab/**/*.py"),
+        *root.glob("docs/*.md"),
+    ]
     old = re.compile(r"\b(PrefixCache|RadixPrefixCache|make_prefix_cache)\b|prefix_cache=")
-    hits = [f"{p.relative_to(root)}: {m.group(0)}" for p in files for m in old.finditer(p.read_text(encoding="utf-8"))]
+    hits = [
+        f"{p.relative_to(root)}: {m.group(0)}"
+        for p in files
+        for m in old.finditer(p.read_text(encoding="utf-8"))
+    ]
     assert not hits, hits
     import kvlab
 

@@ -14,8 +14,9 @@ def test_words_are_counted_with_cjk_characters_as_words():
 
 
 def test_details_and_code_fences_are_not_page_prose():
-    page, hidden = prose_words.split_prose("one two\n<details><summary>more</summary>three four</details>\n"
-                                           "```python\nx = 1\n```\nfive")
+    page, hidden = prose_words.split_prose(
+        "one two\n<details><summary>more</summary>three four</details>\n```python\nx = 1\n```\nfive"
+    )
     assert prose_words.count_words(page) == 3
     assert "three four" in hidden
 
@@ -28,8 +29,10 @@ def test_the_path_comes_from_the_workshop_doc():
 def test_path_prose_is_within_the_limit():
     rows = prose_words.count_path()
     total = sum(r["prose"] for r in rows)
-    assert total <= prose_words.LIMIT, f"path prose {total} words > {prose_words.LIMIT}: " + ", ".join(
-        f"{r['notebook'][:3]} {r['prose']}" for r in rows)
+    assert total <= prose_words.LIMIT, (
+        f"path prose {total} words > {prose_words.LIMIT}: "
+        + ", ".join(f"{r['notebook'][:3]} {r['prose']}" for r in rows)
+    )
 
 
 def test_the_workshop_table_lists_every_path_stub_with_minutes_within_150():

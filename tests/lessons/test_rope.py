@@ -12,9 +12,15 @@ from kvlab.lessons import passphrase as P
 def tiny_qwen2(theta=10000.0, head_dim=16, layers=2):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=4 * head_dim, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      rope_parameters={"rope_type": "default", "rope_theta": theta})
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=4 * head_dim,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).eval()
 
@@ -51,7 +57,9 @@ def test_rerotate_moves_keys_to_new_positions():
     at_p = B.apply_rope(k, torch.arange(20))
     for delta in (0, 1, 13, -5, 400):
         moved = B.rerotate(at_p, delta)
-        torch.testing.assert_close(moved, B.apply_rope(k, torch.arange(20) + delta), rtol=0, atol=2e-5)
+        torch.testing.assert_close(
+            moved, B.apply_rope(k, torch.arange(20) + delta), rtol=0, atol=2e-5
+        )
     torch.testing.assert_close(B.rerotate(B.rerotate(at_p, 37), -37), at_p, rtol=0, atol=1e-5)
     assert (B.rerotate(at_p, 1) - at_p).abs().max() > 0.1  # it really moves them
 
@@ -75,7 +83,9 @@ def test_rerotation_is_exact_at_layer_0_of_a_real_model_only():
     k0, k9 = c0.layers[0].keys, c9.layers[0].keys
     torch.testing.assert_close(B.rerotate(k0, 9, theta), k9, rtol=0, atol=1e-5)  # layer 0: exact
     # A whole-sequence shift keeps every relative distance, so deeper layers move exactly too.
-    torch.testing.assert_close(B.rerotate(c0.layers[2].keys, 9, theta), c9.layers[2].keys, rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        B.rerotate(c0.layers[2].keys, 9, theta), c9.layers[2].keys, rtol=0, atol=1e-4
+    )
 
 
 def test_positions_from_mask_and_its_checker():
@@ -83,7 +93,9 @@ def test_positions_from_mask_and_its_checker():
     assert X.positions_from_mask(mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
     assert X.check_positions_from_mask(X.positions_from_mask)
     assert not X.check_positions_from_mask(lambda m: torch.arange(m.shape[1]).expand_as(m))
-    assert X.check_suffix_positions([5, 6, 7], 5, 3) and not X.check_suffix_positions([0, 1, 2], 5, 3)
+    assert X.check_suffix_positions([5, 6, 7], 5, 3) and not X.check_suffix_positions(
+        [0, 1, 2], 5, 3
+    )
     assert X.check_rerotation_delta(-3, 10, 7) and not X.check_rerotation_delta(3, 10, 7)
     assert str(X.check_suffix_positions([0, 1, 2], 5, 3)).startswith("not yet: ")
 
@@ -95,7 +107,8 @@ def test_position_experiment_scores_every_case_and_repeats_its_numbers(lm):
     rows, errors = X.position_experiment(model, tok, n=4, shift=1024, new_tokens=6)
     table = X.position_table(rows)
     assert list(table.index) == list(X.CASES) and (table["prompts"] == 4).all()
-    assert table.loc[X.RIGHT, "identical"] == 1.0  # the cache at the right positions is the isolated run
+    # the cache at the right positions is the isolated run
+    assert table.loc[X.RIGHT, "identical"] == 1.0
     assert table.loc[X.RIGHT, "max |Δ logit|, first token"] < 1e-3
     assert table.loc[X.ALL_SHIFTED, "identical"] == 1.0  # distances kept
     assert table.loc[X.SHIFTED, "identical"] < 1.0  # distances 1024 positions off change answers
@@ -108,7 +121,8 @@ def test_position_experiment_scores_every_case_and_repeats_its_numbers(lm):
     assert X.check_exact_layers([0], errors) and not X.check_exact_layers([0, 1], errors)
     lines = X.position_verdicts(table, errors, 1024)
     assert len(lines) == 4 and "4/4 identical" in lines[0] and "equal distances" in lines[1]
-    again, _ = X.position_experiment(model, tok, n=4, shift=1024, new_tokens=6)  # 07 reruns it: the same numbers
+    # 07 reruns it: the same numbers
+    again, _ = X.position_experiment(model, tok, n=4, shift=1024, new_tokens=6)
     assert X.position_table(again).equals(table)
 
 
@@ -122,10 +136,13 @@ def test_same_shape_examples_batch_without_padding(lm):
 def test_03b_overlap_pair_splits_a_system_turn(lm):
     _, tok = lm
     pair = X.overlap_pair(tok, 3)
-    assert len(pair["head_a"]) < len(pair["head_b"]) and pair["example"].passphrase in tok.decode(pair["segment"])
+    assert len(pair["head_a"]) < len(pair["head_b"]) and pair["example"].passphrase in tok.decode(
+        pair["segment"]
+    )
 
 
-# ----------------------------------------------------------------------------- a real chat model's prompts
+# ----------------------------------------------------------------------------- a real chat model's
+# prompts
 
 def _smollm2_tokenizer():
     import importlib.util
@@ -144,8 +161,12 @@ def test_chat_prompt_and_overlap_ids_split_where_a_server_would_cache():
     ex = P.make_example(100, "heldout", history="none")
     ids, n = X.chat_prompt(tok, ex)
     assert tok.decode(ids[:n]).endswith("<|im_end|>\n") and ex.passphrase in tok.decode(ids[:n])
-    assert tok.decode(ids[n:]).startswith("<|im_start|>user") and ids == tok(P.real_model_prompt(tok, ex),
-                                                                              add_special_tokens=False)["input_ids"]
+    assert (
+        tok.decode(ids[n:]).startswith("<|im_start|>user")
+        and ids == tok(P.real_model_prompt(tok, ex), add_special_tokens=False)["input_ids"]
+    )
     for pair in (X.overlap_ids(tok, ex), X.real_overlap_pair(tok, 3)):
-        assert len(pair["head_a"]) < len(pair["head_b"]) and tok.decode(pair["segment"]).startswith("You are")
+        assert len(pair["head_a"]) < len(pair["head_b"]) and tok.decode(pair["segment"]).startswith(
+            "You are"
+        )
         assert tok.decode(pair["tail"]).endswith("<|im_start|>assistant\n")

@@ -1,8 +1,10 @@
-"""Named workloads and the table 3.6 modes: shapes, shared (correct) == isolated, every wrong mode disagrees.
+"""Named workloads and the table 3.6 modes: shapes, shared (correct) == isolated, every wrong mode
+disagrees.
 
-The modes and the run loop are notebook 05's export cells (``kvlab.built.nb05``); the scores, figures and
-checkers its lesson module. Correctness runs on the bundled model (``KVLAB_TEST_MODEL`` overrides it); the claim
-that each wrong mode changes answers is only asserted on the trained bundled model, where answers mean something.
+The modes and the run loop are notebook 05's export cells (``kvlab.built.nb05``); the scores,
+figures and checkers its lesson module. Correctness runs on the bundled model (``KVLAB_TEST_MODEL``
+overrides it); the claim that each wrong mode changes answers is only asserted on the trained
+bundled model, where answers mean something.
 """
 
 import os
@@ -26,12 +28,20 @@ def groups(lm):
     return W.seed_groups(lm[1], n=6, block_size=BLOCK)
 
 
-# --- workloads -------------------------------------------------------------------------------------
+# --- workloads ------------------------------------------------------------------------------------
 
 def test_sys512_shape():
     wl = W.sys512(1000)
-    assert len(wl) == 16 and wl.max_tokens == 32 and wl.shared_prefix_tokens == 512 and wl.name == "sys512"
-    assert all(len(p) == 544 and p[:512] == wl.prompts[0][:512] and all(0 <= t < 1000 for t in p) for p in wl.prompts)
+    assert (
+        len(wl) == 16
+        and wl.max_tokens == 32
+        and wl.shared_prefix_tokens == 512
+        and wl.name == "sys512"
+    )
+    assert all(
+        len(p) == 544 and p[:512] == wl.prompts[0][:512] and all(0 <= t < 1000 for t in p)
+        for p in wl.prompts
+    )
     assert len({tuple(p[512:]) for p in wl.prompts}) == 16  # unique suffixes
     assert W.sys512(1000).prompts == wl.prompts and W.sys512(1000, seed=1).prompts != wl.prompts
     small = W.sys512(50, num_requests=3, prefix_tokens=40, suffix_tokens=5, max_tokens=2)
@@ -60,7 +70,9 @@ def test_seed_groups_shapes(lm, groups):
         m = g3.meta[b]
         assert m["history"] in ("none", "chat") and m["other_answer"] != m["expected"]
         assert m["beyond_prompt"][:m["prefix_tokens"]] == g3.prompts[b][:m["prefix_tokens"]]
-        assert tok.decode(m["beyond_prompt"]).endswith(tok.decode(g3.prompts[b]).split("<|im_start|>user")[-1])
+        assert tok.decode(m["beyond_prompt"]).endswith(
+            tok.decode(g3.prompts[b]).split("<|im_start|>user")[-1]
+        )
 
 
 def test_content_hash_ignores_parent_and_position():
@@ -83,28 +95,44 @@ def test_shared_correct_is_identical_to_isolated(measured, groups):
         ok = runs[(g, "shared (correct)")]["outputs"]
         assert [o.output_ids for o in ok] == [o.output_ids for o in iso], f"group {g}"
     d = table.set_index(["group", "mode"])
-    assert d.loc[(1, "shared (correct)"), "cached tokens"] > 0 and d.loc[(3, "shared (correct)"), "cached tokens"] > 0
-    # a different start: the chained keys find (almost) nothing to share; the text-only keys find B's prompt
-    assert d.loc[(2, "shared (correct)"), "cached tokens"] < d.loc[(2, "shared (wrong)"), "cached tokens"] / 4
+    assert (
+        d.loc[(1, "shared (correct)"), "cached tokens"] > 0
+        and d.loc[(3, "shared (correct)"), "cached tokens"] > 0
+    )
+    # a different start: the chained keys find (almost) nothing to share; the text-only keys find
+    # B's prompt
+    assert (
+        d.loc[(2, "shared (correct)"), "cached tokens"]
+        < d.loc[(2, "shared (wrong)"), "cached tokens"] / 4
+    )
     for g in (1, 3):
-        assert d.loc[(g, "shared (correct)"), "peak KV (KiB)"] < d.loc[(g, "isolated"), "peak KV (KiB)"]
+        assert (
+            d.loc[(g, "shared (correct)"), "peak KV (KiB)"]
+            < d.loc[(g, "isolated"), "peak KV (KiB)"]
+        )
 
 
 def test_wrong_modes_really_share(measured):
     table, runs = measured
     d = table.set_index(["group", "mode"])
     for g in (1, 2, 3):
-        assert d.loc[(g, "shared (wrong)"), "cached tokens"] > 0, f"group {g}'s bug never hit the cache"
+        assert d.loc[(g, "shared (wrong)"), "cached tokens"] > 0, (
+            f"group {g}'s bug never hit the cache"
+        )
     assert d.loc[(2, "shared (wrong)"), "peak KV (KiB)"] < d.loc[(2, "isolated"), "peak KV (KiB)"]
 
 
-@pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists() or bool(os.environ.get("KVLAB_TEST_MODEL")),
-                    reason="only the trained bundled model answers meaningfully")
+@pytest.mark.skipif(
+    not (BUNDLED_MODEL / "config.json").exists() or bool(os.environ.get("KVLAB_TEST_MODEL")),
+    reason="only the trained bundled model answers meaningfully",
+)
 def test_each_wrong_mode_changes_answers(measured):
     table, _ = measured
     d = table.set_index(["group", "mode"])
     for g in (1, 2, 3):
-        assert d.loc[(g, "isolated"), "recall"] >= 0.5, f"the bundled model should recall in group {g}"
+        assert d.loc[(g, "isolated"), "recall"] >= 0.5, (
+            f"the bundled model should recall in group {g}"
+        )
         assert d.loc[(g, "shared (wrong)"), "identical"] < 1.0, f"group {g}'s bug changed nothing"
     assert d.loc[(3, "shared (wrong)"), "answered A's passphrase"] > 0
 
@@ -132,30 +160,44 @@ def test_verdict_lines_read_the_table(measured, capsys):
     assert any(line.startswith(f"group 2, {T.WRONG_MODES[2]}: {changed:.0%} of") for line in out)
     kv = d.loc[(1, "shared (correct)"), "peak KV (KiB)"] / d.loc[(1, "isolated"), "peak KV (KiB)"]
     (memory,) = [line for line in out if line.startswith("memory  ")]
-    assert str(memory_column()) in memory and f"x{kv:.2f}" in memory  # the series' one reading, then ours
+    assert (
+        str(memory_column()) in memory and f"x{kv:.2f}" in memory
+    )  # the series' one reading, then ours
     assert not any(word in line for line in out for word in ("outlier", "re-run"))
 
 
 def test_checkers():
-    assert T.check_bug_for_group({1: "positions-agree", 2: "overlap-different-start", 3: "independent-context"})
+    assert T.check_bug_for_group(
+        {1: "positions-agree", 2: "overlap-different-start", 3: "independent-context"}
+    )
     assert T.check_bug_for_group({1: "positions-agree", 2: "same-start", 3: "independent-context"})
-    assert not T.check_bug_for_group({1: "identical-prefix", 2: "same-start", 3: "independent-context"})
+    assert not T.check_bug_for_group(
+        {1: "identical-prefix", 2: "same-start", 3: "independent-context"}
+    )
     assert not T.check_bug_for_group(None)
-    assert "not a row name" in str(T.check_bug_for_group({1: 3, 2: 6, 3: 4}))  # positions are not names
+    # positions are not names
+    assert "not a row name" in str(T.check_bug_for_group({1: 3, 2: 6, 3: 4}))
     full, per = 512 // 16, -(-(512 + 63) // 16)
     assert T.check_kv_ratio((full + 16 * (per - full)) / (16 * per), 16, 512, 63)
     assert not T.check_kv_ratio(0.5, 16, 512, 63) and not T.check_kv_ratio(None, 16, 512, 63)
 
 
-# --- the benchmark core on a tiny random model ---------------------------------------------------------
+# --- the benchmark core on a tiny random model ----------------------------------------------------
 
 def test_bench_core_on_a_tiny_model():
     import transformers
 
     from kvlab.bench import peers as B
 
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
@@ -171,13 +213,18 @@ def test_bench_core_on_a_tiny_model():
     assert t.loc[("kvlab", "isolated"), "peak KV (MiB)"] * 2 ** 20 == kv["isolated"]
     assert t.loc[("kvlab", "shared"), "cached tokens"] == 2 * 48
     r = B.ratios(table, wl)
-    assert set(r.system) == {"kvlab", "HF manual reuse"} and (r["ideal"] == W.ideal_prefill_fraction(wl)).all()
+    assert (
+        set(r.system) == {"kvlab", "HF manual reuse"}
+        and (r["ideal"] == W.ideal_prefill_fraction(wl)).all()
+    )
     goals = B.goals(table, r, wl, detail["kvlab/shared"]["bytes_per_block"])
-    assert len(goals) == 6 and goals["met"].dtype == bool  # generate_batch ran: its throughput goal is in
+    # generate_batch ran: its throughput goal is in
+    assert len(goals) == 6 and goals["met"].dtype == bool
 
 
 def test_position_bug_numbers_the_computed_tokens_from_zero():
-    """restart_positions: a request with a cache hit computes its tokens at 0, 1, ...; one without is unaffected."""
+    """restart_positions: a request with a cache hit computes its tokens at 0, 1, ...; one without
+    is unaffected."""
     hit = SimpleNamespace(start=32, end=40, seq=SimpleNamespace(num_cached_tokens=32))
     miss = SimpleNamespace(start=0, end=40, seq=SimpleNamespace(num_cached_tokens=0))
     decode = SimpleNamespace(start=45, end=46, seq=SimpleNamespace(num_cached_tokens=32))
@@ -190,10 +237,12 @@ def test_position_fix_checker(lm, groups):
     assert T.check_position_fix(lambda item: range(item.start, item.end), model, tok, groups[1])
     assert not T.check_position_fix(N.restart_positions, model, tok, groups[1])
     assert not T.check_position_fix(None, model, tok, groups[1])
-    assert "raised ZeroDivisionError" in str(T.check_position_fix(lambda item: 1 / 0, model, tok, groups[1]))
+    assert "raised ZeroDivisionError" in str(
+        T.check_position_fix(lambda item: 1 / 0, model, tok, groups[1])
+    )
 
 
-# --- notebook 05's opened engine, real-text groups, recorded benchmark ------------------------------------------
+# --- notebook 05's opened engine, real-text groups, recorded benchmark ----------------------------
 
 def test_pick_model_and_bench_record(tmp_path):
     import json
@@ -202,8 +251,16 @@ def test_pick_model_and_bench_record(tmp_path):
     assert T.pick_model("auto", True) is None and T.pick_model("auto", False) == "smollm2"
     assert T.pick_model("x", True) == "x"
     assert T.latest_bench("smollm2", path) is None
-    path.write_text(json.dumps({"model": {"config": "smollm2"}, "workload": {"prefix_tokens": 512},
-                                "systems": [{"system": "kvlab", "mode": "shared", "error": None}], "ratios": []}))
+    path.write_text(
+        json.dumps(
+            {
+                "model": {"config": "smollm2"},
+                "workload": {"prefix_tokens": 512},
+                "systems": [{"system": "kvlab", "mode": "shared", "error": None}],
+                "ratios": [],
+            }
+        )
+    )
     report = T.latest_bench("smollm2", path)
     assert report["path"] == str(path) and T.latest_bench(None, path) is None
     table, _ = T.bench_tables(report)
@@ -211,7 +268,8 @@ def test_pick_model_and_bench_record(tmp_path):
 
 
 def test_real_groups_on_a_chatml_tokenizer(lm):
-    """real_groups builds the three groups from ChatML text; the bundled tokenizer speaks ChatML too."""
+    """real_groups builds the three groups from ChatML text; the bundled tokenizer speaks ChatML
+    too."""
     tok = lm[1]
     g = T.real_groups(tok, n=2, questions=2, block_size=BLOCK)
     g1, g2, g3 = g[1], g[2], g[3]
@@ -246,36 +304,60 @@ def test_timing_repeats_give_a_spread_and_evidence_says_how_many_runs(lm):
     assert (d.loc[1, "timed runs"] == 3).all() and (d.loc[2, "timed runs"] == 0).all()
     assert all(len(r) == 3 for r in d.loc[1, "TTFT runs (ms)"])
     t1 = d.loc[1]
-    assert (t1["TTFT min (ms)"] <= t1["TTFT (ms)"]).all() and (t1["TTFT (ms)"] <= t1["TTFT max (ms)"]).all()
-    assert d.loc[2, ["TTFT (ms)", "total latency (ms)", "peak KV (KiB)"]].isna().all().all()  # answers only
-    v = T.ttft_verdict(table, 1, "shared (correct)")  # one definition: the ratio of the medians, the guard's range
-    assert v.value == pytest.approx(t1.loc["shared (correct)", "TTFT (ms)"] / t1.loc["isolated", "TTFT (ms)"])
-    assert v.lo <= v.value <= v.hi and 0 < t1.loc["shared (correct)", "ideal"] < 1 == t1.loc["isolated", "ideal"]
+    assert (t1["TTFT min (ms)"] <= t1["TTFT (ms)"]).all() and (
+        t1["TTFT (ms)"] <= t1["TTFT max (ms)"]
+    ).all()
+    # answers only
+    assert d.loc[2, ["TTFT (ms)", "total latency (ms)", "peak KV (KiB)"]].isna().all().all()
+    v = T.ttft_verdict(
+        table, 1, "shared (correct)"
+    )  # one definition: the ratio of the medians, the guard's range
+    assert v.value == pytest.approx(
+        t1.loc["shared (correct)", "TTFT (ms)"] / t1.loc["isolated", "TTFT (ms)"]
+    )
+    assert (
+        v.lo <= v.value <= v.hi
+        and 0 < t1.loc["shared (correct)", "ideal"] < 1 == t1.loc["isolated", "ideal"]
+    )
     cmp = T.compare_with_article(table).set_index(["group", "mode"])
-    assert cmp.loc[(1, "shared (correct)"), "TTFT ratio, ours"] == v.value  # the table and the sentence agree
+    # the table and the sentence agree
+    assert cmp.loc[(1, "shared (correct)"), "TTFT ratio, ours"] == v.value
     text = T.ttft_text(table, 1, "shared (correct)")
     assert (f"TTFT x{v.value:.2f} (x{v.lo:.2f}-x{v.hi:.2f} over 3 interleaved runs" in text) == v.ok
-    assert v.ok or text == v.text  # otherwise the helper's own words: a null result or a disturbed run
+    assert (
+        v.ok or text == v.text
+    )  # otherwise the helper's own words: a null result or a disturbed run
     assert T.ttft_verdict(table, 2, "shared (wrong)") is None
     ev = T.evidence(table)
     assert text in ev["identical-prefix"]
-    assert "TTFT" not in ev["overlap-different-start"] and "requests: " in ev["overlap-different-start"]
+    assert (
+        "TTFT" not in ev["overlap-different-start"]
+        and "requests: " in ev["overlap-different-start"]
+    )
     # the answers-only isolated row ran without the donors, the scored requests all have outputs
     iso2 = runs[(2, "isolated")]["outputs"]
     assert all(iso2[i] is None for i, m in enumerate(small[2].meta) if m["role"] == "donor")
     assert all(iso2[i] is not None for i in small[2].served())
-    assert (d.loc[2, "requests"] == len(small[2].served())).all() and d.loc[(2, "shared (correct)"), "identical"] == 1
-    assert runs[(1, "isolated")]["outputs"][0].output_ids  # the full run is the one kept, not a prefill-only one
+    assert (d.loc[2, "requests"] == len(small[2].served())).all() and d.loc[
+        (2, "shared (correct)"), "identical"
+    ] == 1
+    # the full run is the one kept, not a prefill-only one
+    assert runs[(1, "isolated")]["outputs"][0].output_ids
     assert all(len(o.output_ids) == 2 for i, o in enumerate(runs[(1, "isolated")]["outputs"]))
 
 
 def test_real_groups_score_more_requests_in_groups_2_and_3(lm):
     tok = lm[1]
-    g = T.real_groups(tok, n=1, questions=1, block_size=BLOCK, translations=0, n_wrong=6, wrong_questions=2)
+    g = T.real_groups(
+        tok, n=1, questions=1, block_size=BLOCK, translations=0, n_wrong=6, wrong_questions=2
+    )
     g2, g3 = g[2], g[3]
     assert len(g2.served()) == len(g3.served()) == 6 and len(g2) == 12 and len(g3) == 9
-    assert len({g2.meta[b]["seed"] for b in g2.served()}) == 6  # no two scored requests of group 2 share a start
-    for b in g2.served():  # B's whole text reappears in its own donor after the block-aligned preamble
+    # no two scored requests of group 2 share a start
+    assert len({g2.meta[b]["seed"] for b in g2.served()}) == 6
+    for (
+        b
+    ) in g2.served():  # B's whole text reappears in its own donor after the block-aligned preamble
         a, off = g2.meta[b]["donor"], g2.meta[b]["offset"]
         assert g2.prompts[a][off:] == g2.prompts[b]
     assert len({g3.meta[b]["question"] for b in g3.served()}) == 2
@@ -283,7 +365,9 @@ def test_real_groups_score_more_requests_in_groups_2_and_3(lm):
         T.real_groups(tok, n=1, n_wrong=5, wrong_questions=2)
     for b in g3.served():
         m = g3.meta[b]
-        assert tok.decode(m["beyond_prompt"]).rstrip().endswith("assistant") and m["question"] in tok.decode(m["beyond_prompt"])
+        assert tok.decode(m["beyond_prompt"]).rstrip().endswith("assistant") and m[
+            "question"
+        ] in tok.decode(m["beyond_prompt"])
 
 
 def test_table36_figure_draws_bars_only_for_timed_rows_and_keeps_the_legend_off_the_points():
@@ -293,14 +377,23 @@ def test_table36_figure_draws_bars_only_for_timed_rows_and_keeps_the_legend_off_
     import pandas as pd
 
     nan = float("nan")
-    table = pd.DataFrame({"group": [1, 1, 2, 2], "mode": ["isolated", "shared (correct)", "isolated", "shared (wrong)"],
-                          "TTFT (ms)": [10.0, 6.0, nan, nan], "TTFT min (ms)": [9.0, 5.0, nan, nan],
-                          "TTFT max (ms)": [12.0, 6.5, nan, nan], "token agreement": [1.0, 1.0, 1.0, 0.1],
-                          "recall": [1.0, 1.0, 0.9, 0.25]})
+    table = pd.DataFrame(
+        {
+            "group": [1, 1, 2, 2],
+            "mode": ["isolated", "shared (correct)", "isolated", "shared (wrong)"],
+            "TTFT (ms)": [10.0, 6.0, nan, nan],
+            "TTFT min (ms)": [9.0, 5.0, nan, nan],
+            "TTFT max (ms)": [12.0, 6.5, nan, nan],
+            "token agreement": [1.0, 1.0, 1.0, 0.1],
+            "recall": [1.0, 1.0, 0.9, 0.25],
+        }
+    )
     fig = T.fig_table36(table)
     a, b = fig.axes
-    assert len(a.patches) == 2 and "2: answers only" in a.get_title()  # no empty bars for untimed group 2
-    (whiskers,) = [c for c in a.collections if len(c.get_segments()) == 2]  # min-max of the timed runs
+    # no empty bars for untimed group 2
+    assert len(a.patches) == 2 and "2: answers only" in a.get_title()
+    # min-max of the timed runs
+    (whiskers,) = [c for c in a.collections if len(c.get_segments()) == 2]
     assert sorted(tuple(seg[:, 1]) for seg in whiskers.get_segments()) == [(5.0, 6.5), (9.0, 12.0)]
     fig.canvas.draw()
     legend = b.get_legend().get_window_extent()
@@ -309,14 +402,17 @@ def test_table36_figure_draws_bars_only_for_timed_rows_and_keeps_the_legend_off_
 
 
 def test_the_position_verdict_cites_notebook_03s_experiment_with_its_n(measured, capsys):
-    """Issue 50: 05's group-1 line and its "positions-agree" evidence rest on ``position_experiment``'s n, printed."""
+    """Issue 50: 05's group-1 line and its "positions-agree" evidence rest on
+    ``position_experiment``'s n, printed."""
     import pandas as pd
 
     from kvlab.lessons import nb03_position as X
 
     table, _ = measured
-    positions = pd.DataFrame({"prompts": [24, 24], "identical": [1.0, 0.25], "recalled": [0.875, 0.0]},
-                             index=[X.RIGHT, X.RESTART])
+    positions = pd.DataFrame(
+        {"prompts": [24, 24], "identical": [1.0, 0.25], "recalled": [0.875, 0.0]},
+        index=[X.RIGHT, X.RESTART],
+    )
     T.say_wrong_shares(table, positions)
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("group 1,")]
     assert "(n = 24 prompts): 75% of answers changed, recall 0% (right positions 88%)" in line

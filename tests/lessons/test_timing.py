@@ -1,4 +1,5 @@
-"""The series' one timing helper (kvlab.lessons.timing): interleaving, median/min-max, and the verdict words."""
+"""The series' one timing helper (kvlab.lessons.timing): interleaving, median/min-max, and the
+verdict words."""
 
 import math
 
@@ -36,7 +37,9 @@ def test_variants_alternate_order_and_each_gets_its_own_seconds():
             return name.upper()
         return run
 
-    t = time_interleaved({"a": variant("a", 1.0), "b": variant("b", 3.0)}, repeats=4, warmup=2, clock=clock)
+    t = time_interleaved(
+        {"a": variant("a", 1.0), "b": variant("b", 3.0)}, repeats=4, warmup=2, clock=clock
+    )
     # 2 warm-up rounds in the given order, then the order is reversed every other round
     assert calls == ["a", "b", "a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert t["a"].seconds == (1.0,) * 4 and t["b"].seconds == (3.0,) * 4
@@ -44,7 +47,8 @@ def test_variants_alternate_order_and_each_gets_its_own_seconds():
 
 
 def test_drift_hits_both_variants_alike():
-    """A machine that slows down run by run: alternating the order keeps the two medians' ratio honest."""
+    """A machine that slows down run by run: alternating the order keeps the two medians' ratio
+    honest."""
     clock, runs = FakeClock(), [0]
 
     def variant(work):
@@ -94,15 +98,24 @@ def test_a_clean_ratio_is_not_flagged_and_says_its_sentence():
 
 def test_a_ratio_that_beats_its_ideal_is_a_result_with_a_note_not_a_re_run():
     # notebook 08's case: ratio 0.668 where the token share says 0.77
-    v = ratio_verdict(Timing("fix", (0.66, 0.668, 0.67)), Timing("logged", (1.0, 1.0, 1.01)), ideal=0.77,
-                      ideal_is="the share of prompt tokens computed")
+    v = ratio_verdict(
+        Timing("fix", (0.66, 0.668, 0.67)),
+        Timing("logged", (1.0, 1.0, 1.01)),
+        ideal=0.77,
+        ideal_is="the share of prompt tokens computed",
+    )
     assert v and v.value == pytest.approx(0.668)
     assert "beats the ideal 0.77 (the share of prompt tokens computed) in every repeat" in v.note
     assert "re-run" not in v.says("x") and v.says("x").startswith("x — ratio 0.668")
     # 08's smoke run: 0.615 (0.538-0.724) under the ideal 0.696 -- which lies inside the range
-    v = ratio_verdict(Timing("fix", (0.51, 0.56, 0.574)), Timing("logged", (0.792, 0.91, 0.949)), ideal=0.696)
+    v = ratio_verdict(
+        Timing("fix", (0.51, 0.56, 0.574)), Timing("logged", (0.792, 0.91, 0.949)), ideal=0.696
+    )
     assert v and "beats" not in v.note and "lies inside its range 0.537–0.725" in v.note
-    assert ratio_verdict(Timing("fix", (0.8, 0.81)), Timing("logged", (1.0, 1.01)), ideal=0.77).note == ""
+    assert (
+        ratio_verdict(Timing("fix", (0.8, 0.81)), Timing("logged", (1.0, 1.01)), ideal=0.77).note
+        == ""
+    )
 
 
 def test_a_slower_saving_path_is_a_result_not_a_flag():
@@ -112,7 +125,10 @@ def test_a_slower_saving_path_is_a_result_not_a_flag():
 
 def test_overlapping_ranges_are_a_null_result_of_the_size_given():
     # notebook 00's 52-token row: cached 0.00183-0.00238 s, full 0.00219-0.00329 s
-    cached, full = Timing("cached", (0.00183, 0.0021, 0.00238)), Timing("full", (0.00219, 0.0025, 0.00329))
+    cached, full = (
+        Timing("cached", (0.00183, 0.0021, 0.00238)),
+        Timing("full", (0.00219, 0.0025, 0.00329)),
+    )
     v = ratio_verdict(cached, full, ideal=0.2, at="at 52 tokens")
     assert not v and not v.disturbed
     assert v.text.startswith("no measurable saving at 52 tokens: the ranges overlap")
@@ -133,8 +149,13 @@ def test_re_run_only_when_a_variants_own_spread_shows_a_disturbed_run():
     assert shaken.spread > DISTURBED_SPREAD and shaken.disturbed
     v = ratio_verdict(shaken, full, ideal=0.5, at="at 52 tokens")
     assert not v and v.disturbed and v.flag == DISTURBED
-    assert "x3.0" in v.why and "0.5–1.5 s" in v.why and v.text.startswith("disturbed run — re-run: cached's repeats")
-    # a disturbed variant whose range still clears the other's is a result: the spread did not change the answer
+    assert (
+        "x3.0" in v.why
+        and "0.5–1.5 s" in v.why
+        and v.text.startswith("disturbed run — re-run: cached's repeats")
+    )
+    # a disturbed variant whose range still clears the other's is a result: the spread did not
+    # change the answer
     assert ratio_verdict(Timing("cached", (0.1, 0.35)), full).ok
 
 
@@ -142,7 +163,13 @@ def test_a_curve_jumping_three_times_is_flagged():
     n = [256, 512, 1024, 2048]
     # notebook 01's run: the cached step 1.30e-03 -> 5.54e-02 s from 1024 to 2048
     v = curve_verdict(n, [1.2e-3, 1.25e-3, 1.30e-3, 5.54e-2])
-    assert not v and v.flag == UNEXPLAINED and "1024" in v.why and "2048" in v.why and "re-run" not in v.text
+    assert (
+        not v
+        and v.flag == UNEXPLAINED
+        and "1024" in v.why
+        and "2048" in v.why
+        and "re-run" not in v.text
+    )
     assert not curve_verdict([1, 2], [1.0, 3.0])  # exactly 3x
     assert curve_verdict([1, 2], [1.0, 2.9])
     assert not curve_verdict([1, 2, 4], [1.0, 1.1, 0.3])  # a curve that falls 3x
@@ -164,10 +191,12 @@ def test_a_curve_is_judged_against_its_count():
     quadratic = [x * x * 1e-9 for x in n]  # 4x per doubling, as an n^2 count says
     assert curve_verdict(n, quadratic, expected=[x * x for x in n])
     assert not curve_verdict(n, quadratic)  # against a flat expectation, 4x is a jump
-    # notebook 01 on a busy machine: the no-cache step fell 0.19 -> 0.085 s while its count grew x2.2
+    # notebook 01 on a busy machine: the no-cache step fell 0.19 -> 0.085 s while its count grew
+    # x2.2
     v = curve_verdict([128, 256], [0.19, 0.085], expected=[528e6, 1174e6])
     assert not v and "falls x2.2" in v.why
-    assert curve_verdict([128, 256], [0.19, 0.18], expected=[528e6, 1174e6])  # flat under a growing count: no flag
+    # flat under a growing count: no flag
+    assert curve_verdict([128, 256], [0.19, 0.18], expected=[528e6, 1174e6])
     flat_count = [1.0, 1.05, 1.1]
     v = curve_verdict(n, [1.0, 1.1, 42.0], expected=flat_count)
     assert not v and "the count says x1.0" in v.why

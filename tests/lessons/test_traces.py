@@ -1,6 +1,8 @@
-"""Token-id request traces (``kvlab.lessons.traces``), the replay loop, notebook 04's figures and checkers.
+"""Token-id request traces (``kvlab.lessons.traces``), the replay loop, notebook 04's figures and
+checkers.
 
-The named experiments (``kvlab.lessons.workloads``: seed groups, sys512) are tested in test_table36.py.
+The named experiments (``kvlab.lessons.workloads``: seed groups, sys512) are tested in
+test_table36.py.
 """
 
 from collections import Counter
@@ -23,7 +25,10 @@ def test_replay_frees_everything_and_counts_every_token():
     m.check_invariants()
     assert m.num_free_blocks == 300 and not m.seqs
     assert r["requests"] == len(trace) and r["query_tokens"] == sum(len(q.prompt) for q in trace)
-    assert r["hit_tokens"] + sum(r[f"miss_{k}"] for k in ("short", "no_prefix", "evicted")) == r["query_tokens"]
+    assert (
+        r["hit_tokens"] + sum(r[f"miss_{k}"] for k in ("short", "no_prefix", "evicted"))
+        == r["query_tokens"]
+    )
     assert all(r["cached_tokens"][q.req_id] <= len(q.prompt) - 1 for q in trace)
 
 

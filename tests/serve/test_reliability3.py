@@ -1,4 +1,5 @@
-"""Reliability III (issue 53): streams equal their text, every input bounded, no request stalls another."""
+"""Reliability III (issue 53): streams equal their text, every input bounded, no request stalls
+another."""
 
 import os
 import random
@@ -8,9 +9,10 @@ import pytest
 from kvlab.serve.text import TextStream
 
 
-# --- N3: the streamed text equals the non-streamed text, for every stop string -------------------------------
+# --- N3: the streamed text equals the non-streamed text, for every stop string --------------------
 class ByteTokenizer:
-    """A byte-level tokenizer stand-in: each id is a run of UTF-8 bytes; ``decode`` replaces what is incomplete."""
+    """A byte-level tokenizer stand-in: each id is a run of UTF-8 bytes; ``decode`` replaces what is
+    incomplete."""
 
     def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
@@ -23,14 +25,16 @@ ALPHABET = "ab #\n实中文🙂é😀"  # 1-, 2-, 3- and 4-byte characters
 
 
 def _case(rng: random.Random) -> tuple[ByteTokenizer, list[int], list[str], list[int]]:
-    """Random text cut into byte tokens anywhere (inside characters too), random stops, random push sizes."""
+    """Random text cut into byte tokens anywhere (inside characters too), random stops, random push
+    sizes."""
     text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 24)))
     data = text.encode("utf-8")
     cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(0, len(data)))))
     pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
     stops = []
     for _ in range(rng.randint(1, 3)):
-        if rng.random() < 0.7:  # a piece of the text (it may match), else random characters (it may not)
+        # a piece of the text (it may match), else random characters (it may not)
+        if rng.random() < 0.7:
             i = rng.randrange(len(text))
             stops.append(text[i:i + rng.randint(1, 4)])
         else:
@@ -43,8 +47,8 @@ def _case(rng: random.Random) -> tuple[ByteTokenizer, list[int], list[str], list
 
 
 def test_streamed_text_equals_the_text_for_random_stops_and_multibyte_text():
-    """>= 500 random cases: the pieces a stream sends join to exactly the answer's text (and that text is the
-    full decode, cut where a stop string begins)."""
+    """>= 500 random cases: the pieces a stream sends join to exactly the answer's text (and that
+    text is the full decode, cut where a stop string begins)."""
     rng = random.Random(53)
     differences = []
     for n in range(800):
@@ -54,16 +58,21 @@ def test_streamed_text_equals_the_text_for_random_stops_and_multibyte_text():
             sent.append(ts.push(ids[at:at + size], final=k == len(sizes) - 1))
             at += size
         full, text = tok.decode(ids), ts.text
-        # the answer is the full decode, cut where a stop string begins once one appeared (the first to be complete)
-        ok = full.startswith(text) and (any(full.startswith(s, len(text)) for s in stops) if ts.stopped
-                                        else text == full and not any(s in full for s in stops))
+        # the answer is the full decode, cut where a stop string begins once one appeared (the first
+        # to be complete)
+        ok = full.startswith(text) and (
+            any(full.startswith(s, len(text)) for s in stops)
+            if ts.stopped
+            else text == full and not any(s in full for s in stops)
+        )
         if "".join(sent) != text or not ok:
             differences.append((n, full, stops, "".join(sent), ts.text))
     assert differences == []
 
 
 def test_the_smollm2_case_a_stop_string_completed_by_a_multibyte_character():
-    """'\\n\\n## ' then the first bytes of 实: the '# ' before U+FFFD may start the stop '# 实' (was sent early)."""
+    """'\\n\\n## ' then the first bytes of 实: the '# ' before U+FFFD may start the stop '# 实' (was
+    sent early)."""
     data = "\n\n## 实".encode()
     pieces = [b"\n\n", b"##", b" ", data[-3:-1], data[-1:]]
     tok = ByteTokenizer(pieces)
@@ -73,10 +82,11 @@ def test_the_smollm2_case_a_stop_string_completed_by_a_multibyte_character():
     assert sent == "\n\n#"
 
 
-# --- N13, N9: kvlab serve's arguments and its key file, each refused in one line before the model loads ----------
+# --- N13, N9: kvlab serve's arguments and its key file, each refused in one line before the model l
 @pytest.fixture
 def serve_main(monkeypatch):
-    """``python -m kvlab.serve``'s ``main`` with a model loader that records whether it was called."""
+    """``python -m kvlab.serve``'s ``main`` with a model loader that records whether it was
+    called."""
     import kvlab.engine.models
     from kvlab.serve.__main__ import main
 
@@ -125,7 +135,7 @@ def test_api_keys_that_are_not_a_regular_file_or_too_big_are_refused(serve_main,
     assert loads == []
 
 
-# --- N16: slow clients, cross-site simple POSTs, /metrics behind the keys ------------------------------------
+# --- N16: slow clients, cross-site simple POSTs, /metrics behind the keys -------------------------
 KEYS = {"key-a": "tenant-a"}
 
 
@@ -148,7 +158,9 @@ def _client(engine, **config):
 BODY = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
 
 
-@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x", None])
+@pytest.mark.parametrize(
+    "ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x", None]
+)
 def test_a_post_that_is_not_json_by_its_content_type_is_refused_with_415(engine, ctype):
     import json
 
@@ -203,7 +215,8 @@ def test_a_body_that_does_not_arrive_in_time_is_refused_with_408():
 
 
 def test_a_request_head_sent_byte_by_byte_is_cut_off():
-    """A slowloris connection (a head that never ends) is closed by the server; a whole request is served."""
+    """A slowloris connection (a head that never ends) is closed by the server; a whole request is
+    served."""
     import socket
     import threading
 
@@ -214,11 +227,21 @@ def test_a_request_head_sent_byte_by_byte_is_cut_off():
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
         await send({"type": "http.response.body", "body": b"ok"})
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off",
-                                           http=head_timeout_protocol(0.3)))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="error",
+            lifespan="off",
+            http=head_timeout_protocol(0.3),
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -228,7 +251,8 @@ def test_a_request_head_sent_byte_by_byte_is_cut_off():
         with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
             s.sendall(b"X-a: b\r\n")  # ... and never the blank line
-            assert s.recv(100) == b""  # closed by the server (the 20 s socket timeout would raise instead)
+            # closed by the server (the 20 s socket timeout would raise instead)
+            assert s.recv(100) == b""
         with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             answer = b""
@@ -240,7 +264,9 @@ def test_a_request_head_sent_byte_by_byte_is_cut_off():
         thread.join(10)
 
 
-def test_serve_runs_uvicorn_with_the_head_timeout_and_the_metrics_flag(bundled, monkeypatch, capsys, tmp_path):
+def test_serve_runs_uvicorn_with_the_head_timeout_and_the_metrics_flag(
+    bundled, monkeypatch, capsys, tmp_path
+):
     import json
 
     import uvicorn
@@ -263,10 +289,11 @@ def test_serve_runs_uvicorn_with_the_head_timeout_and_the_metrics_flag(bundled, 
     assert main(["--num-blocks", "64", "--head-timeout", "0"]) == 2
 
 
-# --- N1: big bodies are bounded before the tokenizer, and parsed off the event loop --------------------------
+# --- N1: big bodies are bounded before the tokenizer, and parsed off the event loop ---------------
 @pytest.fixture
 def encoded(monkeypatch):
-    """Every prompt (text or ids) the server hands to ``encode`` (the real one still does the work)."""
+    """Every prompt (text or ids) the server hands to ``encode`` (the real one still does the
+    work)."""
     from kvlab.serve import app as app_module
 
     seen = []
@@ -285,14 +312,22 @@ def test_a_token_id_prompt_longer_than_the_context_is_refused_before_tokenizing(
         r = c.post("/v1/completions", json={**BODY, "prompt": [5] * (limit + 1)})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == "prompt" and err["code"] == "context_length_exceeded" and str(limit) in err["message"]
+        assert (
+            err["param"] == "prompt"
+            and err["code"] == "context_length_exceeded"
+            and str(limit) in err["message"]
+        )
         assert encoded == []
-        r = c.post("/v1/completions", json={**BODY, "prompt": [5] * 330000})  # the issue's ~1 MB body
+        r = c.post(
+            "/v1/completions", json={**BODY, "prompt": [5] * 330000}
+        )  # the issue's ~1 MB body
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         assert encoded == []
 
 
-def test_more_messages_than_the_context_holds_are_refused_before_the_template(engine, encoded, monkeypatch):
+def test_more_messages_than_the_context_holds_are_refused_before_the_template(
+    engine, encoded, monkeypatch
+):
     rendered = []
     real = engine.tokenizer.apply_chat_template
 
@@ -303,8 +338,10 @@ def test_more_messages_than_the_context_holds_are_refused_before_the_template(en
     limit = engine.max_model_len
     with _client(engine) as c:
         for content in ("", "x"):
-            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}] * 30000,
-                                                     "max_tokens": 2})
+            r = c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": content}] * 30000, "max_tokens": 2},
+            )
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["param"] == "messages" and str(limit) in err["message"]
@@ -314,11 +351,17 @@ def test_more_messages_than_the_context_holds_are_refused_before_the_template(en
 def test_the_templated_chat_is_held_to_the_byte_limit_before_tokenizing(engine, encoded):
     """20 one-character messages: 20 bytes of contents, several hundred once templated."""
     with _client(engine, max_prompt_bytes=200) as c:
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}] * 20,
-                                                 "max_tokens": 2})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}] * 20, "max_tokens": 2},
+        )
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == "messages" and err["code"] == "context_length_exceeded" and "template" in err["message"]
+        assert (
+            err["param"] == "messages"
+            and err["code"] == "context_length_exceeded"
+            and "template" in err["message"]
+        )
         assert encoded == []
 
 
@@ -343,12 +386,16 @@ def test_json_parsing_and_validation_run_off_the_event_loop(engine, monkeypatch)
     assert on_loop == [False]
 
 
-# --- N7: --public-prefix shares a chat's system turn, as the chat template renders it -------------------------
-SYSTEM = ("You are the help desk of a large hardware store. Answer in one short paragraph, be polite, never "
-          "invent prices, and point the customer to the right aisle when you know it.")
+# --- N7: --public-prefix shares a chat's system turn, as the chat template renders it -------------
+SYSTEM = (
+    "You are the help desk of a large hardware store. Answer in one short paragraph, "
+    "be polite, never invent prices, and point the customer to the right aisle when you know it."
+)
 
 
-def test_a_public_prefix_is_shared_by_chats_with_that_system_message(bundled, monkeypatch, tmp_path):
+def test_a_public_prefix_is_shared_by_chats_with_that_system_message(
+    bundled, monkeypatch, tmp_path
+):
     import json
 
     import uvicorn
@@ -366,9 +413,18 @@ def test_a_public_prefix_is_shared_by_chats_with_that_system_message(bundled, mo
                  "--public-prefix", SYSTEM]) == 0
 
     def chat(c, key, question):
-        r = c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                   json={"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-                         "max_tokens": 1, "temperature": 0})
+        r = c.post(
+            "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": question},
+                ],
+                "max_tokens": 1,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -380,19 +436,22 @@ def test_a_public_prefix_is_shared_by_chats_with_that_system_message(bundled, mo
 
     with TestClient(runs.pop()) as c:
         assert chat(c, "key-a", "Where are the screws?") == 0
-        assert chat(c, "key-b", "Do you sell paint?") >= 16  # tenant b shares tenant a's system turn
+        assert (
+            chat(c, "key-b", "Do you sell paint?") >= 16
+        )  # tenant b shares tenant a's system turn
         assert complete(c, "key-a", SYSTEM + " Where are the nails?") == 0
         assert complete(c, "key-b", SYSTEM + " Ladders?") >= 16  # the raw text still shares too
 
 
-# --- N6: the default token budget is sized to the device ------------------------------------------------------
+# --- N6: the default token budget is sized to the device ------------------------------------------
 def test_budget_for_rate_is_a_block_multiple_between_the_batch_and_2048():
     from kvlab.serve.budget import MAX_BUDGET, budget_for_rate
 
     assert budget_for_rate(1000.0, 64, target_s=0.25) == 240
     assert budget_for_rate(150.0, 64) == 64  # a slow CPU: one token per running sequence at least
     assert budget_for_rate(1e9, 64) == MAX_BUDGET
-    assert budget_for_rate(1000.0, 64, target_s=0.25, fixed_s=0.5) == 1488  # a step of 4 x 0.5 s: 1.5 s of tokens
+    # a step of 4 x 0.5 s: 1.5 s of tokens
+    assert budget_for_rate(1000.0, 64, target_s=0.25, fixed_s=0.5) == 1488
     with pytest.raises(ValueError):
         budget_for_rate(0.0, 64)
 
@@ -429,7 +488,9 @@ def test_serve_sizes_the_token_budget_to_the_device_unless_given(bundled, monkey
     assert main(["--num-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "4"]) == 2
 
 
-def test_the_default_body_limit_follows_the_context_and_refuses_before_reading(bundled, monkeypatch):
+def test_the_default_body_limit_follows_the_context_and_refuses_before_reading(
+    bundled, monkeypatch
+):
     import uvicorn
     from starlette.testclient import TestClient
 
@@ -453,5 +514,10 @@ def test_the_default_body_limit_follows_the_context_and_refuses_before_reading(b
         r = c.post("/v1/completions", json={"prompt": [5] * 330000, "max_tokens": 2})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert c.post("/v1/completions", json=BODY).status_code == 200
-    assert main(["--num-blocks", "64", "--max-num-batched-tokens", "256", "--max-body-bytes", "4000000"]) == 0
+    assert (
+        main(
+            ["--num-blocks", "64", "--max-num-batched-tokens", "256", "--max-body-bytes", "4000000"]
+        )
+        == 0
+    )
     assert runs.pop().state.server.config.max_body_bytes == 4000000
