@@ -18,12 +18,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The files whose tests take tens of seconds each (papermill kernels, the vLLM venv, Ray actors).
-# They run first,
-# so the two workers finish together instead of one running a notebook alone at the end.
+# They run first, so the two workers finish together instead of one running a notebook alone at the
+# end.
 _SLOW_FIRST = ("lessons/test_notebooks.py", "vllm/", "cluster/test_", "serve/test_serve")
 # The live timing audit last: its "no sharing detected" checks compare TTFTs, and a notebook run on
-# the other
-# core beside them made an isolated server's hit and miss timings differ (p 8.7e-5 in one CI run).
+# the other core beside them made an isolated server's hit and miss timings differ (p 8.7e-5 in one
+# CI run).
 _TIMING_LAST = ("audit/",)
 
 

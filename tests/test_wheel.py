@@ -153,8 +153,7 @@ def venv(wheel, tmp_path_factory) -> dict:
         ).stdout.strip()
     )
     # Plain directory lines: the borrowed site-packages come after the venv's own, and their .pth
-    # files
-    # (the editable kvlab's among them) are not processed.
+    # files (the editable kvlab's among them) are not processed.
     borrowed = sorted({str(Path(importlib.util.find_spec(m).origin).parents[1]) for m in BORROWED}
                       | {sysconfig.get_paths()["purelib"]})
     (purelib / "zz_borrowed_from_test_env.pth").write_text("".join(d + "\n" for d in borrowed))

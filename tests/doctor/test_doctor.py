@@ -128,8 +128,7 @@ def test_planted_culprits_named_at_their_position(enc, tmp_path):
     # the tools: same set, varying order
     assert "tools-order" in kinds
     # every fix kept made the unbounded cache hit more (a 60-block cache may lose a little on one
-    # step:
-    # LRU), and the fixes one after the other end far above the log as logged
+    # step: LRU), and the fixes one after the other end far above the log as logged
     for c in d.kept:
         assert c.chained["unbounded"]["hit_tokens"] > c.before["unbounded"]["hit_tokens"]
     assert d.chain[-1]["unbounded_hit_rate"] > d.chain[0]["unbounded_hit_rate"] + 0.3

@@ -255,8 +255,8 @@ def test_architecture_is_token_identical_to_hf_or_refused(model_type):
         # the model is the caller's own again: its layers run F.linear once the engine is idle
         assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
     # the C++ paged-attention kernel for decodes (EngineConfig.paged_kernel): other float32
-    # rounding, the same
-    # tokens on every architecture (30.2 s -> 34.0 s for this file in one process, measured)
+    # rounding, the same tokens on every architecture (30.2 s -> 34.0 s for this file in one
+    # process, measured)
     if paged_kernel_available(torch.device("cpu"), torch.float32) is None:
         engine = Engine(
             model,

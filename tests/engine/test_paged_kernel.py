@@ -69,8 +69,7 @@ def _attend(store, seqs, qkv, window, kernel=None):
 
 
 # (heads, kv heads, head dim): GQA, MQA, MHA, D % 16; 8 query heads a KV head (the decode path takes
-# them
-# 4 at a time) and D = 128 (3 at a time)
+# them 4 at a time) and D = 128 (3 at a time)
 SHAPES = [(4, 2, 8), (9, 3, 64), (4, 1, 20), (2, 2, 16), (8, 1, 32), (6, 2, 128)]
 
 
@@ -99,10 +98,8 @@ def test_kernel_matches_the_sdpa_path_on_random_stores(shape, block_size, window
 @pytest.mark.parametrize("mode", [0, 1])
 def test_a_nan_query_gives_nan_where_the_sdpa_path_does(mode):
     # decodes (the register path in mode 0) and a short prefill; one query value NaN, one key value
-    # inf
-    # (in the sequence alone in its SDPA group: where the SDPA path attends a union of blocks, an
-    # inf key's
-    # NaN reaches the other sequences' rows, masked or not)
+    # inf (in the sequence alone in its SDPA group: where the SDPA path attends a union of blocks,
+    # an inf key's NaN reaches the other sequences' rows, masked or not)
     store, seqs, qkv = _step([(40, 1), (70, 1), (8, 3)], 9, 3, 64, 16, seed=3)
     qkv[0][0, 4, 0, 7] = float("nan")
     store.k_pages[0, 1, seqs[1][2][1], 3, 0] = float("inf")
@@ -158,8 +155,7 @@ def test_the_engine_gives_decodes_to_the_kernel_and_longer_queries_to_sdpa():
         True
     ]
     # decodes that share a prefix, on one thread: the SDPA path's union of blocks (measured faster
-    # there)
-    # unless the kernel has its decode path (mode 1 has none)
+    # there) unless the kernel has its decode path (mode 1 has none)
     store, seqs, _ = _step([(40 + i, 1) for i in range(8)], 9, 3, 64, 16, shared_blocks=2)
     threads = torch.get_num_threads()
     try:

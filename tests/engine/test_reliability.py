@@ -1011,9 +1011,8 @@ def test_supported_architectures_match_hf_generate(arch):
         ] == ref, block_size
         assert drained(engine)
     # issue 25: while the engine has work the model is switched to kvlab's attention; HF's own
-    # generate on it
-    # still runs its own attention and masks (padding, windows): the same tokens, alone and
-    # left-padded in a batch
+    # generate on it still runs its own attention and masks (padding, windows): the same tokens,
+    # alone and left-padded in a batch
     own = model.config._attn_implementation
     engine.add_request(prompts[0], SamplingParams(max_tokens=5))
     engine.step()
@@ -1053,14 +1052,11 @@ def _hf_greedy_padded(model, prompts, n=5):
 
 
 # bloom, falcon and mpt attend in code of their own: transformers' set_attn_implementation cannot
-# switch them
-# (issue 25). Before, kvlab wrote the private config attribute instead: bloom then ran its own
-# attention
-# ("never ran" for every layer), falcon and mpt took a code path they do not support and their
-# forward
-# crashed ("failed"). The public switch names the real reason for all three, at construction. From
-# transformers 5.25 falcon's attention does go through the interface, but its layers do not pass
-# kvlab_batch.
+# switch them (issue 25). Before, kvlab wrote the private config attribute instead: bloom then ran
+# its own attention ("never ran" for every layer), falcon and mpt took a code path they do not
+# support and their forward crashed ("failed"). The public switch names the real reason for all
+# three, at construction. From transformers 5.25 falcon's attention does go through the interface,
+# but its layers do not pass kvlab_batch.
 @pytest.mark.parametrize(
     "arch, reason",
     [

@@ -377,8 +377,7 @@ def test_notebooks_00_to_02_show_no_build_solution_outside_details():
         defined = [src for src in code if re.search(rf"^def {stub}\(", src, re.M)]
         assert len(defined) == 1 and "raise NotImplementedError" in defined[0], (name, stub)
         # the step itself (suffix on the cache at the positions after it / append and attend / the
-        # loop) is not
-        # written in another code cell of the notebook
+        # loop) is not written in another code cell of the notebook
         steps = [
             src
             for src in code

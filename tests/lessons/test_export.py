@@ -97,8 +97,8 @@ def test_no_notebook_prints_source():
     assert {name for name, _, _ in export_notebooks.exported_cells()}, "no notebook exports a cell"
 
 
-# issue 50: kvlab/lessons + kvlab/built together (8,277 before it); experiment runners moved
-# from the notebooks into kvlab/lessons, so the budget covers both layers
+# issue 50: kvlab/lessons + kvlab/built together (8,277 before it); experiment runners moved from
+# the notebooks into kvlab/lessons, so the budget covers both layers
 LESSON_LINES = 7000
 
 

@@ -345,8 +345,8 @@ def test_other_policies_in_process_match_the_engine(bundled, reference, isolatio
         # everyone shares the unsalted cache; equal salts share across tenants (vLLM)
         assert http[0] == 0 and http[2] > 0 and http[3] == 0 and http[5] > 0 and http[6] == 0
     else:
-        # the public system prompt's whole blocks are shared by every tenant and salt, nothing
-        # past them
+        # the public system prompt's whole blocks are shared by every tenant and salt, nothing past
+        # them
         public = (
             len(encode(tok, P.chatml("system", system)))
             // ENGINE_KW["block_size"]
