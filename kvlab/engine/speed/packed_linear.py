@@ -10,14 +10,14 @@ results agree with ``F.linear`` to float32 rounding, not bit for bit, so this pa
 tokens under it are still HF's on every test architecture.
 
 A decode step's GEMMs have few rows (one per sequence), and they are bound by reading the weights:
-at 16 rows oneDNN read SmolLM2's weights at about 9.5 GB/s on one core here, while the core streams
-13-20. Where the C++ ops (``fused_ops``) are built with AVX-512, each weight is also laid out in
-panels of 16 output columns, k by k (``pack_panels``), and calls of up to ``PANEL_ROWS`` rows run
+at 16 rows oneDNN read SmolLM2's weights well below the rate one core streams memory at (commit
+deb8871 gives the numbers; ``scripts/bench.py`` measures this machine's streaming read bandwidth).
+Where the C++ ops (``fused_ops``) are built with AVX-512, each weight is also laid out in panels of
+16 output columns, k by k (``pack_panels``), and calls of up to ``PANEL_ROWS`` rows run
 ``panel_gemm``: up to 16 rows' sums in registers per panel, one pass over the panels, each
-prefetched into L2 ahead of its use. Measured on this machine, all of SmolLM2's GEMMs at 16 rows (30
-layers and the head), median ms: 56.6 with oneDNN against 41.8 on one thread, 32.5 against 22.3 on
-two; at 64 rows 172 against 159 and 92 against 83. Larger calls (prefills) keep oneDNN, which blocks
-for reuse across many rows. The panels are a second packed copy of each weight.
+prefetched into L2 ahead of its use; all of SmolLM2's GEMMs at 16 and 64 rows, on one thread and
+two, measured faster this way than with oneDNN (commit deb8871). Larger calls (prefills) keep
+oneDNN, which blocks for reuse across many rows. The panels are a second packed copy of each weight.
 
 Nothing of the model is replaced or patched: the runner runs each step's forward inside
 ``active()``, a ``TorchFunctionMode`` (torch's own dispatch hook, scoped like ``paged_step()``) that

@@ -24,11 +24,11 @@ keys at a time, and each key's K and V are loaded once for all the rows. Where t
 also writes each step's new K/V into the pages (``write_kv``, one call a layer, in place of two
 ``index_copy_``).
 
-It is used per group of sequences (``paged_attention.AttnGroup``) where it is faster than the gather
-+ SDPA path. With the register path that is every group, prefills too: 16 fresh prompts of 544
-tokens (SmolLM2's heads) took 49 ms a layer against SDPA's 92 at 2 threads, and 85 against 149 at 1.
+It is used per group of sequences (``paged_attention.AttnGroup``) where it measured faster than the
+gather + SDPA path (commit 3acb965 gives the numbers; compare ``scripts/bench.py`` with and without
+``--paged-kernel`` on your machine). With the register path that is every group, prefills too.
 Without it, groups whose longest query is at most ``MAX_QUERY`` tokens (decodes); there longer
-queries are GEMM-shaped and SDPA stays faster. Enabled by ``SpeedPaths.paged_kernel`` (off by
+queries are GEMM-shaped and SDPA measured faster. Enabled by ``SpeedPaths.paged_kernel`` (off by
 default; ``kvlab serve`` turns it on for a float32 CPU model).
 """
 
@@ -95,10 +95,9 @@ class KernelStep:
         16, 32, 64 or 128 and the online softmax), on one thread, where the sequences share most of
         their blocks (on average each block in two tables or more) and the SDPA path attends the
         union of the group's blocks. There each shared block is read once for all of them in one
-        GEMM-shaped attention, measured faster than the plain loops (16 decodes after a 512-token
-        shared prefix, SmolLM2's shapes: 1.03 ms against 1.29 ms a layer). The register path won
-        that case (16 such decodes, one step of SmolLM2 with the other speed paths: 84 ms against 97
-        ms), and on two threads the plain loops won it too (0.8 ms against 1.03 ms a layer)."""
+        GEMM-shaped attention, which measured faster than the plain loops (16 decodes after a
+        512-token shared prefix, SmolLM2's shapes); the register path, and the plain loops on two
+        threads, measured faster than that union (commits 0ddde3a and 05f4be7)."""
         if id(g) not in self.meta:
             return False
         # decided once per step, at its first layer (every layer asks the same question)
