@@ -10,49 +10,51 @@ import torch
 
 # --- 01_qkv_and_kv_cache.ipynb, cell 5 ---
 def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """(q_len, k_len), True where query i may look at key j; the queries are the LAST q_len of k_len positions."""
-    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]   # (q_len, 1): where each query sits
-    k_pos = torch.arange(k_len, device=device)[None, :]                  # (1, k_len)
-    return k_pos <= q_pos                                                # a key at or before the query
+    """(q_len, k_len), True where query i may see key j: the queries are the LAST q_len of k_len."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (q_len, 1): the queries
+    k_pos = torch.arange(k_len, device=device)[None, :]                 # (1, k_len): the keys
+    return k_pos <= q_pos                                               # keys up to the query
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention: q (B, H, Tq, D), k and v (B, H, Tk, D) -> (output, weights)."""
-    # how well each query matches each key, scaled by sqrt(head_dim) so the softmax does not saturate
+    # how well each query matches each key, scaled by sqrt(head_dim) so softmax does not saturate
     scores = q @ k.transpose(-2, -1) / sqrt(q.shape[-1])   # (B, H, Tq, Tk)
     if causal:
         mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device)   # (Tq, Tk)
-        scores = scores.masked_fill(~mask, float("-inf"))                # the future gets weight exp(-inf) = 0
+        scores = scores.masked_fill(~mask, float("-inf"))   # the future gets weight exp(-inf) = 0
     weights = scores.softmax(dim=-1)   # (B, H, Tq, Tk), each row sums to 1
     return weights @ v, weights        # output (B, H, Tq, D): a weighted sum of the values
 
 
 # --- 01_qkv_and_kv_cache.ipynb, cell 9 ---
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, kv_heads, seq, D) -> (B, kv_heads * n_rep, seq, D): query head h reads KV head h // n_rep."""
+    """(B, kv_heads, T, D) -> (B, kv_heads * n_rep, T, D): query head h reads KV head h // n_rep."""
     if n_rep == 1:
         return x
     b, kvh, t, d = x.shape
-    # a new axis of n_rep copies right after each KV head (a view, no copy yet), then fold it into the heads
+    # a new axis of n_rep copies after each KV head (a view, no copy yet), then fold into the heads
     return x[:, :, None].expand(b, kvh, n_rep, t, d).reshape(b, kvh * n_rep, t, d)
 
 
 # --- 01_qkv_and_kv_cache.ipynb, cell 18 ---
-def last_row_ignores_past_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
-    """Add noise to the past (all but the last position) of Q, then of K, then of V: how far does the last output move?"""
+def last_row_ignores_past_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                                  ) -> dict[str, float]:
+    """Add noise to the past (all but the last position) of Q, then of K, then of V: how far does
+    the last output move?"""
     base = attention(q, k, v)[0][..., -1, :]   # the last position's output, (B, H, D)
     moved = {}
     for name in ("Q", "K", "V"):
         qkv = [q.clone(), k.clone(), v.clone()]
         x = qkv["QKV".index(name)]
-        x[..., :-1, :] += torch.randn_like(x[..., :-1, :])   # every earlier position changed, the last one kept
+        x[..., :-1, :] += torch.randn_like(x[..., :-1, :])  # all earlier positions changed
         moved[f"past {name} changed"] = float((attention(*qkv)[0][..., -1, :] - base).abs().max())
     return moved
 
 
 # --- 01_qkv_and_kv_cache.ipynb, cell 23 ---
-def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, use_cache: bool = True) -> int:
+def decode_step_flops(n: int, d_model: int, n_heads: int, n_kv_heads: int, use_cache=True) -> int:
     """Multiply-add FLOPs (2 per MAC) of one attention layer's decode step at context length n."""
     head_dim = d_model // n_heads
     proj_per_token = 2 * d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)   # Q, O and K, V

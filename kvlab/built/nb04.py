@@ -23,9 +23,9 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = (
 
 # --- 04_paged_block_manager.ipynb, cell 22 ---
 class ToyBlocks:
-    """A block manager's state; ``take`` and ``free_seq`` run the functions given (notebook 04's build)."""
+    """A block manager's state; ``take`` and ``free_seq`` run the functions given (04's build)."""
 
-    def __init__(self, num_blocks: int, block_size: int, take: Callable, free_seq: Callable) -> None:
+    def __init__(self, num_blocks: int, block_size: int, take: Callable, free_seq: Callable):
         self.block_size, self.take_fn, self.free_fn = block_size, take, free_seq
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks

@@ -17,11 +17,12 @@ def tenant_salt(secret: bytes, tenant: str) -> str:
 
 
 # --- 07_isolation_and_security.ipynb, cell 8 ---
-def salted_hashes(token_ids: list[int], block_size: int, salt: str, salt_block: int = 0) -> list[bytes]:
-    """The chained hashes of the full blocks of ``token_ids``; block ``salt_block`` also hashes ("salt", salt)."""
+def salted_hashes(token_ids: list[int], block_size: int, salt: str,
+                  salt_block: int = 0) -> list[bytes]:
+    """Chained hashes of ``token_ids``' full blocks; block ``salt_block`` adds ("salt", salt)."""
     hashes, parent = [], None
     for i in range(len(token_ids) // block_size):
-        keys = (("salt", salt),) if i == salt_block else ()  # the salt enters one block; the chain carries it on
+        keys = (("salt", salt),) if i == salt_block else ()  # the chain carries the salt on
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], keys)
         hashes.append(parent)
     return hashes
@@ -36,7 +37,7 @@ def timing_probe(engine, prompt_ids, tenant):
 
 # --- 07_isolation_and_security.ipynb, cell 17 ---
 def roc_auc(positive_scores, negative_scores):
-    """P(a positive scores above a negative), ties counting 1/2: the Mann-Whitney U over n_pos * n_neg."""
+    """P(a positive scores above a negative), ties count 1/2: Mann-Whitney U / (n_pos * n_neg)."""
     pos, neg = [float(x) for x in positive_scores], [float(x) for x in negative_scores]
     if not pos or not neg:
         raise ValueError("need at least one positive and one negative score")
