@@ -35,9 +35,8 @@ def test_doctor_runs_through_the_command(tmp_path, capsys):
     assert cli.main(["doctor", str(log), "--block-size", "4", "--out", str(tmp_path / "out")]) == 0
     assert "10 requests replayed" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["requests"] == 10
-    assert (
-        cli.main(["doctor", str(tmp_path / "missing.jsonl")]) == 2
-    )  # the module's own exit status comes back
+    # the module's own exit status comes back
+    assert cli.main(["doctor", str(tmp_path / "missing.jsonl")]) == 2
 
 
 def test_a_command_whose_module_is_absent_says_so(monkeypatch, capsys):

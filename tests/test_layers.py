@@ -281,9 +281,8 @@ def test_no_library_module_imports_lesson_code():
     in a function."""
     mods = _modules()
     graph = {name: _imports_of(name, path, mods) for name, path in mods.items()}
-    assert (
-        "kvlab.engine.models" in graph["kvlab.lessons.common"]
-    )  # the graph sees the lessons' imports of the engine
+    # the graph sees the lessons' imports of the engine
+    assert "kvlab.engine.models" in graph["kvlab.lessons.common"]
     assert _back_arrows(graph) == []
 
 

@@ -398,15 +398,13 @@ def test_allocate_reuses_the_plan_of_can_allocate_and_hashes_once():
     prompt = list(range(13))  # three full blocks and one token
     plan = m.can_allocate(prompt)
     assert plan and len(calls) == 3 and plan.blocks_needed == 4
-    assert (
-        m.allocate("a", prompt, plan=plan) == 0 and len(calls) == 3
-    )  # the plan's hashes were reused
+    # the plan's hashes were reused
+    assert m.allocate("a", prompt, plan=plan) == 0 and len(calls) == 3
     stale = m.can_allocate(prompt)
     m.allocate("b", list(range(100, 105)))  # the pool changes: the plan is stale
     n = len(calls)
-    assert (
-        m.allocate("c", prompt, plan=stale) == 12 and len(calls) > n
-    )  # recomputed, and it hits a's blocks
+    # recomputed, and it hits a's blocks
+    assert m.allocate("c", prompt, plan=stale) == 12 and len(calls) > n
     m.check_invariants()
 
 
@@ -438,9 +436,8 @@ def test_a_plan_of_another_manager_is_refused_before_anything_changes():
     small.check_invariants()
     other = BlockManager(16, 4, model_fingerprint="another model")
     with pytest.raises(ValueError, match="not made by this manager"):
-        other.allocate(
-            "x", prompt, plan=plan
-        )  # it would cache blocks under the first model's hashes
+        # it would cache blocks under the first model's hashes
+        other.allocate("x", prompt, plan=plan)
     assert other.seqs == {} and other.pool.cached == {}
     other.check_invariants()
 

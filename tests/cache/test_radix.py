@@ -19,9 +19,8 @@ from kvlab.cache.block_manager import (
 from kvlab.cache.block_pool import InvariantError, NoFreeBlocksError
 from kvlab.cache.radix import RadixCache
 
-SYS = list(
-    range(100, 137)
-)  # a 37-token "system prompt": two full 16-token blocks and 5 tokens more
+# a 37-token "system prompt": two full 16-token blocks and 5 tokens more
+SYS = list(range(100, 137))
 
 
 def snapshot(c: RadixCache):

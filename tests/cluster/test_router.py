@@ -315,9 +315,8 @@ def test_the_router_index_keeps_the_host_tier_apart():
     bm.attach_second_tier(link, link.on_evict)
     bm.allocate("a", list(range(2 * BS + 1)))
     bm.free("a")
-    bm.allocate(
-        "flood", list(range(1000, 1000 + bm.num_blocks * BS))
-    )  # evicts a's blocks into the tier
+    # evicts a's blocks into the tier
+    bm.allocate("flood", list(range(1000, 1000 + bm.num_blocks * BS)))
     bm.free("flood")
     idx = KVIndex()
     idx.apply(0, EventBatch(0.0, tuple(bm.take_events()), 0))

@@ -64,9 +64,8 @@ def test_a_timestamp_line_is_a_slot_keyed_by_its_label_at_the_value(chat_log):
         0,
     )
     assert (f.value_a, f.value_b) == ("2024-05-02 11:00", "2024-05-01 10:00")
-    assert f.token_pos == prep.texts[1].index(
-        "2024"
-    )  # one character a token: the value's first token
+    # one character a token: the value's first token
+    assert f.token_pos == prep.texts[1].index("2024")
 
 
 def test_extra_whitespace_is_a_whitespace_finding(chat_log):

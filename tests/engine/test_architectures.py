@@ -226,9 +226,8 @@ def test_architecture_is_token_identical_to_hf_or_refused(model_type):
         for p in prompts
     ]
     sp = SamplingParams(max_tokens=NEW)
-    outs = engine.generate(prompts[:1], sp) + engine.generate(
-        prompts[1:], sp
-    )  # the rest reuse the first's blocks
+    # the rest reuse the first's blocks
+    outs = engine.generate(prompts[:1], sp) + engine.generate(prompts[1:], sp)
     assert [o.error for o in outs] == [None] * len(outs)
     assert [o.num_cached_tokens for o in outs] == [0, 12, 12, 12, 12, 0, 0], (
         "the shared prefix missed the cache"

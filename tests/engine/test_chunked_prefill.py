@@ -117,11 +117,8 @@ def test_a_request_sharing_a_chunked_prefix_hits_it_once_computed():
     a, b = _seq(0, range(24), max_tokens=2), _seq(1, list(range(20)) + [99, 98], max_tokens=2)
     sched.add(a)
     sched.add(b)
-    for start in (
-        0,
-        8,
-        16,
-    ):  # a's chunks take the whole budget: b is admitted only after the last one
+    # a's chunks take the whole budget: b is admitted only after the last one
+    for start in (0, 8, 16):
         out = _step(sched, shadow)
         assert [(it.seq, it.start, it.end) for it in out.items] == [(a, start, start + 8)]
     out = _step(sched, shadow)
@@ -136,9 +133,8 @@ def test_preempting_a_half_prefilled_request_uncaches_what_it_never_computed():
     a = _seq(0, range(4), max_tokens=12)  # grows by a block every 4 tokens
     sched.add(a)
     _step(sched, shadow)
-    b = _seq(
-        1, range(50, 70), max_tokens=2
-    )  # 5 blocks, prefilled 2 tokens a step beside a's decode
+    # 5 blocks, prefilled 2 tokens a step beside a's decode
+    b = _seq(1, range(50, 70), max_tokens=2)
     sched.add(b)
     preempted = None
     for _ in range(12):

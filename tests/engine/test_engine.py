@@ -51,9 +51,8 @@ def test_greedy_identical_to_hf_generate(lm, workload, caching, num_blocks, max_
         else (stats["hit_tokens"] == 0)
     )
     assert (engine.num_preemptions > 0) == (num_blocks == 40)
-    m = (
-        engine.block_manager.metrics
-    )  # one lookup per request; a preempted one's next lookups apart (vLLM)
+    # one lookup per request; a preempted one's next lookups apart (vLLM)
+    m = engine.block_manager.metrics
     assert m.total.requests == len(ids) and m.preempted.requests == engine.num_preemptions
     assert _drained(engine) and 0 < engine.peak_kv_bytes <= engine.store.nbytes
     assert all(o.ttft is not None and o.latency >= o.ttft >= 0 for o in outs)

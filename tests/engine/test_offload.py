@@ -75,9 +75,8 @@ def test_a_salted_block_in_the_tier_is_never_served_to_another_tenant(lm):
         model, tok, num_blocks=12, host_tier_bytes=10**7, isolation="tenant", secret="s" * 16
     )
     eng.generate([prompt], sp, tenants=["alice"])
-    eng.generate(
-        _prompts(1, 180, seed=3), sp, tenants=["carol"]
-    )  # evicts alice's blocks into the tier
+    # evicts alice's blocks into the tier
+    eng.generate(_prompts(1, 180, seed=3), sp, tenants=["carol"])
     assert eng.stats()["tier_saved_blocks"] >= 4
     bob = eng.generate([prompt], sp, tenants=["bob"])[0]
     alice = eng.generate([prompt], sp, tenants=["alice"])[0]

@@ -253,9 +253,8 @@ def test_hf_model_runs_on_paged_cache_in_two_chunks():
                         use_cache=False, kvlab_batch=batch)
         got.append(out.logits[0])
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-5)
-    assert torch.equal(
-        model(input_ids=ids).logits[0], want
-    )  # outside paged_step(): the model's own attention
+    # outside paged_step(): the model's own attention
+    assert torch.equal(model(input_ids=ids).logits[0], want)
     # a batch outside a step would never be written
     with pytest.raises(RuntimeError, match="paged_step"):
         model(

@@ -584,10 +584,8 @@ POOL_CALLS = [
     (lambda p: p.share(p.blocks[3]), ValueError),
     (lambda p: p.register(p.blocks[0], b"h2", None, 0), ValueError),  # already cached
     (lambda p: p.register(p.blocks[1], b"h3", None, 0), ValueError),  # not full
-    (
-        lambda p: p.register(p.blocks[0].__class__(1, 1, [3, 4]), b"h4", None, 0),
-        ValueError,
-    ),  # not this pool's
+    # not this pool's
+    (lambda p: p.register(p.blocks[0].__class__(1, 1, [3, 4]), b"h4", None, 0), ValueError),
     (lambda p: p.hit(BlockPool(4, 2).blocks[3]), ValueError),  # another pool's block
     (lambda p: p.release(BlockPool(4, 2).take()), ValueError),
     (lambda p: p.share(BlockPool(4, 2).take()), ValueError),

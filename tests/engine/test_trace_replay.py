@@ -118,9 +118,8 @@ def test_scripted_scheduler_reports_first_tokens_and_finishes():
         and first.prefill_tokens == 5
         and first.decodes == 0
     )
-    assert (
-        run.scheduler.last_output is first.output
-    )  # the seam a replica reads its step's counts from
+    # the seam a replica reads its step's counts from
+    assert run.scheduler.last_output is first.output
     second = run.step()
     assert [s.output_ids for s in second.finished] == [[6, 7]] and second.decodes == 1
     assert not run.has_unfinished() and not run.requests
@@ -128,9 +127,8 @@ def test_scripted_scheduler_reports_first_tokens_and_finishes():
 
 def test_a_sequence_already_in_the_cache_keeps_its_blocks_and_its_id():
     cache = BlockManager(16, 4)
-    cache.allocate(
-        0, [7, 7, 7, 7, 7]
-    )  # the caller's own sequence, under the id the scheduler would take first
+    # the caller's own sequence, under the id the scheduler would take first
+    cache.allocate(0, [7, 7, 7, 7, 7])
     held = cache.block_table(0)
     res = replay_trace(cache, _trace(4))
     assert cache.block_table(0) == held and list(cache.seqs) == [0] and len(res.cached_tokens) == 4

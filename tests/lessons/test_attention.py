@@ -197,9 +197,8 @@ def test_step_cost_verdicts_compare_measured_and_counted_growth():
 def test_step_cost_verdicts_do_not_call_slopes_far_apart_agreeing():
     import numpy as np
 
-    n = np.array(
-        [32, 64, 128, 256, 512, 1024]
-    )  # notebook 01's run: time slope 0.30 against a counted 0.18
+    # notebook 01's run: time slope 0.30 against a counted 0.18
+    n = np.array([32, 64, 128, 256, 512, 1024])
     cost = _cost(n, n * 1e-5, n ** 0.30 * 1e-6, n * 1.0, n ** 0.18)
     cached = next(s for s in A.step_cost_verdicts(cost, 4096) if s.startswith("with cache"))
     assert "(slope 0.30)" in cached and cached.endswith("grew MORE than counted")

@@ -144,9 +144,8 @@ def test_hash_chain_prints_each_blocks_hash_and_shades_the_salted_block(salt):
         for j, h in enumerate(seq.block_hashes):
             assert texts[f"hash {s} {j}"] == f"#{h[:3].hex()}"
     assert len(_gid(fig, "salted")) == (0 if salt is None else 1)
-    assert (texts["hash C 0"] == texts["hash A 0"]) == (
-        salt is None
-    )  # the salt changes block 0's hash
+    # the salt changes block 0's hash
+    assert (texts["hash C 0"] == texts["hash A 0"]) == (salt is None)
     _done(fig)
 
 

@@ -70,9 +70,8 @@ def test_the_page_embeds_the_cjk_subset_of_its_own_characters_and_is_titled_by_i
     assert html.unescape(title) == "Tiny · 口令实验 (a test page)", title
     assert "<title>Notebook</title>" not in body
     assert "@font-face" in body and f"font-family: '{make_cjk_font.FAMILY}'" in body
-    assert (
-        "unicode-range: U+2E80-9FFF" in body
-    )  # only CJK code points: Latin text keeps the theme's fonts
+    # only CJK code points: Latin text keeps the theme's fonts
+    assert "unicode-range: U+2E80-9FFF" in body
     for var in ("--jp-content-font-family", "--jp-ui-font-family", "--jp-code-font-family-default"):
         assert re.search(rf"{var}: '{make_cjk_font.FAMILY}', \S", body), (
             f"{var} does not start with the CJK face"
@@ -84,9 +83,8 @@ def test_the_page_embeds_the_cjk_subset_of_its_own_characters_and_is_titled_by_i
         c for c in TITLE + PROMPT + "口令是什么？输出完全相同二、实验" if make_cjk_font.is_cjk(c)
     }
     cmap = _embedded_font(body).getBestCmap()
-    assert {
-        chr(c) for c in cmap
-    } == page_chars  # just the page's characters: a few KiB, not the whole subset
+    # just the page's characters: a few KiB, not the whole subset
+    assert {chr(c) for c in cmap} == page_chars
     assert "kvlab CJK Sans" in _embedded_font(body)["name"].getDebugName(1)
 
 

@@ -109,9 +109,8 @@ def test_index_sentence_compares_the_router_index_with_the_replicas_caches():
 
     res, replicas = R.simulate_with_replicas(chat_workload(True, 0), 2, "kv_aware", num_blocks=64)
     assert "the same hashes on every replica" in R.index_sentence(res, replicas)
-    replicas[
-        0
-    ].block_manager.pool.cached.clear()  # a replica that lost its cache behind the router's back
+    # a replica that lost its cache behind the router's back
+    replicas[0].block_manager.pool.cached.clear()
     assert "DIFFERENT on replica(s) [0]" in R.index_sentence(res, replicas)
 
 

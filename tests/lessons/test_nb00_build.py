@@ -147,8 +147,7 @@ def test_the_swapped_prefix_runs_on_the_donors_cached_prefix(bundled):
     model, tok = bundled
     a, b = P.make_examples(2, "heldout", start=2000, history="none")
     text = B.answer_with_swapped_prefix(model, tok, b, donor=a, max_new_tokens=16)
-    assert P.recalled(text, a.passphrase) and not P.recalled(
-        text, b.passphrase
-    )  # the donor's passphrase
+    # the donor's passphrase
+    assert P.recalled(text, a.passphrase) and not P.recalled(text, b.passphrase)
     # its own prefix: right
     assert P.recalled(B.answer_with_swapped_prefix(model, tok, b, donor=b), b.passphrase)

@@ -123,10 +123,8 @@ def test_a_wrong_slot_mapping_append_or_hash_chain_changes_the_tokens(tiny):
             for i in range(len(tokens) // bs)
         ]
 
-    moved = [
-        prompts[0],
-        prompts[1][BLOCK : 2 * BLOCK] + prompts[1],
-    ]  # block 1's text first, then the whole prompt
+    # block 1's text first, then the whole prompt
+    moved = [prompts[0], prompts[1][BLOCK:2 * BLOCK] + prompts[1]]
     results = run(hashes=unchained, ps=moved)
     assert results[1][1] > 0 and not AS.check_capstone(
         results, AS.isolated_generate(model, moved, 8)

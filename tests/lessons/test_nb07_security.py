@@ -139,9 +139,8 @@ def test_stress_outputs_equal_isolated(lm, stress_load, policy):
     rep = S.stress_test(model, tok, workload, reference, policy=policy, seed=3)
     assert rep.mismatches == 0, f"requests {rep.mismatched[:5]} differ from HF generate alone"
     assert rep.leaked_blocks == 0 and rep.evictions > 0 and rep.preemptions > 0
-    assert (rep.cross_tenant_hits == 0) == (
-        policy != "shared"
-    )  # shared: tenants hit each other's blocks
+    # shared: tenants hit each other's blocks
+    assert (rep.cross_tenant_hits == 0) == (policy != "shared")
     assert (rep.public_hits > 0) == (policy == "public-prefix")
     assert rep.ok and rep.line() == (
         f"requests=300 mismatches=0 cross_tenant_hits={rep.cross_tenant_hits} leaked_blocks=0"

@@ -358,9 +358,8 @@ def test_boundary_merges_exist_and_common_prefix_ids_avoids_them(lm):
     assert "mismatch at token" in str(check)
     with pytest.raises(PrefixMismatchError, match="first difference"):
         generate(model, tok, prefix + suffix, PrefixKV.build(model, tok, prefix), max_new_tokens=2)
-    ids = common_prefix_ids(
-        tok, [prefix + suffix]
-    )  # the prompt's own ids: reuse what really is shared
+    # the prompt's own ids: reuse what really is shared
+    ids = common_prefix_ids(tok, [prefix + suffix])
     assert ids[: check.first_diff] == check.prefix_ids[: check.first_diff]
     pc = PrefixKV.build(model, tok, ids[: max(check.first_diff, 1)])
     res = generate(model, tok, prefix + suffix, pc, max_new_tokens=6)

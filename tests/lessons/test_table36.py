@@ -160,9 +160,8 @@ def test_verdict_lines_read_the_table(measured, capsys):
     assert any(line.startswith(f"group 2, {T.WRONG_MODES[2]}: {changed:.0%} of") for line in out)
     kv = d.loc[(1, "shared (correct)"), "peak KV (KiB)"] / d.loc[(1, "isolated"), "peak KV (KiB)"]
     (memory,) = [line for line in out if line.startswith("memory  ")]
-    assert (
-        str(memory_column()) in memory and f"x{kv:.2f}" in memory
-    )  # the series' one reading, then ours
+    # the series' one reading, then ours
+    assert str(memory_column()) in memory and f"x{kv:.2f}" in memory
     assert not any(word in line for line in out for word in ("outlier", "re-run"))
 
 
@@ -309,9 +308,8 @@ def test_timing_repeats_give_a_spread_and_evidence_says_how_many_runs(lm):
     ).all()
     # answers only
     assert d.loc[2, ["TTFT (ms)", "total latency (ms)", "peak KV (KiB)"]].isna().all().all()
-    v = T.ttft_verdict(
-        table, 1, "shared (correct)"
-    )  # one definition: the ratio of the medians, the guard's range
+    # one definition: the ratio of the medians, the guard's range
+    v = T.ttft_verdict(table, 1, "shared (correct)")
     assert v.value == pytest.approx(
         t1.loc["shared (correct)", "TTFT (ms)"] / t1.loc["isolated", "TTFT (ms)"]
     )
@@ -324,9 +322,8 @@ def test_timing_repeats_give_a_spread_and_evidence_says_how_many_runs(lm):
     assert cmp.loc[(1, "shared (correct)"), "TTFT ratio, ours"] == v.value
     text = T.ttft_text(table, 1, "shared (correct)")
     assert (f"TTFT x{v.value:.2f} (x{v.lo:.2f}-x{v.hi:.2f} over 3 interleaved runs" in text) == v.ok
-    assert (
-        v.ok or text == v.text
-    )  # otherwise the helper's own words: a null result or a disturbed run
+    # otherwise the helper's own words: a null result or a disturbed run
+    assert v.ok or text == v.text
     assert T.ttft_verdict(table, 2, "shared (wrong)") is None
     ev = T.evidence(table)
     assert text in ev["identical-prefix"]
@@ -355,9 +352,8 @@ def test_real_groups_score_more_requests_in_groups_2_and_3(lm):
     assert len(g2.served()) == len(g3.served()) == 6 and len(g2) == 12 and len(g3) == 9
     # no two scored requests of group 2 share a start
     assert len({g2.meta[b]["seed"] for b in g2.served()}) == 6
-    for (
-        b
-    ) in g2.served():  # B's whole text reappears in its own donor after the block-aligned preamble
+    # B's whole text reappears in its own donor after the block-aligned preamble
+    for b in g2.served():
         a, off = g2.meta[b]["donor"], g2.meta[b]["offset"]
         assert g2.prompts[a][off:] == g2.prompts[b]
     assert len({g3.meta[b]["question"] for b in g3.served()}) == 2

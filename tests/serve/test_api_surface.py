@@ -404,16 +404,13 @@ def test_completion_logprobs_are_the_raw_log_softmax(served):
     full = _prompt_logprobs_oracle(served, ids)
     want = full[-5:]
     assert max(abs(a - b) for a, b in zip(lp["token_logprobs"], want)) < 1e-4
-    assert all(
-        len(t) in (3, 4) for t in lp["top_logprobs"]
-    )  # the chosen token + the top 3 (OpenAI's k + 1)
+    # the chosen token + the top 3 (OpenAI's k + 1)
+    assert all(len(t) in (3, 4) for t in lp["top_logprobs"])
     assert lp["tokens"] == [served[3].decode([t]) for t in ans["token_ids"]]
     assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(5)]
     zero = _greedy(served, max_tokens=2, logprobs=0)["choices"][0]["logprobs"]
-    assert [len(t) for t in zero["top_logprobs"]] == [
-        1,
-        1,
-    ]  # logprobs: 0 gives the chosen token's, not nothing
+    # logprobs: 0 gives the chosen token's, not nothing
+    assert [len(t) for t in zero["top_logprobs"]] == [1, 1]
 
 
 def test_echo_with_logprobs_is_what_lm_eval_reads(served):

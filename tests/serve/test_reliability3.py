@@ -318,9 +318,8 @@ def test_a_token_id_prompt_longer_than_the_context_is_refused_before_tokenizing(
             and str(limit) in err["message"]
         )
         assert encoded == []
-        r = c.post(
-            "/v1/completions", json={**BODY, "prompt": [5] * 330000}
-        )  # the issue's ~1 MB body
+        # the issue's ~1 MB body
+        r = c.post("/v1/completions", json={**BODY, "prompt": [5] * 330000})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         assert encoded == []
 
@@ -436,9 +435,8 @@ def test_a_public_prefix_is_shared_by_chats_with_that_system_message(
 
     with TestClient(runs.pop()) as c:
         assert chat(c, "key-a", "Where are the screws?") == 0
-        assert (
-            chat(c, "key-b", "Do you sell paint?") >= 16
-        )  # tenant b shares tenant a's system turn
+        # tenant b shares tenant a's system turn
+        assert chat(c, "key-b", "Do you sell paint?") >= 16
         assert complete(c, "key-a", SYSTEM + " Where are the nails?") == 0
         assert complete(c, "key-b", SYSTEM + " Ladders?") >= 16  # the raw text still shares too
 

@@ -211,14 +211,10 @@ def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
     assert theirs["prefix_cache"] == ours["prefix_cache"]
     shared, isolated = wl["modes"]["shared"], wl["modes"]["isolated"]
     assert shared["reused_engine"] and isolated["reused_engine"] and wl["isolation"] == "salt"
-    assert (
-        max(shared["num_cached_tokens"]) > 0
-    )  # all at once: the later requests hit the first one's blocks
-    assert isolated["num_cached_tokens"] == [
-        0,
-        0,
-        0,
-    ]  # a cache_salt per request: no request hits another's
+    # all at once: the later requests hit the first one's blocks
+    assert max(shared["num_cached_tokens"]) > 0
+    # a cache_salt per request: no request hits another's
+    assert isolated["num_cached_tokens"] == [0, 0, 0]
     assert isolated["output_ids"] == shared["output_ids"] == [h[:4] for h in hf[:3]]
 
 
@@ -231,9 +227,8 @@ def test_vllm_block_pool_replays_the_same_trace():
     trace = shared_prefix_trace(
         16, prefix_lens=(64, 160), suffix_len=(4, 40), output_len=(2, 40), seed=2
     )
-    r0 = trace[
-        0
-    ]  # prompt + output one past a block boundary: the last token's K/V is never written
+    # prompt + output one past a block boundary: the last token's K/V is never written
+    r0 = trace[0]
     trace[0] = dataclasses.replace(r0, output=(r0.output * 64)[: 65 - len(r0.prompt) % 32])
     assert (len(trace[0].prompt) + len(trace[0].output)) % 32 == 1
     res = bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1)["ample"]
