@@ -32,7 +32,9 @@ class RecallReport:
     recall: float  # greedy answer == expected passphrase, all examples
     n_swapped: int  # examples whose answer comes from the system prompt (no passphrase update)
     swapped_recall: float  # with another request's prefix K/V: still answers its own passphrase
-    swapped_answers_other: float  # with another request's prefix K/V: answers the other's passphrase
+    swapped_answers_other: (
+        float  # with another request's prefix K/V: answers the other's passphrase
+    )
     by_history: dict[str, float]  # recall per kind of conversation history
 
     def line(self) -> str:
@@ -41,11 +43,18 @@ class RecallReport:
                 f"swapped_answers_other={self.swapped_answers_other:.3f}")
 
 
-def evaluate(model: Any, tokenizer: Any, examples: list[P.PassphraseExample], max_new_tokens: int = 16,
-             progress: bool = False) -> RecallReport:
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    examples: list[P.PassphraseExample],
+    max_new_tokens: int = 16,
+    progress: bool = False,
+) -> RecallReport:
     """Greedy recall on ``examples``, and recall with the next example's prefix swapped in."""
     if len(examples) < 2:
-        raise ValueError("need at least two examples (each one's prefix is swapped with the next's)")
+        raise ValueError(
+            "need at least two examples (each one's prefix is swapped with the next's)"
+        )
     rng = range(len(examples))
     if progress:
         from tqdm.auto import tqdm
@@ -81,23 +90,40 @@ def update_card(folder: Path, report, args) -> None:
     card = folder / "README.md"
     text = card.read_text() if card.exists() else ""
     text = text.split(MARK)[0].rstrip() + "\n\n" + MARK + "\n\n"
-    text += f"On {report.n} held-out prompts (seeds {args.start}..{args.start + report.n - 1}), greedy, float32:\n\n"
+    text += (
+        f"On {report.n} held-out prompts (seeds {args.start}..{args.start + report.n - 1}), "
+        "greedy, float32:\n\n"
+    )
     text += "| measure | value |\n|---|---|\n"
     text += f"| recall | {report.recall:.3f} |\n"
     for kind, r in report.by_history.items():
         text += f"| recall, history={kind} | {r:.3f} |\n"
-    text += f"| recall with another request's prefix K/V swapped in ({report.n_swapped} prompts) | {report.swapped_recall:.3f} |\n"
-    text += f"| ... answering the other request's passphrase instead | {report.swapped_answers_other:.3f} |\n"
+    text += (
+        f"| recall with another request's prefix K/V swapped in ({report.n_swapped} prompts) "
+        f"| {report.swapped_recall:.3f} |\n"
+    )
+    text += (
+        "| ... answering the other request's passphrase instead "
+        f"| {report.swapped_answers_other:.3f} |\n"
+    )
     card.write_text(text)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model folder or HF id (default: the bundled model)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", default=None, help="model folder or HF id (default: the bundled model)"
+    )
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--start", type=int, default=0, help="first held-out seed")
-    ap.add_argument("--update-card", action="store_true", help="write the result into the model card (README.md)")
+    ap.add_argument(
+        "--update-card",
+        action="store_true",
+        help="write the result into the model card (README.md)",
+    )
     args = ap.parse_args()
 
     model, tok = load_model(args.model, device=args.device, dtype="float32")

@@ -1,15 +1,18 @@
-"""Write each notebook's exported cells into its generated module, ``kvlab/built/nbNN.py`` (issue 38).
+"""Write each notebook's exported cells into its generated module, ``kvlab/built/nbNN.py`` (issue
+38).
 
     python scripts/export_notebooks.py           # regenerate kvlab/built/nb*.py
-    python scripts/export_notebooks.py --check   # exit 1 (and say which modules) when one differs from its notebook
+    python scripts/export_notebooks.py --check   # exit 1 (and say which modules) when one differs
+                                                 # from its notebook
 
-A notebook teaches a mechanism by writing it in a visible cell. A code cell whose first line is ``#| export``
-(fast.ai's nbdev spelling of d2l's ``#@save``) is copied, in order, into the module of its notebook
-(``01_qkv_and_kv_cache.ipynb`` -> ``kvlab/built/nb01.py``), which later notebooks, the lesson modules and the
-tests import (a later notebook's export cell imports an earlier one's module like any other). The modules are
-never edited by hand: CI runs ``--check`` (tests/lessons/test_export.py), and a module whose notebook no longer
-exports anything is reported as stale. The import lines at the top of an exported cell are gathered, without
-repeats, at the top of the module; the rest of each cell follows under a comment naming its notebook and cell.
+A notebook teaches a mechanism by writing it in a visible cell. A code cell whose first line is
+``#| export`` (fast.ai's nbdev spelling of d2l's ``#@save``) is copied, in order, into the module
+of its notebook (``01_qkv_and_kv_cache.ipynb`` -> ``kvlab/built/nb01.py``), which later notebooks,
+the lesson modules and the tests import (a later notebook's export cell imports an earlier one's
+module like any other). The modules are never edited by hand: CI runs ``--check``
+(tests/lessons/test_export.py), and a module whose notebook no longer exports anything is reported
+as stale. The import lines at the top of an exported cell are gathered, without repeats, at the top
+of the module; the rest of each cell follows under a comment naming its notebook and cell.
 """
 
 from __future__ import annotations
@@ -36,13 +39,20 @@ def module_name(notebook: str) -> str:
 
 
 def exported_cells(notebooks_dir: Path = NOTEBOOKS) -> list[tuple[str, int, str]]:
-    """``(notebook name, cell index, source without the marker line)`` of every export cell, in series order."""
+    """``(notebook name, cell index, source without the marker line)`` of every export cell, in
+    series order."""
     found = []
     for path in sorted(notebooks_dir.glob("[0-9][0-9]*_*.ipynb")):
         try:
             cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-        except (ValueError, KeyError, TypeError) as e:  # not JSON, or no list of cells: name the file
-            raise SystemExit(f"{path}: not a notebook this script can read ({type(e).__name__}: {e})") from None
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+        ) as e:  # not JSON, or no list of cells: name the file
+            raise SystemExit(
+                f"{path}: not a notebook this script can read ({type(e).__name__}: {e})"
+            ) from None
         for i, cell in enumerate(cells):
             source = "".join(cell["source"])
             first, _, rest = source.partition("\n")
@@ -52,10 +62,13 @@ def exported_cells(notebooks_dir: Path = NOTEBOOKS) -> list[tuple[str, int, str]
 
 
 def _split_imports(source: str) -> tuple[list[str], str]:
-    """The cell's leading import lines (blank lines and comments between them skipped) and the rest."""
+    """The cell's leading import lines (blank lines and comments between them skipped) and the
+    rest."""
     lines = source.splitlines()
     imports, k = [], 0
-    while k < len(lines) and (not lines[k].strip() or lines[k].startswith(("import ", "from ", "#"))):
+    while k < len(lines) and (
+        not lines[k].strip() or lines[k].startswith(("import ", "from ", "#"))
+    ):
         if lines[k].startswith(("import ", "from ")):
             imports.append(lines[k])
         k += 1
@@ -63,10 +76,13 @@ def _split_imports(source: str) -> tuple[list[str], str]:
 
 
 def _merge_imports(lines: list[str]) -> list[str]:
-    """One line per module, in ruff's isort order: ``import x`` lines first, then ``from x import a, B, C``
-    (names: constants, classes, then the rest), so the generated module passes ``ruff check``."""
+    """One line per module, in ruff's isort order: ``import x`` lines first, then ``from x import
+    a, B, C`` (names: constants, classes, then the rest), so the generated module passes ``ruff
+    check``."""
     plain, froms = set(), {}
-    for line in (line.split("#")[0].strip() for line in lines):  # a comment after an import is dropped
+    for line in (
+        line.split("#")[0].strip() for line in lines
+    ):  # a comment after an import is dropped
         if line.startswith("import "):
             plain.add(line)
         else:
@@ -80,12 +96,17 @@ def _merge_imports(lines: list[str]) -> list[str]:
     for m in sorted(froms, key=str.lower):
         names = sorted(froms[m], key=by_type)
         line = f"from {m} import {', '.join(names)}"
-        out.append(line if len(line) <= LINE_LENGTH else f"from {m} import (\n" + "".join(f"    {n},\n" for n in names) + ")")
+        out.append(
+            line
+            if len(line) <= LINE_LENGTH
+            else f"from {m} import (\n" + "".join(f"    {n},\n" for n in names) + ")"
+        )
     return out
 
 
 def build_module(name: str, cells: list[tuple[int, str]]) -> str:
-    """The text of the generated module of notebook ``name`` from its ``(cell index, source)`` export cells."""
+    """The text of the generated module of notebook ``name`` from its ``(cell index, source)``
+    export cells."""
     imports: list[str] = ["from __future__ import annotations"]
     blocks = []
     for index, source in cells:
@@ -99,16 +120,23 @@ def build_module(name: str, cells: list[tuple[int, str]]) -> str:
               [line for line in others if " kvlab" in line]]
     head = "\n\n".join("\n".join(group) for group in groups if group)
     first = cells[0][1] if cells else ""
-    after = "\n\n\n" if _split_imports(first)[1].startswith(("def ", "class ", "@", "async def ")) else "\n\n"
+    after = (
+        "\n\n\n"
+        if _split_imports(first)[1].startswith(("def ", "class ", "@", "async def "))
+        else "\n\n"
+    )
     return HEADER.format(name=name) + "\n" + head + after + "\n\n\n".join(blocks) + "\n"
 
 
 def build(notebooks_dir: Path = NOTEBOOKS) -> dict[str, str]:
-    """``{module file name: text}`` of every generated module (``nb01.py``: notebook 01's export cells)."""
+    """``{module file name: text}`` of every generated module (``nb01.py``: notebook 01's export
+    cells)."""
     by_notebook: dict[str, list[tuple[int, str]]] = {}
     for name, index, source in exported_cells(notebooks_dir):
         by_notebook.setdefault(name, []).append((index, source))
-    return {module_name(name) + ".py": build_module(name, cells) for name, cells in by_notebook.items()}
+    return {
+        module_name(name) + ".py": build_module(name, cells) for name, cells in by_notebook.items()
+    }
 
 
 def generated_files(target: Path | None = None) -> dict[str, str]:
@@ -118,8 +146,12 @@ def generated_files(target: Path | None = None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 when they differ")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="compare instead of writing; exit 1 when they differ"
+    )
     args = ap.parse_args(argv)
     want, have = build(), generated_files()
     where = TARGET_DIR.relative_to(ROOT)

@@ -1,8 +1,9 @@
-"""Write ``tests/engine/passphrase_prompts.json``: the passphrase prompts the engine tests run, as data.
+"""Write ``tests/engine/passphrase_prompts.json``: the passphrase prompts the engine tests run, as
+data.
 
-The engine tests travel with ``kvlab/engine`` and so cannot import ``kvlab.lessons``; they read these
-prompts instead. ``tests/lessons/test_passphrase.py`` checks that the file still renders exactly the
-prompts ``kvlab.lessons.passphrase`` makes; rerun this script when the task changes:
+The engine tests travel with ``kvlab/engine`` and so cannot import ``kvlab.lessons``; they read
+these prompts instead. ``tests/lessons/test_passphrase.py`` checks that the file still renders
+exactly the prompts ``kvlab.lessons.passphrase`` makes; rerun this script when the task changes:
 
     python scripts/make_engine_test_prompts.py
 """
@@ -26,14 +27,18 @@ EXAMPLES = [(f"heldout:{s}", "heldout", s, {}) for s in range(40)] + [
 
 
 def prompt_set() -> dict:
-    """Each example's prefix (the system turn) and history (earlier turns), and the questions per language."""
+    """Each example's prefix (the system turn) and history (earlier turns), and the questions per
+    language."""
     examples = {}
     for key, split, seed, kw in EXAMPLES:
         ex = P.make_example(seed, split, **kw)
-        history = "".join(P.chatml("user", t.user) + P.chatml("assistant", t.assistant) for t in ex.turns[:-1])
+        history = "".join(
+            P.chatml("user", t.user) + P.chatml("assistant", t.assistant) for t in ex.turns[:-1]
+        )
         examples[key] = {"lang": ex.lang, "prefix": ex.prefix_text, "history": history}
     return {
-        "about": "kvlab.lessons.passphrase prompts for the engine tests; written by scripts/make_engine_test_prompts.py",
+        "about": "kvlab.lessons.passphrase prompts for the engine tests; written by "
+                 "scripts/make_engine_test_prompts.py",
         "questions": {"en": list(P.ASK_EN + P.CHAT_EN), "zh": list(P.ASK_ZH + P.CHAT_ZH)},
         "examples": examples,
     }

@@ -1,15 +1,19 @@
-"""Profile one prefill step and one decode step of kvlab's engine on SmolLM2 (sys512), with torch.profiler.
+"""Profile one prefill step and one decode step of kvlab's engine on SmolLM2 (sys512), with
+torch.profiler.
 
-    .venv/bin/python scripts/profile_step.py                 # SmolLM2-135M, float32, CPU, 2 threads
-    .venv/bin/python scripts/profile_step.py --caching       # prefix cache on: the shared prefill, then decodes
+    .venv/bin/python scripts/profile_step.py            # SmolLM2-135M, float32, CPU, 2 threads
+    .venv/bin/python scripts/profile_step.py --caching  # prefix cache on: the shared prefill, then
+                                                        # decodes
 
-It builds the engine ``kvlab.bench.peers.kvlab_steps`` builds (16 requests of a 512-token shared prefix +
-32 unique tokens), runs the prefill step of every prompt and one warm-up decode step, then profiles one
-decode step (16 sequences) and, on a fresh engine, the prefill step. For each it prints the top ops by self
-CPU time, the share of the step's wall time spent outside ATen ops (Python and dispatch overhead) and,
-beside them, the weight-bytes bound of a decode step (bytes of weights it reads / the streaming read
-bandwidth, ``kvlab.bench.peers.read_bandwidth``, as scripts/bench.py) and the peak FLOP/s of the best GEMM (``F.linear`` or oneDNN's prepacked) on the model's shapes (``kvlab.bench.peers``). The
-tables go to ``build/bench/profile_{decode,prefill}.txt``.
+It builds the engine ``kvlab.bench.peers.kvlab_steps`` builds (16 requests of a 512-token shared
+prefix + 32 unique tokens), runs the prefill step of every prompt and one warm-up decode step, then
+profiles one decode step (16 sequences) and, on a fresh engine, the prefill step. For each it
+prints the top ops by self CPU time, the share of the step's wall time spent outside ATen ops
+(Python and dispatch overhead) and, beside them, the weight-bytes bound of a decode step (bytes of
+weights it reads / the streaming read bandwidth, ``kvlab.bench.peers.read_bandwidth``, as
+scripts/bench.py) and the peak FLOP/s of the best GEMM (``F.linear`` or oneDNN's prepacked) on the
+model's shapes (``kvlab.bench.peers``). The tables go to
+``build/bench/profile_{decode,prefill}.txt``.
 """
 
 from __future__ import annotations
@@ -36,29 +40,42 @@ from kvlab.engine.speed import SpeedPaths  # noqa: E402
 def make_engine(model, wl, caching: bool, steps: int, block_size: int = 16) -> Engine:
     """The engine ``kvlab_steps`` builds, with every prompt queued."""
     num_blocks = sum(cdiv(len(p) + steps + 4, block_size) for p in wl.prompts) + 4
-    engine = Engine(model, None, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
-                    max_num_seqs=len(wl), max_num_batched_tokens=max(2048, wl.prompt_tokens), **B.ENGINE_OPTIONS)
+    engine = Engine(
+        model,
+        None,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        enable_prefix_caching=caching,
+        max_num_seqs=len(wl),
+        max_num_batched_tokens=max(2048, wl.prompt_tokens),
+        **B.ENGINE_OPTIONS,
+    )
     for p in wl.prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
     return engine
 
 
 def profiled(step) -> tuple[float, float, str]:
-    """Run ``step`` under the profiler: (wall seconds, seconds inside ATen ops, table of the top ops)."""
+    """Run ``step`` under the profiler: (wall seconds, seconds inside ATen ops, table of the top
+    ops)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    aten = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e6  # self: nested once
+    aten = (
+        sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e6
+    )  # self: nested once
     table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=45)
     return wall, aten, table
 
 
 def timed(step, n: int) -> tuple[float, float]:
-    """Median wall and CPU seconds (this process, all threads) of ``n`` unprofiled calls of ``step``.
+    """Median wall and CPU seconds (this process, all threads) of ``n`` unprofiled calls of
+    ``step``.
 
-    On a shared machine the CPU time is the steadier number: it leaves out the time other processes held the cores.
+    On a shared machine the CPU time is the steadier number: it leaves out the time other processes
+    held the cores.
     """
     walls, cpus = [], []
     for _ in range(n):
@@ -76,17 +93,30 @@ def loadavg() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--caching", action="store_true", help="prefix caching on: the shared prefill, and decodes over the shared prefix")
+    ap.add_argument(
+        "--caching",
+        action="store_true",
+        help="prefix caching on: the shared prefill, and decodes over the shared prefix",
+    )
     ap.add_argument("--steps", type=int, default=6, help="decode steps timed unprofiled (median)")
-    ap.add_argument("--packed-linear", action="store_true", help="prepacked GEMMs: oneDNN's, and kvlab's panel GEMM for few rows (SpeedPaths.packed_linear)")
+    ap.add_argument(
+        "--packed-linear",
+        action="store_true",
+        help="prepacked GEMMs: oneDNN's, and kvlab's panel GEMM for few rows "
+             "(SpeedPaths.packed_linear)",
+    )
     ap.add_argument("--paged-kernel", action="store_true",
                     help="the C++ paged-attention kernel for decodes (SpeedPaths.paged_kernel)")
     ap.add_argument("--fused-layers", action="store_true",
                     help="a Llama run with fused prepacked GEMMs (SpeedPaths.fused_layers)")
-    ap.add_argument("--out", default=str(ROOT / "build" / "bench"), help="folder of profile_{decode,prefill}.txt")
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "build" / "bench"),
+        help="folder of profile_{decode,prefill}.txt",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     paths = SpeedPaths(args.packed_linear, args.paged_kernel, args.fused_layers)
@@ -100,16 +130,25 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     # the best of three: one reading on a busy machine can come out at half the peak
-    peak = max(B.linear_peak_flops(cfg.hidden_size, cfg.intermediate_size, torch.device("cpu"), torch.float32)
-               for _ in range(3))
+    peak = max(
+        B.linear_peak_flops(
+            cfg.hidden_size, cfg.intermediate_size, torch.device("cpu"), torch.float32
+        )
+        for _ in range(3)
+    )
     bandwidth = max(B.read_bandwidth(torch.device("cpu")) for _ in range(3))
     body, head = B._linear_params(model)
     bound = (body + head) * 4 / bandwidth
-    head_lines = [f"{args.model}: {cfg.num_hidden_layers} layers, float32, CPU, {torch.get_num_threads()} threads; "
-                  f"{wl.name}: {len(wl)} x ({wl.shared_prefix_tokens} + {len(wl.prompts[0]) - wl.shared_prefix_tokens})",
-                  f"load average {loadavg()} (at the start)",
-                  f"GEMM peak {peak / 1e9:.1f} GFLOP/s; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-                  f"weight-bytes bound of a decode step {1e3 * bound:.1f} ms ({(body + head) * 4 / 2**20:.0f} MiB)"]
+    head_lines = [
+        f"{args.model}: {cfg.num_hidden_layers} layers, float32, CPU, {torch.get_num_threads()} "
+        "threads; "
+        f"{wl.name}: {len(wl)} x ({wl.shared_prefix_tokens} + "
+        f"{len(wl.prompts[0]) - wl.shared_prefix_tokens})",
+        f"load average {loadavg()} (at the start)",
+        f"GEMM peak {peak / 1e9:.1f} GFLOP/s; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"weight-bytes bound of a decode step {1e3 * bound:.1f} ms "
+        f"({(body + head) * 4 / 2**20:.0f} MiB)",
+    ]
     print("\n".join(head_lines), flush=True)
 
     with torch.no_grad():
@@ -121,19 +160,30 @@ def main(argv: list[str] | None = None) -> int:
         flops = B.prefill_flops(model, [len(p) for p in wl.prompts], cached)
         # the step alone: the engine's construction (it packs the weights) is not timed
         pre_s, pre_cpu = timed(make_engine(model, wl, args.caching, args.steps).step, 1)
-        pre = [f"prefill step ({'shared' if args.caching else 'isolated'}, {wl.prompt_tokens - sum(cached)} of "
-               f"{wl.prompt_tokens} tokens computed): {1e3 * wall:.0f} ms profiled; unprofiled {1e3 * pre_s:.0f} ms "
-               f"wall, {1e3 * pre_cpu:.0f} ms CPU; {flops / pre_s / 1e9:.1f} GFLOP/s = {flops / pre_s / peak:.2f} of "
-               f"the GEMM peak; outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"]
+        pre = [
+            f"prefill step ({'shared' if args.caching else 'isolated'}, "
+            f"{wl.prompt_tokens - sum(cached)} of "
+            f"{wl.prompt_tokens} tokens computed): {1e3 * wall:.0f} ms profiled; unprofiled "
+            f"{1e3 * pre_s:.0f} ms "
+            f"wall, {1e3 * pre_cpu:.0f} ms CPU; {flops / pre_s / 1e9:.1f} GFLOP/s = "
+            f"{flops / pre_s / peak:.2f} of "
+            f"the GEMM peak; outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average "
+            f"{loadavg()}"
+        ]
         print(pre[0], flush=True)
-        (out / "profile_prefill.txt").write_text("\n".join(head_lines + pre) + "\n\n" + table + "\n")
+        (out / "profile_prefill.txt").write_text(
+            "\n".join(head_lines + pre) + "\n\n" + table + "\n"
+        )
 
         engine.step()  # warm-up decode
         wall, aten, table = profiled(engine.step)
         dec_s, dec_cpu = timed(engine.step, args.steps)
-        dec = [f"decode step ({len(wl)} sequences): {1e3 * wall:.1f} ms profiled; unprofiled {1e3 * dec_s:.1f} ms wall "
-               f"= {dec_s / bound:.2f}x the weight-bytes bound, {1e3 * dec_cpu:.1f} ms CPU; "
-               f"outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"]
+        dec = [
+            f"decode step ({len(wl)} sequences): {1e3 * wall:.1f} ms profiled; unprofiled "
+            f"{1e3 * dec_s:.1f} ms wall "
+            f"= {dec_s / bound:.2f}x the weight-bytes bound, {1e3 * dec_cpu:.1f} ms CPU; "
+            f"outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"
+        ]
         print(dec[0], flush=True)
         (out / "profile_decode.txt").write_text("\n".join(head_lines + dec) + "\n\n" + table + "\n")
     print(f"\ndecode top ops:\n{table}")

@@ -15,10 +15,10 @@ Which notebooks are on the path: the bold notebook numbers (``**03**``) in the t
   not part of the limit, which is about what a participant reads in class.
 
 ``--outputs DIR`` also counts the words of printed output (streams and plain-text results, not
-images or HTML) in the executed copies found in DIR. It also checks the path table's minutes: rows from 0 to
-at most 150 with a break, and every build stub (``def my_…`` raising ``NotImplementedError``) of a path
-notebook named in a row of its notebook ("build `my_…`") with its minutes. Exit code 1 when the path's prose
-exceeds ``--limit`` or the table does not add up.
+images or HTML) in the executed copies found in DIR. It also checks the path table's minutes: rows
+from 0 to at most 150 with a break, and every build stub (``def my_…`` raising
+``NotImplementedError``) of a path notebook named in a row of its notebook ("build `my_…`") with
+its minutes. Exit code 1 when the path's prose exceeds ``--limit`` or the table does not add up.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def count_words(text: str) -> int:
 
 
 def split_prose(markdown: str) -> tuple[str, str]:
-    """(text on the page, text inside <details> blocks) of one markdown cell, code fences removed."""
+    """(text on the page, text inside <details> blocks) of one markdown cell, code fences
+    removed."""
     markdown = FENCE.sub(" ", markdown)
     details = " ".join(DETAILS.findall(markdown))
     return DETAILS.sub(" ", markdown), details
@@ -72,7 +73,8 @@ def notebook_prose(path: Path) -> dict:
 
 
 def output_words(path: Path) -> int:
-    """Words of printed output (streams, text/plain results without an image) in an executed notebook."""
+    """Words of printed output (streams, text/plain results without an image) in an executed
+    notebook."""
     n = 0
     for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
         for out in cell.get("outputs", []):
@@ -84,7 +86,8 @@ def output_words(path: Path) -> int:
 
 
 def path_keys(workshop: Path = WORKSHOP) -> list[str]:
-    """Notebook numbers in bold in the path table of the workshop doc, in order, e.g. ['00', '01', ...]."""
+    """Notebook numbers in bold in the path table of the workshop doc, in order, e.g. ['00', '01',
+    ...]."""
     text = workshop.read_text(encoding="utf-8")
     match = re.search(r"^## The path\b.*?(?=^## )", text, re.S | re.M)
     if not match:
@@ -97,8 +100,9 @@ def path_keys(workshop: Path = WORKSHOP) -> list[str]:
 
 
 def path_rows(workshop: Path = WORKSHOP) -> list[dict]:
-    """The rows of the path table: ``start``, ``end`` (minutes), ``notebook`` (key, or 'break' / 'wrap-up'; a row
-    without one continues the notebook above), ``stubs`` (the ``my_…`` functions it builds) and ``ex`` minutes."""
+    """The rows of the path table: ``start``, ``end`` (minutes), ``notebook`` (key, or 'break' /
+    'wrap-up'; a row without one continues the notebook above), ``stubs`` (the ``my_…`` functions
+    it builds) and ``ex`` minutes."""
     text = workshop.read_text(encoding="utf-8")
     match = re.search(r"^## The path\b.*?(?=^## )", text, re.S | re.M)
     if not match:
@@ -112,13 +116,21 @@ def path_rows(workshop: Path = WORKSHOP) -> list[dict]:
         key = re.search(r"\*\*(\d\d[a-z]?)\*\*", cells[1])
         current = key.group(1) if key else (cells[1].split()[0] if cells[1] else current)
         ex = cells[-1]
-        rows.append({"start": int(span.group(1)), "end": int(span.group(2)), "notebook": current,
-                     "stubs": re.findall(r"build `(my_\w+)`", cells[2]), "ex": int(ex) if ex.isdigit() else 0})
+        rows.append(
+            {
+                "start": int(span.group(1)),
+                "end": int(span.group(2)),
+                "notebook": current,
+                "stubs": re.findall(r"build `(my_\w+)`", cells[2]),
+                "ex": int(ex) if ex.isdigit() else 0,
+            }
+        )
     return rows
 
 
 def notebook_stubs(path: Path) -> list[str]:
-    """The build stubs of a notebook: ``def my_…`` functions in code cells whose body raises NotImplementedError."""
+    """The build stubs of a notebook: ``def my_…`` functions in code cells whose body raises
+    NotImplementedError."""
     found = []
     for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
         src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
@@ -131,14 +143,20 @@ def notebook_stubs(path: Path) -> list[str]:
 
 
 def budget_problems(workshop: Path = WORKSHOP) -> list[str]:
-    """What is wrong with the path table's minutes and stubs (empty when nothing): the rows must run on from 0
-    without gaps to at most 150 minutes with a break, and list every path notebook's stubs, each with its minutes."""
+    """What is wrong with the path table's minutes and stubs (empty when nothing): the rows must
+    run on from 0 without gaps to at most 150 minutes with a break, and list every path notebook's
+    stubs, each with its minutes."""
     rows, problems = path_rows(workshop), []
     if not rows or rows[0]["start"] != 0:
         problems.append("the path table does not start at minute 0")
-    problems += [f"minute {a['end']} is followed by a row starting at {b['start']}" for a, b in zip(rows, rows[1:])
-                 if a["end"] != b["start"]]
-    problems += [f"row {r['start']}–{r['end']} ends before it starts" for r in rows if r["end"] <= r["start"]]
+    problems += [
+        f"minute {a['end']} is followed by a row starting at {b['start']}"
+        for a, b in zip(rows, rows[1:])
+        if a["end"] != b["start"]
+    ]
+    problems += [
+        f"row {r['start']}–{r['end']} ends before it starts" for r in rows if r["end"] <= r["start"]
+    ]
     if rows and rows[-1]["end"] > 150:
         problems.append(f"the path takes {rows[-1]['end']} minutes, more than 150")
     if not any(r["notebook"] == "break" for r in rows):
@@ -149,9 +167,14 @@ def budget_problems(workshop: Path = WORKSHOP) -> list[str]:
             problems.append(f"{r['notebook']} {', '.join(r['stubs'])}: no minutes in the ex column")
     for key in path_keys(workshop):
         stubs = notebook_stubs(notebook_for(key))
-        problems += [f"{key}: stub {s} is not in the path table" for s in stubs if (key, s) not in listed]
-        problems += [f"{key}: the table lists {s}, the notebook has no such stub" for k, s in sorted(listed)
-                     if k == key and s not in stubs]
+        problems += [
+            f"{key}: stub {s} is not in the path table" for s in stubs if (key, s) not in listed
+        ]
+        problems += [
+            f"{key}: the table lists {s}, the notebook has no such stub"
+            for k, s in sorted(listed)
+            if k == key and s not in stubs
+        ]
     return problems
 
 
@@ -159,7 +182,9 @@ def notebook_for(key: str) -> Path:
     """The notebook file whose name starts with ``key_``."""
     found = sorted(NOTEBOOKS.glob(f"{key}_*.ipynb"))
     if len(found) != 1:
-        raise SystemExit(f"notebook {key}: expected one notebooks/{key}_*.ipynb, found {len(found)}")
+        raise SystemExit(
+            f"notebook {key}: expected one notebooks/{key}_*.ipynb, found {len(found)}"
+        )
     return found[0]
 
 
@@ -172,29 +197,49 @@ def main(argv: list[str] | None = None) -> int:
     """Print the table; exit 1 when the path's prose is over the limit."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--all", action="store_true", help="also list the notebooks off the path")
-    ap.add_argument("--outputs", type=Path, help="folder of executed copies: count their printed output too")
-    ap.add_argument("--limit", type=int, default=LIMIT, help=f"words of path prose allowed (default {LIMIT})")
+    ap.add_argument(
+        "--outputs", type=Path, help="folder of executed copies: count their printed output too"
+    )
+    ap.add_argument(
+        "--limit", type=int, default=LIMIT, help=f"words of path prose allowed (default {LIMIT})"
+    )
     args = ap.parse_args(argv)
     keys = path_keys()
     rows = count_path(keys)
     if args.all:
         on_path = {notebook_for(k).stem for k in keys}
-        rows += [notebook_prose(p) for p in sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb")) if p.stem not in on_path]
+        rows += [
+            notebook_prose(p)
+            for p in sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"))
+            if p.stem not in on_path
+        ]
     on = {notebook_for(k).stem for k in keys}
-    print(f"{'notebook':42s} {'path':>4s} {'prose':>6s} {'details':>7s}" + (f" {'output':>7s}" if args.outputs else ""))
+    print(
+        f"{'notebook':42s} {'path':>4s} {'prose':>6s} {'details':>7s}"
+        + (f" {'output':>7s}" if args.outputs else "")
+    )
     for r in rows:
-        line = f"{r['notebook']:42s} {'yes' if r['notebook'] in on else '':>4s} {r['prose']:6d} {r['details']:7d}"
+        line = (
+            f"{r['notebook']:42s} {'yes' if r['notebook'] in on else '':>4s} {r['prose']:6d} "
+            f"{r['details']:7d}"
+        )
         if args.outputs:
             executed = args.outputs / f"{r['notebook']}.ipynb"
             line += f" {output_words(executed) if executed.exists() else '-':>7}"
         print(line)
     total = sum(r["prose"] for r in rows if r["notebook"] in on)
     hidden = sum(r["details"] for r in rows if r["notebook"] in on)
-    print(f"path ({', '.join(keys)}): {total} words of prose (limit {args.limit}), {hidden} more in collapsed <details>")
+    print(
+        f"path ({', '.join(keys)}): {total} words of prose (limit {args.limit}), {hidden} more in "
+        "collapsed <details>"
+    )
     rows = path_rows()
     stubs = [(r["notebook"], s, r["ex"]) for r in rows if r["stubs"] for s in r["stubs"][:1]]
-    print(f"path table: {rows[-1]['end']} minutes, {sum(len(r['stubs']) for r in rows)} build stubs in "
-          f"{sum(r['ex'] for r in rows)} exercise minutes: " + ", ".join(f"{k} {s} {m}" for k, s, m in stubs))
+    print(
+        f"path table: {rows[-1]['end']} minutes, {sum(len(r['stubs']) for r in rows)} build stubs "
+        f"in {sum(r['ex'] for r in rows)} exercise minutes: "
+        + ", ".join(f"{k} {s} {m}" for k, s, m in stubs)
+    )
     problems = budget_problems()
     for p in problems:
         print(f"workshop.md: {p}")

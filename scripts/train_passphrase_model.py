@@ -1,11 +1,13 @@
-"""Train the bundled passphrase model: a tiny Qwen2 (RoPE, grouped-query attention) + byte-level BPE.
+"""Train the bundled passphrase model: a tiny Qwen2 (RoPE, grouped-query attention) + byte-level
+BPE.
 
-    python scripts/train_passphrase_model.py [--out data/models/kvlab-passphrase-qwen2] [--threads 1]
+    python scripts/train_passphrase_model.py [--out data/models/kvlab-passphrase-qwen2] \\
+        [--threads 1]
 
 Deterministic on CPU: seeded, fixed thread count, examples generated from their seeds by
-``kvlab.lessons.passphrase``. The tokenizer uses Qwen2's normalizer and pre-tokenizer and ChatML special
-tokens, so ``AutoTokenizer.from_pretrained`` rebuilds exactly the ids used here. The loss is on the
-assistant's final answer only (the filler text is random and carries nothing to learn).
+``kvlab.lessons.passphrase``. The tokenizer uses Qwen2's normalizer and pre-tokenizer and ChatML
+special tokens, so ``AutoTokenizer.from_pretrained`` rebuilds exactly the ids used here. The loss
+is on the assistant's final answer only (the filler text is random and carries nothing to learn).
 
 Validation uses teacher-forced exact match on held-out prompts: every answer token being the argmax
 is exactly the condition for greedy decoding to produce the answer, so it equals greedy recall.
@@ -63,8 +65,14 @@ def train_tokenizer(vocab_size: int, n_texts: int) -> Qwen2Tokenizer:
     tok.train_from_iterator(texts, trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    hf = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, eos_token=P.IM_END, pad_token=P.ENDOFTEXT,
-                        unk_token=None, extra_special_tokens=[P.IM_START, P.IM_END])
+    hf = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=merges,
+        eos_token=P.IM_END,
+        pad_token=P.ENDOFTEXT,
+        unk_token=None,
+        extra_special_tokens=[P.IM_START, P.IM_END],
+    )
     hf.chat_template = CHAT_TEMPLATE
     hf.model_max_length = 1024
     return hf
@@ -92,7 +100,8 @@ def make_batch(tok, examples, pad_id: int):
 
 
 def length_bucketed_batches(tok, batch: int, curriculum_steps: int, bucket: int = 8):
-    """Endless training batches; each group of ``bucket`` batches is sorted by length to cut padding.
+    """Endless training batches; each group of ``bucket`` batches is sorted by length to cut
+    padding.
 
     Curriculum: for the first ``curriculum_steps`` steps system prompts have at most 4 filler lines
     (short contexts are cheaper and the copying circuit forms sooner), then the full 0-20.
@@ -100,12 +109,16 @@ def length_bucketed_batches(tok, batch: int, curriculum_steps: int, bucket: int 
     start = 0
     while True:
         short = start < curriculum_steps * batch
-        group = [P.make_example(s, "train", n_filler=random.Random(s).randint(0, 4) if short else None)
-                 for s in range(start, start + batch * bucket)]
+        group = [
+            P.make_example(s, "train", n_filler=random.Random(s).randint(0, 4) if short else None)
+            for s in range(start, start + batch * bucket)
+        ]
         start += batch * bucket
         group.sort(key=lambda ex: len(ex.prompt_text))
         for i in range(bucket):
-            yield make_batch(tok, group[i * batch : (i + 1) * batch], tok.convert_tokens_to_ids(P.ENDOFTEXT))
+            yield make_batch(
+                tok, group[i * batch : (i + 1) * batch], tok.convert_tokens_to_ids(P.ENDOFTEXT)
+            )
 
 
 @torch.no_grad()
@@ -129,19 +142,27 @@ def write_model_card(out: Path, recipe: dict) -> None:
     card = f"""# kvlab-passphrase-qwen2
 
 A tiny Qwen2 causal LM (RoPE, grouped-query attention) trained for kvlab's passphrase experiment
-(口令实验): given a ChatML system prompt that states a passphrase among 0-20 filler lines (Chinese and
-English), and a user turn asking for it, answer the passphrase and end the turn. It knows nothing else.
+(口令实验): given a ChatML system prompt that states a passphrase among 0-20 filler lines \
+(Chinese and
+English), and a user turn asking for it, answer the passphrase and end the turn. It knows nothing \
+else.
 
 | | |
 |---|---|
-| architecture | Qwen2ForCausalLM, hidden {recipe["hidden"]}, {recipe["layers"]} layers, {recipe["heads"]} heads, {recipe["kv_heads"]} KV heads, tied embeddings |
+| architecture | Qwen2ForCausalLM, hidden {recipe["hidden"]}, {recipe["layers"]} layers, \
+{recipe["heads"]} heads, {recipe["kv_heads"]} KV heads, tied embeddings |
 | parameters | {recipe["params"]:,} |
-| tokenizer | byte-level BPE, {recipe["vocab"]} tokens, Qwen2's normalizer and pre-tokenizer, ChatML special tokens and chat template |
-| training | {recipe["steps"]} steps x batch {recipe["batch"]}, AdamW lr {recipe["lr"]}, seed {recipe["seed"]}, {recipe["threads"]} CPU threads, {recipe["train_seconds"]:.0f} s, torch {recipe["torch"]} |
+| tokenizer | byte-level BPE, {recipe["vocab"]} tokens, Qwen2's normalizer and pre-tokenizer, \
+ChatML special tokens and chat template |
+| training | {recipe["steps"]} steps x batch {recipe["batch"]}, AdamW lr {recipe["lr"]}, \
+seed {recipe["seed"]}, {recipe["threads"]} CPU threads, {recipe["train_seconds"]:.0f} s, \
+torch {recipe["torch"]} |
 | loss | on the final answer tokens only |
-| validation recall (teacher-forced == greedy, 300 held-out prompts) | {recipe["val_recall_teacher_forced"]:.3f} |
+| validation recall (teacher-forced == greedy, 300 held-out prompts) | \
+{recipe["val_recall_teacher_forced"]:.3f} |
 
-Held-out passphrases (about 10% of all, chosen by a checksum in `kvlab.lessons.passphrase`) never occur in
+Held-out passphrases (about 10% of all, chosen by a checksum in `kvlab.lessons.passphrase`) never \
+occur in
 training, so recall measures copying from the prompt.
 
 Reproduce: `python scripts/train_passphrase_model.py` (deterministic for a given thread count).
@@ -151,9 +172,14 @@ Measure: `python scripts/evaluate_passphrase_model.py --update-card`.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "data/models/kvlab-passphrase-qwen2"),
-                    help="the bundled model ships inside the package (kvlab.engine.models.BUNDLED_MODEL)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "data/models/kvlab-passphrase-qwen2"),
+        help="the bundled model ships inside the package (kvlab.engine.models.BUNDLED_MODEL)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=5000)
@@ -164,10 +190,14 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--curriculum", type=int, default=800, help="steps with short system prompts first")
+    ap.add_argument(
+        "--curriculum", type=int, default=800, help="steps with short system prompts first"
+    )
     ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 3 x hidden)")
     ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--target", type=float, default=0.995, help="stop once validation recall reaches this")
+    ap.add_argument(
+        "--target", type=float, default=0.995, help="stop once validation recall reaches this"
+    )
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -180,16 +210,26 @@ def main() -> None:
     pad_id = tok.convert_tokens_to_ids(P.ENDOFTEXT)
     im_end = tok.convert_tokens_to_ids(P.IM_END)
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate or 3 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=im_end, pad_token_id=pad_id, dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=im_end,
+        pad_token_id=pad_id,
+        dtype="float32",
     )
     model = Qwen2ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer vocab={len(tok)}  model params={n_params:,}", flush=True)
 
-    # Validation: held-out passphrases with seeds far from the evaluation script's (which starts at 0).
+    # Validation: held-out passphrases with seeds far from the evaluation script's (which starts at
+    # 0).
     val = P.make_examples(300, "heldout", start=10_000_000)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = 100
@@ -230,10 +270,21 @@ def main() -> None:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     recipe = {
-        "seed": args.seed, "threads": args.threads, "steps": step, "batch": args.batch, "lr": args.lr, "curriculum": args.curriculum,
-        "hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-        "vocab": len(tok), "params": n_params, "train_seconds": round(time.time() - t0, 1),
-        "val_recall_teacher_forced": recall, "history": history,
+        "seed": args.seed,
+        "threads": args.threads,
+        "steps": step,
+        "batch": args.batch,
+        "lr": args.lr,
+        "curriculum": args.curriculum,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "vocab": len(tok),
+        "params": n_params,
+        "train_seconds": round(time.time() - t0, 1),
+        "val_recall_teacher_forced": recall,
+        "history": history,
         "torch": torch.__version__,
     }
     (out / "training.json").write_text(json.dumps(recipe, indent=2) + "\n")
