@@ -1,1 +1,2 @@
-"""Lesson code: one module per notebook (its experiments, figures ``fig_*`` and exercise checkers)."""
+"""Lesson code: one module per notebook (its experiments, figures ``fig_*`` and exercise
+checkers)."""

@@ -1,4 +1,5 @@
-"""Helpers every lesson uses: exercise verdicts, the article's decision table (with a verdict column), CJK labels."""
+"""Helpers every lesson uses: exercise verdicts, the article's decision table (with a verdict
+column), CJK labels."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any, NamedTuple
 
 @dataclass(frozen=True)
 class Verdict:
-    """What an exercise checker says: ``ok`` (truthy when correct) and one line of text, never the answer."""
+    """What an exercise checker says: ``ok`` (truthy when correct) and one line of text, never the
+    answer."""
 
     ok: bool
     message: str
@@ -34,14 +36,16 @@ def verdict(ok: bool, good: str = "", hint: str = "") -> Verdict:
 
 
 def unanswered(hint: str) -> Verdict:
-    """The verdict on an exercise left blank (``None`` or ``raise NotImplementedError``): a hint, no answer."""
+    """The verdict on an exercise left blank (``None`` or ``raise NotImplementedError``): a hint, no
+    answer."""
     return verdict(False, hint=f"no answer yet. Hint: {hint}")
 
 
 def call_answer(fn: Callable[..., Any] | None, *args: Any, hint: str, name: str = "your function"
                 ) -> tuple[Any, Verdict | None]:
-    """Call the reader's function: ``(result, None)``, or ``(None, a "not yet" Verdict)`` when it is missing
-    (``None``), still ``raise NotImplementedError``, or raises anything else. A checker never raises."""
+    """Call the reader's function: ``(result, None)``, or ``(None, a "not yet" Verdict)`` when it is
+    missing (``None``), still ``raise NotImplementedError``, or raises anything else. A checker
+    never raises."""
     if fn is None:
         return None, unanswered(hint)
     try:
@@ -60,13 +64,17 @@ def as_number(answer: Any, kind: type = float) -> Any:
         return None
 
 
-def check_number(answer: Any, expected: float, good: str, hint: str, kind: type = float, tol: float = 0.0) -> Verdict:
-    """A checker for a numeric answer: blank -> the hint; not a ``kind`` -> says so; else right within ``tol``."""
+def check_number(answer: Any, expected: float, good: str, hint: str, kind: type = float,
+                 tol: float = 0.0) -> Verdict:
+    """A checker for a numeric answer: blank -> the hint; not a ``kind`` -> says so; else right
+    within ``tol``."""
     if answer is None:
         return unanswered(hint)
     value = as_number(answer, kind)
     if value is None:
-        return verdict(False, hint=f"give {'a whole number' if kind is int else 'a number'}, not {answer!r}")
+        return verdict(False,
+                       hint=f"give {'a whole number' if kind is int else 'a number'}, not "
+                            f"{answer!r}")
     return verdict(abs(value - expected) <= tol, good, hint)
 
 
@@ -74,7 +82,8 @@ def check_number(answer: Any, expected: float, good: str, hint: str, kind: type 
 
 
 class DecisionRow(NamedTuple):
-    """One row of the article's decision table (its section 2.4), named so evidence can refer to it."""
+    """One row of the article's decision table (its section 2.4), named so evidence can refer to
+    it."""
 
     name: str  # a short, stable key: evidence dicts and exercise answers use it
     condition: str  # the article's condition, in English
@@ -84,17 +93,24 @@ class DecisionRow(NamedTuple):
 
 
 DECISION_ROWS: tuple[DecisionRow, ...] = (
-    DecisionRow("identical-prefix", "prefix token sequences are identical", "前缀token序列完全一致", "yes", "no"),
-    DecisionRow("same-start", "the prefix starts at the same position", "前缀起始位置相同", "yes", "no"),
-    DecisionRow("no-writes-to-shared", "later generation does not modify shared blocks", "后续生成不修改共享块",
+    DecisionRow("identical-prefix", "prefix token sequences are identical", "前缀token序列完全一致",
+                "yes", "no"),
+    DecisionRow("same-start", "the prefix starts at the same position", "前缀起始位置相同", "yes",
+                "no"),
+    DecisionRow("no-writes-to-shared", "later generation does not modify shared blocks",
+                "后续生成不修改共享块",
                 "yes", "no"),
     DecisionRow("positions-agree", "position encodings agree", "位置编码一致", "yes", "no"),
-    DecisionRow("independent-context", "later contexts of the requests are independent", "不同请求的后续上下文独立",
+    DecisionRow("independent-context", "later contexts of the requests are independent",
+                "不同请求的后续上下文独立",
                 "yes", "no"),
-    DecisionRow("shared-may-be-written", "shared blocks may be written", "共享块可能被写入", "no", "yes"),
-    DecisionRow("overlap-different-start", "prefixes overlap partly but start differently", "前缀有部分重叠但起始不同",
+    DecisionRow("shared-may-be-written", "shared blocks may be written", "共享块可能被写入", "no",
+                "yes"),
+    DecisionRow("overlap-different-start", "prefixes overlap partly but start differently",
+                "前缀有部分重叠但起始不同",
                 "no", "yes"),
-    DecisionRow("full-isolation", "requests must be fully isolated", "需要保证请求间完全隔离", "no", "yes"),
+    DecisionRow("full-isolation", "requests must be fully isolated", "需要保证请求间完全隔离", "no",
+                "yes"),
 )
 
 ROW_NAMES: tuple[str, ...] = tuple(r.name for r in DECISION_ROWS)
@@ -104,7 +120,8 @@ VERDICTS = ("confirmed", "refined", "contradicted")
 
 
 class Evidence(NamedTuple):
-    """A row's verdict on the article's yes/no, what was measured, and the cell that measured it ("07 §2, cell 24")."""
+    """A row's verdict on the article's yes/no, what was measured, and the cell that measured it
+    ("07 §2, cell 24")."""
 
     verdict: str  # one of VERDICTS
     measured: str
@@ -112,7 +129,8 @@ class Evidence(NamedTuple):
 
 
 def decision_table(evidence: Mapping[str, str | Evidence] | None = None):
-    """The article's decision table as a DataFrame indexed by row name, with what a notebook measured."""
+    """The article's decision table as a DataFrame indexed by row name, with what a notebook
+    measured."""
     import pandas as pd
 
     evidence = dict(evidence or {})
@@ -126,7 +144,8 @@ def decision_table(evidence: Mapping[str, str | Evidence] | None = None):
     rows = []
     for r in DECISION_ROWS:
         e = evidence.get(r.name, "")
-        row = {"row": r.name, "condition": r.condition, "article (zh)": r.zh, "share?": r.share, "isolate?": r.isolate}
+        row = {"row": r.name, "condition": r.condition, "article (zh)": r.zh, "share?": r.share,
+               "isolate?": r.isolate}
         if judged:
             row["verdict"] = e.verdict if isinstance(e, Evidence) else ""
         row["evidence (measured here)"] = e.measured if isinstance(e, Evidence) else e
@@ -140,8 +159,9 @@ def decision_table(evidence: Mapping[str, str | Evidence] | None = None):
 
 
 def record_files(relpath: str) -> tuple[Callable[..., str], Callable[..., dict | None]]:
-    """``(save_record, load_record)`` for the JSON file ``relpath`` under the repository (or a ``root`` given to
-    either): the last live run against a peer (vLLM), stamped with its time, so a run without the peer can show it."""
+    """``(save_record, load_record)`` for the JSON file ``relpath`` under the repository (or a
+    ``root`` given to either): the last live run against a peer (vLLM), stamped with its time, so a
+    run without the peer can show it."""
     import json
     import time
     from pathlib import Path
@@ -167,11 +187,13 @@ def record_files(relpath: str) -> tuple[Callable[..., str], Callable[..., dict |
 
 # ----------------------------------------------------------------------------- sizes
 
-QUICK_PARAMETERS = 10_000_000  # above this many parameters on a CPU, a notebook's sweeps use their small sizes
+# above this many parameters on a CPU, a notebook's sweeps use their small sizes
+QUICK_PARAMETERS = 10_000_000
 
 
 class Reveal:
-    """Measured answer to a "predict first" question, shown collapsed: a participant opens it after predicting."""
+    """Measured answer to a "predict first" question, shown collapsed: a participant opens it after
+    predicting."""
 
     def __init__(self, summary: str, text: str, table: Any = None):
         self.summary, self.text, self.table = summary, text, table
@@ -190,7 +212,8 @@ class Reveal:
 
 
 def quick_sizes(model: Any, smoke: bool = False) -> bool:
-    """Small sweep sizes in SMOKE mode and for a model above ``QUICK_PARAMETERS`` on a CPU (03's: 12 min on SmolLM2)."""
+    """Small sweep sizes in SMOKE mode and for a model above ``QUICK_PARAMETERS`` on a CPU (03's: 12
+    min on SmolLM2)."""
     if smoke:
         return True
     first = next(model.parameters(), None)
@@ -212,11 +235,13 @@ def quick_note(model: Any, smoke: bool = False) -> str:
 
 # ----------------------------------------------------------------------------- timing
 
-TIE = 0.05  # two measurements within 5 % of each other (one run, a shared CPU) are called "about the same"
+# two measurements within 5 % of each other (one run, a shared CPU) are called "about the same"
+TIE = 0.05
 
 
 def ratio_word(ratio: float, above: str, below: str, tie: float = TIE) -> str:
-    """``above`` / ``below`` for a ratio away from 1, "about the same" within ``tie`` of it (either way)."""
+    """``above`` / ``below`` for a ratio away from 1, "about the same" within ``tie`` of it (either
+    way)."""
     if abs(ratio - 1) <= tie:
         return f"about the same, within {tie:.0%}"
     return above if ratio > 1 else below
@@ -233,7 +258,8 @@ def ms(x: float | None) -> str:
 
 
 def share_word(k: int, n: int) -> str:
-    """How many of ``n`` cases ``k`` is, in a word: "all", "most", "half", "a minority" or "none"."""
+    """How many of ``n`` cases ``k`` is, in a word: "all", "most", "half", "a minority" or
+    "none"."""
     if n <= 0 or not 0 <= k <= n:
         raise ValueError(f"share_word needs 0 <= k <= n and n > 0, got k={k}, n={n}")
     if k == n:
@@ -243,14 +269,18 @@ def share_word(k: int, n: int) -> str:
     return "most" if 2 * k > n else "half" if 2 * k == n else "a minority"
 
 
-CJK_FAMILY = "kvlab CJK Sans"  # data/fonts: a subset of Noto Sans CJK SC (OFL), made by scripts/make_cjk_font.py
-CJK_FONTS = (CJK_FAMILY, "Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "WenQuanYi Zen Hei",
-             "WenQuanYi Micro Hei", "SimHei", "Microsoft YaHei", "PingFang SC", "Heiti SC", "Arial Unicode MS")
+# data/fonts: a subset of Noto Sans CJK SC (OFL), made by scripts/make_cjk_font.py
+CJK_FAMILY = "kvlab CJK Sans"
+CJK_FONTS = (CJK_FAMILY, "Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC",
+             "WenQuanYi Zen Hei",
+             "WenQuanYi Micro Hei", "SimHei", "Microsoft YaHei", "PingFang SC", "Heiti SC",
+             "Arial Unicode MS")
 
 
 def _register_cjk_font() -> str | None:
     """Register the shipped CJK subset with matplotlib and append the first CJK font found to
-    ``font.family``, matplotlib's per-glyph fallback chain, so Chinese labels draw. Returns its name."""
+    ``font.family``, matplotlib's per-glyph fallback chain, so Chinese labels draw. Returns its
+    name."""
     from kvlab.engine.models import package_data
 
     try:
@@ -264,7 +294,8 @@ def _register_cjk_font() -> str | None:
         font_manager.fontManager.addfont(str(shipped))
         installed.add(CJK_FAMILY)
     found = next((name for name in CJK_FONTS if name in installed), None)
-    if found and found not in rcParams["font.family"]:  # a family list is a per-glyph fallback chain
+    # a family list is a per-glyph fallback chain
+    if found and found not in rcParams["font.family"]:
         rcParams["font.family"] = [*rcParams["font.family"], found]
     return found
 
@@ -273,14 +304,16 @@ CJK_FONT = _register_cjk_font()
 
 
 def label(text: str) -> str:
-    """Text safe to draw: CJK characters become ``\\uXXXX`` escapes only when no CJK font could be registered."""
+    """Text safe to draw: CJK characters become ``\\uXXXX`` escapes only when no CJK font could be
+    registered."""
     if CJK_FONT:
         return text
     return "".join(c if ord(c) < 0x2E80 else f"\\u{ord(c):04x}" for c in text)
 
 
 def progress_bar(items: Sequence, on: bool, desc: str):
-    """``items`` wrapped in a labelled tqdm bar when ``on`` (notebooks), else unchanged (tests, scripts)."""
+    """``items`` wrapped in a labelled tqdm bar when ``on`` (notebooks), else unchanged (tests,
+    scripts)."""
     if not on:
         return items
     from tqdm.auto import tqdm

@@ -14,8 +14,9 @@ from kvlab.lessons.common import Verdict, call_answer, verdict
 __all__ = ["check_gain", "check_radix_cached", "fig_hit_rate", "fig_pressure", "fig_ttft"]
 
 
-# --- figures -----------------------------------------------------------------------------------------------
-def _grouped(ax, rows: list[dict], value: Callable[[dict], float], caches: list[str], workloads: list[str]) -> None:
+# --- figures --------------------------------------------------------------------------------------
+def _grouped(ax, rows: list[dict], value: Callable[[dict], float], caches: list[str],
+             workloads: list[str]) -> None:
     width = 0.8 / len(caches)
     by = {(r["workload"], r["cache"]): r for r in rows}
     for k, c in enumerate(caches):
@@ -27,7 +28,8 @@ def _grouped(ax, rows: list[dict], value: Callable[[dict], float], caches: list[
 
 
 def _names(rows: list[dict]) -> tuple[list[str], list[str]]:
-    return list(dict.fromkeys(r["cache"] for r in rows)), list(dict.fromkeys(r["workload"] for r in rows))
+    return (list(dict.fromkeys(r["cache"] for r in rows)),
+            list(dict.fromkeys(r["workload"] for r in rows)))
 
 
 def fig_hit_rate(rows: list[dict]) -> Figure:
@@ -44,7 +46,8 @@ def fig_hit_rate(rows: list[dict]) -> Figure:
 
 
 def fig_pressure(rows: list[dict]) -> Figure:
-    """Under a pool too small for the workload: hit rate and evicted tokens; and peak memory held (ample pool)."""
+    """Under a pool too small for the workload: hit rate and evicted tokens; and peak memory held
+    (ample pool)."""
     caches, workloads = _names(rows)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     _grouped(axes[0], rows, lambda r: 100 * r["hit rate (small pool)"], caches, workloads)
@@ -52,7 +55,8 @@ def fig_pressure(rows: list[dict]) -> Figure:
     _grouped(axes[1], rows, lambda r: r["evicted tokens (small pool)"], caches, workloads)
     axes[1].set(ylabel="tokens evicted", title="evictions, small pool")
     _grouped(axes[2], rows, lambda r: r["peak memory (tokens)"], caches, workloads)
-    axes[2].set(ylabel="K/V slots held by running requests (peak)", title="memory held (ample pool)")
+    axes[2].set(ylabel="K/V slots held by running requests (peak)",
+                title="memory held (ample pool)")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -66,7 +70,8 @@ def fig_ttft(results: list[dict], labels: Sequence[str]) -> Figure:
         b.plot(res["cached"], "s-", color=f"C{k}", label=res["cache"])
     step = -(-len(labels) // 12)  # at most 12 tick labels, so none overlap
     for ax in (a, b):
-        ax.set_xticks(range(0, len(labels), step), list(labels)[::step], rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(range(0, len(labels), step), list(labels)[::step], rotation=30, ha="right",
+                      fontsize=8)
         ax.set_xlabel("request, in arrival order")
         ax.grid(alpha=0.3)
         ax.spines[["top", "right"]].set_visible(False)
@@ -77,9 +82,10 @@ def fig_ttft(results: list[dict], labels: Sequence[str]) -> Figure:
     return fig
 
 
-# --- exercises ---------------------------------------------------------------------------------------------
+# --- exercises ------------------------------------------------------------------------------------
 def check_radix_cached(predict: Callable[[int, int], int] | None) -> Verdict:
-    """Exercise 04b.1: ``predict(n, page_size)`` = tokens the radix tree serves when an identical n-token prompt repeats."""
+    """Exercise 04b.1: ``predict(n, page_size)`` = tokens the radix tree serves when an identical
+    n-token prompt repeats."""
     hint = "the last prompt token is always computed, and in paged mode only whole pages match"
     for size in (1, 2, 4, 16):
         for n in range(1, 3 * size + 3):
@@ -90,13 +96,15 @@ def check_radix_cached(predict: Callable[[int, int], int] | None) -> Verdict:
             if failed is not None:
                 return failed
             if guess != truth:
-                return verdict(False, hint=f"for n={n}, page_size={size} you predicted {guess!r}; {hint}")
+                return verdict(False,
+                               hint=f"for n={n}, page_size={size} you predicted {guess!r}; {hint}")
     return verdict(True, "right for every n and page size tried")
 
 
 def check_gain(gain: Callable[[int, int, int], int] | None) -> Verdict:
-    """Exercise 04b.2: ``gain(shared, n, block_size)`` = extra tokens radix page 1 serves the second of two
-    n-token prompts that share their first ``shared`` tokens, against hash blocks of ``block_size``."""
+    """Exercise 04b.2: ``gain(shared, n, block_size)`` = extra tokens radix page 1 serves the second
+    of two n-token prompts that share their first ``shared`` tokens, against hash blocks of
+    ``block_size``."""
     hint = "both stop at the shared prefix and at n - 1; the blocks round down to a whole block"
     for bs in (4, 16, 32):
         for n in range(1, 2 * bs + 3):
@@ -111,5 +119,7 @@ def check_gain(gain: Callable[[int, int, int], int] | None) -> Verdict:
                 if failed is not None:
                     return failed
                 if guess != truth:
-                    return verdict(False, hint=f"for shared={shared}, n={n}, block_size={bs} you said {guess!r}; {hint}")
+                    return verdict(False,
+                                   hint=f"for shared={shared}, n={n}, block_size={bs} you said "
+                                        f"{guess!r}; {hint}")
     return verdict(True, "right for every prefix length, prompt length and block size tried")

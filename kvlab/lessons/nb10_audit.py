@@ -1,4 +1,5 @@
-"""Notebook 10: is this endpoint sharing its cache? Its keys and system prompt, figures and exercise checkers."""
+"""Notebook 10: is this endpoint sharing its cache? Its keys and system prompt, figures and exercise
+checkers."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from kvlab.lessons.common import Verdict, check_number
 
 
 def public_system_prompt(tokens: int, tokens_per_letter: float = 1.0, seed: int = 0) -> str:
-    """The operator's public system prompt: about ``tokens`` tokens of spaced letters and a newline."""
+    """The operator's public system prompt: about ``tokens`` tokens of spaced letters and a
+    newline."""
     rng = random.Random(f"kvlab-nb10-system:{seed}")
     return "System: " + " ".join(random_letters(rng, letters_for(tokens, tokens_per_letter))) + "\n"
 
 
 def fig_ecdf(table: Sequence[dict], results: Sequence[AuditResult], cols: int = 3) -> Any:
-    """One panel per audit: the empirical CDFs of hit and miss TTFTs (the KS statistic is their largest gap)."""
+    """One panel per audit: the empirical CDFs of hit and miss TTFTs (the KS statistic is their
+    largest gap)."""
     import matplotlib.pyplot as plt
 
     n = len(results)
@@ -50,7 +53,8 @@ def fig_dictionary(by_k: Sequence[dict]) -> Any:
     ks = sorted({r["k"] for r in by_k})
     a.plot(ks, [1 / k for k in ks], "k:", label="chance (1/k)")
     a.set_xscale("log", base=2)
-    a.set(xlabel="candidates k", ylabel="accuracy (fastest = secret)", title="over the wire (kvlab serve)", ylim=(0, 1.05))
+    a.set(xlabel="candidates k", ylabel="accuracy (fastest = secret)",
+          title="over the wire (kvlab serve)", ylim=(0, 1.05))
     # the legend below the axes: inside, it covered the chance line at small accuracies
     a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
     fig.tight_layout()
@@ -58,14 +62,16 @@ def fig_dictionary(by_k: Sequence[dict]) -> Any:
 
 
 def fig_power(grid: Sequence[dict]) -> Any:
-    """Samples per procedure needed to detect (power 0.9) vs prompt length, one line per prefix fraction."""
+    """Samples per procedure needed to detect (power 0.9) vs prompt length, one line per prefix
+    fraction."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     top = max(r["samples"] for r in grid)
     for f in sorted({r["prefix fraction"] for r in grid}):
         rs = [r for r in grid if r["prefix fraction"] == f]
-        ax.plot([r["prompt tokens"] for r in rs], [r["samples to detect"] or top + 1 for r in rs], "o-",
+        ax.plot([r["prompt tokens"] for r in rs], [r["samples to detect"] or top + 1 for r in rs],
+                "o-",
                 label=f"prefix fraction {f}")
     ax.axhline(top + 1, color="k", ls=":", lw=1, label=f"not detected with {top}")
     ax.set_xscale("log", base=2)
@@ -78,18 +84,26 @@ def fig_power(grid: Sequence[dict]) -> Any:
 
 
 def check_min_samples(answer: int | None, alpha: float = 1e-3) -> Verdict:
-    """Exercise 10.1: the fewest samples per procedure for which an exact two-sided KS p-value can fall below alpha."""
+    """Exercise 10.1: the fewest samples per procedure for which an exact two-sided KS p-value can
+    fall below alpha."""
     n = 1
     while 2 / math.comb(2 * n, n) >= alpha:
         n += 1
-    return check_number(answer, n, f"{n} samples per procedure: 2 / C({2 * n}, {n}) = {2 / math.comb(2 * n, n):.2g} "
-                        f"< {alpha}", "the smallest p-value comes from D = 1 (no overlap at all): with n per side its "
-                        "exact two-sided p is 2 / C(2n, n); find the first n where that is below alpha", int)
+    return check_number(answer, n,
+                        f"{n} samples per procedure: 2 / C({2 * n}, {n}) = "
+                        f"{2 / math.comb(2 * n, n):.2g} < {alpha}",
+                        "the smallest p-value comes from D = 1 (no overlap at all): with n per "
+                        "side its exact two-sided p is 2 / C(2n, n); find the first n where that "
+                        "is below alpha", int)
 
 
-def check_right_guess_gain(answer: int | None, before: int, secret: int, after: int, block_size: int) -> Verdict:
+def check_right_guess_gain(answer: int | None, before: int, secret: int, after: int,
+                           block_size: int) -> Verdict:
     """Exercise 10.2: cached tokens a right guess gains over a wrong one (whole blocks only)."""
     want = (before + secret + after) // block_size * block_size - before // block_size * block_size
-    return check_number(answer, want, f"{want} tokens: whole blocks through the known text, minus those before the "
-                        "secret", "a wrong guess hits the whole blocks before the secret starts; a right one hits every "
-                        "whole block up to the end of the known text after it (and never the prompt's last token)", int)
+    return check_number(answer, want,
+                        f"{want} tokens: whole blocks through the known text, minus those before "
+                        "the secret",
+                        "a wrong guess hits the whole blocks before the secret starts; a right one "
+                        "hits every whole block up to the end of the known text after it (and "
+                        "never the prompt's last token)", int)

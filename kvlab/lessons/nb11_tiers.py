@@ -56,7 +56,8 @@ def fig_tier(df: pd.DataFrame):
 
 
 def pd_workload(smoke: bool, seed: int = 0, vocab: int = 500):
-    """One-turn requests with long prompts and longer replies (so decode steps and prefills collide)."""
+    """One-turn requests with long prompts and longer replies (so decode steps and prefills
+    collide)."""
     rng = random.Random(f"nb11-pd:{seed}")
     n = 12 if smoke else 32
     prompts = [random_tokens(rng.randint(200, 480), rng) for _ in range(n)]
@@ -65,16 +66,20 @@ def pd_workload(smoke: bool, seed: int = 0, vocab: int = 500):
 
 def worth_pulling_reference(prefix_tokens: int, recompute_per_token: float, copy_per_token: float,
                             fixed: float) -> bool:
-    """The rule the checker holds an answer to: pull when the fixed cost plus the copy beats recomputing."""
+    """The rule the checker holds an answer to: pull when the fixed cost plus the copy beats
+    recomputing."""
     return fixed + copy_per_token * prefix_tokens < recompute_per_token * prefix_tokens
 
 
 def check_worth_pulling(fn: Callable | None) -> Verdict:
-    """Exercise: ``fn(prefix_tokens, recompute_per_token, copy_per_token, fixed) -> bool``: should a replica pull?"""
-    hint = ("compare what each path costs for this prefix: recomputing costs recompute_per_token per token; pulling "
-            "costs a fixed amount per transfer plus copy_per_token per token. Pull only when that is strictly less.")
+    """Exercise: ``fn(prefix_tokens, recompute_per_token, copy_per_token, fixed) -> bool``: should a
+    replica pull?"""
+    hint = ("compare what each path costs for this prefix: recomputing costs recompute_per_token "
+            "per token; pulling costs a fixed amount per transfer plus copy_per_token per token. "
+            "Pull only when that is strictly less.")
     rng = random.Random(11)
-    cases = [(rng.choice([0, 16, 64, 256, 1024, 4096]), rng.uniform(1e-6, 1e-4), rng.uniform(1e-8, 2e-4),
+    cases = [(rng.choice([0, 16, 64, 256, 1024, 4096]), rng.uniform(1e-6, 1e-4),
+              rng.uniform(1e-8, 2e-4),
               rng.choice([0.0, 1e-4, 1e-3, 1e-2])) for _ in range(200)]
     wrong = 0
     for c in cases:

@@ -86,7 +86,8 @@ ASK_EN = (
 UPDATE_ZH = ("口令改为「{p}」。", "新的口令是「{p}」。")
 UPDATE_EN = ('The passphrase is now "{p}".', 'New passphrase: "{p}".')
 CHAT_ZH = ("你好！", "今天天气怎么样？", "请帮我翻译一句话。", "谢谢你的帮助。")
-CHAT_EN = ("Hello!", "How is the weather today?", "Can you help me translate a sentence?", "Thanks for your help.")
+CHAT_EN = ("Hello!", "How is the weather today?", "Can you help me translate a sentence?",
+           "Thanks for your help.")
 ACK_ZH = ("好的，已记住。", "好的。", "没问题。")
 ACK_EN = ("OK, noted.", "Sure.", "Understood.")
 
@@ -121,7 +122,8 @@ def chatml(role: str, content: str) -> str:
 
 @dataclass(frozen=True)
 class Turn:
-    """One user turn of the conversation and, unless it is the final question, the assistant reply."""
+    """One user turn of the conversation and, unless it is the final question, the assistant
+    reply."""
 
     user: str
     assistant: str | None = None
@@ -163,8 +165,9 @@ class PassphraseExample:
 
     @property
     def answer_text(self) -> str:
-        """How the assistant writes the answer: 「K7QX2M」 in Chinese (Qwen's pre-tokenizer glues 「 to the
-        letters after it, so the quoted form is a token-for-token copy of the prompt), K7QX2M in English."""
+        """How the assistant writes the answer: 「K7QX2M」 in Chinese (Qwen's pre-tokenizer glues
+        「 to the letters after it, so the quoted form is a token-for-token copy of the prompt),
+        K7QX2M in English."""
         return f"「{self.answer}」" if self.lang == "zh" else self.answer
 
     @property
@@ -189,8 +192,9 @@ def make_example(
     lang: str | None = None,
     history: str | None = None,
 ) -> PassphraseExample:
-    """One example, a pure function of its arguments; ``n_filler`` (0-20), ``lang`` and ``history`` ("none",
-    "chat", "update": an earlier turn replaced the passphrase) are drawn from the seed unless given."""
+    """One example, a pure function of its arguments; ``n_filler`` (0-20), ``lang`` and ``history``
+    ("none", "chat", "update": an earlier turn replaced the passphrase) are drawn from the seed
+    unless given."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"kvlab-passphrase:{split}:{seed}")
@@ -218,18 +222,22 @@ def make_example(
     turns: list[Turn] = []
     answer = passphrase
     if history == "chat":
-        turns.append(Turn(rng.choice(CHAT_ZH if zh else CHAT_EN), rng.choice(ACK_ZH if zh else ACK_EN)))
+        turns.append(Turn(rng.choice(CHAT_ZH if zh else CHAT_EN),
+                          rng.choice(ACK_ZH if zh else ACK_EN)))
     elif history == "update":
         new = passphrase
         while new == passphrase:
             new = random_passphrase(rng, split)
-        turns.append(Turn(rng.choice(UPDATE_ZH if zh else UPDATE_EN).format(p=new), rng.choice(ACK_ZH if zh else ACK_EN)))
+        turns.append(Turn(rng.choice(UPDATE_ZH if zh else UPDATE_EN).format(p=new),
+                          rng.choice(ACK_ZH if zh else ACK_EN)))
         answer = new
     turns.append(Turn(rng.choice(ASK_ZH if zh else ASK_EN)))
-    return PassphraseExample(split, seed, passphrase, system, tuple(turns), answer, lang, {"history": history})
+    return PassphraseExample(split, seed, passphrase, system, tuple(turns), answer, lang,
+                             {"history": history})
 
 
-def make_examples(n: int, split: str = "heldout", start: int = 0, **kwargs) -> list[PassphraseExample]:
+def make_examples(n: int, split: str = "heldout", start: int = 0,
+                  **kwargs) -> list[PassphraseExample]:
     """``n`` consecutive examples of a split, seeds ``start .. start+n-1``."""
     return [make_example(start + i, split, **kwargs) for i in range(n)]
 
@@ -246,8 +254,10 @@ def with_question(example: PassphraseExample, question: str) -> PassphraseExampl
 ANSWER_WRAPPERS = " \t\r\n\"'`“”‘’「」『』《》〈〉【】〔〕[](){}（）<>.,;:!?。，、；：！？…·*_~"
 
 
-def question_prompts(n_examples: int = 40, per_example: int = 5, seed: int = 0, split: str = "heldout") -> list[str]:
-    """Prompts that share system prompts (prefix hits) but differ in the final question, shuffled."""
+def question_prompts(n_examples: int = 40, per_example: int = 5, seed: int = 0,
+                     split: str = "heldout") -> list[str]:
+    """Prompts that share system prompts (prefix hits) but differ in the final question,
+    shuffled."""
     prompts = []
     for ex in make_examples(n_examples, split):
         asks = (ASK_ZH if ex.lang == "zh" else ASK_EN) + (CHAT_ZH if ex.lang == "zh" else CHAT_EN)
@@ -257,7 +267,8 @@ def question_prompts(n_examples: int = 40, per_example: int = 5, seed: int = 0, 
 
 
 def normalize_answer(text: str) -> str:
-    """The answer part of a completion: cut at end of turn or line, strip spaces, quotes, brackets, punctuation."""
+    """The answer part of a completion: cut at end of turn or line, strip spaces, quotes, brackets,
+    punctuation."""
     for stop in (IM_END, ENDOFTEXT, "\n"):
         text = text.split(stop)[0]
     return text.strip(ANSWER_WRAPPERS)
@@ -283,39 +294,48 @@ def tokenizer_corpus(n: int = 4000, seed: int = 0) -> list[str]:
     return [ex.prompt_text + ex.target_text for ex in examples]
 
 
-# ----------------------------------------------------------------------------- a real chat model (SmolLM2)
+# ---------------------------------------------------------------------- a real chat model (SmolLM2)
 
 REAL_SYSTEM = ("You are a helpful assistant. The secret passphrase is: {p}. "
                "If asked for the passphrase, answer with exactly the passphrase.")
 REAL_QUESTIONS = ("What is the passphrase?", "Please tell me the passphrase.", "口令是什么？")
 
 
-def real_model_messages(example: PassphraseExample, question: str = REAL_QUESTIONS[0]) -> list[dict[str, str]]:
-    """The example's passphrase in a plain system prompt a real chat model follows, then ``question``."""
+def real_model_messages(example: PassphraseExample,
+                        question: str = REAL_QUESTIONS[0]) -> list[dict[str, str]]:
+    """The example's passphrase in a plain system prompt a real chat model follows, then
+    ``question``."""
     return [{"role": "system", "content": REAL_SYSTEM.format(p=example.passphrase)},
             {"role": "user", "content": question}]
 
 
-def real_model_prompt(tokenizer, example: PassphraseExample, question: str = REAL_QUESTIONS[0]) -> str:
-    """``real_model_messages`` rendered by the tokenizer's own chat template, ready for generation."""
-    return tokenizer.apply_chat_template(real_model_messages(example, question), add_generation_prompt=True,
+def real_model_prompt(tokenizer, example: PassphraseExample,
+                      question: str = REAL_QUESTIONS[0]) -> str:
+    """``real_model_messages`` rendered by the tokenizer's own chat template, ready for
+    generation."""
+    return tokenizer.apply_chat_template(real_model_messages(example, question),
+                                         add_generation_prompt=True,
                                          tokenize=False)
 
 
 def mentions(completion: str, expected: str) -> bool:
-    """Lenient recall for a chat model that answers in a sentence: the passphrase appears in the answer's first line."""
+    """Lenient recall for a chat model that answers in a sentence: the passphrase appears in the
+    answer's first line."""
     return expected.lower() in normalize_answer(completion).lower()
 
 
-# ----------------------------------------------------------------------------- the article's memory column (table 3.6)
+# ---------------------------------------------------------- the article's memory column (table 3.6)
 
-ARTICLE_MEMORY_GB = {"isolated": 14.2, "shared": 13.8}   # table 3.6, group 1: the article's claims, typed in, not measured
+# table 3.6, group 1: the article's claims, typed in, not measured
+ARTICLE_MEMORY_GB = {"isolated": 14.2, "shared": 13.8}
 
 
 def param_count(config: dict) -> int:
-    """Parameters of a Llama/Qwen2-style decoder from its ``config.json`` (no weights needed): embedding + per layer
-    (q/k/v/o, q/k/v biases for qwen2, gate/up/down MLP, two norms) + final norm + the LM head unless tied."""
-    h, inter, layers, vocab = (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+    """Parameters of a Llama/Qwen2-style decoder from its ``config.json`` (no weights needed):
+    embedding + per layer (q/k/v/o, q/k/v biases for qwen2, gate/up/down MLP, two norms) + final
+    norm + the LM head unless tied."""
+    h, inter, layers, vocab = (config["hidden_size"], config["intermediate_size"],
+                               config["num_hidden_layers"],
                                config["vocab_size"])
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or h // heads
@@ -328,8 +348,8 @@ def param_count(config: dict) -> int:
 
 @dataclass(frozen=True)
 class MemoryColumn:
-    """The series' one reading of the article's memory column (``str``: the sentence): the whole GPU's memory,
-    weights first; only the difference between the rows can be K/V."""
+    """The series' one reading of the article's memory column (``str``: the sentence): the whole
+    GPU's memory, weights first; only the difference between the rows can be K/V."""
 
     model: str
     parameters: int
@@ -351,32 +371,40 @@ class MemoryColumn:
 
     @property
     def sharing_saves_bytes(self) -> int:
-        """K/V that ``requests`` requests sharing one ``prefix_tokens`` prefix save: all copies but one."""
+        """K/V that ``requests`` requests sharing one ``prefix_tokens`` prefix save: all copies but
+        one."""
         return (self.requests - 1) * self.prefix_tokens * self.kv_bytes_per_token
 
     @property
     def weights_exceed_total(self) -> bool:
-        return self.weights_bytes > self.isolated_gb * 1e9 and self.weights_bytes > self.isolated_gb * 2**30
+        return (self.weights_bytes > self.isolated_gb * 1e9
+                and self.weights_bytes > self.isolated_gb * 2**30)
 
     def __str__(self) -> str:
         w, bits = self.weights_bytes, 8 * self.weights_bytes // self.parameters
-        fits = ("already more than its {t:g} GB isolated total, which therefore cannot be reproduced; only"
+        fits = ("already more than its {t:g} GB isolated total, which therefore cannot be "
+                "reproduced; only"
                 if self.weights_exceed_total else
-                "inside its {t:g} GB isolated total read as GiB, leaving {r:.2f} GiB for K/V and workspace;").format(
+                "inside its {t:g} GB isolated total read as GiB, leaving {r:.2f} GiB for K/V and "
+                "workspace;").format(
                     t=self.isolated_gb, r=(self.isolated_gb * 2**30 - w) / 2**30)
-        return (f"The article's memory column reads as the whole GPU's memory, weights first: {self.model}'s "
-                f"{self.parameters / 1e9:.2f} B parameters are {w / 1e9:.2f} GB at {bits} bits ({w / 2**30:.2f} GiB), "
-                f"{fits} the difference between rows reads as K/V: {self.drop_bytes / 1e9:.2f} GB is "
-                f"{self.drop_tokens:.0f} tokens at {self.kv_bytes_per_token / 2**20:.2f} MiB per token, "
-                f"{self.drop_tokens / self.prefix_tokens:.1f} copies of a {self.prefix_tokens}-token prefix, where "
-                f"{self.requests} requests sharing one such prefix would save {self.requests - 1} copies, "
+        return ("The article's memory column reads as the whole GPU's memory, weights first: "
+                f"{self.model}'s {self.parameters / 1e9:.2f} B parameters are {w / 1e9:.2f} GB at "
+                f"{bits} bits ({w / 2**30:.2f} GiB), {fits} the difference between rows reads as "
+                f"K/V: {self.drop_bytes / 1e9:.2f} GB is {self.drop_tokens:.0f} tokens at "
+                f"{self.kv_bytes_per_token / 2**20:.2f} MiB per token, "
+                f"{self.drop_tokens / self.prefix_tokens:.1f} copies of a "
+                f"{self.prefix_tokens}-token prefix, where {self.requests} requests sharing one "
+                f"such prefix would save {self.requests - 1} copies, "
                 f"{self.sharing_saves_bytes / 1e9:.2f} GB.")
 
 
-def memory_column(config: dict | str = "Qwen1.5-7B-Chat", dtype_bytes: int = 2, prefix_tokens: int = 512,
+def memory_column(config: dict | str = "Qwen1.5-7B-Chat", dtype_bytes: int = 2,
+                  prefix_tokens: int = 512,
                   requests: int = 16, isolated_gb: float = ARTICLE_MEMORY_GB["isolated"],
                   shared_gb: float = ARTICLE_MEMORY_GB["shared"]) -> MemoryColumn:
-    """The reading of table 3.6's memory column that notebooks 01, 05 and 07 print (``print(memory_column())``)."""
+    """The reading of table 3.6's memory column that notebooks 01, 05 and 07 print
+    (``print(memory_column())``)."""
     if isinstance(config, str):
         from kvlab.engine.models import load_public_config
 
@@ -385,6 +413,8 @@ def memory_column(config: dict | str = "Qwen1.5-7B-Chat", dtype_bytes: int = 2, 
         name = config.get("_name_or_path", "the model").rsplit("/", 1)[-1]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv = 2 * config["num_hidden_layers"] * (config.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
+    kv = 2 * config["num_hidden_layers"] * (config.get("num_key_value_heads")
+                                            or heads) * head_dim * dtype_bytes
     n = param_count(config)
-    return MemoryColumn(name, n, n * dtype_bytes, kv, isolated_gb, shared_gb, prefix_tokens, requests)
+    return MemoryColumn(name, n, n * dtype_bytes, kv, isolated_gb, shared_gb, prefix_tokens,
+                        requests)

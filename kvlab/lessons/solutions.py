@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvlab.cache import cdiv
 
-# ----------------------------------------------------------------------------- 00 the passphrase experiment
+# --------------------------------------------------------------------- 00 the passphrase experiment
 
 def solution_00_1(prompt_tokens: int = 300, cached_tokens: int = 256) -> float:
     """00.1: the share of the prompt still prefilled = uncached tokens / all tokens."""
@@ -13,25 +13,30 @@ def solution_00_1(prompt_tokens: int = 300, cached_tokens: int = 256) -> float:
 
 def solution_00_2(prefix_ids, prompt_ids) -> bool:
     """00.2: a cache may serve a prompt whose first len(prefix) ids are exactly the prefix's ids."""
-    return len(prefix_ids) <= len(prompt_ids) and list(prompt_ids[: len(prefix_ids)]) == list(prefix_ids)
+    return (len(prefix_ids) <= len(prompt_ids)
+            and list(prompt_ids[: len(prefix_ids)]) == list(prefix_ids))
 
 
 def build_00_suffix_prefill(model, cache, prefix_len: int, suffix_ids):
-    """00.B: only the suffix through the model, on the prefix's cache, at the positions after the prefix."""
+    """00.B: only the suffix through the model, on the prefix's cache, at the positions after the
+    prefix."""
     import torch
 
     device = next(model.parameters()).device
-    positions = torch.arange(prefix_len, prefix_len + len(suffix_ids), device=device)[None]  # (1, S)
+    # (1, S)
+    positions = torch.arange(prefix_len, prefix_len + len(suffix_ids), device=device)[None]
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([list(suffix_ids)], device=device), position_ids=positions,
+        out = model(input_ids=torch.tensor([list(suffix_ids)], device=device),
+                    position_ids=positions,
                     cache=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]  # (vocab,)
 
 
-# ----------------------------------------------------------------------------- 01 QKV and the KV cache
+# -------------------------------------------------------------------------- 01 QKV and the KV cache
 
 def solution_01_1(q, k, v):
-    """01.1: grouped-query attention without repeat_kv: fold the query heads into (kv_heads, group)."""
+    """01.1: grouped-query attention without repeat_kv: fold the query heads into (kv_heads,
+    group)."""
     import math
 
     import torch
@@ -50,14 +55,16 @@ def solution_01_2(config_name: str = "Qwen2.5-7B-Instruct", bytes_per_element: i
     from kvlab.engine.models import load_public_config
 
     cfg = load_public_config(config_name)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]  # a config.json dict
+    # a config.json dict
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * bytes_per_element
 
 
-# ----------------------------------------------------------------------------- 02 manual prefix reuse
+# --------------------------------------------------------------------------- 02 manual prefix reuse
 
 def solution_02_2(tokenizer, text: str = "Please repeat the passphrase.") -> tuple[str, str]:
-    """02.2: try each cut of a text; the first where the prefix's tokens are not the full text's first tokens."""
+    """02.2: try each cut of a text; the first where the prefix's tokens are not the full text's
+    first tokens."""
     from kvlab.lessons.nb02_prefix import check_prefix_tokens
 
     for cut in range(1, len(text)):
@@ -86,22 +93,27 @@ def ex03_3_positions_from_mask(mask):
 
 def ex03_4_exact_layers(errors, tol: float = 2e-2) -> list[int]:
     """03.4: the layers whose re-rotated keys match the recomputed ones up to float rounding."""
-    d = errors[(errors["treatment"] == "group 2: A's segment K/V re-rotated by Δ") & (errors["tensor"] == "K")]
+    d = errors[(errors["treatment"] == "group 2: A's segment K/V re-rotated by Δ")
+               & (errors["tensor"] == "K")]
     worst = d.groupby("layer")["relative error"].max()
     return sorted(int(layer) for layer, e in worst.items() if e < tol)
 
 
 def build_03_rope_suffix(k, prefix_len: int, theta: float = 10000.0):
-    """Build 03: pair (i, i + D/2) is the complex number a + ib; turning it by φ multiplies it by e^(iφ)."""
+    """Build 03: pair (i, i + D/2) is the complex number a + ib; turning it by φ multiplies it by
+    e^(iφ)."""
     import torch
 
     half, t = k.shape[-1] // 2, k.shape[-2]
-    pos = torch.arange(prefix_len, prefix_len + t, dtype=torch.float64, device=k.device)  # after the cached prefix
-    angle = pos[:, None] * theta ** (-2 * torch.arange(half, dtype=torch.float64, device=k.device) / k.shape[-1])
-    z = torch.complex(k[..., :half].double(), k[..., half:].double()) * torch.polar(torch.ones_like(angle), angle)
+    # after the cached prefix
+    pos = torch.arange(prefix_len, prefix_len + t, dtype=torch.float64, device=k.device)
+    angle = pos[:, None] * theta ** (-2 * torch.arange(half, dtype=torch.float64,
+                                                       device=k.device) / k.shape[-1])
+    z = torch.complex(k[..., :half].double(),
+                      k[..., half:].double()) * torch.polar(torch.ones_like(angle), angle)
     return torch.cat([z.real, z.imag], -1).to(k.dtype)
 
-# ----------------------------------------------------------------------------- 04 the paged block manager
+# ----------------------------------------------------------------------- 04 the paged block manager
 
 def ex04_1_predict(n: int, block_size: int) -> int:
     """04.1: whole blocks of the first n - 1 tokens (the last prompt token is always computed)."""
@@ -120,23 +132,26 @@ def ex04_3_build(system: list[int], timestamp: list[int], question: list[int]) -
     """04.3: the changing part goes last, so every block before it can still be shared."""
     return system + question + timestamp
 
-# ----------------------------------------------------------------------------- 05 shared vs isolated
+# ---------------------------------------------------------------------------- 05 shared vs isolated
 
 def ex05_1_bug_rows() -> dict[int, str]:
-    """05.1: the decision-table row each group's bug breaks (group 2 breaks "overlap-different-start" as well)."""
+    """05.1: the decision-table row each group's bug breaks (group 2 breaks
+    "overlap-different-start" as well)."""
     return {1: "positions-agree", 2: "same-start", 3: "independent-context"}
 
 
 def ex05_2_kv_ratio(num_requests: int = 16, prefix_tokens: int = 512, private_tokens: int = 63,
                     block_size: int = 16) -> float:
-    """05.2: block-granular shared / isolated KV bytes: the prefix's full blocks once, every other block per request."""
+    """05.2: block-granular shared / isolated KV bytes: the prefix's full blocks once, every other
+    block per request."""
     full = prefix_tokens // block_size
     per_request = cdiv(prefix_tokens + private_tokens, block_size)
     return (full + num_requests * (per_request - full)) / (num_requests * per_request)
 
 
 def ex05_3_position_fix():
-    """05.3: a positions function for ``Engine(..., positions=)`` numbering the computed tokens where they sit."""
+    """05.3: a positions function for ``Engine(..., positions=)`` numbering the computed tokens
+    where they sit."""
     def fixed_positions(item):
         return range(item.start, item.end)  # after the cached prefix, not from 0
 
@@ -144,7 +159,8 @@ def ex05_3_position_fix():
 
 # ----------------------------------------------------------------------------- 06 vLLM side by side
 
-def ex06_1_cached_tokens(prompt_tokens: int = 250, shared_tokens: int = 200, block_size: int = 32) -> int:
+def ex06_1_cached_tokens(prompt_tokens: int = 250, shared_tokens: int = 200,
+                         block_size: int = 32) -> int:
     """06.1: whole blocks of the shared part, never the last prompt token."""
     return min(shared_tokens, prompt_tokens - 1) // block_size * block_size
 
@@ -155,22 +171,25 @@ def ex06_2_ttft_ideal(prompt_tokens: int, cached_tokens: int) -> float:
 
 
 def ex06_3_batch_counts() -> bool:
-    """06.3: True: a block is registered under its hash when it is allocated, so a request admitted in the same
-    step hits it; the step writes every new token's K/V in each layer before attention reads it."""
+    """06.3: True: a block is registered under its hash when it is allocated, so a request admitted
+    in the same step hits it; the step writes every new token's K/V in each layer before attention
+    reads it."""
     return True
 
-# ----------------------------------------------------------------------------- 07 isolation and security
+# ------------------------------------------------------------------------ 07 isolation and security
 def ex07_1_salt_split(public_tokens: int = 40, block_size: int = 16) -> tuple[int, int]:
-    """07.1: the salt enters the first block that extends past the public prefix; only whole public blocks before it
-    are shared. 40 tokens in blocks of 16: blocks 0 and 1 (32 tokens) are whole, block 2 straddles -> (2, 32)."""
+    """07.1: the salt enters the first block that extends past the public prefix; only whole public
+    blocks before it are shared. 40 tokens in blocks of 16: blocks 0 and 1 (32 tokens) are whole,
+    block 2 straddles -> (2, 32)."""
     salted = public_tokens // block_size
     return salted, salted * block_size
 
 
 def ex07_2_prefill_tokens(n_tenants: int = 8, system_tokens: int = 120, question_tokens: int = 10,
                           block_size: int = 16) -> tuple[int, int]:
-    """07.2: with per-tenant salts every tenant prefills its whole prompt; with the public prefix every tenant after
-    the first reuses the system prompt's whole blocks (120 // 16 = 7 blocks = 112 tokens) -> (1040, 256)."""
+    """07.2: with per-tenant salts every tenant prefills its whole prompt; with the public prefix
+    every tenant after the first reuses the system prompt's whole blocks (120 // 16 = 7 blocks = 112
+    tokens) -> (1040, 256)."""
     n = system_tokens + question_tokens
     shared = (system_tokens // block_size) * block_size
     return n_tenants * n, n_tenants * n - (n_tenants - 1) * shared
@@ -183,15 +202,18 @@ def ex07_3_auc(positives, negatives) -> float:
 
 
 def ex09_1_policy(router, request):
-    """Notebook 09: the replica with the largest cached overlap minus its active blocks, ties to the lowest id."""
+    """Notebook 09: the replica with the largest cached overlap minus its active blocks, ties to the
+    lowest id."""
     hashes = router.hashes(request)
-    return max(router.replicas, key=lambda r: (router.index.overlap(r, hashes) - router.active_blocks(r), -r))
+    return max(router.replicas,
+               key=lambda r: (router.index.overlap(r, hashes) - router.active_blocks(r), -r))
 
 
-# ----------------------------------------------------------------------------- 03b reusing the middle
+# --------------------------------------------------------------------------- 03b reusing the middle
 
 def ex03b_1_rerotate(keys, delta: int, theta: float):
-    """03b.1: turn pair (i, i + d/2) of every key by delta * inv_freq[i]: k * cos + rotate_half(k) * sin."""
+    """03b.1: turn pair (i, i + d/2) of every key by delta * inv_freq[i]: k * cos + rotate_half(k) *
+    sin."""
     import torch
 
     from kvlab.engine.rope import inverse_frequencies, rotate_half
@@ -201,9 +223,10 @@ def ex03b_1_rerotate(keys, delta: int, theta: float):
     return keys * angle.cos() + rotate_half(keys) * angle.sin()
 
 
-# ----------------------------------------------------------------------------- 10 is this endpoint sharing?
+# --------------------------------------------------------------------- 10 is this endpoint sharing?
 def ex10_1_min_samples(alpha: float = 1e-3) -> int:
-    """10.1: the smallest exact two-sided KS p-value with n per side is 2 / C(2n, n) (no overlap); 7 for 1e-3."""
+    """10.1: the smallest exact two-sided KS p-value with n per side is 2 / C(2n, n) (no overlap); 7
+    for 1e-3."""
     import math
 
     n = 1
@@ -212,23 +235,28 @@ def ex10_1_min_samples(alpha: float = 1e-3) -> int:
     return n
 
 
-def ex10_2_right_guess_gain(before: int = 100, secret: int = 5, after: int = 40, block_size: int = 32) -> int:
-    """10.2: whole blocks through the known text (145 // 32 = 4 blocks, 128 tokens) minus the whole blocks before
-    the secret (100 // 32 = 3 blocks, 96 tokens) -> 32; with 64-token blocks 128 - 64 = 64."""
+def ex10_2_right_guess_gain(before: int = 100, secret: int = 5, after: int = 40,
+                            block_size: int = 32) -> int:
+    """10.2: whole blocks through the known text (145 // 32 = 4 blocks, 128 tokens) minus the whole
+    blocks before the secret (100 // 32 = 3 blocks, 96 tokens) -> 32; with 64-token blocks 128 - 64
+    = 64."""
     return (before + secret + after) // block_size * block_size - before // block_size * block_size
 
 
-# ----------------------------------------------------------------------------- 11 tiers and transfer
+# ---------------------------------------------------------------------------- 11 tiers and transfer
 
-def ex11_1_worth_pulling(prefix_tokens: int, recompute_per_token: float, copy_per_token: float, fixed: float) -> bool:
-    """Notebook 11: pull when one transfer's fixed cost plus the copy is strictly cheaper than recomputing the prefix."""
+def ex11_1_worth_pulling(prefix_tokens: int, recompute_per_token: float, copy_per_token: float,
+                         fixed: float) -> bool:
+    """Notebook 11: pull when one transfer's fixed cost plus the copy is strictly cheaper than
+    recomputing the prefix."""
     return fixed + copy_per_token * prefix_tokens < recompute_per_token * prefix_tokens
 
 
-# ----------------------------------------------------------------------------- build exercises (01.B, 02.B, 04.B)
+# --------------------------------------------------------------- build exercises (01.B, 02.B, 04.B)
 
 def build_01_decode_step(cache, layer, q, k, v):
-    """01.B: append k, v (B, KVH, 1, D) to cache[layer]; q (B, H, 1, D) attends over every cached position."""
+    """01.B: append k, v (B, KVH, 1, D) to cache[layer]; q (B, H, 1, D) attends over every cached
+    position."""
     import math
 
     import torch
@@ -240,12 +268,14 @@ def build_01_decode_step(cache, layer, q, k, v):
     b, h, _, d = q.shape
     group = h // k.shape[1]  # query heads per KV head
     qg = q.reshape(b, k.shape[1], group, 1, d)  # (B, KVH, group, 1, D)
-    weights = (qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(d)).softmax(-1)  # (B, KVH, group, 1, T)
+    # (B, KVH, group, 1, T)
+    weights = (qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(d)).softmax(-1)
     return (weights @ v[:, :, None]).reshape(b, h, 1, d)
 
 
 def build_02_continue(model, cache, suffix_ids, start_pos, max_new_tokens, stop_ids):
-    """02.B: prefill the suffix at start_pos.. on top of the cache, then one greedy token per step at the next position."""
+    """02.B: prefill the suffix at start_pos.. on top of the cache, then one greedy token per step
+    at the next position."""
     import torch
 
     device = next(model.parameters()).device
@@ -253,7 +283,8 @@ def build_02_continue(model, cache, suffix_ids, start_pos, max_new_tokens, stop_
     with torch.no_grad():
         for _ in range(max_new_tokens):
             positions = torch.arange(pos, pos + len(ids), device=device)[None]  # (1, T)
-            out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, cache=cache,
+            out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions,
+                        cache=cache,
                         use_cache=True)
             pos += len(ids)
             ids = [int(out.logits[0, -1].argmax())]
@@ -264,18 +295,21 @@ def build_02_continue(model, cache, suffix_ids, start_pos, max_new_tokens, stop_
 
 
 def build_04_block_hashes(token_ids, block_size, extra_keys=()):
-    """04.B1: each full block hashed with its parent's hash; the extra keys (fingerprint, salt) in block 0 only."""
+    """04.B1: each full block hashed with its parent's hash; the extra keys (fingerprint, salt) in
+    block 0 only."""
     from kvlab.cache.hashing import hash_block
 
     out, parent = [], None
     for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys if i == 0 else ())
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                            extra_keys if i == 0 else ())
         out.append(parent)
     return out
 
 
 def build_04_take(blocks):
-    """04.B2: the head of the free list (freed longest ago); what it caches is evicted now, lazily."""
+    """04.B2: the head of the free list (freed longest ago); what it caches is evicted now,
+    lazily."""
     b = next(iter(blocks.free))
     del blocks.free[b]
     if blocks.hash_of[b] is not None:
@@ -285,17 +319,20 @@ def build_04_take(blocks):
 
 
 def build_04_free(blocks, seq_id):
-    """04.B2: one reference less per block, tail first; at 0 a cached block joins the tail, an uncached one the head."""
+    """04.B2: one reference less per block, tail first; at 0 a cached block joins the tail, an
+    uncached one the head."""
     for b in reversed(blocks.tables.pop(seq_id)):
         blocks.ref[b] -= 1
         if blocks.ref[b] == 0:
             blocks.free[b] = None  # the tail: evicted last, a later request may still hit it
             if blocks.hash_of[b] is None:
-                blocks.free.move_to_end(b, last=False)  # no hash, never a hit: reuse it first (vLLM's order)
+                # no hash, never a hit: reuse it first (vLLM's order)
+                blocks.free.move_to_end(b, last=False)
 
 
 def build_04_allocate(blocks, seq_id, token_ids, hashes):
-    """04.B3: hit the longest cached prefix (never the last token's block), one more reference per hit, take the rest."""
+    """04.B3: hit the longest cached prefix (never the last token's block), one more reference per
+    hit, take the rest."""
     bs, n, table = blocks.block_size, len(token_ids), []
     for h in hashes[: (n - 1) // bs]:  # the last prompt token is always computed
         b = blocks.lookup(h)
@@ -314,10 +351,11 @@ def build_04_allocate(blocks, seq_id, token_ids, hashes):
     return cached
 
 
-# ----------------------------------------------------------------------------- build exercises 05.B1-B2
+# ------------------------------------------------------------------------- build exercises 05.B1-B2
 
 def build_05_append(blocks, seq_id, token_ids):
-    """05.B1: token_ids ends with the new token: a new block when it starts one; the block it fills is registered."""
+    """05.B1: token_ids ends with the new token: a new block when it starts one; the block it fills
+    is registered."""
     from kvlab.built.nb04 import hash_block
 
     bs, table, n = blocks.block_size, blocks.tables[seq_id], len(token_ids)
@@ -325,9 +363,11 @@ def build_05_append(blocks, seq_id, token_ids):
         table.append(blocks.take())  # the last block was full
     if n % bs == 0:
         parent = blocks.hash_of[table[-2]] if len(table) > 1 else None
-        blocks.register(table[-1], hash_block(parent, token_ids[-bs:]))  # a later request may hit it
+        # a later request may hit it
+        blocks.register(table[-1], hash_block(parent, token_ids[-bs:]))
 
 
 def build_05_slot_mapping(block_table, block_size, start, end):
-    """05.B2: position p's K/V goes to physical block block_table[p // block_size], at offset p % block_size."""
+    """05.B2: position p's K/V goes to physical block block_table[p // block_size], at offset p %
+    block_size."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -1,7 +1,9 @@
-"""The one timing helper of the series (teaching floor): warm-up, interleaved repeats, median with min–max.
+"""The one timing helper of the series (teaching floor): warm-up, interleaved repeats, median with
+min–max.
 
-Words: ranges that do not overlap are a result; overlapping ranges a null result of that size ("no measurable
-saving at 52 tokens"); "re-run" only when they overlap and a spread exceeds ``DISTURBED_SPREAD``."""
+Words: ranges that do not overlap are a result; overlapping ranges a null result of that size ("no
+measurable saving at 52 tokens"); "re-run" only when they overlap and a spread exceeds
+``DISTURBED_SPREAD``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from statistics import median
 from time import perf_counter
 from typing import Any
 
-DISTURBED_SPREAD = 2.0   # a variant's slowest repeat over its fastest above this: the run was disturbed
+# a variant's slowest repeat over its fastest above this: the run was disturbed
+DISTURBED_SPREAD = 2.0
 DISTURBED = "disturbed run — re-run"
 UNEXPLAINED = "a jump the count does not explain"
 
@@ -52,11 +55,13 @@ class Timing:
         return f"{self.name} {self.lo:.3g}–{self.hi:.3g} s"
 
 
-def time_interleaved(variants: Mapping[str, Callable[[], Any] | tuple[Callable[[], Any], Callable[[Any], Any]]],
+def time_interleaved(variants: Mapping[str, Callable[[], Any]
+                                       | tuple[Callable[[], Any], Callable[[Any], Any]]],
                      repeats: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None,
                      clock: Callable[[], float] = perf_counter) -> dict[str, Timing]:
-    """Time several variants of one computation against each other: ``{name: Timing}``. A variant is ``fn`` or
-    ``(setup, fn)`` (setup untimed); ``warmup`` untimed runs, then ``repeats`` rounds in alternating order."""
+    """Time several variants of one computation against each other: ``{name: Timing}``. A variant is
+    ``fn`` or ``(setup, fn)`` (setup untimed); ``warmup`` untimed runs, then ``repeats`` rounds in
+    alternating order."""
     def split(variant):
         return variant if isinstance(variant, tuple) else (None, lambda _: variant())
 
@@ -83,7 +88,8 @@ def time_interleaved(variants: Mapping[str, Callable[[], Any] | tuple[Callable[[
 
 @dataclass(frozen=True)
 class TimingVerdict:
-    """What a measurement says: ``ok`` (a result, maybe with a ``note``), or not ok with a ``flag`` and ``why``."""
+    """What a measurement says: ``ok`` (a result, maybe with a ``note``), or not ok with a ``flag``
+    and ``why``."""
 
     ok: bool
     flag: str = ""
@@ -99,7 +105,8 @@ class TimingVerdict:
 
     @property
     def text(self) -> str:
-        return (f"ok ({self.note})" if self.note else "ok") if self.ok else f"{self.flag}: {self.why}"
+        return ((f"ok ({self.note})" if self.note else "ok") if self.ok
+                else f"{self.flag}: {self.why}")
 
     def says(self, sentence: str) -> str:
         if not self.ok:
@@ -107,7 +114,8 @@ class TimingVerdict:
         return f"{sentence} — {self.note}" if self.note else sentence
 
 
-def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: float = 1.5, *, at: str = "",
+def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: float = 1.5, *,
+                  at: str = "",
                   ideal_is: str = "") -> TimingVerdict:
     """``num / den`` (medians) with its min–max (num.lo / den.hi to num.hi / den.lo), judged."""
     value, lo, hi = num.median / den.median, num.lo / den.hi, num.hi / den.lo
@@ -118,32 +126,37 @@ def ratio_verdict(num: Timing, den: Timing, ideal: float | None = None, high: fl
         if shaken:
             t = max(shaken, key=lambda t: t.spread)
             other = den if t is num else num
-            return TimingVerdict(False, DISTURBED, f"{t.name}'s repeats span x{t.spread:.1f} ({t.lo:.3g}–{t.hi:.3g} s), "
-                                                   f"more than x{DISTURBED_SPREAD:g}, and overlap {other.span}",
+            return TimingVerdict(False, DISTURBED,
+                                 f"{t.name}'s repeats span x{t.spread:.1f} ({t.lo:.3g}–{t.hi:.3g} "
+                                 f"s), more than x{DISTURBED_SPREAD:g}, and overlap {other.span}",
                                  disturbed=True, **found)
         what = "saving" if ideal is not None else "difference"
-        return TimingVerdict(False, f"no measurable {what}{at}", f"the ranges overlap ({num.span} and {den.span})",
+        return TimingVerdict(False, f"no measurable {what}{at}",
+                             f"the ranges overlap ({num.span} and {den.span})",
                              **found)
     note = ""
     described = f" ({ideal_is})" if ideal_is else ""
     if ideal is not None and hi < ideal:
-        note = (f"ratio {value:.3g} ({lo:.3g}–{hi:.3g}) beats the ideal {ideal:.3g}{described} in every repeat: the "
-                "work removed cost more than its share of the time")
+        note = (f"ratio {value:.3g} ({lo:.3g}–{hi:.3g}) beats the ideal {ideal:.3g}{described} in "
+                "every repeat: the work removed cost more than its share of the time")
     elif ideal is not None and value < ideal:
-        note = (f"ratio {value:.3g} under the ideal {ideal:.3g}{described}, which lies inside its range "
-                f"{lo:.3g}–{hi:.3g}: as fast as the ideal, within the spread of the repeats")
+        note = (f"ratio {value:.3g} under the ideal {ideal:.3g}{described}, which lies inside its "
+                f"range {lo:.3g}–{hi:.3g}: as fast as the ideal, within the spread of the repeats")
     elif ideal is not None and value > high:
         note = f"ratio {value:.3g}: {num.name} took longer than {den.name}, not a saving"
     return TimingVerdict(True, note=note, **found)
 
 
-def curve_verdict(sizes: Sequence[float], seconds: Sequence[float | Timing], expected: Sequence[float] | None = None,
+def curve_verdict(sizes: Sequence[float], seconds: Sequence[float | Timing],
+                  expected: Sequence[float] | None = None,
                   jump: float = 3.0) -> TimingVerdict:
-    """A timed curve (one time per size, sizes increasing), judged step by step between neighbours."""
+    """A timed curve (one time per size, sizes increasing), judged step by step between
+    neighbours."""
     sizes = list(sizes)
     timings = [s if isinstance(s, Timing) else None for s in seconds]
     times = [s.median if isinstance(s, Timing) else float(s) for s in seconds]
-    counts = list(expected) if expected is not None else [1.0] * len(sizes)   # no count: a flat curve
+    # no count: a flat curve
+    counts = list(expected) if expected is not None else [1.0] * len(sizes)
     for i in range(len(sizes) - 1):
         grew = times[i + 1] / times[i]
         counted = counts[i + 1] / counts[i]
@@ -157,7 +170,8 @@ def curve_verdict(sizes: Sequence[float], seconds: Sequence[float | Timing], exp
         shaken = [t for t in timings[i:i + 2] if t is not None and t.disturbed]
         if shaken:
             t = max(shaken, key=lambda t: t.spread)
-            return TimingVerdict(False, DISTURBED, f"{why}; the repeats at that size span x{t.spread:.1f} "
+            return TimingVerdict(False, DISTURBED,
+                                 f"{why}; the repeats at that size span x{t.spread:.1f} "
                                                    f"({t.lo:.3g}–{t.hi:.3g} s)", disturbed=True)
         return TimingVerdict(False, UNEXPLAINED, why)
     return TimingVerdict(True)

@@ -16,7 +16,8 @@ from kvlab.engine.trace_replay import TraceRequest, replay_trace
 VOCAB = 32_000
 SYSTEM_PROMPTS = {
     "zh": "你是一个专业的翻译助手，请将以下内容翻译成英文：",
-    "en": "You are a professional translation assistant. Translate the following text into English:",
+    "en": "You are a professional translation assistant. Translate the following text into "
+          "English:",
 }
 
 
@@ -28,7 +29,8 @@ def toy_tokenize(text: str) -> list[int]:
 
 @dataclass(slots=True)
 class Request(TraceRequest):
-    """One prompt, its decode's tokens, a tenant salt, the turn it waits for (``after``) and free-form ``tags``."""
+    """One prompt, its decode's tokens, a tenant salt, the turn it waits for (``after``) and
+    free-form ``tags``."""
 
     tags: dict = field(default_factory=dict)
 
@@ -51,7 +53,8 @@ def shared_prefix_trace(
     for i in range(num_requests):
         k = rng.randrange(len(prefixes))
         prompt = prefixes[k] + _ids(rng, rng.randint(*suffix_len))
-        out.append(Request(f"r{i}", prompt, _ids(rng, rng.randint(*output_len)), tags={"system": k}))
+        out.append(Request(f"r{i}", prompt, _ids(rng, rng.randint(*output_len)),
+                           tags={"system": k}))
     return out
 
 
@@ -77,7 +80,8 @@ def multiturn_trace(
         system = systems[c % num_system_prompts]
         for t in range(turns):
             user = _ids(rng, rng.randint(*user_len))
-            kept = {"full": exchanges, "window": exchanges[-window:] if window else [], "none": []}[history]
+            kept = {"full": exchanges, "window": exchanges[-window:] if window else [],
+                    "none": []}[history]
             prompt = system + [tok for ex in kept for tok in ex] + user
             reply = _ids(rng, rng.randint(*output_len))
             out.append(Request(f"c{c}t{t}", prompt, reply, after=f"c{c}t{t - 1}" if t else None,
@@ -95,14 +99,16 @@ def timestamp_trace(
     output_len: tuple[int, int] = (8, 16),
     seed: int = 0,
 ) -> list[Request]:
-    """One system prompt that carries a per-request timestamp at its ``start``, ``end`` or ``none``."""
+    """One system prompt that carries a per-request timestamp at its ``start``, ``end`` or
+    ``none``."""
     if where not in ("start", "end", "none"):
         raise ValueError(f"where must be start, end or none, got {where!r}")
     rng = random.Random(seed)
     system = _ids(rng, system_len)
     out = []
     for i in range(num_requests):
-        stamp = toy_tokenize(f"Time: {i // 60 % 24:02d}:{i % 60:02d}, 2024-05-{1 + i // 1440:02d}")  # one a minute
+        # one a minute
+        stamp = toy_tokenize(f"Time: {i // 60 % 24:02d}:{i % 60:02d}, 2024-05-{1 + i // 1440:02d}")
         stamp = (stamp + [0] * timestamp_len)[:timestamp_len]
         prompt = {"start": stamp + system, "end": system + stamp, "none": system}[where]
         prompt = prompt + _ids(rng, rng.randint(*suffix_len))
@@ -119,7 +125,8 @@ def realistic_trace(
     """A few shared system prompts (100-1000 tokens), conversations of 1-4 growing turns."""
     rng = random.Random(seed)
     systems = [_ids(rng, rng.randint(100, 1000)) for _ in range(num_system_prompts)]
-    weights = [1 / (k + 1) for k in range(num_system_prompts)]  # a few prompts are much more popular
+    # a few prompts are much more popular
+    weights = [1 / (k + 1) for k in range(num_system_prompts)]
     out = []
     for c in range(num_conversations):
         system = rng.choices(systems, weights)[0]
@@ -127,14 +134,16 @@ def realistic_trace(
         for t in range(rng.randint(*turns)):
             user = _ids(rng, rng.randint(8, 120))
             reply = _ids(rng, rng.randint(8, 64))
-            out.append(Request(f"c{c}t{t}", system + history + user, reply, after=f"c{c}t{t - 1}" if t else None,
+            out.append(Request(f"c{c}t{t}", system + history + user, reply,
+                               after=f"c{c}t{t - 1}" if t else None,
                                tags={"conversation": c, "turn": t}))
             history += user + reply
     return out
 
 
 def replay(manager: CacheManager, requests: list[Request], max_running: int = 16) -> dict:
-    """Replay a trace on the real scheduler (``kvlab.engine.trace_replay``); the cache's stats plus the run's."""
+    """Replay a trace on the real scheduler (``kvlab.engine.trace_replay``); the cache's stats plus
+    the run's."""
     t0 = time.perf_counter()
     run = replay_trace(manager, requests, max_num_seqs=max_running)
     seconds = time.perf_counter() - t0
@@ -153,7 +162,8 @@ def replay(manager: CacheManager, requests: list[Request], max_running: int = 16
 
 
 def block_size_sweep(
-    requests: list[Request], block_sizes: Iterable[int], capacity_tokens: int, max_running: int = 16, **kw
+    requests: list[Request], block_sizes: Iterable[int], capacity_tokens: int,
+    max_running: int = 16, **kw
 ) -> list[dict]:
     """Replay one trace at several block sizes with the same KV capacity in tokens."""
     rows = []
@@ -166,10 +176,12 @@ def block_size_sweep(
 
 # The article's translation requests (section 3.5), with English versions beside them.
 ARTICLE_QUESTIONS = {"zh": ["今天天气很好。", "今天天气很好。", "明天会下雨吗？"],
-                     "en": ["The weather is nice today.", "The weather is nice today.", "Will it rain tomorrow?"]}
+                     "en": ["The weather is nice today.", "The weather is nice today.",
+                            "Will it rain tomorrow?"]}
 
 
-def three_requests(block_size: int = 4, num_blocks: int = 24, lang: str = "zh", decode: int = 3, **kw):
+def three_requests(block_size: int = 4, num_blocks: int = 24, lang: str = "zh", decode: int = 3,
+                   **kw):
     """Step the article's three translation requests through a fresh manager."""
     m = BlockManager(num_blocks, block_size, **kw)
     system = toy_tokenize(SYSTEM_PROMPTS[lang])

@@ -39,7 +39,8 @@ def _aligned_preamble(tokenizer: Any, seed: int, block_size: int, split: str) ->
     raise RuntimeError(f"no block-aligned preamble found for seed {seed}; try another block size")
 
 
-def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int = 0, questions: int = 3,
+def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int = 0,
+                questions: int = 3,
                 block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int = 12) -> dict[int, Workload]:
     """The article's three groups as passphrase workloads: ``{1: Workload, 2: ..., 3: ...}``."""
     groups: dict[int, Workload] = {}
@@ -50,11 +51,13 @@ def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int =
             ex = P.make_example(seed, split, history="none")
             asked = P.with_question(ex, _questions(ex.lang)[(seed + q) % 4])
             prompts.append(_encode(tokenizer, asked.prompt_text))
-            meta.append({"group": 1, "seed": seed, "role": "served", "expected": ex.answer, "lang": ex.lang,
+            meta.append({"group": 1, "seed": seed, "role": "served", "expected": ex.answer,
+                         "lang": ex.lang,
                          "question": q, "prefix_tokens": len(_encode(tokenizer, ex.prefix_text))})
     groups[1] = Workload("seed-groups/1", prompts, max_tokens, meta)
 
-    # group 2: donor A = [extra system turn] + B's whole text; served B starts where A's overlap starts
+    # group 2: donor A = [extra system turn] + B's whole text; served B starts where A's overlap
+    # starts
     prompts, meta = [], []
     donors = {}
     for seed in range(start, start + n):
@@ -62,15 +65,18 @@ def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int =
         b = _encode(tokenizer, ex.prompt_text)
         pre = _aligned_preamble(tokenizer, seed, block_size, split)
         a = pre + b
-        assert _encode(tokenizer, tokenizer.decode(pre) + ex.prompt_text) == a, "A must tokenize as pre + B"
+        assert _encode(tokenizer,
+                       tokenizer.decode(pre) + ex.prompt_text) == a, "A must tokenize as pre + B"
         donors[seed] = len(prompts)
         prompts.append(a)
-        meta.append({"group": 2, "seed": seed, "role": "donor", "expected": ex.answer, "lang": ex.lang,
+        meta.append({"group": 2, "seed": seed, "role": "donor", "expected": ex.answer,
+                     "lang": ex.lang,
                      "offset": len(pre)})
     for seed in range(start, start + n):
         ex = P.make_example(seed, split, history="none")
         prompts.append(_encode(tokenizer, ex.prompt_text))
-        meta.append({"group": 2, "seed": seed, "role": "served", "expected": ex.answer, "lang": ex.lang,
+        meta.append({"group": 2, "seed": seed, "role": "served", "expected": ex.answer,
+                     "lang": ex.lang,
                      "donor": donors[seed], "offset": meta[donors[seed]]["offset"]})
     groups[2] = Workload("seed-groups/2", prompts, max_tokens, meta)
 
@@ -81,7 +87,8 @@ def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int =
         a = P.make_example(seed, split, lang=lang, history="update")
         b = P.make_example(seed, split, lang=lang, history="chat" if seed % 3 == 0 else "none")
         assert a.system == b.system and a.answer != b.answer
-        history_a = "".join(P.chatml("user", t.user) + P.chatml("assistant", t.assistant) for t in a.turns[:-1])
+        history_a = "".join(P.chatml("user", t.user) + P.chatml("assistant", t.assistant)
+                            for t in a.turns[:-1])
         question_b = P.chatml("user", b.turns[-1].user) + P.IM_START + "assistant\n"
         beyond = _encode(tokenizer, a.prefix_text + history_a) + _encode(tokenizer, question_b)
         prefix = len(_encode(tokenizer, a.prefix_text))
@@ -90,7 +97,8 @@ def seed_groups(tokenizer: Any, n: int = 8, split: str = "heldout", start: int =
                      "history": "update", "prefix_tokens": prefix})
         prompts.append(_encode(tokenizer, b.prompt_text))
         meta.append({"group": 3, "seed": seed, "role": "served", "expected": b.answer, "lang": lang,
-                     "history": b.extra["history"], "prefix_tokens": prefix, "beyond_prompt": beyond,
+                     "history": b.extra["history"], "prefix_tokens": prefix,
+                     "beyond_prompt": beyond,
                      "other_answer": a.answer})
     groups[3] = Workload("seed-groups/3", prompts, max_tokens, meta)
     return groups
