@@ -127,9 +127,9 @@ def render_text(data: dict) -> str:
                 f"     this fix alone on the log as logged: {pct(base)} -> "
                 f"{pct(c['alone'][k]['hit_rate'])}"
             )
-        out += [f"     the log with this fix and the ones above: {c['fixed_log']}"] * bool(
-            c["fixed_log"]
-        )
+        out += [
+            f"     the log with this fix and the ones above: {c['fixed_log']}"
+        ] * bool(c["fixed_log"])
     out += [
         f"  candidates checked and dropped (fixing them saves less than {pct(data['min_effect'])} "
         "of the prompt tokens' prefill, unbounded cache):"
@@ -203,8 +203,8 @@ def render_html(data: dict, figs: dict[str, Path]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>kvlab doctor: "
         f"{e(data['source'])}</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;line-height:1.4}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px "
-        "8px;text-align:right}"
+        "table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
         "td.l,th.l{text-align:left}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}"
         ".diff{background:#fde2e2}</style></head><body>",
         f"<h1>Why is my hit rate low?</h1><p>log <code>{e(data['source'])}</code>, tokenizer and "
@@ -301,14 +301,13 @@ def _html_findings(data: dict, figs: dict[str, Path], e, k: str, tf: str | None)
         parts += [f"<li>{e(c['title'])}: {e(_dropped(c))}</li>" for c in weak] + ["</ul>"]
     if info:
         parts.append("<h3>Evidence only (no automatic rewrite)</h3><ul>")
-        parts += [f"<li>{e(c['title'])}: {e('; '.join(c['evidence'][:3]))}</li>" for c in info] + [
-            "</ul>"
-        ]
+        parts += [
+            f"<li>{e(c['title'])}: {e('; '.join(c['evidence'][:3]))}</li>" for c in info
+        ] + ["</ul>"]
     if len(data["chain"]) > 1:
         cap = k == "capacity"
-        parts += ["<h2>All fixes, one after the other</h2>"] + ["<img src='fixes.png'>"] * (
-            "fixes" in figs
-        )
+        parts += ["<h2>All fixes, one after the other</h2>"]
+        parts += ["<img src='fixes.png'>"] * ("fixes" in figs)
         parts.append("<table>" + _row("step", "hit rate (unbounded)", "prefill tokens", *(
             ("hit rate (capacity)", "prefill tokens") if cap else ()), th=True, left=(0,)))
         parts += [

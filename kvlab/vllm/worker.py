@@ -331,9 +331,8 @@ def block_pool_replay(
             promised = sum(
                 need(r) - cdiv(req.num_computed_tokens) for r, req, _ in running.values()
             )
-            if pool.get_num_free_blocks() - promised - sum(need(r) for r in queued) < need(
-                ready[0]
-            ):
+            free = pool.get_num_free_blocks() - promised
+            if free - sum(need(r) for r in queued) < need(ready[0]):
                 break
             queued.append(ready.popleft())
         steps += 1

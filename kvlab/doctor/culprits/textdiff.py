@@ -46,9 +46,9 @@ def stable_key(common: str, unit: str) -> str:
     """Cut the common start of two lines back to where the value begins ("Customer: Ali" ->
     "Customer: ")."""
     # the mirror image of trimming a suffix: reversed, a cut word is one that goes on in ``unit``
-    return trim_value_start(common[::-1], lambda r: len(r) < len(unit) and unit[len(r)].isalnum())[
-        ::-1
-    ]
+    return trim_value_start(
+        common[::-1], lambda r: len(r) < len(unit) and unit[len(r)].isalnum()
+    )[::-1]
 
 
 def common_suffix(values: list[str], judged: list[str] | None = None) -> str:
