@@ -24,7 +24,7 @@ from kvlab.prefix import PrefixKV, continue_from_cache
 
 # --- 03b_reusing_the_middle.ipynb, cell 5 ---
 def chunk_key(scope: str, fingerprint: str, ids: Sequence[int]) -> str:
-    """A chunk's key: sha256 over the tenant's scope, the model's fingerprint and the chunk's own token ids."""
+    """A chunk's key: sha256 of the tenant's scope, model fingerprint and the chunk's token ids."""
     h = hashlib.sha256(f"{scope}|{fingerprint}|".encode())
     h.update(",".join(map(str, ids)).encode())
     return h.hexdigest()
@@ -39,7 +39,7 @@ Pieces = list[tuple[list[int], bool]]
 
 @dataclass(frozen=True)
 class RagRequest:
-    """One request: ``pieces`` (ids, reuse?) = system prompt, passages, question; the passphrase to answer."""
+    """One request: ``pieces`` (ids, reuse?) = system prompt, passages, question; the answer."""
 
     docset: int
     pieces: Pieces
@@ -58,8 +58,8 @@ class RagRequest:
         return len(self.pieces[0][0])
 
 
-def passages(seed: int, n_distractors: int = 4, real: bool = False) -> tuple[str, list[str], str, str]:
-    """(passphrase, passages, language, question) of one document set; passage 0 states the passphrase."""
+def passages(seed: int, n_distractors=4, real=False) -> tuple[str, list[str], str, str]:
+    """(passphrase, passages, language, question) of a docset; passage 0 states the passphrase."""
     rng = random.Random(f"kvlab-blend:{seed}")
     ex = P.make_example(seed, "heldout", lang="en" if real else None, history="none")
     pool = P.FILLER_EN if real else P.FILLER_ZH + P.FILLER_EN
@@ -69,30 +69,32 @@ def passages(seed: int, n_distractors: int = 4, real: bool = False) -> tuple[str
     answer_lines.insert(rng.randint(0, len(answer_lines)), state)
     sep = " " if real else "\n"
     docs = [sep.join(answer_lines) + "\n"]
-    docs += [sep.join(rng.choice(pool) for _ in range(rng.randint(2, 3))) + "\n" for _ in range(n_distractors)]
-    question = P.REAL_QUESTIONS[0] if real else rng.choice(P.ASK_ZH if ex.lang == "zh" else P.ASK_EN)
-    return ex.passphrase, docs, ex.lang, question
+    for _ in range(n_distractors):
+        docs.append(sep.join(rng.choice(pool) for _ in range(rng.randint(2, 3))) + "\n")
+    query = P.REAL_QUESTIONS[0] if real else rng.choice(P.ASK_ZH if ex.lang == "zh" else P.ASK_EN)
+    return ex.passphrase, docs, ex.lang, query
 
 
 def _frame(tokenizer: Any, lang: str, question: str, real: bool) -> tuple[str, str]:
-    """(text before the passages, text after them) for the bundled model's ChatML or a chat template."""
+    """(text before the passages, text after) for the bundled model's ChatML or a chat template."""
     if not real:
         zh = lang == "zh"
         head = P.IM_START + "system\n" + (P.FILLER_ZH[1] if zh else P.FILLER_EN[0]) + "\n"
-        closing = P.FILLER_ZH[17] if zh else P.FILLER_EN[-1]  # "the system prompt ends here"
-        return head, closing + P.IM_END + "\n" + P.chatml("user", question) + P.IM_START + "assistant\n"
+        end = P.FILLER_ZH[17] if zh else P.FILLER_EN[-1]  # "the system prompt ends here"
+        return head, end + P.IM_END + "\n" + P.chatml("user", question) + P.IM_START + "assistant\n"
     marker = "\x00PASSAGES\x00"
     text = tokenizer.apply_chat_template([{"role": "system", "content": marker},
                                           {"role": "user", "content": question}],
                                          add_generation_prompt=True, tokenize=False)
-    at = text.index(marker)
-    head = text[:at] + "You are a helpful assistant. Read the documents below.\n"
-    tail = "If asked for the passphrase, answer with exactly the passphrase." + text[at + len(marker):]
+    before, after = text.split(marker)  # ValueError unless the template kept the marker
+    head = before + "You are a helpful assistant. Read the documents below.\n"
+    tail = "If asked for the passphrase, answer with exactly the passphrase." + after
     return head, tail
 
 
-def rag_requests(tokenizer: Any, docsets: Sequence[int], per_docset: int = 4, real: bool = False) -> list[RagRequest]:
-    """``per_docset`` requests per document set: the passphrase passage and 1-3 others, shuffled per request."""
+def rag_requests(tokenizer: Any, docsets: Sequence[int], per_docset: int = 4,
+                 real: bool = False) -> list[RagRequest]:
+    """``per_docset`` requests per document set: the passphrase passage and 1-3 others, shuffled."""
     out = []
     for seed in docsets:
         passphrase, docs, lang, question = passages(seed, real=real)
@@ -101,7 +103,8 @@ def rag_requests(tokenizer: Any, docsets: Sequence[int], per_docset: int = 4, re
         for _ in range(per_docset):
             chosen = [0] + rng.sample(range(1, len(docs)), rng.randint(1, 3))
             rng.shuffle(chosen)
-            pieces = [(encode(tokenizer, head), False)] + [(encode(tokenizer, docs[i]), True) for i in chosen]
+            pieces = [(encode(tokenizer, head), False)]
+            pieces += [(encode(tokenizer, docs[i]), True) for i in chosen]
             pieces.append((encode(tokenizer, tail), False))
             text = head + "".join(docs[i] for i in chosen) + tail
             whole = [t for ids, _ in pieces for t in ids] == encode(tokenizer, text)
@@ -111,7 +114,7 @@ def rag_requests(tokenizer: Any, docsets: Sequence[int], per_docset: int = 4, re
 
 # --- 03b_reusing_the_middle.ipynb, cell 14 ---
 def as_cache(model, layers) -> DynamicCache:
-    """A Hugging Face cache holding ``(keys, values)`` per layer, each (1, kv_heads, seq, head_dim)."""
+    """An HF cache holding ``(keys, values)`` per layer, each (1, kv_heads, seq, head_dim)."""
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(layers):
         cache.update(k, v, i)
@@ -119,7 +122,7 @@ def as_cache(model, layers) -> DynamicCache:
 
 
 def fetch_moved(chunks, pieces, tenant=None):
-    """(a) The reused pieces' prompt positions, their K/V per layer with the keys moved there, the miss seconds."""
+    """(a) Reused pieces' prompt positions, their K/V per layer (keys moved there), miss seconds."""
     reused, parts, miss, pos = [], [], 0.0, 0
     for ids, reuse in pieces:
         if reuse and ids:
@@ -127,7 +130,8 @@ def fetch_moved(chunks, pieces, tenant=None):
             entry = chunks.compute(ids, tenant)   # a hit, or the chunk computed alone once
             miss += entry.build_seconds if chunks.misses > misses else 0.0
             delta = pos - entry.start             # from where it was computed to where it sits now
-            parts.append([(B.rerotate_keys(k, delta, chunks.theta, chunks.rotary_dim), v) for k, v in entry.layers])
+            parts.append([(B.rerotate_keys(k, delta, chunks.theta, chunks.rotary_dim), v)
+                          for k, v in entry.layers])
             reused += range(pos, pos + len(ids))
         pos += len(ids)
     layers = [(torch.cat([p[i][0] for p in parts], 2), torch.cat([p[i][1] for p in parts], 2))
@@ -136,9 +140,11 @@ def fetch_moved(chunks, pieces, tenant=None):
 
 
 @torch.no_grad()
-def blend_prefill(chunks, pieces, recompute: float, *, tenant=None, prefix=None, select_layer: int = 1) -> B.Blend:
-    """Prefill ``pieces`` [(text or ids, reuse?)]: reused ones from the chunk cache, ``recompute`` of their tokens (farthest
-    from the truth at ``select_layer``) computed again; ``prefix``: an exact ``PrefixKV``, never recomputed."""
+def blend_prefill(chunks, pieces, recompute: float, *, tenant=None, prefix=None,
+                  select_layer: int = 1) -> B.Blend:
+    """Prefill ``pieces`` [(text or ids, reuse?)]: reused ones from the chunk cache, ``recompute``
+    of their tokens (farthest from the truth at ``select_layer``) computed again; ``prefix``: an
+    exact ``PrefixKV``, never recomputed."""
     model = chunks.model
     pieces = [(encode(chunks.tokenizer, p), bool(reuse)) for p, reuse in pieces]
     ids = [t for p, _ in pieces for t in p]
@@ -148,43 +154,48 @@ def blend_prefill(chunks, pieces, recompute: float, *, tenant=None, prefix=None,
     reused, moved, miss = fetch_moved(chunks, pieces, tenant)                             # (a)
     count, deviation, t_sel = round(recompute * len(reused)), None, time.perf_counter()
     if 0 < count < len(reused):                                                          # (b)
-        k_true, v_true = B.true_kv_at(model, ids, select_layer, prefix)  # (1, kv_heads, N - m, head_dim)
+        k_true, v_true = B.true_kv_at(model, ids, select_layer, prefix)  # (1, kv_heads, N - m, D)
         at = torch.tensor(reused, device=device) - m
         k_used, v_used = moved[select_layer]
-        deviation = ((k_true[:, :, at] - k_used).float().pow(2).sum((0, 1, 3))
-                     + (v_true[:, :, at] - v_used).float().pow(2).sum((0, 1, 3))).sqrt()  # (len(reused),)
+        deviation = ((k_true[:, :, at] - k_used).float().pow(2).sum((0, 1, 3))  # (len(reused),)
+                     + (v_true[:, :, at] - v_used).float().pow(2).sum((0, 1, 3))).sqrt()
         picked = sorted(torch.topk(deviation, count).indices.tolist())
     else:
         picked = list(range(count))  # none, or all of them
     t_sel = time.perf_counter() - t_sel
-    kept = [i for i in range(len(reused)) if i not in set(picked) and reused[i] != len(ids) - 1]   # (c)
+    kept = [i for i in range(len(reused)) if i not in picked and reused[i] != len(ids) - 1]   # (c)
     kept_pos = list(range(m)) + [reused[i] for i in kept]
     computed = sorted(set(range(m, len(ids))) - set(kept_pos))
     layers = []
     for i in range(model.config.num_hidden_layers):
-        ks = ([prefix.cache.layers[i].keys] if prefix is not None else []) + ([moved[i][0][:, :, kept]] if kept else [])
-        vs = ([prefix.cache.layers[i].values] if prefix is not None else []) + ([moved[i][1][:, :, kept]] if kept else [])
+        pre = [prefix.cache.layers[i]] if prefix is not None else []
+        ks = [p.keys for p in pre] + ([moved[i][0][:, :, kept]] if kept else [])
+        vs = [p.values for p in pre] + ([moved[i][1][:, :, kept]] if kept else [])
         if ks:
             layers.append((torch.cat(ks, 2), torch.cat(vs, 2)))
-    q_pos, key_pos = torch.tensor(computed, device=device), torch.tensor(kept_pos + computed, device=device)
+    q_pos = torch.tensor(computed, device=device)
+    key_pos = torch.tensor(kept_pos + computed, device=device)
     mask = None  # the default causal mask is right when every computed token follows every kept one
     if kept_pos != list(range(len(kept_pos))) or computed != list(range(len(kept_pos), len(ids))):
         mask = torch.zeros(len(computed), len(key_pos), dtype=dtype, device=device)
-        mask = mask.masked_fill(key_pos[None, :] > q_pos[:, None], torch.finfo(dtype).min)[None, None]
+        mask = mask.masked_fill(key_pos[None] > q_pos[:, None], torch.finfo(dtype).min)[None, None]
     t_fwd = time.perf_counter()
-    out = model(input_ids=torch.tensor([[ids[p] for p in computed]], device=device), position_ids=q_pos[None],
-                cache=as_cache(model, layers), attention_mask=mask, use_cache=True, logits_to_keep=1)
+    new_ids = torch.tensor([[ids[p] for p in computed]], device=device)
+    out = model(input_ids=new_ids, position_ids=q_pos[None], cache=as_cache(model, layers),
+                attention_mask=mask, use_cache=True, logits_to_keep=1)
     synchronize(device)
     t1 = time.perf_counter()
     order = torch.argsort(key_pos)                                                       # (d)
-    cache = as_cache(model, [(lay.keys[:, :, order], lay.values[:, :, order]) for lay in out.cache.layers])
+    cache = as_cache(model, [(lay.keys[:, :, order], lay.values[:, :, order])
+                             for lay in out.cache.layers])
     seconds = {"select": t_sel, "prefill": t1 - t_fwd, "ttft": t1 - t0 - miss, "miss": miss}
-    return B.Blend(ids, out.logits[0, -1], cache, reused, [reused[i] for i in picked], deviation, seconds)
+    return B.Blend(ids, out.logits[0, -1], cache, reused, [reused[i] for i in picked], deviation,
+                   seconds)
 
 
 @torch.no_grad()
 def blend_generate(chunks, pieces, recompute: float, *, max_new_tokens: int = 32, **kw) -> B.Blend:
-    """``blend_prefill``, then greedy decoding on its cache; the generated ids are in ``.token_ids``."""
+    """``blend_prefill``, then greedy decoding on its cache; the generated ids in ``.token_ids``."""
     b = blend_prefill(chunks, pieces, recompute, **kw)
     stop = eos_ids(chunks.model, chunks.tokenizer)
     b.token_ids = [int(b.logits.argmax())]
@@ -202,8 +213,9 @@ def full_pieces(pieces: Pieces) -> Pieces:
 
 
 @torch.no_grad()
-def layer_deviation(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float]) -> Any:
-    """Relative error of the reused tokens' K and V per layer against a full prefill, per recompute share."""
+def layer_deviation(chunks: B.ChunkCache, requests: Sequence[RagRequest],
+                    ratios: Sequence[float]) -> Any:
+    """Relative error of reused tokens' K and V per layer vs a full prefill, per recompute share."""
     import pandas as pd
 
     rows = []
@@ -215,8 +227,9 @@ def layer_deviation(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios
             for layer, (x, y) in enumerate(zip(b.cache.layers, ref.layers)):
                 for name, got, want in (("K", x.keys, y.keys), ("V", x.values, y.values)):
                     got, want = got[:, :, at], want[:, :, at]
+                    err = float((got - want).norm() / want.norm().clamp(min=1e-12))
                     rows.append({"request": i, "r": r, "layer": layer, "tensor": name,
-                                 "relative error": float((got - want).norm() / want.norm().clamp(min=1e-12))})
+                                 "relative error": err})
     return pd.DataFrame(rows)
 
 
@@ -228,7 +241,7 @@ def deviation_table(dev: Any, tensor: str = "K") -> Any:
 
 # --- 03b_reusing_the_middle.ipynb, cell 21 ---
 def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """KL(reference || other) in nats between the softmax of two logit vectors (vocab,); float rounding clipped at 0."""
+    """KL(reference || other) in nats of two logit vectors' (vocab,) softmaxes, clipped at 0."""
     p = torch.log_softmax(reference.float(), -1)
     q = torch.log_softmax(other.float(), -1)
     return max(0.0, float((p.exp() * (p - q)).sum()))
@@ -239,32 +252,36 @@ def _recall(real: bool) -> Callable[[str, str], bool]:
 
 
 @torch.no_grad()
-def run_quality(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float] = RATIOS,
+def run_quality(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios=RATIOS,
                 real: bool = False, tenant: str | None = None, progress: bool = False) -> Any:
-    """Each request at each recompute share vs its full prefill: identical, agreement, recall, first-token KL."""
+    """Per request and share vs the full prefill: identical, agreement, recall, first-token KL."""
     import pandas as pd
 
     tok, rows, prefixes = chunks.tokenizer, [], {}
     max_new = REAL_MAX_NEW_TOKENS if real else MAX_NEW_TOKENS
     for i, req in enumerate(progress_bar(requests, progress, "requests")):
         ref = blend_generate(chunks, full_pieces(req.pieces), 1.0, max_new_tokens=max_new)
+        ref_text = tok.decode(ref.token_ids, skip_special_tokens=True)
         head = tuple(req.pieces[0][0])
         prefix = prefixes.setdefault(head, PrefixKV.build(chunks.model, tok, list(head)))
         for r in ratios:
-            b = blend_generate(chunks, req.pieces, r, tenant=tenant, prefix=prefix, max_new_tokens=max_new)
+            b = blend_generate(chunks, req.pieces, r, tenant=tenant, prefix=prefix,
+                               max_new_tokens=max_new)
             text = tok.decode(b.token_ids, skip_special_tokens=True)
             rows.append({"request": i, "docset": req.docset, "passages": len(req.order), "r": r,
                          "prompt tokens": len(b.prompt_ids), "reused tokens": len(b.reused),
-                         "recomputed tokens": len(b.recomputed), "identical": b.token_ids == ref.token_ids,
+                         "recomputed tokens": len(b.recomputed),
+                         "identical": b.token_ids == ref.token_ids,
                          "agreement": token_agreement(ref.token_ids, b.token_ids),
                          "recalled": _recall(real)(text, req.answer),
-                         "full recalled": _recall(real)(tok.decode(ref.token_ids, skip_special_tokens=True), req.answer),
-                         "KL": kl_divergence(ref.logits, b.logits), "answer": P.normalize_answer(text)})
+                         "full recalled": _recall(real)(ref_text, req.answer),
+                         "KL": kl_divergence(ref.logits, b.logits),
+                         "answer": P.normalize_answer(text)})
     return pd.DataFrame(rows)
 
 
 def quality_table(quality: Any) -> Any:
-    """Per recompute share: requests, identical, agreement, recall, mean and max KL, tokens recomputed."""
+    """Per share: requests, identical, agreement, recall, mean/max KL, tokens recomputed."""
     g = quality.groupby("r")
     out = g[["identical", "agreement", "recalled"]].mean()
     out.insert(0, "requests", g.size())
@@ -283,20 +300,22 @@ def ttft_methods(ratios: Sequence[float]) -> list[str]:
 @torch.no_grad()
 def run_ttft(chunks: B.ChunkCache, requests: Sequence[RagRequest], ratios: Sequence[float] = RATIOS,
              repeats: int = 3, progress: bool = False) -> Any:
-    """Seconds to the first token's logits per request and method, by ``time_interleaved`` (warm-ups fill the cache)."""
+    """First-token seconds per request and method by ``time_interleaved``; warm-ups fill caches."""
     import pandas as pd
 
     rows, names = [], ttft_methods(ratios)
     for i, req in enumerate(progress_bar(requests, progress, "TTFT")):
         prefix = PrefixKV.build(chunks.model, chunks.tokenizer, req.pieces[0][0])
         full = full_pieces(req.pieces)
-        runs = {names[0]: (full, 1.0, None), names[1]: (full, 1.0, prefix)}  # (pieces, r, prefix cache)
+        runs = {names[0]: (full, 1.0, None), names[1]: (full, 1.0, prefix)}  # (pieces, r, prefix)
         runs.update({name: (req.pieces, r, prefix) for name, r in zip(names[2:], ratios)})
         t = time_interleaved({name: lambda a=a: blend_prefill(chunks, a[0], a[1], prefix=a[2])
                               for name, a in runs.items()}, repeats=repeats)
-        rows += [{"request": i, "method": name, "prompt tokens": len(req.prompt_ids),
-                  "computed tokens": len(req.prompt_ids) - (len(req.pieces[0][0]) if runs[name][2] else 0),
-                  "runs_s": t[name].seconds, "select_s": t[name].result.seconds["select"]} for name in names]
+        n, head = len(req.prompt_ids), len(req.pieces[0][0])
+        rows += [{"request": i, "method": name, "prompt tokens": n,
+                  "computed tokens": n - (head if runs[name][2] else 0),
+                  "runs_s": t[name].seconds, "select_s": t[name].result.seconds["select"]}
+                 for name in names]
     return pd.DataFrame(rows)
 
 
@@ -307,14 +326,14 @@ def ttft_timings(ttft: Any) -> dict[str, Timing]:
 
 
 def ttft_table(ttft: Any) -> Any:
-    """Per method: TTFT per request (median, min–max) and the ``ratio_verdict`` to a full prefill the sentences print."""
+    """Per method: TTFT per request (median, min–max), its ``ratio_verdict`` to a full prefill."""
     import pandas as pd
 
     timings, select = ttft_timings(ttft), ttft.groupby("method", sort=False)["select_s"].mean()
     rows = {}
     for method, t in timings.items():
         v = ratio_verdict(t, timings["full prefill"])
-        rows[method] = {"median TTFT ms": 1000 * t.median, "min ms": 1000 * t.lo, "max ms": 1000 * t.hi,
-                        "vs full prefill": v.value, "ratio lo": v.lo, "ratio hi": v.hi,
-                        "selection ms": 1000 * select[method]}
+        rows[method] = {"median TTFT ms": 1000 * t.median, "min ms": 1000 * t.lo,
+                        "max ms": 1000 * t.hi, "vs full prefill": v.value, "ratio lo": v.lo,
+                        "ratio hi": v.hi, "selection ms": 1000 * select[method]}
     return pd.DataFrame(rows).T
