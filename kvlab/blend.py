@@ -63,8 +63,8 @@ def rotary_spec(config: Any) -> tuple[float, int]:
         raise ChunkReuseError(
             "reusing a chunk at another offset re-rotates its cached keys, which needs rotary "
             f"position embeddings (RoPE); model type {kind!r} is not one of the RoPE models this "
-            f"is checked on {ROPE_MODEL_TYPES} (absolute or ALiBi positions cannot be moved by "
-            "rotating keys)"
+            f"is checked on {ROPE_MODEL_TYPES} (absolute or ALiBi positions cannot be moved "
+            "by rotating keys)"
         )
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ChunkReuseError(
@@ -287,8 +287,8 @@ def _check_prefix(
     k = prefix.cache.layers[0].keys
     if prefix.fingerprint != chunks.fingerprint or k.device != device or k.dtype != dtype:
         raise ChunkReuseError(
-            "the prefix cache was built by another model, tokenizer, device or dtype than the "
-            "chunk cache"
+            "the prefix cache was built by another model, tokenizer, "
+            "device or dtype than the chunk cache"
         )
     if prefix.seq_length() != len(prefix) or tuple(ids[:len(prefix)]) != prefix.token_ids:
         raise ChunkReuseError(
@@ -395,8 +395,8 @@ def blend_prefill(
     if not 1 <= select_layer < model.config.num_hidden_layers:
         raise ValueError(
             f"select_layer must be in 1 .. {model.config.num_hidden_layers - 1}: layer 0's K/V "
-            "depend only on token and position, so re-rotated chunks are exact there; got "
-            f"{select_layer}"
+            "depend only on token and position, so re-rotated chunks are exact there; "
+            f"got {select_layer}"
         )
     encoded = [(encode(chunks.tokenizer, piece), bool(reuse)) for piece, reuse in pieces]
     ids = [t for p, _ in encoded for t in p]

@@ -117,8 +117,8 @@ class PrefixKV:
         if fp != self.fingerprint:
             raise PrefixMismatchError(
                 "this PrefixKV was built by another model or tokenizer (fingerprint "
-                f"{self.fingerprint}, this model/tokenizer is {fp}); build a new PrefixKV with "
-                "this model"
+                f"{self.fingerprint}, this model/tokenizer is {fp}); "
+                "build a new PrefixKV with this model"
             )
         if self.seq_length() != len(self.token_ids):
             raise PrefixMismatchError(

@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--levels",
         nargs="+",
         default=None,
-        help="names of the levels of the attacker keys after the first (default: key 2, key 3, "
-             "...)",
+        help="names of the levels of the attacker keys after the first (default: key 2, "
+             "key 3, ...)",
     )
     ap.add_argument(
         "--model", default=None, help="model name (default: the first that /v1/models lists)"

@@ -75,8 +75,8 @@ class AuditConfig:
             value = getattr(self, name)
             if type(value) is not int or not low <= value <= high:
                 raise ValueError(
-                    f"{name} (--{name.replace('_', '-')}) must be an int in [{low}, {high:,}], got "
-                    f"{value!r}"
+                    f"{name} (--{name.replace('_', '-')}) must be an int in [{low}, {high:,}], "
+                    f"got {value!r}"
                 )
         if not 0.0 <= self.prefix_fraction <= 1.0:
             raise ValueError(f"prefix_fraction must be in [0, 1], got {self.prefix_fraction!r}")

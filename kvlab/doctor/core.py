@@ -226,8 +226,8 @@ def diagnose(
     tenants = tenant_salts(prep, tenant_field)
     if tenants is not None and None in tenants:
         notes.append(
-            f"{tenants.count(None)} requests have no {tenant_field!r} field: they are replayed "
-            "without a salt"
+            f"{tenants.count(None)} requests have no {tenant_field!r} field: "
+            "they are replayed without a salt"
         )
     div = _timed(timings, "divergence", divergence, prep.tokens)
     meter = Meter(bs, caps[bs], concurrency, tenant_field)

@@ -209,8 +209,8 @@ def render_html(data: dict, figs: dict[str, Path]) -> str:
         ".diff{background:#fde2e2}</style></head><body>",
         f"<h1>Why is my hit rate low?</h1><p>log <code>{e(data['source'])}</code>, tokenizer and "
         f"chat template <code>{e(data['model'])}</code>: {data['lines']} lines, {data['requests']} "
-        f"requests replayed, <b>{len(data['malformed'])} malformed</b> (skipped, listed at the "
-        "end)."
+        f"requests replayed, <b>{len(data['malformed'])} malformed</b> (skipped, "
+        "listed at the end)."
         + (
             f" Prompt tokens: {pt['total']} in all, mean {pt['mean']:.0f}, max {pt['max']}."
             if data["requests"]

@@ -89,15 +89,15 @@ TENANTS = {
     "acme": (
         "Acme Outdoor",
         "sells tents, backpacks and stoves online in the EU",
-        "Returns within 30 days, unused, with the receipt. Refund limit for the assistant: 150 "
-        "EUR.",
+        "Returns within 30 days, unused, with the receipt. "
+        "Refund limit for the assistant: 150 EUR.",
         "Support hours: 08:00-20:00 CET, Monday to Saturday.",
     ),
     "globex": (
         "Globex Mobile",
         "is a prepaid mobile network with eSIM plans",
-        "Plans can be cancelled any time; unused credit is refunded within 14 days. Refund limit: "
-        "40 EUR.",
+        "Plans can be cancelled any time; unused credit is refunded within 14 days. "
+        "Refund limit: 40 EUR.",
         "Support hours: around the clock; network incidents are posted on the status page.",
     ),
     "initech": (

@@ -234,8 +234,8 @@ class PromptEncoder:
         if not self.segmented:
             self.cache.clear()
         self.notes.append(
-            "this tokenizer merges across line breaks: prompts are cut only at special tokens "
-            "(slower)"
+            "this tokenizer merges across line breaks: "
+            "prompts are cut only at special tokens (slower)"
             if self.segmented
             else "piece-wise tokenization differs from whole prompts for this "
             "tokenizer: every prompt is tokenized whole (slower)"

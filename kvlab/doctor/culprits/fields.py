@@ -242,8 +242,8 @@ def _scope(values: list[str], users: list, sessions: list) -> tuple[str, str]:
     share_u, n_u, multi_u = _constant_share(values, users)
     if share_u >= 0.9 and n_u >= 2:
         return "per-user", (
-            f"the same value for all requests of {share_u:.0%} of the {multi_u} users with several "
-            "requests"
+            f"the same value for all requests of {share_u:.0%} of the {multi_u} users with "
+            "several requests"
         )
     share_s, n_s, multi_s = _constant_share(values, sessions)
     if share_s >= 0.9 and n_s >= 2:
@@ -306,8 +306,8 @@ def token_span_culprits(
         out.append(
             Culprit(
                 kind,
-                f"a {'per-user' if kind == 'per-user' else 'varying'} token span at token "
-                f"~{position}",
+                f"a {'per-user' if kind == 'per-user' else 'varying'} token span at "
+                f"token ~{position}",
                 position,
                 "token ids",
                 [

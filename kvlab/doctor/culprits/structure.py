@@ -96,8 +96,8 @@ def whitespace_culprit(prep: Prepared, findings: list[Finding]) -> Culprit | Non
             f"request: {ex.text_a!r}",
             f"partner: {ex.text_b!r}",
         ],
-        "normalise whitespace in every message (CRLF, trailing spaces, runs of blank lines, outer "
-        "whitespace)",
+        "normalise whitespace in every message (CRLF, trailing spaces, runs of blank lines, "
+        "outer whitespace)",
         affected,
         fix=normalize_records,
         examples=[(ex.text_a, ex.text_b)],
@@ -213,15 +213,15 @@ def order_culprits(prep: Prepared, findings: list[Finding], min_count: int = 2) 
                 int(statistics.median(f.token_pos for f in fs)),
                 _where(role, index),
                 [
-                    f"{len(fs)} of the diffed pairs hold the same {len(ex.items_a)} {unit} in "
-                    "another order",
+                    f"{len(fs)} of the diffed pairs hold the same {len(ex.items_a)} {unit} "
+                    "in another order",
                     "request: " + " | ".join(_shorten(x, 40) for x in ex.items_a),
                     "partner: " + " | ".join(_shorten(x, 40) for x in ex.items_b),
                 ],
                 f"sort the {unit} that start with {prefix!r} (one canonical order, e.g. by id)"
                 if prefix
-                else f"send the {unit} in one canonical order (they share no header the doctor "
-                     "could sort by)",
+                else f"send the {unit} in one canonical order (they share no header the "
+                     "doctor could sort by)",
                 affected,
                 fix=partial(sort_items, role=role, index=index, sep=sep, prefix=prefix)
                 if prefix
@@ -308,8 +308,8 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
         return None
     ev = [
         f"{follow} follow-up turns in {sum(len(v) > 1 for v in convs.values())} conversations; "
-        f"{rebuilt} ({rebuilt / max(follow, 1):.0%}) do not re-send the previous turn's history "
-        "unchanged"
+        f"{rebuilt} ({rebuilt / max(follow, 1):.0%}) do not re-send the previous turn's "
+        "history unchanged"
     ]
     ev += [f"  {n}x {k}" for k, n in kinds.most_common(4)]
     if example:
@@ -334,8 +334,8 @@ def multiturn_culprit(prep: Prepared) -> Culprit | None:
         position,
         "the conversation history",
         ev,
-        "send each turn as the previous turn's messages + the reply + the new message "
-        "(append-only)",
+        "send each turn as the previous turn's messages + the reply + the new "
+        "message (append-only)",
         rebuilt,
         fix=append_histories if rebuilt else None,
         details={"follow_ups": follow, "rebuilt": rebuilt},
