@@ -4,16 +4,15 @@ isolated?
 The package is layered; each layer imports only the ones above it:
 
 - ``kvlab.cache``   pure Python, no torch, relative imports only: hashing, block pool, block
-  manager,
-                    metrics. Copy the folder alone and it works.
+                    manager, metrics. Copy the folder alone and it works.
 - ``kvlab.engine``  torch on any device: models, sequence, sampling, scheduler, paged K/V store,
-  paged
-                    attention, the engine, tenants, and ``reference`` (HF ``generate``, the oracle).
+                    paged attention, the engine, tenants, and ``reference`` (HF ``generate``, the
+                    oracle).
                     Copy ``cache/`` + ``engine/`` together and they run any supported HF decoder.
 - ``kvlab.prefix``  manual prefix reuse on HF models (``PrefixKV`` + a complete generation loop).
 - ``kvlab.vllm``    the bridge to real vLLM in its own venv.
 - ``kvlab.cluster`` engine replicas (Ray actors or model-free), a KV-event-fed router, a fleet
-  driver.
+                    driver.
 - ``kvlab.lessons`` one module per notebook: experiments, figures, exercise checkers.
 - ``kvlab.cli``     the ``kvlab`` command (``kvlab doctor``, ``kvlab serve``, ``kvlab --version``).
 

@@ -2,12 +2,12 @@
 leaks.
 
 - ``client``     the attacker's instrument: TTFT of a streamed one-token completion, timed on the
-  client
-                 (any OpenAI-compatible base URL; API key; optional vLLM-style ``cache_salt``).
+                 client (any OpenAI-compatible base URL; API key; optional vLLM-style
+                 ``cache_salt``).
 - ``prompts``    random spaced-letter prompts of a length in tokens with a shared prefix fraction.
 - ``procedure``  the cache-hit and cache-miss procedures in random order, the two-sample KS test
-  with a
-                 decision at ``alpha``, and the samples a detection needs (power by subsampling).
+                 with a decision at ``alpha``, and the samples a detection needs (power by
+                 subsampling).
 - ``dictionary`` the dictionary attack on a passphrase in the victim's system prompt.
 - ``local``      start ``kvlab serve`` or ``vllm serve`` on a free loopback port to audit.
 
