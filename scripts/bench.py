@@ -30,10 +30,13 @@ CPU the default keeps 4 of its 24 layers so one run takes minutes, on a GPU all 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvlab.bench import peers as B  # noqa: E402
 from kvlab.bench.workload import ideal_prefill_fraction, sys512  # noqa: E402
+from kvlab.cache import DEFAULT_BLOCK_SIZE  # noqa: E402
 from kvlab.cache.block_manager import cdiv  # noqa: E402
 from kvlab.engine import Engine, SamplingParams  # noqa: E402
 from kvlab.engine.models import (  # noqa: E402
@@ -57,11 +61,21 @@ from kvlab.engine.models import (  # noqa: E402
 )
 from kvlab.engine.speed import SpeedPaths  # noqa: E402
 
+# the workload and repetitions of a full run and of --smoke (an explicit flag wins over either)
+FULL_SIZES = {"requests": 16, "prefix": 512, "suffix": 32, "new_tokens": 32, "repeats": 3}
+SMOKE_SIZES = {"requests": 2, "prefix": 32, "suffix": 8, "new_tokens": 2, "repeats": 1}
+# --smoke's random model: the config's attention (heads, KV heads, head_dim) on toy widths
+SMOKE_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "vocab_size": 1024}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--smoke", action="store_true", help="small sizes, one repetition (a quick check)"
+        "--smoke",
+        action="store_true",
+        help="a quick check of every code path in seconds: the random model shrunk to a toy "
+        "(1 layer, hidden 128, vocabulary 1024), 2 requests x (32 + 8) tokens, 2 new, one "
+        "repetition of 2 steps, a 16 MiB read-bandwidth buffer (sizes given explicitly win)",
     )
     ap.add_argument(
         "--config",
@@ -86,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--prefix", type=int, default=512)
-    ap.add_argument("--suffix", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    # None: the full run's size below, or --smoke's
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--prefix", type=int, default=None)
+    ap.add_argument("--suffix", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's)"
     )
@@ -122,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         B.ENGINE_OPTIONS["accelerator"] = paths
 
     device = resolve_device(args.device)
+    sizes = SMOKE_SIZES if args.smoke else FULL_SIZES
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.smoke:
-        args.requests, args.prefix, args.suffix, args.new_tokens, args.repeats = 4, 128, 16, 4, 1
         args.layers = args.layers or 1
         args.threads = args.threads or 1
     if args.layers is None:
@@ -139,8 +157,18 @@ def main(argv: list[str] | None = None) -> int:
         args.config = args.model
     else:
         model = random_model(
-            args.config, num_layers=args.layers, stop_at_eos=False, device=device, dtype=args.dtype
+            args.config,
+            num_layers=args.layers,
+            stop_at_eos=False,
+            device=device,
+            dtype=args.dtype,
+            **(SMOKE_SHAPE if args.smoke else {}),
         )
+    if args.smoke:
+        # the objects alive now (modules, the model) live to the end: a full gc.collect, which
+        # transformers' generate_batch runs twice a call, then skips them (about 1 s a call on a
+        # loaded 2-core machine, most of the smoke run's HF time)
+        gc.freeze()
     wl = sys512(model.config.vocab_size, num_requests=args.requests, prefix_tokens=args.prefix,
                 suffix_tokens=args.suffix, max_tokens=args.new_tokens)
     print(
@@ -149,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{wl.name}: {len(wl)} requests x ({args.prefix} + {args.suffix}) tokens, "
-        f"{args.new_tokens} new; "
-        f"{args.config} shape, {model.config.num_hidden_layers} layers, {args.dtype} on {device}, "
+        f"{args.new_tokens} new; {args.config} shape{' (shrunk: --smoke)' if args.smoke else ''}, "
+        f"{model.config.num_hidden_layers} layers, {args.dtype} on {device}, "
         f"torch threads {torch.get_num_threads()}, {args.repeats} repetitions (median)",
         flush=True,
     )
@@ -166,14 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             folder = bridge.model_folder(model, source=args.model)
-            vllm = bridge.run_vllm_workload(
-                folder,
-                wl.prompts,
-                args.new_tokens,
-                block_size=32,
-                repeats=args.repeats,
-                dtype=args.dtype,
-            )
+            with heartbeat("vLLM"):
+                vllm = bridge.run_vllm_workload(
+                    folder,
+                    wl.prompts,
+                    args.new_tokens,
+                    block_size=32,
+                    repeats=args.repeats,
+                    dtype=args.dtype,
+                )
             table = pd.concat(
                 [
                     table,
@@ -189,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  vLLM did not run: {type(e).__name__}: {e}")
     table["error"] = table["error"].fillna("")
     ratio_table = B.ratios(table, wl)
-    bpb = detail["kvlab/shared"]["bytes_per_block"]
+    # KV bytes of a block: as kvlab's engine reports it, or from the config where --systems left
+    # kvlab out
+    bpb = next(
+        (d["bytes_per_block"] for d in detail.values() if "bytes_per_block" in d),
+        kv_bytes_per_token(model.config, model.dtype) * DEFAULT_BLOCK_SIZE,
+    )
     goal_table = B.goals(table, ratio_table, wl, bpb)
 
     with pd.option_context(
@@ -198,14 +232,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + table.drop(columns=["error"]).to_string(index=False))
         for _, row in table[table["error"] != ""].iterrows():
             print(f"  {row.system} ({row['mode']}) failed: {row.error}")
-        print("\n" + ratio_table.to_string(index=False))
-        print("\n" + goal_table.to_string(index=False))
+        if len(ratio_table):
+            print("\n" + ratio_table.to_string(index=False))
+        if len(goal_table):
+            print("\n" + goal_table.to_string(index=False))
+        else:
+            print("\nno goal of the table: they need kvlab shared and isolated (--systems)")
     ideal = B.kv_ideal_bytes(wl, bpb)
 
-    steps = 4 if args.smoke else 8
+    steps = 2 if args.smoke else 8
     # the read bandwidth: one number per thread count (the best of every sample at it), used and
     # printed alike
-    reads = ReadBandwidth(device)
+    reads = ReadBandwidth(device, nbytes=16 * 2**20 if args.smoke else None)
     main_threads = torch.get_num_threads()
     print(
         "\nengine speed (isolated prefill of every prompt in one step; decode steps of all "
@@ -413,17 +451,22 @@ class ReadBandwidth:
     ``measure()`` takes one sample (``kvlab.bench.peers.read_bandwidth``: the best of 5 sums over a
     buffer of 8 times the last-level cache) at the current thread count; a bound uses
     ``best(threads)``, so the engine speed block and the floor table print and use one number per
-    thread count.
+    thread count. ``nbytes`` overrides the buffer's size (``--smoke``: small and fast, not a
+    measurement).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, nbytes: int | None = None) -> None:
         self.device = device
+        self.nbytes = nbytes
         # threads -> bytes/s of each sample
         self.samples: dict[int, list[float]] = {}
 
     def measure(self) -> float:
         """One sample at the current thread count (bytes/s)."""
-        bw = B.read_bandwidth(self.device)
+        if self.nbytes is None:
+            bw = B.read_bandwidth(self.device)
+        else:
+            bw = B.read_bandwidth(self.device, nbytes=self.nbytes)
         self.samples.setdefault(torch.get_num_threads(), []).append(bw)
         return bw
 
@@ -520,6 +563,26 @@ def decode_floor(model, wl, threads_list, repeats: int = 3, steps: int = 8,
         del engines
     torch.set_num_threads(old)
     return pd.DataFrame(rows)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = 60.0):
+    """Print ``what`` is still running every ``every`` seconds while the block runs (a call that
+    shows no progress of its own, such as vLLM's subprocess), then how long it took."""
+    t0, done = time.perf_counter(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every):
+            print(f"  {what} still running ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        print(f"  {what} took {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def _loadavg() -> str:

@@ -4,6 +4,7 @@ torch.profiler.
     .venv/bin/python scripts/profile_step.py            # SmolLM2-135M, float32, CPU, 2 threads
     .venv/bin/python scripts/profile_step.py --caching  # prefix cache on: the shared prefill, then
                                                         # decodes
+    .venv/bin/python scripts/profile_step.py --smoke    # seconds: the bundled model, small sizes
 
 It builds the engine ``kvlab.bench.peers.kvlab_steps`` builds (16 requests of a 512-token shared
 prefix + 32 unique tokens), runs the prefill step of every prompt and one warm-up decode step, then
@@ -94,14 +95,23 @@ def loadavg() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a quick check in seconds: the bundled model, 2 requests x (32 + 8) tokens, 2 timed "
+        "decode steps, one sample of each peak (a 16 MiB read buffer), 1 thread (flags given "
+        "explicitly win)",
+    )
+    ap.add_argument("--model", default=None, help="default: smollm2 (--smoke: the bundled model)")
+    ap.add_argument("--threads", type=int, default=None, help="default: 2 (--smoke: 1)")
     ap.add_argument(
         "--caching",
         action="store_true",
         help="prefix caching on: the shared prefill, and decodes over the shared prefix",
     )
-    ap.add_argument("--steps", type=int, default=6, help="decode steps timed unprofiled (median)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="decode steps timed unprofiled (median; default 6)"
+    )
     ap.add_argument(
         "--packed-linear",
         action="store_true",
@@ -118,31 +128,39 @@ def main(argv: list[str] | None = None) -> int:
         help="folder of profile_{decode,prefill}.txt",
     )
     args = ap.parse_args(argv)
+    # the full run's and --smoke's defaults: a flag given explicitly wins
+    for key, full, smoke in (("model", "smollm2", None), ("threads", 2, 1), ("steps", 6, 2)):
+        if getattr(args, key) is None:
+            setattr(args, key, smoke if args.smoke else full)
     torch.set_num_threads(args.threads)
     paths = SpeedPaths(args.packed_linear, args.paged_kernel, args.fused_layers)
     if any(paths.on.values()):
         B.ENGINE_OPTIONS["accelerator"] = paths
     model, _ = load_model(args.model, device="cpu", dtype="float32")
     model.generation_config.eos_token_id = None
-    wl = sys512(model.config.vocab_size)
+    sizes = {"num_requests": 2, "prefix_tokens": 32, "suffix_tokens": 8} if args.smoke else {}
+    wl = sys512(model.config.vocab_size, **sizes)
+    name = args.model or "the bundled model"
     cfg = model.config
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    # the best of three: one reading on a busy machine can come out at half the peak
+    # the best of three: one reading on a busy machine can come out at half the peak (--smoke: one,
+    # over a small read buffer: not a measurement)
+    samples = 1 if args.smoke else 3
+    read_bytes = {"nbytes": 16 * 2**20} if args.smoke else {}
     peak = max(
         B.linear_peak_flops(
             cfg.hidden_size, cfg.intermediate_size, torch.device("cpu"), torch.float32
         )
-        for _ in range(3)
+        for _ in range(samples)
     )
-    bandwidth = max(B.read_bandwidth(torch.device("cpu")) for _ in range(3))
+    bandwidth = max(B.read_bandwidth(torch.device("cpu"), **read_bytes) for _ in range(samples))
     body, head = B._linear_params(model)
     bound = (body + head) * 4 / bandwidth
     head_lines = [
-        f"{args.model}: {cfg.num_hidden_layers} layers, float32, CPU, {torch.get_num_threads()} "
-        "threads; "
-        f"{wl.name}: {len(wl)} x ({wl.shared_prefix_tokens} + "
+        f"{name}: {cfg.num_hidden_layers} layers, float32, CPU, {torch.get_num_threads()} "
+        f"threads; {wl.name}: {len(wl)} x ({wl.shared_prefix_tokens} + "
         f"{len(wl.prompts[0]) - wl.shared_prefix_tokens})",
         f"load average {loadavg()} (at the start)",
         f"GEMM peak {peak / 1e9:.1f} GFLOP/s; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
@@ -162,13 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         pre_s, pre_cpu = timed(make_engine(model, wl, args.caching, args.steps).step, 1)
         pre = [
             f"prefill step ({'shared' if args.caching else 'isolated'}, "
-            f"{wl.prompt_tokens - sum(cached)} of "
-            f"{wl.prompt_tokens} tokens computed): {1e3 * wall:.0f} ms profiled; unprofiled "
-            f"{1e3 * pre_s:.0f} ms "
-            f"wall, {1e3 * pre_cpu:.0f} ms CPU; {flops / pre_s / 1e9:.1f} GFLOP/s = "
-            f"{flops / pre_s / peak:.2f} of "
-            f"the GEMM peak; outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average "
-            f"{loadavg()}"
+            f"{wl.prompt_tokens - sum(cached)} of {wl.prompt_tokens} tokens computed): "
+            f"{1e3 * wall:.0f} ms profiled; unprofiled {1e3 * pre_s:.0f} ms wall, "
+            f"{1e3 * pre_cpu:.0f} ms CPU; {flops / pre_s / 1e9:.1f} GFLOP/s = "
+            f"{flops / pre_s / peak:.2f} of the GEMM peak; outside ATen ops "
+            f"{max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"
         ]
         print(pre[0], flush=True)
         (out / "profile_prefill.txt").write_text(
@@ -180,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         dec_s, dec_cpu = timed(engine.step, args.steps)
         dec = [
             f"decode step ({len(wl)} sequences): {1e3 * wall:.1f} ms profiled; unprofiled "
-            f"{1e3 * dec_s:.1f} ms wall "
-            f"= {dec_s / bound:.2f}x the weight-bytes bound, {1e3 * dec_cpu:.1f} ms CPU; "
+            f"{1e3 * dec_s:.1f} ms wall = {dec_s / bound:.2f}x the weight-bytes bound, "
+            f"{1e3 * dec_cpu:.1f} ms CPU; "
             f"outside ATen ops {max(0.0, 1 - aten / wall):.1%}; load average {loadavg()}"
         ]
         print(dec[0], flush=True)

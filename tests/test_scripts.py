@@ -55,14 +55,18 @@ SMOKE: dict[str, tuple[list[str], str] | str] = {
         ["--conversations", "20", "--num-blocks", "200", "--reps", "1", "--out", "{tmp}/bm.json"],
         r"block manager: [\d,]+ blocks/s",
     ),
-    # the smallest run it takes: 2 requests of 32 + 8 tokens, 2 new (about 4 minutes on 2 busy cores)
+    # a toy-shaped model, 2 requests of 32 + 8 tokens, 2 new, 1 repetition: every system, the
+    # goals, the engine speed and the floor table at 1 and 2 threads (seconds)
     "scripts/bench.py": (
-        ["--smoke", "--requests", "2", "--prefix", "32", "--suffix", "8", "--new-tokens", "2"]
-        + ["--repeats", "1", "--out", "{tmp}/bench.json"],
-        r"wrote .*bench\.json",
+        ["--smoke", "--out", "{tmp}/bench.json"],
+        r"(?s)repetition 1/1: HF generate \(one by one\)/isolated .*TTFT ratio no worse than any "
+        r"peer's.*its floor \(isolated, 2 threads\).*wrote .*bench\.json",
     ),
-    # no size flag: it profiles SmolLM2's 16 x 544-token prefill (past 400 s on 2 busy cores)
-    "scripts/profile_step.py": "profiles a full-size SmolLM2 step (minutes; it has no smoke size)",
+    # the bundled model, 2 requests of 32 + 8 tokens: both profiled steps and their tables
+    "scripts/profile_step.py": (
+        ["--smoke", "--out", "{tmp}"],
+        r"(?s)prefill step \(isolated.*decode step \(2 sequences\).*wrote .*profile_decode\.txt",
+    ),
     # converted by the set-up: a run finds the folder and prints it
     "kvlab.engine.smollm2": ([], r"smollm2-135m-instruct"),
     "scripts/routing_bench.py": (
@@ -130,6 +134,23 @@ def test_script_answers_help(script):
     res = run(script, ["--help"], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage" in res.stdout.lower()
+
+
+def test_bench_runs_one_system(tmp_path):
+    """``scripts/bench.py --systems kvlab/shared`` (no isolated run, no peer) prints the goals it
+    can measure and leaves out the rest (it stopped with KeyError 'system' in the goal table)."""
+    out = tmp_path / "one.json"
+    args = ["--smoke", "--systems", "kvlab/shared", "--floor-threads", "--out", str(out)]
+    res = run("scripts/bench.py", args, timeout=900)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-3000:]
+    assert "KV bytes shared equal to the block-granular ideal" in text, text[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["system"], r["mode"]) for r in report["systems"]] == [("kvlab", "shared")]
+    assert [g["goal"] for g in report["goals"]] == [
+        "KV bytes shared equal to the block-granular ideal"
+    ]
+    assert report["decode_floor"] is None
 
 
 @pytest.mark.parametrize("script", list(SMOKE))
