@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     wl = sys512(model.config.vocab_size, num_requests=args.requests, prefix_tokens=args.prefix,
                 suffix_tokens=args.suffix, max_tokens=args.new_tokens)
     print(
-        f"load average {_loadavg()} (a shared machine makes every time here longer; ratios side by "
-        "side hold better)"
+        f"load average {_loadavg()} (a shared machine makes every time here longer; ratios "
+        "side by side hold better)"
     )
     print(
         f"{wl.name}: {len(wl)} requests x ({args.prefix} + {args.suffix}) tokens, "
@@ -247,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     main_threads = torch.get_num_threads()
     print(
         "\nengine speed (isolated prefill of every prompt in one step; decode steps of all "
-        "sequences after it), "
-        f"{args.repeats} interleaved repeats:",
+        f"sequences after it), {args.repeats} interleaved repeats:",
         flush=True,
     )
     speed = B.engine_speed(
@@ -257,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     floor = None
     if args.floor_threads:
         print(
-            f"\ndecode step against its floor, {args.repeats} interleaved repeats of {steps} steps "
-            "a thread count:",
+            f"\ndecode step against its floor, {args.repeats} interleaved repeats of {steps} "
+            "steps a thread count:",
             flush=True,
         )
         floor = decode_floor(
@@ -298,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if floor is not None:
         print(
             "\ndecode step against its floor (max of bytes / read bandwidth and FLOPs / GEMM "
-            "peak; step: the median "
-            f"of {args.repeats} x {steps} steps, and their range):"
+            f"peak; step: the median of {args.repeats} x {steps} steps, and their range):"
         )
         with pd.option_context(
             "display.width", 250, "display.max_columns", 30, "display.float_format", "{:.3g}".format
@@ -527,9 +525,8 @@ def decode_floor(model, wl, threads_list, repeats: int = 3, steps: int = 8,
             print(f"  {threads} threads, round {r + 1}/{repeats}: read {bw / 1e9:.1f} GB/s, "
                   f"GEMM peak {peaks[-1] / 1e9:.0f} GFLOP/s, decode step {medians}", flush=True)
         peak, read_bw, bws = max(peaks), reads.best(threads), reads.samples[threads]
-        ctx = [
-            len(p) + 1 + repeats * steps // 2 for p in wl.prompts
-        ]  # keys of each sequence mid-way
+        # keys of each sequence mid-way
+        ctx = [len(p) + 1 + repeats * steps // 2 for p in wl.prompts]
         shared_prefix = (
             wl.shared_prefix_tokens // bs
         ) * bs  # full blocks of the prefix: read once when shared

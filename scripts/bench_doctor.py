@@ -45,9 +45,8 @@ def make(requests: int, unique: bool, seed: int = 0) -> list[dict]:
             }
             for i in range(requests)
         ]
-    convs = (
-        int(requests / 2.9) + 20
-    )  # about 3 turns per conversation with turns=(1, 5); cut to size below
+    # about 3 turns per conversation with turns=(1, 5); cut to size below
+    convs = int(requests / 2.9) + 20
     log, _ = make_log(
         support_conversations=int(convs * 0.7),
         coding_conversations=convs - int(convs * 0.7),

@@ -194,12 +194,13 @@ def start_browser(
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = browser
+    # no network beyond file:// (and loopback)
     for flag in (
         *FLAGS,
         f"--user-data-dir={profile}",
         "--proxy-server=http://127.0.0.1:9",
         *(() if loopback else ("--proxy-bypass-list=<-loopback>",)),
-    ):  # no network beyond file:// (and loopback)
+    ):
         opts.add_argument(flag)
     service = Service(executable_path=driver, env={**os.environ, **env})
     return webdriver.Chrome(service=service, options=opts)
@@ -302,9 +303,8 @@ def check_page(drv, page: Path | str, shots: Path | None = None, min_cells: int 
         if time.monotonic() > deadline:
             raise RuntimeError(f"JupyterLab did not show the notebook's cells within 90 s: {page}")
         time.sleep(0.5)
-    time.sleep(
-        2.0 if live else 0.5
-    )  # the widget renderer (handout) or JupyterLab's outputs draw after load
+    # the widget renderer (handout) or JupyterLab's outputs draw after load
+    time.sleep(2.0 if live else 0.5)
     faces = drv.execute_async_script(FACES_JS)
     groups = drv.execute_script(COLLECT_JS, CJK_RANGES)
     # JupyterLab's editors draw only the lines near the viewport: scroll through, collecting as it

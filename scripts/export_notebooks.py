@@ -80,9 +80,8 @@ def _merge_imports(lines: list[str]) -> list[str]:
     a, B, C`` (names: constants, classes, then the rest), so the generated module passes ``ruff
     check``."""
     plain, froms = set(), {}
-    for line in (
-        line.split("#")[0].strip() for line in lines
-    ):  # a comment after an import is dropped
+    # a comment after an import is dropped
+    for line in (line.split("#")[0].strip() for line in lines):
         if line.startswith("import "):
             plain.add(line)
         else:

@@ -64,9 +64,8 @@ def profiled(step) -> tuple[float, float, str]:
         step()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    aten = (
-        sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e6
-    )  # self: nested once
+    # self: nested once
+    aten = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e6
     table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=45)
     return wall, aten, table
 

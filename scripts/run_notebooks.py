@@ -186,9 +186,8 @@ def _execute_here(nb: str, out: str, params_json: str, cell_limit: int) -> None:
     except Exception as e:  # papermill raises PapermillExecutionError with the failing cell
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     slow = slowest_cell(out)
-    if (
-        error == "timeout"
-    ):  # the stopped cell is the slowest: every other one finished inside the limit
+    # the stopped cell is the slowest: every other one finished inside the limit
+    if error == "timeout":
         error = (
             f"cell {slow['cell']} of the executed copy ran past the per-cell limit of "
             f"{cell_limit} s: {slow['first_line']!r}"
@@ -356,9 +355,8 @@ def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
     nb.cells = [
         c for c in nb.cells if "injected-parameters" not in c.get("metadata", {}).get("tags", [])
     ]
-    nb.metadata["title"] = notebook_title(
-        nb, Path(executed).stem
-    )  # the template's <title> (in memory only)
+    # the template's <title> (in memory only)
+    nb.metadata["title"] = notebook_title(nb, Path(executed).stem)
     exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"kvlab.html.j2": NO_MATHJAX})],
                             template_file="kvlab.html.j2", **(widgets or {}))
     body, _ = exporter.from_notebook_node(nb)
@@ -366,9 +364,8 @@ def to_html(executed: Path, widgets: dict[str, str] | None = None) -> Path:
     stacks = {m.group(1): m.group(2).strip() for m in re.finditer(
         r"(--jp-(?:ui|content|code)-font-family(?:-default)?)\s*:\s*([^;{}]+);", body)
         if not m.group(2).strip().startswith("var(")}
-    page_text = html.unescape(body) + json.dumps(
-        nb, ensure_ascii=False
-    )  # the page, and the widget state it draws
+    # the page, and the widget state it draws
+    page_text = html.unescape(body) + json.dumps(nb, ensure_ascii=False)
     css, lacking = font_face_css(page_text, stacks)
     if lacking:
         print(
@@ -495,9 +492,8 @@ def write_report(rows: list[dict], out_dir: Path = OUT) -> None:
         sys.path.insert(0, str(Path(__file__).parent))
     from make_cjk_font import font_face_css
 
-    font, _ = font_face_css(
-        html.unescape(body), {}
-    )  # the titles' CJK characters, embedded as on every page
+    # the titles' CJK characters, embedded as on every page
+    font, _ = font_face_css(html.unescape(body), {})
     (out_dir / "index.html").write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>kvlab: the executed "
         "series</title>"
