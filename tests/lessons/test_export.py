@@ -1,9 +1,11 @@
 """The notebook is the source: ``#| export`` cells -> kvlab/built/nbNN.py
 (scripts/export_notebooks.py)."""
 
+import io
 import json
 import shutil
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -97,20 +99,36 @@ def test_no_notebook_prints_source():
     assert {name for name, _, _ in export_notebooks.exported_cells()}, "no notebook exports a cell"
 
 
-# issue 50: kvlab/lessons + kvlab/built together (8,277 before it); experiment runners moved from
-# the notebooks into kvlab/lessons, so the budget covers both layers
-LESSON_LINES = 7000
+# issue 50: kvlab/lessons + kvlab/built together (8,277 physical lines before it); experiment
+# runners moved from the notebooks into kvlab/lessons, so the budget covers both layers. Counted in
+# logical lines (statements, tokenize's NEWLINE tokens: what wrapping to 100 columns does not change;
+# 4,648 when E501 was switched on, 6,952 physical lines then)
+LESSON_LOGICAL_LINES = 4700
+
+
+def logical_lines(source: str) -> int:
+    """Statements of ``source`` as Python counts them: a wrapped call or string is one line."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return sum(1 for t in tokens if t.type == tokenize.NEWLINE)
+
+
+def test_logical_lines_ignore_wrapping():
+    assert logical_lines("x = f(1,\n      2)\ny = 'a' 'b'\n") == 2
+    assert logical_lines('def f():\n    """doc\n    more"""\n    return (1 +\n            2)\n') == 3
 
 
 def test_the_lesson_layers_stay_small():
     """kvlab/built (what the notebooks write) and kvlab/lessons (the floor, runners, figures,
-    checkers) together stay within their line budget: cut, don't just move."""
+    checkers) together stay within their budget of logical lines: cut, don't just move."""
     root = export_notebooks.ROOT / "kvlab"
-    lines = {f"{p.parent.name}/{p.name}": len(p.read_text(encoding="utf-8").splitlines())
-             for folder in ("lessons", "built") for p in sorted((root / folder).glob("*.py"))}
-    assert sum(lines.values()) <= LESSON_LINES, (
-        f"kvlab/lessons + kvlab/built have {sum(lines.values())} lines "
-        f"(budget {LESSON_LINES}); largest: "
+    lines = {
+        f"{p.parent.name}/{p.name}": logical_lines(p.read_text(encoding="utf-8"))
+        for folder in ("lessons", "built")
+        for p in sorted((root / folder).glob("*.py"))
+    }
+    assert sum(lines.values()) <= LESSON_LOGICAL_LINES, (
+        f"kvlab/lessons + kvlab/built have {sum(lines.values())} logical lines "
+        f"(budget {LESSON_LOGICAL_LINES}); largest: "
         f"{sorted(lines.items(), key=lambda kv: -kv[1])[:4]}"
     )
 
