@@ -28,9 +28,10 @@ def random_tokens(n: int, rng: random.Random) -> list[int]:
 
 
 # --- 11_tiers_and_transfer.ipynb, cell 6 ---
-def crossover(model: Any, tokenizer: Any, lengths: Sequence[int] = (16, 64, 128, 256, 512, 768), repeats: int = 3,
-              seed: int = 0, torch_threads: int | None = 1) -> pd.DataFrame:
-    """TTFT of a prompt whose first ``L`` tokens are recomputed, restored from the host tier, or fetched from a peer."""
+def crossover(model: Any, tokenizer: Any, lengths: Sequence[int] = (16, 64, 128, 256, 512, 768),
+              repeats: int = 3, seed: int = 0, torch_threads: int | None = 1) -> pd.DataFrame:
+    """TTFT of a prompt whose first ``L`` tokens are recomputed, restored from the host tier, or
+    fetched from a peer."""
     import torch
 
     before = torch.get_num_threads()
@@ -42,7 +43,8 @@ def crossover(model: Any, tokenizer: Any, lengths: Sequence[int] = (16, 64, 128,
         torch.set_num_threads(before)
 
 
-def _crossover(model: Any, tokenizer: Any, lengths: Sequence[int], repeats: int, seed: int) -> pd.DataFrame:
+def _crossover(model: Any, tokenizer: Any, lengths: Sequence[int], repeats: int,
+               seed: int) -> pd.DataFrame:
     from kvlab.engine import Engine, SamplingParams
 
     rng = random.Random(f"nb11-crossover:{seed}")
@@ -70,7 +72,7 @@ def _crossover(model: Any, tokenizer: Any, lengths: Sequence[int], repeats: int,
             tie.append(time.perf_counter() - t0)
             copy.append(tiered.host_tier.seconds_in - before)
             assert out.num_restored_tokens == L // BS * BS, (L, out.num_restored_tokens)
-            store = PickleObjectStore()  # ``cold`` ran p: its pool holds the prefix, it is the holder
+            store = PickleObjectStore()  # ``cold`` ran p: its pool holds the prefix
             hashes = prompt_block_hashes(p[: L // BS * BS], BS, fp)
             t0 = time.perf_counter()
             entries = collect_blocks(cold.block_manager, None, hashes, _reader(cold))
@@ -79,9 +81,11 @@ def _crossover(model: Any, tokenizer: Any, lengths: Sequence[int], repeats: int,
             tra.append(time.perf_counter() - t0)
             assert got.num_restored_tokens == L // BS * BS
             peer.reset_prefix_cache()
-        rows.append({"prefix_tokens": L // BS * BS, "recompute_s": min(rec), "tier_s": min(tie), "transfer_s": min(tra),
-                     "copy_s": min(copy), "bytes": L // BS * tiered.store.bytes_per_block,
-                     "recompute_all": tuple(rec), "tier_all": tuple(tie), "transfer_all": tuple(tra)})
+        rows.append({"prefix_tokens": L // BS * BS, "recompute_s": min(rec), "tier_s": min(tie),
+                     "transfer_s": min(tra), "copy_s": min(copy),
+                     "bytes": L // BS * tiered.store.bytes_per_block,
+                     "recompute_all": tuple(rec), "tier_all": tuple(tie),
+                     "transfer_all": tuple(tra)})
     df = pd.DataFrame(rows)
     for k in ("recompute", "tier", "transfer"):
         df[f"{k}_us_per_token"] = 1e6 * df[f"{k}_s"] / df.prefix_tokens
@@ -108,13 +112,14 @@ def _reader(engine: Any) -> Callable[[int], tuple]:
 
 # --- 11_tiers_and_transfer.ipynb, cell 8 ---
 def per_token_costs(df: pd.DataFrame) -> dict[str, float]:
-    """Seconds per prefix token at the longest prefix measured (where a fixed cost weighs least), per path."""
+    """Seconds per prefix token at the longest prefix (where fixed costs weigh least), per path."""
     big = df.iloc[-1]
-    return {k: float(big[f"{k}_s"]) / float(big.prefix_tokens) for k in ("recompute", "tier", "transfer")}
+    n = float(big.prefix_tokens)
+    return {k: float(big[f"{k}_s"]) / n for k in ("recompute", "tier", "transfer")}
 
 
 def crossover_sentences(df: pd.DataFrame) -> list[str]:
-    """Where moving K/V beats recomputing it, judged per prefix length by the timing helper over the repeats."""
+    """Where moving K/V beats recomputing it, per prefix length, judged by the timing helper."""
     out = []
     for k, name in (("tier", "Restoring from the host tier"), ("transfer", "Fetching from a peer")):
         parts, wins, loses = [], [], []
@@ -128,33 +133,39 @@ def crossover_sentences(df: pd.DataFrame) -> list[str]:
         elif len(loses) == len(df):
             word = "never faster here"
         elif len(wins) + len(loses) == len(df) and max(loses) < min(wins):
-            word = f"faster from {min(wins)} prefix tokens on (the crossover lies between {max(loses)} and {min(wins)})"
+            word = (f"faster from {min(wins)} prefix tokens on (the crossover lies between "
+                    f"{max(loses)} and {min(wins)})")
         else:
             unclear = [int(x) for x in df.prefix_tokens if int(x) not in wins + loses]
-            word = "; ".join(f"{w} at {', '.join(map(str, xs))} tokens" for w, xs in (
-                ("faster", wins), ("slower", loses), ("not told apart", unclear)) if xs) + ": no clean crossover in this range"
-        out.append(f"{name} against recomputing, median time ratio per prefix length ({'; '.join(parts)}): {word}.")
+            found = (("faster", wins), ("slower", loses), ("not told apart", unclear))
+            word = "; ".join(f"{w} at {', '.join(map(str, xs))} tokens" for w, xs in found if xs)
+            word += ": no clean crossover in this range"
+        out.append(f"{name} against recomputing, median time ratio per prefix length "
+                   f"({'; '.join(parts)}): {word}.")
     big = df.iloc[-1]
-    out.append(f"At {int(big.prefix_tokens)} tokens ({big.bytes / 1024:.0f} KiB of K/V): recompute {ms(big.recompute_s)}, "
-               f"tier {ms(big.tier_s)} (of which the copy back {ms(big.copy_s)}), transfer {ms(big.transfer_s)}.")
+    out.append(f"At {int(big.prefix_tokens)} tokens ({big.bytes / 1024:.0f} KiB of K/V): "
+               f"recompute {ms(big.recompute_s)}, tier {ms(big.tier_s)} (of which the copy back "
+               f"{ms(big.copy_s)}), transfer {ms(big.transfer_s)}.")
     return out
 
 
 # --- 11_tiers_and_transfer.ipynb, cell 13 ---
-def tier_under_pressure(workload, num_blocks: int = 48, tier_blocks: Sequence[int] = (0, 64, 256), *,
-                        model: str | None = None, **engine_kw: Any) -> pd.DataFrame:
-    """One real engine replica, a pool too small for the workload, host tiers of several sizes: measured clock."""
+def tier_under_pressure(workload, num_blocks: int = 48, tier_blocks: Sequence[int] = (0, 64, 256),
+                        *, model: str | None = None, **engine_kw: Any) -> pd.DataFrame:
+    """A real engine replica, a pool too small for the workload, host tiers of several sizes;
+    measured clock."""
     rows = []
     for tb in tier_blocks:
-        rep = EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=tb or None, offload=True,
-                            **engine_kw)
+        rep = EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=tb or None,
+                            offload=True, **engine_kw)
         res = run_fleet(workload, [LocalHandle(rep)], "round_robin", clock="measured")
         st = rep.stats()
         s = res.summary()
         rows.append({"tier_blocks": tb, "pool_hit_rate": s["hit_rate"] - s["restored_rate"],
-                     "restored_rate": s["restored_rate"], "served_rate": s["hit_rate"], "ttft_p50": s["ttft_p50"],
-                     "ttft_p99": s["ttft_p99"], "evictions": st["evictions"],
-                     "bytes_to_host": st.get("bytes_to_host", 0), "bytes_from_host": st.get("bytes_from_host", 0),
+                     "restored_rate": s["restored_rate"], "served_rate": s["hit_rate"],
+                     "ttft_p50": s["ttft_p50"], "ttft_p99": s["ttft_p99"],
+                     "evictions": st["evictions"], "bytes_to_host": st.get("bytes_to_host", 0),
+                     "bytes_from_host": st.get("bytes_from_host", 0),
                      "copy_s": st.get("seconds_to_host", 0.0) + st.get("seconds_from_host", 0.0)})
     return pd.DataFrame(rows)
 
@@ -162,25 +173,31 @@ def tier_under_pressure(workload, num_blocks: int = 48, tier_blocks: Sequence[in
 def tier_sentences(df: pd.DataFrame) -> list[str]:
     """What the tier did to hits and TTFT, from the measured rows."""
     base, best = df.iloc[0], df.iloc[-1]
-    out = [f"Without a tier {pct(base.served_rate)} of prompt tokens were served from the pool; with {int(best.tier_blocks)} "
-           f"tier blocks {pct(best.served_rate)} ({pct(best.pool_hit_rate)} pool hits + {pct(best.restored_rate)} restored): "
-           + ("the tier turned evictions into hits." if best.served_rate > base.served_rate else "no gain here.")]
-    p99 = ("lower" if best.ttft_p99 < base.ttft_p99 else "not lower") + " at p99; one run per tier size: a p99 is its slowest request or two"
-    out.append(f"TTFT p50 {ms(base.ttft_p50)} -> {ms(best.ttft_p50)}, p99 {ms(base.ttft_p99)} -> {ms(best.ttft_p99)} "
+    gain = best.served_rate > base.served_rate
+    out = [f"Without a tier {pct(base.served_rate)} of prompt tokens were served from the pool; "
+           f"with {int(best.tier_blocks)} tier blocks {pct(best.served_rate)} "
+           f"({pct(best.pool_hit_rate)} pool hits + {pct(best.restored_rate)} restored): "
+           + ("the tier turned evictions into hits." if gain else "no gain here.")]
+    p99 = (("lower" if best.ttft_p99 < base.ttft_p99 else "not lower")
+           + " at p99; one run per tier size: a p99 is its slowest request or two")
+    out.append(f"TTFT p50 {ms(base.ttft_p50)} -> {ms(best.ttft_p50)}, "
+               f"p99 {ms(base.ttft_p99)} -> {ms(best.ttft_p99)} "
                f"({p99}); the tier moved "
-               f"{best.bytes_to_host / 2**20:.1f} MiB out and {best.bytes_from_host / 2**20:.1f} MiB back in "
+               f"{best.bytes_to_host / 2**20:.1f} MiB out and "
+               f"{best.bytes_from_host / 2**20:.1f} MiB back in "
                f"{ms(best.copy_s)} of copying.")
     return out
 
 
 # --- 11_tiers_and_transfer.ipynb, cell 16 ---
 def policy_table(workloads: Sequence, replicas: Sequence[int] = (2, 4),
-                 policies: Sequence[str] = ("round_robin", "kv_aware", "pull"), *, num_blocks: int = 96,
-                 cost: CostModel | None = None) -> pd.DataFrame:
+                 policies: Sequence[str] = ("round_robin", "kv_aware", "pull"), *,
+                 num_blocks: int = 96, cost: CostModel | None = None) -> pd.DataFrame:
     """Notebook 09's ``sweep`` (modelled clock) per workload, with pull among the policies."""
-    return pd.concat([sweep(wl, replicas, policies, num_blocks=num_blocks, cost=cost) for wl in workloads])[
-        ["workload", "replicas", "policy", "hit_rate", "restored_rate", "ttft_p50", "ttft_mean", "ttft_p99",
-         "imbalance", "preemptions", "slowest_cold"]]
+    df = pd.concat([sweep(wl, replicas, policies, num_blocks=num_blocks, cost=cost)
+                    for wl in workloads])
+    return df[["workload", "replicas", "policy", "hit_rate", "restored_rate", "ttft_p50",
+               "ttft_mean", "ttft_p99", "imbalance", "preemptions", "slowest_cold"]]
 
 
 def policy_sentences(df: pd.DataFrame) -> list[str]:
@@ -193,22 +210,25 @@ def policy_sentences(df: pd.DataFrame) -> list[str]:
         p, k, r = d.loc["pull"], d.loc["kv_aware"], d.loc["round_robin"]
         top = d.hit_rate.max()
         best = " = ".join(q for q in d.index if d.hit_rate[q] > top - 1e-9)
-        out.append(f"{wl}, {n} replicas: served {pct(p.hit_rate)} with pull (of which fetched {pct(p.restored_rate)}), "
-                   f"{pct(k.hit_rate)} with kv_aware, {pct(r.hit_rate)} round robin ({best} highest); TTFT mean "
-                   f"{ms(p.ttft_mean)} / {ms(k.ttft_mean)} / {ms(r.ttft_mean)}, p99 {ms(p.ttft_p99)} / {ms(k.ttft_p99)} / "
-                   f"{ms(r.ttft_p99)}; imbalance {p.imbalance:.2f} / "
+        out.append(f"{wl}, {n} replicas: served {pct(p.hit_rate)} with pull (of which fetched "
+                   f"{pct(p.restored_rate)}), {pct(k.hit_rate)} with kv_aware, {pct(r.hit_rate)} "
+                   f"round robin ({best} highest); TTFT mean {ms(p.ttft_mean)} / "
+                   f"{ms(k.ttft_mean)} / {ms(r.ttft_mean)}, p99 {ms(p.ttft_p99)} / "
+                   f"{ms(k.ttft_p99)} / {ms(r.ttft_p99)}; imbalance {p.imbalance:.2f} / "
                    f"{k.imbalance:.2f} / {r.imbalance:.2f}"
-                   + (" (pull balances better than kv_aware)." if p.imbalance < k.imbalance else "."))
+                   + (" (pull balances better than kv_aware)." if p.imbalance < k.imbalance
+                      else "."))
     return out
 
 
 # --- 11_tiers_and_transfer.ipynb, cell 19 ---
 def failure_demo(model: str | None = None, seed: int = 0, **engine_kw: Any) -> list[str]:
-    """A fetch from a live holder, then one whose holder died first: restored tokens and outputs, as sentences."""
+    """A fetch from a live holder, then one whose holder died first: restored tokens and outputs,
+    as sentences."""
     rng = random.Random(f"nb11-fail:{seed}")
     store = LocalObjectStore()
-    a, b = (EngineReplica(model, num_blocks=32, block_size=BS, tier_blocks=32, object_store=store, **engine_kw)
-            for _ in range(2))
+    a, b = (EngineReplica(model, num_blocks=32, block_size=BS, tier_blocks=32, object_store=store,
+                          **engine_kw) for _ in range(2))
     prompt = random_tokens(150, rng)
     fp = a.info()["model_fingerprint"]
     hashes = prompt_block_hashes(prompt[: (len(prompt) - 1) // BS * BS], BS, fp)
@@ -227,31 +247,40 @@ def failure_demo(model: str | None = None, seed: int = 0, **engine_kw: Any) -> l
     a.fail()  # the holder dies after exporting, before the fetch: its objects are lost
     lost = run(b, "holder-died", [ref])
     same = home["output_ids"] == ok["output_ids"] == lost["output_ids"]
-    return [f"Live holder: the fetcher restored {ok['restored_tokens']} of {len(prompt)} prompt tokens.",
-            f"Holder died before the fetch: {lost['restored_tokens']} restored, {b.fetch_failures} failed fetch, the "
-            "request recomputed its prompt.",
-            f"Outputs of the holder, the fetcher and the fallback are {'identical' if same else 'DIFFERENT (a bug)'}."]
+    return [f"Live holder: the fetcher restored {ok['restored_tokens']} of {len(prompt)} prompt "
+            "tokens.",
+            f"Holder died before the fetch: {lost['restored_tokens']} restored, {b.fetch_failures} "
+            "failed fetch, the request recomputed its prompt.",
+            "Outputs of the holder, the fetcher and the fallback are "
+            f"{'identical' if same else 'DIFFERENT (a bug)'}."]
 
 
 # --- 11_tiers_and_transfer.ipynb, cell 22 ---
 def pd_run(workload, *, num_blocks: int = 160, model: str | None = None, **engine_kw: Any) -> dict:
-    """Co-located (2 replicas, least loaded) vs split (1 prefill + 1 decode), real engines, measured clock."""
+    """Co-located (2 replicas, least loaded) vs split (1 prefill + 1 decode), real engines, measured
+    clock."""
     store = LocalObjectStore()
-    handles = [LocalHandle(EngineReplica(model, num_blocks=num_blocks, block_size=BS, tier_blocks=num_blocks,
-                                         object_store=store, **engine_kw)) for _ in range(2)]
+    handles = [LocalHandle(EngineReplica(model, num_blocks=num_blocks, block_size=BS,
+                                         tier_blocks=num_blocks, object_store=store, **engine_kw))
+               for _ in range(2)]
     co = run_fleet(workload, handles, "least_loaded", clock="measured")
     co_recs = [{**r, "output_tokens": len(co.replies[r["request_id"]])} for r in co.records]
     split = run_pd(workload, handles[0], handles[1])
     same = all(co.replies[r["request_id"]] == r["output_ids"] for r in split)
-    df = pd.DataFrame([pd_summary(co_recs, "co-located (2 replicas)"), pd_summary(split, "P/D split (1 + 1)")])
-    return {"rows": df, "same_tokens": same, "moved_tokens": sum(r["restored_tokens"] for r in split)}
+    df = pd.DataFrame([pd_summary(co_recs, "co-located (2 replicas)"),
+                       pd_summary(split, "P/D split (1 + 1)")])
+    moved = sum(r["restored_tokens"] for r in split)
+    return {"rows": df, "same_tokens": same, "moved_tokens": moved}
 
 
 def pd_sentences(out: dict) -> list[str]:
     """TTFT and inter-token latency, split against co-located, from the measured rows."""
     co, sp = out["rows"].iloc[0], out["rows"].iloc[1]
-    return [f"TTFT p50 {ms(co.ttft_p50)} co-located vs {ms(sp.ttft_p50)} split; p99 {ms(co.ttft_p99)} vs {ms(sp.ttft_p99)}.",
-            f"Inter-token latency p50 {ms(co.itl_p50)} vs {ms(sp.itl_p50)}; p99 {ms(co.itl_p99)} vs {ms(sp.itl_p99)} "
+    return [f"TTFT p50 {ms(co.ttft_p50)} co-located vs {ms(sp.ttft_p50)} split; "
+            f"p99 {ms(co.ttft_p99)} vs {ms(sp.ttft_p99)}.",
+            f"Inter-token latency p50 {ms(co.itl_p50)} vs {ms(sp.itl_p50)}; "
+            f"p99 {ms(co.itl_p99)} vs {ms(sp.itl_p99)} "
             f"({'steadier' if sp.itl_p99 < co.itl_p99 else 'not steadier'} when split).",
-            f"The decode replica restored {out['moved_tokens']} prompt tokens shipped from the prefill replica; its "
-            f"outputs {'equal' if out['same_tokens'] else 'DIFFER from'} the co-located outputs token for token."]
+            f"The decode replica restored {out['moved_tokens']} prompt tokens shipped from the "
+            f"prefill replica; its outputs {'equal' if out['same_tokens'] else 'DIFFER from'} "
+            "the co-located outputs token for token."]
