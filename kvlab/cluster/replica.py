@@ -185,14 +185,8 @@ class SimReplica(_Tiered):
     def _stage(self, entries: list) -> int:
         return self.link.stage(entries, self.block_manager.hash_fn) if self.link is not None else 0
 
-    def add(
-        self,
-        request_id: Hashable,
-        prompt: Sequence[int],
-        max_tokens: int,
-        reply: Sequence[int] | None = None,
-        fetch: Sequence[Any] | None = None,
-    ) -> None:
+    def add(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int,
+            reply: Sequence[int] | None = None, fetch: Sequence[Any] | None = None) -> None:
         """Queue a request; ``reply`` (at least ``max_tokens`` ids) is what it will "generate";
         ``fetch``: refs to pull."""
         if reply is None or len(reply) < max_tokens:
@@ -347,14 +341,8 @@ class EngineReplica(_Tiered):
         ht = self.engine.host_tier
         return ht.stage(entries) if ht is not None else 0
 
-    def add(
-        self,
-        request_id: Hashable,
-        prompt: Sequence[int],
-        max_tokens: int,
-        reply: Sequence[int] | None = None,
-        fetch: Sequence[Any] | None = None,
-    ) -> None:
+    def add(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int,
+            reply: Sequence[int] | None = None, fetch: Sequence[Any] | None = None) -> None:
         """Queue a request; the model generates ``max_tokens`` tokens greedily (``reply`` is
         ignored); ``fetch``: refs to pull."""
         from ..engine.sampling import SamplingParams
