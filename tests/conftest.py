@@ -33,10 +33,61 @@ def _order(item) -> int:
     return 2 if any(part in item.nodeid for part in _TIMING_LAST) else 1
 
 
+# Fixtures that take tens of seconds to set up: HF's reference outputs for the engine tests'
+# workload, a wheel and its venv, servers in subprocesses, a file's one vLLM worker, a table of
+# model runs. `--dist loadgroup` hands a file's tests one at a time to whichever worker is free, so
+# both workers built each of them; the tests that use one form one xdist group (one worker) instead.
+# Session-scoped ones group across files, module-scoped ones within their file.
+_SHARED_SETUP = {
+    "workload": "session",  # tests/engine/conftest.py
+    "wheel": "module",  # tests/test_wheel.py (its venv uses it)
+    "server": "module",  # tests/serve/test_serve.py
+    "http_server": "module",  # tests/serve/test_api_surface_clients.py
+    "servers": "module",  # tests/audit/test_audit.py
+    "smol": "module",  # tests/engine/test_smollm2.py
+    "measured": "module",  # tests/lessons/test_table36.py
+    "stress_load": "module",  # tests/lessons/test_nb07_security.py
+    "vllm_runs": "module",  # tests/vllm/test_vllm_bridge.py
+}
+
+
+def _shared_setup_group(item) -> str | None:
+    names = getattr(item, "fixturenames", ())  # every fixture the test needs, also indirectly
+    name = next((n for n in _SHARED_SETUP if n in names), None)
+    if name is None:
+        return None
+    return name if _SHARED_SETUP[name] == "session" else f"{item.path.stem}:{name}"
+
+
+def _join_group(item) -> None:
+    """Put the ``@group`` suffix on the test's id, which is what xdist's loadgroup scheduler reads.
+
+    xdist 3.8 writes it to ``item._nodeid``, which pytest 9 no longer reads (the id lives in
+    ``item._id``), so there every test ran wherever the scheduler put it: the two Ray files on both
+    workers, each starting Ray and its actors. On an older pytest xdist's own suffix works and this
+    adds nothing.
+    """
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:
+        return
+    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")})
+    if names and isinstance(getattr(item, "_id", None), NodeId):
+        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """The slow files first, the timing audit last, the rest between (a stable sort: modules stay
-    whole)."""
+    whole); the tests of one expensive fixture in one xdist group (unless they have one)."""
     items.sort(key=_order)
+    for item in items:
+        group = _shared_setup_group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        if getattr(config.option, "loadgroup", False):  # set in xdist's workers under loadgroup
+            _join_group(item)
 
 
 def pytest_runtest_setup(item):

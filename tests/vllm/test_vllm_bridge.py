@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvlab.built.nb06 import (
+    add_vllm_pools,
     bench_block_pools,
+    block_pool_job,
     compare_runs,
     divergence_rows,
     first_difference,
@@ -179,11 +181,9 @@ needs_vllm = pytest.mark.skipif(
 )
 
 
-@needs_vllm
-def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
-    """A small shared-prefix workload: identical greedy tokens, cached-token counts and hit rate."""
-    from kvlab.engine.models import BUNDLED_MODEL, eos_ids
-    from kvlab.engine.reference import hf_generate
+def _shared_prefix_prompts(bundled) -> tuple[list[list[int]], list[int]]:
+    """Three questions on one passphrase example and one other example (token ids); the stop ids."""
+    from kvlab.engine.models import eos_ids
     from kvlab.lessons import passphrase as P
 
     model, tok = bundled
@@ -195,14 +195,65 @@ def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
             "input_ids"
         ]
     )
-    stop = sorted(eos_ids(model, tok))
+    return prompts, sorted(eos_ids(model, tok))
+
+
+def _ample_trace():
+    """A shared-prefix trace whose first request ends one token past a block boundary."""
+    import dataclasses
+
+    from kvlab.lessons.traces import shared_prefix_trace
+
+    trace = shared_prefix_trace(
+        16, prefix_lens=(64, 160), suffix_len=(4, 40), output_len=(2, 40), seed=2
+    )
+    # prompt + output one past a block boundary: the last token's K/V is never written
+    r0 = trace[0]
+    trace[0] = dataclasses.replace(r0, output=(r0.output * 64)[: 65 - len(r0.prompt) % 32])
+    return trace
+
+
+def _tight_trace():
+    from kvlab.lessons.traces import realistic_trace
+
+    return realistic_trace(30, seed=1)
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(bundled):
+    """Every vLLM job of this file in ONE worker (``run_many``: vLLM's import is paid once, not
+    four times), by name; each test below checks its own job's result."""
+    if not STATUS.available:
+        pytest.skip(STATUS.message.splitlines()[0])
+    from kvlab.engine.models import BUNDLED_MODEL
+
+    prompts, stop = _shared_prefix_prompts(bundled)
+    # the workload job takes the generate job's engine settings, so it reuses its engine
+    gen = generate_job(BUNDLED_MODEL, prompts, 32, 12, stop_token_ids=stop, repeat=False)
+    # what bench_block_pools(trace, {name: n}, block_size=32, reps=1) sends to the worker
+    ops, nb, bs = _ops(), 14, 16  # a small pool: later prompts evict earlier blocks
+    jobs = {
+        "generate": gen,
+        "workload": workload_job(prompts[:3], 4, like=gen),
+        "pool_ample": block_pool_job(_ample_trace(), 200, 32, 16, 1),
+        "pool_tight": block_pool_job(_tight_trace(), 120, 32, 16, 1),
+        "kv_events": {"kind": "kv_events", "ops": ops, "num_blocks": nb, "block_size": bs},
+    }
+    return dict(zip(jobs, run_many(list(jobs.values()))))
+
+
+@needs_vllm
+def test_vllm_matches_kvlab_and_hf(bundled, vllm_runs):
+    """A small shared-prefix workload: identical greedy tokens, cached-token counts and hit rate."""
+    from kvlab.engine.reference import hf_generate
+
+    model, tok = bundled
+    prompts, stop = _shared_prefix_prompts(bundled)
     ours = vb.run_kvlab(
         model, tok, prompts, block_size=32, max_tokens=12, stop_token_ids=stop, repeat=False
     )
-    # one worker, two jobs: the workload job takes the generate job's engine settings, so it reuses
-    # its engine
-    gen = generate_job(BUNDLED_MODEL, prompts, 32, 12, stop_token_ids=stop, repeat=False)
-    theirs, wl = run_many([gen, workload_job(prompts[:3], 4, like=gen)])
+    # one worker, two jobs (vllm_runs): the workload job reuses the generate job's engine
+    theirs, wl = vllm_runs["generate"], vllm_runs["workload"]
     hf = [hf_generate(model, tok, p, max_new_tokens=12) for p in prompts]
     assert theirs["output_ids"] == ours["output_ids"] == hf
     assert theirs["num_cached_tokens"] == ours["num_cached_tokens"]
@@ -219,27 +270,20 @@ def test_vllm_matches_kvlab_and_hf(bundled, tmp_path):
 
 
 @needs_vllm
-def test_vllm_block_pool_replays_the_same_trace():
-    import dataclasses
-
-    from kvlab.lessons.traces import realistic_trace, shared_prefix_trace
-
-    trace = shared_prefix_trace(
-        16, prefix_lens=(64, 160), suffix_len=(4, 40), output_len=(2, 40), seed=2
-    )
-    # prompt + output one past a block boundary: the last token's K/V is never written
-    r0 = trace[0]
-    trace[0] = dataclasses.replace(r0, output=(r0.output * 64)[: 65 - len(r0.prompt) % 32])
+def test_vllm_block_pool_replays_the_same_trace(vllm_runs):
+    trace = _ample_trace()
     assert (len(trace[0].prompt) + len(trace[0].output)) % 32 == 1
-    res = bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1)["ample"]
+    # bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1), its vLLM job run in vllm_runs
+    res = bench_block_pools(trace, {"ample": 200}, block_size=32, reps=1, vllm=False)
+    res = add_vllm_pools(res, [vllm_runs["pool_ample"]])["ample"]
     assert res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
     assert res["vllm"]["blocks_per_s"] > 0
     # blocks/s on the same numerator
     assert res["vllm"]["table_blocks"] == res["kvlab"]["table_blocks"]
     # under eviction the two agree: kvlab's pool reuses never-hittable tail blocks first, as vLLM
     # does (its default)
-    trace = realistic_trace(30, seed=1)
-    res = bench_block_pools(trace, {"tight": 120}, block_size=32, reps=1)["tight"]
+    res = bench_block_pools(_tight_trace(), {"tight": 120}, block_size=32, reps=1, vllm=False)
+    res = add_vllm_pools(res, [vllm_runs["pool_tight"]])["tight"]
     assert (
         res["kvlab"]["evictions"] > 0
         and res["vllm"]["cached_tokens"] == res["kvlab"]["cached_tokens"]
@@ -381,19 +425,12 @@ def canonical(stream: list[list[dict]]) -> list[list[tuple]]:
     return out
 
 
-def test_kvlab_and_vllm_event_streams_agree():
-
-    status = vb.vllm_status()
-    if not status.available:
-        pytest.skip(
-            "vLLM is optional (`make vllm-env` creates its venv): " + status.message.splitlines()[0]
-        )
+@needs_vllm
+def test_kvlab_and_vllm_event_streams_agree(vllm_runs):
+    # the same ops, pool and block size as vllm_runs' kv_events job
     ops, nb, bs = _ops(), 14, 16  # a small pool: later prompts evict earlier blocks
     ours = kvlab_events(ops, nb, bs)
-    res = vb.run_worker(
-        {"kind": "kv_events", "ops": ops, "num_blocks": nb, "block_size": bs}, timeout=300
-    )
-    theirs = res["events"]
+    theirs = vllm_runs["kv_events"]["events"]
     assert len(theirs) == len(ours)
     flat = [e for evs in ours for e in evs]
     kinds = {e["kind"] for e in flat}
