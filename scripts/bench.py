@@ -21,10 +21,13 @@ One run measures, with repetitions interleaved and medians kept (``kvlab.bench.p
   (sums) of a buffer 8 times the last-level cache, one number per thread count wherever it is
   printed (``ReadBandwidth``).
 
-It prints a line per repetition while it measures, then the tables and the issue's goals (met, not
-met, or a measurement error where a step beats its floor by more than 5%: the floor is then wrong),
-and writes everything to JSON. A model of realistic shape is random-initialised (no download); on a
-CPU the default keeps 4 of its 24 layers so one run takes minutes, on a GPU all of them.
+It prints a line per system run (warm-ups included) and per round of the engine speed and floor
+measurements, and one a minute while vLLM runs; then the tables and the issue's goals (met, not
+met, or a measurement error where a step beats its floor by more than 5%: the floor is then wrong;
+a goal whose systems ``--systems`` left out is left out too), and writes everything to JSON. A
+model of realistic shape is random-initialised (no download); on a CPU the default keeps 4 of its
+24 layers so one run takes minutes, on a GPU all of them. ``--smoke`` runs every code path in
+seconds on a toy-shaped model (its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ sys.path.insert(0, str(ROOT))
 from kvlab.bench import peers as B  # noqa: E402
 from kvlab.bench.workload import ideal_prefill_fraction, sys512  # noqa: E402
 from kvlab.cache import DEFAULT_BLOCK_SIZE  # noqa: E402
-from kvlab.cache.block_manager import cdiv  # noqa: E402
 from kvlab.engine import Engine, SamplingParams  # noqa: E402
 from kvlab.engine.models import (  # noqa: E402
     kv_bytes_per_token,
@@ -406,17 +408,7 @@ def main(argv: list[str] | None = None) -> int:
 def _decode_engine(model, wl, caching: bool, new_tokens: int, block_size: int = 16) -> Engine:
     """An engine with every prompt of ``wl`` prefilled (one step) and one decode step run: ready to
     time decodes."""
-    num_blocks = sum(cdiv(len(p) + new_tokens + 2, block_size) for p in wl.prompts) + 4
-    engine = Engine(
-        model,
-        None,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        enable_prefix_caching=caching,
-        max_num_seqs=len(wl),
-        max_num_batched_tokens=max(2048, wl.prompt_tokens),
-        **B.ENGINE_OPTIONS,
-    )
+    engine = B.bench_engine(model, wl, caching, block_size, new_tokens=new_tokens + 2)
     for p in wl.prompts:
         engine.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     engine.step()  # every prompt in one step

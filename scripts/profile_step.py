@@ -32,7 +32,6 @@ sys.path.insert(0, str(ROOT))
 
 from kvlab.bench import peers as B  # noqa: E402
 from kvlab.bench.workload import sys512  # noqa: E402
-from kvlab.cache.block_manager import cdiv  # noqa: E402
 from kvlab.engine import Engine, SamplingParams  # noqa: E402
 from kvlab.engine.models import load_model  # noqa: E402
 from kvlab.engine.speed import SpeedPaths  # noqa: E402
@@ -40,17 +39,7 @@ from kvlab.engine.speed import SpeedPaths  # noqa: E402
 
 def make_engine(model, wl, caching: bool, steps: int, block_size: int = 16) -> Engine:
     """The engine ``kvlab_steps`` builds, with every prompt queued."""
-    num_blocks = sum(cdiv(len(p) + steps + 4, block_size) for p in wl.prompts) + 4
-    engine = Engine(
-        model,
-        None,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        enable_prefix_caching=caching,
-        max_num_seqs=len(wl),
-        max_num_batched_tokens=max(2048, wl.prompt_tokens),
-        **B.ENGINE_OPTIONS,
-    )
+    engine = B.bench_engine(model, wl, caching, block_size, new_tokens=steps + 4)
     for p in wl.prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
     return engine

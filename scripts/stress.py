@@ -45,8 +45,13 @@ def main() -> int:
     model, tok = load_model(args.model, device="cpu", dtype="float32")
     t0 = time.perf_counter()
     workload = S.stress_workload(tok, args.requests, seed=args.seed)
+    # progress: each phase takes minutes at --requests 1000
+    print(f"reference: {len(workload[0])} requests, each generated alone by transformers ...",
+          flush=True)
     reference = S.isolated_outputs(model, tok, workload[0])
     t1 = time.perf_counter()
+    print(f"engine: the same requests through one engine ({args.policy}, {args.num_blocks} "
+          "blocks) ...", flush=True)
     rep = S.stress_test(
         model,
         tok,

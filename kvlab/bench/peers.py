@@ -377,7 +377,10 @@ def measure_sys512(
         model.config.vocab_size, num_requests=2, prefix_tokens=32, suffix_tokens=4, max_tokens=2
     )
     for k in keys:  # warm-up on a tiny workload: first-call costs, not timed
+        t0 = time.perf_counter()
         SYSTEMS[k](model, tiny)
+        if progress:
+            print(f"  warm-up (not timed): {k} {time.perf_counter() - t0:.1f} s", flush=True)
     for i in range(repeats):
         for k in keys:
             t0 = time.perf_counter()
