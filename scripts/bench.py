@@ -378,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
             "layers": model.config.num_hidden_layers,
             "dtype": args.dtype,
             "device": str(device),
+            # --smoke: the config's shape shrunk (SMOKE_SHAPE), its numbers mean nothing
+            "smoke": args.smoke,
+            "hidden_size": model.config.hidden_size,
+            "vocab_size": model.config.vocab_size,
         },
         "machine": {
             "python": platform.python_version(),

@@ -151,6 +151,7 @@ def test_bench_runs_one_system(tmp_path):
         "KV bytes shared equal to the block-granular ideal"
     ]
     assert report["decode_floor"] is None
+    assert report["model"]["smoke"] and report["model"]["vocab_size"] == 1024
 
 
 @pytest.mark.parametrize("script", list(SMOKE))
