@@ -109,18 +109,11 @@ def test_a_replica_that_raises_keeps_the_healthy_replicas_records():
     )
 
 
-# --- real engines as Ray actors (module-scoped: Ray starts once) ----------------------------------
+# --- real engines as Ray actors (Ray and its actors start once per session: conftest) ------------
 
 @pytest.fixture(scope="module")
-def ray_fleet(ray_session):
-    from kvlab.cluster import ray_replicas
-
-    fleet = ray_replicas(2, num_blocks=48, block_size=16)
-    try:
-        yield fleet
-    finally:
-        for handle in fleet:
-            ray_session.kill(handle.actor)
+def ray_fleet(ray_replicas_for):
+    return ray_replicas_for(2, num_blocks=48, block_size=16)
 
 
 def test_ray_run_and_simulation_agree(ray_fleet):

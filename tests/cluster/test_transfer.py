@@ -202,15 +202,8 @@ def test_a_sim_replica_without_a_tier_stages_nothing():
 # --- Ray: real actors, Ray's object store (few, skippable) ----------------------------------------
 
 @pytest.fixture(scope="module")
-def ray_pair(ray_session):
-    from kvlab.cluster import ray_replicas
-
-    pair = ray_replicas(2, num_blocks=32, block_size=BS, tier_blocks=32)
-    try:
-        yield ray_session, pair
-    finally:
-        for handle in pair:
-            ray_session.kill(handle.actor)
+def ray_pair(ray_session, ray_replicas_for):
+    return ray_session, ray_replicas_for(2, num_blocks=32, block_size=BS, tier_blocks=32)
 
 
 def test_ray_fetch_through_the_object_store_and_a_killed_holder(ray_pair):
