@@ -101,8 +101,8 @@ def test_no_notebook_prints_source():
 
 # issue 50: kvlab/lessons + kvlab/built together (8,277 physical lines before it); experiment
 # runners moved from the notebooks into kvlab/lessons, so the budget covers both layers. Counted in
-# logical lines (statements, tokenize's NEWLINE tokens: what wrapping to 100 columns does not change;
-# 4,648 when E501 was switched on, 6,952 physical lines then)
+# logical lines (statements, tokenize's NEWLINE tokens: what wrapping to 100 columns does not
+# change; 4,648 when E501 was switched on, 6,952 physical lines then)
 LESSON_LOGICAL_LINES = 4700
 
 
@@ -114,7 +114,9 @@ def logical_lines(source: str) -> int:
 
 def test_logical_lines_ignore_wrapping():
     assert logical_lines("x = f(1,\n      2)\ny = 'a' 'b'\n") == 2
-    assert logical_lines('def f():\n    """doc\n    more"""\n    return (1 +\n            2)\n') == 3
+    assert logical_lines(
+        'def f():\n    """doc\n    more"""\n    return (1 +\n            2)\n'
+    ) == 3
 
 
 def test_the_lesson_layers_stay_small():
