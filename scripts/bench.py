@@ -166,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             **(SMOKE_SHAPE if args.smoke else {}),
         )
-    if args.smoke:
-        # the objects alive now (modules, the model) live to the end: the full gc.collect that
-        # transformers' generate_batch runs twice a call then skips them (about 400k objects, 0.4 s
-        # a collect here: a toy generate_batch call 1.4 s -> 0.6 s, most of the smoke's HF time)
-        gc.freeze()
+    # the objects alive now (modules, the model) live to the end: frozen, the full gc.collect that
+    # transformers' generate_batch runs twice a call skips them, so HF is not charged for the
+    # harness's heap (about 400k objects, 0.4 s a collect here: a toy generate_batch call 1.4 s ->
+    # 0.6 s); every system runs with the same frozen heap
+    gc.freeze()
     wl = sys512(model.config.vocab_size, num_requests=args.requests, prefix_tokens=args.prefix,
                 suffix_tokens=args.suffix, max_tokens=args.new_tokens)
     print(
