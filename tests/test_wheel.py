@@ -58,9 +58,16 @@ NOT_IN_CORE = (
 
 def _build_prerequisites() -> str | None:
     """Why the wheel cannot be built offline here, or None."""
-    for mod in ("pip", "setuptools", "ensurepip"):
-        if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not importable (pip install 'setuptools>=77')"
+    # pip and setuptools by their metadata: importlib.util.find_spec("pip") would run setuptools'
+    # distutils hook (_distutils_hack's spec_for_pip), which pins this process to the stdlib's
+    # distutils, and a later `import setuptools` (torch's cpp_extension) then fails its assertion
+    for dist in ("pip", "setuptools"):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{dist} is not installed (pip install 'setuptools>=77')"
+    if importlib.util.find_spec("ensurepip") is None:
+        return "ensurepip is not importable (pip install 'setuptools>=77')"
     major = int(importlib.metadata.version("setuptools").split(".")[0])
     return (
         None
