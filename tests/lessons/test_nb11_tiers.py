@@ -47,3 +47,18 @@ def test_a_crossover_is_named_only_between_lengths_the_repeats_tell_apart():
         {16: ((2.0, 2.1, 2.2), (1.0, 1.1, 1.2)), 256: ((4.0, 4.1, 4.2), (1.0, 1.1, 1.2))}
     )
     assert "faster at every prefix length measured" in crossover_sentences(always)[0]
+
+
+def test_the_tier_sentence_ranks_no_ttft_from_one_run():
+    """One run per tier size has no spread: the p50/p99 TTFTs are printed, never called lower."""
+    from kvlab.built.nb11 import tier_sentences
+
+    base = {"tier_blocks": 0, "pool_hit_rate": 0.2, "restored_rate": 0.0, "served_rate": 0.2,
+            "ttft_p50": 0.010, "ttft_p99": 0.050, "bytes_to_host": 0, "bytes_from_host": 0,
+            "copy_s": 0.0}
+    tier = {**base, "tier_blocks": 256, "restored_rate": 0.3, "served_rate": 0.5,
+            "ttft_p50": 0.007, "ttft_p99": 0.030, "bytes_to_host": 2**20, "copy_s": 0.01}
+    _, ttft = tier_sentences(pd.DataFrame([base, tier]))
+    assert "10.00 ms -> 7.00 ms" in ttft and "50.00 ms -> 30.00 ms" in ttft
+    assert "not a ranking" in ttft
+    assert not any(w in ttft for w in ("lower", "higher", "faster", "slower"))
