@@ -178,11 +178,9 @@ def tier_sentences(df: pd.DataFrame) -> list[str]:
            f"with {int(best.tier_blocks)} tier blocks {pct(best.served_rate)} "
            f"({pct(best.pool_hit_rate)} pool hits + {pct(best.restored_rate)} restored): "
            + ("the tier turned evictions into hits." if gain else "no gain here.")]
-    # one run per tier size: no spread, so the TTFTs are shown, not ranked
-    p99 = "one run per tier size, no spread: not a ranking; a p99 is its slowest request or two"
     out.append(f"TTFT p50 {ms(base.ttft_p50)} -> {ms(best.ttft_p50)}, "
-               f"p99 {ms(base.ttft_p99)} -> {ms(best.ttft_p99)} "
-               f"({p99}); the tier moved "
+               f"p99 {ms(base.ttft_p99)} -> {ms(best.ttft_p99)} (one run per tier size, no "
+               "spread: not a ranking; a p99 is its slowest request or two); the tier moved "
                f"{best.bytes_to_host / 2**20:.1f} MiB out and "
                f"{best.bytes_from_host / 2**20:.1f} MiB back in "
                f"{ms(best.copy_s)} of copying.")

@@ -153,11 +153,14 @@ class SamplingParams:
 
 
 def _sampling_field(fields: dict[str, Any]) -> str | None:
-    """The first of ``fields`` that ``SamplingParams`` refuses on its own (every other field at its
-    default)."""
+    """The field of ``fields`` at fault: the first one, in their order, that ``SamplingParams``
+    refuses together with the fields before it (alone, or across fields: ``min_tokens`` after a
+    smaller ``max_tokens``)."""
+    given: dict[str, Any] = {}
     for name, value in fields.items():
+        given[name] = value
         try:
-            SamplingParams(**{name: value})
+            SamplingParams(**given)
         except (TypeError, ValueError):
             return name
     return None

@@ -235,7 +235,9 @@ def quick_note(model: Any, smoke: bool = False) -> str:
 
 # ----------------------------------------------------------------------------- timing
 
-# two measurements within 5 % of each other (one run, a shared CPU) are called "about the same"
+# a ratio within 5 % of 1 is called "about the same" (ratio_word): for a verdict the repeats
+# already told apart (timing.TimingVerdict.says) or a quantity that is not a timing; one timed
+# run has no spread and is not ranked with it
 TIE = 0.05
 
 

@@ -282,13 +282,8 @@ class _Server:
             self.engine.intake.check_fits(n_prompt, max_tokens)
             return make_sampling(**fields)
         except RequestError as e:
-            # the engine's intake names the field at fault: OpenAI's param; min_tokens over
-            # max_tokens is a check across two fields, which it names only when min_tokens fails
-            # alone too: min_tokens is the one refused
-            param = e.field
-            if param is None and fields.get("min_tokens", 0) > max_tokens:
-                param = "min_tokens"
-            raise ApiError(400, str(e), param=param, code="invalid_value") from None
+            # the engine's intake names the field at fault: OpenAI's param
+            raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
 
     def check_text_size(self, size: int, param: str) -> None:
         """Refuse (400 naming ``param``) prompt text of more than ``max_prompt_bytes`` UTF-8 bytes,
