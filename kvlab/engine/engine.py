@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ..cache.interface import CacheManager
@@ -25,11 +24,12 @@ from .invariants import check_engine
 from .kv_store import PagedKVStore
 from .models import eos_ids, model_device_dtype
 from .offload import HostOffload
+from .outputs import RequestOutput
 from .radix_adapter import engine_cache
 from .recovery import settle
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Request, RequestStatus
 
 __all__ = [
@@ -41,33 +41,6 @@ __all__ = [
     "UnknownRequestError",
     "default_positions",
 ]
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's result: tokens, text, why it stopped, cache use and timing (seconds)."""
-
-    request_id: Hashable
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finished: bool
-    # "stop", "length", "abort", "error"
-    finish_reason: str | None
-    # prompt tokens served from the prefix cache (first admission)
-    num_cached_tokens: int
-    num_preemptions: int = 0
-    # arrival -> first token
-    ttft: float | None = None
-    # arrival -> finished
-    latency: float | None = None
-    error: str | None = None
-    # of num_cached_tokens: copied back from the host tier (evicted or fetched)
-    num_restored_tokens: int = 0
-    # sampling.logprobs / prompt_logprobs: kvlab.engine.logprobs.TokenLogprob records (None if not
-    # asked)
-    logprobs: list | None = None
-    prompt_logprobs: list | None = None
 
 
 class Engine:
@@ -125,7 +98,9 @@ class Engine:
         # unfinished requests by id
         self.requests: dict[Hashable, Request] = {}
         # mixed: steps that ran prefills and decodes together
-        self.num_steps = self.num_mixed_steps = self.peak_kv_bytes = 0
+        self.num_steps = self.num_mixed_steps = 0
+        # the most blocks live sequences held at the start of a step (``peak_kv_bytes``)
+        self.peak_blocks = 0
         self._lock = threading.RLock()
         # finished during a generate() that did not own them
         self._pending: list[RequestOutput] = []
@@ -186,9 +161,28 @@ class Engine:
         """Schedule, run one packed forward, postprocess; return what finished (and pending
         outputs)."""
         with self._lock:
-            scheduled = self.scheduler.schedule()
+            bm, scheduled = self.block_manager, self.scheduler.schedule()
+            items, finished = scheduled.items, []
             # empty only when a lone sequence preempted itself
-            finished = self._run(scheduled) if scheduled.items else []
+            if items:
+                self.peak_blocks = max(self.peak_blocks, bm.num_blocks - bm.num_free_blocks)
+                if scheduled.cow_pairs:
+                    self.store.copy_blocks(scheduled.cow_pairs)
+                tables = [bm.block_table(it.seq.seq_id) for it in items]
+                # None: the default positions, which need no check
+                positions = None
+                if self.positions is not default_positions:
+                    positions = [self.positions(it) for it in items]
+                tokens, errors, untrusted = self.runner.compute(items, tables, positions)
+                # a failed item ends with "error"; one that read K/V a failed item never wrote
+                # prefills again
+                if errors or untrusted:
+                    finished = settle(self, items, errors, untrusted)
+                finished += self.scheduler.postprocess(items, tokens, time.perf_counter())
+                if self.observers:
+                    observe(self.observers, self.num_steps, items, tables, positions, tokens)
+                self.num_steps += 1
+                self.num_mixed_steps += len({it.is_prefill for it in items}) == 2
             for seq in finished:
                 self.requests.pop(seq.request_id, None)
             # idle: the model is HF's own again (ModelRunner.detach)
@@ -198,29 +192,6 @@ class Engine:
                 self.check_invariants()
             outputs, self._pending = self._pending, []
             return outputs + [self._output(s) for s in finished if s.seq_id not in self._held]
-
-    def _run(self, scheduled: SchedulerOutput) -> list[Request]:
-        """One forward of the scheduled items and its postprocess; the requests it finished (or that
-        failed)."""
-        items = scheduled.items
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
-        if scheduled.cow_pairs:
-            self.store.copy_blocks(scheduled.cow_pairs)
-        tables = [self.block_manager.block_table(it.seq.seq_id) for it in items]
-        # None: the default positions, which need no check
-        positions = None
-        if self.positions is not default_positions:
-            positions = [self.positions(it) for it in items]
-        tokens, errors, untrusted = self.runner.compute(items, tables, positions)
-        # a failed item ends with "error"; one that read K/V a failed item never wrote prefills
-        # again
-        failed = settle(self, items, errors, untrusted) if errors or untrusted else []
-        finished = failed + self.scheduler.postprocess(items, tokens, time.perf_counter())
-        if self.observers:
-            observe(self.observers, self.num_steps, items, tables, positions, tokens)
-        self.num_steps += 1
-        self.num_mixed_steps += len({it.is_prefill for it in items}) == 2
-        return finished
 
     def _finish(
         self, seq: Request, reason: str, now: float, uncache_from: int | None = None
@@ -310,6 +281,11 @@ class Engine:
         """K/V bytes of the blocks referenced by live sequences now."""
         bm = self.block_manager
         return (bm.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        """The most K/V bytes live sequences held at the start of any step so far."""
+        return self.peak_blocks * self.store.bytes_per_block
 
     # --- off the step: requests, tenants, observers, stats ----------------------------------------
     def abort(self, request_id: Hashable, *, tenant: str | None = None) -> RequestOutput:

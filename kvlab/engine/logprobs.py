@@ -28,7 +28,6 @@ __all__ = [
     "cached_vs_scratch",
     "record_prompt_logprobs",
     "token_logprobs",
-    "wants_prompt_logprobs",
 ]
 
 # hidden rows turned into logits at once: 256 rows of a 49,152-token vocabulary are 48 MiB of
@@ -64,11 +63,6 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
     else:
         tops = [()] * len(tokens)
     return [TokenLogprob(t, lp, r, top) for t, lp, r, top in zip(tokens, chosen, ranks, tops)]
-
-
-def wants_prompt_logprobs(seq: Any) -> bool:
-    """Whether request ``seq`` asked for prompt log-probabilities."""
-    return seq.sampling.prompt_logprobs is not None
 
 
 def _prompt_slots(seq: Any) -> list:
@@ -119,7 +113,7 @@ def record_prompt_logprobs(runner: Any, items: list, hidden: torch.Tensor) -> No
     for it in items:
         seq, start, end = it.seq, it.start, it.end
         rows = end - start
-        if wants_prompt_logprobs(seq) and start < len(seq.prompt_ids):
+        if seq.sampling.prompt_logprobs is not None and start < len(seq.prompt_ids):
             slots = _prompt_slots(seq)
             _fill(runner, seq, slots, hidden[offset : offset + rows], start)
             # positions before this step's first: computed by an earlier chunk, or served by the

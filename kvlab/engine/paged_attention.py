@@ -9,15 +9,14 @@ import functools
 import sys
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..cache.block_manager import cdiv
-from .accelerator import KernelPlan
 from .kv_store import PagedKVStore
+from .paged_batch import AttnGroup, MissingBatchError, PagedBatch
 
 __all__ = [
     "ATTN_NAME",
@@ -27,6 +26,7 @@ __all__ = [
     "attend_fresh",
     "attend_per_sequence",
     "attend_union",
+    "attn_mask",
     "build_batch",
     "check_call",
     "group_by_query_length",
@@ -52,89 +52,6 @@ _FEATURES = {
     "position_bias": "an additive position bias (position_bias, e.g. ALiBi or relative positions)",
     "encoder_hidden_states": "cross-attention (encoder_hidden_states)",
 }
-
-
-@dataclass(slots=True)
-class AttnGroup:
-    """Sequences attended together, padded to the longest query and the longest block table."""
-
-    # (B, Qmax) index of each query token in the packed row (padding -> 0)
-    query_index: torch.Tensor
-    # (B, Qmax) bool
-    query_valid: torch.Tensor
-    # (B, Qmax) absolute position of each query token
-    query_pos: torch.Tensor
-    # (B, max_blocks) physical block ids (padding -> 0)
-    block_tables: torch.Tensor
-    # (B,) context length of each sequence after this step
-    context: torch.Tensor
-    block_size: int
-    # no padding and packed in order: the group is the whole step, (B * Qmax) rows
-    dense: bool = False
-    # every sequence starts at position 0: its keys are this step's, attention is plain causal
-    fresh: bool = False
-    # (union, group, window, dtype) -> the mask as attended
-    masks: dict = field(default_factory=dict)
-    # the block tables as lists (``_plan_union`` reads them)
-    tables: list[list[int]] = field(default_factory=list)
-    # attend over the union of the group's blocks (``_plan_union``; None: not decided yet)
-    union: bool | None = None
-    # (U,) the distinct blocks of the group, when ``union``
-    union_blocks: torch.Tensor | None = None
-    # (B, U * block_size) position of each union key in each sequence (-1: not its)
-    union_pos: torch.Tensor | None = None
-
-    def attn_mask(
-        self, group: int, window: int | None, dtype: torch.dtype, union: bool = False
-    ) -> torch.Tensor:
-        """Additive mask (0 or -inf) of GQA's stacked query rows (SDPA would convert a bool one per
-        layer), once a step.
-
-        ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)``
-        over its keys."""
-        key = (union, group, window, dtype)
-        if key not in self.masks:
-            # (B, 1, Ku) with -1 where the key is not the sequence's, or (K,)
-            n = self.block_tables.shape[1] * self.block_size
-            k_pos = (
-                self.union_pos[:, None] if union else torch.arange(n, device=self.context.device)
-            )
-            # (B, Qmax, 1)
-            q_pos = self.query_pos[:, :, None]
-            # (B, Qmax, K)
-            ok = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos < self.context[:, None, None])
-            if window is not None:
-                ok &= k_pos > q_pos - window
-            # a row that sees nothing (padding) sees every key: finite, never read
-            ok |= ~ok.any(-1, keepdim=True)
-            b, q_len, k_len = ok.shape
-            shape = (1, 1, b * group * q_len, k_len) if union else (b, 1, group * q_len, k_len)
-            ok = ok[:, None].expand(b, group, q_len, k_len).reshape(shape)
-            mask = torch.zeros(shape, dtype=dtype, device=ok.device)
-            self.masks[key] = mask.masked_fill_(~ok, float("-inf"))
-        return self.masks[key]
-
-
-@dataclass(slots=True)
-class PagedBatch:
-    """Everything the attention function needs for one packed forward."""
-
-    store: PagedKVStore
-    # (T,) where each new token's K/V is written
-    slot_mapping: torch.Tensor
-    groups: list[AttnGroup]
-    num_tokens: int
-    # layer index of each call, in order (the engine checks it)
-    layers_run: list[int] = field(default_factory=list)
-    # the sliding window each of those calls was given
-    windows_run: list[int | None] = field(default_factory=list)
-    # the accelerator's kernel plan of this step (kvlab.engine.accelerator.KernelPlan), set by the
-    # runner
-    kernel: KernelPlan | None = None
-
-
-class MissingBatchError(RuntimeError):
-    """The paged attention was called without its ``kvlab_batch`` keyword."""
 
 
 # small-batch attention FLOPs a CPU does while it moves one byte (~100 GFLOP/s, ~12 GB/s)
@@ -255,7 +172,8 @@ def paged_attention_forward(
     q_all, k_all, v_all = (x[0].transpose(0, 1) for x in (query, key, value))
     _, heads, d = q_all.shape
     # query heads per KV head (grouped-query attention)
-    group = heads // k_all.shape[1]
+    kv_heads = k_all.shape[1]
+    group = heads // kv_heads
     # e.g. a decode-only step: no gather, no scatter
     whole = len(batch.groups) == 1 and batch.groups[0].dense
     out = None if whole else torch.empty_like(q_all)
@@ -269,16 +187,55 @@ def paged_attention_forward(
                    for x in (q_all, k_all, v_all))
         if g.fresh and (window is None or window >= q_len):
             o = attend_fresh(q, k, v, scaling)
-        elif g.union or (g.union is None and _plan_union(g, group, store.k.element_size())):
-            o = attend_union(g, store, layer, q, scaling, window)
         else:
-            o = attend_per_sequence(g, store, layer, q, scaling, window)
+            # GQA without repeating K/V: query head h reads KV head h // group, so a KV head's
+            # query heads become extra query rows of it, (B, kv_heads, group * Qmax, D)
+            q = q.view(b, q_len, kv_heads, group, d).permute(0, 2, 3, 1, 4)
+            q = q.reshape(b, kv_heads, group * q_len, d)
+            if g.union or (g.union is None and _plan_union(g, group, store.k.element_size())):
+                o = attend_union(g, store, layer, q, scaling, window)
+            else:
+                o = attend_per_sequence(g, store, layer, q, scaling, window)
+            # back to (B, Qmax, heads, D)
+            o = o.reshape(b, kv_heads, group, q_len, d).permute(0, 3, 1, 2, 4)
+            o = o.reshape(b, q_len, heads, d)
         if whole:
             # (1, T, heads, D), contiguous as from SDPA
             return o.reshape(1, b * q_len, heads, d).contiguous(), None
         out[g.query_index[g.query_valid]] = o[g.query_valid]
     # (1, T, heads, D)
     return out.unsqueeze(0), None
+
+
+def attn_mask(
+    g: AttnGroup, group: int, window: int | None, dtype: torch.dtype, union: bool = False
+) -> torch.Tensor:
+    """Additive mask (0 or -inf) of GQA's stacked query rows (SDPA would convert a bool one per
+    layer), once a step.
+
+    ``(B, 1, group * Qmax, Kmax)``; with ``union``, ``(1, 1, B * group * Qmax, U * block_size)``
+    over its keys."""
+    key = (union, group, window, dtype)
+    if key not in g.masks:
+        # (B, 1, Ku) with -1 where the key is not the sequence's, or (K,)
+        n = g.block_tables.shape[1] * g.block_size
+        k_pos = (
+            g.union_pos[:, None] if union else torch.arange(n, device=g.context.device)
+        )
+        # (B, Qmax, 1)
+        q_pos = g.query_pos[:, :, None]
+        # (B, Qmax, K)
+        ok = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos < g.context[:, None, None])
+        if window is not None:
+            ok &= k_pos > q_pos - window
+        # a row that sees nothing (padding) sees every key: finite, never read
+        ok |= ~ok.any(-1, keepdim=True)
+        b, q_len, k_len = ok.shape
+        shape = (1, 1, b * group * q_len, k_len) if union else (b, 1, group * q_len, k_len)
+        ok = ok[:, None].expand(b, group, q_len, k_len).reshape(shape)
+        mask = torch.zeros(shape, dtype=dtype, device=ok.device)
+        g.masks[key] = mask.masked_fill_(~ok, float("-inf"))
+    return g.masks[key]
 
 
 def attend_fresh(
@@ -303,25 +260,20 @@ def attend_union(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.Tensor,
     """Every sequence of ``g`` against the union of its blocks, each block gathered once
     (``_plan_union``).
 
-    ``q`` ``(B, Qmax, heads, D)`` -> ``(B, Qmax, heads, D)``: one SDPA per KV head over all the
-    group's query rows, a mask (``attn_mask(union=True)``) keeping each row to its own sequence's
-    keys.
+    ``q`` ``(B, kv_heads, group * Qmax, D)`` (a KV head's query rows) -> the same shape: one SDPA
+    per KV head over all the group's query rows, a mask (``attn_mask(union=True)``) keeping each
+    row to its own sequence's keys.
     """
-    b, q_len, heads, d = q.shape
-    kv_heads = store.kv_heads
-    # (B, kv_heads, group * Qmax, D)
-    q = _by_kv_head(q, kv_heads)
-    group = heads // kv_heads
+    b, kv_heads, rows, d = q.shape
     # (kv_heads, U * block_size, D)
     k, v = store.gather_heads(layer, g.union_blocks)
     # (1, 1, B * group * Qmax, U * block_size)
-    mask = g.attn_mask(group, window, q.dtype, union=True)
-    q = q.transpose(0, 1).reshape(1, kv_heads, b * group * q_len, d)
+    mask = attn_mask(g, rows // g.query_index.shape[1], window, q.dtype, union=True)
+    q = q.transpose(0, 1).reshape(1, kv_heads, b * rows, d)
     k, v = k.to(q.dtype)[None], v.to(q.dtype)[None]
     o = _sdpa(q, k, v, attn_mask=mask, scale=scaling)
     # (B, kv_heads, group * Qmax, D)
-    o = o.view(kv_heads, b, group * q_len, d).transpose(0, 1)
-    return _by_query_head(o, q_len, heads)
+    return o.view(kv_heads, b, rows, d).transpose(0, 1)
 
 
 def attend_per_sequence(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.Tensor,
@@ -329,14 +281,11 @@ def attend_per_sequence(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.
     """Each sequence of ``g`` against its own block table, a few sequences at a time
     (``KV_CHUNK_BYTES``), so their gathered K/V is still in cache when the attention reads it.
 
-    ``q`` ``(B, Qmax, heads, D)`` -> ``(B, Qmax, heads, D)``.
+    ``q`` ``(B, kv_heads, group * Qmax, D)`` (a KV head's query rows) -> the same shape.
     """
-    b, q_len, heads, d = q.shape
-    kv_heads = store.kv_heads
-    # (B, kv_heads, group * Qmax, D)
-    q = _by_kv_head(q, kv_heads)
+    b, kv_heads, rows, d = q.shape
     # (B, 1, group * Qmax, Kmax)
-    mask = g.attn_mask(heads // kv_heads, window, q.dtype)
+    mask = attn_mask(g, rows // g.query_index.shape[1], window, q.dtype)
     # K/V bytes of one sequence in one layer
     per_seq = g.block_tables.shape[1] * store.bytes_per_block // store.num_layers
     step, outs = max(1, KV_CHUNK_BYTES // per_seq), []
@@ -349,26 +298,7 @@ def attend_per_sequence(g: AttnGroup, store: PagedKVStore, layer: int, q: torch.
         part = slice(i, i + n)
         outs.append(_sdpa(q[part], k, v, attn_mask=mask[part], scale=scaling))
     # (B, kv_heads, group * Qmax, D)
-    o = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return _by_query_head(o, q_len, heads)
-
-
-def _by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """GQA without repeating K/V: ``(B, Qmax, heads, D)`` -> ``(B, kv_heads, group * Qmax, D)``.
-
-    Query head h reads KV head h // group, so the group's query heads become extra query rows of
-    their KV head: one attention per KV head over its keys.
-    """
-    b, q_len, heads, d = q.shape
-    q = q.view(b, q_len, kv_heads, heads // kv_heads, d).permute(0, 2, 3, 1, 4)
-    return q.reshape(b, kv_heads, heads // kv_heads * q_len, d)
-
-
-def _by_query_head(o: torch.Tensor, q_len: int, heads: int) -> torch.Tensor:
-    """``_by_kv_head`` undone: ``(B, kv_heads, group * Qmax, D)`` -> ``(B, Qmax, heads, D)``."""
-    b, kv_heads, _, d = o.shape
-    o = o.reshape(b, kv_heads, heads // kv_heads, q_len, d).permute(0, 3, 1, 2, 4)
-    return o.reshape(b, q_len, heads, d)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def refuse_feature(feature: str) -> None:

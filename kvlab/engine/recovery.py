@@ -41,7 +41,7 @@ def recover(
             untrusted.add(i)
             bad.update(tables[i][it.start // bs :])
             continue
-        samples = it.end >= it.seq.num_tokens
+        samples = it.samples
         try:
             if packed is not None:
                 logits, top, nan = packed

@@ -22,7 +22,7 @@ from .accelerator import BoundAccelerator
 from .admission import admit
 from .hooks import checked_positions
 from .kv_store import PagedKVStore
-from .logprobs import record_prompt_logprobs, wants_prompt_logprobs
+from .logprobs import record_prompt_logprobs
 from .paged_attention import build_batch, paged_step
 from .recovery import describe, recover
 from .sampling import sample
@@ -132,8 +132,7 @@ class ModelRunner:
             ids += seq.prompt_ids[s:e] + seq.output_ids[max(s - p, 0) : max(e - p, 0)]
             pos += range(s, e) if positions is None else checked_positions(positions[i], it)
             end += e - s
-            # it samples: it computes up to its sequence's end
-            if e >= p + len(seq.output_ids):
+            if it.samples:
                 last.append(end - 1)
         batch = build_batch(self.store, [(it.start, it.end, t) for it, t in zip(items, tables)])
         accel = self.accelerator
@@ -155,7 +154,7 @@ class ModelRunner:
                 logits = self.model(**kwargs, logits_to_keep=last).logits[0]
         # a request that asks for prompt log-probabilities: every prompt position's
         # (kvlab.engine.logprobs)
-        if self.head_seam and any(wants_prompt_logprobs(it.seq) for it in items):
+        if self.head_seam and any(it.seq.sampling.prompt_logprobs is not None for it in items):
             record_prompt_logprobs(self, items, hidden)
         top = logits.argmax(-1)
         return logits, top.tolist(), logits.gather(-1, top[:, None])[:, 0].isnan().tolist()
@@ -188,7 +187,7 @@ class ModelRunner:
         (logits, top, _), tokens, errors, row = packed, [None] * len(items), {}, -1
         for i, it in enumerate(items):
             # a prompt chunk that ends before its sequence samples nothing and has no row
-            if it.end >= it.seq.num_tokens:
+            if it.samples:
                 row += 1
                 try:
                     tokens[i] = sample(it.seq, logits[row], top[row], self.eos_ids)

@@ -5,34 +5,14 @@ finishes what stops (nano-vllm's ``scheduler.py``; docs/engine.md)."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from ..cache.block_manager import cdiv
 from ..cache.interface import CacheManager
 from .invariants import check_scheduler
+from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .sequence import Request, RequestStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence in a step: its tokens at positions ``[start, end)`` are computed."""
-
-    seq: Request
-    start: int
-    end: int
-    is_prefill: bool
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs, and the block copies (copy-on-write) to do before it."""
-
-    items: list[ScheduledSeq] = field(default_factory=list)
-    # (src block, dst block)
-    cow_pairs: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -40,7 +20,7 @@ class Scheduler:
 
     ``enable_chunked_prefill`` (vLLM V1's default, on): a prompt longer than what is left of the
     step's token budget is computed in chunks over several steps, beside the running decodes,
-    instead of in a step of its own; an item whose ``end < seq.num_tokens`` is such a chunk (the
+    instead of in a step of its own; an item whose ``samples`` is False is such a chunk (the
     step samples no token for it).
 
     The block manager caches a prompt's full blocks when it allocates them, before their K/V is
@@ -117,7 +97,7 @@ class Scheduler:
             # its blocks are allocated (is_prefilling): compute the next chunk
             if start < bm.num_allocated_tokens(seq.seq_id):
                 end = min(n, start + budget)
-                out.items.append(ScheduledSeq(seq, start, end, True))
+                out.items.append(ScheduledSeq(seq, start, end, True, end == n))
             else:
                 while not bm.can_append(seq.seq_id):
                     # the youngest
@@ -132,7 +112,7 @@ class Scheduler:
                     cow = bm.append(seq.seq_id, (seq.output_ids or seq.prompt_ids)[-1]).cow
                     if cow is not None:
                         out.cow_pairs.append(cow)
-                    out.items.append(ScheduledSeq(seq, n - 1, n, False))
+                    out.items.append(ScheduledSeq(seq, n - 1, n, False, True))
                     start, end = n - 1, n
                 if seq.status is not RequestStatus.RUNNING:
                     continue
@@ -163,7 +143,7 @@ class Scheduler:
             seq.status = RequestStatus.RUNNING
             running.append(seq)
             end = min(len(ids), cached + budget) if chunked else len(ids)
-            out.items.append(ScheduledSeq(seq, cached, end, True))
+            out.items.append(ScheduledSeq(seq, cached, end, True, end == len(ids)))
             seq.num_computed_tokens = end
             budget -= end - cached
         self.last_output = out

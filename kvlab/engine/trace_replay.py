@@ -134,7 +134,7 @@ class ScriptedScheduler:
         for item in out.items:
             seq = item.seq
             # a chunk of a prompt: no token yet
-            if item.end < seq.num_tokens:
+            if not item.samples:
                 continue
             seq.output_ids.append(self._replies[seq.seq_id][len(seq.output_ids)])
             if len(seq.output_ids) == 1:

@@ -51,7 +51,7 @@ def _step(sched, shadow=None, token=7):
     if shadow is not None:
         shadow.step(out)
     for it in out.items:
-        if it.end < it.seq.num_tokens:  # a chunk: no token
+        if not it.samples:  # a chunk: no token
             assert it.is_prefill
             continue
         it.seq.output_ids.append(token)

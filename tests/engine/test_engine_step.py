@@ -119,9 +119,9 @@ def test_a_prompt_chunk_samples_no_token(lm):
             (it,) = whole
             mid = (it.start + it.end) // 2
             rest = [x for x in out.items if x is not it]
-            queued.append(SchedulerOutput([ScheduledSeq(it.seq, mid, it.end, True)]))
+            queued.append(SchedulerOutput([ScheduledSeq(it.seq, mid, it.end, True, it.samples)]))
             return SchedulerOutput(
-                rest + [ScheduledSeq(it.seq, it.start, mid, True)], out.cow_pairs
+                rest + [ScheduledSeq(it.seq, it.start, mid, True, False)], out.cow_pairs
             )
         return out
 

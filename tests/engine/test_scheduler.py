@@ -21,7 +21,9 @@ def _run_step(sched, token=7):
     """A stand-in for the model: every scheduled sequence gets ``token``; finish at max_tokens."""
     out = sched.schedule()
     for it in out.items:
-        if it.end < it.seq.num_tokens:  # a chunk of a prompt: no token yet
+        # the scheduler's flag: it samples exactly when it computes up to the sequence's end
+        assert it.samples == (it.end == it.seq.num_tokens)
+        if not it.samples:  # a chunk of a prompt: no token yet
             continue
         it.seq.output_ids.append(token)
         if len(it.seq.output_ids) >= it.seq.sampling.max_tokens:
