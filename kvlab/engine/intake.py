@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import random
 import time
-import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -22,12 +21,12 @@ from .errors import RequestError, RequestTypeError, refused
 from .sampling_params import SamplingParams, make_sampling
 from .sequence import Request
 from .tenants import (
-    SharedTenantsWarning,
     check_cache_salt,
     check_secret,
     public_prefix_length,
     request_salt,
     tenant_salt,
+    warn_shared_tenants,
 )
 
 __all__ = [
@@ -167,16 +166,7 @@ class Intake:
         if tenant is not None and self.isolation == "shared" and not self._warned_shared_tenants:
             # once per engine
             self._warned_shared_tenants = True
-            warnings.warn(
-                SharedTenantsWarning(
-                    f"tenant {tenant!r} on an engine with isolation='shared': tenants share "
-                    "every cached prefix "
-                    "(one tenant's prompts can speed up, and so reveal themselves to, "
-                    "another's); use "
-                    "isolation='tenant' or 'public-prefix' to keep them apart"
-                ),
-                stacklevel=3,
-            )
+            warn_shared_tenants(tenant, stacklevel=3)
         try:
             # nothing to derive: a shared cache without a cache_salt
             shared = self.isolation == "shared" and cache_salt is None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import warnings
 from collections.abc import Sequence
 
 from ..cache.hashing import salted_block
@@ -33,6 +34,19 @@ MIN_SECRET_BYTES = 16
 class SharedTenantsWarning(UserWarning):
     """Tenants were named on an engine whose isolation is "shared": their cached prefixes are not
     kept apart."""
+
+
+def warn_shared_tenants(tenant: str, stacklevel: int = 2) -> None:
+    """Warn (``SharedTenantsWarning``) that ``tenant`` was named on an engine whose tenants share
+    every cached prefix."""
+    warnings.warn(
+        SharedTenantsWarning(
+            f"tenant {tenant!r} on an engine with isolation='shared': tenants share every cached "
+            "prefix (one tenant's prompts can speed up, and so reveal themselves to, another's); "
+            "use isolation='tenant' or 'public-prefix' to keep them apart"
+        ),
+        stacklevel=stacklevel + 1,
+    )
 
 
 def new_secret() -> bytes:
