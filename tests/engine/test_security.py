@@ -10,7 +10,6 @@ import inspect
 import random
 
 import pytest
-import torch
 
 from kvlab.cache.block_manager import BlockManager, TenantScope
 from kvlab.cache.hash_tools import first_block_extra_keys
@@ -28,24 +27,9 @@ BS = 16
 @pytest.fixture(scope="module")
 def tiny():
     """A random-initialised tiny Qwen2 without tokenizer (token ids only)."""
-    import transformers as T
+    from tiny_models import tiny_qwen2
 
-    cfg = T.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_qwen2()
 
 
 def ids(seed, n):

@@ -8,6 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_qwen2  # noqa: E402
+
 from kvlab.bench import peers as B  # noqa: E402
 from kvlab.lessons import workloads as W  # noqa: E402
 
@@ -30,18 +32,7 @@ def test_prefix_matches_are_read_from_the_debug_log_and_the_logger_is_left_as_it
 
 
 def test_generate_batch_reports_the_blocks_it_shared():
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
+    model = tiny_qwen2()
     wl = W.sys512(256, num_requests=3, prefix_tokens=48, suffix_tokens=8, max_tokens=4)
     # one prefill per step: later ones hit
     shared = B.run_generate_batch(model, wl, True, max_batch_tokens=B._one(wl))

@@ -2,7 +2,7 @@
 (kvlab.built.nb05), whose piece ran, and the same cache under kvlab's engine."""
 
 import pytest
-import torch
+from tiny_models import tiny_qwen2
 
 from kvlab.built import nb05 as N
 from kvlab.cache.hash_tools import hash_token_blocks
@@ -83,19 +83,8 @@ def tiny():
     answers the same from wrong K/V), and prompts sharing a 48-token prefix."""
     import random
 
-    import transformers
 
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = tiny_qwen2()
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(48)]
     return model, [prefix + [rng.randrange(256) for _ in range(8)] for _ in range(3)]

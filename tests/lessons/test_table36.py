@@ -11,7 +11,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
-import torch
+from tiny_models import tiny_qwen2
 
 from kvlab.built import nb05 as N
 from kvlab.engine import Engine, SamplingParams
@@ -184,22 +184,10 @@ def test_checkers():
 # --- the benchmark core on a tiny random model ----------------------------------------------------
 
 def test_bench_core_on_a_tiny_model():
-    import transformers
 
     from kvlab.bench import peers as B
 
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
+    model = tiny_qwen2()
     wl = W.sys512(256, num_requests=3, prefix_tokens=48, suffix_tokens=8, max_tokens=4)
     keys = ["kvlab/shared", "kvlab/isolated", "HF manual reuse/shared", "HF manual reuse/isolated",
             "HF generate (one by one)/isolated", "HF generate_batch/shared"]
