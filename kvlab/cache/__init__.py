@@ -5,12 +5,12 @@ alone).
   ``DEFAULT_BLOCK_SIZE``
 - ``block_pool``: blocks, reference counts, the LRU free list, lazy eviction
 - ``block_manager``: block tables, prefix hits (vLLM's rules), append, free
-- ``fork``: fork and copy-on-write; ``host_tier``: a second tier for evicted blocks; ``debug``:
-  invariants, reports
+- ``fork``: fork and copy-on-write; ``host_tier``: a second tier for evicted blocks; ``uncache``:
+  blocks whose K/V was never written leave the cache; ``debug``: invariants, reports
 - ``metrics``: hit-rate counters
-- ``interface``: ``CacheManager``, the protocol the engine and scheduler use (``BlockManager``
-  implements it), and what every cache shares: ``TenantScope`` (the ``cache_salt``), ``SeqState``,
-  ``SequenceTables``
+- ``interface``: what every cache shares (``SeqState``, ``SequenceTables``, the prompt checks), and
+  re-exported there: ``protocol``'s ``CacheManager``, the protocol the engine and scheduler use
+  (``BlockManager`` implements it), and ``scope``'s ``TenantScope`` (the ``cache_salt``)
 - ``kv_events``: ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in vLLM's schema
   (``enable_kv_events=True``)
 

@@ -21,9 +21,10 @@ cached block remembers the tenant that registered it; a hit on another tenant's 
 a *public* hit when it lies inside the public prefix and as a *cross-tenant* hit otherwise (0 under
 salting).
 
-Beside this file: ``interface`` (``TenantScope``, ``SeqState``, the per-sequence queries), ``fork``
-(fork and copy-on-write), ``host_tier`` (the second tier and its restore), ``debug`` (invariants and
-reports).
+Beside this file: ``interface`` (``SeqState``, the per-sequence queries), ``scope``
+(``TenantScope``), ``fork`` (fork and copy-on-write), ``host_tier`` (the second tier and its
+restore), ``uncache`` (``free(..., uncache_from=)``), ``kv_events`` (``BlockStored``), ``debug``
+(invariants and reports, ``stats``).
 
 References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``,
 ``free``) and ``vllm/v1/core/single_type_kv_cache_manager.py`` (``cache_blocks``); vLLM v0
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError
-from .debug import check_manager, read_tokens
+from .debug import check_manager, manager_stats, read_tokens
 from .fork import copy_on_write, fork_sequence
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
@@ -63,8 +64,9 @@ from .interface import (
     check_prompt,
     check_token,
 )
-from .kv_events import BlockStored, KVCacheEvent
+from .kv_events import KVCacheEvent, emit_stored
 from .metrics import PrefixCacheMetrics
+from .uncache import uncached_blocks
 
 __all__ = [
     "MAX_TOKEN_ID",
@@ -102,8 +104,8 @@ class SeqBlocks(SeqState):
 
 @dataclass(slots=True, frozen=True)
 class AllocationPlan:
-    """What ``allocate`` would do for one prompt: its hashes, the blocks it would hit, the blocks it
-    needs."""
+    """What ``allocate`` would do for one prompt: its hashes, the blocks it would hit, why the rest
+    misses, the blocks it needs."""
 
     tokens: tuple[int, ...]
     scope: TenantScope
@@ -111,6 +113,8 @@ class AllocationPlan:
     hashes: tuple[BlockHash, ...]
     # cached blocks of the longest prefix (capped at n - 1 tokens)
     hits: tuple[Block, ...]
+    # the missed tokens by reason (kvlab.cache.metrics), as the pool stood when planned
+    misses: dict[str, int]
     # free blocks allocation takes (new ones + hits revived from the free list)
     blocks_needed: int
     num_free_blocks: int
@@ -174,10 +178,10 @@ class BlockManager(SequenceTables):
         """What ``allocate`` would do, changing nothing: a plan that is truthy when enough blocks
         are free.
 
-        The plan holds the prompt's full-block hashes and the cached blocks it would hit; pass it to
-        ``allocate(..., plan=plan)`` so the prompt is not hashed twice (it is used only while the
-        pool is exactly as it was when planned; a plan is this manager's only: another manager
-        refuses it).
+        The plan holds the prompt's full-block hashes, the cached blocks it would hit and why the
+        rest misses; pass it to ``allocate(..., plan=plan)`` so the prompt is not hashed twice (it
+        is used only while the pool is exactly as it was when planned; a plan is this manager's
+        only: another manager refuses it).
         """
         tokens = check_prompt(token_ids, scope)
         bs, n, pool, fp = self.block_size, len(tokens), self.pool, self.model_fingerprint
@@ -195,12 +199,18 @@ class BlockManager(SequenceTables):
                 if block is None:
                     break
                 hits.append(block)
+        # a missed full block that could have hit was evicted (or cut off from its chain by an
+        # evicted parent) or never cached; the rest is short
+        eligible, found = (n - 1) // bs, len(hits)
+        seen = sum(h in pool.evicted_hashes or h in pool.cached for h in hashes[found:eligible])
+        no_prefix, evicted = (eligible - found - seen) * bs, seen * bs
+        misses = {"short": n - eligible * bs, "no_prefix": no_prefix, "evicted": evicted}
         # new blocks + cached hits that sit in the free list (reviving one uses a free slot too)
         needed = cdiv(n, bs) - len(hits) + sum(b.ref_count == 0 for b in hits)
         free, clock = len(pool.free), pool.clock
         # owner (self): another manager refuses this plan
         return AllocationPlan(
-            tuple(tokens), scope, tuple(hashes), tuple(hits), needed, free, clock, self
+            tuple(tokens), scope, tuple(hashes), tuple(hits), misses, needed, free, clock, self
         )
 
     def allocate(
@@ -233,8 +243,6 @@ class BlockManager(SequenceTables):
             )
         pool, bs, tokens, hits = self.pool, self.block_size, list(plan.tokens), plan.hits
         n, hashes = len(tokens), list(plan.hashes)
-        # counted before this request fills the cache
-        misses = self._miss_reasons(plan)
         pool.clock += 1
         seq = SeqBlocks(seq_id, tokens, cache_salt=scope.cache_salt, tenant=scope.label)
         seq.block_hashes, seq.salt_block = hashes, salted_block(scope.public_tokens, bs)
@@ -258,9 +266,10 @@ class BlockManager(SequenceTables):
                 self._cache_block(seq, i, block, hashes[i])
         self.seqs[seq_id] = seq
         if pool.enable_kv_events:
-            self._emit_stored(hashes, len(hits), tokens[len(hits) * bs : len(hashes) * bs])
+            emit_stored(pool, hashes, len(hits), tokens[len(hits) * bs : len(hashes) * bs])
         self.metrics.record_blocks(len(hashes), bs, len(hits), len(seq.block_table) - len(hits))
-        self.metrics.record_lookup(seq.tenant, n, seq.num_cached_tokens, misses, preempted)
+        # the misses as planned: before this request filled the cache
+        self.metrics.record_lookup(seq.tenant, n, seq.num_cached_tokens, plan.misses, preempted)
         return seq.num_cached_tokens + seq.num_restored_tokens
 
     def _current_plan(
@@ -273,8 +282,7 @@ class BlockManager(SequenceTables):
         if not isinstance(plan, AllocationPlan) or plan.owner is not self:
             raise ValueError(
                 "this plan was not made by this manager's can_allocate (plans do not travel "
-                "between "
-                "managers: another pool's free blocks and cached hits are not this one's)"
+                "between managers: another pool's free blocks and cached hits are not this one's)"
             )
         pool = self.pool
         if (
@@ -286,18 +294,6 @@ class BlockManager(SequenceTables):
         ):
             return plan
         return self.can_allocate(token_ids, scope)
-
-    def _miss_reasons(self, plan: AllocationPlan) -> dict[str, int]:
-        """The prompt's missed tokens by reason (``kvlab.cache.metrics``): a full block that could
-        have hit was evicted (or cut off from its chain by an evicted parent) or never cached; the
-        rest is short."""
-        bs, n, pool = self.block_size, len(plan.tokens), self.pool
-        eligible, found = (n - 1) // bs, len(plan.hits)
-        seen = sum(
-            h in pool.evicted_hashes or h in pool.cached for h in plan.hashes[found:eligible]
-        )
-        no_prefix = (eligible - found - seen) * bs
-        return {"short": n - eligible * bs, "no_prefix": no_prefix, "evicted": seen * bs}
 
     def _count_foreign_hit(self, seq: SeqBlocks, i: int) -> None:
         """A hit of ``seq`` on block ``i`` that another tenant registered: a public hit inside the
@@ -370,7 +366,7 @@ class BlockManager(SequenceTables):
             seq.block_hashes.append(full_hash)
             self.metrics.record_blocks(1, bs)
             if pool.enable_kv_events:
-                self._emit_stored(seq.block_hashes, i, block.token_ids)
+                emit_stored(pool, seq.block_hashes, i, block.token_ids)
         return AppendResult(new_block, cow)
 
     def free(self, seq_id: Hashable, uncache_from: int | None = None) -> None:
@@ -381,30 +377,14 @@ class BlockManager(SequenceTables):
         them; none of them may still be shared with another sequence (free that one first).
         """
         seq, pool = self._seq(seq_id), self.pool
-        doomed = [] if uncache_from is None else self._uncached_blocks(seq, uncache_from)
+        # the blocks whose K/V was never written (kvlab.cache.uncache), checked before any change
+        doomed = [] if uncache_from is None else uncached_blocks(self, seq, uncache_from)
         pool.clock += 1
         for block in doomed:
             pool.uncache(block, seq_id)
         for block_id in reversed(seq.block_table):
             pool.release(pool.blocks[block_id], seq_id)
         del self.seqs[seq_id]
-
-    def _uncached_blocks(self, seq: SeqBlocks, uncache_from: int) -> list[Block]:
-        """``free(..., uncache_from=)``: the cached blocks from that position on, none shared (else
-        raise)."""
-        n, doomed = len(seq.token_ids), []
-        if type(uncache_from) is not int or not 0 <= uncache_from <= n:
-            raise ValueError(f"uncache_from must be an int in [0, {n}], got {uncache_from!r}")
-        for block_id in seq.block_table[uncache_from // self.block_size :]:
-            block = self.pool.blocks[block_id]
-            if block.block_hash is not None and block.ref_count > 1:
-                raise ValueError(
-                    f"block {block_id} (positions from {uncache_from} on) is still used by "
-                    "another sequence: free that sequence first"
-                )
-            if block.block_hash is not None:
-                doomed.append(block)
-        return doomed
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` that shares every block
@@ -439,15 +419,6 @@ class BlockManager(SequenceTables):
         if events are off)."""
         self.pool.emit_event(event)
 
-    def _emit_stored(self, hashes: list[BlockHash], first: int, tokens: list[int]) -> None:
-        """One ``BlockStored`` for full blocks ``first, first + 1, ...`` just cached, holding
-        ``tokens`` (vLLM's order; the manager calls this only with ``enable_kv_events=True``)."""
-        end = first + len(tokens) // self.block_size
-        if first < end:
-            parent = hashes[first - 1] if first else None
-            stored = BlockStored(tuple(hashes[first:end]), parent, tuple(tokens), self.block_size)
-            self.pool.emit_event(stored)
-
     # --- reports and invariants (kvlab.cache.debug) -----------------------------------------------
     @property
     def usage(self) -> float:
@@ -459,17 +430,9 @@ class BlockManager(SequenceTables):
         return sum(self.block_size - len(b.token_ids) for b in self.pool.blocks if b.ref_count > 0)
 
     def stats(self) -> dict[str, Any]:
-        """Metrics plus the pool's state: usage, free and cached blocks, evictions, wasted slots."""
-        return {
-            **self.metrics.as_dict(),
-            "usage": self.usage,
-            "num_free_blocks": self.num_free_blocks,
-            "num_cached_blocks": sum(len(v) for v in self.pool.cached.values()),
-            "evictions": self.pool.num_evictions,
-            "wasted_slots": self.wasted_slots(),
-            "restored_tokens": self.restored_tokens["offload"],
-            "fetched_tokens": self.restored_tokens["peer"],
-        }
+        """Metrics plus the pool's state: usage, free and cached blocks, evictions, wasted slots
+        (``debug.manager_stats``)."""
+        return manager_stats(self)
 
     def read_tokens(self, seq_id: Hashable) -> list[int | None]:
         """What the sequence reads back through its block table (None for an empty slot)."""

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from .debug import InvariantError, TraceEvent, block_report, check, check_pool
+from .debug import InvariantError, TraceEvent, block_report, check, check_pool, history
 from .hashing import BlockHash, ExtraKeys
 from .kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
@@ -316,10 +316,9 @@ class BlockPool:
             self.trace.append(TraceEvent(self.clock, block.block_id, event, block.ref_count, owner))
 
     def history(self, block_id: int) -> list[TraceEvent]:
-        """Every traced event of one block, oldest first (needs ``trace=True``)."""
-        if self.trace is None:
-            raise RuntimeError("tracing is off: create the pool with trace=True")
-        return [e for e in self.trace if e.block_id == block_id]
+        """Every traced event of one block, oldest first (needs ``trace=True``;
+        ``debug.history``)."""
+        return history(self, block_id)
 
     def block_report(self) -> list[dict]:
         """One row per block: ref count, created, last access, cached, free

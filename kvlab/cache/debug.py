@@ -1,10 +1,13 @@
-"""Invariants and reports of the block pool and block manager: debugging aids, never on a step (pure
-Python).
+"""Invariants and reports of the block pool, the block manager and their metrics: debugging aids and
+what a notebook or ``/metrics`` reads, never on a step (pure Python).
 
 ``check_pool`` and ``check_manager`` are what ``BlockPool.check_invariants`` and
 ``BlockManager.check_invariants`` run (an engine with ``debug=True`` after every step, the tests
 after every operation); ``read_tokens`` and ``block_report`` are the article's debug views;
-``TraceEvent`` is one line of a pool's ``trace=True`` log.
+``TraceEvent`` is one line of a pool's ``trace=True`` log, ``history`` one block's lines.
+``manager_stats``, ``metrics_report`` and ``tenant_report`` are ``BlockManager.stats()``,
+``PrefixCacheMetrics.as_dict()`` and ``PrefixCacheMetrics.tenant_table()``: the counters are kept
+in ``kvlab.cache.metrics``, read out here.
 """
 
 from __future__ import annotations
@@ -15,14 +18,23 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "OTHER_TENANTS",
     "InvariantError",
     "TraceEvent",
     "block_report",
     "check",
     "check_manager",
     "check_pool",
+    "history",
+    "manager_stats",
+    "metrics_report",
     "read_tokens",
+    "tenant_report",
 ]
+
+# the tenant column of the row that sums the tenants pushed out of the per-tenant table
+# (kvlab.cache.metrics)
+OTHER_TENANTS = "(other tenants)"
 
 
 class InvariantError(AssertionError):
@@ -47,6 +59,13 @@ class TraceEvent:
     ref_count: int
     # the sequence that caused it
     owner: Hashable
+
+
+def history(pool: Any, block_id: int) -> list[TraceEvent]:
+    """Every traced event of one block of ``pool``, oldest first (needs ``trace=True``)."""
+    if pool.trace is None:
+        raise RuntimeError("tracing is off: create the pool with trace=True")
+    return [e for e in pool.trace if e.block_id == block_id]
 
 
 def block_report(pool: Any) -> list[dict]:
@@ -143,3 +162,57 @@ def check_manager(manager: Any) -> None:
                     block.block_hash == seq.block_hashes[i],
                     f"sequence {seq.seq_id!r}: full block {i} is not cached under its hash",
                 )
+
+
+# --- reports: the counters of kvlab.cache.metrics and the pool's state, read out ------------------
+def _counts_row(c: Any) -> dict:
+    """One ``CacheCounts`` as columns: requests, query and hit tokens, hit rate, misses."""
+    return {
+        "requests": c.requests,
+        "query_tokens": c.queries,
+        "hit_tokens": c.hits,
+        "hit_rate": c.hit_rate,
+        **{f"miss_{r}": n for r, n in c.misses.items()},
+    }
+
+
+def metrics_report(metrics: Any) -> dict:
+    """``PrefixCacheMetrics.as_dict()``: the totals as one flat dict (for JSON and DataFrames)."""
+    return {
+        **_counts_row(metrics.total),
+        "preempted_requests": metrics.preempted.requests,
+        "preempted_query_tokens": metrics.preempted.queries,
+        "preempted_hit_tokens": metrics.preempted.hits,
+        "hashed_blocks": metrics.hashed_blocks,
+        "hashed_tokens": metrics.hashed_tokens,
+        "blocks_taken": metrics.blocks_taken,
+        "blocks_hit": metrics.blocks_hit,
+        "cow_copies": metrics.cow_copies,
+        "public_hits": metrics.public_hits,
+        "cross_tenant_hits": metrics.cross_tenant_hits,
+    }
+
+
+def tenant_report(metrics: Any) -> list[dict]:
+    """``PrefixCacheMetrics.tenant_table()``: one row per tenant (and one ``OTHER_TENANTS`` row once
+    tenants were pushed out): requests, tokens, misses."""
+    rows = list(metrics.by_tenant.items())
+    if metrics.other.requests:
+        rows.append((OTHER_TENANTS, metrics.other))
+    return [{"tenant": k, **_counts_row(c)} for k, c in rows]
+
+
+def manager_stats(manager: Any) -> dict[str, Any]:
+    """``BlockManager.stats()``: its metrics plus the pool's state: usage, free and cached blocks,
+    evictions, wasted slots, tokens restored from a second tier."""
+    pool = manager.pool
+    return {
+        **manager.metrics.as_dict(),
+        "usage": manager.usage,
+        "num_free_blocks": manager.num_free_blocks,
+        "num_cached_blocks": sum(len(v) for v in pool.cached.values()),
+        "evictions": pool.num_evictions,
+        "wasted_slots": manager.wasted_slots(),
+        "restored_tokens": manager.restored_tokens["offload"],
+        "fetched_tokens": manager.restored_tokens["peer"],
+    }

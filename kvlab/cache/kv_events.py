@@ -37,7 +37,9 @@ References: vLLM ``vllm/distributed/kv_events.py`` (``BlockStored``, ``BlockRemo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .hashing import BlockHash
 
@@ -49,6 +51,7 @@ __all__ = [
     "BlockStored",
     "EventBatch",
     "KVCacheEvent",
+    "emit_stored",
 ]
 
 # vLLM's name for the device tier, whatever the device (kvlab's blocks live with the model)
@@ -104,6 +107,17 @@ class EventBatch:
     events: tuple[KVCacheEvent, ...] = field(default_factory=tuple)
     seq: int = 0
     data_parallel_rank: int | None = None
+
+
+def emit_stored(pool: Any, hashes: Sequence[BlockHash], first: int, tokens: Sequence[int]) -> None:
+    """Queue on ``pool`` one ``BlockStored`` for the full blocks ``first, first + 1, ...`` just
+    cached, holding ``tokens`` (none when no block is full): the block manager's call, only with
+    ``enable_kv_events=True``."""
+    end = first + len(tokens) // pool.block_size
+    if first < end:
+        parent = hashes[first - 1] if first else None
+        stored = BlockStored(tuple(hashes[first:end]), parent, tuple(tokens), pool.block_size)
+        pool.emit_event(stored)
 
 
 def describe(event: KVCacheEvent, short: int = 4) -> str:

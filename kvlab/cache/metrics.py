@@ -18,6 +18,8 @@ tenants; the counts of a tenant pushed out are added to one ``other`` row (``OTH
 the rows still sum to the totals and a server that sees a new tenant (or unsafe salt) per request
 keeps flat memory.
 
+This file counts; ``kvlab.cache.debug`` reads the counts out (``as_dict``, ``tenant_table``).
+
 References: vLLM ``vllm/v1/metrics/stats.py`` (``PrefixCacheStats``) and
 ``vllm/v1/core/kv_cache_manager.py`` (``make_prefix_cache_stats``).
 """
@@ -28,11 +30,14 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from .debug import OTHER_TENANTS, metrics_report, tenant_report
+
+__all__ = ["MAX_TENANTS", "MISS_REASONS", "OTHER_TENANTS", "CacheCounts", "PrefixCacheMetrics"]
+
 MISS_REASONS = ("short", "no_prefix", "evicted")
-# rows of the per-tenant table; older tenants are summed into one "other" row
+# rows of the per-tenant table; older tenants are summed into one "other" row (OTHER_TENANTS, in
+# kvlab.cache.debug with the table's other columns)
 MAX_TENANTS = 1024
-# the tenant column of that row
-OTHER_TENANTS = "(other tenants)"
 
 
 @dataclass(slots=True)
@@ -138,41 +143,10 @@ class PrefixCacheMetrics:
         return self.total.hit_rate
 
     def as_dict(self) -> dict:
-        """A flat dict (for JSON and DataFrames)."""
-        t = self.total
-        out = {
-            "requests": t.requests,
-            "query_tokens": t.queries,
-            "hit_tokens": t.hits,
-            "hit_rate": t.hit_rate,
-            **{f"miss_{r}": n for r, n in t.misses.items()},
-            "preempted_requests": self.preempted.requests,
-            "preempted_query_tokens": self.preempted.queries,
-            "preempted_hit_tokens": self.preempted.hits,
-            "hashed_blocks": self.hashed_blocks,
-            "hashed_tokens": self.hashed_tokens,
-            "blocks_taken": self.blocks_taken,
-            "blocks_hit": self.blocks_hit,
-            "cow_copies": self.cow_copies,
-            "public_hits": self.public_hits,
-            "cross_tenant_hits": self.cross_tenant_hits,
-        }
-        return out
+        """A flat dict of the totals (for JSON and DataFrames; ``debug.metrics_report``)."""
+        return metrics_report(self)
 
     def tenant_table(self) -> list[dict]:
         """One row per tenant (and one ``OTHER_TENANTS`` row once tenants were pushed out):
-        requests, tokens, misses."""
-        rows = list(self.by_tenant.items()) + (
-            [(OTHER_TENANTS, self.other)] if self.other.requests else []
-        )
-        return [
-            {
-                "tenant": k,
-                "requests": c.requests,
-                "query_tokens": c.queries,
-                "hit_tokens": c.hits,
-                "hit_rate": c.hit_rate,
-                **{f"miss_{r}": n for r, n in c.misses.items()},
-            }
-            for k, c in rows
-        ]
+        requests, tokens, misses (``debug.tenant_report``)."""
+        return tenant_report(self)
