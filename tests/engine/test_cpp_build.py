@@ -164,6 +164,16 @@ def test_a_compile_error_is_its_first_error_line():
     assert cpp_build._one_line(BuildError("ninja not found")) == "BuildError: ninja not found"
 
 
+def test_the_distutils_clash_is_explained():
+    """setuptools' assertion when the stdlib's distutils came first is a bare path: the reason
+    names it and the way out (a fresh-clone CI run once hit it through find_spec("pip"))."""
+    why = cpp_build._one_line(AssertionError("/usr/lib/python3.11/distutils/core.py"))
+    assert why.startswith("AssertionError: setuptools could not load its own distutils")
+    assert "/usr/lib/python3.11/distutils/core.py" in why and "fresh Python process" in why
+    # any other assertion stays as it was
+    assert cpp_build._one_line(AssertionError("x > 0")) == "AssertionError: x > 0"
+
+
 def test_the_build_key_is_what_march_native_resolves_to(monkeypatch):
     answers = {}
 

@@ -252,6 +252,13 @@ def build(stem: str, sources: Sequence[str], flags: list[str], wait_s: float | N
 def _one_line(e: BaseException) -> str:
     """``e`` in one line: a build's first compiler ``error:`` line, else the first line."""
     text = str(e).strip()
+    if isinstance(e, AssertionError) and text.endswith(("distutils/core.py", "distutils\\core.py")):
+        # setuptools' _distutils_hack asserts when the stdlib's distutils was imported first (e.g.
+        # by importlib.util.find_spec("pip")): torch.utils.cpp_extension imports setuptools
+        return (
+            "AssertionError: setuptools could not load its own distutils in this process (the "
+            f"standard library's was imported first: {text}); build in a fresh Python process"
+        )
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     error = next((line for line in lines if "error:" in line and not line.startswith("[")), None)
     first = error or (lines[0] if lines else "")
