@@ -2,8 +2,9 @@
 before it, its label) and ``NO_SCOPE`` (pure Python; re-exported by ``kvlab.cache.interface``).
 
 The salt has one name from the request to the block hash (vLLM's ``cache_salt``) and one rule for
-the block it enters (``kvlab.cache.hashing.salted_block``). An engine builds a scope per request
-(``kvlab.engine.tenants``); a request without salt or tenant shares ``NO_SCOPE``.
+the block it enters (``kvlab.cache.hashing.salted_block``). An engine builds a scope for each
+request with a salt, a public prefix or a tenant (``kvlab.engine.intake``); any other request
+shares ``NO_SCOPE``.
 """
 
 from __future__ import annotations
