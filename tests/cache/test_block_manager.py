@@ -263,6 +263,10 @@ def _busy_manager():
             "needs 5 free blocks, 2 of 6",
         ),
         (lambda m: m.allocate("z", list(range(10**6))), NoFreeBlocksError, "free blocks"),
+        (lambda m: m.free("a", 14), ValueError, r"uncache_from must be an int in \[0, 13\]"),
+        (lambda m: m.free("a", 4.0), ValueError, "uncache_from must be an int"),
+        # "a"'s blocks are shared with its fork "b"
+        (lambda m: m.free("a", 4), ValueError, "block .* is still used by another sequence"),
     ],
 )
 def test_bad_calls_raise_and_change_nothing(call, error, match):
