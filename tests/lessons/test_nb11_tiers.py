@@ -62,3 +62,16 @@ def test_the_tier_sentence_ranks_no_ttft_from_one_run():
     assert "10.00 ms -> 7.00 ms" in ttft and "50.00 ms -> 30.00 ms" in ttft
     assert "not a ranking" in ttft
     assert not any(w in ttft for w in ("lower", "higher", "faster", "slower"))
+
+
+def test_the_split_sentence_ranks_no_latency_from_one_run():
+    """The P/D split runs once per layout: its TTFT and inter-token latencies are printed, never
+    called steadier (it said "steadier"/"not steadier" from one run)."""
+    from kvlab.built.nb11 import pd_sentences
+
+    row = {"ttft_p50": 0.009, "ttft_p99": 0.050, "itl_p50": 0.004, "itl_p99": 0.006}
+    rows = pd.DataFrame([row, {**row, "itl_p99": 0.005}])
+    ttft, itl, moved = pd_sentences({"rows": rows, "moved_tokens": 10, "same_tokens": True})
+    assert "p99 6.00 ms vs 5.00 ms" in itl and "not a ranking" in itl
+    assert not any(w in itl for w in ("steadier", "lower", "higher", "faster", "slower"))
+    assert "restored 10 prompt tokens" in moved and "equal the co-located" in moved
