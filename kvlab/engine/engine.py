@@ -98,9 +98,7 @@ class Engine:
         # unfinished requests by id
         self.requests: dict[Hashable, Request] = {}
         # mixed: steps that ran prefills and decodes together
-        self.num_steps = self.num_mixed_steps = 0
-        # the most blocks live sequences held at the start of a step (``peak_kv_bytes``)
-        self.peak_blocks = 0
+        self.num_steps = self.num_mixed_steps = self.peak_kv_bytes = 0
         self._lock = threading.RLock()
         # finished during a generate() that did not own them
         self._pending: list[RequestOutput] = []
@@ -165,7 +163,7 @@ class Engine:
             items, finished = scheduled.items, []
             # empty only when a lone sequence preempted itself
             if items:
-                self.peak_blocks = max(self.peak_blocks, bm.num_blocks - bm.num_free_blocks)
+                self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
                 if scheduled.cow_pairs:
                     self.store.copy_blocks(scheduled.cow_pairs)
                 tables = [bm.block_table(it.seq.seq_id) for it in items]
@@ -281,11 +279,6 @@ class Engine:
         """K/V bytes of the blocks referenced by live sequences now."""
         bm = self.block_manager
         return (bm.num_blocks - bm.num_free_blocks) * self.store.bytes_per_block
-
-    @property
-    def peak_kv_bytes(self) -> int:
-        """The most K/V bytes live sequences held at the start of any step so far."""
-        return self.peak_blocks * self.store.bytes_per_block
 
     # --- off the step: requests, tenants, observers, stats ----------------------------------------
     def abort(self, request_id: Hashable, *, tenant: str | None = None) -> RequestOutput:
