@@ -515,11 +515,14 @@ def test_streams_carry_every_choice_and_the_same_answer(served):
         stream=True,
         stream_options={"include_usage": True},
     )
+    plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    # usage counts cached prompt tokens, which depend on what ran before: warm the cache first so
+    # the stream and the plain request meet the same cache, whichever tests ran before this one
+    _post(served[0], **plain)
     with served[0].stream("POST", "/v1/completions", json=body) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    full = _post(
-        served[0], **{k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    )
+    full = _post(served[0], **plain)
+    assert full["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     texts, lps = {}, {}
     for e in events[:-1]:
         for c in e["choices"]:
