@@ -157,22 +157,16 @@ class Intake:
                 f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"model's {self.max_model_len} positions",
             )
-        try:
-            # the pool's size only: fixed at construction
-            self._fits(len(ids), sampling.max_tokens)
-        except ValueError:
-            # raises the RequestError that names the field
-            self.check_fits(len(ids), sampling.max_tokens)
+        # the pool's size only: fixed at construction
+        self.check_fits(len(ids), sampling.max_tokens)
         if tenant is not None and self.isolation == "shared" and not self._warned_shared_tenants:
             # once per engine
             self._warned_shared_tenants = True
             warn_shared_tenants(tenant, stacklevel=3)
         try:
-            # nothing to derive: a shared cache without a cache_salt
-            shared = self.isolation == "shared" and cache_salt is None
             derived = (
                 unsafe_salt
-                if unsafe_salt is not None or shared
+                if unsafe_salt is not None
                 else request_salt(self._secret, self.isolation, tenant, cache_salt)
             )
         # a lone surrogate ("\ud800") in the tenant id
@@ -200,8 +194,7 @@ class Intake:
             sampling,
             NO_SCOPE if unscoped else TenantScope(cache_salt, public, tenant),
             arrival_time=time.perf_counter(),
-            # greedy: none
-            generator=None if sampling.temperature == 0 else self.generator(sampling),
+            generator=self.generator(sampling),
         )
 
     def new_ids(

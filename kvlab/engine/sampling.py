@@ -36,7 +36,7 @@ def sample(seq: Any, logits: torch.Tensor, top: int, eos_ids: Any = ()) -> int:
         if sp.processes_logits
         else logits
     )
-    if sp.temperature == 0:
+    if sp.greedy:
         token = top if scores is logits else int(torch.argmax(scores))
     else:
         token = sample_next(
