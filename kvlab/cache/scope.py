@@ -3,8 +3,8 @@ before it, its label) and ``NO_SCOPE`` (pure Python; re-exported by ``kvlab.cach
 
 The salt has one name from the request to the block hash (vLLM's ``cache_salt``) and one rule for
 the block it enters (``kvlab.cache.hashing.salted_block``). An engine builds a scope for each
-request with a salt, a public prefix or a tenant (``kvlab.engine.intake``); any other request
-shares ``NO_SCOPE``.
+request (``kvlab.engine.intake``); ``NO_SCOPE``, equal to a scope with no salt, public prefix or
+label, is the caches' default for a caller that gives none.
 """
 
 from __future__ import annotations

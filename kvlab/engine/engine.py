@@ -184,7 +184,7 @@ class Engine:
             for seq in finished:
                 self.requests.pop(seq.request_id, None)
             # idle: the model is HF's own again (ModelRunner.detach)
-            if not (self.scheduler.waiting or self.scheduler.running):
+            if not self.scheduler.has_unfinished():
                 self.runner.detach()
             if self.config.debug:
                 self.check_invariants()

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..cache.interface import NO_SCOPE, TenantScope
+from ..cache.interface import TenantScope
 from .config import EngineConfig
 from .errors import RequestError, RequestTypeError, refused
 from .sampling_params import SamplingParams, make_sampling
@@ -186,13 +186,12 @@ class Intake:
             else 0
         )
         seq_id, request_id = self.new_ids(request_id, live)
-        unscoped = cache_salt is None and tenant is None and public == 0
         return Request(
             seq_id,
             request_id,
             ids,
             sampling,
-            NO_SCOPE if unscoped else TenantScope(cache_salt, public, tenant),
+            TenantScope(cache_salt, public, tenant),
             arrival_time=time.perf_counter(),
             generator=self.generator(sampling),
         )

@@ -92,10 +92,9 @@ class Scheduler:
         # 1. running: a decode token, or the next chunk of a prompt
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = len(seq.prompt_ids) + len(seq.output_ids)
-            start = seq.num_computed_tokens
-            # its blocks are allocated (is_prefilling): compute the next chunk
-            if start < bm.num_allocated_tokens(seq.seq_id):
+            n, start = seq.num_tokens, seq.num_computed_tokens
+            # its blocks are allocated: compute the next chunk
+            if self.is_prefilling(seq):
                 end = min(n, start + budget)
                 out.items.append(ScheduledSeq(seq, start, end, True, end == n))
             else:
@@ -125,7 +124,7 @@ class Scheduler:
             self.waiting and not out.preempted and len(running) < self.max_num_seqs and budget > 0
         ):
             seq = self.waiting[0]
-            ids = seq.prompt_ids + seq.output_ids
+            ids = seq.token_ids
             # too long for what is left; a long prompt runs alone
             if len(ids) > budget and out.items and not chunked:
                 break
@@ -166,7 +165,7 @@ class Scheduler:
         """
         if seq.status is RequestStatus.RUNNING:
             computed = seq.num_computed_tokens
-            if computed < self.block_manager.num_allocated_tokens(seq.seq_id):
+            if self.is_prefilling(seq):
                 uncache_from = computed if uncache_from is None else min(uncache_from, computed)
             self.block_manager.free(seq.seq_id, uncache_from)
             seq.num_computed_tokens = 0
