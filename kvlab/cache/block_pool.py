@@ -161,10 +161,14 @@ class BlockPool:
         self._record(block, event, owner)
         return block
 
-    def hit(self, block: Block, owner: Hashable = None) -> None:
-        """Reference a cached block found by ``lookup``; a free one leaves the free list."""
+    def _check_own(self, block: Block) -> None:
+        """Raise ``ValueError`` unless ``block`` is this pool's (not another pool's, not a copy)."""
         if block is not self.blocks[block.block_id % self.num_blocks]:
             raise ValueError(f"{block!r} is not a block of this pool")
+
+    def hit(self, block: Block, owner: Hashable = None) -> None:
+        """Reference a cached block found by ``lookup``; a free one leaves the free list."""
+        self._check_own(block)
         if block.block_hash is None:
             raise ValueError(
                 f"block {block.block_id} is not cached; only a cached block can be hit"
@@ -183,8 +187,7 @@ class BlockPool:
         carries no hash (a partial tail, which no request can ever hit) goes to the *head* instead,
         so it is reused before any cached block is evicted; ``"lru"`` puts every block at the tail.
         """
-        if block is not self.blocks[block.block_id % self.num_blocks]:
-            raise ValueError(f"{block!r} is not a block of this pool")
+        self._check_own(block)
         if block.ref_count <= 0:
             raise ValueError(
                 f"block {block.block_id} has ref count {block.ref_count}; double free?"
@@ -201,8 +204,7 @@ class BlockPool:
 
     def share(self, block: Block, owner: Hashable = None) -> None:
         """Add a reference to a block that is already in use (fork)."""
-        if block is not self.blocks[block.block_id % self.num_blocks]:
-            raise ValueError(f"{block!r} is not a block of this pool")
+        self._check_own(block)
         if block.ref_count <= 0:
             raise ValueError(f"block {block.block_id} is not in use; cannot share it")
         block.ref_count += 1
@@ -237,8 +239,7 @@ class BlockPool:
         owner: Hashable = None,
     ) -> None:
         """Put a full block in the cache under ``block_hash`` so later requests can hit it."""
-        if block is not self.blocks[block.block_id % self.num_blocks]:
-            raise ValueError(f"{block!r} is not a block of this pool")
+        self._check_own(block)
         if len(block.token_ids) != self.block_size or block.block_hash is not None:
             raise ValueError(f"block {block.block_id} is not a full, uncached block")
         twin = self.lookup(block_hash, block.token_ids, parent_serial, extra_keys)
@@ -274,7 +275,8 @@ class BlockPool:
         of a step that failed, so no later request can hit K/V that was never written. The hash is
         not remembered as evicted: the content was never really cached.
         """
-        if block is not self.blocks[block.block_id % self.num_blocks] or block.block_hash is None:
+        self._check_own(block)
+        if block.block_hash is None:
             raise ValueError(f"{block!r} is not a cached block of this pool")
         self._uncache(block, "uncache", owner)
 

@@ -206,3 +206,19 @@ def test_evicted_hashes_keep_only_the_latest_evictions():
 def test_max_evicted_hashes_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="max_evicted_hashes"):
         BlockPool(4, 2, max_evicted_hashes=bad)
+
+
+def test_a_block_of_another_pool_is_refused_by_every_reference_change():
+    pool, other = BlockPool(4, 2), BlockPool(4, 2)
+    mine, foreign = full(pool, "s", [1, 2]), full(other, "s", [1, 2])
+    # a copy of this pool's own block is not its block either
+    copy = type(mine)(mine.block_id, mine.ref_count, list(mine.token_ids), mine.block_hash)
+    before = (list(pool.free), {h: list(b) for h, b in pool.cached.items()}, mine.ref_count)
+    for block in (foreign, copy):
+        for change in (pool.hit, pool.release, pool.share, pool.uncache):
+            with pytest.raises(ValueError, match="is not a block of this pool"):
+                change(block, "s")
+        with pytest.raises(ValueError, match="is not a block of this pool"):
+            pool.register(block, block.block_hash, None, 0)
+    assert (list(pool.free), {h: list(b) for h, b in pool.cached.items()}, mine.ref_count) == before
+    pool.check_invariants()
