@@ -101,9 +101,7 @@ class Scheduler:
                 while not bm.can_append(seq.seq_id):
                     # the youngest
                     victim = running[-1]
-                    self.requeue(victim)
-                    victim.num_preemptions += 1
-                    self.num_preemptions += 1
+                    self.preempt(victim)
                     out.preempted.append(victim)
                     if victim is seq:
                         break
@@ -147,6 +145,12 @@ class Scheduler:
             budget -= end - cached
         self.last_output = out
         return out
+
+    def preempt(self, seq: Request) -> None:
+        """Take a running sequence's blocks back and queue it first, to prefill again; count it."""
+        self.requeue(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
 
     def requeue(self, seq: Request, uncache_from: int | None = None) -> None:
         """Free a running sequence's blocks (see ``finish``) and put it first in the waiting queue,
