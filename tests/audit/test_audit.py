@@ -351,6 +351,13 @@ def test_cli_never_writes_over_its_keys_file(fake, tmp_path, capsys, link):
 KEYS = {"key-alice": "org-a", "key-alice-2": "org-a", "key-bob": "org-b"}
 # robust on a busy machine
 LIVE = AuditConfig(prompt_tokens=800, prefix_fraction=0.95, samples=30, alpha=1e-3, seed=0)
+# NULL_TIMING: where nothing is shared, the tests check what the server reports (no cached token),
+# not that the timing test stays quiet. A timing test's false-alarm rate holds only for samples
+# that are independent draws. On a quiet machine 16 audits of the tenant server's cross-org level
+# (seeds 0-15) gave p-values from 0.24 to 0.96, but under CI's two test workers one gave p = 0.0009
+# with every probe uncached: on a machine shared with other work a null level can cross alpha.
+# Detection is still asserted on timing: on the shared server (seeds 0-2, quiet machine) hits took
+# 15-29 ms but for one outlier, misses 48-89 ms, p below 1e-14, with 704-768 tokens cached.
 
 
 def _endpoints(server, model="kvlab-passphrase-qwen2"):
@@ -390,10 +397,10 @@ def test_audit_detects_global_sharing_and_not_per_user_salts(shared_server, rati
         Level("salted", ep["key-alice"].with_salt("alice"), ep["key-bob"].with_salt("bob")), cfg
     )
     assert shared.pvalue < cfg.alpha and shared.detected, shared.row()
-    assert salted.pvalue > cfg.alpha and not salted.detected, salted.row()
     # what the server says agrees: the hits were served from the victim's blocks, the salted ones
-    # never
+    # never. Whether the timing test stays quiet on the salted level is not asserted (NULL_TIMING)
     assert min(shared.hit_cached) > 0.8 * shared.prompt_tokens and set(salted.hit_cached) == {0}
+    assert 0 <= salted.pvalue <= 1
 
 
 def test_dictionary_attack_finds_the_passphrase_unsalted_and_is_at_chance_salted(
@@ -415,9 +422,10 @@ def test_dictionary_attack_finds_the_passphrase_unsalted_and_is_at_chance_salted
         seed=1,
     )
     assert chance_pvalue(found) < 0.01 and accuracy(found) > 0.25, [g.ttfts for g in found]
-    assert chance_pvalue(blind) > 1e-3, accuracy(blind)
-    # every candidate had the same cached tokens: nothing to learn
+    # every candidate had the same cached tokens: nothing to learn (the blind attack's timing is
+    # not asserted: NULL_TIMING)
     assert all(len(set(g.cached)) == 1 for g in blind)
+    assert 0 <= chance_pvalue(blind) <= 1
 
 
 def test_cli_on_the_live_server(shared_server, tmp_path, capsys):
@@ -455,7 +463,9 @@ def test_tenant_isolation_shares_within_an_org_only(servers, ratio):
     org = run_audit(Level("per-org", ep["key-alice"], ep["key-alice-2"]), cfg)
     other = run_audit(Level("global", ep["key-alice"], ep["key-bob"]), cfg)
     assert org.pvalue < cfg.alpha and org.detected, org.row()
-    assert other.pvalue > cfg.alpha and not other.detected, other.row()
+    assert min(org.hit_cached) > 0.8 * org.prompt_tokens, org.row()
+    # across orgs nothing is shared: the server served every probe from scratch (NULL_TIMING)
+    assert set(other.hit_cached) == {0} and 0 <= other.pvalue <= 1, other.row()
 
 
 # ----------------------------------------------------------------------------- notebook 10's lesson
