@@ -13,12 +13,12 @@ detected. Who the victim and attacker are sets the *sharing level*: the same API
 keys of one organisation (per organisation), keys of two organisations (global). ``power`` asks how
 many samples a detection needed: it subsamples both sides many times and counts how often p < alpha.
 
-The false-alarm rate ``alpha`` holds only if the TTFTs are independent draws. When the load on the
-server or the client changes during an audit (other work on the same machine), neighbouring samples
-move together. Then a level that shares nothing can cross ``alpha``: the project's CI, running tests
-on both cores, once got p = 0.0009 on a tenant-isolated level where every probe was uncached. Where
-the endpoint reports ``cached_tokens`` (``AuditResult.hit_cached``), read them beside the p-value;
-otherwise run the audit again on a quieter machine before trusting a detection.
+The false-alarm rate ``alpha`` assumes that hit and miss TTFTs differ by the cache alone. On a busy
+machine that did not hold: with tests running on both cores, the project's CI once got p = 0.0009
+on a tenant-isolated level where every probe was uncached, while 16 runs of that level on a quiet
+machine gave p from 0.24 to 0.96 (why the busy run differed was not established). Where the
+endpoint reports ``cached_tokens`` (``AuditResult.hit_cached``), read them beside the p-value;
+otherwise audit again on a quieter machine before trusting a detection.
 """
 
 from __future__ import annotations
