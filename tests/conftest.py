@@ -21,10 +21,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # They run first, so the two workers finish together instead of one running a notebook alone at the
 # end.
 _SLOW_FIRST = ("lessons/test_notebooks.py", "vllm/", "cluster/test_", "serve/test_serve")
-# The live timing audit last, where the other worker is more likely idle: a notebook run on the other
-# core beside it made an isolated server's hit and miss timings differ (p 8.7e-5 in one CI run, and
-# p 0.0009 in another after this ordering). Its "nothing shared" checks therefore read the server's
-# cached tokens, not the timing test (NULL_TIMING in tests/audit/test_audit.py).
+# The live timing audit last, where the other worker is more likely idle: a notebook run on the
+# other core beside it made an isolated server's hit and miss timings differ (p 8.7e-5 in one CI
+# run, and p 0.0009 in another after this ordering). Its "nothing shared" checks therefore read the
+# server's cached tokens, not the timing test (NULL_TIMING in tests/audit/test_audit.py).
 _TIMING_LAST = ("audit/",)
 
 

@@ -69,7 +69,9 @@ class Intake:
         """``config``: the engine's ``EngineConfig`` (its ``isolation``, ``secret`` and
         ``seed``)."""
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self._fits, self.isolation, self.device = check_fits, config.isolation, device
+        self.isolation, self.device = config.isolation, device
+        # the pool's check (Scheduler.check_fits): RequestError naming "prompt" or "max_tokens"
+        self.check_fits = check_fits
         # the engine's secret: the one every salt is derived from (kvlab.engine.tenants); None: a
         # random one
         self._secret = check_secret(config.secret)
@@ -85,21 +87,6 @@ class Intake:
     def salt_for(self, tenant: str | None) -> str | None:
         """The cache salt the engine gives ``tenant`` under its policy (None under "shared")."""
         return None if self.isolation == "shared" else tenant_salt(self._secret, tenant)
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse a request that could not run even alone in an empty pool (``RequestError``).
-
-        Its field is "prompt" when the prompt alone does not fit, else "max_tokens".
-        """
-        try:
-            self._fits(num_prompt_tokens, max_tokens)
-        except ValueError as e:
-            try:
-                self._fits(num_prompt_tokens, 1)
-                field = "max_tokens"
-            except ValueError:
-                field = "prompt"
-            raise RequestError(field, str(e)) from None
 
     def check_prefix(self, prefix: str | Sequence[int]) -> tuple[int, ...]:
         """An operator's public prefix as token ids (``ValueError`` if empty)."""

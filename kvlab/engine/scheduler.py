@@ -8,6 +8,7 @@ from collections import deque
 
 from ..cache.block_manager import cdiv
 from ..cache.interface import CacheManager
+from .errors import RequestError
 from .invariants import check_scheduler
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .sequence import Request, RequestStatus
@@ -63,15 +64,23 @@ class Scheduler:
         self.last_output: SchedulerOutput | None = None
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ``ValueError`` if a request could not run even alone in an empty pool."""
+        """Raise ``RequestError`` (a ``ValueError``) if a request could not run even alone in an
+        empty pool.
+
+        Its field is "prompt" when the prompt alone does not fit, else "max_tokens".
+        """
         bm = self.block_manager
         # K/V of every token but the last generated
         need = cdiv(num_prompt_tokens + max_tokens - 1, bm.block_size)
         if need > bm.num_blocks:
-            raise ValueError(
+            # the prompt alone, with one token to generate
+            alone = cdiv(num_prompt_tokens, bm.block_size)
+            field = "prompt" if alone > bm.num_blocks else "max_tokens"
+            raise RequestError(
+                field,
                 f"request needs {need} blocks ({num_prompt_tokens} prompt + {max_tokens} new "
-                "tokens, block size "
-                f"{bm.block_size}) but the pool has {bm.num_blocks}: it can never run"
+                f"tokens, block size {bm.block_size}) but the pool has {bm.num_blocks}: it can "
+                "never run",
             )
 
     def add(self, seq: Request) -> None:
