@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['median TTFT miss (ms)']:.1f} ms, KS p = {res.pvalue:.3g} -> "
             f"{'sharing DETECTED' if res.detected else 'not detected'} at alpha {config.alpha}"
             + (f"; samples to detect: {row['samples to detect (power 0.9)']}" if args.power else "")
+            + (f"; {res.cached_note()}" if res.cached_note() else "")
         )
     if target is not None:
         text = json.dumps({"config": vars(config), "rows": rows}, indent=1, default=str)

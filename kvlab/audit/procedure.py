@@ -121,6 +121,20 @@ class AuditResult:
         cache."""
         return self.pvalue < self.alpha
 
+    def cached_note(self) -> str:
+        """What the server reported of the hits' cached tokens, beside the timing verdict ("" when
+        it reported none); says so when a detection meets hits the server served uncached."""
+        known = [c for c in self.hit_cached if c is not None]
+        if not known:
+            return ""
+        note = f"server-reported cached tokens (hit median) {statistics.median(known):g}"
+        if self.detected and max(known) == 0:
+            note += (
+                ": timing and report disagree (a busy machine can make hit and miss TTFTs differ;"
+                " audit again on a quieter one before trusting this detection)"
+            )
+        return note
+
     def row(self) -> dict:
         """One row of the audit table (milliseconds; cached tokens as the server reported them)."""
         known = [c for c in self.hit_cached if c is not None]

@@ -116,6 +116,23 @@ def test_audit_detects_a_shared_simulated_cache_and_not_a_salted_one():
     assert len(shared.hit) == len(shared.miss) == 12 and shared.row()["detected"] is True
 
 
+def test_the_cached_note_flags_a_detection_the_server_served_uncached():
+    from kvlab.audit import AuditResult
+
+    def result(p, hit_cached):
+        return AuditResult("global", [0.01] * 3, [0.05] * 3, 1.0, p, 1e-3, hit_cached, [0] * 3)
+
+    # hits served from the cache and detected: the report agrees
+    agree = result(1e-5, [480, 496, 480]).cached_note()
+    assert agree == "server-reported cached tokens (hit median) 480"
+    # detected, yet every hit uncached: timing and report disagree, and the note says so
+    assert "disagree" in result(1e-5, [0, 0, 0]).cached_note()
+    # not detected and uncached: nothing to flag
+    assert result(0.5, [0, 0, 0]).cached_note() == "server-reported cached tokens (hit median) 0"
+    # a server that reports nothing: no note
+    assert result(1e-5, [None] * 3).cached_note() == ""
+
+
 def test_power_rises_with_samples_and_samples_to_detect():
     rng = random.Random(0)
     hit, miss = [rng.gauss(1.0, 1.0) for _ in range(40)], [rng.gauss(2.5, 1.0) for _ in range(40)]
@@ -307,12 +324,14 @@ def test_cli_reports_a_wrong_shape_without_a_traceback(fake, capsys, models, str
 AUDIT = ["--base-url", URL, "--samples", "2", "--prompt-tokens", "8"]
 
 
-def test_cli_writes_json_after_a_whole_audit_of_the_fake_server(fake, tmp_path):
+def test_cli_writes_json_after_a_whole_audit_of_the_fake_server(fake, tmp_path, capsys):
     out = tmp_path / "audit.json"
     assert audit_main([*AUDIT, "--keys", "k", "--json", str(out)]) == 0
     assert [r["sharing level"] for r in json.loads(out.read_text())["rows"]] == [
         "per-user (same key)"
     ]
+    # the fake server reports 0 cached tokens: the line says what it reported
+    assert "server-reported cached tokens (hit median) 0" in capsys.readouterr().out
     assert audit_main([*AUDIT, "--keys", "k", "--json", str(out), "--overwrite"]) == 0
 
 
