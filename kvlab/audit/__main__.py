@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         except AuditHTTPError as e:
             print(f"error at level {level.name}: {e}", file=sys.stderr)
             return 2
-        row = res.row()
+        row, note = res.row(), res.cached_note()
         if args.power:
             row["samples to detect (power 0.9)"] = samples_to_detect(res, seed=args.seed)
         rows.append(row)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['median TTFT miss (ms)']:.1f} ms, KS p = {res.pvalue:.3g} -> "
             f"{'sharing DETECTED' if res.detected else 'not detected'} at alpha {config.alpha}"
             + (f"; samples to detect: {row['samples to detect (power 0.9)']}" if args.power else "")
-            + (f"; {res.cached_note()}" if res.cached_note() else "")
+            + (f"; {note}" if note else "")
         )
     if target is not None:
         text = json.dumps({"config": vars(config), "rows": rows}, indent=1, default=str)
