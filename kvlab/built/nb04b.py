@@ -210,7 +210,7 @@ def tenant_sharing(num_tenants: int = 4, requests_per_tenant: int = 4, system_le
               ("radix page 1, a root per salt", RadixCache(capacity, 1), False))
     for name, cache, public in setups:
         shared = system_len if public else 0
-        cached = sum(cache.allocate(i, p, TenantScope(salt=t, public_tokens=shared))
+        cached = sum(cache.allocate(i, p, TenantScope(cache_salt=t, public_tokens=shared))
                      for i, (t, p) in enumerate(reqs))
         rows.append({"cache": name, "requests": len(reqs), "prompt tokens": total,
                      "cached tokens": cached, "cross-tenant hits": cache.metrics.cross_tenant_hits,

@@ -21,10 +21,10 @@ cached block remembers the tenant that registered it; a hit on another tenant's 
 a *public* hit when it lies inside the public prefix and as a *cross-tenant* hit otherwise (0 under
 salting).
 
-Beside this file: ``interface`` (``SeqState``, the per-sequence queries), ``scope``
-(``TenantScope``), ``fork`` (fork and copy-on-write), ``host_tier`` (the second tier and its
-restore), ``uncache`` (``free(..., uncache_from=)``), ``kv_events`` (``BlockStored``), ``debug``
-(invariants and reports, ``stats``).
+Beside this file: ``interface`` (``SeqState``, the per-sequence queries, ``TenantScope``), ``fork``
+(fork and copy-on-write), ``host_tier`` (the second tier and its restore), ``uncache``
+(``free(..., uncache_from=)``), ``kv_events`` (``BlockStored``), ``debug`` (invariants and reports,
+``stats``).
 
 References: vLLM ``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``,
 ``free``) and ``vllm/v1/core/single_type_kv_cache_manager.py`` (``cache_blocks``); vLLM v0

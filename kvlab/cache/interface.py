@@ -7,10 +7,14 @@ checks, and the names of the cache interface.
   them.
 - ``check_prompt``, ``check_token``: the clear error every cache gives for bad input, before it
   looks anything up.
+- ``TenantScope``: whose cached blocks a sequence may share (its ``cache_salt``, the public prefix
+  before it, its label); ``NO_SCOPE``, the caches' default for a caller that gives none.
 - Re-exported here so one import serves a cache's author: ``CacheManager`` (the protocol the
   scheduler and engine call), ``CacheSeq``, ``CACHE_MEMBERS``, ``missing_members`` and
-  ``check_cache`` from ``kvlab.cache.protocol`` (the members and who calls them);
-  ``TenantScope`` (the ``cache_salt``) and ``NO_SCOPE`` from ``kvlab.cache.scope``.
+  ``check_cache`` from ``kvlab.cache.protocol`` (the members and who calls them).
+
+The salt has one name from the request to the block hash (vLLM's ``cache_salt``) and one rule for
+the block it enters (``kvlab.cache.hashing.salted_block``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .protocol import CACHE_MEMBERS, CacheManager, CacheSeq, check_cache, missing_members
-from .scope import NO_SCOPE, TenantScope
 
 __all__ = [
     "CACHE_MEMBERS",
@@ -40,6 +43,43 @@ __all__ = [
 
 # token ids are hashed as int64: every id must be in [0, MAX_TOKEN_ID)
 MAX_TOKEN_ID = 2**63
+
+
+@dataclass(slots=True, frozen=True)
+class TenantScope:
+    """Whose cached blocks a sequence may share: its ``cache_salt``, the public prefix before it,
+    and its label.
+
+    ``cache_salt`` enters the hash of one block (``kvlab.cache.hashing.salted_block``: block 0 by
+    default, as in vLLM): from there on a tenant's blocks are its own, the whole blocks of an
+    operator's public prefix before it stay shared. ``tenant`` labels the sequence in per-tenant
+    metrics (default: the salt). An engine derives the salt from the request's ``cache_salt`` and
+    its tenant (``kvlab.engine.tenants.request_salt``) and builds the scope at intake.
+    """
+
+    cache_salt: str | None = None
+    public_tokens: int = 0
+    tenant: Hashable = None
+    # the name metrics use: the tenant, or the salt when no tenant is given (set from the fields)
+    label: Hashable = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise TypeError(
+                f"cache_salt must be a str or None, got {type(self.cache_salt).__name__}"
+            )
+        if type(self.public_tokens) is not int or self.public_tokens < 0:
+            raise ValueError(f"public_tokens must be an int >= 0, got {self.public_tokens!r}")
+        try:
+            # a key of the per-tenant metrics
+            hash(self.tenant)
+        except TypeError:
+            raise TypeError(f"tenant must be hashable, got {type(self.tenant).__name__}") from None
+        object.__setattr__(self, "label", self.cache_salt if self.tenant is None else self.tenant)
+
+
+# no salt, no public prefix: every request may hit every cached block
+NO_SCOPE = TenantScope()
 
 
 class UnknownSequenceError(LookupError):

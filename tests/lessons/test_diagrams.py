@@ -116,7 +116,7 @@ def _three(salt_c: str | None) -> BlockManager:
     p = list(range(100, 110))
     bm.allocate("A", p + [1, 2])
     bm.allocate("B", p + [3])
-    bm.allocate("C", p + [1, 2], TenantScope(salt=salt_c))
+    bm.allocate("C", p + [1, 2], TenantScope(cache_salt=salt_c))
     return bm
 
 
