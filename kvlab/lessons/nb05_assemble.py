@@ -66,7 +66,7 @@ class YourManager:
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], scope: Any = None,
                  **_: Any) -> int:
-        if getattr(scope, "salt", None) is not None:
+        if getattr(scope, "cache_salt", None) is not None:
             raise NotImplementedError("a tenant salt needs kvlab's BlockManager")
         tokens = list(token_ids)
         hashes = list(self.pieces.hashes(tokens, self.block_size, ()))

@@ -148,3 +148,13 @@ def test_your_manager_runs_under_the_engine_and_caches_generated_blocks(lm, thre
     again = engine.generate([turn], SamplingParams(max_tokens=1))[0]
     assert again.num_cached_tokens > len(first.prompt_ids) // BLOCK * BLOCK
     engine.check_invariants()
+
+
+def test_your_manager_refuses_a_salted_scope_and_takes_an_unsalted_one():
+    from kvlab.cache.interface import TenantScope
+
+    cache = AS.YourManager(8, BLOCK, L04.kvlab_pieces())
+    with pytest.raises(NotImplementedError, match="tenant salt"):
+        cache.allocate("a", list(range(20)), TenantScope(cache_salt="tenant-a"))
+    assert not cache.seqs
+    assert cache.allocate("b", list(range(20)), TenantScope(tenant="t")) == 0
