@@ -73,13 +73,13 @@ ALL_POLICIES = (*POLICIES, "pull")
 
 @dataclass(slots=True, frozen=True)
 class RouteRequest:
-    """What the router sees of a request: its id, prompt token ids, session, new tokens, salt."""
+    """What the router sees of a request: id, prompt token ids, session, new tokens, cache salt."""
 
     request_id: Hashable
     token_ids: tuple[int, ...]
     session: Hashable = None
     max_tokens: int = 16
-    salt: str | None = None
+    cache_salt: str | None = None
 
 
 class KVIndex:
@@ -396,7 +396,7 @@ class Router:
         n = len(req.token_ids)
         usable = (n - 1) // self.block_size * self.block_size
         return prompt_block_hashes(
-            req.token_ids[:usable], self.block_size, self.model_fingerprint, req.salt
+            req.token_ids[:usable], self.block_size, self.model_fingerprint, req.cache_salt
         )
 
     def costs(self, req: RouteRequest) -> dict[int, float]:

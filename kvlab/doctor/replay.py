@@ -278,7 +278,7 @@ def replay_block_manager(
     while waiting or run.has_unfinished():
         while waiting and len(run.requests) < concurrency:
             i = waiting.popleft()
-            run.add(i, toks[i], [0], salt=salts[i] if salts is not None else None,
+            run.add(i, toks[i], [0], cache_salt=salts[i] if salts is not None else None,
                     public_tokens=public_tokens[i] if public_tokens is not None else 0)
         for seq in run.step().first_token:
             per[seq.request_id] = seq.num_cached_tokens or 0

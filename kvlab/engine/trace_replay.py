@@ -10,7 +10,7 @@ needs more blocks than are free waits, a decode that finds none preempts the you
 (recompute).
 
 ``replay_trace`` drives a whole trace: requests (``req_id``, ``prompt``, ``output``, optional
-``salt`` and ``after``: the request whose end it waits for, e.g. the previous turn of a
+``cache_salt`` and ``after``: the request whose end it waits for, e.g. the previous turn of a
 conversation) arrive in trace order. With ``reserve=True`` a request reaches the scheduler's queue
 only when the free blocks, less those promised to the requests already running, cover its prompt and
 whole reply, so nothing is ever preempted (a trace replay's usual setting); with ``reserve=False``
@@ -48,7 +48,7 @@ class TraceRequest:
     req_id: Hashable
     prompt: list[int]
     output: list[int]
-    salt: str | None = None
+    cache_salt: str | None = None
     after: Hashable | None = None
 
 
@@ -93,7 +93,7 @@ class ScriptedScheduler:
         prompt: Iterable[int],
         reply: Iterable[int],
         *,
-        salt: str | None = None,
+        cache_salt: str | None = None,
         tenant: object = None,
         public_tokens: int = 0,
     ) -> Request:
@@ -108,7 +108,7 @@ class ScriptedScheduler:
         # a sequence the caller put in the cache itself keeps its id
         while self._next_id in self.cache.seqs:
             self._next_id += 1
-        scope = TenantScope(salt, public_tokens, tenant)
+        scope = TenantScope(cache_salt, public_tokens, tenant)
         seq = Request(
             self._next_id,
             request_id,
@@ -193,7 +193,7 @@ def replay_trace(
     """Run every request of a trace to completion through ``cache`` on the real scheduler (see the
     module docstring).
 
-    ``requests``: objects with ``req_id``, ``prompt``, ``output`` and optionally ``salt`` and
+    ``requests``: objects with ``req_id``, ``prompt``, ``output`` and optionally ``cache_salt`` and
     ``after`` (``TraceRequest`` or a subclass). ``ValueError`` if a request could never fit the
     pool.
     """
@@ -219,7 +219,7 @@ def replay_trace(
     while ready or run.has_unfinished():
         while ready and (not reserve or _fits(run, need, _need(ready[0], bs), max_num_seqs)):
             r = ready.popleft()
-            seq = run.add(r.req_id, r.prompt, r.output, salt=getattr(r, "salt", None))
+            seq = run.add(r.req_id, r.prompt, r.output, cache_salt=getattr(r, "cache_salt", None))
             need[seq.seq_id] = _need(r, bs)
         if not run.has_unfinished():
             # cannot happen: each fits the pool alone

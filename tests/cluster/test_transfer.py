@@ -154,12 +154,12 @@ def test_transfer_never_crosses_tenant_salts(lm):
     router = Router("pull", [0, 1], BS, model_fingerprint=fp)
     for batch in a.take_kv_events():
         router.apply_events(0, batch)
-    assert router.pull_plan(RouteRequest("x", tuple(prompt), salt=a.salt_for("alice")), 1) == (
-        0,
-        0,
-        len(alice),
+    as_alice, as_bob = (
+        RouteRequest(rid, tuple(prompt), cache_salt=a.salt_for(t))
+        for rid, t in (("x", "alice"), ("y", "bob"))
     )
-    assert router.pull_plan(RouteRequest("y", tuple(prompt), salt=a.salt_for("bob")), 1) is None
+    assert router.pull_plan(as_alice, 1) == (0, 0, len(alice))
+    assert router.pull_plan(as_bob, 1) is None
     # unsalted: other hashes too
     assert router.pull_plan(RouteRequest("z", tuple(prompt)), 1) is None
     assert b.host_tier.stage(a.host_tier.export(alice)) == len(alice)
