@@ -18,13 +18,19 @@ run: setup
 
 ## test: the test suite, exactly what CI runs. It also creates (or reuses) the vLLM venv outside the
 ## repository so the kvlab-vs-vLLM comparison runs; KVLAB_SKIP_VLLM=1 skips that part. If the vLLM
-## venv cannot be built, the vLLM tests are skipped with the reason (the rest still runs).
+## venv cannot be built, the vLLM tests are skipped with the reason (the rest still runs). On a new
+## machine the vLLM venv is built while scripts/setup.sh runs (its output is printed once it ends):
+## both mostly wait on downloads and disk, so the first run is shorter than one after the other.
 ## Two pytest workers (TEST_WORKERS=0 runs in one process); the Ray tests share one worker. Every run
 ## ends with its ten slowest tests.
 TEST_WORKERS ?= 2
-test: setup
-	@if [ "$${KVLAB_SKIP_VLLM:-0}" != "1" ]; then bash scripts/make_vllm_env.sh \
-		|| echo "test: WARNING could not create the vLLM venv; the vLLM comparison tests will be skipped"; fi
+test:
+	@vllm=; log=$$(mktemp); \
+	if [ "$${KVLAB_SKIP_VLLM:-0}" != "1" ]; then bash scripts/make_vllm_env.sh >"$$log" 2>&1 & vllm=$$!; fi; \
+	bash scripts/setup.sh || { [ -z "$$vllm" ] || kill $$vllm 2>/dev/null; rm -f "$$log"; exit 1; }; \
+	if [ -n "$$vllm" ]; then ok=1; wait $$vllm || ok=0; cat "$$log"; \
+		[ $$ok = 1 ] || echo "test: WARNING could not create the vLLM venv; the vLLM comparison tests will be skipped"; fi; \
+	rm -f "$$log"
 	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
 ## lab: JupyterLab on the repository, opened at notebooks/; the executed copies from `make run` are under
