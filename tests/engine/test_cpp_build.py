@@ -275,3 +275,15 @@ def test_a_server_start_waits_a_bounded_time_then_runs_without_the_kernel_saying
         "\n" not in speed.describe()
         and "paged_kernel off (no C++ build" in speed.describe()
     )
+
+
+def test_the_build_command_says_one_line_per_extension_and_fails_without_a_compiler(tmp_path):
+    # python -m kvlab.engine.speed (scripts/setup.sh): both builds side by side, in a fresh folder
+    # with no compiler, so nothing compiles: one line each naming why, and exit status 1
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-g++")}
+    run = subprocess.run([sys.executable, "-m", "kvlab.engine.speed"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 1, run
+    lines = run.stderr.strip().splitlines()
+    assert sorted(line.split()[1] for line in lines) == ["fused_ops", "paged_kernel"], lines
+    assert all("not built" in line and "is not a program" in line for line in lines), lines

@@ -9,22 +9,33 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from . import fused_ops, paged_kernel
 from .cpp_build import build_directory, build_failure
 
+LOADS = {"paged_kernel": paged_kernel.load, "fused_ops": fused_ops.load}
+
+
+def _build(name: str) -> tuple[str, str | None, float]:
+    """Build (or find) one extension in this process: ``(name, why not or None, seconds)``."""
+    t0 = time.perf_counter()
+    why = build_failure(LOADS[name])
+    return name, why, time.perf_counter() - t0
+
 
 def main() -> int:
-    """Build (or find) each extension; 0 when all are there."""
+    """Build (or find) each extension, side by side (each compile keeps one core busy); 0 when all
+    are there."""
     failed = 0
-    for name, load in (("paged_kernel", paged_kernel.load), ("fused_ops", fused_ops.load)):
-        t0 = time.perf_counter()
-        why = build_failure(load)
-        if why is None:
-            print(f"kvlab: {name} ready in {build_directory()} ({time.perf_counter() - t0:.1f} s)")
-        else:
-            failed += 1
-            print(f"kvlab: {name} not built: {why}", file=sys.stderr)
+    with ProcessPoolExecutor(max_workers=len(LOADS)) as pool:
+        for done in as_completed([pool.submit(_build, name) for name in LOADS]):
+            name, why, seconds = done.result()
+            if why is None:
+                print(f"kvlab: {name} ready in {build_directory()} ({seconds:.1f} s)", flush=True)
+            else:
+                failed += 1
+                print(f"kvlab: {name} not built: {why}", file=sys.stderr, flush=True)
     return 1 if failed else 0
 
 
