@@ -20,7 +20,7 @@ run: setup
 ## repository so the kvlab-vs-vLLM comparison runs; KVLAB_SKIP_VLLM=1 skips that part. If the vLLM
 ## venv cannot be built, the vLLM tests are skipped with the reason (the rest still runs). On a new
 ## machine the vLLM venv is built while scripts/setup.sh runs, and its output is printed once it
-## ends (on a 2-core machine the first run's set-up took 236 s so, against 362 s one after the other).
+## ends (a first run's set-up on a 2-core machine: 236 s this way, 362 s one after the other).
 ## Two pytest workers (TEST_WORKERS=0 runs in one process); the Ray tests share one worker. Every run
 ## ends with its ten slowest tests.
 TEST_WORKERS ?= 2
